@@ -1,0 +1,188 @@
+"""Frozen configuration dataclasses.
+
+`ModelConfig` is the `config.json` of a native model folder: the minimal complete description of the computation.
+It is validated when built and rejects unknown keys, so a folder written by a newer exporter, or edited by hand,
+fails loudly instead of computing something else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import CheckpointError
+
+FORMAT_VERSION = 1
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+STORAGE_DTYPES = ("float32", "bfloat16", "float16")
+EXPERT_DTYPES = STORAGE_DTYPES + ("int8",)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+QK_NORMS = ("none", "per_head", "full")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding: the base and one of the scaling schemes these models use."""
+
+    type: str = "default"  # default | linear | llama3 | yarn
+    theta: float = 10000.0
+    factor: float = 1.0  # linear, llama3, yarn: context stretch
+    original_max_position_embeddings: int | None = None  # llama3, yarn
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    beta_fast: float | None = None  # yarn (defaults 32)
+    beta_slow: float | None = None  # yarn (defaults 1)
+    attention_factor: float | None = None  # yarn: scale on cos/sin (derived from factor when None)
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
+
+    def __post_init__(self) -> None:
+        if self.type not in ROPE_TYPES:
+            raise CheckpointError(f"rope type {self.type!r} is not one of {', '.join(ROPE_TYPES)}")
+        if self.theta <= 0 or self.factor <= 0:
+            raise CheckpointError("rope theta and factor must be positive")
+        if self.type == "llama3" and None in (
+            self.low_freq_factor,
+            self.high_freq_factor,
+            self.original_max_position_embeddings,
+        ):
+            raise CheckpointError(
+                "llama3 rope needs low_freq_factor, high_freq_factor and original_max_position_embeddings"
+            )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the runtime needs to compute a model; written as `config.json` in the model folder."""
+
+    architecture: str  # one of ARCHITECTURES (informational: the fields below define the computation)
+    vocab_size: int
+    hidden_size: int  # H
+    num_layers: int  # L
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (GQA when fewer than num_heads)
+    head_dim: int  # D
+    num_experts: int  # E routed experts per MoE layer
+    top_k: int  # experts per token
+    moe_intermediate_size: int  # I of one routed expert
+    moe_layers: tuple[int, ...]  # layers whose MLP is a MoE block; the others use a dense MLP
+    intermediate_size: int = 0  # dense MLP width for the non-MoE layers (0 when every layer is MoE)
+    router_scoring: str = "softmax"  # softmax over all experts, then top-k
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # sigmoid(x @ w) scales the shared expert's output
+    qk_norm: str = "none"  # none | per_head (RMSNorm over D) | full (RMSNorm over all heads' q and k)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    clip_qkv: float | None = None  # clamp q, k, v to [-c, c] after projection (and qk-norm)
+    sliding_windows: tuple[int | None, ...] = ()  # per layer: window in tokens, None for full attention
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    dtype: str = "bfloat16"  # storage dtype of dense.safetensors
+    expert_dtype: str = "bfloat16"  # storage dtype of routed experts in experts.bin
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    dense_file: str = "dense.safetensors"
+    experts_file: str = "experts.bin"
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        def fail(message: str) -> None:
+            raise CheckpointError(f"config.json: {message}")
+
+        if self.format_version != FORMAT_VERSION:
+            fail(f"format_version {self.format_version} is not supported (this Colibri reads {FORMAT_VERSION})")
+        if self.architecture not in ARCHITECTURES:
+            fail(f"architecture {self.architecture!r} is not one of {', '.join(ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "num_experts", "top_k", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                fail(f"{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            fail(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.top_k > self.num_experts:
+            fail(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+        if any(not 0 <= layer < self.num_layers for layer in self.moe_layers) or list(self.moe_layers) != sorted(
+            set(self.moe_layers)
+        ):
+            fail(f"moe_layers must be increasing layer indices below {self.num_layers}")
+        if len(self.moe_layers) < self.num_layers and self.intermediate_size <= 0:
+            fail("intermediate_size must be positive when some layers use a dense MLP")
+        if self.router_scoring != "softmax":
+            fail(f"router_scoring {self.router_scoring!r} is not supported (softmax)")
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            fail("shared_expert_gate needs a shared expert")
+        if self.qk_norm not in QK_NORMS:
+            fail(f"qk_norm {self.qk_norm!r} is not one of {', '.join(QK_NORMS)}")
+        if len(self.sliding_windows) != self.num_layers:
+            fail(f"sliding_windows needs one entry per layer ({self.num_layers}), got {len(self.sliding_windows)}")
+        if any(w is not None and w <= 0 for w in self.sliding_windows):
+            fail("sliding windows must be positive or null")
+        if self.hidden_act != "silu":
+            fail(f"hidden_act {self.hidden_act!r} is not supported (silu)")
+        if self.dtype not in STORAGE_DTYPES:
+            fail(f"dtype {self.dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
+        if self.expert_dtype not in EXPERT_DTYPES:
+            fail(f"expert_dtype {self.expert_dtype!r} is not one of {', '.join(EXPERT_DTYPES)}")
+        if self.rms_norm_eps <= 0:
+            fail("rms_norm_eps must be positive")
+        if self.clip_qkv is not None and self.clip_qkv <= 0:
+            fail("clip_qkv must be positive or null")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self._moe_layer_set
+
+    @property
+    def _moe_layer_set(self) -> frozenset[int]:
+        return frozenset(self.moe_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["format"] = "colibri"
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Build from a parsed config.json; unknown or missing keys are errors."""
+        if not isinstance(data, dict):
+            raise CheckpointError("config.json: expected a JSON object")
+        data = dict(data)
+        if data.pop("format", None) != "colibri":
+            raise CheckpointError('config.json: not a Colibri model folder (missing "format": "colibri"); '
+                                  "convert a Hugging Face checkpoint with `colibri export`")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise CheckpointError(f"config.json: unknown keys {unknown}")
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        missing = sorted(required - set(data))
+        if missing:
+            raise CheckpointError(f"config.json: missing keys {missing}")
+        rope = data.get("rope", {})
+        if not isinstance(rope, dict):
+            raise CheckpointError("config.json: rope must be an object")
+        rope_known = {f.name for f in dataclasses.fields(RopeConfig)}
+        if set(rope) - rope_known:
+            raise CheckpointError(f"config.json: unknown rope keys {sorted(set(rope) - rope_known)}")
+        data["rope"] = RopeConfig(**rope)
+        for name in ("moe_layers", "sliding_windows", "eos_token_ids"):
+            if name in data:
+                if not isinstance(data[name], list):
+                    raise CheckpointError(f"config.json: {name} must be a list")
+                data[name] = tuple(data[name])
+        try:
+            return cls(**data)
+        except TypeError as exc:  # a value of the wrong type that a comparison tripped over
+            raise CheckpointError(f"config.json: {exc}") from None
