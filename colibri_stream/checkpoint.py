@@ -75,9 +75,16 @@ def _align(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
+def _raw_bytes(data) -> memoryview:
+    """A byte view of a bytes-like object or an array (any dtype, bfloat16 included)."""
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return memoryview(data).cast("B")
+
+
 def crc32(data) -> int:
-    """CRC32 of a bytes-like object or a C-contiguous array."""
-    return zlib.crc32(memoryview(data).cast("B")) & 0xFFFFFFFF
+    """CRC32 of a bytes-like object or an array."""
+    return zlib.crc32(_raw_bytes(data)) & 0xFFFFFFFF
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -218,7 +225,7 @@ class ExpertFileWriter:
                     f"expert ({layer}, {expert}) {slot.name}: expected {slot.dtype}{list(slot.shape)}, "
                     f"got {array.dtype}{list(array.shape)}"
                 )
-            block[slot.offset : slot.offset + slot.nbytes] = np.ascontiguousarray(array).tobytes()
+            block[slot.offset : slot.offset + slot.nbytes] = _raw_bytes(array)
         entry = self.index[position]
         entry["crc32"] = crc32(block)
         self._file.seek(int(entry["offset"]))
@@ -400,9 +407,8 @@ class DenseFileWriter:
         if tuple(array.shape) != tuple(shape) or array.dtype != NUMPY_DTYPES[dtype]:
             raise CheckpointError(f"dense tensor {name}: expected {dtype}{list(shape)}, "
                                   f"got {array.dtype}{list(array.shape)}")
-        data = np.ascontiguousarray(array)
-        self._crc[name] = f"{crc32(data):08x}"
-        self._file.write(memoryview(data).cast("B"))
+        self._crc[name] = f"{crc32(array):08x}"
+        self._file.write(_raw_bytes(array))
         self._next += 1
 
     def close(self) -> None:
@@ -456,14 +462,14 @@ class DenseFile:
     def get(self, name: str, verify: bool = False) -> np.ndarray:
         """One tensor in its storage dtype."""
         array = self._file.get_tensor(name)
-        if verify and f"{crc32(np.ascontiguousarray(array)):08x}" != self._crc.get(name):
+        if verify and f"{crc32(array):08x}" != self._crc.get(name):
             raise CheckpointError(f"{self.path.name}: tensor {name} fails its checksum (the file is corrupt)")
         return array
 
     def corrupt_tensors(self) -> Iterator[str]:
         for name in self.names:
             array = self._file.get_tensor(name)
-            if f"{crc32(np.ascontiguousarray(array)):08x}" != self._crc.get(name):
+            if f"{crc32(array):08x}" != self._crc.get(name):
                 yield name
 
 
