@@ -51,6 +51,8 @@ class RopeConfig:
             raise CheckpointError(
                 "llama3 rope needs low_freq_factor, high_freq_factor and original_max_position_embeddings"
             )
+        if self.type == "yarn" and self.original_max_position_embeddings is None:
+            raise CheckpointError("yarn rope needs original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -141,11 +143,7 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     def is_moe_layer(self, layer: int) -> bool:
-        return layer in self._moe_layer_set
-
-    @property
-    def _moe_layer_set(self) -> frozenset[int]:
-        return frozenset(self.moe_layers)
+        return layer in self.moe_layers
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -1,0 +1,133 @@
+"""The reference backend: NumPy on the CPU, float32 compute from bf16/fp16/int8 storage.
+
+Clarity over speed: this is what the GPU backend is checked against and what CI runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..experts.store import ExpertStore
+from ..model.batch import ForwardBatch
+from .base import Backend
+
+
+def dequantize(weight: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
+    """A stored weight as float32: a cast, times the per-row scale for int8.  # [Out, In]"""
+    if scale is None:
+        return weight.astype(np.float32)
+    return weight.astype(np.float32) * scale[:, None]
+
+
+class NumpyBackend(Backend):
+    """Float32 NumPy on the host."""
+
+    name = "numpy"
+
+    # ---- memory -------------------------------------------------------------------------------------------
+    def prepare_weight(self, host: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(host, dtype=np.float32)
+
+    def upload(self, host: np.ndarray) -> np.ndarray:
+        return host
+
+    def to_host(self, array: np.ndarray) -> np.ndarray:
+        return array
+
+    def zeros(self, shape: tuple[int, ...], dtype: str = "float32") -> np.ndarray:
+        return np.zeros(shape, dtype=dtype)
+
+    # ---- dense layers -------------------------------------------------------------------------------------
+    def embedding(self, table: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+        return table[token_ids]
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        variance = np.mean(np.square(x), axis=-1, keepdims=True)
+        return x / np.sqrt(variance + np.float32(eps)) * weight
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        summed = x + residual
+        return self.rms_norm(summed, weight, eps), summed
+
+    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        out = x @ weight.T
+        return out if bias is None else out + bias
+
+    def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        return gate / (1.0 + np.exp(-gate)) * up
+
+    def sigmoid(self, x: np.ndarray) -> np.ndarray:
+        return 1.0 / (1.0 + np.exp(-x))
+
+    def clip(self, x: np.ndarray, limit: float) -> np.ndarray:
+        return np.clip(x, -limit, limit)
+
+    # ---- attention ----------------------------------------------------------------------------------------
+    def rotary(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        half = x.shape[-1] // 2
+        c, s = cos[positions][:, None, :], sin[positions][:, None, :]  # [T, 1, D/2]
+        x1, x2 = x[..., :half], x[..., half:]  # [T, heads, D/2]
+        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+    def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
+        block_size = key_cache.shape[1]
+        blocks, rows = slot_mapping // block_size, slot_mapping % block_size
+        key_cache[blocks, rows] = key
+        value_cache[blocks, rows] = value
+
+    def paged_attention(self, query, key_cache, value_cache, batch: ForwardBatch, device_batch, scale,
+                        sliding_window):
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+        group = num_heads // num_kv_heads
+        out = np.empty_like(query)  # [T, Q, D]
+        for b in range(batch.num_seqs):
+            start, end = int(batch.query_start[b]), int(batch.query_start[b + 1])
+            context = int(batch.context_lens[b])
+            blocks = batch.block_tables[b, : -(-context // block_size)]
+            keys = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context]  # [S, K, D]
+            values = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context]  # [S, K, D]
+            q = query[start:end].reshape(end - start, num_kv_heads, group, head_dim)  # [t, K, G, D]
+            scores = np.einsum("tkgd,skd->kgts", q, keys) * np.float32(scale)  # [K, G, t, S]
+            q_pos = batch.positions[start:end][:, None]  # [t, 1]
+            k_pos = np.arange(context)[None, :]  # [1, S]
+            visible = k_pos <= q_pos  # [t, S]
+            if sliding_window is not None:
+                visible &= k_pos > q_pos - sliding_window
+            scores = np.where(visible, scores, -np.inf)
+            scores -= scores.max(axis=-1, keepdims=True)
+            probs = np.exp(scores)
+            probs /= probs.sum(axis=-1, keepdims=True)
+            attended = np.einsum("kgts,skd->tkgd", probs, values)  # [t, K, G, D]
+            out[start:end] = attended.reshape(end - start, num_heads, head_dim)
+        return out
+
+    # ---- mixture of experts -------------------------------------------------------------------------------
+    def route(self, x, router, top_k, renormalize):
+        logits = x @ router.T  # [T, E]
+        logits = logits - logits.max(axis=-1, keepdims=True)
+        probs = np.exp(logits)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        # Largest first; a stable sort on the negated probabilities breaks ties towards the lower id, as top-k does.
+        expert_ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]  # [T, k]
+        weights = np.take_along_axis(probs, expert_ids, axis=-1)  # [T, k]
+        if renormalize:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return weights.astype(np.float32), expert_ids.astype(np.int64)
+
+    def routed_experts(self, x, weights, expert_ids, layer, store: ExpertStore):
+        out = np.zeros_like(x)  # [T, H]
+        for expert in np.unique(expert_ids):
+            tokens, slots = np.nonzero(expert_ids == expert)  # which tokens chose it, at which of their k slots
+            tensors = store.expert(layer, int(expert))
+            gate = dequantize(tensors["gate"], tensors.get("gate_scale"))  # [I, H]
+            up = dequantize(tensors["up"], tensors.get("up_scale"))  # [I, H]
+            down = dequantize(tensors["down"], tensors.get("down_scale"))  # [H, I]
+            h = x[tokens]  # [n, H]
+            y = self.silu_mul(h @ gate.T, h @ up.T) @ down.T  # [n, H]
+            np.add.at(out, tokens, y * weights[tokens, slots][:, None])
+        return out
+
+    # ---- output -------------------------------------------------------------------------------------------
+    def gather_rows(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return x[rows]
