@@ -1,0 +1,106 @@
+"""The `colibri` command: builds configurations from arguments and hands them on; nothing else lives here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import ColibriError
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="convert a Hugging Face MoE checkpoint into a Colibri model folder")
+    p.add_argument("hf_dir", help="folder with config.json and *.safetensors")
+    p.add_argument("out_dir", help="model folder to write")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="storage dtype (default bf16)")
+    p.add_argument("--quantize", choices=("int8",), default=None, help="quantize the routed experts")
+    p.add_argument("--force", action="store_true", help="write into a non-empty out_dir")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> None:
+    from .export import export_model
+
+    config = export_model(args.hf_dir, args.out_dir, dtype=args.dtype, quantize=args.quantize, force=args.force,
+                          progress=not args.quiet)
+    print(f"wrote {args.out_dir}: {config.architecture}, {config.num_layers} layers, "
+          f"{config.num_experts} experts (top-{config.top_k}), experts in {config.expert_dtype}")
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="print a model folder's config, sizes and expert table")
+    p.add_argument("model", help="model folder")
+    p.add_argument("--verify", action="store_true", help="check every checksum")
+    p.set_defaults(run=_run_inspect)
+
+
+def _run_inspect(args: argparse.Namespace) -> None:
+    from .inspect import describe_model
+
+    print(describe_model(args.model, verify=args.verify))
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="complete one prompt offline and print the text as it comes")
+    p.add_argument("--model", default=None, help="model folder (default: the model shipped with Colibri)")
+    p.add_argument("--prompt", required=True, help="text to complete")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--verify", action="store_true", help="check every checksum before loading")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason) at the end")
+    p.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> None:
+    import orjson
+
+    from .llm import LLM
+    from .request import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    llm = LLM(args.model, device=args.device, verify=args.verify)
+    if args.json:
+        result = llm.generate(args.prompt, params)
+        sys.stdout.buffer.write(orjson.dumps({
+            "prompt_token_ids": result.prompt_token_ids,
+            "token_ids": result.token_ids,
+            "text": result.text,
+            "finish_reason": result.finish_reason,
+        }) + b"\n")
+        return
+    for delta in llm.stream(args.prompt, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="colibri", description="Serve mixture-of-experts language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_export, _add_inspect, _add_generate):
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except ColibriError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
