@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ColibriError
 
 FORMAT_VERSION = 1
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -184,3 +184,95 @@ class ModelConfig:
             return cls(**data)
         except TypeError as exc:  # a value of the wrong type that a comparison tripped over
             raise CheckpointError(f"config.json: {exc}") from None
+
+
+class ConfigError(ColibriError):
+    """An engine option is missing, unknown or out of range; the message names it."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How much work one engine step may take on, and how long sequences may grow."""
+
+    max_batch_size: int = 32  # sequences scheduled in one step
+    max_num_batched_tokens: int = 2048  # token budget of one step, shared by decodes and prefill chunks
+    max_seq_len: int | None = None  # prompt + output tokens of one sequence; None: the model's maximum
+    max_queue: int = 0  # waiting requests before new ones are refused; 0: unbounded
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_num_batched_tokens"):
+            _check_positive_int(name, getattr(self, name))
+        if self.max_seq_len is not None:
+            _check_positive_int("max_seq_len", self.max_seq_len)
+        if not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise ConfigError(f"max_queue must be a non-negative integer, got {self.max_queue!r}")
+        if self.max_num_batched_tokens < self.max_batch_size:
+            raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                              f"max_batch_size ({self.max_batch_size}) so that every running sequence can decode")
+
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when neither kv_cache_memory nor num_kv_blocks is given
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size, and its size as a block count or a memory budget (give one at most)."""
+
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes; default DEFAULT_KV_CACHE_MEMORY, capped at what the batch can use
+
+    def __post_init__(self) -> None:
+        _check_positive_int("block_size", self.block_size)
+        for name in ("num_kv_blocks", "kv_cache_memory"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            raise ConfigError("give num_kv_blocks or kv_cache_memory, not both")
+
+    def num_blocks(self, bytes_per_block: int, max_useful_blocks: int) -> int:
+        """Blocks to allocate: num_kv_blocks, or the memory budget divided by `bytes_per_block`.
+
+        Without either setting the default budget is capped at `max_useful_blocks` (what a full batch of
+        max_seq_len sequences can hold), so small models do not reserve memory they can never use.
+        """
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory // bytes_per_block
+        return min(DEFAULT_KV_CACHE_MEMORY // bytes_per_block, max_useful_blocks)
+
+
+DEVICES = ("cpu", "auto")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from: the model folder, where to run it, the scheduler and the cache."""
+
+    model: str  # path of a native model folder
+    device: str = "auto"  # cpu | auto (a GPU when one is usable)
+    verify: bool = False  # check the checkpoint's checksums when loading
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+
+    @classmethod
+    def from_options(cls, model: str, **options: Any) -> EngineConfig:
+        """Build from flat options (`max_batch_size=8, block_size=32, device="cpu"`); unknown ones are errors."""
+        groups = {sub: {f.name for f in dataclasses.fields(sub)} for sub in (SchedulerConfig, CacheConfig)}
+        own = {"device", "verify"}
+        unknown = sorted(set(options) - own - set().union(*groups.values()))
+        if unknown:
+            raise ConfigError(f"unknown engine options {unknown}")
+        subs = {sub: sub(**{k: v for k, v in options.items() if k in names}) for sub, names in groups.items()}
+        return cls(model=model, scheduler=subs[SchedulerConfig], cache=subs[CacheConfig],
+                   **{k: v for k, v in options.items() if k in own})
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -1,7 +1,8 @@
-"""Per-request parameters shared by the offline API, the engine and the server."""
+"""Requests and their parameters, shared by the offline API, the engine and the server."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from .errors import ColibriError
@@ -57,3 +58,102 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class PromptTooLongError(ColibriError):
+    """A prompt, with the tokens it asks for, does not fit in the engine's max_seq_len."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int | None, max_seq_len: int):
+        if max_tokens is None:
+            message = f"the prompt has {prompt_tokens} tokens, which leaves no room for output in max_seq_len {max_seq_len}"
+        else:
+            message = (f"the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}: "
+                       f"{prompt_tokens + max_tokens} exceeds max_seq_len {max_seq_len}")
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_seq_len = max_seq_len
+
+
+def check_length(prompt_tokens: int, max_tokens: int | None, max_seq_len: int) -> int:
+    """Admission rule: the prompt leaves room for at least one token and for max_tokens; returns the token limit.
+
+    Raises PromptTooLongError; the returned limit is how many output tokens the request may produce.
+    """
+    limit = max_seq_len - prompt_tokens
+    if limit < 1 or (max_tokens is not None and max_tokens > limit):
+        raise PromptTooLongError(prompt_tokens, max_tokens, max_seq_len)
+    return limit if max_tokens is None else max_tokens
+
+
+class RequestStatus(enum.Enum):
+    """Where a sequence is in its life; only the scheduler moves it from one status to the next."""
+
+    WAITING = "waiting"  # queued, never scheduled
+    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    PREEMPTED = "preempted"  # its blocks were taken; waits at the front of the queue to recompute them
+    FINISHED_STOPPED = "stop"  # eos, a stop token or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_seq_len
+    FINISHED_ABORTED = "abort"  # the client went away or asked to cancel
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI `finish_reason` ("stop", "length", "abort"), None while unfinished."""
+        return self.value if self.finished else None
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
+
+SeqId = tuple[str, int]  # (request_id, index among the request's n sequences)
+
+
+class Request:
+    """One sequence being generated: its tokens, how many of them are in the KV cache, and its status.
+
+    A request with `n > 1` is scheduled as n of these, one per `index`. `token_ids` holds the prompt followed by
+    the output; the tokens from `num_computed_tokens` on still have to go through the model (after a preemption
+    that includes the output generated so far, which is recomputed).
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: frozenset[int] = frozenset(), index: int = 0, arrival_time: float = 0.0):
+        self.request_id = request_id
+        self.index = index
+        self.params = params
+        self.max_tokens = params.max_tokens  # output tokens allowed; admission fills in what max_seq_len leaves
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = arrival_time  # time.monotonic() when the request arrived
+        self.token_ids = list(prompt_token_ids)  # prompt, then output
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.status = RequestStatus.WAITING
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that finished it
+        self.num_preemptions = 0
+
+    @property
+    def seq_id(self) -> SeqId:
+        return self.request_id, self.index
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, index={self.index}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")
