@@ -103,8 +103,8 @@ def test_logits_and_greedy_match_transformers(hf_tiny, dtype, tmp_path):
     ours = colibri_logits(model, ids)
     assert relative_error(ours, reference_logits(reference_model, ids)) < 1e-4, arch
     if dtype != "fp32":
-        loose = {"bf16": 5e-2, "int8": 1e-1}[dtype]
-        assert relative_error(ours, reference_logits(hf_model, ids)) < loose, arch
+        unrounded = reference_logits(hf_model, ids)
+        assert np.abs(ours - unrounded).mean() < 3e-2 * np.abs(unrounded).mean(), arch
     assert colibri_greedy(model, ids, NEW_TOKENS) == reference_greedy(reference_model, ids, NEW_TOKENS), arch
 
 
