@@ -478,6 +478,11 @@ class DenseFile:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def default_model_path() -> Path:
+    """The small model shipped inside the package, used when no model folder is given."""
+    return Path(__file__).resolve().parent / "default_model"
+
+
 def read_config(folder: str | os.PathLike) -> ModelConfig:
     folder = Path(folder)
     if not folder.is_dir():
