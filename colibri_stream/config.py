@@ -243,22 +243,15 @@ class CacheConfig:
         return min(DEFAULT_KV_CACHE_MEMORY // bytes_per_block, max_useful_blocks)
 
 
-DEVICES = ("cpu", "auto")
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is built from: the model folder, where to run it, the scheduler and the cache."""
 
     model: str  # path of a native model folder
-    device: str = "auto"  # cpu | auto (a GPU when one is usable)
+    device: str = "auto"  # cpu | auto (a GPU when one is usable); checked by the model loader
     verify: bool = False  # check the checkpoint's checksums when loading
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
-
-    def __post_init__(self) -> None:
-        if self.device not in DEVICES:
-            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> EngineConfig:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import ColibriError
 
@@ -65,7 +65,8 @@ class PromptTooLongError(ColibriError):
 
     def __init__(self, prompt_tokens: int, max_tokens: int | None, max_seq_len: int):
         if max_tokens is None:
-            message = f"the prompt has {prompt_tokens} tokens, which leaves no room for output in max_seq_len {max_seq_len}"
+            message = (f"the prompt has {prompt_tokens} tokens, which leaves no room for output in max_seq_len "
+                       f"{max_seq_len}")
         else:
             message = (f"the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}: "
                        f"{prompt_tokens + max_tokens} exceeds max_seq_len {max_seq_len}")
@@ -73,6 +74,14 @@ class PromptTooLongError(ColibriError):
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.max_seq_len = max_seq_len
+
+
+class QueueFullError(ColibriError):
+    """The engine's waiting queue is at max_queue; the client may retry later."""
+
+
+class EngineStoppedError(ColibriError):
+    """The engine is not running (not started, stopping, or stopped after a failure)."""
 
 
 def check_length(prompt_tokens: int, max_tokens: int | None, max_seq_len: int) -> int:
@@ -157,3 +166,42 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, index={self.index}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, {self.status.value})")
+
+
+Logprob = tuple[int, float, list[tuple[int, float]]]  # (token id, its logprob, [(id, logprob) of the top k])
+
+
+@dataclass
+class RequestOutput:
+    """What one sequence produced since the consumer last looked: usually one step, merged steps if it lagged."""
+
+    request_id: str
+    index: int  # which of the request's n sequences
+    text: str  # new text (a delta; held-back stop-string prefixes and partial characters come later)
+    token_ids: list[int]  # new token ids
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    stop_reason: str | int | None  # the stop string or stop token id that finished it; None for eos
+    prompt_tokens: int
+    completion_tokens: int  # output tokens so far
+    logprobs: list[Logprob] | None = None  # one per new token when the request asked for logprobs
+    time_to_first_token: float | None = None  # seconds from arrival to the first token; on the output carrying it
+    inter_token_latencies: list[float] = field(default_factory=list)  # seconds before each later new token
+
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """This output followed by `later` of the same sequence, as one delta."""
+        return RequestOutput(
+            request_id=self.request_id,
+            index=self.index,
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            finished=later.finished,
+            finish_reason=later.finish_reason,
+            stop_reason=later.stop_reason,
+            prompt_tokens=later.prompt_tokens,
+            completion_tokens=later.completion_tokens,
+            logprobs=None if self.logprobs is None else self.logprobs + (later.logprobs or []),
+            time_to_first_token=self.time_to_first_token if self.time_to_first_token is not None
+            else later.time_to_first_token,
+            inter_token_latencies=self.inter_token_latencies + later.inter_token_latencies,
+        )

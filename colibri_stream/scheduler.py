@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .config import SchedulerConfig
+from .config import ConfigError, SchedulerConfig
 from .kv_cache import KVCacheManager
 from .request import Request, RequestStatus, SeqId, check_length
 
@@ -65,8 +65,9 @@ class Scheduler:
         if config.max_seq_len is None:
             raise ValueError("the scheduler needs a resolved max_seq_len")
         if kv.blocks_for(config.max_seq_len) > kv.num_blocks:
-            raise ValueError(f"the KV cache ({kv.num_blocks} blocks of {kv.block_size} tokens) cannot hold one "
-                             f"sequence of max_seq_len {config.max_seq_len}")
+            raise ConfigError(f"the KV cache ({kv.num_blocks} blocks of {kv.block_size} tokens) cannot hold one "
+                              f"sequence of max_seq_len {config.max_seq_len}: give it more memory or lower "
+                              f"max_seq_len")
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()

@@ -3,7 +3,7 @@ exact KV block ids through allocate, append, preempt, resume and free."""
 
 import pytest
 
-from colibri_stream.config import SchedulerConfig
+from colibri_stream.config import ConfigError, SchedulerConfig
 from colibri_stream.kv_cache import KVCacheManager
 from colibri_stream.request import PromptTooLongError, Request, RequestStatus, SamplingParams
 from colibri_stream.scheduler import Scheduler
@@ -116,7 +116,7 @@ def test_admission_rejects_prompts_over_max_seq_len():
 
 
 def test_kv_cache_must_hold_one_full_sequence():
-    with pytest.raises(ValueError, match="max_seq_len"):
+    with pytest.raises(ConfigError, match="max_seq_len"):
         make_scheduler(num_blocks=3, block_size=4, max_seq_len=16)
 
 

@@ -1,0 +1,452 @@
+"""The engine: `EngineCore` steps the model synchronously; `AsyncEngine` drives it from a thread for asyncio.
+
+One step is schedule -> run the model and sample -> update the requests -> detokenize. `EngineCore.step` is
+the only function that loops over a step's outputs. `AsyncEngine` owns one step thread that alone touches the
+core: requests and aborts reach it through a queue, outputs come back to per-request collectors on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError, EngineConfig, ModelConfig
+from .errors import ColibriError
+from .kv_cache import KVCacheManager
+from .model import MoETransformer, PagedKVCache, load_model
+from .request import (EngineStoppedError, InvalidParameterError, Logprob, QueueFullError, Request, RequestOutput,
+                      RequestStatus, SamplingParams, SeqId)
+from .runner import ModelRunner
+from .scheduler import Scheduler, SeqUpdate
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine for monitoring (`AsyncEngine.stats()`)."""
+
+    num_running: int  # sequences in the running batch
+    num_waiting: int  # sequences queued (new or preempted)
+    kv_blocks_total: int
+    kv_blocks_used: int
+    num_steps: int
+    num_preemptions: int
+    num_generated_tokens: int
+    last_step_time: float  # seconds the last step took
+    last_step_tokens: int  # tokens the last step computed (prefill chunks and decodes)
+
+
+@dataclass
+class _Sequence:
+    """The output side of one sequence: its text stream and when its last token came."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    last_token_time: float | None = None  # time.monotonic()
+
+
+class EngineCore:
+    """Continuous batching over one model, driven by calling `step()`; not thread-safe (one thread drives it).
+
+    `add_request` queues a request as `params.n` sequences, `step()` runs one model step and returns a
+    RequestOutput per sequence that got a token, `abort` finishes a request at once and frees its KV blocks.
+    Each output carries its latency: `time_to_first_token` (arrival to the step that produced the first token)
+    and `inter_token_latencies` (time since the sequence's previous token, per later token).
+    """
+
+    def __init__(self, model: MoETransformer, tokenizer: Tokenizer, config: EngineConfig):
+        self.config = config
+        self.model_config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        limit = model.config.max_position_embeddings
+        self.max_seq_len = config.scheduler.max_seq_len or limit
+        if self.max_seq_len > limit:
+            raise ConfigError(f"max_seq_len {self.max_seq_len} exceeds the model's {limit} positions")
+        block_size = config.cache.block_size
+        per_seq = -(-self.max_seq_len // block_size)
+        num_blocks = config.cache.num_blocks(PagedKVCache.bytes_per_block(model.config, block_size),
+                                             config.scheduler.max_batch_size * per_seq)
+        self.kv = KVCacheManager(num_blocks, block_size)
+        self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_seq_len=self.max_seq_len), self.kv)
+        self.runner = ModelRunner(model, model.allocate_kv_cache(num_blocks, block_size))
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
+        self._seqs: dict[SeqId, _Sequence] = {}
+        self._num_steps = 0
+        self._num_generated_tokens = 0
+        self._last_step_time = 0.0
+        self._last_step_tokens = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str, **options: Any) -> EngineCore:
+        """Load the model folder at `path`; `options` are EngineConfig.from_options' flat keys."""
+        config = EngineConfig.from_options(path, **options)
+        model = load_model(config.model, device=config.device, verify=config.verify)
+        return cls(model, Tokenizer.from_folder(config.model), config)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The admission checks, callable from any thread: InvalidParameterError, PromptTooLongError."""
+        if not prompt_token_ids:
+            raise InvalidParameterError("prompt must not be empty", param="prompt")
+        self.scheduler.check_length(len(prompt_token_ids), params.max_tokens)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request (as params.n sequences); raises like `validate`, or ValueError for a duplicate id."""
+        self.validate(prompt_token_ids, params)
+        if (request_id, 0) in self._seqs:
+            raise ValueError(f"request {request_id!r} is already running")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        for index in range(params.n):
+            request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, index, arrival)
+            self.scheduler.add_request(request)
+            self._seqs[request.seq_id] = _Sequence(
+                request, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one model step; returns an output for every sequence that sampled a token."""
+        if not self.scheduler.has_unfinished():
+            return []
+        start = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        result = self.runner.execute(scheduled)
+        updates = self.scheduler.update_from_output(scheduled, result.token_ids)
+        now = time.monotonic()
+        outputs = [self._output(update, logprob, now) for update, logprob in zip(updates, result.logprobs)]
+        self._num_steps += 1
+        self._num_generated_tokens += len(result.token_ids)
+        self._last_step_time = time.perf_counter() - start
+        self._last_step_tokens = scheduled.num_batched_tokens
+        return outputs
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Finish every sequence of `request_id` and free its blocks; returns their final outputs."""
+        seq_ids = [seq_id for seq_id in self._seqs if seq_id[0] == request_id]
+        self.scheduler.finish(seq_ids, RequestStatus.FINISHED_ABORTED)
+        return [_request_output(self._seqs.pop(seq_id).request, "", []) for seq_id in seq_ids]
+
+    def abort_all(self) -> list[RequestOutput]:
+        return [out for request_id in {seq_id[0] for seq_id in self._seqs} for out in self.abort(request_id)]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_blocks_total=self.kv.num_blocks,
+            kv_blocks_used=self.kv.num_used_blocks,
+            num_steps=self._num_steps,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_generated_tokens=self._num_generated_tokens,
+            last_step_time=self._last_step_time,
+            last_step_tokens=self._last_step_tokens,
+        )
+
+    def _output(self, update: SeqUpdate, logprob: Logprob | None, now: float) -> RequestOutput:
+        request = update.request
+        seq = self._seqs[request.seq_id]
+        text = seq.detokenizer.add(update.new_token_ids)
+        stop_string = seq.detokenizer.stop_reason if seq.detokenizer.stopped else None
+        if stop_string is not None and not request.status.finished:
+            self.scheduler.finish([request.seq_id], RequestStatus.FINISHED_STOPPED, stop_string)
+        elif stop_string is None and request.status.finished:
+            text += seq.detokenizer.flush()
+        if request.status.finished:
+            del self._seqs[request.seq_id]
+        first = seq.last_token_time is None
+        out = _request_output(
+            request, text, update.new_token_ids,
+            logprobs=None if request.params.logprobs is None else [logprob],
+            time_to_first_token=now - request.arrival_time if first else None,
+            inter_token_latencies=[] if first else [now - seq.last_token_time],
+        )
+        seq.last_token_time = now
+        if stop_string is not None:  # also when the stop string came with the last token max_tokens allowed
+            out.finish_reason, out.stop_reason = "stop", stop_string
+        return out
+
+
+def _request_output(request: Request, text: str, token_ids: list[int], **extra: Any) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id,
+        index=request.index,
+        text=text,
+        token_ids=token_ids,
+        finished=request.status.finished,
+        finish_reason=request.status.finish_reason,
+        stop_reason=request.stop_reason,
+        prompt_tokens=request.num_prompt_tokens,
+        completion_tokens=request.num_output_tokens,
+        **extra,
+    )
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    done: asyncio.Future | None  # resolved on the loop once the blocks are free
+
+
+@dataclass
+class _Stop:
+    drain: bool  # finish the running requests first (True) or abort them
+
+
+class _Collector:
+    """The mailbox between the step thread and one `generate()` call, living on the event loop.
+
+    Outputs the consumer has not taken yet are merged per sequence (`RequestOutput.merge`), so a slow consumer
+    holds one pending output per sequence instead of a growing queue.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[int, RequestOutput] = {}  # sequence index -> merged outputs, oldest first
+        self._ready = asyncio.Event()
+        self._error: BaseException | None = None
+
+    def put(self, out: RequestOutput) -> None:
+        previous = self._pending.get(out.index)
+        self._pending[out.index] = out if previous is None else previous.merge(out)
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        while not self._pending:
+            if self._error is not None:
+                raise self._error
+            await self._ready.wait()
+            self._ready.clear()
+        return self._pending.pop(next(iter(self._pending)))
+
+
+class AsyncEngine:
+    """The asyncio face of the engine: `generate()` streams RequestOutputs, `abort()` cancels a request.
+
+    Use it as `async with AsyncEngine.from_pretrained(path) as engine:`. One thread runs the steps (the event
+    loop never waits for the model); it sleeps when there is no work. Requests and aborts reach it through a
+    queue and are applied between steps; each step's outputs go back with one `call_soon_threadsafe` to the
+    per-request collectors. Stopping a `generate()` iteration early (break and aclose, task cancellation)
+    aborts the request and frees its KV blocks.
+
+    Latency: every RequestOutput carries `time_to_first_token` (on the output with a sequence's first token) and
+    `inter_token_latencies` (per later token), measured in the step thread when the tokens were sampled, so a
+    consumer that lags does not distort them; `stats()` is the engine-wide snapshot for monitoring.
+    """
+
+    def __init__(self, core: EngineCore):
+        self._core = core
+        self.tokenizer: Tokenizer = core.tokenizer
+        self.model_config: ModelConfig = core.model_config
+        self.model_name = Path(core.config.model).resolve().name
+        self.max_seq_len: int = core.max_seq_len
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._collectors: dict[str, _Collector] = {}
+        self._stats = core.stats()
+        self._num_sent = 0  # sequences sent to the step thread
+        self._num_applied = 0  # of which the step thread had queued at the last snapshot
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._thread_done: asyncio.Future | None = None
+        self._accepting = False
+
+    @classmethod
+    def from_pretrained(cls, path: str | None = None, **config: Any) -> AsyncEngine:
+        """Load a model folder. Options: max_batch_size, max_num_batched_tokens, max_seq_len, kv_cache_memory
+        (bytes) or num_kv_blocks, block_size, max_queue (0: unbounded), device ("cpu" | "auto"), verify."""
+        if path is None:
+            raise ConfigError("no model folder given")
+        return cls(EngineCore.from_pretrained(path, **config))
+
+    async def start(self) -> None:
+        """Start the step thread on the running loop."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._num_sent = self._num_applied = 0
+        self._thread_done = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, name="colibri-engine", daemon=True)
+        self._accepting = True
+        self._thread.start()
+
+    async def stop(self, drain: bool = True) -> None:
+        """Refuse new requests, then finish (drain) or abort the running ones and end the step thread."""
+        if self._thread is None:
+            return
+        self._accepting = False
+        self._inbox.put(_Stop(drain))
+        await self._thread_done
+        self._thread.join()
+        self._thread = None
+        for collector in self._collectors.values():
+            collector.fail(EngineStoppedError("the engine stopped"))
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams,
+                       request_id: str | None = None, add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs until each of its params.n sequences has finished.
+
+        A prompt is text, token ids, or chat messages (rendered with the model's chat template). Invalid
+        requests raise before the first output: InvalidParameterError, PromptTooLongError, QueueFullError,
+        EngineStoppedError (and ChatTemplateError for messages the template rejects).
+        """
+        prompt_token_ids = self._encode(prompt, add_special_tokens)
+        self._core.validate(prompt_token_ids, params)
+        if not self._accepting:
+            raise EngineStoppedError("the engine is not running")
+        if self._queue_is_full(params.n):
+            raise QueueFullError(f"{self._core.config.scheduler.max_queue} sequences are already waiting; "
+                                 f"retry later")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._collectors:
+            raise InvalidParameterError(f"request_id {request_id!r} is already in use", param="request_id")
+        collector = _Collector()
+        self._collectors[request_id] = collector
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, time.monotonic()))
+        self._num_sent += params.n
+        finished = 0
+        try:
+            while finished < params.n:
+                out = await collector.get()
+                finished += out.finished
+                yield out
+        finally:
+            del self._collectors[request_id]
+            if finished < params.n:
+                self._inbox.put(_Abort(request_id, None))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; returns once its KV blocks are free. Unknown or finished requests are ignored."""
+        if self._thread is None:
+            return
+        done = self._loop.create_future()
+        self._inbox.put(_Abort(request_id, done))
+        await asyncio.wait([done, self._thread_done], return_when=asyncio.FIRST_COMPLETED)
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the last step (or the last batch of requests and aborts)."""
+        return self._stats
+
+    def _queue_is_full(self, n: int) -> bool:
+        """Whether `n` more sequences would leave more than max_queue waiting once the batch's free slots fill."""
+        config, stats = self._core.config.scheduler, self._stats
+        if not config.max_queue:
+            return False
+        unapplied = self._num_sent - self._num_applied  # sent to the step thread after the last snapshot
+        waiting = max(0, stats.num_waiting + unapplied - (config.max_batch_size - stats.num_running))
+        return waiting + n > config.max_queue
+
+    def _encode(self, prompt: str | list[int] | list[dict], add_special_tokens: bool) -> list[int]:
+        if not prompt:
+            raise InvalidParameterError("prompt must not be empty", param="prompt")
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if all(isinstance(m, dict) for m in prompt):
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise InvalidParameterError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        return list(prompt)
+
+    # ---- the step thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        core = self._core
+        stopping = False
+        num_applied = 0
+        try:
+            while not (stopping and not core.has_unfinished()):
+                commands = [self._inbox.get()] if not (stopping or core.has_unfinished()) else []
+                while not self._inbox.empty():
+                    commands.append(self._inbox.get())
+                outputs: list[RequestOutput] = []
+                done: list[asyncio.Future] = []
+                for command in commands:
+                    if isinstance(command, _Add):
+                        num_applied += command.params.n
+                        try:
+                            core.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                             command.arrival_time)
+                        except (ColibriError, ValueError) as exc:
+                            self._loop.call_soon_threadsafe(self._fail_request, command.request_id, exc)
+                    elif isinstance(command, _Abort):
+                        outputs += core.abort(command.request_id)
+                        if command.done is not None:
+                            done.append(command.done)
+                    else:
+                        stopping = True
+                        if not command.drain:
+                            outputs += core.abort_all()
+                if commands:
+                    self._publish(outputs, done, num_applied)
+                if core.has_unfinished():
+                    self._publish(core.step(), [], num_applied)
+        except Exception as exc:  # the engine is unusable: every waiting consumer learns why
+            logger.exception("engine step failed")
+            self._loop.call_soon_threadsafe(self._fail_all, exc)
+        finally:
+            self._loop.call_soon_threadsafe(self._thread_done.set_result, None)
+
+    def _publish(self, outputs: list[RequestOutput], done: list[asyncio.Future], num_applied: int) -> None:
+        self._loop.call_soon_threadsafe(self._deliver, outputs, done, self._core.stats(), num_applied)
+
+    # ---- on the event loop -------------------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput], done: list[asyncio.Future], stats: EngineStats,
+                 num_applied: int) -> None:
+        self._stats, self._num_applied = stats, num_applied
+        for out in outputs:
+            collector = self._collectors.get(out.request_id)
+            if collector is not None:
+                collector.put(out)
+        for future in done:
+            if not future.done():
+                future.set_result(None)
+
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        collector = self._collectors.get(request_id)
+        if collector is not None:
+            collector.fail(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._accepting = False
+        failure = EngineStoppedError(f"the engine stopped after an error: {error!r}")
+        failure.__cause__ = error
+        for collector in self._collectors.values():
+            collector.fail(failure)
+
+
+def run(main: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine to completion on uvloop when it is installed, else on asyncio's default loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)

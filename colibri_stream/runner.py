@@ -1,0 +1,85 @@
+"""One model step: a SchedulerOutput becomes a ForwardBatch, the model computes logits, the sampler picks tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .model import ForwardBatch, MoETransformer, PagedKVCache
+from .request import Logprob, SeqId
+from .sampling import Sampler, SamplingState, TokenLogprobs
+from .scheduler import ScheduledSeq, SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    """The tokens sampled by one step, one per scheduled sequence with `sample` set, in schedule order."""
+
+    token_ids: list[int]
+    logprobs: list[Logprob | None]  # None where the request did not ask for logprobs
+
+
+def build_batch(seqs: list[ScheduledSeq], block_size: int) -> ForwardBatch:
+    """The flat varlen batch of a step: every sequence's chunk end to end, logits for the sampling ones."""
+    lens = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)  # [B]
+    starts = np.array([s.start_position for s in seqs], dtype=np.int64)  # [B]
+    query_start = np.zeros(len(seqs) + 1, dtype=np.int64)  # [B+1]
+    np.cumsum(lens, out=query_start[1:])
+    owner = np.repeat(np.arange(len(seqs)), lens)  # [T] sequence of each token
+    positions = np.arange(query_start[-1], dtype=np.int64) - query_start[owner] + starts[owner]  # [T]
+    block_tables = np.zeros((len(seqs), max(len(s.block_ids) for s in seqs)), dtype=np.int64)  # [B, max_blocks]
+    for b, s in enumerate(seqs):
+        block_tables[b, :len(s.block_ids)] = s.block_ids
+    slot_mapping = block_tables[owner, positions // block_size] * block_size + positions % block_size  # [T]
+    sample = np.array([s.sample for s in seqs], dtype=bool)  # [B]
+    return ForwardBatch(
+        token_ids=np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64, count=int(query_start[-1])),
+        positions=positions,
+        query_start=query_start,
+        context_lens=starts + lens,
+        block_tables=block_tables,
+        slot_mapping=slot_mapping,
+        logits_indices=query_start[1:][sample] - 1,  # [N]
+    )
+
+
+class ModelRunner:
+    """Runs steps of one model over its paged KV cache and keeps each sequence's sampling state.
+
+    A sequence's state (its seeded generator and history) lives from its first scheduled step until the
+    scheduler reports it finished, so a preempted sequence resumes drawing from the same generator.
+    """
+
+    def __init__(self, model: MoETransformer, kv_cache: PagedKVCache):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sampler = Sampler()
+        self._states: dict[SeqId, SamplingState] = {}
+
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        for seq_id in step.finished_seq_ids:
+            self._states.pop(seq_id, None)
+        logits = self.model.forward(build_batch(step.seqs, self.kv_cache.block_size), self.kv_cache)  # [N, V]
+        states = [self._state(s) for s in step.seqs if s.sample]
+        if not states:
+            return RunnerOutput([], [])
+        sampled = self.sampler.sample(logits, states)
+        token_ids = sampled.token_ids.tolist()
+        for state, token in zip(states, token_ids):
+            state.output_token_ids.append(token)
+        return RunnerOutput(token_ids, [_logprob(token, lp) for token, lp in zip(token_ids, sampled.logprobs)])
+
+    def _state(self, seq: ScheduledSeq) -> SamplingState:
+        request = seq.request
+        state = self._states.get(request.seq_id)
+        if state is None:
+            state = SamplingState.from_params(request.params, request.prompt_token_ids, request.index)
+            self._states[request.seq_id] = state
+        return state
+
+
+def _logprob(token: int, logprobs: TokenLogprobs | None) -> Logprob | None:
+    if logprobs is None:
+        return None
+    return token, logprobs.logprob, list(zip(logprobs.top_token_ids.tolist(), logprobs.top_logprobs.tolist()))
