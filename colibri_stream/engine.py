@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import default_model_path
 from .config import ConfigError, EngineConfig, ModelConfig
 from .errors import ColibriError
 from .kv_cache import KVCacheManager
 from .model import MoETransformer, PagedKVCache, load_model
 from .request import (EngineStoppedError, InvalidParameterError, Logprob, QueueFullError, Request, RequestOutput,
-                      RequestStatus, SamplingParams, SeqId)
+                      RequestStatus, SamplingParams)
 from .runner import ModelRunner
 from .scheduler import Scheduler, SeqUpdate
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -81,7 +82,7 @@ class EngineCore:
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_seq_len=self.max_seq_len), self.kv)
         self.runner = ModelRunner(model, model.allocate_kv_cache(num_blocks, block_size))
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
-        self._seqs: dict[SeqId, _Sequence] = {}
+        self._requests: dict[str, dict[int, _Sequence]] = {}  # request id -> its unfinished sequences by index
         self._num_steps = 0
         self._num_generated_tokens = 0
         self._last_step_time = 0.0
@@ -104,14 +105,14 @@ class EngineCore:
                     arrival_time: float | None = None) -> None:
         """Queue a request (as params.n sequences); raises like `validate`, or ValueError for a duplicate id."""
         self.validate(prompt_token_ids, params)
-        if (request_id, 0) in self._seqs:
+        if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already running")
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = self._requests[request_id] = {}
         for index in range(params.n):
             request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, index, arrival)
             self.scheduler.add_request(request)
-            self._seqs[request.seq_id] = _Sequence(
-                request, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop))
+            seqs[index] = _Sequence(request, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -134,12 +135,12 @@ class EngineCore:
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Finish every sequence of `request_id` and free its blocks; returns their final outputs."""
-        seq_ids = [seq_id for seq_id in self._seqs if seq_id[0] == request_id]
-        self.scheduler.finish(seq_ids, RequestStatus.FINISHED_ABORTED)
-        return [_request_output(self._seqs.pop(seq_id).request, "", []) for seq_id in seq_ids]
+        seqs = self._requests.pop(request_id, {})
+        self.scheduler.finish([seq.request.seq_id for seq in seqs.values()], RequestStatus.FINISHED_ABORTED)
+        return [_request_output(seq.request, "", []) for seq in seqs.values()]
 
     def abort_all(self) -> list[RequestOutput]:
-        return [out for request_id in {seq_id[0] for seq_id in self._seqs} for out in self.abort(request_id)]
+        return [out for request_id in list(self._requests) for out in self.abort(request_id)]
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -156,7 +157,8 @@ class EngineCore:
 
     def _output(self, update: SeqUpdate, logprob: Logprob | None, now: float) -> RequestOutput:
         request = update.request
-        seq = self._seqs[request.seq_id]
+        seqs = self._requests[request.request_id]
+        seq = seqs[request.index]
         text = seq.detokenizer.add(update.new_token_ids)
         stop_string = seq.detokenizer.stop_reason if seq.detokenizer.stopped else None
         if stop_string is not None and not request.status.finished:
@@ -164,7 +166,9 @@ class EngineCore:
         elif stop_string is None and request.status.finished:
             text += seq.detokenizer.flush()
         if request.status.finished:
-            del self._seqs[request.seq_id]
+            del seqs[request.index]
+            if not seqs:
+                del self._requests[request.request_id]
         first = seq.last_token_time is None
         out = _request_output(
             request, text, update.new_token_ids,
@@ -274,11 +278,10 @@ class AsyncEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | None = None, **config: Any) -> AsyncEngine:
-        """Load a model folder. Options: max_batch_size, max_num_batched_tokens, max_seq_len, kv_cache_memory
-        (bytes) or num_kv_blocks, block_size, max_queue (0: unbounded), device ("cpu" | "auto"), verify."""
-        if path is None:
-            raise ConfigError("no model folder given")
-        return cls(EngineCore.from_pretrained(path, **config))
+        """Load a model folder (None: the model shipped with Colibri). Options: max_batch_size,
+        max_num_batched_tokens, max_seq_len, kv_cache_memory (bytes) or num_kv_blocks, block_size, max_queue
+        (0: unbounded), device ("cpu" | "auto"), verify."""
+        return cls(EngineCore.from_pretrained(str(default_model_path()) if path is None else path, **config))
 
     async def start(self) -> None:
         """Start the step thread on the running loop."""

@@ -1,6 +1,6 @@
 """Embed the engine in an asyncio program: stream two completions concurrently and print the engine's stats.
 
-    python examples/embedded_engine.py MODEL_FOLDER [--device cpu]
+    python examples/embedded_engine.py [MODEL_FOLDER] [--device cpu]
 
 The engine runs its steps in its own thread, so this program's event loop stays free while tokens are computed;
 the heartbeat task below keeps ticking during generation to show it.
@@ -29,7 +29,7 @@ async def heartbeat() -> None:
         print("[heartbeat] the event loop is responsive", flush=True)
 
 
-async def main(folder: str, device: str) -> None:
+async def main(folder: str | None, device: str) -> None:
     async with AsyncEngine.from_pretrained(folder, device=device, max_batch_size=8) as engine:
         beat = asyncio.create_task(heartbeat())
         params = SamplingParams(max_tokens=48, temperature=0.7, seed=0)
@@ -44,7 +44,8 @@ async def main(folder: str, device: str) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="a Colibri model folder (see `colibri export`)")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="a Colibri model folder (see `colibri export`); default: the model shipped with Colibri")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu"))
     args = parser.parse_args()
     run(main(args.model, args.device))

@@ -94,6 +94,8 @@ def test_abort_frees_blocks_at_once(roomy, prompts):
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     roomy.add_request("keep", prompts[0], params)
     roomy.add_request("drop", prompts[2], params)
+    with pytest.raises(ValueError, match="already running"):
+        roomy.add_request("keep", prompts[1], params)
     for _ in range(3):
         roomy.step()
     used = roomy.stats().kv_blocks_used
@@ -242,9 +244,10 @@ def test_slow_consumer_gets_merged_deltas(async_engine, prompts):
         return first, rest
 
     first, rest = run_async(async_engine, body)
-    assert len(first.token_ids) == 1 and len(rest) == 1
-    merged = rest[0]
-    assert len(merged.token_ids) == 9 and len(merged.logprobs) == 9 and len(merged.inter_token_latencies) == 9
+    assert len(rest) == 1  # everything after the first read, in one delta
+    merged, count = rest[0], 10 - len(first.token_ids)
+    assert len(merged.token_ids) == count and len(merged.logprobs) == count
+    assert len(merged.inter_token_latencies) == count and merged.time_to_first_token is None
     assert merged.finished and merged.completion_tokens == 10
     assert [lp[0] for lp in merged.logprobs] == merged.token_ids and all(len(lp[2]) == 1 for lp in merged.logprobs)
 
@@ -329,5 +332,22 @@ def test_queue_full_is_refused(tiny_model_dir, prompts):
                 await task
             await stream.aclose()
         await wait_idle(engine)
+
+    run_async(engine, body)
+
+
+def test_a_failing_step_fails_its_consumers_and_stops_the_engine(tiny_model_dir, prompts):
+    engine = AsyncEngine.from_pretrained(str(tiny_model_dir), **TIGHT)
+
+    def broken(step):
+        raise RuntimeError("device lost")
+
+    engine._core.runner.execute = broken
+
+    async def body(engine):
+        with pytest.raises(EngineStoppedError, match="device lost"):
+            await collect(engine, prompts[0], SamplingParams())
+        with pytest.raises(EngineStoppedError):
+            await collect(engine, prompts[0], SamplingParams())
 
     run_async(engine, body)
