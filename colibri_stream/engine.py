@@ -140,6 +140,7 @@ class EngineCore:
         return [_request_output(seq.request, "", []) for seq in seqs.values()]
 
     def abort_all(self) -> list[RequestOutput]:
+        """Abort every unfinished request."""
         return [out for request_id in list(self._requests) for out in self.abort(request_id)]
 
     def stats(self) -> EngineStats:

@@ -141,7 +141,6 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None  # the stop string or stop token id that finished it
-        self.num_preemptions = 0
 
     @property
     def seq_id(self) -> SeqId:

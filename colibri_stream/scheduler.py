@@ -181,7 +181,6 @@ class Scheduler:
         self.kv.free(request.seq_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
