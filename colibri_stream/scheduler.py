@@ -44,10 +44,6 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)  # sequences that lost their blocks this step
     finished_seq_ids: list[SeqId] = field(default_factory=list)  # finished since the last step: drop their state
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
 
 @dataclass
 class SeqUpdate:
