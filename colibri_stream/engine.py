@@ -89,11 +89,26 @@ class EngineCore:
         self._last_step_tokens = 0
 
     @classmethod
-    def from_pretrained(cls, path: str, **options: Any) -> EngineCore:
-        """Load the model folder at `path`; `options` are EngineConfig.from_options' flat keys."""
-        config = EngineConfig.from_options(path, **options)
+    def from_pretrained(cls, path: str | None = None, **options: Any) -> EngineCore:
+        """Load the model folder at `path` (None: the model shipped with Colibri); `options` are
+        EngineConfig.from_options' flat keys."""
+        config = EngineConfig.from_options(str(default_model_path()) if path is None else str(path), **options)
         model = load_model(config.model, device=config.device, verify=config.verify)
         return cls(model, Tokenizer.from_folder(config.model), config)
+
+    def encode_prompt(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text, a list of token ids, or chat messages (rendered with the chat template)."""
+        if not prompt:
+            raise InvalidParameterError("prompt must not be empty", param="prompt")
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if all(isinstance(m, dict) for m in prompt):
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise InvalidParameterError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        return list(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The admission checks, callable from any thread: InvalidParameterError, PromptTooLongError."""
@@ -282,7 +297,7 @@ class AsyncEngine:
         """Load a model folder (None: the model shipped with Colibri). Options: max_batch_size,
         max_num_batched_tokens, max_seq_len, kv_cache_memory (bytes) or num_kv_blocks, block_size, max_queue
         (0: unbounded), device ("cpu" | "auto"), verify."""
-        return cls(EngineCore.from_pretrained(str(default_model_path()) if path is None else path, **config))
+        return cls(EngineCore.from_pretrained(path, **config))
 
     async def start(self) -> None:
         """Start the step thread on the running loop."""
@@ -322,7 +337,7 @@ class AsyncEngine:
         requests raise before the first output: InvalidParameterError, PromptTooLongError, QueueFullError,
         EngineStoppedError (and ChatTemplateError for messages the template rejects).
         """
-        prompt_token_ids = self._encode(prompt, add_special_tokens)
+        prompt_token_ids = self._core.encode_prompt(prompt, add_special_tokens)
         self._core.validate(prompt_token_ids, params)
         if not self._accepting:
             raise EngineStoppedError("the engine is not running")
@@ -367,19 +382,6 @@ class AsyncEngine:
         unapplied = self._num_sent - self._num_applied  # sent to the step thread after the last snapshot
         waiting = max(0, stats.num_waiting + unapplied - (config.max_batch_size - stats.num_running))
         return waiting + n > config.max_queue
-
-    def _encode(self, prompt: str | list[int] | list[dict], add_special_tokens: bool) -> list[int]:
-        if not prompt:
-            raise InvalidParameterError("prompt must not be empty", param="prompt")
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        if all(isinstance(m, dict) for m in prompt):
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise InvalidParameterError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-        return list(prompt)
 
     # ---- the step thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
