@@ -1,0 +1,93 @@
+"""Prometheus metrics of a serving process: requests, tokens, latencies, and the engine's queue and KV cache.
+
+Each server owns a registry (several servers can live in one process, as in tests). Request-side figures are
+observed as responses are produced; the engine's state (queue depth, running requests, KV blocks, steps) is read
+from `engine.stats()` at scrape time, so it is always current and costs nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 10.0, 20.0, 40.0, 80.0)
+_LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class EngineCollector(Collector):
+    """Reads the engine's scheduler and cache state when Prometheus scrapes."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine.stats()
+        gauges = {
+            "colibri_num_requests_waiting": ("Sequences waiting to be scheduled (queue depth)", stats.num_waiting),
+            "colibri_num_requests_running": ("Sequences scheduled in the running batch", stats.num_running),
+            "colibri_kv_blocks_total": ("KV cache blocks in the pool", stats.kv_blocks_total),
+            "colibri_kv_blocks_used": ("KV cache blocks held by sequences", stats.kv_blocks_used),
+            "colibri_kv_blocks_free": ("KV cache blocks free", stats.kv_blocks_total - stats.kv_blocks_used),
+            "colibri_last_step_seconds": ("Duration of the engine's last step", stats.last_step_time),
+            "colibri_last_step_tokens": ("Tokens the engine's last step computed", stats.last_step_tokens),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("colibri_engine_steps", "Engine steps run", value=stats.num_steps)
+        yield CounterMetricFamily("colibri_engine_preemptions", "Sequences preempted for lack of KV blocks",
+                                  value=stats.num_preemptions)
+        yield CounterMetricFamily("colibri_engine_generated_tokens", "Tokens the engine has sampled",
+                                  value=stats.num_generated_tokens)
+
+
+class ServerMetrics:
+    """The metrics of one server; `render()` is the body of GET /metrics."""
+
+    def __init__(self, engine: Any):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("colibri_requests", "HTTP requests answered, by route and status code",
+                                ["route", "status"], registry=r)
+        self.finished = Counter("colibri_request_finished", "Finished sequences by finish reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("colibri_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("colibri_generation_tokens", "Tokens sent to clients", registry=r)
+        self.ttft = Histogram("colibri_time_to_first_token_seconds", "Request arrival to its first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("colibri_inter_token_latency_seconds", "Time between a sequence's tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("colibri_request_latency_seconds", "Request arrival to its last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.loop_lag = Histogram("colibri_event_loop_lag_seconds", "How late the event loop wakes a timer",
+                                  buckets=_LAG_BUCKETS, registry=r)
+        r.register(EngineCollector(engine))
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def observe(self, output: Any) -> None:
+        """Count one RequestOutput's tokens and latencies (measured by the engine when it sampled them)."""
+        if output.time_to_first_token is not None:
+            self.ttft.observe(output.time_to_first_token)
+            if output.index == 0:  # once per request
+                self.prompt_tokens.inc(output.prompt_tokens)
+        for latency in output.inter_token_latencies:
+            self.itl.observe(latency)
+        self.generation_tokens.inc(len(output.token_ids))
+        if output.finished:
+            self.finished.labels(output.finish_reason).inc()
+
+    async def watch_event_loop(self, interval: float = 0.05) -> None:
+        """Run forever, observing how much later than asked each `sleep(interval)` wakes: the loop's lag."""
+        while True:
+            start = time.perf_counter()  # not loop.time(): uvloop's clock has millisecond resolution
+            await asyncio.sleep(interval)
+            self.loop_lag.observe(max(0.0, time.perf_counter() - start - interval))
