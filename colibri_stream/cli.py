@@ -41,9 +41,56 @@ def _run_inspect(args: argparse.Namespace) -> None:
     print(describe_model(args.model, verify=args.verify))
 
 
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model folder (default: the model shipped with Colibri)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--verify", action="store_true", help="check every checksum before loading")
+    p.add_argument("--max-seq-len", type=int, default=None, help="longest prompt + completion (default: the model's)")
+    p.add_argument("--max-batch-size", type=int, default=None, help="sequences per step (default 32)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 2048)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default 16)")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES", help="KV-cache budget")
+    cache.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache size in blocks")
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    """The engine keyword arguments that were given on the command line."""
+    names = ("device", "verify", "max_seq_len", "max_batch_size", "max_num_batched_tokens", "block_size",
+             "kv_cache_memory", "num_kv_blocks", "max_queue")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model through the OpenAI-compatible HTTP API")
+    _add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: the folder name)")
+    p.add_argument("--cors-origin", action="append", default=[], help="allowed CORS origin (repeatable; * for any)")
+    p.add_argument("--max-queue", type=int, default=None, help="waiting sequences before 429 (default: unbounded)")
+    p.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 4 MiB)")
+    p.add_argument("--drain-timeout", type=float, default=None,
+                   help="seconds SIGTERM waits for running requests (default 300)")
+    p.add_argument("--keepalive-interval", type=float, default=None,
+                   help="seconds between SSE keep-alive comments while a stream waits (default 10)")
+    p.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> None:
+    from .server.app import run_server
+
+    given = {n: getattr(args, n) for n in ("max_body_bytes", "drain_timeout", "keepalive_interval")
+             if getattr(args, n) is not None}
+    run_server(dict(path=args.model, **_engine_options(args)), host=args.host, port=args.port,
+               api_key=args.api_key, cors_origins=tuple(args.cors_origin), served_model_name=args.served_model_name,
+               **given)
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="complete one prompt offline and print the text as it comes")
-    p.add_argument("--model", default=None, help="model folder (default: the model shipped with Colibri)")
+    _add_engine_arguments(p)
     p.add_argument("--prompt", required=True, help="text to complete")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -51,8 +98,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--verify", action="store_true", help="check every checksum before loading")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason) at the end")
     p.set_defaults(run=_run_generate)
@@ -66,7 +111,7 @@ def _run_generate(args: argparse.Namespace) -> None:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
-    llm = LLM(args.model, device=args.device, verify=args.verify)
+    llm = LLM(args.model, **_engine_options(args))
     if args.json:
         result = llm.generate(args.prompt, params)
         sys.stdout.buffer.write(orjson.dumps({
@@ -85,7 +130,7 @@ def _run_generate(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="colibri", description="Serve mixture-of-experts language models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_export, _add_inspect, _add_generate):
+    for add in (_add_export, _add_inspect, _add_generate, _add_serve):
         add(sub)
     return parser
 
