@@ -215,7 +215,7 @@ class ExpertFileWriter:
         position = self._layer_rank[layer] * self.config.num_experts + expert
         if self._written[position]:
             raise CheckpointError(f"expert ({layer}, {expert}) written twice")
-        block = bytearray(self.block_size)
+        arrays = []
         for slot in self.slots:
             array = tensors.get(slot.name)
             if array is None:
@@ -225,11 +225,18 @@ class ExpertFileWriter:
                     f"expert ({layer}, {expert}) {slot.name}: expected {slot.dtype}{list(slot.shape)}, "
                     f"got {array.dtype}{list(array.shape)}"
                 )
-            block[slot.offset : slot.offset + slot.nbytes] = _raw_bytes(array)
+            arrays.append(array)
+        # Each tensor goes straight from the caller's array to the file (no block-sized copy); the padding is
+        # already zero since the file was sized up front, and enters the checksum as zeros.
         entry = self.index[position]
-        entry["crc32"] = crc32(block)
-        self._file.seek(int(entry["offset"]))
-        self._file.write(block)
+        checksum, end = 0, 0
+        for slot, array in zip(self.slots, arrays):
+            raw = _raw_bytes(array)
+            checksum = zlib.crc32(raw, zlib.crc32(bytes(slot.offset - end), checksum))
+            self._file.seek(int(entry["offset"]) + slot.offset)
+            self._file.write(raw)
+            end = slot.offset + slot.nbytes
+        entry["crc32"] = zlib.crc32(bytes(self.block_size - end), checksum) & 0xFFFFFFFF
         self._written[position] = True
 
     def close(self) -> None:
