@@ -75,13 +75,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="seconds SIGTERM waits for running requests (default 300)")
     p.add_argument("--keepalive-interval", type=float, default=None,
                    help="seconds between SSE keep-alive comments while a stream waits (default 10)")
+    _add_trace_argument(p)
     p.set_defaults(run=_run_serve)
+
+
+def _add_trace_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace-file", default=None, metavar="PATH",
+                   help="write every engine step's phases as Chrome-trace JSON (ui.perfetto.dev, chrome://tracing)")
 
 
 def _run_serve(args: argparse.Namespace) -> None:
     from .server.app import run_server
 
-    given = {n: getattr(args, n) for n in ("max_body_bytes", "drain_timeout", "keepalive_interval")
+    given = {n: getattr(args, n) for n in ("max_body_bytes", "drain_timeout", "keepalive_interval", "trace_file")
              if getattr(args, n) is not None}
     run_server(dict(path=args.model, **_engine_options(args)), host=args.host, port=args.port,
                api_key=args.api_key, cors_origins=tuple(args.cors_origin), served_model_name=args.served_model_name,
@@ -100,37 +106,81 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason) at the end")
+    _add_trace_argument(p)
     p.set_defaults(run=_run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> None:
+    import contextlib
+
     import orjson
 
     from .llm import LLM
     from .request import SamplingParams
+    from .timing import ChromeTraceWriter
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     llm = LLM(args.model, **_engine_options(args))
-    if args.json:
-        result = llm.generate(args.prompt, params)
-        sys.stdout.buffer.write(orjson.dumps({
-            "prompt_token_ids": result.prompt_token_ids,
-            "token_ids": result.token_ids,
-            "text": result.text,
-            "finish_reason": result.finish_reason,
-        }) + b"\n")
-        return
-    for delta in llm.stream(args.prompt, params):
-        sys.stdout.write(delta)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    with contextlib.ExitStack() as stack:
+        if args.trace_file is not None:
+            llm.engine.timer.add_sink(stack.enter_context(ChromeTraceWriter(args.trace_file)))
+        if args.json:
+            result = llm.generate(args.prompt, params)
+            sys.stdout.buffer.write(orjson.dumps({
+                "prompt_token_ids": result.prompt_token_ids,
+                "token_ids": result.token_ids,
+                "text": result.text,
+                "finish_reason": result.finish_reason,
+            }) + b"\n")
+            return
+        for delta in llm.stream(args.prompt, params):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="load an OpenAI-compatible server with streamed requests and report latencies")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    p.add_argument("--model", default=None, help="model id to request (default: the first the server lists)")
+    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="most requests in flight (default: 1, or no limit with --request-rate)")
+    p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
+    prompts = p.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt-file", default=None, help="prompts, one per line (used in turn)")
+    prompts.add_argument("--input-len", type=int, default=32, help="words per synthetic prompt (default 32)")
+    p.add_argument("--output-len", type=int, default=64, help="max_tokens per request (default 64)")
+    p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --output-len tokens (vLLM extension)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts and arrival times")
+    p.add_argument("--output-format", choices=("table", "json"), default="table")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw the distributions (needs matplotlib)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> None:
+    from .bench import BenchConfig, bench, read_prompts, synthetic_prompts
+
+    prompts = (read_prompts(args.prompt_file) if args.prompt_file
+               else synthetic_prompts(args.num_requests, args.input_len, args.seed))
+    concurrency = args.concurrency if args.concurrency is not None or args.request_rate else 1
+    config = BenchConfig(url=args.url, prompts=prompts, num_requests=args.num_requests, output_len=args.output_len,
+                         model=args.model, endpoint=args.endpoint, concurrency=concurrency,
+                         request_rate=args.request_rate, ignore_eos=args.ignore_eos, temperature=args.temperature,
+                         api_key=args.api_key, seed=args.seed)
+    _, text = bench(config, args.output_format, args.plot, progress=not args.quiet)
+    print(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="colibri", description="Serve mixture-of-experts language models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_export, _add_inspect, _add_generate, _add_serve):
+    for add in (_add_export, _add_inspect, _add_generate, _add_serve, _add_bench):
         add(sub)
     return parser
 

@@ -28,6 +28,7 @@ from .request import (EngineStoppedError, InvalidParameterError, Logprob, QueueF
                       RequestStatus, SamplingParams)
 from .runner import ModelRunner
 from .scheduler import Scheduler, SeqUpdate
+from .timing import StepSink, StepTimer
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_seq_len=self.max_seq_len), self.kv)
         self.runner = ModelRunner(model, model.allocate_kv_cache(num_blocks, block_size))
+        self.timer: StepTimer = model.timer  # phases of every step; `timer.add_sink` turns it on
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
         self._requests: dict[str, dict[int, _Sequence]] = {}  # request id -> its unfinished sequences by index
         self._num_steps = 0
@@ -137,11 +139,17 @@ class EngineCore:
         if not self.scheduler.has_unfinished():
             return []
         start = time.perf_counter()
-        scheduled = self.scheduler.schedule()
-        result = self.runner.execute(scheduled)
-        updates = self.scheduler.update_from_output(scheduled, result.token_ids)
-        now = time.monotonic()
-        outputs = [self._output(update, logprob, now) for update, logprob in zip(updates, result.logprobs)]
+        timer = self.timer
+        with timer.phase("step"):
+            with timer.phase("schedule"):
+                scheduled = self.scheduler.schedule()
+            timer.annotate(tokens=scheduled.num_batched_tokens, seqs=len(scheduled.seqs))
+            result = self.runner.execute(scheduled)
+            with timer.phase("update"):
+                updates = self.scheduler.update_from_output(scheduled, result.token_ids)
+            now = time.monotonic()
+            with timer.phase("detokenize"):
+                outputs = [self._output(update, logprob, now) for update, logprob in zip(updates, result.logprobs)]
         self._num_steps += 1
         self._num_generated_tokens += len(result.token_ids)
         self._last_step_time = time.perf_counter() - start
@@ -373,6 +381,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The snapshot taken after the last step (or the last batch of requests and aborts)."""
         return self._stats
+
+    def add_step_sink(self, sink: StepSink) -> None:
+        """Time every later step's phases and hand each StepRecord to `sink`, in the step thread (before start())."""
+        self._core.timer.add_sink(sink)
 
     def _queue_is_full(self, n: int) -> bool:
         """Whether `n` more sequences would leave more than max_queue waiting once the batch's free slots fill."""

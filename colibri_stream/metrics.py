@@ -1,8 +1,10 @@
-"""Prometheus metrics of a serving process: requests, tokens, latencies, and the engine's queue and KV cache.
+"""Prometheus metrics of a serving process: requests, tokens, latencies, step timings, the engine's queue and KV cache.
 
 Each server owns a registry (several servers can live in one process, as in tests). Request-side figures are
 observed as responses are produced; the engine's state (queue depth, running requests, KV blocks, steps) is read
-from `engine.stats()` at scrape time, so it is always current and costs nothing between scrapes.
+from `engine.stats()` at scrape time, so it is always current and costs nothing between scrapes. Step timings
+arrive from the engine's step thread as `StepRecord`s (`observe_step`): `colibri_step_seconds` per step and
+`colibri_step_phase_seconds{phase}` per phase and step (the names in `timing.PHASES`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .timing import StepRecord
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
                     5.0, 10.0, 20.0, 40.0, 80.0)
+_STEP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                 2.5, 5.0, 10.0)
 _LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -67,6 +73,11 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.loop_lag = Histogram("colibri_event_loop_lag_seconds", "How late the event loop wakes a timer",
                                   buckets=_LAG_BUCKETS, registry=r)
+        self.step = Histogram("colibri_step_seconds", "Duration of engine steps", buckets=_STEP_BUCKETS, registry=r)
+        self.step_phase = Histogram("colibri_step_phase_seconds",
+                                    "Time one engine step spent in a phase (summed over the model's layers)",
+                                    ["phase"], buckets=_STEP_BUCKETS, registry=r)
+        self._phase_children: dict[str, Any] = {}  # phase -> its labelled histogram
         r.register(EngineCollector(engine))
 
     def render(self) -> tuple[bytes, str]:
@@ -84,6 +95,15 @@ class ServerMetrics:
         self.generation_tokens.inc(len(output.token_ids))
         if output.finished:
             self.finished.labels(output.finish_reason).inc()
+
+    def observe_step(self, record: StepRecord) -> None:
+        """Observe one engine step's duration and phases (a step sink: called in the engine's step thread)."""
+        self.step.observe(record.duration)
+        for phase, seconds in record.phase_seconds().items():
+            child = self._phase_children.get(phase)
+            if child is None:
+                child = self._phase_children[phase] = self.step_phase.labels(phase)
+            child.observe(seconds)
 
     async def watch_event_loop(self, interval: float = 0.05) -> None:
         """Run forever, observing how much later than asked each `sleep(interval)` wakes: the loop's lag."""

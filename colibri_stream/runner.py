@@ -60,11 +60,16 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         for seq_id in step.finished_seq_ids:
             self._states.pop(seq_id, None)
-        logits = self.model.forward(build_batch(step.seqs, self.kv_cache.block_size), self.kv_cache)  # [N, V]
+        timer = self.model.timer
+        with timer.phase("prepare"):
+            batch = build_batch(step.seqs, self.kv_cache.block_size)
+        with timer.phase("forward"):
+            logits = self.model.forward(batch, self.kv_cache)  # [N, V]
         states = [self._state(s) for s in step.seqs if s.sample]
         if not states:
             return RunnerOutput([], [])
-        sampled = self.sampler.sample(logits, states)
+        with timer.phase("sample"):
+            sampled = self.sampler.sample(logits, states)
         token_ids = sampled.token_ids.tolist()
         for state, token in zip(states, token_ids):
             state.output_token_ids.append(token)

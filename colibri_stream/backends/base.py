@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..timing import HOST_CLOCK, Clock
+
 if TYPE_CHECKING:
     from ..experts.store import ExpertStore
     from ..model.batch import ForwardBatch
@@ -24,6 +26,10 @@ class Backend(ABC):
     """Array operations of one device; subclasses implement each for their array library."""
 
     name: str
+
+    def timing_clock(self) -> Clock:
+        """The clock the model's step phases are timed with: the host's, unless the device runs asynchronously."""
+        return HOST_CLOCK
 
     # ---- memory -------------------------------------------------------------------------------------------
     @abstractmethod

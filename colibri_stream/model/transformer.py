@@ -15,6 +15,7 @@ from ..backends.base import Array, Backend
 from ..checkpoint import DenseFile, ModelFolder
 from ..config import ModelConfig
 from ..experts.store import ExpertStore, MappedExpertStore
+from ..timing import StepTimer
 from .batch import ForwardBatch
 from .paged_kv import PagedKVCache
 from .rope import cos_sin_table
@@ -100,6 +101,7 @@ class MoETransformer:
         cos, sin = cos_sin_table(config.rope, config.head_dim, config.max_position_embeddings)
         self.rope_cos, self.rope_sin = backend.upload(cos), backend.upload(sin)  # [P, D/2] each
         self.attention_scale = config.head_dim**-0.5
+        self.timer = StepTimer(backend.timing_clock())  # the engine's step timer; the forward's phases report to it
 
     @property
     def max_positions(self) -> int:
@@ -114,7 +116,7 @@ class MoETransformer:
         if batch.num_tokens and int(batch.positions.max()) >= self.max_positions:
             raise ValueError(f"position {int(batch.positions.max())} is beyond the model's "
                              f"{self.max_positions} positions")
-        b, cfg = self.backend, self.config
+        b, cfg, t = self.backend, self.config, self.timer
         device_batch = {
             "token_ids": b.upload(batch.token_ids),
             "positions": b.upload(batch.positions),
@@ -128,7 +130,8 @@ class MoETransformer:
                 residual, x = hidden, b.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             else:
                 x, residual = b.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
-            hidden = self._attention(index, layer, x, batch, device_batch, kv_cache)  # [T, H]
+            with t.device_phase("attention"):
+                hidden = self._attention(index, layer, x, batch, device_batch, kv_cache)  # [T, H]
             x, residual = b.add_rms_norm(hidden, residual, layer.post_attention_norm, cfg.rms_norm_eps)
             hidden = self._mlp(index, layer, x)  # [T, H]
         x, _ = b.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
@@ -162,16 +165,19 @@ class MoETransformer:
         return b.linear(attended.reshape(t, cfg.num_heads * d), layer.o_proj, layer.o_bias)
 
     def _mlp(self, index: int, layer: LayerWeights, x: Array) -> Array:
-        b, cfg = self.backend, self.config
+        b, cfg, t = self.backend, self.config, self.timer
         if layer.dense_mlp is not None:
-            return self._gated_mlp(layer.dense_mlp, x)
-        weights, expert_ids = b.route(x, layer.router, cfg.top_k, cfg.norm_topk_prob)  # [T, k] each
-        out = b.routed_experts(x, weights, expert_ids, index, self.store)  # [T, H]
-        if layer.shared_expert is not None:
-            shared = self._gated_mlp(layer.shared_expert, x)  # [T, H]
-            if layer.shared_expert_gate is not None:
-                shared = b.sigmoid(b.linear(x, layer.shared_expert_gate)) * shared
-            out = out + shared
+            with t.device_phase("mlp"):
+                return self._gated_mlp(layer.dense_mlp, x)
+        with t.device_phase("routing"):
+            weights, expert_ids = b.route(x, layer.router, cfg.top_k, cfg.norm_topk_prob)  # [T, k] each
+        with t.device_phase("experts"):
+            out = b.routed_experts(x, weights, expert_ids, index, self.store)  # [T, H]
+            if layer.shared_expert is not None:
+                shared = self._gated_mlp(layer.shared_expert, x)  # [T, H]
+                if layer.shared_expert_gate is not None:
+                    shared = b.sigmoid(b.linear(x, layer.shared_expert_gate)) * shared
+                out = out + shared
         return out
 
     def _gated_mlp(self, mlp: MLPWeights, x: Array) -> Array:

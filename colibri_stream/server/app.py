@@ -29,6 +29,7 @@ from aiohttp import web
 from ..errors import ColibriError
 from ..metrics import ServerMetrics
 from ..request import EngineStoppedError, InvalidParameterError, PromptTooLongError, QueueFullError
+from ..timing import ChromeTraceWriter
 from ..tokenizer import ChatTemplateError
 from .protocol import APIError, GenerateRequest, Responder, bad_request, parse_chat, parse_completion
 from .sse import EventStream
@@ -87,11 +88,13 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def create_app(engine: Any, *, api_key: str | None = None, served_model_name: str | None = None,
                cors_origins: tuple[str, ...] | list[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               keepalive_interval: float = DEFAULT_KEEPALIVE_SECONDS) -> web.Application:
+               keepalive_interval: float = DEFAULT_KEEPALIVE_SECONDS,
+               trace_file: str | None = None) -> web.Application:
     """The server application for `engine` (not yet started: the app starts and stops it).
 
     api_key: required as `Authorization: Bearer <key>` on /v1/*; cors_origins: origins allowed to call from a
-    browser ("*" for any); keepalive_interval: seconds of silence after which a stream sends an SSE comment.
+    browser ("*" for any); keepalive_interval: seconds of silence after which a stream sends an SSE comment;
+    trace_file: where to write every engine step's phases as a Chrome trace (closed when the app stops).
     """
     middlewares: list[Any] = [_errors]
     if cors_origins:
@@ -104,6 +107,9 @@ def create_app(engine: Any, *, api_key: str | None = None, served_model_name: st
     if cors_origins:
         app[_CORS_ORIGINS] = tuple(cors_origins)
         app.on_response_prepare.append(_cors_headers)
+    engine.add_step_sink(app[STATE].metrics.observe_step)
+    if trace_file is not None:
+        app.cleanup_ctx.append(functools.partial(_trace_lifetime, trace_file))
     app.cleanup_ctx.append(_engine_lifetime)
     app.add_routes([
         web.post("/v1/chat/completions", chat_completions),
@@ -114,6 +120,14 @@ def create_app(engine: Any, *, api_key: str | None = None, served_model_name: st
         web.get("/metrics", metrics),
     ])
     return app
+
+
+async def _trace_lifetime(path: str, app: web.Application) -> AsyncIterator[None]:
+    """Trace the engine's steps while it runs (cleanups run in reverse order: the engine stops first)."""
+    writer = ChromeTraceWriter(path)
+    app[STATE].engine.add_step_sink(writer)
+    yield
+    writer.close()
 
 
 async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
@@ -396,7 +410,7 @@ async def drain(app: web.Application, timeout: float | None = None) -> bool:
 def run_server(engine_config: dict[str, Any], host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                cors_origins: tuple[str, ...] | list[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                served_model_name: str | None = None, drain_timeout: float | None = 300.0,
-               keepalive_interval: float = DEFAULT_KEEPALIVE_SECONDS) -> None:
+               keepalive_interval: float = DEFAULT_KEEPALIVE_SECONDS, trace_file: str | None = None) -> None:
     """Load the engine and serve until SIGTERM or SIGINT (blocking; on uvloop when it is installed).
 
     engine_config: the keyword arguments of AsyncEngine.from_pretrained, the model folder as "path". The first
@@ -410,7 +424,7 @@ def run_server(engine_config: dict[str, Any], host: str = "127.0.0.1", port: int
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
     engine = AsyncEngine.from_pretrained(**engine_config)
     app = create_app(engine, api_key=api_key, served_model_name=served_model_name, cors_origins=cors_origins,
-                     max_body_bytes=max_body_bytes, keepalive_interval=keepalive_interval)
+                     max_body_bytes=max_body_bytes, keepalive_interval=keepalive_interval, trace_file=trace_file)
     run(_serve_until_signal(app, host, port, drain_timeout))
 
 
