@@ -9,6 +9,7 @@ page is read before and after the run: on a Colibri server it gives the step tim
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from dataclasses import dataclass, field
@@ -147,18 +148,15 @@ async def _scrape(session: aiohttp.ClientSession, url: str) -> str | None:
 
 async def _send_all(session: aiohttp.ClientSession, config: BenchConfig, model: str, bar: tqdm
                     ) -> list[RequestResult]:
-    limit = asyncio.Semaphore(config.concurrency) if config.concurrency else None
+    limit = asyncio.Semaphore(config.concurrency) if config.concurrency else contextlib.nullcontext()
     rng = random.Random(config.seed)
     start = time.perf_counter()
     arrival = 0.0  # seconds after start
     tasks = []
 
     async def one(index: int) -> RequestResult:
-        if limit is None:
+        async with limit:
             result = await _send(session, config, model, config.prompts[index % len(config.prompts)])
-        else:
-            async with limit:
-                result = await _send(session, config, model, config.prompts[index % len(config.prompts)])
         bar.update()
         return result
 
