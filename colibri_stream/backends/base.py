@@ -16,6 +16,7 @@ import numpy as np
 from ..timing import HOST_CLOCK, Clock
 
 if TYPE_CHECKING:
+    from ..config import ModelConfig
     from ..experts.store import ExpertStore
     from ..model.batch import ForwardBatch
 
@@ -47,6 +48,18 @@ class Backend(ABC):
     @abstractmethod
     def zeros(self, shape: tuple[int, ...], dtype: str = "float32") -> Array:
         """A zero-filled device array."""
+
+    def prepare_experts(self, store: ExpertStore, config: ModelConfig) -> ExpertStore:
+        """The expert store `routed_experts` will be given (the GPU backend makes every expert resident)."""
+        return store
+
+    def random_weight(self, shape: tuple[int, ...], std: float, seed: int, dtype: str) -> Array:
+        """Normal(0, std) values of `shape` in storage `dtype`, drawn from `seed`, in a form `prepare_weight` takes
+        (synthetic models)."""
+        from ..checkpoint import NUMPY_DTYPES
+
+        values = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) * np.float32(std)  # [shape]
+        return values.astype(NUMPY_DTYPES[dtype])
 
     # ---- dense layers -------------------------------------------------------------------------------------
     @abstractmethod

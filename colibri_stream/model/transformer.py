@@ -20,6 +20,9 @@ from .batch import ForwardBatch
 from .paged_kv import PagedKVCache
 from .rope import cos_sin_table
 
+BATCH_FIELDS = ("token_ids", "positions", "query_start", "context_lens", "block_tables", "slot_mapping",
+                "logits_indices")
+
 
 @dataclass
 class MLPWeights:
@@ -62,7 +65,7 @@ class MoETransformer:
     def __init__(self, config: ModelConfig, dense: DenseFile, store: ExpertStore, backend: Backend):
         self.config = config
         self.backend = backend
-        self.store = store
+        self.store = backend.prepare_experts(store, config)
 
         def load(name: str) -> Array:
             return backend.prepare_weight(dense.get(name))
@@ -116,13 +119,19 @@ class MoETransformer:
         if batch.num_tokens and int(batch.positions.max()) >= self.max_positions:
             raise ValueError(f"position {int(batch.positions.max())} is beyond the model's "
                              f"{self.max_positions} positions")
+        return self.backend.to_host(self.forward_device(batch, self.upload_batch(batch), kv_cache))
+
+    def upload_batch(self, batch: ForwardBatch) -> dict[str, Array]:
+        """The batch's index arrays on the backend's device, by ForwardBatch field name."""
+        return {name: self.backend.upload(getattr(batch, name)) for name in BATCH_FIELDS}
+
+    def forward_device(self, batch: ForwardBatch, device_batch: dict[str, Array], kv_cache: PagedKVCache) -> Array:
+        """One step -> logits [N, V] float32 left on the backend's device.
+
+        `device_batch` holds the batch's arrays on the device (from `upload_batch`, or the fixed input buffers of a
+        captured CUDA graph); the GPU backend reads only their shapes from `batch`.
+        """
         b, cfg, t = self.backend, self.config, self.timer
-        device_batch = {
-            "token_ids": b.upload(batch.token_ids),
-            "positions": b.upload(batch.positions),
-            "slot_mapping": b.upload(batch.slot_mapping),
-            "logits_indices": b.upload(batch.logits_indices),
-        }
         hidden = b.embedding(self.embed_tokens, device_batch["token_ids"])  # [T, H]
         residual = None
         for index, layer in enumerate(self.layers):
@@ -136,7 +145,7 @@ class MoETransformer:
             hidden = self._mlp(index, layer, x)  # [T, H]
         x, _ = b.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
         x = b.gather_rows(x, device_batch["logits_indices"])  # [N, H]
-        return b.to_host(b.linear(x, self.lm_head))  # [N, V]
+        return b.linear(x, self.lm_head)  # [N, V]
 
     def _attention(self, index: int, layer: LayerWeights, x: Array, batch: ForwardBatch,
                    device_batch: dict[str, Array], kv_cache: PagedKVCache) -> Array:
@@ -186,16 +195,21 @@ class MoETransformer:
 
 
 def select_backend(device: str) -> Backend:
-    """The backend for `device`: cpu, or auto (the CPU until the GPU backend exists)."""
+    """The backend for `device`: cpu (NumPy), cuda (CuPy), or auto (CuPy when it finds a GPU, else NumPy)."""
+    from ..backends.cupy_backend import cuda_available
     from ..errors import ColibriError
 
-    if device in ("cpu", "auto"):
-        from ..backends.numpy_backend import NumpyBackend
+    if device not in ("auto", "cpu", "cuda"):
+        raise ColibriError(f"unknown device {device!r}: use auto, cpu or cuda")
+    if device == "cuda" or (device == "auto" and cuda_available()):
+        if not cuda_available():
+            raise ColibriError("no CUDA GPU is usable (CuPy is missing or finds no device); use --device cpu")
+        from ..backends.cupy_backend import CupyBackend
 
-        return NumpyBackend()
-    if device == "cuda":
-        raise ColibriError("the CUDA backend is not available in this version; use --device cpu")
-    raise ColibriError(f"unknown device {device!r}: use auto, cpu or cuda")
+        return CupyBackend()
+    from ..backends.numpy_backend import NumpyBackend
+
+    return NumpyBackend()
 
 
 def load_model(path: str, device: str = "cpu", verify: bool = False) -> MoETransformer:

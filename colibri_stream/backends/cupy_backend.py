@@ -1,0 +1,387 @@
+"""The GPU backend: CuPy arrays and our own CUDA kernels (kernels/*.cu, compiled at run time by kernels.py).
+
+Numerics: activations, the KV cache and every accumulation are float32. Weight matrices stay in their storage
+dtype (bfloat16, float16, float32; routed experts also int8 with per-row float32 scales) and are widened in
+registers as they are loaded; vectors (norm weights, biases) are held as float32. bfloat16 arrays are CuPy uint16
+arrays of the same bits (CuPy has no bfloat16 arithmetic); `storage_type` names their CUDA type for the kernels.
+
+Dense projections of up to SMALL_BATCH tokens (decode) run on our GEMV kernel (linear.cu), which reads each weight
+once for all the tokens; larger ones (prefill) go to cuBLAS, with the activations rounded to the weight dtype and
+float32 output. Routed experts are held per layer as stacked device arrays (DeviceExpertStore), and the MoE kernels
+read the routing from device memory, so a decode step needs no host synchronisation and can be captured in a CUDA
+graph (cuda_graph.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from ..config import ModelConfig
+from ..experts.store import ExpertStore
+from ..model.batch import ForwardBatch
+from .base import Array, Backend
+from .kernels import get_kernel
+
+SMALL_BATCH = 64  # up to this many tokens, dense projections use linear_rows; above, cuBLAS
+TOKEN_TILES = (1, 2, 4, 8)  # linear_rows instantiations: tokens per block
+LINEAR_ROWS_PER_BLOCK = 8  # LINEAR_WARPS * LINEAR_ROWS in linear.cu
+MOE_WARPS = 4  # rows per block of the MoE kernels (moe.cu)
+ATTENTION_WARPS = 16  # ATTN_WARPS in attention.cu
+NULL = np.uint64(0)  # a null pointer kernel argument
+
+_CTYPES = {
+    np.dtype(np.float32): "float",
+    np.dtype(np.uint16): "__nv_bfloat16",
+    np.dtype(np.float16): "__half",
+    np.dtype(np.int8): "signed char",
+}
+_DEVICE_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16}
+
+# The instantiations compiled together with a kernel of each templated file, for weight type w.
+_FAMILIES = {
+    "linear.cu": lambda w: tuple(f"linear_rows<{w}, {tt}>" for tt in TOKEN_TILES) + (f"to_storage<{w}>",),
+    "embedding.cu": lambda w: (f"embedding<{w}>",),
+    "router.cu": lambda w: (f"route_topk<{w}>",),
+    "moe.cu": lambda w: (f"moe_gate_up<{w}>", f"moe_down<{w}>"),
+    "attention.cu": lambda w: tuple(f"paged_attention<{d}>" for d in (1, 2, 4, 8)),
+}
+
+
+def cuda_available() -> bool:
+    """Whether CuPy is installed and sees a CUDA GPU."""
+    try:
+        import cupy
+
+        return bool(cupy.cuda.is_available())
+    except Exception:  # ImportError, or a CUDA library that fails to load
+        return False
+
+
+def storage_type(array: Array) -> str:
+    """The CUDA type of a device weight array's elements."""
+    return _CTYPES[np.dtype(array.dtype)]
+
+
+def to_device_storage(array) -> Array:
+    """A weight (host NumPy in any storage dtype, or already a device array) as a contiguous device array of a
+    kernel-readable dtype (bfloat16 as uint16 bits)."""
+    import cupy
+
+    if isinstance(array, np.ndarray):
+        if array.dtype == ml_dtypes.bfloat16:
+            array = array.view(np.uint16)
+        return cupy.asarray(np.ascontiguousarray(array))
+    return cupy.ascontiguousarray(array)
+
+
+def _check_row_width(cols: int, array: Array, what: str) -> None:
+    vector = 16 // np.dtype(array.dtype).itemsize
+    if cols % vector:
+        raise ValueError(f"{what}: rows of {cols} {storage_type(array)} elements are not a multiple of {vector} "
+                         "(the kernels read 16 bytes at a time)")
+
+
+def _launch(file: str, expression: str, grid: tuple[int, ...], block: int, args: tuple, shared_mem: int = 0,
+            weight_type: str | None = None) -> None:
+    if 0 in grid:
+        return
+    family = _FAMILIES[file](weight_type) if file in _FAMILIES else ()
+    get_kernel(file, expression, family)(grid, (block,), args, shared_mem=shared_mem)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class LayerExperts:
+    """The routed experts of one MoE layer, stacked on the device so kernels index them by expert id."""
+
+    w13: Array  # [E, 2I, H] storage dtype: rows 0..I-1 gate, I..2I-1 up
+    w2: Array  # [E, H, I] down
+    s13: Array | None  # [E, 2I] float32 per-row scales (int8 experts), else None
+    s2: Array | None  # [E, H] float32, else None
+
+
+class DeviceExpertStore(ExpertStore):
+    """Every routed expert resident in GPU memory, stacked per MoE layer (`layer(l)` gives the arrays)."""
+
+    def __init__(self, layers: dict[int, LayerExperts]):
+        self.layers = layers
+
+    @classmethod
+    def upload(cls, store: ExpertStore, layers: Iterable[int], num_experts: int) -> DeviceExpertStore:
+        """Copy experts 0..num_experts-1 of each layer from `store` (host or device arrays) into stacked arrays."""
+        import cupy
+
+        stacked = {}
+        for layer in layers:
+            arrays = None
+            for expert in range(num_experts):
+                tensors = store.expert(layer, expert)
+                gate, up, down = (to_device_storage(tensors[n]) for n in ("gate", "up", "down"))  # [I, H], [I, H], [H, I]
+                if arrays is None:
+                    i, h = gate.shape
+                    quantized = "gate_scale" in tensors
+                    arrays = LayerExperts(
+                        w13=cupy.empty((num_experts, 2 * i, h), gate.dtype),
+                        w2=cupy.empty((num_experts, h, i), gate.dtype),
+                        s13=cupy.empty((num_experts, 2 * i), np.float32) if quantized else None,
+                        s2=cupy.empty((num_experts, h), np.float32) if quantized else None,
+                    )
+                if not gate.dtype == up.dtype == down.dtype == arrays.w13.dtype:
+                    raise ValueError(f"expert ({layer}, {expert}) has tensors of another dtype than expert 0")
+                i = gate.shape[0]
+                arrays.w13[expert, :i] = gate
+                arrays.w13[expert, i:] = up
+                arrays.w2[expert] = down
+                if arrays.s13 is not None:
+                    arrays.s13[expert, :i] = cupy.asarray(tensors["gate_scale"], dtype=np.float32)
+                    arrays.s13[expert, i:] = cupy.asarray(tensors["up_scale"], dtype=np.float32)
+                    arrays.s2[expert] = cupy.asarray(tensors["down_scale"], dtype=np.float32)
+            stacked[layer] = arrays
+        return cls(stacked)
+
+    def layer(self, layer: int) -> LayerExperts:
+        return self.layers[layer]
+
+    def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        """One expert's tensors copied back to the host, in the storage layout ExpertStore promises."""
+        import cupy
+
+        arrays = self.layers[layer]
+        i = arrays.w2.shape[2]
+
+        def host(array: Array) -> np.ndarray:
+            values = cupy.asnumpy(array)
+            return values.view(ml_dtypes.bfloat16) if values.dtype == np.uint16 else values
+
+        tensors = {"gate": host(arrays.w13[expert, :i]), "up": host(arrays.w13[expert, i:]),
+                   "down": host(arrays.w2[expert])}
+        if arrays.s13 is not None:
+            tensors.update(gate_scale=host(arrays.s13[expert, :i]), up_scale=host(arrays.s13[expert, i:]),
+                           down_scale=host(arrays.s2[expert]))
+        return tensors
+
+
+class CupyBackend(Backend):
+    """CuPy arrays on the current CUDA device, computed with the kernels of kernels/*.cu."""
+
+    name = "cupy"
+
+    def __init__(self):
+        import cupy
+
+        self.cp = cupy
+        self._silu_mul = cupy.ElementwiseKernel("float32 g, float32 u", "float32 y", "y = g / (1.0f + expf(-g)) * u",
+                                                "colibri_silu_mul")
+        self._sigmoid = cupy.ElementwiseKernel("float32 x", "float32 y", "y = 1.0f / (1.0f + expf(-x))",
+                                               "colibri_sigmoid")
+
+    # ---- memory -------------------------------------------------------------------------------------------
+    def prepare_weight(self, host) -> Array:
+        if host.ndim == 1:  # norm weights and biases: float32
+            if isinstance(host, np.ndarray):
+                host = host.astype(np.float32)
+            return self.cp.asarray(host, dtype=np.float32)
+        return to_device_storage(host)
+
+    def prepare_experts(self, store: ExpertStore, config: ModelConfig) -> ExpertStore:
+        if isinstance(store, DeviceExpertStore):
+            return store
+        return DeviceExpertStore.upload(store, config.moe_layers, config.num_experts)
+
+    def upload(self, host: np.ndarray) -> Array:
+        return self.cp.asarray(host)
+
+    def to_host(self, array: Array) -> np.ndarray:
+        return self.cp.asnumpy(array)
+
+    def zeros(self, shape: tuple[int, ...], dtype: str = "float32") -> Array:
+        return self.cp.zeros(shape, dtype=dtype)
+
+    def random_weight(self, shape: tuple[int, ...], std: float, seed: int, dtype: str) -> Array:
+        values = self.cp.random.RandomState(seed).standard_normal(shape, dtype=np.float32)  # [shape]
+        values *= np.float32(std)
+        return self.from_float32(values, dtype)
+
+    def from_float32(self, values: Array, dtype: str) -> Array:
+        """float32 device values rounded to a storage dtype (float32, bfloat16 as uint16 bits, float16)."""
+        if dtype == "float32":
+            return values
+        out = self.cp.empty(values.shape, _DEVICE_DTYPES[dtype])
+        w = storage_type(out)
+        _launch("linear.cu", f"to_storage<{w}>", (_ceil(values.size, 256),), 256,
+                (self.cp.ascontiguousarray(values), out, np.int64(values.size)), weight_type=w)
+        return out
+
+    # ---- dense layers -------------------------------------------------------------------------------------
+    def embedding(self, table: Array, token_ids: Array) -> Array:
+        t, h = token_ids.shape[0], table.shape[1]
+        out = self.cp.empty((t, h), np.float32)  # [T, H]
+        w = storage_type(table)
+        _launch("embedding.cu", f"embedding<{w}>", (t,), 256, (table, token_ids, out, np.int32(h)), weight_type=w)
+        return out
+
+    def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
+        return self._rms_norm(x, None, weight, eps)[0]
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return self._rms_norm(x, residual, weight, eps)
+
+    def _rms_norm(self, x: Array, residual: Array | None, weight: Array, eps: float) -> tuple[Array, Array | None]:
+        x = self.cp.ascontiguousarray(x)
+        n = x.shape[-1]
+        out = self.cp.empty_like(x)  # [..., N]
+        summed = None if residual is None else self.cp.empty_like(x)  # [..., N]
+        args = (x, NULL if residual is None else self.cp.ascontiguousarray(residual), weight, out,
+                NULL if summed is None else summed, np.int32(n), np.float32(eps))
+        threads = min(1024, 32 * _ceil(n, 4 * 32))  # about four elements per thread
+        _launch("norm.cu", "rms_norm", (x.size // n,), threads, args)
+        return out, summed
+
+    def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
+        x = self.cp.ascontiguousarray(x)
+        t, n_in = x.shape
+        n_out = weight.shape[0]
+        out = self.cp.empty((t, n_out), np.float32)  # [T, Out]
+        if t > SMALL_BATCH:
+            self._gemm(x, weight, out)
+            if bias is not None:
+                out += bias
+            return out
+        _check_row_width(n_in, weight, "linear")
+        tile = next(tt for tt in TOKEN_TILES if tt >= min(t, TOKEN_TILES[-1]))
+        w = storage_type(weight)
+        grid = (_ceil(t, tile) * _ceil(n_out, LINEAR_ROWS_PER_BLOCK),)
+        _launch("linear.cu", f"linear_rows<{w}, {tile}>", grid, 128,
+                (x, weight, NULL if bias is None else bias, out, np.int32(t), np.int32(n_in), np.int32(n_out)),
+                weight_type=w)
+        return out
+
+    def _gemm(self, x: Array, weight: Array, out: Array) -> None:
+        """out [T, Out] = x [T, In] @ weight [Out, In]^T through cuBLAS (float32 output and accumulation)."""
+        if weight.dtype == np.float32:
+            self.cp.matmul(x, weight.T, out=out)
+            return
+        from cupy.cuda import runtime
+        from cupy_backends.cuda.libs import cublas
+
+        t, n_in = x.shape
+        n_out = weight.shape[0]
+        dtype = "bfloat16" if weight.dtype == np.uint16 else "float16"
+        x_low = self.from_float32(x, dtype)  # [T, In] in the weight dtype
+        code = runtime.CUDA_R_16BF if dtype == "bfloat16" else runtime.CUDA_R_16F
+        one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+        handle = self.cp.cuda.device.get_cublas_handle()
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        # Column-major view: out^T [Out, T] = weight [Out, In] (row-major, so transposed) times x^T [In, T].
+        cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, t, n_in,
+                      one.ctypes.data, weight.data.ptr, code, n_in, x_low.data.ptr, code, n_in,
+                      zero.ctypes.data, out.data.ptr, runtime.CUDA_R_32F, n_out,
+                      cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+
+    def silu_mul(self, gate: Array, up: Array) -> Array:
+        return self._silu_mul(gate, up)
+
+    def sigmoid(self, x: Array) -> Array:
+        return self._sigmoid(x)
+
+    def clip(self, x: Array, limit: float) -> Array:
+        return self.cp.clip(x, -limit, limit)
+
+    # ---- attention ----------------------------------------------------------------------------------------
+    def rotary(self, x: Array, cos: Array, sin: Array, positions: Array) -> Array:
+        x = self.cp.ascontiguousarray(x)
+        t, heads, d = x.shape
+        out = self.cp.empty_like(x)  # [T, heads, D]
+        _launch("rope.cu", "rotary", (t,), 256, (x, out, cos, sin, positions, np.int32(heads), np.int32(d // 2)))
+        return out
+
+    def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
+        t = key.shape[0]
+        width = key_cache.shape[2] * key_cache.shape[3]
+        _launch("kv_cache.cu", "write_kv", (t,), 128, (self.cp.ascontiguousarray(key),
+                                                       self.cp.ascontiguousarray(value), key_cache, value_cache,
+                                                       slot_mapping, np.int32(width)))
+
+    def paged_attention(self, query, key_cache, value_cache, batch: ForwardBatch, device_batch, scale,
+                        sliding_window):
+        query = self.cp.ascontiguousarray(query)
+        t, num_heads, head_dim = query.shape
+        block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+        tables = device_batch["block_tables"]  # [B, max_blocks] int64
+        per_lane = next((d for d in (1, 2, 4, 8) if 32 * d >= head_dim), None)
+        if per_lane is None:
+            raise ValueError(f"head_dim {head_dim} is above the attention kernel's 256")
+        out = self.cp.empty_like(query)  # [T, Q, D]
+        args = (query, key_cache, value_cache, tables, device_batch["query_start"], device_batch["positions"], out,
+                np.int32(tables.shape[0]), np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim),
+                np.int32(block_size), np.int32(tables.shape[1]), np.float32(scale), np.int32(sliding_window or 0))
+        _launch("attention.cu", f"paged_attention<{per_lane}>", (t, num_heads), 32 * ATTENTION_WARPS, args,
+                shared_mem=ATTENTION_WARPS * head_dim * 4)
+        return out
+
+    # ---- mixture of experts -------------------------------------------------------------------------------
+    def route(self, x, router, top_k, renormalize):
+        x = self.cp.ascontiguousarray(x)
+        t, h = x.shape
+        num_experts = router.shape[0]
+        _check_row_width(h, router, "router")
+        weights = self.cp.empty((t, top_k), np.float32)  # [T, k]
+        expert_ids = self.cp.empty((t, top_k), np.int32)  # [T, k]
+        w = storage_type(router)
+        _launch("router.cu", f"route_topk<{w}>", (t,), 256,
+                (x, router, weights, expert_ids, np.int32(h), np.int32(num_experts), np.int32(top_k),
+                 np.int32(bool(renormalize))), shared_mem=4 * num_experts, weight_type=w)
+        return weights, expert_ids
+
+    def routed_experts(self, x, weights, expert_ids, layer, store: ExpertStore):
+        if not isinstance(store, DeviceExpertStore):
+            raise TypeError("the CuPy backend computes routed experts from a DeviceExpertStore (prepare_experts)")
+        cp = self.cp
+        experts = store.layer(layer)
+        x = cp.ascontiguousarray(x)
+        t, h = x.shape
+        top_k = expert_ids.shape[1]
+        pairs = t * top_k
+        num_experts, two_i, _ = experts.w13.shape
+        i = two_i // 2
+        _check_row_width(h, experts.w13, "experts (hidden size)")
+        _check_row_width(i, experts.w2, "experts (intermediate size)")
+        ids = cp.ascontiguousarray(expert_ids, dtype=np.int32).reshape(pairs)  # [P]
+        route_weights = cp.ascontiguousarray(weights, dtype=np.float32).reshape(pairs)  # [P]
+        group_expert = cp.empty(num_experts, np.int32)  # [E]
+        group_start = cp.empty(num_experts + 1, np.int32)  # [E+1]
+        sorted_pairs = cp.empty(pairs, np.int32)  # [P]
+        num_groups = cp.empty(1, np.int32)
+        w = storage_type(experts.w13)
+        _launch("moe.cu", "moe_align", (1,), 1024,
+                (ids, np.int32(pairs), np.int32(num_experts), group_expert, group_start, sorted_pairs, num_groups),
+                shared_mem=8 * num_experts, weight_type=w)
+        groups = min(num_experts, pairs)
+        routing = (group_expert, group_start, sorted_pairs, num_groups)
+        act = cp.empty((pairs, i), np.float32)  # [P, I]
+        _launch("moe.cu", f"moe_gate_up<{w}>", (_ceil(i, MOE_WARPS), groups), 32 * MOE_WARPS,
+                (x, experts.w13, NULL if experts.s13 is None else experts.s13, *routing, act, np.int32(h),
+                 np.int32(i), np.int32(top_k)), weight_type=w)
+        out = cp.empty((t, h), np.float32)  # [T, H]
+        _launch("moe.cu", f"moe_down<{w}>", (_ceil(h, MOE_WARPS),), 32 * MOE_WARPS,
+                (act, experts.w2, NULL if experts.s2 is None else experts.s2, route_weights, *routing, out,
+                 np.int32(t), np.int32(h), np.int32(i), np.int32(top_k)), weight_type=w)
+        return out
+
+    # ---- output -------------------------------------------------------------------------------------------
+    def gather_rows(self, x: Array, rows: Array) -> Array:
+        return x[rows]
+
+    def greedy(self, logits: Array) -> Array:
+        """The argmax of each row of logits [B, V] (lowest id among ties), on the device.  # [B] int64"""
+        logits = self.cp.ascontiguousarray(logits)
+        ids = self.cp.empty(logits.shape[0], np.int64)
+        _launch("sampling.cu", "argmax_rows", (logits.shape[0],), 1024, (logits, ids, np.int32(logits.shape[1])))
+        return ids

@@ -1,0 +1,155 @@
+// Launch contract
+//
+// The routed-expert MLP of a step, reading the routing from device memory (no host sync): P = T * k (token, slot)
+// pairs are grouped by expert, each active expert's weights are read once per group of up to MOE_TOKENS pairs,
+// and every launch has a grid fixed by the shapes alone (G = min(E, P) groups at most; blocks past the number of
+// active experts exit), so the sequence can be captured in a CUDA graph.
+//
+// moe_align: group the pairs by expert.
+//   ids int32 [P] (expert of pair p = t * k + s); outputs: group_expert int32 [E] (expert of group g, increasing),
+//   group_start int32 [E + 1] (pairs of group g: sorted_pairs[group_start[g] .. group_start[g + 1] - 1]),
+//   sorted_pairs int32 [P], num_groups int32 [1].
+//   grid: 1, block: 1024 threads, dynamic shared memory: 2 * E ints.
+//
+// moe_gate_up<W>: act[p, i] = silu(gate_e[i] . x[p / k]) * (up_e[i] . x[p / k]) for every pair p of expert e.
+//   x float32 [T, H]; w13 W [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up); s13 float32 [E, 2I] per-row scales (int8
+//   weights) or null; act float32 [P, I].
+//   grid: (ceil(I / MOE_WARPS), G), block: MOE_WARPS * 32 threads; each warp one row i of gate and of up.
+//
+// moe_down<W>: out[t, h] = sum over token t's pairs p, in group (expert) order, of
+//   route_weight[p] * (down_e[h] . act[p]): deterministic, and no [P, H] intermediate.
+//   act float32 [P, I]; w2 W [E, H, I]; s2 float32 [E, H] or null; route_weights float32 [P]; out float32 [T, H].
+//   grid.x: ceil(H / MOE_WARPS), block: MOE_WARPS * 32 threads; each warp owns row h (column h of out) and walks
+//   every active group.
+//
+// W: float, __nv_bfloat16, __half or signed char (int8, multiplied by the row's scale after the dot product);
+// H and I multiples of Vec<W>::N.
+#include "common.cuh"
+
+constexpr int MOE_WARPS = 4;
+constexpr int MOE_TOKENS = 8;
+
+extern "C" __global__ void moe_align(const int* __restrict__ ids, int num_pairs, int num_experts,
+                                     int* __restrict__ group_expert, int* __restrict__ group_start,
+                                     int* __restrict__ sorted_pairs, int* __restrict__ num_groups) {
+    extern __shared__ int counts[];  // [E] pairs per expert, then [E] write cursors
+    int* cursor = counts + num_experts;
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) counts[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) atomicAdd(&counts[ids[p]], 1);
+    __syncthreads();
+    if (threadIdx.x < 32) {  // one warp scans: each lane a contiguous run of experts
+        const int lane = threadIdx.x;
+        const int per_lane = (num_experts + 31) / 32;
+        const int begin = min(lane * per_lane, num_experts), end = min(begin + per_lane, num_experts);
+        int pairs = 0, groups = 0;
+        for (int e = begin; e < end; ++e) {
+            pairs += counts[e];
+            groups += counts[e] > 0;
+        }
+        int pairs_before = pairs, groups_before = groups;  // inclusive scan, made exclusive below
+#pragma unroll
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const int p = __shfl_up_sync(FULL_MASK, pairs_before, offset);
+            const int g = __shfl_up_sync(FULL_MASK, groups_before, offset);
+            if (lane >= offset) { pairs_before += p; groups_before += g; }
+        }
+        pairs_before -= pairs;
+        groups_before -= groups;
+        for (int e = begin; e < end; ++e) {
+            cursor[e] = pairs_before;
+            if (counts[e] > 0) {
+                group_expert[groups_before] = e;
+                group_start[groups_before] = pairs_before;
+                ++groups_before;
+            }
+            pairs_before += counts[e];
+        }
+        if (lane == 31) {
+            num_groups[0] = groups_before;
+            group_start[groups_before] = pairs_before;
+        }
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) sorted_pairs[atomicAdd(&cursor[ids[p]], 1)] = p;
+}
+
+template <typename W>
+__global__ void __launch_bounds__(MOE_WARPS * 32)
+moe_gate_up(const float* __restrict__ x, const W* __restrict__ w13, const float* __restrict__ s13,
+            const int* __restrict__ group_expert, const int* __restrict__ group_start,
+            const int* __restrict__ sorted_pairs, const int* __restrict__ num_groups, float* __restrict__ act,
+            int H, int I, int top_k) {
+    const int g = blockIdx.y;
+    if (g >= num_groups[0]) return;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = blockIdx.x * MOE_WARPS + warp;
+    if (row >= I) return;  // whole warps leave together
+    const long long e = group_expert[g];
+    const W* rows[2] = {w13 + (e * 2 * I + row) * H, w13 + (e * 2 * I + I + row) * H};
+    const float gate_scale = s13 != nullptr ? s13[e * 2 * I + row] : 1.f;
+    const float up_scale = s13 != nullptr ? s13[e * 2 * I + I + row] : 1.f;
+    const int end = group_start[g + 1];
+    for (int base = group_start[g]; base < end; base += MOE_TOKENS) {
+        const int n = min(MOE_TOKENS, end - base);
+        int pairs[MOE_TOKENS];
+        const float* xs[MOE_TOKENS];
+#pragma unroll
+        for (int j = 0; j < MOE_TOKENS; ++j) {
+            pairs[j] = sorted_pairs[base + min(j, n - 1)];
+            xs[j] = x + static_cast<long long>(pairs[j] / top_k) * H;
+        }
+        float acc[2][MOE_TOKENS] = {};
+        dot_tile<W, 2, MOE_TOKENS>(rows, xs, n, H, lane, acc);
+#pragma unroll
+        for (int j = 0; j < MOE_TOKENS; ++j) {
+            if (j < n) {  // n is the same for the whole warp
+                const float gate = warp_sum(acc[0][j]) * gate_scale;
+                const float up = warp_sum(acc[1][j]) * up_scale;
+                if (lane == 0) act[static_cast<long long>(pairs[j]) * I + row] = gate / (1.f + expf(-gate)) * up;
+            }
+        }
+    }
+}
+
+template <typename W>
+__global__ void __launch_bounds__(MOE_WARPS * 32)
+moe_down(const float* __restrict__ act, const W* __restrict__ w2, const float* __restrict__ s2,
+         const float* __restrict__ route_weights, const int* __restrict__ group_expert,
+         const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
+         const int* __restrict__ num_groups, float* __restrict__ out, int T, int H, int I, int top_k) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = blockIdx.x * MOE_WARPS + warp;
+    if (row >= H) return;  // whole warps leave together
+    // This warp alone writes column `row` of out: it zeroes it, then adds each group's terms in group order.
+    for (int t = lane; t < T; t += 32) out[static_cast<long long>(t) * H + row] = 0.f;
+    __syncwarp();
+    const int groups = num_groups[0];
+    for (int g = 0; g < groups; ++g) {
+        const long long e = group_expert[g];
+        const W* rows[1] = {w2 + (e * H + row) * I};
+        const float scale = s2 != nullptr ? s2[e * H + row] : 1.f;
+        const int end = group_start[g + 1];
+        for (int base = group_start[g]; base < end; base += MOE_TOKENS) {
+            const int n = min(MOE_TOKENS, end - base);
+            int pairs[MOE_TOKENS];
+            const float* xs[MOE_TOKENS];
+#pragma unroll
+            for (int j = 0; j < MOE_TOKENS; ++j) {
+                pairs[j] = sorted_pairs[base + min(j, n - 1)];
+                xs[j] = act + static_cast<long long>(pairs[j]) * I;
+            }
+            float acc[1][MOE_TOKENS] = {};
+            dot_tile<W, 1, MOE_TOKENS>(rows, xs, n, I, lane, acc);
+#pragma unroll
+            for (int j = 0; j < MOE_TOKENS; ++j) {
+                if (j < n) {  // n is the same for the whole warp
+                    const float s = warp_sum(acc[0][j]);
+                    if (lane == 0) {
+                        out[static_cast<long long>(pairs[j] / top_k) * H + row] += s * scale * route_weights[pairs[j]];
+                    }
+                }
+            }
+        }
+    }
+}
