@@ -52,13 +52,78 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES", help="KV-cache budget")
     cache.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache size in blocks")
+    _add_budget_arguments(p)
+    p.add_argument("--eviction-policy", choices=("lru", "lfu", "pinned"), default=None,
+                   help="who leaves a full expert tier: lru (default), lfu (decayed frequency), pinned (the most "
+                        "used experts of --usage-file hold the slots)")
+    p.add_argument("--no-prefetch", dest="prefetch", action="store_false", default=None,
+                   help="do not load the next layers' predicted experts ahead")
+    p.add_argument("--prefetch-lookahead", type=int, default=None, metavar="LAYERS",
+                   help="MoE layers predicted ahead (default 1)")
+    p.add_argument("--usage-file", default=None, metavar="PATH",
+                   help="routing statistics: ranks experts for --eviction-policy pinned (default: expert_usage.json "
+                        "in the model folder); this run's routes are added to it")
+    p.add_argument("--routing-trace", default=None, metavar="PATH",
+                   help="write every step's routing (layer, step, expert ids per token) as JSON lines")
+
+
+def _add_budget_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu-memory-limit", type=_size, default=None, metavar="SIZE",
+                   help="GPU memory for the dense weights and expert slots, e.g. 20GiB (default: every expert)")
+    p.add_argument("--l2-cache-size", type=_size, default=None, metavar="SIZE",
+                   help="host memory for expert slots in front of experts.bin, e.g. 64GiB (default: every expert, "
+                        "memory-mapped)")
+
+
+def _size(text: str) -> int:
+    """A byte count: 123, 512KiB, 1.5GiB, 2GB (K/M/G/T, binary with an i, decimal without)."""
+    units = {"": 1, "B": 1}
+    for power, letter in enumerate("KMGT", start=1):
+        units.update({letter: 1024**power, letter + "IB": 1024**power, letter + "B": 1000**power})
+    number = text.strip().upper().rstrip("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = text.strip().upper()[len(number):]
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 512MiB, 20GiB, 1000000)") from None
+    return int(value)
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
     """The engine keyword arguments that were given on the command line."""
     names = ("device", "verify", "max_seq_len", "max_batch_size", "max_num_batched_tokens", "block_size",
-             "kv_cache_memory", "num_kv_blocks", "max_queue")
+             "kv_cache_memory", "num_kv_blocks", "max_queue", "gpu_memory_limit", "l2_cache_size",
+             "eviction_policy", "prefetch", "prefetch_lookahead", "usage_file", "routing_trace")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="print where experts will live under memory budgets, what moves per token, and "
+                                    "the bottleneck (reads no weights)")
+    p.add_argument("--model", default=None, help="model folder (default: the model shipped with Colibri)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where experts are computed (default: cuda with --gpu-memory-limit, else cpu)")
+    _add_budget_arguments(p)
+    p.add_argument("--gpu-hit-rate", type=float, default=None, help="L1 hit rate (default: slots / experts)")
+    p.add_argument("--host-hit-rate", type=float, default=None, help="L2 hit rate (default: slots / experts)")
+    for name, doc in (("hbm", "GPU memory"), ("pcie-pinned", "host to GPU from pinned memory"),
+                      ("pcie-pageable", "host to GPU from pageable memory"), ("disk", "experts.bin reads"),
+                      ("host-ram", "host memory reads")):
+        p.add_argument(f"--bw-{name}", type=float, default=None, metavar="GB/S",
+                       help=f"bandwidth of {doc} (default: the H200 machine's measurement)")
+    p.set_defaults(run=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> None:
+    from .checkpoint import default_model_path
+    from .plan import Bandwidths, plan_for_folder
+
+    device = args.device or ("cuda" if args.gpu_memory_limit is not None else "cpu")
+    plan = plan_for_folder(args.model or default_model_path(), device, args.gpu_memory_limit, args.l2_cache_size)
+    overrides = {name: getattr(args, "bw_" + name) for name in ("hbm", "pcie_pinned", "pcie_pageable", "disk",
+                                                                 "host_ram")}
+    bandwidths = Bandwidths(**{k: v * 1e9 for k, v in overrides.items() if v is not None})
+    print(plan.report(bandwidths, args.gpu_hit_rate, args.host_hit_rate))
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -180,7 +245,7 @@ def _run_bench(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="colibri", description="Serve mixture-of-experts language models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_export, _add_inspect, _add_generate, _add_serve, _add_bench):
+    for add in (_add_export, _add_inspect, _add_generate, _add_serve, _add_bench, _add_plan):
         add(sub)
     return parser
 

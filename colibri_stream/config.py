@@ -243,27 +243,62 @@ class CacheConfig:
         return min(DEFAULT_KV_CACHE_MEMORY // bytes_per_block, max_useful_blocks)
 
 
+EVICTION_POLICIES = ("lru", "lfu", "pinned")
+
+
+@dataclass(frozen=True)
+class ExpertStoreConfig:
+    """Where routed experts live (colibri_stream/experts/): memory budgets of the tiers, eviction and prefetch.
+
+    Without budgets every expert stays resident. `gpu_memory_limit` (bytes) bounds the GPU memory of the dense
+    weights plus the expert slots (the KV cache is separate); `l2_cache_size` (bytes) bounds the host slots in
+    front of experts.bin. `usage_file` holds routing statistics: the pinned policy ranks experts by it (default:
+    expert_usage.json in the model folder), and when given, this run's routes are added to it. `routing_trace`
+    records every step's routing as JSON lines.
+    """
+
+    gpu_memory_limit: int | None = None
+    l2_cache_size: int | None = None
+    eviction_policy: str = "lru"  # lru | lfu (decayed frequency) | pinned (ranked by usage_file)
+    prefetch: bool = True  # predict the next layers' experts with their routers and load them ahead
+    prefetch_lookahead: int = 1  # MoE layers predicted ahead
+    usage_file: str | None = None
+    routing_trace: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_memory_limit", "l2_cache_size"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ConfigError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
+                              f"got {self.eviction_policy!r}")
+        _check_positive_int("prefetch_lookahead", self.prefetch_lookahead)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything an engine is built from: the model folder, where to run it, the scheduler and the cache."""
+    """Everything an engine is built from: the model folder, where to run it, the scheduler, the KV cache and the
+    expert store."""
 
     model: str  # path of a native model folder
     device: str = "auto"  # cpu | auto (a GPU when one is usable); checked by the model loader
     verify: bool = False  # check the checkpoint's checksums when loading
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    experts: ExpertStoreConfig = field(default_factory=ExpertStoreConfig)
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> EngineConfig:
         """Build from flat options (`max_batch_size=8, block_size=32, device="cpu"`); unknown ones are errors."""
-        groups = {sub: {f.name for f in dataclasses.fields(sub)} for sub in (SchedulerConfig, CacheConfig)}
+        groups = {sub: {f.name for f in dataclasses.fields(sub)}
+                  for sub in (SchedulerConfig, CacheConfig, ExpertStoreConfig)}
         own = {"device", "verify"}
         unknown = sorted(set(options) - own - set().union(*groups.values()))
         if unknown:
             raise ConfigError(f"unknown engine options {unknown}")
         subs = {sub: sub(**{k: v for k, v in options.items() if k in names}) for sub, names in groups.items()}
         return cls(model=model, scheduler=subs[SchedulerConfig], cache=subs[CacheConfig],
-                   **{k: v for k, v in options.items() if k in own})
+                   experts=subs[ExpertStoreConfig], **{k: v for k, v in options.items() if k in own})
 
 
 def _check_positive_int(name: str, value: Any) -> None:

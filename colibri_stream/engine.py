@@ -22,6 +22,7 @@ from typing import Any
 from .checkpoint import default_model_path
 from .config import ConfigError, EngineConfig, ModelConfig
 from .errors import ColibriError
+from .experts.stats import ExpertStats
 from .kv_cache import KVCacheManager
 from .model import MoETransformer, PagedKVCache, load_model
 from .request import (EngineStoppedError, InvalidParameterError, Logprob, QueueFullError, Request, RequestOutput,
@@ -95,7 +96,7 @@ class EngineCore:
         """Load the model folder at `path` (None: the model shipped with Colibri); `options` are
         EngineConfig.from_options' flat keys."""
         config = EngineConfig.from_options(str(default_model_path()) if path is None else str(path), **options)
-        model = load_model(config.model, device=config.device, verify=config.verify)
+        model = load_model(config.model, device=config.device, verify=config.verify, experts=config.experts)
         return cls(model, Tokenizer.from_folder(config.model), config)
 
     def encode_prompt(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True) -> list[int]:
@@ -178,6 +179,10 @@ class EngineCore:
             last_step_time=self._last_step_time,
             last_step_tokens=self._last_step_tokens,
         )
+
+    def store_stats(self) -> ExpertStats | None:
+        """A snapshot of the expert store's counters (None when every expert is resident)."""
+        return self.runner.model.store.stats()
 
     def _output(self, update: SeqUpdate, logprob: Logprob | None, now: float) -> RequestOutput:
         request = update.request
@@ -385,6 +390,10 @@ class AsyncEngine:
     def add_step_sink(self, sink: StepSink) -> None:
         """Time every later step's phases and hand each StepRecord to `sink`, in the step thread (before start())."""
         self._core.timer.add_sink(sink)
+
+    def store_stats(self) -> ExpertStats | None:
+        """The expert store's counters now (taken while a step may run: a step's figures can be half counted)."""
+        return self._core.store_stats()
 
     def _queue_is_full(self, n: int) -> bool:
         """Whether `n` more sequences would leave more than max_queue waiting once the batch's free slots fill."""

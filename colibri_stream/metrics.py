@@ -53,6 +53,44 @@ class EngineCollector(Collector):
                                   value=stats.num_generated_tokens)
 
 
+class ExpertStoreCollector(Collector):
+    """Reads the expert store's counters (`engine.store_stats()`) when Prometheus scrapes; nothing when every
+    expert is resident."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine.store_stats()
+        if stats is None:
+            return
+        per_tier = {
+            "hits": "Expert requests a tier served",
+            "misses": "Expert requests a tier passed to the tier below",
+            "bytes_read": "Bytes of expert blocks moved out of a tier towards the compute",
+        }
+        for field, doc in per_tier.items():
+            family = CounterMetricFamily(f"colibri_expert_tier_{field}", doc, labels=["tier"])
+            for tier, counters in stats.tiers.items():
+                family.add_metric([tier], getattr(counters, field))
+            yield family
+        yield CounterMetricFamily("colibri_expert_stall_seconds", "Time steps waited for expert loads",
+                                  value=stats.stall_seconds)
+        yield CounterMetricFamily("colibri_expert_prefetch_bytes", "Bytes of expert blocks loaded ahead",
+                                  value=stats.prefetch_bytes)
+        yield CounterMetricFamily("colibri_expert_prefetch_wasted_bytes",
+                                  "Bytes loaded ahead that the step they were loaded for did not use",
+                                  value=stats.prefetch_wasted_bytes)
+        yield CounterMetricFamily("colibri_expert_load_errors", "Expert blocks that failed their checksum",
+                                  value=stats.load_errors)
+        recall = GaugeMetricFamily("colibri_expert_prefetch_recall",
+                                   "Predicted and used over used experts, per MoE layer rank", labels=["layer"])
+        for rank, value in enumerate(stats.recall_per_layer()):
+            if value is not None:
+                recall.add_metric([str(rank)], value)
+        yield recall
+
+
 class ServerMetrics:
     """The metrics of one server; `render()` is the body of GET /metrics."""
 
@@ -79,6 +117,7 @@ class ServerMetrics:
                                     ["phase"], buckets=_STEP_BUCKETS, registry=r)
         self._phase_children: dict[str, Any] = {}  # phase -> its labelled histogram
         r.register(EngineCollector(engine))
+        r.register(ExpertStoreCollector(engine))
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

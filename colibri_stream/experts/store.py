@@ -1,28 +1,48 @@
 """Where the model gets routed experts from.
 
 `ExpertStore` is the interface the backends' MoE code calls; `MappedExpertStore` serves every expert straight from
-the memory map of experts.bin (the tier the GPU and host caches will sit in front of).
+the memory map of experts.bin (every expert resident: nothing to manage). `tiers.TieredExpertStore` keeps a bounded
+set of slots in front of experts.bin; `trace.RoutingRecorder` wraps either to record routing.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..checkpoint import ExpertFile
+
+if TYPE_CHECKING:
+    from .stats import ExpertStats
 
 
 class ExpertStore(ABC):
     """Gives the tensors of one routed expert in the storage layout of experts.bin.
 
     `expert(layer, e)` returns gate [I, H], up [I, H], down [H, I] in the expert dtype, plus gate_scale [I],
-    up_scale [I], down_scale [H] (float32) for int8 experts.
+    up_scale [I], down_scale [H] (float32) for int8 experts. The arrays stay valid until the next `expert` or
+    `begin_layer` call.
+
+    The model calls `begin_layer(layer, x, expert_ids)` once per MoE layer and step, after routing and before the
+    first `expert` call of that layer: x [T, H] is the layer's MoE input, expert_ids [T, k] the router's choice.
+    A store that predicts later layers' experts or records routing uses it; the rest ignore it.
     """
+
+    def begin_layer(self, layer: int, x: np.ndarray, expert_ids: np.ndarray) -> None:
+        """The step reached MoE layer `layer`; its tokens chose `expert_ids`."""
 
     @abstractmethod
     def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
         ...
+
+    def stats(self) -> ExpertStats | None:
+        """A snapshot of the store's counters (None: the store counts nothing)."""
+        return None
+
+    def flush(self) -> None:
+        """Write out whatever the store records (routing trace, usage counts)."""
 
 
 class MappedExpertStore(ExpertStore):

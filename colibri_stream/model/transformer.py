@@ -13,8 +13,9 @@ import numpy as np
 
 from ..backends.base import Array, Backend
 from ..checkpoint import DenseFile, ModelFolder
-from ..config import ModelConfig
-from ..experts.store import ExpertStore, MappedExpertStore
+from ..config import ExpertStoreConfig, ModelConfig
+from ..experts.build import open_expert_store
+from ..experts.store import ExpertStore
 from ..timing import StepTimer
 from .batch import ForwardBatch
 from .paged_kv import PagedKVCache
@@ -181,6 +182,7 @@ class MoETransformer:
         with t.device_phase("routing"):
             weights, expert_ids = b.route(x, layer.router, cfg.top_k, cfg.norm_topk_prob)  # [T, k] each
         with t.device_phase("experts"):
+            self.store.begin_layer(index, x, expert_ids)  # lets a tiered store prefetch the next layers' experts
             out = b.routed_experts(x, weights, expert_ids, index, self.store)  # [T, H]
             if layer.shared_expert is not None:
                 shared = self._gated_mlp(layer.shared_expert, x)  # [T, H]
@@ -212,7 +214,11 @@ def select_backend(device: str) -> Backend:
     return NumpyBackend()
 
 
-def load_model(path: str, device: str = "cpu", verify: bool = False) -> MoETransformer:
-    """Open a native model folder and load it on `device`; `verify` checks every checksum first."""
+def load_model(path: str, device: str = "cpu", verify: bool = False,
+               experts: ExpertStoreConfig | None = None) -> MoETransformer:
+    """Open a native model folder and load it on `device`; `verify` checks every checksum first; `experts` sets
+    the expert tiers (default: every expert resident)."""
     folder = ModelFolder(path, verify=verify)
-    return MoETransformer(folder.config, folder.dense, MappedExpertStore(folder.experts), select_backend(device))
+    backend = select_backend(device)
+    store = open_expert_store(folder, experts or ExpertStoreConfig(), "cpu" if backend.name == "numpy" else "cuda")
+    return MoETransformer(folder.config, folder.dense, store, backend)
