@@ -171,6 +171,12 @@ def test_budget_and_usage_problems_fail_at_start(moe16_dir, tmp_path):
                                                              eviction_policy="pinned", usage_file=str(wrong)))
     with pytest.raises(ConfigError, match="eviction_policy"):
         ExpertStoreConfig(eviction_policy="fifo")
+    folder = ModelFolder(moe16_dir)
+    dense = (moe16_dir / config.dense_file).stat().st_size
+    with pytest.raises(ConfigError, match="expert slots on the GPU are not implemented yet"):
+        open_expert_store(folder, ExpertStoreConfig(gpu_memory_limit=dense + budget(moe16_dir, 2)), "cuda")
+    with pytest.raises(ConfigError, match="record on the CPU only"):
+        open_expert_store(folder, ExpertStoreConfig(routing_trace=str(tmp_path / "trace.jsonl")), "cuda")
 
 
 def test_pinned_policy_preloads_the_most_used_experts(moe16_dir):
