@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +20,10 @@ from colibri_stream.cli import main
 from colibri_stream.config import ConfigError, ExpertStoreConfig
 from colibri_stream.errors import CheckpointError
 from colibri_stream.experts.build import open_expert_store
+from colibri_stream.experts.policies import LRUPolicy
+from colibri_stream.experts.prefetcher import Prefetcher
 from colibri_stream.experts.store import MappedExpertStore
-from colibri_stream.experts.tiers import TieredExpertStore
+from colibri_stream.experts.tiers import HostTier, TieredExpertStore
 from colibri_stream.experts.trace import USAGE_FILE, read_trace, read_usage, write_usage
 from colibri_stream.model import load_model
 from colibri_stream.request import Request, SamplingParams
@@ -140,18 +143,38 @@ def test_a_corrupt_block_read_from_disk_is_reported_with_layer_and_expert(moe16_
     store.expert(layer, 6)  # the failed slot was freed; the store goes on
 
 
+class InlineTier(HostTier):
+    """Host slots whose background loads run in the caller's thread: done (or failed) when start_load returns."""
+
+    def start_load(self, layer: int, expert: int, slot: int) -> Future:
+        future: Future = Future()
+        try:
+            self.load(layer, expert, slot)
+            future.set_result(None)
+        except CheckpointError as error:
+            future.set_exception(error)
+        return future
+
+
 def test_a_corrupt_prefetched_block_is_dropped_then_reported_when_needed(moe16_dir, tmp_path):
     config = read_config(moe16_dir)
     first, second = config.moe_layers[0], config.moe_layers[1]
     folder = ModelFolder(corrupt_copy(moe16_dir, tmp_path, second, 3))
-    store = open_expert_store(folder, ExpertStoreConfig(l2_cache_size=budget(moe16_dir, 4)), "cpu")
     router = folder.dense.get(f"layers.{second}.router")  # [E, H]
     x = np.asarray(router[3:4], np.float32) * 50  # a token the next router sends to expert 3 first
-    store.begin_layer(first, x, np.array([[0, 1]]))
-    store.begin_layer(second, x, np.array([[3, 4]]))  # the failed prefetch is noticed, its slot freed
-    assert store.stats().load_errors == 1
-    with pytest.raises(CheckpointError, match=f"expert 3 of layer {second} fails its checksum"):
-        store.expert(second, 3)
+    slots, layers = 4, len(config.moe_layers)
+    routers = [folder.dense.get(f"layers.{layer}.router") for layer in config.moe_layers]
+    inline = TieredExpertStore(folder.experts, InlineTier(folder.experts, slots * layers), slots,
+                               [LRUPolicy() for _ in range(layers)], Prefetcher(routers, config.top_k))
+    threaded = open_expert_store(folder, ExpertStoreConfig(l2_cache_size=budget(moe16_dir, slots)), "cpu")
+    for store in (inline, threaded):
+        store.begin_layer(first, x, np.array([[0, 1]]))  # predicts expert 3 for the second layer, loads it
+        store.begin_layer(second, x, np.array([[3, 4]]))
+        if store is inline:
+            assert store.stats().load_errors == 1  # the failed prefetch was noticed and its slot freed
+        with pytest.raises(CheckpointError, match=f"expert 3 of layer {second} fails its checksum"):
+            store.expert(second, 3)  # the demand read (or the wait for the prefetch) reports it
+        store.expert(second, 4)
 
 
 def test_budget_and_usage_problems_fail_at_start(moe16_dir, tmp_path):
