@@ -54,10 +54,10 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     cache.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache size in blocks")
     _add_budget_arguments(p)
     p.add_argument("--eviction-policy", choices=("lru", "lfu", "pinned"), default=None,
-                   help="who leaves a full expert tier: lru (default), lfu (decayed frequency), pinned (the most "
+                   help="who leaves a full expert tier: lfu (decayed frequency; default), lru, pinned (the most "
                         "used experts of --usage-file hold the slots)")
-    p.add_argument("--no-prefetch", dest="prefetch", action="store_false", default=None,
-                   help="do not load the next layers' predicted experts ahead")
+    p.add_argument("--prefetch", action="store_true", default=None,
+                   help="load the next layers' predicted experts ahead (off by default: see BENCHMARKS.md)")
     p.add_argument("--prefetch-lookahead", type=int, default=None, metavar="LAYERS",
                    help="MoE layers predicted ahead (default 1)")
     p.add_argument("--usage-file", default=None, metavar="PATH",

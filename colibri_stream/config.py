@@ -259,8 +259,9 @@ class ExpertStoreConfig:
 
     gpu_memory_limit: int | None = None
     l2_cache_size: int | None = None
-    eviction_policy: str = "lru"  # lru | lfu (decayed frequency) | pinned (ranked by usage_file)
-    prefetch: bool = True  # predict the next layers' experts with their routers and load them ahead
+    eviction_policy: str = "lfu"  # lru | lfu (decayed frequency) | pinned (ranked by usage_file)
+    prefetch: bool = False  # predict the next layers' experts with their routers and load them ahead (off: on a
+    # warm page cache with 2 cores it raised hit rates but slowed decode; BENCHMARKS.md)
     prefetch_lookahead: int = 1  # MoE layers predicted ahead
     usage_file: str | None = None
     routing_trace: str | None = None

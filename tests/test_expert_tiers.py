@@ -274,5 +274,5 @@ def test_generate_flags_reach_the_store(tiny_model_dir, tmp_path, capsys):
                            "--routing-trace", str(trace)]) == 0
     assert capsys.readouterr().out == resident
     assert len(read_trace(trace, read_config(tiny_model_dir))[0]) == 5  # the prefill step and 4 decode steps
-    assert main(command + ["--l2-cache-size", "1KiB", "--no-prefetch"]) == 1
+    assert main(command + ["--l2-cache-size", "1KiB"]) == 1
     assert "--l2-cache-size 1.0 KiB is too small" in capsys.readouterr().err
