@@ -278,6 +278,53 @@ def machine() -> dict:
     return info
 
 
+def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None, batch: int, bandwidth: float,
+              common: dict) -> dict:
+    """One batch size: the greedy check, interleaved timed runs, the roofline and (batch 1 and 16) the profile."""
+    colibri.setup(batch)
+    _, eager_tokens = colibri.decode(CHECK_STEPS, graph=False)
+    _, graph_tokens = colibri.decode(CHECK_STEPS)
+    match = all(np.array_equal(a, b) for a, b in zip(eager_tokens, graph_tokens))
+    distinct = colibri.distinct_experts()
+    colibri.decode(2)  # warm-up
+    baseline_error = build_error
+    if hf is not None:
+        try:
+            hf.setup(batch)
+            hf.decode(2)
+        except Exception as exc:  # e.g. out of memory at a large batch: reported in the record
+            baseline_error = repr(exc)
+            log(f"transformers at batch {batch}: {baseline_error}")
+    ours, theirs = [], []
+    for _ in range(REPEATS):
+        ours.append(batch * DECODE / colibri.decode(DECODE)[0])
+        if hf is not None and baseline_error is None:
+            theirs.append(batch * DECODE / hf.decode(DECODE))
+    eager = batch * DECODE / colibri.decode(DECODE, graph=False)[0]
+    context = PROMPT + DECODE // 2
+    nbytes = step_bytes(colibri.config, batch, distinct, context)
+    roofline = batch * bandwidth * 1e9 / nbytes
+    record = dict(common, bench="decode", batch=batch,
+                  colibri_tok_s=statistics.median(ours), colibri_tok_s_runs=ours, colibri_eager_tok_s=eager,
+                  transformers_tok_s=statistics.median(theirs) if theirs else None,
+                  transformers_tok_s_runs=theirs,
+                  transformers_impl=None if hf is None else f"eager attention, {hf.experts_implementation} experts",
+                  roofline_tok_s=roofline, roofline_fraction=statistics.median(ours) / roofline,
+                  hbm_gbps_measured=bandwidth, bytes_per_step=nbytes, distinct_experts_per_layer=distinct,
+                  mean_context=context, colibri_peak_gpu_gb=colibri.footprint() / 1e9,
+                  transformers_peak_gpu_gb=hf.peak_bytes() / 1e9 if theirs else None,
+                  transformers_error=baseline_error, greedy_graph_matches_eager=match)
+    if batch in (1, 16):
+        record["op_profile"] = colibri.profile(batch, context)
+    log(json.dumps({k: record[k] for k in ("shape", "batch", "colibri_tok_s", "colibri_eager_tok_s",
+                                            "transformers_tok_s", "roofline_tok_s", "roofline_fraction",
+                                            "greedy_graph_matches_eager")}))
+    colibri.release()
+    if hf is not None and baseline_error is None:
+        hf.release()
+    return record
+
+
 def run_shape(shape: str, layers: int, batches: list[int], bandwidth: float, common: dict, baseline: bool
               ) -> list[dict]:
     import cupy
@@ -294,48 +341,12 @@ def run_shape(shape: str, layers: int, batches: list[int], bandwidth: float, com
             log(f"transformers baseline unavailable: {build_error}")
     records = []
     for batch in batches:
-        colibri.setup(batch)
-        _, eager_tokens = colibri.decode(CHECK_STEPS, graph=False)
-        _, graph_tokens = colibri.decode(CHECK_STEPS)
-        match = all(np.array_equal(a, b) for a, b in zip(eager_tokens, graph_tokens))
-        distinct = colibri.distinct_experts()
-        colibri.decode(2)  # warm-up
-        baseline_error = build_error
-        if hf is not None:
-            try:
-                hf.setup(batch)
-                hf.decode(2)
-            except Exception as exc:  # e.g. out of memory at a large batch: reported in the record
-                baseline_error = repr(exc)
-                log(f"transformers at batch {batch}: {baseline_error}")
-        ours, theirs = [], []
-        for _ in range(REPEATS):
-            ours.append(batch * DECODE / colibri.decode(DECODE)[0])
-            if hf is not None and baseline_error is None:
-                theirs.append(batch * DECODE / hf.decode(DECODE))
-        eager = batch * DECODE / colibri.decode(DECODE, graph=False)[0]
-        context = PROMPT + DECODE // 2
-        nbytes = step_bytes(colibri.config, batch, distinct, context)
-        roofline = batch * bandwidth * 1e9 / nbytes
-        record = dict(common, bench="decode", shape=shape, layers=layers, batch=batch,
-                      colibri_tok_s=statistics.median(ours), colibri_tok_s_runs=ours, colibri_eager_tok_s=eager,
-                      transformers_tok_s=statistics.median(theirs) if theirs else None,
-                      transformers_tok_s_runs=theirs,
-                      transformers_impl=None if hf is None else f"eager attention, {hf.experts_implementation} experts",
-                      roofline_tok_s=roofline, roofline_fraction=statistics.median(ours) / roofline,
-                      hbm_gbps_measured=bandwidth, bytes_per_step=nbytes, distinct_experts_per_layer=distinct,
-                      mean_context=context, colibri_peak_gpu_gb=colibri.footprint() / 1e9,
-                      transformers_peak_gpu_gb=hf.peak_bytes() / 1e9 if theirs else None,
-                      transformers_error=baseline_error, greedy_graph_matches_eager=match)
-        if batch in (1, 16):
-            record["op_profile"] = colibri.profile(batch, context)
-        log(json.dumps({k: record[k] for k in ("shape", "batch", "colibri_tok_s", "colibri_eager_tok_s",
-                                                "transformers_tok_s", "roofline_tok_s", "roofline_fraction",
-                                                "greedy_graph_matches_eager")}))
-        records.append(record)
-        colibri.release()
-        if hf is not None and baseline_error is None:
-            hf.release()
+        try:
+            records.append(run_batch(colibri, hf, build_error, batch, bandwidth, dict(common, shape=shape,
+                                                                                       layers=layers)))
+        except Exception as exc:  # one failed batch size is reported; the others still run
+            log(f"{shape} batch {batch} failed: {exc!r}")
+            records.append(dict(common, bench="decode", shape=shape, layers=layers, batch=batch, error=repr(exc)))
     del colibri, hf
     cupy.get_default_memory_pool().free_all_blocks()
     return records
@@ -346,6 +357,9 @@ def table(records: list[dict]) -> str:
              "Colibri / roofline | Colibri / transformers | peak GB (Colibri / transformers) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['layers']} | {r['batch']} | failed: {r['error'][:80]} |")
+            continue
         hf, hf_peak = r["transformers_tok_s"], r["transformers_peak_gpu_gb"]
         hf_text = "-" if hf is None else f"{hf:.0f}"
         ratio = "-" if hf is None else f"{r['colibri_tok_s'] / hf:.1f}x"

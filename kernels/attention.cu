@@ -17,7 +17,7 @@
 #include "common.cuh"
 
 constexpr int ATTN_WARPS = 16;
-constexpr int ATTN_UNROLL = 4;
+constexpr int ATTN_UNROLL = 8;
 
 template <int DPL>
 __global__ void __launch_bounds__(ATTN_WARPS * 32)

@@ -106,15 +106,17 @@ __device__ __forceinline__ float block_sum(float v) {
 }
 
 // Dot products of R weight rows (length `cols`, storage W) with TT activation rows of float32, accumulated per
-// lane: acc[r][j] += sum over this lane's columns of w_r[c] * x_j[c]. Lanes take 16-byte chunks in turn, so each
-// weight byte is loaded once per call and each activation chunk once per R rows; the caller reduces acc over the
-// warp. Activation rows j >= n are skipped (their acc is left unchanged).
+// thread: acc[r][j] += sum over this thread's columns of w_r[c] * x_j[c]. The thread takes the 16-byte chunks at
+// columns start, start + step, ... (start and step multiples of Vec<W>::N), so the threads sharing a row read it
+// once, coalesced; each weight chunk is loaded once per call and each activation chunk once per R rows. The caller
+// reduces acc over the threads. Activation rows j >= n are skipped (their acc is left unchanged).
 template <typename W, int R, int TT>
-__device__ __forceinline__ void dot_tile(const W* const* w, const float* const* x, int n, int cols, int lane,
-                                         float (&acc)[R][TT]) {
+__device__ __forceinline__ void dot_tile(const W* const* w, const float* const* x, int n, int cols, int start,
+                                         int step, float (&acc)[R][TT]) {
     constexpr int V = Vec<W>::N;
-#pragma unroll 2
-    for (int c = lane * V; c < cols; c += 32 * V) {
+    constexpr int UNROLL = TT <= 2 ? 4 : 2;  // more loads in flight when few activation rows share a load
+#pragma unroll UNROLL
+    for (int c = start; c < cols; c += step) {
         float wv[R][V];
 #pragma unroll
         for (int r = 0; r < R; ++r) Vec<W>::load(w[r] + c, wv[r]);

@@ -5,12 +5,19 @@
 //   w    W [Out, In] contiguous (W: float, __nv_bfloat16, __half), In a multiple of Vec<W>::N
 //   bias float32 [Out] or null
 //   out  float32 [T, Out]
-//   block: LINEAR_WARPS * 32 threads; each warp computes LINEAR_ROWS output rows for a tile of TT tokens.
-//   grid.x: ceil(T / TT) * ceil(Out / (LINEAR_WARPS * LINEAR_ROWS)), the token tile varying fastest so the blocks
-//   that read the same weight rows run together and re-reads of a row come from L2.
-//   For decode-sized T (the backend uses it up to 64 tokens; cuBLAS above).
+//   block: LINEAR_WARPS * 32 threads, all on the same LINEAR_ROWS output rows and tile of TT tokens: the warps
+//   split each row's columns (so even a matrix of few rows spreads over the whole GPU) and add their partial sums
+//   in shared memory.
+//   grid.x: ceil(T / TT) * ceil(Out / LINEAR_ROWS), the token tile varying fastest so the blocks that read the
+//   same weight rows run together and re-reads of a row come from L2.
+//   For decode-sized T (the backend uses it up to SMALL_BATCH tokens, and for every T inside a CUDA graph).
 //
 // to_storage<W>: y[i] = W(x[i]) (round to nearest even), x float32 [n], y W [n].
+//   grid.x: ceil(n / 256), block: 256.
+//
+// to_storage_split<W>: x = hi + lo to about 16 significant bits: hi_lo[i] = W(x[i]),
+//   hi_lo[n + i] = W(x[i] - hi_lo[i]); x float32 [n], hi_lo W [2n]. Lets cuBLAS multiply float32 activations with
+//   bf16/fp16 weights on tensor cores as one GEMM of twice the rows.
 //   grid.x: ceil(n / 256), block: 256.
 #include "common.cuh"
 
@@ -21,11 +28,11 @@ template <typename W, int TT>
 __global__ void __launch_bounds__(LINEAR_WARPS * 32)
 linear_rows(const float* __restrict__ x, const W* __restrict__ w, const float* __restrict__ bias,
             float* __restrict__ out, int T, int In, int Out) {
+    __shared__ float partial[LINEAR_WARPS][LINEAR_ROWS][TT];
+    constexpr int V = Vec<W>::N;
     const int tiles = (T + TT - 1) / TT;
-    const int tile = blockIdx.x % tiles, row_block = blockIdx.x / tiles;
+    const int tile = blockIdx.x % tiles, row0 = (blockIdx.x / tiles) * LINEAR_ROWS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row0 = (row_block * LINEAR_WARPS + warp) * LINEAR_ROWS;
-    if (row0 >= Out) return;  // whole warps leave together
     const int t0 = tile * TT, n = min(TT, T - t0);
     const W* rows[LINEAR_ROWS];
 #pragma unroll
@@ -34,17 +41,23 @@ linear_rows(const float* __restrict__ x, const W* __restrict__ w, const float* _
 #pragma unroll
     for (int j = 0; j < TT; ++j) xs[j] = x + static_cast<long long>(t0 + min(j, n - 1)) * In;
     float acc[LINEAR_ROWS][TT] = {};
-    dot_tile<W, LINEAR_ROWS, TT>(rows, xs, n, In, lane, acc);
+    dot_tile<W, LINEAR_ROWS, TT>(rows, xs, n, In, (warp * 32 + lane) * V, LINEAR_WARPS * 32 * V, acc);
 #pragma unroll
     for (int r = 0; r < LINEAR_ROWS; ++r) {
-        const int row = row0 + r;
-        const float b = (bias != nullptr && row < Out) ? bias[row] : 0.f;
 #pragma unroll
         for (int j = 0; j < TT; ++j) {
-            if (j < n) {  // n is the same for the whole warp
-                const float s = warp_sum(acc[r][j]);
-                if (lane == 0 && row < Out) out[static_cast<long long>(t0 + j) * Out + row] = s + b;
-            }
+            const float s = warp_sum(acc[r][j]);
+            if (lane == 0) partial[warp][r][j] = s;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < LINEAR_ROWS * TT) {
+        const int r = threadIdx.x / TT, j = threadIdx.x % TT, row = row0 + r;
+        if (j < n && row < Out) {
+            float s = bias != nullptr ? bias[row] : 0.f;
+#pragma unroll
+            for (int k = 0; k < LINEAR_WARPS; ++k) s += partial[k][r][j];
+            out[static_cast<long long>(t0 + j) * Out + row] = s;
         }
     }
 }
@@ -53,4 +66,13 @@ template <typename W>
 __global__ void to_storage(const float* __restrict__ x, W* __restrict__ y, long long n) {
     const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i < n) y[i] = from_float<W>(x[i]);
+}
+
+template <typename W>
+__global__ void to_storage_split(const float* __restrict__ x, W* __restrict__ hi_lo, long long n) {
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const W hi = from_float<W>(x[i]);
+    hi_lo[i] = hi;
+    hi_lo[n + i] = from_float<W>(x[i] - to_float(hi));
 }

@@ -1,9 +1,10 @@
 // Launch contract
 //
 // The routed-expert MLP of a step, reading the routing from device memory (no host sync): P = T * k (token, slot)
-// pairs are grouped by expert, each active expert's weights are read once per group of up to MOE_TOKENS pairs,
-// and every launch has a grid fixed by the shapes alone (G = min(E, P) groups at most; blocks past the number of
-// active experts exit), so the sequence can be captured in a CUDA graph.
+// pairs are grouped by expert, each active expert's weights are read once per group of up to TT pairs, and every
+// launch has a grid fixed by the shapes alone (G = min(E, P) groups at most; blocks past the number of active
+// experts exit), so the sequence can be captured in a CUDA graph. TT (1, 2, 4, 8) is the smallest tile that holds
+// min(T, 8) pairs: a group never has more pairs than tokens, so decode of one sequence runs with TT = 1.
 //
 // moe_align: group the pairs by expert.
 //   ids int32 [P] (expert of pair p = t * k + s); outputs: group_expert int32 [E] (expert of group g, increasing),
@@ -11,23 +12,23 @@
 //   sorted_pairs int32 [P], num_groups int32 [1].
 //   grid: 1, block: 1024 threads, dynamic shared memory: 2 * E ints.
 //
-// moe_gate_up<W>: act[p, i] = silu(gate_e[i] . x[p / k]) * (up_e[i] . x[p / k]) for every pair p of expert e.
+// moe_gate_up<W, TT>: act[p, i] = silu(gate_e[i] . x[p / k]) * (up_e[i] . x[p / k]) for every pair p of expert e.
 //   x float32 [T, H]; w13 W [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up); s13 float32 [E, 2I] per-row scales (int8
 //   weights) or null; act float32 [P, I].
 //   grid: (ceil(I / MOE_WARPS), G), block: MOE_WARPS * 32 threads; each warp one row i of gate and of up.
 //
-// moe_down<W>: out[t, h] = sum over token t's pairs p, in group (expert) order, of
-//   route_weight[p] * (down_e[h] . act[p]): deterministic, and no [P, H] intermediate.
-//   act float32 [P, I]; w2 W [E, H, I]; s2 float32 [E, H] or null; route_weights float32 [P]; out float32 [T, H].
-//   grid.x: ceil(H / MOE_WARPS), block: MOE_WARPS * 32 threads; each warp owns row h (column h of out) and walks
-//   every active group.
+// moe_down<W, TT>: y[p, h] = route_weight[p] * (down_e[h] . act[p]).
+//   act float32 [P, I]; w2 W [E, H, I]; s2 float32 [E, H] or null; route_weights float32 [P]; y float32 [P, H].
+//   grid: (ceil(H / MOE_WARPS), G), block: MOE_WARPS * 32 threads; each warp one row h.
+//
+// moe_sum: out[t, h] = sum over s < k of y[t * k + s, h], in slot order (deterministic, no atomics).
+//   y float32 [T * k, H], out float32 [T, H]; grid.x: ceil(T * H / 256), block: 256.
 //
 // W: float, __nv_bfloat16, __half or signed char (int8, multiplied by the row's scale after the dot product);
 // H and I multiples of Vec<W>::N.
 #include "common.cuh"
 
 constexpr int MOE_WARPS = 4;
-constexpr int MOE_TOKENS = 8;
 
 extern "C" __global__ void moe_align(const int* __restrict__ ids, int num_pairs, int num_experts,
                                      int* __restrict__ group_expert, int* __restrict__ group_start,
@@ -74,7 +75,7 @@ extern "C" __global__ void moe_align(const int* __restrict__ ids, int num_pairs,
     for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) sorted_pairs[atomicAdd(&cursor[ids[p]], 1)] = p;
 }
 
-template <typename W>
+template <typename W, int TT>
 __global__ void __launch_bounds__(MOE_WARPS * 32)
 moe_gate_up(const float* __restrict__ x, const W* __restrict__ w13, const float* __restrict__ s13,
             const int* __restrict__ group_expert, const int* __restrict__ group_start,
@@ -90,19 +91,19 @@ moe_gate_up(const float* __restrict__ x, const W* __restrict__ w13, const float*
     const float gate_scale = s13 != nullptr ? s13[e * 2 * I + row] : 1.f;
     const float up_scale = s13 != nullptr ? s13[e * 2 * I + I + row] : 1.f;
     const int end = group_start[g + 1];
-    for (int base = group_start[g]; base < end; base += MOE_TOKENS) {
-        const int n = min(MOE_TOKENS, end - base);
-        int pairs[MOE_TOKENS];
-        const float* xs[MOE_TOKENS];
+    for (int base = group_start[g]; base < end; base += TT) {
+        const int n = min(TT, end - base);
+        int pairs[TT];
+        const float* xs[TT];
 #pragma unroll
-        for (int j = 0; j < MOE_TOKENS; ++j) {
+        for (int j = 0; j < TT; ++j) {
             pairs[j] = sorted_pairs[base + min(j, n - 1)];
             xs[j] = x + static_cast<long long>(pairs[j] / top_k) * H;
         }
-        float acc[2][MOE_TOKENS] = {};
-        dot_tile<W, 2, MOE_TOKENS>(rows, xs, n, H, lane, acc);
+        float acc[2][TT] = {};
+        dot_tile<W, 2, TT>(rows, xs, n, H, lane * Vec<W>::N, 32 * Vec<W>::N, acc);
 #pragma unroll
-        for (int j = 0; j < MOE_TOKENS; ++j) {
+        for (int j = 0; j < TT; ++j) {
             if (j < n) {  // n is the same for the whole warp
                 const float gate = warp_sum(acc[0][j]) * gate_scale;
                 const float up = warp_sum(acc[1][j]) * up_scale;
@@ -112,44 +113,47 @@ moe_gate_up(const float* __restrict__ x, const W* __restrict__ w13, const float*
     }
 }
 
-template <typename W>
+template <typename W, int TT>
 __global__ void __launch_bounds__(MOE_WARPS * 32)
 moe_down(const float* __restrict__ act, const W* __restrict__ w2, const float* __restrict__ s2,
          const float* __restrict__ route_weights, const int* __restrict__ group_expert,
          const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
-         const int* __restrict__ num_groups, float* __restrict__ out, int T, int H, int I, int top_k) {
+         const int* __restrict__ num_groups, float* __restrict__ y, int H, int I) {
+    const int g = blockIdx.y;
+    if (g >= num_groups[0]) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = blockIdx.x * MOE_WARPS + warp;
-    if (row >= H) return;  // whole warps leave together
-    // This warp alone writes column `row` of out: it zeroes it, then adds each group's terms in group order.
-    for (int t = lane; t < T; t += 32) out[static_cast<long long>(t) * H + row] = 0.f;
-    __syncwarp();
-    const int groups = num_groups[0];
-    for (int g = 0; g < groups; ++g) {
-        const long long e = group_expert[g];
-        const W* rows[1] = {w2 + (e * H + row) * I};
-        const float scale = s2 != nullptr ? s2[e * H + row] : 1.f;
-        const int end = group_start[g + 1];
-        for (int base = group_start[g]; base < end; base += MOE_TOKENS) {
-            const int n = min(MOE_TOKENS, end - base);
-            int pairs[MOE_TOKENS];
-            const float* xs[MOE_TOKENS];
+    if (row >= H) return;
+    const long long e = group_expert[g];
+    const W* rows[1] = {w2 + (e * H + row) * I};
+    const float scale = s2 != nullptr ? s2[e * H + row] : 1.f;
+    const int end = group_start[g + 1];
+    for (int base = group_start[g]; base < end; base += TT) {
+        const int n = min(TT, end - base);
+        int pairs[TT];
+        const float* xs[TT];
 #pragma unroll
-            for (int j = 0; j < MOE_TOKENS; ++j) {
-                pairs[j] = sorted_pairs[base + min(j, n - 1)];
-                xs[j] = act + static_cast<long long>(pairs[j]) * I;
-            }
-            float acc[1][MOE_TOKENS] = {};
-            dot_tile<W, 1, MOE_TOKENS>(rows, xs, n, I, lane, acc);
+        for (int j = 0; j < TT; ++j) {
+            pairs[j] = sorted_pairs[base + min(j, n - 1)];
+            xs[j] = act + static_cast<long long>(pairs[j]) * I;
+        }
+        float acc[1][TT] = {};
+        dot_tile<W, 1, TT>(rows, xs, n, I, lane * Vec<W>::N, 32 * Vec<W>::N, acc);
 #pragma unroll
-            for (int j = 0; j < MOE_TOKENS; ++j) {
-                if (j < n) {  // n is the same for the whole warp
-                    const float s = warp_sum(acc[0][j]);
-                    if (lane == 0) {
-                        out[static_cast<long long>(pairs[j] / top_k) * H + row] += s * scale * route_weights[pairs[j]];
-                    }
-                }
+        for (int j = 0; j < TT; ++j) {
+            if (j < n) {
+                const float s = warp_sum(acc[0][j]);
+                if (lane == 0) y[static_cast<long long>(pairs[j]) * H + row] = s * scale * route_weights[pairs[j]];
             }
         }
     }
+}
+
+extern "C" __global__ void moe_sum(const float* __restrict__ y, float* __restrict__ out, int T, int top_k, int H) {
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= static_cast<long long>(T) * H) return;
+    const long long t = i / H, h = i % H;
+    float total = 0.f;
+    for (int s = 0; s < top_k; ++s) total += y[(t * top_k + s) * H + h];
+    out[i] = total;
 }

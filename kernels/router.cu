@@ -5,12 +5,12 @@
 //   weights float32 [T, k]: the k largest softmax probabilities, largest first (ties: lower expert id first),
 //           divided by their sum when renormalize != 0
 //   ids     int32 [T, k]: their expert ids
-//   grid.x: T, block: 256 threads (8 warps: one expert logit per warp at a time, then warp 0 selects),
+//   grid.x: T, block: 1024 threads (32 warps: one expert logit per warp at a time, then warp 0 selects),
 //   dynamic shared memory: E floats.
 #include "common.cuh"
 
 template <typename W>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(1024)
 route_topk(const float* __restrict__ x, const W* __restrict__ router, float* __restrict__ weights,
            int* __restrict__ ids, int H, int E, int k, int renormalize) {
     extern __shared__ float probs[];  // [E]: logits, then probabilities; -1 marks a chosen expert
@@ -20,7 +20,7 @@ route_topk(const float* __restrict__ x, const W* __restrict__ router, float* __r
     for (int e = warp; e < E; e += num_warps) {
         const W* rows[1] = {router + static_cast<long long>(e) * H};
         float acc[1][1] = {};
-        dot_tile<W, 1, 1>(rows, xs, 1, H, lane, acc);
+        dot_tile<W, 1, 1>(rows, xs, 1, H, lane * Vec<W>::N, 32 * Vec<W>::N, acc);
         const float logit = warp_sum(acc[0][0]);
         if (lane == 0) probs[e] = logit;
     }

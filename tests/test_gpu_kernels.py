@@ -3,7 +3,8 @@
 Outputs are poisoned: before each operation the memory pool is refilled with NaN, so an element a kernel fails
 to write comes back as NaN and fails the check. Error is ||ours - ref|| / ||ref||. Both backends compute in
 float32 from the same stored weights (bf16 and int8 widen exactly), so the bound is 1e-5 (summation order
-only), except where cuBLAS rounds the activations to bf16 (2e-2) or fp16 (2e-3) for prompts above SMALL_BATCH.
+only), except above SMALL_BATCH tokens, where cuBLAS multiplies the activations split into a bf16/fp16 high and
+low part (about 16 significant bits): 1e-4.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def test_rms_norm(shape, fused):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("tokens", [1, 3, 8, 13, SMALL_BATCH, SMALL_BATCH + 36])
+@pytest.mark.parametrize("tokens", [1, 3, SMALL_BATCH, SMALL_BATCH + 1, 16, 64, 100])
 @pytest.mark.parametrize("dims", [(64, 40), (256, 1000), (2048, 3), (96, 8)])
 def test_linear(dtype, tokens, dims):
     n_in, n_out = dims
@@ -89,7 +90,7 @@ def test_linear(dtype, tokens, dims):
     bias = (0.1 * rng.standard_normal(n_out)).astype(np.float32) if tokens % 2 else None
     poison()
     ours = GPU.linear(cupy.asarray(x), GPU.prepare_weight(w), None if bias is None else GPU.prepare_weight(bias))
-    tolerance = 1e-5 if tokens <= SMALL_BATCH or dtype == "float32" else {"bfloat16": 2e-2, "float16": 2e-3}[dtype]
+    tolerance = 1e-5 if tokens <= SMALL_BATCH or dtype == "float32" else 1e-4
     check(ours, REF.linear(x, REF.prepare_weight(w), bias), tolerance)
 
 
@@ -215,7 +216,7 @@ def random_experts(rng, num_experts: int, hidden: int, inter: int, dtype: str) -
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
-@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 64])
 @pytest.mark.parametrize("experts,top_k,hidden,inter", [(8, 2, 64, 48), (64, 8, 256, 128)])
 def test_routed_experts(dtype, tokens, experts, top_k, hidden, inter):
     rng = np.random.default_rng(tokens * 31 + experts)

@@ -1,9 +1,9 @@
 """The whole model on the CuPy backend against the NumPy backend, on tiny exported models of every architecture, and
 a captured decode step (CUDA graph) against the eager step (CUDA GPU).
 
-Tolerances: both backends compute in float32 from the same stored weights, so fp32, bf16 and int8 exports give
-logits within 1e-4 (relative to the largest logit) and the same 32 greedy tokens; a prompt longer than
-SMALL_BATCH goes through cuBLAS with bf16-rounded activations: logits within 2e-2 there.
+Tolerances: both backends compute in float32 from the same stored weights (projections of more than SMALL_BATCH
+tokens go through cuBLAS with the activations split into bf16 high and low parts, about 16 significant bits), so
+fp32, bf16 and int8 exports give logits within 1e-4 (relative to the largest logit) and the same 32 greedy tokens.
 """
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ def test_cupy_matches_numpy(tiny_hf, dtype, tmp_path):
     assert colibri_greedy(gpu, ids, NEW_TOKENS) == colibri_greedy(cpu, ids, NEW_TOKENS), arch
 
 
-def test_long_prompt_through_cublas(tiny_hf, tmp_path):
+def test_long_prompt(tiny_hf, tmp_path):
     arch, hf_dir = tiny_hf
     export_model(hf_dir, tmp_path / "model", dtype="bf16", progress=False)
     cpu, gpu = load_model(tmp_path / "model", device="cpu"), load_model(tmp_path / "model", device="cuda")
     ids = np.random.default_rng(4).integers(3, VOCAB_SIZE, 100)
-    assert relative_error(colibri_logits(gpu, ids), colibri_logits(cpu, ids)) < 2e-2, arch
+    assert relative_error(colibri_logits(gpu, ids), colibri_logits(cpu, ids)) < 1e-4, arch
 
 
 def decode_batch(tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray, block_size: int) -> ForwardBatch:
@@ -66,7 +66,7 @@ def decode_batch(tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray, 
         logits_indices=np.arange(b, dtype=np.int64))
 
 
-@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("batch_size", [1, 3, 8])  # 8: the eager step's projections go through cuBLAS
 def test_decode_graph_matches_eager(tiny_hf, batch_size, tmp_path):
     arch, hf_dir = tiny_hf
     export_model(hf_dir, tmp_path / "model", dtype="bf16", progress=False)
@@ -83,7 +83,7 @@ def test_decode_graph_matches_eager(tiny_hf, batch_size, tmp_path):
         eager = model.forward(batch, kv)  # [B, V]
         ids = graph.greedy(batch)  # rewrites the same KV slots with the same values
         assert np.array_equal(ids, eager.argmax(axis=1)), (arch, step)
-        assert relative_error(cupy.asnumpy(graph.logits), eager) < 1e-6, (arch, step)
+        assert relative_error(cupy.asnumpy(graph.logits), eager) < 1e-4, (arch, step)
         tokens = ids
 
 

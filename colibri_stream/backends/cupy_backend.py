@@ -5,9 +5,11 @@ dtype (bfloat16, float16, float32; routed experts also int8 with per-row float32
 registers as they are loaded; vectors (norm weights, biases) are held as float32. bfloat16 arrays are CuPy uint16
 arrays of the same bits (CuPy has no bfloat16 arithmetic); `storage_type` names their CUDA type for the kernels.
 
-Dense projections of up to SMALL_BATCH tokens (decode) run on our GEMV kernel (linear.cu), which reads each weight
-once for all the tokens; larger ones (prefill) go to cuBLAS, with the activations rounded to the weight dtype and
-float32 output. Routed experts are held per layer as stacked device arrays (DeviceExpertStore), and the MoE kernels
+Dense projections of up to SMALL_BATCH tokens run on our GEMV kernel (linear.cu), which reads each weight once for
+all the tokens; larger ones go to cuBLAS on tensor cores: float32 activations are split into a bf16 (or fp16) high
+and low part (x = hi + lo to about 16 significant bits) multiplied as one GEMM of twice the rows, so the result
+stays within about 1e-5 of float32 while each weight is still read once. CuPy refuses cuBLAS calls while a stream
+captures a CUDA graph, so inside a capture every projection runs on linear_rows. Routed experts are held per layer as stacked device arrays (DeviceExpertStore), and the MoE kernels
 read the routing from device memory, so a decode step needs no host synchronisation and can be captured in a CUDA
 graph (cuda_graph.py).
 """
@@ -26,9 +28,10 @@ from ..model.batch import ForwardBatch
 from .base import Array, Backend
 from .kernels import get_kernel
 
-SMALL_BATCH = 64  # up to this many tokens, dense projections use linear_rows; above, cuBLAS
+SMALL_BATCH = 4  # up to this many tokens (or inside a graph capture), dense projections use linear_rows
 TOKEN_TILES = (1, 2, 4, 8)  # linear_rows instantiations: tokens per block
-LINEAR_ROWS_PER_BLOCK = 8  # LINEAR_WARPS * LINEAR_ROWS in linear.cu
+MOE_TILES = (1, 2, 4, 8)  # moe_gate_up / moe_down instantiations: pairs of one expert per pass
+LINEAR_ROWS_PER_BLOCK = 2  # LINEAR_ROWS in linear.cu
 MOE_WARPS = 4  # rows per block of the MoE kernels (moe.cu)
 ATTENTION_WARPS = 16  # ATTN_WARPS in attention.cu
 NULL = np.uint64(0)  # a null pointer kernel argument
@@ -43,10 +46,11 @@ _DEVICE_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.fl
 
 # The instantiations compiled together with a kernel of each templated file, for weight type w.
 _FAMILIES = {
-    "linear.cu": lambda w: tuple(f"linear_rows<{w}, {tt}>" for tt in TOKEN_TILES) + (f"to_storage<{w}>",),
+    "linear.cu": lambda w: (*(f"linear_rows<{w}, {tt}>" for tt in TOKEN_TILES), f"to_storage<{w}>",
+                            f"to_storage_split<{w}>"),
     "embedding.cu": lambda w: (f"embedding<{w}>",),
     "router.cu": lambda w: (f"route_topk<{w}>",),
-    "moe.cu": lambda w: (f"moe_gate_up<{w}>", f"moe_down<{w}>"),
+    "moe.cu": lambda w: tuple(f"{k}<{w}, {tt}>" for k in ("moe_gate_up", "moe_down") for tt in MOE_TILES),
     "attention.cu": lambda w: tuple(f"paged_attention<{d}>" for d in (1, 2, 4, 8)),
 }
 
@@ -95,6 +99,11 @@ def _launch(file: str, expression: str, grid: tuple[int, ...], block: int, args:
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _tile(count: int, tiles: tuple[int, ...]) -> int:
+    """The smallest tile that holds `count` rows (the largest tile when none does)."""
+    return next((tile for tile in tiles if tile >= count), tiles[-1])
 
 
 @dataclass
@@ -248,14 +257,14 @@ class CupyBackend(Backend):
         x = self.cp.ascontiguousarray(x)
         t, n_in = x.shape
         n_out = weight.shape[0]
-        out = self.cp.empty((t, n_out), np.float32)  # [T, Out]
-        if t > SMALL_BATCH:
-            self._gemm(x, weight, out)
+        if t > SMALL_BATCH and not self.cp.cuda.get_current_stream().is_capturing():
+            out = self._gemm(x, weight)  # [T, Out]
             if bias is not None:
                 out += bias
             return out
         _check_row_width(n_in, weight, "linear")
-        tile = next(tt for tt in TOKEN_TILES if tt >= min(t, TOKEN_TILES[-1]))
+        out = self.cp.empty((t, n_out), np.float32)  # [T, Out]
+        tile = _tile(t, TOKEN_TILES)
         w = storage_type(weight)
         grid = (_ceil(t, tile) * _ceil(n_out, LINEAR_ROWS_PER_BLOCK),)
         _launch("linear.cu", f"linear_rows<{w}, {tile}>", grid, 128,
@@ -263,27 +272,30 @@ class CupyBackend(Backend):
                 weight_type=w)
         return out
 
-    def _gemm(self, x: Array, weight: Array, out: Array) -> None:
-        """out [T, Out] = x [T, In] @ weight [Out, In]^T through cuBLAS (float32 output and accumulation)."""
+    def _gemm(self, x: Array, weight: Array) -> Array:
+        """x [T, In] @ weight [Out, In]^T through cuBLAS, float32 accumulation and output.  # [T, Out]"""
+        t, n_in = x.shape
+        n_out = weight.shape[0]
         if weight.dtype == np.float32:
-            self.cp.matmul(x, weight.T, out=out)
-            return
+            return self.cp.matmul(x, weight.T)
         from cupy.cuda import runtime
         from cupy_backends.cuda.libs import cublas
 
-        t, n_in = x.shape
-        n_out = weight.shape[0]
-        dtype = "bfloat16" if weight.dtype == np.uint16 else "float16"
-        x_low = self.from_float32(x, dtype)  # [T, In] in the weight dtype
-        code = runtime.CUDA_R_16BF if dtype == "bfloat16" else runtime.CUDA_R_16F
+        w = storage_type(weight)
+        halves = self.cp.empty((2 * t, n_in), weight.dtype)  # [2T, In]: x rounded, then the rounding error
+        _launch("linear.cu", f"to_storage_split<{w}>", (_ceil(x.size, 256),), 256, (x, halves, np.int64(x.size)),
+                weight_type=w)
+        both = self.cp.empty((2 * t, n_out), np.float32)  # [2T, Out]
+        code = runtime.CUDA_R_16BF if weight.dtype == np.uint16 else runtime.CUDA_R_16F
         one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
         handle = self.cp.cuda.device.get_cublas_handle()
         cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-        # Column-major view: out^T [Out, T] = weight [Out, In] (row-major, so transposed) times x^T [In, T].
-        cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, t, n_in,
-                      one.ctypes.data, weight.data.ptr, code, n_in, x_low.data.ptr, code, n_in,
-                      zero.ctypes.data, out.data.ptr, runtime.CUDA_R_32F, n_out,
+        # Column-major view: both^T [Out, 2T] = weight [Out, In] (row-major, so transposed) times halves^T [In, 2T].
+        cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, 2 * t, n_in,
+                      one.ctypes.data, weight.data.ptr, code, n_in, halves.data.ptr, code, n_in,
+                      zero.ctypes.data, both.data.ptr, runtime.CUDA_R_32F, n_out,
                       cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+        return self.cp.add(both[:t], both[t:])
 
     def silu_mul(self, gate: Array, up: Array) -> Array:
         return self._silu_mul(gate, up)
@@ -335,7 +347,7 @@ class CupyBackend(Backend):
         weights = self.cp.empty((t, top_k), np.float32)  # [T, k]
         expert_ids = self.cp.empty((t, top_k), np.int32)  # [T, k]
         w = storage_type(router)
-        _launch("router.cu", f"route_topk<{w}>", (t,), 256,
+        _launch("router.cu", f"route_topk<{w}>", (t,), 1024,
                 (x, router, weights, expert_ids, np.int32(h), np.int32(num_experts), np.int32(top_k),
                  np.int32(bool(renormalize))), shared_mem=4 * num_experts, weight_type=w)
         return weights, expert_ids
@@ -364,15 +376,19 @@ class CupyBackend(Backend):
                 (ids, np.int32(pairs), np.int32(num_experts), group_expert, group_start, sorted_pairs, num_groups),
                 shared_mem=8 * num_experts, weight_type=w)
         groups = min(num_experts, pairs)
+        tile = _tile(t, MOE_TILES)  # a group holds at most T pairs
         routing = (group_expert, group_start, sorted_pairs, num_groups)
         act = cp.empty((pairs, i), np.float32)  # [P, I]
-        _launch("moe.cu", f"moe_gate_up<{w}>", (_ceil(i, MOE_WARPS), groups), 32 * MOE_WARPS,
+        _launch("moe.cu", f"moe_gate_up<{w}, {tile}>", (_ceil(i, MOE_WARPS), groups), 32 * MOE_WARPS,
                 (x, experts.w13, NULL if experts.s13 is None else experts.s13, *routing, act, np.int32(h),
                  np.int32(i), np.int32(top_k)), weight_type=w)
+        y = cp.empty((pairs, h), np.float32)  # [P, H]
+        _launch("moe.cu", f"moe_down<{w}, {tile}>", (_ceil(h, MOE_WARPS), groups), 32 * MOE_WARPS,
+                (act, experts.w2, NULL if experts.s2 is None else experts.s2, route_weights, *routing, y,
+                 np.int32(h), np.int32(i)), weight_type=w)
         out = cp.empty((t, h), np.float32)  # [T, H]
-        _launch("moe.cu", f"moe_down<{w}>", (_ceil(h, MOE_WARPS),), 32 * MOE_WARPS,
-                (act, experts.w2, NULL if experts.s2 is None else experts.s2, route_weights, *routing, out,
-                 np.int32(t), np.int32(h), np.int32(i), np.int32(top_k)), weight_type=w)
+        _launch("moe.cu", "moe_sum", (_ceil(t * h, 256),), 256, (y, out, np.int32(t), np.int32(top_k), np.int32(h)),
+                weight_type=w)
         return out
 
     # ---- output -------------------------------------------------------------------------------------------
