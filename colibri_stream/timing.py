@@ -137,7 +137,8 @@ class StepTimer:
         self.enabled = False
         self._device = device_clock
         self._sinks: list[StepSink] = []
-        self._phases: dict[tuple[str, bool], _Phase] = {}
+        self._host_phases: dict[str, _Phase] = {}
+        self._device_phases: dict[str, _Phase] = {}
         self._starts: list[Any] = []  # marks of the open phases, outermost first
         self._closed: list[_Closed] = []  # the running step's closed phases
         self._args: dict[str, Any] = {}
@@ -150,21 +151,23 @@ class StepTimer:
 
     def phase(self, name: str) -> Any:
         """A context manager timing `name` on the host clock (a no-op while disabled)."""
-        return self._phase(name, False) if self.enabled else _NO_PHASE
+        if not self.enabled:
+            return _NO_PHASE
+        return self._host_phases.get(name) or self._new_phase(self._host_phases, name, HOST_CLOCK)
 
     def device_phase(self, name: str) -> Any:
         """A context manager timing `name` on the backend's clock (a no-op while disabled)."""
-        return self._phase(name, True) if self.enabled else _NO_PHASE
+        if not self.enabled:
+            return _NO_PHASE
+        return self._device_phases.get(name) or self._new_phase(self._device_phases, name, self._device)
 
     def annotate(self, **args: Any) -> None:
         """Attach figures (tokens, sequences) to the running step's record."""
         if self.enabled:
             self._args.update(args)
 
-    def _phase(self, name: str, device: bool) -> _Phase:
-        phase = self._phases.get((name, device))
-        if phase is None:
-            phase = self._phases[(name, device)] = _Phase(self, name, self._device if device else HOST_CLOCK)
+    def _new_phase(self, phases: dict[str, _Phase], name: str, clock: Clock) -> _Phase:
+        phase = phases[name] = _Phase(self, name, clock)
         return phase
 
     def _finish_step(self) -> None:
