@@ -1,28 +1,27 @@
 """The reference backend: NumPy on the CPU, float32 compute from bf16/fp16/int8 storage.
 
-Clarity over speed: this is what the GPU backend is checked against and what CI runs.
+Clarity over speed: this is what the GPU backend is checked against and what CI runs. Routed experts go through
+the CPU expert executor (compiled kernel over the storage dtype when numba is installed, else the same float32
+NumPy formulas).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..experts.cpu_executor import CpuExpertExecutor, silu_mul
 from ..experts.store import ExpertStore
 from ..model.batch import ForwardBatch
 from .base import Backend
-
-
-def dequantize(weight: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
-    """A stored weight as float32: a cast, times the per-row scale for int8.  # [Out, In]"""
-    if scale is None:
-        return weight.astype(np.float32)
-    return weight.astype(np.float32) * scale[:, None]
 
 
 class NumpyBackend(Backend):
     """Float32 NumPy on the host."""
 
     name = "numpy"
+
+    def __init__(self, expert_executor: CpuExpertExecutor | None = None):
+        self.experts = expert_executor or CpuExpertExecutor()
 
     # ---- memory -------------------------------------------------------------------------------------------
     def prepare_weight(self, host: np.ndarray) -> np.ndarray:
@@ -54,7 +53,7 @@ class NumpyBackend(Backend):
         return out if bias is None else out + bias
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        return gate / (1.0 + np.exp(-gate)) * up
+        return silu_mul(gate, up)
 
     def sigmoid(self, x: np.ndarray) -> np.ndarray:
         return 1.0 / (1.0 + np.exp(-x))
@@ -119,12 +118,7 @@ class NumpyBackend(Backend):
         out = np.zeros_like(x)  # [T, H]
         for expert in np.unique(expert_ids):
             tokens, slots = np.nonzero(expert_ids == expert)  # which tokens chose it, at which of their k slots
-            tensors = store.expert(layer, int(expert))
-            gate = dequantize(tensors["gate"], tensors.get("gate_scale"))  # [I, H]
-            up = dequantize(tensors["up"], tensors.get("up_scale"))  # [I, H]
-            down = dequantize(tensors["down"], tensors.get("down_scale"))  # [H, I]
-            h = x[tokens]  # [n, H]
-            y = self.silu_mul(h @ gate.T, h @ up.T) @ down.T  # [n, H]
+            y = self.experts.run(x[tokens], store.expert(layer, int(expert)))  # [n, H]
             np.add.at(out, tokens, y * weights[tokens, slots][:, None])
         return out
 

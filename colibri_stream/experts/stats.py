@@ -22,6 +22,22 @@ class TierStats:
 
 
 @dataclass
+class ComputeStats:
+    """Where routed experts were computed: on the CPU from host memory, or on the GPU."""
+
+    cpu_experts: int = 0  # expert computations the CPU expert executor ran (one per expert and step)
+    gpu_experts: int = 0
+    cpu_seconds: float = 0.0  # wall time inside the CPU expert executor
+    cpu_bytes_read: int = 0  # weight bytes the CPU expert executor read from host memory
+
+    def as_dict(self, steps: int) -> dict:
+        per_step = (lambda n: n / steps if steps else None)
+        return {"cpu_experts": self.cpu_experts, "gpu_experts": self.gpu_experts, "cpu_seconds": self.cpu_seconds,
+                "cpu_bytes_read": self.cpu_bytes_read, "cpu_experts_per_step": per_step(self.cpu_experts),
+                "gpu_experts_per_step": per_step(self.gpu_experts)}
+
+
+@dataclass
 class ExpertStats:
     """Everything the store counts; layers are indexed by MoE-layer rank (0 .. num_moe_layers - 1)."""
 
@@ -37,6 +53,7 @@ class ExpertStats:
     predicted: np.ndarray = None  # [layers] int64: experts predicted for a layer's step (summed over steps)
     used: np.ndarray = None  # [layers] int64: distinct experts a layer's step used (summed over steps)
     predicted_used: np.ndarray = None  # [layers] int64: of those used, the ones that had been predicted
+    compute: ComputeStats = field(default_factory=ComputeStats)  # where the experts were computed
 
     def __post_init__(self) -> None:
         for name in ("predicted", "used", "predicted_used"):
@@ -75,4 +92,5 @@ class ExpertStats:
             "prefetch": {"loads": self.prefetch_loads, "bytes": self.prefetch_bytes,
                          "wasted_bytes": self.prefetch_wasted_bytes, "recall": self.prefetch_recall,
                          "recall_per_layer": self.recall_per_layer()},
+            "compute": self.compute.as_dict(self.steps),
         }
