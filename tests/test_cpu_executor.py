@@ -37,7 +37,7 @@ def tokens(n: int) -> np.ndarray:
 @pytest.mark.parametrize("n", [1, 3, 17])
 def test_kernel_matches_numpy(dtype, n):
     pytest.importorskip("numba")
-    executor = CpuExpertExecutor(num_threads=2)
+    executor = CpuExpertExecutor(num_threads=2, min_kernel_bytes=0)
     x, tensors = tokens(n), expert(dtype)
     reference = numpy_expert(x, tensors)
     np.testing.assert_allclose(executor.run(x, tensors), reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
@@ -47,7 +47,8 @@ def test_kernel_matches_numpy(dtype, n):
 def test_strided_tokens_are_accepted():
     pytest.importorskip("numba")
     x, tensors = tokens(6)[::2], expert("bf16")  # [3, H], not contiguous
-    np.testing.assert_allclose(CpuExpertExecutor().run(x, tensors), numpy_expert(x, tensors), rtol=1e-5, atol=1e-6)
+    got = CpuExpertExecutor(min_kernel_bytes=0).run(x, tensors)
+    np.testing.assert_allclose(got, numpy_expert(x, tensors), rtol=1e-5, atol=1e-6)
 
 
 def test_fallback_without_numba(monkeypatch):
@@ -56,6 +57,11 @@ def test_fallback_without_numba(monkeypatch):
     assert executor.library == "numpy"
     x, tensors = tokens(2), expert("int8")
     np.testing.assert_array_equal(executor.run(x, tensors), numpy_expert(x, tensors))
+
+
+def test_small_experts_take_the_numpy_path():
+    x, tensors = tokens(2), expert("bf16")
+    np.testing.assert_array_equal(CpuExpertExecutor().run(x, tensors), numpy_expert(x, tensors))
 
 
 def test_counters():
@@ -82,7 +88,7 @@ def test_backend_routes_through_the_executor():
     x = tokens(4)
     ids = np.array([[0, 2], [2, 1], [0, 1], [2, 0]])  # [T, k]
     weights = np.full((4, 2), 0.5, np.float32)  # [T, k]
-    fast, plain = NumpyBackend(), NumpyBackend(CpuExpertExecutor(use_kernel=False))
+    fast, plain = NumpyBackend(CpuExpertExecutor(min_kernel_bytes=0)), NumpyBackend(CpuExpertExecutor(use_kernel=False))
     out = fast.routed_experts(x, weights, ids, 0, store)
     np.testing.assert_allclose(out, plain.routed_experts(x, weights, ids, 0, store), rtol=1e-5, atol=1e-6)
     assert fast.experts.stats.cpu_experts == 3

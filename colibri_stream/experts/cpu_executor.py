@@ -24,6 +24,9 @@ except ImportError:  # the `cpu` extra is not installed: the NumPy path serves e
 from .stats import ComputeStats
 
 CHUNKS_PER_THREAD = 4  # row chunks per thread, so uneven thread speeds even out
+# Below this many weight bytes NumPy is as fast: the kernel's call and thread start cost more than the reads
+# (the default model's 49 KB experts ran 25 % slower end to end through the kernel; docs/CPU_EXPERTS.md).
+MIN_KERNEL_BYTES = 1 << 20
 KERNEL_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.int8), np.dtype(np.float32))
 
 
@@ -74,8 +77,8 @@ def _dot(row, x, t):
 
 @_jit(parallel=True, fastmath=True, nogil=True)
 def _expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, bf16, x, h, y, threads):
-    """threads: how many threads run it; gate, up [I, H], down [H, I] (uint16 bf16 bits, int8 or float32); scales [rows] float32 or [0];
-    x [n, H] float32 in; h [n, I] float32 scratch; y [n, H] float32 out."""
+    """threads: how many threads run it; gate, up [I, H], down [H, I] (uint16 bf16 bits, int8 or float32);
+    scales [rows] float32 or [0];    x [n, H] float32 in; h [n, I] float32 scratch; y [n, H] float32 out."""
     inter, hidden = gate.shape
     n = x.shape[0]
     chunks = min(inter, threads * CHUNKS_PER_THREAD)
@@ -106,14 +109,17 @@ def _expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, bf16, x, h,
 class CpuExpertExecutor:
     """Computes routed experts on host threads from weights in their storage dtype.
 
-    num_threads: threads of the kernel (default: every core numba sees). use_kernel=False, or numba missing,
-    selects the NumPy path. `stats` counts the experts it computed, their seconds and the weight bytes read.
+    num_threads: threads of the kernel (default: every core numba sees). Experts of fewer than min_kernel_bytes,
+    fp16 experts, use_kernel=False or a missing numba take the NumPy path. `stats` counts the experts it
+    computed, their seconds and the weight bytes read.
     """
 
-    def __init__(self, num_threads: int | None = None, use_kernel: bool = True):
+    def __init__(self, num_threads: int | None = None, use_kernel: bool = True,
+                 min_kernel_bytes: int = MIN_KERNEL_BYTES):
         self.kernel = _expert_kernel if use_kernel and numba is not None else None
         limit = numba.config.NUMBA_NUM_THREADS if numba is not None else os.cpu_count() or 1
         self.num_threads = min(num_threads or limit, limit)
+        self.min_kernel_bytes = min_kernel_bytes
         self.stats = ComputeStats()
 
     @property
@@ -124,15 +130,16 @@ class CpuExpertExecutor:
         """x [n, H] float32 -> down(silu(gate x) * up x) [n, H] float32, for one expert's tensors
         (gate [I, H], up [I, H], down [H, I], plus *_scale float32 rows for int8)."""
         start = time.perf_counter()
-        y = self._compute(x, tensors)
+        nbytes = sum(a.nbytes for a in tensors.values())
+        y = self._compute(x, tensors, nbytes)
         self.stats.cpu_experts += 1
         self.stats.cpu_seconds += time.perf_counter() - start
-        self.stats.cpu_bytes_read += sum(a.nbytes for a in tensors.values())
+        self.stats.cpu_bytes_read += nbytes
         return y
 
-    def _compute(self, x: np.ndarray, tensors: dict[str, np.ndarray]) -> np.ndarray:
+    def _compute(self, x: np.ndarray, tensors: dict[str, np.ndarray], nbytes: int) -> np.ndarray:
         gate, up, down = tensors["gate"], tensors["up"], tensors["down"]
-        if self.kernel is None or gate.dtype not in KERNEL_DTYPES:
+        if self.kernel is None or gate.dtype not in KERNEL_DTYPES or nbytes < self.min_kernel_bytes:
             return numpy_expert(x, tensors)
         bf16 = gate.dtype == KERNEL_DTYPES[0]
         if bf16:
