@@ -1,13 +1,14 @@
-"""What step timing costs: one engine run, its decode steps timed from outside with the step timer off, on (the
-Prometheus histograms `colibri serve` keeps), on with a Chrome trace as well, and off again, interleaved step by
-step (off, metrics, trace, off again, off, ...), so the arms see the same batch and nearly the same context lengths.
-Each round starts fresh sequences; the rounds' steps are pooled.
+"""What step timing costs: one engine run whose decode steps are timed from outside, in A/B passes that alternate
+step by step between the step timer off (A) and on (B), so both see the same batch and nearly the same contexts:
 
-The figure per arm is the median step time; the overhead is an arm's median over the off arm's, and also the
-median over the cycles of an arm's step minus the mean of the two off steps around it (paired, so robust to the
-machine's load drifting); the second off arm against the first gives the noise floor of either comparison. The timer's own bookkeeping per step (its phases entered and
-left, the record built, the sinks called) is also timed in isolation, which is the cost without the run's noise.
-Results go to benchmarks/results/timing_overhead.json.
+- metrics: on with the Prometheus histograms `colibri serve` always keeps (the figure that matters);
+- trace: on with the histograms and a Chrome trace file;
+- noise: off against off, the resolution of the comparison on this machine.
+
+Each pass runs `rounds` fresh batches. Per pass: the ratio of the B and A medians, and the paired figure, the
+median over B steps of the step minus the mean of the A steps on either side (robust to the machine's load drifting
+during the run). The timer's own bookkeeping per step (its phases entered and left, the record built, the sinks
+called) is also timed in isolation. Results go to benchmarks/results/timing_overhead.json.
 
     python benchmarks/timing_overhead.py [--model FOLDER] [--batch-sizes 1,8,32] [--steps 200] [--rounds 3]
 """
@@ -30,71 +31,76 @@ from colibri_stream.request import SamplingParams
 from colibri_stream.timing import ChromeTraceWriter, StepRecord, StepSink, StepTimer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "timing_overhead.json"
-ARMS = ("off", "metrics", "trace", "off_again")
+PASSES = ("metrics", "trace", "noise")  # what the B steps run with; noise: timer off, like A
 
 
-def spread(values: list[float]) -> dict[str, float]:
+def spread(values: np.ndarray) -> dict[str, float]:
     """min, median, max in milliseconds."""
-    ms = np.asarray(values) * 1e3  # [n]
+    ms = values * 1e3  # [n]
     return {"min_ms": float(ms.min()), "median_ms": float(np.median(ms)), "max_ms": float(ms.max())}
 
 
-class Arms:
-    """The step sink of the run: the Prometheus histograms always, the trace in the trace arm; keeps the last record."""
+class Sink:
+    """The step sink of the run: the Prometheus histograms always, the trace in the trace pass; keeps the last record."""
 
     def __init__(self, metrics: ServerMetrics, trace: ChromeTraceWriter):
         self.metrics, self.trace = metrics, trace
-        self.current = "off"
+        self.tracing = False
         self.last: StepRecord | None = None
 
     def __call__(self, record: StepRecord) -> None:
         self.metrics.observe_step(record)
-        if self.current == "trace":
+        if self.tracing:
             self.trace(record)
         self.last = record
 
 
-def measure_batch(core: EngineCore, arms: Arms, batch_size: int, prompt_len: int, steps: int, rounds: int) -> dict:
-    """Decode `batch_size` sequences for `steps` steps per arm and round, the arms taking turns; step times per arm."""
+def ab_pass(core: EngineCore, sink: Sink, name: str, batch_size: int, prompt_len: int, steps: int,
+            rounds: int) -> dict:
+    """Alternate off (A) and `name` (B) steps over `rounds` fresh batches; compare the two."""
     rng = np.random.default_rng(batch_size)
-    params = SamplingParams(max_tokens=len(ARMS) * steps + 8, temperature=0.0, ignore_eos=True)
-    times: dict[str, list[float]] = {name: [] for name in ARMS}
+    params = SamplingParams(max_tokens=2 * steps + 8, temperature=0.0, ignore_eos=True)
+    a_steps, b_steps, paired = [], [], []
+    sink.tracing = name == "trace"
     for round_ in range(rounds):
         for i in range(batch_size):
             prompt = rng.integers(3, core.model_config.vocab_size, prompt_len).tolist()
-            core.add_request(f"b{batch_size}-r{round_}-{i}", prompt, params)
+            core.add_request(f"{name}-b{batch_size}-r{round_}-{i}", prompt, params)
         core.timer.enabled = False
         while core.scheduler.num_waiting:  # prefill (and warm up) outside the timed steps
             core.step()
-        for i in range(len(ARMS) * steps):
-            arms.current = ARMS[i % len(ARMS)]
-            core.timer.enabled = arms.current in ("metrics", "trace")
+        times = np.empty(2 * steps)  # [2 * steps] A, B, A, B, ...
+        for i in range(2 * steps):
+            core.timer.enabled = i % 2 == 1 and name != "noise"
             start = time.perf_counter()
             core.step()
-            times[arms.current].append(time.perf_counter() - start)
+            times[i] = time.perf_counter() - start
         core.abort_all()
+        a, b = times[0::2], times[1::2]  # [steps] each
+        a_steps.append(a)
+        b_steps.append(b)
+        paired.append(b[:-1] - (a[:-1] + a[1:]) / 2)  # [steps - 1] each B step against the A steps around it
     core.timer.enabled = False
-    off = float(np.median(times["off"]))
-    cycles = {name: np.asarray(values) for name, values in times.items()}  # [rounds * steps] each, in cycle order
-    baseline = (cycles["off"] + cycles["off_again"]) / 2  # [rounds * steps] the off steps on either side
-    metrics_cost = bookkeeping(arms.last, arms.metrics.observe_step)
-    arms.current = "trace"
-    trace_cost = bookkeeping(arms.last, arms)
+    a, b = np.concatenate(a_steps), np.concatenate(b_steps)  # [rounds * steps] each
+    off = float(np.median(a))
+    return {"off": spread(a), "on": spread(b), "overhead": float(np.median(b)) / off - 1,
+            "overhead_paired": float(np.median(np.concatenate(paired))) / off}
+
+
+def measure_batch(core: EngineCore, sink: Sink, batch_size: int, prompt_len: int, steps: int, rounds: int) -> dict:
+    passes = {name: ab_pass(core, sink, name, batch_size, prompt_len, steps, rounds) for name in PASSES}
+    off = passes["metrics"]["off"]["median_ms"] / 1e3
+    sink.tracing = False
+    metrics_cost = bookkeeping(sink.last, sink.metrics.observe_step)
+    sink.tracing = True
+    trace_cost = bookkeeping(sink.last, sink)
     return {
         "batch_size": batch_size,
         "prompt_len": prompt_len,
-        "context_len_end": prompt_len + len(ARMS) * steps,
-        "rounds": rounds,
+        "context_len_end": prompt_len + 2 * steps,
         "steps_per_arm": steps * rounds,
-        "phases_per_step": len(arms.last.spans),
-        "arms": {name: spread(values) for name, values in times.items()},
-        "metrics_overhead": float(np.median(times["metrics"])) / off - 1,
-        "trace_overhead": float(np.median(times["trace"])) / off - 1,
-        "noise_off_again": float(np.median(times["off_again"])) / off - 1,
-        # Paired within each cycle of four neighbouring steps: robust to the load drifting during the run.
-        "metrics_overhead_paired": float(np.median(cycles["metrics"] - baseline)) / off,
-        "trace_overhead_paired": float(np.median(cycles["trace"] - baseline)) / off,
-        "noise_paired": float(np.median(cycles["off_again"] - cycles["off"])) / off,
+        "phases_per_step": len(sink.last.spans),
+        **passes,
         "bookkeeping_metrics_us": metrics_cost * 1e6,
         "bookkeeping_metrics_share": metrics_cost / off,
         "bookkeeping_trace_us": trace_cost * 1e6,
@@ -130,16 +136,16 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model folder (default: the shipped model)")
     parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated decode batch sizes")
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=200, help="decode steps per arm and round")
+    parser.add_argument("--steps", type=int, default=200, help="decode steps per arm, pass and round")
     parser.add_argument("--rounds", type=int, default=3, help="fresh batches per batch size")
     args = parser.parse_args()
 
     core = EngineCore.from_pretrained(args.model, device="cpu")
     config = core.model_config
     with tempfile.TemporaryDirectory() as tmp, ChromeTraceWriter(Path(tmp) / "trace.json") as trace:
-        arms = Arms(ServerMetrics(core), trace)
-        core.timer.add_sink(arms)
-        runs = [measure_batch(core, arms, int(b), args.prompt_len, args.steps, args.rounds)
+        sink = Sink(ServerMetrics(core), trace)
+        core.timer.add_sink(sink)
+        runs = [measure_batch(core, sink, int(b), args.prompt_len, args.steps, args.rounds)
                 for b in args.batch_sizes.split(",")]
     result = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
@@ -153,13 +159,11 @@ def main() -> None:
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     for run in runs:
-        medians = ", ".join(f"{name} {run['arms'][name]['median_ms']:.3f} ms" for name in ARMS)
-        print(f"batch {run['batch_size']}: median step {medians}; metrics {run['metrics_overhead']:+.2%} "
-              f"(paired {run['metrics_overhead_paired']:+.2%}), trace {run['trace_overhead']:+.2%} "
-              f"(paired {run['trace_overhead_paired']:+.2%}), off again {run['noise_off_again']:+.2%} "
-              f"(paired {run['noise_paired']:+.2%}); bookkeeping {run['bookkeeping_metrics_us']:.1f} us "
-              f"({run['bookkeeping_metrics_share']:.2%} of a step), with the trace {run['bookkeeping_trace_us']:.1f} us "
-              f"({run['bookkeeping_trace_share']:.2%})")
+        figures = "; ".join(f"{name} {run[name]['overhead']:+.2%} (paired {run[name]['overhead_paired']:+.2%})"
+                            for name in PASSES)
+        print(f"batch {run['batch_size']}: median step off {run['metrics']['off']['median_ms']:.3f} ms; {figures}; "
+              f"bookkeeping {run['bookkeeping_metrics_us']:.1f} us ({run['bookkeeping_metrics_share']:.2%} of a "
+              f"step), with the trace {run['bookkeeping_trace_us']:.1f} us ({run['bookkeeping_trace_share']:.2%})")
 
 
 if __name__ == "__main__":
