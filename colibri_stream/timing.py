@@ -7,8 +7,8 @@ A step is a tree of phases with stable names (`PHASES`):
 
 `StepTimer` records them while it has a sink (a callable that receives each finished `StepRecord`) and is
 enabled; otherwise `phase()` returns a shared no-op context, so instrumented code costs one call per phase.
-Host phases read `time.perf_counter`; the model's phases read the backend's `Clock`, which a GPU backend
-implements with CUDA events so that measuring never synchronizes the device. `ChromeTraceWriter` is a sink that
+Host phases read `time.perf_counter`; the model's phases read the backend's `Clock`, which a GPU backend can
+implement with CUDA events so that measuring never synchronizes the device. `ChromeTraceWriter` is a sink that
 writes every phase as a Chrome-trace event (opens in ui.perfetto.dev and chrome://tracing), one track per clock
 stream.
 """
@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 
 import orjson
 
-# Every phase the engine records -> the phase it runs inside. Expert loads per tier and host-to-device copies get
-# their names (expert_load_<tier>, h2d_copy) where they are implemented; today every expert is memory-mapped.
+# Every phase the engine records -> the phase it runs inside. Expert loads per tier and host-to-device copies are to
+# be timed as expert_load_<tier> and h2d_copy by the code that moves those bytes; none does yet.
 PHASES: dict[str, str | None] = {
     "step": None,
     "schedule": "step",  # the scheduler picks the step's sequences and token budget
