@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 
 import orjson
 
-# Every phase the engine records -> the phase it runs inside. Expert loads per tier and host-to-device copies are to
-# be timed as expert_load_<tier> and h2d_copy by the code that moves those bytes; none does yet.
+# Every phase the engine records -> the phase it runs inside. Host-to-device copies of experts are to be timed as
+# h2d_copy by the GPU tier that will move those bytes; the host tier's reads are timed below.
 PHASES: dict[str, str | None] = {
     "step": None,
     "schedule": "step",  # the scheduler picks the step's sequences and token budget
@@ -34,6 +34,8 @@ PHASES: dict[str, str | None] = {
     "attention": "forward",  # projections, rotary, KV write, paged attention (all layers)
     "routing": "forward",  # router logits and top-k
     "experts": "forward",  # routed and shared expert compute
+    "expert_load_disk": "experts",  # demand reads of expert blocks from experts.bin (tiered store, a miss)
+    "expert_load_wait": "experts",  # waiting for a prefetched expert block still being read
     "mlp": "forward",  # the dense MLP of non-MoE layers
     "sample": "step",  # the sampler
     "update": "step",  # the scheduler advances the sequences

@@ -129,3 +129,26 @@ def test_trace_file_nests_and_covers_each_step(tiny_model_dir, tmp_path, capsys)
         for part in (e for e in phases if PHASES[e["name"]] == "forward"):
             assert forward["ts"] <= part["ts"] and part["ts"] + part["dur"] <= forward["ts"] + forward["dur"]
         assert sum(e["dur"] for e in top) >= 0.8 * step["dur"]  # the phases cover the step
+
+
+def test_tiered_store_reads_are_phases_of_the_experts(tmp_path, tiny_model_dir):
+    """With a host tier smaller than the experts, demand reads of experts.bin show up as expert_load_disk phases
+    nested in `experts`."""
+    import subprocess
+    import sys
+
+    import orjson
+
+    trace = tmp_path / "trace.json"
+    done = subprocess.run([sys.executable, "-m", "colibri_stream", "generate", "--model", str(tiny_model_dir),
+                           "--prompt", "hello", "--max-tokens", "4", "--l2-cache-size", "200KiB",
+                           "--trace-file", str(trace)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    data = orjson.loads(trace.read_bytes())
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    spans = [e for e in events if e.get("ph") == "X"]
+    loads = [e for e in spans if e["name"] == "expert_load_disk"]
+    experts = [e for e in spans if e["name"] == "experts"]
+    assert loads and all(
+        any(x["ts"] <= e["ts"] and e["ts"] + e["dur"] <= x["ts"] + x["dur"] + 1 for x in experts) for e in loads
+    )

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..checkpoint import ExpertFile
+from ..timing import StepTimer
 
 if TYPE_CHECKING:
     from .stats import ExpertStats
@@ -28,7 +29,10 @@ class ExpertStore(ABC):
     The model calls `begin_layer(layer, x, expert_ids)` once per MoE layer and step, after routing and before the
     first `expert` call of that layer: x [T, H] is the layer's MoE input, expert_ids [T, k] the router's choice.
     A store that predicts later layers' experts or records routing uses it; the rest ignore it.
+    A store that reads blocks times those reads as phases of `timer`, which the model sets to its step timer.
     """
+
+    timer: StepTimer = StepTimer()  # disabled until the model hands over its own
 
     def begin_layer(self, layer: int, x: np.ndarray, expert_ids: np.ndarray) -> None:
         """The step reached MoE layer `layer`; its tokens chose `expert_ids`."""

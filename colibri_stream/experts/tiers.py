@@ -188,7 +188,8 @@ class TieredExpertStore(ExpertStore):
                 slot = placed[0]
             start = time.perf_counter()
             try:
-                self.tier.load(layer, expert, slot)
+                with self.timer.phase("expert_load_disk"):
+                    self.tier.load(layer, expert, slot)
             except CheckpointError:
                 stats.load_errors += 1
                 if placed is not None:
@@ -205,7 +206,8 @@ class TieredExpertStore(ExpertStore):
         """Block until the running load of `expert` has filled its slot (its failure is the caller's)."""
         start = time.perf_counter()
         try:
-            self._inflight[rank].pop(expert).result()
+            with self.timer.phase("expert_load_wait"):
+                self._inflight[rank].pop(expert).result()
         except CheckpointError:
             self._stats.load_errors += 1
             self._layers[rank].drop(expert)

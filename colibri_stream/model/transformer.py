@@ -106,6 +106,7 @@ class MoETransformer:
         self.rope_cos, self.rope_sin = backend.upload(cos), backend.upload(sin)  # [P, D/2] each
         self.attention_scale = config.head_dim**-0.5
         self.timer = StepTimer(backend.timing_clock())  # the engine's step timer; the forward's phases report to it
+        self.store.timer = self.timer  # expert reads report to it too
 
     @property
     def max_positions(self) -> int:
