@@ -310,3 +310,23 @@ def test_missing_or_broken_tokenizer_json(tmp_path):
     with pytest.raises(CheckpointError, match="cannot be loaded"):
         Tokenizer.from_folder(tmp_path)
     assert issubclass(ChatTemplateError, ColibriError)
+
+
+def test_token_bytes_are_the_raw_bytes_of_each_token(folders):
+    """Byte-level tokens that split a character give their own bytes (not U+FFFD); together they are the text."""
+    tokenizer = Tokenizer.from_folder(folders["chatml"])
+    text = "naïve café 数据 🙂🚀 <|im_end|>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode("utf-8")
+    assert any(p and not _is_utf8(p) for p in pieces)  # some token really holds part of a character
+    with pytest.raises(ValueError):
+        tokenizer.token_bytes(10**9)
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

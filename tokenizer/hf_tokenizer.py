@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken
+from tokenizers import AddedToken, decoders
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.processors import TemplateProcessing
 
@@ -142,6 +142,20 @@ class Tokenizer:
         """Token ids of `text`; add_special_tokens adds what the tokenizer's post-processor adds (e.g. BOS)."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (for logprobs): a byte-level token's bytes need not be valid UTF-8
+        on their own, and a byte-fallback token `<0xNN>` is that one byte."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary")
+        if self._backend.decode([token_id], skip_special_tokens=False) == piece:  # added tokens, plain pieces
+            return piece.encode("utf-8")
+        if isinstance(self._backend.decoder, decoders.ByteLevel) and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return self._backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`; bytes that do not form whole UTF-8 characters decode to U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -192,3 +206,14 @@ def _bos_eos_processor(backend: BackendTokenizer, bos: str | None, eos: str | No
     head = f"{bos}:0 " if bos is not None else ""
     tail = f" {eos}:0" if eos is not None else ""
     return TemplateProcessing(single=f"{head}$A:0{tail}", special_tokens=specials)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): printable bytes stand for themselves, the other 68 are shifted to
+    code points from 256 on. Maps each character back to its byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
+
+
+_UNICODE_TO_BYTE = _byte_level_alphabet()

@@ -76,8 +76,7 @@ class ServerState:
 
         @functools.cache
         def piece(token_id: int) -> tuple[str, bytes]:
-            text = tokenizer.decode([token_id], skip_special_tokens=False)
-            return text, text.encode("utf-8")
+            return tokenizer.decode([token_id], skip_special_tokens=False), tokenizer.token_bytes(token_id)
 
         return piece
 
