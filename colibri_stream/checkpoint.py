@@ -36,7 +36,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import ml_dtypes
 import numpy as np
@@ -355,10 +355,6 @@ class ExpertFile:
             if not self.block_is_intact(layer, expert):
                 yield layer, expert
 
-    @property
-    def nbytes(self) -> int:
-        return len(self.index) * self.block_size
-
     def close(self) -> None:
         self._buffer = np.zeros(0, np.uint8)
         if self._mmap is not None:
@@ -535,9 +531,3 @@ class ModelFolder:
     def tokenizer_files(self) -> list[Path]:
         return [self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()]
 
-
-def iter_expert_keys(config: ModelConfig) -> Iterable[tuple[int, int]]:
-    """(layer, expert) pairs in file order."""
-    for layer in config.moe_layers:
-        for expert in range(config.num_experts):
-            yield layer, expert

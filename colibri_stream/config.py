@@ -138,10 +138,6 @@ class ModelConfig:
         if self.clip_qkv is not None and self.clip_qkv <= 0:
             fail("clip_qkv must be positive or null")
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
 
