@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 
 from .model import ForwardBatch, MoETransformer, PagedKVCache
+from .model.batch import flat_batch
 from .request import Logprob, SeqId
 from .sampling import Sampler, SamplingState, TokenLogprobs
 from .scheduler import ScheduledSeq, SchedulerOutput
@@ -22,26 +22,8 @@ class RunnerOutput:
 
 def build_batch(seqs: list[ScheduledSeq], block_size: int) -> ForwardBatch:
     """The flat varlen batch of a step: every sequence's chunk end to end, logits for the sampling ones."""
-    lens = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)  # [B]
-    starts = np.array([s.start_position for s in seqs], dtype=np.int64)  # [B]
-    query_start = np.zeros(len(seqs) + 1, dtype=np.int64)  # [B+1]
-    np.cumsum(lens, out=query_start[1:])
-    owner = np.repeat(np.arange(len(seqs)), lens)  # [T] sequence of each token
-    positions = np.arange(query_start[-1], dtype=np.int64) - query_start[owner] + starts[owner]  # [T]
-    block_tables = np.zeros((len(seqs), max(len(s.block_ids) for s in seqs)), dtype=np.int64)  # [B, max_blocks]
-    for b, s in enumerate(seqs):
-        block_tables[b, :len(s.block_ids)] = s.block_ids
-    slot_mapping = block_tables[owner, positions // block_size] * block_size + positions % block_size  # [T]
-    sample = np.array([s.sample for s in seqs], dtype=bool)  # [B]
-    return ForwardBatch(
-        token_ids=np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64, count=int(query_start[-1])),
-        positions=positions,
-        query_start=query_start,
-        context_lens=starts + lens,
-        block_tables=block_tables,
-        slot_mapping=slot_mapping,
-        logits_indices=query_start[1:][sample] - 1,  # [N]
-    )
+    return flat_batch([s.token_ids for s in seqs], [s.start_position for s in seqs], [s.block_ids for s in seqs],
+                      [s.sample for s in seqs], block_size)
 
 
 class ModelRunner:

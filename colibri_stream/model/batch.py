@@ -7,6 +7,7 @@ listed in `block_tables[b]`, token at position p in block `block_tables[b][p // 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,18 +52,31 @@ class ForwardBatch:
             raise ValueError("logits_indices must index this step's tokens")
 
 
-def single_sequence_batch(token_ids: np.ndarray, start_position: int, block_table: np.ndarray,
+def flat_batch(chunks: Sequence[Sequence[int]], start_positions: Sequence[int],
+               block_tables: Sequence[Sequence[int]], sample: Sequence[bool], block_size: int) -> ForwardBatch:
+    """The flat batch of sequences computing `chunks[b]` from `start_positions[b]` on over their block tables;
+    logits are returned for the last token of each sequence whose `sample` is set."""
+    lens = np.array([len(c) for c in chunks], dtype=np.int64)  # [B]
+    starts = np.asarray(start_positions, dtype=np.int64)  # [B]
+    query_start = np.zeros(len(chunks) + 1, dtype=np.int64)  # [B+1]
+    np.cumsum(lens, out=query_start[1:])
+    owner = np.repeat(np.arange(len(chunks)), lens)  # [T] sequence of each token
+    positions = np.arange(query_start[-1], dtype=np.int64) - query_start[owner] + starts[owner]  # [T]
+    tables = np.zeros((len(chunks), max(len(t) for t in block_tables)), dtype=np.int64)  # [B, max_blocks]
+    for b, table in enumerate(block_tables):
+        tables[b, : len(table)] = table
+    return ForwardBatch(
+        token_ids=np.fromiter((t for c in chunks for t in c), dtype=np.int64, count=int(query_start[-1])),
+        positions=positions,
+        query_start=query_start,
+        context_lens=starts + lens,
+        block_tables=tables,
+        slot_mapping=tables[owner, positions // block_size] * block_size + positions % block_size,  # [T]
+        logits_indices=query_start[1:][np.asarray(sample, dtype=bool)] - 1,  # [N]
+    )
+
+
+def single_sequence_batch(token_ids: Sequence[int], start_position: int, block_table: Sequence[int],
                           block_size: int) -> ForwardBatch:
     """A batch of one sequence computing `token_ids` from `start_position` on; returns the last token's logits."""
-    t = len(token_ids)
-    positions = np.arange(start_position, start_position + t, dtype=np.int64)  # [T]
-    blocks = block_table[positions // block_size]  # [T]
-    return ForwardBatch(
-        token_ids=np.asarray(token_ids, dtype=np.int64),
-        positions=positions,
-        query_start=np.array([0, t], dtype=np.int64),
-        context_lens=np.array([start_position + t], dtype=np.int64),
-        block_tables=np.asarray(block_table, dtype=np.int64)[None, :],
-        slot_mapping=blocks * block_size + positions % block_size,
-        logits_indices=np.array([t - 1], dtype=np.int64),
-    )
+    return flat_batch([token_ids], [start_position], [block_table], [True], block_size)
