@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from .model import ForwardBatch, MoETransformer, PagedKVCache
 from .model.batch import flat_batch
 from .request import Logprob, SeqId
