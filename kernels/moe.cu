@@ -12,13 +12,20 @@
 //   sorted_pairs int32 [P], num_groups int32 [1].
 //   grid: 1, block: 1024 threads, dynamic shared memory: 2 * E ints.
 //
+// Weights are addressed per slot: expert e's matrices start `slot * w_stride` elements (and its scales `slot *
+// s_stride` floats) past the given pointers, where slot = slot_of[e] when a slot table is given (experts held in a
+// bounded set of GPU slots, experts.bin's block layout) and slot = e otherwise (every expert resident, stacked).
+// A group whose slot is negative is skipped: its pairs' outputs are left as they are (another pass or the CPU
+// fills them), so the caller zeroes y first when it skips any.
+//
 // moe_gate_up<W, TT>: act[p, i] = silu(gate_e[i] . x[p / k]) * (up_e[i] . x[p / k]) for every pair p of expert e.
-//   x float32 [T, H]; w13 W [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up); s13 float32 [E, 2I] per-row scales (int8
-//   weights) or null; act float32 [P, I].
+//   x float32 [T, H]; gate, up W [slots, I, H] at stride w_stride; gate_scale, up_scale float32 [slots, I] at
+//   stride s_stride (int8 weights) or null; slot_of int32 [E] or null; act float32 [P, I].
 //   grid: (ceil(I / MOE_WARPS), G), block: MOE_WARPS * 32 threads; each warp one row i of gate and of up.
 //
 // moe_down<W, TT>: y[p, h] = route_weight[p] * (down_e[h] . act[p]).
-//   act float32 [P, I]; w2 W [E, H, I]; s2 float32 [E, H] or null; route_weights float32 [P]; y float32 [P, H].
+//   act float32 [P, I]; down W [slots, H, I] at stride w_stride; down_scale float32 [slots, H] at stride s_stride
+//   or null; slot_of as above; route_weights float32 [P]; y float32 [P, H].
 //   grid: (ceil(H / MOE_WARPS), G), block: MOE_WARPS * 32 threads; each warp one row h.
 //
 // moe_sum: out[t, h] = sum over s < k of y[t * k + s, h], in slot order (deterministic, no atomics).
@@ -29,6 +36,11 @@
 #include "common.cuh"
 
 constexpr int MOE_WARPS = 4;
+
+// The slot holding expert e: slot_of[e] with a slot table (negative: not in a slot for this pass), else e.
+__device__ __forceinline__ long long expert_slot(const int* slot_of, int e) {
+    return slot_of != nullptr ? slot_of[e] : e;
+}
 
 extern "C" __global__ void moe_align(const int* __restrict__ ids, int num_pairs, int num_experts,
                                      int* __restrict__ group_expert, int* __restrict__ group_start,
@@ -77,19 +89,22 @@ extern "C" __global__ void moe_align(const int* __restrict__ ids, int num_pairs,
 
 template <typename W, int TT>
 __global__ void __launch_bounds__(MOE_WARPS * 32)
-moe_gate_up(const float* __restrict__ x, const W* __restrict__ w13, const float* __restrict__ s13,
-            const int* __restrict__ group_expert, const int* __restrict__ group_start,
-            const int* __restrict__ sorted_pairs, const int* __restrict__ num_groups, float* __restrict__ act,
-            int H, int I, int top_k) {
+moe_gate_up(const float* __restrict__ x, const W* __restrict__ gate, const W* __restrict__ up, long long w_stride,
+            const float* __restrict__ gate_scales, const float* __restrict__ up_scales, long long s_stride,
+            const int* __restrict__ slot_of, const int* __restrict__ group_expert,
+            const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
+            const int* __restrict__ num_groups, float* __restrict__ act, int H, int I, int top_k) {
     const int g = blockIdx.y;
     if (g >= num_groups[0]) return;
+    const long long slot = expert_slot(slot_of, group_expert[g]);
+    if (slot < 0) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = blockIdx.x * MOE_WARPS + warp;
     if (row >= I) return;  // whole warps leave together
-    const long long e = group_expert[g];
-    const W* rows[2] = {w13 + (e * 2 * I + row) * H, w13 + (e * 2 * I + I + row) * H};
-    const float gate_scale = s13 != nullptr ? s13[e * 2 * I + row] : 1.f;
-    const float up_scale = s13 != nullptr ? s13[e * 2 * I + I + row] : 1.f;
+    const W* rows[2] = {gate + slot * w_stride + static_cast<long long>(row) * H,
+                        up + slot * w_stride + static_cast<long long>(row) * H};
+    const float gate_scale = gate_scales != nullptr ? gate_scales[slot * s_stride + row] : 1.f;
+    const float up_scale = up_scales != nullptr ? up_scales[slot * s_stride + row] : 1.f;
     const int end = group_start[g + 1];
     for (int base = group_start[g]; base < end; base += TT) {
         const int n = min(TT, end - base);
@@ -115,18 +130,20 @@ moe_gate_up(const float* __restrict__ x, const W* __restrict__ w13, const float*
 
 template <typename W, int TT>
 __global__ void __launch_bounds__(MOE_WARPS * 32)
-moe_down(const float* __restrict__ act, const W* __restrict__ w2, const float* __restrict__ s2,
+moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_stride,
+         const float* __restrict__ down_scales, long long s_stride, const int* __restrict__ slot_of,
          const float* __restrict__ route_weights, const int* __restrict__ group_expert,
          const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
          const int* __restrict__ num_groups, float* __restrict__ y, int H, int I) {
     const int g = blockIdx.y;
     if (g >= num_groups[0]) return;
+    const long long slot = expert_slot(slot_of, group_expert[g]);
+    if (slot < 0) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = blockIdx.x * MOE_WARPS + warp;
     if (row >= H) return;
-    const long long e = group_expert[g];
-    const W* rows[1] = {w2 + (e * H + row) * I};
-    const float scale = s2 != nullptr ? s2[e * H + row] : 1.f;
+    const W* rows[1] = {down + slot * w_stride + static_cast<long long>(row) * I};
+    const float scale = down_scales != nullptr ? down_scales[slot * s_stride + row] : 1.f;
     const int end = group_start[g + 1];
     for (int base = group_start[g]; base < end; base += TT) {
         const int n = min(TT, end - base);

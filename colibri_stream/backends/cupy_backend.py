@@ -93,7 +93,7 @@ def _launch(file: str, expression: str, grid: tuple[int, ...], block: int, args:
             weight_type: str | None = None) -> None:
     if 0 in grid:
         return
-    family = _FAMILIES[file](weight_type) if file in _FAMILIES else ()
+    family = _FAMILIES[file](weight_type) if file in _FAMILIES and weight_type is not None else ()
     get_kernel(file, expression, family)(grid, (block,), args, shared_mem=shared_mem)
 
 
@@ -108,19 +108,53 @@ def _tile(count: int, tiles: tuple[int, ...]) -> int:
 
 @dataclass
 class LayerExperts:
-    """The routed experts of one MoE layer, stacked on the device so kernels index them by expert id."""
+    """A MoE layer's experts on the device as one launch of the MoE kernels sees them: matrices indexed by slot.
 
-    w13: Array  # [E, 2I, H] storage dtype: rows 0..I-1 gate, I..2I-1 up
-    w2: Array  # [E, H, I] down
-    s13: Array | None  # [E, 2I] float32 per-row scales (int8 experts), else None
-    s2: Array | None  # [E, H] float32, else None
+    Resident experts are views of stacked [E, 2I, H] and [E, H, I] arrays (slot = expert id, no table); experts
+    in GPU slots are views of the slot arena in experts.bin's block layout, and `slot_of` maps expert ids to slots
+    (negative: not computed by this launch). Rows are contiguous; gate and up share one stride per slot.
+    """
+
+    gate: Array  # [S, I, H] storage dtype
+    up: Array  # [S, I, H]
+    down: Array  # [S, H, I]
+    gate_scale: Array | None  # [S, I] float32 per-row scales (int8 experts), else None
+    up_scale: Array | None  # [S, I]
+    down_scale: Array | None  # [S, H]
+    slot_of: Array | None = None  # [E] int32
+
+    @classmethod
+    def stacked(cls, w13: Array, w2: Array, s13: Array | None, s2: Array | None) -> LayerExperts:
+        """Views of stacked arrays w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], s13 [E, 2I], s2 [E, H]."""
+        i = w2.shape[2]
+        return cls(w13[:, :i], w13[:, i:], w2, None if s13 is None else s13[:, :i],
+                   None if s13 is None else s13[:, i:], s2)
+
+    def kernel_args(self) -> tuple[tuple, tuple]:
+        """(gate/up arguments, down arguments) of moe_gate_up and moe_down: pointers and strides per slot."""
+        def stride(array: Array | None) -> np.int64:
+            return np.int64(0 if array is None else array.strides[0] // array.itemsize)
+
+        def pointer(array: Array | None):
+            return NULL if array is None else np.uint64(array.data.ptr)
+
+        if self.gate.strides != self.up.strides:
+            raise ValueError("gate and up of a layer's experts must share their strides")
+        slot_of = pointer(self.slot_of)
+        gate_up = (pointer(self.gate), pointer(self.up), stride(self.gate), pointer(self.gate_scale),
+                   pointer(self.up_scale), stride(self.gate_scale), slot_of)
+        down = (pointer(self.down), stride(self.down), pointer(self.down_scale), stride(self.down_scale), slot_of)
+        return gate_up, down
 
 
 class DeviceExpertStore(ExpertStore):
-    """Every routed expert resident in GPU memory, stacked per MoE layer (`layer(l)` gives the arrays)."""
+    """Every routed expert resident in GPU memory, stacked per MoE layer (`passes(l)` gives the one launch's view)."""
+
+    resident = True  # every expert computed in one launch, on the GPU
 
     def __init__(self, layers: dict[int, LayerExperts]):
         self.layers = layers
+        self.num_experts = next(iter(layers.values())).gate.shape[0] if layers else 0
 
     @classmethod
     def upload(cls, store: ExpertStore, layers: Iterable[int], num_experts: int) -> DeviceExpertStore:
@@ -129,51 +163,48 @@ class DeviceExpertStore(ExpertStore):
 
         stacked = {}
         for layer in layers:
-            arrays = None
+            w13 = w2 = s13 = s2 = None
             for expert in range(num_experts):
                 tensors = store.expert(layer, expert)
                 gate, up, down = (to_device_storage(tensors[n]) for n in ("gate", "up", "down"))  # [I, H], [I, H], [H, I]
-                if arrays is None:
+                if w13 is None:
                     i, h = gate.shape
                     quantized = "gate_scale" in tensors
-                    arrays = LayerExperts(
-                        w13=cupy.empty((num_experts, 2 * i, h), gate.dtype),
-                        w2=cupy.empty((num_experts, h, i), gate.dtype),
-                        s13=cupy.empty((num_experts, 2 * i), np.float32) if quantized else None,
-                        s2=cupy.empty((num_experts, h), np.float32) if quantized else None,
-                    )
-                if not gate.dtype == up.dtype == down.dtype == arrays.w13.dtype:
+                    w13 = cupy.empty((num_experts, 2 * i, h), gate.dtype)  # [E, 2I, H]: gate rows, then up rows
+                    w2 = cupy.empty((num_experts, h, i), gate.dtype)  # [E, H, I]
+                    s13 = cupy.empty((num_experts, 2 * i), np.float32) if quantized else None  # [E, 2I]
+                    s2 = cupy.empty((num_experts, h), np.float32) if quantized else None  # [E, H]
+                if not gate.dtype == up.dtype == down.dtype == w13.dtype:
                     raise ValueError(f"expert ({layer}, {expert}) has tensors of another dtype than expert 0")
                 i = gate.shape[0]
-                arrays.w13[expert, :i] = gate
-                arrays.w13[expert, i:] = up
-                arrays.w2[expert] = down
-                if arrays.s13 is not None:
-                    arrays.s13[expert, :i] = cupy.asarray(tensors["gate_scale"], dtype=np.float32)
-                    arrays.s13[expert, i:] = cupy.asarray(tensors["up_scale"], dtype=np.float32)
-                    arrays.s2[expert] = cupy.asarray(tensors["down_scale"], dtype=np.float32)
-            stacked[layer] = arrays
+                w13[expert, :i] = gate
+                w13[expert, i:] = up
+                w2[expert] = down
+                if s13 is not None:
+                    s13[expert, :i] = cupy.asarray(tensors["gate_scale"], dtype=np.float32)
+                    s13[expert, i:] = cupy.asarray(tensors["up_scale"], dtype=np.float32)
+                    s2[expert] = cupy.asarray(tensors["down_scale"], dtype=np.float32)
+            stacked[layer] = LayerExperts.stacked(w13, w2, s13, s2)
         return cls(stacked)
 
-    def layer(self, layer: int) -> LayerExperts:
-        return self.layers[layer]
+    def passes(self, layer: int) -> Iterable[LayerExperts]:
+        """The launches of the MoE kernels for `layer`'s step: one, over every expert."""
+        return (self.layers[layer],)
 
     def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
         """One expert's tensors copied back to the host, in the storage layout ExpertStore promises."""
         import cupy
 
         arrays = self.layers[layer]
-        i = arrays.w2.shape[2]
 
         def host(array: Array) -> np.ndarray:
             values = cupy.asnumpy(array)
             return values.view(ml_dtypes.bfloat16) if values.dtype == np.uint16 else values
 
-        tensors = {"gate": host(arrays.w13[expert, :i]), "up": host(arrays.w13[expert, i:]),
-                   "down": host(arrays.w2[expert])}
-        if arrays.s13 is not None:
-            tensors.update(gate_scale=host(arrays.s13[expert, :i]), up_scale=host(arrays.s13[expert, i:]),
-                           down_scale=host(arrays.s2[expert]))
+        tensors = {"gate": host(arrays.gate[expert]), "up": host(arrays.up[expert]), "down": host(arrays.down[expert])}
+        if arrays.gate_scale is not None:
+            tensors.update(gate_scale=host(arrays.gate_scale[expert]), up_scale=host(arrays.up_scale[expert]),
+                           down_scale=host(arrays.down_scale[expert]))
         return tensors
 
 
@@ -198,11 +229,6 @@ class CupyBackend(Backend):
                 host = host.astype(np.float32)
             return self.cp.asarray(host, dtype=np.float32)
         return to_device_storage(host)
-
-    def prepare_experts(self, store: ExpertStore, config: ModelConfig) -> ExpertStore:
-        if isinstance(store, DeviceExpertStore):
-            return store
-        return DeviceExpertStore.upload(store, config.moe_layers, config.num_experts)
 
     def upload(self, host: np.ndarray) -> Array:
         return self.cp.asarray(host)
@@ -352,43 +378,61 @@ class CupyBackend(Backend):
                  np.int32(bool(renormalize))), shared_mem=4 * num_experts, weight_type=w)
         return weights, expert_ids
 
+    def prepare_experts(self, store: ExpertStore, config: ModelConfig) -> ExpertStore:
+        if hasattr(store, "passes"):  # already on the device: resident, or GPU slots (experts/gpu_tier.py)
+            return store
+        return DeviceExpertStore.upload(store, config.moe_layers, config.num_experts)
+
     def routed_experts(self, x, weights, expert_ids, layer, store: ExpertStore):
-        if not isinstance(store, DeviceExpertStore):
-            raise TypeError("the CuPy backend computes routed experts from a DeviceExpertStore (prepare_experts)")
+        """The MoE kernels once per launch the store asks for (`store.passes(layer)`: one when every expert is
+        resident; with GPU slots, one per group of experts that fit the layer's slots), then the sum over each
+        token's experts, plus the store's `host_output` (experts it computed on the CPU) when it has one."""
+        if not hasattr(store, "passes"):
+            raise TypeError("the CuPy backend computes routed experts from a device store (prepare_experts)")
         cp = self.cp
-        experts = store.layer(layer)
         x = cp.ascontiguousarray(x)
         t, h = x.shape
         top_k = expert_ids.shape[1]
         pairs = t * top_k
-        num_experts, two_i, _ = experts.w13.shape
-        i = two_i // 2
-        _check_row_width(h, experts.w13, "experts (hidden size)")
-        _check_row_width(i, experts.w2, "experts (intermediate size)")
+        num_experts = store.num_experts
         ids = cp.ascontiguousarray(expert_ids, dtype=np.int32).reshape(pairs)  # [P]
         route_weights = cp.ascontiguousarray(weights, dtype=np.float32).reshape(pairs)  # [P]
         group_expert = cp.empty(num_experts, np.int32)  # [E]
         group_start = cp.empty(num_experts + 1, np.int32)  # [E+1]
         sorted_pairs = cp.empty(pairs, np.int32)  # [P]
         num_groups = cp.empty(1, np.int32)
-        w = storage_type(experts.w13)
         _launch("moe.cu", "moe_align", (1,), 1024,
                 (ids, np.int32(pairs), np.int32(num_experts), group_expert, group_start, sorted_pairs, num_groups),
-                shared_mem=8 * num_experts, weight_type=w)
+                shared_mem=8 * num_experts)
         groups = min(num_experts, pairs)
         tile = _tile(t, MOE_TILES)  # a group holds at most T pairs
         routing = (group_expert, group_start, sorted_pairs, num_groups)
-        act = cp.empty((pairs, i), np.float32)  # [P, I]
-        _launch("moe.cu", f"moe_gate_up<{w}, {tile}>", (_ceil(i, MOE_WARPS), groups), 32 * MOE_WARPS,
-                (x, experts.w13, NULL if experts.s13 is None else experts.s13, *routing, act, np.int32(h),
-                 np.int32(i), np.int32(top_k)), weight_type=w)
-        y = cp.empty((pairs, h), np.float32)  # [P, H]
-        _launch("moe.cu", f"moe_down<{w}, {tile}>", (_ceil(h, MOE_WARPS), groups), 32 * MOE_WARPS,
-                (act, experts.w2, NULL if experts.s2 is None else experts.s2, route_weights, *routing, y,
-                 np.int32(h), np.int32(i)), weight_type=w)
+        act = y = None
+        for experts in store.passes(layer):
+            i = experts.gate.shape[1]
+            if act is None:
+                _check_row_width(h, experts.gate, "experts (hidden size)")
+                _check_row_width(i, experts.down, "experts (intermediate size)")
+                act = cp.empty((pairs, i), np.float32)  # [P, I]
+                # [P, H]; pairs skipped by every launch (experts computed on the CPU) must add nothing
+                y = cp.empty((pairs, h), np.float32) if store.resident else cp.zeros((pairs, h), np.float32)
+            w = storage_type(experts.gate)
+            gate_up_args, down_args = experts.kernel_args()
+            _launch("moe.cu", f"moe_gate_up<{w}, {tile}>", (_ceil(i, MOE_WARPS), groups), 32 * MOE_WARPS,
+                    (x, *gate_up_args, *routing, act, np.int32(h), np.int32(i), np.int32(top_k)), weight_type=w)
+            _launch("moe.cu", f"moe_down<{w}, {tile}>", (_ceil(h, MOE_WARPS), groups), 32 * MOE_WARPS,
+                    (act, *down_args, route_weights, *routing, y, np.int32(h), np.int32(i)), weight_type=w)
         out = cp.empty((t, h), np.float32)  # [T, H]
-        _launch("moe.cu", "moe_sum", (_ceil(t * h, 256),), 256, (y, out, np.int32(t), np.int32(top_k), np.int32(h)),
-                weight_type=w)
+        if y is None:  # no launch: every expert of the step was computed on the CPU
+            out.fill(0)
+        else:
+            _launch("moe.cu", "moe_sum", (_ceil(t * h, 256),), 256,
+                    (y, out, np.int32(t), np.int32(top_k), np.int32(h)))
+        host_output = getattr(store, "host_output", None)
+        if host_output is not None:
+            from_host = host_output(layer)  # [T, H] or None
+            if from_host is not None:
+                out += from_host
         return out
 
     # ---- output -------------------------------------------------------------------------------------------
