@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One session on a GPU machine: install, GPU tests, decode benchmark; logs and JSON results under $OUT.
-#   COLIBRI_COMMIT=<hash> OUT=<dir> benchmarks/gpu_session.sh
-# Carried wheels in .whl/ (orjson, which the image lacks) are installed first. Each stage has its own time limit
-# so the benchmark runs even if the tests fail.
+# One session on a GPU machine: install, GPU tests, benchmarks; logs and JSON results under $OUT.
+#   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests decode offload" benchmarks/gpu_session.sh
+# Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first. Each stage has its own time
+# limit so the next one runs even if one fails. OFFLOAD_ARGS / DECODE_ARGS pass options to the benchmarks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/colibri-gpu}
+STAGES=${STAGES:-tests decode offload}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -13,12 +14,24 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+python3 -c "import kvikio; print('kvikio', kvikio.__version__)" 2>&1 | tail -1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
 
-echo "== GPU tests"
-timeout "${TEST_TIMEOUT:-260}" python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml" \
-  tests/test_gpu_kernels.py tests/test_gpu_model.py 2>&1 | tee "$OUT/pytest_gpu.log" | grep -v "^\.*\s*\[" | tail -60
-
-echo "== decode benchmark"
-timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/decode.py --out "$OUT/decode_h200.json" ${BENCH_ARGS:-} 2>&1 \
-  | tee "$OUT/decode.log" | tail -40
+for stage in $STAGES; do
+  case $stage in
+    tests)
+      echo "== GPU tests"
+      timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m "gpu or not gpu" -q --maxfail=25 -p no:cacheprovider \
+        --junitxml="$OUT/pytest_gpu.xml" ${TEST_FILES:-tests/test_kernel_compile.py tests/test_gpu_kernels.py \
+        tests/test_gpu_tiers.py tests/test_gpu_model.py} 2>&1 | tee "$OUT/pytest_gpu.log" \
+        | grep -v "^\.*\s*\[" | tail -60 ;;
+    decode)
+      echo "== decode benchmark"
+      timeout "${DECODE_TIMEOUT:-300}" python3 benchmarks/decode.py --out "$OUT/decode_h200.json" ${DECODE_ARGS:-} \
+        2>&1 | tee "$OUT/decode.log" | tail -40 ;;
+    offload)
+      echo "== offload benchmark"
+      timeout "${OFFLOAD_TIMEOUT:-540}" python3 benchmarks/offload.py --out "$OUT/offload_h200.json" \
+        ${OFFLOAD_ARGS:-} 2>&1 | tee "$OUT/offload.log" | tail -60 ;;
+  esac
+done

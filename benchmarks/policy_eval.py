@@ -118,7 +118,7 @@ class CaptureStore(MappedExpertStore):
         self.x: dict[int, np.ndarray] = {}  # layer -> [T, H]
         self.ids: dict[int, np.ndarray] = {}  # layer -> [T, k]
 
-    def begin_layer(self, layer, x, expert_ids):
+    def begin_layer(self, layer, x, expert_ids, weights=None):
         self.x[layer], self.ids[layer] = np.array(x), np.array(expert_ids)
 
 

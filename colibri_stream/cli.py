@@ -60,6 +60,10 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="load the next layers' predicted experts ahead (off by default: see BENCHMARKS.md)")
     p.add_argument("--prefetch-lookahead", type=int, default=None, metavar="LAYERS",
                    help="MoE layers predicted ahead (default 1)")
+    p.add_argument("--cpu-experts", choices=("auto", "off", "all"), default=None,
+                   help="with GPU expert slots, where a missing expert is computed: auto (default: the CPU when "
+                        "reading it there beats moving it over PCIe, per expert and step), off (always load it to "
+                        "the GPU), all (always on the CPU)")
     p.add_argument("--usage-file", default=None, metavar="PATH",
                    help="routing statistics: ranks experts for --eviction-policy pinned (default: expert_usage.json "
                         "in the model folder); this run's routes are added to it")
@@ -93,7 +97,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     """The engine keyword arguments that were given on the command line."""
     names = ("device", "verify", "max_seq_len", "max_batch_size", "max_num_batched_tokens", "block_size",
              "kv_cache_memory", "num_kv_blocks", "max_queue", "gpu_memory_limit", "l2_cache_size",
-             "eviction_policy", "prefetch", "prefetch_lookahead", "usage_file", "routing_trace")
+             "eviction_policy", "prefetch", "prefetch_lookahead", "usage_file", "routing_trace", "cpu_experts")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

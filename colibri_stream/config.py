@@ -240,6 +240,7 @@ class CacheConfig:
 
 
 EVICTION_POLICIES = ("lru", "lfu", "pinned")
+CPU_EXPERT_MODES = ("auto", "off", "all")
 
 
 @dataclass(frozen=True)
@@ -261,8 +262,12 @@ class ExpertStoreConfig:
     prefetch_lookahead: int = 1  # MoE layers predicted ahead
     usage_file: str | None = None
     routing_trace: str | None = None
+    cpu_experts: str = "auto"  # GPU tier misses: auto (the cost model picks CPU compute or a load per expert and
+    # step), off (always load to the GPU), all (always compute on the CPU)
 
     def __post_init__(self) -> None:
+        if self.cpu_experts not in CPU_EXPERT_MODES:
+            raise ConfigError(f"cpu_experts must be one of {', '.join(CPU_EXPERT_MODES)}, got {self.cpu_experts!r}")
         for name in ("gpu_memory_limit", "l2_cache_size"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))

@@ -196,8 +196,10 @@ def test_budget_and_usage_problems_fail_at_start(moe16_dir, tmp_path):
         ExpertStoreConfig(eviction_policy="fifo")
     folder = ModelFolder(moe16_dir)
     dense = (moe16_dir / config.dense_file).stat().st_size
-    with pytest.raises(ConfigError, match="expert slots on the GPU are not implemented yet"):
-        open_expert_store(folder, ExpertStoreConfig(gpu_memory_limit=dense + budget(moe16_dir, 2)), "cuda")
+    with pytest.raises(ConfigError, match="does not even hold the dense weights"):
+        open_expert_store(folder, ExpertStoreConfig(gpu_memory_limit=dense), "cuda")
+    with pytest.raises(ConfigError, match="cpu_experts must be one of auto, off, all"):
+        ExpertStoreConfig(cpu_experts="sometimes")
     with pytest.raises(ConfigError, match="record on the CPU only"):
         open_expert_store(folder, ExpertStoreConfig(routing_trace=str(tmp_path / "trace.jsonl")), "cuda")
 

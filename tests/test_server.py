@@ -42,7 +42,7 @@ class LiveServer:
 
     @staticmethod
     async def _start(model_dir: Path, engine_options: dict, app_options: dict) -> tuple:
-        engine = AsyncEngine.from_pretrained(str(model_dir), device="cpu", **engine_options)
+        engine = AsyncEngine.from_pretrained(str(model_dir), **{"device": "cpu", **engine_options})
         app = create_app(engine, **app_options)
         return (app, *await serve(app, "127.0.0.1", 0))
 

@@ -33,6 +33,11 @@ TOKEN_TILES = (1, 2, 4, 8)  # linear_rows instantiations: tokens per block
 MOE_TILES = (1, 2, 4, 8)  # moe_gate_up / moe_down instantiations: pairs of one expert per pass
 LINEAR_ROWS_PER_BLOCK = 2  # LINEAR_ROWS in linear.cu
 MOE_WARPS = 4  # rows per block of the MoE kernels (moe.cu)
+MMA_MIN_TOKENS = 8  # from this many tokens a step, bf16/fp16 routed experts run on tensor cores (moe_mma.cu)
+MMA_TILES = (1, 2, 4)  # moe_gate_up_mma / moe_down_mma instantiations: n-tiles of 8 pairs per pass over the weights
+MMA_THREADS = 128  # MMA_WARPS * 32 in moe_mma.cu
+MMA_GATE_UP_ROWS = 64  # gate (and up) rows per block of moe_gate_up_mma: 4 warps x 16
+MMA_DOWN_ROWS = 128  # down rows per block of moe_down_mma: 4 warps x 32
 ATTENTION_WARPS = 16  # ATTN_WARPS in attention.cu
 NULL = np.uint64(0)  # a null pointer kernel argument
 
@@ -51,6 +56,8 @@ _FAMILIES = {
     "embedding.cu": lambda w: (f"embedding<{w}>",),
     "router.cu": lambda w: (f"route_topk<{w}>",),
     "moe.cu": lambda w: tuple(f"{k}<{w}, {tt}>" for k in ("moe_gate_up", "moe_down") for tt in MOE_TILES),
+    "moe_mma.cu": lambda w: tuple(f"{k}<{w}, {nt}>" for k in ("moe_gate_up_mma", "moe_down_mma")
+                                  for nt in MMA_TILES) if w in ("__nv_bfloat16", "__half") else (),
     "attention.cu": lambda w: tuple(f"paged_attention<{d}>" for d in (1, 2, 4, 8)),
 }
 
@@ -104,6 +111,19 @@ def _ceil(a: int, b: int) -> int:
 def _tile(count: int, tiles: tuple[int, ...]) -> int:
     """The smallest tile that holds `count` rows (the largest tile when none does)."""
     return next((tile for tile in tiles if tile >= count), tiles[-1])
+
+
+def _experts_on_tensor_cores(weight: Array, tokens: int) -> bool:
+    """Whether a step's routed experts run on moe_mma.cu (tensor cores) instead of moe.cu (CUDA cores).
+
+    moe.cu reads each weight once per group of up to 8 pairs but multiplies in float32 on CUDA cores, so once the
+    experts' groups hold several pairs it is bound by FMAs and activation loads, not HBM (BENCHMARKS.md: Mixtral at
+    batch 16 and 64 streams experts at 1.4 TB/s). The mma kernels need bf16 or fp16 weights (the tensor cores'
+    operand types; float32 and int8 experts stay on moe.cu) and pay a fixed cost per 8-pair tile, which only
+    several pairs per expert repay: at T tokens a group averages T * k / E pairs, so below MMA_MIN_TOKENS the
+    GEMV, already near the copy bandwidth at batch 1, keeps them.
+    """
+    return tokens >= MMA_MIN_TOKENS and np.dtype(weight.dtype) in (np.dtype(np.uint16), np.dtype(np.float16))
 
 
 @dataclass
@@ -190,6 +210,9 @@ class DeviceExpertStore(ExpertStore):
     def passes(self, layer: int) -> Iterable[LayerExperts]:
         """The launches of the MoE kernels for `layer`'s step: one, over every expert."""
         return (self.layers[layer],)
+
+    def finish_layer(self, layer: int) -> None:
+        """Nothing is computed elsewhere: every expert is resident (returns None)."""
 
     def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
         """One expert's tensors copied back to the host, in the storage layout ExpertStore promises."""
@@ -386,7 +409,7 @@ class CupyBackend(Backend):
     def routed_experts(self, x, weights, expert_ids, layer, store: ExpertStore):
         """The MoE kernels once per launch the store asks for (`store.passes(layer)`: one when every expert is
         resident; with GPU slots, one per group of experts that fit the layer's slots), then the sum over each
-        token's experts, plus the store's `host_output` (experts it computed on the CPU) when it has one."""
+        token's experts, plus what the store's `finish_layer` returns (experts it computed on the CPU meanwhile)."""
         if not hasattr(store, "passes"):
             raise TypeError("the CuPy backend computes routed experts from a device store (prepare_experts)")
         cp = self.cp
@@ -418,21 +441,28 @@ class CupyBackend(Backend):
                 y = cp.empty((pairs, h), np.float32) if store.resident else cp.zeros((pairs, h), np.float32)
             w = storage_type(experts.gate)
             gate_up_args, down_args = experts.kernel_args()
-            _launch("moe.cu", f"moe_gate_up<{w}, {tile}>", (_ceil(i, MOE_WARPS), groups), 32 * MOE_WARPS,
-                    (x, *gate_up_args, *routing, act, np.int32(h), np.int32(i), np.int32(top_k)), weight_type=w)
-            _launch("moe.cu", f"moe_down<{w}, {tile}>", (_ceil(h, MOE_WARPS), groups), 32 * MOE_WARPS,
-                    (act, *down_args, route_weights, *routing, y, np.int32(h), np.int32(i)), weight_type=w)
+            gate_up = (x, *gate_up_args, *routing, act, np.int32(h), np.int32(i), np.int32(top_k))
+            down = (act, *down_args, route_weights, *routing, y, np.int32(h), np.int32(i))
+            if _experts_on_tensor_cores(experts.gate, t):
+                n_tiles = _tile(_ceil(t, 8), MMA_TILES)  # 8 pairs per n-tile; a group holds at most T pairs
+                _launch("moe_mma.cu", f"moe_gate_up_mma<{w}, {n_tiles}>", (_ceil(i, MMA_GATE_UP_ROWS), groups),
+                        MMA_THREADS, gate_up, weight_type=w)
+                _launch("moe_mma.cu", f"moe_down_mma<{w}, {n_tiles}>", (_ceil(h, MMA_DOWN_ROWS), groups),
+                        MMA_THREADS, down, weight_type=w)
+            else:
+                _launch("moe.cu", f"moe_gate_up<{w}, {tile}>", (_ceil(i, MOE_WARPS), groups), 32 * MOE_WARPS,
+                        gate_up, weight_type=w)
+                _launch("moe.cu", f"moe_down<{w}, {tile}>", (_ceil(h, MOE_WARPS), groups), 32 * MOE_WARPS, down,
+                        weight_type=w)
         out = cp.empty((t, h), np.float32)  # [T, H]
         if y is None:  # no launch: every expert of the step was computed on the CPU
             out.fill(0)
         else:
             _launch("moe.cu", "moe_sum", (_ceil(t * h, 256),), 256,
                     (y, out, np.int32(t), np.int32(top_k), np.int32(h)))
-        host_output = getattr(store, "host_output", None)
-        if host_output is not None:
-            from_host = host_output(layer)  # [T, H] or None
-            if from_host is not None:
-                out += from_host
+        from_host = store.finish_layer(layer)  # [T, H]: experts the store computed on the CPU meanwhile, or None
+        if from_host is not None:
+            out += from_host
         return out
 
     # ---- output -------------------------------------------------------------------------------------------

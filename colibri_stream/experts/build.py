@@ -16,7 +16,7 @@ from ..plan import make_plan
 from .policies import make_policy
 from .prefetcher import Prefetcher
 from .store import ExpertStore, MappedExpertStore
-from .tiers import HostTier, TieredExpertStore
+from .tiers import BlockReader, HostTier, TieredExpertStore
 from .trace import USAGE_FILE, RoutingRecorder, read_usage
 
 logger = logging.getLogger(__name__)
@@ -38,8 +38,7 @@ def open_expert_store(folder: ModelFolder, options: ExpertStoreConfig, device: s
     if plan.fully_resident:
         store: ExpertStore = MappedExpertStore(folder.experts)
     elif device == "cuda":
-        raise ConfigError("expert slots on the GPU are not implemented yet: leave out --gpu-memory-limit (every "
-                          "expert in GPU memory) or run on the CPU with --device cpu --l2-cache-size")
+        store = _gpu_store(folder, options, plan.gpu_slots, plan.host_slots, usage)
     else:
         store = _tiered_store(folder, options, plan.host_slots, usage)
     if options.routing_trace is not None or options.usage_file is not None:
@@ -49,11 +48,14 @@ def open_expert_store(folder: ModelFolder, options: ExpertStoreConfig, device: s
     return store
 
 
-def _tiered_store(folder: ModelFolder, options: ExpertStoreConfig, slots_per_layer: int,
-                  usage: np.ndarray | None) -> TieredExpertStore:
+def _policies(folder: ModelFolder, options: ExpertStoreConfig, usage: np.ndarray | None) -> list:
     config = folder.config
-    policies = [make_policy(options.eviction_policy, config.num_experts, None if usage is None else usage[rank])
-                for rank in range(len(config.moe_layers))]
+    return [make_policy(options.eviction_policy, config.num_experts, None if usage is None else usage[rank])
+            for rank in range(len(config.moe_layers))]
+
+
+def _prefetcher(folder: ModelFolder, options: ExpertStoreConfig, usage: np.ndarray | None) -> Prefetcher | None:
+    config = folder.config
     prefetcher = None
     if options.prefetch:
         routers = [folder.dense.get(f"layers.{layer}.router") for layer in config.moe_layers]  # [E, H] each
@@ -61,5 +63,46 @@ def _tiered_store(folder: ModelFolder, options: ExpertStoreConfig, slots_per_lay
     logger.info("  eviction %s%s; prefetch %s", options.eviction_policy,
                 f" (ranked by {Path(options.usage_file or folder.path / USAGE_FILE).name})" if usage is not None
                 else "", f"{options.prefetch_lookahead} MoE layer(s) ahead" if prefetcher else "off")
-    tier = HostTier(folder.experts, slots_per_layer * len(config.moe_layers))
-    return TieredExpertStore(folder.experts, tier, slots_per_layer, policies, prefetcher)
+    return prefetcher
+
+
+def _tiered_store(folder: ModelFolder, options: ExpertStoreConfig, slots_per_layer: int,
+                  usage: np.ndarray | None) -> TieredExpertStore:
+    tier = HostTier(folder.experts, slots_per_layer * len(folder.config.moe_layers))
+    return TieredExpertStore(folder.experts, tier, slots_per_layer, _policies(folder, options, usage),
+                             _prefetcher(folder, options, usage))
+
+
+def _gpu_store(folder: ModelFolder, options: ExpertStoreConfig, gpu_slots: int, host_slots: int | None,
+               usage: np.ndarray | None) -> ExpertStore:
+    """GPU slots in front of pinned host memory (every expert, or `host_slots` per layer) or of experts.bin.
+    Failing to get the pinned or GPU memory is a ConfigError here, at start."""
+    import cupy
+
+    from .cpu_executor import CpuExpertExecutor
+    from .gpu_tier import GpuTieredStore, PinnedExperts, pinned_empty
+
+    config, experts = folder.config, folder.experts
+    try:
+        import kvikio  # noqa: F401
+
+        use_kvikio = True
+    except ImportError:
+        use_kvikio = False
+    reader = BlockReader(experts, use_kvikio=use_kvikio)
+    logger.info("  blocks read from %s with %s; misses computed on the CPU: %s", experts.path.name,
+                reader.library, options.cpu_experts)
+    try:
+        if host_slots is None:
+            host = None
+        elif host_slots >= config.num_experts:
+            host = PinnedExperts(experts, reader)
+        else:
+            tier = HostTier(experts, host_slots * len(config.moe_layers), allocate=pinned_empty, reader=reader)
+            host = TieredExpertStore(experts, tier, host_slots, _policies(folder, options, usage))
+        executor = None if options.cpu_experts == "off" else CpuExpertExecutor()
+        return GpuTieredStore(experts, gpu_slots, _policies(folder, options, usage), host, reader,
+                              _prefetcher(folder, options, usage), executor, options.cpu_experts)
+    except (cupy.cuda.memory.OutOfMemoryError, cupy.cuda.runtime.CUDARuntimeError) as error:
+        raise ConfigError(f"the expert tiers do not fit this machine ({error}): lower --gpu-memory-limit or "
+                          f"--l2-cache-size") from error

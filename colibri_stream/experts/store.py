@@ -26,16 +26,17 @@ class ExpertStore(ABC):
     up_scale [I], down_scale [H] (float32) for int8 experts. The arrays stay valid until the next `expert` or
     `begin_layer` call.
 
-    The model calls `begin_layer(layer, x, expert_ids)` once per MoE layer and step, after routing and before the
-    first `expert` call of that layer: x [T, H] is the layer's MoE input, expert_ids [T, k] the router's choice.
+    The model calls `begin_layer(layer, x, expert_ids, weights)` once per MoE layer and step, after routing and
+    before the first `expert` call of that layer: x [T, H] is the layer's MoE input, expert_ids [T, k] the router's
+    choice and weights [T, k] its weights.
     A store that predicts later layers' experts or records routing uses it; the rest ignore it.
     A store that reads blocks times those reads as phases of `timer`, which the model sets to its step timer.
     """
 
     timer: StepTimer = StepTimer()  # disabled until the model hands over its own
 
-    def begin_layer(self, layer: int, x: np.ndarray, expert_ids: np.ndarray) -> None:
-        """The step reached MoE layer `layer`; its tokens chose `expert_ids`."""
+    def begin_layer(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, weights=None) -> None:
+        """The step reached MoE layer `layer`; its tokens chose `expert_ids` with routing `weights` [T, k]."""
 
     @abstractmethod
     def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:

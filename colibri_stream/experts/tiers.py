@@ -27,6 +27,7 @@ from .store import ExpertStore
 
 logger = logging.getLogger(__name__)
 IO_THREADS = 4  # concurrent block reads of the prefetcher
+KVIKIO_TASK_SIZE = 4 << 20  # bytes per parallel kvikio read task
 
 
 class SlotTier(ABC):
@@ -49,17 +50,35 @@ class SlotTier(ABC):
 
 
 class BlockReader:
-    """Reads one expert block from experts.bin into a caller's buffer (one aligned pread) and checks its CRC32."""
+    """Reads one expert block from experts.bin into a caller's buffer and checks its CRC32.
 
-    def __init__(self, expert_file: ExpertFile):
+    With `use_kvikio` (the GPU tiers, when kvikio is installed) a read is split into KVIKIO_TASK_SIZE tasks that
+    kvikio's thread pool issues in parallel, which keeps an NVMe drive's queue full; otherwise one aligned pread.
+    Either way the bytes land in host memory, where the checksum is taken before anything uses them.
+    """
+
+    def __init__(self, expert_file: ExpertFile, use_kvikio: bool = False):
         self.file = expert_file
         self._fd = os.open(expert_file.path, os.O_RDONLY)
+        self._cufile = None
+        if use_kvikio:
+            import kvikio
+
+            self._cufile = kvikio.CuFile(expert_file.path, "r")
+
+    @property
+    def library(self) -> str:
+        return "kvikio" if self._cufile is not None else "pread"
 
     def read_into(self, layer: int, expert: int, out: np.ndarray) -> None:
         """out: [block_size] uint8, filled with the block of (layer, expert)."""
         entry = self.file.entry(layer, expert)
         size, offset = int(entry["size"]), int(entry["offset"])
-        if os.preadv(self._fd, [memoryview(out)], offset) != size:
+        if self._cufile is not None:
+            got = self._cufile.pread(out, size, offset, task_size=KVIKIO_TASK_SIZE).get()
+        else:
+            got = os.preadv(self._fd, [memoryview(out)], offset)
+        if got != size:
             raise CheckpointError(f"{self.file.path.name}: expert {expert} of layer {layer} is cut short "
                                   f"(the file is truncated)")
         if crc32(out) != int(entry["crc32"]):
@@ -67,6 +86,8 @@ class BlockReader:
                                   f"(the file is corrupt)")
 
     def close(self) -> None:
+        if self._cufile is not None:
+            self._cufile.close()
         os.close(self._fd)
 
 
@@ -78,18 +99,32 @@ def aligned_empty(rows: int, row_bytes: int) -> np.ndarray:
 
 
 class HostTier(SlotTier):
-    """Host memory slots (the L2 tier): `num_slots` blocks plus the staging block, read from experts.bin."""
+    """Host memory slots (the L2 tier): `num_slots` blocks plus the staging block, read from experts.bin.
+
+    Behind the GPU tier the arena is pinned (`allocate`: rows, row bytes -> [rows, row bytes] uint8 with aligned
+    rows) and the GPU copies blocks out of it asynchronously: `release(slot, event)` hands over the copy's CUDA
+    event, and a load into that slot first waits for it, so no block is overwritten while a copy still reads it.
+    """
 
     name = "host"
 
-    def __init__(self, expert_file: ExpertFile, num_slots: int, io_threads: int = IO_THREADS):
+    def __init__(self, expert_file: ExpertFile, num_slots: int, io_threads: int = IO_THREADS,
+                 allocate=aligned_empty, reader: BlockReader | None = None):
         self.file = expert_file
-        self.reader = BlockReader(expert_file)
-        self.arena = aligned_empty(num_slots + 1, expert_file.block_size)  # [slots + staging, block_size]
+        self.reader = reader or BlockReader(expert_file)
+        self.arena = allocate(num_slots + 1, expert_file.block_size)  # [slots + staging, block_size]
         self.staging_slot = num_slots
+        self._copies: dict[int, object] = {}  # slot -> CUDA event of the last copy reading it
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="colibri-expert-io")
 
+    def release(self, slot: int, event) -> None:
+        """A copy reading `slot` finishes at `event` (a CUDA event)."""
+        self._copies[slot] = event
+
     def load(self, layer: int, expert: int, slot: int) -> None:
+        copy = self._copies.pop(slot, None)
+        if copy is not None:
+            copy.synchronize()
         self.reader.read_into(layer, expert, self.arena[slot])
 
     def start_load(self, layer: int, expert: int, slot: int) -> Future:
@@ -131,7 +166,7 @@ class TieredExpertStore(ExpertStore):
             self._stats.tiers["disk"].bytes_read += self.block_size
 
     # ---- the step ------------------------------------------------------------------------------------------
-    def begin_layer(self, layer: int, x: np.ndarray, expert_ids: np.ndarray) -> None:
+    def begin_layer(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, weights=None) -> None:
         rank = self._rank[layer]
         if rank <= self._current:
             self._stats.steps += 1
@@ -167,6 +202,16 @@ class TieredExpertStore(ExpertStore):
             self._stats.tiers["disk"].bytes_read += self.block_size
 
     def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        return self.tier.tensors(self.slot_of(layer, expert))
+
+    def holds(self, layer: int, expert: int) -> bool:
+        """Whether the block of (layer, expert) is in a slot now, loaded (no read needed to use it)."""
+        slots = self._layers[self._rank[layer]]
+        return slots.lookup(expert) is not None and expert not in slots.loading
+
+    def slot_of(self, layer: int, expert: int) -> int:
+        """The tier slot holding the block of (layer, expert) once this returns: a hit, or a load (into a slot
+        of the layer or the staging block). Valid until the next `slot_of`, `expert` or `begin_layer` call."""
         rank = self._rank[layer]
         slots, stats = self._layers[rank], self._stats
         tier_stats = stats.tiers[self.tier.name]
@@ -199,7 +244,7 @@ class TieredExpertStore(ExpertStore):
                 stats.stall_seconds += time.perf_counter() - start
         tier_stats.bytes_read += self.block_size
         slots.use(expert)
-        return self.tier.tensors(slot)
+        return slot
 
     # ---- background loads ----------------------------------------------------------------------------------
     def _wait(self, rank: int, expert: int) -> None:

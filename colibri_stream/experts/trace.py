@@ -106,7 +106,7 @@ class RoutingRecorder(ExpertStore):
         self._usage = _UsageCounter(Path(usage_file), config) if usage_file is not None else None
         self._finalizer = weakref.finalize(self, RoutingRecorder._finish, self._trace, self._usage)
 
-    def begin_layer(self, layer: int, x, expert_ids) -> None:
+    def begin_layer(self, layer: int, x, expert_ids, weights=None) -> None:
         rank = self._rank[layer]
         if rank <= self._last_rank:
             self._new_step()
@@ -118,7 +118,7 @@ class RoutingRecorder(ExpertStore):
             self._trace.write(json.dumps({"step": self._step, "layer": layer, "experts": ids.tolist()}) + "\n")
             if rank == len(self._rank) - 1:  # the step's last MoE layer: its records are complete
                 self._trace.flush()
-        self.inner.begin_layer(layer, x, expert_ids)
+        self.inner.begin_layer(layer, x, expert_ids, weights)
 
     def _new_step(self) -> None:
         self._step += 1

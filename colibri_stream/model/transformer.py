@@ -183,7 +183,7 @@ class MoETransformer:
         with t.device_phase("routing"):
             weights, expert_ids = b.route(x, layer.router, cfg.top_k, cfg.norm_topk_prob)  # [T, k] each
         with t.device_phase("experts"):
-            self.store.begin_layer(index, x, expert_ids)  # lets a tiered store prefetch the next layers' experts
+            self.store.begin_layer(index, x, expert_ids, weights)  # a tiered store loads, prefetches, places
             out = b.routed_experts(x, weights, expert_ids, index, self.store)  # [T, H]
             if layer.shared_expert is not None:
                 shared = self._gated_mlp(layer.shared_expert, x)  # [T, H]

@@ -1,0 +1,500 @@
+"""Routed experts in a bounded set of GPU slots (L1), fed from pinned host memory (L2) or experts.bin (L3).
+
+`GpuTieredStore` is the CuPy backend's store when `--gpu-memory-limit` leaves room for fewer experts than the
+model has. Memory: one device arena of `slots_per_layer` blocks per MoE layer plus a staging block, each block
+4 KiB aligned and in experts.bin's layout, so a load is one host-to-device copy of the whole block; the MoE kernels
+read the blocks in place through per-slot strides and an expert -> slot table per layer (cupy_backend.LayerExperts).
+
+Where a block comes from: `PinnedExperts` (L2 holding every expert: pinned host copy of experts.bin, checked at
+start), a `TieredExpertStore` over a pinned `HostTier` (L2 holding some: its own eviction policy), or, without
+an L2 budget, experts.bin itself through a `StagingRing` of pinned buffers (kvikio parallel reads when kvikio is
+installed, CRC32 on every block). All copies run on one non-blocking copy stream; the compute stream waits on
+the copy's CUDA event, never the host.
+
+A layer's step (the backend drives it): `begin_layer` copies the routing to the host (the one synchronisation per
+MoE layer that offloading needs: the host must know which blocks to move), counts hits and decides where each
+missing expert is computed (`placement.place_step`, when a CPU expert executor is given); `passes` loads the
+missing blocks and yields one kernel launch per group of experts that fit the layer's slots (a second pass's
+copies wait for the first pass's kernels); `finish_layer` starts the predicted next layer's loads (prefetch) and
+computes the experts placed on the CPU while the GPU works, returning their weighted sum.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from ..checkpoint import BLOCK_ALIGNMENT, ExpertFile, expert_block_layout
+from ..errors import CheckpointError
+from .cpu_executor import CpuExpertExecutor
+from .placement import ASSUMED, Bandwidths, ExpertNeed, place_step
+from .policies import EvictionPolicy
+from .prefetcher import Prefetcher
+from .slots import LayerSlots
+from .stats import ComputeStats, ExpertStats, TierStats
+from .store import ExpertStore
+from .tiers import BlockReader, TieredExpertStore
+
+logger = logging.getLogger(__name__)
+GPU_IO_THREADS = 4  # prefetch reads of blocks that are not in host memory
+STAGING_BUFFERS = GPU_IO_THREADS + 2  # pinned buffers between experts.bin and the GPU
+FILL_THREADS = 8  # parallel reads filling PinnedExperts at start
+_DEVICE_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "int8": np.int8}
+
+
+def pinned_empty(rows: int, row_bytes: int) -> np.ndarray:
+    """[rows, row_bytes] uint8 in page-locked host memory (page aligned, so rows of 4 KiB multiples stay aligned),
+    the only host memory the GPU copies from asynchronously and at full PCIe speed."""
+    import cupyx
+
+    return cupyx.empty_pinned((rows, row_bytes), np.uint8)
+
+
+def _done(event) -> Future:
+    future: Future = Future()
+    future.set_result(event)
+    return future
+
+
+class StagingRing:
+    """Pinned buffers that blocks read from experts.bin pass through on their way to the GPU; a buffer is reused
+    only after the copy that read it has finished (its event). Safe to use from several threads."""
+
+    def __init__(self, block_size: int, count: int = STAGING_BUFFERS):
+        self.buffers = pinned_empty(count, block_size)  # [count, block_size]
+        self._free: queue.Queue = queue.Queue()
+        for index in range(count):
+            self._free.put((index, None))
+
+    def acquire(self) -> int:
+        index, event = self._free.get()
+        if event is not None:
+            event.synchronize()
+        return index
+
+    def release(self, index: int, event=None) -> None:
+        self._free.put((index, event))
+
+
+class PinnedExperts:
+    """Every expert block of experts.bin in pinned host memory (an L2 budget that holds them all), read in
+    parallel and checked against its CRC32 at start; never evicted, so copies need no bookkeeping."""
+
+    def __init__(self, expert_file: ExpertFile, reader: BlockReader, threads: int = FILL_THREADS):
+        layers, experts = expert_file.config.moe_layers, expert_file.config.num_experts
+        self.num_experts = experts
+        self._rank = {layer: rank for rank, layer in enumerate(layers)}
+        self.arena = pinned_empty(len(layers) * experts, expert_file.block_size)  # [L*E, block_size]
+        start = time.perf_counter()
+        jobs = [(layer, e) for layer in layers for e in range(experts)]
+        with ThreadPoolExecutor(threads, thread_name_prefix="colibri-l2-fill") as pool:
+            list(pool.map(lambda job: reader.read_into(*job, self.block(*job)), jobs))
+        seconds = time.perf_counter() - start
+        logger.info("L2: %d expert blocks (%.1f GiB) read into pinned memory in %.1f s (%.1f GB/s, %s)", len(jobs),
+                    self.arena.nbytes / 2**30, seconds, self.arena.nbytes / seconds / 1e9, reader.library)
+
+    def block(self, layer: int, expert: int) -> np.ndarray:
+        return self.arena[self._rank[layer] * self.num_experts + expert]
+
+
+class DeviceSlots:
+    """The GPU arena: `slots_per_layer` blocks per MoE layer, then one staging block, in experts.bin's layout.
+
+    `view(rank)` gives the layer's LayerExperts: tensors indexed by the layer's local slot (0 .. slots - 1; the
+    staging block is local slot `staging(rank)`), with the layer's device slot table attached.
+    """
+
+    def __init__(self, expert_file: ExpertFile, slots_per_layer: int):
+        import cupy
+
+        from ..backends.cupy_backend import LayerExperts
+
+        config = expert_file.config
+        self.block_size = expert_file.block_size
+        self.slots_per_layer = slots_per_layer
+        self.total = len(config.moe_layers) * slots_per_layer + 1  # + staging
+        self.memory = cupy.cuda.alloc(self.total * self.block_size + BLOCK_ALIGNMENT)
+        self.base = self.memory.ptr + (-self.memory.ptr % BLOCK_ALIGNMENT)  # first block, 4 KiB aligned
+        tensors, _ = expert_block_layout(config)
+        self.tables = [cupy.full(config.num_experts, -1, np.int32) for _ in config.moe_layers]  # [E] per layer
+        self._views = []
+        for rank in range(len(config.moe_layers)):
+            first = rank * slots_per_layer
+            arrays = {}
+            for t in tensors:
+                dtype = np.dtype(_DEVICE_DTYPES[t.dtype])
+                inner = [dtype.itemsize]
+                for extent in reversed(t.shape[1:]):
+                    inner.insert(0, inner[0] * extent)
+                pointer = self.memory + (self.base - self.memory.ptr + first * self.block_size + t.offset)
+                arrays[t.name] = cupy.ndarray((self.total - first, *t.shape), dtype, memptr=pointer,
+                                              strides=(self.block_size, *inner))
+            self._views.append(LayerExperts(arrays["gate"], arrays["up"], arrays["down"], arrays.get("gate_scale"),
+                                            arrays.get("up_scale"), arrays.get("down_scale"), self.tables[rank]))
+
+    def view(self, rank: int):
+        return self._views[rank]
+
+    def staging(self, rank: int) -> int:
+        """The staging block as a local slot of layer `rank`."""
+        return self.total - 1 - rank * self.slots_per_layer
+
+    def pointer(self, rank: int, slot: int) -> int:
+        """Device address of layer `rank`'s local slot."""
+        return self.base + (rank * self.slots_per_layer + int(slot)) * self.block_size  # Python ints: no overflow
+
+
+class GpuTieredStore(ExpertStore):
+    """Routed experts computed from `slots_per_layer` GPU slots per MoE layer; see the module docstring.
+
+    host: PinnedExperts (L2 holds all), a TieredExpertStore over a pinned HostTier (L2 holds some) or None (L3
+    only). prefetcher: predicts later layers' experts from the host copy of the MoE input. cpu_executor: computes
+    misses on the CPU where the cost model says so (`cpu_experts` "auto"), for every miss ("all"), or never
+    (None).
+    """
+
+    resident = False
+
+    def __init__(self, expert_file: ExpertFile, slots_per_layer: int, policies: list[EvictionPolicy],
+                 host: PinnedExperts | TieredExpertStore | None, reader: BlockReader,
+                 prefetcher: Prefetcher | None = None, cpu_executor: CpuExpertExecutor | None = None,
+                 cpu_experts: str = "auto", bandwidths: Bandwidths | None = None):
+        import cupy
+
+        self.cp = cupy
+        config = expert_file.config
+        self.file, self.host, self.reader, self.prefetcher = expert_file, host, reader, prefetcher
+        self.executor, self.cpu_experts = cpu_executor, cpu_experts
+        self.num_experts = config.num_experts
+        self.block_size = expert_file.block_size
+        self._params = 3 * config.hidden_size * config.moe_intermediate_size
+        self._layer_ids = list(config.moe_layers)
+        self._rank = {layer: rank for rank, layer in enumerate(self._layer_ids)}
+        self.device = DeviceSlots(expert_file, slots_per_layer)
+        self._layers = [LayerSlots(range(slots_per_layer), policy) for policy in policies]
+        self._slot_events: list[dict[int, object]] = [{} for _ in policies]  # per rank: slot -> last copy's event
+        self._inflight: list[dict[int, Future]] = [{} for _ in policies]  # per rank: expert -> prefetch (event)
+        self._prefetched: list[set[int]] = [set() for _ in policies]
+        self._copy_stream = cupy.cuda.Stream(non_blocking=True)
+        self._ring = StagingRing(self.block_size) if not isinstance(host, PinnedExperts) else None
+        self._pool = ThreadPoolExecutor(GPU_IO_THREADS, thread_name_prefix="colibri-gpu-io")
+        self._pass_done = None  # CUDA event after the latest pass's kernels
+        tiers = ("gpu", "host", "disk") if isinstance(host, PinnedExperts) else ("gpu", "disk")
+        self._stats = ExpertStats(len(policies), tiers={name: TierStats() for name in tiers})
+        self._current = len(policies)
+        self._step: dict | None = None  # the running layer's plan (begin_layer -> passes -> finish_layer)
+        self._predictions: list[tuple[int, list[int]]] = []
+        self._warm_start()
+        self._stats = ExpertStats(len(policies), tiers={name: TierStats() for name in tiers})  # count requests only
+        self.bandwidths = bandwidths or (self._measure_bandwidths() if cpu_executor is not None else ASSUMED)
+
+    # ---- start ---------------------------------------------------------------------------------------------
+    def _warm_start(self) -> None:
+        """Fill every slot: the policy's preload choice first, then the lowest expert ids (a GPU slot left empty
+        only costs a miss later)."""
+        for rank, slots in enumerate(self._layers):
+            wanted = slots.policy.preload(slots.num_slots)
+            wanted += [e for e in range(self.num_experts) if e not in wanted]
+            for expert in wanted[: slots.num_slots]:
+                slot, _ = slots.place(expert)
+                self._slot_events[rank][slot] = self._copy(self._layer_ids[rank], expert,
+                                                           self.device.pointer(rank, slot))
+        self._copy_stream.synchronize()
+
+    def _measure_bandwidths(self) -> Bandwidths:
+        """Pinned host -> GPU copies and the CPU executor's read rate, measured on one expert block."""
+        cp = self.cp
+        staging = self._ring.buffers[0] if self._ring is not None else self.host.block(self._layer_ids[0], 0)
+        if self._ring is not None:
+            self.reader.read_into(self._layer_ids[0], 0, staging)
+        destination = self.device.pointer(0, self.device.staging(0))
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(self._copy_stream)
+        for _ in range(3):
+            cp.cuda.runtime.memcpyAsync(destination, staging.ctypes.data, self.block_size,
+                                        cp.cuda.runtime.memcpyHostToDevice, self._copy_stream.ptr)
+        end.record(self._copy_stream)
+        end.synchronize()
+        h2d = 3 * self.block_size / (cp.cuda.get_elapsed_time(start, end) / 1e3)
+        tensors = self.file.unpack(staging)
+        x = np.ones((1, self.file.config.hidden_size), np.float32)
+        self.executor.run(x, tensors)  # compiles the kernel
+        begin = time.perf_counter()
+        self.executor.run(x, tensors)
+        host_read = self.block_size / (time.perf_counter() - begin)
+        self.executor.stats = ComputeStats()  # the measurement is not work the model asked for
+        measured = Bandwidths(host_read=host_read, h2d=h2d, disk=ASSUMED.disk, cpu_flops=ASSUMED.cpu_flops,
+                              measured=True)
+        logger.info("expert placement bandwidths: host -> GPU %.1f GB/s, CPU expert read %.1f GB/s (%d threads)",
+                    h2d / 1e9, host_read / 1e9, self.executor.num_threads)
+        return measured
+
+    # ---- moving blocks -------------------------------------------------------------------------------------
+    def _copy(self, layer: int, expert: int, destination: int, after=None):
+        """Copy the block of (layer, expert) from host memory (reading experts.bin when no tier holds it) to
+        `destination` on the copy stream, after the event `after` if given; returns the copy's event."""
+        cp = self.cp
+        source, release = self._host_block(layer, expert)
+        if after is not None:
+            self._copy_stream.wait_event(after)
+        cp.cuda.runtime.memcpyAsync(destination, source.ctypes.data, self.block_size,
+                                    cp.cuda.runtime.memcpyHostToDevice, self._copy_stream.ptr)
+        event = cp.cuda.Event(disable_timing=True)
+        event.record(self._copy_stream)
+        release(event)
+        return event
+
+    def _host_block(self, layer: int, expert: int):
+        """(pinned block [block_size] uint8, release(event)) of (layer, expert), on the step thread."""
+        stats = self._stats.tiers
+        if isinstance(self.host, PinnedExperts):
+            stats["host"].hits += 1
+            stats["host"].bytes_read += self.block_size
+            return self.host.block(layer, expert), lambda event: None
+        if self.host is not None:
+            slot = self.host.slot_of(layer, expert)
+            return self.host.tier.arena[slot], lambda event: self.host.tier.release(slot, event)
+        return self._read_staged(layer, expert)
+
+    def _read_staged(self, layer: int, expert: int, count: bool = True):
+        """Read (layer, expert) from experts.bin into a staging buffer: (buffer, release(event)); `count`: add
+        the read to the disk tier's counters (loader threads leave that to the step thread)."""
+        if count:
+            disk = self._stats.tiers["disk"]
+            disk.hits += 1
+            disk.bytes_read += self.block_size
+        index = self._ring.acquire()
+        try:
+            self.reader.read_into(layer, expert, self._ring.buffers[index])
+        except BaseException:
+            self._ring.release(index)
+            raise
+        return self._ring.buffers[index], lambda event: self._ring.release(index, event)
+
+    def _copy_from_disk(self, layer: int, expert: int, destination: int):
+        """A prefetch of a block that no host tier holds, on a loader thread: read, check, copy; the event."""
+        cp = self.cp
+        buffer, release = self._read_staged(layer, expert, count=False)
+        cp.cuda.runtime.memcpyAsync(destination, buffer.ctypes.data, self.block_size,
+                                    cp.cuda.runtime.memcpyHostToDevice, self._copy_stream.ptr)
+        event = cp.cuda.Event(disable_timing=True)
+        event.record(self._copy_stream)
+        release(event)
+        return event
+
+    def _in_host_memory(self, layer: int, expert: int) -> bool:
+        if isinstance(self.host, PinnedExperts):
+            return True
+        return self.host is not None and self.host.holds(layer, expert)
+
+    # ---- the step ------------------------------------------------------------------------------------------
+    def begin_layer(self, layer: int, x, expert_ids, weights=None) -> None:
+        cp, rank = self.cp, self._rank[layer]
+        if rank <= self._current:
+            self._stats.steps += 1
+        self._current = rank
+        ids = cp.asnumpy(expert_ids).astype(np.int64)  # [T, k]: the synchronisation offloading needs
+        needed = np.unique(ids).tolist()  # the step's distinct experts (batch union)
+        slots = self._layers[rank]
+        self._settle(rank)
+        wasted = self._prefetched[rank].difference(needed)
+        self._stats.prefetch_wasted_bytes += len(wasted) * self.block_size
+        self._prefetched[rank] = set()
+        self._stats.used[rank] += len(needed)
+        slots.begin_step(needed)
+        x_host = cp.asnumpy(x) if self.prefetcher is not None or self.executor is not None else None  # [T, H]
+        if self.prefetcher is not None:
+            self.prefetcher.settle(rank, needed, self._stats)
+            self._predictions = self.prefetcher.predict(rank, x_host)
+        hits = [e for e in needed if slots.lookup(e) is not None]
+        misses = [e for e in needed if slots.lookup(e) is None]
+        on_cpu: list[int] = []
+        if self.executor is not None and misses:
+            on_cpu = self._place_misses(layer, ids, misses)
+            misses = [e for e in misses if e not in on_cpu]
+        if self.host is not None and not isinstance(self.host, PinnedExperts):
+            self.host.begin_layer(layer, None, np.asarray(misses + on_cpu, np.int64)[:, None])
+        self._stats.tiers["gpu"].hits += len(hits)
+        self._stats.tiers["gpu"].misses += len(misses) + len(on_cpu)
+        self._step = {"rank": rank, "layer": layer, "hits": hits, "misses": misses, "on_cpu": on_cpu, "ids": ids,
+                      "x": x_host, "weights": None if not on_cpu else cp.asnumpy(weights)}
+
+    def _place_misses(self, layer: int, ids: np.ndarray, misses: list[int]) -> list[int]:
+        """The misses the CPU computes this step: all of them ("all"), or the cost model's choice ("auto")."""
+        if self.cpu_experts == "all":
+            return list(misses)
+        counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)
+        needs = [ExpertNeed(self.block_size, self._params, int(counts[e]),
+                            on_disk=not self._in_host_memory(layer, e)) for e in misses]
+        return [e for e, cpu in zip(misses, place_step(needs, self.bandwidths)) if cpu]
+
+    def passes(self, layer: int) -> Iterator:
+        """One LayerExperts per kernel launch: the step's experts that are (or are made) resident, as many at a
+        time as the layer's slots hold; a block placed for a later pass is copied after the earlier pass's
+        kernels (the copy stream waits on their event)."""
+        cp, step = self.cp, self._step
+        rank = step["rank"]
+        slots, events = self._layers[rank], self._slot_events[rank]
+        compute = cp.cuda.get_current_stream()
+        table = np.full(self.num_experts, -1, np.int32)  # [E] local slot of each expert in this pass
+        batch = []
+        for expert in step["hits"]:
+            slot = self._ready_slot(rank, expert)
+            if slot is None:  # its prefetch failed: now a miss
+                step["misses"].append(expert)
+                continue
+            table[expert] = slot
+            batch.append(expert)
+        todo = list(step["misses"])
+        while batch or todo:
+            while todo:
+                placed = slots.place(todo[0])
+                if placed is None:
+                    break
+                expert = todo.pop(0)
+                events[placed[0]] = self._demand_copy(rank, expert, placed[0], slots)
+                table[expert] = placed[0]
+                batch.append(expert)
+            if not batch:  # every slot holds an expert this step still needs: through the staging block
+                expert = todo.pop(0)
+                table[expert] = self.device.staging(rank)
+                self._stats.bypass_loads += 1
+                compute.wait_event(self._demand_copy(rank, expert, table[expert], None))
+                batch.append(expert)
+            for expert in batch:
+                slot = int(table[expert])
+                if slot in events:
+                    compute.wait_event(events[slot])
+            self.device.tables[rank].set(table)
+            self._stats.compute.gpu_experts += len(batch)
+            self._stats.tiers["gpu"].bytes_read += len(batch) * self.block_size
+            yield self.device.view(rank)
+            self._pass_done = cp.cuda.Event(disable_timing=True)
+            self._pass_done.record(compute)
+            for expert in batch:
+                slots.use(expert)
+            table[:] = -1
+            batch = []
+
+    def _demand_copy(self, rank: int, expert: int, slot: int, slots: LayerSlots | None):
+        """Load a missed block into a local slot now (the host waits only for a disk read); its event."""
+        layer = self._layer_ids[rank]
+        start = time.perf_counter()
+        try:
+            with self.timer.phase("expert_load_disk"):
+                return self._copy(layer, expert, self.device.pointer(rank, slot), after=self._pass_done)
+        except CheckpointError:
+            self._stats.load_errors += 1
+            if slots is not None:
+                slots.drop(expert)
+            raise
+        finally:
+            self._stats.stall_seconds += time.perf_counter() - start
+
+    def _ready_slot(self, rank: int, expert: int) -> int | None:
+        """The slot of a resident expert once its prefetch (if any) has been handed to the copy stream."""
+        slots = self._layers[rank]
+        future = self._inflight[rank].pop(expert, None)
+        if future is not None:
+            start = time.perf_counter()
+            try:
+                with self.timer.phase("expert_load_wait"):
+                    event = future.result()
+            except CheckpointError as error:
+                self._stats.load_errors += 1
+                logger.warning("prefetch of expert %d of layer %d failed: %s", expert, self._layer_ids[rank], error)
+                slots.drop(expert)
+                self._stats.tiers["gpu"].hits -= 1
+                self._stats.tiers["gpu"].misses += 1
+                return None
+            finally:
+                self._stats.stall_seconds += time.perf_counter() - start
+            slots.loading.discard(expert)
+            self._slot_events[rank][slots.lookup(expert)] = event
+        return slots.lookup(expert)
+
+    def finish_layer(self, layer: int):
+        """After the layer's kernels are queued: start the next layers' prefetches, then compute the experts
+        placed on the CPU. Returns their weighted sum [T, H] on the device, or None."""
+        step, self._step = self._step, None
+        for target, ranked in self._predictions:
+            self._prefetch(target, ranked)
+        self._predictions = []
+        if not step["on_cpu"]:
+            return None
+        ids, x, weights = step["ids"], step["x"], step["weights"]  # [T, k], [T, H], [T, k]
+        out = np.zeros_like(x)  # [T, H]
+        for expert in step["on_cpu"]:
+            tokens, which = np.nonzero(ids == expert)  # the tokens routed to it, and their top-k position
+            block, release = self._host_block(layer, expert)
+            try:
+                y = self.executor.run(x[tokens], self.file.unpack(block))  # [n, H]
+            finally:
+                release(None)
+            np.add.at(out, tokens, y * weights[tokens, which][:, None])
+        for expert in step["on_cpu"]:
+            self._layers[step["rank"]].use(expert)
+        return self.cp.asarray(out)
+
+    # ---- prefetch ------------------------------------------------------------------------------------------
+    def _prefetch(self, rank: int, ranked: list[int]) -> None:
+        """Start loading the most likely of `ranked` into layer `rank`'s slots, at most one per slot."""
+        slots, layer = self._layers[rank], self._layer_ids[rank]
+        self._settle(rank)
+        wanted = ranked[: slots.num_slots]
+        for expert in wanted:
+            if slots.lookup(expert) is not None:
+                continue
+            placed = slots.place(expert, protected=wanted)
+            if placed is None:
+                continue
+            destination = self.device.pointer(rank, placed[0])
+            slots.loading.add(expert)
+            if self._in_host_memory(layer, expert):
+                future = _done(self._copy(layer, expert, destination))
+            else:
+                disk = self._stats.tiers["disk"]
+                disk.hits += 1
+                disk.bytes_read += self.block_size
+                future = self._pool.submit(self._copy_from_disk, layer, expert, destination)
+            self._inflight[rank][expert] = future
+            self._prefetched[rank].add(expert)
+            self._stats.prefetch_loads += 1
+            self._stats.prefetch_bytes += self.block_size
+
+    def _settle(self, rank: int) -> None:
+        """Take in the finished background loads of layer `rank`: a block handed to the copy stream becomes an
+        ordinary resident one (its event kept for the compute to wait on); a failed one frees its slot (a demand
+        read reports the corrupt block if the expert is ever needed)."""
+        slots, inflight = self._layers[rank], self._inflight[rank]
+        for expert in [e for e, future in inflight.items() if future.done()]:
+            future = inflight.pop(expert)
+            error = future.exception()
+            if error is None:
+                self._slot_events[rank][slots.lookup(expert)] = future.result()
+                slots.loading.discard(expert)
+                continue
+            self._stats.load_errors += 1
+            slots.drop(expert)
+            self._prefetched[rank].discard(expert)
+            logger.warning("prefetch of expert %d of layer %d failed: %s", expert, self._layer_ids[rank], error)
+
+    def stats(self) -> ExpertStats:
+        snapshot = self._stats.snapshot()
+        if self.host is not None and not isinstance(self.host, PinnedExperts):
+            host_stats = self.host.stats()
+            snapshot.tiers = {"gpu": snapshot.tiers["gpu"], "host": host_stats.tiers["host"],
+                              "disk": TierStats(hits=snapshot.tiers["disk"].hits + host_stats.tiers["disk"].hits,
+                                                misses=0, bytes_read=snapshot.tiers["disk"].bytes_read
+                                                + host_stats.tiers["disk"].bytes_read)}
+        if self.executor is not None:
+            cpu = self.executor.stats
+            snapshot.compute.cpu_experts = cpu.cpu_experts
+            snapshot.compute.cpu_seconds = cpu.cpu_seconds
+            snapshot.compute.cpu_bytes_read = cpu.cpu_bytes_read
+        return snapshot

@@ -1,0 +1,122 @@
+"""GPU expert slots (experts/gpu_tier.py) on a tiny exported model (CUDA GPU).
+
+Logits are bit-identical to the fully resident GPU model at 1, 2 and 8 slots per MoE layer, with the L2 tier
+holding every expert, some of them or none (experts.bin through the staging ring), with and without prefetch: a
+block computes the same in any slot and pass. Experts computed on the CPU (`cpu_experts` all / auto) accumulate in
+another order, so they match within 1e-5 of the largest logit, with the same greedy tokens. Corrupt blocks are
+reported naming layer and expert, at start when L2 reads every block, at the read otherwise. The server answers
+as the resident one does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed (GPU tests need cupy-cuda12x or cupy-cuda13x)")
+if not cupy.cuda.is_available():
+    pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
+
+from test_expert_tiers import answers, budget, corrupt_copy, moe16_dir, step_logits  # noqa: E402,F401
+from test_parity import relative_error  # noqa: E402
+from test_server import LiveServer, request  # noqa: E402
+
+from colibri_stream.backends.cupy_backend import DeviceExpertStore  # noqa: E402
+from colibri_stream.checkpoint import read_config  # noqa: E402
+from colibri_stream.config import ExpertStoreConfig  # noqa: E402
+from colibri_stream.errors import CheckpointError  # noqa: E402
+from colibri_stream.experts.gpu_tier import GpuTieredStore  # noqa: E402
+from colibri_stream.model import load_model  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def gpu_budget(model_dir, slots: int) -> int:
+    """--gpu-memory-limit for `slots` GPU slots per MoE layer: the dense weights, the slots, the staging block."""
+    return (model_dir / read_config(model_dir).dense_file).stat().st_size + budget(model_dir, slots)
+
+
+def host_budget(model_dir, host: str) -> int | None:
+    return {"none": None, "some": budget(model_dir, 3), "all": budget(model_dir, 16)}[host]
+
+
+@pytest.fixture(scope="module")
+def resident_gpu_logits(moe16_dir):  # noqa: F811
+    model = load_model(str(moe16_dir), device="cuda")
+    assert isinstance(model.store, DeviceExpertStore)
+    return step_logits(model)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("host", ["none", "some", "all"])
+@pytest.mark.parametrize("gpu_slots", [1, 2, 8])
+def test_gpu_slots_give_the_resident_logits_bit_for_bit(moe16_dir, resident_gpu_logits, gpu_slots, host,  # noqa: F811
+                                                        prefetch):
+    options = ExpertStoreConfig(gpu_memory_limit=gpu_budget(moe16_dir, gpu_slots),
+                                l2_cache_size=host_budget(moe16_dir, host), prefetch=prefetch, cpu_experts="off")
+    model = load_model(str(moe16_dir), device="cuda", experts=options)
+    assert isinstance(model.store, GpuTieredStore)
+    for got, want in zip(step_logits(model), resident_gpu_logits):
+        np.testing.assert_array_equal(got, want)
+    stats = model.store.stats()
+    gpu = stats.tiers["gpu"]
+    assert gpu.hits + gpu.misses == int(stats.used.sum())
+    assert gpu.misses > 0 and stats.compute.cpu_experts == 0
+    assert set(stats.tiers) == {"gpu", "host", "disk"} if host != "none" else {"gpu", "disk"}
+    if host == "all":
+        assert stats.tiers["disk"].bytes_read == 0  # every block came from pinned memory
+    else:
+        assert stats.tiers["disk"].bytes_read > 0
+    if prefetch:
+        assert stats.prefetch_loads > 0 and stats.prefetch_recall is not None
+
+
+@pytest.mark.parametrize("cpu_experts", ["all", "auto"])
+@pytest.mark.parametrize("host", ["none", "all"])
+def test_experts_computed_on_the_cpu_match_within_float32_rounding(moe16_dir, resident_gpu_logits,  # noqa: F811
+                                                                   cpu_experts, host):
+    options = ExpertStoreConfig(gpu_memory_limit=gpu_budget(moe16_dir, 2), l2_cache_size=host_budget(moe16_dir, host),
+                                cpu_experts=cpu_experts)
+    model = load_model(str(moe16_dir), device="cuda", experts=options)
+    got = step_logits(model)
+    for ours, want in zip(got, resident_gpu_logits):
+        assert relative_error(ours, want) < 1e-5
+        assert (ours.argmax(axis=-1) == want.argmax(axis=-1)).all()
+    stats = model.store.stats()
+    if cpu_experts == "all":
+        assert stats.compute.cpu_experts == stats.tiers["gpu"].misses > 0
+        assert stats.compute.cpu_bytes_read > 0
+    assert stats.compute.cpu_experts + stats.compute.gpu_experts >= int(stats.used.sum())
+
+
+def test_a_corrupt_block_is_reported_when_read_and_at_start_when_l2_reads_all(moe16_dir, tmp_path):  # noqa: F811
+    config = read_config(moe16_dir)
+    layer = config.moe_layers[-1]
+    folder = moe16_dir
+    for expert in range(2, 16):  # every block of the last layer but the two the warm start loads
+        folder = corrupt_copy(folder, tmp_path / str(expert), layer, expert)
+    failure = rf"expert \d+ of layer {layer} fails its checksum"
+    model = load_model(str(folder), device="cuda",
+                       experts=ExpertStoreConfig(gpu_memory_limit=gpu_budget(moe16_dir, 2), cpu_experts="off"))
+    with pytest.raises(CheckpointError, match=failure):
+        step_logits(model)
+    assert model.store.stats().load_errors >= 1
+    with pytest.raises(CheckpointError, match=failure):
+        load_model(str(folder), device="cuda",
+                   experts=ExpertStoreConfig(gpu_memory_limit=gpu_budget(moe16_dir, 2),
+                                             l2_cache_size=host_budget(moe16_dir, "all")))
+
+
+def test_server_on_gpu_slots_answers_like_the_resident_gpu_server(tiny_model_dir):
+    prompts = ["Mixture of experts", "The quick brown fox", "你好"]
+    tiered = {"gpu_memory_limit": gpu_budget(tiny_model_dir, 1), "cpu_experts": "off"}
+    results = {}
+    for name, options in {"resident": {}, "tiered": tiered}.items():
+        live = LiveServer(tiny_model_dir, {"max_batch_size": 4, "device": "cuda", **options})
+        try:
+            results[name] = answers(live, prompts)
+            _, _, metrics = request(live, "GET", "/metrics", key=None)
+        finally:
+            live.close()
+        assert (b'colibri_expert_tier_hits_total{tier="gpu"}' in metrics) == (name == "tiered")
+    assert results["tiered"] == results["resident"]
