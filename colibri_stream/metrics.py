@@ -86,6 +86,15 @@ class ExpertStoreCollector(Collector):
                                   value=stats.prefetch_wasted_bytes)
         yield CounterMetricFamily("colibri_expert_load_errors", "Expert blocks that failed their checksum",
                                   value=stats.load_errors)
+        computed = CounterMetricFamily("colibri_expert_computed", "Routed expert computations (one per expert and "
+                                       "step) by where they ran", labels=["device"])
+        computed.add_metric(["gpu"], stats.compute.gpu_experts)
+        computed.add_metric(["cpu"], stats.compute.cpu_experts)
+        yield computed
+        yield CounterMetricFamily("colibri_cpu_expert_seconds", "Wall time of experts computed on the CPU",
+                                  value=stats.compute.cpu_seconds)
+        yield CounterMetricFamily("colibri_cpu_expert_bytes_read", "Expert weight bytes the CPU read from host memory",
+                                  value=stats.compute.cpu_bytes_read)
         recall = GaugeMetricFamily("colibri_expert_prefetch_recall",
                                    "Predicted and used over used experts, per MoE layer rank", labels=["layer"])
         for rank, value in enumerate(stats.recall_per_layer()):

@@ -149,6 +149,14 @@ class PlacementPlan:
         rate = f"{1 / worst.seconds:,.0f} tokens/s" if worst.seconds else "unbounded"
         lines.append(f"Bottleneck: {worst.name.split(' (')[0]} ({worst.seconds * 1e3:.3f} ms/token, at most {rate} "
                      f"per sequence)")
+        if self.device == "cuda" and not self.fully_resident:
+            misses = self.num_moe_layers * self.top_k * self.block_size * (1 - gpu_hit)
+            both = bandwidths.host_ram + (bandwidths.pcie_pinned if self.host_slots is not None
+                                          else bandwidths.pcie_pageable)
+            hybrid = max(misses / both, loads[0].seconds)
+            lines.append(f"With --cpu-experts auto (default) the CPU computes misses where they lie while PCIe "
+                         f"moves others: {hybrid * 1e3:.3f} ms/token at best (at most {1 / hybrid:,.0f} tokens/s "
+                         f"per sequence, host RAM and PCIe together)")
         if any(rate.endswith("*") for rate in rates):
             lines.append("* slots / experts, what uniform routing would give; trained routers do better "
                          "(benchmarks/policy_eval.py measures it), pass the measured rate")

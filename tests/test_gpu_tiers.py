@@ -119,4 +119,5 @@ def test_server_on_gpu_slots_answers_like_the_resident_gpu_server(tiny_model_dir
         finally:
             live.close()
         assert (b'colibri_expert_tier_hits_total{tier="gpu"}' in metrics) == (name == "tiered")
+        assert (b'colibri_expert_computed_total{device="gpu"}' in metrics) == (name == "tiered")
     assert results["tiered"] == results["resident"]

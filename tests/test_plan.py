@@ -53,6 +53,10 @@ def test_traffic_and_bottleneck(config):
     _, pcie, disk = cuda.traffic(Bandwidths(), gpu_hit=0.5, host_hit=0.5)
     assert pcie.bandwidth == Bandwidths().pcie_pinned and pcie.bytes_per_token == active * 0.5
     assert disk.bytes_per_token == active * 0.25
+    bw = Bandwidths(hbm=1e15, host_ram=30e9, pcie_pinned=10e9)
+    hybrid = active * 0.5 / 40e9  # misses over host RAM and PCIe together
+    assert f"{hybrid * 1e3:.3f} ms/token at best" in cuda.report(bw, gpu_hit=0.5, host_hit=1.0)
+    assert "--cpu-experts" not in make_plan(config, 4 * MiB, "cuda").report()
     mapped = make_plan(config, 4 * MiB, "cuda", gpu_memory_limit=4 * MiB + (2 * layers + 1) * block)
     assert mapped.traffic(Bandwidths(), 0.5, 1.0)[1].bandwidth == Bandwidths().pcie_pageable
 
