@@ -82,7 +82,8 @@ class EngineCore:
                                              config.scheduler.max_batch_size * per_seq)
         self.kv = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_seq_len=self.max_seq_len), self.kv)
-        self.runner = ModelRunner(model, model.allocate_kv_cache(num_blocks, block_size))
+        self.runner = ModelRunner(model, model.allocate_kv_cache(num_blocks, block_size), per_seq,
+                                  config.scheduler.max_batch_size)
         self.timer: StepTimer = model.timer  # phases of every step; `timer.add_sink` turns it on
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
         self._requests: dict[str, dict[int, _Sequence]] = {}  # request id -> its unfinished sequences by index

@@ -32,11 +32,18 @@ class ModelRunner:
     scheduler reports it finished, so a preempted sequence resumes drawing from the same generator.
     """
 
-    def __init__(self, model: MoETransformer, kv_cache: PagedKVCache):
+    def __init__(self, model: MoETransformer, kv_cache: PagedKVCache, max_blocks_per_seq: int | None = None,
+                 max_batch_size: int | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = Sampler()
         self._states: dict[SeqId, SamplingState] = {}
+        self.graphs = None  # decode steps as CUDA graphs, where the model's work is fixed by shapes
+        if max_blocks_per_seq is not None and max_batch_size is not None:
+            from .backends.cuda_graph import DecodeGraphs
+
+            if DecodeGraphs.usable(model):
+                self.graphs = DecodeGraphs(model, kv_cache, max_blocks_per_seq, max_batch_size)
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         for seq_id in step.finished_seq_ids:
@@ -45,7 +52,10 @@ class ModelRunner:
         with timer.phase("prepare"):
             batch = build_batch(step.seqs, self.kv_cache.block_size)
         with timer.phase("forward"):
-            logits = self.model.forward(batch, self.kv_cache)  # [N, V]
+            if self.graphs is not None and self.graphs.fits(batch):
+                logits = self.graphs.logits(batch)  # [N, V]: one graph launch, no per-layer phases
+            else:
+                logits = self.model.forward(batch, self.kv_cache)  # [N, V]
         states = [self._state(s) for s in step.seqs if s.sample]
         if not states:
             return RunnerOutput([], [])

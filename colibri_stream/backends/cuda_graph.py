@@ -100,3 +100,61 @@ class DecodeGraph:
         """Run the step and return each sequence's greedy next token (only the ids are copied back).  # [B]"""
         self.run(batch)
         return self.token_ids.get(stream=self.stream)
+
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # buckets: a decode batch runs in the smallest that holds it
+
+
+def is_decode(batch: ForwardBatch) -> bool:
+    """One token per sequence and logits for every one of them, in order: what a decode graph computes."""
+    b = batch.num_seqs
+    return batch.num_tokens == b and np.array_equal(batch.logits_indices, np.arange(b))
+
+
+class DecodeGraphs:
+    """The engine's decode steps as CUDA graphs: one `DecodeGraph` per batch-size bucket, captured the first time
+    a decode batch of that bucket comes, a smaller batch padded up to it (padding rows write no KV: slot -1).
+
+    Used only where a step's work is fixed by shapes: the CuPy backend with every expert resident (GPU expert
+    slots synchronise with the host every layer). `logits(batch)` returns the rows of the real sequences.
+    """
+
+    def __init__(self, model: MoETransformer, kv_cache: PagedKVCache, max_blocks: int, max_batch_size: int):
+        self.model, self.kv_cache, self.max_blocks = model, kv_cache, max_blocks
+        self.sizes = [s for s in GRAPH_BATCH_SIZES if s < max_batch_size] + [max_batch_size]
+        self._graphs: dict[int, DecodeGraph] = {}
+
+    @staticmethod
+    def usable(model: MoETransformer) -> bool:
+        return model.backend.name == "cupy" and getattr(model.store, "resident", False)
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        return (batch.num_seqs <= self.sizes[-1] and batch.block_tables.shape[1] <= self.max_blocks
+                and is_decode(batch))
+
+    def logits(self, batch: ForwardBatch) -> np.ndarray:
+        """The step's logits [B, V] float32 on the host, from the graph of the bucket holding B sequences."""
+        b = batch.num_seqs
+        size = next(s for s in self.sizes if s >= b)
+        graph = self._graphs.get(size)
+        if graph is None:
+            graph = self._graphs[size] = DecodeGraph(self.model, self.kv_cache, size, self.max_blocks)
+        graph.run(_padded(batch, size))
+        return graph.logits[:b].get(stream=graph.stream)
+
+
+def _padded(batch: ForwardBatch, size: int) -> ForwardBatch:
+    """A decode batch of `size` sequences: `batch`'s, then rows that read position 0 and write no KV."""
+    pad = size - batch.num_seqs
+    if pad == 0:
+        return batch
+
+    def extend(values: np.ndarray, fill: int) -> np.ndarray:
+        return np.concatenate([values, np.full(pad, fill, values.dtype)])
+
+    tables = np.zeros((size, batch.block_tables.shape[1]), np.int64)  # [size, width]
+    tables[: batch.num_seqs] = batch.block_tables
+    return ForwardBatch(token_ids=extend(batch.token_ids, 0), positions=extend(batch.positions, 0),
+                        query_start=np.arange(size + 1, dtype=np.int64), context_lens=extend(batch.context_lens, 1),
+                        block_tables=tables, slot_mapping=extend(batch.slot_mapping, -1),
+                        logits_indices=np.arange(size, dtype=np.int64))
