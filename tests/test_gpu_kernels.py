@@ -4,10 +4,13 @@ Outputs are poisoned: before each operation the memory pool is refilled with NaN
 to write comes back as NaN and fails the check. Error is ||ours - ref|| / ||ref||. Both backends compute in
 float32 from the same stored weights (bf16 and int8 widen exactly), so the bound is 1e-5 (summation order
 only), except above SMALL_BATCH tokens, where cuBLAS multiplies the activations split into a bf16/fp16 high and
-low part (about 16 significant bits): 1e-4.
+low part (about 16 significant bits): 1e-4, and for bf16/fp16 routed experts of MMA_MIN_TOKENS tokens or more,
+which run on tensor cores (moe_mma.cu) with the same split, two products deep: MMA_TOLERANCE.
 """
 
 from __future__ import annotations
+
+import functools
 
 import ml_dtypes
 import numpy as np
@@ -17,7 +20,21 @@ cupy = pytest.importorskip("cupy", reason="CuPy is not installed (GPU tests need
 if not cupy.cuda.is_available():
     pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
 
-from colibri_stream.backends.cupy_backend import SMALL_BATCH, CupyBackend, DeviceExpertStore  # noqa: E402
+from colibri_stream.backends import cupy_backend  # noqa: E402
+from colibri_stream.backends.cupy_backend import (  # noqa: E402
+    MMA_DOWN_ROWS,
+    MMA_GATE_UP_ROWS,
+    MMA_MIN_TOKENS,
+    MMA_THREADS,
+    MMA_TILES,
+    SMALL_BATCH,
+    CupyBackend,
+    DeviceExpertStore,
+    LayerExperts,
+    _experts_on_tensor_cores,
+    _launch,
+    _tile,
+)
 from colibri_stream.backends.numpy_backend import NumpyBackend  # noqa: E402
 from colibri_stream.config import RopeConfig  # noqa: E402
 from colibri_stream.experts.store import ExpertStore  # noqa: E402
@@ -29,6 +46,10 @@ pytestmark = pytest.mark.gpu
 GPU = CupyBackend()
 REF = NumpyBackend()
 STORAGE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+# Routed experts on tensor cores: the activations split into high and low bf16/fp16 parts give about 2.5e-6
+# (bf16) with exact accumulation (a NumPy simulation at H = 4096); the rest is the tensor cores' float32
+# accumulation over two chained products. Dropping the low part gives 1.7e-3 (bf16) and 2.1e-4 (fp16).
+MMA_TOLERANCE = 2e-4
 
 
 def poison() -> None:
@@ -228,10 +249,222 @@ def test_routed_experts(dtype, tokens, experts, top_k, hidden, inter):
     poison()
     ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids.astype(np.int32)), 5,
                               device_store)
-    check(ours, REF.routed_experts(x, weights, ids, 5, store))
+    tensor_cores = tokens >= MMA_MIN_TOKENS and dtype in ("bfloat16", "float16")
+    check(ours, REF.routed_experts(x, weights, ids, 5, store), MMA_TOLERANCE if tensor_cores else 1e-5)
     stored = device_store.expert(5, 3)
     for name, array in store.expert(5, 3).items():
         assert np.array_equal(stored[name].view(np.uint8), array.view(np.uint8)), name
+
+
+# ---- routed experts on tensor cores (moe_mma.cu) -------------------------------------------------------------
+def fast_weight(rng, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """As `weight`, drawn in float32 (the 4096-wide experts hold 176M values)."""
+    values = rng.standard_normal(shape, dtype=np.float32)
+    values *= np.float32(1 / np.sqrt(shape[-1]))
+    return values.astype(STORAGE[dtype])
+
+
+@functools.lru_cache(maxsize=8)
+def experts_on_device(num_experts: int, hidden: int, inter: int, dtype: str):
+    """(host store, device store) of random experts, built once per shape (the large one takes seconds)."""
+    rng = np.random.default_rng(num_experts * 1000 + hidden + inter)
+    store = DictExpertStore({(5, e): {"gate": fast_weight(rng, (inter, hidden), dtype),
+                                      "up": fast_weight(rng, (inter, hidden), dtype),
+                                      "down": fast_weight(rng, (hidden, inter), dtype)} for e in range(num_experts)})
+    return store, DeviceExpertStore.upload(store, [5], num_experts)
+
+
+def random_routing(rng, tokens: int, num_experts: int, top_k: int, hidden: int):
+    """x [T, H], route weights [T, k], distinct expert ids [T, k] (int32)."""
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    ids = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    return x, rng.random((tokens, top_k)).astype(np.float32), ids
+
+
+def launched_kernels(monkeypatch) -> list[str]:
+    """The kernel expressions the backend launches from now on (recorded, then launched as usual)."""
+    names: list[str] = []
+
+    def record(file, expression, *args, **kwargs):
+        names.append(expression)
+        return _launch(file, expression, *args, **kwargs)
+
+    monkeypatch.setattr(cupy_backend, "_launch", record)
+    return names
+
+
+def test_tensor_core_dispatch_rule():
+    bf16, fp16 = np.zeros((2, 8), np.uint16), np.zeros((2, 8), np.float16)
+    assert MMA_MIN_TOKENS == 8
+    assert _experts_on_tensor_cores(bf16, 8) and _experts_on_tensor_cores(fp16, 64)
+    assert not _experts_on_tensor_cores(bf16, 7)
+    assert not _experts_on_tensor_cores(np.zeros((2, 8), np.float32), 64)
+    assert not _experts_on_tensor_cores(np.zeros((2, 16), np.int8), 64)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tokens", [8, 16, 33, 64])
+@pytest.mark.parametrize("experts,top_k,hidden,inter", [
+    (8, 2, 128, 256),
+    (64, 8, 256, 128),
+    (16, 4, 136, 200),  # rows not a multiple of 16, columns not of 32: partial tiles and a partial last chunk
+    (8, 2, 4096, 1792),  # Mixtral's hidden size, an eighth of its intermediate size
+])
+def test_routed_experts_on_tensor_cores(dtype, tokens, experts, top_k, hidden, inter, monkeypatch):
+    store, device_store = experts_on_device(experts, hidden, inter, dtype)
+    x, weights, ids = random_routing(np.random.default_rng(tokens + hidden), tokens, experts, top_k, hidden)
+    launched = launched_kernels(monkeypatch)
+    poison()
+    ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
+    w = "__nv_bfloat16" if dtype == "bfloat16" else "__half"
+    n_tiles = _tile(-(-tokens // 8), MMA_TILES)
+    assert f"moe_gate_up_mma<{w}, {n_tiles}>" in launched and f"moe_down_mma<{w}, {n_tiles}>" in launched
+    check(ours, REF.routed_experts(x, weights, ids, 5, store), MMA_TOLERANCE)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tokens", [8, 40])
+def test_tensor_cores_match_cuda_cores(dtype, tokens, monkeypatch):
+    _, device_store = experts_on_device(8, 256, 384, dtype)
+    x, weights, ids = random_routing(np.random.default_rng(tokens), tokens, 8, 2, 256)
+    args = (cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
+    launched = launched_kernels(monkeypatch)
+    poison()
+    mma = cupy.asnumpy(GPU.routed_experts(*args))
+    assert any(name.startswith("moe_down_mma<") for name in launched)
+    launched.clear()
+    monkeypatch.setattr(cupy_backend, "MMA_MIN_TOKENS", 1 << 30)  # every step on moe.cu
+    poison()
+    cuda_cores = GPU.routed_experts(*args)
+    assert not any("_mma<" in name for name in launched) and any(name.startswith("moe_down<") for name in launched)
+    check(cuda_cores, mma, MMA_TOLERANCE)
+
+
+def slot_arena(tensors: list[dict[str, np.ndarray]], hidden: int, inter: int, dtype: str):
+    """The experts' tensors in one raw uint8 arena of fixed-size blocks (experts.bin's layout: gate, up, down, each
+    256-byte aligned, blocks of a multiple of 4096 bytes), and strided gate/up/down views of it per slot."""
+    def align(n: int, to: int) -> int:
+        return -(-n // to) * to
+
+    matrix = inter * hidden * 2
+    offsets = (0, align(matrix, 256), 2 * align(matrix, 256))  # gate, up, down
+    block = align(offsets[2] + matrix, 4096)
+    host = np.zeros((len(tensors), block), np.uint8)
+    for slot, expert in enumerate(tensors):
+        for name, offset in zip(("gate", "up", "down"), offsets):
+            host[slot, offset:offset + matrix] = expert[name].view(np.uint8).reshape(-1)
+    arena = cupy.asarray(host)  # [S, block] uint8
+    device_dtype = np.uint16 if dtype == "bfloat16" else np.float16
+
+    def view(offset: int, rows: int, cols: int):
+        return cupy.ndarray((len(tensors), rows, cols), device_dtype, memptr=arena.data + offset,
+                            strides=(block, 2 * cols, 2))
+
+    return arena, view(offsets[0], inter, hidden), view(offsets[1], inter, hidden), view(offsets[2], hidden, inter)
+
+
+class SlotPasses:
+    """A store computing its experts in GPU slots, in the given launches (LayerExperts with slot tables)."""
+
+    resident = False
+
+    def __init__(self, passes: list[LayerExperts], num_experts: int):
+        self._passes, self.num_experts = passes, num_experts
+
+    def passes(self, layer: int):
+        return self._passes
+
+    def finish_layer(self, layer: int):
+        return None  # nothing computed on the CPU
+
+
+def slotted_experts(rng, num_experts: int, hidden: int, inter: int, dtype: str):
+    """Host tensors of every expert, an arena holding experts 0 .. num_experts - 4 in shuffled slots, and two slot
+    tables splitting them between two launches; the last three experts are in no slot (never computed)."""
+    tensors = [{"gate": weight(rng, (inter, hidden), dtype), "up": weight(rng, (inter, hidden), dtype),
+                "down": weight(rng, (hidden, inter), dtype)} for _ in range(num_experts)]
+    held = num_experts - 3
+    slot_of_expert = rng.permutation(held)  # expert e < held lives in slot slot_of_expert[e]
+    by_slot = [None] * held
+    for e in range(held):
+        by_slot[slot_of_expert[e]] = tensors[e]
+    arena, gate, up, down = slot_arena(by_slot, hidden, inter, dtype)
+    tables = []
+    for first in (True, False):
+        table = np.full(num_experts, -1, np.int32)
+        for e in range(held):
+            if (e % 2 == 0) == first:
+                table[e] = slot_of_expert[e]
+        tables.append(table)
+    passes = [LayerExperts(gate, up, down, None, None, None, cupy.asarray(table)) for table in tables]
+    return tensors, arena, passes, tables
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tensor_cores", [True, False])
+def test_routed_experts_in_slot_arena(dtype, tensor_cores, monkeypatch):
+    rng = np.random.default_rng(11)
+    num_experts, top_k, hidden, inter, tokens = 16, 4, 256, 192, 24
+    tensors, _arena, passes, tables = slotted_experts(rng, num_experts, hidden, inter, dtype)
+    x, weights, ids = random_routing(rng, tokens, num_experts, top_k, hidden)
+    computed = (tables[0] >= 0) | (tables[1] >= 0)  # [E]
+    assert not computed[ids].all() and computed[ids].any()
+    if not tensor_cores:
+        monkeypatch.setattr(cupy_backend, "MMA_MIN_TOKENS", 1 << 30)
+    launched = launched_kernels(monkeypatch)
+    poison()
+    ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5,
+                              SlotPasses(passes, num_experts))
+    assert any("_mma<" in name for name in launched) == tensor_cores
+    # experts in no slot add nothing: the reference sees their route weights as zero
+    store = DictExpertStore({(5, e): t for e, t in enumerate(tensors)})
+    reference = REF.routed_experts(x, np.where(computed[ids], weights, 0).astype(np.float32), ids, 5, store)
+    check(ours, reference, MMA_TOLERANCE if tensor_cores else 1e-5)
+
+
+def expert_mlp(x: np.ndarray, tensors: dict[str, np.ndarray]) -> np.ndarray:
+    """down(silu(gate x) * up x) in float32 for x [H]."""
+    gate, up, down = (tensors[n].astype(np.float32) for n in ("gate", "up", "down"))
+    g = gate @ x
+    return down @ (g / (1 + np.exp(-g)) * (up @ x))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mma_kernels_leave_pairs_of_skipped_experts_untouched(dtype):
+    """The two kernels launched directly on one slot table: y rows of pairs whose expert has slot -1 keep their
+    NaN, every other row is route weight times the expert's MLP of its token."""
+    rng = np.random.default_rng(12)
+    num_experts, top_k, hidden, inter, tokens = 16, 4, 136, 200, 21
+    tensors, _arena, passes, tables = slotted_experts(rng, num_experts, hidden, inter, dtype)
+    x, weights, ids = random_routing(rng, tokens, num_experts, top_k, hidden)
+    experts, table = passes[0], tables[0]
+    pairs = tokens * top_k
+    w = "__nv_bfloat16" if dtype == "bfloat16" else "__half"
+    poison()
+    group_expert, group_start = cupy.empty(num_experts, np.int32), cupy.empty(num_experts + 1, np.int32)
+    sorted_pairs, num_groups = cupy.empty(pairs, np.int32), cupy.empty(1, np.int32)
+    _launch("moe.cu", "moe_align", (1,), 1024, (cupy.asarray(ids.reshape(pairs)), np.int32(pairs),
+                                                 np.int32(num_experts), group_expert, group_start, sorted_pairs,
+                                                 num_groups), shared_mem=8 * num_experts)
+    routing = (group_expert, group_start, sorted_pairs, num_groups)
+    act = cupy.full((pairs, inter), np.nan, np.float32)
+    y = cupy.full((pairs, hidden), np.nan, np.float32)
+    gate_up_args, down_args = experts.kernel_args()
+    groups = min(num_experts, pairs)
+    n_tiles = _tile(-(-tokens // 8), MMA_TILES)
+    _launch("moe_mma.cu", f"moe_gate_up_mma<{w}, {n_tiles}>", (-(-inter // MMA_GATE_UP_ROWS), groups), MMA_THREADS,
+            (cupy.asarray(x), *gate_up_args, *routing, act, np.int32(hidden), np.int32(inter), np.int32(top_k)),
+            weight_type=w)
+    _launch("moe_mma.cu", f"moe_down_mma<{w}, {n_tiles}>", (-(-hidden // MMA_DOWN_ROWS), groups), MMA_THREADS,
+            (act, *down_args, cupy.asarray(weights.reshape(pairs)), *routing, y, np.int32(hidden), np.int32(inter)),
+            weight_type=w)
+    y = cupy.asnumpy(y)  # [P, H]
+    skipped = table[ids.reshape(pairs)] < 0  # [P]
+    assert skipped.any() and not skipped.all()
+    assert np.isnan(y[skipped]).all(), "a row of a skipped expert's pair was written"
+    reference = np.stack([weights.reshape(pairs)[p] * expert_mlp(x[p // top_k], tensors[ids.reshape(pairs)[p]])
+                          for p in np.flatnonzero(~skipped)])
+    check(y[~skipped], reference, MMA_TOLERANCE)
 
 
 def test_greedy_takes_the_first_of_equal_maxima():
