@@ -55,7 +55,8 @@ _FAMILIES = {
                             f"to_storage_split<{w}>"),
     "embedding.cu": lambda w: (f"embedding<{w}>",),
     "router.cu": lambda w: (f"route_topk<{w}>",),
-    "moe.cu": lambda w: tuple(f"{k}<{w}, {tt}>" for k in ("moe_gate_up", "moe_down") for tt in MOE_TILES),
+    "moe.cu": lambda w: () if w is None else tuple(f"{k}<{w}, {tt}>" for k in ("moe_gate_up", "moe_down")
+                                                   for tt in MOE_TILES),  # None: moe_align, moe_sum only
     "moe_mma.cu": lambda w: tuple(f"{k}<{w}, {nt}>" for k in ("moe_gate_up_mma", "moe_down_mma")
                                   for nt in MMA_TILES) if w in ("__nv_bfloat16", "__half") else (),
     "attention.cu": lambda w: tuple(f"paged_attention<{d}>" for d in (1, 2, 4, 8)),
@@ -100,7 +101,7 @@ def _launch(file: str, expression: str, grid: tuple[int, ...], block: int, args:
             weight_type: str | None = None) -> None:
     if 0 in grid:
         return
-    family = _FAMILIES[file](weight_type) if file in _FAMILIES and weight_type is not None else ()
+    family = _FAMILIES[file](weight_type) if file in _FAMILIES else ()
     get_kernel(file, expression, family)(grid, (block,), args, shared_mem=shared_mem)
 
 
