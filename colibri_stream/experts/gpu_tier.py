@@ -484,6 +484,10 @@ class GpuTieredStore(ExpertStore):
             self._prefetched[rank].discard(expert)
             logger.warning("prefetch of expert %d of layer %d failed: %s", expert, self._layer_ids[rank], error)
 
+    def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        """One expert's tensors on the host (from the memory map of experts.bin); the GPU path uses `passes`."""
+        return self.file.tensors(layer, expert)
+
     def stats(self) -> ExpertStats:
         snapshot = self._stats.snapshot()
         if self.host is not None and not isinstance(self.host, PinnedExperts):
