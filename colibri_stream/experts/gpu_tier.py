@@ -438,14 +438,15 @@ class GpuTieredStore(ExpertStore):
             return None
         ids, x, weights = step["ids"], step["x"], step["weights"]  # [T, k], [T, H], [T, k]
         out = np.zeros_like(x)  # [T, H]
-        for expert in step["on_cpu"]:
-            tokens, which = np.nonzero(ids == expert)  # the tokens routed to it, and their top-k position
-            block, release = self._host_block(layer, expert)
-            try:
-                y = self.executor.run(x[tokens], self.file.unpack(block))  # [n, H]
-            finally:
-                release(None)
-            np.add.at(out, tokens, y * weights[tokens, which][:, None])
+        with self.timer.phase("expert_cpu"):
+            for expert in step["on_cpu"]:
+                tokens, which = np.nonzero(ids == expert)  # the tokens routed to it, and their top-k position
+                block, release = self._host_block(layer, expert)
+                try:
+                    y = self.executor.run(x[tokens], self.file.unpack(block))  # [n, H]
+                finally:
+                    release(None)
+                np.add.at(out, tokens, y * weights[tokens, which][:, None])
         for expert in step["on_cpu"]:
             self._layers[step["rank"]].use(expert)
         return self.cp.asarray(out)
