@@ -26,6 +26,7 @@ from colibri_stream.checkpoint import read_config  # noqa: E402
 from colibri_stream.config import ExpertStoreConfig  # noqa: E402
 from colibri_stream.errors import CheckpointError  # noqa: E402
 from colibri_stream.experts.gpu_tier import GpuTieredStore  # noqa: E402
+from colibri_stream.experts.trace import read_trace  # noqa: E402
 from colibri_stream.model import load_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -121,3 +122,21 @@ def test_server_on_gpu_slots_answers_like_the_resident_gpu_server(tiny_model_dir
         assert (b'colibri_expert_tier_hits_total{tier="gpu"}' in metrics) == (name == "tiered")
         assert (b'colibri_expert_computed_total{device="gpu"}' in metrics) == (name == "tiered")
     assert results["tiered"] == results["resident"]
+
+
+@pytest.mark.parametrize("budget", ["resident", "slots"])
+def test_routing_trace_on_the_gpu(moe16_dir, resident_gpu_logits, tmp_path, budget):  # noqa: F811
+    """Recording on the GPU (resident experts or slots) changes no logit and writes the CPU's trace."""
+    config = read_config(moe16_dir)
+    cpu = load_model(str(moe16_dir), device="cpu",
+                     experts=ExpertStoreConfig(routing_trace=str(tmp_path / "cpu.jsonl")))
+    step_logits(cpu)
+    cpu.store.flush()
+    options = {"routing_trace": str(tmp_path / "gpu.jsonl")}
+    if budget == "slots":
+        options.update(gpu_memory_limit=gpu_budget(moe16_dir, 2), cpu_experts="off")
+    gpu = load_model(str(moe16_dir), device="cuda", experts=ExpertStoreConfig(**options))
+    for got, want in zip(step_logits(gpu), resident_gpu_logits):
+        np.testing.assert_array_equal(got, want)
+    gpu.store.flush()
+    assert read_trace(tmp_path / "gpu.jsonl", config) == read_trace(tmp_path / "cpu.jsonl", config)

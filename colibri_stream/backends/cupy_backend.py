@@ -403,6 +403,11 @@ class CupyBackend(Backend):
         return weights, expert_ids
 
     def prepare_experts(self, store: ExpertStore, config: ModelConfig) -> ExpertStore:
+        from ..experts.trace import RoutingRecorder
+
+        if isinstance(store, RoutingRecorder):  # records around the device store
+            store.inner = self.prepare_experts(store.inner, config)
+            return store
         if hasattr(store, "passes"):  # already on the device: resident, or GPU slots (experts/gpu_tier.py)
             return store
         return DeviceExpertStore.upload(store, config.moe_layers, config.num_experts)

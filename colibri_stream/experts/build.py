@@ -42,8 +42,6 @@ def open_expert_store(folder: ModelFolder, options: ExpertStoreConfig, device: s
     else:
         store = _tiered_store(folder, options, plan.host_slots, usage)
     if options.routing_trace is not None or options.usage_file is not None:
-        if device == "cuda":  # the GPU backend replaces the store by its own resident one
-            raise ConfigError("--routing-trace and --usage-file record on the CPU only for now: use --device cpu")
         store = RoutingRecorder(store, config, options.routing_trace, options.usage_file)
     return store
 

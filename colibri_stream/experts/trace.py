@@ -89,7 +89,14 @@ class _UsageCounter:
 
 
 class RoutingRecorder(ExpertStore):
-    """Wraps a store and records its routing: a trace file, usage counts, or both."""
+    """Wraps a store and records its routing: a trace file, usage counts, or both.
+
+    On the GPU it wraps the backend's device store (`passes`, `finish_layer` pass through) and copies each layer's
+    routing to the host, one synchronisation per MoE layer: a step that records is never captured as a CUDA graph
+    (`resident` is False for that reason).
+    """
+
+    resident = False
 
     def __init__(self, inner: ExpertStore, config: ModelConfig, trace_file: str | None = None,
                  usage_file: str | None = None):
@@ -111,7 +118,7 @@ class RoutingRecorder(ExpertStore):
         if rank <= self._last_rank:
             self._new_step()
         self._last_rank = rank
-        ids = np.asarray(expert_ids)  # [T, k]
+        ids = expert_ids.get() if hasattr(expert_ids, "get") else np.asarray(expert_ids)  # [T, k] on the host
         if self._usage is not None:
             np.add.at(self._usage.counts[rank], ids.reshape(-1), 1)
         if self._trace is not None:
@@ -129,6 +136,25 @@ class RoutingRecorder(ExpertStore):
 
     def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
         return self.inner.expert(layer, expert)
+
+    @property
+    def timer(self):
+        return self.inner.timer
+
+    @timer.setter
+    def timer(self, value) -> None:
+        self.inner.timer = value
+
+    @property
+    def num_experts(self) -> int:
+        return self.inner.num_experts
+
+    def passes(self, layer: int):
+        """The device store's kernel launches (GPU backend)."""
+        return self.inner.passes(layer)
+
+    def finish_layer(self, layer: int):
+        return self.inner.finish_layer(layer)
 
     def stats(self) -> ExpertStats | None:
         return self.inner.stats()
