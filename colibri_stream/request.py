@@ -46,6 +46,8 @@ class SamplingParams:
         check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 (off) or a positive integer")
         check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64), "seed",
+              "must be an integer that fits in 64 bits (signed or unsigned)")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be between -2 and 2")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be between -2 and 2")
         check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")

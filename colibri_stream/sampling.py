@@ -38,8 +38,9 @@ class SamplingState:
     @classmethod
     def from_params(cls, params: SamplingParams, prompt_token_ids: Iterable[int], index: int = 0) -> SamplingState:
         """A fresh state; the generator is seeded with params.seed (+ index, the sequence's number among the
-        request's n, so the n sequences differ) or, without a seed, from fresh entropy."""
-        seed = None if params.seed is None else params.seed + index
+        request's n, so the n sequences differ) modulo 2**64, NumPy taking no negative seed; or, without a seed,
+        from fresh entropy."""
+        seed = None if params.seed is None else (params.seed + index) % 2**64
         return cls(params, np.random.default_rng(seed), np.fromiter(prompt_token_ids, dtype=np.int64))
 
 

@@ -114,7 +114,7 @@ def create_app(engine: Any, *, api_key: str | None = None, served_model_name: st
         web.post("/v1/chat/completions", chat_completions),
         web.post("/v1/completions", completions),
         web.get("/v1/models", list_models),
-        web.get("/v1/models/{model}", get_model),
+        web.get("/v1/models/{model:.+}", get_model),  # Hugging Face names hold a slash
         web.get("/health", health),
         web.get("/metrics", metrics),
     ])
@@ -197,7 +197,9 @@ async def _authenticate(request: web.Request, handler: Handler) -> web.StreamRes
     key = request.app[STATE].api_key
     if key is not None and request.path.startswith("/v1/"):
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        # aiohttp decodes header bytes that are not UTF-8 as surrogates: encode them back the same way
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(errors="surrogateescape"),
+                                                                 key.encode()):
             raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
     return await handler(request)
@@ -281,13 +283,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _read_json(request: web.Request) -> Any:
-    raw = await request.read()
+    """The body as JSON whatever its Content-Type says (curl -d sends form-encoded); a body that cannot be read
+    (a Content-Encoding it does not decode to) is a 400 like one that is not JSON."""
+    try:
+        raw = await request.read()
+    except web.RequestPayloadError as e:
+        raise bad_request(f"the request body could not be read: {_payload_error(e)}") from None
     if not raw:
         raise bad_request("the request body is empty; send a JSON object")
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+def _payload_error(error: web.RequestPayloadError) -> str:
+    """What the body parser said, without aiohttp's "400, message:" prefix."""
+    cause = error.__cause__
+    return getattr(cause, "message", None) or str(cause or error)
 
 
 async def _generate(request: web.Request, parse: Callable[[Any], GenerateRequest]) -> web.StreamResponse:

@@ -2,8 +2,12 @@
 
 Requests follow OpenAI's rules: unknown fields are ignored, a known field of the wrong type or out of range is a
 400 naming the field, and a feature this server does not implement (tools, images, echo, suffix, best_of > n,
-logit_bias, several prompts in one request) is a 400 that says so instead of being silently dropped. The vLLM
-extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids` and `ignore_eos` are accepted too.
+logit_bias, several prompts in one request) is a 400 that says so instead of being silently dropped. Types are
+as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an integer; null is the same as
+leaving a field out. The values of those features that ask for nothing (`tools: []`, `logit_bias: {}`,
+`tool_choice: "none"` or `"auto"`, `response_format: {"type": "text"}`, `echo: false`, `suffix: ""`, `best_of`
+equal to n) are accepted. The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids` and
+`ignore_eos` are accepted too.
 """
 
 from __future__ import annotations
@@ -79,6 +83,10 @@ class _Fields:
         return float(self.get(name, (int, float), "a number", default))
 
     def integer(self, name: str, default: int | None = None) -> int | None:
+        value = self.body.get(name)
+        if isinstance(value, float) and value.is_integer() and abs(value) >= 2**63:
+            # orjson reads an integer literal past 64 bits as a float: say so rather than "got a number"
+            raise bad_request(f"{name} must fit in 64 bits", param=name)
         return self.get(name, (int,), "an integer", default)
 
     def boolean(self, name: str, default: bool = False) -> bool:
@@ -115,8 +123,9 @@ def _json_type(value: Any) -> str:
 
 def _reject_unsupported(fields: _Fields, n: int) -> None:
     body = fields.body
-    if body.get("tools") or body.get("functions"):
-        raise unsupported("tools and function calling are not supported by this server", "tools")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise unsupported("tools and function calling are not supported by this server", name)
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise unsupported("tool_choice is not supported by this server", "tool_choice")
     if body.get("logit_bias"):
@@ -135,9 +144,6 @@ def _reject_unsupported(fields: _Fields, n: int) -> None:
 
 def _sampling_params(fields: _Fields, max_tokens: int | None, max_tokens_name: str, logprobs: int | None,
                      n: int) -> SamplingParams:
-    seed = fields.integer("seed")
-    if seed is not None and not -(2**63) <= seed < 2**64:
-        raise bad_request("seed must fit in 64 bits", param="seed")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -145,7 +151,7 @@ def _sampling_params(fields: _Fields, max_tokens: int | None, max_tokens_name: s
             top_p=fields.number("top_p", 1.0),
             top_k=fields.integer("top_k", 0),
             min_p=fields.number("min_p", 0.0),
-            seed=seed,
+            seed=fields.integer("seed"),
             stop=fields.strings("stop"),
             stop_token_ids=fields.integers("stop_token_ids"),
             ignore_eos=fields.boolean("ignore_eos"),
@@ -207,8 +213,9 @@ def parse_chat(body: Any) -> GenerateRequest:
         if not 0 <= top_logprobs <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
     max_tokens, name = fields.integer("max_completion_tokens"), "max_completion_tokens"
+    legacy_max_tokens = fields.integer("max_tokens")  # checked even when max_completion_tokens wins
     if max_tokens is None:  # neither: up to the context
-        max_tokens, name = fields.integer("max_tokens"), "max_tokens"
+        max_tokens, name = legacy_max_tokens, "max_tokens"
     return GenerateRequest(
         chat=True, model=model, prompt=_messages(body.get("messages")),
         params=_sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs else None, n),
@@ -223,20 +230,20 @@ def _object(body: Any) -> dict:
 
 
 def _prompt(prompt: Any) -> str | list[int]:
-    """A completions prompt: a string, a list of one string, a list of token ids, or a list of one such list."""
+    """A completions prompt: a string, a list of token ids, or a list holding one of those (a batch of one)."""
     if prompt is None:
         raise bad_request("prompt is required", param="prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request(f"a batch of {len(prompt)} prompts is not supported: send one request per prompt",
+                          param="prompt", code="unsupported_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         if min(prompt) < 0:
             raise bad_request("prompt token ids must be non-negative", param="prompt")
         return prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_request(f"a batch of {len(prompt)} prompts is not supported: send one request per prompt",
-                          param="prompt", code="unsupported_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        return _prompt(prompt[0])
     raise bad_request("prompt must be a string, a list of token ids, or a list holding one of those", param="prompt")
 
 
@@ -254,7 +261,7 @@ def _messages(messages: Any) -> list[dict]:
         role = message.get("role")
         if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
             raise unsupported(f"{param}: tool messages and tool calls are not supported by this server", param)
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:  # (a list or an object is not hashable)
             raise bad_request(f"{param}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                               param=f"{param}.role")
         out.append({"role": CHAT_ROLES[role], "content": _content(message.get("content"), role, f"{param}.content")})
@@ -355,6 +362,7 @@ class Responder:
             alternatives: dict[str, float] = {}
             for t, lp in top:  # best first: a text two tokens share keeps the better logprob
                 alternatives.setdefault(self._token_piece(t)[0], max(lp, MIN_LOGPROB))
+            alternatives.setdefault(text, max(logprob, MIN_LOGPROB))  # as OpenAI: the sampled token's too
             delta["top_logprobs"].append(alternatives)
             delta["text_offset"].append(choice.offset)
             choice.offset += len(text)
