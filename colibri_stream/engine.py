@@ -25,8 +25,8 @@ from .errors import ColibriError
 from .experts.stats import ExpertStats
 from .kv_cache import KVCacheManager
 from .model import MoETransformer, PagedKVCache, load_model
-from .request import (EngineStoppedError, InvalidParameterError, Logprob, QueueFullError, Request, RequestOutput,
-                      RequestStatus, SamplingParams)
+from .request import (EngineStepError, EngineStoppedError, InvalidParameterError, Logprob, QueueFullError, Request,
+                      RequestOutput, RequestStatus, SamplingParams)
 from .runner import ModelRunner
 from .scheduler import Scheduler, SeqUpdate
 from .timing import StepSink, StepTimer
@@ -305,6 +305,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._thread_done: asyncio.Future | None = None
         self._accepting = False
+        self._last_step_failed = False  # set and cleared on the event loop, in step order
 
     @classmethod
     def from_pretrained(cls, path: str | None = None, **config: Any) -> AsyncEngine:
@@ -355,6 +356,10 @@ class AsyncEngine:
         self._core.validate(prompt_token_ids, params)
         if not self._accepting:
             raise EngineStoppedError("the engine is not running")
+        capacity = self._capacity()
+        if capacity is not None and params.n > capacity:
+            raise InvalidParameterError(f"n={params.n} sequences can never be admitted: this server runs at most "
+                                        f"{capacity} at once (max_batch_size + max_queue)", param="n")
         if self._queue_is_full(params.n):
             raise QueueFullError(f"{self._core.config.scheduler.max_queue} sequences are already waiting; "
                                  f"retry later")
@@ -384,6 +389,11 @@ class AsyncEngine:
         self._inbox.put(_Abort(request_id, done))
         await asyncio.wait([done, self._thread_done], return_when=asyncio.FIRST_COMPLETED)
 
+    @property
+    def healthy(self) -> bool:
+        """Running, and its last model step (if any since the last failure) did not fail."""
+        return self._accepting and not self._last_step_failed
+
     def stats(self) -> EngineStats:
         """The snapshot taken after the last step (or the last batch of requests and aborts)."""
         return self._stats
@@ -396,14 +406,19 @@ class AsyncEngine:
         """The expert store's counters now (taken while a step may run: a step's figures can be half counted)."""
         return self._core.store_stats()
 
+    def _capacity(self) -> int | None:
+        """Sequences the engine can hold at once, running and waiting (None: the queue is unbounded)."""
+        config = self._core.config.scheduler
+        return config.max_batch_size + config.max_queue if config.max_queue else None
+
     def _queue_is_full(self, n: int) -> bool:
         """Whether `n` more sequences would leave more than max_queue waiting once the batch's free slots fill."""
         config, stats = self._core.config.scheduler, self._stats
         if not config.max_queue:
             return False
         unapplied = self._num_sent - self._num_applied  # sent to the step thread after the last snapshot
-        waiting = max(0, stats.num_waiting + unapplied - (config.max_batch_size - stats.num_running))
-        return waiting + n > config.max_queue
+        free = config.max_batch_size - stats.num_running  # batch slots the waiting sequences move into first
+        return max(0, stats.num_waiting + unapplied + n - free) > config.max_queue
 
     # ---- the step thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -436,7 +451,14 @@ class AsyncEngine:
                 if commands:
                     self._publish(outputs, done, num_applied)
                 if core.has_unfinished():
-                    self._publish(core.step(), [], num_applied)
+                    try:
+                        outputs = core.step()
+                    except Exception as exc:  # this step's requests fail; the engine serves the next ones
+                        logger.exception("engine step failed; aborting its requests")
+                        failed = {out.request_id for out in core.abort_all()}
+                        self._loop.call_soon_threadsafe(self._fail_step, failed, exc)
+                        continue
+                    self._publish(outputs, [], num_applied)
         except Exception as exc:  # the engine is unusable: every waiting consumer learns why
             logger.exception("engine step failed")
             self._loop.call_soon_threadsafe(self._fail_all, exc)
@@ -450,6 +472,8 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput], done: list[asyncio.Future], stats: EngineStats,
                  num_applied: int) -> None:
         self._stats, self._num_applied = stats, num_applied
+        if outputs:
+            self._last_step_failed = False
         for out in outputs:
             collector = self._collectors.get(out.request_id)
             if collector is not None:
@@ -462,6 +486,13 @@ class AsyncEngine:
         collector = self._collectors.get(request_id)
         if collector is not None:
             collector.fail(error)
+
+    def _fail_step(self, request_ids: set[str], error: BaseException) -> None:
+        self._last_step_failed = True
+        failure = EngineStepError(f"the model step failed: {error!r}")
+        failure.__cause__ = error
+        for request_id in request_ids:
+            self._fail_request(request_id, failure)
 
     def _fail_all(self, error: BaseException) -> None:
         self._accepting = False

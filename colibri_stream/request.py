@@ -86,6 +86,10 @@ class EngineStoppedError(ColibriError):
     """The engine is not running (not started, stopping, or stopped after a failure)."""
 
 
+class EngineStepError(ColibriError):
+    """A model step failed while computing this request; the engine aborted the step's requests and goes on."""
+
+
 def check_length(prompt_tokens: int, max_tokens: int | None, max_seq_len: int) -> int:
     """Admission rule: the prompt leaves room for at least one token and for max_tokens; returns the token limit.
 

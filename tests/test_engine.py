@@ -8,8 +8,8 @@ import contextlib
 import pytest
 
 from colibri_stream.engine import AsyncEngine, EngineCore
-from colibri_stream.request import (EngineStoppedError, InvalidParameterError, PromptTooLongError, QueueFullError,
-                                    Request, SamplingParams)
+from colibri_stream.request import (EngineStepError, EngineStoppedError, InvalidParameterError, PromptTooLongError,
+                                    QueueFullError, Request, SamplingParams)
 from colibri_stream.runner import build_batch
 from colibri_stream.scheduler import ScheduledSeq
 
@@ -336,18 +336,35 @@ def test_queue_full_is_refused(tiny_model_dir, prompts):
     run_async(engine, body)
 
 
-def test_a_failing_step_fails_its_consumers_and_stops_the_engine(tiny_model_dir, prompts):
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tiny_model_dir, prompts):
     engine = AsyncEngine.from_pretrained(str(tiny_model_dir), **TIGHT)
+    execute = engine._core.runner.execute
 
     def broken(step):
         raise RuntimeError("device lost")
 
-    engine._core.runner.execute = broken
+    async def body(engine):
+        engine._core.runner.execute = broken
+        with pytest.raises(EngineStepError, match="device lost"):
+            await collect(engine, prompts[0], SamplingParams())
+        assert not engine.healthy
+        engine._core.runner.execute = execute
+        tokens, _ = await collect(engine, prompts[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert len(tokens) == 4 and engine.healthy
+        assert engine.stats().kv_blocks_used == 0  # the failed step's blocks were freed
+
+    run_async(engine, body)
+
+
+def test_more_sequences_than_the_engine_can_ever_hold_are_a_bad_request(tiny_model_dir, prompts):
+    engine = AsyncEngine.from_pretrained(str(tiny_model_dir), **dict(TIGHT, max_batch_size=2, max_queue=1))
 
     async def body(engine):
-        with pytest.raises(EngineStoppedError, match="device lost"):
-            await collect(engine, prompts[0], SamplingParams())
-        with pytest.raises(EngineStoppedError):
-            await collect(engine, prompts[0], SamplingParams())
+        with pytest.raises(InvalidParameterError, match="can never be admitted") as refused:
+            await engine.generate(prompts[1][:3], SamplingParams(n=4, max_tokens=2)).__anext__()
+        assert refused.value.param == "n"
+        params = SamplingParams(n=3, max_tokens=2, ignore_eos=True)
+        tokens, _ = await collect(engine, prompts[1][:3], params)  # two run, one waits
+        assert len(tokens) == 6
 
     run_async(engine, body)

@@ -638,3 +638,27 @@ def test_examples_run_against_the_server(server):
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         assert sse_events(result.stdout.encode())[-1] == "[DONE]"
+
+
+def test_a_failed_model_step_is_a_500_the_health_check_sees_and_the_server_goes_on(tiny_model_dir):
+    live = LiveServer(tiny_model_dir, {"max_batch_size": 4})
+    try:
+        runner = live.app[STATE].engine._core.runner
+        execute = runner.execute
+
+        def broken(step):
+            raise RuntimeError("device lost")
+
+        runner.execute = broken
+        body = {"model": "tiny-mixtral", "prompt": "Hello", "max_tokens": 4}
+        status, _, reply = request(live, "POST", "/v1/completions", body, key=None)
+        error = orjson.loads(reply)["error"]
+        assert status == 500 and "device lost" in error["message"] and error["type"] == "server_error"
+        status, _, reply = request(live, "GET", "/health", key=None)
+        assert status == 503 and orjson.loads(reply) == {"status": "unhealthy"}
+        runner.execute = execute
+        status, _, reply = request(live, "POST", "/v1/completions", body, key=None)
+        assert status == 200 and orjson.loads(reply)["usage"]["completion_tokens"] >= 1
+        assert request(live, "GET", "/health", key=None)[0] == 200
+    finally:
+        live.close()

@@ -262,8 +262,11 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 
 async def health(request: web.Request) -> web.Response:
-    if request.app[STATE].draining:
+    state = request.app[STATE]
+    if state.draining:
         return _json({"status": "draining"}, 503)
+    if not state.engine.healthy:  # stopped after an error, or its last model step failed
+        return _json({"status": "unhealthy"}, 503)
     return _json({"status": "ok"})
 
 
