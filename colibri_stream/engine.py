@@ -246,6 +246,16 @@ class _Stop:
     drain: bool  # finish the running requests first (True) or abort them
 
 
+ENCODE_INLINE_CHARS = 8192  # prompts up to this many characters are tokenized on the event loop (microseconds)
+
+
+def _prompt_chars(prompt: str | list[int] | list[dict]) -> int:
+    """Characters to tokenize: a text's length, chat messages' content lengths, 0 for token ids."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(str(m.get("content") or "")) for m in prompt if isinstance(m, dict))
+
+
 class _Collector:
     """The mailbox between the step thread and one `generate()` call, living on the event loop.
 
@@ -343,6 +353,14 @@ class AsyncEngine:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
+
+    async def encode(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids (`EngineCore.encode_prompt`), computed on a worker thread when the prompt is long
+        (tokenizing a few MiB of text takes seconds, which would stall every stream on this event loop)."""
+        if _prompt_chars(prompt) <= ENCODE_INLINE_CHARS:
+            return self._core.encode_prompt(prompt, add_special_tokens)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self._core.encode_prompt, prompt, add_special_tokens)
 
     async def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams,
                        request_id: str | None = None, add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import contextlib
 
 import pytest
@@ -366,5 +367,29 @@ def test_more_sequences_than_the_engine_can_ever_hold_are_a_bad_request(tiny_mod
         params = SamplingParams(n=3, max_tokens=2, ignore_eos=True)
         tokens, _ = await collect(engine, prompts[1][:3], params)  # two run, one waits
         assert len(tokens) == 6
+
+    run_async(engine, body)
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_dir):
+    from colibri_stream.engine import ENCODE_INLINE_CHARS
+
+    engine = AsyncEngine.from_pretrained(str(tiny_model_dir), **ROOMY)
+    text = "Mixture of experts " * (ENCODE_INLINE_CHARS // 10)
+    messages = [{"role": "user", "content": text}]
+    threads = []
+    encode = engine._core.encode_prompt
+
+    def recording(prompt, add_special_tokens=True):
+        threads.append(threading.current_thread())
+        return encode(prompt, add_special_tokens)
+
+    async def body(engine):
+        engine._core.encode_prompt = recording
+        assert await engine.encode(text) == encode(text)
+        assert await engine.encode(messages) == encode(messages)
+        assert await engine.encode("short") == encode("short")
+        assert threads[0] is not threading.main_thread() and threads[1] is not threading.main_thread()
+        assert threads[2] is threading.main_thread()  # short prompts stay on the loop
 
     run_async(engine, body)

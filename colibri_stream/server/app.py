@@ -315,7 +315,11 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateRequest
     responder = Responder(req, state.model_name, state.token_piece)
     start = time.perf_counter()
     with state.in_flight():
-        outputs = state.engine.generate(req.prompt, req.params, request_id=responder.id)
+        try:
+            prompt_token_ids = await state.engine.encode(req.prompt)  # a long prompt: off the event loop
+        except ColibriError as e:
+            raise _engine_error(e, req) from e
+        outputs = state.engine.generate(prompt_token_ids, req.params, request_id=responder.id)
         first = asyncio.ensure_future(anext(outputs))
         try:
             await _admitted(first, req)
