@@ -50,7 +50,7 @@ class SamplingParams:
               "must be an integer that fits in 64 bits (signed or unsigned)")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be between -2 and 2")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be between -2 and 2")
-        check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")
+        check(0.01 <= self.repetition_penalty <= 10.0, "repetition_penalty", "must be in [0.01, 10]")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
               "logprobs", "must be an integer between 0 and 20")
         check(isinstance(self.n, int) and 1 <= self.n <= 16, "n", "must be an integer between 1 and 16")

@@ -167,7 +167,7 @@ BAD_NUMBERS = [
     ("min_p", [-0.1, 1.1, True]),
     ("presence_penalty", [2.5, -2.5, True]),
     ("frequency_penalty", [2.5, -2.5, "0"]),
-    ("repetition_penalty", [0, -1, 10.5, True]),
+    ("repetition_penalty", [0, -1, 1e-300, 0.001, 10.5, True]),
     ("seed", [1.5, True, "7", 2**64, -(2**63) - 1, 10**30]),
     ("stop_token_ids", [5, [1.5], [True], ["1"]]),
 ]
@@ -230,7 +230,7 @@ def test_huge_in_range_values_are_handled(server):
 @pytest.mark.parametrize("path, stream", ENDPOINTS, ids=ENDPOINT_IDS)
 def test_extreme_but_valid_sampling_values_keep_the_engine_up(server, path, stream):
     for fields in (dict(temperature=1e-300), dict(temperature=100.0, top_p=1e-300), dict(min_p=1e-300),
-                   dict(repetition_penalty=1e-6, temperature=1.0), dict(top_p=5e-324),
+                   dict(repetition_penalty=0.01, temperature=1.0), dict(top_p=5e-324),
                    dict(presence_penalty=-2, frequency_penalty=2, repetition_penalty=10, top_k=1, min_p=1.0)):
         status, _, reply = send(server, path, body_for(path, stream, max_tokens=4, **fields))
         assert status == 200, (fields, reply)
