@@ -18,8 +18,9 @@ if not cupy.cuda.is_available():
     pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
 
 from test_expert_tiers import answers, budget, corrupt_copy, moe16_dir, step_logits  # noqa: E402,F401
-from test_parity import relative_error  # noqa: E402
+from test_parity import NEW_TOKENS, colibri_greedy, colibri_logits, prompt_ids, relative_error  # noqa: E402
 from test_server import LiveServer, request  # noqa: E402
+from tiny_models import ARCHITECTURES, build_hf_model  # noqa: E402
 
 from colibri_stream.backends.cupy_backend import DeviceExpertStore  # noqa: E402
 from colibri_stream.checkpoint import read_config  # noqa: E402
@@ -140,3 +141,24 @@ def test_routing_trace_on_the_gpu(moe16_dir, resident_gpu_logits, tmp_path, budg
         np.testing.assert_array_equal(got, want)
     gpu.store.flush()
     assert read_trace(tmp_path / "gpu.jsonl", config) == read_trace(tmp_path / "cpu.jsonl", config)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("cpu_experts", ["all", "off"])
+def test_one_gpu_slot_per_layer_on_every_architecture(arch, cpu_experts, tmp_path):
+    """Hybrid (every miss on the CPU) and all-GPU (every miss copied) against the resident GPU model: the same
+    32 greedy tokens, logits within 1e-5 of the largest (fp32 export: float32 accumulation on both sides)."""
+    from colibri_stream.export import export_model
+
+    build_hf_model(arch, tmp_path / "hf")
+    export_model(tmp_path / "hf", tmp_path / "model", dtype="fp32", progress=False)
+    model_dir = tmp_path / "model"
+    resident = load_model(str(model_dir), device="cuda")
+    tiered = load_model(str(model_dir), device="cuda",
+                        experts=ExpertStoreConfig(gpu_memory_limit=gpu_budget(model_dir, 1), cpu_experts=cpu_experts))
+    assert isinstance(tiered.store, GpuTieredStore)
+    ids = prompt_ids()
+    assert relative_error(colibri_logits(tiered, ids), colibri_logits(resident, ids)) < 1e-5, arch
+    assert colibri_greedy(tiered, ids, NEW_TOKENS) == colibri_greedy(resident, ids, NEW_TOKENS), arch
+    compute = tiered.store.stats().compute
+    assert (compute.cpu_experts > 0) == (cpu_experts == "all")
