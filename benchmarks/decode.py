@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from offload_accelerate import hf_config
 
 PROMPT = 128  # cached tokens per sequence before the timed steps
 DECODE = 32  # timed decode steps per run
@@ -199,20 +200,7 @@ class Transformers:
         import transformers
 
         self.torch = torch
-        common = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                      num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-                      num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
-                      num_experts_per_tok=config.top_k, rms_norm_eps=config.rms_norm_eps,
-                      max_position_embeddings=4096, tie_word_embeddings=False, experts_implementation="eager")
-        i = config.moe_intermediate_size
-        if config.architecture == "mixtral":
-            hf = transformers.MixtralConfig(**common, intermediate_size=i, num_local_experts=config.num_experts)
-        elif config.architecture == "qwen3_moe":
-            hf = transformers.Qwen3MoeConfig(**common, intermediate_size=i, moe_intermediate_size=i,
-                                             num_experts=config.num_experts, norm_topk_prob=config.norm_topk_prob,
-                                             decoder_sparse_step=1, mlp_only_layers=[])
-        else:
-            raise ValueError(f"no transformers baseline for {config.architecture}")
+        hf = hf_config(config)  # eager experts
         torch.cuda.reset_peak_memory_stats()
         with torch.device("cuda"):
             self.model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16,

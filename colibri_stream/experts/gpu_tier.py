@@ -454,17 +454,10 @@ class GpuTieredStore(ExpertStore):
     # ---- prefetch ------------------------------------------------------------------------------------------
     def _prefetch(self, rank: int, ranked: list[int]) -> None:
         """Start loading the most likely of `ranked` into layer `rank`'s slots, at most one per slot."""
-        slots, layer = self._layers[rank], self._layer_ids[rank]
+        layer = self._layer_ids[rank]
         self._settle(rank)
-        wanted = ranked[: slots.num_slots]
-        for expert in wanted:
-            if slots.lookup(expert) is not None:
-                continue
-            placed = slots.place(expert, protected=wanted)
-            if placed is None:
-                continue
-            destination = self.device.pointer(rank, placed[0])
-            slots.loading.add(expert)
+        for expert, slot in self._layers[rank].place_ahead(ranked):
+            destination = self.device.pointer(rank, slot)
             if self._in_host_memory(layer, expert):
                 future = _done(self._copy(layer, expert, destination))
             else:

@@ -70,6 +70,21 @@ class LayerSlots:
         self.policy.on_insert(expert, self.now)
         return slot, victim
 
+    def place_ahead(self, ranked: list[int]) -> list[tuple[int, int]]:
+        """Slots for the most likely of `ranked` that are not resident yet, at most one per slot and none
+        evicting another of them: (expert, slot) pairs, each marked loading (a prefetch)."""
+        wanted = ranked[: self.num_slots]
+        placed = []
+        for expert in wanted:
+            if self.lookup(expert) is not None:
+                continue
+            slot = self.place(expert, protected=wanted)
+            if slot is None:
+                continue
+            self.loading.add(expert)
+            placed.append((expert, slot[0]))
+        return placed
+
     def drop(self, expert: int) -> None:
         """Forget `expert` (its load failed): its slot becomes free."""
         self._free.append(self.resident.pop(expert))

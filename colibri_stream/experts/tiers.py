@@ -185,17 +185,10 @@ class TieredExpertStore(ExpertStore):
 
     def _prefetch(self, rank: int, ranked: list[int]) -> None:
         """Start loading the most likely of `ranked` into layer `rank`'s slots, at most one per slot."""
-        slots, layer = self._layers[rank], self.file.config.moe_layers[rank]
+        layer = self.file.config.moe_layers[rank]
         self._settle(rank)
-        wanted = ranked[: slots.num_slots]
-        for expert in wanted:
-            if slots.lookup(expert) is not None:
-                continue
-            placed = slots.place(expert, protected=wanted)
-            if placed is None:
-                continue
-            slots.loading.add(expert)
-            self._inflight[rank][expert] = self.tier.start_load(layer, expert, placed[0])
+        for expert, slot in self._layers[rank].place_ahead(ranked):
+            self._inflight[rank][expert] = self.tier.start_load(layer, expert, slot)
             self._prefetched[rank].add(expert)
             self._stats.prefetch_loads += 1
             self._stats.prefetch_bytes += self.block_size
