@@ -41,6 +41,8 @@ from pathlib import Path
 import numpy as np
 from decode import log, machine
 
+from colibri_stream.experts.tiers import kvikio_available
+
 BLOCK_SIZE = 16
 PROMPT = 32  # cached tokens per sequence before the timed decode steps
 WARMUP = 2
@@ -100,7 +102,7 @@ def measure(folder, pinned) -> Measured:
         runs.append(time.perf_counter() - begin)
     host_read = block.nbytes / statistics.median(runs) / 1e9
     drop_page_cache(experts.path)
-    reader = BlockReader(experts, use_kvikio=_has_kvikio())
+    reader = BlockReader(experts, use_kvikio=kvikio_available())
     buffer = np.empty_like(block)
     begin = time.perf_counter()
     count = min(4, folder.config.num_experts)
@@ -110,15 +112,6 @@ def measure(folder, pinned) -> Measured:
     log(f"measured: pinned host->GPU {pcie:.1f} GB/s, CPU expert read {host_read:.1f} GB/s "
         f"({executor.num_threads} threads, {executor.library}), cold experts.bin {disk:.2f} GB/s ({reader.library})")
     return Measured(pcie, host_read, disk)
-
-
-def _has_kvikio() -> bool:
-    try:
-        import kvikio  # noqa: F401
-
-        return True
-    except ImportError:
-        return False
 
 
 def make_model(folder, slots: int | None, host, mode: str):
@@ -141,7 +134,7 @@ def make_model(folder, slots: int | None, host, mode: str):
         prefetcher = Prefetcher([folder.dense.get(f"layers.{layer}.router") for layer in config.moe_layers],
                                 config.top_k)
     policies = [make_policy("lfu", config.num_experts) for _ in config.moe_layers]
-    store = GpuTieredStore(experts, slots, policies, host, BlockReader(experts, use_kvikio=_has_kvikio()),
+    store = GpuTieredStore(experts, slots, policies, host, BlockReader(experts, use_kvikio=kvikio_available()),
                            prefetcher, None if cpu_experts == "off" else CpuExpertExecutor(), cpu_experts)
     return MoETransformer(config, folder.dense, store, CupyBackend())
 
@@ -237,7 +230,7 @@ def accelerate_baseline(args, fraction: float) -> dict:
 
 def run(args) -> list[dict]:
     from colibri_stream.checkpoint import ModelFolder
-    from colibri_stream.experts.gpu_tier import PinnedExperts
+    from colibri_stream.experts.pinned import PinnedExperts
     from colibri_stream.experts.tiers import BlockReader
     from colibri_stream.synthetic import write_synthetic_folder
 
@@ -249,14 +242,14 @@ def run(args) -> list[dict]:
         log(f"written in {time.perf_counter() - begin:.0f} s")
     folder = ModelFolder(path)
     config = folder.config
-    pinned = PinnedExperts(folder.experts, BlockReader(folder.experts, use_kvikio=_has_kvikio()))
+    pinned = PinnedExperts(folder.experts, BlockReader(folder.experts, use_kvikio=kvikio_available()))
     bw = measure(folder, pinned)
     common = dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"), command=" ".join(sys.argv),
                   bench="offload", mode="hybrid", shape=args.shape, layers=args.layers,
                   expert_bytes=folder.experts.block_size, pcie_gbps_measured=bw.pcie_gbps,
                   host_read_gbps_measured=bw.host_read_gbps, disk_gbps_measured=bw.disk_gbps,
                   prompt_cached_tokens=PROMPT, decode_steps=args.steps, routing="random router (close to uniform)",
-                  eviction="lfu", kvikio=_has_kvikio())
+                  eviction="lfu", kvikio=kvikio_available())
     records = []
     resident: dict = {}
     model = make_model(folder, None, None, "colibri")

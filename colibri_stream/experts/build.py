@@ -16,7 +16,7 @@ from ..plan import make_plan
 from .policies import make_policy
 from .prefetcher import Prefetcher
 from .store import ExpertStore, MappedExpertStore
-from .tiers import BlockReader, HostTier, TieredExpertStore
+from .tiers import BlockReader, HostTier, TieredExpertStore, kvikio_available
 from .trace import USAGE_FILE, RoutingRecorder, read_usage
 
 logger = logging.getLogger(__name__)
@@ -78,16 +78,11 @@ def _gpu_store(folder: ModelFolder, options: ExpertStoreConfig, gpu_slots: int, 
     import cupy
 
     from .cpu_executor import CpuExpertExecutor
-    from .gpu_tier import GpuTieredStore, PinnedExperts, pinned_empty
+    from .gpu_tier import GpuTieredStore
+    from .pinned import PinnedExperts, pinned_empty
 
     config, experts = folder.config, folder.experts
-    try:
-        import kvikio  # noqa: F401
-
-        use_kvikio = True
-    except ImportError:
-        use_kvikio = False
-    reader = BlockReader(experts, use_kvikio=use_kvikio)
+    reader = BlockReader(experts, use_kvikio=kvikio_available())
     logger.info("  blocks read from %s with %s; misses computed on the CPU: %s", experts.path.name,
                 reader.library, options.cpu_experts)
     try:

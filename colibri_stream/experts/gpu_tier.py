@@ -22,7 +22,6 @@ computes the experts placed on the CPU while the GPU works, returning their weig
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +31,7 @@ import numpy as np
 from ..checkpoint import BLOCK_ALIGNMENT, ExpertFile, expert_block_layout
 from ..errors import CheckpointError
 from .cpu_executor import CpuExpertExecutor
+from .pinned import PinnedExperts, StagingRing
 from .placement import ASSUMED, Bandwidths, ExpertNeed, place_step
 from .policies import EvictionPolicy
 from .prefetcher import Prefetcher
@@ -42,65 +42,14 @@ from .tiers import BlockReader, TieredExpertStore
 
 logger = logging.getLogger(__name__)
 GPU_IO_THREADS = 4  # prefetch reads of blocks that are not in host memory
-STAGING_BUFFERS = GPU_IO_THREADS + 2  # pinned buffers between experts.bin and the GPU
-FILL_THREADS = 8  # parallel reads filling PinnedExperts at start
 FLOP_PROBE_TOKENS = 32  # tokens of the start-up measurement of the CPU expert executor's arithmetic rate
 _DEVICE_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "int8": np.int8}
-
-
-def pinned_empty(rows: int, row_bytes: int) -> np.ndarray:
-    """[rows, row_bytes] uint8 in page-locked host memory (page aligned, so rows of 4 KiB multiples stay aligned),
-    the only host memory the GPU copies from asynchronously and at full PCIe speed."""
-    import cupyx
-
-    return cupyx.empty_pinned((rows, row_bytes), np.uint8)
 
 
 def _done(event) -> Future:
     future: Future = Future()
     future.set_result(event)
     return future
-
-
-class StagingRing:
-    """Pinned buffers that blocks read from experts.bin pass through on their way to the GPU; a buffer is reused
-    only after the copy that read it has finished (its event). Safe to use from several threads."""
-
-    def __init__(self, block_size: int, count: int = STAGING_BUFFERS):
-        self.buffers = pinned_empty(count, block_size)  # [count, block_size]
-        self._free: queue.Queue = queue.Queue()
-        for index in range(count):
-            self._free.put((index, None))
-
-    def acquire(self) -> int:
-        index, event = self._free.get()
-        if event is not None:
-            event.synchronize()
-        return index
-
-    def release(self, index: int, event=None) -> None:
-        self._free.put((index, event))
-
-
-class PinnedExperts:
-    """Every expert block of experts.bin in pinned host memory (an L2 budget that holds them all), read in
-    parallel and checked against its CRC32 at start; never evicted, so copies need no bookkeeping."""
-
-    def __init__(self, expert_file: ExpertFile, reader: BlockReader, threads: int = FILL_THREADS):
-        layers, experts = expert_file.config.moe_layers, expert_file.config.num_experts
-        self.num_experts = experts
-        self._rank = {layer: rank for rank, layer in enumerate(layers)}
-        self.arena = pinned_empty(len(layers) * experts, expert_file.block_size)  # [L*E, block_size]
-        start = time.perf_counter()
-        jobs = [(layer, e) for layer in layers for e in range(experts)]
-        with ThreadPoolExecutor(threads, thread_name_prefix="colibri-l2-fill") as pool:
-            list(pool.map(lambda job: reader.read_into(*job, self.block(*job)), jobs))
-        seconds = time.perf_counter() - start
-        logger.info("L2: %d expert blocks (%.1f GiB) read into pinned memory in %.1f s (%.1f GB/s, %s)", len(jobs),
-                    self.arena.nbytes / 2**30, seconds, self.arena.nbytes / seconds / 1e9, reader.library)
-
-    def block(self, layer: int, expert: int) -> np.ndarray:
-        return self.arena[self._rank[layer] * self.num_experts + expert]
 
 
 class DeviceSlots:
@@ -182,7 +131,7 @@ class GpuTieredStore(ExpertStore):
         self._inflight: list[dict[int, Future]] = [{} for _ in policies]  # per rank: expert -> prefetch (event)
         self._prefetched: list[set[int]] = [set() for _ in policies]
         self._copy_stream = cupy.cuda.Stream(non_blocking=True)
-        self._ring = StagingRing(self.block_size) if not isinstance(host, PinnedExperts) else None
+        self._ring = StagingRing(self.block_size, GPU_IO_THREADS + 2) if not isinstance(host, PinnedExperts) else None
         self._pool = ThreadPoolExecutor(GPU_IO_THREADS, thread_name_prefix="colibri-gpu-io")
         self._pass_done = None  # CUDA event after the latest pass's kernels
         tiers = ("gpu", "host", "disk") if isinstance(host, PinnedExperts) else ("gpu", "disk")

@@ -49,6 +49,15 @@ class SlotTier(ABC):
         """Views of the expert's tensors inside `slot`."""
 
 
+def kvikio_available() -> bool:
+    """Whether kvikio (the `gpu` extra's parallel file reader) imports."""
+    try:
+        import kvikio  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class BlockReader:
     """Reads one expert block from experts.bin into a caller's buffer and checks its CRC32.
 
