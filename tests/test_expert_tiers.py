@@ -22,7 +22,7 @@ from colibri_stream.errors import CheckpointError
 from colibri_stream.experts.build import open_expert_store
 from colibri_stream.experts.policies import LRUPolicy
 from colibri_stream.experts.prefetcher import Prefetcher
-from colibri_stream.experts.store import MappedExpertStore
+from colibri_stream.experts.store import Float32ExpertStore, MappedExpertStore
 from colibri_stream.experts.tiers import HostTier, TieredExpertStore
 from colibri_stream.experts.trace import USAGE_FILE, read_trace, read_usage, write_usage
 from colibri_stream.model import load_model
@@ -75,7 +75,7 @@ def step_logits(model, steps: int = 4) -> list[np.ndarray]:
 @pytest.fixture(scope="module")
 def resident_logits(moe16_dir) -> list[np.ndarray]:
     model = load_model(str(moe16_dir))
-    assert isinstance(model.store, MappedExpertStore)
+    assert isinstance(model.store, Float32ExpertStore)  # resident and small: widened once, read from the map
     return step_logits(model)
 
 
@@ -114,7 +114,24 @@ def test_batch_union_loads_each_expert_once_per_step(moe16_dir):
 
 def test_fully_resident_budgets_use_the_memory_map(moe16_dir):
     for options in (ExpertStoreConfig(), ExpertStoreConfig(l2_cache_size=budget(moe16_dir, 16))):
-        assert isinstance(load_model(str(moe16_dir), experts=options).store, MappedExpertStore)
+        store = load_model(str(moe16_dir), experts=options).store
+        assert isinstance(store, Float32ExpertStore) and isinstance(store.inner, MappedExpertStore)
+
+
+def test_small_resident_experts_are_widened_once_to_the_same_values(moe16_dir):
+    from colibri_stream.experts.cpu_executor import dequantize
+
+    folder = ModelFolder(moe16_dir)
+    layer = folder.config.moe_layers[0]
+    store = Float32ExpertStore(MappedExpertStore(folder.experts))
+    first = store.expert(layer, 3)
+    assert store.expert(layer, 3) is first  # cached, not widened again
+    stored = folder.experts.tensors(layer, 3)
+    for name in ("gate", "up", "down"):
+        assert first[name].dtype == np.float32
+        np.testing.assert_array_equal(first[name], dequantize(stored[name], stored[f"{name}_scale"]))
+    large = ExpertStoreConfig(l2_cache_size=budget(moe16_dir, 2))
+    assert isinstance(load_model(str(moe16_dir), experts=large).store, TieredExpertStore)  # tiers are never widened
 
 
 def corrupt_copy(model_dir: Path, tmp_path: Path, layer: int, expert: int) -> Path:

@@ -42,7 +42,7 @@ FASTMATH = {"reassoc", "contract"}
 def dequantize(weight: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
     """A stored weight as float32: a cast, times the per-row scale for int8.  # [Out, In]"""
     if scale is None:
-        return weight.astype(np.float32)
+        return weight.astype(np.float32, copy=False)  # float32 already (a widened cache): no copy
     return weight.astype(np.float32) * scale[:, None]
 
 

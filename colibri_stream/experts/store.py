@@ -58,3 +58,23 @@ class MappedExpertStore(ExpertStore):
 
     def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
         return self.file.tensors(layer, expert)
+
+
+class Float32ExpertStore(ExpertStore):
+    """A small resident model's experts, each widened to float32 once on first use and kept (int8 times its
+    per-row scales, bf16 and fp16 cast), so the CPU computes them without converting every step. The arrays are
+    exactly what `cpu_executor.dequantize` gives, so results do not change."""
+
+    def __init__(self, inner: MappedExpertStore):
+        self.inner = inner
+        self._cache: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+
+    def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        from .cpu_executor import dequantize
+
+        tensors = self._cache.get((layer, expert))
+        if tensors is None:
+            stored = self.inner.expert(layer, expert)
+            tensors = {name: dequantize(stored[name], stored.get(f"{name}_scale")) for name in ("gate", "up", "down")}
+            self._cache[(layer, expert)] = tensors
+        return tensors
