@@ -157,7 +157,7 @@ class GpuTieredStore(ExpertStore):
         self._copy_stream.synchronize()
 
     def _measure_bandwidths(self) -> Bandwidths:
-        """Pinned host -> GPU copies and the CPU executor's read rate, measured on one expert block."""
+        """Pinned host -> GPU copies and the CPU executor's read and arithmetic rates, measured on one block."""
         cp = self.cp
         staging = self._ring.buffers[0] if self._ring is not None else self.host.block(self._layer_ids[0], 0)
         if self._ring is not None:
