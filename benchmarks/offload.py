@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,30 +76,16 @@ def measure(folder, pinned) -> Measured:
     import cupy as cp
 
     from colibri_stream.experts.cpu_executor import CpuExpertExecutor
+    from colibri_stream.experts.gpu_tier import cpu_expert_rates, pinned_copy_rate
     from colibri_stream.experts.tiers import BlockReader
 
-    experts, layer = folder.experts, folder.config.moe_layers[0]
+    experts, layer, config = folder.experts, folder.config.moe_layers[0], folder.config
     block = pinned.block(layer, 0)
-    device = cp.empty(block.nbytes, np.uint8)
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(5):
-        start.record()
-        cp.cuda.runtime.memcpyAsync(device.data.ptr, block.ctypes.data, block.nbytes,
-                                    cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
-    pcie = block.nbytes / statistics.median(times[1:]) / 1e9
+    device = cp.empty(block.nbytes, np.uint8)  # [block_size], the copies' destination
+    pcie = pinned_copy_rate(block, device.data.ptr, cp.cuda.get_current_stream()) / 1e9
     executor = CpuExpertExecutor()
-    x = np.random.default_rng(0).standard_normal((1, folder.config.hidden_size), dtype=np.float32)
-    executor.run(x, experts.unpack(block))  # compile
-    runs = []
-    for _ in range(3):
-        begin = time.perf_counter()
-        executor.run(x, experts.unpack(block))
-        runs.append(time.perf_counter() - begin)
-    host_read = block.nbytes / statistics.median(runs) / 1e9
+    read, _ = cpu_expert_rates(executor, experts.unpack(block), 3 * config.hidden_size * config.moe_intermediate_size)
+    host_read = read / 1e9
     drop_page_cache(experts.path)
     reader = BlockReader(experts, use_kvikio=kvikio_available())
     buffer = np.empty_like(block)

@@ -46,6 +46,43 @@ FLOP_PROBE_TOKENS = 32  # tokens of the start-up measurement of the CPU expert e
 _DEVICE_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "int8": np.int8}
 
 
+def pinned_copy_rate(source: np.ndarray, destination: int, stream, copies: int = 3) -> float:
+    """Bytes per second of host -> GPU copies of the pinned `source` to device address `destination` on `stream`
+    (after one untimed copy)."""
+    import cupy as cp
+
+    def copy() -> None:
+        cp.cuda.runtime.memcpyAsync(destination, source.ctypes.data, source.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+
+    copy()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(stream)
+    for _ in range(copies):
+        copy()
+    end.record(stream)
+    end.synchronize()
+    return copies * source.nbytes / (cp.cuda.get_elapsed_time(start, end) / 1e3)
+
+
+def cpu_expert_rates(executor: CpuExpertExecutor, tensors: dict[str, np.ndarray], params: int) -> tuple[float, float]:
+    """(bytes read per second at one token, FLOP per second at FLOP_PROBE_TOKENS) of `executor` on one expert's
+    `tensors` of `params` weights: the best of three runs each, after one that compiles the kernel."""
+    nbytes = sum(t.nbytes for t in tensors.values())
+    x = np.ones((FLOP_PROBE_TOKENS, tensors["gate"].shape[1]), np.float32)  # [n, H]
+    executor.run(x[:1], tensors)
+
+    def fastest(tokens: int) -> float:  # the best of three: one slow run (a busy core) must not decide
+        runs = []
+        for _ in range(3):
+            begin = time.perf_counter()
+            executor.run(x[:tokens], tensors)
+            runs.append(time.perf_counter() - begin)
+        return min(runs)
+
+    return nbytes / fastest(1), 2.0 * params * FLOP_PROBE_TOKENS / fastest(FLOP_PROBE_TOKENS)
+
+
 def _done(event) -> Future:
     future: Future = Future()
     future.set_result(event)
@@ -134,16 +171,19 @@ class GpuTieredStore(ExpertStore):
         self._ring = StagingRing(self.block_size, GPU_IO_THREADS + 2) if not isinstance(host, PinnedExperts) else None
         self._pool = ThreadPoolExecutor(GPU_IO_THREADS, thread_name_prefix="colibri-gpu-io")
         self._pass_done = None  # CUDA event after the latest pass's kernels
-        tiers = ("gpu", "host", "disk") if isinstance(host, PinnedExperts) else ("gpu", "disk")
-        self._stats = ExpertStats(len(policies), tiers={name: TierStats() for name in tiers})
+        self._stats = self._fresh_stats()
         self._current = len(policies)
         self._step: dict | None = None  # the running layer's plan (begin_layer -> passes -> finish_layer)
         self._predictions: list[tuple[int, list[int]]] = []
         self._warm_start()
-        self._stats = ExpertStats(len(policies), tiers={name: TierStats() for name in tiers})  # count requests only
+        self._stats = self._fresh_stats()  # count the model's requests, not the warm start
         self.bandwidths = bandwidths or (self._measure_bandwidths() if cpu_executor is not None else ASSUMED)
 
     # ---- start ---------------------------------------------------------------------------------------------
+    def _fresh_stats(self) -> ExpertStats:
+        tiers = ("gpu", "host", "disk") if isinstance(self.host, PinnedExperts) else ("gpu", "disk")
+        return ExpertStats(len(self._layers), tiers={name: TierStats() for name in tiers})
+
     def _warm_start(self) -> None:
         """Fill every slot: the policy's preload choice first, then the lowest expert ids (a GPU slot left empty
         only costs a miss later)."""
@@ -158,33 +198,11 @@ class GpuTieredStore(ExpertStore):
 
     def _measure_bandwidths(self) -> Bandwidths:
         """Pinned host -> GPU copies and the CPU executor's read and arithmetic rates, measured on one block."""
-        cp = self.cp
         staging = self._ring.buffers[0] if self._ring is not None else self.host.block(self._layer_ids[0], 0)
         if self._ring is not None:
             self.reader.read_into(self._layer_ids[0], 0, staging)
-        destination = self.device.pointer(0, self.device.staging(0))
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record(self._copy_stream)
-        for _ in range(3):
-            cp.cuda.runtime.memcpyAsync(destination, staging.ctypes.data, self.block_size,
-                                        cp.cuda.runtime.memcpyHostToDevice, self._copy_stream.ptr)
-        end.record(self._copy_stream)
-        end.synchronize()
-        h2d = 3 * self.block_size / (cp.cuda.get_elapsed_time(start, end) / 1e3)
-        tensors = self.file.unpack(staging)
-        x = np.ones((FLOP_PROBE_TOKENS, self.file.config.hidden_size), np.float32)  # [n, H]
-        self.executor.run(x[:1], tensors)  # compiles the kernel
-
-        def fastest(tokens: int) -> float:  # the best of three: one slow run (a busy core) must not decide
-            runs = []
-            for _ in range(3):
-                begin = time.perf_counter()
-                self.executor.run(x[:tokens], tensors)
-                runs.append(time.perf_counter() - begin)
-            return min(runs)
-
-        host_read = self.block_size / fastest(1)
-        cpu_flops = 2.0 * self._params * FLOP_PROBE_TOKENS / fastest(FLOP_PROBE_TOKENS)
+        h2d = pinned_copy_rate(staging, self.device.pointer(0, self.device.staging(0)), self._copy_stream)
+        host_read, cpu_flops = cpu_expert_rates(self.executor, self.file.unpack(staging), self._params)
         self.executor.stats = ComputeStats()  # the measurement is not work the model asked for
         measured = Bandwidths(host_read=host_read, h2d=h2d, disk=ASSUMED.disk, cpu_flops=cpu_flops, measured=True)
         logger.info("expert placement: host -> GPU %.1f GB/s, CPU expert read %.1f GB/s and %.0f GFLOP/s at %d "
@@ -196,10 +214,15 @@ class GpuTieredStore(ExpertStore):
     def _copy(self, layer: int, expert: int, destination: int, after=None):
         """Copy the block of (layer, expert) from host memory (reading experts.bin when no tier holds it) to
         `destination` on the copy stream, after the event `after` if given; returns the copy's event."""
-        cp = self.cp
         source, release = self._host_block(layer, expert)
         if after is not None:
             self._copy_stream.wait_event(after)
+        return self._enqueue(source, release, destination)
+
+    def _enqueue(self, source: np.ndarray, release, destination: int):
+        """Queue the copy of a pinned block to `destination` on the copy stream; hand its event to `release` (the
+        source may be reused once it completes) and return it."""
+        cp = self.cp
         cp.cuda.runtime.memcpyAsync(destination, source.ctypes.data, self.block_size,
                                     cp.cuda.runtime.memcpyHostToDevice, self._copy_stream.ptr)
         event = cp.cuda.Event(disable_timing=True)
@@ -236,14 +259,7 @@ class GpuTieredStore(ExpertStore):
 
     def _copy_from_disk(self, layer: int, expert: int, destination: int):
         """A prefetch of a block that no host tier holds, on a loader thread: read, check, copy; the event."""
-        cp = self.cp
-        buffer, release = self._read_staged(layer, expert, count=False)
-        cp.cuda.runtime.memcpyAsync(destination, buffer.ctypes.data, self.block_size,
-                                    cp.cuda.runtime.memcpyHostToDevice, self._copy_stream.ptr)
-        event = cp.cuda.Event(disable_timing=True)
-        event.record(self._copy_stream)
-        release(event)
-        return event
+        return self._enqueue(*self._read_staged(layer, expert, count=False), destination)
 
     def _in_host_memory(self, layer: int, expert: int) -> bool:
         if isinstance(self.host, PinnedExperts):
