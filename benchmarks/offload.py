@@ -180,7 +180,8 @@ def prefill(model, tokens: int, cold: Path | None = None) -> dict:
 
 
 def store_figures(model, before, steps: int) -> dict:
-    """Per step: GPU misses, the bytes they moved, hit rate, prefetch recall, experts computed on the CPU."""
+    """Per step: GPU misses, the bytes they moved, hit rate, prefetch recall, experts computed on the CPU (whole or
+    cut by rows with the GPU: split)."""
     if before is None:
         return {}
     after = model.store.stats()
@@ -188,9 +189,10 @@ def store_figures(model, before, steps: int) -> dict:
     gpu_after, gpu_before = after.tiers["gpu"], before.tiers["gpu"]
     hits, misses = gpu_after.hits - gpu_before.hits, gpu_after.misses - gpu_before.misses
     cpu = after.compute.cpu_experts - before.compute.cpu_experts
+    split = after.compute.split_experts - before.compute.split_experts
     return {"gpu_hit_rate": hits / (hits + misses) if hits + misses else None,
             "gpu_misses_per_step": misses / steps, "miss_bytes_per_step": misses * block / steps,
-            "cpu_experts_per_step": cpu / steps,
+            "cpu_experts_per_step": cpu / steps, "split_experts_per_step": split / steps,
             "prefetch_loads_per_step": (after.prefetch_loads - before.prefetch_loads) / steps,
             "prefetch_recall": after.prefetch_recall}
 

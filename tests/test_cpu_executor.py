@@ -9,7 +9,7 @@ import pytest
 
 from colibri_stream.backends.numpy_backend import NumpyBackend
 from colibri_stream.experts import cpu_executor
-from colibri_stream.experts.cpu_executor import CpuExpertExecutor, numpy_expert
+from colibri_stream.experts.cpu_executor import CpuExpertExecutor, intermediate_rows, numpy_expert
 from colibri_stream.experts.store import ExpertStore
 
 HIDDEN, INTER = 100, 40  # neither a multiple of the kernel's 6-row tile: the leftover rows are exercised
@@ -42,6 +42,22 @@ def test_kernel_matches_numpy(dtype, n):
     reference = numpy_expert(x, tensors)
     np.testing.assert_allclose(executor.run(x, tensors), reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
     assert executor.library == "numba"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "fp32", "fp16"])
+@pytest.mark.parametrize("min_kernel_bytes", [0, 1 << 30])  # the numba kernel and the NumPy path
+@pytest.mark.parametrize("cut", [1, 13, 24, 39])  # mid-tile, tile-aligned, and one row on either side
+def test_parts_over_intermediate_rows_sum_to_the_expert(dtype, min_kernel_bytes, cut):
+    executor = CpuExpertExecutor(num_threads=2, min_kernel_bytes=min_kernel_bytes)
+    x, tensors = tokens(5), expert(dtype)
+    reference = numpy_expert(x, tensors)
+    first, second = executor.run(x, tensors, (0, cut)), executor.run(x, tensors, (cut, INTER))
+    np.testing.assert_allclose(first + second, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+    part = intermediate_rows(tensors, cut, INTER)  # the second part alone, as the NumPy reference sees it
+    assert part["down"].shape == (HIDDEN, INTER - cut)
+    np.testing.assert_allclose(second, numpy_expert(x, part), rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+    read = sum(a.nbytes for a in part.values())
+    assert executor.stats.cpu_bytes_read == sum(a.nbytes for a in intermediate_rows(tensors, 0, cut).values()) + read
 
 
 def test_strided_tokens_are_accepted():

@@ -2,8 +2,9 @@
 
 Logits are bit-identical to the fully resident GPU model at 1, 2 and 8 slots per MoE layer, with the L2 tier
 holding every expert, some of them or none (experts.bin through the staging ring), with and without prefetch: a
-block computes the same in any slot and pass. Experts computed on the CPU (`cpu_experts` all / auto) accumulate in
-another order, so they match within 1e-5 of the largest logit, with the same greedy tokens. Corrupt blocks are
+block computes the same in any slot and pass. Experts computed on the CPU (`cpu_experts` all / auto), whole or cut
+by rows with the GPU, accumulate in another order, so they match within 1e-5 of the largest logit, with the same
+greedy tokens. Corrupt blocks are
 reported naming layer and expert, at start when L2 reads every block, at the read otherwise. The server answers
 as the resident one does.
 """
@@ -27,6 +28,7 @@ from colibri_stream.checkpoint import read_config  # noqa: E402
 from colibri_stream.config import ExpertStoreConfig  # noqa: E402
 from colibri_stream.errors import CheckpointError  # noqa: E402
 from colibri_stream.experts.gpu_tier import GpuTieredStore  # noqa: E402
+from colibri_stream.experts.placement import Bandwidths  # noqa: E402
 from colibri_stream.experts.trace import read_trace  # noqa: E402
 from colibri_stream.model import load_model  # noqa: E402
 
@@ -91,6 +93,26 @@ def test_experts_computed_on_the_cpu_match_within_float32_rounding(moe16_dir, re
     assert stats.compute.cpu_experts + stats.compute.gpu_experts >= int(stats.used.sum())
 
 
+EVEN = Bandwidths(host_read=1e9, h2d=1e9, disk=1e9, cpu_flops=1e15, measured=True)  # a lone miss is cut in two
+
+
+@pytest.mark.parametrize("host", ["none", "some", "all"])
+def test_experts_cut_between_cpu_and_gpu_match_within_float32_rounding(moe16_dir, resident_gpu_logits,  # noqa: F811
+                                                                       host):
+    """With the CPU as fast as the copy, a layer's lone miss is cut: the GPU computes its first rows from a packed
+    partial copy, the CPU the rest. Without a host tier (experts.bin through the staging ring) nothing is cut."""
+    options = ExpertStoreConfig(gpu_memory_limit=gpu_budget(moe16_dir, 2), l2_cache_size=host_budget(moe16_dir, host),
+                                cpu_experts="auto")
+    model = load_model(str(moe16_dir), device="cuda", experts=options)
+    model.store.bandwidths = EVEN
+    got = step_logits(model)
+    for ours, want in zip(got, resident_gpu_logits):
+        assert relative_error(ours, want) < 1e-5
+        assert (ours.argmax(axis=-1) == want.argmax(axis=-1)).all()
+    compute = model.store.stats().compute
+    assert (compute.split_experts > 0) == (host != "none")
+
+
 def test_a_corrupt_block_is_reported_when_read_and_at_start_when_l2_reads_all(moe16_dir, tmp_path):  # noqa: F811
     config = read_config(moe16_dir)
     layer = config.moe_layers[-1]
@@ -144,10 +166,11 @@ def test_routing_trace_on_the_gpu(moe16_dir, resident_gpu_logits, tmp_path, budg
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("cpu_experts", ["all", "off"])
+@pytest.mark.parametrize("cpu_experts", ["all", "off", "cut"])
 def test_one_gpu_slot_per_layer_on_every_architecture(arch, cpu_experts, tmp_path):
-    """Hybrid (every miss on the CPU) and all-GPU (every miss copied) against the resident GPU model: the same
-    32 greedy tokens, logits within 1e-5 of the largest (fp32 export: float32 accumulation on both sides)."""
+    """Hybrid (every miss on the CPU), all-GPU (every miss copied) and cut (the cost model with the CPU as fast as
+    the copy, so misses are cut by rows between them) against the resident GPU model: the same 32 greedy tokens,
+    logits within 1e-5 of the largest (fp32 export: float32 accumulation on both sides)."""
     from colibri_stream.export import export_model
 
     build_hf_model(arch, tmp_path / "hf")
@@ -155,10 +178,15 @@ def test_one_gpu_slot_per_layer_on_every_architecture(arch, cpu_experts, tmp_pat
     model_dir = tmp_path / "model"
     resident = load_model(str(model_dir), device="cuda")
     tiered = load_model(str(model_dir), device="cuda",
-                        experts=ExpertStoreConfig(gpu_memory_limit=gpu_budget(model_dir, 1), cpu_experts=cpu_experts))
+                        experts=ExpertStoreConfig(gpu_memory_limit=gpu_budget(model_dir, 1),
+                                                  l2_cache_size=budget(model_dir, 8) if cpu_experts == "cut" else None,
+                                                  cpu_experts="auto" if cpu_experts == "cut" else cpu_experts))
     assert isinstance(tiered.store, GpuTieredStore)
+    if cpu_experts == "cut":
+        tiered.store.bandwidths = EVEN
     ids = prompt_ids()
     assert relative_error(colibri_logits(tiered, ids), colibri_logits(resident, ids)) < 1e-5, arch
     assert colibri_greedy(tiered, ids, NEW_TOKENS) == colibri_greedy(resident, ids, NEW_TOKENS), arch
     compute = tiered.store.stats().compute
-    assert (compute.cpu_experts > 0) == (cpu_experts == "all")
+    assert (compute.cpu_experts > 0) == (cpu_experts != "off")
+    assert (compute.split_experts > 0) == (cpu_experts == "cut")

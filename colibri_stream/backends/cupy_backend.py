@@ -438,11 +438,12 @@ class CupyBackend(Backend):
         routing = (group_expert, group_start, sorted_pairs, num_groups)
         act = y = None
         for experts in store.passes(layer):
-            i = experts.gate.shape[1]
-            if act is None:
+            i = experts.gate.shape[1]  # a cut expert's GPU part (experts/partial.py) has fewer rows than the others
+            if act is None or act.shape[1] != i:
                 _check_row_width(h, experts.gate, "experts (hidden size)")
                 _check_row_width(i, experts.down, "experts (intermediate size)")
                 act = cp.empty((pairs, i), np.float32)  # [P, I]
+            if y is None:
                 # [P, H]; pairs skipped by every launch (experts computed on the CPU) must add nothing
                 y = cp.empty((pairs, h), np.float32) if store.resident else cp.zeros((pairs, h), np.float32)
             w = storage_type(experts.gate)

@@ -51,6 +51,16 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return gate / (1.0 + np.exp(-gate)) * up
 
 
+def intermediate_rows(tensors: dict[str, np.ndarray], first: int, last: int) -> dict[str, np.ndarray]:
+    """Views of one expert's tensors over intermediate rows first .. last - 1: gate and up rows (and their scales),
+    down columns; down's per-row scales whole."""
+    sliced = {name: tensors[name][first:last] for name in ("gate", "up", "gate_scale", "up_scale") if name in tensors}
+    sliced["down"] = tensors["down"][:, first:last]
+    if "down_scale" in tensors:
+        sliced["down_scale"] = tensors["down_scale"]
+    return sliced
+
+
 def numpy_expert(x: np.ndarray, tensors: dict[str, np.ndarray]) -> np.ndarray:
     """The reference: dequantise the three matrices to float32, multiply with NumPy.  x [n, H] -> [n, H]"""
     gate = dequantize(tensors["gate"], tensors.get("gate_scale"))  # [I, H]
@@ -92,13 +102,13 @@ if numba is not None:
 # loop, which LLVM vectorises over i (AVX-512: 16 lanes per accumulator; 6x4 = 24 accumulators + 6 weights, no
 # spills). Results in row-major order (row r, token k at r * tokens + k).
 @_jit(inline="always", fastmath=FASTMATH)
-def _tile_6x4(w, o, x, t):
+def _tile_6x4(w, o, x, t, lo, hi):
     a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = a20 = a21 = a22 = a23 = np.float32(0.0)
     a30 = a31 = a32 = a33 = a40 = a41 = a42 = a43 = a50 = a51 = a52 = a53 = np.float32(0.0)
-    for i in range(w.shape[1]):
+    for i in range(lo, hi):
         w0, w1, w2 = _as_f32(w[o, i]), _as_f32(w[o + 1, i]), _as_f32(w[o + 2, i])
         w3, w4, w5 = _as_f32(w[o + 3, i]), _as_f32(w[o + 4, i]), _as_f32(w[o + 5, i])
-        x0, x1, x2, x3 = x[t, i], x[t + 1, i], x[t + 2, i], x[t + 3, i]
+        x0, x1, x2, x3 = x[t, i - lo], x[t + 1, i - lo], x[t + 2, i - lo], x[t + 3, i - lo]
         a00 += w0 * x0
         a01 += w0 * x1
         a02 += w0 * x2
@@ -128,12 +138,12 @@ def _tile_6x4(w, o, x, t):
 
 
 @_jit(inline="always", fastmath=FASTMATH)
-def _tile_6x2(w, o, x, t):
+def _tile_6x2(w, o, x, t, lo, hi):
     a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = np.float32(0.0)
-    for i in range(w.shape[1]):
+    for i in range(lo, hi):
         w0, w1, w2 = _as_f32(w[o, i]), _as_f32(w[o + 1, i]), _as_f32(w[o + 2, i])
         w3, w4, w5 = _as_f32(w[o + 3, i]), _as_f32(w[o + 4, i]), _as_f32(w[o + 5, i])
-        x0, x1 = x[t, i], x[t + 1, i]
+        x0, x1 = x[t, i - lo], x[t + 1, i - lo]
         a00 += w0 * x0
         a01 += w0 * x1
         a10 += w1 * x0
@@ -150,10 +160,10 @@ def _tile_6x2(w, o, x, t):
 
 
 @_jit(inline="always", fastmath=FASTMATH)
-def _tile_6x1(w, o, x, t):
+def _tile_6x1(w, o, x, t, lo, hi):
     a0 = a1 = a2 = a3 = a4 = a5 = np.float32(0.0)
-    for i in range(w.shape[1]):
-        xi = x[t, i]
+    for i in range(lo, hi):
+        xi = x[t, i - lo]
         a0 += _as_f32(w[o, i]) * xi
         a1 += _as_f32(w[o + 1, i]) * xi
         a2 += _as_f32(w[o + 2, i]) * xi
@@ -164,70 +174,73 @@ def _tile_6x1(w, o, x, t):
 
 
 @_jit(inline="always", fastmath=FASTMATH)
-def _dot(w, o, x, t):
+def _dot(w, o, x, t, lo, hi):
     """w[o] · x[t]: the rows left over after the 6-row tiles."""
     acc = np.float32(0.0)
-    for i in range(w.shape[1]):
-        acc += _as_f32(w[o, i]) * x[t, i]
+    for i in range(lo, hi):
+        acc += _as_f32(w[o, i]) * x[t, i - lo]
     return acc
 
 
 @_jit(fastmath=FASTMATH)
-def _dots(w, o, rows, x, out):
-    """out[t, r] = w[o + r] · x[t] for r < rows (ROWS, or fewer at the end) and every token t.
+def _dots(w, o, rows, lo, hi, x, out):
+    """out[t, r] = w[o + r, lo:hi] · x[t] for r < rows (ROWS, or fewer at the end) and every token t (x [n, hi - lo]).
 
     Tokens go 4 at a time, then 2, then 1: each weight row tile comes from RAM once and is re-read from L1/L2
     for the later token tiles. One token with rows of at most SINGLE_ROW_K goes one row at a time. (Not inlined
     into the kernel: its three call sites share one compiled copy of the tiles, 3 s of compile time per dtype
     instead of 8.)"""
     n = x.shape[0]
-    if rows < ROWS or (n == 1 and x.shape[1] <= SINGLE_ROW_K):
+    if rows < ROWS or (n == 1 and hi - lo <= SINGLE_ROW_K):
         for r in range(rows):
             for t in range(n):
-                out[t, r] = _dot(w, o + r, x, t)
+                out[t, r] = _dot(w, o + r, x, t, lo, hi)
         return
     t = 0
     while t + 4 <= n:
-        a = _tile_6x4(w, o, x, t)
+        a = _tile_6x4(w, o, x, t, lo, hi)
         for r in range(ROWS):
             for k in range(4):
                 out[t + k, r] = a[r * 4 + k]
         t += 4
     if t + 2 <= n:
-        a = _tile_6x2(w, o, x, t)
+        a = _tile_6x2(w, o, x, t, lo, hi)
         for r in range(ROWS):
             for k in range(2):
                 out[t + k, r] = a[r * 2 + k]
         t += 2
     if t < n:
-        a = _tile_6x1(w, o, x, t)
+        a = _tile_6x1(w, o, x, t, lo, hi)
         for r in range(ROWS):
             out[t, r] = a[r]
 
 
 @_jit(parallel=True, fastmath=FASTMATH, nogil=True)
-def _expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, x, h, y, threads):
-    """threads: how many threads run it; gate, up [I, H], down [H, I] (uint16 bf16 bits, int8 or float32);
-    scales [rows] float32 or [0];    x [n, H] float32 in; h [n, I] float32 scratch; y [n, H] float32 out."""
-    inter = gate.shape[0]
+def _expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, x, first, last, h, y, threads):
+    """The expert's part over intermediate rows first .. last - 1 (all of it: 0 .. I), on `threads` threads.
+    gate, up [I, H], down [H, I] (uint16 bf16 bits, int8 or float32); scales [rows] float32 or [0];
+    x [n, H] float32 in; h [n, last - first] float32 scratch; y [n, H] float32 out."""
     hidden = down.shape[0]
+    width = x.shape[1]
+    # Column bounds go to _dots as uint64: with a signed index numba checks for negative (wrap-around) indices in
+    # the inner loop, which stops LLVM vectorising it (1.5x slower).
     n = x.shape[0]
-    tiles = (inter + ROWS - 1) // ROWS
+    tiles = (last - first + ROWS - 1) // ROWS
     chunks = min(tiles, threads * CHUNKS_PER_THREAD)
     for c in numba.prange(chunks):
         g = np.empty((n, ROWS), np.float32)
         u = np.empty((n, ROWS), np.float32)
         for tile in range(c * tiles // chunks, (c + 1) * tiles // chunks):
-            o = tile * ROWS
-            rows = min(ROWS, inter - o)
-            _dots(gate, o, rows, x, g)
-            _dots(up, o, rows, x, u)
+            o = first + tile * ROWS
+            rows = min(ROWS, last - o)
+            _dots(gate, o, rows, np.uint64(0), np.uint64(width), x, g)
+            _dots(up, o, rows, np.uint64(0), np.uint64(width), x, u)
             for r in range(rows):
                 gs = gate_scale[o + r] if gate_scale.shape[0] else np.float32(1.0)
                 us = up_scale[o + r] if up_scale.shape[0] else np.float32(1.0)
                 for t in range(n):
                     gv = g[t, r] * gs
-                    h[t, o + r] = gv / (np.float32(1.0) + np.exp(-gv)) * (u[t, r] * us)
+                    h[t, o - first + r] = gv / (np.float32(1.0) + np.exp(-gv)) * (u[t, r] * us)
     tiles = (hidden + ROWS - 1) // ROWS
     chunks = min(tiles, threads * CHUNKS_PER_THREAD)
     for c in numba.prange(chunks):
@@ -235,7 +248,7 @@ def _expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, x, h, y, th
         for tile in range(c * tiles // chunks, (c + 1) * tiles // chunks):
             o = tile * ROWS
             rows = min(ROWS, hidden - o)
-            _dots(down, o, rows, h, a)
+            _dots(down, o, rows, np.uint64(first), np.uint64(last), h, a)
             for r in range(rows):
                 ds = down_scale[o + r] if down_scale.shape[0] else np.float32(1.0)
                 for t in range(n):
@@ -262,28 +275,33 @@ class CpuExpertExecutor:
     def library(self) -> str:
         return "numba" if self.kernel is not None else "numpy"
 
-    def run(self, x: np.ndarray, tensors: dict[str, np.ndarray]) -> np.ndarray:
+    def run(self, x: np.ndarray, tensors: dict[str, np.ndarray], rows: tuple[int, int] | None = None) -> np.ndarray:
         """x [n, H] float32 -> down(silu(gate x) * up x) [n, H] float32, for one expert's tensors
-        (gate [I, H], up [I, H], down [H, I], plus *_scale float32 rows for int8)."""
+        (gate [I, H], up [I, H], down [H, I], plus *_scale float32 rows for int8). rows (first, last): only the
+        part over intermediate rows first .. last - 1 (gate and up rows, down columns); the parts over a
+        partition of 0 .. I sum to the whole."""
         start = time.perf_counter()
-        nbytes = sum(a.nbytes for a in tensors.values())
-        y = self._compute(x, tensors, nbytes)
+        first, last = rows or (0, tensors["gate"].shape[0])
+        part = intermediate_rows(tensors, first, last)
+        nbytes = sum(a.nbytes for a in part.values())
+        y = self._compute(x, tensors, part, first, nbytes)
         self.stats.cpu_experts += 1
         self.stats.cpu_seconds += time.perf_counter() - start
         self.stats.cpu_bytes_read += nbytes
         return y
 
-    def _compute(self, x: np.ndarray, tensors: dict[str, np.ndarray], nbytes: int) -> np.ndarray:
+    def _compute(self, x: np.ndarray, tensors: dict[str, np.ndarray], part: dict[str, np.ndarray], first: int,
+                 nbytes: int) -> np.ndarray:
         gate, up, down = tensors["gate"], tensors["up"], tensors["down"]
         if self.kernel is None or gate.dtype not in KERNEL_DTYPES or nbytes < self.min_kernel_bytes:
-            return numpy_expert(x, tensors)
+            return numpy_expert(x, part)
         if gate.dtype == KERNEL_DTYPES[0]:  # bf16: the kernel reads the bits
             gate, up, down = gate.view(np.uint16), up.view(np.uint16), down.view(np.uint16)
         no_scale = np.empty(0, np.float32)
         x = np.ascontiguousarray(x, dtype=np.float32)
-        h = np.empty((x.shape[0], gate.shape[0]), np.float32)  # [n, I]
+        h = np.empty((x.shape[0], part["gate"].shape[0]), np.float32)  # [n, last - first]
         y = np.empty_like(x)  # [n, H]
         numba.set_num_threads(self.num_threads)
         self.kernel(gate, up, down, tensors.get("gate_scale", no_scale), tensors.get("up_scale", no_scale),
-                    tensors.get("down_scale", no_scale), x, h, y, self.num_threads)
+                    tensors.get("down_scale", no_scale), x, first, first + h.shape[1], h, y, self.num_threads)
         return y

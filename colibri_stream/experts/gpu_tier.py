@@ -31,8 +31,9 @@ import numpy as np
 from ..checkpoint import BLOCK_ALIGNMENT, ExpertFile, expert_block_layout
 from ..errors import CheckpointError
 from .cpu_executor import CpuExpertExecutor
+from .partial import DEVICE_DTYPES, PartialLayout
 from .pinned import PinnedExperts, StagingRing
-from .placement import ASSUMED, Bandwidths, ExpertNeed, place_step
+from .placement import ASSUMED, Bandwidths, ExpertNeed, gpu_rows, place_step
 from .policies import EvictionPolicy
 from .prefetcher import Prefetcher
 from .slots import LayerSlots
@@ -43,7 +44,6 @@ from .tiers import BlockReader, TieredExpertStore
 logger = logging.getLogger(__name__)
 GPU_IO_THREADS = 4  # prefetch reads of blocks that are not in host memory
 FLOP_PROBE_TOKENS = 32  # tokens of the start-up measurement of the CPU expert executor's arithmetic rate
-_DEVICE_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "int8": np.int8}
 
 
 def pinned_copy_rate(source: np.ndarray, destination: int, stream, copies: int = 3) -> float:
@@ -108,13 +108,15 @@ class DeviceSlots:
         self.memory = cupy.cuda.alloc(self.total * self.block_size + BLOCK_ALIGNMENT)
         self.base = self.memory.ptr + (-self.memory.ptr % BLOCK_ALIGNMENT)  # first block, 4 KiB aligned
         tensors, _ = expert_block_layout(config)
+        self.tensors = tensors
         self.tables = [cupy.full(config.num_experts, -1, np.int32) for _ in config.moe_layers]  # [E] per layer
+        self.partial_table = cupy.full(config.num_experts, -1, np.int32)  # [E]: the cut expert -> 0
         self._views = []
         for rank in range(len(config.moe_layers)):
             first = rank * slots_per_layer
             arrays = {}
             for t in tensors:
-                dtype = np.dtype(_DEVICE_DTYPES[t.dtype])
+                dtype = np.dtype(DEVICE_DTYPES[t.dtype])
                 inner = [dtype.itemsize]
                 for extent in reversed(t.shape[1:]):
                     inner.insert(0, inner[0] * extent)
@@ -126,6 +128,18 @@ class DeviceSlots:
 
     def view(self, rank: int):
         return self._views[rank]
+
+    def partial_view(self, layout: PartialLayout, expert: int):
+        """LayerExperts of the GPU part of a cut expert packed (by `layout`) into the staging block: one slot, the
+        table mapping `expert` to it."""
+        from ..backends.cupy_backend import LayerExperts
+
+        table = np.full(len(self.partial_table), -1, np.int32)
+        table[expert] = 0
+        self.partial_table.set(table)
+        arrays = layout.arrays(self.memory, self.base - self.memory.ptr + (self.total - 1) * self.block_size)
+        return LayerExperts(arrays["gate"], arrays["up"], arrays["down"], arrays.get("gate_scale"),
+                            arrays.get("up_scale"), arrays.get("down_scale"), self.partial_table)
 
     def staging(self, rank: int) -> int:
         """The staging block as a local slot of layer `rank`."""
@@ -171,6 +185,8 @@ class GpuTieredStore(ExpertStore):
         self._ring = StagingRing(self.block_size, GPU_IO_THREADS + 2) if not isinstance(host, PinnedExperts) else None
         self._pool = ThreadPoolExecutor(GPU_IO_THREADS, thread_name_prefix="colibri-gpu-io")
         self._pass_done = None  # CUDA event after the latest pass's kernels
+        self._staging_free = None  # CUDA event after the latest pass that read the staging block
+        self._split_multiple = 16  # a cut expert's GPU rows: whole 16-byte vectors of every expert dtype
         self._stats = self._fresh_stats()
         self._current = len(policies)
         self._step: dict | None = None  # the running layer's plan (begin_layer -> passes -> finish_layer)
@@ -219,12 +235,15 @@ class GpuTieredStore(ExpertStore):
             self._copy_stream.wait_event(after)
         return self._enqueue(source, release, destination)
 
-    def _enqueue(self, source: np.ndarray, release, destination: int):
-        """Queue the copy of a pinned block to `destination` on the copy stream; hand its event to `release` (the
-        source may be reused once it completes) and return it."""
+    def _enqueue(self, source: np.ndarray, release, destination: int, layout: PartialLayout | None = None):
+        """Queue the copy of a pinned block (or with `layout`, of its rows packed) to `destination` on the copy
+        stream; hand its event to `release` (the source may be reused once it completes) and return it."""
         cp = self.cp
-        cp.cuda.runtime.memcpyAsync(destination, source.ctypes.data, self.block_size,
-                                    cp.cuda.runtime.memcpyHostToDevice, self._copy_stream.ptr)
+        if layout is None:
+            cp.cuda.runtime.memcpyAsync(destination, source.ctypes.data, self.block_size,
+                                        cp.cuda.runtime.memcpyHostToDevice, self._copy_stream.ptr)
+        else:
+            layout.enqueue_copy(source.ctypes.data, destination, self._copy_stream)
         event = cp.cuda.Event(disable_timing=True)
         event.record(self._copy_stream)
         release(event)
@@ -288,24 +307,36 @@ class GpuTieredStore(ExpertStore):
         hits = [e for e in needed if slots.lookup(e) is not None]
         misses = [e for e in needed if slots.lookup(e) is None]
         on_cpu: list[int] = []
+        split = None
         if self.executor is not None and misses:
-            on_cpu = self._place_misses(layer, ids, misses)
-            misses = [e for e in misses if e not in on_cpu]
+            on_cpu, split = self._place_misses(layer, ids, misses)
+            misses = [e for e in misses if e not in on_cpu and (split is None or e != split[0])]
+        cpu_part = on_cpu + ([split[0]] if split is not None else [])
         if self.host is not None and not isinstance(self.host, PinnedExperts):
-            self.host.begin_layer(layer, None, np.asarray(misses + on_cpu, np.int64)[:, None])
+            self.host.begin_layer(layer, None, np.asarray(misses + cpu_part, np.int64)[:, None])
         self._stats.tiers["gpu"].hits += len(hits)
-        self._stats.tiers["gpu"].misses += len(misses) + len(on_cpu)
-        self._step = {"rank": rank, "layer": layer, "hits": hits, "misses": misses, "on_cpu": on_cpu, "ids": ids,
-                      "x": x_host, "weights": None if not on_cpu else cp.asnumpy(weights)}
+        self._stats.tiers["gpu"].misses += len(misses) + len(cpu_part)
+        self._step = {"rank": rank, "layer": layer, "hits": hits, "misses": misses, "on_cpu": on_cpu, "split": split,
+                      "ids": ids, "x": x_host, "weights": None if not cpu_part else cp.asnumpy(weights)}
 
-    def _place_misses(self, layer: int, ids: np.ndarray, misses: list[int]) -> list[int]:
-        """The misses the CPU computes this step: all of them ("all"), or the cost model's choice ("auto")."""
+    def _place_misses(self, layer: int, ids: np.ndarray, misses: list[int]) -> tuple[list[int], tuple | None]:
+        """(the misses the CPU computes whole this step, (expert, rows) of one cut by its intermediate rows: the GPU
+        computes rows 0 .. rows - 1, the CPU the rest; or None): all whole ("all"), or the cost model's choice
+        ("auto"). Only an expert in host memory is cut (the CPU and the copy read the same pinned block)."""
         if self.cpu_experts == "all":
-            return list(misses)
+            return list(misses), None
         counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)
-        needs = [ExpertNeed(self.block_size, self._params, int(counts[e]),
-                            on_disk=not self._in_host_memory(layer, e)) for e in misses]
-        return [e for e, cpu in zip(misses, place_step(needs, self.bandwidths)) if cpu]
+        needs = [ExpertNeed(self.block_size, self._params, int(counts[e]), on_disk=not self._in_host_memory(layer, e),
+                            splittable=self.host is not None) for e in misses]
+        inter = self.file.config.moe_intermediate_size
+        on_cpu, split = [], None
+        for expert, share in zip(misses, place_step(needs, self.bandwidths)):
+            rows = gpu_rows(share, inter, self._split_multiple)
+            if rows == 0:
+                on_cpu.append(expert)
+            elif rows < inter:
+                split = (expert, rows)
+        return on_cpu, split
 
     def passes(self, layer: int) -> Iterator:
         """One LayerExperts per kernel launch: the step's experts that are (or are made) resident, as many at a
@@ -334,7 +365,8 @@ class GpuTieredStore(ExpertStore):
                 events[placed[0]] = self._demand_copy(rank, expert, placed[0], slots)
                 table[expert] = placed[0]
                 batch.append(expert)
-            if not batch:  # every slot holds an expert this step still needs: through the staging block
+            through_staging = not batch
+            if through_staging:  # every slot holds an expert this step still needs: through the staging block
                 expert = todo.pop(0)
                 table[expert] = self.device.staging(rank)
                 self._stats.bypass_loads += 1
@@ -350,10 +382,32 @@ class GpuTieredStore(ExpertStore):
             yield self.device.view(rank)
             self._pass_done = cp.cuda.Event(disable_timing=True)
             self._pass_done.record(compute)
+            if through_staging:
+                self._staging_free = self._pass_done
             for expert in batch:
                 slots.use(expert)
             table[:] = -1
             batch = []
+        if step["split"] is not None:
+            yield self._partial_pass(rank, *step["split"])
+            self._pass_done = cp.cuda.Event(disable_timing=True)
+            self._pass_done.record(compute)
+            self._staging_free = self._pass_done
+
+    def _partial_pass(self, rank: int, expert: int, rows: int):
+        """The GPU part of a cut expert: its first `rows` rows copied, packed, into the staging block once no
+        earlier pass reads that block; the compute waits for the copy. Returns the pass's LayerExperts."""
+        cp = self.cp
+        layout = PartialLayout(self.device.tensors, rows)
+        source, release = self._host_block(self._layer_ids[rank], expert)
+        if self._staging_free is not None:
+            self._copy_stream.wait_event(self._staging_free)
+        copied = self._enqueue(source, release, self.device.pointer(rank, self.device.staging(rank)), layout)
+        cp.cuda.get_current_stream().wait_event(copied)
+        self._stats.compute.gpu_experts += 1
+        self._stats.compute.split_experts += 1
+        self._stats.tiers["gpu"].bytes_read += layout.nbytes
+        return self.device.partial_view(layout, expert)
 
     def _demand_copy(self, rank: int, expert: int, slot: int, slots: LayerSlots | None):
         """Load a missed block into a local slot now (the host waits only for a disk read); its event."""
@@ -399,20 +453,24 @@ class GpuTieredStore(ExpertStore):
         for target, ranked in self._predictions:
             self._prefetch(target, ranked)
         self._predictions = []
-        if not step["on_cpu"]:
+        work = [(expert, None) for expert in step["on_cpu"]]  # (expert, rows the CPU computes: None for all)
+        if step["split"] is not None:
+            expert, rows = step["split"]
+            work.append((expert, (rows, self.file.config.moe_intermediate_size)))
+        if not work:
             return None
         ids, x, weights = step["ids"], step["x"], step["weights"]  # [T, k], [T, H], [T, k]
         out = np.zeros_like(x)  # [T, H]
         with self.timer.phase("expert_cpu"):
-            for expert in step["on_cpu"]:
+            for expert, rows in work:
                 tokens, which = np.nonzero(ids == expert)  # the tokens routed to it, and their top-k position
                 block, release = self._host_block(layer, expert)
                 try:
-                    y = self.executor.run(x[tokens], self.file.unpack(block))  # [n, H]
+                    y = self.executor.run(x[tokens], self.file.unpack(block), rows)  # [n, H]
                 finally:
                     release(None)
                 np.add.at(out, tokens, y * weights[tokens, which][:, None])
-        for expert in step["on_cpu"]:
+        for expert, _ in work:
             self._layers[step["rank"]].use(expert)
         return self.cp.asarray(out)
 

@@ -4,9 +4,12 @@ A pure cost model over bandwidths measured at start-up (or assumed). Computing o
 once from host RAM (after a disk read when the host does not hold it) and takes the routed tokens' arithmetic at
 the executor's FLOP rate, whichever is longer; only activations cross PCIe. Loading to a GPU slot moves the bytes
 over PCIe (after the same disk read), then the GPU computes at a cost small next to the copy. The CPU and the copy
-engine work at the same time, so a step's cost is the later of the two queues: `place_step` splits the experts
-between them to make that finish early. An expert expected in later steps shares its load with them: the GPU side
-is charged load / (1 + expected reuse). docs/CPU_EXPERTS.md describes the measurements behind the defaults.
+engine work at the same time, so a step's cost is the later of the two queues: `place_step` divides the experts
+between them to make that finish early, and may cut one expert in two by its intermediate rows (the CPU computes
+some rows, the GPU the others from a partial copy; the two partial outputs add up): with one or two misses a
+layer, whole experts leave one side idle for most of the step. An expert expected in later steps shares its load
+with them: the GPU side is charged load / (1 + expected reuse). docs/CPU_EXPERTS.md describes the measurements
+behind the defaults.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class ExpertNeed:
     on_disk: bool = False  # not in host RAM: either side first reads it from disk
     in_flight_seconds: float | None = None  # a load to the GPU already under way finishes in this many seconds
     expected_reuse: float = 0.0  # later steps expected to use it while a loaded copy would stay resident
+    splittable: bool = True  # its rows may be shared between the CPU and a partial GPU copy (in host memory)
 
 
 @dataclass(frozen=True)
@@ -64,21 +68,47 @@ def expert_cost(need: ExpertNeed, bw: Bandwidths) -> ExpertCost:
     return ExpertCost(cpu=cpu, gpu=gpu / (1.0 + need.expected_reuse))
 
 
-def place_step(needs: list[ExpertNeed], bw: Bandwidths) -> list[bool]:
-    """For each need, True: compute it on the CPU now; False: load it to a GPU slot.
+def place_step(needs: list[ExpertNeed], bw: Bandwidths) -> list[float]:
+    """For each need, the share of its intermediate rows the CPU computes now: 1.0 all of it, 0.0 none (it is
+    loaded to a GPU slot), in between for at most one need (the rest of its rows are copied and computed on the GPU).
 
-    The CPU and the copies run side by side, so the step finishes with the later queue. Experts are placed largest
-    cost first, each on the side whose queue then ends earlier (ties to the side that is cheaper for it, then to the
-    GPU). A load in flight counts with the seconds it has left.
+    The CPU and the copies run side by side, so the step finishes with the later queue. Whole experts first:
+    largest cost first, each on the side whose queue then ends earlier (ties to the side that is cheaper for it,
+    then to the GPU). Then the one splittable need whose split ends the step earliest (if any does) is cut where both
+    queues end together. A load in flight counts with the seconds it has left and is never split; neither is an
+    expert whose load later steps are expected to reuse (a partial copy is not kept).
     """
     costs = [expert_cost(n, bw) for n in needs]
     cpu_queue = gpu_queue = 0.0
-    on_cpu = [False] * len(needs)
+    share = [0.0] * len(needs)
     for i in sorted(range(len(needs)), key=lambda i: -max(costs[i].cpu, costs[i].gpu)):
         cost = costs[i]
         cpu_end, gpu_end = cpu_queue + cost.cpu, gpu_queue + cost.gpu
         if cpu_end < gpu_end or (cpu_end == gpu_end and cost.cpu_wins):
-            on_cpu[i], cpu_queue = True, cpu_end
+            share[i], cpu_queue = 1.0, cpu_end
         else:
             gpu_queue = gpu_end
-    return on_cpu
+    best, best_end = None, max(cpu_queue, gpu_queue)
+    for i, need in enumerate(needs):
+        if not need.splittable or need.in_flight_seconds is not None or need.expected_reuse:
+            continue
+        cost = costs[i]
+        cpu_rest = cpu_queue - share[i] * cost.cpu  # the queues without this expert
+        gpu_rest = gpu_queue - (1.0 - share[i]) * cost.gpu
+        cut = min(max((gpu_rest + cost.gpu - cpu_rest) / (cost.cpu + cost.gpu), 0.0), 1.0)  # ends both together
+        end = max(cpu_rest + cut * cost.cpu, gpu_rest + (1.0 - cut) * cost.gpu)
+        if end < best_end:
+            best, best_end = (i, cut), end
+    if best is not None:
+        share[best[0]] = best[1]
+    return share
+
+
+def gpu_rows(share: float, rows: int, multiple: int) -> int:
+    """How many of an expert's `rows` intermediate rows (the first ones) the GPU computes, given the CPU's share: a
+    multiple of `multiple` (the GPU kernels read rows in 16-byte vectors); 0 or `rows` when either part would be
+    under one multiple."""
+    on_gpu = round((1.0 - share) * rows / multiple) * multiple
+    if on_gpu < multiple:
+        return 0
+    return rows if rows - on_gpu < multiple else on_gpu

@@ -27,12 +27,14 @@ class ComputeStats:
 
     cpu_experts: int = 0  # expert computations the CPU expert executor ran (one per expert and step)
     gpu_experts: int = 0
+    split_experts: int = 0  # experts cut by intermediate rows between the two (counted in both above)
     cpu_seconds: float = 0.0  # wall time inside the CPU expert executor
     cpu_bytes_read: int = 0  # weight bytes the CPU expert executor read from host memory
 
     def as_dict(self, steps: int) -> dict:
         per_step = (lambda n: n / steps if steps else None)
-        return {"cpu_experts": self.cpu_experts, "gpu_experts": self.gpu_experts, "cpu_seconds": self.cpu_seconds,
+        return {"cpu_experts": self.cpu_experts, "gpu_experts": self.gpu_experts,
+                "split_experts": self.split_experts, "cpu_seconds": self.cpu_seconds,
                 "cpu_bytes_read": self.cpu_bytes_read, "cpu_experts_per_step": per_step(self.cpu_experts),
                 "gpu_experts_per_step": per_step(self.gpu_experts)}
 
