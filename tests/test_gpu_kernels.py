@@ -27,6 +27,7 @@ from colibri_stream.backends.cupy_backend import (  # noqa: E402
     MMA_MIN_TOKENS,
     MMA_THREADS,
     MMA_TILES,
+    ROUTER_SPLIT_TOKENS,
     SMALL_BATCH,
     CupyBackend,
     DeviceExpertStore,
@@ -196,18 +197,69 @@ def test_paged_attention(head_dim, window, block_size):
     check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, scale, window))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("experts,top_k", [(8, 2), (60, 4), (128, 8)])
-@pytest.mark.parametrize("renormalize", [False, True])
-def test_route(dtype, experts, top_k, renormalize):
-    rng = np.random.default_rng(experts + top_k)
-    x = rng.standard_normal((21, 256)).astype(np.float32)
-    router = weight(rng, (experts, 256), dtype)
+def check_route(x: np.ndarray, router: np.ndarray, top_k: int, renormalize: bool, monkeypatch) -> None:
+    """GPU.route against REF.route (same ids, weights within 1e-5), on the kernel the token count selects; the
+    split kernel's block counters are left zero."""
+    launched = launched_kernels(monkeypatch)
     poison()
     weights, ids = GPU.route(cupy.asarray(x), GPU.prepare_weight(router), top_k, renormalize)
     ref_weights, ref_ids = REF.route(x, REF.prepare_weight(router), top_k, renormalize)
+    split = x.shape[0] <= ROUTER_SPLIT_TOKENS
+    assert launched[0].startswith("route_split<" if split else "route_topk<")
     assert np.array_equal(cupy.asnumpy(ids), ref_ids)
     check(weights, ref_weights)
+    assert not cupy.asnumpy(GPU._route_counters).any(), "route_split left a block counter set"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("tokens", [1, 3, 9, 21, ROUTER_SPLIT_TOKENS, ROUTER_SPLIT_TOKENS + 1])
+@pytest.mark.parametrize("experts,top_k,hidden", [(8, 2, 4096), (60, 4, 256), (128, 8, 2048)])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_route(dtype, tokens, experts, top_k, hidden, renormalize, monkeypatch):
+    rng = np.random.default_rng(experts + top_k + tokens)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    check_route(x, weight(rng, (experts, hidden), dtype), top_k, renormalize, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tokens", [1, 9, ROUTER_SPLIT_TOKENS + 36])
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (128, 8)])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_route_ties_go_to_the_lower_expert(dtype, tokens, experts, top_k, renormalize, monkeypatch):
+    """Logits computed exactly (small integers over 64, sums of at most 16 significant bits, in any order) and
+    every expert row repeated once: equal probabilities everywhere, ranked by expert id on both backends."""
+    rng = np.random.default_rng(tokens + experts)
+    x = rng.integers(-3, 4, (tokens, 256)).astype(np.float32)
+    rows = rng.integers(-2, 3, (experts // 2, 256)).astype(np.float32) / 64
+    router = rows[rng.permutation(np.arange(experts) % (experts // 2))].astype(STORAGE[dtype])  # each row twice
+    check_route(x, router, top_k, renormalize, monkeypatch)
+
+
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_route_replayed_in_a_cuda_graph(tokens):
+    """route_split captured once and replayed on new inputs: its counters reset themselves between replays."""
+    rng = np.random.default_rng(tokens)
+    router = weight(rng, (128, 2048), "bfloat16")
+    device_router = GPU.prepare_weight(router)
+    x = cupy.asarray(rng.standard_normal((tokens, 2048)).astype(np.float32))  # [T, H] fixed input buffer
+    stream, pool = cupy.cuda.Stream(non_blocking=True), cupy.cuda.MemoryPool()  # as DecodeGraph: its own pool
+    with stream:
+        GPU.route(x, device_router, 8, True)  # compiles outside the capture
+        stream.synchronize()
+        with cupy.cuda.using_allocator(pool.malloc):
+            stream.begin_capture()
+            try:
+                weights, ids = GPU.route(x, device_router, 8, True)
+            finally:
+                graph = stream.end_capture()
+        for _ in range(3):
+            host = rng.standard_normal((tokens, 2048)).astype(np.float32)
+            x.set(host, stream=stream)
+            graph.launch(stream=stream)
+            stream.synchronize()
+            ref_weights, ref_ids = REF.route(host, REF.prepare_weight(router), 8, True)
+            assert np.array_equal(cupy.asnumpy(ids), ref_ids)
+            check(weights, ref_weights)
 
 
 class DictExpertStore(ExpertStore):

@@ -39,6 +39,8 @@ MMA_THREADS = 128  # MMA_WARPS * 32 in moe_mma.cu
 MMA_GATE_UP_ROWS = 64  # gate (and up) rows per block of moe_gate_up_mma: 4 warps x 16
 MMA_DOWN_ROWS = 128  # down rows per block of moe_down_mma: 4 warps x 32
 ATTENTION_WARPS = 16  # ATTN_WARPS in attention.cu
+ROUTER_SPLIT_TOKENS = 64  # up to this many tokens, route_split spreads the router's rows over the GPU
+ROUTER_WARPS = 4  # ROUTER_WARPS in router.cu
 NULL = np.uint64(0)  # a null pointer kernel argument
 
 _CTYPES = {
@@ -54,7 +56,7 @@ _FAMILIES = {
     "linear.cu": lambda w: (*(f"linear_rows<{w}, {tt}>" for tt in TOKEN_TILES), f"to_storage<{w}>",
                             f"to_storage_split<{w}>"),
     "embedding.cu": lambda w: (f"embedding<{w}>",),
-    "router.cu": lambda w: (f"route_topk<{w}>",),
+    "router.cu": lambda w: (f"route_topk<{w}>", *(f"route_split<{w}, {tt}>" for tt in TOKEN_TILES)),
     "moe.cu": lambda w: () if w is None else tuple(f"{k}<{w}, {tt}>" for k in ("moe_gate_up", "moe_down")
                                                    for tt in MOE_TILES),  # None: moe_align, moe_sum only
     "moe_mma.cu": lambda w: tuple(f"{k}<{w}, {nt}>" for k in ("moe_gate_up_mma", "moe_down_mma")
@@ -245,6 +247,8 @@ class CupyBackend(Backend):
                                                 "colibri_silu_mul")
         self._sigmoid = cupy.ElementwiseKernel("float32 x", "float32 y", "y = 1.0f / (1.0f + expf(-x))",
                                                "colibri_sigmoid")
+        # [token tiles] route_split's block counters: zero between launches (each launch resets what it counted)
+        self._route_counters = cupy.zeros(_ceil(ROUTER_SPLIT_TOKENS, TOKEN_TILES[-1]), np.uint32)
 
     # ---- memory -------------------------------------------------------------------------------------------
     def prepare_weight(self, host) -> Array:
@@ -390,6 +394,9 @@ class CupyBackend(Backend):
 
     # ---- mixture of experts -------------------------------------------------------------------------------
     def route(self, x, router, top_k, renormalize):
+        """Up to ROUTER_SPLIT_TOKENS tokens: route_split, a block per (expert, token tile) and the selection in
+        each tile's last block (a batch-1 step reads the router on many SMs instead of one); more tokens:
+        route_topk, a block per token, each reading the whole router (mostly from L2)."""
         x = self.cp.ascontiguousarray(x)
         t, h = x.shape
         num_experts = router.shape[0]
@@ -397,9 +404,17 @@ class CupyBackend(Backend):
         weights = self.cp.empty((t, top_k), np.float32)  # [T, k]
         expert_ids = self.cp.empty((t, top_k), np.int32)  # [T, k]
         w = storage_type(router)
-        _launch("router.cu", f"route_topk<{w}>", (t,), 1024,
-                (x, router, weights, expert_ids, np.int32(h), np.int32(num_experts), np.int32(top_k),
-                 np.int32(bool(renormalize))), shared_mem=4 * num_experts, weight_type=w)
+        selection = (weights, expert_ids, np.int32(h), np.int32(num_experts), np.int32(top_k),
+                     np.int32(bool(renormalize)))
+        if t <= ROUTER_SPLIT_TOKENS:
+            tile = _tile(t, TOKEN_TILES)
+            logits = self.cp.empty((t, num_experts), np.float32)  # [T, E]
+            _launch("router.cu", f"route_split<{w}, {tile}>", (num_experts, _ceil(t, tile)), 32 * ROUTER_WARPS,
+                    (x, router, *selection, logits, self._route_counters, np.int32(t)),
+                    shared_mem=4 * ROUTER_WARPS * num_experts, weight_type=w)
+        else:
+            _launch("router.cu", f"route_topk<{w}>", (t,), 1024, (x, router, *selection),
+                    shared_mem=4 * num_experts, weight_type=w)
         return weights, expert_ids
 
     def prepare_experts(self, store: ExpertStore, config: ModelConfig) -> ExpertStore:
