@@ -160,6 +160,7 @@ class Colibri:
         ids = [cp.asnumpy(r[1]) for r in routing]
         n = len(layers)
         q = cp.random.standard_normal((batch, cfg.num_heads, cfg.head_dim), dtype=np.float32)
+        kv = cp.random.standard_normal((batch, cfg.num_kv_heads * cfg.head_dim), dtype=np.float32)  # [B, K*D]
         device_batch = {"block_tables": cp.asarray(self.tables), "query_start": cp.arange(batch + 1),
                         "positions": cp.full(batch, context - 1, dtype=np.int64)}
         attn_bytes = (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * h * WEIGHT_BYTES
@@ -178,9 +179,10 @@ class Colibri:
                                          0.1, None)),
             ("norms, rotary, KV write", 0, lambda i: [
                 b.add_rms_norm(x, x, layers[i % n].input_norm, 1e-6),
-                b.rotary(q, self.model.rope_cos, self.model.rope_sin, device_batch["positions"]),
-                b.write_kv(self.kv.keys[i % n], self.kv.values[i % n], q[:, :cfg.num_kv_heads],
-                           q[:, :cfg.num_kv_heads], cp.full(batch, -1, dtype=np.int64))]),
+                b.qk_norm_rope_write(q.reshape(batch, -1), kv, kv, layers[i % n].q_norm, layers[i % n].k_norm,
+                                     cfg.qk_norm, 1e-6, cfg.clip_qkv, self.model.rope_cos, self.model.rope_sin,
+                                     device_batch["positions"], self.kv.keys[i % n], self.kv.values[i % n],
+                                     cp.full(batch, -1, dtype=np.int64))]),
             ("lm_head", cfg.vocab_size * h * WEIGHT_BYTES / n, lambda i: b.linear(x, self.model.lm_head)
              if i % n == 0 else None),
         ]

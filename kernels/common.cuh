@@ -89,7 +89,8 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Sum of v over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
-// Uses 32 floats of static shared memory; call at most once per kernel.
+// Uses 32 floats of static shared memory: a second call must come after a __syncthreads() that follows every
+// thread's use of the first call's result.
 __device__ __forceinline__ float block_sum(float v) {
     __shared__ float partial[32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

@@ -262,6 +262,47 @@ def test_route_replayed_in_a_cuda_graph(tokens):
             check(weights, ref_weights)
 
 
+@pytest.mark.parametrize("qk_norm", ["none", "per_head", "full"])
+@pytest.mark.parametrize("clip", [None, 0.8])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 24), (32, 4, 128), (16, 16, 64), (12, 1, 256)])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_qk_norm_rope_write(qk_norm, clip, heads, kv_heads, head_dim, tokens):
+    """The fused prologue against the NumPy composition: rotated q, k and v in their cache slots (padding slot -1
+    stores nothing), every other cache row untouched."""
+    rng = np.random.default_rng(heads * head_dim + tokens)
+    cos, sin = cos_sin_table(RopeConfig(theta=1e6), head_dim, 4096)
+    q = rng.standard_normal((tokens, heads * head_dim)).astype(np.float32)
+    k, v = rng.standard_normal((2, tokens, kv_heads * head_dim)).astype(np.float32)
+    q_norm = k_norm = None
+    if qk_norm != "none":
+        widths = (heads * head_dim, kv_heads * head_dim) if qk_norm == "full" else (head_dim, head_dim)
+        q_norm, k_norm = ((1 + 0.2 * rng.standard_normal(n)).astype(np.float32) for n in widths)
+    block_size, num_blocks = 8, 4
+    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
+    key_cache, value_cache = rng.standard_normal((2, *cache_shape)).astype(np.float32)
+    positions = rng.integers(0, 4096, tokens)
+    slots = rng.permutation(num_blocks * block_size)[:tokens]
+    slots[tokens // 2] = -1  # a padding row
+    gpu_keys, gpu_values = cupy.asarray(key_cache), cupy.asarray(value_cache)
+    poison()
+    ours = GPU.qk_norm_rope_write(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v),
+                                  None if q_norm is None else GPU.prepare_weight(q_norm),
+                                  None if k_norm is None else GPU.prepare_weight(k_norm), qk_norm, 1e-6, clip,
+                                  cupy.asarray(cos), cupy.asarray(sin), cupy.asarray(positions), gpu_keys,
+                                  gpu_values, cupy.asarray(slots))
+    reference = REF.qk_norm_rope_write(q, k, v, q_norm, k_norm, qk_norm, 1e-6, clip, cos, sin, positions,
+                                       key_cache, value_cache, slots)
+    check(ours, reference)
+    stored = slots[slots >= 0]
+    ours_keys = cupy.asnumpy(gpu_keys).reshape(-1, kv_heads, head_dim)  # [slots, K, D]
+    ours_values = cupy.asnumpy(gpu_values).reshape(-1, kv_heads, head_dim)
+    check(ours_keys[stored], key_cache.reshape(-1, kv_heads, head_dim)[stored])
+    check(ours_values[stored], value_cache.reshape(-1, kv_heads, head_dim)[stored], 0)
+    untouched = np.setdiff1d(np.arange(num_blocks * block_size), stored)
+    assert np.array_equal(ours_keys[untouched], key_cache.reshape(-1, kv_heads, head_dim)[untouched])
+    assert np.array_equal(ours_values[untouched], value_cache.reshape(-1, kv_heads, head_dim)[untouched])
+
+
 class DictExpertStore(ExpertStore):
     """Experts held in a dict: (layer, expert) -> tensors in the storage layout."""
 

@@ -97,7 +97,20 @@ class Backend(ABC):
 
     @abstractmethod
     def write_kv(self, key_cache: Array, value_cache: Array, key: Array, value: Array, slot_mapping: Array) -> None:
-        """Store key/value [T, K, D] into the paged caches [num_blocks, block_size, K, D] at the slots [T]."""
+        """Store key/value [T, K, D] into the paged caches [num_blocks, block_size, K, D] at the slots [T]; a
+        negative slot stores nothing (padding rows of a captured batch)."""
+
+    @abstractmethod
+    def qk_norm_rope_write(self, q: Array, k: Array, v: Array, q_norm: Array | None, k_norm: Array | None,
+                           qk_norm: str, eps: float, clip: float | None, cos: Array, sin: Array, positions: Array,
+                           key_cache: Array, value_cache: Array, slot_mapping: Array) -> Array:
+        """A layer's step from its q/k/v projections to attention: q [T, Q*D], k/v [T, K*D] -> rotated q [T, Q, D].
+
+        In order: RMSNorm of each token's whole q and k when qk_norm is "full" (weights q_norm [Q*D], k_norm
+        [K*D]); q, k, v clamped to [-clip, clip] unless clip is None; RMSNorm of each head of q and k when qk_norm
+        is "per_head" (weights [D]); `rotary` of q and k; `write_kv` of k and v at slot_mapping [T]. K and D are
+        read from the caches' shape [num_blocks, block_size, K, D].
+        """
 
     @abstractmethod
     def paged_attention(self, query: Array, key_cache: Array, value_cache: Array, batch: ForwardBatch,

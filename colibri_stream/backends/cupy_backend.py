@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from ..config import ModelConfig
+from ..config import QK_NORMS, ModelConfig
 from ..experts.store import ExpertStore
 from ..model.batch import ForwardBatch
 from .base import Array, Backend
@@ -41,6 +41,7 @@ MMA_DOWN_ROWS = 128  # down rows per block of moe_down_mma: 4 warps x 32
 ATTENTION_WARPS = 16  # ATTN_WARPS in attention.cu
 ROUTER_SPLIT_TOKENS = 64  # up to this many tokens, route_split spreads the router's rows over the GPU
 ROUTER_WARPS = 4  # ROUTER_WARPS in router.cu
+PROLOGUE_WARPS = 4  # warps per block of qk_norm_rope_write (attention_prologue.cu) without a full-width qk norm
 NULL = np.uint64(0)  # a null pointer kernel argument
 
 _CTYPES = {
@@ -374,6 +375,27 @@ class CupyBackend(Backend):
         _launch("kv_cache.cu", "write_kv", (t,), 128, (self.cp.ascontiguousarray(key),
                                                        self.cp.ascontiguousarray(value), key_cache, value_cache,
                                                        slot_mapping, np.int32(width)))
+
+    def qk_norm_rope_write(self, q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, positions, key_cache,
+                           value_cache, slot_mapping):
+        """One launch of qk_norm_rope_write: a warp per head (q, k and v heads). Without a full-width norm the
+        heads spread over blocks of PROLOGUE_WARPS warps; with one, a token's heads share one block, which first
+        sums the squares of the token's whole q and k."""
+        q, k, v = (self.cp.ascontiguousarray(a) for a in (q, k, v))
+        t = q.shape[0]
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        num_heads = q.shape[1] // head_dim
+        out = self.cp.empty((t, num_heads, head_dim), np.float32)  # [T, Q, D]
+        heads = num_heads + 2 * num_kv_heads
+        if qk_norm == "full":
+            warps, groups = min(32, heads), 1
+        else:
+            warps, groups = PROLOGUE_WARPS, _ceil(heads, PROLOGUE_WARPS)
+        args = (q, k, v, NULL if q_norm is None else q_norm, NULL if k_norm is None else k_norm, cos, sin, positions,
+                slot_mapping, out, key_cache, value_cache, np.int32(num_heads), np.int32(num_kv_heads),
+                np.int32(head_dim // 2), np.int32(QK_NORMS.index(qk_norm)), np.float32(eps), np.float32(clip or 0))
+        _launch("attention_prologue.cu", "qk_norm_rope_write", (t, groups), 32 * warps, args)
+        return out
 
     def paged_attention(self, query, key_cache, value_cache, batch: ForwardBatch, device_batch, scale,
                         sliding_window):

@@ -83,9 +83,31 @@ class NumpyBackend(Backend):
 
     def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
         block_size = key_cache.shape[1]
-        blocks, rows = slot_mapping // block_size, slot_mapping % block_size
-        key_cache[blocks, rows] = key
-        value_cache[blocks, rows] = value
+        stored = slot_mapping >= 0  # [T]
+        slots = slot_mapping[stored]  # [T']
+        blocks, rows = slots // block_size, slots % block_size
+        key_cache[blocks, rows] = key[stored]
+        value_cache[blocks, rows] = value[stored]
+
+    def qk_norm_rope_write(self, q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, positions, key_cache,
+                           value_cache, slot_mapping):
+        t = q.shape[0]
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        if qk_norm == "full":
+            q = self.rms_norm(q, q_norm, eps)  # [T, Q*D]
+            k = self.rms_norm(k, k_norm, eps)  # [T, K*D]
+        if clip is not None:
+            q, k, v = (self.clip(a, clip) for a in (q, k, v))
+        q = q.reshape(t, q.shape[1] // head_dim, head_dim)  # [T, Q, D]
+        k = k.reshape(t, num_kv_heads, head_dim)  # [T, K, D]
+        v = v.reshape(t, num_kv_heads, head_dim)  # [T, K, D]
+        if qk_norm == "per_head":
+            q = self.rms_norm(q, q_norm, eps)
+            k = self.rms_norm(k, k_norm, eps)
+        q = self.rotary(q, cos, sin, positions)
+        k = self.rotary(k, cos, sin, positions)
+        self.write_kv(key_cache, value_cache, k, v, slot_mapping)
+        return q
 
     def paged_attention(self, query, key_cache, value_cache, batch: ForwardBatch, device_batch, scale,
                         sliding_window):

@@ -156,21 +156,10 @@ class MoETransformer:
         q = b.linear(x, layer.q_proj, layer.q_bias)  # [T, Q*D]
         k = b.linear(x, layer.k_proj, layer.k_bias)  # [T, K*D]
         v = b.linear(x, layer.v_proj, layer.v_bias)  # [T, K*D]
-        if cfg.qk_norm == "full":
-            q = b.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = b.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        if cfg.clip_qkv is not None:
-            q, k, v = (b.clip(a, cfg.clip_qkv) for a in (q, k, v))
-        q = q.reshape(t, cfg.num_heads, d)  # [T, Q, D]
-        k = k.reshape(t, cfg.num_kv_heads, d)  # [T, K, D]
-        v = v.reshape(t, cfg.num_kv_heads, d)  # [T, K, D]
-        if cfg.qk_norm == "per_head":
-            q = b.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = b.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q = b.rotary(q, self.rope_cos, self.rope_sin, device_batch["positions"])
-        k = b.rotary(k, self.rope_cos, self.rope_sin, device_batch["positions"])
         key_cache, value_cache = kv_cache.keys[index], kv_cache.values[index]
-        b.write_kv(key_cache, value_cache, k, v, device_batch["slot_mapping"])
+        q = b.qk_norm_rope_write(q, k, v, layer.q_norm, layer.k_norm, cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv,
+                                 self.rope_cos, self.rope_sin, device_batch["positions"], key_cache, value_cache,
+                                 device_batch["slot_mapping"])  # [T, Q, D]; k, v stored in the caches
         attended = b.paged_attention(q, key_cache, value_cache, batch, device_batch, self.attention_scale,
                                      cfg.sliding_windows[index])  # [T, Q, D]
         return b.linear(attended.reshape(t, cfg.num_heads * d), layer.o_proj, layer.o_bias)
