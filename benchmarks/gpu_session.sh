@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One session on a GPU machine: install, GPU tests, benchmarks; logs and JSON results under $OUT.
-#   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests decode offload" benchmarks/gpu_session.sh
+#   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests decode cpu offload" benchmarks/gpu_session.sh
 # Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first. Each stage has its own time
-# limit so the next one runs even if one fails. OFFLOAD_ARGS / DECODE_ARGS pass options to the benchmarks.
+# limit so the next one runs even if one fails. OFFLOAD_ARGS / DECODE_ARGS / CPU_ARGS pass options to the benchmarks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/colibri-gpu}
@@ -29,6 +29,12 @@ for stage in $STAGES; do
       echo "== decode benchmark"
       timeout "${DECODE_TIMEOUT:-300}" python3 benchmarks/decode.py --out "$OUT/decode_h200.json" ${DECODE_ARGS:-} \
         2>&1 | tee "$OUT/decode.log" | tail -40 ;;
+    cpu)
+      echo "== CPU expert executor: kernels and contention with pinned copies"
+      timeout "${CPU_TIMEOUT:-240}" python3 benchmarks/cpu_expert_kernels.py --out "$OUT/cpu_expert_kernels_h200.json" \
+        ${CPU_ARGS:---shapes mixtral-8x7b,qwen3-30b-a3b --dtypes bf16 --tokens 1,16 --threads 8,16 --candidates stream,numba} \
+        2>&1 | tee "$OUT/cpu.log" | tail -20
+      timeout 120 python3 benchmarks/host_contention.py --out "$OUT/host_contention_h200.json" 2>&1 | tail -14 ;;
     offload)
       echo "== offload benchmark"
       timeout "${OFFLOAD_TIMEOUT:-540}" python3 benchmarks/offload.py --out "$OUT/offload_h200.json" \
