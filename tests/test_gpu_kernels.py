@@ -116,6 +116,26 @@ def test_linear(dtype, tokens, dims):
     check(ours, REF.linear(x, REF.prepare_weight(w), bias), tolerance)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("tokens", [1, 3, SMALL_BATCH, SMALL_BATCH + 1, 16])
+@pytest.mark.parametrize("outs", [(96, 40, 40), (2048, 256, 256), (64,), (8, 1000)])
+def test_linears(dtype, tokens, outs, monkeypatch):
+    """Several projections of one x (q, k, v) in one launch of linear_rows at GEMV sizes, as `linear` each."""
+    rng = np.random.default_rng(tokens * 11 + sum(outs))
+    x = rng.standard_normal((tokens, 256)).astype(np.float32)
+    weights = [weight(rng, (n, 256), dtype) for n in outs]
+    biases = [(0.1 * rng.standard_normal(n)).astype(np.float32) if m != 1 else None for m, n in enumerate(outs)]
+    launched = launched_kernels(monkeypatch)
+    poison()
+    ours = GPU.linears(cupy.asarray(x), [GPU.prepare_weight(w) for w in weights],
+                       [None if b is None else GPU.prepare_weight(b) for b in biases])
+    assert len(launched) == 1 if tokens <= SMALL_BATCH else not any(n.startswith("linear_rows") for n in launched)
+    reference = REF.linears(x, [REF.prepare_weight(w) for w in weights], biases)
+    assert len(ours) == len(reference)
+    for out, ref in zip(ours, reference):
+        check(out, ref, 1e-5 if tokens <= SMALL_BATCH or dtype == "float32" else 1e-4)
+
+
 def test_elementwise():
     rng = np.random.default_rng(0)
     gate, up = rng.standard_normal((2, 5, 48)).astype(np.float32) * 4

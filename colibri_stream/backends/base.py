@@ -9,6 +9,7 @@ Activations are float32 unless a backend documents otherwise; weights are whatev
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -77,6 +78,11 @@ class Backend(ABC):
     @abstractmethod
     def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
         """x [T, In], weight [Out, In], bias [Out] -> [T, Out]"""
+
+    def linears(self, x: Array, weights: Sequence[Array], biases: Sequence[Array | None]) -> list[Array]:
+        """x [T, In], weights [Out_m, In], biases [Out_m] or None -> `linear` of each, [T, Out_m] (a backend may
+        compute them in one pass: q, k and v of a layer)."""
+        return [self.linear(x, weight, bias) for weight, bias in zip(weights, biases)]
 
     @abstractmethod
     def silu_mul(self, gate: Array, up: Array) -> Array:

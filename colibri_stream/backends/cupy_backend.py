@@ -310,22 +310,40 @@ class CupyBackend(Backend):
 
     def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
         x = self.cp.ascontiguousarray(x)
-        t, n_in = x.shape
-        n_out = weight.shape[0]
-        if t > SMALL_BATCH and not self.cp.cuda.get_current_stream().is_capturing():
-            out = self._gemm(x, weight)  # [T, Out]
-            if bias is not None:
-                out += bias
-            return out
-        _check_row_width(n_in, weight, "linear")
-        out = self.cp.empty((t, n_out), np.float32)  # [T, Out]
-        tile = _tile(t, TOKEN_TILES)
-        w = storage_type(weight)
-        grid = (_ceil(t, tile) * _ceil(n_out, LINEAR_ROWS_PER_BLOCK),)
-        _launch("linear.cu", f"linear_rows<{w}, {tile}>", grid, 128,
-                (x, weight, NULL if bias is None else bias, out, np.int32(t), np.int32(n_in), np.int32(n_out)),
-                weight_type=w)
+        if self._on_gemv(x):
+            return self._linear_rows(x, [weight], [bias])[0]
+        out = self._gemm(x, weight)  # [T, Out]
+        if bias is not None:
+            out += bias
         return out
+
+    def linears(self, x, weights, biases):
+        """Up to three matrices of one dtype, at GEMV sizes: one launch of linear_rows for all of them."""
+        x = self.cp.ascontiguousarray(x)
+        if len(weights) <= 3 and len({w.dtype for w in weights}) == 1 and self._on_gemv(x):
+            return self._linear_rows(x, weights, biases)
+        return super().linears(x, weights, biases)
+
+    def _on_gemv(self, x: Array) -> bool:
+        """Whether projections of x [T, In] run on linear_rows (few tokens, or inside a graph capture)."""
+        return x.shape[0] <= SMALL_BATCH or self.cp.cuda.get_current_stream().is_capturing()
+
+    def _linear_rows(self, x: Array, weights, biases) -> list[Array]:
+        """x [T, In] times one to three weights [Out_m, In] of one dtype (+ biases) in one launch.  # [T, Out_m] each"""
+        t, n_in = x.shape
+        outs, matrices, blocks = [], [], 0
+        tile = _tile(t, TOKEN_TILES)
+        for weight, bias in zip(weights, biases):
+            _check_row_width(n_in, weight, "linear")
+            n_out = weight.shape[0]
+            outs.append(self.cp.empty((t, n_out), np.float32))  # [T, Out_m]
+            matrices += [weight, NULL if bias is None else bias, outs[-1], np.int32(n_out)]
+            blocks += _ceil(t, tile) * _ceil(n_out, LINEAR_ROWS_PER_BLOCK)
+        matrices += [NULL, NULL, NULL, np.int32(0)] * (3 - len(weights))
+        w = storage_type(weights[0])
+        _launch("linear.cu", f"linear_rows<{w}, {tile}>", (blocks,), 128, (x, np.int32(t), np.int32(n_in), *matrices),
+                weight_type=w)
+        return outs
 
     def _gemm(self, x: Array, weight: Array) -> Array:
         """x [T, In] @ weight [Out, In]^T through cuBLAS, float32 accumulation and output.  # [T, Out]"""

@@ -153,9 +153,8 @@ class MoETransformer:
                    device_batch: dict[str, Array], kv_cache: PagedKVCache) -> Array:
         b, cfg = self.backend, self.config
         t, d = batch.num_tokens, cfg.head_dim
-        q = b.linear(x, layer.q_proj, layer.q_bias)  # [T, Q*D]
-        k = b.linear(x, layer.k_proj, layer.k_bias)  # [T, K*D]
-        v = b.linear(x, layer.v_proj, layer.v_bias)  # [T, K*D]
+        q, k, v = b.linears(x, (layer.q_proj, layer.k_proj, layer.v_proj),
+                            (layer.q_bias, layer.k_bias, layer.v_bias))  # [T, Q*D], [T, K*D], [T, K*D]
         key_cache, value_cache = kv_cache.keys[index], kv_cache.values[index]
         q = b.qk_norm_rope_write(q, k, v, layer.q_norm, layer.k_norm, cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv,
                                  self.rope_cos, self.rope_sin, device_batch["positions"], key_cache, value_cache,
