@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/host_contention.json"))
     args = parser.parse_args()
 
-    source = pinned_empty(COPY_BYTES)
+    source = pinned_empty(1, COPY_BYTES)[0]  # [COPY_BYTES] uint8
     source[:] = 1
     target = cp.empty(COPY_BYTES, np.uint8)
     stream = cp.cuda.Stream(non_blocking=True)
