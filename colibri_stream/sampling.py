@@ -1,14 +1,23 @@
-"""Pick the next token of every sequence in a batch from its logits, on the host with NumPy.
+"""Pick the next token of every sequence in a batch from its logits, with NumPy on the host.
 
 The semantics follow vLLM: penalties (repetition over prompt and output, frequency and presence over the output),
 then greedy argmax for temperature 0, otherwise temperature, top-k, top-p, min-p and a draw from the sequence's
 own random generator. Logprobs describe the model's raw distribution (before penalties and temperature).
+
+The logits may stay where the model left them (`LogitSource`): a row with top-k or top-p needs only its best
+tokens, sorted (`Candidates`), and its log-normaliser; a greedy row only its argmax. Only rows with penalties,
+sampling over the whole vocabulary, or a nucleus beyond the candidates need the whole row on the host.
+`HostLogits` computes these pieces with NumPy and is the reference a device source must match bit for bit:
+candidates are ordered by scaled logit, equal ones by lower id, and the log-normaliser is built from an integer
+(`exp_sums`), so it does not depend on the order in which a device adds up a row.
 """
 
 from __future__ import annotations
 
+import math
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -21,6 +30,14 @@ GREEDY_TEMPERATURE = 1e-5
 TOP_P_CANDIDATES = 1024
 # Sampling from a whole row finds the draw's block of this many tokens first, then the token inside it.
 CDF_BLOCK = 1024
+# exp for exp_sums from + and * alone (kernels/sampling.cu has the same constants): exp(y) = 2**k * exp(r),
+# k = rint(y * LOG2E), r = y - k * (LN2_HI + LN2_LO), exp(r) by its Taylor series to degree 11 (|r| <= 0.35:
+# relative error below 1e-14).
+LOG2E = 1.4426950408889634
+LN2_HI = 6.93147180369123816490e-01  # the high bits of log(2): k * LN2_HI is exact
+LN2_LO = 1.90821492927058770002e-10
+EXP_TAYLOR = tuple(1.0 / math.factorial(j) for j in range(12))
+EXP_CHUNK = 1 << 15  # exp_sums works on pieces of this many values
 
 
 @dataclass(eq=False)
@@ -61,6 +78,92 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # [B]: None where params.logprobs is None
 
 
+@dataclass
+class Candidates:
+    """Some rows' best tokens after temperature, and each row's log-normaliser over its whole vocabulary."""
+
+    token_ids: np.ndarray  # [R, C] int64: largest scaled logit first, equal ones by lower id first
+    logits: np.ndarray  # [R, C] float32: those tokens' logits / the row's temperature (float32 division)
+    lse: np.ndarray  # [R] float64: log_normaliser of the row's scaled logits; NaN where not asked for
+
+
+class LogitSource(ABC):
+    """A step's logits [B, V] float32, wherever the model left them; the sampler asks each row for what it needs."""
+
+    max_candidates: int  # the most candidates per row `candidates` serves
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """V."""
+
+    @abstractmethod
+    def rows(self, rows: np.ndarray) -> np.ndarray:
+        """Rows [R] of the logits, on the host.  # [R, V] float32"""
+
+    @abstractmethod
+    def argmax(self, rows: np.ndarray) -> np.ndarray:
+        """Each row's largest logit's id, the lowest among equal ones.  # [R] int64"""
+
+    @abstractmethod
+    def candidates(self, rows: np.ndarray, temperature: np.ndarray, count: int, lse_rows: np.ndarray) -> Candidates:
+        """The `count` best tokens (count <= min(V, max_candidates)) of rows [R] after dividing each by its
+        temperature [R] float32; the log-normaliser at least where lse_rows [R] bool is set."""
+
+
+class HostLogits(LogitSource):
+    """Logits on the host, served with NumPy: the reference for every other source."""
+
+    def __init__(self, logits: np.ndarray):
+        self.logits = logits  # [B, V] float32
+        self.max_candidates = logits.shape[1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.logits.shape[1]
+
+    def rows(self, rows: np.ndarray) -> np.ndarray:
+        return self.logits[rows]
+
+    def argmax(self, rows: np.ndarray) -> np.ndarray:
+        return np.argmax(self.logits[rows], axis=1)
+
+    def candidates(self, rows: np.ndarray, temperature: np.ndarray, count: int, lse_rows: np.ndarray) -> Candidates:
+        scaled = self.logits[rows] / temperature[:, None]  # [R, V]
+        ids = top_sorted(scaled, count)  # [R, C]
+        lse = np.full(len(rows), np.nan)  # [R]
+        lse[lse_rows] = log_normaliser(scaled[lse_rows].max(axis=1), exp_sums(scaled[lse_rows]), scaled.shape[1])
+        return Candidates(ids, np.take_along_axis(scaled, ids, axis=1), lse)
+
+
+@dataclass
+class _RowParams:
+    """The sampling parameters of some rows, as arrays."""
+
+    temperature: np.ndarray  # [R] float32
+    top_k: np.ndarray  # [R] int64: 0 without top-k (also for k >= V, which keeps every token)
+    top_p: np.ndarray  # [R] float64
+    min_p: np.ndarray  # [R] float64
+    logprobs: np.ndarray  # [R] int64: -1 without logprobs, else how many top tokens (at most V)
+    penalised: np.ndarray  # [R] bool
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], vocab: int) -> _RowParams:
+        return cls(np.array([p.temperature for p in params], dtype=np.float32),
+                   np.array([p.top_k if 0 < p.top_k < vocab else 0 for p in params], dtype=np.int64),
+                   np.array([p.top_p for p in params]), np.array([p.min_p for p in params]),
+                   np.array([-1 if p.logprobs is None else min(p.logprobs, vocab) for p in params], dtype=np.int64),
+                   np.array([p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+                             for p in params], dtype=bool))
+
+    def take(self, rows: np.ndarray) -> _RowParams:
+        return _RowParams(*(getattr(self, name)[rows] for name in self.__dataclass_fields__))
+
+    @property
+    def greedy(self) -> np.ndarray:  # [R] bool
+        return self.temperature < GREEDY_TEMPERATURE
+
+
 class Sampler:
     """Turns a batch of next-token logits into tokens, one row per sequence, each with its own parameters.
 
@@ -73,29 +176,160 @@ class Sampler:
         """logits: [B, V] float32, row b for states[b]. Draws one number from each non-greedy row's generator."""
         if logits.ndim != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits must be [batch, vocab] with one row per state, got {logits.shape}")
-        logits = np.asarray(logits, dtype=np.float32)
-        logprob_rows = [b for b, s in enumerate(states) if s.params.logprobs is not None]
-        raw_logprobs = log_softmax(logits[logprob_rows])  # [L, V]
+        return self.sample_from(HostLogits(np.asarray(logits, dtype=np.float32)), states)
 
-        logits = apply_penalties(logits, states)
-        temperature = np.array([s.params.temperature for s in states], dtype=np.float32)  # [B]
-        greedy = temperature < GREEDY_TEMPERATURE  # [B]
-        token_ids = np.empty(len(states), dtype=np.int64)  # [B]
-        token_ids[greedy] = np.argmax(logits[greedy], axis=1)
-        rows = np.flatnonzero(~greedy)  # [R]
-        if rows.size:
-            scaled = logits[rows] / temperature[rows, None]  # [R, V]
-            token_ids[rows] = _sample_rows(scaled, [states[b] for b in rows])
-
+    def sample_from(self, source: LogitSource, states: list[SamplingState]) -> SamplerOutput:
+        """`sample` for logits held by `source`: the same tokens and logprobs, asking the source for argmaxes and
+        candidates where they suffice and for whole rows only where they do not."""
+        params = _RowParams.of([s.params for s in states], source.vocab_size)
+        uniform = np.array([0.0 if g else s.generator.random() for s, g in zip(states, params.greedy)])  # [B]
+        token_ids = np.full(len(states), -1, dtype=np.int64)  # [B]
         logprobs: list[TokenLogprobs | None] = [None] * len(states)
-        for row_logprobs, b in zip(raw_logprobs, logprob_rows):
-            logprobs[b] = _token_logprobs(row_logprobs, int(token_ids[b]), states[b].params.logprobs)
+        # Rows whose logprobs (of the raw logits) are not among their candidates (of the scaled ones) go whole.
+        whole = params.penalised | ((params.logprobs >= 0) & ~params.greedy & (params.temperature != 1.0))
+        rows = np.flatnonzero(~whole)  # [S]
+        token_ids[rows], served = _sample_rows(source, rows, params.take(rows), uniform[rows])
+        for b, row_logprobs in zip(rows, served):
+            logprobs[b] = row_logprobs
+        rows = np.flatnonzero(token_ids < 0)  # [H]
+        if rows.size:
+            token_ids[rows], served = _sample_host(source.rows(rows), [states[b] for b in rows], params.take(rows),
+                                                   uniform[rows])
+            for b, row_logprobs in zip(rows, served):
+                logprobs[b] = row_logprobs
         return SamplerOutput(token_ids, logprobs)
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """[N, V] -> [N, V] log-probabilities along the last axis (float32)."""
-    return logits - _logsumexp(logits)[:, None]
+def _sample_rows(source: LogitSource, rows: np.ndarray, params: _RowParams, uniform: np.ndarray):
+    """Tokens [R] for rows [R] of `source` from argmaxes and candidates (penalties are not applied), and the
+    logprobs of the rows asking for them; token -1 where that is not enough: sampling over the whole vocabulary,
+    more candidates than the source serves, a nucleus beyond them."""
+    vocab = source.vocab_size
+    greedy = params.greedy  # [R]
+    token_ids = np.full(len(rows), -1, dtype=np.int64)  # [R]
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    argmax = greedy & (params.logprobs < 0)  # [R]
+    if argmax.any():
+        token_ids[argmax] = source.argmax(rows[argmax])
+    # Candidates a row draws from: its top k, or for top-p alone the first TOP_P_CANDIDATES; 0: the whole vocabulary.
+    draw = np.where(greedy, 1, np.where(params.top_k > 0, params.top_k,
+                                        np.where(params.top_p < 1.0, min(vocab, TOP_P_CANDIDATES), 0)))  # [R]
+    count = np.maximum(draw, params.logprobs)  # [R]
+    temperature = np.where(greedy, np.float32(1.0), params.temperature)  # [R]; greedy rows: the raw logits
+    lse_rows = (params.logprobs >= 0) | ((params.top_k == 0) & ~greedy)  # [R]
+    served = np.flatnonzero(~argmax & (draw > 0) & (count <= source.max_candidates))  # [S]
+    while served.size:
+        candidates = source.candidates(rows[served], temperature[served], int(count[served].max()),
+                                       lse_rows[served])
+        columns = _pick(candidates, draw[served], vocab, params.take(served), uniform[served])  # [S]
+        picked = columns >= 0  # [S]
+        token_ids[served[picked]] = candidates.token_ids[picked, columns[picked]]
+        for s in np.flatnonzero(picked & (params.logprobs[served] >= 0)):
+            logprobs[served[s]] = _token_logprobs(candidates, s, float(candidates.logits[s, columns[s]]),
+                                                  int(params.logprobs[served[s]]))
+        # A nucleus beyond TOP_P_CANDIDATES: a source that serves whole rows sorts them all.
+        served = served[~picked] if source.max_candidates >= vocab else served[:0]
+        draw[served] = count[served] = vocab
+    return token_ids, logprobs
+
+
+def _sample_host(logits: np.ndarray, states: list[SamplingState], params: _RowParams, uniform: np.ndarray):
+    """Tokens [H] and logprobs of whole rows [H, V] on the host: penalties, then the same candidates as any
+    source, or the whole vocabulary in token order for a row with neither top-k nor top-p."""
+    penalised = HostLogits(apply_penalties(logits, states))
+    plain = replace(params, logprobs=np.full(len(states), -1))  # logprobs: of the raw logits, below
+    token_ids, _ = _sample_rows(penalised, np.arange(len(states)), plain, uniform)  # [H]
+    whole = np.flatnonzero(token_ids < 0)  # [W]: sampled over the whole vocabulary
+    if whole.size:
+        scaled = penalised.logits[whole] / params.temperature[whole, None]  # [W, V]
+        probs = np.exp(scaled - scaled.max(axis=1, keepdims=True))  # [W, V] unnormalised, the most likely at 1
+        probs[probs < params.min_p[whole, None]] = 0.0
+        token_ids[whole] = _inverse_cdf(probs, uniform[whole])
+    logprobs: list[TokenLogprobs | None] = [None] * len(states)
+    asked = np.flatnonzero(params.logprobs >= 0)  # [L]
+    if asked.size:
+        raw = HostLogits(logits).candidates(asked, np.ones(len(asked), dtype=np.float32),
+                                            max(1, int(params.logprobs[asked].max())), np.ones(len(asked), bool))
+        for a, h in enumerate(asked):
+            logprobs[h] = _token_logprobs(raw, a, float(logits[h, token_ids[h]]), int(params.logprobs[h]))
+    return token_ids, logprobs
+
+
+def _pick(candidates: Candidates, draw: np.ndarray, vocab: int, params: _RowParams, uniform: np.ndarray):
+    """Columns [S] of the candidates drawn under each row's top-k, top-p and min-p (column 0 for greedy rows),
+    from the first draw [S] candidates of each; -1 where a top-p row's nucleus reaches beyond them."""
+    columns = np.zeros(len(draw), dtype=np.int64)  # [S]
+    for m in np.unique(draw[~params.greedy]):
+        group = np.flatnonzero((draw == m) & ~params.greedy)  # [G]
+        values = candidates.logits[group, :m].astype(np.float64)  # [G, m]
+        top_k, top_p = params.top_k[group], params.top_p[group]  # [G], [G]
+        # Top-k renormalises over the k kept tokens; top-p alone measures mass against the whole vocabulary.
+        norm = np.where(top_k > 0, _logsumexp(values), candidates.lse[group])  # [G]
+        probs = np.exp(values - norm[:, None])  # [G, m], descending
+        fits = (top_k > 0) | (m >= vocab) | (probs.sum(axis=1) >= top_p)  # [G]: the nucleus is among them
+        mass_before = np.cumsum(probs, axis=1) - probs  # [G, m]
+        cutoff = np.where(top_p < 1.0, top_p, np.inf)  # [G]; 1.0 must not drop a rounding tail
+        probs[mass_before >= cutoff[:, None]] = 0.0  # the first token always stays: top_p > 0
+        probs[probs < params.min_p[group, None] * probs[:, :1]] = 0.0
+        columns[group] = np.where(fits, _inverse_cdf(probs, uniform[group]), -1)
+    return columns
+
+
+def top_sorted(x: np.ndarray, m: int) -> np.ndarray:
+    """[G, V] -> [G, m] int64: the ids of each row's m largest values, largest first, equal ones by lower id."""
+    rows, vocab = x.shape
+    if m < vocab:
+        kth = -np.partition(-x, m - 1, axis=1)[:, m - 1:m]  # [G, 1]: the m-th largest value
+        above, tied = x > kth, x == kth  # [G, V], [G, V]
+        room = m - above.sum(axis=1, keepdims=True)  # [G, 1]: how many of the tied values are taken
+        ids = np.nonzero(above | (tied & (np.cumsum(tied, axis=1) <= room)))[1].reshape(rows, m)  # ascending
+    else:
+        ids = np.broadcast_to(np.arange(vocab), x.shape)
+    order = np.argsort(-np.take_along_axis(x, ids, axis=1), axis=1, kind="stable")  # [G, m]
+    return np.take_along_axis(ids, order, axis=1).astype(np.int64)
+
+
+def fixed_point(vocab: int) -> tuple[int, float]:
+    """(bits, cutoff) of `exp_sums` over rows of `vocab` values: each term is counted in units of 2**-bits, so
+    that a row sums below 2**62; a value further than `cutoff` below the row's maximum counts 0."""
+    bits = 62 - vocab.bit_length()
+    return bits, -(bits + 2) * math.log(2)
+
+
+def exp_sums(x: np.ndarray) -> np.ndarray:
+    """[R, V] float32 -> [R] int64: sum over each row of floor(exp(x - max(x)) * 2**bits) (`fixed_point`).
+
+    An integer sum is the same in any order, and the exp is made of correctly rounded float64 operations only, so
+    a GPU computes the same bits (top_candidates in kernels/sampling.cu). Computed in pieces of EXP_CHUNK values,
+    in place, to stay in cache."""
+    rows, vocab = x.shape
+    bits, cutoff = fixed_point(vocab)
+    top = x.max(axis=1, keepdims=True).astype(np.float64)  # [R, 1]
+    sums = np.zeros(rows, dtype=np.int64)  # [R]
+    per = max(1, EXP_CHUNK // vocab)  # rows per piece
+    for r0 in range(0, rows, per):
+        for c0 in range(0, vocab, EXP_CHUNK):
+            y = x[r0:r0 + per, c0:c0 + EXP_CHUNK].astype(np.float64)  # [r, c]
+            y -= top[r0:r0 + per]  # <= 0
+            counted = y >= cutoff  # [r, c]
+            np.maximum(y, cutoff, out=y)
+            k = np.rint(y * LOG2E)  # [r, c]
+            r = np.subtract(y, k * LN2_HI, out=y)
+            r -= k * LN2_LO  # |r| <= log(2) / 2
+            p = r * EXP_TAYLOR[-1]  # Horner: (((c11 r + c10) r + ...) r + c1) r + c0
+            for c in EXP_TAYLOR[-2:0:-1]:
+                p += c
+                p *= r
+            p += EXP_TAYLOR[0]
+            np.floor(np.ldexp(p, k.astype(np.int32) + bits, out=p), out=p)
+            p *= counted
+            sums[r0:r0 + per] += p.astype(np.int64).sum(axis=1)
+    return sums
+
+
+def log_normaliser(top: np.ndarray, sums: np.ndarray, vocab: int) -> np.ndarray:
+    """log(sum(exp(x))) [R] float64 of rows given their maximum [R] and `exp_sums` [R]."""
+    return top.astype(np.float64) + (np.log(sums.astype(np.float64)) - fixed_point(vocab)[0] * math.log(2))
 
 
 def apply_penalties(logits: np.ndarray, states: list[SamplingState]) -> np.ndarray:
@@ -133,53 +367,6 @@ def _logsumexp(x: np.ndarray) -> np.ndarray:
     return (top + np.log(np.sum(np.exp(x - top), axis=1, keepdims=True)))[:, 0]
 
 
-def _sample_rows(scaled: np.ndarray, states: list[SamplingState]) -> np.ndarray:
-    """Token ids [R] drawn from temperature-scaled logits [R, V] under each row's top-k, top-p and min-p."""
-    num_rows, vocab = scaled.shape
-    top_k = np.array([s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in states])  # [R]
-    top_p = np.array([s.params.top_p for s in states])  # [R] float64
-    min_p = np.array([s.params.min_p for s in states])  # [R] float64
-    uniform = np.array([s.generator.random() for s in states])  # [R] float64 in [0, 1)
-    # Candidates per row: the top k, or for a top-p row the shortest prefix known to hold its nucleus; 0: all, unsorted.
-    num_candidates = np.where(top_k < vocab, top_k, np.where(top_p < 1.0, vocab, 0))  # [R]
-    lse = np.zeros(num_rows)  # [R]; the full log-normaliser, needed by rows with top-p but no top-k
-    measured = np.flatnonzero(num_candidates == vocab)  # [M]
-    lse[measured] = _logsumexp(scaled[measured])
-    if measured.size and vocab > TOP_P_CANDIDATES:
-        best = -np.partition(-scaled[measured], TOP_P_CANDIDATES - 1, axis=1)[:, :TOP_P_CANDIDATES]  # [M, C]
-        mass = np.exp(best - lse[measured, None]).sum(axis=1)  # [M]
-        num_candidates[measured[mass >= top_p[measured]]] = TOP_P_CANDIDATES
-
-    out = np.empty(num_rows, dtype=np.int64)  # [R]
-    for m in np.unique(num_candidates):
-        group = np.flatnonzero(num_candidates == m)  # [G]
-        x = scaled[group]  # [G, V]
-        if m == 0:  # neither top-k nor top-p: the whole vocabulary, in token order
-            probs = np.exp(x - x.max(axis=1, keepdims=True))  # [G, V] unnormalised, the most likely at 1
-            probs[probs < min_p[group, None]] = 0.0
-            out[group] = _inverse_cdf(probs, uniform[group])
-            continue
-        ids = _top_sorted(x, int(m))  # [G, m] token ids, most likely first
-        values = np.take_along_axis(x, ids, axis=1).astype(np.float64)  # [G, m]
-        # Top-k renormalises over the k kept tokens; top-p alone measures mass against the whole vocabulary.
-        norm = np.where(top_k[group] < vocab, _logsumexp(values), lse[group])  # [G]
-        probs = np.exp(values - norm[:, None])  # [G, m], descending
-        mass_before = np.cumsum(probs, axis=1) - probs  # [G, m]
-        cutoff = np.where(top_p[group] < 1.0, top_p[group], np.inf)  # [G]; 1.0 must not drop a rounding tail
-        probs[mass_before >= cutoff[:, None]] = 0.0  # the first token always stays: top_p > 0
-        probs[probs < min_p[group, None] * probs[:, :1]] = 0.0
-        picks = _inverse_cdf(probs, uniform[group])  # [G]
-        out[group] = ids[np.arange(len(group)), picks]
-    return out
-
-
-def _top_sorted(x: np.ndarray, m: int) -> np.ndarray:
-    """[G, V] -> [G, m] int64: the ids of each row's m largest values, largest first."""
-    ids = np.argpartition(-x, m - 1, axis=1)[:, :m] if m < x.shape[1] else np.broadcast_to(np.arange(m), x.shape)
-    order = np.argsort(-np.take_along_axis(x, ids, axis=1), axis=1, kind="stable")  # [G, m]
-    return np.take_along_axis(ids, order, axis=1).astype(np.int64)
-
-
 def _inverse_cdf(probs: np.ndarray, uniform: np.ndarray) -> np.ndarray:
     """[G, N] unnormalised probabilities (zeros never picked), [G] uniforms in [0, 1) -> [G] column indices.
 
@@ -203,7 +390,9 @@ def _inverse_cdf(probs: np.ndarray, uniform: np.ndarray) -> np.ndarray:
     return starts[block] + np.minimum((inner <= remaining[:, None]).sum(axis=1), last_col)
 
 
-def _token_logprobs(row: np.ndarray, token_id: int, k: int) -> TokenLogprobs:
-    """The sampled token's and the top-k tokens' entries of one row of log-probabilities [V]."""
-    top = _top_sorted(row[None, :], k)[0] if k else np.empty(0, dtype=np.int64)  # [k]
-    return TokenLogprobs(float(row[token_id]), top, row[top])
+def _token_logprobs(candidates: Candidates, row: int, logit: float, k: int) -> TokenLogprobs:
+    """The sampled token's (raw logit `logit`) and the first k candidates' log-probabilities of one row whose
+    candidates are of its raw logits."""
+    lse = candidates.lse[row]
+    return TokenLogprobs(logit - float(lse), candidates.token_ids[row, :k],
+                         (candidates.logits[row, :k] - lse).astype(np.float32))

@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
+from colibri_stream.backends.kernels import kernel_dir
 from colibri_stream.request import SamplingParams
-from colibri_stream.sampling import TOP_P_CANDIDATES, Sampler, SamplingState, apply_penalties
+from colibri_stream.sampling import (
+    EXP_TAYLOR,
+    LN2_HI,
+    LN2_LO,
+    LOG2E,
+    TOP_P_CANDIDATES,
+    HostLogits,
+    Sampler,
+    SamplerOutput,
+    SamplingState,
+    apply_penalties,
+    exp_sums,
+    log_normaliser,
+    top_sorted,
+)
 
 SAMPLER = Sampler()
 
@@ -188,3 +205,123 @@ def test_mass_at_block_edges_and_no_mass_elsewhere():
     out = SAMPLER.sample(logits, states_for([SamplingParams(seed=0)] * n, generator=np.random.default_rng(2)))
     assert set(out.token_ids.tolist()) == set(hot)
     np.testing.assert_allclose(np.bincount(out.token_ids, minlength=vocab)[hot] / n, 0.2, atol=0.03)
+
+
+class CandidateLogits(HostLogits):
+    """Host logits served as a GPU source serves them: at most TOP_P_CANDIDATES candidates (always that many, to
+    show a row reads only its own prefix), every row's log-normaliser, and a record of the rows copied whole."""
+
+    def __init__(self, logits: np.ndarray):
+        super().__init__(logits)
+        self.max_candidates = TOP_P_CANDIDATES
+        self.copied: list[int] = []
+
+    def rows(self, rows):
+        self.copied += rows.tolist()
+        return super().rows(rows)
+
+    def candidates(self, rows, temperature, count, lse_rows):
+        wide = min(self.vocab_size, self.max_candidates)
+        return super().candidates(rows, temperature, wide, np.ones(len(rows), dtype=bool))
+
+
+def needs_whole_row(p: SamplingParams, vocab: int, logits: np.ndarray) -> bool:
+    """Whether the candidate path must copy this row: penalties, the whole vocabulary, logprobs of a temperature,
+    more than TOP_P_CANDIDATES candidates, or a nucleus beyond them."""
+    top_k = p.top_k if 0 < p.top_k < vocab else 0
+    if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+        return True
+    if p.temperature < 1e-5:
+        return False
+    if (p.logprobs is not None and p.temperature != 1.0) or (top_k == 0 and p.top_p == 1.0) or top_k > 1024:
+        return True
+    if top_k or vocab <= TOP_P_CANDIDATES:
+        return False
+    scaled = (logits / np.float32(p.temperature)).astype(np.float64)
+    best = np.sort(scaled)[::-1][:TOP_P_CANDIDATES]
+    lse = np.log(np.exp(scaled - scaled.max()).sum()) + scaled.max()
+    return np.exp(best - lse).sum() < p.top_p
+
+
+def random_params(rng: np.random.Generator) -> SamplingParams:
+    kwargs = {"seed": int(rng.integers(0, 2**63)), "temperature": float(rng.choice([0.0, 0.3, 1.0, 1.0, 2.5]))}
+    if rng.random() < 0.5:
+        kwargs["top_k"] = int(rng.choice([1, 2, 7, 50, 1024, 1025, 4000, 10**6]))
+    if rng.random() < 0.5:
+        kwargs["top_p"] = float(rng.choice([1e-6, 0.3, 0.9, 0.99, 0.999999, 1.0]))
+    if rng.random() < 0.3:
+        kwargs["min_p"] = float(rng.choice([0.01, 0.3, 1.0]))
+    if rng.random() < 0.3:
+        kwargs["logprobs"] = int(rng.choice([0, 1, 5, 20]))
+    if rng.random() < 0.15:
+        kwargs[str(rng.choice(["repetition_penalty", "presence_penalty"]))] = 1.5
+    return SamplingParams(**kwargs)
+
+
+def random_tied_logits(rng: np.random.Generator, rows: int, vocab: int) -> np.ndarray:
+    """Logits with many equal values (few distinct levels, -0 and +0, -inf) or none, by row."""
+    logits = (rng.standard_normal((rows, vocab)) * rng.choice([0.3, 3.0, 12.0])).astype(np.float32)  # [B, V]
+    tied = rng.random(rows) < 0.5
+    logits[tied] = np.round(logits[tied] * 2) / 2
+    logits[rng.random((rows, vocab)) < 0.01] = -np.inf
+    logits[rng.random((rows, vocab)) < 0.01] = -0.0
+    return logits
+
+
+def assert_same_output(ours: SamplerOutput, expected: SamplerOutput) -> None:
+    """The same tokens and logprobs, bit for bit."""
+    np.testing.assert_array_equal(ours.token_ids, expected.token_ids)
+    for a, b in zip(ours.logprobs, expected.logprobs, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.logprob == b.logprob
+            np.testing.assert_array_equal(a.top_token_ids, b.top_token_ids)
+            np.testing.assert_array_equal(a.top_logprobs, b.top_logprobs)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_candidate_path_gives_the_host_tokens_and_logprobs(seed):
+    """Sampler.sample (whole host rows) and sample_from a source of candidates only agree on every row: tokens
+    bit for bit, logprobs too; and only the rows that need it are copied whole."""
+    rng = np.random.default_rng(seed)
+    vocab = int(rng.choice([5, 300, TOP_P_CANDIDATES, 3000, 20000]))
+    rows = 24
+    logits = random_tied_logits(rng, rows, vocab)
+    params = [random_params(rng) for _ in range(rows)]
+    states, twins = ([SamplingState(p, np.random.default_rng(p.seed), np.array([1, 2, 3]), [0, 4]) for p in params]
+                     for _ in range(2))
+    for _ in range(3):
+        source = CandidateLogits(logits)
+        assert_same_output(SAMPLER.sample_from(source, twins), SAMPLER.sample(logits, states))
+        expected = [b for b, p in enumerate(params) if needs_whole_row(p, vocab, logits[b])]
+        assert source.copied == expected
+        logits = random_tied_logits(rng, rows, vocab)
+
+
+def test_top_sorted_breaks_ties_by_lower_id():
+    rng = np.random.default_rng(5)
+    for vocab in (1, 9, 700, 5000):
+        x = random_tied_logits(rng, 6, vocab)
+        for m in sorted({1, min(3, vocab), vocab // 2 or 1, vocab}):
+            expected = np.stack([np.lexsort((np.arange(vocab), -row))[:m] for row in x])  # value desc, then id
+            np.testing.assert_array_equal(top_sorted(x, m), expected)
+
+
+def test_log_normaliser_is_the_float64_logsumexp():
+    rng = np.random.default_rng(6)
+    for vocab in (1, 384, 151936):
+        x = random_tied_logits(rng, 3, vocab)
+        x[0, 1:] = -np.inf  # one finite value
+        x64 = x.astype(np.float64)
+        top = x64.max(axis=1, keepdims=True)
+        reference = (top + np.log(np.exp(x64 - top).sum(axis=1, keepdims=True)))[:, 0]
+        ours = log_normaliser(x.max(axis=1), exp_sums(x), vocab)
+        np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-12 * vocab)
+
+
+def test_the_kernel_uses_the_same_exp_constants():
+    source = (kernel_dir() / "sampling.cu").read_text()
+    taylor = re.search(r"TAYLOR\[12\] = \{([^}]*)\}", source).group(1)
+    assert tuple(float.fromhex(c.strip()) for c in taylor.split(",")) == EXP_TAYLOR
+    for name, value in (("LOG2E", LOG2E), ("LN2_HI", LN2_HI), ("LN2_LO", LN2_LO)):
+        assert float(re.search(rf"double {name} = ([^;]+);", source).group(1)) == value
