@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from .model import ForwardBatch, MoETransformer, PagedKVCache
 from .model.batch import flat_batch
 from .request import Logprob, SeqId
-from .sampling import Sampler, SamplingState, TokenLogprobs
+from .sampling import HostLogits, LogitSource, Sampler, SamplingState, TokenLogprobs
 from .scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -52,19 +52,31 @@ class ModelRunner:
         with timer.phase("prepare"):
             batch = build_batch(step.seqs, self.kv_cache.block_size)
         with timer.phase("forward"):
-            if self.graphs is not None and self.graphs.fits(batch):
-                logits = self.graphs.logits(batch)  # [N, V]: one graph launch, no per-layer phases
-            else:
-                logits = self.model.forward(batch, self.kv_cache)  # [N, V]
+            logits = self._forward(batch)  # [N, V]
         states = [self._state(s) for s in step.seqs if s.sample]
         if not states:
             return RunnerOutput([], [])
         with timer.phase("sample"):
-            sampled = self.sampler.sample(logits, states)
+            sampled = self.sampler.sample_from(logits, states)
         token_ids = sampled.token_ids.tolist()
         for state, token in zip(states, token_ids):
             state.output_token_ids.append(token)
         return RunnerOutput(token_ids, [_logprob(token, lp) for token, lp in zip(token_ids, sampled.logprobs)])
+
+    def _forward(self, batch: ForwardBatch) -> LogitSource:
+        """The step's logits: on the host with NumPy; on the GPU left there (the sampler copies back what it needs),
+        from the bucket's decode graph where one fits. Returns once the device finished the step."""
+        if self.model.backend.name != "cupy":
+            return HostLogits(self.model.forward(batch, self.kv_cache))
+        from .backends.cupy_sampling import DeviceLogits
+
+        if self.graphs is not None and self.graphs.fits(batch):
+            logits = self.graphs.device_logits(batch)  # one graph launch, no per-layer phases
+        else:  # positions stay below the model's: EngineCore bounds max_seq_len by them
+            logits = DeviceLogits(self.model.forward_device(batch, self.model.upload_batch(batch), self.kv_cache),
+                                  self.model.backend)
+        logits.stream.synchronize()  # the forward phase holds the device's time, as the host path's copy does
+        return logits
 
     def _state(self, seq: ScheduledSeq) -> SamplingState:
         request = seq.request

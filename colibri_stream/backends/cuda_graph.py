@@ -4,7 +4,7 @@ A decode step is one token per sequence, so for a batch size B every array shape
 width, which is padded to `max_blocks`. The step's inputs (token ids, positions, KV slots, context lengths, block
 tables) live in one pinned host buffer and one device buffer at fixed addresses: a step writes the host buffer,
 copies it up in one transfer, replays the graph (the whole forward plus the greedy argmax) and copies back only
-what the caller asks for. Everything data-dependent (routing, sequence lengths) is read on the device.
+what the caller asks for (the sampler: argmaxes and candidates, cupy_sampling.py). Everything data-dependent (routing, sequence lengths) is read on the device.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 from ..model.batch import ForwardBatch
 from ..model.paged_kv import PagedKVCache
 from ..model.transformer import MoETransformer
+from .cupy_sampling import DeviceLogits
 
 _INPUTS = ("token_ids", "positions", "slot_mapping", "context_lens")
 
@@ -116,7 +117,8 @@ class DecodeGraphs:
     a decode batch of that bucket comes, a smaller batch padded up to it (padding rows write no KV: slot -1).
 
     Used only where a step's work is fixed by shapes: the CuPy backend with every expert resident (GPU expert
-    slots synchronise with the host every layer). `logits(batch)` returns the rows of the real sequences.
+    slots synchronise with the host every layer). `logits(batch)` returns the rows of the real sequences, and
+    `device_logits(batch)` the same left on the device for the sampler.
     """
 
     def __init__(self, model: MoETransformer, kv_cache: PagedKVCache, max_blocks: int, max_batch_size: int):
@@ -134,13 +136,23 @@ class DecodeGraphs:
 
     def logits(self, batch: ForwardBatch) -> np.ndarray:
         """The step's logits [B, V] float32 on the host, from the graph of the bucket holding B sequences."""
-        b = batch.num_seqs
-        size = next(s for s in self.sizes if s >= b)
+        graph = self._run(batch)
+        return graph.logits[:batch.num_seqs].get(stream=graph.stream)
+
+    def device_logits(self, batch: ForwardBatch) -> DeviceLogits:
+        """The step's logits [B, V] left on the device (and the graph's argmaxes), for the sampler; valid until
+        the next step of the same bucket."""
+        graph, b = self._run(batch), batch.num_seqs
+        return DeviceLogits(graph.logits[:b], self.model.backend, graph.stream, argmax=graph.token_ids[:b])
+
+    def _run(self, batch: ForwardBatch) -> DecodeGraph:
+        """Enqueue the step on the graph of the bucket holding its sequences (captured on first use)."""
+        size = next(s for s in self.sizes if s >= batch.num_seqs)
         graph = self._graphs.get(size)
         if graph is None:
             graph = self._graphs[size] = DecodeGraph(self.model, self.kv_cache, size, self.max_blocks)
         graph.run(_padded(batch, size))
-        return graph.logits[:b].get(stream=graph.stream)
+        return graph
 
 
 def _padded(batch: ForwardBatch, size: int) -> ForwardBatch:
