@@ -30,11 +30,10 @@ for stage in $STAGES; do
       timeout "${DECODE_TIMEOUT:-300}" python3 benchmarks/decode.py --out "$OUT/decode_h200.json" ${DECODE_ARGS:-} \
         2>&1 | tee "$OUT/decode.log" | tail -40 ;;
     cpu)
-      echo "== CPU expert executor: kernels and contention with pinned copies"
+      echo "== CPU expert executor kernels"
       timeout "${CPU_TIMEOUT:-240}" python3 benchmarks/cpu_expert_kernels.py --out "$OUT/cpu_expert_kernels_h200.json" \
         ${CPU_ARGS:---shapes mixtral-8x7b,qwen3-30b-a3b --dtypes bf16 --tokens 1,16 --threads 8,16 --candidates stream,numba} \
-        2>&1 | tee "$OUT/cpu.log" | tail -20
-      timeout 120 python3 benchmarks/host_contention.py --out "$OUT/host_contention_h200.json" 2>&1 | tail -14 ;;
+        2>&1 | tee "$OUT/cpu.log" | tail -20 ;;
     offload)
       echo "== offload benchmark"
       timeout "${OFFLOAD_TIMEOUT:-540}" python3 benchmarks/offload.py --out "$OUT/offload_h200.json" \

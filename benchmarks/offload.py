@@ -12,11 +12,12 @@ modes (each a fresh store over the same pinned L2):
   ondemand   every miss loaded to the GPU when needed, no prefetch (the pure PCIe streaming strategy)
   cpu_only   every miss computed on the CPU (the pure CPU strategy)
   prefetch   next-layer prediction loading ahead on the copy stream, every miss to the GPU
-Decode at `--batches` (greedy, after WARMUP steps, `--steps` timed steps, host synchronised every step), prefill
-of one `--prefill`-token prompt.
+Decode at `--batches` (greedy, after WARMUP steps, `--steps` timed steps, host synchronised every step, the step's
+phases recorded by the model's StepTimer: phase_ms_per_step), prefill of one `--prefill`-token prompt.
 
 Bounds: per step, the GPU misses the run measured (bytes) cannot arrive faster than the pinned copy bandwidth
-(PCIe bound) or, when the CPU computes some, than the copy and the CPU expert read together (hybrid bound), and a
+(PCIe bound) or, when the CPU computes some, than the copy and the CPU expert read together (hybrid bound: their
+rate measured running at once, as they share host RAM, or either alone where that is faster), and a
 step cannot be faster than the resident model's step at the same batch; bound_tok_s = batch / max(resident step,
 miss bytes / bandwidth), for colibri's own misses over PCIe and the CPU together; ondemand_bound_tok_s for the
 on-demand run's misses over PCIe alone. For l3 the bandwidth is the cold disk read measured here (one read
@@ -28,6 +29,7 @@ stream, so the run's parallel kvikio reads can beat it).
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 import json
 import os
 import subprocess
@@ -61,6 +63,12 @@ class Measured:
     pcie_gbps: float  # pinned host -> GPU
     host_read_gbps: float  # the CPU expert executor reading one expert block (all threads)
     disk_gbps: float  # experts.bin after dropping its pages from the page cache
+    shared_host_read_gbps: float  # the CPU expert read while pinned copies run (both read host RAM) ...
+    shared_pcie_gbps: float  # ... and the copies meanwhile
+
+    @property
+    def shared_gbps(self) -> float:
+        return self.shared_host_read_gbps + self.shared_pcie_gbps
 
 
 def drop_page_cache(path: Path) -> None:
@@ -76,7 +84,7 @@ def measure(folder, pinned) -> Measured:
     import cupy as cp
 
     from colibri_stream.experts.cpu_executor import CpuExpertExecutor
-    from colibri_stream.experts.gpu_tier import cpu_expert_rates, pinned_copy_rate
+    from colibri_stream.experts.gpu_tier import cpu_expert_rates, pinned_copy_rate, shared_rates
     from colibri_stream.experts.tiers import BlockReader
 
     experts, layer, config = folder.experts, folder.config.moe_layers[0], folder.config
@@ -86,6 +94,8 @@ def measure(folder, pinned) -> Measured:
     executor = CpuExpertExecutor()
     read, _ = cpu_expert_rates(executor, experts.unpack(block), 3 * config.hidden_size * config.moe_intermediate_size)
     host_read = read / 1e9
+    shared_read, shared_pcie = (rate / 1e9 for rate in shared_rates(executor, experts.unpack(block), block,
+                                                                    device.data.ptr, cp.cuda.get_current_stream()))
     drop_page_cache(experts.path)
     reader = BlockReader(experts, use_kvikio=kvikio_available())
     buffer = np.empty_like(block)
@@ -95,8 +105,9 @@ def measure(folder, pinned) -> Measured:
         reader.read_into(folder.config.moe_layers[-1], e, buffer)
     disk = count * block.nbytes / (time.perf_counter() - begin) / 1e9
     log(f"measured: pinned host->GPU {pcie:.1f} GB/s, CPU expert read {host_read:.1f} GB/s "
-        f"({executor.num_threads} threads, {executor.library}), cold experts.bin {disk:.2f} GB/s ({reader.library})")
-    return Measured(pcie, host_read, disk)
+        f"({executor.num_threads} threads, {executor.library}), both at once {shared_read:.1f} + {shared_pcie:.1f} "
+        f"GB/s, cold experts.bin {disk:.2f} GB/s ({reader.library})")
+    return Measured(pcie, host_read, disk, shared_read, shared_pcie)
 
 
 def make_model(folder, slots: int | None, host, mode: str):
@@ -145,6 +156,8 @@ def decode(model, batch: int, steps: int, cold: Path | None = None) -> dict:
     tables = np.arange(batch * per_seq).reshape(batch, per_seq).tolist()
     tokens = np.random.default_rng(batch).integers(0, model.config.vocab_size, batch)
     before, seconds = None, 0.0
+    phases: Counter = Counter()  # phase -> seconds over the timed steps (colibri_stream/timing.py)
+    model.timer.add_sink(lambda record: phases.update(record.phase_seconds()) if before is not None else None)
     for step in range(WARMUP + steps):
         if step == WARMUP:
             before = model.store.stats()
@@ -153,11 +166,13 @@ def decode(model, batch: int, steps: int, cold: Path | None = None) -> dict:
         forward = flat_batch([[int(t)] for t in tokens], [PROMPT + step] * batch, tables, [True] * batch,
                              BLOCK_SIZE)
         begin = time.perf_counter()
-        tokens = model.forward(forward, kv).argmax(axis=1)
+        with model.timer.phase("step"):
+            tokens = model.forward(forward, kv).argmax(axis=1)
         if step >= WARMUP:
             seconds += time.perf_counter() - begin
     del kv
-    return {"tok_s": batch * steps / seconds, "step_s": seconds / steps, **store_figures(model, before, steps)}
+    return {"tok_s": batch * steps / seconds, "step_s": seconds / steps, **store_figures(model, before, steps),
+            "phase_ms_per_step": {name: 1e3 * total / steps for name, total in sorted(phases.items())}}
 
 
 def prefill(model, tokens: int, cold: Path | None = None) -> dict:
@@ -235,6 +250,8 @@ def run(args) -> list[dict]:
                   bench="offload", mode="hybrid", shape=args.shape, layers=args.layers,
                   expert_bytes=folder.experts.block_size, pcie_gbps_measured=bw.pcie_gbps,
                   host_read_gbps_measured=bw.host_read_gbps, disk_gbps_measured=bw.disk_gbps,
+                  shared_host_read_gbps_measured=bw.shared_host_read_gbps,
+                  shared_pcie_gbps_measured=bw.shared_pcie_gbps,
                   prompt_cached_tokens=PROMPT, decode_steps=args.steps, routing="random router (close to uniform)",
                   eviction="lfu", kvikio=kvikio_available())
     records = []
@@ -283,7 +300,7 @@ def run(args) -> list[dict]:
                     record["gpu_hit_rate"] = figures["gpu_hit_rate"]
                     record["prefetch_recall"] = figures["prefetch_recall"]
                     record["pcie_bound_tok_s"] = bound(size, step, figures["miss_bytes_per_step"], link)
-                    both = link + (bw.host_read_gbps if source == "l2" else 0.0)
+                    both = max(bw.shared_gbps, bw.pcie_gbps, bw.host_read_gbps) if source == "l2" else link
                     record["bound_tok_s"] = bound(size, step, figures["miss_bytes_per_step"], both)
                     ondemand = record.get("ondemand_figures", {})
                     if "miss_bytes_per_step" in ondemand:  # the pure PCIe (or disk) path against its own bound

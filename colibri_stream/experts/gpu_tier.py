@@ -83,6 +83,31 @@ def cpu_expert_rates(executor: CpuExpertExecutor, tensors: dict[str, np.ndarray]
     return nbytes / fastest(1), 2.0 * params * FLOP_PROBE_TOKENS / fastest(FLOP_PROBE_TOKENS)
 
 
+def shared_rates(executor: CpuExpertExecutor, tensors: dict[str, np.ndarray], source: np.ndarray, destination: int,
+                 stream, copies: int = 4) -> tuple[float, float]:
+    """(bytes per second the CPU executor reads at one token, bytes per second of pinned host -> GPU copies) while
+    both run at once: `copies` back-to-back copies of `source` to `destination` on `stream`, the executor running
+    one expert's `tensors` (a block's views) over and over until they end. Both read host RAM, so each is slower
+    than alone; this is what a step that cuts an expert between them gets."""
+    import cupy as cp
+
+    x = np.ones((1, tensors["gate"].shape[1]), np.float32)  # [1, H]
+    nbytes = sum(t.nbytes for t in tensors.values())
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(stream)
+    for _ in range(copies):
+        cp.cuda.runtime.memcpyAsync(destination, source.ctypes.data, source.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+    end.record(stream)
+    runs, begin = 0, time.perf_counter()
+    while runs == 0 or not end.done:
+        executor.run(x, tensors)
+        runs += 1
+    cpu = runs * nbytes / (time.perf_counter() - begin)
+    end.synchronize()
+    return cpu, copies * source.nbytes / (cp.cuda.get_elapsed_time(start, end) / 1e3)
+
+
 def _done(event) -> Future:
     future: Future = Future()
     future.set_result(event)
@@ -213,18 +238,23 @@ class GpuTieredStore(ExpertStore):
         self._copy_stream.synchronize()
 
     def _measure_bandwidths(self) -> Bandwidths:
-        """Pinned host -> GPU copies and the CPU executor's read and arithmetic rates, measured on one block."""
+        """Pinned host -> GPU copies and the CPU executor's read and arithmetic rates, measured on one block; the
+        placement uses the read and copy rates measured while both run at once (they share host RAM, and the
+        experts it cuts between them are worked on at the same time)."""
         staging = self._ring.buffers[0] if self._ring is not None else self.host.block(self._layer_ids[0], 0)
         if self._ring is not None:
             self.reader.read_into(self._layer_ids[0], 0, staging)
-        h2d = pinned_copy_rate(staging, self.device.pointer(0, self.device.staging(0)), self._copy_stream)
-        host_read, cpu_flops = cpu_expert_rates(self.executor, self.file.unpack(staging), self._params)
+        destination = self.device.pointer(0, self.device.staging(0))
+        tensors = self.file.unpack(staging)
+        h2d = pinned_copy_rate(staging, destination, self._copy_stream)
+        host_read, cpu_flops = cpu_expert_rates(self.executor, tensors, self._params)
+        host_shared, h2d_shared = shared_rates(self.executor, tensors, staging, destination, self._copy_stream)
         self.executor.stats = ComputeStats()  # the measurement is not work the model asked for
-        measured = Bandwidths(host_read=host_read, h2d=h2d, disk=ASSUMED.disk, cpu_flops=cpu_flops, measured=True)
-        logger.info("expert placement: host -> GPU %.1f GB/s, CPU expert read %.1f GB/s and %.0f GFLOP/s at %d "
-                    "tokens (%d threads)", h2d / 1e9, host_read / 1e9, cpu_flops / 1e9, FLOP_PROBE_TOKENS,
-                    self.executor.num_threads)
-        return measured
+        logger.info("expert placement: host -> GPU %.1f GB/s (%.1f while the CPU reads), CPU expert read %.1f GB/s "
+                    "(%.1f while copies run) and %.0f GFLOP/s at %d tokens (%d threads)", h2d / 1e9, h2d_shared / 1e9,
+                    host_read / 1e9, host_shared / 1e9, cpu_flops / 1e9, FLOP_PROBE_TOKENS, self.executor.num_threads)
+        return Bandwidths(host_read=host_shared, h2d=h2d_shared, disk=ASSUMED.disk, cpu_flops=cpu_flops,
+                          measured=True)
 
     # ---- moving blocks -------------------------------------------------------------------------------------
     def _copy(self, layer: int, expert: int, destination: int, after=None):
