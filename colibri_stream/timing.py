@@ -36,7 +36,8 @@ PHASES: dict[str, str | None] = {
     "experts": "forward",  # routed and shared expert compute
     "expert_load_disk": "experts",  # demand reads of expert blocks from experts.bin (tiered store, a miss)
     "expert_load_wait": "experts",  # waiting for a prefetched expert block still being read
-    "expert_cpu": "experts",  # experts the GPU tier placed on the CPU, computed while the GPU works
+    "expert_cpu": "experts",  # waiting for the experts the GPU tier placed on the CPU (computed on its CPU thread
+    # from the layer's routing on, while the layer's copies and kernels are queued and run)
     "mlp": "forward",  # the dense MLP of non-MoE layers
     "sample": "step",  # the sampler
     "update": "step",  # the scheduler advances the sequences

@@ -104,7 +104,7 @@ def test_experts_cut_between_cpu_and_gpu_match_within_float32_rounding(moe16_dir
     options = ExpertStoreConfig(gpu_memory_limit=gpu_budget(moe16_dir, 2), l2_cache_size=host_budget(moe16_dir, host),
                                 cpu_experts="auto")
     model = load_model(str(moe16_dir), device="cuda", experts=options)
-    model.store.bandwidths = EVEN
+    model.store.bandwidths, model.store.adapt_rates = EVEN, False
     got = step_logits(model)
     for ours, want in zip(got, resident_gpu_logits):
         assert relative_error(ours, want) < 1e-5
@@ -183,7 +183,7 @@ def test_one_gpu_slot_per_layer_on_every_architecture(arch, cpu_experts, tmp_pat
                                                   cpu_experts="auto" if cpu_experts == "cut" else cpu_experts))
     assert isinstance(tiered.store, GpuTieredStore)
     if cpu_experts == "cut":
-        tiered.store.bandwidths = EVEN
+        tiered.store.bandwidths, tiered.store.adapt_rates = EVEN, False
     ids = prompt_ids()
     assert relative_error(colibri_logits(tiered, ids), colibri_logits(resident, ids)) < 1e-5, arch
     assert colibri_greedy(tiered, ids, NEW_TOKENS) == colibri_greedy(resident, ids, NEW_TOKENS), arch

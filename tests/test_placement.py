@@ -9,6 +9,7 @@ from colibri_stream.experts.placement import (
     ASSUMED,
     Bandwidths,
     ExpertNeed,
+    corrected,
     expert_cost,
     gpu_rows,
     place_step,
@@ -117,3 +118,28 @@ def test_loads_in_flight_reused_or_unsplittable_are_never_cut(kw):
 ])
 def test_gpu_rows_are_multiples_and_never_a_sliver(share, rows, expected):
     assert gpu_rows(share, rows, 16) == expected
+
+
+def test_slow_cpu_work_lowers_the_cpu_rates_a_quarter_of_the_way():
+    slower = corrected(BW, "cpu", predicted=1.0, observed=1.6)  # 1.6x slower than the rates say
+    assert slower.host_read == pytest.approx(100.0 / 1.6 ** 0.25)
+    assert slower.cpu_flops == pytest.approx(1000.0 / 1.6 ** 0.25)
+    assert (slower.h2d, slower.disk) == (BW.h2d, BW.disk)
+
+
+def test_one_observation_moves_a_rate_at_most_by_its_clamp():
+    assert corrected(BW, "copy", predicted=1.0, observed=100.0).h2d == pytest.approx(200.0 * 0.5 ** 0.25)
+    assert corrected(BW, "copy", predicted=100.0, observed=1.0).h2d == pytest.approx(200.0 * 2.0 ** 0.25)
+
+
+def test_repeated_observations_converge_on_the_true_rate():
+    bw = BW
+    for _ in range(60):  # the copy really moves 150 bytes/s: each step's 100 bytes take 2/3 s
+        bw = corrected(bw, "copy", predicted=100.0 / bw.h2d, observed=100.0 / 150.0)
+    assert bw.h2d == pytest.approx(150.0, rel=1e-3)
+
+
+def test_nothing_observed_changes_nothing():
+    assert corrected(BW, "cpu", 0.0, 1.0) is BW
+    with pytest.raises(ValueError, match="side"):
+        corrected(BW, "disk", 1.0, 1.0)

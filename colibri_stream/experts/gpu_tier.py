@@ -12,11 +12,13 @@ installed, CRC32 on every block). All copies run on one non-blocking copy stream
 the copy's CUDA event, never the host.
 
 A layer's step (the backend drives it): `begin_layer` copies the routing to the host (the one synchronisation per
-MoE layer that offloading needs: the host must know which blocks to move), counts hits and decides where each
-missing expert is computed (`placement.place_step`, when a CPU expert executor is given); `passes` loads the
-missing blocks and yields one kernel launch per group of experts that fit the layer's slots (a second pass's
-copies wait for the first pass's kernels); `finish_layer` starts the predicted next layer's loads (prefetch) and
-computes the experts placed on the CPU while the GPU works, returning their weighted sum.
+MoE layer that offloading needs: the host must know which blocks to move), counts hits, decides where each
+missing expert is computed (`placement.place_step`, when a CPU expert executor is given: on the GPU, on the CPU,
+or one cut by rows between them) and hands the CPU's part to the CPU thread; `passes` loads the missing blocks
+and yields one kernel launch per group of experts that fit the layer's slots (a second pass's copies wait for the
+first pass's kernels), then the cut expert's GPU rows; `finish_layer` starts the predicted next layer's loads
+(prefetch) and waits for the CPU's part, returning its weighted sum. What the CPU work and the cut copies take
+corrects the rates the placement uses (`placement.corrected`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..errors import CheckpointError
 from .cpu_executor import CpuExpertExecutor
 from .partial import DEVICE_DTYPES, PartialLayout
 from .pinned import PinnedExperts, StagingRing
-from .placement import ASSUMED, Bandwidths, ExpertNeed, gpu_rows, place_step
+from .placement import ASSUMED, Bandwidths, ExpertNeed, corrected, expert_cost, gpu_rows, place_step
 from .policies import EvictionPolicy
 from .prefetcher import Prefetcher
 from .slots import LayerSlots
@@ -209,6 +211,7 @@ class GpuTieredStore(ExpertStore):
         self._copy_stream = cupy.cuda.Stream(non_blocking=True)
         self._ring = StagingRing(self.block_size, GPU_IO_THREADS + 2) if not isinstance(host, PinnedExperts) else None
         self._pool = ThreadPoolExecutor(GPU_IO_THREADS, thread_name_prefix="colibri-gpu-io")
+        self._cpu_thread = ThreadPoolExecutor(1, thread_name_prefix="colibri-cpu-experts")  # runs the CPU executor
         self._pass_done = None  # CUDA event after the latest pass's kernels
         self._staging_free = None  # CUDA event after the latest pass that read the staging block
         self._split_multiple = 16  # a cut expert's GPU rows: whole 16-byte vectors of every expert dtype
@@ -219,6 +222,9 @@ class GpuTieredStore(ExpertStore):
         self._warm_start()
         self._stats = self._fresh_stats()  # count the model's requests, not the warm start
         self.bandwidths = bandwidths or (self._measure_bandwidths() if cpu_executor is not None else ASSUMED)
+        # Measured rates are corrected by what the steps' CPU work and cut copies take (placement.corrected).
+        self.adapt_rates = bandwidths is None and cpu_executor is not None
+        self._copy_probe = None  # (start, end) timing events of the latest cut copy, and its predicted seconds
 
     # ---- start ---------------------------------------------------------------------------------------------
     def _fresh_stats(self) -> ExpertStats:
@@ -322,6 +328,7 @@ class GpuTieredStore(ExpertStore):
             self._stats.steps += 1
         self._current = rank
         ids = cp.asnumpy(expert_ids).astype(np.int64)  # [T, k]: the synchronisation offloading needs
+        self._observe_copy()
         needed = np.unique(ids).tolist()  # the step's distinct experts (batch union)
         slots = self._layers[rank]
         self._settle(rank)
@@ -348,6 +355,7 @@ class GpuTieredStore(ExpertStore):
         self._stats.tiers["gpu"].misses += len(misses) + len(cpu_part)
         self._step = {"rank": rank, "layer": layer, "hits": hits, "misses": misses, "on_cpu": on_cpu, "split": split,
                       "ids": ids, "x": x_host, "weights": None if not cpu_part else cp.asnumpy(weights)}
+        self._start_cpu_work(layer, self._step)
 
     def _place_misses(self, layer: int, ids: np.ndarray, misses: list[int]) -> tuple[list[int], tuple | None]:
         """(the misses the CPU computes whole this step, (expert, rows) of one cut by its intermediate rows: the GPU
@@ -432,7 +440,14 @@ class GpuTieredStore(ExpertStore):
         source, release = self._host_block(self._layer_ids[rank], expert)
         if self._staging_free is not None:
             self._copy_stream.wait_event(self._staging_free)
+        start = cp.cuda.Event() if self.adapt_rates else None  # timing the copy corrects the copy rate
+        if start is not None:
+            start.record(self._copy_stream)
         copied = self._enqueue(source, release, self.device.pointer(rank, self.device.staging(rank)), layout)
+        if start is not None:
+            end = cp.cuda.Event()
+            end.record(self._copy_stream)
+            self._copy_probe = (start, end, layout.nbytes / self.bandwidths.h2d)
         cp.cuda.get_current_stream().wait_event(copied)
         self._stats.compute.gpu_experts += 1
         self._stats.compute.split_experts += 1
@@ -477,32 +492,81 @@ class GpuTieredStore(ExpertStore):
         return slots.lookup(expert)
 
     def finish_layer(self, layer: int):
-        """After the layer's kernels are queued: start the next layers' prefetches, then compute the experts
+        """After the layer's kernels are queued: start the next layers' prefetches, then wait for the experts
         placed on the CPU. Returns their weighted sum [T, H] on the device, or None."""
         step, self._step = self._step, None
         for target, ranked in self._predictions:
             self._prefetch(target, ranked)
         self._predictions = []
+        if step["cpu"] is None:
+            return None
+        future, predicted, work = step["cpu"]
+        with self.timer.phase("expert_cpu"):
+            out, seconds = future.result()  # [T, H]
+        if self.adapt_rates:
+            self.bandwidths = corrected(self.bandwidths, "cpu", predicted, seconds)
+        for expert, _ in work:
+            self._layers[step["rank"]].use(expert)
+        return self.cp.asarray(out)
+
+    def _start_cpu_work(self, layer: int, step: dict) -> None:
+        """Hand the experts placed on the CPU (whole, and a cut one's other rows) to the CPU thread, so they are
+        computed while this thread queues the layer's copies and kernels; step["cpu"]: (future of (out [T, H],
+        seconds), predicted seconds, work) or None. Blocks in host memory are looked up here (the tiers are
+        used from this thread only); one that no tier holds is read from experts.bin by the CPU thread."""
         work = [(expert, None) for expert in step["on_cpu"]]  # (expert, rows the CPU computes: None for all)
         if step["split"] is not None:
             expert, rows = step["split"]
             work.append((expert, (rows, self.file.config.moe_intermediate_size)))
         if not work:
-            return None
-        ids, x, weights = step["ids"], step["x"], step["weights"]  # [T, k], [T, H], [T, k]
+            step["cpu"] = None
+            return
+        fetches = []
+        for expert, rows in work:
+            if self._in_host_memory(layer, expert):
+                held = self._host_block(layer, expert)
+                fetches.append((expert, rows, lambda held=held: held))
+            else:
+                disk = self._stats.tiers["disk"]
+                disk.hits += 1
+                disk.bytes_read += self.block_size
+                fetches.append((expert, rows, lambda e=expert: self._read_staged(layer, e, count=False)))
+        future = self._cpu_thread.submit(self._compute_on_cpu, step["ids"], step["x"], step["weights"], fetches)
+        step["cpu"] = (future, self._cpu_seconds(step["ids"], work), work)
+
+    def _compute_on_cpu(self, ids: np.ndarray, x: np.ndarray, weights: np.ndarray, fetches: list) -> tuple:
+        """On the CPU thread: the weighted sum of the fetched experts' outputs over their tokens, and the seconds
+        it took.  ids [T, k], x [T, H], weights [T, k] -> out [T, H]"""
+        begin = time.perf_counter()
         out = np.zeros_like(x)  # [T, H]
-        with self.timer.phase("expert_cpu"):
-            for expert, rows in work:
-                tokens, which = np.nonzero(ids == expert)  # the tokens routed to it, and their top-k position
-                block, release = self._host_block(layer, expert)
-                try:
-                    y = self.executor.run(x[tokens], self.file.unpack(block), rows)  # [n, H]
-                finally:
-                    release(None)
-                np.add.at(out, tokens, y * weights[tokens, which][:, None])
-        for expert, _ in work:
-            self._layers[step["rank"]].use(expert)
-        return self.cp.asarray(out)
+        for expert, rows, fetch in fetches:
+            tokens, which = np.nonzero(ids == expert)  # the tokens routed to it, and their top-k position
+            block, release = fetch()
+            try:
+                y = self.executor.run(x[tokens], self.file.unpack(block), rows)  # [n, H]
+            finally:
+                release(None)
+            np.add.at(out, tokens, y * weights[tokens, which][:, None])
+        return out, time.perf_counter() - begin
+
+    def _cpu_seconds(self, ids: np.ndarray, work: list[tuple[int, tuple | None]]) -> float:
+        """What the placement's rates predict the CPU work of a layer takes (each expert's block already in host
+        memory; a cut one's share of it)."""
+        inter, seconds = self.file.config.moe_intermediate_size, 0.0
+        for expert, rows in work:
+            need = ExpertNeed(self.block_size, self._params, int((ids == expert).sum()))
+            share = 1.0 if rows is None else (rows[1] - rows[0]) / inter
+            seconds += share * expert_cost(need, self.bandwidths).cpu
+        return seconds
+
+    def _observe_copy(self) -> None:
+        """Correct the copy rate by the latest cut copy once it has finished."""
+        if self._copy_probe is None or not self._copy_probe[1].done:
+            return
+        start, end, predicted = self._copy_probe
+        self._copy_probe = None
+        self.bandwidths = corrected(self.bandwidths, "copy", predicted,
+                                    self.cp.cuda.get_elapsed_time(start, end) / 1e3)
 
     # ---- prefetch ------------------------------------------------------------------------------------------
     def _prefetch(self, rank: int, ranked: list[int]) -> None:

@@ -14,7 +14,7 @@ behind the defaults.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,22 @@ class Bandwidths:
 
 # The 16-core H200 host (docs/CPU_EXPERTS.md): 88 GB/s read with 16 threads, pinned copies 55 GB/s.
 ASSUMED = Bandwidths(host_read=88e9, h2d=55e9, disk=3e9, cpu_flops=1.0e12)
+RATE_LEARNING = 0.25  # the weight of one step's observation in the rates the placement goes on with
+
+
+def corrected(bw: Bandwidths, side: str, predicted: float, observed: float) -> Bandwidths:
+    """`bw` with one side's rates ("cpu": host_read and cpu_flops; "copy": h2d) moved toward what a step took:
+    observed seconds for work these rates predicted to take `predicted` seconds. Geometric, RATE_LEARNING of the
+    way, one observation's factor clamped to [1/2, 2]: the start-up measurement misses per-call costs and the
+    other side's pressure on host RAM, and a step's own noise must not swing the split."""
+    if predicted <= 0.0 or observed <= 0.0:
+        return bw
+    factor = min(max(predicted / observed, 0.5), 2.0) ** RATE_LEARNING
+    if side == "cpu":
+        return replace(bw, host_read=bw.host_read * factor, cpu_flops=bw.cpu_flops * factor)
+    if side == "copy":
+        return replace(bw, h2d=bw.h2d * factor)
+    raise ValueError(f"side must be cpu or copy, got {side!r}")
 
 
 @dataclass(frozen=True)
