@@ -80,7 +80,7 @@ def drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
-def measure(folder, pinned) -> Measured:
+def measure(folder, pinned, threads: int) -> Measured:
     import cupy as cp
 
     from colibri_stream.experts.cpu_executor import CpuExpertExecutor
@@ -91,7 +91,7 @@ def measure(folder, pinned) -> Measured:
     block = pinned.block(layer, 0)
     device = cp.empty(block.nbytes, np.uint8)  # [block_size], the copies' destination
     pcie = pinned_copy_rate(block, device.data.ptr, cp.cuda.get_current_stream()) / 1e9
-    executor = CpuExpertExecutor()
+    executor = CpuExpertExecutor(threads)
     read, _ = cpu_expert_rates(executor, experts.unpack(block), 3 * config.hidden_size * config.moe_intermediate_size)
     host_read = read / 1e9
     shared_read, shared_pcie = (rate / 1e9 for rate in shared_rates(executor, experts.unpack(block), block,
@@ -110,8 +110,9 @@ def measure(folder, pinned) -> Measured:
     return Measured(pcie, host_read, disk, shared_read, shared_pcie)
 
 
-def make_model(folder, slots: int | None, host, mode: str):
-    """The model over `slots` GPU slots per layer (None: every expert resident) fed from `host`."""
+def make_model(folder, slots: int | None, host, mode: str, threads: int = 1):
+    """The model over `slots` GPU slots per layer (None: every expert resident) fed from `host`, the CPU expert
+    executor (modes that use it) on `threads` threads."""
     from colibri_stream.backends.cupy_backend import CupyBackend
     from colibri_stream.experts.cpu_executor import CpuExpertExecutor
     from colibri_stream.experts.gpu_tier import GpuTieredStore
@@ -131,7 +132,7 @@ def make_model(folder, slots: int | None, host, mode: str):
                                 config.top_k)
     policies = [make_policy("lfu", config.num_experts) for _ in config.moe_layers]
     store = GpuTieredStore(experts, slots, policies, host, BlockReader(experts, use_kvikio=kvikio_available()),
-                           prefetcher, None if cpu_experts == "off" else CpuExpertExecutor(), cpu_experts)
+                           prefetcher, None if cpu_experts == "off" else CpuExpertExecutor(threads), cpu_experts)
     return MoETransformer(config, folder.dense, store, CupyBackend())
 
 
@@ -209,7 +210,10 @@ def store_figures(model, before, steps: int) -> dict:
             "gpu_misses_per_step": misses / steps, "miss_bytes_per_step": misses * block / steps,
             "cpu_experts_per_step": cpu / steps, "split_experts_per_step": split / steps,
             "prefetch_loads_per_step": (after.prefetch_loads - before.prefetch_loads) / steps,
-            "prefetch_recall": after.prefetch_recall}
+            "prefetch_recall": after.prefetch_recall,
+            # the rates the placement went on with at the end (start-up measurement, corrected by the steps)
+            "placement_host_read_gbps": model.store.bandwidths.host_read / 1e9,
+            "placement_h2d_gbps": model.store.bandwidths.h2d / 1e9}
 
 
 def bound(batch: int, resident_step: float, miss_bytes: float, bandwidth_gbps: float) -> float:
@@ -245,9 +249,9 @@ def run(args) -> list[dict]:
     folder = ModelFolder(path)
     config = folder.config
     pinned = PinnedExperts(folder.experts, BlockReader(folder.experts, use_kvikio=kvikio_available()))
-    bw = measure(folder, pinned)
+    bw = measure(folder, pinned, args.cpu_threads)
     common = dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"), command=" ".join(sys.argv),
-                  bench="offload", mode="hybrid", shape=args.shape, layers=args.layers,
+                  bench="offload", mode="hybrid", shape=args.shape, layers=args.layers, cpu_threads=args.cpu_threads,
                   expert_bytes=folder.experts.block_size, pcie_gbps_measured=bw.pcie_gbps,
                   host_read_gbps_measured=bw.host_read_gbps, disk_gbps_measured=bw.disk_gbps,
                   shared_host_read_gbps_measured=bw.shared_host_read_gbps,
@@ -281,7 +285,7 @@ def run(args) -> list[dict]:
                     if slots >= config.num_experts:
                         result = resident[batch]
                     else:
-                        model = make_model(folder, slots, host, mode)
+                        model = make_model(folder, slots, host, mode, args.cpu_threads)
                         try:
                             steps = args.steps if source == "l2" else args.cold_steps
                             result = (prefill(model, args.prefill, cold) if batch == "prefill"
@@ -380,8 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accelerate-fractions", nargs="*", type=float, default=[0.25, 0.5])
     parser.add_argument("--accelerate-tokens", type=int, default=3)
     parser.add_argument("--accelerate-timeout", type=int, default=240)
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="CPU expert executor threads (default: the store's, every core but one)")
     parser.add_argument("--out", default="benchmarks/results/offload_h200.json")
     args = parser.parse_args(argv)
+    if args.cpu_threads is None:
+        from colibri_stream.experts.cpu_executor import beside_gpu_threads
+
+        args.cpu_threads = beside_gpu_threads()
     records = run(args)
     print(table(records))
     return 0
