@@ -206,14 +206,14 @@ def store_figures(model, before, steps: int) -> dict:
     hits, misses = gpu_after.hits - gpu_before.hits, gpu_after.misses - gpu_before.misses
     cpu = after.compute.cpu_experts - before.compute.cpu_experts
     split = after.compute.split_experts - before.compute.split_experts
+    rates = getattr(model.store, "bandwidths", None)  # GPU slots: what the placement went on with at the end
     return {"gpu_hit_rate": hits / (hits + misses) if hits + misses else None,
             "gpu_misses_per_step": misses / steps, "miss_bytes_per_step": misses * block / steps,
             "cpu_experts_per_step": cpu / steps, "split_experts_per_step": split / steps,
             "prefetch_loads_per_step": (after.prefetch_loads - before.prefetch_loads) / steps,
             "prefetch_recall": after.prefetch_recall,
-            # the rates the placement went on with at the end (start-up measurement, corrected by the steps)
-            "placement_host_read_gbps": model.store.bandwidths.host_read / 1e9,
-            "placement_h2d_gbps": model.store.bandwidths.h2d / 1e9}
+            "placement_host_read_gbps": rates.host_read / 1e9 if rates else None,
+            "placement_h2d_gbps": rates.h2d / 1e9 if rates else None}
 
 
 def bound(batch: int, resident_step: float, miss_bytes: float, bandwidth_gbps: float) -> float:
