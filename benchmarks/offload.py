@@ -80,7 +80,7 @@ def drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
-def measure(folder, pinned, threads: int) -> Measured:
+def measure(folder, pinned, threads: int | None) -> Measured:
     import cupy as cp
 
     from colibri_stream.experts.cpu_executor import CpuExpertExecutor
@@ -110,9 +110,9 @@ def measure(folder, pinned, threads: int) -> Measured:
     return Measured(pcie, host_read, disk, shared_read, shared_pcie)
 
 
-def make_model(folder, slots: int | None, host, mode: str, threads: int = 1):
+def make_model(folder, slots: int | None, host, mode: str, threads: int | None = None):
     """The model over `slots` GPU slots per layer (None: every expert resident) fed from `host`, the CPU expert
-    executor (modes that use it) on `threads` threads."""
+    executor (modes that use it) on `threads` threads (None: its default)."""
     from colibri_stream.backends.cupy_backend import CupyBackend
     from colibri_stream.experts.cpu_executor import CpuExpertExecutor
     from colibri_stream.experts.gpu_tier import GpuTieredStore
@@ -236,6 +236,7 @@ def accelerate_baseline(args, fraction: float) -> dict:
 
 def run(args) -> list[dict]:
     from colibri_stream.checkpoint import ModelFolder
+    from colibri_stream.experts.cpu_executor import CpuExpertExecutor
     from colibri_stream.experts.pinned import PinnedExperts
     from colibri_stream.experts.tiers import BlockReader
     from colibri_stream.synthetic import write_synthetic_folder
@@ -251,7 +252,8 @@ def run(args) -> list[dict]:
     pinned = PinnedExperts(folder.experts, BlockReader(folder.experts, use_kvikio=kvikio_available()))
     bw = measure(folder, pinned, args.cpu_threads)
     common = dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"), command=" ".join(sys.argv),
-                  bench="offload", mode="hybrid", shape=args.shape, layers=args.layers, cpu_threads=args.cpu_threads,
+                  bench="offload", mode="hybrid", shape=args.shape, layers=args.layers,
+                  cpu_threads=CpuExpertExecutor(args.cpu_threads).num_threads,
                   expert_bytes=folder.experts.block_size, pcie_gbps_measured=bw.pcie_gbps,
                   host_read_gbps_measured=bw.host_read_gbps, disk_gbps_measured=bw.disk_gbps,
                   shared_host_read_gbps_measured=bw.shared_host_read_gbps,
@@ -385,13 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accelerate-tokens", type=int, default=3)
     parser.add_argument("--accelerate-timeout", type=int, default=240)
     parser.add_argument("--cpu-threads", type=int, default=None,
-                        help="CPU expert executor threads (default: the store's, every core but one)")
+                        help="CPU expert executor threads (default: every core numba sees, as the store)")
     parser.add_argument("--out", default="benchmarks/results/offload_h200.json")
     args = parser.parse_args(argv)
-    if args.cpu_threads is None:
-        from colibri_stream.experts.cpu_executor import beside_gpu_threads
-
-        args.cpu_threads = beside_gpu_threads()
     records = run(args)
     print(table(records))
     return 0

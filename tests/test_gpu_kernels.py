@@ -32,7 +32,7 @@ from colibri_stream.backends.cupy_backend import (  # noqa: E402
     CupyBackend,
     DeviceExpertStore,
     LayerExperts,
-    _experts_on_tensor_cores,
+    _on_tensor_cores,
     _launch,
     _tile,
 )
@@ -134,6 +134,41 @@ def test_linears(dtype, tokens, outs, monkeypatch):
     assert len(ours) == len(reference)
     for out, ref in zip(ours, reference):
         check(out, ref, 1e-5 if tokens <= SMALL_BATCH or dtype == "float32" else 1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("tokens", [1, MMA_MIN_TOKENS, 16, 64, 100])
+@pytest.mark.parametrize("dims", [(256, 1000), (2048, 40), (64, 8)])
+def test_linear_captured_in_a_cuda_graph(dtype, tokens, dims, monkeypatch):
+    """Projections inside a graph capture (where CuPy refuses cuBLAS): bf16/fp16 from MMA_MIN_TOKENS tokens on
+    moe_down_mma as one expert, the rest on linear_rows; replayed on new inputs against NumPy, outputs poisoned."""
+    n_in, n_out = dims
+    rng = np.random.default_rng(tokens * 5 + n_out)
+    w = weight(rng, (n_out, n_in), dtype)
+    bias = (0.1 * rng.standard_normal(n_out)).astype(np.float32)
+    device_w, device_bias = GPU.prepare_weight(w), GPU.prepare_weight(bias)
+    x = cupy.zeros((tokens, n_in), np.float32)  # [T, In] fixed input buffer
+    stream, pool = cupy.cuda.Stream(non_blocking=True), cupy.cuda.MemoryPool()
+    launched = launched_kernels(monkeypatch)
+    with stream:
+        GPU.linear(x, device_w, device_bias)  # eager: compiles what the capture will use
+        stream.synchronize()
+        launched.clear()
+        with cupy.cuda.using_allocator(pool.malloc):
+            stream.begin_capture()
+            try:
+                out = GPU.linear(x, device_w, device_bias)
+            finally:
+                graph = stream.end_capture()
+        mma = tokens >= MMA_MIN_TOKENS and dtype != "float32"
+        assert any(n.startswith("moe_down_mma" if mma else "linear_rows") for n in launched), launched
+        for _ in range(2):
+            host = rng.standard_normal((tokens, n_in)).astype(np.float32)
+            x.set(host, stream=stream)
+            out.fill(np.nan)
+            graph.launch(stream=stream)
+            stream.synchronize()
+            check(out, REF.linear(host, REF.prepare_weight(w), bias), 1e-4 if mma else 1e-5)
 
 
 def test_elementwise():
@@ -409,10 +444,10 @@ def launched_kernels(monkeypatch) -> list[str]:
 def test_tensor_core_dispatch_rule():
     bf16, fp16 = np.zeros((2, 8), np.uint16), np.zeros((2, 8), np.float16)
     assert MMA_MIN_TOKENS == 8
-    assert _experts_on_tensor_cores(bf16, 8) and _experts_on_tensor_cores(fp16, 64)
-    assert not _experts_on_tensor_cores(bf16, 7)
-    assert not _experts_on_tensor_cores(np.zeros((2, 8), np.float32), 64)
-    assert not _experts_on_tensor_cores(np.zeros((2, 16), np.int8), 64)
+    assert _on_tensor_cores(bf16, 8) and _on_tensor_cores(fp16, 64)
+    assert not _on_tensor_cores(bf16, 7)
+    assert not _on_tensor_cores(np.zeros((2, 8), np.float32), 64)
+    assert not _on_tensor_cores(np.zeros((2, 16), np.int8), 64)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -423,7 +458,7 @@ def test_tensor_core_dispatch_rule():
     (16, 4, 136, 200),  # rows not a multiple of 16, columns not of 32: partial tiles and a partial last chunk
     (8, 2, 4096, 1792),  # Mixtral's hidden size, an eighth of its intermediate size
 ])
-def test_routed_experts_on_tensor_cores(dtype, tokens, experts, top_k, hidden, inter, monkeypatch):
+def test_routed_on_tensor_cores(dtype, tokens, experts, top_k, hidden, inter, monkeypatch):
     store, device_store = experts_on_device(experts, hidden, inter, dtype)
     x, weights, ids = random_routing(np.random.default_rng(tokens + hidden), tokens, experts, top_k, hidden)
     launched = launched_kernels(monkeypatch)

@@ -9,7 +9,9 @@ Dense projections of up to SMALL_BATCH tokens run on our GEMV kernel (linear.cu)
 all the tokens; larger ones go to cuBLAS on tensor cores: float32 activations are split into a bf16 (or fp16) high
 and low part (x = hi + lo to about 16 significant bits) multiplied as one GEMM of twice the rows, so the result
 stays within about 1e-5 of float32 while each weight is still read once. CuPy refuses cuBLAS calls while a stream
-captures a CUDA graph, so inside a capture every projection runs on linear_rows. Routed experts are held per layer as stacked device arrays (DeviceExpertStore), and the MoE kernels
+captures a CUDA graph, so inside a capture a bf16/fp16 projection of MMA_MIN_TOKENS tokens or more runs on the
+routed experts' tensor-core kernel (moe_down_mma: the weight as one expert that every token is routed to with
+weight 1, the same hi/lo split), and the others on linear_rows. Routed experts are held per layer as stacked device arrays (DeviceExpertStore), and the MoE kernels
 read the routing from device memory, so a decode step needs no host synchronisation and can be captured in a CUDA
 graph (cuda_graph.py).
 """
@@ -28,7 +30,7 @@ from ..model.batch import ForwardBatch
 from .base import Array, Backend
 from .kernels import get_kernel
 
-SMALL_BATCH = 4  # up to this many tokens (or inside a graph capture), dense projections use linear_rows
+SMALL_BATCH = 4  # up to this many tokens (or in a graph capture off tensor cores), projections use linear_rows
 TOKEN_TILES = (1, 2, 4, 8)  # linear_rows instantiations: tokens per block
 MOE_TILES = (1, 2, 4, 8)  # moe_gate_up / moe_down instantiations: pairs of one expert per pass
 LINEAR_ROWS_PER_BLOCK = 2  # LINEAR_ROWS in linear.cu
@@ -39,6 +41,7 @@ MMA_THREADS = 128  # MMA_WARPS * 32 in moe_mma.cu
 MMA_GATE_UP_ROWS = 64  # gate (and up) rows per block of moe_gate_up_mma: 4 warps x 16
 MMA_DOWN_ROWS = 128  # down rows per block of moe_down_mma: 4 warps x 32
 ATTENTION_WARPS = 16  # ATTN_WARPS in attention.cu
+DENSE_MMA_MAX_TOKENS = 4096  # dense projections captured in a graph run on moe_down_mma up to this many tokens
 ROUTER_SPLIT_TOKENS = 64  # up to this many tokens, route_split spreads the router's rows over the GPU
 ROUTER_WARPS = 4  # ROUTER_WARPS in router.cu
 PROLOGUE_WARPS = 4  # warps per block of qk_norm_rope_write (attention_prologue.cu) without a full-width qk norm
@@ -117,8 +120,9 @@ def _tile(count: int, tiles: tuple[int, ...]) -> int:
     return next((tile for tile in tiles if tile >= count), tiles[-1])
 
 
-def _experts_on_tensor_cores(weight: Array, tokens: int) -> bool:
-    """Whether a step's routed experts run on moe_mma.cu (tensor cores) instead of moe.cu (CUDA cores).
+def _on_tensor_cores(weight: Array, tokens: int) -> bool:
+    """Whether a step's routed experts run on moe_mma.cu (tensor cores) instead of moe.cu (CUDA cores) (and, inside
+    a graph capture, whether a dense projection does: it is one expert that every token is routed to).
 
     moe.cu reads each weight once per group of up to 8 pairs but multiplies in float32 on CUDA cores, so once the
     experts' groups hold several pairs it is bound by FMAs and activation loads, not HBM (BENCHMARKS.md: Mixtral at
@@ -250,6 +254,15 @@ class CupyBackend(Backend):
                                                "colibri_sigmoid")
         # [token tiles] route_split's block counters: zero between launches (each launch resets what it counted)
         self._route_counters = cupy.zeros(_ceil(ROUTER_SPLIT_TOKENS, TOKEN_TILES[-1]), np.uint32)
+        # A dense projection as moe_down_mma's one expert: group 0 holds pairs 0 .. T - 1 (pair p = token p), each
+        # with routing weight 1. Made here, outside any capture, so graphs only read them.
+        n = DENSE_MMA_MAX_TOKENS
+        self._dense_pairs = cupy.arange(n, dtype=np.int32)  # [N] sorted_pairs
+        self._dense_starts = cupy.asarray(np.stack([np.zeros(n + 1), np.arange(n + 1)], axis=1).astype(np.int32))
+        # [N + 1, 2]: row T is group_start (0, T)
+        self._dense_weights = cupy.ones(n, np.float32)  # [N] route_weights
+        self._dense_expert = cupy.zeros(1, np.int32)  # [1] group_expert: expert 0
+        self._dense_groups = cupy.ones(1, np.int32)  # [1] num_groups
 
     # ---- memory -------------------------------------------------------------------------------------------
     def prepare_weight(self, host) -> Array:
@@ -310,9 +323,10 @@ class CupyBackend(Backend):
 
     def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
         x = self.cp.ascontiguousarray(x)
-        if self._on_gemv(x):
+        path = self._dense_path(x, weight)
+        if path == "gemv":
             return self._linear_rows(x, [weight], [bias])[0]
-        out = self._gemm(x, weight)  # [T, Out]
+        out = self._linear_mma(x, weight) if path == "mma" else self._gemm(x, weight)  # [T, Out]
         if bias is not None:
             out += bias
         return out
@@ -320,13 +334,37 @@ class CupyBackend(Backend):
     def linears(self, x, weights, biases):
         """Up to three matrices of one dtype, at GEMV sizes: one launch of linear_rows for all of them."""
         x = self.cp.ascontiguousarray(x)
-        if len(weights) <= 3 and len({w.dtype for w in weights}) == 1 and self._on_gemv(x):
+        if (len(weights) <= 3 and len({w.dtype for w in weights}) == 1
+                and all(self._dense_path(x, w) == "gemv" for w in weights)):
             return self._linear_rows(x, weights, biases)
         return super().linears(x, weights, biases)
 
-    def _on_gemv(self, x: Array) -> bool:
-        """Whether projections of x [T, In] run on linear_rows (few tokens, or inside a graph capture)."""
-        return x.shape[0] <= SMALL_BATCH or self.cp.cuda.get_current_stream().is_capturing()
+    def _dense_path(self, x: Array, weight: Array) -> str:
+        """How x [T, In] is multiplied by `weight`: "mma" (moe_down_mma) inside a graph capture from
+        MMA_MIN_TOKENS tokens with bf16/fp16 weights (eager steps of that size compile it, for the capture),
+        "gemv" (linear_rows) for few tokens or other captures, "cublas" otherwise."""
+        tokens, capturing = x.shape[0], self.cp.cuda.get_current_stream().is_capturing()
+        if MMA_MIN_TOKENS <= tokens <= DENSE_MMA_MAX_TOKENS and _on_tensor_cores(weight, tokens):
+            if capturing:
+                return "mma"
+            w = storage_type(weight)  # an eager step (a graph's warm-up) compiles it for the capture
+            get_kernel("moe_mma.cu", f"moe_down_mma<{w}, 1>", _FAMILIES["moe_mma.cu"](w))
+        return "gemv" if tokens <= SMALL_BATCH or capturing else "cublas"
+
+    def _linear_mma(self, x: Array, weight: Array) -> Array:
+        """x [T, In] @ weight [Out, In]^T on tensor cores: moe_down_mma with the weight as its one expert and every
+        token routed to it with weight 1 (the routing arrays made at start).  # [T, Out] float32"""
+        t, n_in = x.shape
+        n_out = weight.shape[0]
+        _check_row_width(n_in, weight, "linear")
+        out = self.cp.empty((t, n_out), np.float32)  # [T, Out]
+        w = storage_type(weight)
+        n_tiles = _tile(_ceil(t, 8), MMA_TILES)
+        args = (x, weight, np.int64(0), NULL, np.int64(0), NULL, self._dense_weights, self._dense_expert,
+                self._dense_starts[t], self._dense_pairs, self._dense_groups, out, np.int32(n_out), np.int32(n_in))
+        _launch("moe_mma.cu", f"moe_down_mma<{w}, {n_tiles}>", (_ceil(n_out, MMA_DOWN_ROWS), 1), MMA_THREADS, args,
+                weight_type=w)
+        return out
 
     def _linear_rows(self, x: Array, weights, biases) -> list[Array]:
         """x [T, In] times one to three weights [Out_m, In] of one dtype (+ biases) in one launch.  # [T, Out_m] each"""
@@ -505,7 +543,7 @@ class CupyBackend(Backend):
             gate_up_args, down_args = experts.kernel_args()
             gate_up = (x, *gate_up_args, *routing, act, np.int32(h), np.int32(i), np.int32(top_k))
             down = (act, *down_args, route_weights, *routing, y, np.int32(h), np.int32(i))
-            if _experts_on_tensor_cores(experts.gate, t):
+            if _on_tensor_cores(experts.gate, t):
                 n_tiles = _tile(_ceil(t, 8), MMA_TILES)  # 8 pairs per n-tile; a group holds at most T pairs
                 _launch("moe_mma.cu", f"moe_gate_up_mma<{w}, {n_tiles}>", (_ceil(i, MMA_GATE_UP_ROWS), groups),
                         MMA_THREADS, gate_up, weight_type=w)

@@ -77,7 +77,7 @@ def _gpu_store(folder: ModelFolder, options: ExpertStoreConfig, gpu_slots: int, 
     Failing to get the pinned or GPU memory is a ConfigError here, at start."""
     import cupy
 
-    from .cpu_executor import CpuExpertExecutor, beside_gpu_threads
+    from .cpu_executor import CpuExpertExecutor
     from .gpu_tier import GpuTieredStore
     from .pinned import PinnedExperts, pinned_empty
 
@@ -93,7 +93,7 @@ def _gpu_store(folder: ModelFolder, options: ExpertStoreConfig, gpu_slots: int, 
         else:
             tier = HostTier(experts, host_slots * len(config.moe_layers), allocate=pinned_empty, reader=reader)
             host = TieredExpertStore(experts, tier, host_slots, _policies(folder, options, usage))
-        executor = None if options.cpu_experts == "off" else CpuExpertExecutor(beside_gpu_threads())
+        executor = None if options.cpu_experts == "off" else CpuExpertExecutor()
         return GpuTieredStore(experts, gpu_slots, _policies(folder, options, usage), host, reader,
                               _prefetcher(folder, options, usage), executor, options.cpu_experts)
     except (cupy.cuda.memory.OutOfMemoryError, cupy.cuda.runtime.CUDARuntimeError) as error:

@@ -255,13 +255,6 @@ def _expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, x, first, l
                     y[t, o + r] = a[t, r] * ds
 
 
-def beside_gpu_threads() -> int:
-    """Threads of the executor next to a GPU: every core but one, which stays with the thread that queues the
-    GPU's copies and kernels (with every core busy, that thread and the executor's stragglers wait on each other)."""
-    limit = numba.config.NUMBA_NUM_THREADS if numba is not None else os.cpu_count() or 1
-    return max(1, limit - 1)
-
-
 class CpuExpertExecutor:
     """Computes routed experts on host threads from weights in their storage dtype.
 
