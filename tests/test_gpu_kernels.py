@@ -138,10 +138,11 @@ def test_linears(dtype, tokens, outs, monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("tokens", [1, MMA_MIN_TOKENS, 16, 64, 100])
-@pytest.mark.parametrize("dims", [(256, 1000), (2048, 40), (64, 8)])
+@pytest.mark.parametrize("dims", [(256, 1000), (2048, 40), (64, 8), (64, 40000)])
 def test_linear_captured_in_a_cuda_graph(dtype, tokens, dims, monkeypatch):
-    """Projections inside a graph capture (where CuPy refuses cuBLAS): bf16/fp16 from MMA_MIN_TOKENS tokens on
-    moe_down_mma as one expert, the rest on linear_rows; replayed on new inputs against NumPy, outputs poisoned."""
+    """Projections inside a graph capture (where CuPy refuses cuBLAS): bf16/fp16 ones of MMA_MIN_TOKENS tokens or
+    more and rows for a block per multiprocessor on moe_down_mma as one expert, the rest on linear_rows; replayed
+    on new inputs against NumPy, outputs poisoned."""
     n_in, n_out = dims
     rng = np.random.default_rng(tokens * 5 + n_out)
     w = weight(rng, (n_out, n_in), dtype)
@@ -160,7 +161,7 @@ def test_linear_captured_in_a_cuda_graph(dtype, tokens, dims, monkeypatch):
                 out = GPU.linear(x, device_w, device_bias)
             finally:
                 graph = stream.end_capture()
-        mma = tokens >= MMA_MIN_TOKENS and dtype != "float32"
+        mma = tokens >= MMA_MIN_TOKENS and dtype != "float32" and n_out >= 128 * GPU.multiprocessors
         assert any(n.startswith("moe_down_mma" if mma else "linear_rows") for n in launched), launched
         for _ in range(2):
             host = rng.standard_normal((tokens, n_in)).astype(np.float32)

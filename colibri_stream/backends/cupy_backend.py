@@ -9,9 +9,9 @@ Dense projections of up to SMALL_BATCH tokens run on our GEMV kernel (linear.cu)
 all the tokens; larger ones go to cuBLAS on tensor cores: float32 activations are split into a bf16 (or fp16) high
 and low part (x = hi + lo to about 16 significant bits) multiplied as one GEMM of twice the rows, so the result
 stays within about 1e-5 of float32 while each weight is still read once. CuPy refuses cuBLAS calls while a stream
-captures a CUDA graph, so inside a capture a bf16/fp16 projection of MMA_MIN_TOKENS tokens or more runs on the
-routed experts' tensor-core kernel (moe_down_mma: the weight as one expert that every token is routed to with
-weight 1, the same hi/lo split), and the others on linear_rows. Routed experts are held per layer as stacked device arrays (DeviceExpertStore), and the MoE kernels
+captures a CUDA graph, so inside a capture a large bf16/fp16 projection (lm_head) of MMA_MIN_TOKENS tokens or more
+runs on the routed experts' tensor-core kernel (moe_down_mma: the weight as one expert that every token is routed
+to with weight 1, the same hi/lo split), and the others on linear_rows. Routed experts are held per layer as stacked device arrays (DeviceExpertStore), and the MoE kernels
 read the routing from device memory, so a decode step needs no host synchronisation and can be captured in a CUDA
 graph (cuda_graph.py).
 """
@@ -253,6 +253,7 @@ class CupyBackend(Backend):
         self._sigmoid = cupy.ElementwiseKernel("float32 x", "float32 y", "y = 1.0f / (1.0f + expf(-x))",
                                                "colibri_sigmoid")
         # [token tiles] route_split's block counters: zero between launches (each launch resets what it counted)
+        self.multiprocessors = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._route_counters = cupy.zeros(_ceil(ROUTER_SPLIT_TOKENS, TOKEN_TILES[-1]), np.uint32)
         # A dense projection as moe_down_mma's one expert: group 0 holds pairs 0 .. T - 1 (pair p = token p), each
         # with routing weight 1. Made here, outside any capture, so graphs only read them.
@@ -341,10 +342,13 @@ class CupyBackend(Backend):
 
     def _dense_path(self, x: Array, weight: Array) -> str:
         """How x [T, In] is multiplied by `weight`: "mma" (moe_down_mma) inside a graph capture from
-        MMA_MIN_TOKENS tokens with bf16/fp16 weights (eager steps of that size compile it, for the capture),
-        "gemv" (linear_rows) for few tokens or other captures, "cublas" otherwise."""
+        MMA_MIN_TOKENS tokens with bf16/fp16 weights of enough rows to give every multiprocessor a block of
+        MMA_DOWN_ROWS (lm_head: on the H200 its b16 time halved, while q/k/v/o, 8-32 blocks, ran 3x slower than on
+        linear_rows); eager steps of that size compile it, for the capture. "gemv" (linear_rows) for few tokens or
+        other captures, "cublas" otherwise."""
         tokens, capturing = x.shape[0], self.cp.cuda.get_current_stream().is_capturing()
-        if MMA_MIN_TOKENS <= tokens <= DENSE_MMA_MAX_TOKENS and _on_tensor_cores(weight, tokens):
+        if (MMA_MIN_TOKENS <= tokens <= DENSE_MMA_MAX_TOKENS and _on_tensor_cores(weight, tokens)
+                and _ceil(weight.shape[0], MMA_DOWN_ROWS) >= self.multiprocessors):
             if capturing:
                 return "mma"
             w = storage_type(weight)  # an eager step (a graph's warm-up) compiles it for the capture
