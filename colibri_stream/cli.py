@@ -61,9 +61,9 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-lookahead", type=int, default=None, metavar="LAYERS",
                    help="MoE layers predicted ahead (default 1)")
     p.add_argument("--cpu-experts", choices=("auto", "off", "all"), default=None,
-                   help="with GPU expert slots, where a missing expert is computed: auto (default: the CPU when "
-                        "reading it there beats moving it over PCIe, per expert and step), off (always load it to "
-                        "the GPU), all (always on the CPU)")
+                   help="with GPU expert slots, where a missing expert is computed: auto (default: on the CPU, "
+                        "on the GPU after a copy, or cut by rows between the two, whichever the cost model finds "
+                        "sooner per expert and step), off (always load it to the GPU), all (always on the CPU)")
     p.add_argument("--usage-file", default=None, metavar="PATH",
                    help="routing statistics: ranks experts for --eviction-policy pinned (default: expert_usage.json "
                         "in the model folder); this run's routes are added to it")

@@ -262,8 +262,8 @@ class ExpertStoreConfig:
     prefetch_lookahead: int = 1  # MoE layers predicted ahead
     usage_file: str | None = None
     routing_trace: str | None = None
-    cpu_experts: str = "auto"  # GPU tier misses: auto (the cost model picks CPU compute or a load per expert and
-    # step), off (always load to the GPU), all (always compute on the CPU)
+    cpu_experts: str = "auto"  # GPU tier misses: auto (the cost model picks CPU compute, a load, or a cut by rows
+    # between them, per expert and step), off (always load to the GPU), all (always compute on the CPU)
 
     def __post_init__(self) -> None:
         if self.cpu_experts not in CPU_EXPERT_MODES:
