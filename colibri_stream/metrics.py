@@ -91,6 +91,9 @@ class ExpertStoreCollector(Collector):
         computed.add_metric(["gpu"], stats.compute.gpu_experts)
         computed.add_metric(["cpu"], stats.compute.cpu_experts)
         yield computed
+        yield CounterMetricFamily("colibri_expert_split", "Routed experts cut by rows between the CPU and the GPU "
+                                  "(each also counted once per device in colibri_expert_computed)",
+                                  value=stats.compute.split_experts)
         yield CounterMetricFamily("colibri_cpu_expert_seconds", "Wall time of experts computed on the CPU",
                                   value=stats.compute.cpu_seconds)
         yield CounterMetricFamily("colibri_cpu_expert_bytes_read", "Expert weight bytes the CPU read from host memory",

@@ -293,3 +293,19 @@ def test_generate_flags_reach_the_store(tiny_model_dir, tmp_path, capsys):
     assert len(read_trace(trace, read_config(tiny_model_dir))[0]) == 5  # the prefill step and 4 decode steps
     assert main(command + ["--l2-cache-size", "1KiB"]) == 1
     assert "--l2-cache-size 1.0 KiB is too small" in capsys.readouterr().err
+
+
+def test_expert_metrics_report_where_experts_ran_and_the_cut_ones():
+    from types import SimpleNamespace
+
+    from colibri_stream.experts.stats import ExpertStats, TierStats
+    from colibri_stream.metrics import ExpertStoreCollector
+
+    stats = ExpertStats(2, tiers={"gpu": TierStats(hits=5, misses=3)})
+    stats.compute.gpu_experts, stats.compute.cpu_experts, stats.compute.split_experts = 7, 4, 2
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in ExpertStoreCollector(SimpleNamespace(store_stats=lambda: stats)).collect()
+               for s in family.samples}
+    assert samples[("colibri_expert_computed_total", (("device", "gpu"),))] == 7
+    assert samples[("colibri_expert_computed_total", (("device", "cpu"),))] == 4
+    assert samples[("colibri_expert_split_total", ())] == 2

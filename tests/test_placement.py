@@ -143,3 +143,4 @@ def test_nothing_observed_changes_nothing():
     assert corrected(BW, "cpu", 0.0, 1.0) is BW
     with pytest.raises(ValueError, match="side"):
         corrected(BW, "disk", 1.0, 1.0)
+
