@@ -144,3 +144,10 @@ def test_nothing_observed_changes_nothing():
     with pytest.raises(ValueError, match="side"):
         corrected(BW, "disk", 1.0, 1.0)
 
+
+
+def test_no_cut_when_whole_experts_are_already_about_balanced():
+    # CPU 1 s, copy 0.95 s each: one expert on each side ends at 1 s; the best cut ends at 0.976 s, less than
+    # MIN_CUT_GAIN sooner, so nothing is cut (a cut has costs of its own).
+    close = Bandwidths(host_read=100.0, h2d=105.0, disk=50.0, cpu_flops=1000.0)
+    assert sorted(place_step([need(), need()], close)) == [0.0, 1.0]

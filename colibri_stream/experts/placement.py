@@ -31,6 +31,11 @@ class Bandwidths:
 # The 16-core H200 host (docs/CPU_EXPERTS.md): 88 GB/s read with 16 threads, pinned copies 55 GB/s.
 ASSUMED = Bandwidths(host_read=88e9, h2d=55e9, disk=3e9, cpu_flops=1.0e12)
 RATE_LEARNING = 0.25  # the weight of one step's observation in the rates the placement goes on with
+# A cut must end the step this much sooner than whole experts: it costs a pass of partial copies and kernels and a
+# strided CPU read of down's columns. On the H200 at 0 % of the experts on the GPU, batch 1, where whole experts
+# were already about balanced (one on each side per layer), cutting took 66.8-68.8 ms a step against 62.5 ms for
+# whole experts in an earlier run; at 50 % (one miss a layer) it took 37-40 ms against 46 (BENCHMARKS.md).
+MIN_CUT_GAIN = 0.1
 
 
 def corrected(bw: Bandwidths, side: str, predicted: float, observed: float) -> Bandwidths:
@@ -90,8 +95,8 @@ def place_step(needs: list[ExpertNeed], bw: Bandwidths) -> list[float]:
 
     The CPU and the copies run side by side, so the step finishes with the later queue. Whole experts first:
     largest cost first, each on the side whose queue then ends earlier (ties to the side that is cheaper for it,
-    then to the GPU). Then the one splittable need whose split ends the step earliest (if any does) is cut where both
-    queues end together. A load in flight counts with the seconds it has left and is never split; neither is an
+    then to the GPU). Then the one splittable need whose split ends the step earliest is cut where both queues end
+    together, if that is at least MIN_CUT_GAIN sooner. A load in flight counts with the seconds it has left and is never split; neither is an
     expert whose load later steps are expected to reuse (a partial copy is not kept).
     """
     costs = [expert_cost(n, bw) for n in needs]
@@ -104,7 +109,8 @@ def place_step(needs: list[ExpertNeed], bw: Bandwidths) -> list[float]:
             share[i], cpu_queue = 1.0, cpu_end
         else:
             gpu_queue = gpu_end
-    best, best_end = None, max(cpu_queue, gpu_queue)
+    whole_end = max(cpu_queue, gpu_queue)
+    best, best_end = None, whole_end * (1.0 - MIN_CUT_GAIN)
     for i, need in enumerate(needs):
         if not need.splittable or need.in_flight_seconds is not None or need.expected_reuse:
             continue
