@@ -118,6 +118,9 @@ class EngineCore:
         """The admission checks, callable from any thread: InvalidParameterError, PromptTooLongError."""
         if not prompt_token_ids:
             raise InvalidParameterError("prompt must not be empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        if any(token_id >= vocab for token_id, _ in params.logit_bias):
+            raise InvalidParameterError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         self.scheduler.check_length(len(prompt_token_ids), params.max_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -32,6 +32,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the top k
     n: int = 1
 
@@ -51,6 +52,8 @@ class SamplingParams:
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be between -2 and 2")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be between -2 and 2")
         check(0.01 <= self.repetition_penalty <= 10.0, "repetition_penalty", "must be in [0.01, 10]")
+        check(all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias), "logit_bias",
+              "must map token ids to biases between -100 and 100")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
               "logprobs", "must be an integer between 0 and 20")
         check(isinstance(self.n, int) and 1 <= self.n <= 16, "n", "must be an integer between 1 and 16")

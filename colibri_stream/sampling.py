@@ -1,8 +1,9 @@
 """Pick the next token of every sequence in a batch from its logits, with NumPy on the host.
 
-The semantics follow vLLM: penalties (repetition over prompt and output, frequency and presence over the output),
-then greedy argmax for temperature 0, otherwise temperature, top-k, top-p, min-p and a draw from the sequence's
-own random generator. Logprobs describe the model's raw distribution (before penalties and temperature).
+The semantics follow vLLM: logit bias and penalties (repetition over prompt and output, frequency and presence
+over the output), then greedy argmax for temperature 0, otherwise temperature, top-k, top-p, min-p and a draw from
+the sequence's own random generator. Logprobs describe the model's raw distribution (before bias, penalties and
+temperature).
 
 The logits may stay where the model left them (`LogitSource`): a row with top-k or top-p needs only its best
 tokens, sorted (`Candidates`), and its log-normaliser; a greedy row only its argmax. Only rows with penalties,
@@ -145,7 +146,7 @@ class _RowParams:
     top_p: np.ndarray  # [R] float64
     min_p: np.ndarray  # [R] float64
     logprobs: np.ndarray  # [R] int64: -1 without logprobs, else how many top tokens (at most V)
-    penalised: np.ndarray  # [R] bool
+    penalised: np.ndarray  # [R] bool: a logit bias or a penalty changes its logits
 
     @classmethod
     def of(cls, params: list[SamplingParams], vocab: int) -> _RowParams:
@@ -153,8 +154,7 @@ class _RowParams:
                    np.array([p.top_k if 0 < p.top_k < vocab else 0 for p in params], dtype=np.int64),
                    np.array([p.top_p for p in params]), np.array([p.min_p for p in params]),
                    np.array([-1 if p.logprobs is None else min(p.logprobs, vocab) for p in params], dtype=np.int64),
-                   np.array([p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-                             for p in params], dtype=bool))
+                   np.array([_adjusts_logits(p) for p in params], dtype=bool))
 
     def take(self, rows: np.ndarray) -> _RowParams:
         return _RowParams(*(getattr(self, name)[rows] for name in self.__dataclass_fields__))
@@ -332,22 +332,36 @@ def log_normaliser(top: np.ndarray, sums: np.ndarray, vocab: int) -> np.ndarray:
     return top.astype(np.float64) + (np.log(sums.astype(np.float64)) - fixed_point(vocab)[0] * math.log(2))
 
 
-def apply_penalties(logits: np.ndarray, states: list[SamplingState]) -> np.ndarray:
-    """Logits [B, V] with each row's repetition, frequency and presence penalties applied (a copy if any).
+def _adjusts_logits(params: SamplingParams) -> bool:
+    """Whether `apply_penalties` changes this sequence's logits."""
+    return bool(params.logit_bias) or (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+                                       or params.presence_penalty != 0.0)
 
-    Repetition (over prompt and output tokens): positive logits are divided by the penalty, negative ones
-    multiplied. Then frequency and presence (over output tokens): logit -= frequency * count + presence * (count > 0).
-    Only the logits of tokens a sequence has seen are touched.
+
+def apply_penalties(logits: np.ndarray, states: list[SamplingState]) -> np.ndarray:
+    """Logits [B, V] with each row's logit bias and repetition, frequency and presence penalties applied (a copy
+    if any).
+
+    The logit bias comes first (as in vLLM): added to the logits of the tokens it names. Then repetition (over
+    prompt and output tokens): positive logits are divided by the penalty, negative ones multiplied. Then frequency
+    and presence (over output tokens): logit -= frequency * count + presence * (count > 0). Only the logits of
+    tokens a sequence has seen or biased are touched.
     """
     params = [s.params for s in states]
     repetition = np.array([p.repetition_penalty for p in params], dtype=np.float32)  # [B]
     frequency = np.array([p.frequency_penalty for p in params], dtype=np.float32)  # [B]
     presence = np.array([p.presence_penalty for p in params], dtype=np.float32)  # [B]
+    biased = [b for b, p in enumerate(params) if p.logit_bias]
     rows = np.flatnonzero((repetition != 1.0) | (frequency != 0.0) | (presence != 0.0))  # [P]
-    if not rows.size:
+    if not rows.size and not biased:
         return logits
     vocab = logits.shape[1]
     out = logits.copy()  # [B, V]; penalised entries are addressed by flat index b * V + token
+    for b in biased:
+        token_ids, biases = zip(*params[b].logit_bias)
+        np.add.at(out[b], list(token_ids), np.array(biases, dtype=np.float32))
+    if not rows.size:
+        return out
     output = np.concatenate([b * vocab + np.asarray(states[b].output_token_ids, dtype=np.int64) for b in rows])
     repeated = rows[repetition[rows] != 1.0]
     if repeated.size:

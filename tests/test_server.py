@@ -380,7 +380,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "x", "echo": True}, "echo"),
     (COMPLETIONS, {"prompt": "x", "suffix": "end"}, "suffix"),
     (COMPLETIONS, {"prompt": "x", "best_of": 2}, "best_of"),
-    (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     (COMPLETIONS, {"prompt": ["one", "two"]}, "prompt"),
     (COMPLETIONS, {"prompt": [[1, 2], [3]]}, "prompt"),
     (COMPLETIONS, {"prompt": [1, 100000]}, "prompt"),

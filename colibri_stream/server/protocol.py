@@ -2,12 +2,11 @@
 
 Requests follow OpenAI's rules: unknown fields are ignored, a known field of the wrong type or out of range is a
 400 naming the field, and a feature this server does not implement (tools, images, echo, suffix, best_of > n,
-logit_bias, several prompts in one request) is a 400 that says so instead of being silently dropped. Types are
-as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an integer; null is the same as
-leaving a field out. The values of those features that ask for nothing (`tools: []`, `logit_bias: {}`,
-`tool_choice: "none"` or `"auto"`, `response_format: {"type": "text"}`, `echo: false`, `suffix: ""`, `best_of`
-equal to n) are accepted. The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids` and
-`ignore_eos` are accepted too.
+several prompts in one request) is a 400 that says so instead of being silently dropped. Types are as strict as
+OpenAI's: no number in a string, no boolean for a number, no 2.0 for an integer; null is the same as leaving a
+field out. The values of those features that ask for nothing (`tools: []`, `tool_choice: "none"` or `"auto"`,
+`response_format: {"type": "text"}`, `echo: false`, `suffix: ""`, `best_of` equal to n) are accepted. The vLLM
+extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids` and `ignore_eos` are accepted too.
 """
 
 from __future__ import annotations
@@ -128,8 +127,6 @@ def _reject_unsupported(fields: _Fields, n: int) -> None:
             raise unsupported("tools and function calling are not supported by this server", name)
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise unsupported("tool_choice is not supported by this server", "tool_choice")
-    if body.get("logit_bias"):
-        raise unsupported("logit_bias is not supported by this server", "logit_bias")
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise unsupported('response_format is not supported; only {"type": "text"} is accepted', "response_format")
@@ -158,6 +155,7 @@ def _sampling_params(fields: _Fields, max_tokens: int | None, max_tokens_name: s
             presence_penalty=fields.number("presence_penalty", 0.0),
             frequency_penalty=fields.number("frequency_penalty", 0.0),
             repetition_penalty=fields.number("repetition_penalty", 1.0),
+            logit_bias=_logit_bias(fields),
             logprobs=logprobs,
             n=n,
         )
@@ -165,6 +163,22 @@ def _sampling_params(fields: _Fields, max_tokens: int | None, max_tokens_name: s
         if e.param == "max_tokens" and max_tokens_name != "max_tokens":
             raise bad_request(str(e).replace("max_tokens", max_tokens_name, 1), param=max_tokens_name) from None
         raise bad_request(str(e), param=e.param) from None
+
+
+def _logit_bias(fields: _Fields) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs: keys are token ids written as decimal strings ("50256"), no sign, no
+    leading zero (so no two keys name one token), values are numbers; the ranges are SamplingParams' and the
+    engine's."""
+    bias = fields.get("logit_bias", (dict,), "an object mapping token ids to biases", {})
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) < 19 and str(int(key)) == key):
+            raise bad_request(f'logit_bias keys must be token ids such as "50256", got {key[:24]!r}',
+                              param="logit_bias")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise bad_request(f"logit_bias[{key!r}] must be a number, got {_json_type(value)}", param="logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 def _stream_options(fields: _Fields, stream: bool) -> bool:
