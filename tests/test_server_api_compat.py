@@ -1,15 +1,18 @@
 """OpenAI API compatibility, second audit: what the openai client and users of vLLM's server send that the first
-audit (tests/test_server_edge_cases.py) did not cover: logit_bias, and streamed completions with several choices,
-stop strings, logprobs and usage equal to the whole response."""
+audit (tests/test_server_edge_cases.py) did not cover: logit_bias, a full queue's Retry-After, audio output and
+assistant prefill, refusals in the history, both token limits at once, and streamed completions with several
+choices, stop strings, logprobs and usage equal to the whole response."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import aiohttp
 import numpy as np
 import openai
 import pytest
-from test_server import API_KEY, CHAT, COMPLETIONS, LiveServer, _error, post, request, sse_events
+from test_server import API_KEY, CHAT, COMPLETIONS, LiveServer, _error, metric, post, request, sse_events
 
 from colibri_stream.request import InvalidParameterError, SamplingParams
 from colibri_stream.sampling import Sampler, SamplingState
@@ -20,7 +23,7 @@ MODEL = "tiny-mixtral"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    """Two sequences running and one waiting at most."""
+    """Two sequences running and one waiting at most, so a third long stream fills the queue."""
     live = LiveServer(tiny_model_dir, dict(max_batch_size=2, max_queue=1, max_seq_len=512), api_key=API_KEY)
     yield live
     live.close()
@@ -96,6 +99,76 @@ def test_logit_bias_bad_keys_and_values_are_400(server, path):
         assert error["code"] is None and len(error["message"]) < 200, (bias, error)  # a bad value, not "unsupported"
     status, reply = post(server, path, {**base, "max_tokens": 2, "logit_bias": {str(vocab - 1): -100, "0": 0.5}})
     assert status == 200, reply
+
+
+# ----------------------------------------------------------------------------------------------- a full queue
+
+def test_a_full_queue_is_429_with_retry_after(server, client):
+    """The openai client honours Retry-After on a 429 (else it backs off blindly); we sent none."""
+    async def fill_then_ask() -> None:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as session:
+            body = {"prompt": "Busy", "max_tokens": 400, "stream": True, "ignore_eos": True}
+            streams = [await session.post(server.url + COMPLETIONS, json=body) for _ in range(3)]
+            while await asyncio.to_thread(metric, server, "colibri_num_requests_waiting") < 1:
+                await asyncio.sleep(0.005)
+            with pytest.raises(openai.RateLimitError) as info:
+                await asyncio.to_thread(client.completions.create, model=MODEL, prompt="Third", max_tokens=2)
+            assert info.value.response.headers["Retry-After"] == "1"
+            assert info.value.body["code"] == "queue_full"
+            for stream in streams:
+                stream.close()
+
+    asyncio.run(fill_then_ask())
+    assert client.completions.create(model=MODEL, prompt="after", max_tokens=1).usage.completion_tokens == 1
+
+
+# ------------------------------------------------------------------------------------------ chat: what is refused
+
+def test_audio_output_and_continue_final_message_are_refused(server):
+    for fields, param in ((dict(modalities=["text", "audio"]), "modalities"),
+                          (dict(audio={"voice": "alloy", "format": "wav"}, modalities=["text", "audio"]), "audio"),
+                          (dict(continue_final_message=True), "continue_final_message")):
+        error = refused(server, CHAT, {"messages": user("Hi"), "max_tokens": 2, **fields}, param)
+        assert error["code"] == "unsupported_parameter"
+    for fields in (dict(modalities=["text"]), dict(continue_final_message=False), dict(audio=None)):
+        status, reply = post(server, CHAT, {"messages": user("Hi"), "max_tokens": 2, **fields})
+        assert status == 200, (fields, reply)
+
+
+def test_a_last_assistant_message_is_answered_in_a_new_turn(server):
+    """A decision, as OpenAI: an assistant message at the end is history, not a prefix to continue (vLLM's
+    continue_final_message is refused above)."""
+    tokenizer = server.app[STATE].engine.tokenizer
+    messages = [*user("Hi"), {"role": "assistant", "content": "Sure, "}]
+    status, reply = post(server, CHAT, {"messages": messages, "max_tokens": 2})
+    assert status == 200, reply
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert prompt.endswith("Sure, <|im_end|>\n<|im_start|>assistant\n")
+    assert reply["usage"]["prompt_tokens"] == len(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def test_assistant_refusals_in_the_history_are_read_as_text(server):
+    """OpenAI's assistant content parts are text or refusal; a conversation replayed from OpenAI holds refusals."""
+    def reply_to(content: Any) -> dict:
+        status, reply = post(server, CHAT, {"messages": [*user("Hi"), {"role": "assistant", "content": content},
+                                                         *user("Why?")], "max_tokens": 4, "temperature": 0})
+        assert status == 200, reply
+        return reply
+
+    as_string = reply_to("I can't help with that.")
+    as_part = reply_to([{"type": "refusal", "refusal": "I can't help with that."}])
+    assert as_part["choices"] == as_string["choices"] and as_part["usage"] == as_string["usage"]
+    refused(server, CHAT, {"messages": user([{"type": "refusal", "refusal": "no"}]), "max_tokens": 2},
+            "messages[0].content[0]")
+
+
+def test_max_tokens_is_range_checked_when_max_completion_tokens_wins(server):
+    for max_tokens in (0, -5):
+        refused(server, CHAT, {"messages": user("Hi"), "max_completion_tokens": 2, "max_tokens": max_tokens},
+                "max_tokens")
+    status, reply = post(server, CHAT, {"messages": user("Hi"), "max_completion_tokens": 2, "max_tokens": 9,
+                                        "ignore_eos": True})
+    assert status == 200 and reply["usage"]["completion_tokens"] == 2
 
 
 # ---------------------------------------------------------------------------------- streams equal the whole reply

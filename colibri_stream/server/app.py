@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_KEEPALIVE_SECONDS = 10.0
+RETRY_AFTER_SECONDS = 1  # a full queue's 429 says when to try again; the openai client waits that long, then retries
 
 
 @dataclass
@@ -146,7 +147,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         response = await handler(request)
     except APIError as e:
-        response = _error_response(e)
+        response = _error_response(e, e.headers)
     except web.HTTPException as e:  # routing (404, 405), body too large (413), ...
         if e.status < 400:
             raise
@@ -362,7 +363,8 @@ def _engine_error(error: BaseException, req: GenerateRequest) -> APIError:
     if isinstance(error, ChatTemplateError):
         return bad_request(str(error), param="messages")
     if isinstance(error, QueueFullError):
-        return APIError(429, f"the server is busy: {error}", type="rate_limit_error", code="queue_full")
+        return APIError(429, f"the server is busy: {error}", type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(error, EngineStoppedError):
         return APIError(503, f"the engine is not accepting requests: {error}", type="server_error",
                         code="shutting_down")

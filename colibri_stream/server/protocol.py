@@ -1,12 +1,13 @@
 """The OpenAI wire format: request validation into SamplingParams, response and chunk bodies, error bodies.
 
 Requests follow OpenAI's rules: unknown fields are ignored, a known field of the wrong type or out of range is a
-400 naming the field, and a feature this server does not implement (tools, images, echo, suffix, best_of > n,
-several prompts in one request) is a 400 that says so instead of being silently dropped. Types are as strict as
-OpenAI's: no number in a string, no boolean for a number, no 2.0 for an integer; null is the same as leaving a
-field out. The values of those features that ask for nothing (`tools: []`, `tool_choice: "none"` or `"auto"`,
-`response_format: {"type": "text"}`, `echo: false`, `suffix: ""`, `best_of` equal to n) are accepted. The vLLM
-extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids` and `ignore_eos` are accepted too.
+400 naming the field, and a feature this server does not implement (tools, images, audio output, echo, suffix,
+best_of > n, several prompts in one request, vLLM's continue_final_message) is a 400 that says so instead of being
+silently dropped. Types are as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an
+integer; null is the same as leaving a field out. The values of those features that ask for nothing (`tools: []`,
+`tool_choice: "none"` or `"auto"`, `response_format: {"type": "text"}`, `modalities: ["text"]`, `echo: false`,
+`suffix: ""`, `best_of` equal to n) are accepted. The vLLM extensions `top_k`, `min_p`, `repetition_penalty`,
+`stop_token_ids` and `ignore_eos` are accepted too.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ class APIError(Exception):
     """An error answered as OpenAI does: HTTP `status` and {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers  # sent with the error (Retry-After)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -130,6 +132,12 @@ def _reject_unsupported(fields: _Fields, n: int) -> None:
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise unsupported('response_format is not supported; only {"type": "text"} is accepted', "response_format")
+    if body.get("audio") or any(m != "text" for m in fields.strings("modalities")):
+        raise unsupported("audio output is not supported; this model writes text only",
+                          "audio" if body.get("audio") else "modalities")
+    if fields.boolean("continue_final_message"):
+        raise unsupported("continue_final_message is not supported: a last assistant message is answered in a new "
+                          "turn", "continue_final_message")
     best_of = fields.integer("best_of")
     if best_of is not None and best_of != n:
         raise unsupported(f"best_of ({best_of}) other than n ({n}) is not supported", "best_of")
@@ -227,9 +235,11 @@ def parse_chat(body: Any) -> GenerateRequest:
         if not 0 <= top_logprobs <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
     max_tokens, name = fields.integer("max_completion_tokens"), "max_completion_tokens"
-    legacy_max_tokens = fields.integer("max_tokens")  # checked even when max_completion_tokens wins
+    legacy_max_tokens = fields.integer("max_tokens")
     if max_tokens is None:  # neither: up to the context
         max_tokens, name = legacy_max_tokens, "max_tokens"
+    elif legacy_max_tokens is not None and legacy_max_tokens < 1:  # checked even when max_completion_tokens wins
+        raise bad_request("max_tokens must be a positive integer", param="max_tokens")
     return GenerateRequest(
         chat=True, model=model, prompt=_messages(body.get("messages")),
         params=_sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs else None, n),
@@ -294,6 +304,8 @@ def _content(content: Any, role: str, param: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
+        elif kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])  # an OpenAI conversation's history holds the assistant's refusals so
         elif isinstance(kind, str) and kind != "text":
             raise unsupported(f"{param}[{j}]: content of type {kind!r} is not supported; this model reads text only",
                               f"{param}[{j}]")
