@@ -305,7 +305,7 @@ def _content(content: Any, role: str, param: str) -> str:
         if kind == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
         elif kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])  # an OpenAI conversation's history holds the assistant's refusals so
+            texts.append(part["refusal"])  # OpenAI's assistant parts are text or refusal: a replayed history
         elif isinstance(kind, str) and kind != "text":
             raise unsupported(f"{param}[{j}]: content of type {kind!r} is not supported; this model reads text only",
                               f"{param}[{j}]")
