@@ -53,6 +53,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+# Keys that set a model's shape or routing. Absent, transformers would take its config class's default (the sizes of
+# one published model), which for any other checkpoint computes something else, sometimes with weights of the
+# right shapes (a head count, top-k); so config.json must state them. The expert width key differs per family.
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok")
+_EXPERT_WIDTH_KEY = {"mixtral": "intermediate_size", "olmoe": "intermediate_size",
+                     "qwen2_moe": "moe_intermediate_size", "qwen3_moe": "moe_intermediate_size"}
+
+
 def _unsupported(message: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"config.json: {message}")
 
@@ -73,6 +81,13 @@ def _number(value: Any, key: str) -> float:
     return float(value)
 
 
+def _bool(value: Any, key: str) -> bool:
+    """A JSON boolean; a string such as "false" would otherwise read as true."""
+    if not isinstance(value, bool):
+        raise _invalid(f"{key} must be true or false, got {value!r}")
+    return value
+
+
 def _token_ids(value: Any, key: str) -> tuple[int, ...]:
     values = [] if value is None else value if isinstance(value, list) else [value]
     return tuple(_int(v, key, minimum=0) for v in values)
@@ -82,15 +97,19 @@ def detect_architecture(raw: dict[str, Any]) -> str:
     """The architecture named by config.json's model_type (or, without one, its architectures list)."""
     supported = ", ".join(ARCHITECTURES)
     model_type = raw.get("model_type")
+    classes = raw.get("architectures") or []
+    if not isinstance(classes, list) or not all(isinstance(name, str) for name in classes):
+        raise _invalid(f"architectures must be a list of class names, got {classes!r}")
+    named = [_CAUSAL_LM_CLASSES[name] for name in classes if name in _CAUSAL_LM_CLASSES]
     if model_type is None:
-        classes = raw.get("architectures") or []
-        for name in classes:
-            if name in _CAUSAL_LM_CLASSES:
-                return _CAUSAL_LM_CLASSES[name]
+        if named:
+            return named[0]
         raise UnsupportedModelError(f"config.json names no supported model_type or architecture ({classes}); "
                                     f"Colibri exports {supported}")
     if model_type not in ARCHITECTURES:
         raise UnsupportedModelError(f"model_type {model_type!r} is not supported; Colibri exports {supported}")
+    if named and model_type not in named:
+        raise _invalid(f"model_type {model_type!r} disagrees with architectures {classes}")
     return model_type
 
 
@@ -105,6 +124,12 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
         if raw.get(key) is not None:
             what = "pre-quantised checkpoints" if key == "quantization_config" else "per-layer configs"
             raise _unsupported(f"{key} is set: {what} are not supported (export from the unquantised original)")
+    missing = [key for key in (*_REQUIRED_KEYS, _EXPERT_WIDTH_KEY[arch]) if raw.get(key) is None]
+    if raw.get("num_experts") is None and raw.get("num_local_experts") is None:
+        missing.append("num_local_experts" if arch == "mixtral" else "num_experts")
+    if missing:
+        raise _invalid(f"{', '.join(missing)} missing: Colibri does not guess a model's shape "
+                       "from transformers' defaults")
     cfg = {**_DEFAULTS[arch], **raw}
 
     if cfg["hidden_act"] not in ("silu", "swish"):
@@ -112,7 +137,8 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
     hidden = _int(cfg["hidden_size"], "hidden_size")
     num_layers = _int(cfg["num_hidden_layers"], "num_hidden_layers")
     num_heads = _int(cfg["num_attention_heads"], "num_attention_heads")
-    num_kv_heads = _int(cfg["num_key_value_heads"] or num_heads, "num_key_value_heads")
+    kv_heads = cfg["num_key_value_heads"]
+    num_kv_heads = _int(num_heads if kv_heads is None else kv_heads, "num_key_value_heads")
     if num_heads % num_kv_heads:
         raise _invalid(f"num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads})")
     head_dim = _int(cfg["head_dim"] or hidden // num_heads, "head_dim")
@@ -133,7 +159,7 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
         top_k=top_k,
         rope=_rope(raw, cfg),
         rms_norm_eps=_number(cfg["rms_norm_eps"], "rms_norm_eps"),
-        tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+        tie_word_embeddings=_bool(cfg["tie_word_embeddings"], "tie_word_embeddings"),
         max_position_embeddings=_int(cfg["max_position_embeddings"], "max_position_embeddings"),
         dtype=dtype,
         expert_dtype=expert_dtype,
@@ -150,22 +176,25 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
         if raw.get("sliding_window") is not None:
             raise _unsupported("sliding_window is not an OLMoE option "
                                "(transformers applies it only under flash attention)")
-        clip = cfg["clip_qkv"]
+        clip, bias = cfg["clip_qkv"], _bool(cfg["attention_bias"], "attention_bias")
         fields.update(moe_intermediate_size=_int(cfg["intermediate_size"], "intermediate_size"),
-                      moe_layers=tuple(range(num_layers)), norm_topk_prob=bool(cfg["norm_topk_prob"]),
-                      qk_norm="full", qkv_bias=bool(cfg["attention_bias"]), o_bias=bool(cfg["attention_bias"]),
+                      moe_layers=tuple(range(num_layers)),
+                      norm_topk_prob=_bool(cfg["norm_topk_prob"], "norm_topk_prob"),
+                      qk_norm="full", qkv_bias=bias, o_bias=bias,
                       clip_qkv=None if clip is None else _number(clip, "clip_qkv"),
                       sliding_windows=(None,) * num_layers)
     else:
         fields.update(_qwen_mlp(cfg, num_layers))
         if arch == "qwen2_moe":
             qkv_bias = cfg["qkv_bias"] if "qkv_bias" in raw else "model.layers.0.self_attn.q_proj.bias" in tensor_names
-            fields.update(qkv_bias=bool(qkv_bias), sliding_windows=_qwen2_windows(cfg, num_layers))
+            fields.update(qkv_bias=_bool(qkv_bias, "qkv_bias"), sliding_windows=_qwen2_windows(cfg, num_layers))
             shared = _int(cfg["shared_expert_intermediate_size"], "shared_expert_intermediate_size", minimum=0)
             fields.update(shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0)
         else:
-            window = _window(cfg["sliding_window"], "sliding_window") if cfg["use_sliding_window"] else None
-            fields.update(qk_norm="per_head", qkv_bias=bool(cfg["attention_bias"]), o_bias=bool(cfg["attention_bias"]),
+            use_sliding = _bool(cfg["use_sliding_window"], "use_sliding_window")
+            window = _window(cfg["sliding_window"], "sliding_window") if use_sliding else None
+            bias = _bool(cfg["attention_bias"], "attention_bias")
+            fields.update(qk_norm="per_head", qkv_bias=bias, o_bias=bias,
                           sliding_windows=(window,) * num_layers)
     return ModelConfig(**fields)
 
@@ -186,14 +215,15 @@ def _qwen_mlp(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """Qwen2/3-MoE: which layers are MoE blocks (the others use a dense MLP) and the widths."""
     step = _int(cfg["decoder_sparse_step"], "decoder_sparse_step")
     mlp_only = cfg["mlp_only_layers"] or []
-    if not isinstance(mlp_only, list):
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                 for i in mlp_only):
         raise _invalid(f"mlp_only_layers must be a list of layer indices, got {mlp_only!r}")
     moe_layers = tuple(layer for layer in range(num_layers) if layer not in mlp_only and (layer + 1) % step == 0)
     dense = len(moe_layers) < num_layers
     return dict(moe_layers=moe_layers,
                 moe_intermediate_size=_int(cfg["moe_intermediate_size"], "moe_intermediate_size"),
                 intermediate_size=_int(cfg["intermediate_size"], "intermediate_size") if dense else 0,
-                norm_topk_prob=bool(cfg["norm_topk_prob"]))
+                norm_topk_prob=_bool(cfg["norm_topk_prob"], "norm_topk_prob"))
 
 
 def _window(value: Any, key: str) -> int | None:
@@ -206,7 +236,7 @@ def _window(value: Any, key: str) -> int | None:
 
 def _qwen2_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
     """Qwen2-MoE: per-layer windows from layer_types, computed the way Qwen2MoeConfig does when absent."""
-    use_sliding = bool(cfg["use_sliding_window"])
+    use_sliding = _bool(cfg["use_sliding_window"], "use_sliding_window")
     layer_types = cfg["layer_types"]
     if layer_types is None:
         max_window_layers = _int(cfg["max_window_layers"], "max_window_layers", minimum=0)
@@ -273,7 +303,8 @@ def _rope(raw: dict[str, Any], cfg: dict[str, Any]) -> RopeConfig:
     return RopeConfig(type="yarn", theta=theta, factor=factor, original_max_position_embeddings=original,
                       attention_factor=optional("attention_factor"), beta_fast=optional("beta_fast"),
                       beta_slow=optional("beta_slow"), mscale=optional("mscale"),
-                      mscale_all_dim=optional("mscale_all_dim"), truncate=bool(params.get("truncate", True)))
+                      mscale_all_dim=optional("mscale_all_dim"),
+                      truncate=_bool(params.get("truncate", True), "truncate"))
 
 
 def _special_tokens(cfg: dict[str, Any], generation: dict[str, Any]) -> dict[str, Any]:

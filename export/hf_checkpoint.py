@@ -62,7 +62,9 @@ class HFCheckpoint:
         self.config = read_json(config_path)
         generation_path = self.folder / "generation_config.json"
         self.generation_config = read_json(generation_path) if generation_path.is_file() else {}
+        self._weight_map: dict[str, str] | None = None  # the index's tensor -> shard file, when sharded
         self.tensors = self._read_headers()
+        self._check_weight_map()
 
     def _weight_files(self) -> list[Path]:
         index_path = self.folder / INDEX_FILE
@@ -70,6 +72,10 @@ class HFCheckpoint:
             weight_map = read_json(index_path).get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise CheckpointError(f"{index_path} has no valid weight_map")
+            for name in set(weight_map.values()):
+                if Path(name).name != name or name in ("", ".", ".."):
+                    raise CheckpointError(f"{INDEX_FILE} lists {name!r}, which is not a file name in the model folder")
+            self._weight_map = weight_map
             files = [self.folder / name for name in sorted(set(weight_map.values()))]
             for path in files:
                 if not path.is_file():
@@ -97,10 +103,26 @@ class HFCheckpoint:
             except CheckpointError:
                 raise
             except Exception as exc:  # safetensors raises its own error types for a bad header
-                raise CheckpointError(f"{path.name} is not a readable safetensors file ({exc})") from None
+                raise CheckpointError(f"{path.name} is truncated or not a safetensors file ({exc})") from None
         return tensors
+
+    def _check_weight_map(self) -> None:
+        """Every tensor the index lists is in the shard it names: a stale index or a wrong shard is refused."""
+        if self._weight_map is None:
+            return
+        for name, file in sorted(self._weight_map.items()):
+            info = self.tensors.get(name)
+            if info is None or info.file.name != file:
+                where = f"it is in {info.file.name}" if info else "no shard holds it"
+                raise CheckpointError(f"{INDEX_FILE} places {name} in {file}, but {where}")
 
     def read(self, name: str, index: tuple = ()) -> np.ndarray:
         """`tensor[index]` in its stored dtype; only the bytes of the selected rows are read."""
-        with safe_open(str(self.tensors[name].file), framework="numpy") as f:
-            return f.get_slice(name)[index] if index else f.get_tensor(name)
+        file = self.tensors[name].file
+        try:
+            with safe_open(str(file), framework="numpy") as f:
+                return f.get_slice(name)[index] if index else f.get_tensor(name)
+        except OSError:
+            raise  # the exporter reports it with the file name
+        except Exception as exc:  # the file changed or broke since its header was read
+            raise CheckpointError(f"cannot read {name} from {file.name} ({exc})") from None

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -306,3 +308,116 @@ def test_output_folder_rules(hf_copy, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError):
         export_model(hf_copy, tmp_path / "fresh", quantize="int8", progress=False)
     assert not (tmp_path / "fresh").exists()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Hostile or broken checkpoints: one line naming the key, file or tensor, and exit status 1 from the CLI
+# ------------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch,changes,words", [
+    ("qwen3_moe", dict(norm_topk_prob="false"), ["norm_topk_prob", "true or false", "'false'"]),
+    ("mixtral", dict(tie_word_embeddings="false"), ["tie_word_embeddings"]),
+    ("olmoe", dict(attention_bias=0), ["attention_bias"]),
+    ("qwen3_moe", dict(use_sliding_window="no"), ["use_sliding_window"]),
+    ("qwen2_moe", dict(qkv_bias="true"), ["qkv_bias"]),
+    ("qwen3_moe", dict(hidden_size="<drop>", num_experts_per_tok="<drop>"),
+     ["hidden_size, num_experts_per_tok missing"]),
+    ("mixtral", dict(num_local_experts="<drop>", num_experts="<drop>"), ["num_local_experts missing"]),
+    ("qwen2_moe", dict(moe_intermediate_size="<drop>"), ["moe_intermediate_size missing"]),
+    ("olmoe", dict(intermediate_size=None, vocab_size="<drop>"), ["vocab_size, intermediate_size missing"]),
+    ("qwen3_moe", dict(architectures=["MixtralForCausalLM"]), ["'qwen3_moe'", "MixtralForCausalLM"]),
+    ("mixtral", dict(architectures="MixtralForCausalLM"), ["architectures must be a list"]),
+    ("qwen2_moe", dict(mlp_only_layers=["1"]), ["mlp_only_layers"]),
+    ("mixtral", dict(num_key_value_heads=0), ["num_key_value_heads"]),
+    ("qwen3_moe", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "truncate": "no"}),
+     ["truncate"]),
+])
+def test_invalid_config_values_raise_one_clear_line(arch, changes, words):
+    with pytest.raises(CheckpointError) as info:
+        translate(raw_config(arch, **changes))
+    message = str(info.value)
+    assert "\n" not in message and all(w in message for w in words), message
+
+
+def test_config_without_any_architecture_is_refused():
+    with pytest.raises(UnsupportedModelError, match="no supported model_type or architecture"):
+        translate(raw_config("mixtral", model_type="<drop>", architectures=["LlamaForCausalLM"]))
+    assert translate(raw_config("olmoe", model_type="<drop>", architectures=["OlmoeForCausalLM"])).qk_norm == "full"
+
+
+@pytest.fixture
+def hf_sharded(tmp_path):
+    """A tiny qwen2_moe checkpoint in several shards, with its index, that the test may damage."""
+    build_hf_model("qwen2_moe", tmp_path / "sharded", max_shard_size="60KB")
+    return tmp_path / "sharded"
+
+
+def edit_index(folder: Path, edit) -> None:
+    path = folder / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    edit(index["weight_map"])
+    path.write_text(json.dumps(index))
+
+
+def test_broken_sharded_checkpoints_name_the_shard(hf_sharded, tmp_path):
+    index = json.loads((hf_sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.mlp.gate_proj.weight"
+    shard = index[name]
+    other = next(f for f in sorted(set(index.values())) if f != shard)
+    original = (hf_sharded / shard).read_bytes()
+
+    (hf_sharded / shard).write_bytes(original[: len(original) // 2])
+    message = error_of(hf_sharded, tmp_path / "a", CheckpointError)
+    assert shard in message and "truncated" in message
+    (hf_sharded / shard).unlink()
+    message = error_of(hf_sharded, tmp_path / "b", CheckpointError)
+    assert f"lists {shard}, which is missing" in message
+    (hf_sharded / shard).write_bytes(original)
+
+    edit_index(hf_sharded, lambda m: m.update({name: other}))
+    assert error_of(hf_sharded, tmp_path / "c", CheckpointError) == (
+        f"model.safetensors.index.json places {name} in {other}, but it is in {shard}")
+    edit_index(hf_sharded, lambda m: m.update({name: shard, "model.layers.9.mlp.gate_proj.weight": shard}))
+    assert "places model.layers.9.mlp.gate_proj.weight" in error_of(hf_sharded, tmp_path / "d", CheckpointError)
+    edit_index(hf_sharded, lambda m: m.update({"model.layers.9.mlp.gate_proj.weight": "../outside.safetensors"}))
+    assert "not a file name in the model folder" in error_of(hf_sharded, tmp_path / "e", CheckpointError)
+    assert not any((tmp_path / d).exists() for d in "abcde")
+
+
+def test_dense_tensor_problems_name_the_tensor(hf_copy, tmp_path):
+    norm = "model.layers.1.post_attention_layernorm.weight"
+    edit_weights(hf_copy, lambda t: t.pop(norm))
+    assert error_of(hf_copy, tmp_path / "a", CheckpointError) == f"{norm} is missing from the checkpoint"
+    edit_weights(hf_copy, lambda t: t.update({norm: np.ones(64, np.float64)}))
+    message = error_of(hf_copy, tmp_path / "b", UnsupportedModelError)
+    assert norm in message and "F64" in message
+    edit_weights(hf_copy, lambda t: t.update({norm: np.ones((1, 64), np.float32)}))
+    assert f"{norm} has shape [1, 64], config.json implies [64]" == error_of(hf_copy, tmp_path / "c", CheckpointError)
+
+
+def test_unreadable_tensor_data_names_the_tensor(hf_copy, monkeypatch):
+    """A file that breaks after its header was read (replaced or cut during the export)."""
+    from safetensors import SafetensorError
+
+    from colibri_stream.export.hf_checkpoint import HFCheckpoint
+
+    checkpoint = HFCheckpoint(hf_copy)
+
+    def broken(*args, **kwargs):
+        raise SafetensorError("Error while deserializing header: incomplete metadata, file not fully covered")
+
+    monkeypatch.setattr("colibri_stream.export.hf_checkpoint.safe_open", broken)
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.read("model.embed_tokens.weight", (slice(0, 4),))
+    assert str(info.value).startswith("cannot read model.embed_tokens.weight from model.safetensors (")
+
+
+def test_cli_export_reports_broken_checkpoints_in_one_line(hf_copy, tmp_path):
+    (hf_copy / "config.json").write_text(json.dumps(dict(json.loads((hf_copy / "config.json").read_text()),
+                                                         model_type="deepseek_v3")))
+    completed = subprocess.run([sys.executable, "-m", "colibri_stream.cli", "export", str(hf_copy),
+                                str(tmp_path / "out"), "--quiet"], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 1 and "Traceback" not in completed.stderr
+    assert completed.stderr == ("error: model_type 'deepseek_v3' is not supported; "
+                                "Colibri exports mixtral, qwen2_moe, qwen3_moe, olmoe\n")
+    assert not (tmp_path / "out").exists()
