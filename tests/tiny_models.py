@@ -54,11 +54,15 @@ def hf_config(arch: str, **overrides):
 
 def build_hf_model(arch: str, folder: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides):
     """Create, randomise and save a tiny model; returns the float32 torch model (eval mode)."""
+    return save_random_model(hf_config(arch, **overrides), folder, seed, max_shard_size)
+
+
+def save_random_model(config, folder: str | Path, seed: int = 0, max_shard_size: str | None = None):
+    """A float32 model of a transformers `config` with random weights (spread as above), saved to `folder`."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = hf_config(arch, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
