@@ -178,13 +178,15 @@ def build_shrunk(raw: dict, folder: Path, seed: int = 0):
 PARITY = [
     ("mixtral-8x7b-v0.1", {}),
     ("mixtral-8x22b-v0.1", {"sliding_window": 6}),
+    ("mixtral-8x7b-v0.1", {"head_dim": 24}),  # MixtralConfig takes an explicit head_dim too
     ("qwen3-30b-a3b", {}),
     ("qwen3-235b-a22b", {"decoder_sparse_step": 2, "mlp_only_layers": [2], "attention_bias": True}),
     ("qwen3-30b-a3b", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
     ("olmoe-1b-7b", {}),
-    ("olmoe-1b-7b", {"clip_qkv": 0.3}),
+    ("olmoe-1b-7b", {"clip_qkv": 0.3, "num_key_value_heads": 2}),
     ("qwen1.5-moe-a2.7b", {}),
     ("qwen2-57b-a14b", {}),
+    ("qwen2-57b-a14b", {"head_dim": 8}),
     ("qwen2-57b-a14b", {"use_sliding_window": True, "sliding_window": 5, "mlp_only_layers": [1]}),
 ]
 
