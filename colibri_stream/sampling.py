@@ -6,11 +6,21 @@ the sequence's own random generator. Logprobs describe the model's raw distribut
 temperature).
 
 The logits may stay where the model left them (`LogitSource`): a row with top-k or top-p needs only its best
-tokens, sorted (`Candidates`), and its log-normaliser; a greedy row only its argmax. Only rows with penalties,
-sampling over the whole vocabulary, or a nucleus beyond the candidates need the whole row on the host.
+tokens, sorted (`Candidates`), and its log-normaliser; a greedy row only its argmax. A row sampled over the whole
+vocabulary (no top-k, no top-p: the OpenAI default; plain temperature; min-p) needs its best TOP_P_CANDIDATES and
+its exp sum, and its whole row only when the draw lands beyond them (`_walk`). Only rows with penalties, logprobs
+under a temperature other than 1, more candidates than the source serves, a nucleus beyond the candidates, or a
+whole-vocabulary draw beyond them (or min-p keeping the last candidate) need the whole row on the host.
 `HostLogits` computes these pieces with NumPy and is the reference a device source must match bit for bit:
 candidates are ordered by scaled logit, equal ones by lower id, and the log-normaliser is built from an integer
 (`exp_sums`), so it does not depend on the order in which a device adds up a row.
+
+A draw over the whole vocabulary walks the inverse CDF in this order: the best TOP_P_CANDIDATES tokens by scaled
+logit (equal ones by lower id: the candidates' order), then every other token by id; each token weighs
+floor(exp(x - max) * 2**bits) (`fixed_exp`, the terms of `exp_sums`), so the candidates' weights and the row's
+total are exact integers on either processor and the walk ends on the same token whether or not the row is
+copied. The distribution is the softmax's (to 2**-bits of the best token's weight); which token a given uniform
+maps to changed with this order (before, the walk went by token id alone).
 """
 
 from __future__ import annotations
@@ -27,7 +37,8 @@ from .request import SamplingParams
 # Temperatures below this are greedy: dividing float32 logits by them would overflow.
 GREEDY_TEMPERATURE = 1e-5
 # Top-p without top-k first tries the best TOP_P_CANDIDATES tokens; only a row whose nucleus is larger sorts the
-# whole vocabulary. Both give the same tokens: the nucleus is the same set.
+# whole vocabulary. Both give the same tokens: the nucleus is the same set. A draw over the whole vocabulary walks
+# these many best tokens first (`_walk`): the order, and so the token a uniform maps to, depends on this number.
 TOP_P_CANDIDATES = 1024
 # Sampling from a whole row finds the draw's block of this many tokens first, then the token inside it.
 CDF_BLOCK = 1024
@@ -38,7 +49,7 @@ LOG2E = 1.4426950408889634
 LN2_HI = 6.93147180369123816490e-01  # the high bits of log(2): k * LN2_HI is exact
 LN2_LO = 1.90821492927058770002e-10
 EXP_TAYLOR = tuple(1.0 / math.factorial(j) for j in range(12))
-EXP_CHUNK = 1 << 15  # exp_sums works on pieces of this many values
+EXP_CHUNK = 1 << 14  # exp_sums works on pieces of this many values (their float64 temporaries stay in cache)
 
 
 @dataclass(eq=False)
@@ -86,6 +97,7 @@ class Candidates:
     token_ids: np.ndarray  # [R, C] int64: largest scaled logit first, equal ones by lower id first
     logits: np.ndarray  # [R, C] float32: those tokens' logits / the row's temperature (float32 division)
     lse: np.ndarray  # [R] float64: log_normaliser of the row's scaled logits; NaN where not asked for
+    sums: np.ndarray  # [R] int64: exp_sums of the row's scaled logits, whose lse is; -1 where not asked for
 
 
 class LogitSource(ABC):
@@ -130,11 +142,15 @@ class HostLogits(LogitSource):
         return np.argmax(self.logits[rows], axis=1)
 
     def candidates(self, rows: np.ndarray, temperature: np.ndarray, count: int, lse_rows: np.ndarray) -> Candidates:
-        scaled = self.logits[rows] / temperature[:, None]  # [R, V]
+        scaled = self.logits[rows]  # [R, V], a copy
+        scaled /= temperature[:, None]
         ids = top_sorted(scaled, count)  # [R, C]
         lse = np.full(len(rows), np.nan)  # [R]
-        lse[lse_rows] = log_normaliser(scaled[lse_rows].max(axis=1), exp_sums(scaled[lse_rows]), scaled.shape[1])
-        return Candidates(ids, np.take_along_axis(scaled, ids, axis=1), lse)
+        sums = np.full(len(rows), -1, dtype=np.int64)  # [R]
+        asked = scaled if lse_rows.all() else scaled[lse_rows]  # [L, V]
+        sums[lse_rows] = exp_sums(asked)
+        lse[lse_rows] = log_normaliser(asked.max(axis=1), sums[lse_rows], scaled.shape[1])
+        return Candidates(ids, np.take_along_axis(scaled, ids, axis=1), lse, sums)
 
 
 @dataclass
@@ -202,8 +218,8 @@ class Sampler:
 
 def _sample_rows(source: LogitSource, rows: np.ndarray, params: _RowParams, uniform: np.ndarray):
     """Tokens [R] for rows [R] of `source` from argmaxes and candidates (penalties are not applied), and the
-    logprobs of the rows asking for them; token -1 where that is not enough: sampling over the whole vocabulary,
-    more candidates than the source serves, a nucleus beyond them."""
+    logprobs of the rows asking for them; token -1 where that is not enough: more candidates than the source
+    serves, a nucleus beyond them. A draw over the whole vocabulary beyond the candidates copies its row (`_walk`)."""
     vocab = source.vocab_size
     greedy = params.greedy  # [R]
     token_ids = np.full(len(rows), -1, dtype=np.int64)  # [R]
@@ -211,22 +227,31 @@ def _sample_rows(source: LogitSource, rows: np.ndarray, params: _RowParams, unif
     argmax = greedy & (params.logprobs < 0)  # [R]
     if argmax.any():
         token_ids[argmax] = source.argmax(rows[argmax])
-    # Candidates a row draws from: its top k, or for top-p alone the first TOP_P_CANDIDATES; 0: the whole vocabulary.
-    draw = np.where(greedy, 1, np.where(params.top_k > 0, params.top_k,
-                                        np.where(params.top_p < 1.0, min(vocab, TOP_P_CANDIDATES), 0)))  # [R]
+    full = ~greedy & (params.top_k == 0) & (params.top_p >= 1.0)  # [R]: drawn over the whole vocabulary
+    # Candidates a row draws from: its top k, else the first TOP_P_CANDIDATES (top-p alone; the whole vocabulary
+    # walks them first).
+    draw = np.where(greedy, 1, np.where(params.top_k > 0, params.top_k, min(vocab, TOP_P_CANDIDATES)))  # [R]
     count = np.maximum(draw, params.logprobs)  # [R]
     temperature = np.where(greedy, np.float32(1.0), params.temperature)  # [R]; greedy rows: the raw logits
     lse_rows = (params.logprobs >= 0) | ((params.top_k == 0) & ~greedy)  # [R]
-    served = np.flatnonzero(~argmax & (draw > 0) & (count <= source.max_candidates))  # [S]
+    served = np.flatnonzero(~argmax & (count <= source.max_candidates))  # [S]
     while served.size:
         candidates = source.candidates(rows[served], temperature[served], int(count[served].max()),
                                        lse_rows[served])
-        columns = _pick(candidates, draw[served], vocab, params.take(served), uniform[served])  # [S]
-        picked = columns >= 0  # [S]
-        token_ids[served[picked]] = candidates.token_ids[picked, columns[picked]]
+        walked = full[served]  # [S]
+        columns = _pick(candidates, draw[served], vocab, params.take(served), uniform[served], walked)  # [S]
+        at = np.flatnonzero(columns >= 0)
+        tokens = np.full(len(served), -1, dtype=np.int64)  # [S]
+        values = np.zeros(len(served), dtype=np.float32)  # [S]: the tokens' scaled logits
+        tokens[at], values[at] = candidates.token_ids[at, columns[at]], candidates.logits[at, columns[at]]
+        at = np.flatnonzero(walked)
+        if at.size:
+            tokens[at], values[at] = _walk(source, rows[served[at]], candidates, at, temperature[served[at]],
+                                           params.min_p[served[at]], uniform[served[at]])
+        picked = tokens >= 0  # [S]
+        token_ids[served[picked]] = tokens[picked]
         for s in np.flatnonzero(picked & (params.logprobs[served] >= 0)):
-            logprobs[served[s]] = _token_logprobs(candidates, s, float(candidates.logits[s, columns[s]]),
-                                                  int(params.logprobs[served[s]]))
+            logprobs[served[s]] = _token_logprobs(candidates, s, float(values[s]), int(params.logprobs[served[s]]))
         # A nucleus beyond TOP_P_CANDIDATES: a source that serves whole rows sorts them all.
         served = served[~picked] if source.max_candidates >= vocab else served[:0]
         draw[served] = count[served] = vocab
@@ -234,17 +259,11 @@ def _sample_rows(source: LogitSource, rows: np.ndarray, params: _RowParams, unif
 
 
 def _sample_host(logits: np.ndarray, states: list[SamplingState], params: _RowParams, uniform: np.ndarray):
-    """Tokens [H] and logprobs of whole rows [H, V] on the host: penalties, then the same candidates as any
-    source, or the whole vocabulary in token order for a row with neither top-k nor top-p."""
+    """Tokens [H] and logprobs of whole rows [H, V] on the host: penalties, then the same candidates and walks as
+    any source."""
     penalised = HostLogits(apply_penalties(logits, states))
     plain = replace(params, logprobs=np.full(len(states), -1))  # logprobs: of the raw logits, below
-    token_ids, _ = _sample_rows(penalised, np.arange(len(states)), plain, uniform)  # [H]
-    whole = np.flatnonzero(token_ids < 0)  # [W]: sampled over the whole vocabulary
-    if whole.size:
-        scaled = penalised.logits[whole] / params.temperature[whole, None]  # [W, V]
-        probs = np.exp(scaled - scaled.max(axis=1, keepdims=True))  # [W, V] unnormalised, the most likely at 1
-        probs[probs < params.min_p[whole, None]] = 0.0
-        token_ids[whole] = _inverse_cdf(probs, uniform[whole])
+    token_ids, _ = _sample_rows(penalised, np.arange(len(states)), plain, uniform)  # [H]; a host source serves all
     logprobs: list[TokenLogprobs | None] = [None] * len(states)
     asked = np.flatnonzero(params.logprobs >= 0)  # [L]
     if asked.size:
@@ -255,12 +274,14 @@ def _sample_host(logits: np.ndarray, states: list[SamplingState], params: _RowPa
     return token_ids, logprobs
 
 
-def _pick(candidates: Candidates, draw: np.ndarray, vocab: int, params: _RowParams, uniform: np.ndarray):
+def _pick(candidates: Candidates, draw: np.ndarray, vocab: int, params: _RowParams, uniform: np.ndarray,
+          skip: np.ndarray):
     """Columns [S] of the candidates drawn under each row's top-k, top-p and min-p (column 0 for greedy rows),
-    from the first draw [S] candidates of each; -1 where a top-p row's nucleus reaches beyond them."""
-    columns = np.zeros(len(draw), dtype=np.int64)  # [S]
-    for m in np.unique(draw[~params.greedy]):
-        group = np.flatnonzero((draw == m) & ~params.greedy)  # [G]
+    from the first draw [S] candidates of each; -1 where a top-p row's nucleus reaches beyond them, and for the
+    rows to skip [S] bool."""
+    columns = np.where(skip, -1, 0)  # [S]
+    for m in np.unique(draw[~params.greedy & ~skip]):
+        group = np.flatnonzero((draw == m) & ~params.greedy & ~skip)  # [G]
         values = candidates.logits[group, :m].astype(np.float64)  # [G, m]
         top_k, top_p = params.top_k[group], params.top_p[group]  # [G], [G]
         # Top-k renormalises over the k kept tokens; top-p alone measures mass against the whole vocabulary.
@@ -275,14 +296,74 @@ def _pick(candidates: Candidates, draw: np.ndarray, vocab: int, params: _RowPara
     return columns
 
 
+def _walk(source: LogitSource, rows: np.ndarray, candidates: Candidates, which: np.ndarray,
+          temperature: np.ndarray, min_p: np.ndarray, uniform: np.ndarray):
+    """Tokens [G] int64 and their scaled logits [G] float32 drawn over the whole vocabulary, for rows [G] of
+    `source` whose candidates (at least min(V, TOP_P_CANDIDATES), with exp sums) are rows `which` [G] of
+    `candidates`, at temperatures [G] (float32), under min-p [G].
+
+    The inverse CDF walks the first TOP_P_CANDIDATES candidates, then every other token by id. A token weighs
+    `fixed_exp` of its scaled logit less the row's largest, 0 if that is below log(min_p) (a token less likely
+    than min_p times the best), so the total of a row without min-p is its candidates' exp sum, and the draw,
+    floor(uniform * total), is an exact integer: the walk ends on the same token in the candidates or beyond, and
+    the row is copied (source.rows) only when it ends beyond them. Tokens beyond are no likelier than the last
+    candidate: if min-p drops that, it drops them all; if min-p keeps it, the row is copied to know their total.
+    """
+    vocab = source.vocab_size
+    m = min(vocab, TOP_P_CANDIDATES)
+    bits, cutoff = fixed_point(vocab)
+    top = candidates.logits[which, :1].astype(np.float64)  # [G, 1]: the largest scaled logit
+    with np.errstate(divide="ignore"):
+        lowest = np.log(min_p)  # [G]: below this (x - max) a token is dropped; -inf without min-p
+    y = candidates.logits[which, :m] - top  # [G, m] float64, <= 0
+    kept = y >= lowest[:, None]  # [G, m]
+    mass = np.cumsum(np.where(kept, fixed_exp(y, bits, cutoff), 0.0).astype(np.int64), axis=1)  # [G, m]
+    closed = (m >= vocab) | ~kept[:, -1]  # [G]: no token beyond the candidates is kept
+    known = closed | (min_p <= 0.0)  # [G]: the total is known without the row
+    total = np.where(closed, mass[:, -1], candidates.sums[which])  # [G]
+    target = _fraction(uniform, total)  # [G]: the draw, exact; where not known, redrawn below
+    columns = (mass <= target[:, None]).sum(axis=1)  # [G]: the first candidate whose cumulative weight exceeds it
+    inside = known & (columns < m)  # [G]
+    tokens = np.where(inside, candidates.token_ids[which, np.minimum(columns, m - 1)], -1)  # [G]
+    values = candidates.logits[which, np.minimum(columns, m - 1)]  # [G] float32
+    beyond = np.flatnonzero(~inside)  # [W]
+    for g, row in zip(beyond, source.rows(rows[beyond]) if beyond.size else ()):
+        scaled = row / temperature[g]  # [V] float32, as the candidates' logits
+        y = scaled.astype(np.float64) - top[g]  # [V]
+        kept = y >= lowest[g]  # [V]
+        weights = np.where(kept, fixed_exp(y, bits, cutoff), 0.0).astype(np.int64)  # [V]
+        weights[candidates.token_ids[which[g], :m]] = 0  # walked already
+        tail = mass[g, -1] + np.cumsum(weights)  # [V]: the cumulative weight after the candidates, by id
+        if not known[g]:
+            target[g] = _fraction(uniform[g:g + 1], tail[-1:])[0]
+            if target[g] < mass[g, -1]:
+                column = int(np.searchsorted(mass[g], target[g], side="right"))
+                tokens[g], values[g] = candidates.token_ids[which[g], column], candidates.logits[which[g], column]
+                continue
+        tokens[g] = np.searchsorted(tail, target[g], side="right")  # never a candidate: their weight is 0 here
+        values[g] = scaled[tokens[g]]
+    return tokens, values
+
+
+def _fraction(uniform: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """floor(u * t) [G] int64, exact, of uniforms [G] in [0, 1) (multiples of 2**-53, as NumPy draws them) and
+    integers t [G] below 2**63."""
+    return np.array([(int(u * 2.0**53) * t) >> 53 for u, t in zip(uniform.tolist(), total.tolist())],
+                    dtype=np.int64)
+
+
 def top_sorted(x: np.ndarray, m: int) -> np.ndarray:
     """[G, V] -> [G, m] int64: the ids of each row's m largest values, largest first, equal ones by lower id."""
     rows, vocab = x.shape
     if m < vocab:
-        kth = -np.partition(-x, m - 1, axis=1)[:, m - 1:m]  # [G, 1]: the m-th largest value
-        above, tied = x > kth, x == kth  # [G, V], [G, V]
-        room = m - above.sum(axis=1, keepdims=True)  # [G, 1]: how many of the tied values are taken
-        ids = np.nonzero(above | (tied & (np.cumsum(tied, axis=1) <= room)))[1].reshape(rows, m)  # ascending
+        kth = np.partition(x, vocab - m, axis=1)[:, vocab - m:vocab - m + 1]  # [G, 1]: the m-th largest value
+        taken = x >= kth  # [G, V]
+        crowded = np.flatnonzero(taken.sum(axis=1) > m)  # rows with more values equal to the m-th than fit
+        if crowded.size:
+            tied = x[crowded] == kth[crowded]  # [T, V]
+            room = m - (x[crowded] > kth[crowded]).sum(axis=1, keepdims=True)  # [T, 1]: the tied values taken
+            taken[crowded] &= ~tied | (np.cumsum(tied, axis=1) <= room)
+        ids = np.nonzero(taken)[1].reshape(rows, m)  # ascending
     else:
         ids = np.broadcast_to(np.arange(vocab), x.shape)
     order = np.argsort(-np.take_along_axis(x, ids, axis=1), axis=1, kind="stable")  # [G, m]
@@ -297,11 +378,12 @@ def fixed_point(vocab: int) -> tuple[int, float]:
 
 
 def exp_sums(x: np.ndarray) -> np.ndarray:
-    """[R, V] float32 -> [R] int64: sum over each row of floor(exp(x - max(x)) * 2**bits) (`fixed_point`).
+    """[R, V] float32 -> [R] int64: sum over each row of floor(exp(x - max(x)) * 2**bits) (`fixed_point`,
+    `fixed_exp`).
 
     An integer sum is the same in any order, and the exp is made of correctly rounded float64 operations only, so
-    a GPU computes the same bits (top_candidates in kernels/sampling.cu). Computed in pieces of EXP_CHUNK values,
-    in place, to stay in cache."""
+    a GPU computes the same bits (top_candidates in kernels/sampling.cu). Computed in pieces of EXP_CHUNK values
+    to stay in cache."""
     rows, vocab = x.shape
     bits, cutoff = fixed_point(vocab)
     top = x.max(axis=1, keepdims=True).astype(np.float64)  # [R, 1]
@@ -309,22 +391,31 @@ def exp_sums(x: np.ndarray) -> np.ndarray:
     per = max(1, EXP_CHUNK // vocab)  # rows per piece
     for r0 in range(0, rows, per):
         for c0 in range(0, vocab, EXP_CHUNK):
-            y = x[r0:r0 + per, c0:c0 + EXP_CHUNK].astype(np.float64)  # [r, c]
-            y -= top[r0:r0 + per]  # <= 0
-            counted = y >= cutoff  # [r, c]
-            np.maximum(y, cutoff, out=y)
-            k = np.rint(y * LOG2E)  # [r, c]
-            r = np.subtract(y, k * LN2_HI, out=y)
-            r -= k * LN2_LO  # |r| <= log(2) / 2
-            p = r * EXP_TAYLOR[-1]  # Horner: (((c11 r + c10) r + ...) r + c1) r + c0
-            for c in EXP_TAYLOR[-2:0:-1]:
-                p += c
-                p *= r
-            p += EXP_TAYLOR[0]
-            np.floor(np.ldexp(p, k.astype(np.int32) + bits, out=p), out=p)
-            p *= counted
-            sums[r0:r0 + per] += p.astype(np.int64).sum(axis=1)
+            y = x[r0:r0 + per, c0:c0 + EXP_CHUNK] - top[r0:r0 + per]  # [r, c] float64
+            sums[r0:r0 + per] += fixed_exp(y, bits, cutoff).astype(np.int64).sum(axis=1)
     return sums
+
+
+def fixed_exp(y: np.ndarray, bits: int, cutoff: float) -> np.ndarray:
+    """floor(exp(y) * 2**bits) of float64 values y <= 0, 0 where y < cutoff (`fixed_point`), as float64 (exact
+    integers); y is overwritten (fixed_exp in kernels/sampling.cu): exp(y) = 2**k * exp(r), k = rint(y * LOG2E),
+    r = y - k * (LN2_HI + LN2_LO), exp(r) by Horner over its Taylor series."""
+    counted = y >= cutoff
+    np.maximum(y, cutoff, out=y)
+    k = np.rint(y * LOG2E)
+    t = k * LN2_HI  # the one other buffer: each step writes into y, k or t, none allocates
+    r = np.subtract(y, t, out=y)
+    r -= np.multiply(k, LN2_LO, out=t)  # |r| <= log(2) / 2
+    p = np.multiply(r, EXP_TAYLOR[-1], out=t)  # Horner: (((c11 r + c10) r + ...) r + c1) r + c0
+    for c in EXP_TAYLOR[-2:0:-1]:
+        p += c
+        p *= r
+    p += EXP_TAYLOR[0]
+    exponent = k.astype(np.int32)
+    exponent += bits
+    np.floor(np.ldexp(p, exponent, out=p), out=p)
+    p *= counted
+    return p
 
 
 def log_normaliser(top: np.ndarray, sums: np.ndarray, vocab: int) -> np.ndarray:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import math
 import re
 
 import numpy as np
@@ -21,6 +23,8 @@ from colibri_stream.sampling import (
     SamplingState,
     apply_penalties,
     exp_sums,
+    fixed_exp,
+    fixed_point,
     log_normaliser,
     top_sorted,
 )
@@ -225,16 +229,39 @@ class CandidateLogits(HostLogits):
         return super().candidates(rows, temperature, wide, np.ones(len(rows), dtype=bool))
 
 
-def needs_whole_row(p: SamplingParams, vocab: int, logits: np.ndarray) -> bool:
-    """Whether the candidate path must copy this row: penalties, the whole vocabulary, logprobs of a temperature,
-    more than TOP_P_CANDIDATES candidates, or a nucleus beyond them."""
+def reference_walk(row: np.ndarray, temperature: float, min_p: float, uniform: float) -> tuple[int, bool]:
+    """(token, copied) of a draw over the whole vocabulary computed over the whole row [V] at once: the inverse CDF
+    walks the best TOP_P_CANDIDATES tokens by scaled logit (equal ones by lower id), then the rest by id, over
+    integer weights floor(exp(x - max) * 2**bits) (0 where x - max < log(min_p)), to the first token whose
+    cumulative weight exceeds floor(uniform * total). copied: whether the candidate path must copy the row (the
+    walk ends beyond the candidates, or min-p keeps the last candidate, so the tail's total is needed)."""
+    vocab = len(row)
+    m = min(vocab, TOP_P_CANDIDATES)
+    scaled = row / np.float32(temperature)  # [V] float32
+    best = np.lexsort((np.arange(vocab), -scaled))[:m]  # [m]
+    order = np.concatenate([best, np.setdiff1d(np.arange(vocab), best)])  # [V]
+    bits, cutoff = fixed_point(vocab)
+    y = scaled.astype(np.float64) - float(scaled.max())  # [V]
+    lowest = math.log(min_p) if min_p > 0 else -math.inf
+    weights = np.where(y >= lowest, fixed_exp(y.copy(), bits, cutoff), 0).astype(np.int64)  # [V]
+    mass = np.cumsum(weights[order])  # [V]
+    assert 0 < mass[-1] < 2**63
+    position = int(np.searchsorted(mass, (int(uniform * 2**53) * int(mass[-1])) >> 53, side="right"))
+    return int(order[position]), position >= m or (m < vocab and y[best[-1]] >= lowest and min_p > 0)
+
+
+def needs_whole_row(p: SamplingParams, vocab: int, logits: np.ndarray, uniform: float) -> bool:
+    """Whether the candidate path must copy this row: penalties, logprobs of a temperature other than 1, more than
+    TOP_P_CANDIDATES candidates, a nucleus beyond them, or a draw over the whole vocabulary that needs the row."""
     top_k = p.top_k if 0 < p.top_k < vocab else 0
     if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
         return True
     if p.temperature < 1e-5:
         return False
-    if (p.logprobs is not None and p.temperature != 1.0) or (top_k == 0 and p.top_p == 1.0) or top_k > 1024:
+    if (p.logprobs is not None and p.temperature != 1.0) or top_k > 1024 or (p.logprobs or 0) > 1024:
         return True
+    if top_k == 0 and p.top_p == 1.0:
+        return reference_walk(logits, p.temperature, p.min_p, uniform)[1]
     if top_k or vocab <= TOP_P_CANDIDATES:
         return False
     scaled = (logits / np.float32(p.temperature)).astype(np.float64)
@@ -292,9 +319,10 @@ def test_the_candidate_path_gives_the_host_tokens_and_logprobs(seed):
                      for _ in range(2))
     for _ in range(3):
         source = CandidateLogits(logits)
+        uniforms = [copy.deepcopy(t.generator).random() for t in twins]  # each row's next draw
         assert_same_output(SAMPLER.sample_from(source, twins), SAMPLER.sample(logits, states))
-        expected = [b for b, p in enumerate(params) if needs_whole_row(p, vocab, logits[b])]
-        assert source.copied == expected
+        expected = [b for b, p in enumerate(params) if needs_whole_row(p, vocab, logits[b], uniforms[b])]
+        assert sorted(source.copied) == expected
         logits = random_tied_logits(rng, rows, vocab)
 
 
@@ -325,3 +353,85 @@ def test_the_kernel_uses_the_same_exp_constants():
     assert tuple(float.fromhex(c.strip()) for c in taylor.split(",")) == EXP_TAYLOR
     for name, value in (("LOG2E", LOG2E), ("LN2_HI", LN2_HI), ("LN2_LO", LN2_LO)):
         assert float(re.search(rf"double {name} = ([^;]+);", source).group(1)) == value
+
+
+def whole_vocabulary_logits(rng: np.random.Generator, rows: int, vocab: int) -> np.ndarray:
+    """[B, V] float32, by row: peaked (a few hot tokens), flat, tied (few levels, -0 and +0, -inf), wide."""
+    logits = (rng.standard_normal((rows, vocab)) * 3.0).astype(np.float32)  # [B, V]: wide
+    for b in range(rows):
+        kind = b % 4
+        if kind == 0:
+            logits[b, rng.integers(0, vocab, 8)] += 15.0
+        elif kind == 1:
+            logits[b] = rng.standard_normal(vocab).astype(np.float32) * 0.01
+        elif kind == 2:
+            logits[b] = random_tied_logits(rng, 1, vocab)[0]
+    return logits
+
+
+def whole_vocabulary_params(rng: np.random.Generator, rows: int) -> list[SamplingParams]:
+    """Rows without top-k or top-p: temperatures 0.3 to 2, min-p or not, logprobs or not, the default."""
+    return [SamplingParams(seed=int(rng.integers(0, 2**63)), temperature=float(rng.choice([0.3, 0.7, 1.0, 1.5, 2.0])),
+                           min_p=float(rng.choice([0.0, 0.0, 1e-3, 0.05, 0.5])),
+                           logprobs=None if rng.random() < 0.6 else int(rng.choice([0, 5])))
+            if b else SamplingParams(seed=int(rng.integers(0, 2**63))) for b in range(rows)]
+
+
+@pytest.mark.parametrize("vocab, rows", [(5, 16), (300, 16), (TOP_P_CANDIDATES, 8), (3000, 16), (151936, 8)])
+def test_a_whole_vocabulary_draw_from_candidates_is_the_walk_over_the_whole_row(vocab, rows):
+    """Rows without top-k or top-p: the candidates' path gives the tokens of a walk over the whole row (the best
+    TOP_P_CANDIDATES, then the rest by id, exact integer weights), copies a row when and only when that walk needs
+    it, and equals the host path (HostLogits) in tokens and logprobs."""
+    rng = np.random.default_rng(vocab)
+    params = whole_vocabulary_params(rng, rows)
+    states, twins = ([SamplingState.from_params(p, [1, 2]) for p in params] for _ in range(2))
+    copies = 0
+    for _ in range(4):
+        logits = whole_vocabulary_logits(rng, rows, vocab)
+        uniforms = [copy.deepcopy(s.generator).random() for s in states]  # each row's next draw
+        expected = [reference_walk(logits[b], p.temperature, p.min_p, uniforms[b]) for b, p in enumerate(params)]
+        source = CandidateLogits(logits)
+        ours = SAMPLER.sample_from(source, twins)
+        assert_same_output(ours, SAMPLER.sample(logits, states))
+        assert ours.token_ids.tolist() == [token for token, _ in expected]
+        copied = [b for b, (p, (_, beyond)) in enumerate(zip(params, expected))
+                  if beyond or (p.logprobs is not None and p.temperature != 1.0)]
+        assert sorted(source.copied) == copied
+        copies += sum(beyond for _, beyond in expected)
+        with np.errstate(divide="ignore"):
+            reference = np.log(probs64(logits))  # -inf logits: -inf
+        for b, info in enumerate(ours.logprobs):
+            if info is not None:
+                assert info.logprob == pytest.approx(reference[b, ours.token_ids[b]], abs=1e-5)
+    assert vocab <= TOP_P_CANDIDATES or copies > 0  # some draws went beyond the candidates
+
+
+def test_a_flat_row_draws_beyond_the_candidates_and_a_peaked_one_never():
+    vocab, rows = 151936, 6
+    logits = np.zeros((2 * rows, vocab), dtype=np.float32)  # [2B, V]: flat rows first
+    logits[rows:, 7] = 40.0  # peaked: token 7 holds all but e^-40 * V of the mass
+    params = [SamplingParams(temperature=2.0, seed=b) for b in range(rows)] + [SamplingParams(seed=b, logprobs=3)
+                                                                              for b in range(rows)]
+    source = CandidateLogits(logits)
+    out = SAMPLER.sample_from(source, states_for(params))
+    # A draw lands among the 1024 candidates (ids 0..1023: all equal) with probability 1024 / V.
+    beyond = [b for b in range(rows) if out.token_ids[b] >= TOP_P_CANDIDATES]
+    assert source.copied == beyond and len(beyond) >= rows - 1
+    assert out.token_ids[rows:].tolist() == [7] * rows
+    assert [info.top_token_ids.tolist() for info in out.logprobs[rows:]] == [[7, 0, 1]] * rows  # no copy needed
+    assert_same_output(out, SAMPLER.sample(logits, states_for(params)))
+
+
+def test_min_p_below_the_last_candidate_never_copies_the_row():
+    vocab, rows = 151936, 32
+    logits = np.full((rows, vocab), -3.0, dtype=np.float32)  # [B, V]
+    logits[:, 100:1100] = 0.0  # 1000 likely tokens; the other 150936 hold 88 % of the mass (e^-3 each)
+    cut = [SamplingParams(min_p=0.1, seed=b) for b in range(rows)]  # e^-3 < 0.1: the tail is dropped
+    source = CandidateLogits(logits)
+    out = SAMPLER.sample_from(source, states_for(cut))
+    assert source.copied == [] and ((out.token_ids >= 100) & (out.token_ids < 1100)).all()
+    kept = [SamplingParams(min_p=0.01, seed=b) for b in range(rows)]  # e^-3 > 0.01: the tail stays, its mass unknown
+    source = CandidateLogits(logits)
+    out = SAMPLER.sample_from(source, states_for(kept))
+    assert source.copied == list(range(rows)) and (out.token_ids >= 1100).sum() > rows // 2
+    assert_same_output(out, SAMPLER.sample(logits, states_for(kept)))
