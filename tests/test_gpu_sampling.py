@@ -17,13 +17,20 @@ cupy = pytest.importorskip("cupy", reason="CuPy is not installed (GPU tests need
 if not cupy.cuda.is_available():
     pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
 
-from test_sampling import assert_same_output, random_params, random_tied_logits  # noqa: E402
+from test_sampling import (  # noqa: E402
+    assert_same_output,
+    random_params,
+    random_tied_logits,
+    reference_walk,
+    whole_vocabulary_logits,
+    whole_vocabulary_params,
+)
 
 from colibri_stream.backends.cupy_backend import CupyBackend  # noqa: E402
 from colibri_stream.backends.cupy_sampling import MAX_CANDIDATES, DeviceLogits  # noqa: E402
 from colibri_stream.llm import LLM  # noqa: E402
 from colibri_stream.request import SamplingParams  # noqa: E402
-from colibri_stream.sampling import HostLogits, Sampler, SamplingState  # noqa: E402
+from colibri_stream.sampling import TOP_P_CANDIDATES, HostLogits, Sampler, SamplingState  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -65,6 +72,7 @@ def test_candidates_equal_numpy(rows, vocab, count):
     np.testing.assert_array_equal(ours.token_ids, expected.token_ids)
     np.testing.assert_array_equal(ours.logits, expected.logits)
     np.testing.assert_array_equal(ours.lse, expected.lse)
+    np.testing.assert_array_equal(ours.sums, expected.sums)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
@@ -79,6 +87,55 @@ def test_sampling_on_the_device_gives_the_host_tokens(rows, vocab):
         poison()
         assert_same_output(Sampler().sample_from(DeviceLogits(cupy.asarray(logits), GPU), states),
                            Sampler().sample(logits, twins))
+
+
+class CountedDeviceLogits(DeviceLogits):
+    """DeviceLogits that records the rows copied whole."""
+
+    def __init__(self, logits, backend):
+        super().__init__(logits, backend)
+        self.copied: list[int] = []
+
+    def rows(self, rows):
+        self.copied += rows.tolist()
+        return super().rows(rows)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("vocab", [3000, 151936])
+def test_whole_vocabulary_rows_on_the_device_give_the_host_tokens(rows, vocab):
+    """Rows without top-k or top-p (the default, plain temperature, min-p, logprobs at temperature 1): the tokens
+    of the host path and of a walk over the whole row, and a row copied only where that walk needs it."""
+    assert MAX_CANDIDATES >= TOP_P_CANDIDATES  # else such rows would all be copied whole
+    rng = np.random.default_rng(3 * rows + vocab)
+    params = whole_vocabulary_params(rng, rows)
+    states, twins = ([SamplingState.from_params(p, [1, 2]) for p in params] for _ in range(2))
+    for _ in range(3):
+        logits = whole_vocabulary_logits(rng, rows, vocab)  # [B, V]
+        uniforms = [copy.deepcopy(s.generator).random() for s in states]
+        expected = [reference_walk(logits[b], p.temperature, p.min_p, uniforms[b]) for b, p in enumerate(params)]
+        poison()
+        source = CountedDeviceLogits(cupy.asarray(logits), GPU)
+        ours = Sampler().sample_from(source, states)
+        assert_same_output(ours, Sampler().sample(logits, twins))
+        assert ours.token_ids.tolist() == [token for token, _ in expected]
+        assert sorted(source.copied) == [b for b, (p, (_, beyond)) in enumerate(zip(params, expected))
+                                         if beyond or (p.logprobs is not None and p.temperature != 1.0)]
+
+
+def test_a_flat_row_on_the_device_draws_beyond_the_candidates():
+    """A flat row over V = 151936 at temperature 2: a draw lands among the 1024 candidates with probability
+    1024 / V, so nearly every row is copied and walked beyond them, to the host's tokens."""
+    rows, vocab = 16, 151936
+    logits = np.zeros((rows, vocab), dtype=np.float32)
+    logits[:, ::2] = np.float32(1e-3)  # not all equal: the even ids come first
+    params = [SamplingParams(temperature=2.0, seed=b) for b in range(rows)]
+    poison()
+    source = CountedDeviceLogits(cupy.asarray(logits), GPU)
+    ours = Sampler().sample_from(source, [SamplingState.from_params(p, []) for p in params])
+    assert_same_output(ours, Sampler().sample(logits, [SamplingState.from_params(p, []) for p in params]))
+    beyond = [b for b in range(rows) if ours.token_ids[b] not in range(0, 2 * TOP_P_CANDIDATES, 2)]
+    assert sorted(source.copied) == beyond and len(beyond) >= rows - 2
 
 
 class HostCheckedSampler(Sampler):
@@ -102,6 +159,8 @@ class HostCheckedSampler(Sampler):
     SamplingParams(max_tokens=12, temperature=1.0, top_k=20, min_p=0.05, seed=4, logprobs=3),
     SamplingParams(max_tokens=12, temperature=0.7, presence_penalty=1.0, seed=5),
     SamplingParams(max_tokens=12, temperature=1.3, seed=6),
+    SamplingParams(max_tokens=12, seed=7, logprobs=2),  # the OpenAI default: the whole vocabulary at temperature 1
+    SamplingParams(max_tokens=12, temperature=0.9, min_p=0.02, seed=8),
 ])
 def test_the_engine_samples_on_the_device_as_the_host_does(tiny_model_dir, params):
     llm = LLM(str(tiny_model_dir), device="cuda")
