@@ -6,6 +6,7 @@ choices, stop strings, logprobs and usage equal to the whole response."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import aiohttp
@@ -119,6 +120,10 @@ def test_a_full_queue_is_429_with_retry_after(server, client):
                 stream.close()
 
     asyncio.run(fill_then_ask())
+    deadline = time.monotonic() + 30  # the closed streams are cancelled once the server sees the disconnects
+    while metric(server, "colibri_num_requests_waiting") + metric(server, "colibri_num_requests_running") > 0:
+        assert time.monotonic() < deadline, "the closed streams were not cancelled"
+        time.sleep(0.01)
     assert client.completions.create(model=MODEL, prompt="after", max_tokens=1).usage.completion_tokens == 1
 
 
