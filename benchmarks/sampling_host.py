@@ -7,7 +7,7 @@ top_p 1, seeded), by batch size:
   memory: the PCIe copy of a real device (39 MB at batch 64) is not counted. `rows` says how many rows it copied
   per step.
 
-    python benchmarks/sampling_host.py [--batch-sizes 16,64] [--steps 10]
+    python benchmarks/sampling_host.py [--batch-sizes 16,64] [--steps 10] [--out benchmarks/results/sampling_host.json]
 
 On the 2-core dev machine (--steps 20, medians), before and after rows over the whole vocabulary were served from
 the candidates (commit 5a6716e); the synthetic logits send 1.45 of 64 rows a step beyond their candidates:
@@ -19,10 +19,14 @@ the candidates (commit 5a6716e); the synthetic logits send 1.45 of 64 rows a ste
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from dataclasses import fields
+from pathlib import Path
 
 import numpy as np
+
+from conditions import machine
 
 from colibri_stream.request import SamplingParams
 from colibri_stream.sampling import Candidates, HostLogits, Sampler, SamplingState
@@ -64,7 +68,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", default="16,64")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/sampling_host.json"))
     args = parser.parse_args()
+    records = []
     params = SamplingParams(temperature=1.0, top_p=1.0, seed=0)
     for batch in map(int, args.batch_sizes.split(",")):
         states = [SamplingState.from_params(params, [], index=b) for b in range(batch)]
@@ -80,9 +86,17 @@ def main() -> None:
             Sampler().sample_from(source, states)
             times["device"].append(time.perf_counter() - start)
             copied += source.copied
-        print(f"B={batch:3d} V={VOCAB}: numpy {np.median(times['numpy']) * 1e3:7.2f} ms/step, "
-              f"device host share {np.median(times['device']) * 1e3:7.2f} ms/step "
-              f"(rows copied whole: {copied / args.steps:.2f}/step)")
+        record = {"bench": "sampling_host", **machine(), "vocab": VOCAB, "batch": batch, "steps": args.steps,
+                  "params": "temperature 1, top_p 1, seeded", "logits": "synthetic: 40 likely tokens over a tail",
+                  "numpy_ms_per_step": float(np.median(times["numpy"]) * 1e3),
+                  "device_host_ms_per_step": float(np.median(times["device"]) * 1e3),
+                  "rows_copied_per_step": copied / args.steps}
+        records.append(record)
+        print(f"B={batch:3d} V={VOCAB}: numpy {record['numpy_ms_per_step']:7.2f} ms/step, "
+              f"device host share {record['device_host_ms_per_step']:7.2f} ms/step "
+              f"(rows copied whole: {record['rows_copied_per_step']:.2f}/step)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(records, indent=1) + "\n")
 
 
 if __name__ == "__main__":
