@@ -46,25 +46,36 @@ from .tiers import BlockReader, TieredExpertStore
 logger = logging.getLogger(__name__)
 GPU_IO_THREADS = 4  # prefetch reads of blocks that are not in host memory
 FLOP_PROBE_TOKENS = 32  # tokens of the start-up measurement of the CPU expert executor's arithmetic rate
+CUT_ROW_MULTIPLE = 16  # a cut expert's GPU rows: whole 16-byte vectors of every expert dtype
+
+
+def _timed_copies(source: np.ndarray, destination: int, stream, copies: int):
+    """Queue `copies` host -> GPU copies of the pinned `source` to device address `destination` on `stream`
+    between two timing events; returns (start, end)."""
+    import cupy as cp
+
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(stream)
+    for _ in range(copies):
+        cp.cuda.runtime.memcpyAsync(destination, source.ctypes.data, source.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+    end.record(stream)
+    return start, end
+
+
+def _copy_rate(source: np.ndarray, copies: int, start, end) -> float:
+    """Bytes per second of `copies` copies of `source` timed by the events (waits for the last)."""
+    import cupy as cp
+
+    end.synchronize()
+    return copies * source.nbytes / (cp.cuda.get_elapsed_time(start, end) / 1e3)
 
 
 def pinned_copy_rate(source: np.ndarray, destination: int, stream, copies: int = 3) -> float:
     """Bytes per second of host -> GPU copies of the pinned `source` to device address `destination` on `stream`
     (after one untimed copy)."""
-    import cupy as cp
-
-    def copy() -> None:
-        cp.cuda.runtime.memcpyAsync(destination, source.ctypes.data, source.nbytes,
-                                    cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
-
-    copy()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record(stream)
-    for _ in range(copies):
-        copy()
-    end.record(stream)
-    end.synchronize()
-    return copies * source.nbytes / (cp.cuda.get_elapsed_time(start, end) / 1e3)
+    _timed_copies(source, destination, stream, 1)
+    return _copy_rate(source, copies, *_timed_copies(source, destination, stream, copies))
 
 
 def cpu_expert_rates(executor: CpuExpertExecutor, tensors: dict[str, np.ndarray], params: int) -> tuple[float, float]:
@@ -91,23 +102,15 @@ def shared_rates(executor: CpuExpertExecutor, tensors: dict[str, np.ndarray], so
     both run at once: `copies` back-to-back copies of `source` to `destination` on `stream`, the executor running
     one expert's `tensors` (a block's views) over and over until they end. Both read host RAM, so each is slower
     than alone; this is what a step that cuts an expert between them gets."""
-    import cupy as cp
-
     x = np.ones((1, tensors["gate"].shape[1]), np.float32)  # [1, H]
     nbytes = sum(t.nbytes for t in tensors.values())
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record(stream)
-    for _ in range(copies):
-        cp.cuda.runtime.memcpyAsync(destination, source.ctypes.data, source.nbytes,
-                                    cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
-    end.record(stream)
+    start, end = _timed_copies(source, destination, stream, copies)
     runs, begin = 0, time.perf_counter()
     while runs == 0 or not end.done:
         executor.run(x, tensors)
         runs += 1
     cpu = runs * nbytes / (time.perf_counter() - begin)
-    end.synchronize()
-    return cpu, copies * source.nbytes / (cp.cuda.get_elapsed_time(start, end) / 1e3)
+    return cpu, _copy_rate(source, copies, start, end)
 
 
 def _done(event) -> Future:
@@ -214,7 +217,6 @@ class GpuTieredStore(ExpertStore):
         self._cpu_thread = ThreadPoolExecutor(1, thread_name_prefix="colibri-cpu-experts")  # runs the CPU executor
         self._pass_done = None  # CUDA event after the latest pass's kernels
         self._staging_free = None  # CUDA event after the latest pass that read the staging block
-        self._split_multiple = 16  # a cut expert's GPU rows: whole 16-byte vectors of every expert dtype
         self._stats = self._fresh_stats()
         self._current = len(policies)
         self._step: dict | None = None  # the running layer's plan (begin_layer -> passes -> finish_layer)
@@ -369,7 +371,7 @@ class GpuTieredStore(ExpertStore):
         inter = self.file.config.moe_intermediate_size
         on_cpu, split = [], None
         for expert, share in zip(misses, place_step(needs, self.bandwidths)):
-            rows = gpu_rows(share, inter, self._split_multiple)
+            rows = gpu_rows(share, inter, CUT_ROW_MULTIPLE)
             if rows == 0:
                 on_cpu.append(expert)
             elif rows < inter:
