@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One session on a GPU machine: install, GPU tests, benchmarks; logs and JSON results under $OUT.
-#   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests decode cpu offload" benchmarks/gpu_session.sh
+#   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests dense decode cpu offload" benchmarks/gpu_session.sh
 # Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first. Each stage has its own time
 # limit so the next one runs even if one fails. OFFLOAD_ARGS / DECODE_ARGS / CPU_ARGS pass options to the benchmarks.
 set -uo pipefail
@@ -29,6 +29,10 @@ for stage in $STAGES; do
       echo "== decode benchmark"
       timeout "${DECODE_TIMEOUT:-300}" python3 benchmarks/decode.py --out "$OUT/decode_h200.json" ${DECODE_ARGS:-} \
         2>&1 | tee "$OUT/decode.log" | tail -40 ;;
+    dense)
+      echo "== dense projections: GEMV against tensor cores"
+      timeout "${DENSE_TIMEOUT:-240}" python3 benchmarks/dense_projection.py --out "$OUT/dense_projection_h200.json" \
+        2>&1 | tee "$OUT/dense.log" | tail -50 ;;
     cpu)
       echo "== CPU expert executor kernels"
       timeout "${CPU_TIMEOUT:-240}" python3 benchmarks/cpu_expert_kernels.py --out "$OUT/cpu_expert_kernels_h200.json" \

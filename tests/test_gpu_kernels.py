@@ -22,6 +22,9 @@ if not cupy.cuda.is_available():
 
 from colibri_stream.backends import cupy_backend  # noqa: E402
 from colibri_stream.backends.cupy_backend import (  # noqa: E402
+    DENSE_MMA_MIN_TOKENS,
+    LINEAR_MMA_ROWS,
+    LINEAR_MMA_TILES,
     MMA_DOWN_ROWS,
     MMA_GATE_UP_ROWS,
     MMA_MIN_TOKENS,
@@ -29,6 +32,7 @@ from colibri_stream.backends.cupy_backend import (  # noqa: E402
     MMA_TILES,
     ROUTER_SPLIT_TOKENS,
     SMALL_BATCH,
+    TOKEN_TILES,
     CupyBackend,
     DeviceExpertStore,
     LayerExperts,
@@ -136,40 +140,77 @@ def test_linears(dtype, tokens, outs, monkeypatch):
         check(out, ref, 1e-5 if tokens <= SMALL_BATCH or dtype == "float32" else 1e-4)
 
 
+def captured(stream: cupy.cuda.Stream, fn):
+    """fn() run once eagerly (it compiles what the capture uses), then captured on `stream` as a CUDA graph with
+    its own memory pool: (graph, what the captured call returned)."""
+    with stream:
+        fn()
+        stream.synchronize()
+        with cupy.cuda.using_allocator(cupy.cuda.MemoryPool().malloc):
+            stream.begin_capture()
+            try:
+                result = fn()
+            finally:
+                graph = stream.end_capture()
+    return graph, result
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("tokens", [1, MMA_MIN_TOKENS, 16, 64, 100])
-@pytest.mark.parametrize("dims", [(256, 1000), (2048, 40), (64, 8), (64, 40000)])
+@pytest.mark.parametrize("tokens", [1, DENSE_MMA_MIN_TOKENS, 16, 64, 100])
+@pytest.mark.parametrize("dims", [(256, 1000), (2048, 40), (64, 8), (1000, 256), (4096, 136)])
 def test_linear_captured_in_a_cuda_graph(dtype, tokens, dims, monkeypatch):
-    """Projections inside a graph capture (where CuPy refuses cuBLAS): bf16/fp16 ones of MMA_MIN_TOKENS tokens or
-    more and rows for a block per multiprocessor on moe_down_mma as one expert, the rest on linear_rows; replayed
-    on new inputs against NumPy, outputs poisoned."""
+    """Projections inside a graph capture (where CuPy refuses cuBLAS): bf16/fp16 ones of DENSE_MMA_MIN_TOKENS
+    tokens or more on linear_mma (split over the columns when the rows alone do not fill the GPU), the rest on
+    linear_rows; replayed twice on new inputs against NumPy, outputs poisoned (a split output that the replay
+    does not zero again would add up)."""
     n_in, n_out = dims
     rng = np.random.default_rng(tokens * 5 + n_out)
     w = weight(rng, (n_out, n_in), dtype)
     bias = (0.1 * rng.standard_normal(n_out)).astype(np.float32)
     device_w, device_bias = GPU.prepare_weight(w), GPU.prepare_weight(bias)
     x = cupy.zeros((tokens, n_in), np.float32)  # [T, In] fixed input buffer
-    stream, pool = cupy.cuda.Stream(non_blocking=True), cupy.cuda.MemoryPool()
+    stream = cupy.cuda.Stream(non_blocking=True)
     launched = launched_kernels(monkeypatch)
-    with stream:
-        GPU.linear(x, device_w, device_bias)  # eager: compiles what the capture will use
+    graph, out = captured(stream, lambda: (launched.clear(), GPU.linear(x, device_w, device_bias))[1])
+    mma = tokens >= DENSE_MMA_MIN_TOKENS and dtype != "float32"
+    assert launched == [f"linear_mma<{cupy_backend.storage_type(device_w)}, {_tile(-(-tokens // 8), LINEAR_MMA_TILES)}>"
+                        if mma else f"linear_rows<{cupy_backend.storage_type(device_w)}, {_tile(tokens, TOKEN_TILES)}>"]
+    for _ in range(2):
+        host = rng.standard_normal((tokens, n_in)).astype(np.float32)
+        x.set(host, stream=stream)
+        out.fill(np.nan)
+        graph.launch(stream=stream)
         stream.synchronize()
-        launched.clear()
-        with cupy.cuda.using_allocator(pool.malloc):
-            stream.begin_capture()
-            try:
-                out = GPU.linear(x, device_w, device_bias)
-            finally:
-                graph = stream.end_capture()
-        mma = tokens >= MMA_MIN_TOKENS and dtype != "float32" and n_out >= 128 * GPU.multiprocessors
-        assert any(n.startswith("moe_down_mma" if mma else "linear_rows") for n in launched), launched
-        for _ in range(2):
-            host = rng.standard_normal((tokens, n_in)).astype(np.float32)
-            x.set(host, stream=stream)
+        check(out, REF.linear(host, REF.prepare_weight(w), bias), 1e-4 if mma else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tokens", [DENSE_MMA_MIN_TOKENS, 16, 33])
+@pytest.mark.parametrize("outs", [(4096, 512, 512), (2048, 256), (136,)])
+def test_linears_captured_on_tensor_cores(dtype, tokens, outs, monkeypatch):
+    """q, k and v of a captured step of several tokens: one launch of linear_mma for all of them, split over the
+    columns, each output as `linear` computes it, on every replay."""
+    rng = np.random.default_rng(tokens + sum(outs))
+    n_in = 2048
+    weights = [weight(rng, (n, n_in), dtype) for n in outs]
+    biases = [(0.1 * rng.standard_normal(n)).astype(np.float32) if m != 1 else None for m, n in enumerate(outs)]
+    device_weights = [GPU.prepare_weight(w) for w in weights]
+    device_biases = [None if b is None else GPU.prepare_weight(b) for b in biases]
+    x = cupy.zeros((tokens, n_in), np.float32)  # [T, In]
+    launched = launched_kernels(monkeypatch)
+    graph, results = captured(cupy.cuda.Stream(non_blocking=True),
+                              lambda: (launched.clear(), GPU.linears(x, device_weights, device_biases))[1])
+    assert len(launched) == 1 and launched[0].startswith("linear_mma"), launched
+    assert GPU.column_splits(n_in, sum(-(-n // LINEAR_MMA_ROWS) for n in outs)) > 1
+    for _ in range(2):
+        host = rng.standard_normal((tokens, n_in)).astype(np.float32)
+        x.set(host)
+        for out in results:
             out.fill(np.nan)
-            graph.launch(stream=stream)
-            stream.synchronize()
-            check(out, REF.linear(host, REF.prepare_weight(w), bias), 1e-4 if mma else 1e-5)
+        graph.launch()
+        cupy.cuda.Device().synchronize()
+        for out, ref in zip(results, REF.linears(host, [REF.prepare_weight(w) for w in weights], biases)):
+            check(out, ref, 1e-4)
 
 
 def test_elementwise():

@@ -9,9 +9,10 @@ Dense projections of up to SMALL_BATCH tokens run on our GEMV kernel (linear.cu)
 all the tokens; larger ones go to cuBLAS on tensor cores: float32 activations are split into a bf16 (or fp16) high
 and low part (x = hi + lo to about 16 significant bits) multiplied as one GEMM of twice the rows, so the result
 stays within about 1e-5 of float32 while each weight is still read once. CuPy refuses cuBLAS calls while a stream
-captures a CUDA graph, so inside a capture a large bf16/fp16 projection (lm_head) of MMA_MIN_TOKENS tokens or more
-runs on the routed experts' tensor-core kernel (moe_down_mma: the weight as one expert that every token is routed
-to with weight 1, the same hi/lo split), and the others on linear_rows. Routed experts are held per layer as stacked device arrays (DeviceExpertStore), and the MoE kernels
+captures a CUDA graph, so inside a capture bf16/fp16 projections of DENSE_MMA_MIN_TOKENS tokens or more run on our
+tensor-core kernel (linear_mma.cu: the same hi/lo split, the columns split over enough blocks to fill the GPU), and
+the others on linear_rows. Routed experts are held per layer as stacked device arrays (DeviceExpertStore), and the
+MoE kernels
 read the routing from device memory, so a decode step needs no host synchronisation and can be captured in a CUDA
 graph (cuda_graph.py).
 """
@@ -41,7 +42,11 @@ MMA_THREADS = 128  # MMA_WARPS * 32 in moe_mma.cu
 MMA_GATE_UP_ROWS = 64  # gate (and up) rows per block of moe_gate_up_mma: 4 warps x 16
 MMA_DOWN_ROWS = 128  # down rows per block of moe_down_mma: 4 warps x 32
 ATTENTION_WARPS = 16  # ATTN_WARPS in attention.cu
-DENSE_MMA_MAX_TOKENS = 4096  # dense projections captured in a graph run on moe_down_mma up to this many tokens
+DENSE_MMA_MIN_TOKENS = MMA_MIN_TOKENS  # from this many tokens, captured bf16/fp16 projections run on linear_mma
+LINEAR_MMA_TILES = (1, 2, 4, 8)  # linear_mma instantiations: n-tiles of 8 tokens per pass over the weights
+LINEAR_MMA_ROWS = 128  # output rows per block of linear_mma: 4 warps x 32
+LINEAR_MMA_BLOCKS_PER_SM = 4  # blocks of 48 KiB shared memory a multiprocessor runs at once: what the splits fill
+LINEAR_MMA_MIN_SPAN = 128  # columns per split at least (four 32-column chunks)
 ROUTER_SPLIT_TOKENS = 64  # up to this many tokens, route_split spreads the router's rows over the GPU
 ROUTER_WARPS = 4  # ROUTER_WARPS in router.cu
 PROLOGUE_WARPS = 4  # warps per block of qk_norm_rope_write (attention_prologue.cu) without a full-width qk norm
@@ -65,6 +70,8 @@ _FAMILIES = {
                                                    for tt in MOE_TILES),  # None: moe_align, moe_sum only
     "moe_mma.cu": lambda w: tuple(f"{k}<{w}, {nt}>" for k in ("moe_gate_up_mma", "moe_down_mma")
                                   for nt in MMA_TILES) if w in ("__nv_bfloat16", "__half") else (),
+    "linear_mma.cu": lambda w: tuple(f"linear_mma<{w}, {nt}>" for nt in LINEAR_MMA_TILES)
+    if w in ("__nv_bfloat16", "__half") else (),
     "attention.cu": lambda w: tuple(f"paged_attention<{d}>" for d in (1, 2, 4, 8)),
 }
 
@@ -255,15 +262,6 @@ class CupyBackend(Backend):
         # [token tiles] route_split's block counters: zero between launches (each launch resets what it counted)
         self.multiprocessors = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._route_counters = cupy.zeros(_ceil(ROUTER_SPLIT_TOKENS, TOKEN_TILES[-1]), np.uint32)
-        # A dense projection as moe_down_mma's one expert: group 0 holds pairs 0 .. T - 1 (pair p = token p), each
-        # with routing weight 1. Made here, outside any capture, so graphs only read them.
-        n = DENSE_MMA_MAX_TOKENS
-        self._dense_pairs = cupy.arange(n, dtype=np.int32)  # [N] sorted_pairs
-        self._dense_starts = cupy.asarray(np.stack([np.zeros(n + 1), np.arange(n + 1)], axis=1).astype(np.int32))
-        # [N + 1, 2]: row T is group_start (0, T)
-        self._dense_weights = cupy.ones(n, np.float32)  # [N] route_weights
-        self._dense_expert = cupy.zeros(1, np.int32)  # [1] group_expert: expert 0
-        self._dense_groups = cupy.ones(1, np.int32)  # [1] num_groups
 
     # ---- memory -------------------------------------------------------------------------------------------
     def prepare_weight(self, host) -> Array:
@@ -323,52 +321,67 @@ class CupyBackend(Backend):
         return out, summed
 
     def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
-        x = self.cp.ascontiguousarray(x)
-        path = self._dense_path(x, weight)
-        if path == "gemv":
-            return self._linear_rows(x, [weight], [bias])[0]
-        out = self._linear_mma(x, weight) if path == "mma" else self._gemm(x, weight)  # [T, Out]
-        if bias is not None:
-            out += bias
-        return out
+        return self.linears(x, [weight], [bias])[0]
 
     def linears(self, x, weights, biases):
-        """Up to three matrices of one dtype, at GEMV sizes: one launch of linear_rows for all of them."""
+        """Up to three matrices of one dtype on the same path are one launch (linear_rows or linear_mma)."""
         x = self.cp.ascontiguousarray(x)
-        if (len(weights) <= 3 and len({w.dtype for w in weights}) == 1
-                and all(self._dense_path(x, w) == "gemv" for w in weights)):
+        paths = {self._dense_path(x, w) for w in weights}
+        if len(weights) > 3 or len({w.dtype for w in weights}) > 1 or len(paths) > 1:
+            return super().linears(x, weights, biases)
+        path = paths.pop()
+        if path == "gemv":
             return self._linear_rows(x, weights, biases)
-        return super().linears(x, weights, biases)
+        if path == "mma":
+            return self._linear_mma(x, weights, biases)
+        outs = [self._gemm(x, weight) for weight in weights]  # [T, Out_m] each
+        for out, bias in zip(outs, biases):
+            if bias is not None:
+                out += bias
+        return outs
 
     def _dense_path(self, x: Array, weight: Array) -> str:
-        """How x [T, In] is multiplied by `weight`: "mma" (moe_down_mma) inside a graph capture from
-        MMA_MIN_TOKENS tokens with bf16/fp16 weights of enough rows to give every multiprocessor a block of
-        MMA_DOWN_ROWS (lm_head: on the H200 its b16 time halved, while q/k/v/o, 8-32 blocks, ran 3x slower than on
-        linear_rows); eager steps of that size compile it, for the capture. "gemv" (linear_rows) for few tokens or
-        other captures, "cublas" otherwise."""
+        """How x [T, In] is multiplied by `weight`: "mma" (linear_mma) inside a graph capture from
+        DENSE_MMA_MIN_TOKENS tokens with bf16/fp16 weights; eager steps of that size compile it, for the capture.
+        "gemv" (linear_rows) for few tokens or other captures, "cublas" otherwise."""
         tokens, capturing = x.shape[0], self.cp.cuda.get_current_stream().is_capturing()
-        if (MMA_MIN_TOKENS <= tokens <= DENSE_MMA_MAX_TOKENS and _on_tensor_cores(weight, tokens)
-                and _ceil(weight.shape[0], MMA_DOWN_ROWS) >= self.multiprocessors):
+        if tokens >= DENSE_MMA_MIN_TOKENS and np.dtype(weight.dtype) in (np.dtype(np.uint16), np.dtype(np.float16)):
             if capturing:
                 return "mma"
             w = storage_type(weight)  # an eager step (a graph's warm-up) compiles it for the capture
-            get_kernel("moe_mma.cu", f"moe_down_mma<{w}, 1>", _FAMILIES["moe_mma.cu"](w))
+            get_kernel("linear_mma.cu", f"linear_mma<{w}, 1>", _FAMILIES["linear_mma.cu"](w))
         return "gemv" if tokens <= SMALL_BATCH or capturing else "cublas"
 
-    def _linear_mma(self, x: Array, weight: Array) -> Array:
-        """x [T, In] @ weight [Out, In]^T on tensor cores: moe_down_mma with the weight as its one expert and every
-        token routed to it with weight 1 (the routing arrays made at start).  # [T, Out] float32"""
+    def column_splits(self, n_in: int, row_blocks: int) -> int:
+        """Column spans of linear_mma for `row_blocks` blocks of output rows: enough blocks to fill every
+        multiprocessor (LINEAR_MMA_BLOCKS_PER_SM each), each span at least LINEAR_MMA_MIN_SPAN columns."""
+        wanted = round(self.multiprocessors * LINEAR_MMA_BLOCKS_PER_SM / row_blocks)
+        return max(1, min(wanted, n_in // LINEAR_MMA_MIN_SPAN))
+
+    def _linear_mma(self, x: Array, weights, biases) -> list[Array]:
+        """x [T, In] times one to three bf16/fp16 weights [Out_m, In] of one dtype (+ biases) in one launch of
+        linear_mma, split over the columns.  # [T, Out_m] each"""
         t, n_in = x.shape
-        n_out = weight.shape[0]
-        _check_row_width(n_in, weight, "linear")
-        out = self.cp.empty((t, n_out), np.float32)  # [T, Out]
-        w = storage_type(weight)
-        n_tiles = _tile(_ceil(t, 8), MMA_TILES)
-        args = (x, weight, np.int64(0), NULL, np.int64(0), NULL, self._dense_weights, self._dense_expert,
-                self._dense_starts[t], self._dense_pairs, self._dense_groups, out, np.int32(n_out), np.int32(n_in))
-        _launch("moe_mma.cu", f"moe_down_mma<{w}, {n_tiles}>", (_ceil(n_out, MMA_DOWN_ROWS), 1), MMA_THREADS, args,
-                weight_type=w)
-        return out
+        n_outs = [weight.shape[0] for weight in weights]
+        for weight in weights:
+            _check_row_width(n_in, weight, "linear")
+        row_blocks = sum(_ceil(n, LINEAR_MMA_ROWS) for n in n_outs)
+        splits = self.column_splits(n_in, row_blocks)
+        span = 32 * _ceil(n_in, 32 * splits)
+        splits = _ceil(n_in, span)
+        # [T * sum(Out_m)]: several splits add into it, so it starts at zero
+        flat = (self.cp.zeros if splits > 1 else self.cp.empty)(t * sum(n_outs), np.float32)
+        outs, matrices, start = [], [], 0
+        for weight, bias, n_out in zip(weights, biases, n_outs):
+            outs.append(flat[start:start + t * n_out].reshape(t, n_out))  # [T, Out_m]
+            start += t * n_out
+            matrices += [weight, NULL if bias is None else bias, outs[-1], np.int32(n_out)]
+        matrices += [NULL, NULL, NULL, np.int32(0)] * (3 - len(weights))
+        w = storage_type(weights[0])
+        n_tiles = _tile(_ceil(t, 8), LINEAR_MMA_TILES)
+        _launch("linear_mma.cu", f"linear_mma<{w}, {n_tiles}>", (row_blocks, splits), MMA_THREADS,
+                (x, np.int32(t), np.int32(n_in), np.int32(span), *matrices), weight_type=w)
+        return outs
 
     def _linear_rows(self, x: Array, weights, biases) -> list[Array]:
         """x [T, In] times one to three weights [Out_m, In] of one dtype (+ biases) in one launch.  # [T, Out_m] each"""
