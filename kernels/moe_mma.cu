@@ -25,7 +25,10 @@
 //   rows of gate and the same 16 rows of up (both in registers before SiLU-mul).
 //
 // moe_down_mma<W, NT>: y[p, h] = route_weight[p] * (down_e[h] . act[p]).
-//   Arguments as moe_down. grid: (ceil(H / (32 * MMA_WARPS)), G), block: MMA_WARPS * 32 threads; each warp 32 rows.
+//   Arguments as moe_down, then span. grid: (ceil(H / (32 * MMA_WARPS)), G, splits), block: MMA_WARPS * 32 threads;
+//   each warp 32 rows. Split z covers the columns [z * span, min(I, (z + 1) * span)), span a multiple of 32 and
+//   splits = ceil(I / span): with one split y is written; with several (when H's row blocks and the groups alone
+//   leave multiprocessors idle) each adds its partial products with atomicAdd, so the caller zeroes y first.
 //
 // As in moe.cu: G = min(E, P); blocks with g >= num_groups[0] exit; a group whose slot is negative is skipped and
 // its pairs' outputs are left untouched; per-row scales are applied when given (null for bf16/fp16 weights).
@@ -107,7 +110,7 @@ moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long lon
              const float* __restrict__ down_scales, long long s_stride, const int* __restrict__ slot_of,
              const float* __restrict__ route_weights, const int* __restrict__ group_expert,
              const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
-             const int* __restrict__ num_groups, float* __restrict__ y, int H, int I) {
+             const int* __restrict__ num_groups, float* __restrict__ y, int H, int I, int span) {
     constexpr int M = MMA_TILES_M;
     static_assert(MMA_ROWS_DOWN == 16 * M, "a warp's down rows are its m-tiles");
     const int g = blockIdx.y;
@@ -117,6 +120,9 @@ moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long lon
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, q = lane % 4;
     const int row0 = (blockIdx.x * MMA_WARPS + warp) * MMA_ROWS_DOWN;
     if (row0 >= H) return;
+    const int k0 = blockIdx.z * span;
+    const int cols = min(span, I - k0);
+    const bool split = gridDim.z > 1;
     __shared__ WeightRing<M> ring;
     int rows[M][2];
     const W* a[M][2];
@@ -127,7 +133,7 @@ moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long lon
         for (int h = 0; h < 2; ++h) {
             rows[m][h] = row0 + 16 * m + quad + 8 * h;
             const long long row = min(rows[m][h], H - 1);
-            a[m][h] = down + slot * w_stride + row * I;
+            a[m][h] = down + slot * w_stride + row * I + k0;
             scale[m][h] = down_scales != nullptr ? down_scales[slot * s_stride + row] : 1.f;
         }
     }
@@ -140,10 +146,10 @@ moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long lon
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             pairs[t] = sorted_pairs[base + min(8 * t + quad, n - 1)];
-            b[t] = act + static_cast<long long>(pairs[t]) * I;
+            b[t] = act + static_cast<long long>(pairs[t]) * I + k0;
         }
         float acc[M][NT][4] = {};
-        mma_rows<W, M, NT>(a, b, tiles, I, ring, acc);
+        mma_rows<W, M, NT>(a, b, tiles, cols, ring, acc);
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             if (t < tiles) {
@@ -157,7 +163,13 @@ moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long lon
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
                             if (rows[m][h] >= H) continue;
-                            y[static_cast<long long>(p) * H + rows[m][h]] = acc[m][t][2 * h + c] * scale[m][h] * weight;
+                            float* target = y + static_cast<long long>(p) * H + rows[m][h];
+                            const float value = acc[m][t][2 * h + c] * scale[m][h] * weight;
+                            if (split) {
+                                atomicAdd(target, value);
+                            } else {
+                                *target = value;
+                            }
                         }
                     }
                 }

@@ -522,6 +522,7 @@ def test_tensor_cores_match_cuda_cores(dtype, tokens, monkeypatch):
     poison()
     mma = cupy.asnumpy(GPU.routed_experts(*args))
     assert any(name.startswith("moe_down_mma<") for name in launched)
+    assert GPU.column_splits(384, -(-256 // MMA_DOWN_ROWS) * 8) > 1  # down's partial products add up
     launched.clear()
     monkeypatch.setattr(cupy_backend, "MMA_MIN_TOKENS", 1 << 30)  # every step on moe.cu
     poison()
@@ -646,8 +647,8 @@ def test_mma_kernels_leave_pairs_of_skipped_experts_untouched(dtype):
             (cupy.asarray(x), *gate_up_args, *routing, act, np.int32(hidden), np.int32(inter), np.int32(top_k)),
             weight_type=w)
     _launch("moe_mma.cu", f"moe_down_mma<{w}, {n_tiles}>", (-(-hidden // MMA_DOWN_ROWS), groups), MMA_THREADS,
-            (act, *down_args, cupy.asarray(weights.reshape(pairs)), *routing, y, np.int32(hidden), np.int32(inter)),
-            weight_type=w)
+            (act, *down_args, cupy.asarray(weights.reshape(pairs)), *routing, y, np.int32(hidden), np.int32(inter),
+             np.int32(inter)), weight_type=w)
     y = cupy.asnumpy(y)  # [P, H]
     skipped = table[ids.reshape(pairs)] < 0  # [P]
     assert skipped.any() and not skipped.all()

@@ -42,7 +42,7 @@ MMA_THREADS = 128  # MMA_WARPS * 32 in moe_mma.cu
 MMA_GATE_UP_ROWS = 64  # gate (and up) rows per block of moe_gate_up_mma: 4 warps x 16
 MMA_DOWN_ROWS = 128  # down rows per block of moe_down_mma: 4 warps x 32
 ATTENTION_WARPS = 16  # ATTN_WARPS in attention.cu
-DENSE_MMA_MIN_TOKENS = MMA_MIN_TOKENS  # from this many tokens, captured bf16/fp16 projections run on linear_mma
+DENSE_MMA_MIN_TOKENS = 4  # from this many tokens, captured bf16/fp16 projections run on linear_mma (H200: from 4)
 LINEAR_MMA_TILES = (1, 2, 4, 8)  # linear_mma instantiations: n-tiles of 8 tokens per pass over the weights
 LINEAR_MMA_ROWS = 128  # output rows per block of linear_mma: 4 warps x 32
 LINEAR_MMA_BLOCKS_PER_SM = 4  # blocks of 48 KiB shared memory a multiprocessor runs at once: what the splits fill
@@ -553,19 +553,25 @@ class CupyBackend(Backend):
                 _check_row_width(h, experts.gate, "experts (hidden size)")
                 _check_row_width(i, experts.down, "experts (intermediate size)")
                 act = cp.empty((pairs, i), np.float32)  # [P, I]
+            mma = _on_tensor_cores(experts.gate, t)
+            # moe_down_mma adds partial products of `splits` column spans when its row blocks leave the GPU idle
+            splits = self.column_splits(i, _ceil(h, MMA_DOWN_ROWS) * groups) if mma else 1
+            span = 32 * _ceil(i, 32 * splits)
             if y is None:
-                # [P, H]; pairs skipped by every launch (experts computed on the CPU) must add nothing
-                y = cp.empty((pairs, h), np.float32) if store.resident else cp.zeros((pairs, h), np.float32)
+                # [P, H]; pairs skipped by every launch (experts computed on the CPU) must add nothing, and column
+                # spans add into it
+                y = (cp.empty if store.resident and splits == 1 else cp.zeros)((pairs, h), np.float32)
             w = storage_type(experts.gate)
             gate_up_args, down_args = experts.kernel_args()
             gate_up = (x, *gate_up_args, *routing, act, np.int32(h), np.int32(i), np.int32(top_k))
             down = (act, *down_args, route_weights, *routing, y, np.int32(h), np.int32(i))
-            if _on_tensor_cores(experts.gate, t):
+            if mma:
                 n_tiles = _tile(_ceil(t, 8), MMA_TILES)  # 8 pairs per n-tile; a group holds at most T pairs
                 _launch("moe_mma.cu", f"moe_gate_up_mma<{w}, {n_tiles}>", (_ceil(i, MMA_GATE_UP_ROWS), groups),
                         MMA_THREADS, gate_up, weight_type=w)
-                _launch("moe_mma.cu", f"moe_down_mma<{w}, {n_tiles}>", (_ceil(h, MMA_DOWN_ROWS), groups),
-                        MMA_THREADS, down, weight_type=w)
+                _launch("moe_mma.cu", f"moe_down_mma<{w}, {n_tiles}>",
+                        (_ceil(h, MMA_DOWN_ROWS), groups, _ceil(i, span)), MMA_THREADS, (*down, np.int32(span)),
+                        weight_type=w)
             else:
                 _launch("moe.cu", f"moe_gate_up<{w}, {tile}>", (_ceil(i, MOE_WARPS), groups), 32 * MOE_WARPS,
                         gate_up, weight_type=w)
