@@ -237,7 +237,6 @@ def accelerate_baseline(args, fraction: float) -> dict:
 def run(args) -> list[dict]:
     from colibri_stream.checkpoint import ModelFolder
     from colibri_stream.experts.cpu_executor import CpuExpertExecutor
-    from colibri_stream.experts import gpu_tier
     from colibri_stream.experts.pinned import PinnedExperts
     from colibri_stream.experts.tiers import BlockReader
     from colibri_stream.synthetic import write_synthetic_folder
@@ -260,7 +259,7 @@ def run(args) -> list[dict]:
                   shared_host_read_gbps_measured=bw.shared_host_read_gbps,
                   shared_pcie_gbps_measured=bw.shared_pcie_gbps,
                   prompt_cached_tokens=PROMPT, decode_steps=args.steps, routing="random router (close to uniform)",
-                  eviction="lfu", kvikio=kvikio_available(), gil_switch_interval=gpu_tier.HYBRID_SWITCH_INTERVAL)
+                  eviction="lfu", kvikio=kvikio_available())
     records = []
     resident: dict = {}
     model = make_model(folder, None, None, "colibri")
@@ -389,14 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accelerate-timeout", type=int, default=240)
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="CPU expert executor threads (default: every core numba sees, as the store)")
-    parser.add_argument("--switch-interval", type=float, default=None,
-                        help="gpu_tier.HYBRID_SWITCH_INTERVAL for this run (0: Python's default GIL switch interval)")
     parser.add_argument("--out", default="benchmarks/results/offload_h200.json")
     args = parser.parse_args(argv)
-    if args.switch_interval is not None:
-        from colibri_stream.experts import gpu_tier
-
-        gpu_tier.HYBRID_SWITCH_INTERVAL = args.switch_interval or None
     records = run(args)
     print(table(records))
     return 0

@@ -24,7 +24,6 @@ corrects the rates the placement uses (`placement.corrected`).
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,10 +47,6 @@ logger = logging.getLogger(__name__)
 GPU_IO_THREADS = 4  # prefetch reads of blocks that are not in host memory
 FLOP_PROBE_TOKENS = 32  # tokens of the start-up measurement of the CPU expert executor's arithmetic rate
 CUT_ROW_MULTIPLE = 16  # a cut expert's GPU rows: whole 16-byte vectors of every expert dtype
-# Seconds a thread may hold the GIL while another waits for it, with a CPU executor (Python's default: 5 ms). The
-# CPU thread needs the GIL briefly between experts, while this thread queues a layer's copies and kernels in Python:
-# at the default it could stand idle for up to a layer's queueing time.
-HYBRID_SWITCH_INTERVAL = 1e-4
 
 
 def _timed_copies(source: np.ndarray, destination: int, stream, copies: int):
@@ -220,8 +215,6 @@ class GpuTieredStore(ExpertStore):
         self._ring = StagingRing(self.block_size, GPU_IO_THREADS + 2) if not isinstance(host, PinnedExperts) else None
         self._pool = ThreadPoolExecutor(GPU_IO_THREADS, thread_name_prefix="colibri-gpu-io")
         self._cpu_thread = ThreadPoolExecutor(1, thread_name_prefix="colibri-cpu-experts")  # runs the CPU executor
-        if cpu_executor is not None and HYBRID_SWITCH_INTERVAL is not None:
-            sys.setswitchinterval(min(sys.getswitchinterval(), HYBRID_SWITCH_INTERVAL))
         self._pass_done = None  # CUDA event after the latest pass's kernels
         self._staging_free = None  # CUDA event after the latest pass that read the staging block
         self._stats = self._fresh_stats()
