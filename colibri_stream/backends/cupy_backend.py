@@ -128,8 +128,7 @@ def _tile(count: int, tiles: tuple[int, ...]) -> int:
 
 
 def _on_tensor_cores(weight: Array, tokens: int) -> bool:
-    """Whether a step's routed experts run on moe_mma.cu (tensor cores) instead of moe.cu (CUDA cores) (and, inside
-    a graph capture, whether a dense projection does: it is one expert that every token is routed to).
+    """Whether a step's routed experts run on moe_mma.cu (tensor cores) instead of moe.cu (CUDA cores).
 
     moe.cu reads each weight once per group of up to 8 pairs but multiplies in float32 on CUDA cores, so once the
     experts' groups hold several pairs it is bound by FMAs and activation loads, not HBM (BENCHMARKS.md: Mixtral at
