@@ -59,46 +59,41 @@ template <> struct Mma<__half> {
     }
 };
 
-// One 32-column chunk: acc[m][t] += A_m . B_t for the n-tiles t < tiles.
+// This lane's 8 activations (columns col .. col + 7) of the row b: zeros where `in` is false (past the row's end).
+__device__ __forceinline__ void load_activations(const float* b, int col, bool in, float (&v)[8]) {
+    if (in) {
+        load_floats<8>(b + col, v);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = 0.f;
+    }
+}
+
+// One 32-column chunk of n-tile t: acc[m][t] += A_m . B_t.
 //
-// w[m][h]: this lane's 8 weights (columns col .. col + 7) of row quad + 8h of m-tile m. b[t]: the activation row of
-// pair quad of n-tile t; the lane reads its columns col .. col + 7 (zeros where `in` is false: past the row's end).
+// w[m][h]: this lane's 8 weights (columns col .. col + 7) of row quad + 8h of m-tile m; v: the same 8 columns of
+// the activation row of pair quad of n-tile t (load_activations).
 // mma fragments (PTX ISA, m16n8k16, quad = lane / 4, q = lane % 4): A registers {row quad, k 2q..2q+1},
 // {row quad + 8, k 2q..}, {row quad, k 2q+8..}, {row quad + 8, k 2q+8..}; B {k 2q..2q+1}, {k 2q+8..2q+9} of column
 // quad; C {row quad, columns 2q, 2q+1}, {row quad + 8, columns 2q, 2q+1}. Step s of the chunk maps mma k 2q, 2q+1,
 // 2q+8, 2q+9 to the lane's columns 4s .. 4s + 3, for A and B alike.
 template <typename W, int M, int NT>
-__device__ __forceinline__ void mma_chunk(const uint4 (&w)[M][2], const float* const (&b)[NT], int col, bool in,
-                                          int tiles, float (&acc)[M][NT][4]) {
+__device__ __forceinline__ void mma_tile(const uint4 (&w)[M][2], const float (&v)[8], int t, float (&acc)[M][NT][4]) {
+    unsigned hi[4], lo[4];
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-        if (t == 0 || t < tiles) {  // the same for the whole warp; a pass has at least one pair
-            float v[8];
-            if (in) {
-                load_floats<8>(b[t] + col, v);
-            } else {
+    for (int j = 0; j < 4; ++j) {
+        hi[j] = Mma<W>::pack(v[2 * j], v[2 * j + 1]);
+        const float2 rounded = Mma<W>::unpack(hi[j]);
+        lo[j] = Mma<W>::pack(v[2 * j] - rounded.x, v[2 * j + 1] - rounded.y);
+    }
 #pragma unroll
-                for (int j = 0; j < 8; ++j) v[j] = 0.f;
-            }
-            unsigned hi[4], lo[4];
+    for (int m = 0; m < M; ++m) {
+        const unsigned* r0 = reinterpret_cast<const unsigned*>(&w[m][0]);
+        const unsigned* r1 = reinterpret_cast<const unsigned*>(&w[m][1]);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                hi[j] = Mma<W>::pack(v[2 * j], v[2 * j + 1]);
-                const float2 rounded = Mma<W>::unpack(hi[j]);
-                lo[j] = Mma<W>::pack(v[2 * j] - rounded.x, v[2 * j + 1] - rounded.y);
-            }
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                const unsigned* r0 = reinterpret_cast<const unsigned*>(&w[m][0]);
-                const unsigned* r1 = reinterpret_cast<const unsigned*>(&w[m][1]);
-#pragma unroll
-                for (int s = 0; s < 2; ++s) {
-                    Mma<W>::mma(acc[m][t], r0[2 * s], r1[2 * s], r0[2 * s + 1], r1[2 * s + 1], hi[2 * s],
-                                hi[2 * s + 1]);
-                    Mma<W>::mma(acc[m][t], r0[2 * s], r1[2 * s], r0[2 * s + 1], r1[2 * s + 1], lo[2 * s],
-                                lo[2 * s + 1]);
-                }
-            }
+        for (int s = 0; s < 2; ++s) {
+            Mma<W>::mma(acc[m][t], r0[2 * s], r1[2 * s], r0[2 * s + 1], r1[2 * s + 1], hi[2 * s], hi[2 * s + 1]);
+            Mma<W>::mma(acc[m][t], r0[2 * s], r1[2 * s], r0[2 * s + 1], r1[2 * s + 1], lo[2 * s], lo[2 * s + 1]);
         }
     }
 }
@@ -135,6 +130,18 @@ __device__ __forceinline__ void mma_rows(const W* const (&a)[M][2], const float*
         copy_commit();  // one group per chunk, empty past the end, so wait_group counts chunks
     }
     const int lane_col = (threadIdx.x % 4) * 8;
+    // Activations of the next chunk are loaded while this chunk's mma run (their L2 latency off the loop's path),
+    // at the cost of 8 * NT registers. On the H200 that gave 2-5 % at one n-tile and 1.3-2.3x at four and eight
+    // (benchmarks/dense_projection.py); at two it cut the blocks per multiprocessor from 4 to 3 and ran 15-20 %
+    // slower, so two n-tiles load each chunk's activations in the iteration that uses them.
+    constexpr bool load_ahead = NT != 2;
+    float v[NT][8];  // this chunk's activations of each n-tile (t < tiles, and tile 0 always)
+    if constexpr (load_ahead) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t == 0 || t < tiles) load_activations(b[t], lane_col, lane_col < cols, v[t]);
+        }
+    }
     for (int i = 0; i < chunks; ++i) {
         copy_wait<MMA_STAGES - 2>();  // chunk i has landed
         uint4 w[M][2];
@@ -148,7 +155,21 @@ __device__ __forceinline__ void mma_rows(const W* const (&a)[M][2], const float*
         if (i + MMA_STAGES - 1 < chunks) fetch_chunk<W, M>(a, i + MMA_STAGES - 1, cols, ring);
         copy_commit();
         const int col = 32 * i + lane_col;
-        mma_chunk<W, M, NT>(w, b, col, col < cols, tiles, acc);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t == 0 || t < tiles) {  // the same for the whole warp; a pass has at least one pair
+                if constexpr (load_ahead) {
+                    float ahead[8];
+                    load_activations(b[t], col + 32, i + 1 < chunks && col + 32 < cols, ahead);
+                    mma_tile<W, M, NT>(w, v[t], t, acc);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) v[t][j] = ahead[j];
+                } else {
+                    load_activations(b[t], col, col < cols, v[t]);
+                    mma_tile<W, M, NT>(w, v[t], t, acc);
+                }
+            }
+        }
     }
     copy_wait<0>();  // nothing in flight when the caller's next pass refills the ring
 }
