@@ -121,8 +121,12 @@ class NumpyBackend(Backend):
             blocks = batch.block_tables[b, : -(-context // block_size)]
             keys = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context]  # [S, K, D]
             values = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context]  # [S, K, D]
-            q = query[start:end].reshape(end - start, num_kv_heads, group, head_dim)  # [t, K, G, D]
-            scores = np.einsum("tkgd,skd->kgts", q, keys) * np.float32(scale)  # [K, G, t, S]
+            t = end - start
+            # Batched matmuls over the KV heads (BLAS; einsum was 1.5x slower at one query token, 7-10x at 64):
+            # a KV head's G query heads and t tokens are the rows of one product.
+            q = query[start:end].reshape(t, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)  # [K, G, t, D]
+            scores = np.matmul(q.reshape(num_kv_heads, group * t, head_dim), keys.transpose(1, 2, 0))  # [K, G*t, S]
+            scores = scores.reshape(num_kv_heads, group, t, context) * np.float32(scale)  # [K, G, t, S]
             q_pos = batch.positions[start:end][:, None]  # [t, 1]
             k_pos = np.arange(context)[None, :]  # [1, S]
             visible = k_pos <= q_pos  # [t, S]
@@ -132,8 +136,10 @@ class NumpyBackend(Backend):
             scores -= scores.max(axis=-1, keepdims=True)
             probs = np.exp(scores)
             probs /= probs.sum(axis=-1, keepdims=True)
-            attended = np.einsum("kgts,skd->tkgd", probs, values)  # [t, K, G, D]
-            out[start:end] = attended.reshape(end - start, num_heads, head_dim)
+            attended = np.matmul(probs.reshape(num_kv_heads, group * t, context), values.transpose(1, 0, 2))
+            # [K, G*t, D] -> [t, K, G, D]
+            out[start:end] = attended.reshape(num_kv_heads, group, t, head_dim).transpose(2, 0, 1, 3).reshape(
+                t, num_heads, head_dim)
         return out
 
     # ---- mixture of experts -------------------------------------------------------------------------------
@@ -154,7 +160,7 @@ class NumpyBackend(Backend):
         for expert in np.unique(expert_ids):
             tokens, slots = np.nonzero(expert_ids == expert)  # which tokens chose it, at which of their k slots
             y = self.experts.run(x[tokens], store.expert(layer, int(expert)))  # [n, H]
-            np.add.at(out, tokens, y * weights[tokens, slots][:, None])
+            out[tokens] += y * weights[tokens, slots][:, None]  # a token picks an expert once: no repeated rows
         return out
 
     # ---- output -------------------------------------------------------------------------------------------
