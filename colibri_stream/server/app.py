@@ -28,16 +28,29 @@ from aiohttp import web
 
 from ..errors import ColibriError
 from ..metrics import ServerMetrics
-from ..request import EngineStoppedError, InvalidParameterError, PromptTooLongError, QueueFullError
+from ..request import (
+    EngineStoppedError,
+    InvalidParameterError,
+    PromptTooLongError,
+    QueueFullError,
+)
 from ..timing import ChromeTraceWriter
 from ..tokenizer import ChatTemplateError
-from .protocol import APIError, GenerateRequest, Responder, bad_request, parse_chat, parse_completion
+from .protocol import (
+    APIError,
+    GenerateRequest,
+    Responder,
+    bad_request,
+    parse_chat,
+    parse_completion,
+)
 from .sse import EventStream
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_KEEPALIVE_SECONDS = 10.0
+DEFAULT_SEND_TIMEOUT_SECONDS = 60.0  # a stream whose client reads nothing for this long is aborted
 RETRY_AFTER_SECONDS = 1  # a full queue's 429 says when to try again; the openai client waits that long, then retries
 
 
@@ -51,6 +64,7 @@ class ServerState:
     keepalive_interval: float
     max_body_bytes: int
     metrics: ServerMetrics
+    send_timeout: float | None = DEFAULT_SEND_TIMEOUT_SECONDS
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     active: int = 0  # generation requests in flight
@@ -89,12 +103,14 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def create_app(engine: Any, *, api_key: str | None = None, served_model_name: str | None = None,
                cors_origins: tuple[str, ...] | list[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                keepalive_interval: float = DEFAULT_KEEPALIVE_SECONDS,
+               send_timeout: float | None = DEFAULT_SEND_TIMEOUT_SECONDS,
                trace_file: str | None = None) -> web.Application:
     """The server application for `engine` (not yet started: the app starts and stops it).
 
     api_key: required as `Authorization: Bearer <key>` on /v1/*; cors_origins: origins allowed to call from a
     browser ("*" for any); keepalive_interval: seconds of silence after which a stream sends an SSE comment;
-    trace_file: where to write every engine step's phases as a Chrome trace (closed when the app stops).
+    send_timeout: seconds a stream may wait for its client to take the bytes already sent before it is aborted
+    (its engine request freed, the connection closed; None: wait for ever); trace_file: where to write every engine step's phases as a Chrome trace (closed when the app stops).
     """
     middlewares: list[Any] = [_errors]
     if cors_origins:
@@ -103,7 +119,7 @@ def create_app(engine: Any, *, api_key: str | None = None, served_model_name: st
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app[STATE] = ServerState(engine=engine, model_name=served_model_name or engine.model_name, api_key=api_key,
                              keepalive_interval=keepalive_interval, max_body_bytes=max_body_bytes,
-                             metrics=ServerMetrics(engine))
+                             metrics=ServerMetrics(engine), send_timeout=send_timeout)
     if cors_origins:
         app[_CORS_ORIGINS] = tuple(cors_origins)
         app.on_response_prepare.append(_cors_headers)
@@ -112,8 +128,8 @@ def create_app(engine: Any, *, api_key: str | None = None, served_model_name: st
         app.cleanup_ctx.append(functools.partial(_trace_lifetime, trace_file))
     app.cleanup_ctx.append(_engine_lifetime)
     app.add_routes([
-        web.post("/v1/chat/completions", chat_completions),
-        web.post("/v1/completions", completions),
+        web.post("/v1/chat/completions", chat_completions, expect_handler=_expect),
+        web.post("/v1/completions", completions, expect_handler=_expect),
         web.get("/v1/models", list_models),
         web.get("/v1/models/{model:.+}", get_model),  # Hugging Face names hold a slash
         web.get("/health", health),
@@ -176,8 +192,13 @@ def _http_message(e: web.HTTPException, request: web.Request) -> str:
     if e.status == 405:
         return f"method {request.method} is not allowed on {request.path} (allowed: {e.headers.get('Allow', '')})"
     if e.status == 413:
-        return f"the request body exceeds the server's limit of {request.app[STATE].max_body_bytes} bytes"
+        return _too_large(request.app[STATE]).message
     return e.reason
+
+
+def _too_large(state: ServerState) -> APIError:
+    return APIError(413, f"the request body exceeds the server's limit of {state.max_body_bytes} bytes",
+                    code="request_too_large")
 
 
 def _http_code(status: int) -> str | None:
@@ -286,9 +307,35 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, parse_completion)
 
 
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue` (curl sends it with bodies over 1 MiB): a body announced over the limit is refused
+    before the client sends it; aiohttp's default answers "100 Continue" to anything. Runs before the middlewares,
+    so it answers in OpenAI's shape itself."""
+    state = request.app[STATE]
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        error = APIError(417, f"unsupported Expect: {request.headers.get('Expect', '')[:64]!r}",
+                         code="expectation_failed")
+    elif request.content_length is not None and request.content_length > state.max_body_bytes:
+        error = _too_large(state)
+    else:
+        if request.version >= (1, 1):  # as aiohttp's default handler
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # the response proper has not started
+        return None
+    response = _error_response(error)
+    response.force_close()  # Connection: close: the client need not send the body to keep the connection
+    _count(request, error.status)
+    return response
+
+
 async def _read_json(request: web.Request) -> Any:
     """The body as JSON whatever its Content-Type says (curl -d sends form-encoded); a body that cannot be read
-    (a Content-Encoding it does not decode to) is a 400 like one that is not JSON."""
+    (a Content-Encoding it does not decode to) is a 400 like one that is not JSON. A Content-Length over the limit
+    is a 413 before anything is read (aiohttp then reads and drops the body for up to 10 s, so that the client,
+    which sends the whole body before it reads the answer, gets the 413 rather than a reset connection)."""
+    state = request.app[STATE]
+    if request.content_length is not None and request.content_length > state.max_body_bytes:
+        raise _too_large(state)
     try:
         raw = await request.read()
     except web.RequestPayloadError as e:
@@ -381,7 +428,7 @@ async def _stream(request: web.Request, state: ServerState, responder: Responder
                   outputs: AsyncIterator[Any]) -> web.StreamResponse:
     """Send the request's outputs as SSE chunks; keep-alive comments fill silences (a long prefill)."""
     req = responder.request
-    stream = EventStream(request, state.keepalive_interval)
+    stream = EventStream(request, state.keepalive_interval, state.send_timeout)
     try:
         await stream.open()
         if req.chat:
@@ -399,8 +446,8 @@ async def _stream(request: web.Request, state: ServerState, responder: Responder
             if req.include_usage:
                 await stream.send(responder.usage_chunk())
         await stream.close()
-    except ConnectionResetError:  # the client left; the caller aborts the request
-        log.debug("client of %s disconnected", responder.id)
+    except ConnectionResetError as e:  # the client left or stopped reading; the caller aborts the request
+        log.debug("client of %s disconnected: %s", responder.id, e)
     finally:
         stream.stop_keepalive()
     return stream.response
@@ -408,10 +455,51 @@ async def _stream(request: web.Request, state: ServerState, responder: Responder
 
 # --------------------------------------------------------------------------------------------- serving, drain
 
+class _RequestHandler(web.RequestHandler):
+    """aiohttp's connection protocol, answering what its HTTP parser refuses before any route runs (a header line
+    over 8190 bytes, more than 128 headers, an unknown method, Content-Length with chunked, TLS on this port) in
+    OpenAI's error shape rather than text/plain, and logging it on one debug line rather than as an error with a
+    traceback: any client can send those, so they must not fill the log."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # as aiohttp: too late for an error response
+            raise ConnectionError("the response had started; no error can be sent")
+        if status >= 500:  # a bug, not the client: logged with the traceback
+            self.log_exception("error handling a request from %s", request.remote, exc_info=exc)
+            error = APIError(status, "internal server error", type="server_error")
+        else:
+            self.logger.debug("refused a malformed HTTP request from %s: %s", request.remote, exc)
+            reason = getattr(exc, "message", None) or message or "malformed HTTP request"
+            error = APIError(status, f"malformed HTTP request: {str(reason)[:300]}", code="bad_http_request")
+        response = _error_response(error)
+        response.force_close()  # as aiohttp: the connection's state is unknown
+        return response
+
+
+class _Server(web.Server):
+    def __call__(self) -> web.RequestHandler:
+        handler = super().__call__()
+        handler.__class__ = _RequestHandler  # same slots: only handle_error differs
+        return handler
+
+
+class _AppRunner(web.AppRunner):
+    """The app's runner, whose connections answer malformed HTTP in OpenAI's shape (`_RequestHandler`)."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        with contextlib.suppress(TypeError):  # an aiohttp whose Server has a layout of its own: its text errors
+            server.__class__ = _Server
+        return server
+
+
 async def serve(app: web.Application, host: str, port: int,
                 shutdown_timeout: float = 5.0) -> tuple[web.AppRunner, int]:
     """Start the app (and so the engine) and listen on host:port (0: any free port); returns the runner and port."""
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
+    runner = _AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner, runner.addresses[0][1]
@@ -431,7 +519,8 @@ async def drain(app: web.Application, timeout: float | None = None) -> bool:
 def run_server(engine_config: dict[str, Any], host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                cors_origins: tuple[str, ...] | list[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                served_model_name: str | None = None, drain_timeout: float | None = 300.0,
-               keepalive_interval: float = DEFAULT_KEEPALIVE_SECONDS, trace_file: str | None = None) -> None:
+               keepalive_interval: float = DEFAULT_KEEPALIVE_SECONDS, trace_file: str | None = None,
+               send_timeout: float | None = DEFAULT_SEND_TIMEOUT_SECONDS) -> None:
     """Load the engine and serve until SIGTERM or SIGINT (blocking; on uvloop when it is installed).
 
     engine_config: the keyword arguments of AsyncEngine.from_pretrained, the model folder as "path". The first
@@ -445,7 +534,8 @@ def run_server(engine_config: dict[str, Any], host: str = "127.0.0.1", port: int
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
     engine = AsyncEngine.from_pretrained(**engine_config)
     app = create_app(engine, api_key=api_key, served_model_name=served_model_name, cors_origins=cors_origins,
-                     max_body_bytes=max_body_bytes, keepalive_interval=keepalive_interval, trace_file=trace_file)
+                     max_body_bytes=max_body_bytes, keepalive_interval=keepalive_interval, trace_file=trace_file,
+                     send_timeout=send_timeout)
     run(_serve_until_signal(app, host, port, drain_timeout))
 
 

@@ -2,8 +2,9 @@
 
 Requests follow OpenAI's rules: unknown fields are ignored, a known field of the wrong type or out of range is a
 400 naming the field, and a feature this server does not implement (tools, images, audio output, echo, suffix,
-best_of > n, several prompts in one request, vLLM's continue_final_message) is a 400 that says so instead of being
-silently dropped. Types are as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an
+best_of > n, several prompts in one request, vLLM's continue_final_message, function_call forcing a function) is a
+400 that says so instead of being silently dropped; so are the fields of the other endpoint that would change the
+answer (max_completion_tokens, top_logprobs or messages sent to /v1/completions, a prompt sent to chat). Types are as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an
 integer; null is the same as leaving a field out. The values of those features that ask for nothing (`tools: []`,
 `tool_choice: "none"` or `"auto"`, `response_format: {"type": "text"}`, `modalities: ["text"]`, `echo: false`,
 `suffix: ""`, `best_of` equal to n) are accepted. The vLLM extensions `top_k`, `min_p`, `repetition_penalty`,
@@ -125,10 +126,11 @@ def _json_type(value: Any) -> str:
 def _reject_unsupported(fields: _Fields, n: int) -> None:
     body = fields.body
     for name in ("tools", "functions"):
-        if body.get(name):
+        if fields.get(name, (list,), "an array", ()):
             raise unsupported("tools and function calling are not supported by this server", name)
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise unsupported("tool_choice is not supported by this server", "tool_choice")
+    for name in ("tool_choice", "function_call"):  # function_call: the legacy form of tool_choice
+        if body.get(name) not in (None, "none", "auto"):
+            raise unsupported(f"{name} is not supported by this server", name)
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise unsupported('response_format is not supported; only {"type": "text"} is accepted', "response_format")
@@ -201,7 +203,21 @@ def _stream_options(fields: _Fields, stream: bool) -> bool:
     return bool(include_usage)
 
 
-def _common(fields: _Fields) -> tuple[str | None, bool, int]:
+# Fields of the other endpoint that would change the result if they were ignored like unknown fields: a user
+# who sends max_completion_tokens to /v1/completions would get 16 tokens, not the number asked for.
+_OTHER_ENDPOINT = {
+    False: {"messages": "messages belong to /v1/chat/completions; /v1/completions takes a prompt",
+            "max_completion_tokens": "max_completion_tokens is a chat completions field; /v1/completions takes "
+                                     "max_tokens",
+            "top_logprobs": "top_logprobs is a chat completions field; /v1/completions takes logprobs: <count>"},
+    True: {"prompt": "prompt belongs to /v1/completions; /v1/chat/completions takes messages"},
+}
+
+
+def _common(fields: _Fields, chat: bool) -> tuple[str | None, bool, int]:
+    for name, message in _OTHER_ENDPOINT[chat].items():
+        if fields.body.get(name) is not None:
+            raise bad_request(message, param=name)
     fields.string("user")  # accepted for compatibility; only its type is checked
     n = fields.integer("n", 1)
     _reject_unsupported(fields, n)
@@ -211,7 +227,7 @@ def _common(fields: _Fields) -> tuple[str | None, bool, int]:
 def parse_completion(body: Any) -> GenerateRequest:
     """Validate a /v1/completions body."""
     fields = _Fields(_object(body))
-    model, stream, n = _common(fields)
+    model, stream, n = _common(fields, chat=False)
     logprobs = fields.integer("logprobs")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
@@ -226,7 +242,7 @@ def parse_completion(body: Any) -> GenerateRequest:
 def parse_chat(body: Any) -> GenerateRequest:
     """Validate a /v1/chat/completions body."""
     fields = _Fields(_object(body))
-    model, stream, n = _common(fields)
+    model, stream, n = _common(fields, chat=True)
     logprobs = fields.boolean("logprobs")
     top_logprobs = fields.integer("top_logprobs")
     if top_logprobs is not None:
@@ -288,6 +304,8 @@ def _messages(messages: Any) -> list[dict]:
         if not isinstance(role, str) or role not in CHAT_ROLES:  # (a list or an object is not hashable)
             raise bad_request(f"{param}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                               param=f"{param}.role")
+        if not isinstance(message.get("name", ""), (str, type(None))):  # read by no template; checked as OpenAI
+            raise bad_request(f"{param}.name must be a string", param=f"{param}.name")
         out.append({"role": CHAT_ROLES[role], "content": _content(message.get("content"), role, f"{param}.content")})
     return out
 
