@@ -12,11 +12,13 @@ import pytest
 from colibri_stream.backends.kernels import kernel_dir
 from colibri_stream.request import SamplingParams
 from colibri_stream.sampling import (
+    EXP_CHUNK,
     EXP_TAYLOR,
     LN2_HI,
     LN2_LO,
     LOG2E,
     TOP_P_CANDIDATES,
+    WALK_HEAD,
     HostLogits,
     Sampler,
     SamplerOutput,
@@ -435,3 +437,119 @@ def test_min_p_below_the_last_candidate_never_copies_the_row():
     out = SAMPLER.sample_from(source, states_for(kept))
     assert source.copied == list(range(rows)) and (out.token_ids >= 1100).sum() > rows // 2
     assert_same_output(out, SAMPLER.sample(logits, states_for(kept)))
+
+
+def reference_fixed_exp(y: np.ndarray, bits: int, cutoff: float) -> np.ndarray:
+    """fixed_exp as first written (int64), the kernel's steps one by one: clamp, k = rint(y * LOG2E), r, Horner,
+    ldexp, floor, 0 below the cutoff."""
+    y = y.astype(np.float64)
+    counted = y >= cutoff
+    y = np.maximum(y, cutoff)
+    k = np.rint(y * LOG2E)
+    r = (y - k * LN2_HI) - k * LN2_LO
+    p = r * EXP_TAYLOR[-1]
+    for c in EXP_TAYLOR[-2:0:-1]:
+        p = (p + c) * r
+    p = p + EXP_TAYLOR[0]
+    return (np.floor(np.ldexp(p, k.astype(np.int32) + bits)) * counted).astype(np.int64)
+
+
+@pytest.mark.parametrize("vocab", [1 << n for n in range(0, 31, 3)] + [151936])
+def test_fixed_exp_is_the_kernels_step_by_step(vocab):
+    """The same integers as the kernel's sequence of float64 operations, for every bit count: at and around the
+    cutoff (raised to it, where the weight floors to 0), -inf, 0 and -0, a dense sweep and random values."""
+    rng = np.random.default_rng(vocab)
+    bits, cutoff = fixed_point(vocab)
+    y = np.concatenate([np.linspace(1.05 * cutoff, 0.0, 20001), [cutoff, np.nextafter(cutoff, 0), -np.inf, 0.0, -0.0],
+                        -rng.random(20000) * 50, -rng.exponential(1.0, 20000), -rng.random(1000) * 1e-9])
+    expected = reference_fixed_exp(y, bits, cutoff)
+    ours = fixed_exp(y.copy(), bits, cutoff)
+    assert ours.dtype == np.int64
+    np.testing.assert_array_equal(ours, expected)
+    assert expected[-1000:].min() > 2**(bits - 1) and expected[:20001].min() == 0  # near 1 and 0: both ends reached
+    scratch = (np.empty_like(y), np.empty_like(y))
+    np.testing.assert_array_equal(fixed_exp(y.reshape(-1, 1).copy(), bits, cutoff,
+                                            tuple(a.reshape(-1, 1) for a in scratch))[:, 0], expected)
+
+
+@pytest.mark.parametrize("vocab, rows", [(5, 7), (3000, 11), (EXP_CHUNK, 3), (EXP_CHUNK + 7, 3), (32000, 5),
+                                         (151936, 2)])
+def test_exp_sums_is_the_sum_of_the_fixed_exps(vocab, rows):
+    """exp_sums in pieces and reused buffers (rows split across pieces, a short last piece) is the plain sum."""
+    rng = np.random.default_rng(vocab)
+    x = np.concatenate([random_tied_logits(rng, rows, vocab), whole_vocabulary_logits(rng, rows, vocab)])
+    bits, cutoff = fixed_point(vocab)
+    expected = [reference_fixed_exp(row.astype(np.float64) - row.max(), bits, cutoff).sum() for row in x]
+    np.testing.assert_array_equal(exp_sums(x), expected)
+
+
+@pytest.mark.parametrize("vocab", [8192, 32000])
+def test_top_sorted_at_serving_sizes(vocab):
+    """The candidates' order (value, then lower id) over whole vocabularies: peaked, flat and tied rows, few levels
+    (many values equal to the 1024th), -0.0 with +0.0, -inf; fewer candidates than the vocabulary and all of it."""
+    rng = np.random.default_rng(vocab)
+    x = np.concatenate([whole_vocabulary_logits(rng, 8, vocab),
+                        rng.integers(-2, 2, (2, vocab)).astype(np.float32),
+                        np.where(rng.random((2, vocab)) < 0.5, np.float32(-0.0), np.float32(0.0))])
+    x[-1, :5] = [np.inf, -np.inf, 1.0, -1.0, np.float32(1e-45)]
+    order = np.stack([np.lexsort((np.arange(vocab), -row)) for row in x])  # value desc, then id
+    for m in (1, WALK_HEAD, TOP_P_CANDIDATES, vocab - 1, vocab):
+        np.testing.assert_array_equal(top_sorted(x, m), order[:, :m])
+
+
+@pytest.mark.parametrize("vocab", [8192, 32000])
+def test_whole_vocabulary_draws_on_both_sides_of_the_head(vocab):
+    """Draws over the whole vocabulary whose rows hold about half their mass in the first WALK_HEAD candidates:
+    the walk weighs the other candidates only for some rows, and every token is the whole row's walk (candidates'
+    path and host path alike), min-p and temperatures included."""
+    rng = np.random.default_rng(vocab + 1)
+    rows = 48
+    logits = (rng.standard_normal((rows, vocab)) * 0.5).astype(np.float32)  # [B, V]
+    for b in range(rows):
+        logits[b, rng.choice(vocab, WALK_HEAD, replace=False)] += np.float32(np.log(vocab / WALK_HEAD) + 0.5)
+    params = [SamplingParams(seed=b, temperature=float(rng.choice([1.0, 1.0, 0.7, 1.3])),
+                             min_p=float(rng.choice([0.0, 0.0, 0.0, 1e-4, 0.2]))) for b in range(rows)]
+    states, twins = states_for(params), states_for(params)
+    uniforms = [copy.deepcopy(s.generator).random() for s in states]
+    expected = [reference_walk(logits[b], p.temperature, p.min_p, uniforms[b]) for b, p in enumerate(params)]
+    source = CandidateLogits(logits)
+    ours = SAMPLER.sample_from(source, twins)
+    assert ours.token_ids.tolist() == [token for token, _ in expected]
+    assert sorted(source.copied) == [b for b, (_, beyond) in enumerate(expected) if beyond]
+    assert_same_output(ours, SAMPLER.sample(logits, states))
+    scaled = [logits[b] / np.float32(p.temperature) for b, p in enumerate(params)]
+    rank = [int(np.flatnonzero(np.lexsort((np.arange(vocab), -row)) == t)[0]) for row, t in zip(scaled, ours.token_ids)]
+    assert min(rank) < WALK_HEAD and any(WALK_HEAD <= r < TOP_P_CANDIDATES for r in rank)  # both sides reached
+
+
+class FixedDraw:
+    """A generator whose every draw is the given uniform."""
+
+    def __init__(self, uniform: float):
+        self.uniform = uniform
+
+    def random(self) -> float:
+        return self.uniform
+
+
+def test_a_draw_at_the_heads_total_goes_to_the_next_candidate():
+    """floor(u * total) equal to the first WALK_HEAD candidates' total weight picks candidate WALK_HEAD (the first
+    whose cumulative weight exceeds it), one less picks candidate WALK_HEAD - 1; no row is copied."""
+    vocab = 8192
+    logits = np.full((1, vocab), -10.0, dtype=np.float32)  # [1, V]
+    logits[0, 100:100 + 2 * WALK_HEAD] = -3.0
+    logits[0, 5000] = 0.0  # the total stays below 2**53: every integer draw is some uniform's
+    bits, cutoff = fixed_point(vocab)
+    order = np.lexsort((np.arange(vocab), -logits[0]))  # [V]
+    head = int(reference_fixed_exp(logits[0, order[:WALK_HEAD]].astype(np.float64), bits, cutoff).sum())
+    total = int(exp_sums(logits)[0])
+    assert total < 2**53
+    for target, rank in ((head, WALK_HEAD), (head - 1, WALK_HEAD - 1)):
+        draw = -(-(target << 53) // total)  # the least uniform * 2**53 whose draw is at least the target
+        assert (draw * total) >> 53 == target
+        params = SamplingParams(seed=0)
+        state = SamplingState(params, FixedDraw(draw / 2**53), np.zeros(0, dtype=np.int64))
+        assert reference_walk(logits[0], 1.0, 0.0, draw / 2**53) == (order[rank], False)
+        source = CandidateLogits(logits)
+        assert SAMPLER.sample_from(source, [state]).token_ids.tolist() == [order[rank]] and source.copied == []
+        assert SAMPLER.sample(logits, [state]).token_ids.tolist() == [order[rank]]
