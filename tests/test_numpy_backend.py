@@ -1,6 +1,6 @@
 """The NumPy backend's own logic in the attention prologue: padding slots store nothing, and `qk_norm_rope_write`
 applies full norm, clamp, per-head norm, rotary and the KV write in the model's order (checked against the formulas
-written out here)."""
+written out here); a decode step's batched attention equals attention one sequence at a time."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from colibri_stream.backends.numpy_backend import NumpyBackend
 from colibri_stream.config import RopeConfig
+from colibri_stream.model.batch import ForwardBatch
 from colibri_stream.model.rope import cos_sin_table
 
 B = NumpyBackend()
@@ -73,3 +74,32 @@ def test_qk_norm_rope_write_order(qk_norm, clip):
     stored = np.zeros(16, bool)
     stored[[3, 12]] = True
     assert not key_cache.reshape(16, -1)[~stored].any() and not value_cache.reshape(16, -1)[~stored].any()
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+def test_decode_attention_matches_one_sequence_at_a_time(window, heads):
+    """Sequences of different contexts, their blocks scattered (the padded table entries point at other
+    sequences' blocks, whose values must not leak in), one query token each."""
+    rng = np.random.default_rng(len(heads) + (window or 0))
+    num_heads, num_kv_heads, head_dim, block_size = *heads, 16, 4
+    contexts = np.array([1, 9, 30, 4, 17])
+    per_seq = -(-contexts // block_size)
+    num_blocks = int(per_seq.sum()) + 2
+    owned = np.split(rng.permutation(np.arange(1, num_blocks))[:per_seq.sum()], np.cumsum(per_seq)[:-1])
+    tables = np.zeros((len(contexts), per_seq.max()), np.int64)
+    for b, blocks in enumerate(owned):
+        tables[b, :len(blocks)] = blocks
+    positions = contexts - 1
+    seqs = len(contexts)
+    batch = ForwardBatch(token_ids=np.zeros(seqs, np.int64), positions=positions,
+                         query_start=np.arange(seqs + 1, dtype=np.int64), context_lens=contexts, block_tables=tables,
+                         slot_mapping=tables[np.arange(seqs), positions // block_size] * block_size
+                         + positions % block_size, logits_indices=np.arange(seqs, dtype=np.int64))
+    key_cache, value_cache = rng.standard_normal((2, num_blocks, block_size, num_kv_heads, head_dim)).astype(np.float32)
+    key_cache[0] = value_cache[0] = np.nan  # block 0: no sequence's, but every padded table entry's
+    query = rng.standard_normal((seqs, num_heads, head_dim)).astype(np.float32)
+    batched = B.paged_attention(query, key_cache, value_cache, batch, {}, 0.25, window)
+    one_by_one = B._attention_per_sequence(query, key_cache, value_cache, batch, 0.25, window)
+    assert np.isfinite(batched).all()
+    np.testing.assert_allclose(batched, one_by_one, rtol=1e-5, atol=1e-6)
