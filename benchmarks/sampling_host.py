@@ -14,6 +14,11 @@ the candidates (commit 5a6716e); the synthetic logits send 1.45 of 64 rows a ste
 
     B=16  numpy 10.7 -> 21.5 ms   device host share  8.8 -> 0.5 ms (rows copied 16 -> 0.45 a step)
     B=64  numpy 40   -> 94   ms   device host share 44.8 -> 3.1 ms (rows copied 64 -> 1.45 a step)
+
+After the faster candidates, exact exp and walk of 4b6fd1f (same tokens; --steps 10, results JSON):
+
+    B=16  numpy 24.9  -> 17.3 ms  device host share 0.57 -> 0.51 ms
+    B=64  numpy 100.6 -> 68.7 ms  device host share 3.45 -> 2.69 ms
 """
 
 from __future__ import annotations
