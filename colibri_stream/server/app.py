@@ -110,7 +110,8 @@ def create_app(engine: Any, *, api_key: str | None = None, served_model_name: st
     api_key: required as `Authorization: Bearer <key>` on /v1/*; cors_origins: origins allowed to call from a
     browser ("*" for any); keepalive_interval: seconds of silence after which a stream sends an SSE comment;
     send_timeout: seconds a stream may wait for its client to take the bytes already sent before it is aborted
-    (its engine request freed, the connection closed; None: wait for ever); trace_file: where to write every engine step's phases as a Chrome trace (closed when the app stops).
+    (its engine request freed, the connection closed; None: wait for ever); trace_file: where to write every
+    engine step's phases as a Chrome trace (closed when the app stops).
     """
     middlewares: list[Any] = [_errors]
     if cors_origins:

@@ -4,8 +4,9 @@ Requests follow OpenAI's rules: unknown fields are ignored, a known field of the
 400 naming the field, and a feature this server does not implement (tools, images, audio output, echo, suffix,
 best_of > n, several prompts in one request, vLLM's continue_final_message, function_call forcing a function) is a
 400 that says so instead of being silently dropped; so are the fields of the other endpoint that would change the
-answer (max_completion_tokens, top_logprobs or messages sent to /v1/completions, a prompt sent to chat). Types are as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an
-integer; null is the same as leaving a field out. The values of those features that ask for nothing (`tools: []`,
+answer (max_completion_tokens, top_logprobs or messages sent to /v1/completions, a prompt sent to chat). Types are
+as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an integer; null is the same as
+leaving a field out. The values of those features that ask for nothing (`tools: []`,
 `tool_choice: "none"` or `"auto"`, `response_format: {"type": "text"}`, `modalities: ["text"]`, `echo: false`,
 `suffix: ""`, `best_of` equal to n) are accepted. The vLLM extensions `top_k`, `min_p`, `repetition_penalty`,
 `stop_token_ids` and `ignore_eos` are accepted too.
