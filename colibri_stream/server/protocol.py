@@ -1,7 +1,8 @@
 """The OpenAI wire format: request validation into SamplingParams, response and chunk bodies, error bodies.
 
-Requests follow OpenAI's rules: unknown fields are ignored, a known field of the wrong type or out of range is a
-400 naming the field, and a feature this server does not implement (tools, images, audio output, echo, suffix,
+Unknown fields are ignored (as vLLM does; OpenAI refuses them, but clients written for vLLM-style servers send
+extensions of their own). Otherwise requests follow OpenAI's rules: a known field of the wrong type or out of range
+is a 400 naming the field, and a feature this server does not implement (tools, images, audio output, echo, suffix,
 best_of > n, several prompts in one request, vLLM's continue_final_message, function_call forcing a function) is a
 400 that says so instead of being silently dropped; so are the fields of the other endpoint that would change the
 answer (max_completion_tokens, top_logprobs or messages sent to /v1/completions, a prompt sent to chat). Types are
