@@ -144,6 +144,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="seconds SIGTERM waits for running requests (default 300)")
     p.add_argument("--keepalive-interval", type=float, default=None,
                    help="seconds between SSE keep-alive comments while a stream waits (default 10)")
+    p.add_argument("--send-timeout", type=float, default=None,
+                   help="seconds a stream waits for a client that reads nothing before it is aborted (default 60; "
+                        "0: wait for ever)")
     _add_trace_argument(p)
     p.set_defaults(run=_run_serve)
 
@@ -156,8 +159,10 @@ def _add_trace_argument(p: argparse.ArgumentParser) -> None:
 def _run_serve(args: argparse.Namespace) -> None:
     from .server.app import run_server
 
-    given = {n: getattr(args, n) for n in ("max_body_bytes", "drain_timeout", "keepalive_interval", "trace_file")
-             if getattr(args, n) is not None}
+    given = {n: getattr(args, n) for n in ("max_body_bytes", "drain_timeout", "keepalive_interval", "send_timeout",
+                                           "trace_file") if getattr(args, n) is not None}
+    if given.get("send_timeout", 1) <= 0:
+        given["send_timeout"] = None
     run_server(dict(path=args.model, **_engine_options(args)), host=args.host, port=args.port,
                api_key=args.api_key, cors_origins=tuple(args.cors_origin), served_model_name=args.served_model_name,
                **given)

@@ -426,3 +426,17 @@ def test_message_name_must_be_a_string(server):
                                                      {"role": "user", "content": "hi", "name": None}],
                                         "max_tokens": 2})
     assert status == 200, reply
+
+
+@pytest.mark.parametrize(("flag", "expected"), [([], 60.0), (["--send-timeout", "2.5"], 2.5),
+                                                (["--send-timeout", "0"], None)])
+def test_serve_command_passes_the_send_timeout(flag, expected, monkeypatch):
+    """`colibri serve --send-timeout` reaches the server (0: wait for ever); left out, the server's default."""
+    from colibri_stream import cli
+    from colibri_stream.server import app as server_app
+
+    given = {}
+    monkeypatch.setattr(server_app, "run_server", lambda *args, **kwargs: given.update(kwargs))
+    args = cli.build_parser().parse_args(["serve", *flag])
+    args.run(args)
+    assert given.get("send_timeout", server_app.DEFAULT_SEND_TIMEOUT_SECONDS) == expected
