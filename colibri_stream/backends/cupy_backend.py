@@ -326,7 +326,7 @@ class CupyBackend(Backend):
         """Up to three matrices of one dtype on the same path are one launch (linear_rows or linear_mma)."""
         x = self.cp.ascontiguousarray(x)
         paths = {self._dense_path(x, w) for w in weights}
-        if len(weights) > 3 or len({w.dtype for w in weights}) > 1 or len(paths) > 1:
+        if not weights or len(weights) > 3 or len({w.dtype for w in weights}) > 1 or len(paths) > 1:
             return super().linears(x, weights, biases)
         path = paths.pop()
         if path == "gemv":
