@@ -83,11 +83,7 @@ linear_mma(const float* __restrict__ x, int T, int In, int span,
                             if (rows[m][h] >= Out) continue;
                             float* target = out + static_cast<long long>(base + token) * Out + rows[m][h];
                             const float value = acc[m][t][2 * h + c] + add[m][h];
-                            if (split) {
-                                atomicAdd(target, value);
-                            } else {
-                                *target = value;
-                            }
+                            store_partial(target, value, split);
                         }
                     }
                 }

@@ -59,6 +59,15 @@ template <> struct Mma<__half> {
     }
 };
 
+// An output element: written, or added to with atomicAdd when several column spans (`split`) add into it.
+__device__ __forceinline__ void store_partial(float* target, float value, bool split) {
+    if (split) {
+        atomicAdd(target, value);
+    } else {
+        *target = value;
+    }
+}
+
 // This lane's 8 activations (columns col .. col + 7) of the row b: zeros where `in` is false (past the row's end).
 __device__ __forceinline__ void load_activations(const float* b, int col, bool in, float (&v)[8]) {
     if (in) {

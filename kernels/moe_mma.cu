@@ -165,11 +165,7 @@ moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long lon
                             if (rows[m][h] >= H) continue;
                             float* target = y + static_cast<long long>(p) * H + rows[m][h];
                             const float value = acc[m][t][2 * h + c] * scale[m][h] * weight;
-                            if (split) {
-                                atomicAdd(target, value);
-                            } else {
-                                *target = value;
-                            }
+                            store_partial(target, value, split);
                         }
                     }
                 }
