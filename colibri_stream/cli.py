@@ -52,6 +52,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES", help="KV-cache budget")
     cache.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache size in blocks")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+                   help="recompute every prompt instead of reusing the KV blocks of a prefix computed before")
     _add_budget_arguments(p)
     p.add_argument("--eviction-policy", choices=("lru", "lfu", "pinned"), default=None,
                    help="who leaves a full expert tier: lfu (decayed frequency; default), lru, pinned (the most "
@@ -96,7 +98,7 @@ def _size(text: str) -> int:
 def _engine_options(args: argparse.Namespace) -> dict:
     """The engine keyword arguments that were given on the command line."""
     names = ("device", "verify", "max_seq_len", "max_batch_size", "max_num_batched_tokens", "block_size",
-             "kv_cache_memory", "num_kv_blocks", "max_queue", "gpu_memory_limit", "l2_cache_size",
+             "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching", "max_queue", "gpu_memory_limit", "l2_cache_size",
              "eviction_policy", "prefetch", "prefetch_lookahead", "usage_file", "routing_trace", "cpu_experts")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 

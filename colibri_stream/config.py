@@ -217,12 +217,15 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes; default DEFAULT_KV_CACHE_MEMORY, capped at what the batch can use
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks whose tokens (and all before) match
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
         for name in ("num_kv_blocks", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ConfigError("give num_kv_blocks or kv_cache_memory, not both")
 

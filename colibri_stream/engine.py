@@ -42,7 +42,10 @@ class EngineStats:
     num_running: int  # sequences in the running batch
     num_waiting: int  # sequences queued (new or preempted)
     kv_blocks_total: int
-    kv_blocks_used: int
+    kv_blocks_used: int  # held by running sequences (cached blocks nobody holds count as free)
+    kv_blocks_cached: int  # holding a prefix-cache entry, held or not
+    prefix_cache_hit_tokens: int  # tokens admitted sequences took from the prefix cache
+    prefill_computed_tokens: int  # tokens admitted sequences had to compute
     num_steps: int
     num_preemptions: int
     num_generated_tokens: int
@@ -80,7 +83,7 @@ class EngineCore:
         per_seq = -(-self.max_seq_len // block_size)
         num_blocks = config.cache.num_blocks(PagedKVCache.bytes_per_block(model.config, block_size),
                                              config.scheduler.max_batch_size * per_seq)
-        self.kv = KVCacheManager(num_blocks, block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_seq_len=self.max_seq_len), self.kv)
         self.runner = ModelRunner(model, model.allocate_kv_cache(num_blocks, block_size), per_seq,
                                   config.scheduler.max_batch_size)
@@ -177,6 +180,9 @@ class EngineCore:
             num_waiting=self.scheduler.num_waiting,
             kv_blocks_total=self.kv.num_blocks,
             kv_blocks_used=self.kv.num_used_blocks,
+            kv_blocks_cached=self.kv.num_cached_blocks,
+            prefix_cache_hit_tokens=self.scheduler.num_cached_prefill_tokens,
+            prefill_computed_tokens=self.scheduler.num_computed_prefill_tokens,
             num_steps=self._num_steps,
             num_preemptions=self.scheduler.num_preemptions,
             num_generated_tokens=self._num_generated_tokens,
@@ -226,6 +232,7 @@ def _request_output(request: Request, text: str, token_ids: list[int], **extra: 
         stop_reason=request.stop_reason,
         prompt_tokens=request.num_prompt_tokens,
         completion_tokens=request.num_output_tokens,
+        cached_tokens=request.num_cached_tokens or 0,
         **extra,
     )
 
@@ -323,8 +330,8 @@ class AsyncEngine:
     @classmethod
     def from_pretrained(cls, path: str | None = None, **config: Any) -> AsyncEngine:
         """Load a model folder (None: the model shipped with Colibri). Options: max_batch_size,
-        max_num_batched_tokens, max_seq_len, kv_cache_memory (bytes) or num_kv_blocks, block_size, max_queue
-        (0: unbounded), device ("cpu" | "auto"), verify."""
+        max_num_batched_tokens, max_seq_len, kv_cache_memory (bytes) or num_kv_blocks, block_size,
+        enable_prefix_caching (default True), max_queue (0: unbounded), device ("cpu" | "auto"), verify."""
         return cls(EngineCore.from_pretrained(path, **config))
 
     async def start(self) -> None:

@@ -43,7 +43,9 @@ class EngineCollector(Collector):
             "colibri_num_requests_running": ("Sequences scheduled in the running batch", stats.num_running),
             "colibri_kv_blocks_total": ("KV cache blocks in the pool", stats.kv_blocks_total),
             "colibri_kv_blocks_used": ("KV cache blocks held by sequences", stats.kv_blocks_used),
-            "colibri_kv_blocks_free": ("KV cache blocks free", stats.kv_blocks_total - stats.kv_blocks_used),
+            "colibri_kv_blocks_free": ("KV cache blocks free (cached blocks no sequence holds included)",
+                                       stats.kv_blocks_total - stats.kv_blocks_used),
+            "colibri_kv_blocks_cached": ("KV cache blocks holding a prefix-cache entry", stats.kv_blocks_cached),
             "colibri_last_step_seconds": ("Duration of the engine's last step", stats.last_step_time),
             "colibri_last_step_tokens": ("Tokens the engine's last step computed", stats.last_step_tokens),
         }
@@ -54,6 +56,12 @@ class EngineCollector(Collector):
                                   value=stats.num_preemptions)
         yield CounterMetricFamily("colibri_engine_generated_tokens", "Tokens the engine has sampled",
                                   value=stats.num_generated_tokens)
+        prefill = CounterMetricFamily("colibri_prefill_tokens", "Tokens of admitted sequences (prompts; after a "
+                                      "preemption the output so far too) by whether the prefix cache served them or "
+                                      "the model computed them", labels=["source"])
+        prefill.add_metric(["cached"], stats.prefix_cache_hit_tokens)
+        prefill.add_metric(["computed"], stats.prefill_computed_tokens)
+        yield prefill
 
 
 class ExpertStoreCollector(Collector):

@@ -148,6 +148,7 @@ class Request:
         self.token_ids = list(prompt_token_ids)  # prompt, then output
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens: int | None = None  # prompt tokens its first admission took from the prefix cache
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None  # the stop string or stop token id that finished it
 
@@ -188,6 +189,7 @@ class RequestOutput:
     stop_reason: str | int | None  # the stop string or stop token id that finished it; None for eos
     prompt_tokens: int
     completion_tokens: int  # output tokens so far
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed (first admission)
     logprobs: list[Logprob] | None = None  # one per new token when the request asked for logprobs
     time_to_first_token: float | None = None  # seconds from arrival to the first token; on the output carrying it
     inter_token_latencies: list[float] = field(default_factory=list)  # seconds before each later new token
@@ -204,6 +206,7 @@ class RequestOutput:
             stop_reason=later.stop_reason,
             prompt_tokens=later.prompt_tokens,
             completion_tokens=later.completion_tokens,
+            cached_tokens=later.cached_tokens,
             logprobs=None if self.logprobs is None else self.logprobs + (later.logprobs or []),
             time_to_first_token=self.time_to_first_token if self.time_to_first_token is not None
             else later.time_to_first_token,

@@ -70,6 +70,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[SeqId, Request] = {}  # every unfinished sequence
         self.num_preemptions = 0
+        # Tokens admitted sequences took from the prefix cache, and those they had to compute (the prompt; after a
+        # preemption the output so far too): counted at every admission.
+        self.num_cached_prefill_tokens = 0
+        self.num_computed_prefill_tokens = 0
         self._finished_seq_ids: list[SeqId] = []
 
     @property
@@ -117,10 +121,19 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size and not preempted:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv.allocate_slots(request.seq_id, request.num_computed_tokens + num_new) is None:
+            if self._sibling_computing_prompt(request):
+                break  # admitted once the sibling's prompt blocks are cached, it computes only the rest
+            prefix = self.kv.find_cached_prefix(request.token_ids)  # never the last token: it needs logits
+            num_cached = prefix.num_tokens(self.kv.block_size)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if self.kv.allocate_slots(request.seq_id, num_cached + num_new, prefix) is None:
                 break
             self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens is None:  # the first admission is what the request's usage reports
+                request.num_cached_tokens = num_cached
+            self.num_cached_prefill_tokens += num_cached
+            self.num_computed_prefill_tokens += request.num_tokens - num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
@@ -140,6 +153,7 @@ class Scheduler:
         for seq in output.seqs:
             request = seq.request
             request.num_computed_tokens += len(seq.token_ids)
+            self.kv.cache_blocks(request.seq_id, request.token_ids, request.num_computed_tokens)
             if not seq.sample:
                 continue
             token = next(tokens)
@@ -172,6 +186,15 @@ class Scheduler:
             if victim is request:
                 return False
         return True
+
+    def _sibling_computing_prompt(self, request: Request) -> bool:
+        """Whether another sequence of `request`'s request (n > 1) is running and has not computed the prompt
+        blocks `request` could take from the prefix cache yet: waiting for it saves computing the prompt again."""
+        if not self.kv.enable_prefix_caching:
+            return False
+        shareable = (request.num_prompt_tokens - 1) // self.kv.block_size * self.kv.block_size
+        return shareable > 0 and any(other.request_id == request.request_id and other.num_computed_tokens < shareable
+                                     for other in self.running)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.seq_id)

@@ -11,9 +11,11 @@ from colibri_stream.scheduler import Scheduler
 EOS = 2
 
 
-def make_scheduler(num_blocks=8, block_size=4, budget=16, batch=4, max_seq_len=16):
+def make_scheduler(num_blocks=8, block_size=4, budget=16, batch=4, max_seq_len=16, prefix_caching=False):
+    """Prefix caching is off by default here: these prompts all start with the same tokens, and the exact block ids
+    below are those of the plain pool (test_prefix_cache.py covers the cache)."""
     config = SchedulerConfig(max_batch_size=batch, max_num_batched_tokens=budget, max_seq_len=max_seq_len)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size))
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching))
 
 
 def add(scheduler, name, prompt_len, max_tokens=8, **params):

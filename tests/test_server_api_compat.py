@@ -162,6 +162,8 @@ def test_assistant_refusals_in_the_history_are_read_as_text(server):
 
     as_string = reply_to("I can't help with that.")
     as_part = reply_to([{"type": "refusal", "refusal": "I can't help with that."}])
+    details = as_part["usage"].pop("prompt_tokens_details")  # the second took the first's prompt from the cache
+    assert details["cached_tokens"] > as_string["usage"].pop("prompt_tokens_details")["cached_tokens"]
     assert as_part["choices"] == as_string["choices"] and as_part["usage"] == as_string["usage"]
     refused(server, CHAT, {"messages": user([{"type": "refusal", "refusal": "no"}]), "max_tokens": 2},
             "messages[0].content[0]")

@@ -363,6 +363,7 @@ class Responder:
         self.object = "chat.completion" if request.chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if request.chat else "text_completion"
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # prompt tokens from the prefix cache: sequence 0's, as prompt_tokens counts one
         self._token_piece = token_piece
         self._choices = [_Choice(i) for i in range(request.params.n)]
 
@@ -373,6 +374,8 @@ class Responder:
         """Record one RequestOutput; returns its choice as a stream chunk's `choices` entry."""
         choice = self._choices[output.index]
         self.prompt_tokens = output.prompt_tokens
+        if output.index == 0:
+            self.cached_tokens = output.cached_tokens
         choice.completion_tokens = output.completion_tokens
         choice.finish_reason = output.finish_reason
         choice.stop_reason = output.stop_reason
@@ -426,7 +429,8 @@ class Responder:
     def usage(self) -> dict:
         completion = sum(c.completion_tokens for c in self._choices)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def chunk(self, choice: dict) -> dict:
         """A stream chunk holding one choice's delta."""
