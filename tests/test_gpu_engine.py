@@ -52,3 +52,20 @@ def test_a_padded_decode_batch_gives_the_eager_logits(tiny_model_dir):
     assert from_graph.shape == eager.shape
     assert np.abs(from_graph - eager).max() <= 1e-4 * np.abs(eager).max()
     assert not graphs.fits(flat_batch(prompts, [0] * b, tables, [True] * b, block))  # a prefill is not decode
+
+
+def test_prefix_caching_on_the_gpu_gives_the_uncached_tokens():
+    """The CPU test's workload (test_prefix_cache_engine.py: shared system prompts, repeats, second turns, under
+    preemption) on the GPU. A cached prefix's blocks are read by a prefill chunk that starts after them, the
+    kernels of chunked prefill. Greedy tokens equal with and without the cache; a difference is either a bug or a
+    near-tie decided by float32 rounding (prefills of different lengths reduce in a different order): compare the
+    logits to tell."""
+    from test_prefix_cache_engine import TIGHT, workload
+
+    from colibri_stream.engine import EngineCore
+
+    options = {**TIGHT, "device": "cuda"}
+    cached = EngineCore.from_pretrained(None, enable_prefix_caching=True, **options)
+    plain = EngineCore.from_pretrained(None, enable_prefix_caching=False, **options)
+    assert workload(cached) == workload(plain)
+    assert cached.stats().prefix_cache_hit_tokens > 0 and cached.stats().num_preemptions > 0
