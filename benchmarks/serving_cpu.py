@@ -21,14 +21,16 @@ from pathlib import Path
 from conditions import machine
 
 RESULTS = Path(__file__).resolve().parent / "results" / "serving_cpu.json"
-# (label, bench arguments that set the load, requests)
+# (label, bench arguments that set the load, requests, seed). Each run has its own seed, so its prompts are new to
+# the server: with prefix caching (on by default) a repeated prompt set would be served from the cache.
 LOADS = (
-    ("concurrency 1", ["--concurrency", "1"], 16),
-    ("concurrency 4", ["--concurrency", "4"], 32),
-    ("concurrency 16", ["--concurrency", "16"], 64),
-    ("concurrency 32", ["--concurrency", "32"], 96),
-    ("Poisson 8 req/s", ["--request-rate", "8"], 64),
+    ("concurrency 1", ["--concurrency", "1"], 16, 1),
+    ("concurrency 4", ["--concurrency", "4"], 32, 2),
+    ("concurrency 16", ["--concurrency", "16"], 64, 3),
+    ("concurrency 32", ["--concurrency", "32"], 96, 4),
+    ("Poisson 8 req/s", ["--request-rate", "8"], 64, 0),
 )
+WARM_UP_SEED = 100
 
 
 def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 120.0) -> None:
@@ -45,10 +47,12 @@ def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 120.0) -> 
     raise SystemExit("the server did not become healthy")
 
 
-def bench(url: str, load: list[str], num_requests: int, input_len: int, output_len: int) -> tuple[list[str], dict]:
+def bench(url: str, load: list[str], num_requests: int, seed: int, input_len: int, output_len: int
+          ) -> tuple[list[str], dict]:
     """Run `colibri bench` for one load; returns its command line and JSON report."""
-    command = ["colibri", "bench", "--url", url, *load, "--num-requests", str(num_requests), "--input-len",
-               str(input_len), "--output-len", str(output_len), "--ignore-eos", "--output-format", "json", "--quiet"]
+    command = ["colibri", "bench", "--url", url, *load, "--num-requests", str(num_requests), "--seed", str(seed),
+               "--input-len", str(input_len), "--output-len", str(output_len), "--ignore-eos", "--output-format",
+               "json", "--quiet"]
     done = subprocess.run([sys.executable, "-m", "colibri_stream", *command[1:]], check=True, capture_output=True,
                           text=True)
     return command, json.loads(done.stdout)
@@ -86,11 +90,11 @@ def main() -> None:
                               stderr=subprocess.DEVNULL)
     try:
         wait_healthy(url, server)
-        bench(url, ["--concurrency", "4"], 8, args.input_len, args.output_len)  # warm-up, not recorded
+        bench(url, ["--concurrency", "4"], 8, WARM_UP_SEED, args.input_len, args.output_len)  # warm-up, not recorded
         conditions = machine()  # its load average: before the recorded runs
         runs = []
-        for label, load, num_requests in LOADS:
-            command, report = bench(url, load, num_requests, args.input_len, args.output_len)
+        for label, load, num_requests, seed in LOADS:
+            command, report = bench(url, load, num_requests, seed, args.input_len, args.output_len)
             runs.append({"load": label, "command": " ".join(command), "report": report})
             print(f"{label}: {report['output_token_throughput']:.0f} output tok/s", file=sys.stderr)
     finally:

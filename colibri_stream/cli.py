@@ -98,8 +98,9 @@ def _size(text: str) -> int:
 def _engine_options(args: argparse.Namespace) -> dict:
     """The engine keyword arguments that were given on the command line."""
     names = ("device", "verify", "max_seq_len", "max_batch_size", "max_num_batched_tokens", "block_size",
-             "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching", "max_queue", "gpu_memory_limit", "l2_cache_size",
-             "eviction_policy", "prefetch", "prefetch_lookahead", "usage_file", "routing_trace", "cpu_experts")
+             "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching", "max_queue", "gpu_memory_limit",
+             "l2_cache_size", "eviction_policy", "prefetch", "prefetch_lookahead", "usage_file", "routing_trace",
+             "cpu_experts")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
@@ -232,7 +233,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --output-len tokens (vLLM extension)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts and arrival times")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic prompts and arrival times (a server with prefix caching remembers "
+                        "earlier runs' prompts: give each run against it its own seed)")
     p.add_argument("--output-format", choices=("table", "json"), default="table")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw the distributions (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
