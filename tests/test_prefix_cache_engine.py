@@ -7,6 +7,7 @@ import pytest
 
 from colibri_stream.engine import EngineCore
 from colibri_stream.request import SamplingParams
+from test_engine import run_all
 
 # Small enough that the mixed workload below preempts sequences and evicts cached blocks.
 TIGHT = dict(device="cpu", block_size=8, num_kv_blocks=24, max_seq_len=128, max_num_batched_tokens=48,
@@ -27,13 +28,7 @@ def chat(*turns: str) -> list[dict]:
 
 def run(core: EngineCore, prompts: dict[str, list[int]], params: SamplingParams = GREEDY) -> dict[tuple, list[int]]:
     """Add every prompt at once and step until done; (request id, index) -> generated token ids."""
-    for request_id, ids in prompts.items():
-        core.add_request(request_id, ids, params)
-    tokens: dict[tuple, list[int]] = {}
-    while core.has_unfinished():
-        for out in core.step():
-            tokens.setdefault((out.request_id, out.index), []).extend(out.token_ids)
-    return tokens
+    return run_all(core, {request_id: (ids, params) for request_id, ids in prompts.items()})
 
 
 def workload(core: EngineCore) -> dict[tuple, list[int]]:
