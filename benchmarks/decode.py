@@ -9,7 +9,9 @@ are checked against Colibri's eager step on the same inputs.
 
 Roofline: the bytes one decode step must read (every dense weight, the whole lm_head, the distinct experts that
 the step's routing touched, measured, and the float32 KV cache) over the device-to-device copy bandwidth measured
-here (bytes read plus written). A per-operation profile (each operation replayed from a CUDA graph, cycling
+here (bytes read plus written). Each graph is timed with and without programmatic dependent launch
+(backends/launch.py), interleaved, and replayed back to back (the device's time per step, without the host's work
+between steps). A per-operation profile (each operation replayed from a CUDA graph, cycling
 through the layers so weights do not stay in L2) shows where a step's time goes.
 
     python benchmarks/decode.py --out benchmarks/results/decode_h200.json
@@ -101,7 +103,8 @@ class Colibri:
         for array in self.kv.keys + self.kv.values:
             array[...] = state.standard_normal(array.shape, dtype=np.float32)
         self.tables = np.random.default_rng(batch).permutation(batch * per_seq).reshape(batch, per_seq)
-        self.graph = DecodeGraph(self.model, self.kv, batch, per_seq)
+        self.graph = DecodeGraph(self.model, self.kv, batch, per_seq)  # programmatic launches where the GPU has them
+        self.graph_without_pdl = DecodeGraph(self.model, self.kv, batch, per_seq, programmatic=False)
         self.first_tokens = np.random.default_rng(batch + 1).integers(0, self.config.vocab_size, batch)
 
     def step_batch(self, tokens: np.ndarray, step: int):
@@ -116,16 +119,30 @@ class Colibri:
             slot_mapping=self.tables[rows, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE,
             logits_indices=np.arange(b, dtype=np.int64))
 
-    def decode(self, steps: int, graph: bool = True) -> tuple[float, list[np.ndarray]]:
-        """Seconds for `steps` greedy steps from position PROMPT on, and the tokens."""
+    def decode(self, steps: int, graph=True) -> tuple[float, list[np.ndarray]]:
+        """Seconds for `steps` greedy steps from position PROMPT on, and the tokens. `graph`: True for the decode
+        graph, False for the eager step, or a DecodeGraph."""
+        graph = self.graph if graph is True else graph
         tokens, out = self.first_tokens, []
         self.cp.cuda.Device().synchronize()
         start = time.perf_counter()
         for step in range(steps):
             batch = self.step_batch(tokens, step)
-            tokens = self.graph.greedy(batch) if graph else self.model.forward(batch, self.kv).argmax(axis=1)
+            tokens = graph.greedy(batch) if graph else self.model.forward(batch, self.kv).argmax(axis=1)
             out.append(tokens)
         return time.perf_counter() - start, out
+
+    def replay_seconds(self, graph, replays: int = DECODE) -> float:
+        """Seconds per step of `graph` replayed back to back with one step's inputs: the device's time alone,
+        without the host's work between steps."""
+        graph.run(self.step_batch(self.first_tokens, 0))
+        graph.graph.launch(stream=graph.stream)  # warm
+        graph.stream.synchronize()
+        start = time.perf_counter()
+        for _ in range(replays):
+            graph.graph.launch(stream=graph.stream)
+        graph.stream.synchronize()
+        return (time.perf_counter() - start) / replays
 
     def distinct_experts(self) -> float:
         """Mean distinct experts per layer over CHECK_STEPS eager steps (their routing, measured)."""
@@ -148,7 +165,7 @@ class Colibri:
         return self.cp.get_default_memory_pool().total_bytes() + self.graph.pool_bytes
 
     def release(self) -> None:
-        del self.kv, self.graph
+        del self.kv, self.graph, self.graph_without_pdl
         self.cp.get_default_memory_pool().free_all_blocks()
 
     def profile(self, batch: int, context: int) -> list[dict]:
@@ -274,7 +291,9 @@ def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None
     colibri.setup(batch)
     _, eager_tokens = colibri.decode(CHECK_STEPS, graph=False)
     _, graph_tokens = colibri.decode(CHECK_STEPS)
+    _, plain_tokens = colibri.decode(CHECK_STEPS, colibri.graph_without_pdl)
     match = all(np.array_equal(a, b) for a, b in zip(eager_tokens, graph_tokens))
+    plain_match = all(np.array_equal(a, b) for a, b in zip(eager_tokens, plain_tokens))
     distinct = colibri.distinct_experts()
     colibri.decode(2)  # warm-up
     baseline_error = build_error
@@ -285,17 +304,23 @@ def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None
         except Exception as exc:  # e.g. out of memory at a large batch: reported in the record
             baseline_error = repr(exc)
             log(f"transformers at batch {batch}: {baseline_error}")
-    ours, theirs = [], []
+    ours, plain, theirs = [], [], []
     for _ in range(REPEATS):
         ours.append(batch * DECODE / colibri.decode(DECODE)[0])
+        plain.append(batch * DECODE / colibri.decode(DECODE, colibri.graph_without_pdl)[0])
         if hf is not None and baseline_error is None:
             theirs.append(batch * DECODE / hf.decode(DECODE))
+    replay = [colibri.replay_seconds(g) for g in (colibri.graph, colibri.graph_without_pdl)]
     eager = batch * DECODE / colibri.decode(DECODE, graph=False)[0]
     context = PROMPT + DECODE // 2
     nbytes = step_bytes(colibri.config, batch, distinct, context)
     roofline = batch * bandwidth * 1e9 / nbytes
     record = dict(common, bench="decode", batch=batch,
                   colibri_tok_s=statistics.median(ours), colibri_tok_s_runs=ours, colibri_eager_tok_s=eager,
+                  programmatic_launch=colibri.graph.programmatic,
+                  colibri_tok_s_without_pdl=statistics.median(plain), colibri_tok_s_without_pdl_runs=plain,
+                  graph_replay_us=replay[0] * 1e6, graph_replay_us_without_pdl=replay[1] * 1e6,
+                  greedy_graph_without_pdl_matches_eager=plain_match,
                   transformers_tok_s=statistics.median(theirs) if theirs else None,
                   transformers_tok_s_runs=theirs,
                   transformers_impl=None if hf is None else f"eager attention, {hf.experts_implementation} experts",
@@ -306,9 +331,10 @@ def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None
                   transformers_error=baseline_error, greedy_graph_matches_eager=match)
     if batch in (1, 16):
         record["op_profile"] = colibri.profile(batch, context)
-    log(json.dumps({k: record[k] for k in ("shape", "batch", "colibri_tok_s", "colibri_eager_tok_s",
-                                            "transformers_tok_s", "roofline_tok_s", "roofline_fraction",
-                                            "greedy_graph_matches_eager")}))
+    shown = ("shape", "batch", "colibri_tok_s", "colibri_tok_s_without_pdl", "graph_replay_us",
+             "graph_replay_us_without_pdl", "colibri_eager_tok_s", "transformers_tok_s", "roofline_tok_s",
+             "roofline_fraction", "greedy_graph_matches_eager", "greedy_graph_without_pdl_matches_eager")
+    log(json.dumps({k: record[k] for k in shown}))
     colibri.release()
     if hf is not None and baseline_error is None:
         hf.release()
@@ -343,9 +369,10 @@ def run_shape(shape: str, layers: int, batches: list[int], bandwidth: float, com
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| shape | layers | batch | Colibri tok/s | eager (no graph) | transformers tok/s | roofline tok/s | "
-             "Colibri / roofline | Colibri / transformers | peak GB (Colibri / transformers) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | layers | batch | Colibri tok/s | without PDL | graph replay us (without PDL) "
+             "| eager (no graph) | transformers tok/s | roofline tok/s | Colibri / roofline | Colibri / transformers "
+             "| peak GB (Colibri / transformers) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['layers']} | {r['batch']} | failed: {r['error'][:80]} |")
@@ -355,7 +382,10 @@ def table(records: list[dict]) -> str:
         ratio = "-" if hf is None else f"{r['colibri_tok_s'] / hf:.1f}x"
         hf_peak_text = "-" if hf_peak is None else f"{hf_peak:.1f}"
         lines.append(
-            f"| {r['shape']} | {r['layers']} | {r['batch']} | {r['colibri_tok_s']:.0f} | {r['colibri_eager_tok_s']:.0f}"
+            f"| {r['shape']} | {r['layers']} | {r['batch']} | {r['colibri_tok_s']:.0f} "
+            f"| {r['colibri_tok_s_without_pdl']:.0f} "
+            f"| {r['graph_replay_us']:.0f} ({r['graph_replay_us_without_pdl']:.0f}) "
+            f"| {r['colibri_eager_tok_s']:.0f}"
             f" | {hf_text} | {r['roofline_tok_s']:.0f} | {r['roofline_fraction']:.0%} | {ratio}"
             f" | {r['colibri_peak_gpu_gb']:.1f} / {hf_peak_text} |")
     return "\n".join(lines)

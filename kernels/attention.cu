@@ -26,6 +26,7 @@ paged_attention(const float* __restrict__ q, const float* __restrict__ key_cache
                 const long long* __restrict__ query_start, const long long* __restrict__ positions,
                 float* __restrict__ out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                 int block_size, int max_blocks, float scale, int window) {
+    pdl_wait();
     extern __shared__ float merged[];  // [ATTN_WARPS, head_dim]
     __shared__ float warp_max_s[ATTN_WARPS], warp_sum_s[ATTN_WARPS];
     const int t = blockIdx.x, h = blockIdx.y;

@@ -30,6 +30,7 @@ qk_norm_rope_write(const float* __restrict__ q, const float* __restrict__ k, con
                    const long long* __restrict__ positions, const long long* __restrict__ slots,
                    float* __restrict__ q_out, float* __restrict__ key_cache, float* __restrict__ value_cache,
                    int Q, int K, int half, int norm, float eps, float clip) {
+    pdl_wait();
     const long long t = blockIdx.x;
     const int D = 2 * half;
     const long long p = positions[t], slot = slots[t];

@@ -11,6 +11,26 @@
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// Programmatic dependent launch (colibri_stream/backends/launch.py): inside a captured decode step a kernel may be
+// launched while the kernel before it still runs. pdl_wait() returns once that kernel has completed and its writes
+// are visible, then lets the next kernel launch; every kernel calls it, in every thread, before it reads anything an
+// earlier kernel wrote or writes anything (an earlier kernel may still read it). Before it, a kernel only reads
+// weights. For a kernel launched normally both instructions do nothing.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Ask the L2 to fetch `bytes` (a multiple of 16) of global memory from p (16-byte aligned), without waiting: what a
+// kernel does with its weights before pdl_wait(), so they stream in while the kernel before it ends.
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 template <typename W> struct Vec;
 
 template <> struct Vec<float> {

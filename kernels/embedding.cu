@@ -8,6 +8,7 @@
 template <typename W>
 __global__ void embedding(const W* __restrict__ table, const long long* __restrict__ ids, float* __restrict__ out,
                           int H) {
+    pdl_wait();
     const long long t = blockIdx.x;
     const W* row = table + ids[t] * H;
     for (int i = threadIdx.x; i < H; i += blockDim.x) out[t * H + i] = to_float(row[i]);

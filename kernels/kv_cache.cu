@@ -6,9 +6,12 @@
 //                          width floats at s * width
 //   slots                 int64 [T]; a negative slot skips the token (padding rows of a captured batch)
 //   grid.x: T, block: 128 threads striding over width.
+#include "common.cuh"
+
 extern "C" __global__ void write_kv(const float* __restrict__ key, const float* __restrict__ value,
                                     float* __restrict__ key_cache, float* __restrict__ value_cache,
                                     const long long* __restrict__ slots, int width) {
+    pdl_wait();
     const long long t = blockIdx.x;
     const long long slot = slots[t];
     if (slot < 0) return;

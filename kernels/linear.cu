@@ -56,6 +56,10 @@ linear_rows(const float* __restrict__ x, int T, int In,
     const W* rows[LINEAR_ROWS];
 #pragma unroll
     for (int r = 0; r < LINEAR_ROWS; ++r) rows[r] = w + static_cast<long long>(min(row0 + r, Out - 1)) * In;
+    if (tile == 0 && threadIdx.x < LINEAR_ROWS && row0 + threadIdx.x < Out) {
+        prefetch_l2(rows[threadIdx.x], In * sizeof(W));  // the weights only: the kernel before may still run
+    }
+    pdl_wait();
     const float* xs[TT];
 #pragma unroll
     for (int j = 0; j < TT; ++j) xs[j] = x + static_cast<long long>(t0 + min(j, n - 1)) * In;
@@ -83,12 +87,14 @@ linear_rows(const float* __restrict__ x, int T, int In,
 
 template <typename W>
 __global__ void to_storage(const float* __restrict__ x, W* __restrict__ y, long long n) {
+    pdl_wait();
     const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i < n) y[i] = from_float<W>(x[i]);
 }
 
 template <typename W>
 __global__ void to_storage_split(const float* __restrict__ x, W* __restrict__ hi_lo, long long n) {
+    pdl_wait();
     const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const W hi = from_float<W>(x[i]);

@@ -43,9 +43,12 @@ linear_mma(const float* __restrict__ x, int T, int In, int span,
     }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, q = lane % 4;
     const int row0 = (block * MMA_WARPS + warp) * 16 * M;
-    if (row0 >= Out) return;  // whole warps leave together; no block-wide barrier follows
     const int k0 = blockIdx.y * span;
     const int cols = min(span, In - k0);
+    const int own_row = block * LINEAR_MMA_ROWS + threadIdx.x;  // one weight row's span per thread
+    if (own_row < Out) prefetch_l2(w + static_cast<long long>(own_row) * In + k0, cols * sizeof(W));
+    pdl_wait();  // before it, only the weights are read
+    if (row0 >= Out) return;  // whole warps leave together; no block-wide barrier follows
     const bool split = gridDim.y > 1;
     __shared__ WeightRing<M> ring;
     int rows[M][2];

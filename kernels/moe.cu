@@ -45,6 +45,7 @@ __device__ __forceinline__ long long expert_slot(const int* slot_of, int e) {
 extern "C" __global__ void moe_align(const int* __restrict__ ids, int num_pairs, int num_experts,
                                      int* __restrict__ group_expert, int* __restrict__ group_start,
                                      int* __restrict__ sorted_pairs, int* __restrict__ num_groups) {
+    pdl_wait();
     extern __shared__ int counts[];  // [E] pairs per expert, then [E] write cursors
     int* cursor = counts + num_experts;
     for (int e = threadIdx.x; e < num_experts; e += blockDim.x) counts[e] = 0;
@@ -94,6 +95,7 @@ moe_gate_up(const float* __restrict__ x, const W* __restrict__ gate, const W* __
             const int* __restrict__ slot_of, const int* __restrict__ group_expert,
             const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
             const int* __restrict__ num_groups, float* __restrict__ act, int H, int I, int top_k) {
+    pdl_wait();
     const int g = blockIdx.y;
     if (g >= num_groups[0]) return;
     const long long slot = expert_slot(slot_of, group_expert[g]);
@@ -135,6 +137,7 @@ moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_
          const float* __restrict__ route_weights, const int* __restrict__ group_expert,
          const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
          const int* __restrict__ num_groups, float* __restrict__ y, int H, int I) {
+    pdl_wait();
     const int g = blockIdx.y;
     if (g >= num_groups[0]) return;
     const long long slot = expert_slot(slot_of, group_expert[g]);
@@ -167,6 +170,7 @@ moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_
 }
 
 extern "C" __global__ void moe_sum(const float* __restrict__ y, float* __restrict__ out, int T, int top_k, int H) {
+    pdl_wait();
     const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= static_cast<long long>(T) * H) return;
     const long long t = i / H, h = i % H;

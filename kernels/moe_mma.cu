@@ -51,6 +51,7 @@ moe_gate_up_mma(const float* __restrict__ x, const W* __restrict__ gate, const W
                 long long s_stride, const int* __restrict__ slot_of, const int* __restrict__ group_expert,
                 const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
                 const int* __restrict__ num_groups, float* __restrict__ act, int H, int I, int top_k) {
+    pdl_wait();
     const int g = blockIdx.y;
     if (g >= num_groups[0]) return;
     const long long slot = mma_expert_slot(slot_of, group_expert[g]);
@@ -111,6 +112,7 @@ moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long lon
              const float* __restrict__ route_weights, const int* __restrict__ group_expert,
              const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
              const int* __restrict__ num_groups, float* __restrict__ y, int H, int I, int span) {
+    pdl_wait();
     constexpr int M = MMA_TILES_M;
     static_assert(MMA_ROWS_DOWN == 16 * M, "a warp's down rows are its m-tiles");
     const int g = blockIdx.y;

@@ -12,6 +12,7 @@
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ residual,
                                     const float* __restrict__ weight, float* __restrict__ out,
                                     float* __restrict__ sum_out, int N, float eps) {
+    pdl_wait();
     const long long base = static_cast<long long>(blockIdx.x) * N;
     float squares = 0.f;
     for (int i = threadIdx.x; i < N; i += blockDim.x) {

@@ -6,9 +6,12 @@
 //   out[t, h, i]       = x[t, h, i] * cos[p, i] - x[t, h, i + D/2] * sin[p, i]
 //   out[t, h, i + D/2] = x[t, h, i + D/2] * cos[p, i] + x[t, h, i] * sin[p, i]      (p = positions[t])
 //   grid.x: T, block: 256 threads striding over heads * D/2.
+#include "common.cuh"
+
 extern "C" __global__ void rotary(const float* __restrict__ x, float* __restrict__ out, const float* __restrict__ cos,
                                   const float* __restrict__ sin, const long long* __restrict__ positions, int heads,
                                   int half) {
+    pdl_wait();
     const long long t = blockIdx.x;
     const long long p = positions[t];
     for (int idx = threadIdx.x; idx < heads * half; idx += blockDim.x) {

@@ -69,6 +69,7 @@ template <typename W>
 __global__ void __launch_bounds__(1024)
 route_topk(const float* __restrict__ x, const W* __restrict__ router, float* __restrict__ weights,
            int* __restrict__ ids, int H, int E, int k, int renormalize) {
+    pdl_wait();
     extern __shared__ float probs[];  // [E]
     const int t = blockIdx.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
@@ -96,6 +97,8 @@ route_split(const float* __restrict__ x, const W* __restrict__ router, float* __
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int t0 = tile * TT, n = min(TT, T - t0);
     const W* rows[1] = {router + static_cast<long long>(e) * H};
+    if (tile == 0 && threadIdx.x == 0) prefetch_l2(rows[0], H * sizeof(W));
+    pdl_wait();  // before it, only the router's weights are read
     const float* xs[TT];
 #pragma unroll
     for (int j = 0; j < TT; ++j) xs[j] = x + static_cast<long long>(t0 + min(j, n - 1)) * H;

@@ -19,6 +19,7 @@
 #define SELECT_THREADS 1024
 
 extern "C" __global__ void argmax_rows(const float* __restrict__ logits, long long* __restrict__ ids, int V) {
+    pdl_wait();
     __shared__ float best_values[32];
     __shared__ int best_indices[32];
     const float* row = logits + static_cast<long long>(blockIdx.x) * V;
@@ -94,6 +95,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) top_candidates(cons
                                           const float* __restrict__ temperature, int V, int count, int bits,
                                           double cutoff, int* __restrict__ ids, float* __restrict__ values,
                                           unsigned long long* __restrict__ sums) {
+    pdl_wait();
     __shared__ unsigned int histogram[256];
     __shared__ unsigned long long keys[MAX_CANDIDATES];
     __shared__ unsigned long long chosen_prefix, partial[SELECT_THREADS / 32];

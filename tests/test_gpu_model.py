@@ -87,18 +87,44 @@ def test_decode_graph_matches_eager(tiny_hf, batch_size, tmp_path):
         tokens = ids
 
 
-def test_synthetic_shape_graph_matches_eager():
+def test_decode_graphs_launch_programmatically_where_the_gpu_can():
+    model = synthetic_model("olmoe-1b-7b", num_layers=1, device="cuda")
+    graph = DecodeGraph(model, model.allocate_kv_cache(4, 16), 1, 4)
+    assert graph.programmatic == (int(cupy.cuda.Device().compute_capability) >= 90)
+    assert not DecodeGraph(model, model.allocate_kv_cache(4, 16), 1, 4, programmatic=False).programmatic
+
+
+def test_a_refused_programmatic_capture_falls_back_to_plain_launches(monkeypatch):
+    import colibri_stream.backends.cupy_backend as cupy_backend
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cuLaunchKernelEx failed with CUresult 400")
+
+    model = synthetic_model("olmoe-1b-7b", num_layers=1, device="cuda")
+    kv = model.allocate_kv_cache(4, 16)
+    monkeypatch.setattr(cupy_backend, "launch_programmatic", refuse)
+    graph = DecodeGraph(model, kv, 1, 4)
+    assert not graph.programmatic
+    batch = decode_batch(np.array([5]), np.array([3]), np.arange(4).reshape(1, 4), 16)
+    eager = model.forward(batch, kv)
+    assert np.array_equal(graph.greedy(batch), eager.argmax(axis=1))
+
+
+@pytest.mark.parametrize("programmatic", [True, False])
+@pytest.mark.parametrize("batch_size", [2, 16])  # 16: the projections and experts run on tensor cores
+def test_synthetic_shape_graph_matches_eager(programmatic, batch_size):
     model = synthetic_model("olmoe-1b-7b", num_layers=2, device="cuda")
-    kv = model.allocate_kv_cache(8, 16)
-    tables = np.arange(8).reshape(2, 4)
-    graph = DecodeGraph(model, kv, 2, 4)
-    tokens = np.array([11, 12])
+    kv = model.allocate_kv_cache(4 * batch_size, 16)
+    tables = np.arange(4 * batch_size).reshape(batch_size, 4)
+    graph = DecodeGraph(model, kv, batch_size, 4, programmatic=programmatic)
+    tokens = np.arange(11, 11 + batch_size)
     for step in range(3):
-        batch = decode_batch(tokens, np.array([step, 20 + step]), tables, 16)
+        batch = decode_batch(tokens, step + 20 * (np.arange(batch_size) % 3), tables, 16)
         eager = model.forward(batch, kv)
         assert np.isfinite(eager).all()
         ids = graph.greedy(batch)
         assert np.array_equal(ids, eager.argmax(axis=1))
+        assert relative_error(cupy.asnumpy(graph.logits), eager) < 1e-4
         tokens = ids
 
 

@@ -9,13 +9,17 @@ what the caller asks for (the sampler: argmaxes and candidates, cupy_sampling.py
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from ..model.batch import ForwardBatch
 from ..model.paged_kv import PagedKVCache
 from ..model.transformer import MoETransformer
 from .cupy_sampling import DeviceLogits
+from .launch import programmatic_launch_supported, programmatic_launches
 
+logger = logging.getLogger(__name__)
 _INPUTS = ("token_ids", "positions", "slot_mapping", "context_lens")
 
 
@@ -24,9 +28,12 @@ class DecodeGraph:
 
     Intermediate arrays of the captured step come from a memory pool private to the graph, so their addresses stay
     reserved for it between replays. Work runs on the graph's own stream; `greedy` returns after it finished.
+    With `programmatic` (and a GPU that has it), the kernels are captured as programmatic dependent launches
+    (launch.py): each may start while the one before it ends.
     """
 
-    def __init__(self, model: MoETransformer, kv_cache: PagedKVCache, batch_size: int, max_blocks: int):
+    def __init__(self, model: MoETransformer, kv_cache: PagedKVCache, batch_size: int, max_blocks: int,
+                 programmatic: bool = True):
         import cupy
         import cupyx
 
@@ -60,12 +67,26 @@ class DecodeGraph:
             self._device.set(self._host, stream=self.stream)
             self._step()  # compiles every kernel outside the capture
             self.stream.synchronize()
-            with cupy.cuda.using_allocator(self._pool.malloc):
-                self.stream.begin_capture()
-                try:
-                    self.logits, self.token_ids = self._step()  # [B, V] float32, [B] int64
-                finally:
-                    self.graph = self.stream.end_capture()
+            self.programmatic = programmatic and programmatic_launch_supported()
+            try:
+                self._capture()
+            except Exception as error:  # a driver or GPU that refuses programmatic launches in a capture
+                if not self.programmatic:
+                    raise
+                logger.warning("capturing the decode step with programmatic launches failed (%s); capturing it "
+                               "without them", error)
+                self.programmatic = False
+                self._capture()
+
+    def _capture(self) -> None:
+        import cupy
+
+        with cupy.cuda.using_allocator(self._pool.malloc), programmatic_launches(self.programmatic):
+            self.stream.begin_capture()
+            try:
+                self.logits, self.token_ids = self._step()  # [B, V] float32, [B] int64
+            finally:
+                self.graph = self.stream.end_capture()
 
     def _step(self):
         logits = self.model.forward_device(self._shape, self.inputs, self.kv_cache)  # [B, V]

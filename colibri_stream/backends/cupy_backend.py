@@ -30,6 +30,7 @@ from ..experts.store import ExpertStore
 from ..model.batch import ForwardBatch
 from .base import Array, Backend
 from .kernels import get_kernel
+from .launch import launch_programmatic, programmatic_active
 
 SMALL_BATCH = 4  # up to this many tokens (or in a graph capture off tensor cores), projections use linear_rows
 TOKEN_TILES = (1, 2, 4, 8)  # linear_rows instantiations: tokens per block
@@ -115,7 +116,11 @@ def _launch(file: str, expression: str, grid: tuple[int, ...], block: int, args:
     if 0 in grid:
         return
     family = _FAMILIES[file](weight_type) if file in _FAMILIES else ()
-    get_kernel(file, expression, family)(grid, (block,), args, shared_mem=shared_mem)
+    kernel = get_kernel(file, expression, family)
+    if programmatic_active():  # a decode graph's capture (launch.py)
+        launch_programmatic(kernel, grid, (block,), args, shared_mem)
+    else:
+        kernel(grid, (block,), args, shared_mem=shared_mem)
 
 
 def _ceil(a: int, b: int) -> int:
