@@ -97,8 +97,10 @@ moe_gate_up(const float* __restrict__ x, const W* __restrict__ gate, const W* __
             const int* __restrict__ num_groups, float* __restrict__ act, int H, int I, int top_k) {
     pdl_wait();
     const int g = blockIdx.y;
-    if (g >= num_groups[0]) return;
-    const long long slot = expert_slot(slot_of, group_expert[g]);
+    // Loaded together, so their latencies overlap (g < E: in bounds even past the last group).
+    const int groups = num_groups[0], expert = group_expert[g], begin = group_start[g], end = group_start[g + 1];
+    if (g >= groups) return;
+    const long long slot = expert_slot(slot_of, expert);
     if (slot < 0) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = blockIdx.x * MOE_WARPS + warp;
@@ -107,8 +109,7 @@ moe_gate_up(const float* __restrict__ x, const W* __restrict__ gate, const W* __
                         up + slot * w_stride + static_cast<long long>(row) * H};
     const float gate_scale = gate_scales != nullptr ? gate_scales[slot * s_stride + row] : 1.f;
     const float up_scale = up_scales != nullptr ? up_scales[slot * s_stride + row] : 1.f;
-    const int end = group_start[g + 1];
-    for (int base = group_start[g]; base < end; base += TT) {
+    for (int base = begin; base < end; base += TT) {
         const int n = min(TT, end - base);
         int pairs[TT];
         const float* xs[TT];
@@ -139,16 +140,17 @@ moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_
          const int* __restrict__ num_groups, float* __restrict__ y, int H, int I) {
     pdl_wait();
     const int g = blockIdx.y;
-    if (g >= num_groups[0]) return;
-    const long long slot = expert_slot(slot_of, group_expert[g]);
+    // Loaded together, so their latencies overlap (g < E: in bounds even past the last group).
+    const int groups = num_groups[0], expert = group_expert[g], begin = group_start[g], end = group_start[g + 1];
+    if (g >= groups) return;
+    const long long slot = expert_slot(slot_of, expert);
     if (slot < 0) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = blockIdx.x * MOE_WARPS + warp;
     if (row >= H) return;
     const W* rows[1] = {down + slot * w_stride + static_cast<long long>(row) * I};
     const float scale = down_scales != nullptr ? down_scales[slot * s_stride + row] : 1.f;
-    const int end = group_start[g + 1];
-    for (int base = group_start[g]; base < end; base += TT) {
+    for (int base = begin; base < end; base += TT) {
         const int n = min(TT, end - base);
         int pairs[TT];
         const float* xs[TT];
