@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One session on a GPU machine: install, GPU tests, benchmarks; logs and JSON results under $OUT.
-#   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests dense decode cpu offload" benchmarks/gpu_session.sh
+#   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests dense kernels decode cpu offload" benchmarks/gpu_session.sh
 # (STAGES="" only installs: what a command that runs a script of its own needs first).
 # Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first. Each stage has its own time
-# limit so the next one runs even if one fails. OFFLOAD_ARGS / DECODE_ARGS / CPU_ARGS pass options to the benchmarks.
+# limit so the next one runs even if one fails. OFFLOAD_ARGS / DECODE_ARGS / CPU_ARGS / DENSE_ARGS pass options to the
+# benchmarks; the kernels stage profiles one step per kernel with Nsight Compute (KERNEL_SHAPES, KERNEL_BATCHES).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/colibri-gpu}
@@ -33,7 +34,19 @@ for stage in $STAGES; do
     dense)
       echo "== dense projections: GEMV against tensor cores"
       timeout "${DENSE_TIMEOUT:-240}" python3 benchmarks/dense_projection.py --out "$OUT/dense_projection_h200.json" \
-        2>&1 | tee "$OUT/dense.log" | tail -50 ;;
+        ${DENSE_ARGS:-} 2>&1 | tee "$OUT/dense.log" | tail -50 ;;
+    kernels)
+      echo "== one decode step per kernel (Nsight Compute)"
+      for shape in ${KERNEL_SHAPES:-qwen3-30b-a3b mixtral-8x7b}; do
+        for batch in ${KERNEL_BATCHES:-1}; do
+          timeout "${KERNEL_TIMEOUT:-120}" ncu --profile-from-start off --clock-control none --csv \
+            --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size \
+            python3 benchmarks/step_kernels.py --shape "$shape" --batch "$batch" --layers 2 \
+            > "$OUT/ncu_${shape}_b${batch}.csv" 2> "$OUT/ncu_${shape}_b${batch}.err"
+          python3 benchmarks/step_kernels_table.py "$OUT/ncu_${shape}_b${batch}.csv" | tee "$OUT/kernels_${shape}_b${batch}.md" \
+            | tail -16
+        done
+      done ;;
     cpu)
       echo "== CPU expert executor kernels"
       timeout "${CPU_TIMEOUT:-240}" python3 benchmarks/cpu_expert_kernels.py --out "$OUT/cpu_expert_kernels_h200.json" \
