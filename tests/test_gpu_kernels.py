@@ -23,8 +23,6 @@ if not cupy.cuda.is_available():
 from colibri_stream.backends import cupy_backend  # noqa: E402
 from colibri_stream.backends.cupy_backend import (  # noqa: E402
     DENSE_MMA_MIN_TOKENS,
-    GEMV_ROW_OPTIONS,
-    GEMV_ROWS,
     LINEAR_MMA_ROWS,
     LINEAR_MMA_TILES,
     MMA_DOWN_ROWS,
@@ -122,22 +120,6 @@ def test_linear(dtype, tokens, dims):
     check(ours, REF.linear(x, REF.prepare_weight(w), bias), tolerance)
 
 
-@pytest.mark.parametrize("rows", GEMV_ROW_OPTIONS)
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8])
-def test_linear_rows_with_every_row_count(rows, tokens, monkeypatch):
-    """linear_rows with each instantiated number of output rows per block (GEMV_ROWS picks one per token tile),
-    on row counts that leave a partial last block."""
-    monkeypatch.setattr(cupy_backend, "GEMV_ROWS", dict.fromkeys(TOKEN_TILES, rows))
-    rng = np.random.default_rng(rows * 13 + tokens)
-    x = rng.standard_normal((tokens, 512)).astype(np.float32)
-    outs = (100, 37, 6)
-    weights = [weight(rng, (n, 512), "bfloat16") for n in outs]
-    poison()
-    ours = GPU.linears(cupy.asarray(x), [GPU.prepare_weight(w) for w in weights], [None, None, None])
-    for out, ref in zip(ours, REF.linears(x, [REF.prepare_weight(w) for w in weights], [None, None, None])):
-        check(out, ref)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("tokens", [1, 3, SMALL_BATCH, SMALL_BATCH + 1, 16])
 @pytest.mark.parametrize("outs", [(96, 40, 40), (2048, 256, 256), (64,), (8, 1000)])
@@ -191,9 +173,8 @@ def test_linear_captured_in_a_cuda_graph(dtype, tokens, dims, monkeypatch):
     launched = launched_kernels(monkeypatch)
     graph, out = captured(stream, lambda: (launched.clear(), GPU.linear(x, device_w, device_bias))[1])
     mma = tokens >= DENSE_MMA_MIN_TOKENS and dtype != "float32"
-    tile = _tile(tokens, TOKEN_TILES)
     assert launched == [f"linear_mma<{cupy_backend.storage_type(device_w)}, {_tile(-(-tokens // 8), LINEAR_MMA_TILES)}>"
-                        if mma else f"linear_rows<{cupy_backend.storage_type(device_w)}, {tile}, {GEMV_ROWS[tile]}>"]
+                        if mma else f"linear_rows<{cupy_backend.storage_type(device_w)}, {_tile(tokens, TOKEN_TILES)}>"]
     for _ in range(2):
         host = rng.standard_normal((tokens, n_in)).astype(np.float32)
         x.set(host, stream=stream)

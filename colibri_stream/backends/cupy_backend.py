@@ -35,8 +35,7 @@ from .launch import launch_programmatic, programmatic_active
 SMALL_BATCH = 4  # up to this many tokens (or in a graph capture off tensor cores), projections use linear_rows
 TOKEN_TILES = (1, 2, 4, 8)  # linear_rows instantiations: tokens per block
 MOE_TILES = (1, 2, 4, 8)  # moe_gate_up / moe_down instantiations: pairs of one expert per pass
-GEMV_ROW_OPTIONS = (2, 4, 8)  # linear_rows instantiations: output rows per block
-GEMV_ROWS = {1: 2, 2: 2, 4: 2, 8: 2}  # linear_rows: output rows per block for each token tile
+LINEAR_ROWS_PER_BLOCK = 2  # LINEAR_ROWS in linear.cu
 MOE_WARPS = 4  # rows per block of the MoE kernels (moe.cu)
 MMA_MIN_TOKENS = 8  # from this many tokens a step, bf16/fp16 routed experts run on tensor cores (moe_mma.cu)
 MMA_TILES = (1, 2, 4)  # moe_gate_up_mma / moe_down_mma instantiations: n-tiles of 8 pairs per pass over the weights
@@ -64,8 +63,7 @@ _DEVICE_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.fl
 
 # The instantiations compiled together with a kernel of each templated file, for weight type w.
 _FAMILIES = {
-    "linear.cu": lambda w: (*(f"linear_rows<{w}, {tt}, {r}>" for tt in TOKEN_TILES for r in GEMV_ROW_OPTIONS),
-                            f"to_storage<{w}>",
+    "linear.cu": lambda w: (*(f"linear_rows<{w}, {tt}>" for tt in TOKEN_TILES), f"to_storage<{w}>",
                             f"to_storage_split<{w}>"),
     "embedding.cu": lambda w: (f"embedding<{w}>",),
     "router.cu": lambda w: (f"route_topk<{w}>", *(f"route_split<{w}, {tt}>" for tt in TOKEN_TILES)),
@@ -394,17 +392,16 @@ class CupyBackend(Backend):
         t, n_in = x.shape
         outs, matrices, blocks = [], [], 0
         tile = _tile(t, TOKEN_TILES)
-        rows = GEMV_ROWS[tile]
         for weight, bias in zip(weights, biases):
             _check_row_width(n_in, weight, "linear")
             n_out = weight.shape[0]
             outs.append(self.cp.empty((t, n_out), np.float32))  # [T, Out_m]
             matrices += [weight, NULL if bias is None else bias, outs[-1], np.int32(n_out)]
-            blocks += _ceil(t, tile) * _ceil(n_out, rows)
+            blocks += _ceil(t, tile) * _ceil(n_out, LINEAR_ROWS_PER_BLOCK)
         matrices += [NULL, NULL, NULL, np.int32(0)] * (3 - len(weights))
         w = storage_type(weights[0])
-        _launch("linear.cu", f"linear_rows<{w}, {tile}, {rows}>", (blocks,), 128,
-                (x, np.int32(t), np.int32(n_in), *matrices), weight_type=w)
+        _launch("linear.cu", f"linear_rows<{w}, {tile}>", (blocks,), 128, (x, np.int32(t), np.int32(n_in), *matrices),
+                weight_type=w)
         return outs
 
     def _gemm(self, x: Array, weight: Array) -> Array:
