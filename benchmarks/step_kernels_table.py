@@ -20,8 +20,8 @@ def read(path: str) -> list[dict]:
     for row in csv.DictReader(io.StringIO(text[start:])):
         launch = launches.setdefault(row["ID"], {"id": int(row["ID"]), "kernel": row["Kernel Name"].split("(")[0]})
         value = row["Metric Value"].replace(",", "")
-        scale = {"nsecond": 1e-3, "usecond": 1, "msecond": 1e3, "byte": 1, "Kbyte": 1e3, "Mbyte": 1e6,
-                 "Gbyte": 1e9}.get(row["Metric Unit"], 1)
+        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1, "usecond": 1, "ms": 1e3, "msecond": 1e3, "byte": 1,
+                 "Kbyte": 1e3, "KB": 1e3, "Mbyte": 1e6, "MB": 1e6, "Gbyte": 1e9, "GB": 1e9}.get(row["Metric Unit"], 1)
         try:
             launch[row["Metric Name"]] = float(value) * scale
         except ValueError:

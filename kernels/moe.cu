@@ -18,15 +18,18 @@
 // A group whose slot is negative is skipped: its pairs' outputs are left as they are (another pass or the CPU
 // fills them), so the caller zeroes y first when it skips any.
 //
-// moe_gate_up<W, TT>: act[p, i] = silu(gate_e[i] . x[p / k]) * (up_e[i] . x[p / k]) for every pair p of expert e.
+// moe_gate_up<W, TT, R>: act[p, i] = silu(gate_e[i] . x[p / k]) * (up_e[i] . x[p / k]) for every pair p of expert e.
 //   x float32 [T, H]; gate, up W [slots, I, H] at stride w_stride; gate_scale, up_scale float32 [slots, I] at
 //   stride s_stride (int8 weights) or null; slot_of int32 [E] or null; act float32 [P, I].
-//   grid: (ceil(I / MOE_WARPS), G), block: MOE_WARPS * 32 threads; each warp one row i of gate and of up.
+//   grid: (ceil(I / (MOE_WARPS * R)), G), block: MOE_WARPS * 32 threads; each warp R rows of gate and of up.
 //
-// moe_down<W, TT>: y[p, h] = route_weight[p] * (down_e[h] . act[p]).
+// moe_down<W, TT, R>: y[p, h] = route_weight[p] * (down_e[h] . act[p]).
 //   act float32 [P, I]; down W [slots, H, I] at stride w_stride; down_scale float32 [slots, H] at stride s_stride
 //   or null; slot_of as above; route_weights float32 [P]; y float32 [P, H].
-//   grid: (ceil(H / MOE_WARPS), G), block: MOE_WARPS * 32 threads; each warp one row h.
+//   grid: (ceil(H / (MOE_WARPS * R)), G), block: MOE_WARPS * 32 threads; each warp R rows.
+//
+// R (1, 2, 4): rows per warp. A warp reads each activation chunk once for its R rows, and short rows (Qwen3's 768
+// columns of down: 1.5 KB in bf16) give each warp more bytes in flight.
 //
 // moe_sum: out[t, h] = sum over s < k of y[t * k + s, h], in slot order (deterministic, no atomics).
 //   y float32 [T * k, H], out float32 [T, H]; grid.x: ceil(T * H / 256), block: 256.
@@ -88,7 +91,7 @@ extern "C" __global__ void moe_align(const int* __restrict__ ids, int num_pairs,
     for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) sorted_pairs[atomicAdd(&cursor[ids[p]], 1)] = p;
 }
 
-template <typename W, int TT>
+template <typename W, int TT, int R>
 __global__ void __launch_bounds__(MOE_WARPS * 32)
 moe_gate_up(const float* __restrict__ x, const W* __restrict__ gate, const W* __restrict__ up, long long w_stride,
             const float* __restrict__ gate_scales, const float* __restrict__ up_scales, long long s_stride,
@@ -103,12 +106,18 @@ moe_gate_up(const float* __restrict__ x, const W* __restrict__ gate, const W* __
     const long long slot = expert_slot(slot_of, expert);
     if (slot < 0) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row = blockIdx.x * MOE_WARPS + warp;
-    if (row >= I) return;  // whole warps leave together
-    const W* rows[2] = {gate + slot * w_stride + static_cast<long long>(row) * H,
-                        up + slot * w_stride + static_cast<long long>(row) * H};
-    const float gate_scale = gate_scales != nullptr ? gate_scales[slot * s_stride + row] : 1.f;
-    const float up_scale = up_scales != nullptr ? up_scales[slot * s_stride + row] : 1.f;
+    const int row0 = (blockIdx.x * MOE_WARPS + warp) * R;
+    if (row0 >= I) return;  // whole warps leave together
+    const W* rows[2 * R];  // gate rows row0 .. row0 + R - 1, then the same rows of up (the last real row past I)
+    float gate_scale[R], up_scale[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const long long row = min(row0 + r, I - 1);
+        rows[r] = gate + slot * w_stride + row * H;
+        rows[R + r] = up + slot * w_stride + row * H;
+        gate_scale[r] = gate_scales != nullptr ? gate_scales[slot * s_stride + row] : 1.f;
+        up_scale[r] = up_scales != nullptr ? up_scales[slot * s_stride + row] : 1.f;
+    }
     for (int base = begin; base < end; base += TT) {
         const int n = min(TT, end - base);
         int pairs[TT];
@@ -118,20 +127,26 @@ moe_gate_up(const float* __restrict__ x, const W* __restrict__ gate, const W* __
             pairs[j] = sorted_pairs[base + min(j, n - 1)];
             xs[j] = x + static_cast<long long>(pairs[j] / top_k) * H;
         }
-        float acc[2][TT] = {};
-        dot_tile<W, 2, TT>(rows, xs, n, H, lane * Vec<W>::N, 32 * Vec<W>::N, acc);
+        float acc[2 * R][TT] = {};
+        dot_tile<W, 2 * R, TT>(rows, xs, n, H, lane * Vec<W>::N, 32 * Vec<W>::N, acc);
 #pragma unroll
         for (int j = 0; j < TT; ++j) {
             if (j < n) {  // n is the same for the whole warp
-                const float gate = warp_sum(acc[0][j]) * gate_scale;
-                const float up = warp_sum(acc[1][j]) * up_scale;
-                if (lane == 0) act[static_cast<long long>(pairs[j]) * I + row] = gate / (1.f + expf(-gate)) * up;
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const float gate_value = warp_sum(acc[r][j]) * gate_scale[r];
+                    const float up_value = warp_sum(acc[R + r][j]) * up_scale[r];
+                    if (lane == 0 && row0 + r < I) {
+                        act[static_cast<long long>(pairs[j]) * I + row0 + r] =
+                            gate_value / (1.f + expf(-gate_value)) * up_value;
+                    }
+                }
             }
         }
     }
 }
 
-template <typename W, int TT>
+template <typename W, int TT, int R>
 __global__ void __launch_bounds__(MOE_WARPS * 32)
 moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_stride,
          const float* __restrict__ down_scales, long long s_stride, const int* __restrict__ slot_of,
@@ -146,10 +161,16 @@ moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_
     const long long slot = expert_slot(slot_of, expert);
     if (slot < 0) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row = blockIdx.x * MOE_WARPS + warp;
-    if (row >= H) return;
-    const W* rows[1] = {down + slot * w_stride + static_cast<long long>(row) * I};
-    const float scale = down_scales != nullptr ? down_scales[slot * s_stride + row] : 1.f;
+    const int row0 = (blockIdx.x * MOE_WARPS + warp) * R;
+    if (row0 >= H) return;
+    const W* rows[R];  // rows row0 .. row0 + R - 1 of down (the last real row past H)
+    float scale[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const long long row = min(row0 + r, H - 1);
+        rows[r] = down + slot * w_stride + row * I;
+        scale[r] = down_scales != nullptr ? down_scales[slot * s_stride + row] : 1.f;
+    }
     for (int base = begin; base < end; base += TT) {
         const int n = min(TT, end - base);
         int pairs[TT];
@@ -159,13 +180,19 @@ moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_
             pairs[j] = sorted_pairs[base + min(j, n - 1)];
             xs[j] = act + static_cast<long long>(pairs[j]) * I;
         }
-        float acc[1][TT] = {};
-        dot_tile<W, 1, TT>(rows, xs, n, I, lane * Vec<W>::N, 32 * Vec<W>::N, acc);
+        float acc[R][TT] = {};
+        dot_tile<W, R, TT>(rows, xs, n, I, lane * Vec<W>::N, 32 * Vec<W>::N, acc);
 #pragma unroll
         for (int j = 0; j < TT; ++j) {
             if (j < n) {
-                const float s = warp_sum(acc[0][j]);
-                if (lane == 0) y[static_cast<long long>(pairs[j]) * H + row] = s * scale * route_weights[pairs[j]];
+                const float weight = route_weights[pairs[j]];
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const float s = warp_sum(acc[r][j]);
+                    if (lane == 0 && row0 + r < H) {
+                        y[static_cast<long long>(pairs[j]) * H + row0 + r] = s * scale[r] * weight;
+                    }
+                }
             }
         }
     }

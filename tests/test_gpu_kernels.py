@@ -30,6 +30,7 @@ from colibri_stream.backends.cupy_backend import (  # noqa: E402
     MMA_MIN_TOKENS,
     MMA_THREADS,
     MMA_TILES,
+    MOE_ROWS_PER_WARP,
     ROUTER_SPLIT_TOKENS,
     SMALL_BATCH,
     TOKEN_TILES,
@@ -278,7 +279,8 @@ def attention_batch(rng, seqs: list[tuple[int, int]], block_size: int, num_block
 @pytest.mark.parametrize("head_dim", [24, 64, 128])
 @pytest.mark.parametrize("window", [None, 16])
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_paged_attention(head_dim, window, block_size):
+def test_paged_attention(head_dim, window, block_size, monkeypatch):
+    """Sequences of several tokens (T != B): paged_attention, a block per (token, query head)."""
     rng = np.random.default_rng(head_dim + block_size)
     seqs = [(1, 1), (37, 37), (100, 1), (64, 5), (200, 1)]
     num_blocks = sum(-(-c // block_size) for c, _ in seqs) + 3
@@ -288,9 +290,41 @@ def test_paged_attention(head_dim, window, block_size):
     query = rng.standard_normal((batch.num_tokens, heads, head_dim)).astype(np.float32)
     scale = head_dim**-0.5
     device_batch = {name: cupy.asarray(getattr(batch, name)) for name in ("block_tables", "query_start", "positions")}
+    launched = launched_kernels(monkeypatch)
     poison()
     ours = GPU.paged_attention(cupy.asarray(query), cupy.asarray(key_cache), cupy.asarray(value_cache), batch,
                                device_batch, scale, window)
+    assert launched == [f"paged_attention<{ {24: 1, 64: 2, 128: 4}[head_dim]}>"]
+    check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, scale, window))
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(32, 4), (32, 8), (8, 8), (16, 1), (12, 4)])
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("split", [True, False])
+def test_paged_attention_decode(head_dim, heads, kv_heads, window, split, monkeypatch):
+    """One token per sequence (T == B): paged_attention_gqa, a block per (token, KV head) for the whole query group
+    (12 / 4: a group of 3 padded to 4), the context split over blocks and merged by paged_attention_merge (split;
+    splits of the short contexts are empty) or in one block each. The backend decides from shapes only, so the
+    batch passed is None (as in decode.py's profile)."""
+    rng = np.random.default_rng(head_dim + heads + kv_heads)
+    block_size = 16
+    seqs = [(p + 1, 1) for p in (0, 36, 143, 200, 511)]
+    num_blocks = sum(-(-c // block_size) for c, _ in seqs) + 3
+    batch = attention_batch(rng, seqs, block_size, num_blocks)
+    key_cache, value_cache = rng.standard_normal((2, num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
+    query = rng.standard_normal((batch.num_tokens, heads, head_dim)).astype(np.float32)
+    scale = head_dim**-0.5
+    device_batch = {name: cupy.asarray(getattr(batch, name)) for name in ("block_tables", "query_start", "positions")}
+    if not split:
+        monkeypatch.setattr(cupy_backend, "GQA_MAX_SPLITS", 1)
+    launched = launched_kernels(monkeypatch)
+    poison()
+    ours = GPU.paged_attention(cupy.asarray(query), cupy.asarray(key_cache), cupy.asarray(value_cache), None,
+                               device_batch, scale, window)
+    per_lane = {64: 2, 96: 4, 128: 4}[head_dim]
+    group = {1: 1, 2: 2, 3: 4, 4: 4, 8: 8, 16: 16}[heads // kv_heads]
+    assert launched == [f"paged_attention_gqa<{per_lane}, {group}>"] + (["paged_attention_merge"] if split else [])
     check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, scale, window))
 
 
@@ -429,7 +463,11 @@ def random_experts(rng, num_experts: int, hidden: int, inter: int, dtype: str) -
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
 @pytest.mark.parametrize("tokens", [1, 2, 5, 64])
 @pytest.mark.parametrize("experts,top_k,hidden,inter", [(8, 2, 64, 48), (64, 8, 256, 128)])
-def test_routed_experts(dtype, tokens, experts, top_k, hidden, inter):
+@pytest.mark.parametrize("rows", MOE_ROWS_PER_WARP)
+def test_routed_experts(dtype, tokens, experts, top_k, hidden, inter, rows, monkeypatch):
+    """moe.cu (and moe_mma.cu from MMA_MIN_TOKENS bf16/fp16 tokens) against NumPy, with each number of weight rows
+    per warp."""
+    monkeypatch.setattr(cupy_backend, "moe_rows_per_warp", lambda row_bytes: rows)
     rng = np.random.default_rng(tokens * 31 + experts)
     store = random_experts(rng, experts, hidden, inter, dtype)
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)

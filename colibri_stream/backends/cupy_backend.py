@@ -36,13 +36,21 @@ SMALL_BATCH = 4  # up to this many tokens (or in a graph capture off tensor core
 TOKEN_TILES = (1, 2, 4, 8)  # linear_rows instantiations: tokens per block
 MOE_TILES = (1, 2, 4, 8)  # moe_gate_up / moe_down instantiations: pairs of one expert per pass
 LINEAR_ROWS_PER_BLOCK = 2  # LINEAR_ROWS in linear.cu
-MOE_WARPS = 4  # rows per block of the MoE kernels (moe.cu)
+MOE_WARPS = 4  # warps per block of the MoE kernels (moe.cu)
+MOE_ROWS_PER_WARP = (1, 2, 4)  # moe_gate_up / moe_down instantiations: weight rows per warp
+MOE_WARP_ROW_BYTES = 8192  # a warp of moe.cu takes rows of its matrix until they hold this many bytes (up to 4)
 MMA_MIN_TOKENS = 8  # from this many tokens a step, bf16/fp16 routed experts run on tensor cores (moe_mma.cu)
 MMA_TILES = (1, 2, 4)  # moe_gate_up_mma / moe_down_mma instantiations: n-tiles of 8 pairs per pass over the weights
 MMA_THREADS = 128  # MMA_WARPS * 32 in moe_mma.cu
 MMA_GATE_UP_ROWS = 64  # gate (and up) rows per block of moe_gate_up_mma: 4 warps x 16
 MMA_DOWN_ROWS = 128  # down rows per block of moe_down_mma: 4 warps x 32
 ATTENTION_WARPS = 16  # ATTN_WARPS in attention.cu
+GQA_WARPS = 4  # GQA_WARPS in attention.cu: warps per block of paged_attention_gqa
+GQA_GROUPS = (1, 2, 4, 8, 16)  # paged_attention_gqa instantiations: query heads per KV head, rounded up to one
+GQA_MAX_LANE_FLOATS = 64  # G * DPL (q floats per lane, as many accumulators) above this: paged_attention instead
+GQA_MAX_SPLITS = 16  # paged_attention_gqa splits a context over at most this many blocks (then a merge launch)
+GQA_BLOCKS_PER_SM = 2  # ... and over as many as make T * K * splits about this many blocks per multiprocessor
+GQA_MIN_SPLIT_KEYS = 16  # ... with at least this many keys per split at the tables' full width
 DENSE_MMA_MIN_TOKENS = 4  # from this many tokens, captured bf16/fp16 projections run on linear_mma (H200: from 4)
 LINEAR_MMA_TILES = (1, 2, 4, 8)  # linear_mma instantiations: n-tiles of 8 tokens per pass over the weights
 LINEAR_MMA_ROWS = 128  # output rows per block of linear_mma: 4 warps x 32
@@ -67,13 +75,16 @@ _FAMILIES = {
                             f"to_storage_split<{w}>"),
     "embedding.cu": lambda w: (f"embedding<{w}>",),
     "router.cu": lambda w: (f"route_topk<{w}>", *(f"route_split<{w}, {tt}>" for tt in TOKEN_TILES)),
-    "moe.cu": lambda w: () if w is None else tuple(f"{k}<{w}, {tt}>" for k in ("moe_gate_up", "moe_down")
-                                                   for tt in MOE_TILES),  # None: moe_align, moe_sum only
+    "moe.cu": lambda w: () if w is None else tuple(f"{k}<{w}, {tt}, {r}>" for k in ("moe_gate_up", "moe_down")
+                                                   for tt in MOE_TILES for r in MOE_ROWS_PER_WARP),  # None: moe_align,
+    # moe_sum only
     "moe_mma.cu": lambda w: tuple(f"{k}<{w}, {nt}>" for k in ("moe_gate_up_mma", "moe_down_mma")
                                   for nt in MMA_TILES) if w in ("__nv_bfloat16", "__half") else (),
     "linear_mma.cu": lambda w: tuple(f"linear_mma<{w}, {nt}>" for nt in LINEAR_MMA_TILES)
     if w in ("__nv_bfloat16", "__half") else (),
-    "attention.cu": lambda w: tuple(f"paged_attention<{d}>" for d in (1, 2, 4, 8)),
+    "attention.cu": lambda w: (*(f"paged_attention<{d}>" for d in (1, 2, 4, 8)),
+                               *(f"paged_attention_gqa<{d}, {g}>" for d in (1, 2, 4, 8) for g in GQA_GROUPS
+                                 if g * d <= GQA_MAX_LANE_FLOATS), "paged_attention_merge"),
 }
 
 
@@ -121,6 +132,11 @@ def _launch(file: str, expression: str, grid: tuple[int, ...], block: int, args:
         launch_programmatic(kernel, grid, (block,), args, shared_mem)
     else:
         kernel(grid, (block,), args, shared_mem=shared_mem)
+
+
+def moe_rows_per_warp(row_bytes: int) -> int:
+    """Weight rows each warp of moe.cu takes: as many of MOE_ROWS_PER_WARP as hold MOE_WARP_ROW_BYTES together."""
+    return max([r for r in MOE_ROWS_PER_WARP if r == 1 or r * row_bytes <= MOE_WARP_ROW_BYTES])
 
 
 def _ceil(a: int, b: int) -> int:
@@ -476,6 +492,12 @@ class CupyBackend(Backend):
 
     def paged_attention(self, query, key_cache, value_cache, batch: ForwardBatch, device_batch, scale,
                         sliding_window):
+        """One query token per sequence (T == B, decided from shapes only: inside a captured graph `batch` holds
+        shapes, and decode.py's profile passes None): paged_attention_gqa, a block per (token, KV head, split)
+        computing the KV head's whole query group, so each key and value row is read once for the group; the
+        context is split over enough blocks to fill the GPU, and paged_attention_merge combines the splits.
+        Otherwise (prefill chunks, or head layouts the GQA kernel does not take): paged_attention, a block per
+        (token, query head)."""
         query = self.cp.ascontiguousarray(query)
         t, num_heads, head_dim = query.shape
         block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -484,11 +506,33 @@ class CupyBackend(Backend):
         if per_lane is None:
             raise ValueError(f"head_dim {head_dim} is above the attention kernel's 256")
         out = self.cp.empty_like(query)  # [T, Q, D]
-        args = (query, key_cache, value_cache, tables, device_batch["query_start"], device_batch["positions"], out,
-                np.int32(tables.shape[0]), np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim),
-                np.int32(block_size), np.int32(tables.shape[1]), np.float32(scale), np.int32(sliding_window or 0))
-        _launch("attention.cu", f"paged_attention<{per_lane}>", (t, num_heads), 32 * ATTENTION_WARPS, args,
-                shared_mem=ATTENTION_WARPS * head_dim * 4)
+        common = (query, key_cache, value_cache, tables, device_batch["query_start"], device_batch["positions"], out)
+        sizes = (np.int32(tables.shape[0]), np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim),
+                 np.int32(block_size), np.int32(tables.shape[1]), np.float32(scale), np.int32(sliding_window or 0))
+        group = num_heads // num_kv_heads
+        padded = next((g for g in GQA_GROUPS if g >= group), None)
+        vector = min(per_lane, 4)  # floats per load of a key or value row
+        if (t == tables.shape[0] and num_heads % num_kv_heads == 0 and padded is not None
+                and padded * per_lane <= GQA_MAX_LANE_FLOATS and head_dim % vector == 0
+                and key_cache.data.ptr % (4 * vector) == 0 and value_cache.data.ptr % (4 * vector) == 0):
+            pairs = t * num_kv_heads
+            capacity = tables.shape[1] * block_size  # the longest context the tables hold
+            splits = max(1, min(GQA_MAX_SPLITS, GQA_BLOCKS_PER_SM * self.multiprocessors // max(pairs, 1),
+                                _ceil(capacity, GQA_MIN_SPLIT_KEYS)))
+            if splits > 1:
+                partial_acc = self.cp.empty((t, num_heads, splits, head_dim), np.float32)  # [T, Q, S, D]
+                partial_ml = self.cp.empty((t, num_heads, splits, 2), np.float32)  # [T, Q, S, (m, l)]
+            else:
+                partial_acc = partial_ml = NULL
+            _launch("attention.cu", f"paged_attention_gqa<{per_lane}, {padded}>", (t, num_kv_heads, splits),
+                    32 * GQA_WARPS, (*common, partial_acc, partial_ml, *sizes),
+                    shared_mem=GQA_WARPS * padded * head_dim * 4)
+            if splits > 1:
+                _launch("attention.cu", "paged_attention_merge", (t, num_heads), 32 * per_lane,
+                        (partial_acc, partial_ml, out, np.int32(head_dim), np.int32(splits)))
+            return out
+        _launch("attention.cu", f"paged_attention<{per_lane}>", (t, num_heads), 32 * ATTENTION_WARPS,
+                (*common, *sizes), shared_mem=ATTENTION_WARPS * head_dim * 4)
         return out
 
     # ---- mixture of experts -------------------------------------------------------------------------------
@@ -577,10 +621,12 @@ class CupyBackend(Backend):
                         (_ceil(h, MMA_DOWN_ROWS), groups, _ceil(i, span)), MMA_THREADS, (*down, np.int32(span)),
                         weight_type=w)
             else:
-                _launch("moe.cu", f"moe_gate_up<{w}, {tile}>", (_ceil(i, MOE_WARPS), groups), 32 * MOE_WARPS,
-                        gate_up, weight_type=w)
-                _launch("moe.cu", f"moe_down<{w}, {tile}>", (_ceil(h, MOE_WARPS), groups), 32 * MOE_WARPS, down,
-                        weight_type=w)
+                item = experts.gate.itemsize
+                r_up, r_down = moe_rows_per_warp(h * item), moe_rows_per_warp(i * item)
+                _launch("moe.cu", f"moe_gate_up<{w}, {tile}, {r_up}>", (_ceil(i, MOE_WARPS * r_up), groups),
+                        32 * MOE_WARPS, gate_up, weight_type=w)
+                _launch("moe.cu", f"moe_down<{w}, {tile}, {r_down}>", (_ceil(h, MOE_WARPS * r_down), groups),
+                        32 * MOE_WARPS, down, weight_type=w)
         out = cp.empty((t, h), np.float32)  # [T, H]
         if y is None:  # no launch: every expert of the step was computed on the CPU
             out.fill(0)
