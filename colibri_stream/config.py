@@ -288,16 +288,21 @@ class EngineConfig:
     model: str  # path of a native model folder
     device: str = "auto"  # cpu | auto (a GPU when one is usable); checked by the model loader
     verify: bool = False  # check the checkpoint's checksums when loading
+    cuda_graphs: bool = True  # decode steps as CUDA graphs where they can be (off: every step launched eagerly)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     experts: ExpertStoreConfig = field(default_factory=ExpertStoreConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"cuda_graphs must be a boolean, got {self.cuda_graphs!r}")
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> EngineConfig:
         """Build from flat options (`max_batch_size=8, block_size=32, device="cpu"`); unknown ones are errors."""
         groups = {sub: {f.name for f in dataclasses.fields(sub)}
                   for sub in (SchedulerConfig, CacheConfig, ExpertStoreConfig)}
-        own = {"device", "verify"}
+        own = {"device", "verify", "cuda_graphs"}
         unknown = sorted(set(options) - own - set().union(*groups.values()))
         if unknown:
             raise ConfigError(f"unknown engine options {unknown}")

@@ -86,7 +86,7 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_seq_len=self.max_seq_len), self.kv)
         self.runner = ModelRunner(model, model.allocate_kv_cache(num_blocks, block_size), per_seq,
-                                  config.scheduler.max_batch_size)
+                                  config.scheduler.max_batch_size, cuda_graphs=config.cuda_graphs)
         self.timer: StepTimer = model.timer  # phases of every step; `timer.add_sink` turns it on
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
         self._requests: dict[str, dict[int, _Sequence]] = {}  # request id -> its unfinished sequences by index
@@ -331,7 +331,8 @@ class AsyncEngine:
     def from_pretrained(cls, path: str | None = None, **config: Any) -> AsyncEngine:
         """Load a model folder (None: the model shipped with Colibri). Options: max_batch_size,
         max_num_batched_tokens, max_seq_len, kv_cache_memory (bytes) or num_kv_blocks, block_size,
-        enable_prefix_caching (default True), max_queue (0: unbounded), device ("cpu" | "auto"), verify."""
+        enable_prefix_caching (default True), max_queue (0: unbounded), device ("cpu" | "auto"), verify,
+        cuda_graphs (default True: decode steps replayed as CUDA graphs on the GPU)."""
         return cls(EngineCore.from_pretrained(path, **config))
 
     async def start(self) -> None:

@@ -33,13 +33,13 @@ class ModelRunner:
     """
 
     def __init__(self, model: MoETransformer, kv_cache: PagedKVCache, max_blocks_per_seq: int | None = None,
-                 max_batch_size: int | None = None):
+                 max_batch_size: int | None = None, cuda_graphs: bool = True):
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = Sampler()
         self._states: dict[SeqId, SamplingState] = {}
         self.graphs = None  # decode steps as CUDA graphs, where the model's work is fixed by shapes
-        if max_blocks_per_seq is not None and max_batch_size is not None:
+        if cuda_graphs and max_blocks_per_seq is not None and max_batch_size is not None:
             from .backends.cuda_graph import DecodeGraphs
 
             if DecodeGraphs.usable(model):

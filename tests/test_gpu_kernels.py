@@ -328,6 +328,21 @@ def test_paged_attention_decode(head_dim, heads, kv_heads, window, split, monkey
     check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, scale, window))
 
 
+def test_a_single_decode_token_takes_the_query_head_kernel(monkeypatch):
+    """Below GQA_MIN_TOKENS tokens paged_attention (a block per query head) is faster than the GQA kernel."""
+    rng = np.random.default_rng(3)
+    batch = attention_batch(rng, [(144, 1)], 16, 12)
+    key_cache, value_cache = rng.standard_normal((2, 12, 16, 4, 128)).astype(np.float32)
+    query = rng.standard_normal((1, 32, 128)).astype(np.float32)
+    device_batch = {name: cupy.asarray(getattr(batch, name)) for name in ("block_tables", "query_start", "positions")}
+    launched = launched_kernels(monkeypatch)
+    poison()
+    ours = GPU.paged_attention(cupy.asarray(query), cupy.asarray(key_cache), cupy.asarray(value_cache), None,
+                               device_batch, 0.1, None)
+    assert launched == ["paged_attention<4>"]
+    check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, 0.1, None))
+
+
 def check_route(x: np.ndarray, router: np.ndarray, top_k: int, renormalize: bool, monkeypatch) -> None:
     """GPU.route against REF.route (same ids, weights within 1e-5), on the kernel the token count selects; the
     split kernel's block counters are left zero."""

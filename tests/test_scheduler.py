@@ -148,3 +148,15 @@ def test_finish_from_outside_frees_running_and_waiting():
     assert a.status.finish_reason == "abort"
     assert s.kv.num_free_blocks == 8 and not s.has_unfinished()
     assert s.schedule().finished_seq_ids == [("a", 0), ("b", 0)]
+
+
+def test_engine_options_take_cuda_graphs_as_a_boolean_and_the_cli_turns_it_off():
+    from colibri_stream.cli import _engine_options, build_parser
+    from colibri_stream.config import EngineConfig
+
+    assert EngineConfig.from_options("m").cuda_graphs
+    assert not EngineConfig.from_options("m", cuda_graphs=False).cuda_graphs
+    with pytest.raises(ConfigError, match="cuda_graphs must be a boolean"):
+        EngineConfig.from_options("m", cuda_graphs="no")
+    assert _engine_options(build_parser().parse_args(["serve", "--no-cuda-graphs"]))["cuda_graphs"] is False
+    assert "cuda_graphs" not in _engine_options(build_parser().parse_args(["serve"]))

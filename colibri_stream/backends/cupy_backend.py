@@ -51,6 +51,8 @@ GQA_MAX_LANE_FLOATS = 64  # G * DPL (q floats per lane, as many accumulators) ab
 GQA_MAX_SPLITS = 16  # paged_attention_gqa splits a context over at most this many blocks (then a merge launch)
 GQA_BLOCKS_PER_SM = 2  # ... and over as many as make T * K * splits about this many blocks per multiprocessor
 GQA_MIN_SPLIT_KEYS = 16  # ... with at least this many keys per split at the tables' full width
+GQA_MIN_TOKENS = 2  # a single token takes paged_attention: 8.4 against 9.0-9.6 us a layer on the H200 (batch 16:
+# 25-27 against 14-15 us; eadfe2f's decode run)
 DENSE_MMA_MIN_TOKENS = 4  # from this many tokens, captured bf16/fp16 projections run on linear_mma (H200: from 4)
 LINEAR_MMA_TILES = (1, 2, 4, 8)  # linear_mma instantiations: n-tiles of 8 tokens per pass over the weights
 LINEAR_MMA_ROWS = 128  # output rows per block of linear_mma: 4 warps x 32
@@ -492,8 +494,8 @@ class CupyBackend(Backend):
 
     def paged_attention(self, query, key_cache, value_cache, batch: ForwardBatch, device_batch, scale,
                         sliding_window):
-        """One query token per sequence (T == B, decided from shapes only: inside a captured graph `batch` holds
-        shapes, and decode.py's profile passes None): paged_attention_gqa, a block per (token, KV head, split)
+        """One query token per sequence and at least GQA_MIN_TOKENS of them (T == B, decided from shapes only:
+        inside a captured graph `batch` holds shapes, and decode.py's profile passes None): paged_attention_gqa, a block per (token, KV head, split)
         computing the KV head's whole query group, so each key and value row is read once for the group; the
         context is split over enough blocks to fill the GPU, and paged_attention_merge combines the splits.
         Otherwise (prefill chunks, or head layouts the GQA kernel does not take): paged_attention, a block per
@@ -512,7 +514,7 @@ class CupyBackend(Backend):
         group = num_heads // num_kv_heads
         padded = next((g for g in GQA_GROUPS if g >= group), None)
         vector = min(per_lane, 4)  # floats per load of a key or value row
-        if (t == tables.shape[0] and num_heads % num_kv_heads == 0 and padded is not None
+        if (t == tables.shape[0] and t >= GQA_MIN_TOKENS and num_heads % num_kv_heads == 0 and padded is not None
                 and padded * per_lane <= GQA_MAX_LANE_FLOATS and head_dim % vector == 0
                 and key_cache.data.ptr % (4 * vector) == 0 and value_cache.data.ptr % (4 * vector) == 0):
             pairs = t * num_kv_heads
