@@ -47,9 +47,9 @@ def eager_seconds(cp, fn, calls: int = 32) -> float:
 
 
 def measure(backend, shape: str, name: str, n_in: int, n_outs: list[int],
-            sweep: list[tuple[int, int]], token_counts: list[int], warp_row_bytes: list[int]) -> list[dict]:
+            sweep: list[tuple[int, int]], token_counts: list[int]) -> list[dict]:
     """One projection of `shape` at every token count (linear_mma also with each (blocks per SM, least span) of
-    `sweep`; the GEMV also with each GEMV_WARP_ROW_BYTES of `warp_row_bytes`, 0 meaning linear_rows)."""
+    `sweep`)."""
     cp = backend.cp
     copies = 2 if name == "lm_head" else LAYERS
     weights = [[backend.random_weight((n, n_in), 0.02, 100 * c + m, "bfloat16") for m, n in enumerate(n_outs)]
@@ -63,11 +63,6 @@ def measure(backend, shape: str, name: str, n_in: int, n_outs: list[int],
         gemv = time_in_graph(cp, lambda i, x=x: backend._linear_rows(x, weights[i % copies], biases))
         mma = time_in_graph(cp, lambda i, x=x: backend._linear_mma(x, weights[i % copies], biases))
         cublas = eager_seconds(cp, lambda i, x=x: [backend._gemm(x, w) for w in weights[i % copies]])
-        gemv_variants = {}  # GEMV_WARP_ROW_BYTES: GEMV microseconds
-        for row_bytes in warp_row_bytes:
-            with gemv_warp_row_bytes(row_bytes):
-                gemv_variants[row_bytes] = 1e6 * time_in_graph(
-                    cp, lambda i, x=x: backend._linear_rows(x, weights[i % copies], biases))
         variants = {}  # "blocks per SM x least span": mma microseconds with those split constants
         for blocks_per_sm, min_span in sweep:
             with split_constants(blocks_per_sm, min_span):
@@ -78,13 +73,11 @@ def measure(backend, shape: str, name: str, n_in: int, n_outs: list[int],
                         "outs": n_outs, "tokens": tokens, "weight_bytes": nbytes, "column_splits": splits,
                         "gemv_us": gemv * 1e6, "mma_us": mma * 1e6, "cublas_eager_us": cublas * 1e6,
                         "gemv_gbps": nbytes / gemv / 1e9, "mma_gbps": nbytes / mma / 1e9,
-                        "cublas_eager_gbps": nbytes / cublas / 1e9, "mma_split_variants": variants,
-                        "gemv_warp_row_bytes_variants_us": gemv_variants})
+                        "cublas_eager_gbps": nbytes / cublas / 1e9, "mma_split_variants": variants})
         best = min(variants.items(), key=lambda item: item[1]["us"]) if variants else None
         log(f"{shape} {name:8s} T={tokens:3d}: gemv {gemv * 1e6:7.1f} us ({nbytes / gemv / 1e9:5.0f} GB/s), "
             f"mma {mma * 1e6:7.1f} us ({nbytes / mma / 1e9:5.0f} GB/s), cuBLAS eager {cublas * 1e6:7.1f} us, "
-            f"splits {splits}" + "".join(f"; gemv {b} B/warp {us:.1f} us" for b, us in gemv_variants.items())
-            + (f"; best split constants {best[0]}: {best[1]['us']:.1f} us "
+            f"splits {splits}" + (f"; best split constants {best[0]}: {best[1]['us']:.1f} us "
                                   f"({best[1]['splits']} splits)" if best else ""))
     return records
 
@@ -102,19 +95,6 @@ def split_constants(blocks_per_sm: int, min_span: int):
         cupy_backend.LINEAR_MMA_BLOCKS_PER_SM, cupy_backend.LINEAR_MMA_MIN_SPAN = saved
 
 
-@contextlib.contextmanager
-def gemv_warp_row_bytes(row_bytes: int):
-    """cupy_backend's GEMV_WARP_ROW_BYTES set to `row_bytes` meanwhile."""
-    from colibri_stream.backends import cupy_backend
-
-    saved = cupy_backend.GEMV_WARP_ROW_BYTES
-    cupy_backend.GEMV_WARP_ROW_BYTES = row_bytes
-    try:
-        yield
-    finally:
-        cupy_backend.GEMV_WARP_ROW_BYTES = saved
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/dense_projection.json"))
@@ -124,8 +104,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-spans", type=int, nargs="*", default=[],
                         help="... and these LINEAR_MMA_MIN_SPAN values (every pair)")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
-    parser.add_argument("--warp-row-bytes", type=int, nargs="*", default=[],
-                        help="also time the GEMV with these GEMV_WARP_ROW_BYTES (0: linear_rows)")
     args = parser.parse_args(argv)
     from colibri_stream.backends.cupy_backend import CupyBackend
 
@@ -138,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes:
         for name, (n_in, n_outs) in projections(*SHAPES[shape]).items():
             records += [{**common, **record}
-                        for record in measure(backend, shape, name, n_in, n_outs, sweep, args.tokens,
-                                              args.warp_row_bytes)]
+                        for record in measure(backend, shape, name, n_in, n_outs, sweep, args.tokens)]
             backend.cp.get_default_memory_pool().free_all_blocks()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(records, indent=1))

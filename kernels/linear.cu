@@ -15,13 +15,6 @@
 //   from L2.
 //   For decode-sized T (the backend uses it up to SMALL_BATCH tokens, and for every T inside a CUDA graph).
 //
-// linear_warp_rows<W, TT, R>: the same product, each warp on R whole rows (no exchange between warps), for one or
-//   two tokens, where linear_rows' blocks of 2 rows (16 KiB of Mixtral's q/k/v) finish after one round trip to
-//   memory and the GPU spends its time starting blocks: the routed experts' GEMV (moe.cu, a warp per row)
-//   streams at 3.8-4.1 TB/s on the H200, linear_rows at 2.2-3.0.
-//   block: LINEAR_WARPS * 32 threads on LINEAR_WARPS * R consecutive rows of one matrix and a tile of TT tokens.
-//   grid.x: the sum over the matrices of ceil(T / TT) * ceil(Out_m / (LINEAR_WARPS * R)), ordered as linear_rows'.
-//
 // to_storage<W>: y[i] = W(x[i]) (round to nearest even), x float32 [n], y W [n].
 //   grid.x: ceil(n / 256), block: 256.
 //
@@ -88,58 +81,6 @@ linear_rows(const float* __restrict__ x, int T, int In,
 #pragma unroll
             for (int k = 0; k < LINEAR_WARPS; ++k) s += partial[k][r][j];
             out[static_cast<long long>(t0 + j) * Out + row] = s;
-        }
-    }
-}
-
-template <typename W, int TT, int R>
-__global__ void __launch_bounds__(LINEAR_WARPS * 32)
-linear_warp_rows(const float* __restrict__ x, int T, int In,
-                 const W* __restrict__ w0, const float* __restrict__ bias0, float* __restrict__ out0, int Out0,
-                 const W* __restrict__ w1, const float* __restrict__ bias1, float* __restrict__ out1, int Out1,
-                 const W* __restrict__ w2, const float* __restrict__ bias2, float* __restrict__ out2, int Out2) {
-    constexpr int V = Vec<W>::N;
-    constexpr int ROWS = LINEAR_WARPS * R;  // rows per block
-    const int tiles = (T + TT - 1) / TT;
-    const int blocks0 = tiles * ((Out0 + ROWS - 1) / ROWS);
-    const int blocks01 = blocks0 + tiles * ((Out1 + ROWS - 1) / ROWS);
-    int block = blockIdx.x;  // this block's index among its matrix's blocks
-    const W* w = w0;
-    const float* bias = bias0;
-    float* out = out0;
-    int Out = Out0;
-    if (block >= blocks01) {
-        block -= blocks01;
-        w = w2, bias = bias2, out = out2, Out = Out2;
-    } else if (block >= blocks0) {
-        block -= blocks0;
-        w = w1, bias = bias1, out = out1, Out = Out1;
-    }
-    const int tile = block % tiles;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row0 = (block / tiles) * ROWS + warp * R;
-    const W* rows[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) rows[r] = w + static_cast<long long>(min(row0 + r, Out - 1)) * In;
-    if (tile == 0 && lane < R && row0 + lane < Out) {
-        prefetch_l2(rows[lane], In * sizeof(W));  // the weights only: the kernel before may still run
-    }
-    pdl_wait();
-    if (row0 >= Out) return;  // whole warps leave together; no block-wide barrier follows
-    const int t0 = tile * TT, n = min(TT, T - t0);
-    const float* xs[TT];
-#pragma unroll
-    for (int j = 0; j < TT; ++j) xs[j] = x + static_cast<long long>(t0 + min(j, n - 1)) * In;
-    float acc[R][TT] = {};
-    dot_tile<W, R, TT>(rows, xs, n, In, lane * V, 32 * V, acc);
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const int row = row0 + r;
-        const float add = bias != nullptr && row < Out ? bias[row] : 0.f;
-#pragma unroll
-        for (int j = 0; j < TT; ++j) {
-            const float s = warp_sum(acc[r][j]);
-            if (lane == 0 && j < n && row < Out) out[static_cast<long long>(t0 + j) * Out + row] = s + add;
         }
     }
 }

@@ -30,11 +30,10 @@ from colibri_stream.backends.cupy_backend import (  # noqa: E402
     MMA_MIN_TOKENS,
     MMA_THREADS,
     MMA_TILES,
+    MOE_ROWS_PER_WARP,
     ROUTER_SPLIT_TOKENS,
     SMALL_BATCH,
     TOKEN_TILES,
-    WARP_ROW_TOKENS,
-    WARP_ROWS,
     CupyBackend,
     DeviceExpertStore,
     LayerExperts,
@@ -122,28 +121,6 @@ def test_linear(dtype, tokens, dims):
     check(ours, REF.linear(x, REF.prepare_weight(w), bias), tolerance)
 
 
-@pytest.mark.parametrize("rows", WARP_ROWS)
-@pytest.mark.parametrize("tokens", WARP_ROW_TOKENS)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_linear_warp_rows_with_every_row_count(rows, tokens, dtype, monkeypatch):
-    """linear_warp_rows with each instantiated number of rows per warp, on matrices whose rows leave a partial
-    last block and warp, with and without biases, against NumPy."""
-    monkeypatch.setattr(cupy_backend, "rows_per_warp", lambda row_bytes, target: rows)
-    launched = launched_kernels(monkeypatch)
-    rng = np.random.default_rng(rows * 13 + tokens)
-    x = rng.standard_normal((tokens, 512)).astype(np.float32)
-    outs = (100, 37, 6)
-    weights = [weight(rng, (n, 512), dtype) for n in outs]
-    biases = [(0.1 * rng.standard_normal(n)).astype(np.float32) if m != 1 else None for m, n in enumerate(outs)]
-    poison()
-    ours = GPU.linears(cupy.asarray(x), [GPU.prepare_weight(w) for w in weights],
-                       [None if b is None else GPU.prepare_weight(b) for b in biases])
-    assert launched == [f"linear_warp_rows<{cupy_backend.storage_type(GPU.prepare_weight(weights[0]))}, {tokens}, "
-                        f"{rows}>"]
-    for out, ref in zip(ours, REF.linears(x, [REF.prepare_weight(w) for w in weights], biases)):
-        check(out, ref)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("tokens", [1, 3, SMALL_BATCH, SMALL_BATCH + 1, 16])
 @pytest.mark.parametrize("outs", [(96, 40, 40), (2048, 256, 256), (64,), (8, 1000)])
@@ -197,15 +174,8 @@ def test_linear_captured_in_a_cuda_graph(dtype, tokens, dims, monkeypatch):
     launched = launched_kernels(monkeypatch)
     graph, out = captured(stream, lambda: (launched.clear(), GPU.linear(x, device_w, device_bias))[1])
     mma = tokens >= DENSE_MMA_MIN_TOKENS and dtype != "float32"
-    w = cupy_backend.storage_type(device_w)
-    if mma:
-        expected = f"linear_mma<{w}, {_tile(-(-tokens // 8), LINEAR_MMA_TILES)}>"
-    elif tokens <= WARP_ROW_TOKENS[-1]:
-        per_warp = cupy_backend.rows_per_warp(n_in * device_w.itemsize, cupy_backend.GEMV_WARP_ROW_BYTES)
-        expected = f"linear_warp_rows<{w}, {_tile(tokens, WARP_ROW_TOKENS)}, {per_warp}>"
-    else:
-        expected = f"linear_rows<{w}, {_tile(tokens, TOKEN_TILES)}>"
-    assert launched == [expected]
+    assert launched == [f"linear_mma<{cupy_backend.storage_type(device_w)}, {_tile(-(-tokens // 8), LINEAR_MMA_TILES)}>"
+                        if mma else f"linear_rows<{cupy_backend.storage_type(device_w)}, {_tile(tokens, TOKEN_TILES)}>"]
     for _ in range(2):
         host = rng.standard_normal((tokens, n_in)).astype(np.float32)
         x.set(host, stream=stream)
@@ -508,7 +478,7 @@ def random_experts(rng, num_experts: int, hidden: int, inter: int, dtype: str) -
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
 @pytest.mark.parametrize("tokens", [1, 2, 5, 64])
 @pytest.mark.parametrize("experts,top_k,hidden,inter", [(8, 2, 64, 48), (64, 8, 256, 128)])
-@pytest.mark.parametrize("rows", WARP_ROWS)
+@pytest.mark.parametrize("rows", MOE_ROWS_PER_WARP)
 def test_routed_experts(dtype, tokens, experts, top_k, hidden, inter, rows, monkeypatch):
     """moe.cu (and moe_mma.cu from MMA_MIN_TOKENS bf16/fp16 tokens) against NumPy, with each number of weight rows
     per warp."""

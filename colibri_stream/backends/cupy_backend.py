@@ -36,11 +36,8 @@ SMALL_BATCH = 4  # up to this many tokens (or in a graph capture off tensor core
 TOKEN_TILES = (1, 2, 4, 8)  # linear_rows instantiations: tokens per block
 MOE_TILES = (1, 2, 4, 8)  # moe_gate_up / moe_down instantiations: pairs of one expert per pass
 LINEAR_ROWS_PER_BLOCK = 2  # LINEAR_ROWS in linear.cu
-LINEAR_WARPS = 4  # LINEAR_WARPS in linear.cu: warps per block
-WARP_ROW_TOKENS = (1, 2)  # linear_warp_rows instantiations: tokens per block (fewer tokens than this: linear_rows)
-WARP_ROWS = (1, 2, 4)  # linear_warp_rows / moe.cu instantiations: weight rows per warp
-GEMV_WARP_ROW_BYTES = 16384  # a warp of linear_warp_rows takes rows until they hold this many bytes (0: linear_rows)
 MOE_WARPS = 4  # warps per block of the MoE kernels (moe.cu)
+MOE_ROWS_PER_WARP = (1, 2, 4)  # moe_gate_up / moe_down instantiations: weight rows per warp
 MOE_WARP_ROW_BYTES = 8192  # a warp of moe.cu takes rows of its matrix until they hold this many bytes (up to 4)
 MMA_MIN_TOKENS = 8  # from this many tokens a step, bf16/fp16 routed experts run on tensor cores (moe_mma.cu)
 MMA_TILES = (1, 2, 4)  # moe_gate_up_mma / moe_down_mma instantiations: n-tiles of 8 pairs per pass over the weights
@@ -76,14 +73,12 @@ _DEVICE_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.fl
 
 # The instantiations compiled together with a kernel of each templated file, for weight type w.
 _FAMILIES = {
-    "linear.cu": lambda w: (*(f"linear_rows<{w}, {tt}>" for tt in TOKEN_TILES),
-                            *(f"linear_warp_rows<{w}, {tt}, {r}>" for tt in WARP_ROW_TOKENS for r in WARP_ROWS),
-                            f"to_storage<{w}>",
+    "linear.cu": lambda w: (*(f"linear_rows<{w}, {tt}>" for tt in TOKEN_TILES), f"to_storage<{w}>",
                             f"to_storage_split<{w}>"),
     "embedding.cu": lambda w: (f"embedding<{w}>",),
     "router.cu": lambda w: (f"route_topk<{w}>", *(f"route_split<{w}, {tt}>" for tt in TOKEN_TILES)),
     "moe.cu": lambda w: () if w is None else tuple(f"{k}<{w}, {tt}, {r}>" for k in ("moe_gate_up", "moe_down")
-                                                   for tt in MOE_TILES for r in WARP_ROWS),  # None: moe_align,
+                                                   for tt in MOE_TILES for r in MOE_ROWS_PER_WARP),  # None: moe_align,
     # moe_sum only
     "moe_mma.cu": lambda w: tuple(f"{k}<{w}, {nt}>" for k in ("moe_gate_up_mma", "moe_down_mma")
                                   for nt in MMA_TILES) if w in ("__nv_bfloat16", "__half") else (),
@@ -141,14 +136,9 @@ def _launch(file: str, expression: str, grid: tuple[int, ...], block: int, args:
         kernel(grid, (block,), args, shared_mem=shared_mem)
 
 
-def rows_per_warp(row_bytes: int, target: int) -> int:
-    """Weight rows a warp takes: as many of WARP_ROWS as hold `target` bytes together (at least one)."""
-    return max([r for r in WARP_ROWS if r == 1 or r * row_bytes <= target])
-
-
 def moe_rows_per_warp(row_bytes: int) -> int:
-    """Weight rows each warp of moe.cu takes (MOE_WARP_ROW_BYTES)."""
-    return rows_per_warp(row_bytes, MOE_WARP_ROW_BYTES)
+    """Weight rows each warp of moe.cu takes: as many of MOE_ROWS_PER_WARP as hold MOE_WARP_ROW_BYTES together."""
+    return max([r for r in MOE_ROWS_PER_WARP if r == 1 or r * row_bytes <= MOE_WARP_ROW_BYTES])
 
 
 def _ceil(a: int, b: int) -> int:
@@ -416,27 +406,19 @@ class CupyBackend(Backend):
         return outs
 
     def _linear_rows(self, x: Array, weights, biases) -> list[Array]:
-        """x [T, In] times one to three weights [Out_m, In] of one dtype (+ biases) in one launch: linear_warp_rows
-        (a warp per row) for up to WARP_ROW_TOKENS[-1] tokens, linear_rows (warps splitting rows) above.
-        # [T, Out_m] each"""
+        """x [T, In] times one to three weights [Out_m, In] of one dtype (+ biases) in one launch.  # [T, Out_m] each"""
         t, n_in = x.shape
-        w = storage_type(weights[0])
-        if t <= WARP_ROW_TOKENS[-1] and GEMV_WARP_ROW_BYTES:
-            tile = _tile(t, WARP_ROW_TOKENS)
-            per_warp = rows_per_warp(n_in * weights[0].itemsize, GEMV_WARP_ROW_BYTES)
-            expression, rows_per_block = f"linear_warp_rows<{w}, {tile}, {per_warp}>", LINEAR_WARPS * per_warp
-        else:
-            tile = _tile(t, TOKEN_TILES)
-            expression, rows_per_block = f"linear_rows<{w}, {tile}>", LINEAR_ROWS_PER_BLOCK
         outs, matrices, blocks = [], [], 0
+        tile = _tile(t, TOKEN_TILES)
         for weight, bias in zip(weights, biases):
             _check_row_width(n_in, weight, "linear")
             n_out = weight.shape[0]
             outs.append(self.cp.empty((t, n_out), np.float32))  # [T, Out_m]
             matrices += [weight, NULL if bias is None else bias, outs[-1], np.int32(n_out)]
-            blocks += _ceil(t, tile) * _ceil(n_out, rows_per_block)
+            blocks += _ceil(t, tile) * _ceil(n_out, LINEAR_ROWS_PER_BLOCK)
         matrices += [NULL, NULL, NULL, np.int32(0)] * (3 - len(weights))
-        _launch("linear.cu", expression, (blocks,), 32 * LINEAR_WARPS, (x, np.int32(t), np.int32(n_in), *matrices),
+        w = storage_type(weights[0])
+        _launch("linear.cu", f"linear_rows<{w}, {tile}>", (blocks,), 128, (x, np.int32(t), np.int32(n_in), *matrices),
                 weight_type=w)
         return outs
 
