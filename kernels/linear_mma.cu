@@ -3,7 +3,7 @@
 // linear_mma<W, NT>: up to three projections of the same x on tensor cores, split over the columns:
 //   out_m[T, Out_m] = x[T, In] @ w_m[Out_m, In]^T (+ bias_m[Out_m]) for m = 0, 1, 2, accumulated in float32.
 //   For the dense projections of a captured decode step of several tokens, where cuBLAS cannot be captured.
-//   x      W [2T, In]: the activations split (mma.cuh), rows 0..T-1 the hi parts, rows T..2T-1 the lo parts
+//   x      float32 [T, In] contiguous, 16-byte aligned
 //   w_m    W [Out_m, In] contiguous (W: __nv_bfloat16 or __half), In a multiple of 8
 //   bias_m float32 [Out_m] or null
 //   out_m  float32 [T, Out_m]. With one split (gridDim.y == 1) it is written; with several, each split adds its
@@ -24,7 +24,7 @@ constexpr int LINEAR_MMA_ROWS = MMA_WARPS * 16 * LINEAR_MMA_TILES_M;  // output 
 
 template <typename W, int NT>
 __global__ void __launch_bounds__(MMA_THREADS)
-linear_mma(const W* __restrict__ x, int T, int In, int span,
+linear_mma(const float* __restrict__ x, int T, int In, int span,
            const W* __restrict__ w0, const float* __restrict__ bias0, float* __restrict__ out0, int Out0,
            const W* __restrict__ w1, const float* __restrict__ bias1, float* __restrict__ out1, int Out1,
            const W* __restrict__ w2, const float* __restrict__ bias2, float* __restrict__ out2, int Out2) {
@@ -67,11 +67,11 @@ linear_mma(const W* __restrict__ x, int T, int In, int span,
     for (int base = 0; base < T; base += 8 * NT) {
         const int n = min(8 * NT, T - base);
         const int tiles = (n + 7) / 8;
-        const W* b[NT];  // token quad of each n-tile (the last token repeated past n), from column k0 (hi part)
+        const float* b[NT];  // token quad of each n-tile (the last token repeated past n), from column k0
 #pragma unroll
         for (int t = 0; t < NT; ++t) b[t] = x + static_cast<long long>(base + min(8 * t + quad, n - 1)) * In + k0;
         float acc[M][NT][4] = {};
-        mma_rows<W, M, NT>(a, b, static_cast<long long>(T) * In, tiles, cols, ring, acc);
+        mma_rows<W, M, NT>(a, b, tiles, cols, ring, acc);
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             if (t < tiles) {

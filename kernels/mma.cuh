@@ -1,13 +1,7 @@
 // Tensor-core building blocks shared by moe_mma.cu and linear_mma.cu: a warp multiplies rows of bf16/fp16 weights
 // (the A operand, streamed from HBM through a per-lane shared-memory ring with cp.async) with up to NT tiles of 8
-// activation rows (the B operand) on mma.sync.m16n8k16, accumulating in float32. See moe_mma.cu's launch contract
-// for the fragment layout and numerics.
-//
-// Activations come split: a float32 row v is stored as two rows of the weight type, hi = round(v) and
-// lo = round(v - hi) (linear.cu's to_storage_split), `lo_offset` elements apart, and both parts are multiplied into
-// the same accumulator. Splitting once per step instead of in every warp's registers matters: the same activations
-// feed every block of a launch (Qwen3's lm_head at 16 tokens: 1187 blocks x 4 warps), and converting them there
-// made the kernels' time grow with the tokens faster than their bytes.
+// float32 activation rows (the B operand, split in registers into a high and a low part of the weight type) on
+// mma.sync.m16n8k16, accumulating in float32. See moe_mma.cu's launch contract for the fragment layout and numerics.
 #pragma once
 #include "common.cuh"
 
@@ -31,6 +25,14 @@ template <int N> __device__ __forceinline__ void copy_wait() {
 template <typename W> struct Mma;
 
 template <> struct Mma<__nv_bfloat16> {
+    // Two floats rounded to bf16, a in the low half (the lower k index).
+    __device__ __forceinline__ static unsigned pack(float a, float b) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+        return *reinterpret_cast<const unsigned*>(&v);
+    }
+    __device__ __forceinline__ static float2 unpack(unsigned v) {
+        return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+    }
     __device__ __forceinline__ static void mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                                unsigned b0, unsigned b1) {
         asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -41,6 +43,13 @@ template <> struct Mma<__nv_bfloat16> {
 };
 
 template <> struct Mma<__half> {
+    __device__ __forceinline__ static unsigned pack(float a, float b) {
+        const __half2 v = __floats2half2_rn(a, b);
+        return *reinterpret_cast<const unsigned*>(&v);
+    }
+    __device__ __forceinline__ static float2 unpack(unsigned v) {
+        return __half22float2(*reinterpret_cast<const __half2*>(&v));
+    }
     __device__ __forceinline__ static void mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                                unsigned b0, unsigned b1) {
         asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -59,35 +68,33 @@ __device__ __forceinline__ void store_partial(float* target, float value, bool s
     }
 }
 
-// This lane's 8 activations (columns col .. col + 7) of the split row b (hi at b, lo at b + lo_offset): zeros where
-// `in` is false (past the row's end).
-struct SplitActivations {
-    uint4 hi, lo;  // 8 values of the weight type each, the lower column in the lower half of each word
-};
-template <typename W>
-__device__ __forceinline__ void load_activations(const W* b, long long lo_offset, int col, bool in,
-                                                 SplitActivations& v) {
+// This lane's 8 activations (columns col .. col + 7) of the row b: zeros where `in` is false (past the row's end).
+__device__ __forceinline__ void load_activations(const float* b, int col, bool in, float (&v)[8]) {
     if (in) {
-        v.hi = *reinterpret_cast<const uint4*>(b + col);
-        v.lo = *reinterpret_cast<const uint4*>(b + lo_offset + col);
+        load_floats<8>(b + col, v);
     } else {
-        v.hi = v.lo = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = 0.f;
     }
 }
 
 // One 32-column chunk of n-tile t: acc[m][t] += A_m . B_t.
 //
 // w[m][h]: this lane's 8 weights (columns col .. col + 7) of row quad + 8h of m-tile m; v: the same 8 columns of
-// the activation row of pair quad of n-tile t, split (load_activations).
+// the activation row of pair quad of n-tile t (load_activations).
 // mma fragments (PTX ISA, m16n8k16, quad = lane / 4, q = lane % 4): A registers {row quad, k 2q..2q+1},
 // {row quad + 8, k 2q..}, {row quad, k 2q+8..}, {row quad + 8, k 2q+8..}; B {k 2q..2q+1}, {k 2q+8..2q+9} of column
 // quad; C {row quad, columns 2q, 2q+1}, {row quad + 8, columns 2q, 2q+1}. Step s of the chunk maps mma k 2q, 2q+1,
 // 2q+8, 2q+9 to the lane's columns 4s .. 4s + 3, for A and B alike.
 template <typename W, int M, int NT>
-__device__ __forceinline__ void mma_tile(const uint4 (&w)[M][2], const SplitActivations& v, int t,
-                                         float (&acc)[M][NT][4]) {
-    const unsigned* hi = reinterpret_cast<const unsigned*>(&v.hi);
-    const unsigned* lo = reinterpret_cast<const unsigned*>(&v.lo);
+__device__ __forceinline__ void mma_tile(const uint4 (&w)[M][2], const float (&v)[8], int t, float (&acc)[M][NT][4]) {
+    unsigned hi[4], lo[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        hi[j] = Mma<W>::pack(v[2 * j], v[2 * j + 1]);
+        const float2 rounded = Mma<W>::unpack(hi[j]);
+        lo[j] = Mma<W>::pack(v[2 * j] - rounded.x, v[2 * j + 1] - rounded.y);
+    }
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         const unsigned* r0 = reinterpret_cast<const unsigned*>(&w[m][0]);
@@ -120,12 +127,11 @@ __device__ __forceinline__ void fetch_chunk(const W* const (&a)[M][2], int chunk
 }
 
 // acc[m][t] = A_m [16 rows, cols] . B_t [8 activation rows, cols]^T over all columns. a[m][h]: the start of weight
-// row quad + 8h of m-tile m; b[t]: the hi part of the split activation row of pair quad of n-tile t (its lo part
-// lo_offset elements on); cols a multiple of 8. The weights stream through the ring MMA_STAGES - 1 chunks ahead of
-// the mma, whatever the warp waits on meanwhile.
+// row quad + 8h of m-tile m; b[t]: activation row of pair quad of n-tile t; cols a multiple of 8. The weights stream
+// through the ring MMA_STAGES - 1 chunks ahead of the mma, whatever the warp waits on meanwhile.
 template <typename W, int M, int NT>
-__device__ __forceinline__ void mma_rows(const W* const (&a)[M][2], const W* const (&b)[NT], long long lo_offset,
-                                         int tiles, int cols, WeightRing<M>& ring, float (&acc)[M][NT][4]) {
+__device__ __forceinline__ void mma_rows(const W* const (&a)[M][2], const float* const (&b)[NT], int tiles, int cols,
+                                         WeightRing<M>& ring, float (&acc)[M][NT][4]) {
     const int chunks = (cols + 31) / 32;
 #pragma unroll
     for (int s = 0; s < MMA_STAGES - 1; ++s) {
@@ -142,11 +148,11 @@ __device__ __forceinline__ void mma_rows(const W* const (&a)[M][2], const W* con
     // Loading every tile's next chunk before any mma was better at Mixtral batch 64 (46 %) and worse at batch 32
     // (54 against 60 %, Qwen3 54 against 58 %).
     constexpr bool load_ahead = NT != 2;
-    SplitActivations v[NT];  // this chunk's activations of each n-tile (t < tiles, and tile 0 always)
+    float v[NT][8];  // this chunk's activations of each n-tile (t < tiles, and tile 0 always)
     if constexpr (load_ahead) {
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
-            if (t == 0 || t < tiles) load_activations(b[t], lo_offset, lane_col, lane_col < cols, v[t]);
+            if (t == 0 || t < tiles) load_activations(b[t], lane_col, lane_col < cols, v[t]);
         }
     }
     for (int i = 0; i < chunks; ++i) {
@@ -166,12 +172,13 @@ __device__ __forceinline__ void mma_rows(const W* const (&a)[M][2], const W* con
         for (int t = 0; t < NT; ++t) {
             if (t == 0 || t < tiles) {  // the same for the whole warp; a pass has at least one pair
                 if constexpr (load_ahead) {
-                    SplitActivations ahead;
-                    load_activations(b[t], lo_offset, col + 32, i + 1 < chunks && col + 32 < cols, ahead);
+                    float ahead[8];
+                    load_activations(b[t], col + 32, i + 1 < chunks && col + 32 < cols, ahead);
                     mma_tile<W, M, NT>(w, v[t], t, acc);
-                    v[t] = ahead;
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) v[t][j] = ahead[j];
                 } else {
-                    load_activations(b[t], lo_offset, col, col < cols, v[t]);
+                    load_activations(b[t], col, col < cols, v[t]);
                     mma_tile<W, M, NT>(w, v[t], t, acc);
                 }
             }

@@ -4,11 +4,10 @@
 // job, arguments, routing (moe_align's groups, from moe.cu) and grid layout as moe_gate_up / moe_down, with the
 // products on warp-level mma.sync.m16n8k16 (bf16 or fp16 in, float32 accumulation) instead of CUDA-core FMAs.
 //
-// Numerics: the weights are the A operand as stored. The activations (x, act) come split into a high and a low
-// part of the weight type, hi = round(v), lo = round(v - hi) (mma.cuh), and both are multiplied into the same
-// float32 accumulator, so the activations keep about 16 significant bits (within about 1e-5 of float32), as in the
-// backend's cuBLAS path. x is split by the backend (linear.cu's to_storage_split); moe_gate_up_mma writes act
-// split, for moe_down_mma.
+// Numerics: the weights are the A operand as stored. The float32 activations (x, act) are split in registers into
+// a high and a low part of the weight type, hi = round(v), lo = round(v - hi), and both are multiplied into the
+// same float32 accumulator, so the activations keep about 16 significant bits (within about 1e-5 of float32), as in
+// the backend's cuBLAS path.
 //
 // Tiles: a warp owns 16 weight rows per matrix (two m-tiles: 16 gate + the same 16 up rows, or 32 down rows) and
 // multiplies them with every pair of its group, 8 pairs (one n-tile) per mma, NT n-tiles per pass over the weights,
@@ -16,19 +15,18 @@
 // picks NT from T). Per 32 columns, lane (quad = lane / 4, q = lane % 4) copies 16 bytes (columns 8q .. 8q + 7) of
 // weight rows quad and quad + 8 of each m-tile into its own slots of a shared-memory ring with cp.async,
 // MMA_STAGES - 1 chunks ahead of the mma (5 x 4 x 16 bytes in flight per lane, whatever the warp waits on), and
-// loads the same 8 columns of the split activations of pair quad of each n-tile from global memory (L1/L2: all
+// loads the same 8 columns of the float32 activations of pair quad of each n-tile from global memory (L1/L2: all
 // warps of a block share them). Inside an mma the k order is permuted the same way for A and B (a lane's 8
 // contiguous columns feed two k16 steps), which leaves the dot products unchanged and keeps every load 16 bytes
 // wide. Shared memory: MMA_STAGES * 4 * 16 bytes per thread, 48 KiB per block (static).
 //
 // moe_gate_up_mma<W, NT>: act[p, i] = silu(gate_e[i] . x[p / k]) * (up_e[i] . x[p / k]) for every pair p of expert e.
-//   Arguments as moe_gate_up, except x W [2T, H] and act W [2P, I], both split (hi rows, then lo rows), and T and
-//   P after top_k. grid: (ceil(I / (16 * MMA_WARPS)), G), block: MMA_WARPS * 32 threads; each warp 16
+//   Arguments as moe_gate_up. grid: (ceil(I / (16 * MMA_WARPS)), G), block: MMA_WARPS * 32 threads; each warp 16
 //   rows of gate and the same 16 rows of up (both in registers before SiLU-mul).
 //
 // moe_down_mma<W, NT>: y[p, h] = route_weight[p] * (down_e[h] . act[p]).
-//   Arguments as moe_down, except act W [2P, I] split (from moe_gate_up_mma), then span and P.
-//   grid: (ceil(H / (32 * MMA_WARPS)), G, splits), block: MMA_WARPS * 32 threads; each warp 32 rows. Split z covers the columns [z * span, min(I, (z + 1) * span)), span a multiple of 32 and
+//   Arguments as moe_down, then span. grid: (ceil(H / (32 * MMA_WARPS)), G, splits), block: MMA_WARPS * 32 threads;
+//   each warp 32 rows. Split z covers the columns [z * span, min(I, (z + 1) * span)), span a multiple of 32 and
 //   splits = ceil(I / span): with one split y is written; with several (when H's row blocks and the groups alone
 //   leave multiprocessors idle) each adds its partial products with atomicAdd, so the caller zeroes y first.
 //
@@ -48,11 +46,11 @@ __device__ __forceinline__ long long mma_expert_slot(const int* slot_of, int e) 
 
 template <typename W, int NT>
 __global__ void __launch_bounds__(MMA_WARPS * 32)
-moe_gate_up_mma(const W* __restrict__ x, const W* __restrict__ gate, const W* __restrict__ up,
+moe_gate_up_mma(const float* __restrict__ x, const W* __restrict__ gate, const W* __restrict__ up,
                 long long w_stride, const float* __restrict__ gate_scales, const float* __restrict__ up_scales,
                 long long s_stride, const int* __restrict__ slot_of, const int* __restrict__ group_expert,
                 const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
-                const int* __restrict__ num_groups, W* __restrict__ act, int H, int I, int top_k, int T, int P) {
+                const int* __restrict__ num_groups, float* __restrict__ act, int H, int I, int top_k) {
     pdl_wait();
     const int g = blockIdx.y;
     if (g >= num_groups[0]) return;
@@ -79,14 +77,14 @@ moe_gate_up_mma(const W* __restrict__ x, const W* __restrict__ gate, const W* __
         const int n = min(8 * NT, end - base);
         const int tiles = (n + 7) / 8;
         int pairs[NT];  // pair quad of each n-tile (the last pair repeated past n)
-        const W* b[NT];
+        const float* b[NT];
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             pairs[t] = sorted_pairs[base + min(8 * t + quad, n - 1)];
             b[t] = x + static_cast<long long>(pairs[t] / top_k) * H;
         }
         float acc[2][NT][4] = {};
-        mma_rows<W, 2, NT>(a, b, static_cast<long long>(T) * H, tiles, H, ring, acc);
+        mma_rows<W, 2, NT>(a, b, tiles, H, ring, acc);
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             if (t < tiles) {
@@ -99,11 +97,7 @@ moe_gate_up_mma(const W* __restrict__ x, const W* __restrict__ gate, const W* __
                         if (rows[h] >= I) continue;
                         const float gv = acc[0][t][2 * h + c] * scale[0][h];
                         const float uv = acc[1][t][2 * h + c] * scale[1][h];
-                        const float value = gv / (1.f + expf(-gv)) * uv;
-                        const W hi = from_float<W>(value);
-                        const long long at = static_cast<long long>(p) * I + rows[h];
-                        act[at] = hi;
-                        act[static_cast<long long>(P) * I + at] = from_float<W>(value - to_float(hi));
+                        act[static_cast<long long>(p) * I + rows[h]] = gv / (1.f + expf(-gv)) * uv;
                     }
                 }
             }
@@ -113,11 +107,11 @@ moe_gate_up_mma(const W* __restrict__ x, const W* __restrict__ gate, const W* __
 
 template <typename W, int NT>
 __global__ void __launch_bounds__(MMA_WARPS * 32)
-moe_down_mma(const W* __restrict__ act, const W* __restrict__ down, long long w_stride,
+moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long long w_stride,
              const float* __restrict__ down_scales, long long s_stride, const int* __restrict__ slot_of,
              const float* __restrict__ route_weights, const int* __restrict__ group_expert,
              const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
-             const int* __restrict__ num_groups, float* __restrict__ y, int H, int I, int span, int P) {
+             const int* __restrict__ num_groups, float* __restrict__ y, int H, int I, int span) {
     pdl_wait();
     constexpr int M = MMA_TILES_M;
     static_assert(MMA_ROWS_DOWN == 16 * M, "a warp's down rows are its m-tiles");
@@ -150,14 +144,14 @@ moe_down_mma(const W* __restrict__ act, const W* __restrict__ down, long long w_
         const int n = min(8 * NT, end - base);
         const int tiles = (n + 7) / 8;
         int pairs[NT];
-        const W* b[NT];
+        const float* b[NT];
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             pairs[t] = sorted_pairs[base + min(8 * t + quad, n - 1)];
             b[t] = act + static_cast<long long>(pairs[t]) * I + k0;
         }
         float acc[M][NT][4] = {};
-        mma_rows<W, M, NT>(a, b, static_cast<long long>(P) * I, tiles, cols, ring, acc);
+        mma_rows<W, M, NT>(a, b, tiles, cols, ring, acc);
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             if (t < tiles) {

@@ -174,10 +174,8 @@ def test_linear_captured_in_a_cuda_graph(dtype, tokens, dims, monkeypatch):
     launched = launched_kernels(monkeypatch)
     graph, out = captured(stream, lambda: (launched.clear(), GPU.linear(x, device_w, device_bias))[1])
     mma = tokens >= DENSE_MMA_MIN_TOKENS and dtype != "float32"
-    w_type = cupy_backend.storage_type(device_w)
-    n_tiles = _tile(-(-tokens // 8), LINEAR_MMA_TILES)
-    assert launched == ([f"to_storage_split<{w_type}>", f"linear_mma<{w_type}, {n_tiles}>"]
-                        if mma else [f"linear_rows<{w_type}, {_tile(tokens, TOKEN_TILES)}>"])
+    assert launched == [f"linear_mma<{cupy_backend.storage_type(device_w)}, {_tile(-(-tokens // 8), LINEAR_MMA_TILES)}>"
+                        if mma else f"linear_rows<{cupy_backend.storage_type(device_w)}, {_tile(tokens, TOKEN_TILES)}>"]
     for _ in range(2):
         host = rng.standard_normal((tokens, n_in)).astype(np.float32)
         x.set(host, stream=stream)
@@ -203,8 +201,7 @@ def test_linears_captured_on_tensor_cores(dtype, tokens, outs, monkeypatch):
     launched = launched_kernels(monkeypatch)
     graph, results = captured(cupy.cuda.Stream(non_blocking=True),
                               lambda: (launched.clear(), GPU.linears(x, device_weights, device_biases))[1])
-    assert len(launched) == 2 and launched[0].startswith("to_storage_split") and launched[1].startswith("linear_mma"), \
-        launched
+    assert len(launched) == 1 and launched[0].startswith("linear_mma"), launched
     assert GPU.column_splits(n_in, sum(-(-n // LINEAR_MMA_ROWS) for n in outs)) > 1
     for _ in range(2):
         host = rng.standard_normal((tokens, n_in)).astype(np.float32)
@@ -694,18 +691,17 @@ def test_mma_kernels_leave_pairs_of_skipped_experts_untouched(dtype):
                                                  np.int32(num_experts), group_expert, group_start, sorted_pairs,
                                                  num_groups), shared_mem=8 * num_experts)
     routing = (group_expert, group_start, sorted_pairs, num_groups)
-    act = cupy.empty((2 * pairs, inter), experts.gate.dtype)  # split: hi rows, then lo rows
+    act = cupy.full((pairs, inter), np.nan, np.float32)
     y = cupy.full((pairs, hidden), np.nan, np.float32)
     gate_up_args, down_args = experts.kernel_args()
     groups = min(num_experts, pairs)
     n_tiles = _tile(-(-tokens // 8), MMA_TILES)
-    x_split = GPU._split_activations(cupy.asarray(x), experts.gate.dtype)  # [2T, H]
     _launch("moe_mma.cu", f"moe_gate_up_mma<{w}, {n_tiles}>", (-(-inter // MMA_GATE_UP_ROWS), groups), MMA_THREADS,
-            (x_split, *gate_up_args, *routing, act, np.int32(hidden), np.int32(inter), np.int32(top_k),
-             np.int32(tokens), np.int32(pairs)), weight_type=w)
+            (cupy.asarray(x), *gate_up_args, *routing, act, np.int32(hidden), np.int32(inter), np.int32(top_k)),
+            weight_type=w)
     _launch("moe_mma.cu", f"moe_down_mma<{w}, {n_tiles}>", (-(-hidden // MMA_DOWN_ROWS), groups), MMA_THREADS,
             (act, *down_args, cupy.asarray(weights.reshape(pairs)), *routing, y, np.int32(hidden), np.int32(inter),
-             np.int32(inter), np.int32(pairs)), weight_type=w)
+             np.int32(inter)), weight_type=w)
     y = cupy.asnumpy(y)  # [P, H]
     skipped = table[ids.reshape(pairs)] < 0  # [P]
     assert skipped.any() and not skipped.all()

@@ -402,8 +402,7 @@ class CupyBackend(Backend):
         w = storage_type(weights[0])
         n_tiles = _tile(_ceil(t, 8), LINEAR_MMA_TILES)
         _launch("linear_mma.cu", f"linear_mma<{w}, {n_tiles}>", (row_blocks, splits), MMA_THREADS,
-                (self._split_activations(x, weights[0].dtype), np.int32(t), np.int32(n_in), np.int32(span),
-                 *matrices), weight_type=w)
+                (x, np.int32(t), np.int32(n_in), np.int32(span), *matrices), weight_type=w)
         return outs
 
     def _linear_rows(self, x: Array, weights, biases) -> list[Array]:
@@ -423,16 +422,6 @@ class CupyBackend(Backend):
                 weight_type=w)
         return outs
 
-    def _split_activations(self, x: Array, dtype) -> Array:
-        """x [T, K] float32 as [2T, K] of the bf16/fp16 `dtype`: x rounded (rows 0..T-1), then the rounding error
-        rounded (rows T..2T-1), about 16 significant bits together: the tensor cores' operand for float32
-        activations (cuBLAS, linear_mma, moe_mma)."""
-        halves = self.cp.empty((2 * x.shape[0], x.shape[1]), dtype)  # [2T, K]
-        w = _CTYPES[np.dtype(dtype)]
-        _launch("linear.cu", f"to_storage_split<{w}>", (_ceil(x.size, 256),), 256, (x, halves, np.int64(x.size)),
-                weight_type=w)
-        return halves
-
     def _gemm(self, x: Array, weight: Array) -> Array:
         """x [T, In] @ weight [Out, In]^T through cuBLAS, float32 accumulation and output.  # [T, Out]"""
         t, n_in = x.shape
@@ -442,7 +431,10 @@ class CupyBackend(Backend):
         from cupy.cuda import runtime
         from cupy_backends.cuda.libs import cublas
 
-        halves = self._split_activations(x, weight.dtype)  # [2T, In]
+        w = storage_type(weight)
+        halves = self.cp.empty((2 * t, n_in), weight.dtype)  # [2T, In]: x rounded, then the rounding error
+        _launch("linear.cu", f"to_storage_split<{w}>", (_ceil(x.size, 256),), 256, (x, halves, np.int64(x.size)),
+                weight_type=w)
         both = self.cp.empty((2 * t, n_out), np.float32)  # [2T, Out]
         code = runtime.CUDA_R_16BF if weight.dtype == np.uint16 else runtime.CUDA_R_16F
         one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
@@ -503,10 +495,9 @@ class CupyBackend(Backend):
     def paged_attention(self, query, key_cache, value_cache, batch: ForwardBatch, device_batch, scale,
                         sliding_window):
         """One query token per sequence and at least GQA_MIN_TOKENS of them (T == B, decided from shapes only:
-        inside a captured graph `batch` holds shapes, and decode.py's profile passes None): paged_attention_gqa, a
-        block per (token, KV head, split) computing the KV head's whole query group, so each key and value row is
-        read once for the group; the context is split over enough blocks to fill the GPU, and
-        paged_attention_merge combines the splits.
+        inside a captured graph `batch` holds shapes, and decode.py's profile passes None): paged_attention_gqa, a block per (token, KV head, split)
+        computing the KV head's whole query group, so each key and value row is read once for the group; the
+        context is split over enough blocks to fill the GPU, and paged_attention_merge combines the splits.
         Otherwise (prefill chunks, or head layouts the GQA kernel does not take): paged_attention, a block per
         (token, query head)."""
         query = self.cp.ascontiguousarray(query)
@@ -605,17 +596,14 @@ class CupyBackend(Backend):
         groups = min(num_experts, pairs)
         tile = _tile(t, MOE_TILES)  # a group holds at most T pairs
         routing = (group_expert, group_start, sorted_pairs, num_groups)
-        act = y = x_split = None
+        act = y = None
         for experts in store.passes(layer):
             i = experts.gate.shape[1]  # a cut expert's GPU part (experts/partial.py) has fewer rows than the others
-            mma = _on_tensor_cores(experts.gate, t)
-            if mma and x_split is None:
-                x_split = self._split_activations(x, experts.gate.dtype)  # [2T, H]
             if act is None or act.shape[1] != i:
                 _check_row_width(h, experts.gate, "experts (hidden size)")
                 _check_row_width(i, experts.down, "experts (intermediate size)")
-                # [2P, I] split for the tensor cores (hi rows, then lo rows), else [P, I] float32
-                act = cp.empty((2 * pairs, i), experts.gate.dtype) if mma else cp.empty((pairs, i), np.float32)
+                act = cp.empty((pairs, i), np.float32)  # [P, I]
+            mma = _on_tensor_cores(experts.gate, t)
             # moe_down_mma adds partial products of `splits` column spans when its row blocks leave the GPU idle
             splits = self.column_splits(i, _ceil(h, MMA_DOWN_ROWS) * groups) if mma else 1
             span = 32 * _ceil(i, 32 * splits)
@@ -625,16 +613,15 @@ class CupyBackend(Backend):
                 y = (cp.empty if store.resident and splits == 1 else cp.zeros)((pairs, h), np.float32)
             w = storage_type(experts.gate)
             gate_up_args, down_args = experts.kernel_args()
-            gate_up = (x_split if mma else x, *gate_up_args, *routing, act, np.int32(h), np.int32(i),
-                       np.int32(top_k))
+            gate_up = (x, *gate_up_args, *routing, act, np.int32(h), np.int32(i), np.int32(top_k))
             down = (act, *down_args, route_weights, *routing, y, np.int32(h), np.int32(i))
             if mma:
                 n_tiles = _tile(_ceil(t, 8), MMA_TILES)  # 8 pairs per n-tile; a group holds at most T pairs
                 _launch("moe_mma.cu", f"moe_gate_up_mma<{w}, {n_tiles}>", (_ceil(i, MMA_GATE_UP_ROWS), groups),
-                        MMA_THREADS, (*gate_up, np.int32(t), np.int32(pairs)), weight_type=w)
+                        MMA_THREADS, gate_up, weight_type=w)
                 _launch("moe_mma.cu", f"moe_down_mma<{w}, {n_tiles}>",
-                        (_ceil(h, MMA_DOWN_ROWS), groups, _ceil(i, span)), MMA_THREADS,
-                        (*down, np.int32(span), np.int32(pairs)), weight_type=w)
+                        (_ceil(h, MMA_DOWN_ROWS), groups, _ceil(i, span)), MMA_THREADS, (*down, np.int32(span)),
+                        weight_type=w)
             else:
                 item = experts.gate.itemsize
                 r_up, r_down = moe_rows_per_warp(h * item), moe_rows_per_warp(i * item)
