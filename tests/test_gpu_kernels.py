@@ -22,6 +22,8 @@ if not cupy.cuda.is_available():
 
 from colibri_stream.backends import cupy_backend  # noqa: E402
 from colibri_stream.backends.cupy_backend import (  # noqa: E402
+    CAPTURED_CUBLAS_MIN_ROWS,
+    CAPTURED_CUBLAS_MIN_TOKENS,
     DENSE_MMA_MIN_TOKENS,
     LINEAR_MMA_ROWS,
     LINEAR_MMA_TILES,
@@ -183,6 +185,33 @@ def test_linear_captured_in_a_cuda_graph(dtype, tokens, dims, monkeypatch):
         graph.launch(stream=stream)
         stream.synchronize()
         check(out, REF.linear(host, REF.prepare_weight(w), bias), 1e-4 if mma else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tokens", [CAPTURED_CUBLAS_MIN_TOKENS - 1, CAPTURED_CUBLAS_MIN_TOKENS, 64])
+def test_lm_head_sized_projections_captured_on_cublas(dtype, tokens, monkeypatch):
+    """A captured projection of CAPTURED_CUBLAS_MIN_ROWS rows or more runs on cuBLAS from
+    CAPTURED_CUBLAS_MIN_TOKENS tokens (through ctypes: CuPy refuses inside a capture), below on linear_mma; every
+    replay on new inputs matches NumPy."""
+    rng = np.random.default_rng(tokens)
+    n_in, n_out = 256, CAPTURED_CUBLAS_MIN_ROWS + 100
+    w = weight(rng, (n_out, n_in), dtype)
+    device_w = GPU.prepare_weight(w)
+    x = cupy.zeros((tokens, n_in), np.float32)  # [T, In]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    launched = launched_kernels(monkeypatch)
+    graph, out = captured(stream, lambda: (launched.clear(), GPU.linear(x, device_w))[1])
+    w_type = cupy_backend.storage_type(device_w)
+    on_cublas = tokens >= CAPTURED_CUBLAS_MIN_TOKENS
+    assert launched == ([f"to_storage_split<{w_type}>"] if on_cublas
+                        else [f"linear_mma<{w_type}, {_tile(-(-tokens // 8), LINEAR_MMA_TILES)}>"])
+    for _ in range(2):
+        host = rng.standard_normal((tokens, n_in)).astype(np.float32)
+        x.set(host, stream=stream)
+        out.fill(np.nan)
+        graph.launch(stream=stream)
+        stream.synchronize()
+        check(out, REF.linear(host, REF.prepare_weight(w), None), 1e-4)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -29,7 +29,8 @@ class DecodeGraph:
     Intermediate arrays of the captured step come from a memory pool private to the graph, so their addresses stay
     reserved for it between replays. Work runs on the graph's own stream; `greedy` returns after it finished.
     With `programmatic` (and a GPU that has it), the kernels are captured as programmatic dependent launches
-    (launch.py): each may start while the one before it ends.
+    (launch.py): each may start while the one before it ends. A capture that fails with them (or with cuBLAS,
+    captured_cublas.py) is made again without either.
     """
 
     def __init__(self, model: MoETransformer, kv_cache: PagedKVCache, batch_size: int, max_blocks: int,
@@ -68,14 +69,15 @@ class DecodeGraph:
             self._step()  # compiles every kernel outside the capture
             self.stream.synchronize()
             self.programmatic = programmatic and programmatic_launch_supported()
+            backend = model.backend
             try:
                 self._capture()
-            except Exception as error:  # a driver or GPU that refuses programmatic launches in a capture
-                if not self.programmatic:
+            except Exception as error:  # a driver or GPU that refuses programmatic launches or cuBLAS in a capture
+                if not (self.programmatic or backend.captured_cublas):
                     raise
-                logger.warning("capturing the decode step with programmatic launches failed (%s); capturing it "
-                               "without them", error)
-                self.programmatic = False
+                logger.warning("capturing the decode step with programmatic launches and cuBLAS failed (%s); "
+                               "capturing it with plain launches and our own kernels", error)
+                self.programmatic = backend.captured_cublas = False
                 self._capture()
 
     def _capture(self) -> None:

@@ -54,6 +54,8 @@ GQA_MIN_SPLIT_KEYS = 16  # ... with at least this many keys per split at the tab
 GQA_MIN_TOKENS = 2  # a single token takes paged_attention: 8.4 against 9.0-9.6 us a layer on the H200 (batch 16:
 # 25-27 against 14-15 us; eadfe2f's decode run)
 DENSE_MMA_MIN_TOKENS = 4  # from this many tokens, captured bf16/fp16 projections run on linear_mma (H200: from 4)
+CAPTURED_CUBLAS_MIN_TOKENS = 8  # ... and from this many, those of CAPTURED_CUBLAS_MIN_ROWS rows or more (lm_head) on
+CAPTURED_CUBLAS_MIN_ROWS = 16384  # cuBLAS (captured_cublas.py; H200: 1.05-1.95x linear_mma at 8-16 tokens, 5.5x at 64)
 LINEAR_MMA_TILES = (1, 2, 4, 8)  # linear_mma instantiations: n-tiles of 8 tokens per pass over the weights
 LINEAR_MMA_ROWS = 128  # output rows per block of linear_mma: 4 warps x 32
 LINEAR_MMA_BLOCKS_PER_SM = 4  # blocks of 48 KiB shared memory a multiprocessor runs at once: what the splits fill
@@ -284,6 +286,7 @@ class CupyBackend(Backend):
         # [token tiles] route_split's block counters: zero between launches (each launch resets what it counted)
         self.multiprocessors = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._route_counters = cupy.zeros(_ceil(ROUTER_SPLIT_TOKENS, TOKEN_TILES[-1]), np.uint32)
+        self.captured_cublas = True  # lm_head-sized projections of a capture on cuBLAS (off: on linear_mma)
 
     # ---- memory -------------------------------------------------------------------------------------------
     def prepare_weight(self, host) -> Array:
@@ -364,11 +367,15 @@ class CupyBackend(Backend):
 
     def _dense_path(self, x: Array, weight: Array) -> str:
         """How x [T, In] is multiplied by `weight`: "mma" (linear_mma) inside a graph capture from
-        DENSE_MMA_MIN_TOKENS tokens with bf16/fp16 weights; eager steps of that size compile it, for the capture.
+        DENSE_MMA_MIN_TOKENS tokens with bf16/fp16 weights, except lm_head-sized ones from CAPTURED_CUBLAS_MIN_TOKENS
+        (cuBLAS, while `captured_cublas` is on); eager steps of that size compile linear_mma, for the capture.
         "gemv" (linear_rows) for few tokens or other captures, "cublas" otherwise."""
         tokens, capturing = x.shape[0], self.cp.cuda.get_current_stream().is_capturing()
         if tokens >= DENSE_MMA_MIN_TOKENS and np.dtype(weight.dtype) in (np.dtype(np.uint16), np.dtype(np.float16)):
             if capturing:
+                if (self.captured_cublas and tokens >= CAPTURED_CUBLAS_MIN_TOKENS
+                        and weight.shape[0] >= CAPTURED_CUBLAS_MIN_ROWS):
+                    return "cublas"
                 return "mma"
             w = storage_type(weight)  # an eager step (a graph's warm-up) compiles it for the capture
             get_kernel("linear_mma.cu", f"linear_mma<{w}, 1>", _FAMILIES["linear_mma.cu"](w))
@@ -439,12 +446,19 @@ class CupyBackend(Backend):
         code = runtime.CUDA_R_16BF if weight.dtype == np.uint16 else runtime.CUDA_R_16F
         one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
         handle = self.cp.cuda.device.get_cublas_handle()
-        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
         # Column-major view: both^T [Out, 2T] = weight [Out, In] (row-major, so transposed) times halves^T [In, 2T].
-        cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, 2 * t, n_in,
-                      one.ctypes.data, weight.data.ptr, code, n_in, halves.data.ptr, code, n_in,
-                      zero.ctypes.data, both.data.ptr, runtime.CUDA_R_32F, n_out,
-                      cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+        shape = (cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, 2 * t, n_in)
+        if self.cp.cuda.get_current_stream().is_capturing():  # CuPy's wrappers refuse; cuBLAS records into it
+            from .captured_cublas import gemm_ex
+
+            gemm_ex(handle, self.cp.cuda.get_current_stream().ptr, *shape, weight.data.ptr, code, n_in,
+                    halves.data.ptr, code, n_in, both.data.ptr, runtime.CUDA_R_32F, n_out,
+                    cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+        else:
+            cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+            cublas.gemmEx(handle, *shape, one.ctypes.data, weight.data.ptr, code, n_in, halves.data.ptr, code, n_in,
+                          zero.ctypes.data, both.data.ptr, runtime.CUDA_R_32F, n_out,
+                          cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
         return self.cp.add(both[:t], both[t:])
 
     def silu_mul(self, gate: Array, up: Array) -> Array:
@@ -495,9 +509,10 @@ class CupyBackend(Backend):
     def paged_attention(self, query, key_cache, value_cache, batch: ForwardBatch, device_batch, scale,
                         sliding_window):
         """One query token per sequence and at least GQA_MIN_TOKENS of them (T == B, decided from shapes only:
-        inside a captured graph `batch` holds shapes, and decode.py's profile passes None): paged_attention_gqa, a block per (token, KV head, split)
-        computing the KV head's whole query group, so each key and value row is read once for the group; the
-        context is split over enough blocks to fill the GPU, and paged_attention_merge combines the splits.
+        inside a captured graph `batch` holds shapes, and decode.py's profile passes None): paged_attention_gqa, a
+        block per (token, KV head, split) computing the KV head's whole query group, so each key and value row is
+        read once for the group; the context is split over enough blocks to fill the GPU, and
+        paged_attention_merge combines the splits.
         Otherwise (prefill chunks, or head layouts the GQA kernel does not take): paged_attention, a block per
         (token, query head)."""
         query = self.cp.ascontiguousarray(query)
