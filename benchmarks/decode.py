@@ -11,7 +11,8 @@ Roofline: the bytes one decode step must read (every dense weight, the whole lm_
 the step's routing touched, measured, and the float32 KV cache) over the device-to-device copy bandwidth measured
 here (bytes read plus written). Each graph is timed with and without programmatic dependent launch
 (backends/launch.py), interleaved, and replayed back to back (the device's time per step, without the host's work
-between steps). A per-operation profile (each operation replayed from a CUDA graph, cycling
+between steps); a synchronous step is also split into building the batch, enqueueing it and waiting for the
+ids. A per-operation profile (each operation replayed from a CUDA graph, cycling
 through the layers so weights do not stay in L2) shows where a step's time goes.
 
     python benchmarks/decode.py --out benchmarks/results/decode_h200.json
@@ -131,6 +132,22 @@ class Colibri:
             tokens = graph.greedy(batch) if graph else self.model.forward(batch, self.kv).argmax(axis=1)
             out.append(tokens)
         return time.perf_counter() - start, out
+
+    def host_phases(self, steps: int = DECODE) -> dict:
+        """Where a synchronous graph step's wall time goes, in microseconds per step (means): building the batch
+        (step_batch), enqueueing it (inputs copied, graph launched: DecodeGraph.run), and waiting for the ids."""
+        tokens, build, enqueue, wait = self.first_tokens, 0.0, 0.0, 0.0
+        self.cp.cuda.Device().synchronize()
+        for step in range(steps):
+            t0 = time.perf_counter()
+            batch = self.step_batch(tokens, step)
+            t1 = time.perf_counter()
+            self.graph.run(batch)
+            t2 = time.perf_counter()
+            tokens = self.graph.token_ids.get(stream=self.graph.stream)
+            t3 = time.perf_counter()
+            build, enqueue, wait = build + t1 - t0, enqueue + t2 - t1, wait + t3 - t2
+        return {"build_us": build / steps * 1e6, "enqueue_us": enqueue / steps * 1e6, "wait_us": wait / steps * 1e6}
 
     def replay_seconds(self, graph, replays: int = DECODE) -> float:
         """Seconds per step of `graph` replayed back to back with one step's inputs: the device's time alone,
@@ -322,6 +339,7 @@ def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None
         if hf is not None and baseline_error is None:
             theirs.append(batch * DECODE / hf.decode(DECODE))
     replay = [colibri.replay_seconds(g) for g in (colibri.graph, colibri.graph_without_pdl)]
+    host = colibri.host_phases()
     eager = batch * DECODE / colibri.decode(DECODE, graph=False)[0]
     context = PROMPT + DECODE // 2
     nbytes = step_bytes(colibri.config, batch, distinct, context)
@@ -331,6 +349,7 @@ def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None
                   programmatic_launch=colibri.graph.programmatic,
                   colibri_tok_s_without_pdl=statistics.median(plain), colibri_tok_s_without_pdl_runs=plain,
                   graph_replay_us=replay[0] * 1e6, graph_replay_us_without_pdl=replay[1] * 1e6,
+                  synchronous_step_host_us=host,
                   greedy_graph_without_pdl_matches_eager=plain_match,
                   transformers_tok_s=statistics.median(theirs) if theirs else None,
                   transformers_tok_s_runs=theirs,
@@ -343,8 +362,9 @@ def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None
     if batch in (1, 16):
         record["op_profile"] = colibri.profile(batch, context, moe_row_bytes)
     shown = ("shape", "batch", "colibri_tok_s", "colibri_tok_s_without_pdl", "graph_replay_us",
-             "graph_replay_us_without_pdl", "colibri_eager_tok_s", "transformers_tok_s", "roofline_tok_s",
-             "roofline_fraction", "greedy_graph_matches_eager", "greedy_graph_without_pdl_matches_eager")
+             "graph_replay_us_without_pdl", "synchronous_step_host_us", "colibri_eager_tok_s", "transformers_tok_s",
+             "roofline_tok_s", "roofline_fraction", "greedy_graph_matches_eager",
+             "greedy_graph_without_pdl_matches_eager")
     log(json.dumps({k: record[k] for k in shown}))
     colibri.release()
     if hf is not None and baseline_error is None:
