@@ -185,9 +185,9 @@ class Colibri:
         del self.kv, self.graph, self.graph_without_pdl
         self.cp.get_default_memory_pool().free_all_blocks()
 
-    def profile(self, batch: int, context: int, moe_row_bytes: list[int]) -> list[dict]:
-        """Time of each operation of a decode step at `batch` tokens, cycling through the layers (the routed experts
-        also with each MOE_WARP_ROW_BYTES of `moe_row_bytes`)."""
+    def profile(self, batch: int, context: int, variants: list[tuple[str, int]]) -> list[dict]:
+        """Time of each operation of a decode step at `batch` tokens, cycling through the layers; then again with each
+        (constant of cupy_backend.py, value) of `variants` set."""
         cp, b, cfg, layers = self.cp, self.backend, self.config, self.model.layers
         h = cfg.hidden_size
         x = cp.random.standard_normal((batch, h), dtype=np.float32)  # [B, H]
@@ -223,19 +223,20 @@ class Colibri:
         ]
         from colibri_stream.backends import cupy_backend
 
-        default_row_bytes = cupy_backend.MOE_WARP_ROW_BYTES
-        for row_bytes in moe_row_bytes:
-            name, nbytes, fn = ops[2]
-            ops.append((f"{name} ({row_bytes} bytes of rows per warp)", nbytes, fn, row_bytes))
         records = []
-        for name, nbytes, fn, *row_bytes in ops:
-            cupy_backend.MOE_WARP_ROW_BYTES = row_bytes[0] if row_bytes else default_row_bytes
+        for variant in [None, *variants]:
+            saved = None if variant is None else getattr(cupy_backend, variant[0])
+            if variant is not None:
+                setattr(cupy_backend, variant[0], variant[1])
             try:
-                seconds = time_in_graph(cp, fn)
+                for name, nbytes, fn in ops:
+                    seconds = time_in_graph(cp, fn)
+                    records.append({"op": name if variant is None else f"{name} ({variant[0]} = {variant[1]})",
+                                    "us_per_layer": seconds * 1e6, "bytes_per_layer": nbytes,
+                                    "gbps": nbytes / seconds / 1e9 if nbytes else None})
             finally:
-                cupy_backend.MOE_WARP_ROW_BYTES = default_row_bytes
-            records.append({"op": name, "us_per_layer": seconds * 1e6, "bytes_per_layer": nbytes,
-                            "gbps": nbytes / seconds / 1e9 if nbytes else None})
+                if variant is not None:
+                    setattr(cupy_backend, variant[0], saved)
         return records
 
 
@@ -314,7 +315,7 @@ def machine() -> dict:
 
 
 def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None, batch: int, bandwidth: float,
-              common: dict, moe_row_bytes: list[int]) -> dict:
+              common: dict, variants: list[tuple[str, int]]) -> dict:
     """One batch size: the greedy check, interleaved timed runs, the roofline and (batch 1 and 16) the profile."""
     colibri.setup(batch)
     _, eager_tokens = colibri.decode(CHECK_STEPS, graph=False)
@@ -360,7 +361,7 @@ def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None
                   transformers_peak_gpu_gb=hf.peak_bytes() / 1e9 if theirs else None,
                   transformers_error=baseline_error, greedy_graph_matches_eager=match)
     if batch in (1, 16):
-        record["op_profile"] = colibri.profile(batch, context, moe_row_bytes)
+        record["op_profile"] = colibri.profile(batch, context, variants)
     shown = ("shape", "batch", "colibri_tok_s", "colibri_tok_s_without_pdl", "graph_replay_us",
              "graph_replay_us_without_pdl", "synchronous_step_host_us", "colibri_eager_tok_s", "transformers_tok_s",
              "roofline_tok_s", "roofline_fraction", "greedy_graph_matches_eager",
@@ -373,7 +374,7 @@ def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None
 
 
 def run_shape(shape: str, layers: int, batches: list[int], bandwidth: float, common: dict, baseline: bool,
-              moe_row_bytes: list[int]) -> list[dict]:
+              variants: list[tuple[str, int]]) -> list[dict]:
     import cupy
 
     log(f"{shape}: building Colibri ({layers} layers)")
@@ -390,7 +391,7 @@ def run_shape(shape: str, layers: int, batches: list[int], bandwidth: float, com
     for batch in batches:
         try:
             records.append(run_batch(colibri, hf, build_error, batch, bandwidth, dict(common, shape=shape,
-                                                                                       layers=layers), moe_row_bytes))
+                                                                                       layers=layers), variants))
         except Exception as exc:  # one failed batch size is reported; the others still run
             log(f"{shape} batch {batch} failed: {exc!r}")
             records.append(dict(common, bench="decode", shape=shape, layers=layers, batch=batch, error=repr(exc)))
@@ -429,11 +430,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="layer count for every shape (default per shape)")
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers")
     parser.add_argument("--out", default="benchmarks/results/decode_h200.json")
-    parser.add_argument("--moe-row-bytes", type=int, nargs="*", default=[],
-                        help="also profile the routed experts with these MOE_WARP_ROW_BYTES (rows per warp of moe.cu)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE",
+                        help="profile the operations again with this integer constant of cupy_backend.py set "
+                             "(MOE_WARP_ROW_BYTES=65536, GQA_BLOCKS_PER_SM=4, ...); repeatable")
     args = parser.parse_args(argv)
+    variants = []
+    for text in args.variant:
+        name, _, value = text.partition("=")
+        variants.append((name, int(value)))
     import cupy
 
+    from colibri_stream.backends import cupy_backend
+
+    unknown = [name for name, _ in variants if not isinstance(getattr(cupy_backend, name, None), int)]
+    if unknown:
+        parser.error(f"not integer constants of cupy_backend.py: {unknown}")
     bandwidth = measure_bandwidth(cupy)
     log(f"device-to-device copy: {bandwidth:.0f} GB/s")
     common = dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"), command=" ".join(sys.argv),
@@ -443,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for shape in args.shapes:
         records += run_shape(shape, args.layers or DEFAULT_LAYERS.get(shape, 4), args.batches, bandwidth, common,
-                             not args.no_baseline, args.moe_row_bytes)
+                             not args.no_baseline, variants)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
     print(table(records))

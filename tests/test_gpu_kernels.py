@@ -396,6 +396,16 @@ def test_route(dtype, tokens, experts, top_k, hidden, renormalize, monkeypatch):
     check_route(x, weight(rng, (experts, hidden), dtype), top_k, renormalize, monkeypatch)
 
 
+@pytest.mark.parametrize("router_tile", [1, 4])
+@pytest.mark.parametrize("tokens", [5, 21, ROUTER_SPLIT_TOKENS])
+def test_route_with_smaller_token_tiles(router_tile, tokens, monkeypatch):
+    """route_split with fewer tokens per block than the default (more tiles, as many block counters)."""
+    monkeypatch.setattr(cupy_backend, "ROUTER_TILE", router_tile)
+    rng = np.random.default_rng(router_tile * 100 + tokens)
+    x = rng.standard_normal((tokens, 2048)).astype(np.float32)
+    check_route(x, weight(rng, (128, 2048), "bfloat16"), 8, True, monkeypatch)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tokens", [1, 9, ROUTER_SPLIT_TOKENS + 36])
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (128, 8)])

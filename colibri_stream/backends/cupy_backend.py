@@ -61,6 +61,7 @@ LINEAR_MMA_ROWS = 128  # output rows per block of linear_mma: 4 warps x 32
 LINEAR_MMA_BLOCKS_PER_SM = 4  # blocks of 48 KiB shared memory a multiprocessor runs at once: what the splits fill
 LINEAR_MMA_MIN_SPAN = 128  # columns per split at least (four 32-column chunks)
 ROUTER_SPLIT_TOKENS = 64  # up to this many tokens, route_split spreads the router's rows over the GPU
+ROUTER_TILE = 8  # route_split's tokens per block at most (its last block of a tile selects for them, a warp a token)
 ROUTER_WARPS = 4  # ROUTER_WARPS in router.cu
 PROLOGUE_WARPS = 4  # warps per block of qk_norm_rope_write (attention_prologue.cu) without a full-width qk norm
 NULL = np.uint64(0)  # a null pointer kernel argument
@@ -283,9 +284,10 @@ class CupyBackend(Backend):
                                                 "colibri_silu_mul")
         self._sigmoid = cupy.ElementwiseKernel("float32 x", "float32 y", "y = 1.0f / (1.0f + expf(-x))",
                                                "colibri_sigmoid")
-        # [token tiles] route_split's block counters: zero between launches (each launch resets what it counted)
         self.multiprocessors = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        self._route_counters = cupy.zeros(_ceil(ROUTER_SPLIT_TOKENS, TOKEN_TILES[-1]), np.uint32)
+        # [token tiles] route_split's block counters (tiles of one token up): zero between launches (each launch
+        # resets what it counted)
+        self._route_counters = cupy.zeros(ROUTER_SPLIT_TOKENS, np.uint32)
         self.captured_cublas = True  # lm_head-sized projections of a capture on cuBLAS (off: on linear_mma)
 
     # ---- memory -------------------------------------------------------------------------------------------
@@ -567,7 +569,7 @@ class CupyBackend(Backend):
         selection = (weights, expert_ids, np.int32(h), np.int32(num_experts), np.int32(top_k),
                      np.int32(bool(renormalize)))
         if t <= ROUTER_SPLIT_TOKENS:
-            tile = _tile(t, TOKEN_TILES)
+            tile = _tile(min(t, ROUTER_TILE), TOKEN_TILES)
             logits = self.cp.empty((t, num_experts), np.float32)  # [T, E]
             _launch("router.cu", f"route_split<{w}, {tile}>", (num_experts, _ceil(t, tile)), 32 * ROUTER_WARPS,
                     (x, router, *selection, logits, self._route_counters, np.int32(t)),
