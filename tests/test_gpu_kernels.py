@@ -396,10 +396,11 @@ def test_route(dtype, tokens, experts, top_k, hidden, renormalize, monkeypatch):
     check_route(x, weight(rng, (experts, hidden), dtype), top_k, renormalize, monkeypatch)
 
 
-@pytest.mark.parametrize("router_tile", [1, 4])
+@pytest.mark.parametrize("router_tile", [1, 8])
 @pytest.mark.parametrize("tokens", [5, 21, ROUTER_SPLIT_TOKENS])
-def test_route_with_smaller_token_tiles(router_tile, tokens, monkeypatch):
-    """route_split with fewer tokens per block than the default (more tiles, as many block counters)."""
+def test_route_with_other_token_tiles(router_tile, tokens, monkeypatch):
+    """route_split with other numbers of tokens per block than the default (1: as many tiles and block counters
+    as tokens; 8: a selecting warp takes two tokens)."""
     monkeypatch.setattr(cupy_backend, "ROUTER_TILE", router_tile)
     rng = np.random.default_rng(router_tile * 100 + tokens)
     x = rng.standard_normal((tokens, 2048)).astype(np.float32)
