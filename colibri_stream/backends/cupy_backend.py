@@ -10,11 +10,11 @@ all the tokens; larger ones go to cuBLAS on tensor cores: float32 activations ar
 and low part (x = hi + lo to about 16 significant bits) multiplied as one GEMM of twice the rows, so the result
 stays within about 1e-5 of float32 while each weight is still read once. CuPy refuses cuBLAS calls while a stream
 captures a CUDA graph, so inside a capture bf16/fp16 projections of DENSE_MMA_MIN_TOKENS tokens or more run on our
-tensor-core kernel (linear_mma.cu: the same hi/lo split, the columns split over enough blocks to fill the GPU), and
-the others on linear_rows. Routed experts are held per layer as stacked device arrays (DeviceExpertStore), and the
-MoE kernels
-read the routing from device memory, so a decode step needs no host synchronisation and can be captured in a CUDA
-graph (cuda_graph.py).
+tensor-core kernel (linear_mma.cu: the same hi/lo split, the columns split over enough blocks to fill the GPU),
+except lm_head-sized ones, which call cuBLAS through ctypes (captured_cublas.py), and the others on linear_rows.
+Routed experts are held per layer as stacked device arrays (DeviceExpertStore), and the MoE kernels read the
+routing from device memory, so a decode step needs no host synchronisation and can be captured in a CUDA graph
+(cuda_graph.py).
 """
 
 from __future__ import annotations
@@ -81,9 +81,9 @@ _FAMILIES = {
                             f"to_storage_split<{w}>"),
     "embedding.cu": lambda w: (f"embedding<{w}>",),
     "router.cu": lambda w: (f"route_topk<{w}>", *(f"route_split<{w}, {tt}>" for tt in TOKEN_TILES)),
+    # w None: moe_align and moe_sum only
     "moe.cu": lambda w: () if w is None else tuple(f"{k}<{w}, {tt}, {r}>" for k in ("moe_gate_up", "moe_down")
-                                                   for tt in MOE_TILES for r in MOE_ROWS_PER_WARP),  # None: moe_align,
-    # moe_sum only
+                                                   for tt in MOE_TILES for r in MOE_ROWS_PER_WARP),
     "moe_mma.cu": lambda w: tuple(f"{k}<{w}, {nt}>" for k in ("moe_gate_up_mma", "moe_down_mma")
                                   for nt in MMA_TILES) if w in ("__nv_bfloat16", "__half") else (),
     "linear_mma.cu": lambda w: tuple(f"linear_mma<{w}, {nt}>" for nt in LINEAR_MMA_TILES)
@@ -447,7 +447,6 @@ class CupyBackend(Backend):
                 weight_type=w)
         both = self.cp.empty((2 * t, n_out), np.float32)  # [2T, Out]
         code = runtime.CUDA_R_16BF if weight.dtype == np.uint16 else runtime.CUDA_R_16F
-        one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
         handle = self.cp.cuda.device.get_cublas_handle()
         # Column-major view: both^T [Out, 2T] = weight [Out, In] (row-major, so transposed) times halves^T [In, 2T].
         shape = (cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, 2 * t, n_in)
@@ -458,6 +457,7 @@ class CupyBackend(Backend):
                     halves.data.ptr, code, n_in, both.data.ptr, runtime.CUDA_R_32F, n_out,
                     cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
         else:
+            one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
             cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
             cublas.gemmEx(handle, *shape, one.ctypes.data, weight.data.ptr, code, n_in, halves.data.ptr, code, n_in,
                           zero.ctypes.data, both.data.ptr, runtime.CUDA_R_32F, n_out,
