@@ -158,6 +158,18 @@ def captured(stream: cupy.cuda.Stream, fn):
     return graph, result
 
 
+def check_replays(graph, stream, x, out, rng, reference, tolerance: float) -> None:
+    """Replay a captured projection twice on new inputs written into its input buffer x [T, In], its output
+    poisoned before each replay, against reference(inputs)."""
+    for _ in range(2):
+        host = rng.standard_normal(x.shape).astype(np.float32)
+        x.set(host, stream=stream)
+        out.fill(np.nan)
+        graph.launch(stream=stream)
+        stream.synchronize()
+        check(out, reference(host), tolerance)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("tokens", [1, DENSE_MMA_MIN_TOKENS, 16, 64, 100])
 @pytest.mark.parametrize("dims", [(256, 1000), (2048, 40), (64, 8), (1000, 256), (4096, 136)])
@@ -178,13 +190,8 @@ def test_linear_captured_in_a_cuda_graph(dtype, tokens, dims, monkeypatch):
     mma = tokens >= DENSE_MMA_MIN_TOKENS and dtype != "float32"
     assert launched == [f"linear_mma<{cupy_backend.storage_type(device_w)}, {_tile(-(-tokens // 8), LINEAR_MMA_TILES)}>"
                         if mma else f"linear_rows<{cupy_backend.storage_type(device_w)}, {_tile(tokens, TOKEN_TILES)}>"]
-    for _ in range(2):
-        host = rng.standard_normal((tokens, n_in)).astype(np.float32)
-        x.set(host, stream=stream)
-        out.fill(np.nan)
-        graph.launch(stream=stream)
-        stream.synchronize()
-        check(out, REF.linear(host, REF.prepare_weight(w), bias), 1e-4 if mma else 1e-5)
+    check_replays(graph, stream, x, out, rng, lambda host: REF.linear(host, REF.prepare_weight(w), bias),
+                  1e-4 if mma else 1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -205,13 +212,7 @@ def test_lm_head_sized_projections_captured_on_cublas(dtype, tokens, monkeypatch
     on_cublas = tokens >= CAPTURED_CUBLAS_MIN_TOKENS
     assert launched == ([f"to_storage_split<{w_type}>"] if on_cublas
                         else [f"linear_mma<{w_type}, {_tile(-(-tokens // 8), LINEAR_MMA_TILES)}>"])
-    for _ in range(2):
-        host = rng.standard_normal((tokens, n_in)).astype(np.float32)
-        x.set(host, stream=stream)
-        out.fill(np.nan)
-        graph.launch(stream=stream)
-        stream.synchronize()
-        check(out, REF.linear(host, REF.prepare_weight(w), None), 1e-4)
+    check_replays(graph, stream, x, out, rng, lambda host: REF.linear(host, REF.prepare_weight(w), None), 1e-4)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
