@@ -161,6 +161,31 @@ class Colibri:
         graph.stream.synchronize()
         return (time.perf_counter() - start) / replays
 
+    def variant_replays(self, variants: list[tuple[str, int]], eager_tokens: list[np.ndarray]) -> dict:
+        """For each (constant of cupy_backend.py, value): the decode graph captured with it set, replayed back to
+        back against the shipped graph (interleaved), and whether its greedy tokens equal the eager step's."""
+        from colibri_stream.backends import cupy_backend
+        from colibri_stream.backends.cuda_graph import DecodeGraph
+
+        results = {}
+        for name, value in variants:
+            saved = getattr(cupy_backend, name)
+            setattr(cupy_backend, name, value)
+            try:
+                graph = DecodeGraph(self.model, self.kv, self.graph.batch_size, self.graph.max_blocks)
+            finally:
+                setattr(cupy_backend, name, saved)
+            _, tokens = self.decode(CHECK_STEPS, graph)
+            shipped, variant = [], []
+            for _ in range(REPEATS):
+                shipped.append(self.replay_seconds(self.graph) * 1e6)
+                variant.append(self.replay_seconds(graph) * 1e6)
+            results[f"{name}={value}"] = {
+                "graph_replay_us": statistics.median(variant), "shipped_graph_replay_us": statistics.median(shipped),
+                "greedy_matches_eager": all(np.array_equal(a, b) for a, b in zip(eager_tokens, tokens))}
+            del graph
+        return results
+
     def distinct_experts(self) -> float:
         """Mean distinct experts per layer over CHECK_STEPS eager steps (their routing, measured)."""
         counts = []
@@ -340,6 +365,7 @@ def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None
         if hf is not None and baseline_error is None:
             theirs.append(batch * DECODE / hf.decode(DECODE))
     replay = [colibri.replay_seconds(g) for g in (colibri.graph, colibri.graph_without_pdl)]
+    variant_replays = colibri.variant_replays(variants, eager_tokens)
     host = colibri.host_phases()
     eager = batch * DECODE / colibri.decode(DECODE, graph=False)[0]
     context = PROMPT + DECODE // 2
@@ -350,6 +376,7 @@ def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None
                   programmatic_launch=colibri.graph.programmatic,
                   colibri_tok_s_without_pdl=statistics.median(plain), colibri_tok_s_without_pdl_runs=plain,
                   graph_replay_us=replay[0] * 1e6, graph_replay_us_without_pdl=replay[1] * 1e6,
+                  variant_graph_replays=variant_replays,
                   synchronous_step_host_us=host,
                   greedy_graph_without_pdl_matches_eager=plain_match,
                   transformers_tok_s=statistics.median(theirs) if theirs else None,
@@ -363,7 +390,7 @@ def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None
     if batch in (1, 16):
         record["op_profile"] = colibri.profile(batch, context, variants)
     shown = ("shape", "batch", "colibri_tok_s", "colibri_tok_s_without_pdl", "graph_replay_us",
-             "graph_replay_us_without_pdl", "synchronous_step_host_us", "colibri_eager_tok_s", "transformers_tok_s",
+             "graph_replay_us_without_pdl", "variant_graph_replays", "synchronous_step_host_us", "colibri_eager_tok_s", "transformers_tok_s",
              "roofline_tok_s", "roofline_fraction", "greedy_graph_matches_eager",
              "greedy_graph_without_pdl_matches_eager")
     log(json.dumps({k: record[k] for k in shown}))
@@ -431,8 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers")
     parser.add_argument("--out", default="benchmarks/results/decode_h200.json")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE",
-                        help="profile the operations again with this integer constant of cupy_backend.py set "
-                             "(MOE_WARP_ROW_BYTES=65536, GQA_BLOCKS_PER_SM=4, ...); repeatable")
+                        help="capture and replay the decode graph, and profile the operations again, with this "
+                             "integer constant of cupy_backend.py set (MOE_SUM_IN_DOWN=0, GQA_BLOCKS_PER_SM=4, ...); "
+                             "repeatable")
     args = parser.parse_args(argv)
     variants = []
     for text in args.variant:
