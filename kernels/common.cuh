@@ -126,23 +126,6 @@ __device__ __forceinline__ float block_sum(float v) {
     return partial[0];
 }
 
-// For a kernel whose last block to finish a piece of work completes it (the sum over experts, a norm over a whole
-// row, the router's selection): called by every thread of the block after its global writes; true, in every
-// thread, for the block that arrives `expected`-th at *counter. That block resets the counter to zero, so a counter
-// array stays zero between launches (one array serves every launch on a stream, graphs included). The last block
-// reads what the others wrote through L2 (__ldcg): their writes are visible there, not in its L1.
-__device__ __forceinline__ bool last_to_arrive(unsigned int* counter, unsigned int expected) {
-    __shared__ bool last;
-    __threadfence();  // this thread's writes are visible to every block before the block is counted
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(counter, 1u) == expected - 1;
-        if (last) *counter = 0;  // every other block has arrived
-    }
-    __syncthreads();
-    return last;
-}
-
 // Dot products of R weight rows (length `cols`, storage W) with TT activation rows of float32, accumulated per
 // thread: acc[r][j] += sum over this thread's columns of w_r[c] * x_j[c]. The thread takes the 16-byte chunks at
 // columns start, start + step, ... (start and step multiples of Vec<W>::N), so the threads sharing a row read it

@@ -14,11 +14,6 @@
 //   token tile varying fastest so the blocks that read the same weight rows run together and re-reads of a row come
 //   from L2.
 //   For decode-sized T (the backend uses it up to SMALL_BATCH tokens, and for every T inside a CUDA graph).
-//   norm_weight float32 [Out0] or null: given (one matrix, Out0 = H), the launch also does add_rms_norm's work on
-//   its output (norm.cu's rms_norm with a residual): summed[t] = out0[t] + residual[t],
-//   normed[t] = summed[t] / sqrt(mean(summed[t]^2) + eps) * norm_weight, by the last block of each token tile to
-//   finish (last_to_arrive on counters[tile]; uint32 [>= ceil(T / TT)], zero between launches); residual, normed,
-//   summed float32 [T, Out0].
 //
 // to_storage<W>: y[i] = W(x[i]) (round to nearest even), x float32 [n], y W [n].
 //   grid.x: ceil(n / 256), block: 256.
@@ -37,9 +32,7 @@ __global__ void __launch_bounds__(LINEAR_WARPS * 32)
 linear_rows(const float* __restrict__ x, int T, int In,
             const W* __restrict__ w0, const float* __restrict__ bias0, float* __restrict__ out0, int Out0,
             const W* __restrict__ w1, const float* __restrict__ bias1, float* __restrict__ out1, int Out1,
-            const W* __restrict__ w2, const float* __restrict__ bias2, float* __restrict__ out2, int Out2,
-            const float* __restrict__ residual, const float* __restrict__ norm_weight, float* __restrict__ normed,
-            float* __restrict__ summed, unsigned int* __restrict__ counters, float eps) {
+            const W* __restrict__ w2, const float* __restrict__ bias2, float* __restrict__ out2, int Out2) {
     __shared__ float partial[LINEAR_WARPS][LINEAR_ROWS][TT];
     constexpr int V = Vec<W>::N;
     const int tiles = (T + TT - 1) / TT;
@@ -89,19 +82,6 @@ linear_rows(const float* __restrict__ x, int T, int In,
             for (int k = 0; k < LINEAR_WARPS; ++k) s += partial[k][r][j];
             out[static_cast<long long>(t0 + j) * Out + row] = s;
         }
-    }
-    if (norm_weight == nullptr || !last_to_arrive(counters + tile, (Out0 + LINEAR_ROWS - 1) / LINEAR_ROWS)) return;
-    for (int j = 0; j < n; ++j) {  // the tile's rows of out0, complete now: add the residual and normalise
-        const long long base = static_cast<long long>(t0 + j) * Out0;
-        float squares = 0.f;
-        for (int i = threadIdx.x; i < Out0; i += blockDim.x) {
-            const float v = __ldcg(out0 + base + i) + residual[base + i];
-            summed[base + i] = v;
-            squares = fmaf(v, v, squares);
-        }
-        const float inv = rsqrtf(block_sum(squares) / Out0 + eps);
-        for (int i = threadIdx.x; i < Out0; i += blockDim.x) normed[base + i] = summed[base + i] * inv * norm_weight[i];
-        __syncthreads();  // every thread has used block_sum's result before the next row's call
     }
 }
 

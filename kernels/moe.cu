@@ -6,8 +6,10 @@
 // experts exit), so the sequence can be captured in a CUDA graph. TT (1, 2, 4, 8) is the smallest tile that holds
 // min(T, 8) pairs: a group never has more pairs than tokens, so decode of one sequence runs with TT = 1.
 //
-// moe_align: group the pairs by expert (align_pairs in moe_align.cuh, which names the outputs; route_split does the
-//   same at the end of a router launch of few tokens, and then this launch is left out).
+// moe_align: group the pairs by expert.
+//   ids int32 [P] (expert of pair p = t * k + s); outputs: group_expert int32 [E] (expert of group g, increasing),
+//   group_start int32 [E + 1] (pairs of group g: sorted_pairs[group_start[g] .. group_start[g + 1] - 1]),
+//   sorted_pairs int32 [P], num_groups int32 [1].
 //   grid: 1, block: 1024 threads, dynamic shared memory: 2 * E ints.
 //
 // Weights are addressed per slot: expert e's matrices start `slot * w_stride` elements (and its scales `slot *
@@ -24,31 +26,19 @@
 // moe_down<W, TT, R>: y[p, h] = route_weight[p] * (down_e[h] . act[p]).
 //   act float32 [P, I]; down W [slots, H, I] at stride w_stride; down_scale float32 [slots, H] at stride s_stride
 //   or null; slot_of as above; route_weights float32 [P]; y float32 [P, H].
-//   out float32 [T, H] or null: given (every expert in this launch, no slot table), the launch also does moe_sum's
-//   work: the last of the active groups' blocks of each row range (last_to_arrive on counters[blockIdx.x]; uint32
-//   [>= grid.x], zero between launches) sums that range's rows over each token's slots, as moe_sum does.
 //   grid: (ceil(H / (MOE_WARPS * R)), G), block: MOE_WARPS * 32 threads; each warp R rows.
 //
 // R (1, 2, 4): rows per warp. A warp reads each activation chunk once for its R rows, and short rows (Qwen3's 768
 // columns of down: 1.5 KB in bf16) give each warp more bytes in flight.
 //
-// moe_sum: out[t, h] = sum over s < k of y[t * k + s, h], in slot order (deterministic, no atomics; slot_sum).
+// moe_sum: out[t, h] = sum over s < k of y[t * k + s, h], in slot order (deterministic, no atomics).
 //   y float32 [T * k, H], out float32 [T, H]; grid.x: ceil(T * H / 256), block: 256.
 //
 // W: float, __nv_bfloat16, __half or signed char (int8, multiplied by the row's scale after the dot product);
 // H and I multiples of Vec<W>::N.
 #include "common.cuh"
-#include "moe_align.cuh"
 
 constexpr int MOE_WARPS = 4;
-
-// sum over s < k of y[t * k + s, h], in slot order, read through L2 (the fused sum of moe_down reads what other
-// blocks of its launch wrote).
-__device__ __forceinline__ float slot_sum(const float* y, long long t, long long h, int top_k, int H) {
-    float total = 0.f;
-    for (int s = 0; s < top_k; ++s) total += __ldcg(y + (t * top_k + s) * H + h);
-    return total;
-}
 
 // The slot holding expert e: slot_of[e] with a slot table (negative: not in a slot for this pass), else e.
 __device__ __forceinline__ long long expert_slot(const int* slot_of, int e) {
@@ -59,8 +49,46 @@ extern "C" __global__ void moe_align(const int* __restrict__ ids, int num_pairs,
                                      int* __restrict__ group_expert, int* __restrict__ group_start,
                                      int* __restrict__ sorted_pairs, int* __restrict__ num_groups) {
     pdl_wait();
-    extern __shared__ int counts[];  // [2E]
-    align_pairs(ids, num_pairs, num_experts, counts, group_expert, group_start, sorted_pairs, num_groups);
+    extern __shared__ int counts[];  // [E] pairs per expert, then [E] write cursors
+    int* cursor = counts + num_experts;
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) counts[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) atomicAdd(&counts[ids[p]], 1);
+    __syncthreads();
+    if (threadIdx.x < 32) {  // one warp scans: each lane a contiguous run of experts
+        const int lane = threadIdx.x;
+        const int per_lane = (num_experts + 31) / 32;
+        const int begin = min(lane * per_lane, num_experts), end = min(begin + per_lane, num_experts);
+        int pairs = 0, groups = 0;
+        for (int e = begin; e < end; ++e) {
+            pairs += counts[e];
+            groups += counts[e] > 0;
+        }
+        int pairs_before = pairs, groups_before = groups;  // inclusive scan, made exclusive below
+#pragma unroll
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const int p = __shfl_up_sync(FULL_MASK, pairs_before, offset);
+            const int g = __shfl_up_sync(FULL_MASK, groups_before, offset);
+            if (lane >= offset) { pairs_before += p; groups_before += g; }
+        }
+        pairs_before -= pairs;
+        groups_before -= groups;
+        for (int e = begin; e < end; ++e) {
+            cursor[e] = pairs_before;
+            if (counts[e] > 0) {
+                group_expert[groups_before] = e;
+                group_start[groups_before] = pairs_before;
+                ++groups_before;
+            }
+            pairs_before += counts[e];
+        }
+        if (lane == 31) {
+            num_groups[0] = groups_before;
+            group_start[groups_before] = pairs_before;
+        }
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) sorted_pairs[atomicAdd(&cursor[ids[p]], 1)] = p;
 }
 
 template <typename W, int TT, int R>
@@ -124,8 +152,7 @@ moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_
          const float* __restrict__ down_scales, long long s_stride, const int* __restrict__ slot_of,
          const float* __restrict__ route_weights, const int* __restrict__ group_expert,
          const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
-         const int* __restrict__ num_groups, float* __restrict__ y, int H, int I, float* __restrict__ out,
-         unsigned int* __restrict__ counters, int T, int top_k) {
+         const int* __restrict__ num_groups, float* __restrict__ y, int H, int I) {
     pdl_wait();
     const int g = blockIdx.y;
     // Loaded together, so their latencies overlap (g < E: in bounds even past the last group).
@@ -135,6 +162,7 @@ moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_
     if (slot < 0) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row0 = (blockIdx.x * MOE_WARPS + warp) * R;
+    if (row0 >= H) return;
     const W* rows[R];  // rows row0 .. row0 + R - 1 of down (the last real row past H)
     float scale[R];
 #pragma unroll
@@ -143,7 +171,7 @@ moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_
         rows[r] = down + slot * w_stride + row * I;
         scale[r] = down_scales != nullptr ? down_scales[slot * s_stride + row] : 1.f;
     }
-    for (int base = row0 < H ? begin : end; base < end; base += TT) {  // a warp past H has no rows
+    for (int base = begin; base < end; base += TT) {
         const int n = min(TT, end - base);
         int pairs[TT];
         const float* xs[TT];
@@ -168,18 +196,14 @@ moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_
             }
         }
     }
-    if (out == nullptr || !last_to_arrive(counters + blockIdx.x, groups)) return;
-    constexpr int ROWS = MOE_WARPS * R;  // this block's row range, summed for every token
-    const int first = blockIdx.x * ROWS;
-    for (int i = threadIdx.x; i < T * ROWS; i += blockDim.x) {
-        const int t = i / ROWS, h = first + i % ROWS;
-        if (h < H) out[static_cast<long long>(t) * H + h] = slot_sum(y, t, h, top_k, H);
-    }
 }
 
 extern "C" __global__ void moe_sum(const float* __restrict__ y, float* __restrict__ out, int T, int top_k, int H) {
     pdl_wait();
     const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= static_cast<long long>(T) * H) return;
-    out[i] = slot_sum(y, i / H, i % H, top_k, H);
+    const long long t = i / H, h = i % H;
+    float total = 0.f;
+    for (int s = 0; s < top_k; ++s) total += y[(t * top_k + s) * H + h];
+    out[i] = total;
 }

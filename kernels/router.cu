@@ -14,15 +14,11 @@
 //   gets about 32 GB/s); each block computes one expert's logits for a tile of TT tokens, the last block of a tile
 //   to finish selects for the tile's tokens.
 //   logits   float32 [T, E] scratch: written by every block, read by the tile's last one
-//   counters uint32 [>= ceil(T / TT) + 1]: zero before the launch, left zero after it (last_to_arrive: blocks of
-//            tile j count in counters[j], finished tiles in counters[ceil(T / TT)])
-//   group_expert, group_start, sorted_pairs, num_groups: null, or the pairs grouped by expert as moe_align groups
-//            them (moe_align.cuh, P = T * k), done by the last tile's selecting block: the routed experts' first
-//            launch then is their own
+//   counters uint32 [>= ceil(T / TT)]: zero before the launch, left zero after it (the last block of tile j counts
+//            blocks in counters[j], then resets it), so one array serves every launch on a stream, graphs included
 //   grid: (E, ceil(T / TT)), block: ROUTER_WARPS * 32 threads splitting the row's columns,
 //   dynamic shared memory: ROUTER_WARPS * E floats.
 #include "common.cuh"
-#include "moe_align.cuh"
 
 constexpr int ROUTER_WARPS = 4;
 
@@ -93,10 +89,10 @@ template <typename W, int TT>
 __global__ void __launch_bounds__(ROUTER_WARPS * 32)
 route_split(const float* __restrict__ x, const W* __restrict__ router, float* __restrict__ weights,
             int* __restrict__ ids, int H, int E, int k, int renormalize, float* __restrict__ logits,
-            unsigned int* __restrict__ counters, int T, int* __restrict__ group_expert,
-            int* __restrict__ group_start, int* __restrict__ sorted_pairs, int* __restrict__ num_groups) {
+            unsigned int* __restrict__ counters, int T) {
     extern __shared__ float probs[];  // [ROUTER_WARPS, E]: one token's logits per warp (the selecting block)
     __shared__ float partial[ROUTER_WARPS][TT];
+    __shared__ bool last;
     const int e = blockIdx.x, tile = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int t0 = tile * TT, n = min(TT, T - t0);
@@ -119,8 +115,12 @@ route_split(const float* __restrict__ x, const W* __restrict__ router, float* __
 #pragma unroll
         for (int w = 0; w < ROUTER_WARPS; ++w) s += partial[w][threadIdx.x];
         logits[static_cast<long long>(t0 + threadIdx.x) * E + e] = s;
+        __threadfence();  // the logit is visible to every block before this block is counted
     }
-    if (!last_to_arrive(counters + tile, gridDim.x)) return;
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&counters[tile], 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
 
     float* mine = probs + warp * E;  // [E]
     for (int j = warp; j < n; j += ROUTER_WARPS) {
@@ -128,6 +128,5 @@ route_split(const float* __restrict__ x, const W* __restrict__ router, float* __
         for (int i = lane; i < E; i += 32) mine[i] = __ldcg(logits + t * E + i);  // from L2: other blocks wrote it
         softmax_topk(mine, E, k, renormalize, weights + t * k, ids + t * k);
     }
-    if (group_expert == nullptr || !last_to_arrive(counters + gridDim.y, gridDim.y)) return;
-    align_pairs(ids, T * k, E, reinterpret_cast<int*>(probs), group_expert, group_start, sorted_pairs, num_groups);
+    if (threadIdx.x == 0) counters[tile] = 0;
 }

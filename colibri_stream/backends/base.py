@@ -84,13 +84,6 @@ class Backend(ABC):
         compute them in one pass: q, k and v of a layer)."""
         return [self.linear(x, weight, bias) for weight, bias in zip(weights, biases)]
 
-    def linear_add_rms_norm(self, x: Array, weight: Array, bias: Array | None, residual: Array, norm_weight: Array,
-                            eps: float) -> tuple[Array, Array]:
-        """x [T, In], weight [Out, In], bias [Out] or None, residual [T, Out] -> `add_rms_norm(linear(x, weight,
-        bias), residual, norm_weight, eps)` (a backend may compute it in one pass: a layer's o projection and the
-        norm after attention)."""
-        return self.add_rms_norm(self.linear(x, weight, bias), residual, norm_weight, eps)
-
     @abstractmethod
     def silu_mul(self, gate: Array, up: Array) -> Array:
         """gate, up [T, I] -> silu(gate) * up [T, I]"""

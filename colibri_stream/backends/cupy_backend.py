@@ -64,10 +64,6 @@ ROUTER_SPLIT_TOKENS = 64  # up to this many tokens, route_split spreads the rout
 ROUTER_TILE = 4  # route_split's tokens per block at most: its last block of a tile selects for them, a warp a token,
 # so 4 (ROUTER_WARPS) select in one round. H200 at 16 tokens: 14.5 -> 9.5 us a layer (Qwen3), 8.3 -> 5.6 (Mixtral)
 ROUTER_WARPS = 4  # ROUTER_WARPS in router.cu
-ROUTER_ALIGNS = 1  # 1: route_split's last block also groups the pairs by expert (no moe_align launch); 0: it does not
-MOE_SUM_IN_DOWN = 1  # 1: moe_down sums each token's experts itself (no moe_sum launch) when every expert is resident
-NORM_IN_LINEAR_MAX_TOKENS = 2  # up to this many tokens on linear_rows, linear_add_rms_norm is one launch
-BLOCK_COUNTERS = 4096  # uint32 counters of the kernels whose last block finishes their work (last_to_arrive)
 PROLOGUE_WARPS = 4  # warps per block of qk_norm_rope_write (attention_prologue.cu) without a full-width qk norm
 NULL = np.uint64(0)  # a null pointer kernel argument
 
@@ -290,10 +286,9 @@ class CupyBackend(Backend):
         self._sigmoid = cupy.ElementwiseKernel("float32 x", "float32 y", "y = 1.0f / (1.0f + expf(-x))",
                                                "colibri_sigmoid")
         self.multiprocessors = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        # [BLOCK_COUNTERS] block counters of route_split, moe_down and linear_rows (last_to_arrive in common.cuh):
-        # zero between launches (each launch resets what it counted), so one array serves every launch and graph
-        self._block_counters = cupy.zeros(BLOCK_COUNTERS, np.uint32)
-        self._grouped = None  # (expert ids, E, grouping arrays): the pairs route_split grouped by expert last
+        # [token tiles] route_split's block counters (tiles of one token up): zero between launches (each launch
+        # resets what it counted)
+        self._route_counters = cupy.zeros(ROUTER_SPLIT_TOKENS, np.uint32)
         self.captured_cublas = True  # lm_head-sized projections of a capture on cuBLAS (off: on linear_mma)
 
     # ---- memory -------------------------------------------------------------------------------------------
@@ -355,21 +350,6 @@ class CupyBackend(Backend):
 
     def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
         return self.linears(x, [weight], [bias])[0]
-
-    def linear_add_rms_norm(self, x, weight, bias, residual, norm_weight, eps):
-        """One launch of linear_rows, whose last block of each token tile adds the residual and normalises, up to
-        NORM_IN_LINEAR_MAX_TOKENS tokens on that path; otherwise the two operations."""
-        x = self.cp.ascontiguousarray(x)
-        t = x.shape[0]
-        if t > NORM_IN_LINEAR_MAX_TOKENS or self._dense_path(x, weight) != "gemv":
-            return super().linear_add_rms_norm(x, weight, bias, residual, norm_weight, eps)
-        n_out = weight.shape[0]
-        normed = self.cp.empty((t, n_out), np.float32)  # [T, Out]
-        summed = self.cp.empty((t, n_out), np.float32)  # [T, Out]
-        norm = (self.cp.ascontiguousarray(residual), norm_weight, normed, summed, self._block_counters,
-                np.float32(eps))
-        self._linear_rows(x, [weight], [bias], norm)
-        return normed, summed
 
     def linears(self, x, weights, biases):
         """Up to three matrices of one dtype on the same path are one launch (linear_rows or linear_mma)."""
@@ -435,10 +415,8 @@ class CupyBackend(Backend):
                 (x, np.int32(t), np.int32(n_in), np.int32(span), *matrices), weight_type=w)
         return outs
 
-    def _linear_rows(self, x: Array, weights, biases, norm: tuple = (NULL,) * 5 + (np.float32(0),)) -> list[Array]:
-        """x [T, In] times one to three weights [Out_m, In] of one dtype (+ biases) in one launch; `norm`: linear.cu's
-        fused add_rms_norm arguments (residual, norm_weight, normed, summed, counters, eps), or nulls.
-        # [T, Out_m] each"""
+    def _linear_rows(self, x: Array, weights, biases) -> list[Array]:
+        """x [T, In] times one to three weights [Out_m, In] of one dtype (+ biases) in one launch.  # [T, Out_m] each"""
         t, n_in = x.shape
         outs, matrices, blocks = [], [], 0
         tile = _tile(t, TOKEN_TILES)
@@ -450,8 +428,8 @@ class CupyBackend(Backend):
             blocks += _ceil(t, tile) * _ceil(n_out, LINEAR_ROWS_PER_BLOCK)
         matrices += [NULL, NULL, NULL, np.int32(0)] * (3 - len(weights))
         w = storage_type(weights[0])
-        _launch("linear.cu", f"linear_rows<{w}, {tile}>", (blocks,), 128,
-                (x, np.int32(t), np.int32(n_in), *matrices, *norm), weight_type=w)
+        _launch("linear.cu", f"linear_rows<{w}, {tile}>", (blocks,), 128, (x, np.int32(t), np.int32(n_in), *matrices),
+                weight_type=w)
         return outs
 
     def _gemm(self, x: Array, weight: Array) -> Array:
@@ -591,39 +569,16 @@ class CupyBackend(Backend):
         w = storage_type(router)
         selection = (weights, expert_ids, np.int32(h), np.int32(num_experts), np.int32(top_k),
                      np.int32(bool(renormalize)))
-        self._grouped = None
         if t <= ROUTER_SPLIT_TOKENS:
             tile = _tile(min(t, ROUTER_TILE), TOKEN_TILES)
             logits = self.cp.empty((t, num_experts), np.float32)  # [T, E]
-            grouping = self._grouping_arrays(t * top_k, num_experts) if ROUTER_ALIGNS else (NULL,) * 4
             _launch("router.cu", f"route_split<{w}, {tile}>", (num_experts, _ceil(t, tile)), 32 * ROUTER_WARPS,
-                    (x, router, *selection, logits, self._block_counters, np.int32(t), *grouping),
+                    (x, router, *selection, logits, self._route_counters, np.int32(t)),
                     shared_mem=4 * ROUTER_WARPS * num_experts, weight_type=w)
-            if ROUTER_ALIGNS:
-                self._grouped = (expert_ids, num_experts, grouping)
         else:
             _launch("router.cu", f"route_topk<{w}>", (t,), 1024, (x, router, *selection),
                     shared_mem=4 * num_experts, weight_type=w)
         return weights, expert_ids
-
-    def _grouping_arrays(self, pairs: int, num_experts: int) -> tuple[Array, Array, Array, Array]:
-        """Outputs of grouping `pairs` (token, slot) pairs by expert (moe_align.cuh): group_expert [E],
-        group_start [E+1], sorted_pairs [P], num_groups [1], all int32."""
-        cp = self.cp
-        return (cp.empty(num_experts, np.int32), cp.empty(num_experts + 1, np.int32), cp.empty(pairs, np.int32),
-                cp.empty(1, np.int32))
-
-    def _pairs_by_expert(self, expert_ids: Array, num_experts: int) -> tuple[Array, Array, Array, Array]:
-        """The step's pairs grouped by expert (_grouping_arrays): route_split's when it grouped these very ids,
-        else from a moe_align launch."""
-        if self._grouped is not None and self._grouped[0] is expert_ids and self._grouped[1] == num_experts:
-            return self._grouped[2]
-        pairs = expert_ids.size
-        ids = self.cp.ascontiguousarray(expert_ids, dtype=np.int32).reshape(pairs)  # [P]
-        grouping = self._grouping_arrays(pairs, num_experts)
-        _launch("moe.cu", "moe_align", (1,), 1024, (ids, np.int32(pairs), np.int32(num_experts), *grouping),
-                shared_mem=8 * num_experts)
-        return grouping
 
     def prepare_experts(self, store: ExpertStore, config: ModelConfig) -> ExpertStore:
         from ..experts.trace import RoutingRecorder
@@ -647,12 +602,18 @@ class CupyBackend(Backend):
         top_k = expert_ids.shape[1]
         pairs = t * top_k
         num_experts = store.num_experts
+        ids = cp.ascontiguousarray(expert_ids, dtype=np.int32).reshape(pairs)  # [P]
         route_weights = cp.ascontiguousarray(weights, dtype=np.float32).reshape(pairs)  # [P]
-        routing = self._pairs_by_expert(expert_ids, num_experts)
+        group_expert = cp.empty(num_experts, np.int32)  # [E]
+        group_start = cp.empty(num_experts + 1, np.int32)  # [E+1]
+        sorted_pairs = cp.empty(pairs, np.int32)  # [P]
+        num_groups = cp.empty(1, np.int32)
+        _launch("moe.cu", "moe_align", (1,), 1024,
+                (ids, np.int32(pairs), np.int32(num_experts), group_expert, group_start, sorted_pairs, num_groups),
+                shared_mem=8 * num_experts)
         groups = min(num_experts, pairs)
         tile = _tile(t, MOE_TILES)  # a group holds at most T pairs
-        out = cp.empty((t, h), np.float32)  # [T, H]
-        summed = False  # whether moe_down wrote `out` itself
+        routing = (group_expert, group_start, sorted_pairs, num_groups)
         act = y = None
         for experts in store.passes(layer):
             i = experts.gate.shape[1]  # a cut expert's GPU part (experts/partial.py) has fewer rows than the others
@@ -682,17 +643,14 @@ class CupyBackend(Backend):
             else:
                 item = experts.gate.itemsize
                 r_up, r_down = moe_rows_per_warp(h * item), moe_rows_per_warp(i * item)
-                row_blocks = _ceil(h, MOE_WARPS * r_down)
-                # every expert in this one launch: its blocks can sum each token's experts (moe_sum's work)
-                summed = bool(MOE_SUM_IN_DOWN) and store.resident and row_blocks <= BLOCK_COUNTERS
                 _launch("moe.cu", f"moe_gate_up<{w}, {tile}, {r_up}>", (_ceil(i, MOE_WARPS * r_up), groups),
                         32 * MOE_WARPS, gate_up, weight_type=w)
-                _launch("moe.cu", f"moe_down<{w}, {tile}, {r_down}>", (row_blocks, groups), 32 * MOE_WARPS,
-                        (*down, out if summed else NULL, self._block_counters, np.int32(t), np.int32(top_k)),
-                        weight_type=w)
+                _launch("moe.cu", f"moe_down<{w}, {tile}, {r_down}>", (_ceil(h, MOE_WARPS * r_down), groups),
+                        32 * MOE_WARPS, down, weight_type=w)
+        out = cp.empty((t, h), np.float32)  # [T, H]
         if y is None:  # no launch: every expert of the step was computed on the CPU
             out.fill(0)
-        elif not summed:
+        else:
             _launch("moe.cu", "moe_sum", (_ceil(t * h, 256),), 256,
                     (y, out, np.int32(t), np.int32(top_k), np.int32(h)))
         from_host = store.finish_layer(layer)  # [T, H]: experts the store computed on the CPU meanwhile, or None

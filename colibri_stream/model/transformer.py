@@ -142,9 +142,8 @@ class MoETransformer:
             else:
                 x, residual = b.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             with t.device_phase("attention"):
-                attended = self._attention(index, layer, x, batch, device_batch, kv_cache)  # [T, Q*D]
-                x, residual = b.linear_add_rms_norm(attended, layer.o_proj, layer.o_bias, residual,
-                                                    layer.post_attention_norm, cfg.rms_norm_eps)  # [T, H] each
+                hidden = self._attention(index, layer, x, batch, device_batch, kv_cache)  # [T, H]
+            x, residual = b.add_rms_norm(hidden, residual, layer.post_attention_norm, cfg.rms_norm_eps)
             hidden = self._mlp(index, layer, x)  # [T, H]
         x, _ = b.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
         x = b.gather_rows(x, device_batch["logits_indices"])  # [N, H]
@@ -162,7 +161,7 @@ class MoETransformer:
                                  device_batch["slot_mapping"])  # [T, Q, D]; k, v stored in the caches
         attended = b.paged_attention(q, key_cache, value_cache, batch, device_batch, self.attention_scale,
                                      cfg.sliding_windows[index])  # [T, Q, D]
-        return attended.reshape(t, cfg.num_heads * d)  # the o projection comes with the next norm (forward_device)
+        return b.linear(attended.reshape(t, cfg.num_heads * d), layer.o_proj, layer.o_bias)
 
     def _mlp(self, index: int, layer: LayerWeights, x: Array) -> Array:
         b, cfg, t = self.backend, self.config, self.timer
