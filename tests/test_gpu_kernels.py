@@ -523,7 +523,7 @@ def random_experts(rng, num_experts: int, hidden: int, inter: int, dtype: str) -
 def test_routed_experts(dtype, tokens, experts, top_k, hidden, inter, rows, monkeypatch):
     """moe.cu (and moe_mma.cu from MMA_MIN_TOKENS bf16/fp16 tokens) against NumPy, with each number of weight rows
     per warp."""
-    monkeypatch.setattr(cupy_backend, "moe_rows_per_warp", lambda row_bytes: rows)
+    monkeypatch.setattr(cupy_backend, "moe_rows_per_warp", lambda row_bytes, budget: rows)
     rng = np.random.default_rng(tokens * 31 + experts)
     store = random_experts(rng, experts, hidden, inter, dtype)
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)

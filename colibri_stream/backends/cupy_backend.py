@@ -38,7 +38,11 @@ MOE_TILES = (1, 2, 4, 8)  # moe_gate_up / moe_down instantiations: pairs of one 
 LINEAR_ROWS_PER_BLOCK = 2  # LINEAR_ROWS in linear.cu
 MOE_WARPS = 4  # warps per block of the MoE kernels (moe.cu)
 MOE_ROWS_PER_WARP = (1, 2, 4)  # moe_gate_up / moe_down instantiations: weight rows per warp
-MOE_WARP_ROW_BYTES = 8192  # a warp of moe.cu takes rows of its matrix until they hold this many bytes (up to 4)
+# A warp of moe.cu takes rows of its matrix until they hold this many bytes (up to 4 rows): moe_gate_up (gate and
+# up rows each) and moe_down
+MOE_UP_ROW_BYTES = 8192
+MOE_DOWN_ROW_BYTES = 8192
+MOE_DOWN_PREFETCH_BYTES = 4096  # moe_down asks the L2 for this much of each of its rows first (0: nothing)
 MMA_MIN_TOKENS = 8  # from this many tokens a step, bf16/fp16 routed experts run on tensor cores (moe_mma.cu)
 MMA_TILES = (1, 2, 4)  # moe_gate_up_mma / moe_down_mma instantiations: n-tiles of 8 pairs per pass over the weights
 MMA_THREADS = 128  # MMA_WARPS * 32 in moe_mma.cu
@@ -140,9 +144,9 @@ def _launch(file: str, expression: str, grid: tuple[int, ...], block: int, args:
         kernel(grid, (block,), args, shared_mem=shared_mem)
 
 
-def moe_rows_per_warp(row_bytes: int) -> int:
-    """Weight rows each warp of moe.cu takes: as many of MOE_ROWS_PER_WARP as hold MOE_WARP_ROW_BYTES together."""
-    return max([r for r in MOE_ROWS_PER_WARP if r == 1 or r * row_bytes <= MOE_WARP_ROW_BYTES])
+def moe_rows_per_warp(row_bytes: int, budget: int) -> int:
+    """Weight rows each warp of moe.cu takes: as many of MOE_ROWS_PER_WARP as hold `budget` bytes together."""
+    return max([r for r in MOE_ROWS_PER_WARP if r == 1 or r * row_bytes <= budget])
 
 
 def _ceil(a: int, b: int) -> int:
@@ -642,11 +646,12 @@ class CupyBackend(Backend):
                         weight_type=w)
             else:
                 item = experts.gate.itemsize
-                r_up, r_down = moe_rows_per_warp(h * item), moe_rows_per_warp(i * item)
+                r_up = moe_rows_per_warp(h * item, MOE_UP_ROW_BYTES)
+                r_down = moe_rows_per_warp(i * item, MOE_DOWN_ROW_BYTES)
                 _launch("moe.cu", f"moe_gate_up<{w}, {tile}, {r_up}>", (_ceil(i, MOE_WARPS * r_up), groups),
                         32 * MOE_WARPS, gate_up, weight_type=w)
                 _launch("moe.cu", f"moe_down<{w}, {tile}, {r_down}>", (_ceil(h, MOE_WARPS * r_down), groups),
-                        32 * MOE_WARPS, down, weight_type=w)
+                        32 * MOE_WARPS, (*down, np.int32(MOE_DOWN_PREFETCH_BYTES)), weight_type=w)
         out = cp.empty((t, h), np.float32)  # [T, H]
         if y is None:  # no launch: every expert of the step was computed on the CPU
             out.fill(0)
