@@ -26,8 +26,6 @@
 // moe_down<W, TT, R>: y[p, h] = route_weight[p] * (down_e[h] . act[p]).
 //   act float32 [P, I]; down W [slots, H, I] at stride w_stride; down_scale float32 [slots, H] at stride s_stride
 //   or null; slot_of as above; route_weights float32 [P]; y float32 [P, H].
-//   prefetch_bytes (a multiple of 16, or 0): each warp first asks the L2 for this many bytes from the start of its
-//   rows (whole rows when shorter), so inside a decode graph they stream in while moe_gate_up ends.
 //   grid: (ceil(H / (MOE_WARPS * R)), G), block: MOE_WARPS * 32 threads; each warp R rows.
 //
 // R (1, 2, 4): rows per warp. A warp reads each activation chunk once for its R rows, and short rows (Qwen3's 768
@@ -154,9 +152,8 @@ moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_
          const float* __restrict__ down_scales, long long s_stride, const int* __restrict__ slot_of,
          const float* __restrict__ route_weights, const int* __restrict__ group_expert,
          const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
-         const int* __restrict__ num_groups, float* __restrict__ y, int H, int I, int prefetch_bytes) {
-    // Before pdl_wait(), only the routing and the weights are read: the routing is complete, since moe_align wrote
-    // it before the kernel before this one (moe_gate_up) passed its own pdl_wait().
+         const int* __restrict__ num_groups, float* __restrict__ y, int H, int I) {
+    pdl_wait();
     const int g = blockIdx.y;
     // Loaded together, so their latencies overlap (g < E: in bounds even past the last group).
     const int groups = num_groups[0], expert = group_expert[g], begin = group_start[g], end = group_start[g + 1];
@@ -173,11 +170,7 @@ moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_
         const long long row = min(row0 + r, H - 1);
         rows[r] = down + slot * w_stride + row * I;
         scale[r] = down_scales != nullptr ? down_scales[slot * s_stride + row] : 1.f;
-        if (lane == r && row0 + r < H && prefetch_bytes > 0) {  // the row's start, while moe_gate_up ends
-            prefetch_l2(rows[r], min(I * static_cast<int>(sizeof(W)), prefetch_bytes));
-        }
     }
-    pdl_wait();
     for (int base = begin; base < end; base += TT) {
         const int n = min(TT, end - base);
         int pairs[TT];

@@ -22,6 +22,7 @@ if not cupy.cuda.is_available():
 
 from colibri_stream.backends import cupy_backend  # noqa: E402
 from colibri_stream.backends.cupy_backend import (  # noqa: E402
+    CAPTURED_CUBLAS_ALL_MIN_TOKENS,
     CAPTURED_CUBLAS_MIN_ROWS,
     CAPTURED_CUBLAS_MIN_TOKENS,
     DENSE_MMA_MIN_TOKENS,
@@ -175,9 +176,9 @@ def check_replays(graph, stream, x, out, rng, reference, tolerance: float) -> No
 @pytest.mark.parametrize("dims", [(256, 1000), (2048, 40), (64, 8), (1000, 256), (4096, 136)])
 def test_linear_captured_in_a_cuda_graph(dtype, tokens, dims, monkeypatch):
     """Projections inside a graph capture (where CuPy refuses cuBLAS): bf16/fp16 ones of DENSE_MMA_MIN_TOKENS
-    tokens or more on linear_mma (split over the columns when the rows alone do not fill the GPU), the rest on
-    linear_rows; replayed twice on new inputs against NumPy, outputs poisoned (a split output that the replay
-    does not zero again would add up)."""
+    tokens or more on linear_mma (split over the columns when the rows alone do not fill the GPU), from
+    CAPTURED_CUBLAS_ALL_MIN_TOKENS on cuBLAS, the rest on linear_rows; replayed twice on new inputs against NumPy,
+    outputs poisoned (a split output that the replay does not zero again would add up)."""
     n_in, n_out = dims
     rng = np.random.default_rng(tokens * 5 + n_out)
     w = weight(rng, (n_out, n_in), dtype)
@@ -187,11 +188,16 @@ def test_linear_captured_in_a_cuda_graph(dtype, tokens, dims, monkeypatch):
     stream = cupy.cuda.Stream(non_blocking=True)
     launched = launched_kernels(monkeypatch)
     graph, out = captured(stream, lambda: (launched.clear(), GPU.linear(x, device_w, device_bias))[1])
-    mma = tokens >= DENSE_MMA_MIN_TOKENS and dtype != "float32"
-    assert launched == [f"linear_mma<{cupy_backend.storage_type(device_w)}, {_tile(-(-tokens // 8), LINEAR_MMA_TILES)}>"
-                        if mma else f"linear_rows<{cupy_backend.storage_type(device_w)}, {_tile(tokens, TOKEN_TILES)}>"]
+    w_type = cupy_backend.storage_type(device_w)
+    tensor_cores = tokens >= DENSE_MMA_MIN_TOKENS and dtype != "float32"
+    if tensor_cores and tokens >= CAPTURED_CUBLAS_ALL_MIN_TOKENS:
+        assert launched == [f"to_storage_split<{w_type}>"]  # then cuBLAS, then CuPy's add
+    elif tensor_cores:
+        assert launched == [f"linear_mma<{w_type}, {_tile(-(-tokens // 8), LINEAR_MMA_TILES)}>"]
+    else:
+        assert launched == [f"linear_rows<{w_type}, {_tile(tokens, TOKEN_TILES)}>"]
     check_replays(graph, stream, x, out, rng, lambda host: REF.linear(host, REF.prepare_weight(w), bias),
-                  1e-4 if mma else 1e-5)
+                  1e-4 if tensor_cores else 1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

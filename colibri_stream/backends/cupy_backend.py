@@ -39,10 +39,10 @@ LINEAR_ROWS_PER_BLOCK = 2  # LINEAR_ROWS in linear.cu
 MOE_WARPS = 4  # warps per block of the MoE kernels (moe.cu)
 MOE_ROWS_PER_WARP = (1, 2, 4)  # moe_gate_up / moe_down instantiations: weight rows per warp
 # A warp of moe.cu takes rows of its matrix until they hold this many bytes (up to 4 rows): moe_gate_up (gate and
-# up rows each) and moe_down
+# up rows each) and moe_down. H200 graph replays at batch 1 (decode_h200_row_bytes.json): Mixtral's down rows two
+# at a time (56 KiB) 1983 -> 1935 us; gate/up rows up to 16 KiB 1.5-2.1 % slower on both shapes.
 MOE_UP_ROW_BYTES = 8192
-MOE_DOWN_ROW_BYTES = 8192
-MOE_DOWN_PREFETCH_BYTES = 4096  # moe_down asks the L2 for this much of each of its rows first (0: nothing)
+MOE_DOWN_ROW_BYTES = 65536
 MMA_MIN_TOKENS = 8  # from this many tokens a step, bf16/fp16 routed experts run on tensor cores (moe_mma.cu)
 MMA_TILES = (1, 2, 4)  # moe_gate_up_mma / moe_down_mma instantiations: n-tiles of 8 pairs per pass over the weights
 MMA_THREADS = 128  # MMA_WARPS * 32 in moe_mma.cu
@@ -60,6 +60,8 @@ GQA_MIN_TOKENS = 2  # a single token takes paged_attention: 8.4 against 9.0-9.6 
 DENSE_MMA_MIN_TOKENS = 4  # from this many tokens, captured bf16/fp16 projections run on linear_mma (H200: from 4)
 CAPTURED_CUBLAS_MIN_TOKENS = 8  # ... and from this many, those of CAPTURED_CUBLAS_MIN_ROWS rows or more (lm_head) on
 CAPTURED_CUBLAS_MIN_ROWS = 16384  # cuBLAS (captured_cublas.py; H200: 1.05-1.95x linear_mma at 8-16 tokens, 5.5x at 64)
+CAPTURED_CUBLAS_ALL_MIN_TOKENS = 64  # ... and from this many, every captured bf16/fp16 projection (H200 graph
+# replays, decode_h200_row_bytes.json: 5.4-5.9 % faster steps at 64 tokens, 1-5 % slower at 16)
 LINEAR_MMA_TILES = (1, 2, 4, 8)  # linear_mma instantiations: n-tiles of 8 tokens per pass over the weights
 LINEAR_MMA_ROWS = 128  # output rows per block of linear_mma: 4 warps x 32
 LINEAR_MMA_BLOCKS_PER_SM = 4  # blocks of 48 KiB shared memory a multiprocessor runs at once: what the splits fill
@@ -375,13 +377,14 @@ class CupyBackend(Backend):
     def _dense_path(self, x: Array, weight: Array) -> str:
         """How x [T, In] is multiplied by `weight`: "mma" (linear_mma) inside a graph capture from
         DENSE_MMA_MIN_TOKENS tokens with bf16/fp16 weights, except lm_head-sized ones from CAPTURED_CUBLAS_MIN_TOKENS
-        (cuBLAS, while `captured_cublas` is on); eager steps of that size compile linear_mma, for the capture.
+        and every one from CAPTURED_CUBLAS_ALL_MIN_TOKENS (cuBLAS, while `captured_cublas` is on); eager steps of
+        that size compile linear_mma, for the capture.
         "gemv" (linear_rows) for few tokens or other captures, "cublas" otherwise."""
         tokens, capturing = x.shape[0], self.cp.cuda.get_current_stream().is_capturing()
         if tokens >= DENSE_MMA_MIN_TOKENS and np.dtype(weight.dtype) in (np.dtype(np.uint16), np.dtype(np.float16)):
             if capturing:
-                if (self.captured_cublas and tokens >= CAPTURED_CUBLAS_MIN_TOKENS
-                        and weight.shape[0] >= CAPTURED_CUBLAS_MIN_ROWS):
+                large = weight.shape[0] >= CAPTURED_CUBLAS_MIN_ROWS or tokens >= CAPTURED_CUBLAS_ALL_MIN_TOKENS
+                if self.captured_cublas and tokens >= CAPTURED_CUBLAS_MIN_TOKENS and large:
                     return "cublas"
                 return "mma"
             w = storage_type(weight)  # an eager step (a graph's warm-up) compiles it for the capture
@@ -651,7 +654,7 @@ class CupyBackend(Backend):
                 _launch("moe.cu", f"moe_gate_up<{w}, {tile}, {r_up}>", (_ceil(i, MOE_WARPS * r_up), groups),
                         32 * MOE_WARPS, gate_up, weight_type=w)
                 _launch("moe.cu", f"moe_down<{w}, {tile}, {r_down}>", (_ceil(h, MOE_WARPS * r_down), groups),
-                        32 * MOE_WARPS, (*down, np.int32(MOE_DOWN_PREFETCH_BYTES)), weight_type=w)
+                        32 * MOE_WARPS, down, weight_type=w)
         out = cp.empty((t, h), np.float32)  # [T, H]
         if y is None:  # no launch: every expert of the step was computed on the CPU
             out.fill(0)
