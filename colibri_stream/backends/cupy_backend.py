@@ -60,8 +60,9 @@ GQA_MIN_TOKENS = 2  # a single token takes paged_attention: 8.4 against 9.0-9.6 
 DENSE_MMA_MIN_TOKENS = 4  # from this many tokens, captured bf16/fp16 projections run on linear_mma (H200: from 4)
 CAPTURED_CUBLAS_MIN_TOKENS = 8  # ... and from this many, those of CAPTURED_CUBLAS_MIN_ROWS rows or more (lm_head) on
 CAPTURED_CUBLAS_MIN_ROWS = 16384  # cuBLAS (captured_cublas.py; H200: 1.05-1.95x linear_mma at 8-16 tokens, 5.5x at 64)
-CAPTURED_CUBLAS_ALL_MIN_TOKENS = 64  # ... and from this many, every captured bf16/fp16 projection (H200 graph
-# replays, decode_h200_row_bytes.json: 5.4-5.9 % faster steps at 64 tokens, 1-5 % slower at 16)
+CAPTURED_CUBLAS_ALL_MIN_TOKENS = 32  # ... and from this many, every captured bf16/fp16 projection (H200 graph
+# replays, decode_h200_row_bytes.json and decode_h200_cublas_all.json: steps 5.9-6.1 % faster at 64 tokens, 0.8-3.7 %
+# at 32, 1-5 % slower at 16)
 LINEAR_MMA_TILES = (1, 2, 4, 8)  # linear_mma instantiations: n-tiles of 8 tokens per pass over the weights
 LINEAR_MMA_ROWS = 128  # output rows per block of linear_mma: 4 warps x 32
 LINEAR_MMA_BLOCKS_PER_SM = 4  # blocks of 48 KiB shared memory a multiprocessor runs at once: what the splits fill
