@@ -10,14 +10,13 @@
 //   grid.x: T, block: 1024 threads (32 warps: one expert logit per warp at a time, then warp 0 selects),
 //   dynamic shared memory: E floats.
 //
-// route_split<W, TT, WARP_ROWS>: few tokens, the router's rows spread over the GPU (at T = 1 one block reading every
-//   row gets about 32 GB/s); each block computes one expert's logits (its warps split the columns), or with
-//   WARP_ROWS ROUTER_WARPS experts' (a warp each, over the whole row), for a tile of TT tokens; the last block of a
-//   tile to finish selects for the tile's tokens.
+// route_split<W, TT>: few tokens, the router's rows spread over the GPU (at T = 1 one block reading every row
+//   gets about 32 GB/s); each block computes one expert's logits for a tile of TT tokens, the last block of a tile
+//   to finish selects for the tile's tokens.
 //   logits   float32 [T, E] scratch: written by every block, read by the tile's last one
 //   counters uint32 [>= ceil(T / TT)]: zero before the launch, left zero after it (the last block of tile j counts
 //            blocks in counters[j], then resets it), so one array serves every launch on a stream, graphs included
-//   grid: (E, or ceil(E / ROUTER_WARPS) with WARP_ROWS, ceil(T / TT)), block: ROUTER_WARPS * 32 threads,
+//   grid: (E, ceil(T / TT)), block: ROUTER_WARPS * 32 threads splitting the row's columns,
 //   dynamic shared memory: ROUTER_WARPS * E floats.
 #include "common.cuh"
 
@@ -86,7 +85,7 @@ route_topk(const float* __restrict__ x, const W* __restrict__ router, float* __r
     if (warp == 0) softmax_topk(probs, E, k, renormalize, weights + t * k, ids + t * k);
 }
 
-template <typename W, int TT, bool WARP_ROWS>
+template <typename W, int TT>
 __global__ void __launch_bounds__(ROUTER_WARPS * 32)
 route_split(const float* __restrict__ x, const W* __restrict__ router, float* __restrict__ weights,
             int* __restrict__ ids, int H, int E, int k, int renormalize, float* __restrict__ logits,
@@ -94,42 +93,29 @@ route_split(const float* __restrict__ x, const W* __restrict__ router, float* __
     extern __shared__ float probs[];  // [ROUTER_WARPS, E]: one token's logits per warp (the selecting block)
     __shared__ float partial[ROUTER_WARPS][TT];
     __shared__ bool last;
-    const int tile = blockIdx.y;
+    const int e = blockIdx.x, tile = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int e = WARP_ROWS ? blockIdx.x * ROUTER_WARPS + warp : blockIdx.x;  // this block's or this warp's expert
     const int t0 = tile * TT, n = min(TT, T - t0);
-    const W* rows[1] = {router + static_cast<long long>(min(e, E - 1)) * H};
-    if (tile == 0 && e < E && threadIdx.x % (WARP_ROWS ? 32 : ROUTER_WARPS * 32) == 0) {
-        prefetch_l2(rows[0], H * sizeof(W));
-    }
+    const W* rows[1] = {router + static_cast<long long>(e) * H};
+    if (tile == 0 && threadIdx.x == 0) prefetch_l2(rows[0], H * sizeof(W));
     pdl_wait();  // before it, only the router's weights are read
     const float* xs[TT];
 #pragma unroll
     for (int j = 0; j < TT; ++j) xs[j] = x + static_cast<long long>(t0 + min(j, n - 1)) * H;
     float acc[1][TT] = {};
-    if (WARP_ROWS) {  // a warp's dot products over whole rows
-        if (e < E) dot_tile<W, 1, TT>(rows, xs, n, H, lane * Vec<W>::N, 32 * Vec<W>::N, acc);
+    dot_tile<W, 1, TT>(rows, xs, n, H, threadIdx.x * Vec<W>::N, ROUTER_WARPS * 32 * Vec<W>::N, acc);
 #pragma unroll
-        for (int j = 0; j < TT; ++j) {
-            const float s = warp_sum(acc[0][j]);
-            if (lane == 0 && j < n && e < E) logits[static_cast<long long>(t0 + j) * E + e] = s;
-        }
-        __threadfence();  // the logits are visible to every block before this block is counted
-    } else {  // the block's warps split the row's columns
-        dot_tile<W, 1, TT>(rows, xs, n, H, threadIdx.x * Vec<W>::N, ROUTER_WARPS * 32 * Vec<W>::N, acc);
+    for (int j = 0; j < TT; ++j) {
+        const float s = warp_sum(acc[0][j]);
+        if (lane == 0) partial[warp][j] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x < n) {
+        float s = 0.f;
 #pragma unroll
-        for (int j = 0; j < TT; ++j) {
-            const float s = warp_sum(acc[0][j]);
-            if (lane == 0) partial[warp][j] = s;
-        }
-        __syncthreads();
-        if (threadIdx.x < n) {
-            float s = 0.f;
-#pragma unroll
-            for (int w = 0; w < ROUTER_WARPS; ++w) s += partial[w][threadIdx.x];
-            logits[static_cast<long long>(t0 + threadIdx.x) * E + e] = s;
-            __threadfence();  // the logit is visible to every block before this block is counted
-        }
+        for (int w = 0; w < ROUTER_WARPS; ++w) s += partial[w][threadIdx.x];
+        logits[static_cast<long long>(t0 + threadIdx.x) * E + e] = s;
+        __threadfence();  // the logit is visible to every block before this block is counted
     }
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(&counters[tile], 1u) == gridDim.x - 1;

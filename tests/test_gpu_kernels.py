@@ -222,7 +222,7 @@ def test_lm_head_sized_projections_captured_on_cublas(dtype, tokens, monkeypatch
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("tokens", [DENSE_MMA_MIN_TOKENS, 16, 33])
+@pytest.mark.parametrize("tokens", [DENSE_MMA_MIN_TOKENS, 16, CAPTURED_CUBLAS_ALL_MIN_TOKENS - 1])
 @pytest.mark.parametrize("outs", [(4096, 512, 512), (2048, 256), (136,)])
 def test_linears_captured_on_tensor_cores(dtype, tokens, outs, monkeypatch):
     """q, k and v of a captured step of several tokens: one launch of linear_mma for all of them, split over the
@@ -405,14 +405,11 @@ def test_route(dtype, tokens, experts, top_k, hidden, renormalize, monkeypatch):
 
 @pytest.mark.parametrize("router_tile", [1, 4, 8])
 @pytest.mark.parametrize("tokens", [1, 5, 21, ROUTER_SPLIT_TOKENS])
-@pytest.mark.parametrize("warp_rows", [0, 1])
 @pytest.mark.parametrize("experts,top_k", [(128, 8), (60, 4), (8, 2)])
-def test_route_with_other_token_tiles_and_rows(router_tile, tokens, warp_rows, experts, top_k, monkeypatch):
+def test_route_with_other_token_tiles(router_tile, tokens, experts, top_k, monkeypatch):
     """route_split with other numbers of tokens per block than the default (1: as many tiles and block counters
-    as tokens; 8: a selecting warp takes two tokens), and with a router row per warp (ROUTER_WARP_ROWS; 60
-    experts: the last block has warps past the last row)."""
+    as tokens; 8: a selecting warp takes two tokens)."""
     monkeypatch.setattr(cupy_backend, "ROUTER_TILE", router_tile)
-    monkeypatch.setattr(cupy_backend, "ROUTER_WARP_ROWS", warp_rows)
     rng = np.random.default_rng(router_tile * 100 + tokens + experts)
     x = rng.standard_normal((tokens, 2048)).astype(np.float32)
     check_route(x, weight(rng, (experts, 2048), "bfloat16"), top_k, True, monkeypatch)
@@ -422,11 +419,9 @@ def test_route_with_other_token_tiles_and_rows(router_tile, tokens, warp_rows, e
 @pytest.mark.parametrize("tokens", [1, 9, ROUTER_SPLIT_TOKENS + 36])
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (128, 8)])
 @pytest.mark.parametrize("renormalize", [False, True])
-@pytest.mark.parametrize("warp_rows", [0, 1])
-def test_route_ties_go_to_the_lower_expert(dtype, tokens, experts, top_k, renormalize, warp_rows, monkeypatch):
+def test_route_ties_go_to_the_lower_expert(dtype, tokens, experts, top_k, renormalize, monkeypatch):
     """Logits computed exactly (small integers over 64, sums of at most 16 significant bits, in any order) and
     every expert row repeated once: equal probabilities everywhere, ranked by expert id on both backends."""
-    monkeypatch.setattr(cupy_backend, "ROUTER_WARP_ROWS", warp_rows)
     rng = np.random.default_rng(tokens + experts)
     x = rng.integers(-3, 4, (tokens, 256)).astype(np.float32)
     rows = rng.integers(-2, 3, (experts // 2, 256)).astype(np.float32) / 64
@@ -435,10 +430,8 @@ def test_route_ties_go_to_the_lower_expert(dtype, tokens, experts, top_k, renorm
 
 
 @pytest.mark.parametrize("tokens", [1, 16])
-@pytest.mark.parametrize("warp_rows", [0, 1])
-def test_route_replayed_in_a_cuda_graph(tokens, warp_rows, monkeypatch):
+def test_route_replayed_in_a_cuda_graph(tokens):
     """route_split captured once and replayed on new inputs: its counters reset themselves between replays."""
-    monkeypatch.setattr(cupy_backend, "ROUTER_WARP_ROWS", warp_rows)
     rng = np.random.default_rng(tokens)
     router = weight(rng, (128, 2048), "bfloat16")
     device_router = GPU.prepare_weight(router)

@@ -71,7 +71,6 @@ ROUTER_SPLIT_TOKENS = 64  # up to this many tokens, route_split spreads the rout
 ROUTER_TILE = 4  # route_split's tokens per block at most: its last block of a tile selects for them, a warp a token,
 # so 4 (ROUTER_WARPS) select in one round. H200 at 16 tokens: 14.5 -> 9.5 us a layer (Qwen3), 8.3 -> 5.6 (Mixtral)
 ROUTER_WARPS = 4  # ROUTER_WARPS in router.cu
-ROUTER_WARP_ROWS = 0  # 1: route_split computes a router row per warp (E / ROUTER_WARPS blocks); 0: one per block
 PROLOGUE_WARPS = 4  # warps per block of qk_norm_rope_write (attention_prologue.cu) without a full-width qk norm
 NULL = np.uint64(0)  # a null pointer kernel argument
 
@@ -88,8 +87,7 @@ _FAMILIES = {
     "linear.cu": lambda w: (*(f"linear_rows<{w}, {tt}>" for tt in TOKEN_TILES), f"to_storage<{w}>",
                             f"to_storage_split<{w}>"),
     "embedding.cu": lambda w: (f"embedding<{w}>",),
-    "router.cu": lambda w: (f"route_topk<{w}>", *(f"route_split<{w}, {tt}, {rows}>" for tt in TOKEN_TILES
-                                                  for rows in ("false", "true"))),
+    "router.cu": lambda w: (f"route_topk<{w}>", *(f"route_split<{w}, {tt}>" for tt in TOKEN_TILES)),
     # w None: moe_align and moe_sum only
     "moe.cu": lambda w: () if w is None else tuple(f"{k}<{w}, {tt}, {r}>" for k in ("moe_gate_up", "moe_down")
                                                    for tt in MOE_TILES for r in MOE_ROWS_PER_WARP),
@@ -582,9 +580,7 @@ class CupyBackend(Backend):
         if t <= ROUTER_SPLIT_TOKENS:
             tile = _tile(min(t, ROUTER_TILE), TOKEN_TILES)
             logits = self.cp.empty((t, num_experts), np.float32)  # [T, E]
-            rows = "true" if ROUTER_WARP_ROWS else "false"
-            blocks = _ceil(num_experts, ROUTER_WARPS) if ROUTER_WARP_ROWS else num_experts
-            _launch("router.cu", f"route_split<{w}, {tile}, {rows}>", (blocks, _ceil(t, tile)), 32 * ROUTER_WARPS,
+            _launch("router.cu", f"route_split<{w}, {tile}>", (num_experts, _ceil(t, tile)), 32 * ROUTER_WARPS,
                     (x, router, *selection, logits, self._route_counters, np.int32(t)),
                     shared_mem=4 * ROUTER_WARPS * num_experts, weight_type=w)
         else:
