@@ -108,6 +108,27 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// The largest and the smallest of v over the warp (every lane gets it): one redux instruction from sm_80 on.
+__device__ __forceinline__ unsigned warp_max_u32(unsigned v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return __reduce_max_sync(FULL_MASK, v);
+#else
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(FULL_MASK, v, offset));
+    return v;
+#endif
+}
+
+__device__ __forceinline__ unsigned warp_min_u32(unsigned v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return __reduce_min_sync(FULL_MASK, v);
+#else
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = min(v, __shfl_xor_sync(FULL_MASK, v, offset));
+    return v;
+#endif
+}
+
 // Sum of v over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
 // Uses 32 floats of static shared memory: a second call must come after a __syncthreads() that follows every
 // thread's use of the first call's result.

@@ -395,7 +395,8 @@ def check_route(x: np.ndarray, router: np.ndarray, top_k: int, renormalize: bool
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("tokens", [1, 3, 9, 21, ROUTER_SPLIT_TOKENS, ROUTER_SPLIT_TOKENS + 1])
-@pytest.mark.parametrize("experts,top_k,hidden", [(8, 2, 4096), (60, 4, 256), (128, 8, 2048)])
+@pytest.mark.parametrize("experts,top_k,hidden", [(8, 2, 4096), (60, 4, 256), (128, 8, 2048), (256, 8, 256),
+                                                 (320, 6, 256)])  # past 256: the shared-memory selection
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_route(dtype, tokens, experts, top_k, hidden, renormalize, monkeypatch):
     rng = np.random.default_rng(experts + top_k + tokens)
@@ -417,7 +418,7 @@ def test_route_with_other_token_tiles(router_tile, tokens, experts, top_k, monke
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tokens", [1, 9, ROUTER_SPLIT_TOKENS + 36])
-@pytest.mark.parametrize("experts,top_k", [(8, 2), (128, 8)])
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (128, 8), (320, 6)])
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_route_ties_go_to_the_lower_expert(dtype, tokens, experts, top_k, renormalize, monkeypatch):
     """Logits computed exactly (small integers over 64, sums of at most 16 significant bits, in any order) and
