@@ -390,9 +390,9 @@ def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None
     if batch in (1, 16):
         record["op_profile"] = colibri.profile(batch, context, variants)
     shown = ("shape", "batch", "colibri_tok_s", "colibri_tok_s_without_pdl", "graph_replay_us",
-             "graph_replay_us_without_pdl", "variant_graph_replays", "synchronous_step_host_us", "colibri_eager_tok_s", "transformers_tok_s",
-             "roofline_tok_s", "roofline_fraction", "greedy_graph_matches_eager",
-             "greedy_graph_without_pdl_matches_eager")
+             "graph_replay_us_without_pdl", "variant_graph_replays", "synchronous_step_host_us",
+             "colibri_eager_tok_s", "transformers_tok_s", "roofline_tok_s", "roofline_fraction",
+             "greedy_graph_matches_eager", "greedy_graph_without_pdl_matches_eager")
     log(json.dumps({k: record[k] for k in shown}))
     colibri.release()
     if hf is not None and baseline_error is None:
@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/decode_h200.json")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE",
                         help="capture and replay the decode graph, and profile the operations again, with this "
-                             "integer constant of cupy_backend.py set (MOE_SUM_IN_DOWN=0, GQA_BLOCKS_PER_SM=4, ...); "
+                             "integer constant of cupy_backend.py set (MOE_DOWN_ROW_BYTES=8192, GQA_BLOCKS_PER_SM=4, ...); "
                              "repeatable")
     args = parser.parse_args(argv)
     variants = []

@@ -93,7 +93,7 @@ paged_attention(const float* __restrict__ q, const float* __restrict__ key_cache
             v_rows[u] = value_cache + slot * slot_stride + kv_head * head_dim;
         }
         // Up to 4 dims a lane, the step's keys and values are all loaded before any is used: one memory round trip
-        // a step instead of two (124 registers at DPL = 4); at 8 the values are read after the scores (registers).
+        // a step instead of two (101 registers at DPL = 4); at 8 the values are read after the scores (registers).
         constexpr bool VALUES_AHEAD = DPL <= 4;
         float kv[ATTN_UNROLL][DPL], vv[ATTN_UNROLL][DPL];
 #pragma unroll
