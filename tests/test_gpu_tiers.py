@@ -131,6 +131,22 @@ def test_a_corrupt_block_is_reported_when_read_and_at_start_when_l2_reads_all(mo
                                              l2_cache_size=host_budget(moe16_dir, "all")))
 
 
+def test_a_corrupt_block_the_cpu_reads_fails_the_step_and_the_gpu_does_not_hang(moe16_dir, tmp_path):  # noqa: F811
+    """The first MoE layer's misses are computed on the CPU from experts.bin, where they fail their checksums: the
+    CPU thread still raises the flag the stream waits on, and the step raises the error at the next layer."""
+    config = read_config(moe16_dir)
+    layer = config.moe_layers[0]
+    folder = moe16_dir
+    for expert in range(2, 16):  # every block of the first MoE layer but the two the warm start loads
+        folder = corrupt_copy(folder, tmp_path / str(expert), layer, expert)
+    model = load_model(str(folder), device="cuda",
+                       experts=ExpertStoreConfig(gpu_memory_limit=gpu_budget(moe16_dir, 2), cpu_experts="all"))
+    for _ in range(2):  # and again: nothing is left waiting
+        with pytest.raises(CheckpointError, match=rf"expert \d+ of layer {layer} fails its checksum"):
+            step_logits(model)
+    assert model.store.stats().compute.gpu_experts > 0
+
+
 def test_server_on_gpu_slots_answers_like_the_resident_gpu_server(tiny_model_dir):
     """Bit for bit: both launch every step eagerly (GPU slots never use decode graphs, and a graph's padded batch
     may split decode attention differently, which changes float32 rounding)."""

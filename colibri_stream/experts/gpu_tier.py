@@ -11,13 +11,16 @@ an L2 budget, experts.bin itself through a `StagingRing` of pinned buffers (kvik
 installed, CRC32 on every block). All copies run on one non-blocking copy stream; the compute stream waits on
 the copy's CUDA event, never the host.
 
-A layer's step (the backend drives it): `begin_layer` copies the routing to the host (the one synchronisation per
-MoE layer that offloading needs: the host must know which blocks to move), counts hits, decides where each
-missing expert is computed (`placement.place_step`, when a CPU expert executor is given: on the GPU, on the CPU,
-or one cut by rows between them) and hands the CPU's part to the CPU thread; `passes` loads the missing blocks
-and yields one kernel launch per group of experts that fit the layer's slots (a second pass's copies wait for the
-first pass's kernels), then the cut expert's GPU rows; `finish_layer` starts the predicted next layer's loads
-(prefetch) and waits for the CPU's part, returning its weighted sum. What the CPU work and the cut copies take
+A layer's step (the backend drives it): `begin_layer` copies the routing and the MoE input to the host (the one
+synchronisation per MoE layer that offloading needs: the host must know which blocks to move), counts hits,
+decides where each missing expert is computed (`placement.place_step`, when a CPU expert executor is given: on the
+GPU, on the CPU, or one cut by rows between them), queues the copies of the first pass's missing blocks and of the
+cut expert's GPU rows, and hands the CPU's part to the CPU thread; `passes` yields one kernel launch per group of
+experts that fit the layer's slots (a later pass's copies wait for the earlier pass's kernels), then the cut
+expert's GPU rows; `finish_layer` starts the predicted next layer's loads (prefetch) and returns the CPU's
+weighted sum as a device array that the compute stream fills once the CPU thread raises a flag in pinned memory
+(`handoff.HostFlag`): the host goes on to queue the next layer's attention and router while the CPU computes, and
+takes in the CPU's end (its error, its time) at the next `begin_layer`. What the CPU work and the cut copies take
 corrects the rates the placement uses (`placement.corrected`).
 """
 
@@ -33,8 +36,9 @@ import numpy as np
 from ..checkpoint import BLOCK_ALIGNMENT, ExpertFile, expert_block_layout
 from ..errors import CheckpointError
 from .cpu_executor import CpuExpertExecutor
+from .handoff import HostFlag, PinnedReadback
 from .partial import DEVICE_DTYPES, PartialLayout
-from .pinned import PinnedExperts, StagingRing
+from .pinned import PinnedExperts, StagingRing, pinned_empty
 from .placement import ASSUMED, Bandwidths, ExpertNeed, corrected, expert_cost, gpu_rows, place_step
 from .policies import EvictionPolicy
 from .prefetcher import Prefetcher
@@ -227,6 +231,11 @@ class GpuTieredStore(ExpertStore):
         # Measured rates are corrected by what the steps' CPU work and cut copies take (placement.corrected).
         self.adapt_rates = bandwidths is None and cpu_executor is not None
         self._copy_probe = None  # (start, end) timing events of the latest cut copy, and its predicted seconds
+        self._readback = PinnedReadback()  # routing and MoE input to the host, one synchronisation a layer
+        # The CPU's part: its sum goes through one pinned buffer; the stream waits on the flag, not the host.
+        self._flag = HostFlag.create(cupy.cuda.get_current_stream()) if cpu_executor is not None else None
+        self._cpu_out: np.ndarray | None = None  # float32, grown as needed
+        self._pending_cpu: dict | None = None  # the step plan whose CPU work the host has not taken in yet
 
     # ---- start ---------------------------------------------------------------------------------------------
     def _fresh_stats(self) -> ExpertStats:
@@ -326,10 +335,18 @@ class GpuTieredStore(ExpertStore):
     # ---- the step ------------------------------------------------------------------------------------------
     def begin_layer(self, layer: int, x, expert_ids, weights=None) -> None:
         cp, rank = self.cp, self._rank[layer]
+        self._collect_cpu_work()  # the previous layer's: the stream waits on it, the host only takes in its end
         if rank <= self._current:
             self._stats.steps += 1
         self._current = rank
-        ids = cp.asnumpy(expert_ids).astype(np.int64)  # [T, k]: the synchronisation offloading needs
+        wanted = {"ids": cp.ascontiguousarray(expert_ids)}
+        if self.prefetcher is not None or self.executor is not None:
+            wanted["x"] = cp.ascontiguousarray(x)
+        if self.executor is not None and weights is not None:
+            wanted["weights"] = cp.ascontiguousarray(weights, dtype=np.float32)
+        host = self._readback.read(cp.cuda.get_current_stream(), **wanted)  # the synchronisation offloading needs
+        ids = host["ids"].astype(np.int64)  # [T, k]
+        x_host = host.get("x")  # [T, H]
         self._observe_copy()
         needed = np.unique(ids).tolist()  # the step's distinct experts (batch union)
         slots = self._layers[rank]
@@ -339,7 +356,6 @@ class GpuTieredStore(ExpertStore):
         self._prefetched[rank] = set()
         self._stats.used[rank] += len(needed)
         slots.begin_step(needed)
-        x_host = cp.asnumpy(x) if self.prefetcher is not None or self.executor is not None else None  # [T, H]
         if self.prefetcher is not None:
             self.prefetcher.settle(rank, needed, self._stats)
             self._predictions = self.prefetcher.predict(rank, x_host)
@@ -355,9 +371,18 @@ class GpuTieredStore(ExpertStore):
             self.host.begin_layer(layer, None, np.asarray(misses + cpu_part, np.int64)[:, None])
         self._stats.tiers["gpu"].hits += len(hits)
         self._stats.tiers["gpu"].misses += len(misses) + len(cpu_part)
-        self._step = {"rank": rank, "layer": layer, "hits": hits, "misses": misses, "on_cpu": on_cpu, "split": split,
-                      "ids": ids, "x": x_host, "weights": None if not cpu_part else cp.asnumpy(weights)}
-        self._start_cpu_work(layer, self._step)
+        self._step = step = {"rank": rank, "layer": layer, "hits": hits, "todo": list(misses), "on_cpu": on_cpu,
+                             "split": split, "ids": ids, "x": x_host, "weights": host.get("weights"), "cut": None}
+        # The copies start first unless one waits for a disk read (the CPU would wait behind it); the cut's copy
+        # goes now when the first pass takes every other miss (else the staging block may still be needed).
+        copies_first = all(self._in_host_memory(layer, e) for e in misses)
+        if not copies_first:
+            self._start_cpu_work(layer, step)
+        step["pass"] = self._queue_pass(step, first=True)
+        if split is not None and not step["todo"] and not step["pass"][2]:
+            step["cut"] = self._queue_cut_copy(rank, *split)
+        if copies_first:
+            self._start_cpu_work(layer, step)
 
     def _place_misses(self, layer: int, ids: np.ndarray, misses: list[int]) -> tuple[list[int], tuple | None]:
         """(the misses the CPU computes whole this step, (expert, rows) of one cut by its intermediate rows: the GPU
@@ -378,40 +403,50 @@ class GpuTieredStore(ExpertStore):
                 split = (expert, rows)
         return on_cpu, split
 
+    def _queue_pass(self, step: dict, first: bool) -> tuple[np.ndarray, list[int], bool]:
+        """Place the step's next group of experts in the layer's slots and queue the copies of those not there:
+        (table [E] of each expert's local slot, the experts, whether the one expert goes through the staging
+        block because every slot holds an expert this step still needs). The first pass takes the hits (a hit
+        whose prefetch failed becomes a miss) and as many misses as free slots hold; a block placed for a later
+        pass is copied after the earlier pass's kernels (the copy waits on `_pass_done`)."""
+        rank, todo = step["rank"], step["todo"]
+        slots, events = self._layers[rank], self._slot_events[rank]
+        table = np.full(self.num_experts, -1, np.int32)  # [E] local slot of each expert in this pass
+        batch = []
+        for expert in step["hits"] if first else ():
+            slot = self._ready_slot(rank, expert)
+            if slot is None:  # its prefetch failed: now a miss
+                todo.append(expert)
+                continue
+            table[expert] = slot
+            batch.append(expert)
+        while todo:
+            placed = slots.place(todo[0])
+            if placed is None:
+                break
+            expert = todo.pop(0)
+            events[placed[0]] = self._demand_copy(rank, expert, placed[0], slots)
+            table[expert] = placed[0]
+            batch.append(expert)
+        through_staging = not batch and bool(todo)
+        if through_staging:
+            expert = todo.pop(0)
+            table[expert] = self.device.staging(rank)
+            self._stats.bypass_loads += 1
+            self.cp.cuda.get_current_stream().wait_event(self._demand_copy(rank, expert, table[expert], None))
+            batch.append(expert)
+        return table, batch, through_staging
+
     def passes(self, layer: int) -> Iterator:
         """One LayerExperts per kernel launch: the step's experts that are (or are made) resident, as many at a
-        time as the layer's slots hold; a block placed for a later pass is copied after the earlier pass's
-        kernels (the copy stream waits on their event)."""
+        time as the layer's slots hold (the first pass's copies were queued by `begin_layer`), then the cut
+        expert's GPU rows."""
         cp, step = self.cp, self._step
         rank = step["rank"]
         slots, events = self._layers[rank], self._slot_events[rank]
         compute = cp.cuda.get_current_stream()
-        table = np.full(self.num_experts, -1, np.int32)  # [E] local slot of each expert in this pass
-        batch = []
-        for expert in step["hits"]:
-            slot = self._ready_slot(rank, expert)
-            if slot is None:  # its prefetch failed: now a miss
-                step["misses"].append(expert)
-                continue
-            table[expert] = slot
-            batch.append(expert)
-        todo = list(step["misses"])
-        while batch or todo:
-            while todo:
-                placed = slots.place(todo[0])
-                if placed is None:
-                    break
-                expert = todo.pop(0)
-                events[placed[0]] = self._demand_copy(rank, expert, placed[0], slots)
-                table[expert] = placed[0]
-                batch.append(expert)
-            through_staging = not batch
-            if through_staging:  # every slot holds an expert this step still needs: through the staging block
-                expert = todo.pop(0)
-                table[expert] = self.device.staging(rank)
-                self._stats.bypass_loads += 1
-                compute.wait_event(self._demand_copy(rank, expert, table[expert], None))
-                batch.append(expert)
+        table, batch, through_staging = step["pass"]
+        while batch:
             for expert in batch:
                 slot = int(table[expert])
                 if slot in events:
@@ -426,17 +461,16 @@ class GpuTieredStore(ExpertStore):
                 self._staging_free = self._pass_done
             for expert in batch:
                 slots.use(expert)
-            table[:] = -1
-            batch = []
+            table, batch, through_staging = self._queue_pass(step, first=False)
         if step["split"] is not None:
-            yield self._partial_pass(rank, *step["split"])
+            yield self._partial_pass(rank, step)
             self._pass_done = cp.cuda.Event(disable_timing=True)
             self._pass_done.record(compute)
             self._staging_free = self._pass_done
 
-    def _partial_pass(self, rank: int, expert: int, rows: int):
-        """The GPU part of a cut expert: its first `rows` rows copied, packed, into the staging block once no
-        earlier pass reads that block; the compute waits for the copy. Returns the pass's LayerExperts."""
+    def _queue_cut_copy(self, rank: int, expert: int, rows: int) -> tuple[PartialLayout, object]:
+        """Queue the copy of a cut expert's first `rows` rows, packed, into the staging block once no earlier pass
+        reads that block: (its layout, the copy's event)."""
         cp = self.cp
         layout = PartialLayout(self.device.tensors, rows)
         source, release = self._host_block(self._layer_ids[rank], expert)
@@ -450,7 +484,14 @@ class GpuTieredStore(ExpertStore):
             end = cp.cuda.Event()
             end.record(self._copy_stream)
             self._copy_probe = (start, end, layout.nbytes / self.bandwidths.h2d)
-        cp.cuda.get_current_stream().wait_event(copied)
+        return layout, copied
+
+    def _partial_pass(self, rank: int, step: dict):
+        """The GPU part of the step's cut expert (its copy queued now if `begin_layer` did not): the compute waits
+        for the copy. Returns the pass's LayerExperts."""
+        expert, rows = step["split"]
+        layout, copied = step["cut"] or self._queue_cut_copy(rank, expert, rows)
+        self.cp.cuda.get_current_stream().wait_event(copied)
         self._stats.compute.gpu_experts += 1
         self._stats.compute.split_experts += 1
         self._stats.tiers["gpu"].bytes_read += layout.nbytes
@@ -494,28 +535,49 @@ class GpuTieredStore(ExpertStore):
         return slots.lookup(expert)
 
     def finish_layer(self, layer: int):
-        """After the layer's kernels are queued: start the next layers' prefetches, then wait for the experts
-        placed on the CPU. Returns their weighted sum [T, H] on the device, or None."""
+        """After the layer's kernels are queued: start the next layers' prefetches and return the weighted sum
+        [T, H] on the device of the experts placed on the CPU (None if none). The compute stream waits for the CPU
+        thread's flag before copying the sum in, so the host goes on to queue the next layer while the CPU works;
+        the next `begin_layer` (or, for the step's last MoE layer, this call) takes in the work's end. Without
+        stream waits on host memory the host waits here."""
         step, self._step = self._step, None
         for target, ranked in self._predictions:
             self._prefetch(target, ranked)
         self._predictions = []
         if step["cpu"] is None:
             return None
-        future, predicted, work = step["cpu"]
+        cpu = step["cpu"]
+        stream = self.cp.cuda.get_current_stream()
+        self._pending_cpu = step
+        if self._flag is None or step["rank"] == len(self._layer_ids) - 1:
+            self._collect_cpu_work()
+        else:
+            self._flag.wait(stream, cpu["ticket"])
+        out = self.cp.empty(cpu["out"].shape, np.float32)  # [T, H]
+        self.cp.cuda.runtime.memcpyAsync(out.data.ptr, cpu["out"].ctypes.data, out.nbytes,
+                                         self.cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        return out
+
+    def _collect_cpu_work(self) -> None:
+        """Wait for the CPU thread's latest layer (its flag is set once it ends, so the stream waiting on it goes
+        on): raise its error, correct the CPU rates by its time, count its experts as used."""
+        step, self._pending_cpu = self._pending_cpu, None
+        if step is None:
+            return
+        cpu = step["cpu"]
         with self.timer.phase("expert_cpu"):
-            out, seconds = future.result()  # [T, H]
+            seconds = cpu["future"].result()
         if self.adapt_rates:
-            self.bandwidths = corrected(self.bandwidths, "cpu", predicted, seconds)
-        for expert, _ in work:
+            self.bandwidths = corrected(self.bandwidths, "cpu", cpu["predicted"], seconds)
+        for expert, _ in cpu["work"]:
             self._layers[step["rank"]].use(expert)
-        return self.cp.asarray(out)
 
     def _start_cpu_work(self, layer: int, step: dict) -> None:
         """Hand the experts placed on the CPU (whole, and a cut one's other rows) to the CPU thread, so they are
-        computed while this thread queues the layer's copies and kernels; step["cpu"]: (future of (out [T, H],
-        seconds), predicted seconds, work) or None. Blocks in host memory are looked up here (the tiers are
-        used from this thread only); one that no tier holds is read from experts.bin by the CPU thread."""
+        computed while this thread queues the layer's copies and kernels. step["cpu"]: None, or the work's future
+        (of its seconds), predicted seconds, work list, pinned output [T, H] and flag ticket. Blocks in host memory
+        are looked up here (the tiers are used from this thread only); one that no tier holds is read from
+        experts.bin by the CPU thread."""
         work = [(expert, None) for expert in step["on_cpu"]]  # (expert, rows the CPU computes: None for all)
         if step["split"] is not None:
             expert, rows = step["split"]
@@ -533,23 +595,37 @@ class GpuTieredStore(ExpertStore):
                 disk.hits += 1
                 disk.bytes_read += self.block_size
                 fetches.append((expert, rows, lambda e=expert: self._read_staged(layer, e, count=False)))
-        future = self._cpu_thread.submit(self._compute_on_cpu, step["ids"], step["x"], step["weights"], fetches)
-        step["cpu"] = (future, self._cpu_seconds(step["ids"], work), work)
+        x = step["x"]
+        # One output buffer serves every layer: the next layer's work is handed over after begin_layer has
+        # synchronised the stream, which by then has copied this one out.
+        if self._cpu_out is None or self._cpu_out.size < x.size:
+            self._cpu_out = pinned_empty(1, 2 * x.nbytes)[0].view(np.float32)
+        out = self._cpu_out[: x.size].reshape(x.shape)  # [T, H]
+        ticket = self._flag.ticket() if self._flag is not None else None
+        future = self._cpu_thread.submit(self._compute_on_cpu, step["ids"], x, step["weights"], fetches, out, ticket)
+        step["cpu"] = {"future": future, "predicted": self._cpu_seconds(step["ids"], work), "work": work, "out": out,
+                       "ticket": ticket}
 
-    def _compute_on_cpu(self, ids: np.ndarray, x: np.ndarray, weights: np.ndarray, fetches: list) -> tuple:
-        """On the CPU thread: the weighted sum of the fetched experts' outputs over their tokens, and the seconds
-        it took.  ids [T, k], x [T, H], weights [T, k] -> out [T, H]"""
+    def _compute_on_cpu(self, ids: np.ndarray, x: np.ndarray, weights: np.ndarray, fetches: list, out: np.ndarray,
+                        ticket: int | None) -> float:
+        """On the CPU thread: the weighted sum of the fetched experts' outputs over their tokens into `out`, then
+        the flag raised to `ticket` (also on an error: the stream waiting on it must go on; the step thread raises
+        the error). Returns the seconds it took.  ids [T, k], x [T, H], weights [T, k] -> out [T, H]"""
         begin = time.perf_counter()
-        out = np.zeros_like(x)  # [T, H]
-        for expert, rows, fetch in fetches:
-            tokens, which = np.nonzero(ids == expert)  # the tokens routed to it, and their top-k position
-            block, release = fetch()
-            try:
-                y = self.executor.run(x[tokens], self.file.unpack(block), rows)  # [n, H]
-            finally:
-                release(None)
-            np.add.at(out, tokens, y * weights[tokens, which][:, None])
-        return out, time.perf_counter() - begin
+        try:
+            out.fill(0.0)
+            for expert, rows, fetch in fetches:
+                tokens, which = np.nonzero(ids == expert)  # the tokens routed to it, and their top-k position
+                block, release = fetch()
+                try:
+                    y = self.executor.run(x[tokens], self.file.unpack(block), rows)  # [n, H]
+                finally:
+                    release(None)
+                np.add.at(out, tokens, y * weights[tokens, which][:, None])
+            return time.perf_counter() - begin
+        finally:
+            if ticket is not None:
+                self._flag.set(ticket)
 
     def _cpu_seconds(self, ids: np.ndarray, work: list[tuple[int, tuple | None]]) -> float:
         """What the placement's rates predict the CPU work of a layer takes (each expert's block already in host

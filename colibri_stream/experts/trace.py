@@ -118,6 +118,9 @@ class RoutingRecorder(ExpertStore):
         if rank <= self._last_rank:
             self._new_step()
         self._last_rank = rank
+        # The inner store first: a GPU store takes in the previous layer's CPU work before anything waits on the
+        # stream (which may be held until that work ends).
+        self.inner.begin_layer(layer, x, expert_ids, weights)
         ids = expert_ids.get() if hasattr(expert_ids, "get") else np.asarray(expert_ids)  # [T, k] on the host
         if self._usage is not None:
             np.add.at(self._usage.counts[rank], ids.reshape(-1), 1)
@@ -125,7 +128,6 @@ class RoutingRecorder(ExpertStore):
             self._trace.write(json.dumps({"step": self._step, "layer": layer, "experts": ids.tolist()}) + "\n")
             if rank == len(self._rank) - 1:  # the step's last MoE layer: its records are complete
                 self._trace.flush()
-        self.inner.begin_layer(layer, x, expert_ids, weights)
 
     def _new_step(self) -> None:
         self._step += 1
