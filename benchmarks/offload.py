@@ -110,9 +110,10 @@ def measure(folder, pinned, threads: int | None) -> Measured:
     return Measured(pcie, host_read, disk, shared_read, shared_pcie)
 
 
-def make_model(folder, slots: int | None, host, mode: str, threads: int | None = None):
+def make_model(folder, slots: int | None, host, mode: str, threads: int | None = None, stream_waits: bool = True):
     """The model over `slots` GPU slots per layer (None: every expert resident) fed from `host`, the CPU expert
-    executor (modes that use it) on `threads` threads (None: its default)."""
+    executor (modes that use it) on `threads` threads (None: its default); stream_waits=False: the host waits for
+    the CPU's experts (GpuTieredStore)."""
     from colibri_stream.backends.cupy_backend import CupyBackend
     from colibri_stream.experts.cpu_executor import CpuExpertExecutor
     from colibri_stream.experts.gpu_tier import GpuTieredStore
@@ -132,7 +133,8 @@ def make_model(folder, slots: int | None, host, mode: str, threads: int | None =
                                 config.top_k)
     policies = [make_policy("lfu", config.num_experts) for _ in config.moe_layers]
     store = GpuTieredStore(experts, slots, policies, host, BlockReader(experts, use_kvikio=kvikio_available()),
-                           prefetcher, None if cpu_experts == "off" else CpuExpertExecutor(threads), cpu_experts)
+                           prefetcher, None if cpu_experts == "off" else CpuExpertExecutor(threads), cpu_experts,
+                           stream_waits=stream_waits)
     return MoETransformer(config, folder.dense, store, CupyBackend())
 
 
@@ -197,7 +199,7 @@ def prefill(model, tokens: int, cold: Path | None = None) -> dict:
 
 def store_figures(model, before, steps: int) -> dict:
     """Per step: GPU misses, the bytes they moved, hit rate, prefetch recall, experts computed on the CPU (whole or
-    cut by rows with the GPU: split)."""
+    cut by rows with the GPU: split) and the seconds inside the CPU expert executor."""
     if before is None:
         return {}
     after = model.store.stats()
@@ -210,6 +212,7 @@ def store_figures(model, before, steps: int) -> dict:
     return {"gpu_hit_rate": hits / (hits + misses) if hits + misses else None,
             "gpu_misses_per_step": misses / steps, "miss_bytes_per_step": misses * block / steps,
             "cpu_experts_per_step": cpu / steps, "split_experts_per_step": split / steps,
+            "cpu_seconds_per_step": (after.compute.cpu_seconds - before.compute.cpu_seconds) / steps,
             "prefetch_loads_per_step": (after.prefetch_loads - before.prefetch_loads) / steps,
             "prefetch_recall": after.prefetch_recall,
             "placement_host_read_gbps": rates.host_read / 1e9 if rates else None,

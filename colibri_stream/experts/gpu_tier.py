@@ -190,7 +190,8 @@ class GpuTieredStore(ExpertStore):
     host: PinnedExperts (L2 holds all), a TieredExpertStore over a pinned HostTier (L2 holds some) or None (L3
     only). prefetcher: predicts later layers' experts from the host copy of the MoE input. cpu_executor: computes
     misses on the CPU where the cost model says so (`cpu_experts` "auto"), for every miss ("all"), or never
-    (None).
+    (None). stream_waits=False: the host waits for the CPU's part in `finish_layer` (as where the driver has no
+    stream memory operations).
     """
 
     resident = False
@@ -198,7 +199,7 @@ class GpuTieredStore(ExpertStore):
     def __init__(self, expert_file: ExpertFile, slots_per_layer: int, policies: list[EvictionPolicy],
                  host: PinnedExperts | TieredExpertStore | None, reader: BlockReader,
                  prefetcher: Prefetcher | None = None, cpu_executor: CpuExpertExecutor | None = None,
-                 cpu_experts: str = "auto", bandwidths: Bandwidths | None = None):
+                 cpu_experts: str = "auto", bandwidths: Bandwidths | None = None, stream_waits: bool = True):
         import cupy
 
         self.cp = cupy
@@ -233,7 +234,8 @@ class GpuTieredStore(ExpertStore):
         self._copy_probe = None  # (start, end) timing events of the latest cut copy, and its predicted seconds
         self._readback = PinnedReadback()  # routing and MoE input to the host, one synchronisation a layer
         # The CPU's part: its sum goes through one pinned buffer; the stream waits on the flag, not the host.
-        self._flag = HostFlag.create(cupy.cuda.get_current_stream()) if cpu_executor is not None else None
+        waits = cpu_executor is not None and stream_waits
+        self._flag = HostFlag.create(cupy.cuda.get_current_stream()) if waits else None
         self._cpu_out: np.ndarray | None = None  # float32, grown as needed
         self._pending_cpu: dict | None = None  # the step plan whose CPU work the host has not taken in yet
 
