@@ -144,7 +144,6 @@ def test_a_corrupt_block_the_cpu_reads_fails_the_step_and_the_gpu_does_not_hang(
     for _ in range(2):  # and again: nothing is left waiting
         with pytest.raises(CheckpointError, match=rf"expert \d+ of layer {layer} fails its checksum"):
             step_logits(model)
-    assert model.store.stats().compute.gpu_experts > 0
 
 
 def test_server_on_gpu_slots_answers_like_the_resident_gpu_server(tiny_model_dir):
