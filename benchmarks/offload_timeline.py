@@ -86,7 +86,8 @@ class Recorder:
         e = self.events
         routing = e["routing"]
         out = []
-        for submit, start, end in zip(e["submit"], e["cpu_start"], e["cpu_end"]):
+        for start, end in zip(e["cpu_start"], e["cpu_end"]):
+            submit = max(t for t in e["submit"] if t <= start)  # the hand-off of this work
             before = [t for t in routing if t <= submit]
             after = [t for t in routing if t > end]
             executor = sum(d for d, at in zip(e["executor"], e["executor_at"]) if start <= at <= end)
