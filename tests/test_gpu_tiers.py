@@ -11,6 +11,10 @@ as the resident one does.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -144,6 +148,35 @@ def test_a_corrupt_block_the_cpu_reads_fails_the_step_and_the_gpu_does_not_hang(
     for _ in range(2):  # and again: nothing is left waiting
         with pytest.raises(CheckpointError, match=rf"expert \d+ of layer {layer} fails its checksum"):
             step_logits(model)
+
+
+FRESH_PROCESS = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from test_parity import colibri_greedy, prompt_ids
+from colibri_stream.config import ExpertStoreConfig
+from colibri_stream.model import load_model
+model = load_model(sys.argv[2], device="cuda",
+                   experts=ExpertStoreConfig(gpu_memory_limit=int(sys.argv[3]), cpu_experts="all"))
+print(colibri_greedy(model, prompt_ids(), 8))
+"""
+
+
+def test_kernels_loaded_while_the_stream_waits_for_the_cpu_do_not_hang_a_fresh_process(tmp_path):
+    """In a new process every kernel after a layer's CPU hand-off (the add of the CPU's sum, Qwen2-MoE's shared
+    expert, the next layers) is loaded for the first time while the stream waits on the CPU thread's flag; CUDA may
+    synchronise the context to load a kernel, and the load releases the GIL, so the CPU thread still ends the
+    wait. The step finishes (in time) with the resident model's tokens."""
+    from colibri_stream.export import export_model
+
+    build_hf_model("qwen2_moe", tmp_path / "hf")
+    export_model(tmp_path / "hf", tmp_path / "model", dtype="fp32", progress=False)
+    model_dir = tmp_path / "model"
+    want = colibri_greedy(load_model(str(model_dir), device="cuda"), prompt_ids(), 8)
+    done = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(Path(__file__).parent), str(model_dir),
+                           str(gpu_budget(model_dir, 1))], capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == str(want)
 
 
 def test_server_on_gpu_slots_answers_like_the_resident_gpu_server(tiny_model_dir):
