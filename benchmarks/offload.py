@@ -84,7 +84,7 @@ def measure(folder, pinned, threads: int | None) -> Measured:
     import cupy as cp
 
     from colibri_stream.experts.cpu_executor import CpuExpertExecutor
-    from colibri_stream.experts.gpu_tier import cpu_expert_rates, pinned_copy_rate, shared_rates
+    from colibri_stream.experts.rates import cpu_expert_rates, pinned_copy_rate, shared_rates
     from colibri_stream.experts.tiers import BlockReader
 
     experts, layer, config = folder.experts, folder.config.moe_layers[0], folder.config
