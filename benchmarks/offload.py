@@ -88,13 +88,13 @@ def measure(folder, pinned, threads: int | None) -> Measured:
     from colibri_stream.experts.tiers import BlockReader
 
     experts, layer, config = folder.experts, folder.config.moe_layers[0], folder.config
-    block = pinned.block(layer, 0)
+    block, copied = pinned.block(layer, 0), pinned.block(layer, 1)  # the copies read another block, as in a step
     device = cp.empty(block.nbytes, np.uint8)  # [block_size], the copies' destination
     pcie = pinned_copy_rate(block, device.data.ptr, cp.cuda.get_current_stream()) / 1e9
     executor = CpuExpertExecutor(threads)
     read, _ = cpu_expert_rates(executor, experts.unpack(block), 3 * config.hidden_size * config.moe_intermediate_size)
     host_read = read / 1e9
-    shared_read, shared_pcie = (rate / 1e9 for rate in shared_rates(executor, experts.unpack(block), block,
+    shared_read, shared_pcie = (rate / 1e9 for rate in shared_rates(executor, experts.unpack(block), copied,
                                                                     device.data.ptr, cp.cuda.get_current_stream()))
     drop_page_cache(experts.path)
     reader = BlockReader(experts, use_kvikio=kvikio_available())

@@ -194,17 +194,23 @@ class GpuTieredStore(ExpertStore):
         self._copy_stream.synchronize()
 
     def _measure_bandwidths(self) -> Bandwidths:
-        """Pinned host -> GPU copies and the CPU executor's read and arithmetic rates, measured on one block; the
+        """Pinned host -> GPU copies and the CPU executor's read and arithmetic rates, measured on two blocks; the
         placement uses the read and copy rates measured while both run at once (they share host RAM, and the
-        experts it cuts between them are worked on at the same time)."""
-        staging = self._ring.buffers[0] if self._ring is not None else self.host.block(self._layer_ids[0], 0)
+        experts it cuts between them are worked on at the same time). The copies read another block than the
+        executor, as in a step: both reading the same block at once would serve part of the reads from the CPU's
+        caches."""
+        layer, other = self._layer_ids[0], min(1, self.num_experts - 1)
         if self._ring is not None:
-            self.reader.read_into(self._layer_ids[0], 0, staging)
+            computed, copied = self._ring.buffers[0], self._ring.buffers[1]
+            self.reader.read_into(layer, 0, computed)
+            self.reader.read_into(layer, other, copied)
+        else:
+            computed, copied = self.host.block(layer, 0), self.host.block(layer, other)
         destination = self.device.pointer(0, self.device.staging(0))
-        tensors = self.file.unpack(staging)
-        h2d = pinned_copy_rate(staging, destination, self._copy_stream)
+        tensors = self.file.unpack(computed)
+        h2d = pinned_copy_rate(copied, destination, self._copy_stream)
         host_read, cpu_flops = cpu_expert_rates(self.executor, tensors, self._params)
-        host_shared, h2d_shared = shared_rates(self.executor, tensors, staging, destination, self._copy_stream)
+        host_shared, h2d_shared = shared_rates(self.executor, tensors, copied, destination, self._copy_stream)
         self.executor.stats = ComputeStats()  # the measurement is not work the model asked for
         logger.info("expert placement: host -> GPU %.1f GB/s (%.1f while the CPU reads), CPU expert read %.1f GB/s "
                     "(%.1f while copies run) and %.0f GFLOP/s at %d tokens (%d threads)", h2d / 1e9, h2d_shared / 1e9,
