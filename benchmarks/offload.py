@@ -237,22 +237,29 @@ def accelerate_baseline(args, fraction: float) -> dict:
         return json.loads(Path(out.name).read_text())
 
 
-def run(args) -> list[dict]:
+def open_folder(path: str, shape: str, layers: int):
+    """(ModelFolder, PinnedExperts holding all its experts) of the random `shape` model at `path`, written there
+    first (`layers` layers) if it is not there yet."""
     from colibri_stream.checkpoint import ModelFolder
-    from colibri_stream.experts.cpu_executor import CpuExpertExecutor
     from colibri_stream.experts.pinned import PinnedExperts
     from colibri_stream.experts.tiers import BlockReader
     from colibri_stream.synthetic import write_synthetic_folder
 
-    path = Path(args.folder)
+    path = Path(path)
     if not (path / "experts.bin").is_file():
-        log(f"writing a random {args.shape} model with {args.layers} layers to {path}")
+        log(f"writing a random {shape} model with {layers} layers to {path}")
         begin = time.perf_counter()
-        write_synthetic_folder(path, args.shape, num_layers=args.layers)
+        write_synthetic_folder(path, shape, num_layers=layers)
         log(f"written in {time.perf_counter() - begin:.0f} s")
     folder = ModelFolder(path)
+    return folder, PinnedExperts(folder.experts, BlockReader(folder.experts, use_kvikio=kvikio_available()))
+
+
+def run(args) -> list[dict]:
+    from colibri_stream.experts.cpu_executor import CpuExpertExecutor
+
+    folder, pinned = open_folder(args.folder, args.shape, args.layers)
     config = folder.config
-    pinned = PinnedExperts(folder.experts, BlockReader(folder.experts, use_kvikio=kvikio_available()))
     bw = measure(folder, pinned, args.cpu_threads)
     common = dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"), command=" ".join(sys.argv),
                   bench="offload", mode="hybrid", shape=args.shape, layers=args.layers,

@@ -15,27 +15,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from decode import log, machine
-from offload import decode, make_model, measure, release, write
-
-from colibri_stream.experts.tiers import kvikio_available
+from offload import decode, make_model, measure, open_folder, release, write
 
 
 def run(args) -> list[dict]:
     import numba
 
-    from colibri_stream.checkpoint import ModelFolder
-    from colibri_stream.experts.pinned import PinnedExperts
-    from colibri_stream.experts.tiers import BlockReader
-    from colibri_stream.synthetic import write_synthetic_folder
-
-    path = Path(args.folder)
-    if not (path / "experts.bin").is_file():
-        write_synthetic_folder(path, "mixtral-8x7b", num_layers=args.layers)
-    folder = ModelFolder(path)
-    pinned = PinnedExperts(folder.experts, BlockReader(folder.experts, use_kvikio=kvikio_available()))
+    folder, pinned = open_folder(args.folder, "mixtral-8x7b", args.layers)
     bw = measure(folder, pinned, None)
     common = dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"), command=" ".join(sys.argv),
                   bench="offload_handoff", shape="mixtral-8x7b", layers=args.layers, batch=1,

@@ -23,12 +23,9 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 from decode import log, machine
-from offload import decode, make_model, write
-
-from colibri_stream.experts.tiers import kvikio_available
+from offload import decode, make_model, open_folder, write
 
 
 class Recorder:
@@ -109,16 +106,7 @@ def summarise(layers: list[dict]) -> dict:
 
 
 def run(args) -> list[dict]:
-    from colibri_stream.checkpoint import ModelFolder
-    from colibri_stream.experts.pinned import PinnedExperts
-    from colibri_stream.experts.tiers import BlockReader
-    from colibri_stream.synthetic import write_synthetic_folder
-
-    path = Path(args.folder)
-    if not (path / "experts.bin").is_file():
-        write_synthetic_folder(path, "mixtral-8x7b", num_layers=args.layers)
-    folder = ModelFolder(path)
-    pinned = PinnedExperts(folder.experts, BlockReader(folder.experts, use_kvikio=kvikio_available()))
+    folder, pinned = open_folder(args.folder, "mixtral-8x7b", args.layers)
     slots = round(args.fraction * folder.config.num_experts)
     records = []
     for mode in args.modes:
