@@ -10,9 +10,13 @@ step thread's wait for the CPU, records `time.perf_counter()` at each, and print
   host_wake   -> the step thread has taken in the CPU's end
   after_collect -> the routing is on the host (the GPU's attention and router after the flag, the readback; with
             the host waiting, also the Python that queues them)
+and, with the stream waiting, CUDA events on the compute stream around the flag wait (GPU clock):
+  gpu_experts   the routing read back -> the GPU's own experts queued before the wait are done
+  gpu_waited    how long the stream waited on the flag (about 0: the GPU's experts ended after the CPU's)
+  gpu_next      the flag seen -> the next layer's routing ready to read back (sum copied in, attention, router)
 and the step's share of each. Same model folder and decode loop as offload.py.
 
-    python benchmarks/offload_timeline.py --fraction 0.5 --out benchmarks/results/offload_timeline_h200.json
+    python benchmarks/offload_timeline.py --fractions 0.5 0 --out benchmarks/results/offload_timeline_h200.json
 """
 
 from __future__ import annotations
@@ -42,11 +46,32 @@ class Recorder:
         original_read = store._readback.read
 
         def read(stream, **arrays):
+            self._event("routing")
             out = original_read(stream, **arrays)
             self.events["routing"].append(time.perf_counter())
             return out
 
         store._readback.read = read
+        self.gpu: list[tuple[str, object]] = []  # ("routing" | "wait" | "waited", timing event) in stream order
+        if store._flag is not None:
+            self._wrap_flag(store._flag)
+
+    def _event(self, name: str) -> None:
+        import cupy as cp
+
+        event = cp.cuda.Event()
+        event.record(cp.cuda.get_current_stream())
+        self.gpu.append((name, event))
+
+    def _wrap_flag(self, flag) -> None:
+        original_wait = flag.wait
+
+        def wait(stream, value):
+            self._event("wait")
+            original_wait(stream, value)
+            self._event("waited")
+
+        flag.wait = wait
 
     def _wrap(self, name: str, before: str, after: str | None = None) -> None:
         original = getattr(self.store, name)
@@ -77,6 +102,25 @@ class Recorder:
 
     def clear(self) -> None:
         self.events.clear()
+        self.gpu.clear()
+
+    def gpu_intervals(self) -> dict[str, float | None]:
+        """Means over the stream's flag waits, in ms (GPU clock): see gpu_* in the module docstring."""
+        import cupy as cp
+
+        rows = {"gpu_experts": [], "gpu_waited": [], "gpu_next": []}
+        names = [name for name, _ in self.gpu]
+        for i, (name, event) in enumerate(self.gpu):
+            if name != "wait" or i == 0 or i + 2 >= len(self.gpu) or names[i - 1] != "routing":
+                continue
+            waited, following = self.gpu[i + 1], self.gpu[i + 2]
+            if waited[0] != "waited" or following[0] != "routing":
+                continue
+            following[1].synchronize()
+            rows["gpu_experts"].append(cp.cuda.get_elapsed_time(self.gpu[i - 1][1], event))
+            rows["gpu_waited"].append(cp.cuda.get_elapsed_time(event, waited[1]))
+            rows["gpu_next"].append(cp.cuda.get_elapsed_time(waited[1], following[1]))
+        return {key: statistics.mean(values) if values else None for key, values in rows.items()}
 
     def layers(self) -> list[dict]:
         """Per CPU hand-off (one a layer that has CPU work): the intervals named in the module docstring, in ms."""
@@ -107,9 +151,9 @@ def summarise(layers: list[dict]) -> dict:
 
 def run(args) -> list[dict]:
     folder, pinned = open_folder(args.folder, "mixtral-8x7b", args.layers)
-    slots = round(args.fraction * folder.config.num_experts)
     records = []
-    for mode in args.modes:
+    for fraction, mode in ((f, m) for f in args.fractions for m in args.modes):
+        slots = round(fraction * folder.config.num_experts)
         for waits in (True, False):
             model = make_model(folder, slots, pinned, mode, stream_waits=waits)
             recorder = Recorder(model.store)
@@ -118,13 +162,14 @@ def run(args) -> list[dict]:
             figures = decode(model, 1, args.steps)
             layers = recorder.layers()
             means = summarise(layers)
+            means.update(recorder.gpu_intervals())
             handoff = "stream" if waits else "host"
-            log(f"{args.fraction:.0%} {mode} {handoff} waits: {figures['tok_s']:.1f} tok/s, step "
+            log(f"{fraction:.0%} {mode} {handoff} waits: {figures['tok_s']:.1f} tok/s, step "
                 f"{1e3 * figures['step_s']:.1f} ms; per CPU hand-off (ms): "
                 + ", ".join(f"{k} {v:.3f}" for k, v in means.items() if v is not None) + f"; {len(layers) / args.steps:.1f} a step")
             records.append(dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"),
                                 command=" ".join(sys.argv), bench="offload_timeline", shape="mixtral-8x7b",
-                                layers=args.layers, batch=1, gpu_expert_fraction=args.fraction, mode=mode,
+                                layers=args.layers, batch=1, gpu_expert_fraction=fraction, mode=mode,
                                 handoff=handoff, figures=figures, handoff_ms=means,
                                 handoffs_per_step=len(layers) / args.steps))
             write(args.out, records)
@@ -136,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--folder", default="/tmp/colibri-offload-model")
-    parser.add_argument("--fraction", type=float, default=0.5)
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.5])
     parser.add_argument("--modes", nargs="+", default=["colibri", "cpu_only"], choices=["colibri", "cpu_only"])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/offload_timeline_h200.json")
