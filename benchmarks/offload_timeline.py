@@ -31,6 +31,18 @@ from collections import defaultdict
 from decode import log, machine
 from offload import decode, make_model, open_folder, write
 
+THREAD_ENV = ("NUMBA_THREADING_LAYER", "NUMBA_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def threading_layer() -> str | None:
+    """numba's threading layer once a parallel kernel has run (omp, tbb or workqueue)."""
+    import numba
+
+    try:
+        return numba.threading_layer()
+    except ValueError:
+        return None
+
 
 class Recorder:
     """Timestamps of one store's layer steps: events[name] lists (layer rank, seconds) in order."""
@@ -169,6 +181,8 @@ def run(args) -> list[dict]:
                 + ", ".join(f"{k} {v:.3f}" for k, v in means.items() if v is not None) + f"; {len(layers) / args.steps:.1f} a step")
             records.append(dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"),
                                 command=" ".join(sys.argv), bench="offload_timeline", shape="mixtral-8x7b",
+                                numba_threading_layer=threading_layer(),
+                                thread_env={k: os.environ.get(k) for k in THREAD_ENV},
                                 layers=args.layers, batch=1, gpu_expert_fraction=fraction, mode=mode,
                                 handoff=handoff, figures=figures, handoff_ms=means,
                                 handoffs_per_step=len(layers) / args.steps))
