@@ -42,6 +42,8 @@ from pathlib import Path
 import numpy as np
 from decode import log, machine
 
+from colibri_stream.config import GPU_SLOT_LAYOUTS
+from colibri_stream.experts.slots import layer_slot_counts
 from colibri_stream.experts.tiers import kvikio_available
 
 BLOCK_SIZE = 16
@@ -110,10 +112,11 @@ def measure(folder, pinned, threads: int | None) -> Measured:
     return Measured(pcie, host_read, disk, shared_read, shared_pcie)
 
 
-def make_model(folder, slots: int | None, host, mode: str, threads: int | None = None, stream_waits: bool = True):
-    """The model over `slots` GPU slots per layer (None: every expert resident) fed from `host`, the CPU expert
-    executor (modes that use it) on `threads` threads (None: its default); stream_waits=False: the host waits for
-    the CPU's experts (GpuTieredStore)."""
+def make_model(folder, slots: int | list[int] | None, host, mode: str, threads: int | None = None,
+               stream_waits: bool = True):
+    """The model over `slots` GPU slots per layer (or each layer's count; None: every expert resident) fed from
+    `host`, the CPU expert executor (modes that use it) on `threads` threads (None: its default);
+    stream_waits=False: the host waits for the CPU's experts (GpuTieredStore)."""
     from colibri_stream.backends.cupy_backend import CupyBackend
     from colibri_stream.experts.cpu_executor import CpuExpertExecutor
     from colibri_stream.experts.gpu_tier import GpuTieredStore
@@ -287,7 +290,8 @@ def run(args) -> list[dict]:
             host = pinned if source == "l2" else None
             batches = [*args.batches, "prefill"] if source == "l2" else [1]  # l3: decode at batch 1
             for batch in batches:
-                record = dict(common, gpu_expert_fraction=fraction, gpu_slots_per_layer=slots, source=source,
+                record = dict(common, gpu_expert_fraction=fraction, gpu_slots_per_layer=slots,
+                              gpu_slot_layout=args.slot_layout, source=source,
                               batch=batch, resident_tok_s=resident[batch]["tok_s"])
                 modes = ["colibri"] if slots >= config.num_experts else (
                     list(MODES) if batch == 1 else ["colibri", "ondemand"])
@@ -297,7 +301,9 @@ def run(args) -> list[dict]:
                     if slots >= config.num_experts:
                         result = resident[batch]
                     else:
-                        model = make_model(folder, slots, host, mode, args.cpu_threads)
+                        counts = layer_slot_counts(slots, len(config.moe_layers), config.num_experts,
+                                                   args.slot_layout)
+                        model = make_model(folder, counts, host, mode, args.cpu_threads)
                         try:
                             steps = args.steps if source == "l2" else args.cold_steps
                             result = (prefill(model, args.prefill, cold) if batch == "prefill"
@@ -387,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folder", default="/tmp/colibri-offload-model")
     parser.add_argument("--fractions", nargs="+", type=float, default=[0.0, 0.25, 0.5, 1.0])
     parser.add_argument("--sources", nargs="+", default=["l2", "l3"], choices=["l2", "l3"])
+    parser.add_argument("--slot-layout", default="spread", choices=GPU_SLOT_LAYOUTS,
+                        help="the GPU slots of each layer: the same number (spread) or whole layers")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps (l2)")
     parser.add_argument("--cold-steps", type=int, default=3, help="timed decode steps with a cold page cache (l3)")

@@ -31,6 +31,9 @@ from collections import defaultdict
 from decode import log, machine
 from offload import decode, make_model, open_folder, write
 
+from colibri_stream.config import GPU_SLOT_LAYOUTS
+from colibri_stream.experts.slots import layer_slot_counts
+
 THREAD_ENV = ("NUMBA_THREADING_LAYER", "NUMBA_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
@@ -164,9 +167,11 @@ def summarise(layers: list[dict]) -> dict:
 def run(args) -> list[dict]:
     folder, pinned = open_folder(args.folder, "mixtral-8x7b", args.layers)
     records = []
-    for fraction, mode in ((f, m) for f in args.fractions for m in args.modes):
-        slots = round(fraction * folder.config.num_experts)
-        for waits in (True, False):
+    config = folder.config
+    for fraction, mode, layout in ((f, m, lay) for f in args.fractions for m in args.modes for lay in args.layouts):
+        slots = layer_slot_counts(round(fraction * config.num_experts), len(config.moe_layers), config.num_experts,
+                                  layout)
+        for waits in (handoff == "stream" for handoff in args.handoffs):
             model = make_model(folder, slots, pinned, mode, stream_waits=waits)
             recorder = Recorder(model.store)
             decode(model, 1, 2)  # warm
@@ -176,7 +181,7 @@ def run(args) -> list[dict]:
             means = summarise(layers)
             means.update(recorder.gpu_intervals())
             handoff = "stream" if waits else "host"
-            log(f"{fraction:.0%} {mode} {handoff} waits: {figures['tok_s']:.1f} tok/s, step "
+            log(f"{fraction:.0%} {mode} {layout} {handoff} waits: {figures['tok_s']:.1f} tok/s, step "
                 f"{1e3 * figures['step_s']:.1f} ms; per CPU hand-off (ms): "
                 + ", ".join(f"{k} {v:.3f}" for k, v in means.items() if v is not None) + f"; {len(layers) / args.steps:.1f} a step")
             records.append(dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"),
@@ -184,6 +189,7 @@ def run(args) -> list[dict]:
                                 numba_threading_layer=threading_layer(),
                                 thread_env={k: os.environ.get(k) for k in THREAD_ENV},
                                 layers=args.layers, batch=1, gpu_expert_fraction=fraction, mode=mode,
+                                slot_layout=layout, gpu_slots=slots,
                                 handoff=handoff, figures=figures, handoff_ms=means,
                                 handoffs_per_step=len(layers) / args.steps))
             write(args.out, records)
@@ -197,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folder", default="/tmp/colibri-offload-model")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.5])
     parser.add_argument("--modes", nargs="+", default=["colibri", "cpu_only"], choices=["colibri", "cpu_only"])
+    parser.add_argument("--layouts", nargs="+", default=["spread"], choices=GPU_SLOT_LAYOUTS)
+    parser.add_argument("--handoffs", nargs="+", default=["stream", "host"], choices=["stream", "host"],
+                        help="who waits for the CPU's experts: the stream (on a flag) or the host")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/offload_timeline_h200.json")
     run(parser.parse_args(argv))

@@ -69,6 +69,11 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="with GPU expert slots, where a missing expert is computed: auto (default: on the CPU, "
                         "on the GPU after a copy, or cut by rows between the two, whichever the cost model finds "
                         "sooner per expert and step), off (always load it to the GPU), all (always on the CPU)")
+    p.add_argument("--gpu-slot-layout", choices=("spread", "layers"), default=None,
+                   help="how --gpu-memory-limit's expert slots are shared among MoE layers: spread (default: the "
+                        "same number in every layer, each keeping its most used experts) or layers (whole layers "
+                        "on the GPU, the others' experts from the host: fewer CPU hand-offs a token, as "
+                        "llama.cpp's --n-cpu-moe)")
     p.add_argument("--usage-file", default=None, metavar="PATH",
                    help="routing statistics: ranks experts for --eviction-policy pinned (default: expert_usage.json "
                         "in the model folder); this run's routes are added to it")
@@ -103,7 +108,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     names = ("device", "verify", "cuda_graphs", "max_seq_len", "max_batch_size", "max_num_batched_tokens", "block_size",
              "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching", "max_queue", "gpu_memory_limit",
              "l2_cache_size", "eviction_policy", "prefetch", "prefetch_lookahead", "usage_file", "routing_trace",
-             "cpu_experts")
+             "cpu_experts", "gpu_slot_layout")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

@@ -244,6 +244,7 @@ class CacheConfig:
 
 EVICTION_POLICIES = ("lru", "lfu", "pinned")
 CPU_EXPERT_MODES = ("auto", "off", "all")
+GPU_SLOT_LAYOUTS = ("spread", "layers")  # experts/slots.py: layer_slot_counts
 
 
 @dataclass(frozen=True)
@@ -267,6 +268,7 @@ class ExpertStoreConfig:
     routing_trace: str | None = None
     cpu_experts: str = "auto"  # GPU tier misses: auto (the cost model picks CPU compute, a load, or a cut by rows
     # between them, per expert and step), off (always load to the GPU), all (always compute on the CPU)
+    gpu_slot_layout: str = "spread"  # spread (every layer the same GPU slots) | layers (whole layers on the GPU)
 
     def __post_init__(self) -> None:
         if self.cpu_experts not in CPU_EXPERT_MODES:
@@ -274,6 +276,9 @@ class ExpertStoreConfig:
         for name in ("gpu_memory_limit", "l2_cache_size"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        if self.gpu_slot_layout not in GPU_SLOT_LAYOUTS:
+            raise ConfigError(f"gpu_slot_layout must be one of {', '.join(GPU_SLOT_LAYOUTS)}, "
+                              f"got {self.gpu_slot_layout!r}")
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ConfigError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
                               f"got {self.eviction_policy!r}")

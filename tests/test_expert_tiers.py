@@ -22,6 +22,7 @@ from colibri_stream.errors import CheckpointError
 from colibri_stream.experts.build import open_expert_store
 from colibri_stream.experts.policies import LRUPolicy
 from colibri_stream.experts.prefetcher import Prefetcher
+from colibri_stream.experts.slots import layer_slot_counts
 from colibri_stream.experts.store import Float32ExpertStore, MappedExpertStore
 from colibri_stream.experts.tiers import HostTier, TieredExpertStore
 from colibri_stream.experts.trace import USAGE_FILE, read_trace, read_usage, write_usage
@@ -217,6 +218,22 @@ def test_budget_and_usage_problems_fail_at_start(moe16_dir, tmp_path):
         open_expert_store(folder, ExpertStoreConfig(gpu_memory_limit=dense), "cuda")
     with pytest.raises(ConfigError, match="cpu_experts must be one of auto, off, all"):
         ExpertStoreConfig(cpu_experts="sometimes")
+    with pytest.raises(ConfigError, match="gpu_slot_layout must be one of spread, layers"):
+        ExpertStoreConfig(gpu_slot_layout="diagonal")
+
+
+@pytest.mark.parametrize(("per_layer", "layers", "experts", "layout", "want"), [
+    (4, 8, 8, "spread", [4] * 8),
+    (4, 8, 8, "layers", [0, 0, 0, 0, 8, 8, 8, 8]),  # whole layers, the last ones
+    (3, 3, 8, "layers", [0, 1, 8]),  # the remainder to the layer before the whole ones
+    (2, 4, 8, "layers", [0, 0, 0, 8]),
+    (0, 4, 8, "layers", [0, 0, 0, 0]),
+])
+def test_gpu_slot_layouts_share_the_same_budget(per_layer, layers, experts, layout, want):
+    counts = layer_slot_counts(per_layer, layers, experts, layout)
+    assert counts == want and sum(counts) == per_layer * layers
+    with pytest.raises(ValueError, match="slot layout"):
+        layer_slot_counts(per_layer, layers, experts, "diagonal")
 
 
 def test_pinned_policy_preloads_the_most_used_experts(moe16_dir):

@@ -33,6 +33,7 @@ from colibri_stream.config import ExpertStoreConfig  # noqa: E402
 from colibri_stream.errors import CheckpointError  # noqa: E402
 from colibri_stream.experts.gpu_tier import GpuTieredStore  # noqa: E402
 from colibri_stream.experts.placement import Bandwidths  # noqa: E402
+from colibri_stream.experts.slots import layer_slot_counts  # noqa: E402
 from colibri_stream.experts.trace import read_trace  # noqa: E402
 from colibri_stream.model import load_model  # noqa: E402
 
@@ -95,6 +96,31 @@ def test_experts_computed_on_the_cpu_match_within_float32_rounding(moe16_dir, re
         assert stats.compute.cpu_experts == stats.tiers["gpu"].misses > 0
         assert stats.compute.cpu_bytes_read > 0
     assert stats.compute.cpu_experts + stats.compute.gpu_experts >= int(stats.used.sum())
+
+
+@pytest.mark.parametrize("cpu_experts", ["off", "all"])
+def test_whole_layers_on_the_gpu_give_the_resident_tokens(moe16_dir, resident_gpu_logits, cpu_experts):  # noqa: F811
+    """--gpu-slot-layout layers: the budget of 2 slots a layer becomes whole layers (the last ones) and none
+    elsewhere. Loads alone give the resident logits bit for bit; the CPU computing every miss, within rounding. The
+    whole layers never miss."""
+    options = ExpertStoreConfig(gpu_memory_limit=gpu_budget(moe16_dir, 2), l2_cache_size=host_budget(moe16_dir, "all"),
+                                cpu_experts=cpu_experts, gpu_slot_layout="layers")
+    model = load_model(str(moe16_dir), device="cuda", experts=options)
+    counts = [slots.num_slots for slots in model.store._layers]
+    config = read_config(moe16_dir)
+    assert counts == layer_slot_counts(2, len(config.moe_layers), config.num_experts, "layers") and 0 in counts
+    got = step_logits(model)
+    for ours, want in zip(got, resident_gpu_logits):
+        if cpu_experts == "off":
+            np.testing.assert_array_equal(ours, want)
+        else:
+            assert relative_error(ours, want) < 1e-5
+            assert (ours.argmax(axis=-1) == want.argmax(axis=-1)).all()
+    stats = model.store.stats()
+    whole = [rank for rank, n in enumerate(counts) if n == config.num_experts]
+    assert whole and stats.tiers["gpu"].misses > 0
+    assert all(stats.used[rank] > 0 for rank in whole)
+    assert (stats.compute.cpu_experts > 0) == (cpu_experts == "all")
 
 
 EVEN = Bandwidths(host_read=1e9, h2d=1e9, disk=1e9, cpu_flops=1e15, measured=True)  # a lone miss is cut in two

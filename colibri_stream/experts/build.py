@@ -80,6 +80,7 @@ def _gpu_store(folder: ModelFolder, options: ExpertStoreConfig, gpu_slots: int, 
     from .cpu_executor import CpuExpertExecutor
     from .gpu_tier import GpuTieredStore
     from .pinned import PinnedExperts, pinned_empty
+    from .slots import layer_slot_counts
 
     config, experts = folder.config, folder.experts
     reader = BlockReader(experts, use_kvikio=kvikio_available())
@@ -94,7 +95,9 @@ def _gpu_store(folder: ModelFolder, options: ExpertStoreConfig, gpu_slots: int, 
             tier = HostTier(experts, host_slots * len(config.moe_layers), allocate=pinned_empty, reader=reader)
             host = TieredExpertStore(experts, tier, host_slots, _policies(folder, options, usage))
         executor = None if options.cpu_experts == "off" else CpuExpertExecutor()
-        return GpuTieredStore(experts, gpu_slots, _policies(folder, options, usage), host, reader,
+        slots = layer_slot_counts(gpu_slots, len(config.moe_layers), config.num_experts, options.gpu_slot_layout)
+        logger.info("  GPU slots of each MoE layer (%s): %s", options.gpu_slot_layout, slots)
+        return GpuTieredStore(experts, slots, _policies(folder, options, usage), host, reader,
                               _prefetcher(folder, options, usage), executor, options.cpu_experts)
     except (cupy.cuda.memory.OutOfMemoryError, cupy.cuda.runtime.CUDARuntimeError) as error:
         raise ConfigError(f"the expert tiers do not fit this machine ({error}): lower --gpu-memory-limit or "

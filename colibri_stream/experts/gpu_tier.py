@@ -1,7 +1,8 @@
 """Routed experts in a bounded set of GPU slots (L1), fed from pinned host memory (L2) or experts.bin (L3).
 
 `GpuTieredStore` is the CuPy backend's store when `--gpu-memory-limit` leaves room for fewer experts than the
-model has. Memory: one device arena of `slots_per_layer` blocks per MoE layer plus a staging block, each block
+model has. Memory: one device arena of each MoE layer's slots (`slots.layer_slot_counts`: the same number in every
+layer, or whole layers) plus a staging block, each block
 4 KiB aligned and in experts.bin's layout, so a load is one host-to-device copy of the whole block; the MoE kernels
 read the blocks in place through per-slot strides and an expert -> slot table per layer (cupy_backend.LayerExperts).
 
@@ -61,21 +62,23 @@ def _done(event) -> Future:
 
 
 class DeviceSlots:
-    """The GPU arena: `slots_per_layer` blocks per MoE layer, then one staging block, in experts.bin's layout.
+    """The GPU arena: `slots[rank]` blocks for each MoE layer, one layer after the other, then one staging block, in
+    experts.bin's layout.
 
     `view(rank)` gives the layer's LayerExperts: tensors indexed by the layer's local slot (0 .. slots - 1; the
     staging block is local slot `staging(rank)`), with the layer's device slot table attached.
     """
 
-    def __init__(self, expert_file: ExpertFile, slots_per_layer: int):
+    def __init__(self, expert_file: ExpertFile, slots: list[int]):
         import cupy
 
         from ..backends.cupy_backend import LayerExperts
 
         config = expert_file.config
         self.block_size = expert_file.block_size
-        self.slots_per_layer = slots_per_layer
-        self.total = len(config.moe_layers) * slots_per_layer + 1  # + staging
+        self.slots = slots
+        self.first = [sum(slots[:rank]) for rank in range(len(slots))]  # each layer's first block in the arena
+        self.total = sum(slots) + 1  # + staging
         self.memory = cupy.cuda.alloc(self.total * self.block_size + BLOCK_ALIGNMENT)
         self.base = self.memory.ptr + (-self.memory.ptr % BLOCK_ALIGNMENT)  # first block, 4 KiB aligned
         tensors, _ = expert_block_layout(config)
@@ -83,8 +86,7 @@ class DeviceSlots:
         self.tables = [cupy.full(config.num_experts, -1, np.int32) for _ in config.moe_layers]  # [E] per layer
         self.partial_table = cupy.full(config.num_experts, -1, np.int32)  # [E]: the cut expert -> 0
         self._views = []
-        for rank in range(len(config.moe_layers)):
-            first = rank * slots_per_layer
+        for rank, first in enumerate(self.first):
             arrays = {}
             for t in tensors:
                 dtype = np.dtype(DEVICE_DTYPES[t.dtype])
@@ -114,15 +116,16 @@ class DeviceSlots:
 
     def staging(self, rank: int) -> int:
         """The staging block as a local slot of layer `rank`."""
-        return self.total - 1 - rank * self.slots_per_layer
+        return self.total - 1 - self.first[rank]
 
     def pointer(self, rank: int, slot: int) -> int:
         """Device address of layer `rank`'s local slot."""
-        return self.base + (rank * self.slots_per_layer + int(slot)) * self.block_size  # Python ints: no overflow
+        return self.base + (self.first[rank] + int(slot)) * self.block_size  # Python ints: no overflow
 
 
 class GpuTieredStore(ExpertStore):
-    """Routed experts computed from `slots_per_layer` GPU slots per MoE layer; see the module docstring.
+    """Routed experts computed from GPU slots: `slots` per MoE layer, or a list of each layer's count; see the module
+    docstring.
 
     host: PinnedExperts (L2 holds all), a TieredExpertStore over a pinned HostTier (L2 holds some) or None (L3
     only). prefetcher: predicts later layers' experts from the host copy of the MoE input. cpu_executor: computes
@@ -133,7 +136,7 @@ class GpuTieredStore(ExpertStore):
 
     resident = False
 
-    def __init__(self, expert_file: ExpertFile, slots_per_layer: int, policies: list[EvictionPolicy],
+    def __init__(self, expert_file: ExpertFile, slots: int | list[int], policies: list[EvictionPolicy],
                  host: PinnedExperts | TieredExpertStore | None, reader: BlockReader,
                  prefetcher: Prefetcher | None = None, cpu_executor: CpuExpertExecutor | None = None,
                  cpu_experts: str = "auto", bandwidths: Bandwidths | None = None, stream_waits: bool = True):
@@ -148,8 +151,12 @@ class GpuTieredStore(ExpertStore):
         self._params = 3 * config.hidden_size * config.moe_intermediate_size
         self._layer_ids = list(config.moe_layers)
         self._rank = {layer: rank for rank, layer in enumerate(self._layer_ids)}
-        self.device = DeviceSlots(expert_file, slots_per_layer)
-        self._layers = [LayerSlots(range(slots_per_layer), policy) for policy in policies]
+        counts = [slots] * len(self._layer_ids) if isinstance(slots, int) else list(slots)
+        if len(counts) != len(self._layer_ids) or not all(0 <= n <= self.num_experts for n in counts):
+            raise ValueError(f"GPU slots per MoE layer must be {len(self._layer_ids)} counts of 0 .. "
+                             f"{self.num_experts}, got {counts}")
+        self.device = DeviceSlots(expert_file, counts)
+        self._layers = [LayerSlots(range(n), policy) for n, policy in zip(counts, policies)]
         self._slot_events: list[dict[int, object]] = [{} for _ in policies]  # per rank: slot -> last copy's event
         self._inflight: list[dict[int, Future]] = [{} for _ in policies]  # per rank: expert -> prefetch (event)
         self._prefetched: list[set[int]] = [set() for _ in policies]

@@ -14,7 +14,25 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..config import GPU_SLOT_LAYOUTS
 from .policies import EvictionPolicy
+
+
+def layer_slot_counts(per_layer: int, layers: int, experts: int, layout: str) -> list[int]:
+    """Each MoE layer's GPU slots for a budget of `per_layer` x `layers` slots. "spread": `per_layer` in every layer
+    (each layer keeps its most used experts). "layers": whole layers, the last ones first, then what is left to the
+    layer before them, none to the others: a whole layer never misses, so a batch-1 step hands experts to the CPU
+    in fewer layers (each hand-off costs about as much host time as a layer's GPU work), as llama.cpp's
+    --n-cpu-moe does."""
+    if layout not in GPU_SLOT_LAYOUTS:
+        raise ValueError(f"slot layout must be one of {', '.join(GPU_SLOT_LAYOUTS)}, got {layout!r}")
+    if layout == "spread":
+        return [per_layer] * layers
+    counts, left = [0] * layers, per_layer * layers
+    for rank in reversed(range(layers)):
+        counts[rank] = min(experts, left)
+        left -= counts[rank]
+    return counts
 
 
 class LayerSlots:
