@@ -100,15 +100,15 @@ def test_experts_computed_on_the_cpu_match_within_float32_rounding(moe16_dir, re
 
 @pytest.mark.parametrize("cpu_experts", ["off", "all"])
 def test_whole_layers_on_the_gpu_give_the_resident_tokens(moe16_dir, resident_gpu_logits, cpu_experts):  # noqa: F811
-    """--gpu-slot-layout layers: the budget of 2 slots a layer becomes whole layers (the last ones) and none
-    elsewhere. Loads alone give the resident logits bit for bit; the CPU computing every miss, within rounding. The
-    whole layers never miss."""
-    options = ExpertStoreConfig(gpu_memory_limit=gpu_budget(moe16_dir, 2), l2_cache_size=host_budget(moe16_dir, "all"),
+    """--gpu-slot-layout layers: a budget of 6 slots a layer (3 MoE layers of 16 experts) becomes one whole layer (the
+    last), 2 slots in the one before and none in the first. Loads alone give the resident logits bit for bit; the
+    CPU computing every miss, within rounding."""
+    options = ExpertStoreConfig(gpu_memory_limit=gpu_budget(moe16_dir, 6), l2_cache_size=host_budget(moe16_dir, "all"),
                                 cpu_experts=cpu_experts, gpu_slot_layout="layers")
     model = load_model(str(moe16_dir), device="cuda", experts=options)
     counts = [slots.num_slots for slots in model.store._layers]
     config = read_config(moe16_dir)
-    assert counts == layer_slot_counts(2, len(config.moe_layers), config.num_experts, "layers") and 0 in counts
+    assert counts == layer_slot_counts(6, len(config.moe_layers), config.num_experts, "layers") == [0, 2, 16]
     got = step_logits(model)
     for ours, want in zip(got, resident_gpu_logits):
         if cpu_experts == "off":
