@@ -113,10 +113,11 @@ def measure(folder, pinned, threads: int | None) -> Measured:
 
 
 def make_model(folder, slots: int | list[int] | None, host, mode: str, threads: int | None = None,
-               stream_waits: bool = True):
+               stream_waits: bool = True, cpu_worker: bool = True):
     """The model over `slots` GPU slots per layer (or each layer's count; None: every expert resident) fed from
     `host`, the CPU expert executor (modes that use it) on `threads` threads (None: its default);
-    stream_waits=False: the host waits for the CPU's experts (GpuTieredStore)."""
+    stream_waits=False: the host waits for the CPU's experts; cpu_worker=False: the CPU thread's Python runs the
+    executor expert by expert (GpuTieredStore)."""
     from colibri_stream.backends.cupy_backend import CupyBackend
     from colibri_stream.experts.cpu_executor import CpuExpertExecutor
     from colibri_stream.experts.gpu_tier import GpuTieredStore
@@ -137,7 +138,7 @@ def make_model(folder, slots: int | list[int] | None, host, mode: str, threads: 
     policies = [make_policy("lfu", config.num_experts) for _ in config.moe_layers]
     store = GpuTieredStore(experts, slots, policies, host, BlockReader(experts, use_kvikio=kvikio_available()),
                            prefetcher, None if cpu_experts == "off" else CpuExpertExecutor(threads), cpu_experts,
-                           stream_waits=stream_waits)
+                           stream_waits=stream_waits, cpu_worker=cpu_worker)
     return MoETransformer(config, folder.dense, store, CupyBackend())
 
 

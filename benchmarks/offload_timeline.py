@@ -6,6 +6,8 @@ step thread's wait for the CPU, records `time.perf_counter()` at each, and print
   wake      submitted -> the CPU thread starts
   glue      CPU thread time outside the executor (block lookup, unpacking, weighted sum)
   executor  inside CpuExpertExecutor.run
+(with the CpuLayerWorker, "wake" runs to its job's start and "executor" is the whole job, as it timed them on the
+same clock as time.perf_counter; "glue" is 0)
   tail      the CPU thread's end (flag raised) -> the next layer's routing on the host, in two parts:
   host_wake   -> the step thread has taken in the CPU's end
   after_collect -> the routing is on the host (the GPU's attention and router after the flag, the readback; with
@@ -58,6 +60,8 @@ class Recorder:
         self._wrap("_compute_on_cpu", before="cpu_start", after="cpu_end")
         self._wrap("_collect_cpu_work", before="collect", after="collected")
         self._wrap_executor()
+        if store._worker is not None:
+            self._wrap_worker(store._worker)
         original_read = store._readback.read
 
         def read(stream, **arrays):
@@ -115,6 +119,22 @@ class Recorder:
 
         executor.run = run
 
+    def _wrap_worker(self, worker) -> None:
+        from colibri_stream.experts.cpu_worker import END_NS, START_NS
+
+        original_wait = worker.wait
+
+        def wait(ticket):
+            seconds = original_wait(ticket)
+            start, end = worker._control[START_NS] / 1e9, worker._control[END_NS] / 1e9  # CLOCK_MONOTONIC
+            self.events["cpu_start"].append(start)
+            self.events["cpu_end"].append(end)
+            self.events["executor"].append(end - start)
+            self.events["executor_at"].append(start)
+            return seconds
+
+        worker.wait = wait
+
     def clear(self) -> None:
         self.events.clear()
         self.gpu.clear()
@@ -168,11 +188,12 @@ def run(args) -> list[dict]:
     folder, pinned = open_folder(args.folder, "mixtral-8x7b", args.layers)
     records = []
     config = folder.config
-    for fraction, mode, layout in ((f, m, lay) for f in args.fractions for m in args.modes for lay in args.layouts):
+    runs = [(f, m, lay, c) for f in args.fractions for m in args.modes for lay in args.layouts for c in args.cpu_calls]
+    for fraction, mode, layout, cpu_call in runs:
         slots = layer_slot_counts(round(fraction * config.num_experts), len(config.moe_layers), config.num_experts,
                                   layout)
         for waits in (handoff == "stream" for handoff in args.handoffs):
-            model = make_model(folder, slots, pinned, mode, stream_waits=waits)
+            model = make_model(folder, slots, pinned, mode, stream_waits=waits, cpu_worker=cpu_call == "worker")
             recorder = Recorder(model.store)
             decode(model, 1, 2)  # warm
             recorder.clear()
@@ -181,7 +202,7 @@ def run(args) -> list[dict]:
             means = summarise(layers)
             means.update(recorder.gpu_intervals())
             handoff = "stream" if waits else "host"
-            log(f"{fraction:.0%} {mode} {layout} {handoff} waits: {figures['tok_s']:.1f} tok/s, step "
+            log(f"{fraction:.0%} {mode} {layout} {cpu_call} {handoff} waits: {figures['tok_s']:.1f} tok/s, step "
                 f"{1e3 * figures['step_s']:.1f} ms; per CPU hand-off (ms): "
                 + ", ".join(f"{k} {v:.3f}" for k, v in means.items() if v is not None) + f"; {len(layers) / args.steps:.1f} a step")
             records.append(dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"),
@@ -189,7 +210,7 @@ def run(args) -> list[dict]:
                                 numba_threading_layer=threading_layer(),
                                 thread_env={k: os.environ.get(k) for k in THREAD_ENV},
                                 layers=args.layers, batch=1, gpu_expert_fraction=fraction, mode=mode,
-                                slot_layout=layout, gpu_slots=slots,
+                                slot_layout=layout, gpu_slots=slots, cpu_call=cpu_call,
                                 handoff=handoff, figures=figures, handoff_ms=means,
                                 handoffs_per_step=len(layers) / args.steps))
             write(args.out, records)
@@ -206,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="+", default=["spread"], choices=GPU_SLOT_LAYOUTS)
     parser.add_argument("--handoffs", nargs="+", default=["stream", "host"], choices=["stream", "host"],
                         help="who waits for the CPU's experts: the stream (on a flag) or the host")
+    parser.add_argument("--cpu-calls", nargs="+", default=["worker", "thread"], choices=["worker", "thread"],
+                        help="the CPU's part of a layer: one compiled call (CpuLayerWorker) or the CPU thread's "
+                             "Python running the executor expert by expert")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/offload_timeline_h200.json")
     run(parser.parse_args(argv))

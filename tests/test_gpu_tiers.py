@@ -143,6 +143,40 @@ def test_experts_cut_between_cpu_and_gpu_match_within_float32_rounding(moe16_dir
     assert (compute.split_experts > 0) == (host != "none")
 
 
+@pytest.mark.parametrize(("cpu_experts", "stream_waits"), [("all", True), ("all", False), ("auto", True)])
+def test_the_cpu_worker_gives_the_resident_tokens(moe16_dir, resident_gpu_logits, cpu_experts,  # noqa: F811
+                                                   stream_waits):
+    """The int8 experts of the tiny model go through the CpuLayerWorker (one compiled call per layer, the flag
+    raised by it) once the executor's kernel takes experts of any size: the same tokens, logits within rounding,
+    every expert counted; "auto" with the CPU as fast as the copy cuts experts between the worker and the GPU."""
+    from colibri_stream.backends.cupy_backend import CupyBackend
+    from colibri_stream.checkpoint import ModelFolder
+    from colibri_stream.experts.cpu_executor import CpuExpertExecutor
+    from colibri_stream.experts.pinned import PinnedExperts
+    from colibri_stream.experts.policies import make_policy
+    from colibri_stream.experts.tiers import BlockReader
+    from colibri_stream.model.transformer import MoETransformer
+
+    folder = ModelFolder(moe16_dir)
+    config, experts = folder.config, folder.experts
+    reader = BlockReader(experts)
+    policies = [make_policy("lfu", config.num_experts) for _ in config.moe_layers]
+    store = GpuTieredStore(experts, 2, policies, PinnedExperts(experts, reader), reader, None,
+                           CpuExpertExecutor(min_kernel_bytes=0), cpu_experts,
+                           bandwidths=EVEN if cpu_experts == "auto" else None, stream_waits=stream_waits)
+    assert store._worker is not None and (store._flag is not None) == stream_waits
+    model = MoETransformer(config, folder.dense, store, CupyBackend())
+    for ours, want in zip(step_logits(model), resident_gpu_logits):
+        assert relative_error(ours, want) < 1e-5
+        assert (ours.argmax(axis=-1) == want.argmax(axis=-1)).all()
+    stats = store.stats()
+    assert stats.compute.cpu_experts > 0 and stats.compute.cpu_bytes_read > 0 and stats.compute.cpu_seconds > 0
+    if cpu_experts == "all":
+        assert stats.compute.cpu_experts == stats.tiers["gpu"].misses
+    else:
+        assert stats.compute.split_experts > 0
+
+
 def test_a_corrupt_block_is_reported_when_read_and_at_start_when_l2_reads_all(moe16_dir, tmp_path):  # noqa: F811
     config = read_config(moe16_dir)
     layer = config.moe_layers[-1]

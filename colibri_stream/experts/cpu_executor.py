@@ -216,7 +216,7 @@ def _dots(w, o, rows, lo, hi, x, out):
 
 
 @_jit(parallel=True, fastmath=FASTMATH, nogil=True)
-def _expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, x, first, last, h, y, threads):
+def expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, x, first, last, h, y, threads):
     """The expert's part over intermediate rows first .. last - 1 (all of it: 0 .. I), on `threads` threads.
     gate, up [I, H], down [H, I] (uint16 bf16 bits, int8 or float32); scales [rows] float32 or [0];
     x [n, H] float32 in; h [n, last - first] float32 scratch; y [n, H] float32 out."""
@@ -265,7 +265,7 @@ class CpuExpertExecutor:
 
     def __init__(self, num_threads: int | None = None, use_kernel: bool = True,
                  min_kernel_bytes: int = MIN_KERNEL_BYTES):
-        self.kernel = _expert_kernel if use_kernel and numba is not None else None
+        self.kernel = expert_kernel if use_kernel and numba is not None else None
         limit = numba.config.NUMBA_NUM_THREADS if numba is not None else os.cpu_count() or 1
         self.num_threads = min(num_threads or limit, limit)
         self.min_kernel_bytes = min_kernel_bytes
@@ -285,10 +285,14 @@ class CpuExpertExecutor:
         part = intermediate_rows(tensors, first, last)
         nbytes = sum(a.nbytes for a in part.values())
         y = self._compute(x, tensors, part, first, nbytes)
-        self.stats.cpu_experts += 1
-        self.stats.cpu_seconds += time.perf_counter() - start
-        self.stats.cpu_bytes_read += nbytes
+        self.record(1, time.perf_counter() - start, nbytes)
         return y
+
+    def record(self, experts: int, seconds: float, nbytes: int) -> None:
+        """Count expert computations done with this executor's kernel (`run`, or a CpuLayerWorker's job)."""
+        self.stats.cpu_experts += experts
+        self.stats.cpu_seconds += seconds
+        self.stats.cpu_bytes_read += nbytes
 
     def _compute(self, x: np.ndarray, tensors: dict[str, np.ndarray], part: dict[str, np.ndarray], first: int,
                  nbytes: int) -> np.ndarray:

@@ -38,6 +38,7 @@ import numpy as np
 from ..checkpoint import BLOCK_ALIGNMENT, ExpertFile, expert_block_layout
 from ..errors import CheckpointError
 from .cpu_executor import CpuExpertExecutor
+from .cpu_worker import CpuLayerWorker
 from .handoff import HostFlag, PinnedReadback
 from .partial import DEVICE_DTYPES, PartialLayout
 from .pinned import PinnedExperts, StagingRing, pinned_empty
@@ -131,7 +132,8 @@ class GpuTieredStore(ExpertStore):
     only). prefetcher: predicts later layers' experts from the host copy of the MoE input. cpu_executor: computes
     misses on the CPU where the cost model says so (`cpu_experts` "auto"), for every miss ("all"), or never
     (None). stream_waits=False: the host waits for the CPU's part in `finish_layer` (as where the driver has no
-    stream memory operations).
+    stream memory operations). cpu_worker=False: the CPU thread runs the executor expert by expert even where a
+    CpuLayerWorker could serve (for comparison).
     """
 
     resident = False
@@ -139,7 +141,8 @@ class GpuTieredStore(ExpertStore):
     def __init__(self, expert_file: ExpertFile, slots: int | list[int], policies: list[EvictionPolicy],
                  host: PinnedExperts | TieredExpertStore | None, reader: BlockReader,
                  prefetcher: Prefetcher | None = None, cpu_executor: CpuExpertExecutor | None = None,
-                 cpu_experts: str = "auto", bandwidths: Bandwidths | None = None, stream_waits: bool = True):
+                 cpu_experts: str = "auto", bandwidths: Bandwidths | None = None, stream_waits: bool = True,
+                 cpu_worker: bool = True):
         import cupy
 
         self.cp = cupy
@@ -149,6 +152,7 @@ class GpuTieredStore(ExpertStore):
         self.num_experts = config.num_experts
         self.block_size = expert_file.block_size
         self._params = 3 * config.hidden_size * config.moe_intermediate_size
+        self._expert_bytes = sum(t.nbytes for t in expert_block_layout(config)[0])  # weights and scales, no padding
         self._layer_ids = list(config.moe_layers)
         self._rank = {layer: rank for rank, layer in enumerate(self._layer_ids)}
         counts = [slots] * len(self._layer_ids) if isinstance(slots, int) else list(slots)
@@ -182,6 +186,18 @@ class GpuTieredStore(ExpertStore):
         self._flag = HostFlag.create(cupy.cuda.get_current_stream()) if waits else None
         self._cpu_out: np.ndarray | None = None  # float32, grown as needed
         self._pending_cpu: dict | None = None  # the step plan whose CPU work the host has not taken in yet
+        self._worker = self._make_worker() if cpu_worker else None  # the CPU's part in one compiled call a layer
+
+    def _make_worker(self) -> CpuLayerWorker | None:
+        """A CpuLayerWorker when the executor's kernel serves these experts (else the CPU thread's Python runs
+        the executor expert by expert)."""
+        executor = self.executor
+        block = self.host.block(self._layer_ids[0], 0) if isinstance(self.host, PinnedExperts) else self._ring.buffers[0]
+        tensors = self.file.unpack(block)
+        if (executor is None or executor.kernel is None or not CpuLayerWorker.available(tensors)
+                or sum(t.nbytes for t in tensors.values()) < executor.min_kernel_bytes):
+            return None
+        return CpuLayerWorker(tensors, block, executor.num_threads)
 
     # ---- start ---------------------------------------------------------------------------------------------
     def _fresh_stats(self) -> ExpertStats:
@@ -518,17 +534,24 @@ class GpuTieredStore(ExpertStore):
             return
         cpu = step["cpu"]
         with self.timer.phase("expert_cpu"):
-            seconds = cpu["future"].result()
+            if "job" in cpu:
+                seconds = self._worker.wait(cpu["job"])
+                for release in cpu["releases"]:
+                    release(None)
+                self.executor.record(len(cpu["work"]), seconds, cpu["nbytes"])
+            else:
+                seconds = cpu["future"].result()
         if self.adapt_rates:
             self.bandwidths = corrected(self.bandwidths, "cpu", cpu["predicted"], seconds)
         for expert, _ in cpu["work"]:
             self._layers[step["rank"]].use(expert)
 
     def _start_cpu_work(self, layer: int, step: dict) -> None:
-        """Hand the experts placed on the CPU (whole, and a cut one's other rows) to the CPU thread, so they are
-        computed while this thread queues the layer's copies and kernels. step["cpu"]: None, or the work's future
-        (of its seconds), predicted seconds, work list, pinned output [T, H] and flag ticket. Blocks in host memory
-        are looked up here (the tiers are used from this thread only); one that no tier holds is read from
+        """Hand the experts placed on the CPU (whole, and a cut one's other rows) to the CpuLayerWorker (every block
+        in host memory and the kernel serving them) or else to the CPU thread, so they are computed while this
+        thread queues the layer's copies and kernels. step["cpu"]: None, or the worker's job (or the thread's
+        future of its seconds), predicted seconds, work list, pinned output [T, H] and flag ticket. Blocks in host
+        memory are looked up here (the tiers are used from this thread only); one that no tier holds is read from
         experts.bin by the CPU thread."""
         work = [(expert, None) for expert in step["on_cpu"]]  # (expert, rows the CPU computes: None for all)
         if step["split"] is not None:
@@ -537,8 +560,25 @@ class GpuTieredStore(ExpertStore):
         if not work:
             step["cpu"] = None
             return
+        x = step["x"]
+        # One output buffer serves every layer: the next layer's work is handed over after begin_layer has
+        # synchronised the stream, which by then has copied this one out.
+        if self._cpu_out is None or self._cpu_out.size < x.size:
+            self._cpu_out = pinned_empty(1, 2 * x.nbytes)[0].view(np.float32)
+        out = self._cpu_out[: x.size].reshape(x.shape)  # [T, H]
+        ticket = self._flag.ticket() if self._flag is not None else None
+        cpu = step["cpu"] = {"work": work, "out": out, "ticket": ticket}
+        in_memory = all(self._in_host_memory(layer, expert) for expert, _ in work)
+        if self._worker is not None and in_memory:
+            self._start_worker_job(layer, step, cpu)
+        else:
+            self._start_cpu_thread(layer, step, cpu, in_memory)
+        cpu["predicted"] = self._cpu_seconds(step["ids"], work)  # while the CPU works
+
+    def _start_cpu_thread(self, layer: int, step: dict, cpu: dict, in_memory: bool) -> None:
+        """Hand the layer's CPU work to the CPU thread, which runs the executor expert by expert."""
         fetches = []
-        for expert, rows in work:
+        for expert, rows in cpu["work"]:
             if self._in_host_memory(layer, expert):
                 held = self._host_block(layer, expert)
                 fetches.append((expert, rows, lambda held=held: held))
@@ -547,22 +587,28 @@ class GpuTieredStore(ExpertStore):
                 disk.hits += 1
                 disk.bytes_read += self.block_size
                 fetches.append((expert, rows, lambda e=expert: self._read_staged(layer, e, count=False)))
-        x = step["x"]
-        # One output buffer serves every layer: the next layer's work is handed over after begin_layer has
-        # synchronised the stream, which by then has copied this one out.
-        if self._cpu_out is None or self._cpu_out.size < x.size:
-            self._cpu_out = pinned_empty(1, 2 * x.nbytes)[0].view(np.float32)
-        out = self._cpu_out[: x.size].reshape(x.shape)  # [T, H]
-        ticket = self._flag.ticket() if self._flag is not None else None
         entered = threading.Event()
-        future = self._cpu_thread.submit(self._compute_on_cpu, step["ids"], x, step["weights"], fetches, out, ticket,
-                                         entered)
-        step["cpu"] = {"future": future, "predicted": self._cpu_seconds(step["ids"], work), "work": work, "out": out,
-                       "ticket": ticket}
+        cpu["future"] = self._cpu_thread.submit(self._compute_on_cpu, step["ids"], step["x"], step["weights"],
+                                                fetches, cpu["out"], cpu["ticket"], entered)
         # Let the CPU thread take the GIL for its Python before the executor (which runs without it): while this
         # thread queues kernels, the other would wait for the GIL (~0.2 ms a layer measured). Not behind a disk read.
-        if all(self._in_host_memory(layer, expert) for expert, _ in work):
+        if in_memory:
             entered.wait()
+
+    def _start_worker_job(self, layer: int, step: dict, cpu: dict) -> None:
+        """Hand the layer's CPU work to the CpuLayerWorker: each block's address and row range; it raises the
+        flag itself. The blocks are released when the work is taken in."""
+        inter, items, releases = self.file.config.moe_intermediate_size, [], []
+        for expert, rows in cpu["work"]:
+            block, release = self._host_block(layer, expert)
+            first, last = rows or (0, inter)
+            items.append((block.ctypes.data, first, last, expert))
+            releases.append(release)
+        flag = self._flag.word.ctypes.data if self._flag is not None else 0
+        cpu["job"] = self._worker.submit(items, step["ids"], step["x"], step["weights"], cpu["out"], flag,
+                                         cpu["ticket"] or 0)
+        cpu["releases"] = releases
+        cpu["nbytes"] = sum((last - first) * self._expert_bytes // inter for _, first, last, _ in items)
 
     def _compute_on_cpu(self, ids: np.ndarray, x: np.ndarray, weights: np.ndarray, fetches: list, out: np.ndarray,
                         ticket: int | None, entered: threading.Event) -> float:

@@ -1,0 +1,276 @@
+"""A host thread that computes one MoE layer's CPU experts in one compiled call, handed its work without the GIL.
+
+The GPU slot store (gpu_tier.py) hands the experts it places on the CPU to another thread once per MoE layer.
+Through a Python thread pool that hand-off cost about 0.1 ms to wake the thread and pass it the GIL, and 0.15 ms
+of Python around the executor's kernel, every layer (benchmarks/offload_timeline.py, BENCHMARKS.md). Here the
+thread waits inside a compiled loop that holds no GIL: it spins on a doorbell word, reads the job from a table of
+int64 words (the addresses of the layer's tokens, routing, output and of each expert's pinned block, and the row
+range the CPU computes), runs the executor's kernel (cpu_executor.expert_kernel) for each expert over the tokens
+routed to it, adds the result times the routing weight into the output, then raises the done word and the CUDA
+stream's flag (handoff.HostFlag). After SPIN_SECONDS with no job it leaves the loop and sleeps on a
+threading.Event, so an idle server does not keep a core busy.
+
+`CpuLayerWorker.available(tensors)` says whether the kernel serves an expert of that dtype and size (else the
+store keeps its Python path). Blocks must be in host memory for the whole job: the caller keeps them (and the
+arrays it passes) alive until `wait` returns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+
+import numpy as np
+
+from .cpu_executor import KERNEL_DTYPES, expert_kernel, numba
+
+SPIN_SECONDS = 0.005  # the worker spins this long after a job before it sleeps (a decode step's layers are closer)
+HEADER = 9  # job words: tokens, top_k, x, ids, weights, out addresses, flag address, flag value, experts
+ITEM = 4  # words per expert: block address, first row, last row, expert id
+WEIGHT_NAMES = ("gate", "up", "down", "gate_scale", "up_scale", "down_scale")
+# control words: the latest ticket handed over, the latest finished, stop, the job table's address, the latest
+# job's start and end (CLOCK_MONOTONIC ns)
+DOORBELL, DONE, STOP, JOBS, START_NS, END_NS = range(6)
+
+
+if numba is not None:
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    _clock_gettime = ctypes.CDLL(None).clock_gettime
+    _clock_gettime.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    _clock_gettime.restype = ctypes.c_int
+    CLOCK_MONOTONIC = 1
+
+    @intrinsic
+    def _pointer(typingctx, address):
+        """An integer address as a void pointer (for numba.carray)."""
+        if not isinstance(address, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+        return types.voidptr(address), codegen
+
+    @intrinsic
+    def _load_acquire(typingctx, address):
+        """The int64 at `address`, read anew every time (an atomic load): a word another thread writes."""
+        if not isinstance(address, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.load_atomic(builder.inttoptr(args[0], ir.IntType(64).as_pointer()), "acquire", 8)
+
+        return types.int64(address), codegen
+
+    def _release_store(bits: int):
+        @intrinsic
+        def store(typingctx, address, value):
+            """Store `value` at `address` after every earlier write (an atomic release store)."""
+            if not isinstance(address, types.Integer) or not isinstance(value, types.Integer):
+                return None
+
+            def codegen(context, builder, signature, args):
+                word = ir.IntType(bits)
+                value = builder.trunc(args[1], word) if bits < 64 else args[1]
+                builder.store_atomic(value, builder.inttoptr(args[0], word.as_pointer()), "release", bits // 8)
+                return context.get_dummy_value()
+
+            return types.void(address, value), codegen
+
+        return store
+
+    _store_release = _release_store(64)
+    _store_release32 = _release_store(32)
+
+    @numba.njit(nogil=True)
+    def _now_ns() -> int:
+        spec = np.empty(2, np.int64)  # struct timespec: seconds, nanoseconds
+        _clock_gettime(CLOCK_MONOTONIC, _pointer(spec.ctypes.data))
+        return spec[0] * 1_000_000_000 + spec[1]
+
+    @numba.njit(nogil=True)
+    def ring(control: int, ticket: int) -> None:
+        """Hand the job in the table to the worker as `ticket` (after every write to the table)."""
+        _store_release(control + 8 * DOORBELL, ticket)
+
+    @numba.njit(nogil=True)
+    def wait_done(control: int, ticket: int) -> None:
+        """Spin, without the GIL, until the worker has finished `ticket`."""
+        while _load_acquire(control + 8 * DONE) < ticket:
+            pass
+
+
+_servers: dict = {}
+
+
+def _server(dtype: np.dtype, scaled: bool):
+    """The worker's compiled loop for experts of `dtype` (with int8's row scales when `scaled`), built once."""
+    key = (dtype.str, scaled)
+    if key in _servers:
+        return _servers[key]
+
+    @numba.njit(nogil=True)
+    def serve(control: int, layout: np.ndarray, spin_ns: int, threads: int) -> None:
+        """Run jobs until STOP is set or no job came for spin_ns. layout: offsets of gate, up, down and the three
+        scales in a block, then I and H."""
+        inter, hidden = layout[6], layout[7]
+        numba.set_num_threads(threads)
+        idle_since = _now_ns()
+        while True:
+            ticket = _load_acquire(control + 8 * DOORBELL)
+            if ticket == _load_acquire(control + 8 * DONE):
+                if _load_acquire(control + 8 * STOP) != 0 or _now_ns() - idle_since > spin_ns:
+                    return
+                continue
+            start = _now_ns()
+            header = numba.carray(_pointer(_load_acquire(control + 8 * JOBS)), (HEADER,), np.int64)
+            jobs = numba.carray(_pointer(_load_acquire(control + 8 * JOBS)), (HEADER + ITEM * header[8],), np.int64)
+            tokens, top_k = jobs[0], jobs[1]
+            x = numba.carray(_pointer(jobs[2]), (tokens, hidden), np.float32)  # [T, H]
+            ids = numba.carray(_pointer(jobs[3]), (tokens, top_k), np.int64)  # [T, k]
+            weights = numba.carray(_pointer(jobs[4]), (tokens, top_k), np.float32)  # [T, k]
+            out = numba.carray(_pointer(jobs[5]), (tokens, hidden), np.float32)  # [T, H]
+            out[:] = 0.0
+            for item in range(jobs[8]):
+                at = HEADER + ITEM * item
+                block, first, last, expert = jobs[at], jobs[at + 1], jobs[at + 2], jobs[at + 3]
+                gate = numba.carray(_pointer(block + layout[0]), (inter, hidden), dtype)  # [I, H]
+                up = numba.carray(_pointer(block + layout[1]), (inter, hidden), dtype)  # [I, H]
+                down = numba.carray(_pointer(block + layout[2]), (hidden, inter), dtype)  # [H, I]
+                if scaled:
+                    gate_scale = numba.carray(_pointer(block + layout[3]), (inter,), np.float32)
+                    up_scale = numba.carray(_pointer(block + layout[4]), (inter,), np.float32)
+                    down_scale = numba.carray(_pointer(block + layout[5]), (hidden,), np.float32)
+                else:
+                    gate_scale = up_scale = down_scale = np.empty(0, np.float32)
+                routed = np.empty(tokens, np.int64)  # the tokens routed to this expert
+                scale = np.empty(tokens, np.float32)  # and their routing weights
+                n = 0
+                for t in range(tokens):
+                    for j in range(top_k):
+                        if ids[t, j] == expert:
+                            routed[n], scale[n] = t, weights[t, j]
+                            n += 1
+                if n == 0:
+                    continue
+                rows = np.empty((n, hidden), np.float32)  # [n, H]
+                for r in range(n):
+                    rows[r] = x[routed[r]]
+                h = np.empty((n, last - first), np.float32)  # [n, last - first]
+                y = np.empty((n, hidden), np.float32)  # [n, H]
+                expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, rows, first, last, h, y, threads)
+                for r in range(n):
+                    for c in range(hidden):
+                        out[routed[r], c] += y[r, c] * scale[r]
+            _store_release(control + 8 * START_NS, start)
+            _store_release(control + 8 * END_NS, _now_ns())
+            _store_release(control + 8 * DONE, ticket)
+            if jobs[6] != 0:
+                _store_release32(jobs[6], jobs[7])  # the stream waiting on this flag may go on
+            idle_since = _now_ns()
+
+    _servers[key] = serve
+    return serve
+
+
+class CpuLayerWorker:
+    """One host thread computing a layer's CPU experts per `submit`, in one compiled call; see the module docstring.
+
+    tensors: one expert's tensors as `ExpertFile.unpack` gives them from `block` (their offsets in a block and
+    shapes are the same for every block). threads: the kernel's threads. `wait` returns a job's seconds; counting
+    them is the caller's.
+    """
+
+    def __init__(self, tensors: dict[str, np.ndarray], block: np.ndarray, threads: int):
+        if not self.available(tensors):
+            raise ValueError("the CPU expert kernel does not serve these experts (numba is missing or their dtype)")
+        base = block.ctypes.data
+        offsets = [tensors[name].ctypes.data - base if name in tensors else -1 for name in WEIGHT_NAMES]
+        inter, hidden = tensors["gate"].shape
+        self._layout = np.array([*offsets, inter, hidden], np.int64)
+        dtype = np.dtype(np.uint16) if tensors["gate"].dtype == KERNEL_DTYPES[0] else tensors["gate"].dtype
+        self._serve = _server(dtype, "gate_scale" in tensors)
+        self.threads = threads
+        self._control = np.zeros(8, np.int64)
+        self._jobs = np.zeros(HEADER, np.int64)
+        self._ticket = 0
+        self._held: tuple = ()  # what the running job reads: kept alive until it ends
+        self._error: BaseException | None = None
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="colibri-cpu-experts", daemon=True)
+        self._thread.start()
+        weakref.finalize(self, CpuLayerWorker._stop, self._control, self._wake)
+        empty = np.zeros((0, hidden), np.float32)  # compiles the loop now, not in the first step
+        self.wait(self.submit([], np.zeros((0, 1), np.int64), empty, np.zeros((0, 1), np.float32), empty.copy()))
+
+    @staticmethod
+    def available(tensors: dict[str, np.ndarray]) -> bool:
+        return numba is not None and tensors["gate"].dtype in KERNEL_DTYPES
+
+    def submit(self, items: list[tuple[int, int, int, int]], ids: np.ndarray, x: np.ndarray, weights: np.ndarray,
+               out: np.ndarray, flag_address: int = 0, flag_value: int = 0) -> int:
+        """Start the layer's job: for each (block address, first row, last row, expert id), the expert's part over
+        intermediate rows first .. last - 1 for the tokens `ids` routes to it, weighted, summed into `out`; then
+        the uint32 at `flag_address` (if any) set to `flag_value`. Returns the job's ticket for `wait`.
+        ids [T, k] int64, x [T, H] float32, weights [T, k] float32, out [T, H] float32, all C-contiguous."""
+        if self._ticket != self._control[DONE]:
+            raise RuntimeError("the previous CPU expert job has not been waited for")
+        ids = np.ascontiguousarray(ids, np.int64)
+        x = np.ascontiguousarray(x, np.float32)
+        weights = np.ascontiguousarray(weights, np.float32)
+        if not out.flags.c_contiguous or out.dtype != np.float32 or out.shape != x.shape:
+            raise ValueError(f"out must be C-contiguous float32 of shape {x.shape}")
+        words = HEADER + ITEM * len(items)
+        if self._jobs.size < words:
+            self._jobs = np.zeros(2 * words, np.int64)
+        jobs = self._jobs
+        jobs[:HEADER] = (x.shape[0], ids.shape[1], x.ctypes.data, ids.ctypes.data, weights.ctypes.data,
+                         out.ctypes.data, flag_address, flag_value, len(items))
+        if items:
+            jobs[HEADER:words] = np.asarray(items, np.int64).reshape(-1)
+        self._held = (ids, x, weights, out, jobs)
+        self._control[JOBS] = jobs.ctypes.data  # a grown table is another array
+        self._ticket += 1
+        ring(self._control.ctypes.data, self._ticket)  # after every write above
+        self._wake.set()
+        return self._ticket
+
+    def wait(self, ticket: int) -> float:
+        """Wait for job `ticket` (spinning without the GIL) and return its seconds; raises the worker's error."""
+        wait_done(self._control.ctypes.data, ticket)
+        self._held = ()
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError("the CPU expert worker failed") from error
+        return (self._control[END_NS] - self._control[START_NS]) / 1e9
+
+    def close(self) -> None:
+        CpuLayerWorker._stop(self._control, self._wake)
+        self._thread.join()
+
+    @staticmethod
+    def _stop(control: np.ndarray, wake: threading.Event) -> None:
+        control[STOP] = 1
+        wake.set()
+
+    def _run(self) -> None:
+        spin_ns = int(SPIN_SECONDS * 1e9)
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._control[STOP]:
+                return
+            try:
+                self._serve(self._control.ctypes.data, self._layout, spin_ns, self.threads)
+            except Exception as error:  # the job ends anyway: nobody may wait for it forever
+                self._error = error
+                jobs = self._jobs
+                self._control[START_NS] = self._control[END_NS] = 0
+                self._control[DONE] = self._control[DOORBELL]
+                if jobs[6] != 0:
+                    ctypes.c_uint32.from_address(int(jobs[6])).value = int(jobs[7])
