@@ -26,6 +26,8 @@ import numpy as np
 from .cpu_executor import KERNEL_DTYPES, expert_kernel, numba
 
 SPIN_SECONDS = 0.005  # the worker spins this long after a job before it sleeps (a decode step's layers are closer)
+WAIT_SPINS = 2000  # `wait` checks this often before it sleeps between checks
+WAIT_SLEEP_US = 20
 HEADER = 9  # job words: tokens, top_k, x, ids, weights, out addresses, flag address, flag value, experts
 ITEM = 4  # words per expert: block address, first row, last row, expert id
 WEIGHT_NAMES = ("gate", "up", "down", "gate_scale", "up_scale", "down_scale")
@@ -40,9 +42,13 @@ if numba is not None:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    _clock_gettime = ctypes.CDLL(None).clock_gettime
+    _libc = ctypes.CDLL(None)
+    _clock_gettime = _libc.clock_gettime
     _clock_gettime.argtypes = [ctypes.c_int, ctypes.c_void_p]
     _clock_gettime.restype = ctypes.c_int
+    _usleep = _libc.usleep
+    _usleep.argtypes = [ctypes.c_uint]
+    _usleep.restype = ctypes.c_int
     CLOCK_MONOTONIC = 1
 
     @intrinsic
@@ -100,9 +106,13 @@ if numba is not None:
 
     @numba.njit(nogil=True)
     def wait_done(control: int, ticket: int) -> None:
-        """Spin, without the GIL, until the worker has finished `ticket`."""
+        """Wait, without the GIL, until the worker has finished `ticket`: a short spin, then sleeps of WAIT_SLEEP_US
+        (the job's threads use every core; a waiter spinning beside them would take one of theirs)."""
+        for _ in range(WAIT_SPINS):
+            if _load_acquire(control + 8 * DONE) >= ticket:
+                return
         while _load_acquire(control + 8 * DONE) < ticket:
-            pass
+            _usleep(WAIT_SLEEP_US)
 
 
 _servers: dict = {}
@@ -201,6 +211,8 @@ class CpuLayerWorker:
         self._ticket = 0
         self._held: tuple = ()  # what the running job reads: kept alive until it ends
         self._error: BaseException | None = None
+        self._serving = False  # the thread is in the compiled loop (or about to enter it)
+        self._entered = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="colibri-cpu-experts", daemon=True)
         self._thread.start()
@@ -236,8 +248,13 @@ class CpuLayerWorker:
         self._held = (ids, x, weights, out, jobs)
         self._control[JOBS] = jobs.ctypes.data  # a grown table is another array
         self._ticket += 1
+        asleep = not self._serving
+        if asleep:
+            self._entered.clear()
         ring(self._control.ctypes.data, self._ticket)  # after every write above
         self._wake.set()
+        if asleep:  # it needs the GIL to get back into its loop: let it have it now, not when this thread blocks
+            self._entered.wait()
         return self._ticket
 
     def wait(self, ticket: int) -> float:
@@ -265,6 +282,8 @@ class CpuLayerWorker:
             self._wake.clear()
             if self._control[STOP]:
                 return
+            self._serving = True
+            self._entered.set()
             try:
                 self._serve(self._control.ctypes.data, self._layout, spin_ns, self.threads)
             except Exception as error:  # the job ends anyway: nobody may wait for it forever
@@ -274,3 +293,5 @@ class CpuLayerWorker:
                 self._control[DONE] = self._control[DOORBELL]
                 if jobs[6] != 0:
                     ctypes.c_uint32.from_address(int(jobs[6])).value = int(jobs[7])
+            finally:
+                self._serving = False
