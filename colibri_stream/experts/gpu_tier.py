@@ -197,6 +197,7 @@ class GpuTieredStore(ExpertStore):
         if (executor is None or executor.kernel is None or not CpuLayerWorker.available(tensors)
                 or sum(t.nbytes for t in tensors.values()) < executor.min_kernel_bytes):
             return None
+        logger.info("CPU experts: one compiled call per layer on %d threads (CpuLayerWorker)", executor.num_threads)
         return CpuLayerWorker(tensors, block, executor.num_threads)
 
     # ---- start ---------------------------------------------------------------------------------------------
