@@ -10,9 +10,10 @@ routed to it, adds the result times the routing weight into the output, then rai
 stream's flag (handoff.HostFlag). After SPIN_SECONDS with no job it leaves the loop and sleeps on a
 threading.Event, so an idle server does not keep a core busy.
 
-`CpuLayerWorker.available(tensors)` says whether the kernel serves an expert of that dtype and size (else the
-store keeps its Python path). Blocks must be in host memory for the whole job: the caller keeps them (and the
-arrays it passes) alive until `wait` returns.
+`CpuLayerWorker.serves(executor, tensors)` says whether a worker over that executor's kernel computes experts like
+`tensors` (else the caller runs the executor expert by expert). The GPU slot store and the NumPy backend (experts
+in the memory map of experts.bin) use it. Blocks must be in host memory for the whole job: the caller keeps them
+(and the arrays it passes) alive until `wait` returns.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import weakref
 
 import numpy as np
 
-from .cpu_executor import KERNEL_DTYPES, expert_kernel, numba
+from .cpu_executor import KERNEL_DTYPES, CpuExpertExecutor, expert_kernel, numba
 
 SPIN_SECONDS = 0.005  # the worker spins this long after a job before it sleeps (a decode step's layers are closer)
 WAIT_SPINS = 2000  # `wait` checks this often before it sleeps between checks
@@ -197,7 +198,7 @@ class CpuLayerWorker:
     """
 
     def __init__(self, tensors: dict[str, np.ndarray], block: np.ndarray, threads: int):
-        if not self.available(tensors):
+        if numba is None or tensors["gate"].dtype not in KERNEL_DTYPES:
             raise ValueError("the CPU expert kernel does not serve these experts (numba is missing or their dtype)")
         base = block.ctypes.data
         offsets = [tensors[name].ctypes.data - base if name in tensors else -1 for name in WEIGHT_NAMES]
@@ -221,8 +222,11 @@ class CpuLayerWorker:
         self.wait(self.submit([], np.zeros((0, 1), np.int64), empty, np.zeros((0, 1), np.float32), empty.copy()))
 
     @staticmethod
-    def available(tensors: dict[str, np.ndarray]) -> bool:
-        return numba is not None and tensors["gate"].dtype in KERNEL_DTYPES
+    def serves(executor: CpuExpertExecutor | None, tensors: dict[str, np.ndarray]) -> bool:
+        """Whether a worker over `executor`'s kernel computes experts like `tensors`: the kernel is there (numba),
+        takes their dtype, and the executor would use it for their size (min_kernel_bytes)."""
+        return (executor is not None and executor.kernel is not None and tensors["gate"].dtype in KERNEL_DTYPES
+                and sum(t.nbytes for t in tensors.values()) >= executor.min_kernel_bytes)
 
     def submit(self, items: list[tuple[int, int, int, int]], ids: np.ndarray, x: np.ndarray, weights: np.ndarray,
                out: np.ndarray, flag_address: int = 0, flag_value: int = 0) -> int:

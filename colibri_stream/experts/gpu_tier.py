@@ -194,8 +194,7 @@ class GpuTieredStore(ExpertStore):
         executor = self.executor
         block = self.host.block(self._layer_ids[0], 0) if isinstance(self.host, PinnedExperts) else self._ring.buffers[0]
         tensors = self.file.unpack(block)
-        if (executor is None or executor.kernel is None or not CpuLayerWorker.available(tensors)
-                or sum(t.nbytes for t in tensors.values()) < executor.min_kernel_bytes):
+        if not CpuLayerWorker.serves(executor, tensors):
             return None
         logger.info("CPU experts: one compiled call per layer on %d threads (CpuLayerWorker)", executor.num_threads)
         return CpuLayerWorker(tensors, block, executor.num_threads)
