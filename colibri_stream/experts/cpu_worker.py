@@ -210,7 +210,7 @@ class CpuLayerWorker:
         self._control = np.zeros(8, np.int64)
         self._jobs = np.zeros(HEADER, np.int64)
         self._ticket = 0
-        self._held: tuple = ()  # what the running job reads: kept alive until it ends
+        self._held: tuple = ()  # what the job not yet waited for reads: kept alive until `wait`
         self._error: BaseException | None = None
         self._serving = False  # the thread is in the compiled loop (or about to enter it)
         self._entered = threading.Event()
@@ -234,7 +234,7 @@ class CpuLayerWorker:
         intermediate rows first .. last - 1 for the tokens `ids` routes to it, weighted, summed into `out`; then
         the uint32 at `flag_address` (if any) set to `flag_value`. Returns the job's ticket for `wait`.
         ids [T, k] int64, x [T, H] float32, weights [T, k] float32, out [T, H] float32, all C-contiguous."""
-        if self._ticket != self._control[DONE]:
+        if self._held:
             raise RuntimeError("the previous CPU expert job has not been waited for")
         ids = np.ascontiguousarray(ids, np.int64)
         x = np.ascontiguousarray(x, np.float32)

@@ -516,7 +516,6 @@ class GpuTieredStore(ExpertStore):
             return None
         cpu = step["cpu"]
         stream = self.cp.cuda.get_current_stream()
-        self._pending_cpu = step
         if self._flag is None or step["rank"] == len(self._layer_ids) - 1:
             self._collect_cpu_work()
         else:
@@ -573,6 +572,7 @@ class GpuTieredStore(ExpertStore):
             self._start_worker_job(layer, step, cpu)
         else:
             self._start_cpu_thread(layer, step, cpu, in_memory)
+        self._pending_cpu = step  # taken in by the next begin_layer, even if this step fails before finish_layer
         cpu["predicted"] = self._cpu_seconds(step["ids"], work)  # while the CPU works
 
     def _start_cpu_thread(self, layer: int, step: dict, cpu: dict, in_memory: bool) -> None:
