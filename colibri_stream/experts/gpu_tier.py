@@ -189,9 +189,11 @@ class GpuTieredStore(ExpertStore):
         self._worker = self._make_worker() if cpu_worker else None  # the CPU's part in one compiled call a layer
 
     def _make_worker(self) -> CpuLayerWorker | None:
-        """A CpuLayerWorker when the executor's kernel serves these experts (else the CPU thread's Python runs
-        the executor expert by expert)."""
+        """A CpuLayerWorker when the executor's kernel serves these experts and a host tier holds blocks (else the
+        CPU thread's Python runs the executor expert by expert)."""
         executor = self.executor
+        if self.host is None:  # every block the CPU computes is read from experts.bin by the CPU thread
+            return None
         block = self.host.block(self._layer_ids[0], 0) if isinstance(self.host, PinnedExperts) else self._ring.buffers[0]
         tensors = self.file.unpack(block)
         if not CpuLayerWorker.serves(executor, tensors):
