@@ -120,13 +120,11 @@ class Recorder:
         executor.run = run
 
     def _wrap_worker(self, worker) -> None:
-        from colibri_stream.experts.cpu_worker import END_NS, START_NS
-
         original_wait = worker.wait
 
         def wait(ticket):
             seconds = original_wait(ticket)
-            start, end = worker._control[START_NS] / 1e9, worker._control[END_NS] / 1e9  # CLOCK_MONOTONIC
+            start, end = worker.span()
             self.events["cpu_start"].append(start)
             self.events["cpu_end"].append(end)
             self.events["executor"].append(end - start)

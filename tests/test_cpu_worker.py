@@ -114,6 +114,19 @@ def test_jobs_after_an_idle_sleep_a_grown_table_and_an_unwaited_job():
     assert not worker._thread.is_alive()
 
 
+def test_a_worker_nobody_holds_stops_its_thread():
+    import gc
+
+    rng = np.random.default_rng(3)
+    blocks, views = expert_blocks("bf16", rng)
+    worker = cpu_worker.CpuLayerWorker(views[0], blocks[0], threads=1)
+    thread = worker._thread
+    del worker
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
 def test_a_failing_job_ends_raises_the_flag_and_reports_its_error():
     rng = np.random.default_rng(2)
     blocks, views = expert_blocks("bf16", rng)
@@ -123,7 +136,7 @@ def test_a_failing_job_ends_raises_the_flag_and_reports_its_error():
         def failing(*args):
             raise MemoryError("no room for the expert's scratch")
 
-        worker._serve = failing
+        worker._shared.serve = failing
         time.sleep(20 * cpu_worker.SPIN_SECONDS)  # the worker has left the compiled loop: the next wake calls this
         x, ids, weights = routing(rng, 2)
         ticket = worker.submit([(blocks[0].ctypes.data, 0, INTER, 0)], ids, x, weights, np.empty_like(x),

@@ -189,12 +189,53 @@ def _server(dtype: np.dtype, scaled: bool):
     return serve
 
 
+class _Shared:
+    """What a CpuLayerWorker and its thread share: the thread holds this, not the worker, so a worker nobody uses
+    any more is collected and its finalizer stops the thread."""
+
+    def __init__(self, serve, layout: np.ndarray, threads: int):
+        self.serve, self.layout, self.threads = serve, layout, threads
+        self.control = np.zeros(8, np.int64)
+        self.jobs = np.zeros(HEADER, np.int64)  # the latest job table (grown as needed)
+        self.error: Exception | None = None
+        self.serving = False  # the thread is in the compiled loop (or about to enter it)
+        self.entered = threading.Event()
+        self.wake = threading.Event()
+
+    def stop(self) -> None:
+        self.control[STOP] = 1
+        self.wake.set()
+
+
+def _run(shared: _Shared) -> None:
+    """The worker thread: sleep until woken, then the compiled loop until it is idle for SPIN_SECONDS."""
+    spin_ns, control = int(SPIN_SECONDS * 1e9), shared.control
+    while True:
+        shared.wake.wait()
+        shared.wake.clear()
+        if control[STOP]:
+            return
+        shared.serving = True
+        shared.entered.set()
+        try:
+            shared.serve(control.ctypes.data, shared.layout, spin_ns, shared.threads)
+        except Exception as error:  # the job ends anyway: nobody may wait for it forever
+            shared.error = error
+            jobs = shared.jobs
+            control[START_NS] = control[END_NS] = 0
+            control[DONE] = control[DOORBELL]
+            if jobs[6] != 0:
+                ctypes.c_uint32.from_address(int(jobs[6])).value = int(jobs[7])
+        finally:
+            shared.serving = False
+
+
 class CpuLayerWorker:
     """One host thread computing a layer's CPU experts per `submit`, in one compiled call; see the module docstring.
 
     tensors: one expert's tensors as `ExpertFile.unpack` gives them from `block` (their offsets in a block and
     shapes are the same for every block). threads: the kernel's threads. `wait` returns a job's seconds; counting
-    them is the caller's.
+    them is the caller's. The thread stops with `close` or when the worker is collected.
     """
 
     def __init__(self, tensors: dict[str, np.ndarray], block: np.ndarray, threads: int):
@@ -203,21 +244,15 @@ class CpuLayerWorker:
         base = block.ctypes.data
         offsets = [tensors[name].ctypes.data - base if name in tensors else -1 for name in WEIGHT_NAMES]
         inter, hidden = tensors["gate"].shape
-        self._layout = np.array([*offsets, inter, hidden], np.int64)
         dtype = np.dtype(np.uint16) if tensors["gate"].dtype == KERNEL_DTYPES[0] else tensors["gate"].dtype
-        self._serve = _server(dtype, "gate_scale" in tensors)
         self.threads = threads
-        self._control = np.zeros(8, np.int64)
-        self._jobs = np.zeros(HEADER, np.int64)
+        self._shared = _Shared(_server(dtype, "gate_scale" in tensors),
+                               np.array([*offsets, inter, hidden], np.int64), threads)
         self._ticket = 0
         self._held: tuple = ()  # what the job not yet waited for reads: kept alive until `wait`
-        self._error: BaseException | None = None
-        self._serving = False  # the thread is in the compiled loop (or about to enter it)
-        self._entered = threading.Event()
-        self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="colibri-cpu-experts", daemon=True)
+        self._thread = threading.Thread(target=_run, args=(self._shared,), name="colibri-cpu-experts", daemon=True)
         self._thread.start()
-        weakref.finalize(self, CpuLayerWorker._stop, self._control, self._wake)
+        weakref.finalize(self, self._shared.stop)
         empty = np.zeros((0, hidden), np.float32)  # compiles the loop now, not in the first step
         self.wait(self.submit([], np.zeros((0, 1), np.int64), empty, np.zeros((0, 1), np.float32), empty.copy()))
 
@@ -241,61 +276,44 @@ class CpuLayerWorker:
         weights = np.ascontiguousarray(weights, np.float32)
         if not out.flags.c_contiguous or out.dtype != np.float32 or out.shape != x.shape:
             raise ValueError(f"out must be C-contiguous float32 of shape {x.shape}")
+        shared = self._shared
         words = HEADER + ITEM * len(items)
-        if self._jobs.size < words:
-            self._jobs = np.zeros(2 * words, np.int64)
-        jobs = self._jobs
+        if shared.jobs.size < words:
+            shared.jobs = np.zeros(2 * words, np.int64)
+        jobs = shared.jobs
         jobs[:HEADER] = (x.shape[0], ids.shape[1], x.ctypes.data, ids.ctypes.data, weights.ctypes.data,
                          out.ctypes.data, flag_address, flag_value, len(items))
         if items:
             jobs[HEADER:words] = np.asarray(items, np.int64).reshape(-1)
         self._held = (ids, x, weights, out, jobs)
-        self._control[JOBS] = jobs.ctypes.data  # a grown table is another array
+        shared.control[JOBS] = jobs.ctypes.data  # a grown table is another array
         self._ticket += 1
-        asleep = not self._serving
+        asleep = not shared.serving
         if asleep:
-            self._entered.clear()
-        ring(self._control.ctypes.data, self._ticket)  # after every write above
-        self._wake.set()
+            shared.entered.clear()
+        ring(shared.control.ctypes.data, self._ticket)  # after every write above
+        shared.wake.set()
         if asleep:  # it needs the GIL to get back into its loop: let it have it now, not when this thread blocks
-            self._entered.wait()
+            shared.entered.wait()
         return self._ticket
 
     def wait(self, ticket: int) -> float:
-        """Wait for job `ticket` (spinning without the GIL) and return its seconds; raises the worker's error."""
-        wait_done(self._control.ctypes.data, ticket)
+        """Wait for job `ticket` (spinning briefly, then sleeping, without the GIL) and return its seconds; raises
+        the worker's error."""
+        shared = self._shared
+        wait_done(shared.control.ctypes.data, ticket)
         self._held = ()
-        error, self._error = self._error, None
+        error, shared.error = shared.error, None
         if error is not None:
             raise RuntimeError("the CPU expert worker failed") from error
-        return (self._control[END_NS] - self._control[START_NS]) / 1e9
+        return (shared.control[END_NS] - shared.control[START_NS]) / 1e9
+
+    def span(self) -> tuple[float, float]:
+        """(start, end) of the latest finished job in seconds of CLOCK_MONOTONIC, time.perf_counter's clock on
+        Linux (benchmarks/offload_timeline.py)."""
+        control = self._shared.control
+        return control[START_NS] / 1e9, control[END_NS] / 1e9
 
     def close(self) -> None:
-        CpuLayerWorker._stop(self._control, self._wake)
+        self._shared.stop()
         self._thread.join()
-
-    @staticmethod
-    def _stop(control: np.ndarray, wake: threading.Event) -> None:
-        control[STOP] = 1
-        wake.set()
-
-    def _run(self) -> None:
-        spin_ns = int(SPIN_SECONDS * 1e9)
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._control[STOP]:
-                return
-            self._serving = True
-            self._entered.set()
-            try:
-                self._serve(self._control.ctypes.data, self._layout, spin_ns, self.threads)
-            except Exception as error:  # the job ends anyway: nobody may wait for it forever
-                self._error = error
-                jobs = self._jobs
-                self._control[START_NS] = self._control[END_NS] = 0
-                self._control[DONE] = self._control[DOORBELL]
-                if jobs[6] != 0:
-                    ctypes.c_uint32.from_address(int(jobs[6])).value = int(jobs[7])
-            finally:
-                self._serving = False
