@@ -193,9 +193,10 @@ class NumpyBackend(Backend):
 
     def routed_experts(self, x, weights, expert_ids, layer, store: ExpertStore):
         experts = np.unique(expert_ids)
-        blocks = [store.block(layer, int(e)) for e in experts]
-        if all(b is not None for b in blocks) and self._layer_worker(store, layer, int(experts[0]), blocks[0]):
-            return self._worker_experts(x, weights, expert_ids, experts, blocks, store.expert(layer, int(experts[0])))
+        if self._worker is not None or not self._worker_checked:
+            blocks = [store.block(layer, int(e)) for e in experts]
+            if all(b is not None for b in blocks) and self._layer_worker(store, layer, int(experts[0]), blocks[0]):
+                return self._worker_experts(x, weights, expert_ids, experts, blocks)
         out = np.zeros_like(x)  # [T, H]
         for expert in experts:
             tokens, slots = np.nonzero(expert_ids == expert)  # which tokens chose it, at which of their k slots
@@ -212,13 +213,13 @@ class NumpyBackend(Backend):
                 self._worker = CpuLayerWorker(tensors, block, self.experts.num_threads)
         return self._worker is not None
 
-    def _worker_experts(self, x, weights, expert_ids, experts, blocks, tensors) -> np.ndarray:
+    def _worker_experts(self, x, weights, expert_ids, experts, blocks) -> np.ndarray:
         """The layer's routed experts in one compiled call: x [T, H], weights [T, k], expert_ids [T, k] -> [T, H]."""
-        inter = tensors["gate"].shape[0]
+        worker = self._worker
         out = np.empty(x.shape, np.float32)
-        items = [(block.ctypes.data, 0, inter, int(e)) for e, block in zip(experts, blocks)]
-        seconds = self._worker.wait(self._worker.submit(items, expert_ids, x, weights, out))
-        self.experts.record(len(items), seconds, len(items) * sum(t.nbytes for t in tensors.values()))
+        items = [(block.ctypes.data, 0, worker.rows, int(e)) for e, block in zip(experts, blocks)]
+        seconds = worker.wait(worker.submit(items, expert_ids, x, weights, out))
+        self.experts.record(len(items), seconds, len(items) * worker.expert_bytes)
         return out
 
     # ---- output -------------------------------------------------------------------------------------------

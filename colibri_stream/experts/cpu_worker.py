@@ -234,8 +234,9 @@ class CpuLayerWorker:
     """One host thread computing a layer's CPU experts per `submit`, in one compiled call; see the module docstring.
 
     tensors: one expert's tensors as `ExpertFile.unpack` gives them from `block` (their offsets in a block and
-    shapes are the same for every block). threads: the kernel's threads. `wait` returns a job's seconds; counting
-    them is the caller's. The thread stops with `close` or when the worker is collected.
+    shapes are the same for every block). threads: the kernel's threads. `rows`: the experts' intermediate size;
+    `expert_bytes`: the weight bytes of one. `wait` returns a job's seconds; counting them is the caller's. The
+    thread stops with `close` or when the worker is collected.
     """
 
     def __init__(self, tensors: dict[str, np.ndarray], block: np.ndarray, threads: int):
@@ -245,7 +246,8 @@ class CpuLayerWorker:
         offsets = [tensors[name].ctypes.data - base if name in tensors else -1 for name in WEIGHT_NAMES]
         inter, hidden = tensors["gate"].shape
         dtype = np.dtype(np.uint16) if tensors["gate"].dtype == KERNEL_DTYPES[0] else tensors["gate"].dtype
-        self.threads = threads
+        self.threads, self.rows = threads, inter
+        self.expert_bytes = sum(t.nbytes for t in tensors.values())
         self._shared = _Shared(_server(dtype, "gate_scale" in tensors),
                                np.array([*offsets, inter, hidden], np.int64), threads)
         self._ticket = 0

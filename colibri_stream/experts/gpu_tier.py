@@ -152,7 +152,6 @@ class GpuTieredStore(ExpertStore):
         self.num_experts = config.num_experts
         self.block_size = expert_file.block_size
         self._params = 3 * config.hidden_size * config.moe_intermediate_size
-        self._expert_bytes = sum(t.nbytes for t in expert_block_layout(config)[0])  # weights and scales, no padding
         self._layer_ids = list(config.moe_layers)
         self._rank = {layer: rank for rank, layer in enumerate(self._layer_ids)}
         counts = [slots] * len(self._layer_ids) if isinstance(slots, int) else list(slots)
@@ -610,7 +609,7 @@ class GpuTieredStore(ExpertStore):
         cpu["job"] = self._worker.submit(items, step["ids"], step["x"], step["weights"], cpu["out"], flag,
                                          cpu["ticket"] or 0)
         cpu["releases"] = releases
-        cpu["nbytes"] = sum((last - first) * self._expert_bytes // inter for _, first, last, _ in items)
+        cpu["nbytes"] = sum((last - first) * self._worker.expert_bytes // inter for _, first, last, _ in items)
 
     def _compute_on_cpu(self, ids: np.ndarray, x: np.ndarray, weights: np.ndarray, fetches: list, out: np.ndarray,
                         ticket: int | None, entered: threading.Event) -> float:
