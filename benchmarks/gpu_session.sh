@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One session on a GPU machine: install, GPU tests, benchmarks; logs and JSON results under $OUT.
-#   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests dense kernels decode cpu timeline cpumoe offload" benchmarks/gpu_session.sh
+#   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests dense kernels decode cpu timeline offload" benchmarks/gpu_session.sh
 # (STAGES="" only installs: what a command that runs a script of its own needs first).
 # Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first. Each stage has its own time
-# limit so the next one runs even if one fails. OFFLOAD_ARGS / TIMELINE_ARGS / CPUMOE_ARGS / DECODE_ARGS / CPU_ARGS /
-# DENSE_ARGS pass options to the benchmarks; the kernels stage profiles one step per kernel with Nsight Compute (KERNEL_SHAPES, KERNEL_BATCHES).
+# limit so the next one runs even if one fails. OFFLOAD_ARGS / TIMELINE_ARGS / DECODE_ARGS / CPU_ARGS / DENSE_ARGS
+# pass options to the benchmarks; the kernels stage profiles one step per kernel with Nsight Compute (KERNEL_SHAPES, KERNEL_BATCHES).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/colibri-gpu}
@@ -57,10 +57,6 @@ for stage in $STAGES; do
       timeout "${TIMELINE_TIMEOUT:-300}" python3 benchmarks/offload_timeline.py --out "$OUT/offload_timeline_h200.json" \
         ${TIMELINE_ARGS:---fractions 0.5 0 --modes colibri --cpu-calls worker thread --handoffs stream --steps 16} \
         2>&1 | tee "$OUT/timeline.log" | grep -v "^\s*$" | tail -20 ;;
-    cpumoe)
-      echo "== a MoE layer's experts on the NumPy backend (all host cores)"
-      timeout "${CPUMOE_TIMEOUT:-300}" python3 benchmarks/cpu_moe_layer.py --out "$OUT/cpu_moe_layer_h200.json" \
-        ${CPUMOE_ARGS:-} 2>&1 | tee "$OUT/cpu_moe_layer.log" | tail -10 ;;
     offload)
       echo "== offload benchmark"
       timeout "${OFFLOAD_TIMEOUT:-540}" python3 benchmarks/offload.py --out "$OUT/offload_h200.json" \

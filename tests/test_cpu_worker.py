@@ -161,39 +161,3 @@ def test_experts_the_kernel_does_not_serve_are_refused():
     assert not cpu_worker.CpuLayerWorker.serves(CpuExpertExecutor(), bf16)  # under the kernel's size threshold
     assert not cpu_worker.CpuLayerWorker.serves(CpuExpertExecutor(use_kernel=False, min_kernel_bytes=0), bf16)
     assert not cpu_worker.CpuLayerWorker.serves(None, bf16)
-
-
-@pytest.mark.parametrize("dtype", ["bf16", "int8"])
-def test_the_numpy_backend_runs_a_layers_experts_in_one_call(dtype, tmp_path, monkeypatch):
-    """With experts in the memory map of experts.bin and the kernel taking them, the NumPy backend computes each
-    layer's experts in one CpuLayerWorker call: batched prefill and decode logits match the per-expert path within
-    float32 rounding, and the executor counts every expert."""
-    from colibri_stream.export import export_model
-    from test_expert_tiers import step_logits
-    from test_parity import relative_error
-    from tiny_models import build_hf_model
-
-    from colibri_stream.backends import numpy_backend
-    from colibri_stream.checkpoint import ModelFolder
-    from colibri_stream.experts.cpu_executor import CpuExpertExecutor
-    from colibri_stream.experts.store import MappedExpertStore
-    from colibri_stream.model.transformer import MoETransformer
-
-    build_hf_model("mixtral", tmp_path / "hf")
-    export_model(tmp_path / "hf", tmp_path / "model", dtype="bf16", quantize="int8" if dtype == "int8" else None,
-                 progress=False)
-    monkeypatch.setattr(numpy_backend, "FLOAT32_EXPERTS_BYTES", 0)  # keep the tiny experts in experts.bin's map
-    folder = ModelFolder(tmp_path / "model")
-
-    def model(executor):
-        backend = numpy_backend.NumpyBackend(executor)
-        return MoETransformer(folder.config, folder.dense, MappedExpertStore(folder.experts), backend), backend
-
-    per_expert, _ = model(CpuExpertExecutor())  # tiny experts: the executor expert by expert
-    one_call, backend = model(CpuExpertExecutor(min_kernel_bytes=0))
-    want, got = step_logits(per_expert), step_logits(one_call)
-    assert backend._worker is not None
-    for ours, reference in zip(got, want):
-        assert relative_error(ours, reference) < 1e-5
-        assert (ours.argmax(axis=-1) == reference.argmax(axis=-1)).all()
-    assert backend.experts.stats.cpu_experts > 0 and backend.experts.stats.cpu_bytes_read > 0

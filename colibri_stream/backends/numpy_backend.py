@@ -2,8 +2,7 @@
 
 Clarity over speed: this is what the GPU backend is checked against and what CI runs. Routed experts go through
 the CPU expert executor (compiled kernel over the storage dtype when numba is installed, else the same float32
-NumPy formulas); where the kernel serves the experts and the store gives their blocks for the whole step (the
-memory map of experts.bin), a layer's experts run in one compiled call (experts/cpu_worker.py).
+NumPy formulas).
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..experts.cpu_executor import CpuExpertExecutor, silu_mul
-from ..experts.cpu_worker import CpuLayerWorker
 from ..experts.store import ExpertStore, Float32ExpertStore, MappedExpertStore
 from ..model.batch import ForwardBatch
 from .base import Backend
@@ -22,15 +20,12 @@ FLOAT32_EXPERTS_BYTES = 256 << 20  # resident experts up to this size as float32
 
 
 class NumpyBackend(Backend):
-    """Float32 NumPy on the host. layer_worker=False: routed experts expert by expert even where a CpuLayerWorker
-    could run a layer's experts in one call (for comparison)."""
+    """Float32 NumPy on the host."""
 
     name = "numpy"
 
-    def __init__(self, expert_executor: CpuExpertExecutor | None = None, layer_worker: bool = True):
+    def __init__(self, expert_executor: CpuExpertExecutor | None = None):
         self.experts = expert_executor or CpuExpertExecutor()
-        self._worker: CpuLayerWorker | None = None  # made at the first layer whose experts it serves
-        self._worker_checked = not layer_worker
 
     # ---- memory -------------------------------------------------------------------------------------------
     def prepare_weight(self, host: np.ndarray) -> np.ndarray:
@@ -192,34 +187,11 @@ class NumpyBackend(Backend):
         return weights.astype(np.float32), expert_ids.astype(np.int64)
 
     def routed_experts(self, x, weights, expert_ids, layer, store: ExpertStore):
-        experts = np.unique(expert_ids)
-        if self._worker is not None or not self._worker_checked:
-            blocks = [store.block(layer, int(e)) for e in experts]
-            if all(b is not None for b in blocks) and self._layer_worker(store, layer, int(experts[0]), blocks[0]):
-                return self._worker_experts(x, weights, expert_ids, experts, blocks)
         out = np.zeros_like(x)  # [T, H]
-        for expert in experts:
+        for expert in np.unique(expert_ids):
             tokens, slots = np.nonzero(expert_ids == expert)  # which tokens chose it, at which of their k slots
             y = self.experts.run(x[tokens], store.expert(layer, int(expert)))  # [n, H]
             out[tokens] += y * weights[tokens, slots][:, None]  # a token picks an expert once: no repeated rows
-        return out
-
-    def _layer_worker(self, store: ExpertStore, layer: int, expert: int, block: np.ndarray) -> bool:
-        """Whether the CpuLayerWorker serves this model's experts (made on the first call that can tell)."""
-        if not self._worker_checked:
-            self._worker_checked = True
-            tensors = store.expert(layer, expert)
-            if CpuLayerWorker.serves(self.experts, tensors):
-                self._worker = CpuLayerWorker(tensors, block, self.experts.num_threads)
-        return self._worker is not None
-
-    def _worker_experts(self, x, weights, expert_ids, experts, blocks) -> np.ndarray:
-        """The layer's routed experts in one compiled call: x [T, H], weights [T, k], expert_ids [T, k] -> [T, H]."""
-        worker = self._worker
-        out = np.empty(x.shape, np.float32)
-        items = [(block.ctypes.data, 0, worker.rows, int(e)) for e, block in zip(experts, blocks)]
-        seconds = worker.wait(worker.submit(items, expert_ids, x, weights, out))
-        self.experts.record(len(items), seconds, len(items) * worker.expert_bytes)
         return out
 
     # ---- output -------------------------------------------------------------------------------------------

@@ -11,9 +11,8 @@ stream's flag (handoff.HostFlag). After SPIN_SECONDS with no job it leaves the l
 threading.Event, so an idle server does not keep a core busy.
 
 `CpuLayerWorker.serves(executor, tensors)` says whether a worker over that executor's kernel computes experts like
-`tensors` (else the caller runs the executor expert by expert). The GPU slot store and the NumPy backend (experts
-in the memory map of experts.bin) use it. Blocks must be in host memory for the whole job: the caller keeps them
-(and the arrays it passes) alive until `wait` returns.
+`tensors` (else the caller runs the executor expert by expert). Blocks must be in host memory for the whole job:
+the caller keeps them (and the arrays it passes) alive until `wait` returns.
 """
 
 from __future__ import annotations
@@ -234,9 +233,9 @@ class CpuLayerWorker:
     """One host thread computing a layer's CPU experts per `submit`, in one compiled call; see the module docstring.
 
     tensors: one expert's tensors as `ExpertFile.unpack` gives them from `block` (their offsets in a block and
-    shapes are the same for every block). threads: the kernel's threads. `rows`: the experts' intermediate size;
-    `expert_bytes`: the weight bytes of one. `wait` returns a job's seconds; counting them is the caller's. The
-    thread stops with `close` or when the worker is collected.
+    shapes are the same for every block). threads: the kernel's threads. `expert_bytes`: the weight bytes of one
+    expert. `wait` returns a job's seconds; counting them is the caller's. The thread stops with `close` or when
+    the worker is collected.
     """
 
     def __init__(self, tensors: dict[str, np.ndarray], block: np.ndarray, threads: int):
@@ -246,7 +245,7 @@ class CpuLayerWorker:
         offsets = [tensors[name].ctypes.data - base if name in tensors else -1 for name in WEIGHT_NAMES]
         inter, hidden = tensors["gate"].shape
         dtype = np.dtype(np.uint16) if tensors["gate"].dtype == KERNEL_DTYPES[0] else tensors["gate"].dtype
-        self.threads, self.rows = threads, inter
+        self.threads = threads
         self.expert_bytes = sum(t.nbytes for t in tensors.values())
         self._shared = _Shared(_server(dtype, "gate_scale" in tensors),
                                np.array([*offsets, inter, hidden], np.int64), threads)

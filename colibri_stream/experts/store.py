@@ -42,11 +42,6 @@ class ExpertStore(ABC):
     def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
         ...
 
-    def block(self, layer: int, expert: int) -> np.ndarray | None:
-        """The expert's raw block in experts.bin's layout, valid for the whole step (a compiled call may read every
-        expert of a layer at once), or None where the store cannot promise that.  # [block_size] uint8"""
-        return None
-
     def stats(self) -> ExpertStats | None:
         """A snapshot of the store's counters (None: the store counts nothing)."""
         return None
@@ -63,9 +58,6 @@ class MappedExpertStore(ExpertStore):
 
     def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
         return self.file.tensors(layer, expert)
-
-    def block(self, layer: int, expert: int) -> np.ndarray:
-        return self.file.block(layer, expert)
 
 
 class Float32ExpertStore(ExpertStore):

@@ -139,9 +139,6 @@ class RoutingRecorder(ExpertStore):
     def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
         return self.inner.expert(layer, expert)
 
-    def block(self, layer: int, expert: int) -> np.ndarray | None:
-        return self.inner.block(layer, expert)
-
     @property
     def timer(self):
         return self.inner.timer
