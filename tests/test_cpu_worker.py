@@ -114,6 +114,40 @@ def test_jobs_after_an_idle_sleep_a_grown_table_and_an_unwaited_job():
     assert not worker._thread.is_alive()
 
 
+def test_many_short_jobs_in_a_row_never_lose_a_wake_up():
+    """The waiting thread sleeps on the DONE word (a futex on Linux) while the job runs: hundreds of short jobs, some
+    after the worker went to sleep, all end with the reference's sums."""
+    import threading
+
+    rng = np.random.default_rng(4)
+    blocks, views = expert_blocks("bf16", rng)
+    worker = cpu_worker.CpuLayerWorker(views[0], blocks[0], threads=2)
+    x, ids, weights = routing(rng, 2)
+    items = [(e, (0, INTER)) for e in sorted(set(ids.reshape(-1).tolist()))]
+    want = reference(x, ids, weights, views, items)
+    sums = []
+
+    def jobs():
+        for i in range(300):
+            if i % 100 == 99:
+                time.sleep(2 * cpu_worker.SPIN_SECONDS)  # the worker is asleep for the next one
+            out = np.empty_like(x)
+            worker.wait(worker.submit([(blocks[e].ctypes.data, a, b, e) for e, (a, b) in items], ids, x, weights,
+                                      out))
+            sums.append(out)
+
+    runner = threading.Thread(target=jobs, daemon=True)
+    try:
+        runner.start()
+        runner.join(timeout=60)
+        assert not runner.is_alive(), "a wait never ended"
+        assert len(sums) == 300
+        for out in sums:
+            np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    finally:
+        worker.close()
+
+
 def test_a_worker_nobody_holds_stops_its_thread():
     import gc
 
