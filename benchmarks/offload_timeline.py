@@ -202,7 +202,8 @@ def run(args) -> list[dict]:
             handoff = "stream" if waits else "host"
             log(f"{fraction:.0%} {mode} {layout} {cpu_call} {handoff} waits: {figures['tok_s']:.1f} tok/s, step "
                 f"{1e3 * figures['step_s']:.1f} ms; per CPU hand-off (ms): "
-                + ", ".join(f"{k} {v:.3f}" for k, v in means.items() if v is not None) + f"; {len(layers) / args.steps:.1f} a step")
+                + ", ".join(f"{k} {v:.3f}" for k, v in means.items() if v is not None)
+                + f"; {len(layers) / args.steps:.1f} a step")
             records.append(dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"),
                                 command=" ".join(sys.argv), bench="offload_timeline", shape="mixtral-8x7b",
                                 numba_threading_layer=threading_layer(),

@@ -193,7 +193,8 @@ class GpuTieredStore(ExpertStore):
         executor = self.executor
         if self.host is None:  # every block the CPU computes is read from experts.bin by the CPU thread
             return None
-        block = self.host.block(self._layer_ids[0], 0) if isinstance(self.host, PinnedExperts) else self._ring.buffers[0]
+        pinned = isinstance(self.host, PinnedExperts)
+        block = self.host.block(self._layer_ids[0], 0) if pinned else self._ring.buffers[0]  # offsets from one block
         tensors = self.file.unpack(block)
         if not CpuLayerWorker.serves(executor, tensors):
             return None
