@@ -63,6 +63,15 @@ def reference(x, ids, weights, views, items) -> np.ndarray:
     return out
 
 
+def job_items(blocks: np.ndarray, items) -> list[tuple[int, int, int, int]]:
+    """The worker's (block address, first row, last row, expert) for (expert, (first, last)) items."""
+    return [(blocks[e].ctypes.data, first, last, e) for e, (first, last) in items]
+
+
+def assert_sums_match(out: np.ndarray, want: np.ndarray) -> None:
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
 def routing(rng: np.random.Generator, tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)  # [T, H]
     ids = np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(tokens)]).astype(np.int64)  # [T, k]
@@ -82,12 +91,11 @@ def test_a_layer_job_matches_the_numpy_reference_and_raises_the_flag(dtype, toke
         used = sorted(set(ids.reshape(-1).tolist()))
         items = [(e, (0, INTER)) for e in used[:-1]] + [(used[-1], (16, INTER))]  # the last one cut by rows
         out = np.full_like(x, np.nan)  # every element must be written
-        ticket = worker.submit([(blocks[e].ctypes.data, first, last, e) for e, (first, last) in items], ids, x,
-                               weights, out, flag.ctypes.data, 7)
+        ticket = worker.submit(job_items(blocks, items), ids, x, weights, out, flag.ctypes.data, 7)
         seconds = worker.wait(ticket)
         assert flag[0] == 7 and seconds > 0
         want = reference(x, ids, weights, views, items)
-        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+        assert_sums_match(out, want)
     finally:
         worker.close()
 
@@ -102,12 +110,12 @@ def test_jobs_after_an_idle_sleep_a_grown_table_and_an_unwaited_job():
             x, ids, weights = routing(rng, 3)
             items = [(e, (0, INTER)) for e in range(EXPERTS)] * 3  # more items than the first table holds
             out = np.empty_like(x)
-            ticket = worker.submit([(blocks[e].ctypes.data, a, b, e) for e, (a, b) in items], ids, x, weights, out)
+            ticket = worker.submit(job_items(blocks, items), ids, x, weights, out)
             with pytest.raises(RuntimeError, match="not been waited for"):
                 worker.submit([], ids, x, weights, out)
             worker.wait(ticket)
             want = reference(x, ids, weights, views, items)
-            np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+            assert_sums_match(out, want)
         assert worker._thread.is_alive()
     finally:
         worker.close()
@@ -132,8 +140,7 @@ def test_many_short_jobs_in_a_row_never_lose_a_wake_up():
             if i % 100 == 99:
                 time.sleep(2 * cpu_worker.SPIN_SECONDS)  # the worker is asleep for the next one
             out = np.empty_like(x)
-            worker.wait(worker.submit([(blocks[e].ctypes.data, a, b, e) for e, (a, b) in items], ids, x, weights,
-                                      out))
+            worker.wait(worker.submit(job_items(blocks, items), ids, x, weights, out))
             sums.append(out)
 
     runner = threading.Thread(target=jobs, daemon=True)
@@ -143,7 +150,7 @@ def test_many_short_jobs_in_a_row_never_lose_a_wake_up():
         assert not runner.is_alive(), "a wait never ended"
         assert len(sums) == 300
         for out in sums:
-            np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+            assert_sums_match(out, want)
     finally:
         worker.close()
 
