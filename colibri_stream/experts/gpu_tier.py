@@ -77,7 +77,6 @@ class DeviceSlots:
 
         config = expert_file.config
         self.block_size = expert_file.block_size
-        self.slots = slots
         self.first = [sum(slots[:rank]) for rank in range(len(slots))]  # each layer's first block in the arena
         self.total = sum(slots) + 1  # + staging
         self.memory = cupy.cuda.alloc(self.total * self.block_size + BLOCK_ALIGNMENT)
