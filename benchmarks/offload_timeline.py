@@ -2,7 +2,10 @@
 
 Wraps (in this process only) the store's readback, placement hand-off, CPU thread body, executor calls and the
 step thread's wait for the CPU, records `time.perf_counter()` at each, and prints per MoE layer the mean of:
-  sync      readback returned (routing on the host) -> CPU work submitted: placement, copies queued
+  sync      readback returned (routing on the host) -> CPU work submitted, in three parts:
+  before_place -> the cost model starts (slots looked up, prefetch predictions)
+  place       the cost model's placement of the misses (_place_misses)
+  after_place -> the CPU work submitted (copies queued)
   wake      submitted -> the CPU thread starts
   glue      CPU thread time outside the executor (block lookup, unpacking, weighted sum)
   executor  inside CpuExpertExecutor.run
@@ -11,7 +14,8 @@ same clock as time.perf_counter; "glue" is 0)
   tail      the CPU thread's end (flag raised) -> the next layer's routing on the host, in two parts:
   host_wake   -> the step thread has taken in the CPU's end
   after_collect -> the routing is on the host (the GPU's attention and router after the flag, the readback; with
-            the host waiting, also the Python that queues them)
+            the host waiting, also the Python that queues them), of which
+  readback    the readback call itself (waiting for the GPU to reach it)
 and, with the stream waiting, CUDA events on the compute stream around the flag wait (GPU clock):
   gpu_experts   the routing read back -> the GPU's own experts queued before the wait are done
   gpu_waited    how long the stream waited on the flag (about 0: the GPU's experts ended after the CPU's)
@@ -59,6 +63,7 @@ class Recorder:
         self._wrap("_start_cpu_work", before="submit")
         self._wrap("_compute_on_cpu", before="cpu_start", after="cpu_end")
         self._wrap("_collect_cpu_work", before="collect", after="collected")
+        self._wrap("_place_misses", before="place", after="placed")
         self._wrap_executor()
         if store._worker is not None:
             self._wrap_worker(store._worker)
@@ -66,6 +71,7 @@ class Recorder:
 
         def read(stream, **arrays):
             self._event("routing")
+            self.events["readback_start"].append(time.perf_counter())
             out = original_read(stream, **arrays)
             self.events["routing"].append(time.perf_counter())
             return out
@@ -166,11 +172,19 @@ class Recorder:
             after = [t for t in routing if t > end]
             executor = sum(d for d, at in zip(e["executor"], e["executor_at"]) if start <= at <= end)
             collected = [t for t in e["collected"] if t >= end]
-            out.append({"sync": 1e3 * (submit - before[-1]) if before else None, "wake": 1e3 * (start - submit),
+            routed = before[-1] if before else None
+            placed = [(a, b) for a, b in zip(e["place"], e["placed"]) if routed is not None and routed <= a <= submit]
+            read = [t for t in e["readback_start"] if after and end < t <= after[0]]
+            out.append({"sync": 1e3 * (submit - routed) if before else None,
+                        "before_place": 1e3 * (placed[0][0] - routed) if placed else None,
+                        "place": 1e3 * (placed[0][1] - placed[0][0]) if placed else None,
+                        "after_place": 1e3 * (submit - placed[0][1]) if placed else None,
+                        "wake": 1e3 * (start - submit),
                         "glue": 1e3 * (end - start - executor), "executor": 1e3 * executor,
                         "tail": 1e3 * (after[0] - end) if after else None,
                         "host_wake": 1e3 * (collected[0] - end) if collected else None,
-                        "after_collect": 1e3 * (after[0] - collected[0]) if after and collected else None})
+                        "after_collect": 1e3 * (after[0] - collected[0]) if after and collected else None,
+                        "readback": 1e3 * (after[0] - read[-1]) if read else None})
         return out
 
 
@@ -179,7 +193,8 @@ def summarise(layers: list[dict]) -> dict:
         return statistics.mean(values) if values else None
 
     return {key: mean([row[key] for row in layers if row[key] is not None])
-            for key in ("sync", "wake", "glue", "executor", "tail", "host_wake", "after_collect")}
+            for key in ("sync", "before_place", "place", "after_place", "wake", "glue", "executor", "tail", "host_wake",
+                        "after_collect", "readback")}
 
 
 def run(args) -> list[dict]:
