@@ -38,6 +38,7 @@ from decode import log, machine
 from offload import decode, make_model, open_folder, write
 
 from colibri_stream.config import GPU_SLOT_LAYOUTS
+from colibri_stream.experts import gpu_tier
 from colibri_stream.experts.slots import layer_slot_counts
 
 THREAD_ENV = ("NUMBA_THREADING_LAYER", "NUMBA_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -188,11 +189,12 @@ class Recorder:
         return out
 
 
-def summarise(layers: list[dict]) -> dict:
-    def mean(values: list[float]) -> float | None:
-        return statistics.mean(values) if values else None
+def summarise(layers: list[dict], average=statistics.mean) -> dict:
+    """Each interval's `average` over the hand-offs (None where no hand-off has it)."""
+    def over(values: list[float]) -> float | None:
+        return average(values) if values else None
 
-    return {key: mean([row[key] for row in layers if row[key] is not None])
+    return {key: over([row[key] for row in layers if row[key] is not None])
             for key in ("sync", "before_place", "place", "after_place", "wake", "glue", "executor", "tail", "host_wake",
                         "after_collect", "readback")}
 
@@ -201,12 +203,16 @@ def run(args) -> list[dict]:
     folder, pinned = open_folder(args.folder, "mixtral-8x7b", args.layers)
     records = []
     config = folder.config
-    runs = [(f, m, lay, c) for f in args.fractions for m in args.modes for lay in args.layouts for c in args.cpu_calls]
-    for fraction, mode, layout, cpu_call in runs:
+    runs = [(f, m, lay, c, t, first) for f in args.fractions for m in args.modes for lay in args.layouts
+            for c in args.cpu_calls for t in args.cpu_threads for first in args.cpu_first]
+    runs = [(r, *run) for r in range(args.rounds) for run in (runs if r % 2 == 0 else runs[::-1])]
+    for round_index, fraction, mode, layout, cpu_call, threads, cpu_first in runs:
+        gpu_tier.CPU_WORK_FIRST = cpu_first == "yes"
         slots = layer_slot_counts(round(fraction * config.num_experts), len(config.moe_layers), config.num_experts,
                                   layout)
         for waits in (handoff == "stream" for handoff in args.handoffs):
-            model = make_model(folder, slots, pinned, mode, stream_waits=waits, cpu_worker=cpu_call == "worker")
+            model = make_model(folder, slots, pinned, mode, threads, stream_waits=waits,
+                               cpu_worker=cpu_call == "worker")
             recorder = Recorder(model.store)
             decode(model, 1, 2)  # warm
             recorder.clear()
@@ -215,7 +221,9 @@ def run(args) -> list[dict]:
             means = summarise(layers)
             means.update(recorder.gpu_intervals())
             handoff = "stream" if waits else "host"
-            log(f"{fraction:.0%} {mode} {layout} {cpu_call} {handoff} waits: {figures['tok_s']:.1f} tok/s, step "
+            cpu_threads = model.store.executor.num_threads
+            log(f"{fraction:.0%} {mode} {layout} {cpu_call} {cpu_threads} threads, CPU first {cpu_first}, {handoff} waits: "
+                f"{figures['tok_s']:.1f} tok/s, step "
                 f"{1e3 * figures['step_s']:.1f} ms; per CPU hand-off (ms): "
                 + ", ".join(f"{k} {v:.3f}" for k, v in means.items() if v is not None)
                 + f"; {len(layers) / args.steps:.1f} a step")
@@ -224,9 +232,11 @@ def run(args) -> list[dict]:
                                 numba_threading_layer=threading_layer(),
                                 thread_env={k: os.environ.get(k) for k in THREAD_ENV},
                                 layers=args.layers, batch=1, gpu_expert_fraction=fraction, mode=mode,
-                                slot_layout=layout, gpu_slots=slots, cpu_call=cpu_call,
+                                slot_layout=layout, gpu_slots=slots, cpu_call=cpu_call, cpu_threads=cpu_threads,
+                                cpu_work_first=gpu_tier.CPU_WORK_FIRST,
                                 handoff=handoff, figures=figures, handoff_ms=means,
-                                handoffs_per_step=len(layers) / args.steps))
+                                handoff_ms_median=summarise(layers, statistics.median),
+                                handoffs_per_step=len(layers) / args.steps, round=round_index))
             write(args.out, records)
             del model, recorder
     return records
@@ -244,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-calls", nargs="+", default=["worker", "thread"], choices=["worker", "thread"],
                         help="the CPU's part of a layer: one compiled call (CpuLayerWorker) or the CPU thread's "
                              "Python running the executor expert by expert")
+    parser.add_argument("--cpu-threads", type=int, nargs="+", default=[None],
+                        help="the CPU executor's thread counts to compare (default: every core numba sees)")
+    parser.add_argument("--cpu-first", nargs="+", default=["no"], choices=["no", "yes"],
+                        help="gpu_tier.CPU_WORK_FIRST: the CPU's work handed over before the layer's copies are queued")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the runs, every other round in reverse order")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/offload_timeline_h200.json")
     run(parser.parse_args(argv))
