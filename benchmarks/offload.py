@@ -85,7 +85,7 @@ def drop_page_cache(path: Path) -> None:
 def measure(folder, pinned, threads: int | None) -> Measured:
     import cupy as cp
 
-    from colibri_stream.experts.cpu_executor import CpuExpertExecutor
+    from colibri_stream.experts.cpu_executor import CpuExpertExecutor, threads_beside_gpu
     from colibri_stream.experts.rates import cpu_expert_rates, pinned_copy_rate, shared_rates
     from colibri_stream.experts.tiers import BlockReader
 
@@ -115,7 +115,8 @@ def measure(folder, pinned, threads: int | None) -> Measured:
 def make_model(folder, slots: int | list[int] | None, host, mode: str, threads: int | None = None,
                stream_waits: bool = True, cpu_worker: bool = True):
     """The model over `slots` GPU slots per layer (or each layer's count; None: every expert resident) fed from
-    `host`, the CPU expert executor (modes that use it) on `threads` threads (None: its default);
+    `host`, the CPU expert executor (modes that use it) on `threads` threads (None: the store's default, every core
+    but one);
     stream_waits=False: the host waits for the CPU's experts; cpu_worker=False: the CPU thread's Python runs the
     executor expert by expert (GpuTieredStore)."""
     from colibri_stream.backends.cupy_backend import CupyBackend
@@ -137,7 +138,8 @@ def make_model(folder, slots: int | list[int] | None, host, mode: str, threads: 
                                 config.top_k)
     policies = [make_policy("lfu", config.num_experts) for _ in config.moe_layers]
     store = GpuTieredStore(experts, slots, policies, host, BlockReader(experts, use_kvikio=kvikio_available()),
-                           prefetcher, None if cpu_experts == "off" else CpuExpertExecutor(threads), cpu_experts,
+                           prefetcher, None if cpu_experts == "off" else CpuExpertExecutor(threads or threads_beside_gpu()),
+                           cpu_experts,
                            stream_waits=stream_waits, cpu_worker=cpu_worker)
     return MoETransformer(config, folder.dense, store, CupyBackend())
 
@@ -260,14 +262,15 @@ def open_folder(path: str, shape: str, layers: int):
 
 
 def run(args) -> list[dict]:
-    from colibri_stream.experts.cpu_executor import CpuExpertExecutor
+    from colibri_stream.experts.cpu_executor import CpuExpertExecutor, threads_beside_gpu
 
     folder, pinned = open_folder(args.folder, args.shape, args.layers)
     config = folder.config
     bw = measure(folder, pinned, args.cpu_threads)
     common = dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"), command=" ".join(sys.argv),
                   bench="offload", mode="hybrid", shape=args.shape, layers=args.layers,
-                  cpu_threads=CpuExpertExecutor(args.cpu_threads).num_threads,
+                  cpu_threads=CpuExpertExecutor(args.cpu_threads or threads_beside_gpu()).num_threads,
+                  bound_cpu_threads=CpuExpertExecutor(args.cpu_threads).num_threads,
                   expert_bytes=folder.experts.block_size, pcie_gbps_measured=bw.pcie_gbps,
                   host_read_gbps_measured=bw.host_read_gbps, disk_gbps_measured=bw.disk_gbps,
                   shared_host_read_gbps_measured=bw.shared_host_read_gbps,
@@ -406,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accelerate-tokens", type=int, default=3)
     parser.add_argument("--accelerate-timeout", type=int, default=240)
     parser.add_argument("--cpu-threads", type=int, default=None,
-                        help="CPU expert executor threads (default: every core numba sees, as the store)")
+                        help="CPU expert executor threads (default: the store's, every core but one; the bound's "
+                             "measurement: every core)")
     parser.add_argument("--out", default="benchmarks/results/offload_h200.json")
     args = parser.parse_args(argv)
     records = run(args)

@@ -38,7 +38,6 @@ from decode import log, machine
 from offload import decode, make_model, open_folder, write
 
 from colibri_stream.config import GPU_SLOT_LAYOUTS
-from colibri_stream.experts import gpu_tier
 from colibri_stream.experts.slots import layer_slot_counts
 
 THREAD_ENV = ("NUMBA_THREADING_LAYER", "NUMBA_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -203,11 +202,10 @@ def run(args) -> list[dict]:
     folder, pinned = open_folder(args.folder, "mixtral-8x7b", args.layers)
     records = []
     config = folder.config
-    runs = [(f, m, lay, c, t, first) for f in args.fractions for m in args.modes for lay in args.layouts
-            for c in args.cpu_calls for t in args.cpu_threads for first in args.cpu_first]
+    runs = [(f, m, lay, c, t) for f in args.fractions for m in args.modes for lay in args.layouts
+            for c in args.cpu_calls for t in args.cpu_threads]
     runs = [(r, *run) for r in range(args.rounds) for run in (runs if r % 2 == 0 else runs[::-1])]
-    for round_index, fraction, mode, layout, cpu_call, threads, cpu_first in runs:
-        gpu_tier.CPU_WORK_FIRST = cpu_first == "yes"
+    for round_index, fraction, mode, layout, cpu_call, threads in runs:
         slots = layer_slot_counts(round(fraction * config.num_experts), len(config.moe_layers), config.num_experts,
                                   layout)
         for waits in (handoff == "stream" for handoff in args.handoffs):
@@ -222,7 +220,7 @@ def run(args) -> list[dict]:
             means.update(recorder.gpu_intervals())
             handoff = "stream" if waits else "host"
             cpu_threads = model.store.executor.num_threads
-            log(f"{fraction:.0%} {mode} {layout} {cpu_call} {cpu_threads} threads, CPU first {cpu_first}, {handoff} waits: "
+            log(f"{fraction:.0%} {mode} {layout} {cpu_call} {cpu_threads} threads, {handoff} waits: "
                 f"{figures['tok_s']:.1f} tok/s, step "
                 f"{1e3 * figures['step_s']:.1f} ms; per CPU hand-off (ms): "
                 + ", ".join(f"{k} {v:.3f}" for k, v in means.items() if v is not None)
@@ -233,7 +231,6 @@ def run(args) -> list[dict]:
                                 thread_env={k: os.environ.get(k) for k in THREAD_ENV},
                                 layers=args.layers, batch=1, gpu_expert_fraction=fraction, mode=mode,
                                 slot_layout=layout, gpu_slots=slots, cpu_call=cpu_call, cpu_threads=cpu_threads,
-                                cpu_work_first=gpu_tier.CPU_WORK_FIRST,
                                 handoff=handoff, figures=figures, handoff_ms=means,
                                 handoff_ms_median=summarise(layers, statistics.median),
                                 handoffs_per_step=len(layers) / args.steps, round=round_index))
@@ -256,8 +253,6 @@ def main(argv: list[str] | None = None) -> int:
                              "Python running the executor expert by expert")
     parser.add_argument("--cpu-threads", type=int, nargs="+", default=[None],
                         help="the CPU executor's thread counts to compare (default: every core numba sees)")
-    parser.add_argument("--cpu-first", nargs="+", default=["no"], choices=["no", "yes"],
-                        help="gpu_tier.CPU_WORK_FIRST: the CPU's work handed over before the layer's copies are queued")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the runs, every other round in reverse order")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/offload_timeline_h200.json")

@@ -74,6 +74,9 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "same number in every layer, each keeping its most used experts) or layers (whole layers "
                         "on the GPU, the others' experts from the host: fewer CPU hand-offs a token, as "
                         "llama.cpp's --n-cpu-moe)")
+    p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="threads computing experts on the CPU beside GPU slots (default: every core but one, which "
+                        "the thread driving the GPU keeps)")
     p.add_argument("--usage-file", default=None, metavar="PATH",
                    help="routing statistics: ranks experts for --eviction-policy pinned (default: expert_usage.json "
                         "in the model folder); this run's routes are added to it")
@@ -108,7 +111,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     names = ("device", "verify", "cuda_graphs", "max_seq_len", "max_batch_size", "max_num_batched_tokens", "block_size",
              "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching", "max_queue", "gpu_memory_limit",
              "l2_cache_size", "eviction_policy", "prefetch", "prefetch_lookahead", "usage_file", "routing_trace",
-             "cpu_experts", "gpu_slot_layout")
+             "cpu_experts", "gpu_slot_layout", "cpu_threads")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

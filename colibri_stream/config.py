@@ -269,11 +269,12 @@ class ExpertStoreConfig:
     cpu_experts: str = "auto"  # GPU tier misses: auto (the cost model picks CPU compute, a load, or a cut by rows
     # between them, per expert and step), off (always load to the GPU), all (always compute on the CPU)
     gpu_slot_layout: str = "spread"  # spread (every layer the same GPU slots) | layers (whole layers on the GPU)
+    cpu_threads: int | None = None  # the CPU expert executor's threads beside GPU slots (None: every core but one)
 
     def __post_init__(self) -> None:
         if self.cpu_experts not in CPU_EXPERT_MODES:
             raise ConfigError(f"cpu_experts must be one of {', '.join(CPU_EXPERT_MODES)}, got {self.cpu_experts!r}")
-        for name in ("gpu_memory_limit", "l2_cache_size"):
+        for name in ("gpu_memory_limit", "l2_cache_size", "cpu_threads"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         if self.gpu_slot_layout not in GPU_SLOT_LAYOUTS:

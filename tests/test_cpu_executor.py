@@ -75,6 +75,13 @@ def test_fallback_without_numba(monkeypatch):
     np.testing.assert_array_equal(executor.run(x, tensors), numpy_expert(x, tensors))
 
 
+def test_beside_a_gpu_the_executor_leaves_the_step_thread_a_core(monkeypatch):
+    assert cpu_executor.threads_beside_gpu() == max(1, CpuExpertExecutor().num_threads - 1)
+    monkeypatch.setattr(cpu_executor, "numba", None)
+    monkeypatch.setattr(cpu_executor.os, "cpu_count", lambda: 1)
+    assert cpu_executor.threads_beside_gpu() == 1
+
+
 def test_small_experts_take_the_numpy_path():
     x, tensors = tokens(2), expert("bf16")
     np.testing.assert_array_equal(CpuExpertExecutor().run(x, tensors), numpy_expert(x, tensors))

@@ -220,6 +220,9 @@ def test_budget_and_usage_problems_fail_at_start(moe16_dir, tmp_path):
         ExpertStoreConfig(cpu_experts="sometimes")
     with pytest.raises(ConfigError, match="gpu_slot_layout must be one of spread, layers"):
         ExpertStoreConfig(gpu_slot_layout="diagonal")
+    for threads in (0, -2, 1.5, True):
+        with pytest.raises(ConfigError, match="cpu_threads must be a positive integer"):
+            ExpertStoreConfig(cpu_threads=threads)
 
 
 @pytest.mark.parametrize(("per_layer", "layers", "experts", "layout", "want"), [

@@ -31,6 +31,7 @@ from colibri_stream.backends.cupy_backend import DeviceExpertStore  # noqa: E402
 from colibri_stream.checkpoint import read_config  # noqa: E402
 from colibri_stream.config import ExpertStoreConfig  # noqa: E402
 from colibri_stream.errors import CheckpointError  # noqa: E402
+from colibri_stream.experts.cpu_executor import CpuExpertExecutor  # noqa: E402
 from colibri_stream.experts.gpu_tier import GpuTieredStore  # noqa: E402
 from colibri_stream.experts.placement import Bandwidths  # noqa: E402
 from colibri_stream.experts.slots import layer_slot_counts  # noqa: E402
@@ -104,8 +105,9 @@ def test_whole_layers_on_the_gpu_give_the_resident_tokens(moe16_dir, resident_gp
     last), 2 slots in the one before and none in the first. Loads alone give the resident logits bit for bit; the
     CPU computing every miss, within rounding."""
     options = ExpertStoreConfig(gpu_memory_limit=gpu_budget(moe16_dir, 6), l2_cache_size=host_budget(moe16_dir, "all"),
-                                cpu_experts=cpu_experts, gpu_slot_layout="layers")
+                                cpu_experts=cpu_experts, gpu_slot_layout="layers", cpu_threads=2)
     model = load_model(str(moe16_dir), device="cuda", experts=options)
+    assert cpu_experts == "off" or model.store.executor.num_threads == min(2, CpuExpertExecutor().num_threads)
     counts = [slots.num_slots for slots in model.store._layers]
     config = read_config(moe16_dir)
     assert counts == layer_slot_counts(6, len(config.moe_layers), config.num_experts, "layers") == [0, 2, 16]

@@ -160,3 +160,5 @@ def test_engine_options_take_cuda_graphs_as_a_boolean_and_the_cli_turns_it_off()
         EngineConfig.from_options("m", cuda_graphs="no")
     assert _engine_options(build_parser().parse_args(["serve", "--no-cuda-graphs"]))["cuda_graphs"] is False
     assert "cuda_graphs" not in _engine_options(build_parser().parse_args(["serve"]))
+    options = _engine_options(build_parser().parse_args(["serve", "--cpu-threads", "3"]))
+    assert EngineConfig.from_options("m", **options).experts.cpu_threads == 3

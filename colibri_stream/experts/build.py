@@ -77,7 +77,7 @@ def _gpu_store(folder: ModelFolder, options: ExpertStoreConfig, gpu_slots: int, 
     Failing to get the pinned or GPU memory is a ConfigError here, at start."""
     import cupy
 
-    from .cpu_executor import CpuExpertExecutor
+    from .cpu_executor import CpuExpertExecutor, threads_beside_gpu
     from .gpu_tier import GpuTieredStore
     from .pinned import PinnedExperts, pinned_empty
     from .slots import layer_slot_counts
@@ -94,7 +94,8 @@ def _gpu_store(folder: ModelFolder, options: ExpertStoreConfig, gpu_slots: int, 
         else:
             tier = HostTier(experts, host_slots * len(config.moe_layers), allocate=pinned_empty, reader=reader)
             host = TieredExpertStore(experts, tier, host_slots, _policies(folder, options, usage))
-        executor = None if options.cpu_experts == "off" else CpuExpertExecutor()
+        threads = options.cpu_threads or threads_beside_gpu()
+        executor = None if options.cpu_experts == "off" else CpuExpertExecutor(threads)
         slots = layer_slot_counts(gpu_slots, len(config.moe_layers), config.num_experts, options.gpu_slot_layout)
         logger.info("  GPU slots of each MoE layer (%s): %s", options.gpu_slot_layout, slots)
         return GpuTieredStore(experts, slots, _policies(folder, options, usage), host, reader,

@@ -255,6 +255,14 @@ def expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, x, first, la
                     y[t, o + r] = a[t, r] * ds
 
 
+def threads_beside_gpu() -> int:
+    """The executor's threads where the thread that drives the GPU runs beside it (GPU expert slots): every core
+    numba sees but one. With all 16 of the H200 host's cores the step thread and the job's threads took turns on
+    them, and batch-1 offload decode ran 6-10 % slower than with 15 (BENCHMARKS.md)."""
+    limit = numba.config.NUMBA_NUM_THREADS if numba is not None else os.cpu_count() or 1
+    return max(1, limit - 1)
+
+
 class CpuExpertExecutor:
     """Computes routed experts on host threads from weights in their storage dtype.
 

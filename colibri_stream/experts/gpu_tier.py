@@ -54,7 +54,6 @@ from .tiers import BlockReader, TieredExpertStore
 logger = logging.getLogger(__name__)
 GPU_IO_THREADS = 4  # prefetch reads of blocks that are not in host memory
 CUT_ROW_MULTIPLE = 16  # a cut expert's GPU rows: whole 16-byte vectors of every expert dtype
-CPU_WORK_FIRST = False  # hand the CPU its work before queueing the layer's copies (else after)
 
 
 def _done(event) -> Future:
@@ -343,16 +342,15 @@ class GpuTieredStore(ExpertStore):
         self._stats.tiers["gpu"].misses += len(misses) + len(cpu_part)
         self._step = step = {"rank": rank, "layer": layer, "hits": hits, "todo": list(misses), "on_cpu": on_cpu,
                              "split": split, "ids": ids, "x": x_host, "weights": host.get("weights"), "cut": None}
-        # The CPU's work starts before the copies are queued when CPU_WORK_FIRST or a copy waits for a disk read
-        # (the CPU would wait behind it); the cut's copy goes now when the first pass takes every other miss (else
-        # the staging block may still be needed).
-        cpu_first = CPU_WORK_FIRST or not all(self._in_host_memory(layer, e) for e in misses)
-        if cpu_first:
+        # The copies start first unless one waits for a disk read (the CPU would wait behind it); the cut's copy
+        # goes now when the first pass takes every other miss (else the staging block may still be needed).
+        copies_first = all(self._in_host_memory(layer, e) for e in misses)
+        if not copies_first:
             self._start_cpu_work(layer, step)
         step["pass"] = self._queue_pass(step, first=True)
         if split is not None and not step["todo"] and not step["pass"][2]:
             step["cut"] = self._queue_cut_copy(rank, *split)
-        if not cpu_first:
+        if copies_first:
             self._start_cpu_work(layer, step)
 
     def _place_misses(self, layer: int, ids: np.ndarray, misses: list[int]) -> tuple[list[int], tuple | None]:
