@@ -304,7 +304,6 @@ class GpuTieredStore(ExpertStore):
     # ---- the step ------------------------------------------------------------------------------------------
     def begin_layer(self, layer: int, x, expert_ids, weights=None) -> None:
         cp, rank = self.cp, self._rank[layer]
-        self._collect_cpu_work()  # the previous layer's: the stream waits on it, the host only takes in its end
         if rank <= self._current:
             self._stats.steps += 1
         self._current = rank
@@ -314,6 +313,9 @@ class GpuTieredStore(ExpertStore):
         if self.executor is not None and weights is not None:
             wanted["weights"] = cp.ascontiguousarray(weights, dtype=np.float32)
         host = self._readback.read(cp.cuda.get_current_stream(), **wanted)  # the synchronisation offloading needs
+        # The previous layer's CPU work, taken in after the readback: the stream waited on its flag before the copies
+        # (queued now, not once the host saw the CPU end), so only its end is left to take in.
+        self._collect_cpu_work()
         ids = host["ids"].astype(np.int64)  # [T, k]
         x_host = host.get("x")  # [T, H]
         self._observe_copy()
