@@ -284,9 +284,64 @@ def test_prompt_forms(server):
                    [["Hello"]], {"text": "x"}, 5, True):
         error = assert_refused(server, COMPLETIONS, body_for(COMPLETIONS, False, prompt=prompt), 400, "prompt")
         assert "batch" not in error["message"], prompt
-    for prompt in (["a", "b"], [[1], [2]], ["a", [1]]):
-        error = assert_refused(server, COMPLETIONS, body_for(COMPLETIONS, False, prompt=prompt), 400, "prompt")
-        assert error["code"] == "unsupported_parameter"
+    for prompt in (["a", [1]], [[1], "a"], ["a", None], [[1], []], [[1], [-1]], ["a", ""], ["a"] * 1025):
+        assert_refused(server, COMPLETIONS, body_for(COMPLETIONS, False, prompt=prompt), 400, "prompt")
+
+
+def test_a_batch_of_prompts_gets_n_choices_per_prompt(server, client):
+    """OpenAI and vLLM take several prompts in one /v1/completions request (lm-eval and benchmark scripts send
+    them): prompt p's n choices are numbered p * n to p * n + n - 1, each equal to the prompt sent alone; usage
+    counts every prompt once. A batch used to be refused."""
+    tokenizer = server.app[STATE].engine.tokenizer
+    prompts = ["Hello", "The quick brown fox", "Mixture of experts"]
+    options = {"model": MODEL, "temperature": 0, "max_tokens": 4, "extra_body": {"ignore_eos": True}}
+    alone = [client.completions.create(prompt=p, **options) for p in prompts]
+    for batch in (prompts, [tokenizer.encode(p) for p in prompts]):
+        reply = client.completions.create(prompt=batch, n=2, **options)
+        assert [c.index for c in reply.choices] == list(range(6))
+        assert [c.text for c in reply.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+        assert reply.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+        assert reply.usage.completion_tokens == 6 * 4
+    chunks = list(client.completions.create(prompt=prompts, n=2, stream=True, logprobs=1,
+                                            stream_options={"include_usage": True}, **options))
+    texts, offsets = {}, {}
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        offsets.setdefault(choice.index, []).extend(choice.logprobs.text_offset)
+    assert [texts[i] for i in range(6)] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert all(offsets[i][0] == 0 for i in range(6))  # every choice's offsets start at its own text
+    assert chunks[-1].usage.completion_tokens == 24
+
+
+def test_a_bad_prompt_refuses_the_whole_batch_and_leaves_nothing_running(server):
+    idle_free = metric(server, "colibri_kv_blocks_free")
+    for prompt, code in ((["Hello", "x " * (MAX_SEQ_LEN + 10)], "context_length_exceeded"),
+                         (["Hello", "Again", ""], None)):
+        for stream in (False, True):
+            error = assert_refused(server, COMPLETIONS, body_for(COMPLETIONS, stream, prompt=prompt), 400, "prompt",
+                                   stream=stream)
+            assert error["code"] == code, error
+    wait_for_idle(server, idle_free)
+
+
+def test_a_client_leaving_a_batch_stream_aborts_every_prompt(server):
+    idle_free = metric(server, "colibri_kv_blocks_free")
+    generated_before = metric(server, "colibri_engine_generated_tokens_total")
+
+    async def read_a_little_then_leave() -> None:
+        body = body_for(COMPLETIONS, True, prompt=["One", "Two", "Three"], max_tokens=MAX_SEQ_LEN - 10,
+                        ignore_eos=True)
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as session, \
+                session.post(server.url + COMPLETIONS, json=body) as response:
+            assert response.status == 200
+            for _ in range(6):
+                await response.content.readuntil(b"\n\n")
+
+    asyncio.run(read_a_little_then_leave())
+    wait_for_idle(server, idle_free)
+    assert metric(server, "colibri_engine_generated_tokens_total") - generated_before < 3 * (MAX_SEQ_LEN - 10) / 2
+    assert_serving(server)
 
 
 @pytest.mark.parametrize("path, stream", ENDPOINTS, ids=ENDPOINT_IDS)
@@ -353,6 +408,21 @@ def test_chat_features_refused_clearly(server):
             assert error["code"] == "unsupported_parameter", error
 
 
+def test_tools_are_ignored_with_tool_choice_none(server):
+    """As vLLM without a tool parser: tools (or legacy functions) with tool_choice (function_call) "none" ask for a
+    plain answer, which this server gives; they were refused. Tools that may be called are still refused."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for fields in ({"tools": tools, "tool_choice": "none"}, {"functions": [{"name": "f"}], "function_call": "none"}):
+        for stream in (False, True):
+            status, _, reply = send(server, CHAT, body_for(CHAT, stream, **fields))
+            assert status == 200, (fields, reply)
+    for fields, param in (({"tools": tools}, "tools"), ({"tools": tools, "tool_choice": "auto"}, "tools"),
+                          ({"tools": tools, "function_call": "none"}, "tools"),
+                          ({"functions": [{"name": "f"}], "tool_choice": "none"}, "functions")):
+        error = assert_refused(server, CHAT, body_for(CHAT, False, **fields), 400, param)
+        assert error["code"] == "unsupported_parameter"
+
+
 def test_chat_messages_accepted(server):
     cases = [
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi", "name": "ann"}],
@@ -383,6 +453,9 @@ def test_completion_features_refused_clearly(server):
     for fields, param in ((dict(echo=True), "echo"), (dict(suffix="end"), "suffix"), (dict(best_of=3), "best_of")):
         error = assert_refused(server, COMPLETIONS, body_for(COMPLETIONS, False, **fields), 400, param)
         assert error["code"] == "unsupported_parameter"
+    for best_of in (0, -1):  # a bad value, not a feature: it said "best_of (0) other than n (1) is not supported"
+        error = assert_refused(server, COMPLETIONS, body_for(COMPLETIONS, False, best_of=best_of), 400, "best_of")
+        assert error["code"] is None and "positive" in error["message"]
     for fields, param in ((dict(echo="yes"), "echo"), (dict(suffix=5), "suffix"), (dict(best_of=True), "best_of"),
                           (dict(user=5), "user"), (dict(model=5), "model"), (dict(stream="yes"), "stream")):
         assert_refused(server, COMPLETIONS, {**body_for(COMPLETIONS, False), **fields}, 400, param)

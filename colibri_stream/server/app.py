@@ -36,6 +36,7 @@ from ..request import (
 )
 from ..timing import ChromeTraceWriter
 from ..tokenizer import ChatTemplateError
+from .generations import Generations
 from .protocol import (
     APIError,
     GenerateRequest,
@@ -362,42 +363,23 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateRequest
     req = parse(await _read_json(request))
     _check_model(state, req.model)
     responder = Responder(req, state.model_name, state.token_piece)
+    generations = Generations(state.engine, responder.id)
     start = time.perf_counter()
     with state.in_flight():
         try:
-            prompt_token_ids = await state.engine.encode(req.prompt)  # a long prompt: off the event loop
-        except ColibriError as e:
-            raise _engine_error(e, req) from e
-        outputs = state.engine.generate(prompt_token_ids, req.params, request_id=responder.id)
-        first = asyncio.ensure_future(anext(outputs))
-        try:
-            await _admitted(first, req)
+            await generations.start(req.prompts, req.params)
             if req.stream:
-                return await _stream(request, state, responder, first, outputs)
-            async for out in _chain(first, outputs):
+                return await _stream(request, state, responder, generations)
+            async for index, out in generations.outputs():
                 state.metrics.observe(out)
-                responder.add(out)
+                responder.add(out, index)
             return _json(responder.response())
         except ColibriError as e:
             raise _engine_error(e, req) from e
         finally:
-            # Once the response is out the client may hang up and cancel this handler: no waiting on that path.
+            # Once the response is out the client may hang up and cancel this handler: aclose() does not wait then.
             state.metrics.e2e.observe(time.perf_counter() - start)
-            if not first.done():  # the client left before the first token
-                first.cancel()
-                await asyncio.wait([first])
-            await outputs.aclose()  # aborts an unfinished request and frees its KV blocks; else returns at once
-
-
-async def _admitted(first: asyncio.Future, req: GenerateRequest) -> None:
-    """Let the engine admit the request; its refusal becomes the HTTP error.
-
-    generate() validates, checks the queue and queues the request in its first step, before it first waits
-    for an output; one turn of the loop runs that step, so nothing is sent before the engine has said yes.
-    """
-    await asyncio.sleep(0)
-    if first.done() and first.exception() is not None:
-        raise _engine_error(first.exception(), req) from first.exception()
+            await generations.aclose()
 
 
 def _engine_error(error: BaseException, req: GenerateRequest) -> APIError:
@@ -419,14 +401,8 @@ def _engine_error(error: BaseException, req: GenerateRequest) -> APIError:
     return APIError(500, f"generation failed: {error}", type="server_error")
 
 
-async def _chain(first: asyncio.Future, outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    yield await first
-    async for out in outputs:
-        yield out
-
-
-async def _stream(request: web.Request, state: ServerState, responder: Responder, first: asyncio.Future,
-                  outputs: AsyncIterator[Any]) -> web.StreamResponse:
+async def _stream(request: web.Request, state: ServerState, responder: Responder,
+                  generations: Generations) -> web.StreamResponse:
     """Send the request's outputs as SSE chunks; keep-alive comments fill silences (a long prefill)."""
     req = responder.request
     stream = EventStream(request, state.keepalive_interval, state.send_timeout)
@@ -436,9 +412,9 @@ async def _stream(request: web.Request, state: ServerState, responder: Responder
             for chunk in responder.role_chunks():
                 await stream.send(chunk)
         try:
-            async for out in _chain(first, outputs):
+            async for index, out in generations.outputs():
                 state.metrics.observe(out)
-                choice = responder.add(out)
+                choice = responder.add(out, index)
                 if out.text or out.finished or (req.logprobs and out.logprobs):
                     await stream.send(responder.chunk(choice))
         except ColibriError as e:  # after the 200, an error travels in the stream

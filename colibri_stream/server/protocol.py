@@ -2,15 +2,17 @@
 
 Unknown fields are ignored (as vLLM does; OpenAI refuses them, but clients written for vLLM-style servers send
 extensions of their own). Otherwise requests follow OpenAI's rules: a known field of the wrong type or out of range
-is a 400 naming the field, and a feature this server does not implement (tools, images, audio output, echo, suffix,
-best_of > n, several prompts in one request, vLLM's continue_final_message, function_call forcing a function) is a
-400 that says so instead of being silently dropped; so are the fields of the other endpoint that would change the
+is a 400 naming the field, and a feature this server does not implement (tool calls, images, audio output, echo,
+suffix, best_of > n, vLLM's continue_final_message, function_call forcing a function) is a 400 that says so instead
+of being silently dropped; so are the fields of the other endpoint that would change the
 answer (max_completion_tokens, top_logprobs or messages sent to /v1/completions, a prompt sent to chat). Types are
 as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an integer; null is the same as
 leaving a field out. The values of those features that ask for nothing (`tools: []`,
 `tool_choice: "none"` or `"auto"`, `response_format: {"type": "text"}`, `modalities: ["text"]`, `echo: false`,
-`suffix: ""`, `best_of` equal to n) are accepted. The vLLM extensions `top_k`, `min_p`, `repetition_penalty`,
-`stop_token_ids` and `ignore_eos` are accepted too.
+`suffix: ""`, `best_of` equal to n) are accepted, and so are tools with `tool_choice: "none"` (as vLLM without a
+tool parser: the tools are ignored). The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`
+and `ignore_eos` are accepted too. /v1/completions takes a batch of prompts (a list of strings or of token id
+lists): prompt p's n choices have the indexes p * n to p * n + n - 1, as OpenAI and vLLM number them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 from ..request import InvalidParameterError, SamplingParams
 
 MAX_LOGPROBS = 20
+MAX_PROMPTS = 1024  # prompts in one /v1/completions batch
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> template role
 
@@ -62,7 +65,7 @@ class GenerateRequest:
 
     chat: bool
     model: str | None  # None: the served model
-    prompt: str | list[int] | list[dict]  # completion text, token ids, or chat messages ({"role", "content"})
+    prompts: tuple[str | list[int] | list[dict], ...]  # completion texts or token ids; chat: one, its messages
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
@@ -127,9 +130,10 @@ def _json_type(value: Any) -> str:
 
 def _reject_unsupported(fields: _Fields, n: int) -> None:
     body = fields.body
-    for name in ("tools", "functions"):
-        if fields.get(name, (list,), "an array", ()):
-            raise unsupported("tools and function calling are not supported by this server", name)
+    for name, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+        if fields.get(name, (list,), "an array", ()) and body.get(choice) != "none":
+            raise unsupported(f'tool calling is not supported by this server (with {choice}: "none" the {name} are '
+                              f'ignored)', name)
     for name in ("tool_choice", "function_call"):  # function_call: the legacy form of tool_choice
         if body.get(name) not in (None, "none", "auto"):
             raise unsupported(f"{name} is not supported by this server", name)
@@ -143,6 +147,8 @@ def _reject_unsupported(fields: _Fields, n: int) -> None:
         raise unsupported("continue_final_message is not supported: a last assistant message is answered in a new "
                           "turn", "continue_final_message")
     best_of = fields.integer("best_of")
+    if best_of is not None and best_of < 1:
+        raise bad_request("best_of must be a positive integer", param="best_of")
     if best_of is not None and best_of != n:
         raise unsupported(f"best_of ({best_of}) other than n ({n}) is not supported", "best_of")
     if fields.boolean("echo"):
@@ -235,7 +241,7 @@ def parse_completion(body: Any) -> GenerateRequest:
         raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
     max_tokens = fields.integer("max_tokens") if "max_tokens" in body else 16  # null: up to the context
     return GenerateRequest(
-        chat=False, model=model, prompt=_prompt(body.get("prompt")),
+        chat=False, model=model, prompts=_prompts(body.get("prompt")),
         params=_sampling_params(fields, max_tokens, "max_tokens", logprobs, n),
         stream=stream, include_usage=_stream_options(fields, stream), logprobs=logprobs is not None,
     )
@@ -259,7 +265,7 @@ def parse_chat(body: Any) -> GenerateRequest:
     elif legacy_max_tokens is not None and legacy_max_tokens < 1:  # checked even when max_completion_tokens wins
         raise bad_request("max_tokens must be a positive integer", param="max_tokens")
     return GenerateRequest(
-        chat=True, model=model, prompt=_messages(body.get("messages")),
+        chat=True, model=model, prompts=(_messages(body.get("messages")),),
         params=_sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs else None, n),
         stream=stream, include_usage=_stream_options(fields, stream), logprobs=logprobs,
     )
@@ -271,22 +277,22 @@ def _object(body: Any) -> dict:
     return body
 
 
-def _prompt(prompt: Any) -> str | list[int]:
-    """A completions prompt: a string, a list of token ids, or a list holding one of those (a batch of one)."""
+def _prompts(prompt: Any) -> tuple[str | list[int], ...]:
+    """A completions prompt: a string or a list of token ids, or a batch of them (a list of strings, or a list of
+    token id lists)."""
     if prompt is None:
         raise bad_request("prompt is required", param="prompt")
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_request(f"a batch of {len(prompt)} prompts is not supported: send one request per prompt",
-                          param="prompt", code="unsupported_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        if min(prompt) < 0:
-            raise bad_request("prompt token ids must be non-negative", param="prompt")
-        return prompt
-    raise bad_request("prompt must be a string, a list of token ids, or a list holding one of those", param="prompt")
+    batch = prompt if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) \
+        else [prompt]
+    if len(batch) > MAX_PROMPTS:
+        raise bad_request(f"a batch holds at most {MAX_PROMPTS} prompts, got {len(batch)}", param="prompt")
+    if not (all(isinstance(p, str) for p in batch) or all(isinstance(p, list) and p and all(_is_int(t) for t in p)
+                                                          for p in batch)):
+        raise bad_request("prompt must be a string, a list of token ids, a list of strings or a list of token id "
+                          "lists", param="prompt")
+    if any(isinstance(p, list) and min(p) < 0 for p in batch):
+        raise bad_request("prompt token ids must be non-negative", param="prompt")
+    return tuple(batch)
 
 
 def _messages(messages: Any) -> list[dict]:
@@ -362,27 +368,30 @@ class Responder:
         self.created = int(time.time())
         self.object = "chat.completion" if request.chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if request.chat else "text_completion"
-        self.prompt_tokens = 0
-        self.cached_tokens = 0  # prompt tokens from the prefix cache: sequence 0's, as prompt_tokens counts one
+        # Per prompt: its tokens, and those its sequence 0 took from the prefix cache (its n sequences share one
+        # prompt, counted once).
+        self._prompt_tokens = [0] * len(request.prompts)
+        self._cached_tokens = [0] * len(request.prompts)
         self._token_piece = token_piece
-        self._choices = [_Choice(i) for i in range(request.params.n)]
+        self._choices = [_Choice(i) for i in range(len(request.prompts) * request.params.n)]
 
     def _body(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def add(self, output: Any) -> dict:
-        """Record one RequestOutput; returns its choice as a stream chunk's `choices` entry."""
-        choice = self._choices[output.index]
-        self.prompt_tokens = output.prompt_tokens
+    def add(self, output: Any, prompt_index: int = 0) -> dict:
+        """Record one RequestOutput of the prompt `prompt_index`; returns its choice as a stream chunk's `choices`
+        entry."""
+        choice = self._choices[prompt_index * self.request.params.n + output.index]
+        self._prompt_tokens[prompt_index] = output.prompt_tokens
         if output.index == 0:
-            self.cached_tokens = output.cached_tokens
+            self._cached_tokens[prompt_index] = output.cached_tokens
         choice.completion_tokens = output.completion_tokens
         choice.finish_reason = output.finish_reason
         choice.stop_reason = output.stop_reason
         if not self.request.stream:
             choice.texts.append(output.text)
         logprobs = self._logprobs(choice, output.logprobs) if self.request.logprobs else None
-        entry: dict[str, Any] = {"index": output.index}
+        entry: dict[str, Any] = {"index": choice.index}
         if self.request.chat:
             entry["delta"] = {"content": output.text} if output.text or not output.finished else {}
         else:
@@ -427,10 +436,9 @@ class Responder:
         return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(raw)}
 
     def usage(self) -> dict:
-        completion = sum(c.completion_tokens for c in self._choices)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        prompt, completion = sum(self._prompt_tokens), sum(c.completion_tokens for c in self._choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self._cached_tokens)}}
 
     def chunk(self, choice: dict) -> dict:
         """A stream chunk holding one choice's delta."""
