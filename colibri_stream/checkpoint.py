@@ -453,13 +453,18 @@ class DenseFile:
         extra = sorted(present - set(specs))
         if extra:
             raise CheckpointError(f"{name} does not match config.json: unexpected tensors {extra[:5]}")
+        expected_dtype = _SAFETENSORS_DTYPES[config.dtype]
         for tensor_name, shape in specs.items():
-            actual = tuple(self._file.get_slice(tensor_name).get_shape())
+            tensor = self._file.get_slice(tensor_name)
+            actual = tuple(tensor.get_shape())
             if actual != shape:
                 raise CheckpointError(
                     f"{name} does not match config.json: {tensor_name} has shape {list(actual)}, "
                     f"expected {list(shape)}"
                 )
+            if tensor.get_dtype() != expected_dtype:
+                raise CheckpointError(f"{name} does not match config.json: {tensor_name} is stored as "
+                                      f"{tensor.get_dtype()}, config.json's dtype {config.dtype} is {expected_dtype}")
         self.names = list(specs)
 
     def get(self, name: str, verify: bool = False) -> np.ndarray:

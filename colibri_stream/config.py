@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError, ColibriError
+from .field_types import type_error
 
 FORMAT_VERSION = 1
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -39,20 +41,25 @@ class RopeConfig:
     truncate: bool = True  # yarn: round the correction range to whole dimensions
 
     def __post_init__(self) -> None:
+        def fail(message: str) -> None:
+            raise CheckpointError(f"config.json: rope {message}")
+
+        if error := type_error(self):
+            fail(error)
         if self.type not in ROPE_TYPES:
-            raise CheckpointError(f"rope type {self.type!r} is not one of {', '.join(ROPE_TYPES)}")
+            fail(f"type {self.type!r} is not one of {', '.join(ROPE_TYPES)}")
         if self.theta <= 0 or self.factor <= 0:
-            raise CheckpointError("rope theta and factor must be positive")
+            fail("theta and factor must be positive")
+        if self.original_max_position_embeddings is not None and self.original_max_position_embeddings <= 0:
+            fail("original_max_position_embeddings must be positive")
         if self.type == "llama3" and None in (
             self.low_freq_factor,
             self.high_freq_factor,
             self.original_max_position_embeddings,
         ):
-            raise CheckpointError(
-                "llama3 rope needs low_freq_factor, high_freq_factor and original_max_position_embeddings"
-            )
+            fail("llama3 needs low_freq_factor, high_freq_factor and original_max_position_embeddings")
         if self.type == "yarn" and self.original_max_position_embeddings is None:
-            raise CheckpointError("yarn rope needs original_max_position_embeddings")
+            fail("yarn needs original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -98,15 +105,30 @@ class ModelConfig:
         def fail(message: str) -> None:
             raise CheckpointError(f"config.json: {message}")
 
+        if error := type_error(self):
+            fail(error)
         if self.format_version != FORMAT_VERSION:
             fail(f"format_version {self.format_version} is not supported (this Colibri reads {FORMAT_VERSION})")
         if self.architecture not in ARCHITECTURES:
             fail(f"architecture {self.architecture!r} is not one of {', '.join(ARCHITECTURES)}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "num_experts", "top_k", "moe_intermediate_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                fail(f"{name} must be a positive integer, got {value!r}")
+                     "num_experts", "top_k", "moe_intermediate_size", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                fail(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(self, name) < 0:
+                fail(f"{name} must not be negative, got {getattr(self, name)!r}")
+        if self.head_dim % 2:
+            fail(f"head_dim ({self.head_dim}) must be even: rotary embedding rotates pairs of dimensions")
+        token_ids = {"bos_token_id": (self.bos_token_id,), "pad_token_id": (self.pad_token_id,),
+                     "eos_token_ids": self.eos_token_ids}
+        for name, ids in token_ids.items():
+            if any(token is not None and token < 0 for token in ids):
+                fail(f"{name} must not be negative, got {getattr(self, name)!r}")
+        for name in ("dense_file", "experts_file"):
+            file = getattr(self, name)
+            if Path(file).name != file or file in ("", ".."):
+                fail(f"{name} {file!r} is not a file name inside the model folder")
         if self.num_heads % self.num_kv_heads:
             fail(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.top_k > self.num_experts:
@@ -176,10 +198,7 @@ class ModelConfig:
                 if not isinstance(data[name], list):
                     raise CheckpointError(f"config.json: {name} must be a list")
                 data[name] = tuple(data[name])
-        try:
-            return cls(**data)
-        except TypeError as exc:  # a value of the wrong type that a comparison tripped over
-            raise CheckpointError(f"config.json: {exc}") from None
+        return cls(**data)
 
 
 class ConfigError(ColibriError):

@@ -65,13 +65,13 @@ def _unsupported(message: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"config.json: {message}")
 
 
-def _invalid(message: str) -> CheckpointError:
-    return CheckpointError(f"config.json: {message}")
+def _invalid(message: str, file: str = "config.json") -> CheckpointError:
+    return CheckpointError(f"{file}: {message}")
 
 
-def _int(value: Any, key: str, minimum: int = 1) -> int:
+def _int(value: Any, key: str, minimum: int = 1, file: str = "config.json") -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise _invalid(f"{key} must be an integer of at least {minimum}, got {value!r}")
+        raise _invalid(f"{key} must be an integer of at least {minimum}, got {value!r}", file)
     return value
 
 
@@ -88,9 +88,9 @@ def _bool(value: Any, key: str) -> bool:
     return value
 
 
-def _token_ids(value: Any, key: str) -> tuple[int, ...]:
+def _token_ids(value: Any, key: str, file: str) -> tuple[int, ...]:
     values = [] if value is None else value if isinstance(value, list) else [value]
-    return tuple(_int(v, key, minimum=0) for v in values)
+    return tuple(_int(v, key, minimum=0, file=file) for v in values)
 
 
 def detect_architecture(raw: dict[str, Any]) -> str:
@@ -308,15 +308,18 @@ def _rope(raw: dict[str, Any], cfg: dict[str, Any]) -> RopeConfig:
 
 
 def _special_tokens(cfg: dict[str, Any], generation: dict[str, Any]) -> dict[str, Any]:
-    """bos, eos and pad ids: generation_config.json's where it sets them (as transformers' generate does)."""
-    def pick(key: str) -> Any:
-        return generation[key] if generation.get(key) is not None else cfg[key]
+    """bos, eos and pad ids: generation_config.json's where it sets them (as transformers' generate does); an
+    invalid id names the file it came from."""
+    def ids(key: str) -> tuple[int, ...]:
+        if generation.get(key) is not None:
+            return _token_ids(generation[key], key, "generation_config.json")
+        return _token_ids(cfg[key], key, "config.json")
 
-    bos, pad = _token_ids(pick("bos_token_id"), "bos_token_id"), _token_ids(pick("pad_token_id"), "pad_token_id")
+    bos, pad = ids("bos_token_id"), ids("pad_token_id")
     if len(bos) > 1 or len(pad) > 1:
         raise _invalid("bos_token_id and pad_token_id must be single ids")
     return dict(bos_token_id=bos[0] if bos else None, pad_token_id=pad[0] if pad else None,
-                eos_token_ids=_token_ids(pick("eos_token_id"), "eos_token_id"))
+                eos_token_ids=ids("eos_token_id"))
 
 
 # ----------------------------------------------------------------------------------------------------------------

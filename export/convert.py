@@ -8,6 +8,7 @@ Rows are read and converted in chunks of a few MiB, so memory peaks at about one
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 from dataclasses import dataclass
@@ -112,6 +113,26 @@ def plan_export(checkpoint: HFCheckpoint, config: ModelConfig) -> ExportPlan:
     return ExportPlan(config, dense, experts, sum(checkpoint.tensors[n].nbytes for n in used))
 
 
+def untie_differing_lm_head(checkpoint: HFCheckpoint, config: ModelConfig) -> ModelConfig:
+    """`config`, untied when the checkpoint holds an lm_head that differs from the embeddings.
+
+    transformers ties lm_head to the embeddings only when the checkpoint lacks lm_head.weight or holds an equal
+    one (torch .bin checkpoints store both); a different lm_head.weight is loaded untied, whatever
+    tie_word_embeddings says. Compared in row chunks, as float32 (the reference dtype).
+    """
+    (embed,), (head,) = hf_dense_candidates("embed_tokens"), hf_dense_candidates("lm_head")
+    if not config.tie_word_embeddings or head not in checkpoint.tensors or embed not in checkpoint.tensors:
+        return config
+    shape = checkpoint.tensors[embed].shape
+    if checkpoint.tensors[head].shape == shape:
+        source = Source(embed, shape)
+        if all(np.array_equal(checkpoint.read(embed, source.index(a, b)).astype(np.float32),
+                              checkpoint.read(head, source.index(a, b)).astype(np.float32))
+               for a, b in source.chunks()):
+            return config
+    return dataclasses.replace(config, tie_word_embeddings=False)
+
+
 def _cast(rows: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
     """Rows in the storage dtype, converted through float32 when the dtypes differ."""
     if rows.dtype == dtype:
@@ -212,6 +233,7 @@ def export_model(hf_dir: str | Path, out_dir: str | Path, dtype: str = "bf16", q
     storage = DTYPE_NAMES[dtype]
     config = translate_config(checkpoint.config, checkpoint.generation_config, checkpoint.tensors.keys(),
                               storage, "int8" if quantize else storage)
+    config = untie_differing_lm_head(checkpoint, config)
     plan = plan_export(checkpoint, config)
     dense_bytes = sum(int(np.prod(s)) for s in dense_tensor_specs(config).values()) * NUMPY_DTYPES[storage].itemsize
     expert_bytes = len(config.moe_layers) * config.num_experts * expert_block_layout(config)[1]

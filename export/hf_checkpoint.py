@@ -67,6 +67,10 @@ class HFCheckpoint:
         self._check_weight_map()
 
     def _weight_files(self) -> list[Path]:
+        """model.safetensors, else the shards its index lists: transformers' order, so both read the same weights
+        from a folder that holds both (a leftover index, or a single-file copy of a sharded upload)."""
+        if (self.folder / SINGLE_FILE).is_file():
+            return [self.folder / SINGLE_FILE]
         index_path = self.folder / INDEX_FILE
         if index_path.is_file():
             weight_map = read_json(index_path).get("weight_map")
@@ -81,8 +85,6 @@ class HFCheckpoint:
                 if not path.is_file():
                     raise CheckpointError(f"{INDEX_FILE} lists {path.name}, which is missing from {self.folder}")
             return files
-        if (self.folder / SINGLE_FILE).is_file():
-            return [self.folder / SINGLE_FILE]
         if any(self.folder.glob("*.bin")) or any(self.folder.glob("*.pt")) or any(self.folder.glob("*.pth")):
             raise UnsupportedModelError(
                 f"{self.folder} holds PyTorch pickle weights only; Colibri reads safetensors "

@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
 
 pytest.importorskip("torch")
 
@@ -127,11 +130,32 @@ def test_missing_file(model, name):
     (dict(format="other"), ["not a Colibri model folder"]),
     (dict(format_version=2), ["format_version 2 is not supported"]),
     (dict(num_heads=3), ["num_heads (3) must be a multiple of num_kv_heads (2)"]),
+    # Values of the wrong type or range: refused by name, not read as something else or failing inside NumPy.
+    ({"norm_topk_prob": "false"}, ["norm_topk_prob must be true or false, got 'false'"]),
+    ({"sliding_windows": [True, None, None]}, ["sliding_windows must be a list of integers or nulls"]),
+    ({"eos_token_ids": ["2"]}, ["eos_token_ids must be a list of integers, got ['2']"]),
+    ({"max_position_embeddings": "512"}, ["max_position_embeddings must be an integer, got '512'"]),
+    ({"rope": {"theta": "1e4"}}, ["rope theta must be a number, got '1e4'"]),
+    ({"clip_qkv": "3"}, ["clip_qkv must be a number or null, got '3'"]),
+    ({"pad_token_id": -5}, ["pad_token_id must not be negative"]),
+    ({"head_dim": 15}, ["head_dim (15) must be even"]),
+    ({"dense_file": "../hf/model.safetensors"}, ["dense_file '../hf/model.safetensors' is not a file name"]),
 ])
 def test_config_not_matching_the_weights(model, changes, words):
     edit_config(model, **changes)
     message = error(model, verify=False)
     assert all(w in message for w in words), message
+
+
+def test_dense_tensor_of_another_dtype(model):
+    path = model / "dense.safetensors"
+    with safe_open(str(path), framework="numpy") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(path))
+    tensors["norm"] = tensors["norm"].astype(np.int8)
+    save_file(tensors, str(path), metadata=metadata)
+    assert error(model, verify=False) == ("dense.safetensors does not match config.json: norm is stored as I8, "
+                                          "config.json's dtype bfloat16 is BF16")
 
 
 def test_invalid_json(model):

@@ -25,6 +25,8 @@ from colibri_stream.config import RopeConfig  # noqa: E402
 from colibri_stream.errors import CheckpointError, ColibriError, UnsupportedModelError  # noqa: E402
 from colibri_stream.export import export_model  # noqa: E402
 from colibri_stream.export.architectures import translate_config  # noqa: E402
+from colibri_stream.model import load_model
+from test_parity import colibri_logits, prompt_ids, reference_logits, relative_error
 from tiny_models import ARCHITECTURES, build_hf_model  # noqa: E402
 
 # Our per-layer dense tensor name -> the transformers parameter name (under model.layers.{l}.).
@@ -149,6 +151,25 @@ def test_tied_embeddings_write_no_lm_head(tmp_path):
     assert "lm_head" not in ModelFolder(tmp_path / "out").dense.names
 
 
+def test_tied_config_with_a_different_lm_head_is_exported_untied(tmp_path):
+    """transformers ties only when lm_head.weight is absent or equal to the embeddings; else it loads it as is."""
+    import transformers
+
+    build_hf_model("mixtral", tmp_path / "hf", tie_word_embeddings=True)
+    embed = load_file(str(tmp_path / "hf" / "model.safetensors"))["model.embed_tokens.weight"]
+    edit_weights(tmp_path / "hf", lambda t: t.update({"lm_head.weight": embed.copy()}))  # as torch .bin files hold
+    assert export_model(tmp_path / "hf", tmp_path / "equal", dtype="fp32", progress=False).tie_word_embeddings
+    head = np.random.default_rng(0).normal(0, 0.08, embed.shape).astype(np.float32)
+    edit_weights(tmp_path / "hf", lambda t: t.update({"lm_head.weight": head}))
+    config = export_model(tmp_path / "hf", tmp_path / "out", dtype="fp32", progress=False)
+    assert not config.tie_word_embeddings
+    np.testing.assert_array_equal(ModelFolder(tmp_path / "out").dense.get("lm_head"), head)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = prompt_ids()
+    ours = colibri_logits(load_model(tmp_path / "out"), ids)
+    assert relative_error(ours, reference_logits(reference, ids)) < 1e-4
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Config translation (no weights needed)
 # ------------------------------------------------------------------------------------------------------------------
@@ -208,6 +229,8 @@ def test_special_tokens_from_generation_config():
     config = translate(raw_config("qwen3_moe"), {"eos_token_id": [7, 2], "bos_token_id": 5})
     assert (config.eos_token_ids, config.bos_token_id, config.pad_token_id) == ((7, 2), 5, 0)
     assert translate(raw_config("qwen3_moe", eos_token_id=[3, 4])).eos_token_ids == (3, 4)
+    with pytest.raises(CheckpointError, match=r"^generation_config.json: eos_token_id must be an integer .* '2'$"):
+        translate(raw_config("qwen3_moe"), {"eos_token_id": "2"})
 
 
 @pytest.mark.parametrize("arch,changes,words", [
@@ -331,6 +354,7 @@ def test_output_folder_rules(hf_copy, tmp_path, monkeypatch):
     ("mixtral", dict(num_key_value_heads=0), ["num_key_value_heads"]),
     ("qwen3_moe", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "truncate": "no"}),
      ["truncate"]),
+    ("mixtral", {"head_dim": 15}, ["head_dim (15) must be even"]),
 ])
 def test_invalid_config_values_raise_one_clear_line(arch, changes, words):
     with pytest.raises(CheckpointError) as info:
@@ -382,6 +406,14 @@ def test_broken_sharded_checkpoints_name_the_shard(hf_sharded, tmp_path):
     edit_index(hf_sharded, lambda m: m.update({"model.layers.9.mlp.gate_proj.weight": "../outside.safetensors"}))
     assert "not a file name in the model folder" in error_of(hf_sharded, tmp_path / "e", CheckpointError)
     assert not any((tmp_path / d).exists() for d in "abcde")
+
+
+def test_single_file_is_read_before_a_leftover_index(hf_copy, tmp_path):
+    """transformers loads model.safetensors when the folder holds it, whatever index lies beside it."""
+    index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}
+    (hf_copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    export_model(hf_copy, tmp_path / "out", progress=False)
+    assert (tmp_path / "out" / "config.json").is_file()
 
 
 def test_dense_tensor_problems_name_the_tensor(hf_copy, tmp_path):
