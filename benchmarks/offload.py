@@ -85,7 +85,7 @@ def drop_page_cache(path: Path) -> None:
 def measure(folder, pinned, threads: int | None) -> Measured:
     import cupy as cp
 
-    from colibri_stream.experts.cpu_executor import CpuExpertExecutor, threads_beside_gpu
+    from colibri_stream.experts.cpu_executor import CpuExpertExecutor
     from colibri_stream.experts.rates import cpu_expert_rates, pinned_copy_rate, shared_rates
     from colibri_stream.experts.tiers import BlockReader
 
@@ -120,7 +120,7 @@ def make_model(folder, slots: int | list[int] | None, host, mode: str, threads: 
     stream_waits=False: the host waits for the CPU's experts; cpu_worker=False: the CPU thread's Python runs the
     executor expert by expert (GpuTieredStore)."""
     from colibri_stream.backends.cupy_backend import CupyBackend
-    from colibri_stream.experts.cpu_executor import CpuExpertExecutor
+    from colibri_stream.experts.cpu_executor import CpuExpertExecutor, threads_beside_gpu
     from colibri_stream.experts.gpu_tier import GpuTieredStore
     from colibri_stream.experts.policies import make_policy
     from colibri_stream.experts.prefetcher import Prefetcher
@@ -137,10 +137,9 @@ def make_model(folder, slots: int | list[int] | None, host, mode: str, threads: 
         prefetcher = Prefetcher([folder.dense.get(f"layers.{layer}.router") for layer in config.moe_layers],
                                 config.top_k)
     policies = [make_policy("lfu", config.num_experts) for _ in config.moe_layers]
+    executor = None if cpu_experts == "off" else CpuExpertExecutor(threads or threads_beside_gpu())
     store = GpuTieredStore(experts, slots, policies, host, BlockReader(experts, use_kvikio=kvikio_available()),
-                           prefetcher, None if cpu_experts == "off" else CpuExpertExecutor(threads or threads_beside_gpu()),
-                           cpu_experts,
-                           stream_waits=stream_waits, cpu_worker=cpu_worker)
+                           prefetcher, executor, cpu_experts, stream_waits=stream_waits, cpu_worker=cpu_worker)
     return MoETransformer(config, folder.dense, store, CupyBackend())
 
 

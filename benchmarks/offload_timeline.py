@@ -15,7 +15,7 @@ same clock as time.perf_counter; "glue" is 0)
   host_wake   -> the step thread has taken in the CPU's end
   after_collect -> the routing is on the host (the GPU's attention and router after the flag, the readback; with
             the host waiting, also the Python that queues them), of which
-  readback    the readback call itself (waiting for the GPU to reach it)
+  readback    the host's wait for the routing's copies (queued before the CPU's end was taken in)
 and, with the stream waiting, CUDA events on the compute stream around the flag wait (GPU clock):
   gpu_experts   the routing read back -> the GPU's own experts queued before the wait are done
   gpu_waited    how long the stream waited on the flag (about 0: the GPU's experts ended after the CPU's)
@@ -67,16 +67,19 @@ class Recorder:
         self._wrap_executor()
         if store._worker is not None:
             self._wrap_worker(store._worker)
-        original_read = store._readback.read
+        readback = store._readback
+        original_queue, original_wait = readback.queue, readback.wait
 
-        def read(stream, **arrays):
+        def queue(stream, **arrays):
             self._event("routing")
-            self.events["readback_start"].append(time.perf_counter())
-            out = original_read(stream, **arrays)
-            self.events["routing"].append(time.perf_counter())
-            return out
+            return original_queue(stream, **arrays)
 
-        store._readback.read = read
+        def wait(stream):
+            self.events["readback_start"].append(time.perf_counter())
+            original_wait(stream)
+            self.events["routing"].append(time.perf_counter())
+
+        readback.queue, readback.wait = queue, wait
         self.gpu: list[tuple[str, object]] = []  # ("routing" | "wait" | "waited", timing event) in stream order
         if store._flag is not None:
             self._wrap_flag(store._flag)

@@ -312,10 +312,13 @@ class GpuTieredStore(ExpertStore):
             wanted["x"] = cp.ascontiguousarray(x)
         if self.executor is not None and weights is not None:
             wanted["weights"] = cp.ascontiguousarray(weights, dtype=np.float32)
-        host = self._readback.read(cp.cuda.get_current_stream(), **wanted)  # the synchronisation offloading needs
-        # The previous layer's CPU work, taken in after the readback: the stream waited on its flag before the copies
-        # (queued now, not once the host saw the CPU end), so only its end is left to take in.
+        # The copies are queued behind the previous layer's CPU flag, then the host sleeps until the CPU's end and
+        # only then waits for the stream: the GPU does not wait for the host to queue them, and the host does not
+        # spin beside the CPU's threads while they work.
+        stream = cp.cuda.get_current_stream()
+        host = self._readback.queue(stream, **wanted)
         self._collect_cpu_work()
+        self._readback.wait(stream)  # the synchronisation offloading needs
         ids = host["ids"].astype(np.int64)  # [T, k]
         x_host = host.get("x")  # [T, H]
         self._observe_copy()

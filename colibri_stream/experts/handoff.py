@@ -7,7 +7,7 @@ next layer's kernels instead of waiting for the CPU. CuPy does not wrap the driv
 they are called through ctypes on libcuda; CUDA 12 drivers support 32-bit waits on every device.
 
 `PinnedReadback`: several device arrays copied into reused pinned buffers on one stream with one synchronisation
-(three blocking `asnumpy` calls were three).
+(three blocking `asnumpy` calls were three); the copies can be queued before the host is ready to wait for them.
 """
 
 from __future__ import annotations
@@ -81,13 +81,20 @@ class HostFlag:
 class PinnedReadback:
     """Copies of device arrays in pinned host buffers, kept and grown per name, after one stream synchronisation.
 
-    The arrays `read` returns are views of those buffers: valid until the next `read` with the same names.
+    `queue` returns views of those buffers (valid until the next `queue` with the same names) that hold the arrays
+    once `wait` returned.
     """
 
     def __init__(self):
         self._buffers: dict[str, np.ndarray] = {}
 
-    def read(self, stream, **arrays) -> dict[str, np.ndarray]:
+    @staticmethod
+    def wait(stream) -> None:
+        """Block until the copies queued on `stream` are done."""
+        stream.synchronize()
+
+    def queue(self, stream, **arrays) -> dict[str, np.ndarray]:
+        """Queue the copies on `stream`; their host views by name."""
         out = {}
         for name, array in arrays.items():
             buffer = self._buffers.get(name)
@@ -96,5 +103,4 @@ class PinnedReadback:
             host = buffer[: array.nbytes].view(array.dtype).reshape(array.shape)
             array.get(stream=stream, out=host, blocking=False)
             out[name] = host
-        stream.synchronize()
         return out
