@@ -385,7 +385,7 @@ class AsyncEngine:
         self._core.validate(prompt_token_ids, params)
         if not self._accepting:
             raise EngineStoppedError("the engine is not running")
-        capacity = self._capacity()
+        capacity = self.capacity
         if capacity is not None and params.n > capacity:
             raise InvalidParameterError(f"n={params.n} sequences can never be admitted: this server runs at most "
                                         f"{capacity} at once (max_batch_size + max_queue)", param="n")
@@ -435,7 +435,8 @@ class AsyncEngine:
         """The expert store's counters now (taken while a step may run: a step's figures can be half counted)."""
         return self._core.store_stats()
 
-    def _capacity(self) -> int | None:
+    @property
+    def capacity(self) -> int | None:
         """Sequences the engine can hold at once, running and waiting (None: the queue is unbounded)."""
         config = self._core.config.scheduler
         return config.max_batch_size + config.max_queue if config.max_queue else None

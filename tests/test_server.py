@@ -574,6 +574,14 @@ def test_queue_full_is_429(small_server):
     asyncio.run(scenario())
 
 
+def test_a_batch_larger_than_the_server_can_ever_hold_is_400_not_429(small_server):
+    status, body = post(small_server, COMPLETIONS, {"prompt": ["a", "b", "c"], "max_tokens": 1})
+    assert status == 400, body
+    assert _error(body)["param"] == "prompt" and "never be admitted" in _error(body)["message"]
+    status, body = post(small_server, COMPLETIONS, {"prompt": ["a", "b"], "max_tokens": 1})
+    assert status == 200 and len(body["choices"]) == 2
+
+
 def test_keepalive_comments_during_a_long_prefill(small_server, tiny_model_dir):
     prompt = [5 + i % 300 for i in range(1800)]  # 225 prefill steps of 8 tokens before the first token
     status, headers, raw = request(small_server, "POST", COMPLETIONS,

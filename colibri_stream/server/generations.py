@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from ..request import RequestOutput, SamplingParams
+from ..request import InvalidParameterError, RequestOutput, SamplingParams
 
 _END = object()  # a prompt's pump has sent its last output
 
@@ -29,6 +29,11 @@ class Generations:
     async def start(self, prompts: Sequence[Any], params: SamplingParams) -> None:
         """Encode the prompts and have the engine admit each (raises its refusal: InvalidParameterError,
         PromptTooLongError, QueueFullError, ...)."""
+        capacity, wanted = self._engine.capacity, len(prompts) * params.n
+        if capacity is not None and len(prompts) > 1 and wanted > capacity:  # else every retry would get a 429
+            raise InvalidParameterError(f"{len(prompts)} prompts of n={params.n} are {wanted} sequences, which can "
+                                        f"never be admitted together: this server runs at most {capacity} at once "
+                                        f"(max_batch_size + max_queue)", param="prompt")
         token_ids = [await self._engine.encode(prompt) for prompt in prompts]  # a long prompt: off the event loop
         for i, ids in enumerate(token_ids):
             request_id = self._request_id if len(token_ids) == 1 else f"{self._request_id}-{i}"
