@@ -141,11 +141,10 @@ class HostLogits(LogitSource):
         return self.logits[rows]
 
     def argmax(self, rows: np.ndarray) -> np.ndarray:
-        return np.argmax(self.logits[rows], axis=1)
+        return np.argmax(self._logits_of(rows), axis=1)
 
     def candidates(self, rows: np.ndarray, temperature: np.ndarray, count: int, lse_rows: np.ndarray) -> Candidates:
-        whole = len(rows) == len(self.logits) and bool((rows == np.arange(len(rows))).all())
-        logits = self.logits if whole else self.logits[rows]  # [R, V]
+        logits = self._logits_of(rows)  # [R, V]
         scaled = logits if (temperature == 1.0).all() else logits / temperature[:, None]  # [R, V]: read only
         ids = top_sorted(scaled, count)  # [R, C]
         lse = np.full(len(rows), np.nan)  # [R]
@@ -154,6 +153,11 @@ class HostLogits(LogitSource):
         sums[lse_rows] = exp_sums(asked)
         lse[lse_rows] = log_normaliser(asked.max(axis=1), sums[lse_rows], scaled.shape[1])
         return Candidates(ids, np.take_along_axis(scaled, ids, axis=1), lse, sums)
+
+    def _logits_of(self, rows: np.ndarray) -> np.ndarray:
+        """The logits of rows [R]: [R, V], not copied when they are every row in order."""
+        whole = len(rows) == len(self.logits) and bool((rows == np.arange(len(rows))).all())
+        return self.logits if whole else self.logits[rows]
 
 
 @dataclass
@@ -200,6 +204,8 @@ class Sampler:
     def sample_from(self, source: LogitSource, states: list[SamplingState]) -> SamplerOutput:
         """`sample` for logits held by `source`: the same tokens and logprobs, asking the source for argmaxes and
         candidates where they suffice and for whole rows only where they do not."""
+        if all(_argmax_only(s.params) for s in states):  # the arrays below cost more than the argmaxes here
+            return SamplerOutput(source.argmax(np.arange(len(states))), [None] * len(states))
         params = _RowParams.of([s.params for s in states], source.vocab_size)
         uniform = np.array([0.0 if g else s.generator.random() for s, g in zip(states, params.greedy)])  # [B]
         token_ids = np.full(len(states), -1, dtype=np.int64)  # [B]
@@ -453,6 +459,12 @@ def fixed_exp(y: np.ndarray, bits: int, cutoff: float, scratch: tuple[np.ndarray
 def log_normaliser(top: np.ndarray, sums: np.ndarray, vocab: int) -> np.ndarray:
     """log(sum(exp(x))) [R] float64 of rows given their maximum [R] and `exp_sums` [R]."""
     return top.astype(np.float64) + (np.log(sums.astype(np.float64)) - fixed_point(vocab)[0] * math.log(2))
+
+
+def _argmax_only(params: SamplingParams) -> bool:
+    """Whether the token is the raw logits' argmax and nothing else is asked: greedy, no logprobs, logits as they
+    are (`_sample_rows` takes `source.argmax` for such a row)."""
+    return params.temperature < GREEDY_TEMPERATURE and params.logprobs is None and not _adjusts_logits(params)
 
 
 def _adjusts_logits(params: SamplingParams) -> bool:

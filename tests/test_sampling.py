@@ -60,6 +60,24 @@ def test_greedy_is_argmax_in_a_mixed_batch():
     assert out.logprobs == [None] * 8
 
 
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [2, 0, 3]])
+def test_an_all_greedy_batch_takes_the_argmaxes_and_nothing_else(rows):
+    logits = random_logits(4, 1000, seed=3)
+    source = HostLogits(logits[rows])
+    states = states_for([SamplingParams(temperature=0.0, top_k=5, seed=1)] * len(rows))
+    drawn = [s.generator.bit_generator.state["state"]["state"] for s in states]
+    out = SAMPLER.sample_from(source, states)
+    np.testing.assert_array_equal(out.token_ids, np.argmax(logits[rows], axis=1))
+    assert out.token_ids.dtype == np.int64 and out.logprobs == [None] * len(rows)
+    assert [s.generator.bit_generator.state["state"]["state"] for s in states] == drawn  # no draws
+    # A logit bias, a penalty or logprobs still take the whole path: the bias moves the token.
+    bias = SamplingParams(temperature=0.0, logit_bias=((1, 100.0),))
+    asks = SamplingParams(temperature=0.0, logprobs=2)
+    out = SAMPLER.sample_from(source, states_for([bias, asks] + [SamplingParams(temperature=0.0)] * (len(rows) - 2)))
+    assert out.token_ids[0] == 1 and out.logprobs[1] is not None
+    np.testing.assert_array_equal(out.token_ids[1:], np.argmax(logits[rows][1:], axis=1))
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(top_k=1, seed=1), SamplingParams(top_p=1e-6, seed=2), SamplingParams(min_p=1.0, seed=3),
     SamplingParams(top_k=50, top_p=1e-6, seed=4), SamplingParams(temperature=1e-7, seed=5),
