@@ -125,6 +125,17 @@ def test_body_that_does_not_decode_is_400(server, encoding):
     assert status == 200, reply
 
 
+@pytest.mark.parametrize("encoding", ["br", "zstd", "x-unknown", "gzip, deflate"])
+def test_a_content_encoding_the_server_cannot_read_is_415(server, encoding):
+    data = orjson.dumps(body_for(COMPLETIONS, False))
+    error = assert_refused(server, COMPLETIONS, None, 415, data=data,
+                           headers={"Content-Type": "application/json", "Content-Encoding": encoding})
+    assert error["code"] == "unsupported_content_encoding" and "send the body as identity" in error["message"]
+    status, _, reply = send(server, COMPLETIONS, data=data,
+                            headers={"Content-Type": "application/json", "Content-Encoding": "Identity"})
+    assert status == 200, reply
+
+
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
                                           "application/json; charset=utf-8"])
 def test_any_content_type_is_read_as_json(server, content_type):
@@ -316,12 +327,13 @@ def test_a_batch_of_prompts_gets_n_choices_per_prompt(server, client):
 
 def test_a_bad_prompt_refuses_the_whole_batch_and_leaves_nothing_running(server):
     idle_free = metric(server, "colibri_kv_blocks_free")
-    for prompt, code in ((["Hello", "x " * (MAX_SEQ_LEN + 10)], "context_length_exceeded"),
-                         (["Hello", "Again", ""], None)):
+    for prompt, code, index in ((["Hello", "x " * (MAX_SEQ_LEN + 10)], "context_length_exceeded", 1),
+                                (["Hello", "Again", ""], None, 2)):
         for stream in (False, True):
             error = assert_refused(server, COMPLETIONS, body_for(COMPLETIONS, stream, prompt=prompt), 400, "prompt",
                                    stream=stream)
             assert error["code"] == code, error
+            assert error["message"].startswith(f"prompt {index}: "), error
     wait_for_idle(server, idle_free)
 
 
@@ -406,6 +418,13 @@ def test_chat_features_refused_clearly(server):
         for stream in (False, True):
             error = assert_refused(server, CHAT, body_for(CHAT, stream, **fields), 400, param, stream=stream)
             assert error["code"] == "unsupported_parameter", error
+
+
+@pytest.mark.parametrize("name, value", [("tool_choice", 5), ("tool_choice", "banana"), ("tool_choice", []),
+                                         ("function_call", "banana"), ("function_call", True)])
+def test_a_tool_choice_that_is_no_choice_is_an_invalid_value(server, name, value):
+    error = assert_refused(server, CHAT, body_for(CHAT, False, **{name: value}), 400, name)
+    assert error["code"] is None and "must be" in error["message"], error
 
 
 def test_tools_are_ignored_with_tool_choice_none(server):

@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
 
 from ..errors import ColibriError
 from ..metrics import ServerMetrics
@@ -36,7 +37,7 @@ from ..request import (
 )
 from ..timing import ChromeTraceWriter
 from ..tokenizer import ChatTemplateError
-from .generations import Generations
+from .generations import Generations, PromptRefused
 from .protocol import (
     APIError,
     GenerateRequest,
@@ -53,6 +54,7 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_KEEPALIVE_SECONDS = 10.0
 DEFAULT_SEND_TIMEOUT_SECONDS = 60.0  # a stream whose client reads nothing for this long is aborted
 RETRY_AFTER_SECONDS = 1  # a full queue's 429 says when to try again; the openai client waits that long, then retries
+READABLE_ENCODINGS = ("identity", "gzip", "deflate")  # request bodies aiohttp decodes without extra packages
 
 
 @dataclass
@@ -338,6 +340,9 @@ async def _read_json(request: web.Request) -> Any:
     state = request.app[STATE]
     if request.content_length is not None and request.content_length > state.max_body_bytes:
         raise _too_large(state)
+    encoding = request.headers.get("Content-Encoding", "identity")
+    if encoding.strip().lower() not in READABLE_ENCODINGS:
+        raise _unreadable_encoding(encoding)
     try:
         raw = await request.read()
     except web.RequestPayloadError as e:
@@ -348,6 +353,13 @@ async def _read_json(request: web.Request) -> Any:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+def _unreadable_encoding(encoding: str | None) -> APIError:
+    """415 for a request body in a Content-Encoding (named when known) that this server does not decode."""
+    named = "the request's Content-Encoding" if encoding is None else f"Content-Encoding {encoding.strip()[:100]!r}"
+    return APIError(415, f"{named} is not supported: send the body as {', '.join(READABLE_ENCODINGS)}",
+                    code="unsupported_content_encoding")
 
 
 def _payload_error(error: web.RequestPayloadError) -> str:
@@ -383,13 +395,16 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateRequest
 
 
 def _engine_error(error: BaseException, req: GenerateRequest) -> APIError:
-    """The HTTP error for an engine refusal or failure."""
+    """The HTTP error for an engine refusal or failure (naming the prompt of a batch that it concerns)."""
     prompt_param = "messages" if req.chat else "prompt"
+    prompt = ""
+    if isinstance(error, PromptRefused):
+        prompt, error = f"prompt {error.index}: ", error.error
     if isinstance(error, PromptTooLongError):
-        return bad_request(f"this model's maximum context length is {error.max_seq_len} tokens: {error}",
+        return bad_request(f"{prompt}this model's maximum context length is {error.max_seq_len} tokens: {error}",
                            param=prompt_param, code="context_length_exceeded")
     if isinstance(error, InvalidParameterError):
-        return bad_request(str(error), param=error.param)
+        return bad_request(f"{prompt}{error}", param=error.param)
     if isinstance(error, ChatTemplateError):
         return bad_request(str(error), param="messages")
     if isinstance(error, QueueFullError):
@@ -447,6 +462,9 @@ class _RequestHandler(web.RequestHandler):
         if status >= 500:  # a bug, not the client: logged with the traceback
             self.log_exception("error handling a request from %s", request.remote, exc_info=exc)
             error = APIError(status, "internal server error", type="server_error")
+        elif isinstance(exc, ContentEncodingError):  # a coding the parser has no decoder for (br, zstd)
+            self.logger.debug("refused a body coding from %s: %s", request.remote, exc)
+            error = _unreadable_encoding(None)  # the parser kept no headers
         else:
             self.logger.debug("refused a malformed HTTP request from %s: %s", request.remote, exc)
             reason = getattr(exc, "message", None) or message or "malformed HTTP request"

@@ -7,9 +7,18 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from ..errors import ColibriError
 from ..request import InvalidParameterError, RequestOutput, SamplingParams
 
 _END = object()  # a prompt's pump has sent its last output
+
+
+class PromptRefused(ColibriError):
+    """The refusal of one prompt of a batch: what the engine raised (`error`) and the prompt's `index`."""
+
+    def __init__(self, error: ColibriError, index: int):
+        super().__init__(f"prompt {index}: {error}")
+        self.error, self.index = error, index
 
 
 class Generations:
@@ -34,7 +43,12 @@ class Generations:
             raise InvalidParameterError(f"{len(prompts)} prompts of n={params.n} are {wanted} sequences, which can "
                                         f"never be admitted together: this server runs at most {capacity} at once "
                                         f"(max_batch_size + max_queue)", param="prompt")
-        token_ids = [await self._engine.encode(prompt) for prompt in prompts]  # a long prompt: off the event loop
+        token_ids = []
+        for i, prompt in enumerate(prompts):
+            try:
+                token_ids.append(await self._engine.encode(prompt))  # a long prompt: off the event loop
+            except ColibriError as error:
+                raise _of_prompt(error, i, len(prompts)) from error
         for i, ids in enumerate(token_ids):
             request_id = self._request_id if len(token_ids) == 1 else f"{self._request_id}-{i}"
             self._sources.append(self._engine.generate(ids, params, request_id=request_id))
@@ -42,10 +56,10 @@ class Generations:
         # generate() validates, checks the queue and queues its request in its first step, before it first waits
         # for an output; one turn of the loop runs those steps, so nothing is sent before the engine has said yes.
         await asyncio.sleep(0)
-        refusals = [task.exception() for task in self._tasks if task.done()]  # all read: none left unretrieved
-        for error in refusals:
+        refusals = [task.exception() if task.done() else None for task in self._tasks]  # all read: none unretrieved
+        for i, error in enumerate(refusals):
             if error is not None:
-                raise error
+                raise _of_prompt(error, i, len(prompts))
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) until every prompt's sequences have finished; an engine failure raises."""
@@ -84,3 +98,8 @@ class Generations:
             await asyncio.gather(*unfinished, return_exceptions=True)
         for source in self._sources:
             await source.aclose()  # aborts an unfinished request; else returns at once
+
+
+def _of_prompt(error: BaseException, index: int, count: int) -> BaseException:
+    """A prompt's refusal, naming the prompt when the request holds several."""
+    return PromptRefused(error, index) if count > 1 and isinstance(error, ColibriError) else error

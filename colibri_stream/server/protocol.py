@@ -135,8 +135,13 @@ def _reject_unsupported(fields: _Fields, n: int) -> None:
             raise unsupported(f'tool calling is not supported by this server (with {choice}: "none" the {name} are '
                               f'ignored)', name)
     for name in ("tool_choice", "function_call"):  # function_call: the legacy form of tool_choice
-        if body.get(name) not in (None, "none", "auto"):
-            raise unsupported(f"{name} is not supported by this server", name)
+        value = body.get(name)
+        if value in (None, "none", "auto"):
+            continue
+        if not (isinstance(value, dict) or value == "required"):
+            raise bad_request(f'{name} must be "none", "auto", "required" or an object naming a function, got '
+                              f"{value!r}", param=name)
+        raise unsupported(f"{name} is not supported by this server", name)
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise unsupported('response_format is not supported; only {"type": "text"} is accepted', "response_format")
