@@ -75,8 +75,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "on the GPU, the others' experts from the host: fewer CPU hand-offs a token, as "
                         "llama.cpp's --n-cpu-moe)")
     p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
-                   help="threads computing experts on the CPU beside GPU slots (default: every core but one, which "
-                        "the thread driving the GPU keeps)")
+                   help="threads computing routed experts on the CPU (default: every core; beside GPU slots every "
+                        "core but one, which the thread driving the GPU keeps)")
     p.add_argument("--usage-file", default=None, metavar="PATH",
                    help="routing statistics: ranks experts for --eviction-policy pinned (default: expert_usage.json "
                         "in the model folder); this run's routes are added to it")

@@ -288,7 +288,8 @@ class ExpertStoreConfig:
     cpu_experts: str = "auto"  # GPU tier misses: auto (the cost model picks CPU compute, a load, or a cut by rows
     # between them, per expert and step), off (always load to the GPU), all (always compute on the CPU)
     gpu_slot_layout: str = "spread"  # spread (every layer the same GPU slots) | layers (whole layers on the GPU)
-    cpu_threads: int | None = None  # the CPU expert executor's threads beside GPU slots (None: every core but one)
+    cpu_threads: int | None = None  # threads computing routed experts on the CPU (None: every core; beside GPU slots
+    # every core but one, which the thread driving the GPU keeps)
 
     def __post_init__(self) -> None:
         if self.cpu_experts not in CPU_EXPERT_MODES:

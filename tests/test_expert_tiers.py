@@ -225,6 +225,15 @@ def test_budget_and_usage_problems_fail_at_start(moe16_dir, tmp_path):
             ExpertStoreConfig(cpu_threads=threads)
 
 
+def test_cpu_threads_bound_the_numpy_backends_expert_executor(moe16_dir):
+    from colibri_stream.experts.cpu_executor import CpuExpertExecutor
+
+    every = CpuExpertExecutor().num_threads
+    assert load_model(str(moe16_dir), device="cpu").backend.experts.num_threads == every
+    model = load_model(str(moe16_dir), device="cpu", experts=ExpertStoreConfig(cpu_threads=1))
+    assert model.backend.experts.num_threads == 1
+
+
 @pytest.mark.parametrize(("per_layer", "layers", "experts", "layout", "want"), [
     (4, 8, 8, "spread", [4] * 8),
     (4, 8, 8, "layers", [0, 0, 0, 0, 8, 8, 8, 8]),  # whole layers, the last ones

@@ -185,8 +185,9 @@ class MoETransformer:
         return b.linear(b.silu_mul(b.linear(x, mlp.gate_proj), b.linear(x, mlp.up_proj)), mlp.down_proj)
 
 
-def select_backend(device: str) -> Backend:
-    """The backend for `device`: cpu (NumPy), cuda (CuPy), or auto (CuPy when it finds a GPU, else NumPy)."""
+def select_backend(device: str, cpu_threads: int | None = None) -> Backend:
+    """The backend for `device`: cpu (NumPy, its routed experts on `cpu_threads` threads; None: every core), cuda
+    (CuPy), or auto (CuPy when it finds a GPU, else NumPy)."""
     from ..backends.cupy_backend import cuda_available
     from ..errors import ColibriError
 
@@ -199,8 +200,9 @@ def select_backend(device: str) -> Backend:
 
         return CupyBackend()
     from ..backends.numpy_backend import NumpyBackend
+    from ..experts.cpu_executor import CpuExpertExecutor
 
-    return NumpyBackend()
+    return NumpyBackend(CpuExpertExecutor(cpu_threads))
 
 
 def load_model(path: str, device: str = "cpu", verify: bool = False,
@@ -208,6 +210,7 @@ def load_model(path: str, device: str = "cpu", verify: bool = False,
     """Open a native model folder and load it on `device`; `verify` checks every checksum first; `experts` sets
     the expert tiers (default: every expert resident)."""
     folder = ModelFolder(path, verify=verify)
-    backend = select_backend(device)
-    store = open_expert_store(folder, experts or ExpertStoreConfig(), "cpu" if backend.name == "numpy" else "cuda")
+    experts = experts or ExpertStoreConfig()
+    backend = select_backend(device, experts.cpu_threads)
+    store = open_expert_store(folder, experts, "cpu" if backend.name == "numpy" else "cuda")
     return MoETransformer(folder.config, folder.dense, store, backend)
