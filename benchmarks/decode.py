@@ -63,6 +63,17 @@ def measure_bandwidth(cp) -> float:
     return 2 * (1 << 31) / statistics.median(times) / 1e9
 
 
+def graph_replay_seconds(graph, replays: int) -> float:
+    """Seconds per replay of a captured DecodeGraph back to back, with the inputs it holds (one warm replay first)."""
+    graph.graph.launch(stream=graph.stream)
+    graph.stream.synchronize()
+    start = time.perf_counter()
+    for _ in range(replays):
+        graph.graph.launch(stream=graph.stream)
+    graph.stream.synchronize()
+    return (time.perf_counter() - start) / replays
+
+
 def time_in_graph(cp, fn, calls: int = 32, replays: int = 5) -> float:
     """GPU seconds per call of fn(i), from a CUDA graph of `calls` calls replayed `replays` times."""
     stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
@@ -153,13 +164,7 @@ class Colibri:
         """Seconds per step of `graph` replayed back to back with one step's inputs: the device's time alone,
         without the host's work between steps."""
         graph.run(self.step_batch(self.first_tokens, 0))
-        graph.graph.launch(stream=graph.stream)  # warm
-        graph.stream.synchronize()
-        start = time.perf_counter()
-        for _ in range(replays):
-            graph.graph.launch(stream=graph.stream)
-        graph.stream.synchronize()
-        return (time.perf_counter() - start) / replays
+        return graph_replay_seconds(graph, replays)
 
     def variant_replays(self, variants: list[tuple[str, int]], eager_tokens: list[np.ndarray]) -> dict:
         """For each (constant of cupy_backend.py, value): the decode graph captured with it set, replayed back to

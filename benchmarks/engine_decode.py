@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 from colibri_stream.tokenizer import Tokenizer
-from decode import log, machine
+from decode import graph_replay_seconds, log, machine
 
 from colibri_stream.config import CacheConfig, EngineConfig, SchedulerConfig
 from colibri_stream.engine import EngineCore
@@ -92,15 +92,7 @@ class EngineRun:
             return None
         size = next(s for s in graphs.sizes if s >= batch)
         graph = graphs._graphs.get(size)
-        if graph is None:
-            return None
-        graph.graph.launch(stream=graph.stream)
-        graph.stream.synchronize()
-        start = time.perf_counter()
-        for _ in range(replays):
-            graph.graph.launch(stream=graph.stream)
-        graph.stream.synchronize()
-        return (time.perf_counter() - start) / replays
+        return None if graph is None else graph_replay_seconds(graph, replays)
 
 
 def run_batch(run: EngineRun, batch: int) -> dict:
