@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One session on a GPU machine: install, GPU tests, benchmarks; logs and JSON results under $OUT.
-#   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests dense kernels decode cpu timeline offload" benchmarks/gpu_session.sh
+#   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests dense kernels decode engine cpu timeline offload" benchmarks/gpu_session.sh
 # (STAGES="" only installs: what a command that runs a script of its own needs first).
 # Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first. Each stage has its own time
-# limit so the next one runs even if one fails. OFFLOAD_ARGS / TIMELINE_ARGS / DECODE_ARGS / CPU_ARGS / DENSE_ARGS
+# limit so the next one runs even if one fails. OFFLOAD_ARGS / TIMELINE_ARGS / DECODE_ARGS / ENGINE_ARGS / CPU_ARGS / DENSE_ARGS
 # pass options to the benchmarks; the kernels stage profiles one step per kernel with Nsight Compute (KERNEL_SHAPES, KERNEL_BATCHES).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +31,10 @@ for stage in $STAGES; do
       echo "== decode benchmark"
       timeout "${DECODE_TIMEOUT:-300}" python3 benchmarks/decode.py --out "$OUT/decode_h200.json" ${DECODE_ARGS:-} \
         2>&1 | tee "$OUT/decode.log" | tail -40 ;;
+    engine)
+      echo "== decode through the engine against the graph alone"
+      (cd benchmarks && timeout "${ENGINE_TIMEOUT:-240}" python3 engine_decode.py --out "$OUT/engine_decode_h200.json" \
+        ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine.log" | tail -8) ;;
     dense)
       echo "== dense projections: GEMV against tensor cores"
       timeout "${DENSE_TIMEOUT:-240}" python3 benchmarks/dense_projection.py --out "$OUT/dense_projection_h200.json" \
