@@ -7,7 +7,10 @@ prefill step excluded; a warm-up round first, so the bucket's graph is captured)
   engine_tok_s      B tokens per decode step over the step's wall time through `EngineCore.step`
   graph_replay_us   the bucket's decode graph replayed back to back (the device's time alone, as decode.py)
   engine_step_us    the mean decode step, and its phases from the step timer (a separate round: the timer on)
-  host_us           the step minus its forward phase: the host's work between two graph launches
+  host_us           the step minus its forward phase (the wait for the step's ids): the host's work per step,
+                    which with async scheduling runs while the device computes the next step
+  engine_sync_tok_s the same engine with async scheduling off (each step's ids read before the next is
+                    launched), in rounds alternating with the async ones
 so `engine_tok_s / graph_tok_s` is the share of the device's speed that a served request sees at batch B.
 
     python benchmarks/engine_decode.py --out benchmarks/results/engine_decode_h200.json
@@ -95,9 +98,14 @@ class EngineRun:
         return None if graph is None else graph_replay_seconds(graph, replays)
 
 
-def run_batch(run: EngineRun, batch: int) -> dict:
+def run_batch(run: EngineRun, batch: int, rounds: int = 2) -> dict:
     run.decode_steps(batch)  # warm: captures the bucket's graph
-    plain = [s for s, _ in run.decode_steps(batch)]
+    plain, sync = [], []
+    for _ in range(rounds):  # async scheduling on and off in turn (switched between rounds: nothing in flight)
+        plain += [s for s, _ in run.decode_steps(batch)]
+        run.core.async_scheduling = False
+        sync += [s for s, _ in run.decode_steps(batch)]
+        run.core.async_scheduling = True
     timed = run.decode_steps(batch, timed_phases=True)
     phases = [p for _, p in timed if p is not None]
     mean_phases = {name: 1e6 * statistics.mean(p.get(name, 0.0) for p in phases) for name in HOST_PHASES} \
@@ -108,6 +116,7 @@ def run_batch(run: EngineRun, batch: int) -> dict:
               "engine_step_us": 1e6 * step, "graph_replay_us": None if replay is None else 1e6 * replay,
               "graph_tok_s": None if replay is None else batch / replay,
               "engine_of_graph": None if replay is None else replay / step,
+              "engine_sync_tok_s": batch / statistics.median(sync), "async_scheduling": run.core.async_scheduling,
               "timed_step_us": 1e6 * statistics.median(s for s, _ in timed), "phases_us": mean_phases,
               "host_us": (1e6 * statistics.median(s for s, _ in timed) - mean_phases["forward"])
               if mean_phases else None}
@@ -132,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                           **run_batch(run, batch))
             records.append(record)
             replay = record["graph_replay_us"]
-            log(f"{shape} ({layers} layers) b{batch}: engine {record['engine_tok_s']:.0f} tok/s, step "
+            log(f"{shape} ({layers} layers) b{batch}: engine {record['engine_tok_s']:.0f} tok/s "
+                f"(without async scheduling {record['engine_sync_tok_s']:.0f}), step "
                 f"{record['engine_step_us']:.0f} us; graph alone "
                 + ("-" if replay is None else f"{replay:.0f} us ({record['engine_of_graph']:.0%} of it)")
                 + "; phases (us): " + ", ".join(f"{k} {v:.0f}" for k, v in record["phases_us"].items()))

@@ -55,6 +55,9 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
                    help="launch every GPU step eagerly instead of replaying captured decode graphs (slower; for "
                         "debugging and comparisons)")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
+                   help="read each greedy decode step's tokens before launching the next one, instead of launching "
+                        "it ahead (for debugging and comparisons)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
                    help="recompute every prompt instead of reusing the KV blocks of a prefix computed before")
     _add_budget_arguments(p)
@@ -108,7 +111,7 @@ def _size(text: str) -> int:
 
 def _engine_options(args: argparse.Namespace) -> dict:
     """The engine keyword arguments that were given on the command line."""
-    names = ("device", "verify", "cuda_graphs", "max_seq_len", "max_batch_size", "max_num_batched_tokens", "block_size",
+    names = ("device", "verify", "cuda_graphs", "async_scheduling", "max_seq_len", "max_batch_size", "max_num_batched_tokens", "block_size",
              "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching", "max_queue", "gpu_memory_limit",
              "l2_cache_size", "eviction_policy", "prefetch", "prefetch_lookahead", "usage_file", "routing_trace",
              "cpu_experts", "gpu_slot_layout", "cpu_threads")

@@ -315,6 +315,10 @@ class EngineConfig:
     device: str = "auto"  # cpu | auto (a GPU when one is usable); checked by the model loader
     verify: bool = False  # check the checkpoint's checksums when loading
     cuda_graphs: bool = True  # decode steps as CUDA graphs where they can be (off: every step launched eagerly)
+    # Greedy decode steps scheduled and launched one step ahead of reading their tokens (scheduler.schedule_next).
+    # None: where decode steps are CUDA graphs (the GPU then never waits for the host between steps). True on the
+    # NumPy backend runs the same scheduling with nothing to overlap.
+    async_scheduling: bool | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     experts: ExpertStoreConfig = field(default_factory=ExpertStoreConfig)
@@ -322,13 +326,15 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs must be a boolean, got {self.cuda_graphs!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ConfigError(f"async_scheduling must be a boolean or None, got {self.async_scheduling!r}")
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> EngineConfig:
         """Build from flat options (`max_batch_size=8, block_size=32, device="cpu"`); unknown ones are errors."""
         groups = {sub: {f.name for f in dataclasses.fields(sub)}
                   for sub in (SchedulerConfig, CacheConfig, ExpertStoreConfig)}
-        own = {"device", "verify", "cuda_graphs"}
+        own = {"device", "verify", "cuda_graphs", "async_scheduling"}
         unknown = sorted(set(options) - own - set().union(*groups.values()))
         if unknown:
             raise ConfigError(f"unknown engine options {unknown}")

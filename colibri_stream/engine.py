@@ -8,6 +8,7 @@ core: requests and aborts reach it through a queue, outputs come back to per-req
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -27,8 +28,8 @@ from .kv_cache import KVCacheManager
 from .model import MoETransformer, PagedKVCache, load_model
 from .request import (EngineStepError, EngineStoppedError, InvalidParameterError, Logprob, QueueFullError, Request,
                       RequestOutput, RequestStatus, SamplingParams)
-from .runner import ModelRunner
-from .scheduler import Scheduler, SeqUpdate
+from .runner import LaunchedStep, ModelRunner, RunnerOutput
+from .scheduler import Scheduler, SchedulerOutput, SeqUpdate
 from .timing import StepSink, StepTimer
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -88,6 +89,9 @@ class EngineCore:
         self.runner = ModelRunner(model, model.allocate_kv_cache(num_blocks, block_size), per_seq,
                                   config.scheduler.max_batch_size, cuda_graphs=config.cuda_graphs)
         self.timer: StepTimer = model.timer  # phases of every step; `timer.add_sink` turns it on
+        self.async_scheduling = (self.runner.graphs is not None if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._launched: LaunchedStep | None = None  # a greedy decode step launched ahead of its tokens
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
         self._requests: dict[str, dict[int, _Sequence]] = {}  # request id -> its unfinished sequences by index
         self._num_steps = 0
@@ -140,29 +144,54 @@ class EngineCore:
             seqs[index] = _Sequence(request, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request is unfinished or a step launched ahead is still to be collected."""
+        return self.scheduler.has_unfinished() or self._launched is not None
 
     def step(self) -> list[RequestOutput]:
-        """Run one model step; returns an output for every sequence that sampled a token."""
-        if not self.scheduler.has_unfinished():
+        """Run one model step; returns an output for every sequence that sampled a token.
+
+        With async scheduling a greedy decode step is launched ahead: a call launches the next step, then reads
+        the tokens of the one launched by the call before (or by itself, for the first of a run of them)."""
+        if not self.has_unfinished():
             return []
         start = time.perf_counter()
         timer = self.timer
         with timer.phase("step"):
-            with timer.phase("schedule"):
-                scheduled = self.scheduler.schedule()
+            try:
+                scheduled, result = self._run_step()
+            except BaseException:
+                self._launched = None
+                with contextlib.suppress(Exception):  # the step's own error is the one to report
+                    self.runner.synchronize()  # nothing launched may still write KV blocks the failure frees
+                raise
             timer.annotate(tokens=scheduled.num_batched_tokens, seqs=len(scheduled.seqs))
-            result = self.runner.execute(scheduled)
             with timer.phase("update"):
                 updates = self.scheduler.update_from_output(scheduled, result.token_ids)
             now = time.monotonic()
             with timer.phase("detokenize"):
-                outputs = [self._output(update, logprob, now) for update, logprob in zip(updates, result.logprobs)]
+                outputs = [self._output(update, result.logprobs[update.row], now) for update in updates]
         self._num_steps += 1
-        self._num_generated_tokens += len(result.token_ids)
+        self._num_generated_tokens += len(updates)
         self._last_step_time = time.perf_counter() - start
         self._last_step_tokens = scheduled.num_batched_tokens
         return outputs
+
+    def _run_step(self) -> tuple[SchedulerOutput, RunnerOutput]:
+        """Compute a step and return it with its tokens: the step launched ahead by the call before, else a step
+        scheduled now. A greedy decode step's successor is scheduled and launched before its tokens are read."""
+        launched = self._launched
+        if launched is None:
+            with self.timer.phase("schedule"):
+                scheduled = self.scheduler.schedule()
+            launched = self.runner.launch(scheduled) if self.async_scheduling else None
+            if launched is None:
+                return scheduled, self.runner.execute(scheduled)
+        with self.timer.phase("schedule"):
+            following = self.scheduler.schedule_next(launched.step)
+        self._launched = None if following is None else self.runner.launch(following)
+        if following is not None and self._launched is None:
+            raise RuntimeError("a decode step scheduled ahead could not be launched")
+        return launched.step, self.runner.collect(launched)
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Finish every sequence of `request_id` and free its blocks; returns their final outputs."""

@@ -204,7 +204,7 @@ class Sampler:
     def sample_from(self, source: LogitSource, states: list[SamplingState]) -> SamplerOutput:
         """`sample` for logits held by `source`: the same tokens and logprobs, asking the source for argmaxes and
         candidates where they suffice and for whole rows only where they do not."""
-        if all(_argmax_only(s.params) for s in states):  # the arrays below cost more than the argmaxes here
+        if all(argmax_only(s.params) for s in states):  # the arrays below cost more than the argmaxes here
             return SamplerOutput(source.argmax(np.arange(len(states))), [None] * len(states))
         params = _RowParams.of([s.params for s in states], source.vocab_size)
         uniform = np.array([0.0 if g else s.generator.random() for s, g in zip(states, params.greedy)])  # [B]
@@ -461,7 +461,7 @@ def log_normaliser(top: np.ndarray, sums: np.ndarray, vocab: int) -> np.ndarray:
     return top.astype(np.float64) + (np.log(sums.astype(np.float64)) - fixed_point(vocab)[0] * math.log(2))
 
 
-def _argmax_only(params: SamplingParams) -> bool:
+def argmax_only(params: SamplingParams) -> bool:
     """Whether the token is the raw logits' argmax and nothing else is asked: greedy, no logprobs, logits as they
     are (`_sample_rows` takes `source.argmax` for such a row)."""
     return params.temperature < GREEDY_TEMPERATURE and params.logprobs is None and not _adjusts_logits(params)

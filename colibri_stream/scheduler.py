@@ -6,6 +6,12 @@ is left of the budget is computed in chunks over several steps. Only the most re
 can still be in its prompt (a waiting one is admitted only when the running ones got all the tokens they asked
 for), so decodes come first in every step and are never starved by a long prompt.
 
+Scheduling one step ahead (`schedule_next`): while a decode step is still on the device, the next one is
+scheduled as if every sequence of it goes on, each taking the token the running step samples for it
+(`ScheduledSeq.feed_row`). A sequence that the running step finishes (eos, a stop string) or that is aborted
+meanwhile wastes its row of the next step, whose token for it is dropped (`update_from_output`). Anything else
+(a request to admit, a block to free by preemption) waits for a step scheduled with every token known.
+
 When a sequence needs a KV block and none is free, the most recently admitted running sequence is preempted: its
 blocks are freed and it goes back to the front of the waiting queue, keeping the tokens it generated, which are
 recomputed when it is resumed (recompute, no swapping).
@@ -33,6 +39,10 @@ class ScheduledSeq:
     start_position: int  # position of token_ids[0] in the sequence (= its num_computed_tokens)
     block_ids: list[int]  # the sequence's whole block table once this step's tokens are written
     sample: bool  # the chunk reaches the sequence's last token, so the step samples its next token
+    feed_row: int = -1  # >= 0: token_ids is [FED_TOKEN], the token the step before samples in this row of its ids
+
+
+FED_TOKEN = -1  # the token of a ScheduledSeq with a feed_row: not known on the host when the step is launched
 
 
 @dataclass
@@ -52,6 +62,7 @@ class SeqUpdate:
     request: Request
     new_token_ids: list[int]
     finished: bool
+    row: int  # the sequence's index among the step's sampled tokens
 
 
 class Scheduler:
@@ -142,26 +153,58 @@ class Scheduler:
         finished, self._finished_seq_ids = self._finished_seq_ids, []
         return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted, finished)
 
+    def schedule_next(self, running: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after `running`, scheduled before its tokens are known: one token for every running sequence,
+        the one `running` samples for it (`feed_row`). None when that is not the step `schedule()` would give once
+        they are known: `running` is not a decode step of every running sequence, a waiting request could be
+        admitted, the budget is short, or a KV block is missing (preemption waits for known tokens)."""
+        decoding = {seq.request.seq_id: row for row, seq in enumerate(s for s in running.seqs if s.sample)}
+        if (len(self.running) > self.config.max_num_batched_tokens
+                or (self.waiting and len(self.running) < self.config.max_batch_size)
+                or any(len(seq.token_ids) != 1 or not seq.sample for seq in running.seqs)
+                or any(r.seq_id not in decoding for r in self.running)):
+            return None
+        seqs = []
+        for request in self.running:
+            if request.num_output_tokens + 1 >= request.max_tokens:
+                continue  # the running step's token is its last
+            position = request.num_computed_tokens + 1  # the running step computes the one before
+            if self.kv.allocate_slots(request.seq_id, position + 1) is None:
+                return None
+            seqs.append(ScheduledSeq(request, [FED_TOKEN], position, list(self.kv.block_ids(request.seq_id)), True,
+                                     decoding[request.seq_id]))
+        if not seqs:
+            return None
+        finished, self._finished_seq_ids = self._finished_seq_ids, []
+        return SchedulerOutput(seqs, len(seqs), [], finished)
+
     def update_from_output(self, output: SchedulerOutput, sampled: list[int]) -> list[SeqUpdate]:
         """Advance the scheduled sequences; `sampled` holds one token per sequence with `sample` set, in order.
+        Sequences that finished after the step was scheduled (scheduled one step ahead) are skipped.
 
         Applies the stop conditions the scheduler can see (stop token ids, eos, max_tokens, max_seq_len); stop
         strings are found by the detokenizer and reported through `finish`.
         """
-        tokens = iter(sampled)
+        if len(sampled) != sum(seq.sample for seq in output.seqs):
+            raise ValueError(f"{len(sampled)} sampled tokens for {sum(s.sample for s in output.seqs)} sequences")
+        row = 0
         updates = []
         for seq in output.seqs:
             request = seq.request
+            if request.status.finished:
+                row += seq.sample
+                continue
             request.num_computed_tokens += len(seq.token_ids)
             self.kv.cache_blocks(request.seq_id, request.token_ids, request.num_computed_tokens)
             if not seq.sample:
                 continue
-            token = next(tokens)
+            token = sampled[row]
             request.token_ids.append(token)
             status = self._stop_status(request, token)
             if status is not None:
                 self._finish(request, status, token if token in request.params.stop_token_ids else None)
-            updates.append(SeqUpdate(request, [token], status is not None))
+            updates.append(SeqUpdate(request, [token], status is not None, row))
+            row += 1
         return updates
 
     def finish(self, seq_ids: Iterable[SeqId], status: RequestStatus, stop_reason: str | int | None = None) -> None:

@@ -4,6 +4,11 @@
 //   logits float32 [B, V] contiguous; ids int64 [B].
 //   grid.x: B, block: 1024 threads (32 warps).
 //
+// feed_tokens: a step's input tokens taken from the step before it on the device (scheduling one step ahead):
+//   ids[b] = feedback[rows[b]] where rows[b] >= 0, else ids[b] unchanged.
+//   ids int64 [B]; rows int64 [B]; feedback int64 [F], the earlier step's sampled ids, rows[b] < F.
+//   grid.x: ceil(B / 256), block: 256 threads.
+//
 // top_candidates: of each listed row, the `count` largest logits divided by the row's temperature (float32,
 //   rounded to nearest), largest first, equal values by lower id first (-0 equals +0), and the row's exp sum:
 //   the sum over the row of floor(exp(x - max) * 2^bits), x the scaled logits, exp from + and * alone
@@ -49,6 +54,13 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, long lo
         }
         if (lane == 0) ids[blockIdx.x] = index;
     }
+}
+
+extern "C" __global__ void feed_tokens(long long* __restrict__ ids, const long long* __restrict__ rows,
+                                       const long long* __restrict__ feedback, int B) {
+    pdl_wait();
+    const int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b < B && rows[b] >= 0) ids[b] = feedback[rows[b]];
 }
 
 // A float's bits as an unsigned key of the same order; -0 is taken as +0 (NumPy compares them equal).

@@ -69,3 +69,69 @@ def test_prefix_caching_on_the_gpu_gives_the_uncached_tokens():
     plain = EngineCore.from_pretrained(None, enable_prefix_caching=False, **options)
     assert workload(cached) == workload(plain)
     assert cached.stats().prefix_cache_hit_tokens > 0 and cached.stats().num_preemptions > 0
+
+
+def test_steps_launched_ahead_give_the_synchronous_tokens(tiny_model_dir):
+    """Greedy decode steps launched before the host read the step before (their tokens taken on the device) give
+    what steps read one by one give, while requests finish (max_tokens, stop strings, stop tokens) and the batch
+    moves to smaller buckets with a step in flight."""
+    ahead = LLM(str(tiny_model_dir), device="cuda")
+    assert ahead.engine.async_scheduling  # the default where decode steps are graphs
+    launches = []
+    launch = ahead.engine.runner.launch
+    ahead.engine.runner.launch = lambda step: launches.append(launch(step)) or launches[-1]
+    sync = LLM(str(tiny_model_dir), device="cuda", async_scheduling=False)
+    texts = PROMPTS + ["streaming tokens one by one!", "Hello world"]
+    free = sync.generate(texts[:1], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    prompts_params = [(text, SamplingParams(max_tokens=4 + 5 * i, temperature=0, ignore_eos=True))
+                      for i, text in enumerate(texts)]
+    prompts_params += [(texts[0], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(free.token_ids[7],))),
+                       (texts[0], SamplingParams(max_tokens=24, temperature=0, stop=(free.text[10:13],)))]
+
+    def run(llm):
+        for i, (text, params) in enumerate(prompts_params):
+            llm.engine.add_request(str(i), llm.engine.encode_prompt(text), params)
+        outputs = {}  # request id -> [token ids, text, finish reason]
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                entry = outputs.setdefault(out.request_id, [[], "", None])
+                entry[0] += out.token_ids
+                entry[1] += out.text
+                entry[2] = out.finish_reason
+        assert llm.engine.kv.num_used_blocks == 0
+        return outputs
+
+    expected = run(sync)
+    assert run(ahead) == expected
+    assert sum(launched is not None for launched in launches) >= 15
+    assert len(ahead.engine.runner.graphs._graphs) >= 3  # buckets 8, 4, 2 or 1 captured between launches
+
+
+def test_a_step_takes_its_tokens_from_the_step_before_on_the_device(tiny_model_dir):
+    """DecodeGraphs.launch with feed rows: five sequences, then three of them in another order (a smaller
+    bucket), each step launched before the previous one's ids are read, give the ids of synchronous steps."""
+    model = load_model(str(tiny_model_dir), device="cuda")
+    block, per_seq, b = 4, 4, 5
+    kv = model.allocate_kv_cache(b * per_seq, block)
+    tables = np.arange(b * per_seq).reshape(b, per_seq).tolist()
+    prompts = np.random.default_rng(1).integers(3, model.config.vocab_size, (b, 6)).tolist()
+    first = model.forward(flat_batch(prompts, [0] * b, tables, [True] * b, block), kv).argmax(axis=1)  # [b]
+    graphs = DecodeGraphs(model, kv, per_seq, max_batch_size=8)
+    order = [3, 0, 4]
+
+    def steps(ahead: bool) -> list[np.ndarray]:
+        one = flat_batch([[int(t)] for t in first], [6] * b, tables, [True] * b, block)
+        if not ahead:
+            ids_one = graphs.launch(one, np.full(b, -1, np.int64)).wait()
+            two = flat_batch([[int(ids_one[s])] for s in order], [7] * 3, [tables[s] for s in order], [True] * 3, block)
+            return [ids_one, graphs.launch(two, np.full(3, -1, np.int64)).wait()]
+        pending_one = graphs.launch(one, np.full(b, -1, np.int64))
+        two = flat_batch([[-1]] * 3, [7] * 3, [tables[s] for s in order], [True] * 3, block)
+        pending_two = graphs.launch(two, np.array(order, np.int64))
+        return [pending_one.wait(), pending_two.wait()]
+
+    synchronous = steps(ahead=False)
+    graphs._graph(flat_batch([[1]] * 3, [7] * 3, tables[:3], [True] * 3, block))  # both buckets captured
+    launched = steps(ahead=True)
+    assert all(np.array_equal(a, s) for a, s in zip(launched, synchronous))
+    assert len(graphs._graphs) == 2

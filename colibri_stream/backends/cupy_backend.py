@@ -671,9 +671,18 @@ class CupyBackend(Backend):
     def gather_rows(self, x: Array, rows: Array) -> Array:
         return x[rows]
 
-    def greedy(self, logits: Array) -> Array:
-        """The argmax of each row of logits [B, V] (lowest id among ties), on the device.  # [B] int64"""
+    def greedy(self, logits: Array, out: Array | None = None) -> Array:
+        """The argmax of each row of logits [B, V] (lowest id among ties), on the device, into `out` [B] int64
+        when given.  # [B] int64"""
         logits = self.cp.ascontiguousarray(logits)
-        ids = self.cp.empty(logits.shape[0], np.int64)
+        ids = self.cp.empty(logits.shape[0], np.int64) if out is None else out
+        if ids.shape != (logits.shape[0],) or ids.dtype != np.int64 or not ids.flags.c_contiguous:
+            raise ValueError(f"greedy writes [{logits.shape[0]}] contiguous int64 ids, got {ids.shape} {ids.dtype}")
         _launch("sampling.cu", "argmax_rows", (logits.shape[0],), 1024, (logits, ids, np.int32(logits.shape[1])))
         return ids
+
+    def feed_tokens(self, token_ids: Array, feed_rows: Array, feedback: Array) -> None:
+        """Replace token_ids[b] [B] int64 by feedback[feed_rows[b]] wherever feed_rows[b] [B] >= 0, in place: a
+        step's inputs that an earlier step sampled on the device (feed_rows[b] < len(feedback))."""
+        b = token_ids.shape[0]
+        _launch("sampling.cu", "feed_tokens", (_ceil(b, 256),), 256, (token_ids, feed_rows, feedback, np.int32(b)))
