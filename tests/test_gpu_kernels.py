@@ -767,3 +767,49 @@ def test_greedy_takes_the_first_of_equal_maxima():
     logits[2, 4999] = 60.0
     poison()
     assert np.array_equal(cupy.asnumpy(GPU.greedy(cupy.asarray(logits))), logits.argmax(axis=1))
+
+
+# ---- one token's routing and experts in one launch (moe_decode.cu) ----------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("experts,top_k,hidden,inter", [(8, 2, 512, 1792), (60, 4, 256, 352), (128, 8, 1024, 384),
+                                                        (256, 6, 256, 64), (64, 8, 1024, 1024)])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_one_token_routing_and_experts_in_one_launch(dtype, experts, top_k, hidden, inter, renormalize):
+    """moe_decode gives the bits of route + routed_experts (route_split, moe_align, moe_gate_up, moe_down,
+    moe_sum): its output, routing weights and ids, launch after launch (its grid barriers reused), eagerly and
+    replayed from a CUDA graph captured with programmatic launches."""
+    from colibri_stream.backends.launch import programmatic_launch_supported, programmatic_launches
+
+    rng = np.random.default_rng(experts * 7 + top_k + hidden)
+    _, device_store = experts_on_device(experts, hidden, inter, dtype)
+    router = cupy.asarray(GPU.prepare_weight(weight(rng, (experts, hidden), dtype)))
+    assert GPU.fuses_routing(cupy.zeros((1, hidden), np.float32), router, top_k, 5, device_store)
+    assert not GPU.fuses_routing(cupy.zeros((2, hidden), np.float32), router, top_k, 5, device_store)
+
+    def reference(x):
+        weights, ids = GPU.route(x, router, top_k, renormalize)
+        return GPU.routed_experts(x, weights, ids, 5, device_store), weights, ids
+
+    def assert_same_bits(ours, theirs):
+        for a, b in zip(ours, theirs):
+            a, b = cupy.asnumpy(a), cupy.asnumpy(b)
+            assert a.shape == b.shape and np.isfinite(a).all()
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+    for _ in range(3):
+        x = cupy.asarray(rng.standard_normal((1, hidden)).astype(np.float32))
+        poison()
+        assert_same_bits(GPU.route_and_experts(x, router, top_k, renormalize, 5, device_store), reference(x))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    x = cupy.zeros((1, hidden), np.float32)
+    with programmatic_launches(programmatic_launch_supported()):
+        graph, result = captured(stream, lambda: GPU.route_and_experts(x, router, top_k, renormalize, 5,
+                                                                       device_store))
+    for _ in range(3):
+        x.set(rng.standard_normal((1, hidden)).astype(np.float32), stream=stream)
+        with stream:
+            for array in result:
+                array.fill(-1)
+        graph.launch(stream=stream)
+        stream.synchronize()
+        assert_same_bits(result, reference(x))
