@@ -24,7 +24,7 @@
 #include "common.cuh"
 #include "topk.cuh"
 
-constexpr int MOE_DECODE_THREADS = 1024;
+constexpr int MOE_DECODE_THREADS = 512;
 constexpr int ROUTER_GROUP = 4;  // ROUTER_WARPS of router.cu
 
 // Every block of the grid waits here until all of them arrived; writes before it are visible after it (read data

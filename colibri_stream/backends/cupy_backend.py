@@ -45,7 +45,7 @@ MOE_ROWS_PER_WARP = (1, 2, 4)  # moe_gate_up / moe_down instantiations: weight r
 # a float or 16-bit type; 0: the five launches of route and routed_experts.
 MOE_DECODE_FUSED = 1
 MOE_DECODE_K = (2, 4, 8)  # moe_decode instantiations: the top k rounded up to one of these
-MOE_DECODE_THREADS = 1024  # MOE_DECODE_THREADS in moe_decode.cu
+MOE_DECODE_THREADS = 512  # MOE_DECODE_THREADS in moe_decode.cu
 MOE_DECODE_MAX_SHARED = 200 * 1024  # x and the k experts' activations in shared memory, at most
 MOE_UP_ROW_BYTES = 8192
 MOE_DOWN_ROW_BYTES = 65536
