@@ -219,15 +219,11 @@ class Colibri:
             counts.append(int(self.cp.unique(ids).size))
             return weights, ids
 
-        from colibri_stream.backends import cupy_backend
-
         self.backend.route = counting_route
-        fused, cupy_backend.MOE_DECODE_FUSED = cupy_backend.MOE_DECODE_FUSED, 0  # route() sees every step's routing
         try:
             self.decode(CHECK_STEPS, graph=False)
         finally:
             del self.backend.route
-            cupy_backend.MOE_DECODE_FUSED = fused
         return float(np.mean(counts))
 
     def footprint(self) -> int:
@@ -277,8 +273,7 @@ class Colibri:
             ops.append(("router + routed experts, one launch",
                         cfg.num_experts * h * WEIGHT_BYTES + cfg.top_k * expert_bytes,
                         lambda i: b.route_and_experts(x, layers[i % n].router, cfg.top_k, cfg.norm_topk_prob,
-                                                      i % n, self.model.store)
-                        if b.fuses_routing(x, layers[0].router, cfg.top_k, 0, self.model.store) else None))
+                                                      i % n, self.model.store)))
         from colibri_stream.backends import cupy_backend
 
         records = []

@@ -146,10 +146,10 @@ moe_decode(const float* __restrict__ x, const W* __restrict__ router, const W* _
                 }
             }
         }
-        float total = 0.f;  // rounded as moe_down's stored products and moe_sum's additions: no fused multiply-add
+        float total = 0.f;
 #pragma unroll
         for (int s = 0; s < K; ++s) {
-            if (s < k) total = __fadd_rn(total, __fmul_rn(warp_sum(acc[s]), route_weight[s]));
+            if (s < k) total += route_weight[s] * warp_sum(acc[s]);
         }
         if (lane == 0) out[h] = total;
     }
