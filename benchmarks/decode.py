@@ -269,11 +269,6 @@ class Colibri:
             ("lm_head", cfg.vocab_size * h * WEIGHT_BYTES / n, lambda i: b.linear(x, self.model.lm_head)
              if i % n == 0 else None),
         ]
-        if b.fuses_routing(x, layers[0].router, cfg.top_k, 0, self.model.store):  # one token: moe_decode.cu
-            ops.append(("router + routed experts, one launch",
-                        cfg.num_experts * h * WEIGHT_BYTES + cfg.top_k * expert_bytes,
-                        lambda i: b.route_and_experts(x, layers[i % n].router, cfg.top_k, cfg.norm_topk_prob,
-                                                      i % n, self.model.store)))
         from colibri_stream.backends import cupy_backend
 
         records = []

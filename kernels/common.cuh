@@ -23,21 +23,6 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// The two halves of pdl_wait(), for a kernel whose blocks must all be resident at once (grid barriers): it waits
-// first and lets the next kernel launch only after its last barrier, so that kernel's blocks, waiting on the GPU,
-// never hold resources a block of the barrier kernel still needs.
-__device__ __forceinline__ void pdl_wait_only() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // Ask the L2 to fetch `bytes` (a multiple of 16) of global memory from p (16-byte aligned), without waiting: what a
 // kernel does with its weights before pdl_wait(), so they stream in while the kernel before it ends.
 __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {

@@ -143,16 +143,6 @@ class Backend(ABC):
         expert(x) = down @ (silu(gate @ x) * (up @ x)), with the expert's tensors from `store.expert(layer, e)`.
         """
 
-    def fuses_routing(self, x: Array, router: Array, top_k: int, layer: int, store: ExpertStore) -> bool:
-        """Whether `route_and_experts` serves these inputs (else the caller makes the two calls)."""
-        return False
-
-    def route_and_experts(self, x: Array, router: Array, top_k: int, renormalize: bool, layer: int,
-                          store: ExpertStore) -> tuple[Array, Array, Array]:
-        """`route` then `routed_experts` in one operation, where `fuses_routing`: (out [T, H], weights [T, k],
-        expert ids [T, k]) with the values the two calls give."""
-        raise NotImplementedError(f"the {self.name} backend computes routing and experts in two calls")
-
     # ---- output -------------------------------------------------------------------------------------------
     @abstractmethod
     def gather_rows(self, x: Array, rows: Array) -> Array:

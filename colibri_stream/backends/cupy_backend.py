@@ -29,7 +29,7 @@ from ..config import QK_NORMS, ModelConfig
 from ..experts.store import ExpertStore
 from ..model.batch import ForwardBatch
 from .base import Array, Backend
-from .kernels import allow_shared, get_kernel
+from .kernels import get_kernel
 from .launch import launch_programmatic, programmatic_active
 
 SMALL_BATCH = 4  # up to this many tokens (or in a graph capture off tensor cores), projections use linear_rows
@@ -41,12 +41,6 @@ MOE_ROWS_PER_WARP = (1, 2, 4)  # moe_gate_up / moe_down instantiations: weight r
 # A warp of moe.cu takes rows of its matrix until they hold this many bytes (up to 4 rows): moe_gate_up (gate and
 # up rows each) and moe_down. H200 graph replays at batch 1 (decode_h200_row_bytes.json): Mixtral's down rows two
 # at a time (56 KiB) 1983 -> 1935 us; gate/up rows up to 16 KiB 1.5-2.1 % slower on both shapes.
-# One token's routing and routed experts in one launch (moe_decode.cu) where the store holds every expert stacked in
-# a float or 16-bit type; 0: the five launches of route and routed_experts.
-MOE_DECODE_FUSED = 1
-MOE_DECODE_K = (2, 4, 8)  # moe_decode instantiations: the top k rounded up to one of these
-MOE_DECODE_THREADS = 512  # MOE_DECODE_THREADS in moe_decode.cu
-MOE_DECODE_MAX_SHARED = 200 * 1024  # x and the k experts' activations in shared memory, at most
 MOE_UP_ROW_BYTES = 8192
 MOE_DOWN_ROW_BYTES = 65536
 MMA_MIN_TOKENS = 8  # from this many tokens a step, bf16/fp16 routed experts run on tensor cores (moe_mma.cu)
@@ -99,7 +93,6 @@ _FAMILIES = {
                                                    for tt in MOE_TILES for r in MOE_ROWS_PER_WARP),
     "moe_mma.cu": lambda w: tuple(f"{k}<{w}, {nt}>" for k in ("moe_gate_up_mma", "moe_down_mma")
                                   for nt in MMA_TILES) if w in ("__nv_bfloat16", "__half") else (),
-    "moe_decode.cu": lambda w: tuple(f"moe_decode<{w}, {k}>" for k in MOE_DECODE_K) if w != "signed char" else (),
     "linear_mma.cu": lambda w: tuple(f"linear_mma<{w}, {nt}>" for nt in LINEAR_MMA_TILES)
     if w in ("__nv_bfloat16", "__half") else (),
     "attention.cu": lambda w: (*(f"paged_attention<{d}>" for d in (1, 2, 4, 8)),
@@ -303,7 +296,6 @@ class CupyBackend(Backend):
         # [token tiles] route_split's block counters (tiles of one token up): zero between launches (each launch
         # resets what it counted)
         self._route_counters = cupy.zeros(ROUTER_SPLIT_TOKENS, np.uint32)
-        self._grid_barrier = cupy.zeros(2, np.uint32)  # moe_decode's arrivals and generation
         self.captured_cublas = True  # lm_head-sized projections of a capture on cuBLAS (off: on linear_mma)
 
     # ---- memory -------------------------------------------------------------------------------------------
@@ -595,47 +587,6 @@ class CupyBackend(Backend):
             _launch("router.cu", f"route_topk<{w}>", (t,), 1024, (x, router, *selection),
                     shared_mem=4 * num_experts, weight_type=w)
         return weights, expert_ids
-
-    def fuses_routing(self, x, router, top_k, layer, store) -> bool:
-        """One token, every expert resident and stacked (no slot table, no int8 scales) in the router's storage
-        type, at most 256 experts and top 8, and x and the activations within MOE_DECODE_MAX_SHARED."""
-        if not MOE_DECODE_FUSED or x.shape[0] != 1 or type(store) is not DeviceExpertStore:
-            return False
-        experts = store.layers[layer]
-        num_experts, hidden = router.shape
-        shared = 4 * (hidden + max(top_k * experts.gate.shape[1], num_experts))
-        return (experts.gate_scale is None and experts.slot_of is None and top_k <= MOE_DECODE_K[-1]
-                and num_experts <= min(256, 4 * self.multiprocessors) and shared <= MOE_DECODE_MAX_SHARED
-                and storage_type(router) == storage_type(experts.gate) != "signed char")
-
-    def route_and_experts(self, x, router, top_k, renormalize, layer, store):
-        """moe_decode: one launch of a block per multiprocessor, its phases (router, selection, gate/up, down and
-        the sum) separated by grid-wide barriers; the values of route_split and the MoE kernels."""
-        if not self.fuses_routing(x, router, top_k, layer, store):
-            raise ValueError("moe_decode serves one token over stacked float or 16-bit experts (fuses_routing)")
-        cp = self.cp
-        x = cp.ascontiguousarray(x)
-        num_experts, h = router.shape
-        _check_row_width(h, router, "router")
-        experts = store.layers[layer]
-        i = experts.gate.shape[1]
-        _check_row_width(i, experts.down, "experts (intermediate size)")
-        out = cp.empty((1, h), np.float32)  # [1, H]
-        weights = cp.empty((1, top_k), np.float32)  # [1, k]
-        expert_ids = cp.empty((1, top_k), np.int32)  # [1, k]
-        logits = cp.empty(num_experts, np.float32)  # [E] scratch
-        act = cp.empty((top_k, i), np.float32)  # [k, I] scratch
-        (gate, up, w13_stride, *_), (down, w2_stride, *_) = experts.kernel_args()
-        shared = 4 * (h + max(top_k * i, num_experts))
-        k_max = next(k for k in MOE_DECODE_K if k >= top_k)
-        w = storage_type(router)
-        kernel = f"moe_decode<{w}, {k_max}>"
-        allow_shared(get_kernel("moe_decode.cu", kernel, _FAMILIES["moe_decode.cu"](w)), shared)
-        _launch("moe_decode.cu", kernel, (self.multiprocessors,), MOE_DECODE_THREADS,
-                (x, router, gate, up, w13_stride, down, w2_stride, out, weights, expert_ids, logits, act,
-                 self._grid_barrier, np.int32(h), np.int32(i), np.int32(num_experts), np.int32(top_k),
-                 np.int32(bool(renormalize))), shared_mem=shared, weight_type=w)
-        return out, weights, expert_ids
 
     def prepare_experts(self, store: ExpertStore, config: ModelConfig) -> ExpertStore:
         from ..experts.trace import RoutingRecorder

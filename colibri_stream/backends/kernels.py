@@ -67,15 +67,3 @@ def get_kernel(name: str, expression: str, expressions: tuple[str, ...] = ()):
     """
     module = _module(name, expressions, _arch())
     return module.get_function(expression)
-
-
-DEFAULT_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a kernel may use without opting in
-_shared_allowed: dict[int, int] = {}  # id of a RawKernel -> the dynamic shared memory it was allowed
-
-
-def allow_shared(kernel, nbytes: int) -> None:
-    """Let `kernel` (from `get_kernel`) use `nbytes` of dynamic shared memory: above DEFAULT_SHARED_LIMIT a kernel
-    must opt in, up to what the GPU has per block."""
-    if nbytes > max(DEFAULT_SHARED_LIMIT, _shared_allowed.get(id(kernel), 0)):
-        kernel.max_dynamic_shared_size_bytes = nbytes
-        _shared_allowed[id(kernel)] = nbytes

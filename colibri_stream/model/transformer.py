@@ -168,16 +168,11 @@ class MoETransformer:
         if layer.dense_mlp is not None:
             with t.device_phase("mlp"):
                 return self._gated_mlp(layer.dense_mlp, x)
-        fused = b.fuses_routing(x, layer.router, cfg.top_k, index, self.store)  # one operation, routing included
-        if not fused:
-            with t.device_phase("routing"):
-                weights, expert_ids = b.route(x, layer.router, cfg.top_k, cfg.norm_topk_prob)  # [T, k] each
+        with t.device_phase("routing"):
+            weights, expert_ids = b.route(x, layer.router, cfg.top_k, cfg.norm_topk_prob)  # [T, k] each
         with t.device_phase("experts"):
-            if fused:
-                out, _, _ = b.route_and_experts(x, layer.router, cfg.top_k, cfg.norm_topk_prob, index, self.store)
-            else:
-                self.store.begin_layer(index, x, expert_ids, weights)  # a tiered store loads, prefetches, places
-                out = b.routed_experts(x, weights, expert_ids, index, self.store)  # [T, H]
+            self.store.begin_layer(index, x, expert_ids, weights)  # a tiered store loads, prefetches, places
+            out = b.routed_experts(x, weights, expert_ids, index, self.store)  # [T, H]
             if layer.shared_expert is not None:
                 shared = self._gated_mlp(layer.shared_expert, x)  # [T, H]
                 if layer.shared_expert_gate is not None:
