@@ -135,3 +135,54 @@ def test_a_step_takes_its_tokens_from_the_step_before_on_the_device(tiny_model_d
     launched = steps(ahead=True)
     assert all(np.array_equal(a, s) for a, s in zip(launched, synchronous))
     assert len(graphs._graphs) == 2
+
+
+def test_the_server_streams_on_the_gpu_with_steps_launched_ahead(tiny_model_dir):
+    """`colibri serve` on the GPU as shipped (decode graphs, async scheduling): concurrent streamed chat completions
+    through the openai client, one of them dropped mid-stream (its sequence aborted while a step for it may be in
+    flight), give what the same server with async scheduling off gives; the server goes on serving."""
+    import asyncio
+
+    import openai
+    from test_server import LiveServer
+
+    from colibri_stream.server.app import STATE
+
+    messages = [[{"role": "user", "content": text}] for text in PROMPTS + ["streaming tokens one by one!"]]
+
+    async def ask(live: LiveServer) -> list:
+        client = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        async def stream(chat: list, max_tokens: int) -> tuple[str, str]:
+            chunks = await client.chat.completions.create(model="tiny-mixtral", messages=chat, stream=True,
+                                                          temperature=0, max_tokens=max_tokens)
+            text, reason = "", None
+            async for chunk in chunks:
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                    reason = chunk.choices[0].finish_reason or reason
+            return text, reason
+
+        async def dropped(chat: list) -> None:
+            chunks = await client.chat.completions.create(model="tiny-mixtral", messages=chat, stream=True,
+                                                          temperature=0, max_tokens=40)
+            async for _ in chunks:
+                break
+            await chunks.close()
+
+        results = await asyncio.gather(dropped(messages[0]),
+                                       *(stream(chat, 8 + 6 * i) for i, chat in enumerate(messages)))
+        again = await stream(messages[1], 12)  # served after the drop
+        return [*results[1:], again]
+
+    answers = {}
+    for name, options in {"ahead": {}, "sync": {"async_scheduling": False}}.items():
+        live = LiveServer(tiny_model_dir, {"max_batch_size": 8, "device": "cuda", **options})
+        try:
+            assert live.app[STATE].engine._core.async_scheduling == (name == "ahead")
+            answers[name] = asyncio.run(ask(live))
+        finally:
+            live.close()
+    assert answers["ahead"] == answers["sync"]
+    assert all(reason in ("length", "stop") for _, reason in answers["ahead"])
+    assert sum(bool(text) for text, _ in answers["ahead"]) >= 3
