@@ -179,3 +179,59 @@ def test_async_scheduling_option_is_checked(tiny_model_dir):
     with pytest.raises(ConfigError, match="async_scheduling"):
         EngineCore.from_pretrained(str(tiny_model_dir), **ROOMY, async_scheduling="yes")
     assert not EngineCore.from_pretrained(str(tiny_model_dir), **ROOMY).async_scheduling  # no graphs on the CPU
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_workloads_match_synchronous_steps(tiny_model_dir, prompts, seed):
+    """Random mixes, added while others run: greedy requests of random lengths, some with stop ids or stop
+    strings or n = 2, a few sampled ones, aborts at random steps, a tight KV cache. Steps launched ahead must give
+    every request what synchronous steps give."""
+    import random
+
+    rng = random.Random(seed)
+    tight = {"num_kv_blocks": 40, "max_num_batched_tokens": 24, "max_batch_size": 6}
+    sync, ahead = engines(tiny_model_dir, **tight)
+    counter = LaunchCounter(ahead)
+    plan = []  # (step to add it at, request id, prompt, params, step to abort it at or None)
+    for i in range(14):
+        prompt = rng.choice(prompts)[: rng.randint(2, 12)]
+        options = {"max_tokens": rng.randint(1, 20), "temperature": 0.0, "ignore_eos": rng.random() < 0.7}
+        if rng.random() < 0.2:
+            options["stop_token_ids"] = (rng.randrange(300),)
+        if rng.random() < 0.2:
+            options["stop"] = (rng.choice(["e", "a", "o", "th"]),)
+        if rng.random() < 0.15:
+            options["n"] = 2
+        if rng.random() < 0.15:
+            options.update(temperature=0.8, seed=rng.randrange(100))
+        plan.append((rng.randint(0, 25), f"r{i}", prompt, SamplingParams(**options),
+                     rng.randint(1, 12) if rng.random() < 0.25 and "n" not in options else None))
+    aborts = {request_id: after for _, request_id, _, _, after in plan if after is not None}
+
+    def run(core):
+        """Requests join at their step; one with an abort (n = 1) is aborted once it got that many tokens (a step
+        count would not do: a request added while a step runs ahead is admitted a step later)."""
+        results, step = {}, 0
+
+        def record(outputs):
+            for out in outputs:
+                entry = results.setdefault((out.request_id, out.index), [[], "", None])
+                entry[0] += out.token_ids
+                entry[1] += out.text
+                entry[2] = out.finish_reason
+
+        while step < 300 and (core.has_unfinished() or any(at >= step for at, *_ in plan)):
+            for at, request_id, prompt, params, _ in plan:
+                if at == step:
+                    core.add_request(request_id, prompt, params)
+            record(core.step())
+            for request_id, after in aborts.items():
+                got = results.get((request_id, 0), [[], "", None])
+                if len(got[0]) >= after and got[2] is None:
+                    record(core.abort(request_id))
+            step += 1
+        assert not core.has_unfinished() and core.kv.num_used_blocks == 0
+        return results
+
+    assert run(ahead) == run(sync)
+    assert counter.count > 0

@@ -1,0 +1,20 @@
+"""The conditions a benchmark ran under, recorded next to its figures: CPU, cores, platform, versions, commit, load."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+
+def machine() -> dict:
+    """This machine and checkout; the load average tells whether something else was running."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True,
+                            text=True).stdout.strip()
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "numpy": np.__version__, "commit": commit, "load_average": os.getloadavg()}

@@ -1,0 +1,54 @@
+"""One eager decode step of a synthetic shape inside a CUDA profiler range, for Nsight Compute's per-kernel view.
+
+    ncu --profile-from-start off --clock-control none --csv \\
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size \\
+        python benchmarks/step_kernels.py --shape qwen3-30b-a3b --batch 1 --layers 2
+
+A first step outside the range compiles the kernels; the profiled step runs the same kernels a captured step
+does at that batch (linear_rows up to SMALL_BATCH tokens, the MoE GEMV below MMA_MIN_TOKENS), launched one by
+one. `benchmarks/step_kernels_table.py` turns the CSV into a table per kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-30b-a3b")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--context", type=int, default=144)
+    args = parser.parse_args(argv)
+    import cupy
+
+    from colibri_stream.model.batch import ForwardBatch
+    from colibri_stream.synthetic import synthetic_model
+
+    model = synthetic_model(args.shape, num_layers=args.layers, device="cuda")
+    block_size, b = 16, args.batch
+    per_seq = -(-(args.context + 1) // block_size)
+    kv = model.allocate_kv_cache(b * per_seq, block_size)
+    tables = np.arange(b * per_seq).reshape(b, per_seq)
+    positions = np.full(b, args.context, np.int64)
+    rows = np.arange(b)
+    batch = ForwardBatch(
+        token_ids=np.arange(b, dtype=np.int64) + 7, positions=positions, query_start=np.arange(b + 1, dtype=np.int64),
+        context_lens=positions + 1, block_tables=tables,
+        slot_mapping=tables[rows, positions // block_size] * block_size + positions % block_size,
+        logits_indices=np.arange(b, dtype=np.int64))
+    model.forward(batch, kv)  # compiles every kernel
+    cupy.cuda.Device().synchronize()
+    cupy.cuda.profiler.start()
+    model.forward(batch, kv)
+    cupy.cuda.Device().synchronize()
+    cupy.cuda.profiler.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The backend interface: every array operation the model performs, and nothing else.
+
+The model (colibri_stream/model/) is written once against this interface; a backend decides where arrays live
+(host memory for NumPy, GPU memory for CuPy) and how each operation runs. Shapes use T tokens, B sequences,
+H hidden size, Q query heads, K key/value heads, D head dim, E experts, k experts per token, V vocabulary.
+Activations are float32 unless a backend documents otherwise; weights are whatever `prepare_weight` returns.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..timing import HOST_CLOCK, Clock
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+    from ..experts.store import ExpertStore
+    from ..model.batch import ForwardBatch
+
+Array = Any  # a backend's array type (numpy.ndarray, cupy.ndarray)
+
+
+class Backend(ABC):
+    """Array operations of one device; subclasses implement each for their array library."""
+
+    name: str
+
+    def timing_clock(self) -> Clock:
+        """The clock the model's step phases are timed with: the host's, unless the device runs asynchronously."""
+        return HOST_CLOCK
+
+    # ---- memory -------------------------------------------------------------------------------------------
+    @abstractmethod
+    def prepare_weight(self, host: np.ndarray) -> Array:
+        """A dense weight in storage dtype (float32, bfloat16, float16) made ready for compute."""
+
+    @abstractmethod
+    def upload(self, host: np.ndarray) -> Array:
+        """Copy a host array (indices, tables) to the device unchanged."""
+
+    @abstractmethod
+    def to_host(self, array: Array) -> np.ndarray:
+        """Copy a device array back to a host NumPy array."""
+
+    @abstractmethod
+    def zeros(self, shape: tuple[int, ...], dtype: str = "float32") -> Array:
+        """A zero-filled device array."""
+
+    def prepare_experts(self, store: ExpertStore, config: ModelConfig) -> ExpertStore:
+        """The expert store `routed_experts` will be given (the GPU backend makes every expert resident)."""
+        return store
+
+    def random_weight(self, shape: tuple[int, ...], std: float, seed: int, dtype: str) -> Array:
+        """Normal(0, std) values of `shape` in storage `dtype`, drawn from `seed`, in a form `prepare_weight` takes
+        (synthetic models)."""
+        from ..checkpoint import NUMPY_DTYPES
+
+        values = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) * np.float32(std)  # [shape]
+        return values.astype(NUMPY_DTYPES[dtype])
+
+    # ---- dense layers -------------------------------------------------------------------------------------
+    @abstractmethod
+    def embedding(self, table: Array, token_ids: Array) -> Array:
+        """table [V, H], token_ids [T] -> [T, H]"""
+
+    @abstractmethod
+    def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
+        """x [..., N], weight [N] -> [..., N]: x / sqrt(mean(x^2) + eps) * weight, computed in float32."""
+
+    @abstractmethod
+    def add_rms_norm(self, x: Array, residual: Array, weight: Array, eps: float) -> tuple[Array, Array]:
+        """x, residual [T, H] -> (rms_norm(x + residual), x + residual)."""
+
+    @abstractmethod
+    def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
+        """x [T, In], weight [Out, In], bias [Out] -> [T, Out]"""
+
+    def linears(self, x: Array, weights: Sequence[Array], biases: Sequence[Array | None]) -> list[Array]:
+        """x [T, In], weights [Out_m, In], biases [Out_m] or None -> `linear` of each, [T, Out_m] (a backend may
+        compute them in one pass: q, k and v of a layer)."""
+        return [self.linear(x, weight, bias) for weight, bias in zip(weights, biases)]
+
+    @abstractmethod
+    def silu_mul(self, gate: Array, up: Array) -> Array:
+        """gate, up [T, I] -> silu(gate) * up [T, I]"""
+
+    @abstractmethod
+    def sigmoid(self, x: Array) -> Array:
+        """Elementwise logistic function."""
+
+    @abstractmethod
+    def clip(self, x: Array, limit: float) -> Array:
+        """Clamp every element to [-limit, limit]."""
+
+    # ---- attention ----------------------------------------------------------------------------------------
+    @abstractmethod
+    def rotary(self, x: Array, cos: Array, sin: Array, positions: Array) -> Array:
+        """x [T, heads, D], cos/sin tables [P, D/2], positions [T] -> x rotated ("rotate half" pairing)."""
+
+    @abstractmethod
+    def write_kv(self, key_cache: Array, value_cache: Array, key: Array, value: Array, slot_mapping: Array) -> None:
+        """Store key/value [T, K, D] into the paged caches [num_blocks, block_size, K, D] at the slots [T]; a
+        negative slot stores nothing (padding rows of a captured batch)."""
+
+    @abstractmethod
+    def qk_norm_rope_write(self, q: Array, k: Array, v: Array, q_norm: Array | None, k_norm: Array | None,
+                           qk_norm: str, eps: float, clip: float | None, cos: Array, sin: Array, positions: Array,
+                           key_cache: Array, value_cache: Array, slot_mapping: Array) -> Array:
+        """A layer's step from its q/k/v projections to attention: q [T, Q*D], k/v [T, K*D] -> rotated q [T, Q, D].
+
+        In order: RMSNorm of each token's whole q and k when qk_norm is "full" (weights q_norm [Q*D], k_norm
+        [K*D]); q, k, v clamped to [-clip, clip] unless clip is None; RMSNorm of each head of q and k when qk_norm
+        is "per_head" (weights [D]); `rotary` of q and k; `write_kv` of k and v at slot_mapping [T]. K and D are
+        read from the caches' shape [num_blocks, block_size, K, D].
+        """
+
+    @abstractmethod
+    def paged_attention(self, query: Array, key_cache: Array, value_cache: Array, batch: ForwardBatch,
+                        device_batch: dict[str, Array], scale: float, sliding_window: int | None) -> Array:
+        """Causal attention of query [T, Q, D] over each sequence's cached keys/values -> [T, Q, D].
+
+        Query token i of a sequence at position p attends to cached positions j with j <= p (and, with a
+        sliding window W, j > p - W). GQA: query head h reads key/value head h // (Q / K).
+        """
+
+    # ---- mixture of experts -------------------------------------------------------------------------------
+    @abstractmethod
+    def route(self, x: Array, router: Array, top_k: int, renormalize: bool) -> tuple[Array, Array]:
+        """x [T, H], router [E, H] -> (weights [T, k] float32, expert ids [T, k] int64).
+
+        Softmax over all E logits (float32), the k largest, optionally renormalised to sum to 1.
+        """
+
+    @abstractmethod
+    def routed_experts(self, x: Array, weights: Array, expert_ids: Array, layer: int,
+                       store: ExpertStore) -> Array:
+        """x [T, H], weights/expert_ids [T, k] -> [T, H]: sum over each token's experts of weight * expert(x).
+
+        expert(x) = down @ (silu(gate @ x) * (up @ x)), with the expert's tensors from `store.expert(layer, e)`.
+        """
+
+    # ---- output -------------------------------------------------------------------------------------------
+    @abstractmethod
+    def gather_rows(self, x: Array, rows: Array) -> Array:
+        """x [T, ...], rows [N] -> x[rows] [N, ...]"""

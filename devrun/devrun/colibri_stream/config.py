@@ -1,0 +1,348 @@
+"""Frozen configuration dataclasses.
+
+`ModelConfig` is the `config.json` of a native model folder: the minimal complete description of the computation.
+It is validated when built and rejects unknown keys, so a folder written by a newer exporter, or edited by hand,
+fails loudly instead of computing something else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointError, ColibriError
+from .field_types import type_error
+
+FORMAT_VERSION = 1
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+STORAGE_DTYPES = ("float32", "bfloat16", "float16")
+EXPERT_DTYPES = STORAGE_DTYPES + ("int8",)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+QK_NORMS = ("none", "per_head", "full")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding: the base and one of the scaling schemes these models use."""
+
+    type: str = "default"  # default | linear | llama3 | yarn
+    theta: float = 10000.0
+    factor: float = 1.0  # linear, llama3, yarn: context stretch
+    original_max_position_embeddings: int | None = None  # llama3, yarn
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    beta_fast: float | None = None  # yarn (defaults 32)
+    beta_slow: float | None = None  # yarn (defaults 1)
+    attention_factor: float | None = None  # yarn: scale on cos/sin (derived from factor when None)
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
+
+    def __post_init__(self) -> None:
+        def fail(message: str) -> None:
+            raise CheckpointError(f"config.json: rope {message}")
+
+        if error := type_error(self):
+            fail(error)
+        if self.type not in ROPE_TYPES:
+            fail(f"type {self.type!r} is not one of {', '.join(ROPE_TYPES)}")
+        if self.theta <= 0 or self.factor <= 0:
+            fail("theta and factor must be positive")
+        if self.original_max_position_embeddings is not None and self.original_max_position_embeddings <= 0:
+            fail("original_max_position_embeddings must be positive")
+        if self.type == "llama3" and None in (
+            self.low_freq_factor,
+            self.high_freq_factor,
+            self.original_max_position_embeddings,
+        ):
+            fail("llama3 needs low_freq_factor, high_freq_factor and original_max_position_embeddings")
+        if self.type == "yarn" and self.original_max_position_embeddings is None:
+            fail("yarn needs original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the runtime needs to compute a model; written as `config.json` in the model folder."""
+
+    architecture: str  # one of ARCHITECTURES (informational: the fields below define the computation)
+    vocab_size: int
+    hidden_size: int  # H
+    num_layers: int  # L
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (GQA when fewer than num_heads)
+    head_dim: int  # D
+    num_experts: int  # E routed experts per MoE layer
+    top_k: int  # experts per token
+    moe_intermediate_size: int  # I of one routed expert
+    moe_layers: tuple[int, ...]  # layers whose MLP is a MoE block; the others use a dense MLP
+    intermediate_size: int = 0  # dense MLP width for the non-MoE layers (0 when every layer is MoE)
+    router_scoring: str = "softmax"  # softmax over all experts, then top-k
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # sigmoid(x @ w) scales the shared expert's output
+    qk_norm: str = "none"  # none | per_head (RMSNorm over D) | full (RMSNorm over all heads' q and k)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    clip_qkv: float | None = None  # clamp q, k, v to [-c, c] after projection (and qk-norm)
+    sliding_windows: tuple[int | None, ...] = ()  # per layer: window in tokens, None for full attention
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    dtype: str = "bfloat16"  # storage dtype of dense.safetensors
+    expert_dtype: str = "bfloat16"  # storage dtype of routed experts in experts.bin
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    dense_file: str = "dense.safetensors"
+    experts_file: str = "experts.bin"
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        def fail(message: str) -> None:
+            raise CheckpointError(f"config.json: {message}")
+
+        if error := type_error(self):
+            fail(error)
+        if self.format_version != FORMAT_VERSION:
+            fail(f"format_version {self.format_version} is not supported (this Colibri reads {FORMAT_VERSION})")
+        if self.architecture not in ARCHITECTURES:
+            fail(f"architecture {self.architecture!r} is not one of {', '.join(ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "num_experts", "top_k", "moe_intermediate_size", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                fail(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(self, name) < 0:
+                fail(f"{name} must not be negative, got {getattr(self, name)!r}")
+        if self.head_dim % 2:
+            fail(f"head_dim ({self.head_dim}) must be even: rotary embedding rotates pairs of dimensions")
+        token_ids = {"bos_token_id": (self.bos_token_id,), "pad_token_id": (self.pad_token_id,),
+                     "eos_token_ids": self.eos_token_ids}
+        for name, ids in token_ids.items():
+            if any(token is not None and token < 0 for token in ids):
+                fail(f"{name} must not be negative, got {getattr(self, name)!r}")
+        for name in ("dense_file", "experts_file"):
+            file = getattr(self, name)
+            if Path(file).name != file or file in ("", ".."):
+                fail(f"{name} {file!r} is not a file name inside the model folder")
+        if self.num_heads % self.num_kv_heads:
+            fail(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.top_k > self.num_experts:
+            fail(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+        if any(not 0 <= layer < self.num_layers for layer in self.moe_layers) or list(self.moe_layers) != sorted(
+            set(self.moe_layers)
+        ):
+            fail(f"moe_layers must be increasing layer indices below {self.num_layers}")
+        if len(self.moe_layers) < self.num_layers and self.intermediate_size <= 0:
+            fail("intermediate_size must be positive when some layers use a dense MLP")
+        if self.router_scoring != "softmax":
+            fail(f"router_scoring {self.router_scoring!r} is not supported (softmax)")
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            fail("shared_expert_gate needs a shared expert")
+        if self.qk_norm not in QK_NORMS:
+            fail(f"qk_norm {self.qk_norm!r} is not one of {', '.join(QK_NORMS)}")
+        if len(self.sliding_windows) != self.num_layers:
+            fail(f"sliding_windows needs one entry per layer ({self.num_layers}), got {len(self.sliding_windows)}")
+        if any(w is not None and w <= 0 for w in self.sliding_windows):
+            fail("sliding windows must be positive or null")
+        if self.hidden_act != "silu":
+            fail(f"hidden_act {self.hidden_act!r} is not supported (silu)")
+        if self.dtype not in STORAGE_DTYPES:
+            fail(f"dtype {self.dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
+        if self.expert_dtype not in EXPERT_DTYPES:
+            fail(f"expert_dtype {self.expert_dtype!r} is not one of {', '.join(EXPERT_DTYPES)}")
+        if self.rms_norm_eps <= 0:
+            fail("rms_norm_eps must be positive")
+        if self.clip_qkv is not None and self.clip_qkv <= 0:
+            fail("clip_qkv must be positive or null")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["format"] = "colibri"
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Build from a parsed config.json; unknown or missing keys are errors."""
+        if not isinstance(data, dict):
+            raise CheckpointError("config.json: expected a JSON object")
+        data = dict(data)
+        if data.pop("format", None) != "colibri":
+            raise CheckpointError('config.json: not a Colibri model folder (missing "format": "colibri"); '
+                                  "convert a Hugging Face checkpoint with `colibri export`")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise CheckpointError(f"config.json: unknown keys {unknown}")
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        missing = sorted(required - set(data))
+        if missing:
+            raise CheckpointError(f"config.json: missing keys {missing}")
+        rope = data.get("rope", {})
+        if not isinstance(rope, dict):
+            raise CheckpointError("config.json: rope must be an object")
+        rope_known = {f.name for f in dataclasses.fields(RopeConfig)}
+        if set(rope) - rope_known:
+            raise CheckpointError(f"config.json: unknown rope keys {sorted(set(rope) - rope_known)}")
+        data["rope"] = RopeConfig(**rope)
+        for name in ("moe_layers", "sliding_windows", "eos_token_ids"):
+            if name in data:
+                if not isinstance(data[name], list):
+                    raise CheckpointError(f"config.json: {name} must be a list")
+                data[name] = tuple(data[name])
+        return cls(**data)
+
+
+class ConfigError(ColibriError):
+    """An engine option is missing, unknown or out of range; the message names it."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How much work one engine step may take on, and how long sequences may grow."""
+
+    max_batch_size: int = 32  # sequences scheduled in one step
+    max_num_batched_tokens: int = 2048  # token budget of one step, shared by decodes and prefill chunks
+    max_seq_len: int | None = None  # prompt + output tokens of one sequence; None: the model's maximum
+    max_queue: int = 0  # waiting requests before new ones are refused; 0: unbounded
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_num_batched_tokens"):
+            _check_positive_int(name, getattr(self, name))
+        if self.max_seq_len is not None:
+            _check_positive_int("max_seq_len", self.max_seq_len)
+        if not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise ConfigError(f"max_queue must be a non-negative integer, got {self.max_queue!r}")
+        if self.max_num_batched_tokens < self.max_batch_size:
+            raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                              f"max_batch_size ({self.max_batch_size}) so that every running sequence can decode")
+
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when neither kv_cache_memory nor num_kv_blocks is given
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size, and its size as a block count or a memory budget (give one at most)."""
+
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes; default DEFAULT_KV_CACHE_MEMORY, capped at what the batch can use
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks whose tokens (and all before) match
+
+    def __post_init__(self) -> None:
+        _check_positive_int("block_size", self.block_size)
+        for name in ("num_kv_blocks", "kv_cache_memory"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            raise ConfigError("give num_kv_blocks or kv_cache_memory, not both")
+
+    def num_blocks(self, bytes_per_block: int, max_useful_blocks: int) -> int:
+        """Blocks to allocate: num_kv_blocks, or the memory budget divided by `bytes_per_block`.
+
+        Without either setting the default budget is capped at `max_useful_blocks` (what a full batch of
+        max_seq_len sequences can hold), so small models do not reserve memory they can never use.
+        """
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory // bytes_per_block
+        return min(DEFAULT_KV_CACHE_MEMORY // bytes_per_block, max_useful_blocks)
+
+
+EVICTION_POLICIES = ("lru", "lfu", "pinned")
+CPU_EXPERT_MODES = ("auto", "off", "all")
+GPU_SLOT_LAYOUTS = ("spread", "layers")  # experts/slots.py: layer_slot_counts
+
+
+@dataclass(frozen=True)
+class ExpertStoreConfig:
+    """Where routed experts live (colibri_stream/experts/): memory budgets of the tiers, eviction and prefetch.
+
+    Without budgets every expert stays resident. `gpu_memory_limit` (bytes) bounds the GPU memory of the dense
+    weights plus the expert slots (the KV cache is separate); `l2_cache_size` (bytes) bounds the host slots in
+    front of experts.bin. `usage_file` holds routing statistics: the pinned policy ranks experts by it (default:
+    expert_usage.json in the model folder), and when given, this run's routes are added to it. `routing_trace`
+    records every step's routing as JSON lines.
+    """
+
+    gpu_memory_limit: int | None = None
+    l2_cache_size: int | None = None
+    eviction_policy: str = "lfu"  # lru | lfu (decayed frequency) | pinned (ranked by usage_file)
+    prefetch: bool = False  # predict the next layers' experts with their routers and load them ahead (off: on a
+    # warm page cache with 2 cores it raised hit rates but slowed decode; BENCHMARKS.md)
+    prefetch_lookahead: int = 1  # MoE layers predicted ahead
+    usage_file: str | None = None
+    routing_trace: str | None = None
+    cpu_experts: str = "auto"  # GPU tier misses: auto (the cost model picks CPU compute, a load, or a cut by rows
+    # between them, per expert and step), off (always load to the GPU), all (always compute on the CPU)
+    gpu_slot_layout: str = "spread"  # spread (every layer the same GPU slots) | layers (whole layers on the GPU)
+    cpu_threads: int | None = None  # threads computing routed experts on the CPU (None: every core; beside GPU slots
+    # every core but one, which the thread driving the GPU keeps)
+
+    def __post_init__(self) -> None:
+        if self.cpu_experts not in CPU_EXPERT_MODES:
+            raise ConfigError(f"cpu_experts must be one of {', '.join(CPU_EXPERT_MODES)}, got {self.cpu_experts!r}")
+        for name in ("gpu_memory_limit", "l2_cache_size", "cpu_threads"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if self.gpu_slot_layout not in GPU_SLOT_LAYOUTS:
+            raise ConfigError(f"gpu_slot_layout must be one of {', '.join(GPU_SLOT_LAYOUTS)}, "
+                              f"got {self.gpu_slot_layout!r}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ConfigError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
+                              f"got {self.eviction_policy!r}")
+        _check_positive_int("prefetch_lookahead", self.prefetch_lookahead)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from: the model folder, where to run it, the scheduler, the KV cache and the
+    expert store."""
+
+    model: str  # path of a native model folder
+    device: str = "auto"  # cpu | auto (a GPU when one is usable); checked by the model loader
+    verify: bool = False  # check the checkpoint's checksums when loading
+    cuda_graphs: bool = True  # decode steps as CUDA graphs where they can be (off: every step launched eagerly)
+    # Greedy decode steps scheduled and launched one step ahead of reading their tokens (scheduler.schedule_next).
+    # None: where decode steps are CUDA graphs (the GPU then never waits for the host between steps). True on the
+    # NumPy backend runs the same scheduling with nothing to overlap.
+    async_scheduling: bool | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    experts: ExpertStoreConfig = field(default_factory=ExpertStoreConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"cuda_graphs must be a boolean, got {self.cuda_graphs!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ConfigError(f"async_scheduling must be a boolean or None, got {self.async_scheduling!r}")
+
+    @classmethod
+    def from_options(cls, model: str, **options: Any) -> EngineConfig:
+        """Build from flat options (`max_batch_size=8, block_size=32, device="cpu"`); unknown ones are errors."""
+        groups = {sub: {f.name for f in dataclasses.fields(sub)}
+                  for sub in (SchedulerConfig, CacheConfig, ExpertStoreConfig)}
+        own = {"device", "verify", "cuda_graphs", "async_scheduling"}
+        unknown = sorted(set(options) - own - set().union(*groups.values()))
+        if unknown:
+            raise ConfigError(f"unknown engine options {unknown}")
+        subs = {sub: sub(**{k: v for k, v in options.items() if k in names}) for sub, names in groups.items()}
+        return cls(model=model, scheduler=subs[SchedulerConfig], cache=subs[CacheConfig],
+                   experts=subs[ExpertStoreConfig], **{k: v for k, v in options.items() if k in own})
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")

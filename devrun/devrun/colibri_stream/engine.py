@@ -1,0 +1,570 @@
+"""The engine: `EngineCore` steps the model synchronously; `AsyncEngine` drives it from a thread for asyncio.
+
+One step is schedule -> run the model and sample -> update the requests -> detokenize. `EngineCore.step` is
+the only function that loops over a step's outputs. `AsyncEngine` owns one step thread that alone touches the
+core: requests and aborts reach it through a queue, outputs come back to per-request collectors on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import default_model_path
+from .config import ConfigError, EngineConfig, ModelConfig
+from .errors import ColibriError
+from .experts.stats import ExpertStats
+from .kv_cache import KVCacheManager
+from .model import MoETransformer, PagedKVCache, load_model
+from .request import (EngineStepError, EngineStoppedError, InvalidParameterError, Logprob, QueueFullError, Request,
+                      RequestOutput, RequestStatus, SamplingParams)
+from .runner import LaunchedStep, ModelRunner, RunnerOutput
+from .scheduler import Scheduler, SchedulerOutput, SeqUpdate
+from .timing import StepSink, StepTimer
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine for monitoring (`AsyncEngine.stats()`)."""
+
+    num_running: int  # sequences in the running batch
+    num_waiting: int  # sequences queued (new or preempted)
+    kv_blocks_total: int
+    kv_blocks_used: int  # held by running sequences (cached blocks nobody holds count as free)
+    kv_blocks_cached: int  # holding a prefix-cache entry, held or not
+    prefix_cache_hit_tokens: int  # tokens admitted sequences took from the prefix cache
+    prefill_computed_tokens: int  # tokens admitted sequences had to compute
+    num_steps: int
+    num_preemptions: int
+    num_generated_tokens: int
+    last_step_time: float  # seconds the last step took
+    last_step_tokens: int  # tokens the last step computed (prefill chunks and decodes)
+
+
+@dataclass
+class _Sequence:
+    """The output side of one sequence: its text stream and when its last token came."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    last_token_time: float | None = None  # time.monotonic()
+
+
+class EngineCore:
+    """Continuous batching over one model, driven by calling `step()`; not thread-safe (one thread drives it).
+
+    `add_request` queues a request as `params.n` sequences, `step()` runs one model step and returns a
+    RequestOutput per sequence that got a token, `abort` finishes a request at once and frees its KV blocks.
+    Each output carries its latency: `time_to_first_token` (arrival to the step that produced the first token)
+    and `inter_token_latencies` (time since the sequence's previous token, per later token).
+    """
+
+    def __init__(self, model: MoETransformer, tokenizer: Tokenizer, config: EngineConfig):
+        self.config = config
+        self.model_config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        limit = model.config.max_position_embeddings
+        self.max_seq_len = config.scheduler.max_seq_len or limit
+        if self.max_seq_len > limit:
+            raise ConfigError(f"max_seq_len {self.max_seq_len} exceeds the model's {limit} positions")
+        block_size = config.cache.block_size
+        per_seq = -(-self.max_seq_len // block_size)
+        num_blocks = config.cache.num_blocks(PagedKVCache.bytes_per_block(model.config, block_size),
+                                             config.scheduler.max_batch_size * per_seq)
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_seq_len=self.max_seq_len), self.kv)
+        self.runner = ModelRunner(model, model.allocate_kv_cache(num_blocks, block_size), per_seq,
+                                  config.scheduler.max_batch_size, cuda_graphs=config.cuda_graphs)
+        self.timer: StepTimer = model.timer  # phases of every step; `timer.add_sink` turns it on
+        self.async_scheduling = (self.runner.graphs is not None if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._launched: LaunchedStep | None = None  # a greedy decode step launched ahead of its tokens
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
+        self._requests: dict[str, dict[int, _Sequence]] = {}  # request id -> its unfinished sequences by index
+        self._num_steps = 0
+        self._num_generated_tokens = 0
+        self._last_step_time = 0.0
+        self._last_step_tokens = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str | None = None, **options: Any) -> EngineCore:
+        """Load the model folder at `path` (None: the model shipped with Colibri); `options` are
+        EngineConfig.from_options' flat keys."""
+        config = EngineConfig.from_options(str(default_model_path()) if path is None else str(path), **options)
+        model = load_model(config.model, device=config.device, verify=config.verify, experts=config.experts)
+        return cls(model, Tokenizer.from_folder(config.model), config)
+
+    def encode_prompt(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text, a list of token ids, or chat messages (rendered with the chat template)."""
+        if not prompt:
+            raise InvalidParameterError("prompt must not be empty", param="prompt")
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if all(isinstance(m, dict) for m in prompt):
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise InvalidParameterError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        return list(prompt)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The admission checks, callable from any thread: InvalidParameterError, PromptTooLongError."""
+        if not prompt_token_ids:
+            raise InvalidParameterError("prompt must not be empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        if any(token_id >= vocab for token_id, _ in params.logit_bias):
+            raise InvalidParameterError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        self.scheduler.check_length(len(prompt_token_ids), params.max_tokens)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request (as params.n sequences); raises like `validate`, or ValueError for a duplicate id."""
+        self.validate(prompt_token_ids, params)
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already running")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = self._requests[request_id] = {}
+        for index in range(params.n):
+            request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, index, arrival)
+            self.scheduler.add_request(request)
+            seqs[index] = _Sequence(request, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop))
+
+    def has_unfinished(self) -> bool:
+        """Whether a request is unfinished or a step launched ahead is still to be collected."""
+        return self.scheduler.has_unfinished() or self._launched is not None
+
+    def step(self) -> list[RequestOutput]:
+        """Run one model step; returns an output for every sequence that sampled a token.
+
+        With async scheduling a greedy decode step is launched ahead: a call launches the next step, then reads
+        the tokens of the one launched by the call before (or by itself, for the first of a run of them)."""
+        if not self.has_unfinished():
+            return []
+        start = time.perf_counter()
+        timer = self.timer
+        with timer.phase("step"):
+            try:
+                scheduled, result = self._run_step()
+            except BaseException:
+                self._launched = None
+                with contextlib.suppress(Exception):  # the step's own error is the one to report
+                    self.runner.synchronize()  # nothing launched may still write KV blocks the failure frees
+                raise
+            timer.annotate(tokens=scheduled.num_batched_tokens, seqs=len(scheduled.seqs))
+            with timer.phase("update"):
+                updates = self.scheduler.update_from_output(scheduled, result.token_ids)
+            now = time.monotonic()
+            with timer.phase("detokenize"):
+                outputs = [self._output(update, result.logprobs[update.row], now) for update in updates]
+        self._num_steps += 1
+        self._num_generated_tokens += len(updates)
+        self._last_step_time = time.perf_counter() - start
+        self._last_step_tokens = scheduled.num_batched_tokens
+        return outputs
+
+    def _run_step(self) -> tuple[SchedulerOutput, RunnerOutput]:
+        """Compute a step and return it with its tokens: the step launched ahead by the call before, else a step
+        scheduled now. A greedy decode step's successor is scheduled and launched before its tokens are read."""
+        launched = self._launched
+        if launched is None:
+            with self.timer.phase("schedule"):
+                scheduled = self.scheduler.schedule()
+            launched = self.runner.launch(scheduled) if self.async_scheduling else None
+            if launched is None:
+                return scheduled, self.runner.execute(scheduled)
+        with self.timer.phase("schedule"):
+            following = self.scheduler.schedule_next(launched.step)
+        self._launched = None if following is None else self.runner.launch(following)
+        if following is not None and self._launched is None:
+            raise RuntimeError("a decode step scheduled ahead could not be launched")
+        return launched.step, self.runner.collect(launched)
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Finish every sequence of `request_id` and free its blocks; returns their final outputs."""
+        seqs = self._requests.pop(request_id, {})
+        self.scheduler.finish([seq.request.seq_id for seq in seqs.values()], RequestStatus.FINISHED_ABORTED)
+        return [_request_output(seq.request, "", []) for seq in seqs.values()]
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every unfinished request."""
+        return [out for request_id in list(self._requests) for out in self.abort(request_id)]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_blocks_total=self.kv.num_blocks,
+            kv_blocks_used=self.kv.num_used_blocks,
+            kv_blocks_cached=self.kv.num_cached_blocks,
+            prefix_cache_hit_tokens=self.scheduler.num_cached_prefill_tokens,
+            prefill_computed_tokens=self.scheduler.num_computed_prefill_tokens,
+            num_steps=self._num_steps,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_generated_tokens=self._num_generated_tokens,
+            last_step_time=self._last_step_time,
+            last_step_tokens=self._last_step_tokens,
+        )
+
+    def store_stats(self) -> ExpertStats | None:
+        """A snapshot of the expert store's counters (None when every expert is resident)."""
+        return self.runner.model.store.stats()
+
+    def _output(self, update: SeqUpdate, logprob: Logprob | None, now: float) -> RequestOutput:
+        request = update.request
+        seqs = self._requests[request.request_id]
+        seq = seqs[request.index]
+        text = seq.detokenizer.add(update.new_token_ids)
+        stop_string = seq.detokenizer.stop_reason if seq.detokenizer.stopped else None
+        if stop_string is not None and not request.status.finished:
+            self.scheduler.finish([request.seq_id], RequestStatus.FINISHED_STOPPED, stop_string)
+        elif stop_string is None and request.status.finished:
+            text += seq.detokenizer.flush()
+        if request.status.finished:
+            del seqs[request.index]
+            if not seqs:
+                del self._requests[request.request_id]
+        first = seq.last_token_time is None
+        out = _request_output(
+            request, text, update.new_token_ids,
+            logprobs=None if request.params.logprobs is None else [logprob],
+            time_to_first_token=now - request.arrival_time if first else None,
+            inter_token_latencies=[] if first else [now - seq.last_token_time],
+        )
+        seq.last_token_time = now
+        if stop_string is not None:  # also when the stop string came with the last token max_tokens allowed
+            out.finish_reason, out.stop_reason = "stop", stop_string
+        return out
+
+
+def _request_output(request: Request, text: str, token_ids: list[int], **extra: Any) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id,
+        index=request.index,
+        text=text,
+        token_ids=token_ids,
+        finished=request.status.finished,
+        finish_reason=request.status.finish_reason,
+        stop_reason=request.stop_reason,
+        prompt_tokens=request.num_prompt_tokens,
+        completion_tokens=request.num_output_tokens,
+        cached_tokens=request.num_cached_tokens or 0,
+        **extra,
+    )
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    done: asyncio.Future | None  # resolved on the loop once the blocks are free
+
+
+@dataclass
+class _Stop:
+    drain: bool  # finish the running requests first (True) or abort them
+
+
+ENCODE_INLINE_CHARS = 8192  # prompts up to this many characters are tokenized on the event loop (microseconds)
+
+
+def _prompt_chars(prompt: str | list[int] | list[dict]) -> int:
+    """Characters to tokenize: a text's length, chat messages' content lengths, 0 for token ids."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(str(m.get("content") or "")) for m in prompt if isinstance(m, dict))
+
+
+class _Collector:
+    """The mailbox between the step thread and one `generate()` call, living on the event loop.
+
+    Outputs the consumer has not taken yet are merged per sequence (`RequestOutput.merge`), so a slow consumer
+    holds one pending output per sequence instead of a growing queue.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[int, RequestOutput] = {}  # sequence index -> merged outputs, oldest first
+        self._ready = asyncio.Event()
+        self._error: BaseException | None = None
+
+    def put(self, out: RequestOutput) -> None:
+        previous = self._pending.get(out.index)
+        self._pending[out.index] = out if previous is None else previous.merge(out)
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        while not self._pending:
+            if self._error is not None:
+                raise self._error
+            await self._ready.wait()
+            self._ready.clear()
+        return self._pending.pop(next(iter(self._pending)))
+
+
+class AsyncEngine:
+    """The asyncio face of the engine: `generate()` streams RequestOutputs, `abort()` cancels a request.
+
+    Use it as `async with AsyncEngine.from_pretrained(path) as engine:`. One thread runs the steps (the event
+    loop never waits for the model); it sleeps when there is no work. Requests and aborts reach it through a
+    queue and are applied between steps; each step's outputs go back with one `call_soon_threadsafe` to the
+    per-request collectors. Stopping a `generate()` iteration early (break and aclose, task cancellation)
+    aborts the request and frees its KV blocks.
+
+    Latency: every RequestOutput carries `time_to_first_token` (on the output with a sequence's first token) and
+    `inter_token_latencies` (per later token), measured in the step thread when the tokens were sampled, so a
+    consumer that lags does not distort them; `stats()` is the engine-wide snapshot for monitoring.
+    """
+
+    def __init__(self, core: EngineCore):
+        self._core = core
+        self.tokenizer: Tokenizer = core.tokenizer
+        self.model_config: ModelConfig = core.model_config
+        self.model_name = Path(core.config.model).resolve().name
+        self.max_seq_len: int = core.max_seq_len
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._collectors: dict[str, _Collector] = {}
+        self._stats = core.stats()
+        self._num_sent = 0  # sequences sent to the step thread
+        self._num_applied = 0  # of which the step thread had queued at the last snapshot
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._thread_done: asyncio.Future | None = None
+        self._accepting = False
+        self._last_step_failed = False  # set and cleared on the event loop, in step order
+
+    @classmethod
+    def from_pretrained(cls, path: str | None = None, **config: Any) -> AsyncEngine:
+        """Load a model folder (None: the model shipped with Colibri). Options: max_batch_size,
+        max_num_batched_tokens, max_seq_len, kv_cache_memory (bytes) or num_kv_blocks, block_size,
+        enable_prefix_caching (default True), max_queue (0: unbounded), device ("cpu" | "auto"), verify,
+        cuda_graphs (default True: decode steps replayed as CUDA graphs on the GPU)."""
+        return cls(EngineCore.from_pretrained(path, **config))
+
+    async def start(self) -> None:
+        """Start the step thread on the running loop."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._num_sent = self._num_applied = 0
+        self._thread_done = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, name="colibri-engine", daemon=True)
+        self._accepting = True
+        self._thread.start()
+
+    async def stop(self, drain: bool = True) -> None:
+        """Refuse new requests, then finish (drain) or abort the running ones and end the step thread."""
+        if self._thread is None:
+            return
+        self._accepting = False
+        self._inbox.put(_Stop(drain))
+        await self._thread_done
+        self._thread.join()
+        self._thread = None
+        for collector in self._collectors.values():
+            collector.fail(EngineStoppedError("the engine stopped"))
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def encode(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids (`EngineCore.encode_prompt`), computed on a worker thread when the prompt is long
+        (tokenizing a few MiB of text takes seconds, which would stall every stream on this event loop)."""
+        if _prompt_chars(prompt) <= ENCODE_INLINE_CHARS:
+            return self._core.encode_prompt(prompt, add_special_tokens)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self._core.encode_prompt, prompt, add_special_tokens)
+
+    async def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams,
+                       request_id: str | None = None, add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs until each of its params.n sequences has finished.
+
+        A prompt is text, token ids, or chat messages (rendered with the model's chat template). Invalid
+        requests raise before the first output: InvalidParameterError, PromptTooLongError, QueueFullError,
+        EngineStoppedError (and ChatTemplateError for messages the template rejects).
+        """
+        prompt_token_ids = self._core.encode_prompt(prompt, add_special_tokens)
+        self._core.validate(prompt_token_ids, params)
+        if not self._accepting:
+            raise EngineStoppedError("the engine is not running")
+        capacity = self.capacity
+        if capacity is not None and params.n > capacity:
+            raise InvalidParameterError(f"n={params.n} sequences can never be admitted: this server runs at most "
+                                        f"{capacity} at once (max_batch_size + max_queue)", param="n")
+        if self._queue_is_full(params.n):
+            raise QueueFullError(f"{self._core.config.scheduler.max_queue} sequences are already waiting; "
+                                 f"retry later")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._collectors:
+            raise InvalidParameterError(f"request_id {request_id!r} is already in use", param="request_id")
+        collector = _Collector()
+        self._collectors[request_id] = collector
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, time.monotonic()))
+        self._num_sent += params.n
+        finished = 0
+        try:
+            while finished < params.n:
+                out = await collector.get()
+                finished += out.finished
+                yield out
+        finally:
+            del self._collectors[request_id]
+            if finished < params.n:
+                self._inbox.put(_Abort(request_id, None))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; returns once its KV blocks are free. Unknown or finished requests are ignored."""
+        if self._thread is None:
+            return
+        done = self._loop.create_future()
+        self._inbox.put(_Abort(request_id, done))
+        await asyncio.wait([done, self._thread_done], return_when=asyncio.FIRST_COMPLETED)
+
+    @property
+    def healthy(self) -> bool:
+        """Running, and its last model step (if any since the last failure) did not fail."""
+        return self._accepting and not self._last_step_failed
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the last step (or the last batch of requests and aborts)."""
+        return self._stats
+
+    def add_step_sink(self, sink: StepSink) -> None:
+        """Time every later step's phases and hand each StepRecord to `sink`, in the step thread (before start())."""
+        self._core.timer.add_sink(sink)
+
+    def store_stats(self) -> ExpertStats | None:
+        """The expert store's counters now (taken while a step may run: a step's figures can be half counted)."""
+        return self._core.store_stats()
+
+    @property
+    def capacity(self) -> int | None:
+        """Sequences the engine can hold at once, running and waiting (None: the queue is unbounded)."""
+        config = self._core.config.scheduler
+        return config.max_batch_size + config.max_queue if config.max_queue else None
+
+    def _queue_is_full(self, n: int) -> bool:
+        """Whether `n` more sequences would leave more than max_queue waiting once the batch's free slots fill."""
+        config, stats = self._core.config.scheduler, self._stats
+        if not config.max_queue:
+            return False
+        unapplied = self._num_sent - self._num_applied  # sent to the step thread after the last snapshot
+        free = config.max_batch_size - stats.num_running  # batch slots the waiting sequences move into first
+        return max(0, stats.num_waiting + unapplied + n - free) > config.max_queue
+
+    # ---- the step thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        core = self._core
+        stopping = False
+        num_applied = 0
+        try:
+            while not (stopping and not core.has_unfinished()):
+                commands = [self._inbox.get()] if not (stopping or core.has_unfinished()) else []
+                while not self._inbox.empty():
+                    commands.append(self._inbox.get())
+                outputs: list[RequestOutput] = []
+                done: list[asyncio.Future] = []
+                for command in commands:
+                    if isinstance(command, _Add):
+                        num_applied += command.params.n
+                        try:
+                            core.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                             command.arrival_time)
+                        except (ColibriError, ValueError) as exc:
+                            self._loop.call_soon_threadsafe(self._fail_request, command.request_id, exc)
+                    elif isinstance(command, _Abort):
+                        outputs += core.abort(command.request_id)
+                        if command.done is not None:
+                            done.append(command.done)
+                    else:
+                        stopping = True
+                        if not command.drain:
+                            outputs += core.abort_all()
+                if commands:
+                    self._publish(outputs, done, num_applied)
+                if core.has_unfinished():
+                    try:
+                        outputs = core.step()
+                    except Exception as exc:  # this step's requests fail; the engine serves the next ones
+                        logger.exception("engine step failed; aborting its requests")
+                        failed = {out.request_id for out in core.abort_all()}
+                        self._loop.call_soon_threadsafe(self._fail_step, failed, exc)
+                        continue
+                    self._publish(outputs, [], num_applied)
+        except Exception as exc:  # the engine is unusable: every waiting consumer learns why
+            logger.exception("engine step failed")
+            self._loop.call_soon_threadsafe(self._fail_all, exc)
+        finally:
+            self._loop.call_soon_threadsafe(self._thread_done.set_result, None)
+
+    def _publish(self, outputs: list[RequestOutput], done: list[asyncio.Future], num_applied: int) -> None:
+        self._loop.call_soon_threadsafe(self._deliver, outputs, done, self._core.stats(), num_applied)
+
+    # ---- on the event loop -------------------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput], done: list[asyncio.Future], stats: EngineStats,
+                 num_applied: int) -> None:
+        self._stats, self._num_applied = stats, num_applied
+        if outputs:
+            self._last_step_failed = False
+        for out in outputs:
+            collector = self._collectors.get(out.request_id)
+            if collector is not None:
+                collector.put(out)
+        for future in done:
+            if not future.done():
+                future.set_result(None)
+
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        collector = self._collectors.get(request_id)
+        if collector is not None:
+            collector.fail(error)
+
+    def _fail_step(self, request_ids: set[str], error: BaseException) -> None:
+        self._last_step_failed = True
+        failure = EngineStepError(f"the model step failed: {error!r}")
+        failure.__cause__ = error
+        for request_id in request_ids:
+            self._fail_request(request_id, failure)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._accepting = False
+        failure = EngineStoppedError(f"the engine stopped after an error: {error!r}")
+        failure.__cause__ = error
+        for collector in self._collectors.values():
+            collector.fail(failure)
+
+
+def run(main: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine to completion on uvloop when it is installed, else on asyncio's default loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)

@@ -1,0 +1,319 @@
+"""One routed expert's SiLU-gated MLP on the host CPU, reading the weights in their storage dtype.
+
+`CpuExpertExecutor.run(x, tensors)` computes down(silu(gate x) * up x) for the tokens routed to one expert. With
+numba installed (the `cpu` extra) it runs one compiled kernel over a pool of threads: each thread takes a
+contiguous range of weight rows, 6 at a time, and multiplies them with 4 tokens at a time in registers (24 float32
+accumulators; a single token with short rows: one row at a time), widening each weight to float32 inside the
+multiply-add loop (bf16: the bits shifted into a float32; int8: a cast, the row scale applied to the dot product).
+The weights are read once, straight from their storage, and no float32 copy of them is made. Without numba, or for
+fp16 experts, it dequantises to float32 and multiplies with NumPy. Measurements and the choice: docs/CPU_EXPERTS.md.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ml_dtypes
+import numpy as np
+
+try:
+    import numba
+except ImportError:  # the `cpu` extra is not installed: the NumPy path serves every expert
+    numba = None
+
+from .stats import ComputeStats
+
+CHUNKS_PER_THREAD = 4  # row chunks per thread, so uneven thread speeds even out
+ROWS = 6  # weight rows per register tile (the hand-written _tile_* functions below)
+# One token whose row is at most this long (16 KiB of float32, stays in L1) is multiplied one weight row at a
+# time: a single sequential stream through each matrix, which the hardware prefetcher follows best (1.4-1.6x the
+# 6-row tiles on Mixtral's gate/up, H 4096); longer rows (Mixtral's down, I 14336) take the tiles, which read
+# the token once per 6 rows.
+SINGLE_ROW_K = 4096
+# Below this many weight bytes NumPy is as fast: the kernel's call and thread start cost more than the reads
+# (the default model's 49 KB experts ran 25 % slower end to end through the kernel; docs/CPU_EXPERTS.md).
+MIN_KERNEL_BYTES = 1 << 20
+KERNEL_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.int8), np.dtype(np.float32))
+# Float32 sums may be reassociated (into SIMD lanes) and multiply-adds fused; no other fast-math assumption.
+FASTMATH = {"reassoc", "contract"}
+
+
+def dequantize(weight: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
+    """A stored weight as float32: a cast, times the per-row scale for int8.  # [Out, In]"""
+    if scale is None:
+        return weight.astype(np.float32, copy=False)  # float32 already (a widened cache): no copy
+    return weight.astype(np.float32) * scale[:, None]
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu(gate) * up, elementwise in float32."""
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
+def intermediate_rows(tensors: dict[str, np.ndarray], first: int, last: int) -> dict[str, np.ndarray]:
+    """Views of one expert's tensors over intermediate rows first .. last - 1: gate and up rows (and their scales),
+    down columns; down's per-row scales whole."""
+    sliced = {name: tensors[name][first:last] for name in ("gate", "up", "gate_scale", "up_scale") if name in tensors}
+    sliced["down"] = tensors["down"][:, first:last]
+    if "down_scale" in tensors:
+        sliced["down_scale"] = tensors["down_scale"]
+    return sliced
+
+
+def numpy_expert(x: np.ndarray, tensors: dict[str, np.ndarray]) -> np.ndarray:
+    """The reference: dequantise the three matrices to float32, multiply with NumPy.  x [n, H] -> [n, H]"""
+    gate = dequantize(tensors["gate"], tensors.get("gate_scale"))  # [I, H]
+    up = dequantize(tensors["up"], tensors.get("up_scale"))  # [I, H]
+    down = dequantize(tensors["down"], tensors.get("down_scale"))  # [H, I]
+    return silu_mul(x @ gate.T, x @ up.T) @ down.T
+
+
+def _jit(**options):
+    """numba.njit(**options), compiled on first call; the plain function when numba is missing."""
+    return numba.njit(cache=True, error_model="numpy", **options) if numba is not None else (lambda function: function)
+
+
+if numba is not None:
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def _as_f32(typingctx, value):
+        """One stored weight as float32: uint16 (bf16 bits) shifted into the high half of a float32's bits,
+        int8 converted, float32 unchanged. One or two vector instructions once the loop is vectorised."""
+        if value == types.uint16:
+            def codegen(context, builder, signature, args):
+                bits = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+                return builder.bitcast(bits, ir.FloatType())
+        elif value == types.int8:
+            def codegen(context, builder, signature, args):
+                return builder.sitofp(args[0], ir.FloatType())
+        elif value == types.float32:
+            def codegen(context, builder, signature, args):
+                return args[0]
+        else:
+            return None
+        return types.float32(value), codegen
+
+
+# Register tiles: dot products of ROWS weight rows from o with tokens t.. of x, the weights widened inside the
+# loop, which LLVM vectorises over i (AVX-512: 16 lanes per accumulator; 6x4 = 24 accumulators + 6 weights, no
+# spills). Results in row-major order (row r, token k at r * tokens + k).
+@_jit(inline="always", fastmath=FASTMATH)
+def _tile_6x4(w, o, x, t, lo, hi):
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = a20 = a21 = a22 = a23 = np.float32(0.0)
+    a30 = a31 = a32 = a33 = a40 = a41 = a42 = a43 = a50 = a51 = a52 = a53 = np.float32(0.0)
+    for i in range(lo, hi):
+        w0, w1, w2 = _as_f32(w[o, i]), _as_f32(w[o + 1, i]), _as_f32(w[o + 2, i])
+        w3, w4, w5 = _as_f32(w[o + 3, i]), _as_f32(w[o + 4, i]), _as_f32(w[o + 5, i])
+        x0, x1, x2, x3 = x[t, i - lo], x[t + 1, i - lo], x[t + 2, i - lo], x[t + 3, i - lo]
+        a00 += w0 * x0
+        a01 += w0 * x1
+        a02 += w0 * x2
+        a03 += w0 * x3
+        a10 += w1 * x0
+        a11 += w1 * x1
+        a12 += w1 * x2
+        a13 += w1 * x3
+        a20 += w2 * x0
+        a21 += w2 * x1
+        a22 += w2 * x2
+        a23 += w2 * x3
+        a30 += w3 * x0
+        a31 += w3 * x1
+        a32 += w3 * x2
+        a33 += w3 * x3
+        a40 += w4 * x0
+        a41 += w4 * x1
+        a42 += w4 * x2
+        a43 += w4 * x3
+        a50 += w5 * x0
+        a51 += w5 * x1
+        a52 += w5 * x2
+        a53 += w5 * x3
+    return (a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23,
+            a30, a31, a32, a33, a40, a41, a42, a43, a50, a51, a52, a53)
+
+
+@_jit(inline="always", fastmath=FASTMATH)
+def _tile_6x2(w, o, x, t, lo, hi):
+    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = np.float32(0.0)
+    for i in range(lo, hi):
+        w0, w1, w2 = _as_f32(w[o, i]), _as_f32(w[o + 1, i]), _as_f32(w[o + 2, i])
+        w3, w4, w5 = _as_f32(w[o + 3, i]), _as_f32(w[o + 4, i]), _as_f32(w[o + 5, i])
+        x0, x1 = x[t, i - lo], x[t + 1, i - lo]
+        a00 += w0 * x0
+        a01 += w0 * x1
+        a10 += w1 * x0
+        a11 += w1 * x1
+        a20 += w2 * x0
+        a21 += w2 * x1
+        a30 += w3 * x0
+        a31 += w3 * x1
+        a40 += w4 * x0
+        a41 += w4 * x1
+        a50 += w5 * x0
+        a51 += w5 * x1
+    return a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51
+
+
+@_jit(inline="always", fastmath=FASTMATH)
+def _tile_6x1(w, o, x, t, lo, hi):
+    a0 = a1 = a2 = a3 = a4 = a5 = np.float32(0.0)
+    for i in range(lo, hi):
+        xi = x[t, i - lo]
+        a0 += _as_f32(w[o, i]) * xi
+        a1 += _as_f32(w[o + 1, i]) * xi
+        a2 += _as_f32(w[o + 2, i]) * xi
+        a3 += _as_f32(w[o + 3, i]) * xi
+        a4 += _as_f32(w[o + 4, i]) * xi
+        a5 += _as_f32(w[o + 5, i]) * xi
+    return a0, a1, a2, a3, a4, a5
+
+
+@_jit(inline="always", fastmath=FASTMATH)
+def _dot(w, o, x, t, lo, hi):
+    """w[o] · x[t]: the rows left over after the 6-row tiles."""
+    acc = np.float32(0.0)
+    for i in range(lo, hi):
+        acc += _as_f32(w[o, i]) * x[t, i - lo]
+    return acc
+
+
+@_jit(fastmath=FASTMATH)
+def _dots(w, o, rows, lo, hi, x, out):
+    """out[t, r] = w[o + r, lo:hi] · x[t] for r < rows (ROWS, or fewer at the end) and every token t (x [n, hi - lo]).
+
+    Tokens go 4 at a time, then 2, then 1: each weight row tile comes from RAM once and is re-read from L1/L2
+    for the later token tiles. One token with rows of at most SINGLE_ROW_K goes one row at a time. (Not inlined
+    into the kernel: its three call sites share one compiled copy of the tiles, 3 s of compile time per dtype
+    instead of 8.)"""
+    n = x.shape[0]
+    if rows < ROWS or (n == 1 and hi - lo <= SINGLE_ROW_K):
+        for r in range(rows):
+            for t in range(n):
+                out[t, r] = _dot(w, o + r, x, t, lo, hi)
+        return
+    t = 0
+    while t + 4 <= n:
+        a = _tile_6x4(w, o, x, t, lo, hi)
+        for r in range(ROWS):
+            for k in range(4):
+                out[t + k, r] = a[r * 4 + k]
+        t += 4
+    if t + 2 <= n:
+        a = _tile_6x2(w, o, x, t, lo, hi)
+        for r in range(ROWS):
+            for k in range(2):
+                out[t + k, r] = a[r * 2 + k]
+        t += 2
+    if t < n:
+        a = _tile_6x1(w, o, x, t, lo, hi)
+        for r in range(ROWS):
+            out[t, r] = a[r]
+
+
+@_jit(parallel=True, fastmath=FASTMATH, nogil=True)
+def expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, x, first, last, h, y, threads):
+    """The expert's part over intermediate rows first .. last - 1 (all of it: 0 .. I), on `threads` threads.
+    gate, up [I, H], down [H, I] (uint16 bf16 bits, int8 or float32); scales [rows] float32 or [0];
+    x [n, H] float32 in; h [n, last - first] float32 scratch; y [n, H] float32 out."""
+    hidden = down.shape[0]
+    width = x.shape[1]
+    # Column bounds go to _dots as uint64: with a signed index numba checks for negative (wrap-around) indices in
+    # the inner loop, which stops LLVM vectorising it (1.5x slower).
+    n = x.shape[0]
+    tiles = (last - first + ROWS - 1) // ROWS
+    chunks = min(tiles, threads * CHUNKS_PER_THREAD)
+    for c in numba.prange(chunks):
+        g = np.empty((n, ROWS), np.float32)
+        u = np.empty((n, ROWS), np.float32)
+        for tile in range(c * tiles // chunks, (c + 1) * tiles // chunks):
+            o = first + tile * ROWS
+            rows = min(ROWS, last - o)
+            _dots(gate, o, rows, np.uint64(0), np.uint64(width), x, g)
+            _dots(up, o, rows, np.uint64(0), np.uint64(width), x, u)
+            for r in range(rows):
+                gs = gate_scale[o + r] if gate_scale.shape[0] else np.float32(1.0)
+                us = up_scale[o + r] if up_scale.shape[0] else np.float32(1.0)
+                for t in range(n):
+                    gv = g[t, r] * gs
+                    h[t, o - first + r] = gv / (np.float32(1.0) + np.exp(-gv)) * (u[t, r] * us)
+    tiles = (hidden + ROWS - 1) // ROWS
+    chunks = min(tiles, threads * CHUNKS_PER_THREAD)
+    for c in numba.prange(chunks):
+        a = np.empty((n, ROWS), np.float32)
+        for tile in range(c * tiles // chunks, (c + 1) * tiles // chunks):
+            o = tile * ROWS
+            rows = min(ROWS, hidden - o)
+            _dots(down, o, rows, np.uint64(first), np.uint64(last), h, a)
+            for r in range(rows):
+                ds = down_scale[o + r] if down_scale.shape[0] else np.float32(1.0)
+                for t in range(n):
+                    y[t, o + r] = a[t, r] * ds
+
+
+def threads_beside_gpu() -> int:
+    """The executor's threads where the thread that drives the GPU runs beside it (GPU expert slots): every core
+    numba sees but one. With all 16 of the H200 host's cores the step thread and the job's threads took turns on
+    them, and batch-1 offload decode ran 6-10 % slower than with 15 (BENCHMARKS.md)."""
+    limit = numba.config.NUMBA_NUM_THREADS if numba is not None else os.cpu_count() or 1
+    return max(1, limit - 1)
+
+
+class CpuExpertExecutor:
+    """Computes routed experts on host threads from weights in their storage dtype.
+
+    num_threads: threads of the kernel (default: every core numba sees). Experts of fewer than min_kernel_bytes,
+    fp16 experts, use_kernel=False or a missing numba take the NumPy path. `stats` counts the experts it
+    computed, their seconds and the weight bytes read.
+    """
+
+    def __init__(self, num_threads: int | None = None, use_kernel: bool = True,
+                 min_kernel_bytes: int = MIN_KERNEL_BYTES):
+        self.kernel = expert_kernel if use_kernel and numba is not None else None
+        limit = numba.config.NUMBA_NUM_THREADS if numba is not None else os.cpu_count() or 1
+        self.num_threads = min(num_threads or limit, limit)
+        self.min_kernel_bytes = min_kernel_bytes
+        self.stats = ComputeStats()
+
+    @property
+    def library(self) -> str:
+        return "numba" if self.kernel is not None else "numpy"
+
+    def run(self, x: np.ndarray, tensors: dict[str, np.ndarray], rows: tuple[int, int] | None = None) -> np.ndarray:
+        """x [n, H] float32 -> down(silu(gate x) * up x) [n, H] float32, for one expert's tensors
+        (gate [I, H], up [I, H], down [H, I], plus *_scale float32 rows for int8). rows (first, last): only the
+        part over intermediate rows first .. last - 1 (gate and up rows, down columns); the parts over a
+        partition of 0 .. I sum to the whole."""
+        start = time.perf_counter()
+        first, last = rows or (0, tensors["gate"].shape[0])
+        part = intermediate_rows(tensors, first, last)
+        nbytes = sum(a.nbytes for a in part.values())
+        y = self._compute(x, tensors, part, first, nbytes)
+        self.record(1, time.perf_counter() - start, nbytes)
+        return y
+
+    def record(self, experts: int, seconds: float, nbytes: int) -> None:
+        """Count expert computations done with this executor's kernel (`run`, or a CpuLayerWorker's job)."""
+        self.stats.cpu_experts += experts
+        self.stats.cpu_seconds += seconds
+        self.stats.cpu_bytes_read += nbytes
+
+    def _compute(self, x: np.ndarray, tensors: dict[str, np.ndarray], part: dict[str, np.ndarray], first: int,
+                 nbytes: int) -> np.ndarray:
+        gate, up, down = tensors["gate"], tensors["up"], tensors["down"]
+        if self.kernel is None or gate.dtype not in KERNEL_DTYPES or nbytes < self.min_kernel_bytes:
+            return numpy_expert(x, part)
+        if gate.dtype == KERNEL_DTYPES[0]:  # bf16: the kernel reads the bits
+            gate, up, down = gate.view(np.uint16), up.view(np.uint16), down.view(np.uint16)
+        no_scale = np.empty(0, np.float32)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        h = np.empty((x.shape[0], part["gate"].shape[0]), np.float32)  # [n, last - first]
+        y = np.empty_like(x)  # [n, H]
+        numba.set_num_threads(self.num_threads)
+        self.kernel(gate, up, down, tensors.get("gate_scale", no_scale), tensors.get("up_scale", no_scale),
+                    tensors.get("down_scale", no_scale), x, first, first + h.shape[1], h, y, self.num_threads)
+        return y

@@ -1,0 +1,80 @@
+"""Where the model gets routed experts from.
+
+`ExpertStore` is the interface the backends' MoE code calls; `MappedExpertStore` serves every expert straight from
+the memory map of experts.bin (every expert resident: nothing to manage). `tiers.TieredExpertStore` keeps a bounded
+set of slots in front of experts.bin; `trace.RoutingRecorder` wraps either to record routing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..checkpoint import ExpertFile
+from ..timing import StepTimer
+
+if TYPE_CHECKING:
+    from .stats import ExpertStats
+
+
+class ExpertStore(ABC):
+    """Gives the tensors of one routed expert in the storage layout of experts.bin.
+
+    `expert(layer, e)` returns gate [I, H], up [I, H], down [H, I] in the expert dtype, plus gate_scale [I],
+    up_scale [I], down_scale [H] (float32) for int8 experts. The arrays stay valid until the next `expert` or
+    `begin_layer` call.
+
+    The model calls `begin_layer(layer, x, expert_ids, weights)` once per MoE layer and step, after routing and
+    before the first `expert` call of that layer: x [T, H] is the layer's MoE input, expert_ids [T, k] the router's
+    choice and weights [T, k] its weights.
+    A store that predicts later layers' experts or records routing uses it; the rest ignore it.
+    A store that reads blocks times those reads as phases of `timer`, which the model sets to its step timer.
+    """
+
+    timer: StepTimer = StepTimer()  # disabled until the model hands over its own
+
+    def begin_layer(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, weights=None) -> None:
+        """The step reached MoE layer `layer`; its tokens chose `expert_ids` with routing `weights` [T, k]."""
+
+    @abstractmethod
+    def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        ...
+
+    def stats(self) -> ExpertStats | None:
+        """A snapshot of the store's counters (None: the store counts nothing)."""
+        return None
+
+    def flush(self) -> None:
+        """Write out whatever the store records (routing trace, usage counts)."""
+
+
+class MappedExpertStore(ExpertStore):
+    """Every expert read from the memory-mapped experts.bin; the OS page cache does the caching."""
+
+    def __init__(self, expert_file: ExpertFile):
+        self.file = expert_file
+
+    def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        return self.file.tensors(layer, expert)
+
+
+class Float32ExpertStore(ExpertStore):
+    """A small resident model's experts, each widened to float32 once on first use and kept (int8 times its
+    per-row scales, bf16 and fp16 cast), so the CPU computes them without converting every step. The arrays are
+    exactly what `cpu_executor.dequantize` gives, so results do not change."""
+
+    def __init__(self, inner: MappedExpertStore):
+        self.inner = inner
+        self._cache: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+
+    def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        from .cpu_executor import dequantize
+
+        tensors = self._cache.get((layer, expert))
+        if tensors is None:
+            stored = self.inner.expert(layer, expert)
+            tensors = {name: dequantize(stored[name], stored.get(f"{name}_scale")) for name in ("gate", "up", "down")}
+            self._cache[(layer, expert)] = tensors
+        return tensors

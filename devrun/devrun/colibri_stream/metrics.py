@@ -1,0 +1,219 @@
+"""Prometheus metrics of a serving process: requests, tokens, latencies, step timings, the engine's queue and KV cache.
+
+Each server owns a registry (several servers can live in one process, as in tests). Request-side figures are
+observed as responses are produced; the engine's state (queue depth, running requests, KV blocks, steps) is read
+from `engine.stats()` at scrape time, so it is always current and costs nothing between scrapes. Step timings
+arrive from the engine's step thread as `StepRecord`s (`observe_step`): `colibri_step_seconds` per step and
+`colibri_step_phase_seconds{phase}` per phase and step (the names in `timing.PHASES`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from .timing import StepRecord
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 10.0, 20.0, 40.0, 80.0)
+_STEP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                 2.5, 5.0, 10.0)
+_LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class EngineCollector(Collector):
+    """Reads the engine's scheduler and cache state when Prometheus scrapes."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine.stats()
+        gauges = {
+            "colibri_num_requests_waiting": ("Sequences waiting to be scheduled (queue depth)", stats.num_waiting),
+            "colibri_num_requests_running": ("Sequences scheduled in the running batch", stats.num_running),
+            "colibri_kv_blocks_total": ("KV cache blocks in the pool", stats.kv_blocks_total),
+            "colibri_kv_blocks_used": ("KV cache blocks held by sequences", stats.kv_blocks_used),
+            "colibri_kv_blocks_free": ("KV cache blocks free (cached blocks no sequence holds included)",
+                                       stats.kv_blocks_total - stats.kv_blocks_used),
+            "colibri_kv_blocks_cached": ("KV cache blocks holding a prefix-cache entry", stats.kv_blocks_cached),
+            "colibri_last_step_seconds": ("Duration of the engine's last step", stats.last_step_time),
+            "colibri_last_step_tokens": ("Tokens the engine's last step computed", stats.last_step_tokens),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("colibri_engine_steps", "Engine steps run", value=stats.num_steps)
+        yield CounterMetricFamily("colibri_engine_preemptions", "Sequences preempted for lack of KV blocks",
+                                  value=stats.num_preemptions)
+        yield CounterMetricFamily("colibri_engine_generated_tokens", "Tokens the engine has sampled",
+                                  value=stats.num_generated_tokens)
+        prefill = CounterMetricFamily("colibri_prefill_tokens", "Tokens of admitted sequences (prompts; after a "
+                                      "preemption the output so far too) by whether the prefix cache served them or "
+                                      "the model computed them", labels=["source"])
+        prefill.add_metric(["cached"], stats.prefix_cache_hit_tokens)
+        prefill.add_metric(["computed"], stats.prefill_computed_tokens)
+        yield prefill
+
+
+class ExpertStoreCollector(Collector):
+    """Reads the expert store's counters (`engine.store_stats()`) when Prometheus scrapes; nothing when every
+    expert is resident."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine.store_stats()
+        if stats is None:
+            return
+        per_tier = {
+            "hits": "Expert requests a tier served",
+            "misses": "Expert requests a tier passed to the tier below",
+            "bytes_read": "Bytes of expert blocks moved out of a tier towards the compute",
+        }
+        for field, doc in per_tier.items():
+            family = CounterMetricFamily(f"colibri_expert_tier_{field}", doc, labels=["tier"])
+            for tier, counters in stats.tiers.items():
+                family.add_metric([tier], getattr(counters, field))
+            yield family
+        yield CounterMetricFamily("colibri_expert_stall_seconds", "Time steps waited for expert loads",
+                                  value=stats.stall_seconds)
+        yield CounterMetricFamily("colibri_expert_prefetch_bytes", "Bytes of expert blocks loaded ahead",
+                                  value=stats.prefetch_bytes)
+        yield CounterMetricFamily("colibri_expert_prefetch_wasted_bytes",
+                                  "Bytes loaded ahead that the step they were loaded for did not use",
+                                  value=stats.prefetch_wasted_bytes)
+        yield CounterMetricFamily("colibri_expert_load_errors", "Expert blocks that failed their checksum",
+                                  value=stats.load_errors)
+        computed = CounterMetricFamily("colibri_expert_computed", "Routed expert computations (one per expert and "
+                                       "step) by where they ran", labels=["device"])
+        computed.add_metric(["gpu"], stats.compute.gpu_experts)
+        computed.add_metric(["cpu"], stats.compute.cpu_experts)
+        yield computed
+        yield CounterMetricFamily("colibri_expert_split", "Routed experts cut by rows between the CPU and the GPU "
+                                  "(each also counted once per device in colibri_expert_computed)",
+                                  value=stats.compute.split_experts)
+        yield CounterMetricFamily("colibri_cpu_expert_seconds", "Wall time of experts computed on the CPU",
+                                  value=stats.compute.cpu_seconds)
+        yield CounterMetricFamily("colibri_cpu_expert_bytes_read", "Expert weight bytes the CPU read from host memory",
+                                  value=stats.compute.cpu_bytes_read)
+        recall = GaugeMetricFamily("colibri_expert_prefetch_recall",
+                                   "Predicted and used over used experts, per MoE layer rank", labels=["layer"])
+        for rank, value in enumerate(stats.recall_per_layer()):
+            if value is not None:
+                recall.add_metric([str(rank)], value)
+        yield recall
+
+
+class _Buckets:
+    """One histogram's observations: a count per bucket (the last one past every bound) and their sum."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self, size: int):
+        self.counts = [0] * size
+        self.sum = 0.0
+
+
+class StepTimingCollector(Collector):
+    """The engine's step timings as Prometheus histograms: `colibri_step_seconds` and
+    `colibri_step_phase_seconds{phase}` (one observation per step and phase, the model's layers summed).
+
+    `observe` runs in the engine's step thread and only counts, a bisect and two additions per histogram;
+    prometheus_client's Histogram takes a lock for every counter it touches, which cost a 3 ms decode step about 1%
+    for its dozen observations. The counts become histograms when Prometheus scrapes.
+    """
+
+    def __init__(self, bounds: tuple[float, ...] = _STEP_BUCKETS):
+        self._bounds = bounds
+        self._les = [*map(floatToGoString, bounds), "+Inf"]
+        self._step = _Buckets(len(bounds) + 1)
+        self._phases: dict[str, _Buckets] = {}
+
+    def observe(self, record: StepRecord) -> None:
+        self._add(self._step, record.duration)
+        for phase, seconds in record.phase_seconds().items():
+            buckets = self._phases.get(phase)
+            if buckets is None:
+                buckets = self._phases[phase] = _Buckets(len(self._bounds) + 1)
+            self._add(buckets, seconds)
+
+    def _add(self, buckets: _Buckets, seconds: float) -> None:
+        buckets.counts[bisect.bisect_left(self._bounds, seconds)] += 1
+        buckets.sum += seconds
+
+    def collect(self) -> Iterator[Metric]:
+        step = HistogramMetricFamily("colibri_step_seconds", "Duration of engine steps")
+        step.add_metric([], self._cumulative(self._step), self._step.sum)
+        yield step
+        phases = HistogramMetricFamily("colibri_step_phase_seconds",
+                                       "Time one engine step spent in a phase (summed over the model's layers)",
+                                       labels=["phase"])
+        for phase, buckets in list(self._phases.items()):  # a copy: the step thread may add a phase meanwhile
+            phases.add_metric([phase], self._cumulative(buckets), buckets.sum)
+        yield phases
+
+    def _cumulative(self, buckets: _Buckets) -> list[tuple[str, float]]:
+        return list(zip(self._les, itertools.accumulate(buckets.counts)))
+
+
+class ServerMetrics:
+    """The metrics of one server; `render()` is the body of GET /metrics."""
+
+    def __init__(self, engine: Any):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("colibri_requests", "HTTP requests answered, by route and status code",
+                                ["route", "status"], registry=r)
+        self.finished = Counter("colibri_request_finished", "Finished sequences by finish reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("colibri_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("colibri_generation_tokens", "Tokens sent to clients", registry=r)
+        self.ttft = Histogram("colibri_time_to_first_token_seconds", "Request arrival to its first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("colibri_inter_token_latency_seconds", "Time between a sequence's tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("colibri_request_latency_seconds", "Request arrival to its last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.loop_lag = Histogram("colibri_event_loop_lag_seconds", "How late the event loop wakes a timer",
+                                  buckets=_LAG_BUCKETS, registry=r)
+        self.step_timings = StepTimingCollector()
+        r.register(self.step_timings)
+        r.register(EngineCollector(engine))
+        r.register(ExpertStoreCollector(engine))
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def observe(self, output: Any) -> None:
+        """Count one RequestOutput's tokens and latencies (measured by the engine when it sampled them)."""
+        if output.time_to_first_token is not None:
+            self.ttft.observe(output.time_to_first_token)
+            if output.index == 0:  # once per request
+                self.prompt_tokens.inc(output.prompt_tokens)
+        for latency in output.inter_token_latencies:
+            self.itl.observe(latency)
+        self.generation_tokens.inc(len(output.token_ids))
+        if output.finished:
+            self.finished.labels(output.finish_reason).inc()
+
+    def observe_step(self, record: StepRecord) -> None:
+        """Count one engine step's duration and phases (a step sink: called in the engine's step thread)."""
+        self.step_timings.observe(record)
+
+    async def watch_event_loop(self, interval: float = 0.05) -> None:
+        """Run forever, observing how much later than asked each `sleep(interval)` wakes: the loop's lag."""
+        while True:
+            start = time.perf_counter()  # not loop.time(): uvloop's clock has millisecond resolution
+            await asyncio.sleep(interval)
+            self.loop_lag.observe(max(0.0, time.perf_counter() - start - interval))

@@ -1,0 +1,216 @@
+"""The one model definition for every supported architecture: a decoder of attention and (MoE or dense) MLP layers.
+
+Architectures differ only through ModelConfig fields (qk-norm kind, biases, clipping, shared experts, sliding
+windows, dense layers, top-k renormalisation), never through branches on the architecture name. Every array
+operation goes through the backend, so the same code runs on NumPy and CuPy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..backends.base import Array, Backend
+from ..checkpoint import DenseFile, ModelFolder
+from ..config import ExpertStoreConfig, ModelConfig
+from ..experts.build import open_expert_store
+from ..experts.store import ExpertStore
+from ..timing import StepTimer
+from .batch import ForwardBatch
+from .paged_kv import PagedKVCache
+from .rope import cos_sin_table
+
+BATCH_FIELDS = ("token_ids", "positions", "query_start", "context_lens", "block_tables", "slot_mapping",
+                "logits_indices")
+
+
+@dataclass
+class MLPWeights:
+    """A SiLU-gated MLP: down(silu(gate x) * up x)."""
+
+    gate_proj: Array  # [I, H]
+    up_proj: Array  # [I, H]
+    down_proj: Array  # [H, I]
+
+
+@dataclass
+class LayerWeights:
+    """Dense weights of one decoder layer; optional parts are None when the config has none."""
+
+    input_norm: Array  # [H]
+    q_proj: Array  # [Q*D, H]
+    k_proj: Array  # [K*D, H]
+    v_proj: Array  # [K*D, H]
+    o_proj: Array  # [H, Q*D]
+    post_attention_norm: Array  # [H]
+    q_bias: Array | None = None  # [Q*D]
+    k_bias: Array | None = None  # [K*D]
+    v_bias: Array | None = None  # [K*D]
+    o_bias: Array | None = None  # [H]
+    q_norm: Array | None = None  # [D] per head, or [Q*D] over the whole projection
+    k_norm: Array | None = None  # [D] or [K*D]
+    router: Array | None = None  # [E, H] (MoE layers)
+    shared_expert: MLPWeights | None = None
+    shared_expert_gate: Array | None = None  # [1, H]
+    dense_mlp: MLPWeights | None = None  # non-MoE layers
+
+
+class MoETransformer:
+    """A loaded model: dense weights on the backend, routed experts behind an ExpertStore.
+
+    `forward(batch, kv_cache)` computes one step of a flat batch and returns the float32 logits of the rows in
+    `batch.logits_indices` as a host array [N, V].
+    """
+
+    def __init__(self, config: ModelConfig, dense: DenseFile, store: ExpertStore, backend: Backend):
+        self.config = config
+        self.backend = backend
+        self.store = backend.prepare_experts(store, config)
+
+        def load(name: str) -> Array:
+            return backend.prepare_weight(dense.get(name))
+
+        def load_optional(name: str) -> Array | None:
+            return load(name) if name in dense.names else None
+
+        def load_mlp(prefix: str) -> MLPWeights:
+            return MLPWeights(load(prefix + "gate_proj"), load(prefix + "up_proj"), load(prefix + "down_proj"))
+
+        self.embed_tokens = load("embed_tokens")  # [V, H]
+        self.layers: list[LayerWeights] = []
+        for layer in range(config.num_layers):
+            p = f"layers.{layer}."
+            moe = config.is_moe_layer(layer)
+            self.layers.append(LayerWeights(
+                input_norm=load(p + "input_norm"),
+                q_proj=load(p + "q_proj"),
+                k_proj=load(p + "k_proj"),
+                v_proj=load(p + "v_proj"),
+                o_proj=load(p + "o_proj"),
+                post_attention_norm=load(p + "post_attention_norm"),
+                q_bias=load_optional(p + "q_bias"),
+                k_bias=load_optional(p + "k_bias"),
+                v_bias=load_optional(p + "v_bias"),
+                o_bias=load_optional(p + "o_bias"),
+                q_norm=load_optional(p + "q_norm"),
+                k_norm=load_optional(p + "k_norm"),
+                router=load(p + "router") if moe else None,
+                shared_expert=load_mlp(p + "shared_expert.") if moe and config.shared_expert_intermediate_size else None,
+                shared_expert_gate=load_optional(p + "shared_expert_gate"),
+                dense_mlp=None if moe else load_mlp(p + "mlp."),
+            ))
+        self.norm = load("norm")  # [H]
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else load("lm_head")  # [V, H]
+        cos, sin = cos_sin_table(config.rope, config.head_dim, config.max_position_embeddings)
+        self.rope_cos, self.rope_sin = backend.upload(cos), backend.upload(sin)  # [P, D/2] each
+        self.attention_scale = config.head_dim**-0.5
+        self.timer = StepTimer(backend.timing_clock())  # the engine's step timer; the forward's phases report to it
+        self.store.timer = self.timer  # expert reads report to it too
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_position_embeddings
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        return PagedKVCache.allocate(self.config, num_blocks, block_size, self.backend)
+
+    # ---- forward ------------------------------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> np.ndarray:
+        """One step over a flat batch -> logits [N, V] float32 (host) for batch.logits_indices."""
+        if batch.num_tokens and int(batch.positions.max()) >= self.max_positions:
+            raise ValueError(f"position {int(batch.positions.max())} is beyond the model's "
+                             f"{self.max_positions} positions")
+        return self.backend.to_host(self.forward_device(batch, self.upload_batch(batch), kv_cache))
+
+    def upload_batch(self, batch: ForwardBatch) -> dict[str, Array]:
+        """The batch's index arrays on the backend's device, by ForwardBatch field name."""
+        return {name: self.backend.upload(getattr(batch, name)) for name in BATCH_FIELDS}
+
+    def forward_device(self, batch: ForwardBatch, device_batch: dict[str, Array], kv_cache: PagedKVCache) -> Array:
+        """One step -> logits [N, V] float32 left on the backend's device.
+
+        `device_batch` holds the batch's arrays on the device (from `upload_batch`, or the fixed input buffers of a
+        captured CUDA graph); the GPU backend reads only their shapes from `batch`.
+        """
+        b, cfg, t = self.backend, self.config, self.timer
+        hidden = b.embedding(self.embed_tokens, device_batch["token_ids"])  # [T, H]
+        residual = None
+        for index, layer in enumerate(self.layers):
+            if residual is None:
+                residual, x = hidden, b.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            else:
+                x, residual = b.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
+            with t.device_phase("attention"):
+                hidden = self._attention(index, layer, x, batch, device_batch, kv_cache)  # [T, H]
+            x, residual = b.add_rms_norm(hidden, residual, layer.post_attention_norm, cfg.rms_norm_eps)
+            hidden = self._mlp(index, layer, x)  # [T, H]
+        x, _ = b.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
+        x = b.gather_rows(x, device_batch["logits_indices"])  # [N, H]
+        return b.linear(x, self.lm_head)  # [N, V]
+
+    def _attention(self, index: int, layer: LayerWeights, x: Array, batch: ForwardBatch,
+                   device_batch: dict[str, Array], kv_cache: PagedKVCache) -> Array:
+        b, cfg = self.backend, self.config
+        t, d = batch.num_tokens, cfg.head_dim
+        q, k, v = b.linears(x, (layer.q_proj, layer.k_proj, layer.v_proj),
+                            (layer.q_bias, layer.k_bias, layer.v_bias))  # [T, Q*D], [T, K*D], [T, K*D]
+        key_cache, value_cache = kv_cache.keys[index], kv_cache.values[index]
+        q = b.qk_norm_rope_write(q, k, v, layer.q_norm, layer.k_norm, cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv,
+                                 self.rope_cos, self.rope_sin, device_batch["positions"], key_cache, value_cache,
+                                 device_batch["slot_mapping"])  # [T, Q, D]; k, v stored in the caches
+        attended = b.paged_attention(q, key_cache, value_cache, batch, device_batch, self.attention_scale,
+                                     cfg.sliding_windows[index])  # [T, Q, D]
+        return b.linear(attended.reshape(t, cfg.num_heads * d), layer.o_proj, layer.o_bias)
+
+    def _mlp(self, index: int, layer: LayerWeights, x: Array) -> Array:
+        b, cfg, t = self.backend, self.config, self.timer
+        if layer.dense_mlp is not None:
+            with t.device_phase("mlp"):
+                return self._gated_mlp(layer.dense_mlp, x)
+        with t.device_phase("routing"):
+            weights, expert_ids = b.route(x, layer.router, cfg.top_k, cfg.norm_topk_prob)  # [T, k] each
+        with t.device_phase("experts"):
+            self.store.begin_layer(index, x, expert_ids, weights)  # a tiered store loads, prefetches, places
+            out = b.routed_experts(x, weights, expert_ids, index, self.store)  # [T, H]
+            if layer.shared_expert is not None:
+                shared = self._gated_mlp(layer.shared_expert, x)  # [T, H]
+                if layer.shared_expert_gate is not None:
+                    shared = b.sigmoid(b.linear(x, layer.shared_expert_gate)) * shared
+                out = out + shared
+        return out
+
+    def _gated_mlp(self, mlp: MLPWeights, x: Array) -> Array:
+        b = self.backend
+        return b.linear(b.silu_mul(b.linear(x, mlp.gate_proj), b.linear(x, mlp.up_proj)), mlp.down_proj)
+
+
+def select_backend(device: str, cpu_threads: int | None = None) -> Backend:
+    """The backend for `device`: cpu (NumPy, its routed experts on `cpu_threads` threads; None: every core), cuda
+    (CuPy), or auto (CuPy when it finds a GPU, else NumPy)."""
+    from ..backends.cupy_backend import cuda_available
+    from ..errors import ColibriError
+
+    if device not in ("auto", "cpu", "cuda"):
+        raise ColibriError(f"unknown device {device!r}: use auto, cpu or cuda")
+    if device == "cuda" or (device == "auto" and cuda_available()):
+        if not cuda_available():
+            raise ColibriError("no CUDA GPU is usable (CuPy is missing or finds no device); use --device cpu")
+        from ..backends.cupy_backend import CupyBackend
+
+        return CupyBackend()
+    from ..backends.numpy_backend import NumpyBackend
+    from ..experts.cpu_executor import CpuExpertExecutor
+
+    return NumpyBackend(CpuExpertExecutor(cpu_threads))
+
+
+def load_model(path: str, device: str = "cpu", verify: bool = False,
+               experts: ExpertStoreConfig | None = None) -> MoETransformer:
+    """Open a native model folder and load it on `device`; `verify` checks every checksum first; `experts` sets
+    the expert tiers (default: every expert resident)."""
+    folder = ModelFolder(path, verify=verify)
+    experts = experts or ExpertStoreConfig()
+    backend = select_backend(device, experts.cpu_threads)
+    store = open_expert_store(folder, experts, "cpu" if backend.name == "numpy" else "cuda")
+    return MoETransformer(folder.config, folder.dense, store, backend)

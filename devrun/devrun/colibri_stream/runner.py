@@ -1,0 +1,154 @@
+"""One model step: a SchedulerOutput becomes a ForwardBatch, the model computes logits, the sampler picks tokens.
+
+`execute` runs a step and returns its tokens. `launch` and `collect` split a greedy decode step in two, so the
+engine can schedule and launch the next step before it reads this one's tokens (scheduler.schedule_next): on the
+GPU the step is a decode graph whose argmaxes stay on the device, where the next step takes its tokens from
+(cuda_graph.py); on the host `launch` computes the step at once and keeps its argmaxes for the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .model import ForwardBatch, MoETransformer, PagedKVCache
+from .model.batch import flat_batch
+from .request import Logprob, SeqId
+from .sampling import HostLogits, LogitSource, Sampler, SamplingState, TokenLogprobs, argmax_only
+from .scheduler import ScheduledSeq, SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    """The tokens sampled by one step, one per scheduled sequence with `sample` set, in schedule order."""
+
+    token_ids: list[int]
+    logprobs: list[Logprob | None]  # None where the request did not ask for logprobs
+
+
+@dataclass
+class LaunchedStep:
+    """A greedy decode step launched ahead of its tokens: `ids()` waits for them.  # [N] int64"""
+
+    step: SchedulerOutput
+    states: list[SamplingState]  # of the step's sequences, in order
+    ids: Callable[[], np.ndarray]
+
+
+def build_batch(seqs: list[ScheduledSeq], block_size: int) -> ForwardBatch:
+    """The flat varlen batch of a step: every sequence's chunk end to end, logits for the sampling ones."""
+    return flat_batch([s.token_ids for s in seqs], [s.start_position for s in seqs], [s.block_ids for s in seqs],
+                      [s.sample for s in seqs], block_size)
+
+
+class ModelRunner:
+    """Runs steps of one model over its paged KV cache and keeps each sequence's sampling state.
+
+    A sequence's state (its seeded generator and history) lives from its first scheduled step until the
+    scheduler reports it finished, so a preempted sequence resumes drawing from the same generator.
+    """
+
+    def __init__(self, model: MoETransformer, kv_cache: PagedKVCache, max_blocks_per_seq: int | None = None,
+                 max_batch_size: int | None = None, cuda_graphs: bool = True):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sampler = Sampler()
+        self._states: dict[SeqId, SamplingState] = {}
+        self._host_feedback = np.zeros(0, np.int64)  # [N] the last step launched on the host: its argmaxes
+        self.graphs = None  # decode steps as CUDA graphs, where the model's work is fixed by shapes
+        if cuda_graphs and max_blocks_per_seq is not None and max_batch_size is not None:
+            from .backends.cuda_graph import DecodeGraphs
+
+            if DecodeGraphs.usable(model):
+                self.graphs = DecodeGraphs(model, kv_cache, max_blocks_per_seq, max_batch_size)
+
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        for seq_id in step.finished_seq_ids:
+            self._states.pop(seq_id, None)
+        timer = self.model.timer
+        with timer.phase("prepare"):
+            batch = build_batch(step.seqs, self.kv_cache.block_size)
+        with timer.phase("forward"):
+            logits = self._forward(batch)  # [N, V]
+        states = [self._state(s) for s in step.seqs if s.sample]
+        if not states:
+            return RunnerOutput([], [])
+        with timer.phase("sample"):
+            sampled = self.sampler.sample_from(logits, states)
+        token_ids = sampled.token_ids.tolist()
+        for state, token in zip(states, token_ids):
+            state.output_token_ids.append(token)
+        return RunnerOutput(token_ids, [_logprob(token, lp) for token, lp in zip(token_ids, sampled.logprobs)])
+
+    def launch(self, step: SchedulerOutput) -> LaunchedStep | None:
+        """Start `step` without waiting for its tokens, when it can run so: every sequence decodes one token that
+        is the argmax of its logits and asks for nothing else (no logprobs, penalties or bias), and on the GPU the
+        step fits a decode graph. None otherwise (`execute` it). Sequences with a `feed_row` take their token from
+        the previous launched step's ids; a step scheduled that way (`schedule_next` after a launched step) is
+        always launched."""
+        seqs = step.seqs
+        if not seqs or not all(s.sample and len(s.token_ids) == 1 and argmax_only(s.request.params) for s in seqs):
+            return None
+        for seq_id in step.finished_seq_ids:
+            self._states.pop(seq_id, None)
+        timer = self.model.timer
+        with timer.phase("prepare"):
+            batch = build_batch(seqs, self.kv_cache.block_size)
+            feed_rows = np.array([s.feed_row for s in seqs], dtype=np.int64)  # [N]
+        if self.model.backend.name == "cupy":
+            if self.graphs is None or not self.graphs.fits(batch):
+                return None
+            ids = self.graphs.launch(batch, feed_rows).wait
+        else:
+            fed = feed_rows >= 0
+            batch.token_ids[fed] = self._host_feedback[feed_rows[fed]]
+            with timer.phase("forward"):
+                logits = self.model.forward(batch, self.kv_cache)  # [N, V]
+            argmaxes = self._host_feedback = HostLogits(logits).argmax(np.arange(len(seqs)))  # [N]
+            ids = argmaxes.copy
+        return LaunchedStep(step, [self._state(s) for s in seqs], ids)
+
+    def collect(self, launched: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step's tokens."""
+        with self.model.timer.phase("forward"):
+            token_ids = launched.ids().tolist()
+        for state, token in zip(launched.states, token_ids):
+            state.output_token_ids.append(token)
+        return RunnerOutput(token_ids, [None] * len(token_ids))
+
+    def synchronize(self) -> None:
+        """Wait until every launched step finished on the device (after a failure, before anything reuses their
+        KV blocks)."""
+        if self.graphs is not None:
+            self.graphs.synchronize()
+
+    def _forward(self, batch: ForwardBatch) -> LogitSource:
+        """The step's logits: on the host with NumPy; on the GPU left there (the sampler copies back what it needs),
+        from the bucket's decode graph where one fits. Returns once the device finished the step."""
+        if self.model.backend.name != "cupy":
+            return HostLogits(self.model.forward(batch, self.kv_cache))
+        from .backends.cupy_sampling import DeviceLogits
+
+        if self.graphs is not None and self.graphs.fits(batch):
+            logits = self.graphs.device_logits(batch)  # one graph launch, no per-layer phases
+        else:  # positions stay below the model's: EngineCore bounds max_seq_len by them
+            logits = DeviceLogits(self.model.forward_device(batch, self.model.upload_batch(batch), self.kv_cache),
+                                  self.model.backend)
+        logits.stream.synchronize()  # the forward phase holds the device's time, as the host path's copy does
+        return logits
+
+    def _state(self, seq: ScheduledSeq) -> SamplingState:
+        request = seq.request
+        state = self._states.get(request.seq_id)
+        if state is None:
+            state = SamplingState.from_params(request.params, request.prompt_token_ids, request.index)
+            self._states[request.seq_id] = state
+        return state
+
+
+def _logprob(token: int, logprobs: TokenLogprobs | None) -> Logprob | None:
+    if logprobs is None:
+        return None
+    return token, logprobs.logprob, list(zip(logprobs.top_token_ids.tolist(), logprobs.top_logprobs.tolist()))

@@ -1,0 +1,547 @@
+"""Pick the next token of every sequence in a batch from its logits, with NumPy on the host.
+
+The semantics follow vLLM: logit bias and penalties (repetition over prompt and output, frequency and presence
+over the output), then greedy argmax for temperature 0, otherwise temperature, top-k, top-p, min-p and a draw from
+the sequence's own random generator. Logprobs describe the model's raw distribution (before bias, penalties and
+temperature).
+
+The logits may stay where the model left them (`LogitSource`): a row with top-k or top-p needs only its best
+tokens, sorted (`Candidates`), and its log-normaliser; a greedy row only its argmax. A row sampled over the whole
+vocabulary (no top-k, no top-p: the OpenAI default; plain temperature; min-p) needs its best TOP_P_CANDIDATES and
+its exp sum, and its whole row only when the draw lands beyond them (`_walk`). Only rows with penalties, logprobs
+under a temperature other than 1, more candidates than the source serves, a nucleus beyond the candidates, or a
+whole-vocabulary draw beyond them (or min-p keeping the last candidate) need the whole row on the host.
+`HostLogits` computes these pieces with NumPy and is the reference a device source must match bit for bit:
+candidates are ordered by scaled logit, equal ones by lower id, and the log-normaliser is built from an integer
+(`exp_sums`), so it does not depend on the order in which a device adds up a row.
+
+A draw over the whole vocabulary walks the inverse CDF in this order: the best TOP_P_CANDIDATES tokens by scaled
+logit (equal ones by lower id: the candidates' order), then every other token by id; each token weighs
+floor(exp(x - max) * 2**bits) (`fixed_exp`, the terms of `exp_sums`), so the candidates' weights and the row's
+total are exact integers on either processor and the walk ends on the same token whether or not the row is
+copied. The distribution is the softmax's (to 2**-bits of the best token's weight); which token a given uniform
+maps to changed with this order (before, the walk went by token id alone).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from .request import SamplingParams
+
+# Temperatures below this are greedy: dividing float32 logits by them would overflow.
+GREEDY_TEMPERATURE = 1e-5
+# Top-p without top-k first tries the best TOP_P_CANDIDATES tokens; only a row whose nucleus is larger sorts the
+# whole vocabulary. Both give the same tokens: the nucleus is the same set. A draw over the whole vocabulary walks
+# these many best tokens first (`_walk`): the order, and so the token a uniform maps to, depends on this number.
+TOP_P_CANDIDATES = 1024
+# A draw over the whole vocabulary weighs this many candidates first, the others only if it goes beyond them.
+WALK_HEAD = 64
+# Sampling from a whole row finds the draw's block of this many tokens first, then the token inside it.
+CDF_BLOCK = 1024
+# exp for exp_sums from + and * alone (kernels/sampling.cu has the same constants): exp(y) = 2**k * exp(r),
+# k = rint(y * LOG2E), r = y - k * (LN2_HI + LN2_LO), exp(r) by its Taylor series to degree 11 (|r| <= 0.35:
+# relative error below 1e-14).
+LOG2E = 1.4426950408889634
+LN2_HI = 6.93147180369123816490e-01  # the high bits of log(2): k * LN2_HI is exact
+LN2_LO = 1.90821492927058770002e-10
+EXP_TAYLOR = tuple(1.0 / math.factorial(j) for j in range(12))
+EXP_CHUNK = 1 << 14  # exp_sums works on pieces of this many values (their float64 temporaries stay in cache)
+
+
+@dataclass(eq=False)
+class SamplingState:
+    """One sequence's sampling inputs: its parameters, its random generator and its token history.
+
+    The caller appends every sampled token to `output_token_ids` (the penalties count them).
+    """
+
+    params: SamplingParams
+    generator: np.random.Generator
+    prompt_token_ids: np.ndarray  # [P] int64
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, prompt_token_ids: Iterable[int], index: int = 0) -> SamplingState:
+        """A fresh state; the generator is seeded with params.seed (+ index, the sequence's number among the
+        request's n, so the n sequences differ) modulo 2**64, NumPy taking no negative seed; or, without a seed,
+        from fresh entropy."""
+        seed = None if params.seed is None else (params.seed + index) % 2**64
+        return cls(params, np.random.default_rng(seed), np.fromiter(prompt_token_ids, dtype=np.int64))
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's log-probability and the most likely tokens', under the raw model distribution."""
+
+    logprob: float
+    top_token_ids: np.ndarray  # [k] int64, most likely first
+    top_logprobs: np.ndarray  # [k] float32
+
+
+@dataclass
+class SamplerOutput:
+    """The tokens picked for a batch, and their logprobs where the request asked for them."""
+
+    token_ids: np.ndarray  # [B] int64
+    logprobs: list[TokenLogprobs | None]  # [B]: None where params.logprobs is None
+
+
+@dataclass
+class Candidates:
+    """Some rows' best tokens after temperature, and each row's log-normaliser over its whole vocabulary."""
+
+    token_ids: np.ndarray  # [R, C] int64: largest scaled logit first, equal ones by lower id first
+    logits: np.ndarray  # [R, C] float32: those tokens' logits / the row's temperature (float32 division)
+    lse: np.ndarray  # [R] float64: log_normaliser of the row's scaled logits; NaN where not asked for
+    sums: np.ndarray  # [R] int64: exp_sums of the row's scaled logits, whose lse is; -1 where not asked for
+
+
+class LogitSource(ABC):
+    """A step's logits [B, V] float32, wherever the model left them; the sampler asks each row for what it needs."""
+
+    max_candidates: int  # the most candidates per row `candidates` serves
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """V."""
+
+    @abstractmethod
+    def rows(self, rows: np.ndarray) -> np.ndarray:
+        """Rows [R] of the logits, on the host.  # [R, V] float32"""
+
+    @abstractmethod
+    def argmax(self, rows: np.ndarray) -> np.ndarray:
+        """Each row's largest logit's id, the lowest among equal ones.  # [R] int64"""
+
+    @abstractmethod
+    def candidates(self, rows: np.ndarray, temperature: np.ndarray, count: int, lse_rows: np.ndarray) -> Candidates:
+        """The `count` best tokens (count <= min(V, max_candidates)) of rows [R] after dividing each by its
+        temperature [R] float32; the log-normaliser at least where lse_rows [R] bool is set."""
+
+
+class HostLogits(LogitSource):
+    """Logits on the host, served with NumPy: the reference for every other source."""
+
+    def __init__(self, logits: np.ndarray):
+        self.logits = logits  # [B, V] float32
+        self.max_candidates = logits.shape[1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.logits.shape[1]
+
+    def rows(self, rows: np.ndarray) -> np.ndarray:
+        return self.logits[rows]
+
+    def argmax(self, rows: np.ndarray) -> np.ndarray:
+        return np.argmax(self._logits_of(rows), axis=1)
+
+    def candidates(self, rows: np.ndarray, temperature: np.ndarray, count: int, lse_rows: np.ndarray) -> Candidates:
+        logits = self._logits_of(rows)  # [R, V]
+        scaled = logits if (temperature == 1.0).all() else logits / temperature[:, None]  # [R, V]: read only
+        ids = top_sorted(scaled, count)  # [R, C]
+        lse = np.full(len(rows), np.nan)  # [R]
+        sums = np.full(len(rows), -1, dtype=np.int64)  # [R]
+        asked = scaled if lse_rows.all() else scaled[lse_rows]  # [L, V]
+        sums[lse_rows] = exp_sums(asked)
+        lse[lse_rows] = log_normaliser(asked.max(axis=1), sums[lse_rows], scaled.shape[1])
+        return Candidates(ids, np.take_along_axis(scaled, ids, axis=1), lse, sums)
+
+    def _logits_of(self, rows: np.ndarray) -> np.ndarray:
+        """The logits of rows [R]: [R, V], not copied when they are every row in order."""
+        whole = len(rows) == len(self.logits) and bool((rows == np.arange(len(rows))).all())
+        return self.logits if whole else self.logits[rows]
+
+
+@dataclass
+class _RowParams:
+    """The sampling parameters of some rows, as arrays."""
+
+    temperature: np.ndarray  # [R] float32
+    top_k: np.ndarray  # [R] int64: 0 without top-k (also for k >= V, which keeps every token)
+    top_p: np.ndarray  # [R] float64
+    min_p: np.ndarray  # [R] float64
+    logprobs: np.ndarray  # [R] int64: -1 without logprobs, else how many top tokens (at most V)
+    penalised: np.ndarray  # [R] bool: a logit bias or a penalty changes its logits
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], vocab: int) -> _RowParams:
+        return cls(np.array([p.temperature for p in params], dtype=np.float32),
+                   np.array([p.top_k if 0 < p.top_k < vocab else 0 for p in params], dtype=np.int64),
+                   np.array([p.top_p for p in params]), np.array([p.min_p for p in params]),
+                   np.array([-1 if p.logprobs is None else min(p.logprobs, vocab) for p in params], dtype=np.int64),
+                   np.array([_adjusts_logits(p) for p in params], dtype=bool))
+
+    def take(self, rows: np.ndarray) -> _RowParams:
+        return _RowParams(*(getattr(self, name)[rows] for name in self.__dataclass_fields__))
+
+    @property
+    def greedy(self) -> np.ndarray:  # [R] bool
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+class Sampler:
+    """Turns a batch of next-token logits into tokens, one row per sequence, each with its own parameters.
+
+    Rows are grouped by what they need (greedy, a sorted candidate list, the full vocabulary) and each group is
+    handled with whole-array operations. A row's token depends only on its logits, its history and its own
+    generator, never on the other rows of the batch, so a seeded request gives the same tokens in any batch.
+    """
+
+    def sample(self, logits: np.ndarray, states: list[SamplingState]) -> SamplerOutput:
+        """logits: [B, V] float32, row b for states[b]. Draws one number from each non-greedy row's generator."""
+        if logits.ndim != 2 or logits.shape[0] != len(states):
+            raise ValueError(f"logits must be [batch, vocab] with one row per state, got {logits.shape}")
+        return self.sample_from(HostLogits(np.asarray(logits, dtype=np.float32)), states)
+
+    def sample_from(self, source: LogitSource, states: list[SamplingState]) -> SamplerOutput:
+        """`sample` for logits held by `source`: the same tokens and logprobs, asking the source for argmaxes and
+        candidates where they suffice and for whole rows only where they do not."""
+        if all(argmax_only(s.params) for s in states):  # the arrays below cost more than the argmaxes here
+            return SamplerOutput(source.argmax(np.arange(len(states))), [None] * len(states))
+        params = _RowParams.of([s.params for s in states], source.vocab_size)
+        uniform = np.array([0.0 if g else s.generator.random() for s, g in zip(states, params.greedy)])  # [B]
+        token_ids = np.full(len(states), -1, dtype=np.int64)  # [B]
+        logprobs: list[TokenLogprobs | None] = [None] * len(states)
+        # Rows whose logprobs (of the raw logits) are not among their candidates (of the scaled ones) go whole.
+        whole = params.penalised | ((params.logprobs >= 0) & ~params.greedy & (params.temperature != 1.0))
+        rows = np.flatnonzero(~whole)  # [S]
+        token_ids[rows], served = _sample_rows(source, rows, params.take(rows), uniform[rows])
+        for b, row_logprobs in zip(rows, served):
+            logprobs[b] = row_logprobs
+        rows = np.flatnonzero(token_ids < 0)  # [H]
+        if rows.size:
+            token_ids[rows], served = _sample_host(source.rows(rows), [states[b] for b in rows], params.take(rows),
+                                                   uniform[rows])
+            for b, row_logprobs in zip(rows, served):
+                logprobs[b] = row_logprobs
+        return SamplerOutput(token_ids, logprobs)
+
+
+def _sample_rows(source: LogitSource, rows: np.ndarray, params: _RowParams, uniform: np.ndarray):
+    """Tokens [R] for rows [R] of `source` from argmaxes and candidates (penalties are not applied), and the
+    logprobs of the rows asking for them; token -1 where that is not enough: more candidates than the source
+    serves, a nucleus beyond them. A draw over the whole vocabulary beyond the candidates copies its row (`_walk`)."""
+    vocab = source.vocab_size
+    greedy = params.greedy  # [R]
+    token_ids = np.full(len(rows), -1, dtype=np.int64)  # [R]
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    argmax = greedy & (params.logprobs < 0)  # [R]
+    if argmax.any():
+        token_ids[argmax] = source.argmax(rows[argmax])
+    full = ~greedy & (params.top_k == 0) & (params.top_p >= 1.0)  # [R]: drawn over the whole vocabulary
+    # Candidates a row draws from: its top k, else the first TOP_P_CANDIDATES (top-p alone; the whole vocabulary
+    # walks them first).
+    draw = np.where(greedy, 1, np.where(params.top_k > 0, params.top_k, min(vocab, TOP_P_CANDIDATES)))  # [R]
+    count = np.maximum(draw, params.logprobs)  # [R]
+    temperature = np.where(greedy, np.float32(1.0), params.temperature)  # [R]; greedy rows: the raw logits
+    lse_rows = (params.logprobs >= 0) | ((params.top_k == 0) & ~greedy)  # [R]
+    served = np.flatnonzero(~argmax & (count <= source.max_candidates))  # [S]
+    while served.size:
+        candidates = source.candidates(rows[served], temperature[served], int(count[served].max()),
+                                       lse_rows[served])
+        walked = full[served]  # [S]
+        columns = _pick(candidates, draw[served], vocab, params.take(served), uniform[served], walked)  # [S]
+        at = np.flatnonzero(columns >= 0)
+        tokens = np.full(len(served), -1, dtype=np.int64)  # [S]
+        values = np.zeros(len(served), dtype=np.float32)  # [S]: the tokens' scaled logits
+        tokens[at], values[at] = candidates.token_ids[at, columns[at]], candidates.logits[at, columns[at]]
+        at = np.flatnonzero(walked)
+        if at.size:
+            tokens[at], values[at] = _walk(source, rows[served[at]], candidates, at, temperature[served[at]],
+                                           params.min_p[served[at]], uniform[served[at]])
+        picked = tokens >= 0  # [S]
+        token_ids[served[picked]] = tokens[picked]
+        for s in np.flatnonzero(picked & (params.logprobs[served] >= 0)):
+            logprobs[served[s]] = _token_logprobs(candidates, s, float(values[s]), int(params.logprobs[served[s]]))
+        # A nucleus beyond TOP_P_CANDIDATES: a source that serves whole rows sorts them all.
+        served = served[~picked] if source.max_candidates >= vocab else served[:0]
+        draw[served] = count[served] = vocab
+    return token_ids, logprobs
+
+
+def _sample_host(logits: np.ndarray, states: list[SamplingState], params: _RowParams, uniform: np.ndarray):
+    """Tokens [H] and logprobs of whole rows [H, V] on the host: penalties, then the same candidates and walks as
+    any source."""
+    penalised = HostLogits(apply_penalties(logits, states))
+    plain = replace(params, logprobs=np.full(len(states), -1))  # logprobs: of the raw logits, below
+    token_ids, _ = _sample_rows(penalised, np.arange(len(states)), plain, uniform)  # [H]; a host source serves all
+    logprobs: list[TokenLogprobs | None] = [None] * len(states)
+    asked = np.flatnonzero(params.logprobs >= 0)  # [L]
+    if asked.size:
+        raw = HostLogits(logits).candidates(asked, np.ones(len(asked), dtype=np.float32),
+                                            max(1, int(params.logprobs[asked].max())), np.ones(len(asked), bool))
+        for a, h in enumerate(asked):
+            logprobs[h] = _token_logprobs(raw, a, float(logits[h, token_ids[h]]), int(params.logprobs[h]))
+    return token_ids, logprobs
+
+
+def _pick(candidates: Candidates, draw: np.ndarray, vocab: int, params: _RowParams, uniform: np.ndarray,
+          skip: np.ndarray):
+    """Columns [S] of the candidates drawn under each row's top-k, top-p and min-p (column 0 for greedy rows),
+    from the first draw [S] candidates of each; -1 where a top-p row's nucleus reaches beyond them, and for the
+    rows to skip [S] bool."""
+    columns = np.where(skip, -1, 0)  # [S]
+    for m in np.unique(draw[~params.greedy & ~skip]):
+        group = np.flatnonzero((draw == m) & ~params.greedy & ~skip)  # [G]
+        values = candidates.logits[group, :m].astype(np.float64)  # [G, m]
+        top_k, top_p = params.top_k[group], params.top_p[group]  # [G], [G]
+        # Top-k renormalises over the k kept tokens; top-p alone measures mass against the whole vocabulary.
+        norm = np.where(top_k > 0, _logsumexp(values), candidates.lse[group])  # [G]
+        probs = np.exp(values - norm[:, None])  # [G, m], descending
+        fits = (top_k > 0) | (m >= vocab) | (probs.sum(axis=1) >= top_p)  # [G]: the nucleus is among them
+        mass_before = np.cumsum(probs, axis=1) - probs  # [G, m]
+        cutoff = np.where(top_p < 1.0, top_p, np.inf)  # [G]; 1.0 must not drop a rounding tail
+        probs[mass_before >= cutoff[:, None]] = 0.0  # the first token always stays: top_p > 0
+        probs[probs < params.min_p[group, None] * probs[:, :1]] = 0.0
+        columns[group] = np.where(fits, _inverse_cdf(probs, uniform[group]), -1)
+    return columns
+
+
+def _walk(source: LogitSource, rows: np.ndarray, candidates: Candidates, which: np.ndarray,
+          temperature: np.ndarray, min_p: np.ndarray, uniform: np.ndarray):
+    """Tokens [G] int64 and their scaled logits [G] float32 drawn over the whole vocabulary, for rows [G] of
+    `source` whose candidates (at least min(V, TOP_P_CANDIDATES), with exp sums) are rows `which` [G] of
+    `candidates`, at temperatures [G] (float32), under min-p [G].
+
+    The inverse CDF walks the first TOP_P_CANDIDATES candidates, then every other token by id. A token weighs
+    `fixed_exp` of its scaled logit less the row's largest, 0 if that is below log(min_p) (a token less likely
+    than min_p times the best), so the total of a row without min-p is its candidates' exp sum, and the draw,
+    floor(uniform * total), is an exact integer: the walk ends on the same token in the candidates or beyond, and
+    the row is copied (source.rows) only when it ends beyond them. Tokens beyond are no likelier than the last
+    candidate: if min-p drops that, it drops them all; if min-p keeps it, the row is copied to know their total.
+    """
+    vocab = source.vocab_size
+    m = min(vocab, TOP_P_CANDIDATES)
+    bits, cutoff = fixed_point(vocab)
+    top = candidates.logits[which, :1].astype(np.float64)  # [G, 1]: the largest scaled logit
+    with np.errstate(divide="ignore"):
+        lowest = np.log(min_p)  # [G]: below this (x - max) a token is dropped; -inf without min-p
+    y = candidates.logits[which, :m] - top  # [G, m] float64, <= 0
+    kept = y >= lowest[:, None]  # [G, m]
+    closed = (m >= vocab) | ~kept[:, -1]  # [G]: no token beyond the candidates is kept
+    known = closed | (min_p <= 0.0)  # [G]: the total is known without the row
+    # The cumulative weights [G, m] of the first WALK_HEAD candidates, where most draws end; of the others only in
+    # rows whose draw goes further or whose total is their candidates' (elsewhere the head's total, never reached).
+    head = min(m, WALK_HEAD)
+    mass = np.empty((len(which), m), dtype=np.int64)  # [G, m]
+    np.cumsum(np.where(kept[:, :head], fixed_exp(y[:, :head], bits, cutoff), 0), axis=1, out=mass[:, :head])
+    target = _fraction(uniform, candidates.sums[which])  # [G]: the draw, exact, where the exp sum is the total
+    further = ~known | closed | (target >= mass[:, head - 1])  # [G]
+    mass[~further, head:] = mass[~further, head - 1:head]
+    if head < m and further.any():
+        rest = np.flatnonzero(further)  # [F]
+        weights = np.where(kept[rest, head:], fixed_exp(y[rest, head:], bits, cutoff), 0)  # [F, m - head]
+        mass[rest, head:] = np.cumsum(weights, axis=1) + mass[rest, head - 1:head]
+    target[closed] = _fraction(uniform[closed], mass[closed, -1])  # where not known, redrawn below
+    columns = (mass <= target[:, None]).sum(axis=1)  # [G]: the first candidate whose cumulative weight exceeds it
+    inside = known & (columns < m)  # [G]
+    tokens = np.where(inside, candidates.token_ids[which, np.minimum(columns, m - 1)], -1)  # [G]
+    values = candidates.logits[which, np.minimum(columns, m - 1)]  # [G] float32
+    beyond = np.flatnonzero(~inside)  # [W]
+    for g, row in zip(beyond, source.rows(rows[beyond]) if beyond.size else ()):
+        scaled = row / temperature[g]  # [V] float32, as the candidates' logits
+        y = scaled.astype(np.float64) - top[g]  # [V]
+        kept = y >= lowest[g]  # [V]
+        weights = np.where(kept, fixed_exp(y, bits, cutoff), 0)  # [V]
+        weights[candidates.token_ids[which[g], :m]] = 0  # walked already
+        tail = mass[g, -1] + np.cumsum(weights)  # [V]: the cumulative weight after the candidates, by id
+        if not known[g]:
+            target[g] = _fraction(uniform[g:g + 1], tail[-1:])[0]
+            if target[g] < mass[g, -1]:
+                column = int(np.searchsorted(mass[g], target[g], side="right"))
+                tokens[g], values[g] = candidates.token_ids[which[g], column], candidates.logits[which[g], column]
+                continue
+        tokens[g] = np.searchsorted(tail, target[g], side="right")  # never a candidate: their weight is 0 here
+        values[g] = scaled[tokens[g]]
+    return tokens, values
+
+
+def _fraction(uniform: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """floor(u * t) [G] int64, exact, of uniforms [G] in [0, 1) (multiples of 2**-53, as NumPy draws them) and
+    integers t [G] below 2**63."""
+    return np.array([(int(u * 2.0**53) * t) >> 53 for u, t in zip(uniform.tolist(), total.tolist())],
+                    dtype=np.int64)
+
+
+def top_sorted(x: np.ndarray, m: int) -> np.ndarray:
+    """[G, V] -> [G, m] int64: the ids of each row's m largest values, largest first, equal ones by lower id."""
+    rows, vocab = x.shape
+    if m < vocab:
+        kth = np.partition(x, vocab - m, axis=1)[:, vocab - m:vocab - m + 1]  # [G, 1]: the m-th largest value
+        taken = x >= kth  # [G, V]
+        crowded = np.flatnonzero(np.count_nonzero(taken, axis=1) > m)  # rows with more values equal to the m-th
+        if crowded.size:  # than fit
+            tied = x[crowded] == kth[crowded]  # [T, V]
+            room = m - (x[crowded] > kth[crowded]).sum(axis=1, keepdims=True)  # [T, 1]: the tied values taken
+            taken[crowded] &= ~tied | (np.cumsum(tied, axis=1) <= room)
+        ids = np.flatnonzero(taken).reshape(rows, m)  # [G, m]: flat positions, ascending
+        ids -= np.arange(0, rows * vocab, vocab)[:, None]
+    else:
+        ids = np.broadcast_to(np.arange(vocab), x.shape)
+    # One int64 key per value, sorted: the value's order (descending) above, its id below, so equal values (-0.0
+    # and +0.0 among them) go by lower id, and every key is distinct.
+    bits = np.add(np.take_along_axis(x, ids, axis=1), np.float32(0.0)).view(np.int32)  # [G, m]; -0.0 -> +0.0
+    descending = bits >> 31  # [G, m]: -1 for a negative value
+    np.invert(descending, out=descending)
+    descending |= np.int32(-2**31)
+    descending ^= bits  # [G, m]: ~bits for a positive value, its magnitude for a negative one
+    keys = descending.astype(np.int64)  # [G, m]
+    keys <<= 32
+    keys |= ids
+    keys.sort(axis=1)
+    keys &= 0xFFFFFFFF
+    return keys
+
+
+def fixed_point(vocab: int) -> tuple[int, float]:
+    """(bits, cutoff) of `exp_sums` over rows of `vocab` values: each term is counted in units of 2**-bits, so
+    that a row sums below 2**62; a value further than `cutoff` below the row's maximum counts 0."""
+    bits = 62 - vocab.bit_length()
+    return bits, -(bits + 2) * math.log(2)
+
+
+def exp_sums(x: np.ndarray) -> np.ndarray:
+    """[R, V] float32 -> [R] int64: sum over each row of floor(exp(x - max(x)) * 2**bits) (`fixed_point`,
+    `fixed_exp`).
+
+    An integer sum is the same in any order, and the exp is made of correctly rounded float64 operations only, so
+    a GPU computes the same bits (top_candidates in kernels/sampling.cu). Computed in pieces of EXP_CHUNK values
+    in the same three buffers, to stay in cache."""
+    rows, vocab = x.shape
+    bits, cutoff = fixed_point(vocab)
+    top = x.max(axis=1, keepdims=True).astype(np.float64)  # [R, 1]
+    sums = np.zeros(rows, dtype=np.int64)  # [R]
+    per = max(1, EXP_CHUNK // vocab)  # rows per piece
+    buffers = np.empty((3, min(per, rows), min(vocab, EXP_CHUNK)))  # y and fixed_exp's two
+    for r0 in range(0, rows, per):
+        for c0 in range(0, vocab, EXP_CHUNK):
+            piece = x[r0:r0 + per, c0:c0 + EXP_CHUNK]  # [r, c]
+            y, k, t = buffers[:, :piece.shape[0], :piece.shape[1]]
+            np.subtract(piece, top[r0:r0 + per], out=y)
+            sums[r0:r0 + per] += fixed_exp(y, bits, cutoff, (k, t)).sum(axis=1)
+    return sums
+
+
+def fixed_exp(y: np.ndarray, bits: int, cutoff: float, scratch: tuple[np.ndarray, np.ndarray] | None = None):
+    """floor(exp(y) * 2**bits) [...] int64 of float64 values y <= 0, 0 where y < cutoff (`fixed_point`); y is
+    overwritten, and so are the two scratch arrays of y's shape if given (fixed_exp in kernels/sampling.cu):
+    exp(y) = 2**k * exp(r), k = rint(y * LOG2E), r = y - k * (LN2_HI + LN2_LO), exp(r) by Horner over its Taylor
+    series.
+
+    A value below the cutoff is raised to it, where exp(y) * 2**bits is about 1/4: it floors to 0. Scaling by
+    2**(k + bits) (built from its exponent bits) is exact, and so is the conversion to int64 (a float64 of at
+    most 2**62, not negative: truncation is floor)."""
+    k, t = (np.empty_like(y), np.empty_like(y)) if scratch is None else scratch
+    np.copyto(y, cutoff, where=y < cutoff)  # np.maximum(y, cutoff), three times faster
+    np.rint(np.multiply(y, LOG2E, out=k), out=k)
+    r = np.subtract(y, np.multiply(k, LN2_HI, out=t), out=y)
+    r -= np.multiply(k, LN2_LO, out=t)  # |r| <= log(2) / 2
+    p = np.multiply(r, EXP_TAYLOR[-1], out=t)  # Horner: (((c11 r + c10) r + ...) r + c1) r + c0
+    for c in EXP_TAYLOR[-2:0:-1]:
+        p += c
+        p *= r
+    p += EXP_TAYLOR[0]
+    k += 2.0**52 + (1023 + bits)  # an integer of 52 bits: 2**52 + the biased exponent of 2**(k + bits)
+    scale = k.view(np.int64)
+    scale <<= 52  # its low bits to the exponent field: k is 2**(k + bits)
+    p *= k
+    return p.astype(np.int64)
+
+
+def log_normaliser(top: np.ndarray, sums: np.ndarray, vocab: int) -> np.ndarray:
+    """log(sum(exp(x))) [R] float64 of rows given their maximum [R] and `exp_sums` [R]."""
+    return top.astype(np.float64) + (np.log(sums.astype(np.float64)) - fixed_point(vocab)[0] * math.log(2))
+
+
+def argmax_only(params: SamplingParams) -> bool:
+    """Whether the token is the raw logits' argmax and nothing else is asked: greedy, no logprobs, logits as they
+    are (`_sample_rows` takes `source.argmax` for such a row)."""
+    return params.temperature < GREEDY_TEMPERATURE and params.logprobs is None and not _adjusts_logits(params)
+
+
+def _adjusts_logits(params: SamplingParams) -> bool:
+    """Whether `apply_penalties` changes this sequence's logits."""
+    return bool(params.logit_bias) or (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+                                       or params.presence_penalty != 0.0)
+
+
+def apply_penalties(logits: np.ndarray, states: list[SamplingState]) -> np.ndarray:
+    """Logits [B, V] with each row's logit bias and repetition, frequency and presence penalties applied (a copy
+    if any).
+
+    The logit bias comes first (as in vLLM): added to the logits of the tokens it names. Then repetition (over
+    prompt and output tokens): positive logits are divided by the penalty, negative ones multiplied. Then frequency
+    and presence (over output tokens): logit -= frequency * count + presence * (count > 0). Only the logits of
+    tokens a sequence has seen or biased are touched.
+    """
+    params = [s.params for s in states]
+    repetition = np.array([p.repetition_penalty for p in params], dtype=np.float32)  # [B]
+    frequency = np.array([p.frequency_penalty for p in params], dtype=np.float32)  # [B]
+    presence = np.array([p.presence_penalty for p in params], dtype=np.float32)  # [B]
+    biased = [b for b, p in enumerate(params) if p.logit_bias]
+    rows = np.flatnonzero((repetition != 1.0) | (frequency != 0.0) | (presence != 0.0))  # [P]
+    if not rows.size and not biased:
+        return logits
+    vocab = logits.shape[1]
+    out = logits.copy()  # [B, V]; penalised entries are addressed by flat index b * V + token
+    for b in biased:
+        token_ids, biases = zip(*params[b].logit_bias)
+        np.add.at(out[b], list(token_ids), np.array(biases, dtype=np.float32))
+    if not rows.size:
+        return out
+    output = np.concatenate([b * vocab + np.asarray(states[b].output_token_ids, dtype=np.int64) for b in rows])
+    repeated = rows[repetition[rows] != 1.0]
+    if repeated.size:
+        seen = np.unique(np.concatenate([output] + [b * vocab + states[b].prompt_token_ids for b in repeated]))
+        seen = seen[repetition[seen // vocab] != 1.0]  # [S]
+        penalty, value = repetition[seen // vocab], out.flat[seen]  # [S], [S]
+        out.flat[seen] = np.where(value > 0, value / penalty, value * penalty)
+    tokens, counts = np.unique(output, return_counts=True)  # [U], [U]
+    row = tokens // vocab  # [U]
+    out.flat[tokens] -= frequency[row] * counts + presence[row]
+    return out
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    """[N, V] -> [N] log(sum(exp(x))) along the last axis, computed stably."""
+    top = np.max(x, axis=1, keepdims=True)  # [N, 1]
+    return (top + np.log(np.sum(np.exp(x - top), axis=1, keepdims=True)))[:, 0]
+
+
+def _inverse_cdf(probs: np.ndarray, uniform: np.ndarray) -> np.ndarray:
+    """[G, N] unnormalised probabilities (zeros never picked), [G] uniforms in [0, 1) -> [G] column indices.
+
+    Two levels, so no row needs a sequential cumulative sum over the whole vocabulary: find the block of
+    CDF_BLOCK columns that holds the draw, then the column inside it.
+    """
+    num_rows, n = probs.shape
+    width = min(CDF_BLOCK, n)
+    r = np.arange(num_rows)  # [G]
+    starts = np.arange(0, n, width)  # [K]
+    sums = np.add.reduceat(probs, starts, axis=1, dtype=np.float64)  # [G, K]
+    block_cdf = np.cumsum(sums, axis=1)  # [G, K]
+    target = uniform * block_cdf[:, -1]  # [G]
+    last_block = len(starts) - 1 - np.argmax(sums[:, ::-1] > 0, axis=1)  # [G]: a draw rounded up to the total
+    block = np.minimum((block_cdf <= target[:, None]).sum(axis=1), last_block)  # [G]
+    cols = starts[block][:, None] + np.arange(width)  # [G, W]
+    values = np.where(cols < n, probs[r[:, None], np.minimum(cols, n - 1)], 0.0)  # [G, W]
+    inner = np.cumsum(values, axis=1, dtype=np.float64)  # [G, W]
+    remaining = target - (block_cdf[r, block] - sums[r, block])  # [G]: the draw measured from the block start
+    last_col = width - 1 - np.argmax(values[:, ::-1] > 0, axis=1)  # [G]
+    return starts[block] + np.minimum((inner <= remaining[:, None]).sum(axis=1), last_col)
+
+
+def _token_logprobs(candidates: Candidates, row: int, logit: float, k: int) -> TokenLogprobs:
+    """The sampled token's (raw logit `logit`) and the first k candidates' log-probabilities of one row whose
+    candidates are of its raw logits."""
+    lse = candidates.lse[row]
+    return TokenLogprobs(logit - float(lse), candidates.token_ids[row, :k],
+                         (candidates.logits[row, :k] - lse).astype(np.float32))

@@ -1,0 +1,479 @@
+"""The OpenAI wire format: request validation into SamplingParams, response and chunk bodies, error bodies.
+
+Unknown fields are ignored (as vLLM does; OpenAI refuses them, but clients written for vLLM-style servers send
+extensions of their own). Otherwise requests follow OpenAI's rules: a known field of the wrong type or out of range
+is a 400 naming the field, and a feature this server does not implement (tool calls, images, audio output, echo,
+suffix, best_of > n, vLLM's continue_final_message, function_call forcing a function) is a 400 that says so instead
+of being silently dropped; so are the fields of the other endpoint that would change the
+answer (max_completion_tokens, top_logprobs or messages sent to /v1/completions, a prompt sent to chat). Types are
+as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an integer; null is the same as
+leaving a field out. The values of those features that ask for nothing (`tools: []`,
+`tool_choice: "none"` or `"auto"`, `response_format: {"type": "text"}`, `modalities: ["text"]`, `echo: false`,
+`suffix: ""`, `best_of` equal to n) are accepted, and so are tools with `tool_choice: "none"` (as vLLM without a
+tool parser: the tools are ignored). The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`
+and `ignore_eos` are accepted too. /v1/completions takes a batch of prompts (a list of strings or of token id
+lists): prompt p's n choices have the indexes p * n to p * n + n - 1, as OpenAI and vLLM number them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..request import InvalidParameterError, SamplingParams
+
+MAX_LOGPROBS = 20
+MAX_PROMPTS = 1024  # prompts in one /v1/completions batch
+MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> template role
+
+# A token id's text and its bytes (the bytes of a byte-level token need not be valid UTF-8 on their own).
+TokenPiece = Callable[[int], tuple[str, bytes]]
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: HTTP `status` and {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers  # sent with the error (Retry-After)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unsupported(message: str, param: str) -> APIError:
+    return bad_request(message, param=param, code="unsupported_parameter")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A validated /v1/chat/completions or /v1/completions request, ready for the engine."""
+
+    chat: bool
+    model: str | None  # None: the served model
+    prompts: tuple[str | list[int] | list[dict], ...]  # completion texts or token ids; chat: one, its messages
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    logprobs: bool = False  # return logprobs (params.logprobs holds how many alternatives)
+
+
+class _Fields:
+    """Typed reads of a request body's fields; a present field of the wrong type is a 400 that names it."""
+
+    def __init__(self, body: dict):
+        self.body = body
+
+    def get(self, name: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
+        value = self.body.get(name)
+        if value is None:  # absent or null
+            return default
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise bad_request(f"{name} must be {what}, got {_json_type(value)}", param=name)
+        return value
+
+    def number(self, name: str, default: float) -> float:
+        return float(self.get(name, (int, float), "a number", default))
+
+    def integer(self, name: str, default: int | None = None) -> int | None:
+        value = self.body.get(name)
+        if isinstance(value, float) and value.is_integer() and abs(value) >= 2**63:
+            # orjson reads an integer literal past 64 bits as a float: say so rather than "got a number"
+            raise bad_request(f"{name} must fit in 64 bits", param=name)
+        return self.get(name, (int,), "an integer", default)
+
+    def boolean(self, name: str, default: bool = False) -> bool:
+        return self.get(name, (bool,), "a boolean", default)
+
+    def string(self, name: str) -> str | None:
+        return self.get(name, (str,), "a string")
+
+    def strings(self, name: str) -> tuple[str, ...]:
+        value = self.get(name, (str, list), "a string or a list of strings", ())
+        values = [value] if isinstance(value, str) else value
+        if not all(isinstance(v, str) for v in values):
+            raise bad_request(f"{name} must be a string or a list of strings", param=name)
+        return tuple(values)
+
+    def integers(self, name: str) -> tuple[int, ...]:
+        values = self.get(name, (list,), "a list of integers", ())
+        if not all(_is_int(v) for v in values):
+            raise bad_request(f"{name} must be a list of integers", param=name)
+        return tuple(values)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _reject_unsupported(fields: _Fields, n: int) -> None:
+    body = fields.body
+    for name, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+        if fields.get(name, (list,), "an array", ()) and body.get(choice) != "none":
+            raise unsupported(f'tool calling is not supported by this server (with {choice}: "none" the {name} are '
+                              f'ignored)', name)
+    for name in ("tool_choice", "function_call"):  # function_call: the legacy form of tool_choice
+        value = body.get(name)
+        if value in (None, "none", "auto"):
+            continue
+        if not (isinstance(value, dict) or value == "required"):
+            raise bad_request(f'{name} must be "none", "auto", "required" or an object naming a function, got '
+                              f"{value!r}", param=name)
+        raise unsupported(f"{name} is not supported by this server", name)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise unsupported('response_format is not supported; only {"type": "text"} is accepted', "response_format")
+    if body.get("audio") or any(m != "text" for m in fields.strings("modalities")):
+        raise unsupported("audio output is not supported; this model writes text only",
+                          "audio" if body.get("audio") else "modalities")
+    if fields.boolean("continue_final_message"):
+        raise unsupported("continue_final_message is not supported: a last assistant message is answered in a new "
+                          "turn", "continue_final_message")
+    best_of = fields.integer("best_of")
+    if best_of is not None and best_of < 1:
+        raise bad_request("best_of must be a positive integer", param="best_of")
+    if best_of is not None and best_of != n:
+        raise unsupported(f"best_of ({best_of}) other than n ({n}) is not supported", "best_of")
+    if fields.boolean("echo"):
+        raise unsupported("echo is not supported by this server", "echo")
+    if fields.string("suffix"):
+        raise unsupported("suffix is not supported by this server", "suffix")
+
+
+def _sampling_params(fields: _Fields, max_tokens: int | None, max_tokens_name: str, logprobs: int | None,
+                     n: int) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=fields.number("temperature", 1.0),
+            top_p=fields.number("top_p", 1.0),
+            top_k=fields.integer("top_k", 0),
+            min_p=fields.number("min_p", 0.0),
+            seed=fields.integer("seed"),
+            stop=fields.strings("stop"),
+            stop_token_ids=fields.integers("stop_token_ids"),
+            ignore_eos=fields.boolean("ignore_eos"),
+            presence_penalty=fields.number("presence_penalty", 0.0),
+            frequency_penalty=fields.number("frequency_penalty", 0.0),
+            repetition_penalty=fields.number("repetition_penalty", 1.0),
+            logit_bias=_logit_bias(fields),
+            logprobs=logprobs,
+            n=n,
+        )
+    except InvalidParameterError as e:
+        if e.param == "max_tokens" and max_tokens_name != "max_tokens":
+            raise bad_request(str(e).replace("max_tokens", max_tokens_name, 1), param=max_tokens_name) from None
+        raise bad_request(str(e), param=e.param) from None
+
+
+def _logit_bias(fields: _Fields) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs: keys are token ids written as decimal strings ("50256"), no sign, no
+    leading zero (so no two keys name one token), values are numbers; the ranges are SamplingParams' and the
+    engine's."""
+    bias = fields.get("logit_bias", (dict,), "an object mapping token ids to biases", {})
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) < 19 and str(int(key)) == key):
+            raise bad_request(f'logit_bias keys must be token ids such as "50256", got {key[:24]!r}',
+                              param="logit_bias")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise bad_request(f"logit_bias[{key!r}] must be a number, got {_json_type(value)}", param="logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
+
+
+def _stream_options(fields: _Fields, stream: bool) -> bool:
+    options = fields.get("stream_options", (dict,), "an object")
+    if options is None:
+        return False
+    if not stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool) and include_usage is not None:
+        raise bad_request("stream_options.include_usage must be a boolean", param="stream_options.include_usage")
+    return bool(include_usage)
+
+
+# Fields of the other endpoint that would change the result if they were ignored like unknown fields: a user
+# who sends max_completion_tokens to /v1/completions would get 16 tokens, not the number asked for.
+_OTHER_ENDPOINT = {
+    False: {"messages": "messages belong to /v1/chat/completions; /v1/completions takes a prompt",
+            "max_completion_tokens": "max_completion_tokens is a chat completions field; /v1/completions takes "
+                                     "max_tokens",
+            "top_logprobs": "top_logprobs is a chat completions field; /v1/completions takes logprobs: <count>"},
+    True: {"prompt": "prompt belongs to /v1/completions; /v1/chat/completions takes messages"},
+}
+
+
+def _common(fields: _Fields, chat: bool) -> tuple[str | None, bool, int]:
+    for name, message in _OTHER_ENDPOINT[chat].items():
+        if fields.body.get(name) is not None:
+            raise bad_request(message, param=name)
+    fields.string("user")  # accepted for compatibility; only its type is checked
+    n = fields.integer("n", 1)
+    _reject_unsupported(fields, n)
+    return fields.string("model"), fields.boolean("stream"), n
+
+
+def parse_completion(body: Any) -> GenerateRequest:
+    """Validate a /v1/completions body."""
+    fields = _Fields(_object(body))
+    model, stream, n = _common(fields, chat=False)
+    logprobs = fields.integer("logprobs")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
+    max_tokens = fields.integer("max_tokens") if "max_tokens" in body else 16  # null: up to the context
+    return GenerateRequest(
+        chat=False, model=model, prompts=_prompts(body.get("prompt")),
+        params=_sampling_params(fields, max_tokens, "max_tokens", logprobs, n),
+        stream=stream, include_usage=_stream_options(fields, stream), logprobs=logprobs is not None,
+    )
+
+
+def parse_chat(body: Any) -> GenerateRequest:
+    """Validate a /v1/chat/completions body."""
+    fields = _Fields(_object(body))
+    model, stream, n = _common(fields, chat=True)
+    logprobs = fields.boolean("logprobs")
+    top_logprobs = fields.integer("top_logprobs")
+    if top_logprobs is not None:
+        if not logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+        if not 0 <= top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
+    max_tokens, name = fields.integer("max_completion_tokens"), "max_completion_tokens"
+    legacy_max_tokens = fields.integer("max_tokens")
+    if max_tokens is None:  # neither: up to the context
+        max_tokens, name = legacy_max_tokens, "max_tokens"
+    elif legacy_max_tokens is not None and legacy_max_tokens < 1:  # checked even when max_completion_tokens wins
+        raise bad_request("max_tokens must be a positive integer", param="max_tokens")
+    return GenerateRequest(
+        chat=True, model=model, prompts=(_messages(body.get("messages")),),
+        params=_sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs else None, n),
+        stream=stream, include_usage=_stream_options(fields, stream), logprobs=logprobs,
+    )
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
+    return body
+
+
+def _prompts(prompt: Any) -> tuple[str | list[int], ...]:
+    """A completions prompt: a string or a list of token ids, or a batch of them (a list of strings, or a list of
+    token id lists)."""
+    if prompt is None:
+        raise bad_request("prompt is required", param="prompt")
+    batch = prompt if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) \
+        else [prompt]
+    if len(batch) > MAX_PROMPTS:
+        raise bad_request(f"a batch holds at most {MAX_PROMPTS} prompts, got {len(batch)}", param="prompt")
+    if not (all(isinstance(p, str) for p in batch) or all(isinstance(p, list) and p and all(_is_int(t) for t in p)
+                                                          for p in batch)):
+        raise bad_request("prompt must be a string, a list of token ids, a list of strings or a list of token id "
+                          "lists", param="prompt")
+    if any(isinstance(p, list) and min(p) < 0 for p in batch):
+        raise bad_request("prompt token ids must be non-negative", param="prompt")
+    return tuple(batch)
+
+
+def _messages(messages: Any) -> list[dict]:
+    """Chat messages as {"role", "content": str} dicts; content parts other than text are refused."""
+    if messages is None:
+        raise bad_request("messages is required", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty array of message objects", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"{param} must be an object, got {_json_type(message)}", param=param)
+        role = message.get("role")
+        if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
+            raise unsupported(f"{param}: tool messages and tool calls are not supported by this server", param)
+        if not isinstance(role, str) or role not in CHAT_ROLES:  # (a list or an object is not hashable)
+            raise bad_request(f"{param}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                              param=f"{param}.role")
+        if not isinstance(message.get("name", ""), (str, type(None))):  # read by no template; checked as OpenAI
+            raise bad_request(f"{param}.name must be a string", param=f"{param}.name")
+        out.append({"role": CHAT_ROLES[role], "content": _content(message.get("content"), role, f"{param}.content")})
+    return out
+
+
+def _content(content: Any, role: str, param: str) -> str:
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{param} must be a string or an array of text parts", param=param)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])  # OpenAI's assistant parts are text or refusal: a replayed history
+        elif isinstance(kind, str) and kind != "text":
+            raise unsupported(f"{param}[{j}]: content of type {kind!r} is not supported; this model reads text only",
+                              f"{param}[{j}]")
+        else:
+            raise bad_request(f'{param}[{j}] must be {{"type": "text", "text": "..."}}', param=f"{param}[{j}]")
+    return "\n".join(texts)
+
+
+@dataclass
+class _Choice:
+    """What one of the request's n sequences has produced so far."""
+
+    index: int
+    # Non-streaming only: the text deltas and logprobs, for the final body.
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)  # chat: content entries
+    tokens: list[str] = field(default_factory=list)  # completions: parallel lists
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+    offset: int = 0  # completions: characters of token text so far
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class Responder:
+    """Turns one request's RequestOutputs into OpenAI response bodies: stream chunks or the whole completion."""
+
+    def __init__(self, request: GenerateRequest, model: str, token_piece: TokenPiece):
+        self.request = request
+        self.model = model
+        self.id = ("chatcmpl-" if request.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if request.chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if request.chat else "text_completion"
+        # Per prompt: its tokens, and those its sequence 0 took from the prefix cache (its n sequences share one
+        # prompt, counted once).
+        self._prompt_tokens = [0] * len(request.prompts)
+        self._cached_tokens = [0] * len(request.prompts)
+        self._token_piece = token_piece
+        self._choices = [_Choice(i) for i in range(len(request.prompts) * request.params.n)]
+
+    def _body(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def add(self, output: Any, prompt_index: int = 0) -> dict:
+        """Record one RequestOutput of the prompt `prompt_index`; returns its choice as a stream chunk's `choices`
+        entry."""
+        choice = self._choices[prompt_index * self.request.params.n + output.index]
+        self._prompt_tokens[prompt_index] = output.prompt_tokens
+        if output.index == 0:
+            self._cached_tokens[prompt_index] = output.cached_tokens
+        choice.completion_tokens = output.completion_tokens
+        choice.finish_reason = output.finish_reason
+        choice.stop_reason = output.stop_reason
+        if not self.request.stream:
+            choice.texts.append(output.text)
+        logprobs = self._logprobs(choice, output.logprobs) if self.request.logprobs else None
+        entry: dict[str, Any] = {"index": choice.index}
+        if self.request.chat:
+            entry["delta"] = {"content": output.text} if output.text or not output.finished else {}
+        else:
+            entry["text"] = output.text
+        entry["logprobs"] = logprobs
+        entry["finish_reason"] = output.finish_reason
+        if output.finished:
+            entry["stop_reason"] = output.stop_reason
+        return entry
+
+    def _logprobs(self, choice: _Choice, entries: list | None) -> dict:
+        """This delta's logprobs in the endpoint's format; kept in the choice too when not streaming."""
+        keep = not self.request.stream
+        if self.request.chat:
+            content = [dict(self._chat_logprob(token_id, logprob),
+                            top_logprobs=[self._chat_logprob(t, lp) for t, lp in top])
+                       for token_id, logprob, top in entries or ()]
+            if keep:
+                choice.logprobs += content
+            return {"content": content}
+        delta: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, logprob, top in entries or ():
+            text = self._token_piece(token_id)[0]
+            delta["tokens"].append(text)
+            delta["token_logprobs"].append(max(logprob, MIN_LOGPROB))
+            alternatives: dict[str, float] = {}
+            for t, lp in top:  # best first: a text two tokens share keeps the better logprob
+                alternatives.setdefault(self._token_piece(t)[0], max(lp, MIN_LOGPROB))
+            alternatives.setdefault(text, max(logprob, MIN_LOGPROB))  # as OpenAI: the sampled token's too
+            delta["top_logprobs"].append(alternatives)
+            delta["text_offset"].append(choice.offset)
+            choice.offset += len(text)
+        if keep:
+            choice.tokens += delta["tokens"]
+            choice.token_logprobs += delta["token_logprobs"]
+            choice.top_logprobs += delta["top_logprobs"]
+            choice.text_offset += delta["text_offset"]
+        return delta
+
+    def _chat_logprob(self, token_id: int, logprob: float) -> dict:
+        text, raw = self._token_piece(token_id)
+        return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(raw)}
+
+    def usage(self) -> dict:
+        prompt, completion = sum(self._prompt_tokens), sum(c.completion_tokens for c in self._choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self._cached_tokens)}}
+
+    def chunk(self, choice: dict) -> dict:
+        """A stream chunk holding one choice's delta."""
+        body = self._body(self.chunk_object, [choice])
+        if self.request.include_usage:
+            body["usage"] = None
+        return body
+
+    def role_chunks(self) -> list[dict]:
+        """Chat streams open with one chunk per choice that carries the assistant role."""
+        return [self.chunk({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}) for c in self._choices]
+
+    def usage_chunk(self) -> dict:
+        return dict(self._body(self.chunk_object, []), usage=self.usage())
+
+    def response(self) -> dict:
+        """The non-streaming body, once every choice has finished."""
+        choices = []
+        for c in self._choices:
+            entry: dict[str, Any] = {"index": c.index}
+            if self.request.chat:
+                entry["message"] = {"role": "assistant", "content": "".join(c.texts)}
+                entry["logprobs"] = {"content": c.logprobs} if self.request.logprobs else None
+            else:
+                entry["text"] = "".join(c.texts)
+                entry["logprobs"] = ({"tokens": c.tokens, "token_logprobs": c.token_logprobs,
+                                      "top_logprobs": c.top_logprobs, "text_offset": c.text_offset}
+                                     if self.request.logprobs else None)
+            entry["finish_reason"] = c.finish_reason
+            entry["stop_reason"] = c.stop_reason
+            choices.append(entry)
+        return dict(self._body(self.object, choices), usage=self.usage())

@@ -1,0 +1,89 @@
+"""Server-sent events framing for OpenAI streams: `data: <json>\\n\\n` events, comment keep-alives, `data: [DONE]`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keep-alive\n\n"  # a comment line: clients skip it; proxies and client read timeouts see bytes
+
+
+def encode_event(payload: dict) -> bytes:
+    """One SSE event carrying `payload` as compact JSON."""
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+class EventStream:
+    """An SSE response that sends a keep-alive comment whenever `keepalive_interval` seconds pass without an event.
+
+    Writing to a client that went away raises ConnectionResetError; so does a write that waits more than
+    `send_timeout` seconds for the client to take what was sent before (a client that stopped reading: the
+    socket's and the transport's buffers are full), which also closes the connection.
+    """
+
+    def __init__(self, request: web.Request, keepalive_interval: float, send_timeout: float | None = None):
+        self._request = request
+        self._interval = keepalive_interval
+        self._send_timeout = send_timeout
+        self._last_write = 0.0
+        self._keepalive: asyncio.Task | None = None
+        self.response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",  # nginx: do not buffer the stream
+        })
+
+    async def open(self) -> None:
+        """Send the 200 and the headers, and start the keep-alives."""
+        await self.response.prepare(self._request)
+        self._last_write = asyncio.get_running_loop().time()
+        self._keepalive = asyncio.create_task(self._keep_alive())
+
+    async def send(self, payload: dict) -> None:
+        await self._write(encode_event(payload))
+
+    async def close(self) -> None:
+        """Stop the keep-alives, send `data: [DONE]` and end the body."""
+        self.stop_keepalive()
+        await self._write(DONE)
+        await self._timed(self.response.write_eof())
+
+    def stop_keepalive(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+
+    async def _write(self, data: bytes) -> None:
+        self._last_write = asyncio.get_running_loop().time()
+        await self._timed(self.response.write(data))
+
+    async def _timed(self, write: Any) -> None:
+        """Await a write; past send_timeout, drop the connection (what is still buffered cannot be taken back)."""
+        if self._send_timeout is None:
+            await write
+            return
+        try:
+            if sys.version_info >= (3, 11):  # a timer, not a task per write
+                async with asyncio.timeout(self._send_timeout):
+                    await write
+            else:
+                await asyncio.wait_for(write, self._send_timeout)
+        except asyncio.TimeoutError:
+            if self._request.transport is not None:
+                self._request.transport.abort()
+            raise ConnectionResetError(f"the client took nothing for {self._send_timeout:g} s") from None
+
+    async def _keep_alive(self) -> None:
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(ConnectionError):  # the client left: the handler finds out on its next write
+            while True:
+                delay = self._last_write + self._interval - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                else:
+                    await self._write(KEEPALIVE)

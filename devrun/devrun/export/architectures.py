@@ -1,0 +1,395 @@
+"""The supported Hugging Face architectures: config.json translated to ModelConfig, and the tensor name maps.
+
+The translation follows the transformers 5 config classes (MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig,
+OlmoeConfig) and their modeling code: a key absent from config.json takes the class default, every option that
+changes the computation becomes a ModelConfig field or is refused with UnsupportedModelError, and training-only
+options (dropout, router jitter and auxiliary loss, initializer range, use_cache, ...) are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Collection
+
+from ..config import ARCHITECTURES, ROPE_TYPES, ModelConfig, RopeConfig
+from ..errors import CheckpointError, UnsupportedModelError
+
+_CAUSAL_LM_CLASSES = {
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
+}
+_COMMON_DEFAULTS = dict(hidden_act="silu", tie_word_embeddings=False, head_dim=None, rope_theta=10000.0)
+# The transformers config-class defaults of every key the translation reads.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(
+        _COMMON_DEFAULTS, vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096 * 32, rms_norm_eps=1e-5,
+        bos_token_id=1, eos_token_id=2, pad_token_id=None, sliding_window=None, num_experts_per_tok=2,
+        num_experts=8, rope_theta=1e6,
+    ),
+    "qwen2_moe": dict(
+        _COMMON_DEFAULTS, vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        use_sliding_window=False, sliding_window=4096, max_window_layers=28, layer_types=None,
+        decoder_sparse_step=1, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+        num_experts_per_tok=4, num_experts=60, norm_topk_prob=False, mlp_only_layers=None,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    ),
+    "qwen3_moe": dict(
+        _COMMON_DEFAULTS, vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        attention_bias=False, use_sliding_window=False, sliding_window=4096, decoder_sparse_step=1,
+        moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128, norm_topk_prob=False,
+        mlp_only_layers=None, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    ),
+    "olmoe": dict(
+        _COMMON_DEFAULTS, vocab_size=50304, hidden_size=2048, intermediate_size=2048, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=None, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        attention_bias=False, clip_qkv=None, num_experts_per_tok=8, num_experts=64, norm_topk_prob=False,
+        bos_token_id=None, eos_token_id=50279, pad_token_id=1,
+    ),
+}
+
+
+# Keys that set a model's shape or routing. Absent, transformers would take its config class's default (the sizes of
+# one published model), which for any other checkpoint computes something else, sometimes with weights of the
+# right shapes (a head count, top-k); so config.json must state them. The expert width key differs per family.
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok")
+_EXPERT_WIDTH_KEY = {"mixtral": "intermediate_size", "olmoe": "intermediate_size",
+                     "qwen2_moe": "moe_intermediate_size", "qwen3_moe": "moe_intermediate_size"}
+
+
+def _unsupported(message: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"config.json: {message}")
+
+
+def _invalid(message: str, file: str = "config.json") -> CheckpointError:
+    return CheckpointError(f"{file}: {message}")
+
+
+def _int(value: Any, key: str, minimum: int = 1, file: str = "config.json") -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise _invalid(f"{key} must be an integer of at least {minimum}, got {value!r}", file)
+    return value
+
+
+def _number(value: Any, key: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise _invalid(f"{key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _bool(value: Any, key: str) -> bool:
+    """A JSON boolean; a string such as "false" would otherwise read as true."""
+    if not isinstance(value, bool):
+        raise _invalid(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _token_ids(value: Any, key: str, file: str) -> tuple[int, ...]:
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    return tuple(_int(v, key, minimum=0, file=file) for v in values)
+
+
+def detect_architecture(raw: dict[str, Any]) -> str:
+    """The architecture named by config.json's model_type (or, without one, its architectures list)."""
+    supported = ", ".join(ARCHITECTURES)
+    model_type = raw.get("model_type")
+    classes = raw.get("architectures") or []
+    if not isinstance(classes, list) or not all(isinstance(name, str) for name in classes):
+        raise _invalid(f"architectures must be a list of class names, got {classes!r}")
+    named = [_CAUSAL_LM_CLASSES[name] for name in classes if name in _CAUSAL_LM_CLASSES]
+    if model_type is None:
+        if named:
+            return named[0]
+        raise UnsupportedModelError(f"config.json names no supported model_type or architecture ({classes}); "
+                                    f"Colibri exports {supported}")
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported; Colibri exports {supported}")
+    if named and model_type not in named:
+        raise _invalid(f"model_type {model_type!r} disagrees with architectures {classes}")
+    return model_type
+
+
+def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_names: Collection[str],
+                     dtype: str, expert_dtype: str) -> ModelConfig:
+    """ModelConfig of a Hugging Face config.json (and generation_config.json) for the given storage dtypes.
+
+    `tensor_names` settles the one option that legacy configs leave to the weights: Qwen2-MoE's qkv_bias.
+    """
+    arch = detect_architecture(raw)
+    for key in ("quantization_config", "per_layer_config"):
+        if raw.get(key) is not None:
+            what = "pre-quantised checkpoints" if key == "quantization_config" else "per-layer configs"
+            raise _unsupported(f"{key} is set: {what} are not supported (export from the unquantised original)")
+    missing = [key for key in (*_REQUIRED_KEYS, _EXPERT_WIDTH_KEY[arch]) if raw.get(key) is None]
+    if raw.get("num_experts") is None and raw.get("num_local_experts") is None:
+        missing.append("num_local_experts" if arch == "mixtral" else "num_experts")
+    if missing:
+        raise _invalid(f"{', '.join(missing)} missing: Colibri does not guess a model's shape "
+                       "from transformers' defaults")
+    cfg = {**_DEFAULTS[arch], **raw}
+
+    if cfg["hidden_act"] not in ("silu", "swish"):
+        raise _unsupported(f"hidden_act {cfg['hidden_act']!r} is not supported (Colibri implements silu)")
+    hidden = _int(cfg["hidden_size"], "hidden_size")
+    num_layers = _int(cfg["num_hidden_layers"], "num_hidden_layers")
+    num_heads = _int(cfg["num_attention_heads"], "num_attention_heads")
+    kv_heads = cfg["num_key_value_heads"]
+    num_kv_heads = _int(num_heads if kv_heads is None else kv_heads, "num_key_value_heads")
+    if num_heads % num_kv_heads:
+        raise _invalid(f"num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads})")
+    head_dim = _int(cfg["head_dim"] or hidden // num_heads, "head_dim")
+    num_experts = _num_experts(raw, cfg)
+    top_k = _int(cfg["num_experts_per_tok"], "num_experts_per_tok")
+    if top_k > num_experts:
+        raise _invalid(f"num_experts_per_tok ({top_k}) exceeds the number of experts ({num_experts})")
+
+    fields: dict[str, Any] = dict(
+        architecture=arch,
+        vocab_size=_int(cfg["vocab_size"], "vocab_size"),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_experts=num_experts,
+        top_k=top_k,
+        rope=_rope(raw, cfg),
+        rms_norm_eps=_number(cfg["rms_norm_eps"], "rms_norm_eps"),
+        tie_word_embeddings=_bool(cfg["tie_word_embeddings"], "tie_word_embeddings"),
+        max_position_embeddings=_int(cfg["max_position_embeddings"], "max_position_embeddings"),
+        dtype=dtype,
+        expert_dtype=expert_dtype,
+        **_special_tokens(cfg, generation),
+    )
+    if arch == "mixtral":
+        fields.update(moe_intermediate_size=_int(cfg["intermediate_size"], "intermediate_size"),
+                      moe_layers=tuple(range(num_layers)), norm_topk_prob=True,
+                      sliding_windows=(_window(cfg["sliding_window"], "sliding_window"),) * num_layers)
+    elif arch == "olmoe":
+        if head_dim * num_heads != hidden:
+            raise _unsupported(f"head_dim {head_dim} is not hidden_size / num_attention_heads; OLMoE's qk-norm spans "
+                        "hidden_size, so transformers cannot run this config")
+        if raw.get("sliding_window") is not None:
+            raise _unsupported("sliding_window is not an OLMoE option "
+                               "(transformers applies it only under flash attention)")
+        clip, bias = cfg["clip_qkv"], _bool(cfg["attention_bias"], "attention_bias")
+        fields.update(moe_intermediate_size=_int(cfg["intermediate_size"], "intermediate_size"),
+                      moe_layers=tuple(range(num_layers)),
+                      norm_topk_prob=_bool(cfg["norm_topk_prob"], "norm_topk_prob"),
+                      qk_norm="full", qkv_bias=bias, o_bias=bias,
+                      clip_qkv=None if clip is None else _number(clip, "clip_qkv"),
+                      sliding_windows=(None,) * num_layers)
+    else:
+        fields.update(_qwen_mlp(cfg, num_layers))
+        if arch == "qwen2_moe":
+            qkv_bias = cfg["qkv_bias"] if "qkv_bias" in raw else "model.layers.0.self_attn.q_proj.bias" in tensor_names
+            fields.update(qkv_bias=_bool(qkv_bias, "qkv_bias"), sliding_windows=_qwen2_windows(cfg, num_layers))
+            shared = _int(cfg["shared_expert_intermediate_size"], "shared_expert_intermediate_size", minimum=0)
+            fields.update(shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0)
+        else:
+            use_sliding = _bool(cfg["use_sliding_window"], "use_sliding_window")
+            window = _window(cfg["sliding_window"], "sliding_window") if use_sliding else None
+            bias = _bool(cfg["attention_bias"], "attention_bias")
+            fields.update(qk_norm="per_head", qkv_bias=bias, o_bias=bias,
+                          sliding_windows=(window,) * num_layers)
+    return ModelConfig(**fields)
+
+
+def _num_experts(raw: dict[str, Any], cfg: dict[str, Any]) -> int:
+    """The routed-expert count: transformers aliases num_experts and num_local_experts in these configs."""
+    given = {key: raw[key] for key in ("num_experts", "num_local_experts") if raw.get(key) is not None}
+    if len(set(given.values())) > 1:
+        raise _invalid(f"num_experts ({given['num_experts']}) and num_local_experts ({given['num_local_experts']}) "
+                       "disagree")
+    value = next(iter(given.values()), cfg["num_experts"])
+    if value == 0:
+        raise _unsupported("num_experts is 0: the model has no routed experts, it is not a mixture of experts")
+    return _int(value, "num_experts")
+
+
+def _qwen_mlp(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen2/3-MoE: which layers are MoE blocks (the others use a dense MLP) and the widths."""
+    step = _int(cfg["decoder_sparse_step"], "decoder_sparse_step")
+    mlp_only = cfg["mlp_only_layers"] or []
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                 for i in mlp_only):
+        raise _invalid(f"mlp_only_layers must be a list of layer indices, got {mlp_only!r}")
+    moe_layers = tuple(layer for layer in range(num_layers) if layer not in mlp_only and (layer + 1) % step == 0)
+    dense = len(moe_layers) < num_layers
+    return dict(moe_layers=moe_layers,
+                moe_intermediate_size=_int(cfg["moe_intermediate_size"], "moe_intermediate_size"),
+                intermediate_size=_int(cfg["intermediate_size"], "intermediate_size") if dense else 0,
+                norm_topk_prob=_bool(cfg["norm_topk_prob"], "norm_topk_prob"))
+
+
+def _window(value: Any, key: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise _unsupported(f"{key} {value!r} is not a usable attention window (a positive number of tokens or null)")
+    return value
+
+
+def _qwen2_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Qwen2-MoE: per-layer windows from layer_types, computed the way Qwen2MoeConfig does when absent."""
+    use_sliding = _bool(cfg["use_sliding_window"], "use_sliding_window")
+    layer_types = cfg["layer_types"]
+    if layer_types is None:
+        max_window_layers = _int(cfg["max_window_layers"], "max_window_layers", minimum=0)
+        sliding = [use_sliding and (i + 1) % 2 == 1 and i < max_window_layers for i in range(num_layers)]
+        layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise _invalid(f"layer_types must list one type per layer ({num_layers})")
+    windows: list[int | None] = []
+    for layer, kind in enumerate(layer_types):
+        if kind in ("full_attention", "attention"):
+            windows.append(None)
+        elif kind == "sliding_attention":
+            # Qwen2MoeConfig sets sliding_window to 0 unless use_sliding_window: such a layer would see nothing.
+            if not use_sliding or cfg["sliding_window"] is None:
+                reason = "sliding_window is null" if use_sliding else "use_sliding_window is false"
+                raise _unsupported(f"layer_types makes layer {layer} sliding_attention but {reason}, "
+                                   "leaving it no window")
+            windows.append(_window(cfg["sliding_window"], "sliding_window"))
+        else:
+            raise _unsupported(f"layer type {kind!r} (layer {layer}) is not supported "
+                               "(full_attention, sliding_attention)")
+    return tuple(windows)
+
+
+def _rope(raw: dict[str, Any], cfg: dict[str, Any]) -> RopeConfig:
+    """RopeConfig from v5 rope_parameters or legacy rope_theta + rope_scaling, as transformers standardises them."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise _invalid(f"rope parameters must be an object, got {params!r}")
+    if any(isinstance(value, dict) for value in params.values()):
+        raise _unsupported("per-layer-type rope parameters are not supported")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial is not None and partial != 1:
+        raise _unsupported(f"partial_rotary_factor {partial} is not supported "
+                           "(rotary embedding over the whole head only)")
+    theta = params.get("rope_theta")
+    theta = _number(cfg["rope_theta"] if theta is None else theta, "rope_theta")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise _unsupported(f"rope type {rope_type!r} is not supported (Colibri implements {', '.join(ROPE_TYPES)})")
+    if rope_type == "default":
+        return RopeConfig(type="default", theta=theta)
+
+    def required(key: str) -> Any:
+        if key not in params:
+            raise _invalid(f"{rope_type} rope parameters lack {key}")
+        return params[key]
+
+    def optional(key: str) -> float | None:
+        return None if params.get(key) is None else _number(params[key], key)
+
+    if rope_type == "linear":
+        return RopeConfig(type="linear", theta=theta, factor=_number(required("factor"), "factor"))
+    # transformers prefers a top-level original_max_position_embeddings, then the rope one, then the model's maximum
+    original = raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+    original = _int(original or cfg["max_position_embeddings"], "original_max_position_embeddings")
+    if rope_type == "llama3":
+        return RopeConfig(type="llama3", theta=theta, factor=_number(required("factor"), "factor"),
+                          original_max_position_embeddings=original,
+                          low_freq_factor=_number(required("low_freq_factor"), "low_freq_factor"),
+                          high_freq_factor=_number(required("high_freq_factor"), "high_freq_factor"))
+    factor = required("factor")
+    factor = cfg["max_position_embeddings"] / original if factor is None else _number(factor, "factor")
+    return RopeConfig(type="yarn", theta=theta, factor=factor, original_max_position_embeddings=original,
+                      attention_factor=optional("attention_factor"), beta_fast=optional("beta_fast"),
+                      beta_slow=optional("beta_slow"), mscale=optional("mscale"),
+                      mscale_all_dim=optional("mscale_all_dim"),
+                      truncate=_bool(params.get("truncate", True), "truncate"))
+
+
+def _special_tokens(cfg: dict[str, Any], generation: dict[str, Any]) -> dict[str, Any]:
+    """bos, eos and pad ids: generation_config.json's where it sets them (as transformers' generate does); an
+    invalid id names the file it came from."""
+    def ids(key: str) -> tuple[int, ...]:
+        if generation.get(key) is not None:
+            return _token_ids(generation[key], key, "generation_config.json")
+        return _token_ids(cfg[key], key, "config.json")
+
+    bos, pad = ids("bos_token_id"), ids("pad_token_id")
+    if len(bos) > 1 or len(pad) > 1:
+        raise _invalid("bos_token_id and pad_token_id must be single ids")
+    return dict(bos_token_id=bos[0] if bos else None, pad_token_id=pad[0] if pad else None,
+                eos_token_ids=ids("eos_token_id"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tensor names
+# ----------------------------------------------------------------------------------------------------------------
+
+# Our per-layer dense tensor name -> the names it has in Hugging Face checkpoints (under model.layers.{l}.).
+_LAYER_TENSORS = {
+    "input_norm": ("input_layernorm.weight",),
+    "q_proj": ("self_attn.q_proj.weight",),
+    "k_proj": ("self_attn.k_proj.weight",),
+    "v_proj": ("self_attn.v_proj.weight",),
+    "o_proj": ("self_attn.o_proj.weight",),
+    "q_bias": ("self_attn.q_proj.bias",),
+    "k_bias": ("self_attn.k_proj.bias",),
+    "v_bias": ("self_attn.v_proj.bias",),
+    "o_bias": ("self_attn.o_proj.bias",),
+    "q_norm": ("self_attn.q_norm.weight",),
+    "k_norm": ("self_attn.k_norm.weight",),
+    "post_attention_norm": ("post_attention_layernorm.weight",),
+    "router": ("mlp.gate.weight", "block_sparse_moe.gate.weight"),
+    "shared_expert.gate_proj": ("mlp.shared_expert.gate_proj.weight",),
+    "shared_expert.up_proj": ("mlp.shared_expert.up_proj.weight",),
+    "shared_expert.down_proj": ("mlp.shared_expert.down_proj.weight",),
+    "shared_expert_gate": ("mlp.shared_expert_gate.weight",),
+    "mlp.gate_proj": ("mlp.gate_proj.weight",),
+    "mlp.up_proj": ("mlp.up_proj.weight",),
+    "mlp.down_proj": ("mlp.down_proj.weight",),
+}
+_GLOBAL_TENSORS = {"embed_tokens": ("model.embed_tokens.weight",), "norm": ("model.norm.weight",),
+                   "lm_head": ("lm_head.weight",)}
+_MOE_PREFIXES = ("mlp", "block_sparse_moe")
+# Per-expert tensor names (what save_pretrained writes): (gate, up, down).
+_EXPERT_NAMINGS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+# Checkpoint tensors that carry nothing the computation needs.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def hf_dense_candidates(name: str) -> tuple[str, ...]:
+    """The checkpoint names that may hold our dense tensor `name`, in order of preference."""
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    _, layer, part = name.split(".", 2)
+    return tuple(f"model.layers.{layer}.{hf}" for hf in _LAYER_TENSORS[part])
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Where one MoE layer's routed experts are: per-expert tensors, or the fused transformers-5 pair.
+
+    Per-expert: `gate`, `up`, `down` are name patterns with an `{e}` field. Fused: `gate` names gate_up_proj
+    [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up), `up` is the same tensor, `down` names down_proj [E, H, I].
+    """
+
+    fused: bool
+    gate: str
+    up: str
+    down: str
+
+
+def hf_expert_names(layer: int, tensor_names: Collection[str]) -> ExpertNames:
+    """How the checkpoint stores the experts of `layer`; CheckpointError when it holds neither layout."""
+    base = f"model.layers.{layer}"
+    for prefix in _MOE_PREFIXES:
+        for gate, up, down in _EXPERT_NAMINGS:
+            pattern = f"{base}.{prefix}.experts.{{e}}.{{p}}.weight"
+            if pattern.format(e=0, p=gate) in tensor_names:
+                return ExpertNames(False, *(pattern.replace("{p}", p) for p in (gate, up, down)))
+        gate_up = f"{base}.{prefix}.experts.gate_up_proj"
+        if gate_up in tensor_names:
+            return ExpertNames(True, gate_up, gate_up, f"{base}.{prefix}.experts.down_proj")
+    raise CheckpointError(f"the checkpoint holds no experts for layer {layer} (looked for "
+                          f"{base}.mlp.experts.0.gate_proj.weight and {base}.mlp.experts.gate_up_proj)")

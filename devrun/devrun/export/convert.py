@@ -1,0 +1,258 @@
+"""Hugging Face checkpoint -> native model folder, streamed.
+
+The export is planned from the safetensors headers alone (every source tensor's name, dtype and shape is checked
+against the translated config before anything is written), then written tensor by tensor: dense tensors in
+`dense_tensor_specs` order through DenseFileWriter, then routed experts one at a time through ExpertFileWriter.
+Rows are read and converted in chunks of a few MiB, so memory peaks at about one expert (or one dense tensor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from ..checkpoint import (CONFIG_FILE, NUMPY_DTYPES, TOKENIZER_FILES, DenseFileWriter, ExpertFileWriter,
+                          dense_tensor_specs, expert_block_layout, write_config)
+from ..config import ModelConfig
+from ..errors import CheckpointError, ColibriError, UnsupportedModelError
+from .architectures import IGNORED_SUFFIXES, hf_dense_candidates, hf_expert_names, translate_config
+from .hf_checkpoint import SOURCE_DTYPES, HFCheckpoint
+from .quantize import quantize_rows
+
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_CHUNK_BYTES = 16 << 20  # float32 bytes of the rows read and converted at once
+
+
+@dataclass(frozen=True)
+class Source:
+    """Rows `row0 : row0 + shape[0]` of checkpoint tensor `name` indexed by `lead`.
+
+    A whole tensor has lead () and row0 0; one expert of a fused [E, 2I, H] gate_up_proj has lead (e,) and row0
+    0 (gate) or I (up).
+    """
+
+    name: str
+    shape: tuple[int, ...]  # of what is read: [n] or [rows, cols]
+    lead: tuple[int, ...] = ()
+    row0: int = 0
+
+    def chunks(self) -> Iterator[tuple[int, int]]:
+        """Row ranges [a, b) of at most _CHUNK_BYTES as float32."""
+        step = max(1, _CHUNK_BYTES // (4 * int(np.prod(self.shape[1:]))))
+        for start in range(0, self.shape[0], step):
+            yield start, min(start + step, self.shape[0])
+
+    def index(self, start: int, stop: int) -> tuple:
+        return self.lead + (slice(self.row0 + start, self.row0 + stop),)
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """What to read for every tensor of the native folder."""
+
+    config: ModelConfig
+    dense: dict[str, Source]  # our dense tensor name -> source, in dense_tensor_specs order
+    experts: dict[int, list[dict[str, Source]]]  # MoE layer -> per expert {"gate", "up", "down"}
+    source_bytes: int  # bytes read from the checkpoint in all
+
+
+def plan_export(checkpoint: HFCheckpoint, config: ModelConfig) -> ExportPlan:
+    """Map every native tensor to its checkpoint source, checking names, dtypes and shapes; reads headers only."""
+    used: set[str] = set()
+
+    def checked(name: str, shape: tuple[int, ...]) -> str:
+        info = checkpoint.tensors[name]
+        if info.dtype not in SOURCE_DTYPES:
+            raise UnsupportedModelError(f"{name} is stored as {info.dtype}; Colibri exports from BF16, F16 or F32 "
+                                        "weights (pre-quantised checkpoints are not supported)")
+        if info.shape != shape:
+            raise CheckpointError(f"{name} has shape {list(info.shape)}, config.json implies {list(shape)}")
+        used.add(name)
+        return name
+
+    dense: dict[str, Source] = {}
+    for name, shape in dense_tensor_specs(config).items():
+        candidates = hf_dense_candidates(name)
+        found = next((c for c in candidates if c in checkpoint.tensors), None)
+        if found is None:
+            raise CheckpointError(f"{candidates[0]} is missing from the checkpoint")
+        dense[name] = Source(checked(found, shape), shape)
+
+    h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    experts: dict[int, list[dict[str, Source]]] = {}
+    for layer in config.moe_layers:
+        names = hf_expert_names(layer, checkpoint.tensors)
+        if names.fused:
+            gate_up, down = checked(names.gate, (e, 2 * i, h)), checked(names.down, (e, h, i))
+            experts[layer] = [dict(gate=Source(gate_up, (i, h), (x,), 0), up=Source(gate_up, (i, h), (x,), i),
+                                   down=Source(down, (h, i), (x,))) for x in range(e)]
+            continue
+        experts[layer] = []
+        for x in range(e):
+            tensors = {}
+            for part, pattern, shape in (("gate", names.gate, (i, h)), ("up", names.up, (i, h)),
+                                         ("down", names.down, (h, i))):
+                name = pattern.format(e=x)
+                if name not in checkpoint.tensors:
+                    raise CheckpointError(f"{name} is missing from the checkpoint")
+                tensors[part] = Source(checked(name, shape), shape)
+            experts[layer].append(tensors)
+
+    tolerated = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    unused = sorted(n for n in set(checkpoint.tensors) - used - tolerated if not n.endswith(IGNORED_SUFFIXES))
+    if unused:
+        raise CheckpointError(f"the checkpoint holds {len(unused)} tensors that config.json does not account for "
+                              f"(first: {unused[0]})")
+    return ExportPlan(config, dense, experts, sum(checkpoint.tensors[n].nbytes for n in used))
+
+
+def untie_differing_lm_head(checkpoint: HFCheckpoint, config: ModelConfig) -> ModelConfig:
+    """`config`, untied when the checkpoint holds an lm_head that differs from the embeddings.
+
+    transformers ties lm_head to the embeddings only when the checkpoint lacks lm_head.weight or holds an equal
+    one (torch .bin checkpoints store both); a different lm_head.weight is loaded untied, whatever
+    tie_word_embeddings says. Compared in row chunks, as float32 (the reference dtype).
+    """
+    (embed,), (head,) = hf_dense_candidates("embed_tokens"), hf_dense_candidates("lm_head")
+    if not config.tie_word_embeddings or head not in checkpoint.tensors or embed not in checkpoint.tensors:
+        return config
+    shape = checkpoint.tensors[embed].shape
+    if checkpoint.tensors[head].shape == shape:
+        source = Source(embed, shape)
+        if all(np.array_equal(checkpoint.read(embed, source.index(a, b)).astype(np.float32),
+                              checkpoint.read(head, source.index(a, b)).astype(np.float32))
+               for a, b in source.chunks()):
+            return config
+    return dataclasses.replace(config, tie_word_embeddings=False)
+
+
+def _cast(rows: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
+    """Rows in the storage dtype, converted through float32 when the dtypes differ."""
+    if rows.dtype == dtype:
+        return rows
+    wide = rows.astype(np.float32)
+    narrow = wide.astype(dtype)
+    if dtype == np.float16 and np.any(np.isinf(narrow) & np.isfinite(wide)):
+        raise ColibriError(f"{name} has values beyond float16's range; export with --dtype bf16 or fp32")
+    return narrow
+
+
+class _Reader:
+    """Reads sources chunk by chunk into storage arrays, counting the bytes read on a progress bar."""
+
+    def __init__(self, checkpoint: HFCheckpoint, bar: tqdm):
+        self.checkpoint = checkpoint
+        self.bar = bar
+
+    def _rows(self, source: Source) -> Iterator[tuple[int, int, np.ndarray]]:
+        for start, stop in source.chunks():
+            rows = self.checkpoint.read(source.name, source.index(start, stop))  # [stop - start, ...] stored dtype
+            self.bar.update(rows.nbytes)
+            yield start, stop, rows
+
+    def converted(self, source: Source, dtype: str) -> np.ndarray:
+        """The whole source in `dtype`.  # source.shape"""
+        out = np.empty(source.shape, NUMPY_DTYPES[dtype])
+        for start, stop, rows in self._rows(source):
+            out[start:stop] = _cast(rows, out.dtype, source.name)
+        return out
+
+    def quantized(self, source: Source) -> tuple[np.ndarray, np.ndarray]:
+        """int8 rows and their scales.  # ([rows, cols] int8, [rows] float32)"""
+        q = np.empty(source.shape, np.int8)
+        scale = np.empty(source.shape[0], np.float32)
+        for start, stop, rows in self._rows(source):
+            q[start:stop], scale[start:stop] = quantize_rows(rows.astype(np.float32))
+        return q, scale
+
+
+def _write_weights(plan: ExportPlan, checkpoint: HFCheckpoint, out: Path, progress: bool) -> None:
+    config = plan.config
+    with tqdm(total=plan.source_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="export",
+              file=sys.stderr, disable=not progress) as bar:
+        reader = _Reader(checkpoint, bar)
+        specs = dense_tensor_specs(config)
+        dense = DenseFileWriter(out / config.dense_file, {n: (shape, config.dtype) for n, shape in specs.items()})
+        for name, source in plan.dense.items():
+            dense.write(name, reader.converted(source, config.dtype))
+        dense.close()
+        with ExpertFileWriter(out / config.experts_file, config) as experts:
+            for layer, sources in plan.experts.items():
+                for expert, parts in enumerate(sources):
+                    tensors: dict[str, np.ndarray] = {}
+                    for part, source in parts.items():
+                        if config.expert_dtype == "int8":
+                            tensors[part], tensors[part + "_scale"] = reader.quantized(source)
+                        else:
+                            tensors[part] = reader.converted(source, config.expert_dtype)
+                    experts.write_expert(layer, expert, tensors)
+
+
+def _prepare_output(out: Path, source: Path, config: ModelConfig, force: bool, needed: int) -> bool:
+    """Make `out` ready to receive a model of `needed` bytes; returns whether it was created."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} exists and is not a directory")
+    if out.exists() and out.resolve() == source.resolve():
+        raise CheckpointError("the output folder must not be the Hugging Face folder")
+    created = not out.exists()
+    if not created and any(out.iterdir()):
+        if not force:
+            raise CheckpointError(f"{out} is not empty (use --force to overwrite it)")
+        # config.json first: until the new one is written last, the folder must not look like a valid model.
+        for name in (CONFIG_FILE, config.dense_file, config.experts_file, *TOKENIZER_FILES):
+            (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out).free
+    if free < needed:
+        if created:
+            out.rmdir()
+        raise CheckpointError(f"{out} has {free / 2**30:.1f} GiB free, the export needs {needed / 2**30:.1f} GiB")
+    return created
+
+
+def export_model(hf_dir: str | Path, out_dir: str | Path, dtype: str = "bf16", quantize: str | None = None,
+                 force: bool = False, progress: bool = True) -> ModelConfig:
+    """Convert a Hugging Face MoE checkpoint into a native model folder and return its config.
+
+    dtype: "bf16", "fp16" or "fp32", the storage dtype of every tensor; quantize: None, or "int8" for the routed
+    experts (symmetric, per output channel). A non-empty `out_dir` is refused unless `force`. config.json is
+    written last, and a failed export leaves no config.json behind.
+    """
+    if dtype not in DTYPE_NAMES:
+        raise ColibriError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+    if quantize not in (None, "int8"):
+        raise ColibriError(f"quantize {quantize!r} is not supported (int8)")
+    checkpoint = HFCheckpoint(hf_dir)
+    storage = DTYPE_NAMES[dtype]
+    config = translate_config(checkpoint.config, checkpoint.generation_config, checkpoint.tensors.keys(),
+                              storage, "int8" if quantize else storage)
+    config = untie_differing_lm_head(checkpoint, config)
+    plan = plan_export(checkpoint, config)
+    dense_bytes = sum(int(np.prod(s)) for s in dense_tensor_specs(config).values()) * NUMPY_DTYPES[storage].itemsize
+    expert_bytes = len(config.moe_layers) * config.num_experts * expert_block_layout(config)[1]
+    out = Path(out_dir)
+    created = _prepare_output(out, checkpoint.folder, config, force, dense_bytes + expert_bytes)
+    try:
+        _write_weights(plan, checkpoint, out, progress)
+        for name in TOKENIZER_FILES:
+            if (checkpoint.folder / name).is_file():
+                shutil.copyfile(checkpoint.folder / name, out / name)
+        write_config(out, config)
+    except BaseException as exc:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            for name in (CONFIG_FILE, config.dense_file, config.experts_file):
+                (out / name).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise CheckpointError(f"export failed: {exc.strerror or exc}{where}") from None
+        raise
+    return config

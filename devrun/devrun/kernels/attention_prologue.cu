@@ -1,0 +1,101 @@
+// Launch contract
+//
+// qk_norm_rope_write: what a layer does between the q/k/v projections and attention, in one launch: optional
+// RMSNorm of q and k, optional clamp of q, k and v, the rotary embedding of q and k (as rotary in rope.cu), k and v
+// stored in the paged caches (as write_kv in kv_cache.cu), the rotated q written out. In the model's order:
+// full norm, clamp, per-head norm, rotary.
+//   q          float32 [T, Q*D] contiguous; k, v float32 [T, K*D] contiguous; D = 2 * half
+//   norm       0: none; 1: per head, RMSNorm over each head's D; 2: full, RMSNorm over each token's Q*D of q and
+//              K*D of k
+//   q_weight   float32 [D] (norm 1), [Q*D] (norm 2), unused (may be null) for norm 0; k_weight: [D], [K*D]
+//   eps        RMSNorm epsilon: x / sqrt(mean(x^2) + eps) * weight
+//   clip       > 0: q, k, v clamped to [-clip, clip] (after a full norm, before a per-head one); 0: no clamp
+//   cos, sin   float32 [P, D/2] tables; positions int64 [T], each below P
+//   slots      int64 [T]; a negative slot stores nothing (padding rows of a captured batch), q is still written
+//   q_out      float32 [T, Q, D] (not aliasing q)
+//   key_cache, value_cache float32 [num_blocks, block_size, K, D]: slot s owns the K*D floats at s * K * D
+//   grid: (T, G), block: a multiple of 32 threads (at most 1024). Each warp takes one of the token's Q + 2K heads
+//   at a time (q heads, then k heads, then v heads), striding by G * warps per block.
+//   norm 2 needs G = 1: the block sums each token's squares of q and of k before any head is written.
+#include "common.cuh"
+
+__device__ __forceinline__ float clamp_to(float v, float clip) {
+    return clip > 0.f ? fminf(fmaxf(v, -clip), clip) : v;
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+qk_norm_rope_write(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                   const float* __restrict__ q_weight, const float* __restrict__ k_weight,
+                   const float* __restrict__ cos, const float* __restrict__ sin,
+                   const long long* __restrict__ positions, const long long* __restrict__ slots,
+                   float* __restrict__ q_out, float* __restrict__ key_cache, float* __restrict__ value_cache,
+                   int Q, int K, int half, int norm, float eps, float clip) {
+    pdl_wait();
+    const long long t = blockIdx.x;
+    const int D = 2 * half;
+    const long long p = positions[t], slot = slots[t];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+
+    float q_inv = 1.f, k_inv = 1.f;  // full norm: 1 / rms of the token's whole q, and of its k
+    if (norm == 2) {
+        float squares = 0.f;
+        for (int i = threadIdx.x; i < Q * D; i += blockDim.x) {
+            const float x = q[t * Q * D + i];
+            squares = fmaf(x, x, squares);
+        }
+        q_inv = rsqrtf(block_sum(squares) / (Q * D) + eps);
+        __syncthreads();  // every thread has read block_sum's result before its shared memory is reused
+        squares = 0.f;
+        for (int i = threadIdx.x; i < K * D; i += blockDim.x) {
+            const float x = k[t * K * D + i];
+            squares = fmaf(x, x, squares);
+        }
+        k_inv = rsqrtf(block_sum(squares) / (K * D) + eps);
+    }
+
+    for (int h = blockIdx.y * warps + warp; h < Q + 2 * K; h += gridDim.y * warps) {
+        if (h >= Q + K) {  // a v head: clamped and stored
+            if (slot < 0) continue;
+            const int head = h - Q - K;
+            const float* src = v + (t * K + head) * D;
+            float* dst = value_cache + (slot * K + head) * D;
+            for (int i = lane; i < D; i += 32) dst[i] = clamp_to(src[i], clip);
+            continue;
+        }
+        const bool is_q = h < Q;
+        if (!is_q && slot < 0) continue;
+        const int head = is_q ? h : h - Q;
+        const float* src = is_q ? q + (t * Q + head) * D : k + (t * K + head) * D;
+        float* dst = is_q ? q_out + (t * Q + head) * D : key_cache + (slot * K + head) * D;
+        const float* weight = is_q ? q_weight : k_weight;
+        float scale = 1.f;
+        if (norm == 1) {
+            float squares = 0.f;
+            for (int i = lane; i < D; i += 32) {
+                const float x = clamp_to(src[i], clip);
+                squares = fmaf(x, x, squares);
+            }
+            scale = rsqrtf(warp_sum(squares) / D + eps);
+        } else if (norm == 2) {
+            scale = is_q ? q_inv : k_inv;
+            weight += head * D;
+        }
+        for (int i = lane; i < half; i += 32) {
+            float x1 = src[i], x2 = src[i + half];
+            if (norm == 2) {
+                x1 = clamp_to(x1 * scale * weight[i], clip);
+                x2 = clamp_to(x2 * scale * weight[i + half], clip);
+            } else {
+                x1 = clamp_to(x1, clip);
+                x2 = clamp_to(x2, clip);
+                if (norm == 1) {
+                    x1 = x1 * scale * weight[i];
+                    x2 = x2 * scale * weight[i + half];
+                }
+            }
+            const float c = cos[p * half + i], s = sin[p * half + i];
+            dst[i] = x1 * c - x2 * s;
+            dst[i + half] = x2 * c + x1 * s;
+        }
+    }
+}

@@ -1,0 +1,178 @@
+// Helpers shared by the kernels: 16-byte weight loads widened to float, scalar conversions, warp and block sums.
+//
+// Storage types W of weights: float, __nv_bfloat16, __half, signed char (int8, scaled per row by the caller).
+// Vec<W>::N elements fill one 16-byte load, so a row read with Vec<W> must start 16-byte aligned: its length in
+// elements is a multiple of Vec<W>::N (the backend checks this before launching).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// Programmatic dependent launch (colibri_stream/backends/launch.py): inside a captured decode step a kernel may be
+// launched while the kernel before it still runs. pdl_wait() returns once that kernel has completed and its writes
+// are visible, then lets the next kernel launch; every kernel calls it, in every thread, before it reads anything an
+// earlier kernel wrote or writes anything (an earlier kernel may still read it). Before it, a kernel only reads
+// weights. For a kernel launched normally both instructions do nothing.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Ask the L2 to fetch `bytes` (a multiple of 16) of global memory from p (16-byte aligned), without waiting: what a
+// kernel does with its weights before pdl_wait(), so they stream in while the kernel before it ends.
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+template <typename W> struct Vec;
+
+template <> struct Vec<float> {
+    static constexpr int N = 4;
+    __device__ __forceinline__ static void load(const float* p, float* out) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(p));
+        out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+    }
+};
+
+template <> struct Vec<__nv_bfloat16> {
+    static constexpr int N = 8;
+    __device__ __forceinline__ static void load(const __nv_bfloat16* p, float* out) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(pairs[i]);
+            out[2 * i] = f.x; out[2 * i + 1] = f.y;
+        }
+    }
+};
+
+template <> struct Vec<__half> {
+    static constexpr int N = 8;
+    __device__ __forceinline__ static void load(const __half* p, float* out) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+        const __half2* pairs = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __half22float2(pairs[i]);
+            out[2 * i] = f.x; out[2 * i + 1] = f.y;
+        }
+    }
+};
+
+template <> struct Vec<signed char> {
+    static constexpr int N = 16;
+    __device__ __forceinline__ static void load(const signed char* p, float* out) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+        const signed char* bytes = reinterpret_cast<const signed char*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) out[i] = static_cast<float>(bytes[i]);
+    }
+};
+
+// N consecutive float32 activations (16-byte aligned, N a multiple of 4).
+template <int N>
+__device__ __forceinline__ void load_floats(const float* p, float* out) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+        const float4 v = *reinterpret_cast<const float4*>(p + i);
+        out[i] = v.x; out[i + 1] = v.y; out[i + 2] = v.z; out[i + 3] = v.w;
+    }
+}
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+template <typename W> __device__ __forceinline__ W from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, offset));
+    return v;
+}
+
+// The largest and the smallest of v over the warp (every lane gets it): one redux instruction from sm_80 on.
+__device__ __forceinline__ unsigned warp_max_u32(unsigned v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return __reduce_max_sync(FULL_MASK, v);
+#else
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(FULL_MASK, v, offset));
+    return v;
+#endif
+}
+
+__device__ __forceinline__ unsigned warp_min_u32(unsigned v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return __reduce_min_sync(FULL_MASK, v);
+#else
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = min(v, __shfl_xor_sync(FULL_MASK, v, offset));
+    return v;
+#endif
+}
+
+// Sum of v over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+// Uses 32 floats of static shared memory: a second call must come after a __syncthreads() that follows every
+// thread's use of the first call's result.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    v = warp_sum(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < static_cast<int>(blockDim.x / 32) ? partial[lane] : 0.f;
+        v = warp_sum(v);
+        if (lane == 0) partial[0] = v;
+    }
+    __syncthreads();
+    return partial[0];
+}
+
+// Dot products of R weight rows (length `cols`, storage W) with TT activation rows of float32, accumulated per
+// thread: acc[r][j] += sum over this thread's columns of w_r[c] * x_j[c]. The thread takes the 16-byte chunks at
+// columns start, start + step, ... (start and step multiples of Vec<W>::N), so the threads sharing a row read it
+// once, coalesced; each weight chunk is loaded once per call and each activation chunk once per R rows. The caller
+// reduces acc over the threads. Activation rows j >= n are skipped (their acc is left unchanged).
+template <typename W, int R, int TT>
+__device__ __forceinline__ void dot_tile(const W* const* w, const float* const* x, int n, int cols, int start,
+                                         int step, float (&acc)[R][TT]) {
+    constexpr int V = Vec<W>::N;
+    constexpr int UNROLL = TT <= 2 ? 4 : 2;  // more loads in flight when few activation rows share a load
+#pragma unroll UNROLL
+    for (int c = start; c < cols; c += step) {
+        float wv[R][V];
+#pragma unroll
+        for (int r = 0; r < R; ++r) Vec<W>::load(w[r] + c, wv[r]);
+#pragma unroll
+        for (int j = 0; j < TT; ++j) {
+            if (j < n) {
+                float xv[V];
+                load_floats<V>(x[j] + c, xv);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+#pragma unroll
+                    for (int v = 0; v < V; ++v) acc[r][j] = fmaf(wv[r][v], xv[v], acc[r][j]);
+                }
+            }
+        }
+    }
+}

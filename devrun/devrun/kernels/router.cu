@@ -1,0 +1,197 @@
+// Launch contract
+//
+// Both kernels: router logits in float32, softmax over all experts, the top k and optional renormalisation.
+//   x       float32 [T, H] contiguous; router W [E, H] (W: float, __nv_bfloat16, __half), H a multiple of Vec<W>::N
+//   weights float32 [T, k]: the k largest softmax probabilities, largest first (ties: lower expert id first),
+//           divided by their sum when renormalize != 0
+//   ids     int32 [T, k]: their expert ids
+//
+// route_topk<W>: one block per token (for many tokens: each block reads the whole router, mostly from L2).
+//   grid.x: T, block: 1024 threads (32 warps: one expert logit per warp at a time, then warp 0 selects),
+//   dynamic shared memory: E floats.
+//
+// route_split<W, TT>: few tokens, the router's rows spread over the GPU (at T = 1 one block reading every row
+//   gets about 32 GB/s); each block computes one expert's logits for a tile of TT tokens, the last block of a tile
+//   to finish selects for the tile's tokens.
+//   logits   float32 [T, E] scratch: written by every block, read by the tile's last one
+//   counters uint32 [>= ceil(T / TT)]: zero before the launch, left zero after it (the last block of tile j counts
+//            blocks in counters[j], then resets it), so one array serves every launch on a stream, graphs included
+//   grid: (E, ceil(T / TT)), block: ROUTER_WARPS * 32 threads splitting the row's columns,
+//   dynamic shared memory: ROUTER_WARPS * E floats.
+#include "common.cuh"
+
+constexpr int ROUTER_WARPS = 4;
+
+constexpr int TOPK_LANE_EXPERTS = 8;  // softmax_topk holds up to 32 * this many experts in registers
+
+// A probability p >= 0 as an unsigned key ordered like p (float bits of non-negative values are), 0 for -1 (chosen
+// or no expert).
+__device__ __forceinline__ unsigned prob_key(float p) { return p >= 0.f ? __float_as_uint(p) + 1u : 0u; }
+
+// softmax_topk (below) for E <= 32 * TOPK_LANE_EXPERTS, with probs read only: lane l holds experts l, l + 32, ... in
+// registers (-1: chosen, or past E), with the same arithmetic in the same order; each of the k rounds takes the
+// warp's largest key, then the lowest id among the lanes holding it (one redux instruction each), so the choice and
+// every value are the shared-memory walk's.
+__device__ __forceinline__ void softmax_topk_registers(const float* probs, int E, int k, int renormalize,
+                                                       float* weights, int* ids) {
+    const int lane = threadIdx.x % 32;
+    float p[TOPK_LANE_EXPERTS];
+    float top = neg_inf();
+#pragma unroll
+    for (int i = 0; i < TOPK_LANE_EXPERTS; ++i) {
+        p[i] = lane + 32 * i < E ? probs[lane + 32 * i] : neg_inf();
+        top = fmaxf(top, p[i]);
+    }
+    top = warp_max(top);
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < TOPK_LANE_EXPERTS; ++i) {
+        if (lane + 32 * i < E) {
+            p[i] = expf(p[i] - top);
+            total += p[i];
+        }
+    }
+    total = warp_sum(total);
+#pragma unroll
+    for (int i = 0; i < TOPK_LANE_EXPERTS; ++i) p[i] = lane + 32 * i < E ? p[i] / total : -1.f;
+
+    float picked = 0.f;
+    for (int j = 0; j < k; ++j) {
+        float best = -1.f;
+        int best_e = E;
+#pragma unroll
+        for (int i = 0; i < TOPK_LANE_EXPERTS; ++i) {
+            if (p[i] > best) { best = p[i]; best_e = lane + 32 * i; }
+        }
+        const unsigned key = warp_max_u32(prob_key(best));
+        const int chosen = static_cast<int>(warp_min_u32(prob_key(best) == key ? best_e : E));
+        best = key == 0u ? -1.f : __uint_as_float(key - 1u);
+        if (lane == 0) {
+            weights[j] = best;
+            ids[j] = chosen;
+        }
+#pragma unroll
+        for (int i = 0; i < TOPK_LANE_EXPERTS; ++i) {
+            if (lane + 32 * i == chosen) p[i] = -1.f;
+        }
+        picked += best;
+    }
+    if (renormalize && lane == 0) {
+        for (int j = 0; j < k; ++j) weights[j] /= picked;
+    }
+}
+
+// Softmax over the E logits in probs (shared memory), then the k largest probabilities into weights[0..k) and their
+// expert ids into ids[0..k) (written by lane 0; ties: lower expert id first), divided by their sum when
+// renormalize != 0. Called by all 32 lanes of one warp; each lane only touches experts lane, lane + 32, ..., so no
+// synchronisation is needed. Up to 32 * TOPK_LANE_EXPERTS experts, softmax_topk_registers; more, this walk over
+// shared memory (overwritten with probabilities; -1 marks a chosen expert).
+__device__ __forceinline__ void softmax_topk(float* probs, int E, int k, int renormalize, float* weights,
+                                             int* ids) {
+    if (E <= 32 * TOPK_LANE_EXPERTS) {
+        softmax_topk_registers(probs, E, k, renormalize, weights, ids);
+        return;
+    }
+    const int lane = threadIdx.x % 32;
+    float top = neg_inf();
+    for (int e = lane; e < E; e += 32) top = fmaxf(top, probs[e]);
+    top = warp_max(top);
+    float total = 0.f;
+    for (int e = lane; e < E; e += 32) {
+        const float p = expf(probs[e] - top);
+        probs[e] = p;
+        total += p;
+    }
+    total = warp_sum(total);
+    for (int e = lane; e < E; e += 32) probs[e] /= total;
+
+    float picked = 0.f;
+    for (int j = 0; j < k; ++j) {
+        float best = -1.f;
+        int best_e = E;
+        for (int e = lane; e < E; e += 32) {
+            if (probs[e] > best) { best = probs[e]; best_e = e; }
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const float other = __shfl_xor_sync(FULL_MASK, best, offset);
+            const int other_e = __shfl_xor_sync(FULL_MASK, best_e, offset);
+            if (other > best || (other == best && other_e < best_e)) { best = other; best_e = other_e; }
+        }
+        if (lane == 0) {
+            weights[j] = best;
+            ids[j] = best_e;
+        }
+        if (lane == (best_e & 31)) probs[best_e] = -1.f;
+        picked += best;
+    }
+    if (renormalize && lane == 0) {
+        for (int j = 0; j < k; ++j) weights[j] /= picked;
+    }
+}
+
+template <typename W>
+__global__ void __launch_bounds__(1024)
+route_topk(const float* __restrict__ x, const W* __restrict__ router, float* __restrict__ weights,
+           int* __restrict__ ids, int H, int E, int k, int renormalize) {
+    pdl_wait();
+    extern __shared__ float probs[];  // [E]
+    const int t = blockIdx.x;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+    const float* xs[1] = {x + static_cast<long long>(t) * H};
+    for (int e = warp; e < E; e += num_warps) {
+        const W* rows[1] = {router + static_cast<long long>(e) * H};
+        float acc[1][1] = {};
+        dot_tile<W, 1, 1>(rows, xs, 1, H, lane * Vec<W>::N, 32 * Vec<W>::N, acc);
+        const float logit = warp_sum(acc[0][0]);
+        if (lane == 0) probs[e] = logit;
+    }
+    __syncthreads();
+    if (warp == 0) softmax_topk(probs, E, k, renormalize, weights + t * k, ids + t * k);
+}
+
+template <typename W, int TT>
+__global__ void __launch_bounds__(ROUTER_WARPS * 32)
+route_split(const float* __restrict__ x, const W* __restrict__ router, float* __restrict__ weights,
+            int* __restrict__ ids, int H, int E, int k, int renormalize, float* __restrict__ logits,
+            unsigned int* __restrict__ counters, int T) {
+    extern __shared__ float probs[];  // [ROUTER_WARPS, E]: one token's logits per warp (the selecting block)
+    __shared__ float partial[ROUTER_WARPS][TT];
+    __shared__ bool last;
+    const int e = blockIdx.x, tile = blockIdx.y;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int t0 = tile * TT, n = min(TT, T - t0);
+    const W* rows[1] = {router + static_cast<long long>(e) * H};
+    if (tile == 0 && threadIdx.x == 0) prefetch_l2(rows[0], H * sizeof(W));
+    pdl_wait();  // before it, only the router's weights are read
+    const float* xs[TT];
+#pragma unroll
+    for (int j = 0; j < TT; ++j) xs[j] = x + static_cast<long long>(t0 + min(j, n - 1)) * H;
+    float acc[1][TT] = {};
+    dot_tile<W, 1, TT>(rows, xs, n, H, threadIdx.x * Vec<W>::N, ROUTER_WARPS * 32 * Vec<W>::N, acc);
+#pragma unroll
+    for (int j = 0; j < TT; ++j) {
+        const float s = warp_sum(acc[0][j]);
+        if (lane == 0) partial[warp][j] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x < n) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < ROUTER_WARPS; ++w) s += partial[w][threadIdx.x];
+        logits[static_cast<long long>(t0 + threadIdx.x) * E + e] = s;
+        __threadfence();  // the logit is visible to every block before this block is counted
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&counters[tile], 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+
+    float* mine = probs + warp * E;  // [E]
+    for (int j = warp; j < n; j += ROUTER_WARPS) {
+        const long long t = t0 + j;
+        for (int i = lane; i < E; i += 32) mine[i] = __ldcg(logits + t * E + i);  // from L2: other blocks wrote it
+        softmax_topk(mine, E, k, renormalize, weights + t * k, ids + t * k);
+    }
+    if (threadIdx.x == 0) counters[tile] = 0;
+}

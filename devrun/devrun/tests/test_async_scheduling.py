@@ -1,0 +1,181 @@
+"""Scheduling one step ahead (scheduler.schedule_next, ModelRunner.launch/collect) on the NumPy backend.
+
+The NumPy runner computes a launched step at once, so these tests check the scheduling itself: a step scheduled
+before the tokens of the one before it are known must give every request exactly what synchronous steps give,
+including requests that stop (eos, stop token, stop string, max_tokens) or are aborted while a step for them is
+already launched, and must leave no KV block held.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from colibri_stream.engine import EngineCore
+from colibri_stream.request import Request, SamplingParams
+from colibri_stream.scheduler import FED_TOKEN
+
+ROOMY = dict(device="cpu", block_size=4, num_kv_blocks=96, max_seq_len=64, max_batch_size=8)
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello world", "streaming tokens one by one!",
+         "Mixture of experts models route every token to a few experts."]
+
+
+def engines(tiny_model_dir, **options):
+    """The same engine twice: steps read before the next is scheduled, and steps scheduled one ahead."""
+    sync = EngineCore.from_pretrained(str(tiny_model_dir), **{**ROOMY, **options}, async_scheduling=False)
+    ahead = EngineCore.from_pretrained(str(tiny_model_dir), **{**ROOMY, **options}, async_scheduling=True)
+    return sync, ahead
+
+
+class LaunchCounter:
+    """Counts the steps an engine's runner launched ahead (wraps `launch`)."""
+
+    def __init__(self, core: EngineCore):
+        self.count = 0
+        launch = core.runner.launch
+
+        def counted(step):
+            launched = launch(step)
+            self.count += launched is not None
+            return launched
+
+        core.runner.launch = counted
+
+
+def run_all(core: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]], abort_after: dict | None = None):
+    """Add every request, step until done; (request_id, index) -> (token ids, text, finish_reason, stop_reason,
+    completion_tokens). `abort_after`: request id -> abort it once it got that many tokens."""
+    for request_id, (ids, params) in requests.items():
+        core.add_request(request_id, ids, params)
+    results: dict[tuple, list] = {}
+
+    def record(outputs):
+        for out in outputs:
+            entry = results.setdefault((out.request_id, out.index), [[], "", None, None, 0])
+            entry[0] += out.token_ids
+            entry[1] += out.text
+            entry[2:] = [out.finish_reason, out.stop_reason, out.completion_tokens]
+
+    while core.has_unfinished():
+        record(core.step())
+        for request_id, count in (abort_after or {}).items():
+            if len(results.get((request_id, 0), [[]])[0]) >= count:
+                record(core.abort(request_id))
+    assert core.kv.num_used_blocks == 0  # nothing held once every request finished
+    return results
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_dir):
+    core = EngineCore.from_pretrained(str(tiny_model_dir), **ROOMY)
+    return [core.tokenizer.encode(text) for text in TEXTS]
+
+
+def test_greedy_requests_of_different_lengths_match_synchronous_steps(tiny_model_dir, prompts):
+    sync, ahead = engines(tiny_model_dir)
+    counter = LaunchCounter(ahead)
+    requests = {f"r{i}": (ids, SamplingParams(max_tokens=3 + 5 * i, temperature=0.0, ignore_eos=True))
+                for i, ids in enumerate(prompts)}
+    expected = run_all(sync, requests)
+    assert run_all(ahead, requests) == expected
+    assert [len(expected[(f"r{i}", 0)][0]) for i in range(4)] == [3, 8, 13, 18]
+    assert counter.count >= 15  # the decode steps ran ahead (18 tokens, one prefill)
+
+
+def test_stops_found_after_the_next_step_was_launched(tiny_model_dir, prompts):
+    """Stop tokens and stop strings end a sequence while a step for it is already launched: its token from that
+    step is dropped, and the text, finish reason and usage are what synchronous steps give."""
+    sync, ahead = engines(tiny_model_dir)
+    free = run_all(sync, {"g": (prompts[0], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))})
+    tokens, text = free[("g", 0)][:2]
+    stop_string = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop_string.strip()
+    requests = {
+        "token": (prompts[0], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(tokens[6],))),
+        "string": (prompts[0], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=(stop_string,))),
+        "eos": (prompts[0], SamplingParams(max_tokens=20, temperature=0.0)),
+        "long": (prompts[1], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)),
+    }
+    sync.eos_token_ids = ahead.eos_token_ids = frozenset({tokens[9]})
+    counter = LaunchCounter(ahead)
+    expected = run_all(sync, requests)
+    got = run_all(ahead, requests)
+    assert got == expected and counter.count >= 15
+    assert expected[("token", 0)][2] == "stop" and expected[("token", 0)][0][-1] == tokens[6]
+    assert expected[("string", 0)][3] == stop_string
+    assert expected[("eos", 0)][2] == "stop" and len(expected[("eos", 0)][0]) < 20
+    assert expected[("long", 0)][2] == "length"
+
+
+def test_abort_while_a_step_is_launched(tiny_model_dir, prompts):
+    sync, ahead = engines(tiny_model_dir)
+    requests = {f"r{i}": (ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+                for i, ids in enumerate(prompts)}
+    expected = run_all(sync, requests, abort_after={"r1": 5})
+    got = run_all(ahead, requests, abort_after={"r1": 5})
+    assert {key: value[0] for key, value in got.items() if key[0] != "r1"} == \
+           {key: value[0] for key, value in expected.items() if key[0] != "r1"}
+    assert 5 <= len(got[("r1", 0)][0]) < 16 and got[("r1", 0)][2] == "abort"
+
+
+def test_sampled_and_logprob_requests_run_synchronously_beside_greedy_ones(tiny_model_dir, prompts):
+    """Steps with a sequence that needs more than an argmax are not launched ahead; seeded draws, logprobs and
+    n > 1 come out the same, and greedy requests alone in a batch again go ahead."""
+    sync, ahead = engines(tiny_model_dir)
+    counter = LaunchCounter(ahead)
+    requests = {
+        "seeded": (prompts[0], SamplingParams(max_tokens=10, temperature=0.9, seed=3, ignore_eos=True, n=2)),
+        "logprobs": (prompts[1], SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True)),
+        "greedy": (prompts[2], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)),
+    }
+    assert run_all(ahead, requests) == run_all(sync, requests)
+    assert 0 < counter.count <= 14  # the greedy request's last steps, once it runs alone
+
+
+def test_preemption_and_chunked_prefill_with_steps_launched_ahead(tiny_model_dir, prompts):
+    """A tight KV cache and token budget: admissions, chunks and preemptions happen between steps launched
+    ahead; every request gets the tokens of synchronous steps."""
+    tight = dict(num_kv_blocks=24, max_num_batched_tokens=16, max_batch_size=4)
+    sync, ahead = engines(tiny_model_dir, **tight)
+    counter = LaunchCounter(ahead)
+    requests = {f"r{i}": (ids, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+                for i, ids in enumerate(prompts * 2)}
+    expected = run_all(sync, requests)
+    assert run_all(ahead, requests) == expected
+    assert ahead.scheduler.num_preemptions > 0 and counter.count > 0
+
+
+def test_schedule_next_feeds_each_sequence_its_row_and_declines_admissions(tiny_model_dir, prompts):
+    core = EngineCore.from_pretrained(str(tiny_model_dir), **ROOMY, async_scheduling=False)
+    scheduler = core.scheduler
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        scheduler.add_request(Request(f"r{i}", prompts[i], params, frozenset()))
+    prefill = scheduler.schedule()
+    assert scheduler.schedule_next(prefill) is None  # prompts are not one token each
+    scheduler.update_from_output(prefill, [7, 8, 9])
+    decode = scheduler.schedule()
+    ahead = scheduler.schedule_next(decode)
+    assert [s.feed_row for s in ahead.seqs] == [0, 1, 2]
+    assert [s.token_ids for s in ahead.seqs] == [[FED_TOKEN]] * 3
+    assert [s.start_position for s in ahead.seqs] == [len(p) + 1 for p in prompts[:3]]
+    updates = scheduler.update_from_output(decode, [1, 2, 3])
+    assert [u.new_token_ids for u in updates] == [[1], [2], [3]]
+    # max_tokens 3: the step launched ahead makes the third token, so nothing follows it
+    assert scheduler.schedule_next(ahead) is None
+    scheduler.update_from_output(ahead, [4, 5, 6])
+    assert not scheduler.has_unfinished()
+    outputs = [s.request.token_ids[len(p):] for s, p in zip(prefill.seqs, prompts)]
+    assert outputs == [[7, 1, 4], [8, 2, 5], [9, 3, 6]]
+    scheduler.add_request(Request("a", prompts[0], params, frozenset()))
+    scheduler.update_from_output(scheduler.schedule(), [1])
+    decode = scheduler.schedule()
+    scheduler.add_request(Request("b", prompts[1], params, frozenset()))
+    assert scheduler.schedule_next(decode) is None  # "b" is to be admitted: the next step waits for "a"'s token
+
+
+def test_async_scheduling_option_is_checked(tiny_model_dir):
+    from colibri_stream.config import ConfigError
+
+    with pytest.raises(ConfigError, match="async_scheduling"):
+        EngineCore.from_pretrained(str(tiny_model_dir), **ROOMY, async_scheduling="yes")
+    assert not EngineCore.from_pretrained(str(tiny_model_dir), **ROOMY).async_scheduling  # no graphs on the CPU

@@ -1,0 +1,137 @@
+"""The engine's decode steps as CUDA graphs (backends/cuda_graph.DecodeGraphs) against eager steps (CUDA GPU).
+
+Both run the same kernels (a captured step computes every projection with linear_rows, as the eager step does up
+to SMALL_BATCH tokens), so at up to four sequences greedy and seeded sampled tokens are identical; a batch of five
+is padded into the bucket of eight and compared by logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed (GPU tests need cupy-cuda12x or cupy-cuda13x)")
+if not cupy.cuda.is_available():
+    pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
+
+from colibri_stream.backends.cuda_graph import DecodeGraphs, is_decode  # noqa: E402
+from colibri_stream.llm import LLM  # noqa: E402
+from colibri_stream.model import load_model  # noqa: E402
+from colibri_stream.model.batch import flat_batch  # noqa: E402
+from colibri_stream.request import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+PROMPTS = ["Mixture of experts", "The quick brown fox", "你好"]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=16, temperature=0),
+                                    SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3)])
+def test_engine_decode_graphs_give_the_eager_tokens(tiny_model_dir, params):
+    graphs = LLM(str(tiny_model_dir), device="cuda")
+    assert graphs.engine.runner.graphs is not None
+    eager = LLM(str(tiny_model_dir), device="cuda")
+    eager.engine.runner.graphs = None
+    assert ([r.token_ids for r in graphs.generate(PROMPTS, params)]
+            == [r.token_ids for r in eager.generate(PROMPTS, params)])
+    assert graphs.engine.runner.graphs._graphs  # decode steps ran as graphs
+
+
+def test_a_padded_decode_batch_gives_the_eager_logits(tiny_model_dir):
+    model = load_model(str(tiny_model_dir), device="cuda")
+    block, per_seq, b = 4, 4, 5
+    kv = model.allocate_kv_cache(b * per_seq, block)
+    tables = np.arange(b * per_seq).reshape(b, per_seq).tolist()
+    prompts = np.random.default_rng(0).integers(3, model.config.vocab_size, (b, 6)).tolist()
+    first = model.forward(flat_batch(prompts, [0] * b, tables, [True] * b, block), kv)  # [b, V] prefill
+    step = flat_batch([[int(t)] for t in first.argmax(axis=1)], [6] * b, tables, [True] * b, block)
+    assert is_decode(step)
+    graphs = DecodeGraphs(model, kv, per_seq, max_batch_size=32)
+    assert graphs.fits(step)
+    from_graph = graphs.logits(step)  # [5, V] from the bucket of 8
+    eager = model.forward(step, kv)  # rewrites the same KV slots with the same values
+    assert from_graph.shape == eager.shape
+    assert np.abs(from_graph - eager).max() <= 1e-4 * np.abs(eager).max()
+    assert not graphs.fits(flat_batch(prompts, [0] * b, tables, [True] * b, block))  # a prefill is not decode
+
+
+def test_prefix_caching_on_the_gpu_gives_the_uncached_tokens():
+    """The CPU test's workload (test_prefix_cache_engine.py: shared system prompts, repeats, second turns, under
+    preemption) on the GPU. A cached prefix's blocks are read by a prefill chunk that starts after them, the
+    kernels of chunked prefill. Greedy tokens equal with and without the cache; a difference is either a bug or a
+    near-tie decided by float32 rounding (prefills of different lengths reduce in a different order): compare the
+    logits to tell."""
+    from test_prefix_cache_engine import TIGHT, workload
+
+    from colibri_stream.engine import EngineCore
+
+    options = {**TIGHT, "device": "cuda"}
+    cached = EngineCore.from_pretrained(None, enable_prefix_caching=True, **options)
+    plain = EngineCore.from_pretrained(None, enable_prefix_caching=False, **options)
+    assert workload(cached) == workload(plain)
+    assert cached.stats().prefix_cache_hit_tokens > 0 and cached.stats().num_preemptions > 0
+
+
+def test_steps_launched_ahead_give_the_synchronous_tokens(tiny_model_dir):
+    """Greedy decode steps launched before the host read the step before (their tokens taken on the device) give
+    what steps read one by one give, while requests finish (max_tokens, stop strings, stop tokens) and the batch
+    moves to smaller buckets with a step in flight."""
+    ahead = LLM(str(tiny_model_dir), device="cuda")
+    assert ahead.engine.async_scheduling  # the default where decode steps are graphs
+    launches = []
+    launch = ahead.engine.runner.launch
+    ahead.engine.runner.launch = lambda step: launches.append(launch(step)) or launches[-1]
+    sync = LLM(str(tiny_model_dir), device="cuda", async_scheduling=False)
+    texts = PROMPTS + ["streaming tokens one by one!", "Hello world"]
+    free = sync.generate(texts[:1], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    prompts_params = [(text, SamplingParams(max_tokens=4 + 5 * i, temperature=0, ignore_eos=True))
+                      for i, text in enumerate(texts)]
+    prompts_params += [(texts[0], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(free.token_ids[7],))),
+                       (texts[0], SamplingParams(max_tokens=24, temperature=0, stop=(free.text[10:13],)))]
+
+    def run(llm):
+        for i, (text, params) in enumerate(prompts_params):
+            llm.engine.add_request(str(i), llm.engine.encode_prompt(text), params)
+        outputs = {}  # request id -> [token ids, text, finish reason]
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                entry = outputs.setdefault(out.request_id, [[], "", None])
+                entry[0] += out.token_ids
+                entry[1] += out.text
+                entry[2] = out.finish_reason
+        assert llm.engine.kv.num_used_blocks == 0
+        return outputs
+
+    expected = run(sync)
+    assert run(ahead) == expected
+    assert sum(launched is not None for launched in launches) >= 15
+    assert len(ahead.engine.runner.graphs._graphs) >= 3  # buckets 8, 4, 2 or 1 captured between launches
+
+
+def test_a_step_takes_its_tokens_from_the_step_before_on_the_device(tiny_model_dir):
+    """DecodeGraphs.launch with feed rows: five sequences, then three of them in another order (a smaller
+    bucket), each step launched before the previous one's ids are read, give the ids of synchronous steps."""
+    model = load_model(str(tiny_model_dir), device="cuda")
+    block, per_seq, b = 4, 4, 5
+    kv = model.allocate_kv_cache(b * per_seq, block)
+    tables = np.arange(b * per_seq).reshape(b, per_seq).tolist()
+    prompts = np.random.default_rng(1).integers(3, model.config.vocab_size, (b, 6)).tolist()
+    first = model.forward(flat_batch(prompts, [0] * b, tables, [True] * b, block), kv).argmax(axis=1)  # [b]
+    graphs = DecodeGraphs(model, kv, per_seq, max_batch_size=8)
+    order = [3, 0, 4]
+
+    def steps(ahead: bool) -> list[np.ndarray]:
+        one = flat_batch([[int(t)] for t in first], [6] * b, tables, [True] * b, block)
+        if not ahead:
+            ids_one = graphs.launch(one, np.full(b, -1, np.int64)).wait()
+            two = flat_batch([[int(ids_one[s])] for s in order], [7] * 3, [tables[s] for s in order], [True] * 3, block)
+            return [ids_one, graphs.launch(two, np.full(3, -1, np.int64)).wait()]
+        pending_one = graphs.launch(one, np.full(b, -1, np.int64))
+        two = flat_batch([[-1]] * 3, [7] * 3, [tables[s] for s in order], [True] * 3, block)
+        pending_two = graphs.launch(two, np.array(order, np.int64))
+        return [pending_one.wait(), pending_two.wait()]
+
+    synchronous = steps(ahead=False)
+    graphs._graph(flat_batch([[1]] * 3, [7] * 3, tables[:3], [True] * 3, block))  # both buckets captured
+    launched = steps(ahead=True)
+    assert all(np.array_equal(a, s) for a, s in zip(launched, synchronous))
+    assert len(graphs._graphs) == 2

@@ -1,0 +1,136 @@
+"""The whole model on the CuPy backend against the NumPy backend, on tiny exported models of every architecture, and
+a captured decode step (CUDA graph) against the eager step (CUDA GPU).
+
+Tolerances: both backends compute in float32 from the same stored weights (projections of more than SMALL_BATCH
+tokens go through cuBLAS with the activations split into bf16 high and low parts, about 16 significant bits), so
+fp32, bf16 and int8 exports give logits within 1e-4 (relative to the largest logit) and the same 32 greedy tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed (GPU tests need cupy-cuda12x or cupy-cuda13x)")
+if not cupy.cuda.is_available():
+    pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
+
+from colibri_stream.backends.cuda_graph import DecodeGraph  # noqa: E402
+from colibri_stream.export import export_model  # noqa: E402
+from colibri_stream.llm import LLM  # noqa: E402
+from colibri_stream.model import load_model  # noqa: E402
+from colibri_stream.model.batch import ForwardBatch  # noqa: E402
+from colibri_stream.request import SamplingParams  # noqa: E402
+from colibri_stream.synthetic import synthetic_model  # noqa: E402
+from test_parity import NEW_TOKENS, colibri_greedy, colibri_logits, prompt_ids, relative_error  # noqa: E402
+from tiny_models import ARCHITECTURES, VOCAB_SIZE, build_hf_model  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def tiny_hf(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"hf_{request.param}")
+    build_hf_model(request.param, folder)
+    return request.param, folder
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+def test_cupy_matches_numpy(tiny_hf, dtype, tmp_path):
+    arch, hf_dir = tiny_hf
+    export_model(hf_dir, tmp_path / "model", dtype="fp32" if dtype == "int8" else dtype,
+                 quantize="int8" if dtype == "int8" else None, progress=False)
+    cpu, gpu = load_model(tmp_path / "model", device="cpu"), load_model(tmp_path / "model", device="cuda")
+    assert gpu.backend.name == "cupy"
+    ids = prompt_ids()
+    assert relative_error(colibri_logits(gpu, ids), colibri_logits(cpu, ids)) < 1e-4, arch
+    assert colibri_greedy(gpu, ids, NEW_TOKENS) == colibri_greedy(cpu, ids, NEW_TOKENS), arch
+
+
+def test_long_prompt(tiny_hf, tmp_path):
+    arch, hf_dir = tiny_hf
+    export_model(hf_dir, tmp_path / "model", dtype="bf16", progress=False)
+    cpu, gpu = load_model(tmp_path / "model", device="cpu"), load_model(tmp_path / "model", device="cuda")
+    ids = np.random.default_rng(4).integers(3, VOCAB_SIZE, 100)
+    assert relative_error(colibri_logits(gpu, ids), colibri_logits(cpu, ids)) < 1e-4, arch
+
+
+def decode_batch(tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray, block_size: int) -> ForwardBatch:
+    """One decode token per sequence."""
+    b = len(tokens)
+    rows = np.arange(b)
+    return ForwardBatch(
+        token_ids=tokens.astype(np.int64), positions=positions.astype(np.int64),
+        query_start=np.arange(b + 1, dtype=np.int64), context_lens=(positions + 1).astype(np.int64),
+        block_tables=tables, slot_mapping=tables[rows, positions // block_size] * block_size + positions % block_size,
+        logits_indices=np.arange(b, dtype=np.int64))
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])  # 8: the eager step's projections go through cuBLAS
+def test_decode_graph_matches_eager(tiny_hf, batch_size, tmp_path):
+    arch, hf_dir = tiny_hf
+    export_model(hf_dir, tmp_path / "model", dtype="bf16", progress=False)
+    model = load_model(tmp_path / "model", device="cuda")
+    block_size, max_blocks = 8, 6
+    kv = model.allocate_kv_cache(batch_size * max_blocks, block_size)
+    tables = np.random.default_rng(0).permutation(batch_size * max_blocks).reshape(batch_size, max_blocks)
+    graph = DecodeGraph(model, kv, batch_size, max_blocks)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(3, VOCAB_SIZE, batch_size)
+    starts = rng.integers(0, 10, batch_size)
+    for step in range(12):  # the first steps of a sequence attend only to what earlier steps wrote
+        batch = decode_batch(tokens, starts + step, tables[:, : 4 + step % 2], block_size)
+        eager = model.forward(batch, kv)  # [B, V]
+        ids = graph.greedy(batch)  # rewrites the same KV slots with the same values
+        assert np.array_equal(ids, eager.argmax(axis=1)), (arch, step)
+        assert relative_error(cupy.asnumpy(graph.logits), eager) < 1e-4, (arch, step)
+        tokens = ids
+
+
+def test_decode_graphs_launch_programmatically_where_the_gpu_can():
+    model = synthetic_model("olmoe-1b-7b", num_layers=1, device="cuda")
+    graph = DecodeGraph(model, model.allocate_kv_cache(4, 16), 1, 4)
+    assert graph.programmatic == (int(cupy.cuda.Device().compute_capability) >= 90)
+    assert not DecodeGraph(model, model.allocate_kv_cache(4, 16), 1, 4, programmatic=False).programmatic
+
+
+def test_a_refused_programmatic_capture_falls_back_to_plain_launches(monkeypatch):
+    import colibri_stream.backends.cupy_backend as cupy_backend
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cuLaunchKernelEx failed with CUresult 400")
+
+    model = synthetic_model("olmoe-1b-7b", num_layers=1, device="cuda")
+    kv = model.allocate_kv_cache(4, 16)
+    monkeypatch.setattr(cupy_backend, "launch_programmatic", refuse)
+    graph = DecodeGraph(model, kv, 1, 4)
+    assert not graph.programmatic
+    batch = decode_batch(np.array([5]), np.array([3]), np.arange(4).reshape(1, 4), 16)
+    eager = model.forward(batch, kv)
+    assert np.array_equal(graph.greedy(batch), eager.argmax(axis=1))
+
+
+@pytest.mark.parametrize("programmatic", [True, False])
+@pytest.mark.parametrize("batch_size", [2, 16])  # 16: the projections and experts run on tensor cores
+def test_synthetic_shape_graph_matches_eager(programmatic, batch_size):
+    model = synthetic_model("olmoe-1b-7b", num_layers=2, device="cuda")
+    kv = model.allocate_kv_cache(4 * batch_size, 16)
+    tables = np.arange(4 * batch_size).reshape(batch_size, 4)
+    graph = DecodeGraph(model, kv, batch_size, 4, programmatic=programmatic)
+    tokens = np.arange(11, 11 + batch_size)
+    for step in range(3):
+        batch = decode_batch(tokens, step + 20 * (np.arange(batch_size) % 3), tables, 16)
+        eager = model.forward(batch, kv)
+        assert np.isfinite(eager).all()
+        ids = graph.greedy(batch)
+        assert np.array_equal(ids, eager.argmax(axis=1))
+        assert relative_error(cupy.asnumpy(graph.logits), eager) < 1e-4
+        tokens = ids
+
+
+def test_engine_generates_the_same_text_on_the_gpu(tiny_model_dir):
+    params = SamplingParams(max_tokens=16, temperature=0)
+    prompts = ["Hello world", "The quick brown fox"]
+    cpu = LLM(str(tiny_model_dir), device="cpu").generate(prompts, params)
+    gpu = LLM(str(tiny_model_dir), device="auto").generate(prompts, params)
+    assert [r.token_ids for r in gpu] == [r.token_ids for r in cpu]

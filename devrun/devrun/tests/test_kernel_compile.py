@@ -1,0 +1,62 @@
+"""Every kernel of kernels/*.cu compiles with NVRTC for sm_90, for every weight type the backend instantiates.
+
+Compiling needs NVRTC and the CUDA headers, not a GPU: where CuPy and NVRTC are installed (a development machine
+with the `gpu` extra, the GPU machine) this catches a broken kernel before any device time is spent.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+import pytest
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
+                            reason="CuPy is not installed (kernel compile checks need cupy-cuda12x/13x and NVRTC)")
+
+from colibri_stream.backends.cupy_backend import _FAMILIES  # noqa: E402
+from colibri_stream.backends.kernels import COMPILE_OPTIONS, kernel_dir, kernel_source  # noqa: E402
+
+WEIGHT_TYPES = ("float", "__nv_bfloat16", "__half", "signed char")
+ARCH = "compute_90"  # the H200
+
+
+def _include_dirs() -> list[str]:
+    """CuPy's headers and a folder holding cuda_bf16.h (a CUDA toolkit, or the nvidia-* wheels)."""
+    import cupy
+
+    dirs = [str(Path(cupy.__file__).parent / "_core" / "include")]
+    candidates = [os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
+    candidates += glob.glob(str(Path(cupy.__file__).parents[1] / "nvidia" / "*"))
+    for root in candidates:
+        if root and Path(root, "include", "cuda_bf16.h").is_file():
+            return dirs + [str(Path(root, "include"))]
+    pytest.skip("no CUDA headers (cuda_bf16.h) found for NVRTC")
+
+
+def _compile(name: str, expressions: tuple[str, ...]) -> None:
+    try:
+        program = nvrtc.createProgram(kernel_source(name), name, [], [])
+    except Exception as error:  # the NVRTC library itself is missing
+        pytest.skip(f"NVRTC is not usable: {error}")
+    for expression in expressions:
+        nvrtc.addNameExpression(program, expression)
+    options = [*COMPILE_OPTIONS, f"-arch={ARCH}", *(f"-I{d}" for d in _include_dirs())]
+    try:
+        nvrtc.compileProgram(program, options)
+    except Exception:
+        pytest.fail(f"{name} {expressions} does not compile:\n{nvrtc.getProgramLog(program)}")
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in kernel_dir().glob("*.cu")))
+def test_kernel_file_compiles(name):
+    if name not in _FAMILIES:
+        _compile(name, ())
+        return
+    for weight_type in WEIGHT_TYPES:
+        if weight_type == "signed char" and name != "moe.cu":
+            continue  # only routed experts are ever int8
+        _compile(name, _FAMILIES[name](weight_type))

@@ -1,0 +1,135 @@
+"""The NumPy runtime computes what transformers computes, for every supported architecture and option.
+
+Reference: the transformers model in float32 on the CPU. Tolerances:
+- float32 export: logits within 1e-4 of the reference, relative to the largest reference logit; 32 greedy tokens equal.
+- bfloat16 / int8 exports: compared with the reference whose weights were rounded the same way (bf16 rounding,
+  or per-row int8 quantisation of the routed experts): the same 1e-4, since only storage differs. Against the
+  unrounded float32 reference they must stay within 5e-2 (bf16) and 1e-1 (int8) relative.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from colibri_stream.export import export_model  # noqa: E402
+from colibri_stream.model import load_model  # noqa: E402
+from colibri_stream.model.batch import single_sequence_batch  # noqa: E402
+from tiny_models import ARCHITECTURES, VOCAB_SIZE, build_hf_model  # noqa: E402
+
+PROMPT_LEN = 32
+NEW_TOKENS = 32
+BLOCK_SIZE = 8
+
+
+def prompt_ids(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, VOCAB_SIZE, PROMPT_LEN)  # [S]
+
+
+def reference_logits(hf_model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.tensor(ids)[None]).logits[0].float().numpy()  # [S, V]
+
+
+def reference_greedy(hf_model, ids: np.ndarray, steps: int) -> list[int]:
+    tokens = list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens.append(int(hf_model(torch.tensor(tokens)[None]).logits[0, -1].argmax()))
+    return tokens[len(ids):]
+
+
+def colibri_logits(model, ids: np.ndarray) -> np.ndarray:
+    blocks = -(-len(ids) // BLOCK_SIZE)
+    kv = model.allocate_kv_cache(blocks, BLOCK_SIZE)
+    batch = single_sequence_batch(ids, 0, np.arange(blocks), BLOCK_SIZE)
+    batch.logits_indices = np.arange(len(ids))
+    return model.forward(batch, kv)  # [S, V]
+
+
+def colibri_greedy(model, ids: np.ndarray, steps: int) -> list[int]:
+    """Prefill, then one token at a time through the KV cache (blocks deliberately out of order)."""
+    blocks = -(-(len(ids) + steps) // BLOCK_SIZE)
+    table = np.random.default_rng(1).permutation(blocks)
+    kv = model.allocate_kv_cache(blocks, BLOCK_SIZE)
+    out: list[int] = []
+    logits = model.forward(single_sequence_batch(ids, 0, table, BLOCK_SIZE), kv)
+    for step in range(steps):
+        out.append(int(logits[-1].argmax()))
+        if step + 1 < steps:
+            logits = model.forward(single_sequence_batch(np.array([out[-1]]), len(ids) + step, table, BLOCK_SIZE), kv)
+    return out
+
+
+def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
+    return float(np.abs(ours - reference).max() / np.abs(reference).max())
+
+
+def round_like_export(hf_model, dtype: str):
+    """The reference model with its weights rounded the way an export in `dtype` stores them."""
+    import copy
+
+    rounded = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for name, param in rounded.named_parameters():
+            if dtype == "bf16":
+                param.copy_(param.to(torch.bfloat16).float())
+            elif dtype == "int8" and ".experts." in name:
+                # Per output row: scale = max|row| / 127, q = round(w / scale). Fused [E, out, in] or [out, in].
+                scale = param.abs().amax(dim=-1, keepdim=True) / 127.0
+                scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+                param.copy_(torch.clamp(torch.round(param / scale), -127, 127) * scale)
+    return rounded
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def hf_tiny(request, tmp_path_factory):
+    arch = request.param
+    folder = tmp_path_factory.mktemp(f"hf_{arch}")
+    return arch, folder, build_hf_model(arch, folder)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+def test_logits_and_greedy_match_transformers(hf_tiny, dtype, tmp_path):
+    arch, hf_dir, hf_model = hf_tiny
+    export_model(hf_dir, tmp_path / "model", dtype="fp32" if dtype == "int8" else dtype,
+                 quantize="int8" if dtype == "int8" else None, progress=False)
+    model = load_model(tmp_path / "model", verify=True)
+    ids = prompt_ids()
+    reference_model = hf_model if dtype == "fp32" else round_like_export(hf_model, dtype)
+
+    ours = colibri_logits(model, ids)
+    assert relative_error(ours, reference_logits(reference_model, ids)) < 1e-4, arch
+    if dtype != "fp32":
+        unrounded = reference_logits(hf_model, ids)
+        assert np.abs(ours - unrounded).mean() < 3e-2 * np.abs(unrounded).mean(), arch
+    assert colibri_greedy(model, ids, NEW_TOKENS) == reference_greedy(reference_model, ids, NEW_TOKENS), arch
+
+
+VARIANTS = [
+    ("mixtral", {"sliding_window": 8}),
+    ("mixtral", {"tie_word_embeddings": True}),
+    ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2}),
+    ("qwen2_moe", {"decoder_sparse_step": 2, "mlp_only_layers": []}),
+    ("qwen3_moe", {"attention_bias": True}),
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 5}),
+    ("qwen3_moe", {"rope_parameters": {"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.0}}),
+    ("qwen3_moe", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 64}}),
+    ("qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                       "original_max_position_embeddings": 128}}),
+    ("olmoe", {"clip_qkv": 0.5, "attention_bias": True, "norm_topk_prob": True}),
+]
+
+
+@pytest.mark.parametrize("arch,overrides", VARIANTS, ids=[f"{a}-{'-'.join(o)}" for a, o in VARIANTS])
+def test_config_options_match_transformers(arch, overrides, tmp_path):
+    hf_model = build_hf_model(arch, tmp_path / "hf", seed=3, **overrides)
+    export_model(tmp_path / "hf", tmp_path / "model", dtype="fp32", progress=False)
+    model = load_model(tmp_path / "model")
+    ids = prompt_ids(seed=5)
+    assert relative_error(colibri_logits(model, ids), reference_logits(hf_model, ids)) < 1e-4
+    assert colibri_greedy(model, ids, 8) == reference_greedy(hf_model, ids, 8)

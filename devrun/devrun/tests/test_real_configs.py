@@ -1,0 +1,203 @@
+"""The published config.json of every supported model family, as its authors wrote it (tests/data/hf_configs).
+
+Two checks per config: the translation gives the native fields that the published model computes with (no
+weights needed), and a shrunk copy (every key and flag kept, only the sizes made tiny) exports and runs on the
+NumPy backend to transformers' float32 logits. The shrunk copy's config.json is the published one with new sizes,
+not what save_pretrained would rewrite it to, so the legacy keys (rope_theta, rope_scaling: null, num_local_experts,
+sliding_window: null, max_window_layers, ...) go through the exporter as they come from the Hugging Face Hub.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from colibri_stream.config import RopeConfig  # noqa: E402
+from colibri_stream.errors import UnsupportedModelError  # noqa: E402
+from colibri_stream.export import export_model  # noqa: E402
+from colibri_stream.export.architectures import translate_config  # noqa: E402
+from colibri_stream.model import load_model  # noqa: E402
+from test_parity import colibri_greedy, colibri_logits, prompt_ids, reference_greedy, reference_logits  # noqa: E402
+from test_parity import relative_error  # noqa: E402
+from tiny_models import VOCAB_SIZE, save_random_model  # noqa: E402
+
+CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+QWEN2_BIAS = "model.layers.0.self_attn.q_proj.bias"  # Qwen2-MoE configs leave the attention bias to the weights
+
+
+def published(name: str) -> dict:
+    return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+def translate(raw: dict, names=()):
+    return translate_config(raw, {}, set(names), "bfloat16", "bfloat16")
+
+
+def window(layers: int, value=None) -> tuple:
+    return (value,) * layers
+
+
+# What each published model computes with: the fields its config.json must translate to.
+EXPECTED = {
+    "mixtral-8x7b-v0.1": dict(
+        architecture="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, num_experts=8, top_k=2, moe_intermediate_size=14336, moe_layers=tuple(range(32)),
+        intermediate_size=0, norm_topk_prob=True, shared_expert_intermediate_size=0, qk_norm="none", qkv_bias=False,
+        o_bias=False, clip_qkv=None, sliding_windows=window(32), rope=RopeConfig(theta=1e6), rms_norm_eps=1e-5,
+        tie_word_embeddings=False, max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,),
+        pad_token_id=None),
+    "mixtral-8x22b-v0.1": dict(
+        architecture="mixtral", vocab_size=32000, hidden_size=6144, num_layers=56, num_heads=48, num_kv_heads=8,
+        head_dim=128, num_experts=8, top_k=2, moe_intermediate_size=16384, moe_layers=tuple(range(56)),
+        norm_topk_prob=True, sliding_windows=window(56), rope=RopeConfig(theta=1e6), rms_norm_eps=1e-5,
+        max_position_embeddings=65536),
+    "qwen3-30b-a3b": dict(
+        architecture="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+        head_dim=128, num_experts=128, top_k=8, moe_intermediate_size=768, moe_layers=tuple(range(48)),
+        intermediate_size=0, norm_topk_prob=True, shared_expert_intermediate_size=0, qk_norm="per_head",
+        qkv_bias=False, o_bias=False, clip_qkv=None, sliding_windows=window(48), rope=RopeConfig(theta=1e6),
+        rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=40960, bos_token_id=151643,
+        eos_token_ids=(151645,), pad_token_id=None),
+    "qwen3-235b-a22b": dict(
+        architecture="qwen3_moe", hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4, head_dim=128,
+        num_experts=128, top_k=8, moe_intermediate_size=1536, moe_layers=tuple(range(94)), intermediate_size=0,
+        norm_topk_prob=True, qk_norm="per_head", sliding_windows=window(94), rope=RopeConfig(theta=1e6)),
+    "olmoe-1b-7b": dict(
+        architecture="olmoe", vocab_size=50304, hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=16,
+        head_dim=128, num_experts=64, top_k=8, moe_intermediate_size=1024, moe_layers=tuple(range(16)),
+        intermediate_size=0, norm_topk_prob=False, qk_norm="full", qkv_bias=False, o_bias=False, clip_qkv=None,
+        sliding_windows=window(16), rope=RopeConfig(theta=1e4), rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=4096, bos_token_id=None, eos_token_ids=(50279,), pad_token_id=1),
+    "qwen1.5-moe-a2.7b": dict(
+        architecture="qwen2_moe", vocab_size=151936, hidden_size=2048, num_layers=24, num_heads=16,
+        num_kv_heads=16, head_dim=128, num_experts=60, top_k=4, moe_intermediate_size=1408,
+        moe_layers=tuple(range(24)), intermediate_size=0, norm_topk_prob=False,
+        shared_expert_intermediate_size=5632, shared_expert_gate=True, qk_norm="none", qkv_bias=True, o_bias=False,
+        sliding_windows=window(24), rope=RopeConfig(theta=1e6), rms_norm_eps=1e-6, max_position_embeddings=8192),
+    "qwen2-57b-a14b": dict(
+        architecture="qwen2_moe", vocab_size=151936, hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+        head_dim=128, num_experts=64, top_k=8, moe_intermediate_size=2560, moe_layers=tuple(range(28)),
+        intermediate_size=0, norm_topk_prob=False, shared_expert_intermediate_size=20480, shared_expert_gate=True,
+        qkv_bias=True, sliding_windows=window(28), rope=RopeConfig(theta=1e6), max_position_embeddings=131072,
+        bos_token_id=151643, eos_token_ids=(151643,)),
+}
+NAMES = sorted(EXPECTED)
+
+
+def test_every_stored_config_is_checked():
+    stored = {p.stem for p in CONFIGS.glob("*.json")}
+    assert stored == set(NAMES) | {"qwen1.5-moe-a2.7b-chat-gptq-int4"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_published_config_translates_to_what_the_model_computes(name):
+    config = translate(published(name), names={QWEN2_BIAS})
+    expected = EXPECTED[name]
+    assert {k: getattr(config, k) for k in expected} == expected
+
+
+def test_qwen2_moe_without_attention_biases_in_the_weights():
+    assert not translate(published("qwen2-57b-a14b")).qkv_bias
+
+
+def test_qwen_layer_options_on_published_configs():
+    # Qwen3-235B with the dense layers and the sliding window its config class can express.
+    raw = dict(published("qwen3-235b-a22b"), decoder_sparse_step=2, mlp_only_layers=[0, 5])
+    config = translate(raw)
+    assert config.moe_layers == tuple(i for i in range(94) if i % 2 == 1 and i != 5)
+    assert config.intermediate_size == 12288
+    raw = dict(published("qwen3-30b-a3b"), use_sliding_window=True, sliding_window=4096)
+    assert translate(raw).sliding_windows == window(48, 4096)
+    # Qwen2-MoE: sliding layers are the even-numbered ones below max_window_layers (1-based odd).
+    raw = dict(published("qwen2-57b-a14b"), use_sliding_window=True, max_window_layers=4)
+    assert translate(raw).sliding_windows == (131072, None, 131072, None) + window(24)
+
+
+def test_qwen3_yarn_as_its_model_card_enables_it():
+    """The Qwen3 model cards extend the context by adding rope_scaling to the published config.json."""
+    raw = dict(published("qwen3-30b-a3b"),
+               rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    assert translate(raw).rope == RopeConfig(type="yarn", theta=1e6, factor=4.0,
+                                             original_max_position_embeddings=32768)
+
+
+def test_pre_quantised_published_config_is_refused():
+    with pytest.raises(UnsupportedModelError, match="quantization_config"):
+        translate(published("qwen1.5-moe-a2.7b-chat-gptq-int4"))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Shrunk copies against transformers
+# ------------------------------------------------------------------------------------------------------------------
+
+def shrunk(raw: dict) -> dict:
+    """The published config with tiny sizes: same keys, flags, head ratios and explicit head_dim (or not)."""
+    out = dict(raw)
+    layers = 3
+    heads, kv = raw["num_attention_heads"], raw.get("num_key_value_heads") or raw["num_attention_heads"]
+    group = heads // kv
+    small_kv = 1 if group > 1 else 4
+    out.update(num_attention_heads=small_kv * group, num_key_value_heads=small_kv, num_hidden_layers=layers,
+               vocab_size=VOCAB_SIZE, initializer_range=0.08)
+    if "head_dim" in raw:  # keep head_dim apart from hidden / heads, as Qwen3 has it
+        out.update(head_dim=16, hidden_size=48)
+    else:
+        out.update(hidden_size=16 * out["num_attention_heads"])
+    experts_key = "num_local_experts" if "num_local_experts" in raw else "num_experts"
+    out[experts_key] = min(raw[experts_key], 2 * raw["num_experts_per_tok"], 16)
+    out["num_experts_per_tok"] = min(raw["num_experts_per_tok"], out[experts_key] // 2)
+    if "moe_intermediate_size" in raw:
+        out.update(moe_intermediate_size=24, intermediate_size=40)
+    else:
+        out.update(intermediate_size=24)
+    if raw.get("shared_expert_intermediate_size"):
+        out["shared_expert_intermediate_size"] = 32
+    if "max_window_layers" in raw:
+        out["max_window_layers"] = round(raw["max_window_layers"] * layers / raw["num_hidden_layers"])
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # ids inside the tiny vocabulary
+        if isinstance(raw.get(key), int):
+            out[key] = raw[key] % VOCAB_SIZE
+    return out
+
+
+def build_shrunk(raw: dict, folder: Path, seed: int = 0):
+    """A random float32 transformers model of `raw` (read the way from_pretrained reads it), whose config.json is
+    `raw` itself."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(raw["model_type"]).__class__.from_dict(raw)
+    model = save_random_model(config, folder, seed)
+    (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    return model
+
+
+PARITY = [
+    ("mixtral-8x7b-v0.1", {}),
+    ("mixtral-8x22b-v0.1", {"sliding_window": 6}),
+    ("mixtral-8x7b-v0.1", {"head_dim": 24}),  # MixtralConfig takes an explicit head_dim too
+    ("qwen3-30b-a3b", {}),
+    ("qwen3-235b-a22b", {"decoder_sparse_step": 2, "mlp_only_layers": [2], "attention_bias": True}),
+    ("qwen3-30b-a3b", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
+    ("olmoe-1b-7b", {}),
+    ("olmoe-1b-7b", {"clip_qkv": 0.3, "num_key_value_heads": 2}),
+    ("qwen1.5-moe-a2.7b", {}),
+    ("qwen2-57b-a14b", {}),
+    ("qwen2-57b-a14b", {"head_dim": 8}),
+    ("qwen2-57b-a14b", {"use_sliding_window": True, "sliding_window": 5, "mlp_only_layers": [1]}),
+]
+
+
+@pytest.mark.parametrize("name,changes", PARITY, ids=[f"{n}-{'-'.join(c) or 'published'}" for n, c in PARITY])
+def test_shrunk_published_config_matches_transformers(name, changes, tmp_path):
+    raw = dict(shrunk(published(name)), **changes)
+    hf_model = build_shrunk(raw, tmp_path / "hf")
+    config = export_model(tmp_path / "hf", tmp_path / "model", dtype="fp32", progress=False)
+    assert config.head_dim == raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
+    model = load_model(tmp_path / "model")
+    ids = prompt_ids(seed=2)
+    assert relative_error(colibri_logits(model, ids), reference_logits(hf_model, ids)) < 1e-4
+    assert colibri_greedy(model, ids, 4) == reference_greedy(hf_model, ids, 4)

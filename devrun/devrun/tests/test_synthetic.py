@@ -1,0 +1,120 @@
+"""Synthetic random-weight models (the benchmarks' models) build through the normal loading path on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from colibri_stream import synthetic
+from colibri_stream.backends.numpy_backend import NumpyBackend
+from colibri_stream.checkpoint import TOKENIZER_FILES, ModelFolder, dense_tensor_specs
+from colibri_stream.model.batch import single_sequence_batch
+from colibri_stream.model.transformer import load_model
+from colibri_stream.synthetic import (SHAPES, RandomDense, RandomExpertStore, WeightDraw, pooled_normal, shape_config,
+                                      synthetic_model, write_synthetic_folder)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_named_shapes_are_valid_configs(name):
+    config = shape_config(name, num_layers=3)
+    assert config.num_layers == 3 and config.moe_layers == (0, 1, 2)
+    assert shape_config(name).num_layers == SHAPES[name]["num_layers"]
+
+
+def test_unknown_shape_is_refused():
+    with pytest.raises(ValueError, match="unknown shape"):
+        shape_config("llama-70b")
+
+
+def tiny_config():
+    return dataclasses.replace(shape_config("qwen3-30b-a3b", 2), vocab_size=300, hidden_size=64, num_heads=4,
+                               num_kv_heads=2, head_dim=16, num_experts=8, top_k=2, moe_intermediate_size=32,
+                               max_position_embeddings=128)
+
+
+def test_random_weights_have_the_checkpoint_shapes_and_repeat():
+    config = tiny_config()
+    model = synthetic_model(config, device="cpu")
+    dense = RandomDense(config, model.backend, seed=0)
+    for name, shape in dense_tensor_specs(config).items():
+        assert dense.get(name).shape == shape
+    store = RandomExpertStore(config, model.backend, seed=0)
+    first, again = store.expert(1, 3), store.expert(1, 3)
+    assert all(np.array_equal(first[n].view(np.uint16), again[n].view(np.uint16)) for n in first)
+    assert not np.array_equal(first["gate"], store.expert(1, 4)["gate"])
+    kv = model.allocate_kv_cache(4, 8)
+    logits = model.forward(single_sequence_batch(np.arange(7), 0, np.arange(4), 8), kv)
+    assert logits.shape == (1, 300) and np.isfinite(logits).all() and logits.std() > 0.1
+
+
+def expert_values(folder: ModelFolder, layer: int, expert: int) -> dict[str, np.ndarray]:
+    return {name: array.astype(np.float32) for name, array in folder.experts.tensors(layer, expert).items()}
+
+
+def test_written_folder_verifies_loads_and_holds_the_synthetic_weights(tmp_path):
+    config = tiny_config()
+    assert write_synthetic_folder(tmp_path, config, device="cpu") == config
+    assert not any((tmp_path / name).exists() for name in TOKENIZER_FILES)
+    folder = ModelFolder(tmp_path, verify=True)  # every checksum
+    assert folder.config == config
+    # Small tensors are drawn exactly as the in-memory synthetic model draws them (one recipe).
+    store = RandomExpertStore(config, NumpyBackend())
+    for layer, expert in ((0, 0), (1, 5)):
+        drawn = store.expert(layer, expert)
+        assert all(np.array_equal(folder.experts.tensors(layer, expert)[n].view(np.uint16), drawn[n].view(np.uint16))
+                   for n in drawn)
+    dense = RandomDense(config, NumpyBackend())
+    q_proj = folder.dense.get("layers.1.q_proj")
+    assert np.array_equal(q_proj.view(np.uint16), dense.get("layers.1.q_proj").view(np.uint16))
+    norm = folder.dense.get("layers.0.input_norm").astype(np.float32)
+    assert np.allclose(norm, dense.get("layers.0.input_norm"), rtol=1e-2) and abs(norm.mean() - 1) < 0.05
+    model = load_model(str(tmp_path), device="cpu")
+    kv = model.allocate_kv_cache(4, 8)
+    logits = model.forward(single_sequence_batch(np.arange(7), 0, np.arange(4), 8), kv)
+    assert logits.shape == (1, 300) and np.isfinite(logits).all() and logits.std() > 0.1
+
+
+def test_large_tensors_come_from_windows_of_a_random_pool(tmp_path, monkeypatch):
+    monkeypatch.setattr(synthetic, "POOL_VALUES", 1024)  # every expert matrix (2048 values) takes the pooled path
+    monkeypatch.setattr(synthetic, "POOL_WINDOW", 64)
+    config = tiny_config()
+    write_synthetic_folder(tmp_path / "a", config, device="cpu")
+    write_synthetic_folder(tmp_path / "b", config, seed=1, device="cpu")
+    a, b = ModelFolder(tmp_path / "a", verify=True), ModelFolder(tmp_path / "b", verify=True)
+    h, i = config.hidden_size, config.moe_intermediate_size
+    for layer, expert in ((0, 0), (1, 7)):
+        tensors, other = expert_values(a, layer, expert), expert_values(b, layer, expert)
+        for name, std in (("gate", h**-0.5), ("up", h**-0.5), ("down", i**-0.5)):
+            values = tensors[name]
+            assert values.std() == pytest.approx(std, rel=0.15) and abs(values.mean()) < 0.2 * std
+            assert len(np.unique(values)) > 500  # not zeros, not one repeated value
+            assert not np.array_equal(values, other[name])  # another seed, other weights
+    assert not np.array_equal(expert_values(a, 0, 0)["gate"], expert_values(a, 0, 1)["gate"])
+    model = load_model(str(tmp_path / "a"), device="cpu")
+    logits = model.forward(single_sequence_batch(np.arange(7), 0, np.arange(4), 8), model.allocate_kv_cache(4, 8))
+    assert np.isfinite(logits).all()
+
+
+def test_pooled_normal_is_seeded_and_not_a_repeated_pattern(monkeypatch):
+    monkeypatch.setattr(synthetic, "POOL_VALUES", 1 << 14)
+    draw = WeightDraw((256, 4096), 0.5, 42, "bfloat16")  # rows of 4 windows, from a pool of 16 windows' values
+    values = pooled_normal(draw)
+    assert values.shape == (256, 4096) and values.dtype == NumpyBackend().random_weight((1,), 1, 0, "bfloat16").dtype
+    assert np.array_equal(values.view(np.uint16), pooled_normal(draw).view(np.uint16))
+    assert not np.array_equal(values, pooled_normal(WeightDraw((256, 4096), 0.5, 43, "bfloat16")))
+    rows = values.astype(np.float32)
+    assert rows.std() == pytest.approx(0.5, rel=0.05) and abs(rows.mean()) < 0.02
+    assert len(np.unique(rows.view(np.uint32), axis=0)) == 256  # every row differs from every other
+    for size in (100, 1 << 16):  # a shift (norm weights) keeps the storage dtype, small and pooled alike
+        shifted = pooled_normal(WeightDraw((size,), 0.1, 7, "bfloat16", 1.0))
+        assert shifted.dtype == values.dtype and shifted.shape == (size,)
+        assert abs(shifted.astype(np.float32).mean() - 1) < 0.05
+
+
+def test_write_refuses_what_it_cannot_draw(tmp_path):
+    with pytest.raises(ValueError, match="int8"):
+        write_synthetic_folder(tmp_path, tiny_config(), expert_dtype="int8", device="cpu")
+    with pytest.raises(ValueError, match="num_layers"):
+        write_synthetic_folder(tmp_path, tiny_config(), num_layers=1, device="cpu")

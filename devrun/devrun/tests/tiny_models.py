@@ -1,0 +1,78 @@
+"""Tiny random Hugging Face MoE models of every supported architecture, built with transformers on the CPU.
+
+Each has several layers, 8 experts, top-2 or more routing and grouped-query attention, so every code path of the
+runtime (GQA, qk-norm, shared experts, dense layers, biases) is exercised. Weights are drawn with a larger spread
+than transformers' default so logits are far from ties and greedy decoding is a meaningful comparison.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+VOCAB_SIZE = 256
+
+
+def hf_config(arch: str, **overrides):
+    """A transformers config object of `arch` with tiny dimensions (float32)."""
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        initializer_range=0.08,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch == "mixtral":
+        cfg = dict(common, intermediate_size=48, num_local_experts=8)
+        cls = transformers.MixtralConfig
+    elif arch == "qwen2_moe":
+        cfg = dict(common, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=40,
+                   num_experts=8, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1])
+        cls = transformers.Qwen2MoeConfig
+    elif arch == "qwen3_moe":
+        cfg = dict(common, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3,
+                   norm_topk_prob=True, head_dim=24)
+        cls = transformers.Qwen3MoeConfig
+    elif arch == "olmoe":
+        cfg = dict(common, intermediate_size=32, num_experts=8, norm_topk_prob=False, clip_qkv=None)
+        cls = transformers.OlmoeConfig
+    else:
+        raise ValueError(f"unknown architecture {arch}")
+    cfg.update(overrides)
+    return cls(**cfg)
+
+
+def build_hf_model(arch: str, folder: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides):
+    """Create, randomise and save a tiny model; returns the float32 torch model (eval mode)."""
+    return save_random_model(hf_config(arch, **overrides), folder, seed, max_shard_size)
+
+
+def save_random_model(config, folder: str | Path, seed: int = 0, max_shard_size: str | None = None):
+    """A float32 model of a transformers `config` with random weights (spread as above), saved to `folder`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))  # norms away from 1 so a missing norm shows
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+            else:
+                param.copy_(config.initializer_range * torch.randn_like(param))
+    model.eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    return model
