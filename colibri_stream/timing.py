@@ -30,7 +30,7 @@ PHASES: dict[str, str | None] = {
     "step": None,
     "schedule": "step",  # the scheduler picks the step's sequences and token budget
     "prepare": "step",  # the flat batch (positions, slot mapping, block tables)
-    "forward": "step",  # the model, logits copied to the host
+    "forward": "step",  # the model, logits copied to the host (a step launched ahead: the wait for its ids)
     "attention": "forward",  # projections, rotary, KV write, paged attention (all layers)
     "routing": "forward",  # router logits and top-k
     "experts": "forward",  # routed and shared expert compute
