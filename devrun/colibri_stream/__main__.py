@@ -1,4 +1,0 @@
-from .cli import main
-import sys
-
-sys.exit(main())
