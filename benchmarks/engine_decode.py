@@ -11,6 +11,8 @@ prefill step excluded; a warm-up round first, so the bucket's graph is captured)
                     which with async scheduling runs while the device computes the next step
   engine_sync_tok_s the same engine with async scheduling off (each step's ids read before the next is
                     launched), in rounds alternating with the async ones
+  sampled_tok_s     sampled requests (temperature 1, seeded: the OpenAI default), each token drawn on the device;
+  sampled_host_walk_tok_s  the same with the draw walked on the host from copied candidates, alternating rounds
 so `engine_tok_s / graph_tok_s` is the share of the device's speed that a served request sees at batch B.
 
     python benchmarks/engine_decode.py --out benchmarks/results/engine_decode_h200.json
@@ -65,13 +67,16 @@ class EngineRun:
         self.core.timer.add_sink(self.records.append)
         self.core.timer.enabled = False
 
-    def decode_steps(self, batch: int, timed_phases: bool = False) -> list[tuple[float, dict | None]]:
-        """Run `batch` requests to the end; (wall seconds, phase seconds with `timed_phases` or None) of every step
-        that only decoded."""
+    def decode_steps(self, batch: int, timed_phases: bool = False, sampled: bool = False
+                     ) -> list[tuple[float, dict | None]]:
+        """Run `batch` requests to the end (greedy, or `sampled`: the OpenAI default, temperature 1 over the whole
+        vocabulary, seeded); (wall seconds, phase seconds with `timed_phases` or None) of every step that only
+        decoded."""
         rng = np.random.default_rng(self.rounds)
-        params = SamplingParams(max_tokens=self.new, temperature=0.0, ignore_eos=True)
         for i in range(batch):
             prompt = rng.integers(1, self.vocab, PROMPT).tolist()
+            params = SamplingParams(max_tokens=self.new, temperature=1.0 if sampled else 0.0, ignore_eos=True,
+                                    seed=i if sampled else None)
             self.core.add_request(f"r{self.rounds}-{i}", prompt, params)
         self.rounds += 1
         steps = []
@@ -123,6 +128,26 @@ def run_batch(run: EngineRun, batch: int, rounds: int = 2) -> dict:
     return record
 
 
+def run_sampled(run: EngineRun, batch: int, rounds: int = 2) -> dict:
+    """The same engine on sampled requests (temperature 1, no top-k or top-p): each row's token drawn on the device
+    (DeviceLogits.whole_vocabulary_draws), against the host walking the copied candidates (the draw switched off),
+    in alternating rounds."""
+    from colibri_stream.backends.cupy_sampling import DeviceLogits
+
+    run.decode_steps(batch, sampled=True)  # warm
+    on_device, on_host = [], []
+    draws = DeviceLogits.whole_vocabulary_draws
+    for _ in range(rounds):
+        on_device += [s for s, _ in run.decode_steps(batch, sampled=True)]
+        DeviceLogits.whole_vocabulary_draws = lambda self, rows, temperature, uniform: None
+        try:
+            on_host += [s for s, _ in run.decode_steps(batch, sampled=True)]
+        finally:
+            DeviceLogits.whole_vocabulary_draws = draws
+    return {"sampled_tok_s": batch / statistics.median(on_device),
+            "sampled_host_walk_tok_s": batch / statistics.median(on_host)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["mixtral-8x7b", "qwen3-30b-a3b"])
@@ -138,14 +163,16 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batches:
             record = dict(machine() if args.device == "cuda" else {}, commit=os.environ.get("COLIBRI_COMMIT"),
                           bench="engine_decode", shape=shape, layers=layers, prompt=PROMPT, new_tokens=args.new,
-                          **run_batch(run, batch))
+                          **run_batch(run, batch), **run_sampled(run, batch))
             records.append(record)
             replay = record["graph_replay_us"]
             log(f"{shape} ({layers} layers) b{batch}: engine {record['engine_tok_s']:.0f} tok/s "
                 f"(without async scheduling {record['engine_sync_tok_s']:.0f}), step "
                 f"{record['engine_step_us']:.0f} us; graph alone "
                 + ("-" if replay is None else f"{replay:.0f} us ({record['engine_of_graph']:.0%} of it)")
-                + "; phases (us): " + ", ".join(f"{k} {v:.0f}" for k, v in record["phases_us"].items()))
+                + "; phases (us): " + ", ".join(f"{k} {v:.0f}" for k, v in record["phases_us"].items())
+                + f"; sampled (temperature 1): {record['sampled_tok_s']:.0f} tok/s drawn on the device, "
+                  f"{record['sampled_host_walk_tok_s']:.0f} walked on the host")
             with open(args.out, "w") as f:
                 json.dump(records, f, indent=1)
         del run

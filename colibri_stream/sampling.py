@@ -125,6 +125,13 @@ class LogitSource(ABC):
         """The `count` best tokens (count <= min(V, max_candidates)) of rows [R] after dividing each by its
         temperature [R] float32; the log-normaliser at least where lse_rows [R] bool is set."""
 
+    def whole_vocabulary_draws(self, rows: np.ndarray, temperature: np.ndarray,
+                               uniform: np.ndarray) -> np.ndarray | None:
+        """Tokens [R] int64 of rows [R] drawn over the whole vocabulary at temperatures [R] without min-p, with
+        uniforms [R]: what `_walk` draws, where the source computes it itself; None where it does not (the
+        sampler then walks the candidates)."""
+        return None
+
 
 class HostLogits(LogitSource):
     """Logits on the host, served with NumPy: the reference for every other source."""
@@ -243,7 +250,12 @@ def _sample_rows(source: LogitSource, rows: np.ndarray, params: _RowParams, unif
     count = np.maximum(draw, params.logprobs)  # [R]
     temperature = np.where(greedy, np.float32(1.0), params.temperature)  # [R]; greedy rows: the raw logits
     lse_rows = (params.logprobs >= 0) | ((params.top_k == 0) & ~greedy)  # [R]
-    served = np.flatnonzero(~argmax & (count <= source.max_candidates))  # [S]
+    drawn = full & (params.min_p <= 0.0) & (params.logprobs < 0)  # [R]: only a token asked, over the vocabulary
+    if drawn.any():
+        tokens = source.whole_vocabulary_draws(rows[drawn], temperature[drawn], uniform[drawn])
+        if tokens is not None:
+            token_ids[drawn] = tokens
+    served = np.flatnonzero(~argmax & (token_ids < 0) & (count <= source.max_candidates))  # [S]
     while served.size:
         candidates = source.candidates(rows[served], temperature[served], int(count[served].max()),
                                        lse_rows[served])

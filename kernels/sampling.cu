@@ -18,6 +18,10 @@
 //   ids int32 [R, count]; values float32 [R, count]; sums uint64 [R]. 1 <= count <= min(V, MAX_CANDIDATES),
 //   V * 2^bits < 2^63.
 //   grid.x: R, block: SELECT_THREADS (1024) threads; static shared memory only (about 9 KiB).
+//   With draws (else null): also draws each row's token over the whole vocabulary into tokens int64 [R], the walk
+//   of sampling._walk without min-p: weights fixed_exp(x - max) in the order the candidates, largest first, then
+//   every other token by id; the token is the first whose cumulative weight exceeds floor(u * sum), u = draws[r]
+//   / 2^53 (draws uint64 [R], below 2^53). Integers throughout, so the token is the host's.
 #include "common.cuh"
 
 #define MAX_CANDIDATES 1024
@@ -103,15 +107,43 @@ __device__ __forceinline__ unsigned long long fixed_exp(double y, int bits, doub
 // such that exactly `count` keys are >= T (a pass ends the search once the bucket holding the count-th key
 // fits whole); those keys are gathered, sorted descending (bitonic, in shared memory) and written out; a last
 // pass adds up the row's fixed_exp terms against the largest value.
+// Inclusive sum of v over the block (blockDim.x a multiple of 32); `warp_totals` [32] shared scratch. Every thread
+// must call it.
+__device__ __forceinline__ unsigned long long block_inclusive_sum(unsigned long long v,
+                                                                  unsigned long long* warp_totals) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const unsigned long long other = __shfl_up_sync(FULL_MASK, v, offset);
+        if (lane >= offset) v += other;
+    }
+    __syncthreads();  // an earlier call's readers are done with warp_totals
+    if (lane == 31) warp_totals[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        unsigned long long total = lane < static_cast<int>(blockDim.x / 32) ? warp_totals[lane] : 0ull;
+#pragma unroll
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const unsigned long long other = __shfl_up_sync(FULL_MASK, total, offset);
+            if (lane >= offset) total += other;
+        }
+        warp_totals[lane] = total;
+    }
+    __syncthreads();
+    return v + (warp > 0 ? warp_totals[warp - 1] : 0ull);
+}
+
 extern "C" __global__ void __launch_bounds__(SELECT_THREADS) top_candidates(const float* __restrict__ logits, const int* __restrict__ rows,
                                           const float* __restrict__ temperature, int V, int count, int bits,
                                           double cutoff, int* __restrict__ ids, float* __restrict__ values,
-                                          unsigned long long* __restrict__ sums) {
+                                          unsigned long long* __restrict__ sums,
+                                          const unsigned long long* __restrict__ draws,
+                                          long long* __restrict__ tokens) {
     pdl_wait();
     __shared__ unsigned int histogram[256];
     __shared__ unsigned long long keys[MAX_CANDIDATES];
-    __shared__ unsigned long long chosen_prefix, partial[SELECT_THREADS / 32];
-    __shared__ int chosen_remaining, chosen_done, filled;
+    __shared__ unsigned long long chosen_prefix, partial[SELECT_THREADS / 32], partial_scan[32], row_total, walked;
+    __shared__ int chosen_remaining, chosen_done, filled, found;
     const float* row = logits + static_cast<long long>(rows[blockIdx.x]) * V;
     const float t = temperature[blockIdx.x];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -205,6 +237,53 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) top_candidates(cons
         sum = lane < static_cast<int>(blockDim.x / 32) ? partial[lane] : 0ull;
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, offset);
-        if (lane == 0) sums[blockIdx.x] = sum;
+        if (lane == 0) {
+            sums[blockIdx.x] = sum;
+            row_total = sum;
+        }
+    }
+    if (draws == nullptr) return;  // the same for the whole block
+
+    // The draw: target = floor(draw * total / 2^53), exact in 128 bits.
+    __syncthreads();
+    const unsigned long long draw = draws[blockIdx.x], total = row_total;
+    const unsigned long long target = (__umul64hi(draw, total) << 11) | ((draw * total) >> 53);
+    if (threadIdx.x == 0) found = 0;
+    // The candidates first, largest first: a thread each (count <= blockDim.x).
+    const int j = threadIdx.x;
+    const unsigned long long weight = j < count
+        ? fixed_exp(__dsub_rn(static_cast<double>(key_value(static_cast<unsigned int>(keys[j] >> 32))), top), bits,
+                    cutoff)
+        : 0ull;
+    const unsigned long long upto = block_inclusive_sum(weight, partial_scan);
+    if (j < count && upto > target && upto - weight <= target) {
+        tokens[blockIdx.x] = static_cast<long long>(0xffffffffu - static_cast<unsigned int>(keys[j]));
+        found = 1;
+    }
+    if (j == count - 1) walked = upto;
+    __syncthreads();
+    if (found) return;
+    // Then every other token by id: each thread a run of ids, the runs' sums scanned, the run holding the target
+    // walked again one id at a time.
+    const int run = (V + blockDim.x - 1) / blockDim.x;
+    const int begin = min(threadIdx.x * run, V), end = min(begin + run, V);
+    unsigned long long mine = 0ull;
+    for (int i = begin; i < end; ++i) {
+        if (candidate_key(row, i, t) < prefix) {
+            mine += fixed_exp(__dsub_rn(static_cast<double>(__fdiv_rn(row[i], t)), top), bits, cutoff);
+        }
+    }
+    const unsigned long long after = walked + block_inclusive_sum(mine, partial_scan);
+    if (after > target && after - mine <= target) {
+        unsigned long long running = after - mine;
+        for (int i = begin; i < end; ++i) {
+            if (candidate_key(row, i, t) < prefix) {
+                running += fixed_exp(__dsub_rn(static_cast<double>(__fdiv_rn(row[i], t)), top), bits, cutoff);
+                if (running > target) {
+                    tokens[blockIdx.x] = i;
+                    break;
+                }
+            }
+        }
     }
 }

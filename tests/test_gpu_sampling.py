@@ -90,15 +90,25 @@ def test_sampling_on_the_device_gives_the_host_tokens(rows, vocab):
 
 
 class CountedDeviceLogits(DeviceLogits):
-    """DeviceLogits that records the rows copied whole."""
+    """DeviceLogits that records the rows copied whole and the rows drawn on the device."""
 
     def __init__(self, logits, backend):
         super().__init__(logits, backend)
         self.copied: list[int] = []
+        self.drawn: list[int] = []
 
     def rows(self, rows):
         self.copied += rows.tolist()
         return super().rows(rows)
+
+    def whole_vocabulary_draws(self, rows, temperature, uniform):
+        self.drawn += rows.tolist()
+        return super().whole_vocabulary_draws(rows, temperature, uniform)
+
+
+def drawn_on_device(params: SamplingParams) -> bool:
+    """A whole-vocabulary row asking for its token alone: the device draws it (top_candidates with draws)."""
+    return params.min_p <= 0.0 and params.logprobs is None
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
@@ -119,23 +129,29 @@ def test_whole_vocabulary_rows_on_the_device_give_the_host_tokens(rows, vocab):
         ours = Sampler().sample_from(source, states)
         assert_same_output(ours, Sampler().sample(logits, twins))
         assert ours.token_ids.tolist() == [token for token, _ in expected]
+        assert sorted(source.drawn) == [b for b, p in enumerate(params) if drawn_on_device(p)]
         assert sorted(source.copied) == [b for b, (p, (_, beyond)) in enumerate(zip(params, expected))
-                                         if beyond or (p.logprobs is not None and p.temperature != 1.0)]
+                                         if (beyond and not drawn_on_device(p))
+                                         or (p.logprobs is not None and p.temperature != 1.0)]
 
 
 def test_a_flat_row_on_the_device_draws_beyond_the_candidates():
     """A flat row over V = 151936 at temperature 2: a draw lands among the 1024 candidates with probability
-    1024 / V, so nearly every row is copied and walked beyond them, to the host's tokens."""
+    1024 / V, so nearly every row walks beyond them: on the device (no row copied), to the host's tokens. With
+    min-p the host walks every row, copied (the total under min-p needs the whole row)."""
     rows, vocab = 16, 151936
     logits = np.zeros((rows, vocab), dtype=np.float32)
     logits[:, ::2] = np.float32(1e-3)  # not all equal: the even ids come first
-    params = [SamplingParams(temperature=2.0, seed=b) for b in range(rows)]
-    poison()
-    source = CountedDeviceLogits(cupy.asarray(logits), GPU)
-    ours = Sampler().sample_from(source, [SamplingState.from_params(p, []) for p in params])
-    assert_same_output(ours, Sampler().sample(logits, [SamplingState.from_params(p, []) for p in params]))
-    beyond = [b for b in range(rows) if ours.token_ids[b] not in range(0, 2 * TOP_P_CANDIDATES, 2)]
-    assert sorted(source.copied) == beyond and len(beyond) >= rows - 2
+    for min_p in (0.0, 1e-9):
+        params = [SamplingParams(temperature=2.0, seed=b, min_p=min_p) for b in range(rows)]
+        poison()
+        source = CountedDeviceLogits(cupy.asarray(logits), GPU)
+        ours = Sampler().sample_from(source, [SamplingState.from_params(p, []) for p in params])
+        assert_same_output(ours, Sampler().sample(logits, [SamplingState.from_params(p, []) for p in params]))
+        beyond = [b for b in range(rows) if ours.token_ids[b] not in range(0, 2 * TOP_P_CANDIDATES, 2)]
+        assert len(beyond) >= rows - 2
+        assert sorted(source.copied) == ([] if min_p == 0.0 else list(range(rows)))  # min-p: the total needs the row
+        assert sorted(source.drawn) == (list(range(rows)) if min_p == 0.0 else [])
 
 
 class HostCheckedSampler(Sampler):

@@ -9,7 +9,8 @@ Both kernels give exactly what NumPy computes from the same logits (`HostLogits`
 the same tokens on either backend. The rest is copied row by row: penalties, logprobs under a temperature other
 than 1, a nucleus beyond the candidates, a whole-vocabulary draw that lands beyond them (with the probability of
 the mass beyond the best 1024 tokens: small for a peaked row, nearly 1 for a flat one), or min-p keeping the last
-candidate. For 64 rows of 151936 logits that is [64, C] ids and values (C = 1024 at the most: 512 KiB) instead of
+candidate. A whole-vocabulary row without min-p or logprobs (the OpenAI default) is drawn on the device instead
+(`whole_vocabulary_draws`: the same walk, the same integers): only its token comes back. For 64 rows of 151936 logits that is [64, C] ids and values (C = 1024 at the most: 512 KiB) instead of
 39 MB.
 """
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from ..sampling import Candidates, LogitSource, fixed_point, log_normaliser
 from .base import Array, Backend
-from .cupy_backend import _launch
+from .cupy_backend import NULL, _launch
 
 MAX_CANDIDATES = 1024  # MAX_CANDIDATES in sampling.cu: one row's candidates are sorted in shared memory
 SELECT_THREADS = 1024  # SELECT_THREADS in sampling.cu
@@ -58,6 +59,25 @@ class DeviceLogits(LogitSource):
                 self._argmax = self.backend.greedy(self.logits)  # [B] int64
             return self._argmax.get(stream=self.stream)[rows]
 
+    def whole_vocabulary_draws(self, rows: np.ndarray, temperature: np.ndarray, uniform: np.ndarray) -> np.ndarray:
+        """top_candidates with draws: each row's token drawn on the device by the walk of `_walk` without min-p
+        (TOP_P_CANDIDATES candidates first, then the other ids), from the same integers; only the ids come
+        back.  # [R] int64"""
+        cp, vocab = self.cp, self.vocab_size
+        count = min(vocab, MAX_CANDIDATES)
+        bits, cutoff = fixed_point(vocab)
+        draws = (np.asarray(uniform, dtype=np.float64) * 2.0**53).astype(np.uint64)  # exact: multiples of 2**-53
+        with self.stream:
+            ids = cp.empty((len(rows), count), np.int32)  # [R, C] scratch
+            values = cp.empty((len(rows), count), np.float32)  # [R, C] scratch
+            sums = cp.empty(len(rows), np.uint64)  # [R] scratch
+            tokens = cp.empty(len(rows), np.int64)  # [R]
+            _launch("sampling.cu", "top_candidates", (len(rows),), SELECT_THREADS,
+                    (self.logits, cp.asarray(rows, dtype=np.int32), cp.asarray(temperature, dtype=np.float32),
+                     np.int32(vocab), np.int32(count), np.int32(bits), np.float64(cutoff), ids, values, sums,
+                     cp.asarray(draws), tokens))
+            return tokens.get(stream=self.stream)
+
     def candidates(self, rows: np.ndarray, temperature: np.ndarray, count: int, lse_rows: np.ndarray) -> Candidates:
         """Every row's exp sum comes with its candidates (lse_rows is not needed: the pass is cheap on a GPU)."""
         cp, vocab = self.cp, self.vocab_size
@@ -70,7 +90,8 @@ class DeviceLogits(LogitSource):
             sums = cp.empty(len(rows), np.uint64)  # [R]
             _launch("sampling.cu", "top_candidates", (len(rows),), SELECT_THREADS,
                     (self.logits, cp.asarray(rows, dtype=np.int32), cp.asarray(temperature, dtype=np.float32),
-                     np.int32(vocab), np.int32(count), np.int32(bits), np.float64(cutoff), ids, values, sums))
+                     np.int32(vocab), np.int32(count), np.int32(bits), np.float64(cutoff), ids, values, sums, NULL,
+                     NULL))
             values = values.get(stream=self.stream)
             sums = sums.get(stream=self.stream).astype(np.int64)  # below 2**62 (fixed_point)
             return Candidates(ids.get(stream=self.stream).astype(np.int64), values,
