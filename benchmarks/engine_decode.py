@@ -11,8 +11,9 @@ prefill step excluded; a warm-up round first, so the bucket's graph is captured)
                     which with async scheduling runs while the device computes the next step
   engine_sync_tok_s the same engine with async scheduling off (each step's ids read before the next is
                     launched), in rounds alternating with the async ones
-  sampled_tok_s     sampled requests (temperature 1, seeded: the OpenAI default), each token drawn on the device;
-  sampled_host_walk_tok_s  the same with the draw walked on the host from copied candidates, alternating rounds
+  sampled_tok_s     sampled requests (temperature 1, seeded: the OpenAI default), launched ahead, each token drawn
+                    in the decode graph; sampled_sync_tok_s: read step by step, drawn on the device after the
+                    graph; sampled_host_walk_tok_s: read step by step, walked on the host (alternating rounds)
 so `engine_tok_s / graph_tok_s` is the share of the device's speed that a served request sees at batch B.
 
     python benchmarks/engine_decode.py --out benchmarks/results/engine_decode_h200.json
@@ -106,11 +107,12 @@ class EngineRun:
 def run_batch(run: EngineRun, batch: int, rounds: int = 2) -> dict:
     run.decode_steps(batch)  # warm: captures the bucket's graph
     plain, sync = [], []
-    for _ in range(rounds):  # async scheduling on and off in turn (switched between rounds: nothing in flight)
+    default = run.core.async_scheduling
+    for _ in range(rounds):  # async scheduling as configured, and off, in turn (switched with nothing in flight)
         plain += [s for s, _ in run.decode_steps(batch)]
         run.core.async_scheduling = False
         sync += [s for s, _ in run.decode_steps(batch)]
-        run.core.async_scheduling = True
+        run.core.async_scheduling = default
     timed = run.decode_steps(batch, timed_phases=True)
     phases = [p for _, p in timed if p is not None]
     mean_phases = {name: 1e6 * statistics.mean(p.get(name, 0.0) for p in phases) for name in HOST_PHASES} \
@@ -129,22 +131,26 @@ def run_batch(run: EngineRun, batch: int, rounds: int = 2) -> dict:
 
 
 def run_sampled(run: EngineRun, batch: int, rounds: int = 2) -> dict:
-    """The same engine on sampled requests (temperature 1, no top-k or top-p): each row's token drawn on the device
-    (DeviceLogits.whole_vocabulary_draws), against the host walking the copied candidates (the draw switched off),
-    in alternating rounds."""
+    """The same engine on sampled requests (temperature 1, no top-k or top-p), three ways in alternating rounds:
+    launched ahead with each token drawn in the decode graph (the default), read step by step with the draw on the
+    device (DeviceLogits.whole_vocabulary_draws), and read step by step with the host walking copied candidates."""
     from colibri_stream.backends.cupy_sampling import DeviceLogits
 
     run.decode_steps(batch, sampled=True)  # warm
-    on_device, on_host = [], []
-    draws = DeviceLogits.whole_vocabulary_draws
+    ahead, on_device, on_host = [], [], []
+    draws, default = DeviceLogits.whole_vocabulary_draws, run.core.async_scheduling
     for _ in range(rounds):
+        ahead += [s for s, _ in run.decode_steps(batch, sampled=True)]
+        run.core.async_scheduling = False
         on_device += [s for s, _ in run.decode_steps(batch, sampled=True)]
         DeviceLogits.whole_vocabulary_draws = lambda self, rows, temperature, uniform: None
         try:
             on_host += [s for s, _ in run.decode_steps(batch, sampled=True)]
         finally:
             DeviceLogits.whole_vocabulary_draws = draws
-    return {"sampled_tok_s": batch / statistics.median(on_device),
+            run.core.async_scheduling = default
+    return {"sampled_tok_s": batch / statistics.median(ahead),
+            "sampled_sync_tok_s": batch / statistics.median(on_device),
             "sampled_host_walk_tok_s": batch / statistics.median(on_host)}
 
 
@@ -171,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{record['engine_step_us']:.0f} us; graph alone "
                 + ("-" if replay is None else f"{replay:.0f} us ({record['engine_of_graph']:.0%} of it)")
                 + "; phases (us): " + ", ".join(f"{k} {v:.0f}" for k, v in record["phases_us"].items())
-                + f"; sampled (temperature 1): {record['sampled_tok_s']:.0f} tok/s drawn on the device, "
+                + f"; sampled (temperature 1): {record['sampled_tok_s']:.0f} tok/s launched ahead, "
+                  f"{record['sampled_sync_tok_s']:.0f} step by step, drawn on the device, "
                   f"{record['sampled_host_walk_tok_s']:.0f} walked on the host")
             with open(args.out, "w") as f:
                 json.dump(records, f, indent=1)

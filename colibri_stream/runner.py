@@ -1,9 +1,10 @@
 """One model step: a SchedulerOutput becomes a ForwardBatch, the model computes logits, the sampler picks tokens.
 
-`execute` runs a step and returns its tokens. `launch` and `collect` split a greedy decode step in two, so the
-engine can schedule and launch the next step before it reads this one's tokens (scheduler.schedule_next): on the
-GPU the step is a decode graph whose argmaxes stay on the device, where the next step takes its tokens from
-(cuda_graph.py); on the host `launch` computes the step at once and keeps its argmaxes for the next.
+`execute` runs a step and returns its tokens. `launch` and `collect` split a decode step whose tokens need nothing
+but the logits (greedy) and a uniform (draws over the whole vocabulary) in two, so the engine can schedule and
+launch the next step before it reads this one's tokens (scheduler.schedule_next): on the GPU the step is a decode
+graph whose tokens stay on the device, where the next step takes them from (cuda_graph.py); on the host `launch`
+computes the step at once and keeps its tokens for the next.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import numpy as np
 from .model import ForwardBatch, MoETransformer, PagedKVCache
 from .model.batch import flat_batch
 from .request import Logprob, SeqId
-from .sampling import HostLogits, LogitSource, Sampler, SamplingState, TokenLogprobs, argmax_only
+from .sampling import (HostLogits, LogitSource, Sampler, SamplingState, TokenLogprobs, argmax_only,
+                       drawn_over_vocabulary, uniform_bits)
 from .scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -84,12 +86,15 @@ class ModelRunner:
 
     def launch(self, step: SchedulerOutput) -> LaunchedStep | None:
         """Start `step` without waiting for its tokens, when it can run so: every sequence decodes one token that
-        is the argmax of its logits and asks for nothing else (no logprobs, penalties or bias), and on the GPU the
-        step fits a decode graph. None otherwise (`execute` it). Sequences with a `feed_row` take their token from
-        the previous launched step's ids; a step scheduled that way (`schedule_next` after a launched step) is
-        always launched."""
-        seqs = step.seqs
-        if not seqs or not all(s.sample and len(s.token_ids) == 1 and argmax_only(s.request.params) for s in seqs):
+        needs nothing but its logits and, for a sampled one, its uniform (greedy, or a draw over the whole
+        vocabulary: no top-k, top-p, min-p, logprobs, penalties or bias), and on the GPU the step fits a decode
+        graph. None otherwise (`execute` it). Sequences with a `feed_row` take their token from the previous
+        launched step's tokens; a step scheduled that way (`schedule_next` after a launched step) is always
+        launched. A sampled sequence's uniform is drawn here, one a step as `execute` draws it."""
+        seqs, vocab = step.seqs, self.model.config.vocab_size
+        if not seqs or not all(s.sample and len(s.token_ids) == 1 and (argmax_only(s.request.params)
+                                                                      or drawn_over_vocabulary(s.request.params, vocab))
+                               for s in seqs):
             return None
         for seq_id in step.finished_seq_ids:
             self._states.pop(seq_id, None)
@@ -97,18 +102,24 @@ class ModelRunner:
         with timer.phase("prepare"):
             batch = build_batch(seqs, self.kv_cache.block_size)
             feed_rows = np.array([s.feed_row for s in seqs], dtype=np.int64)  # [N]
+        if self.model.backend.name == "cupy" and (self.graphs is None or not self.graphs.fits(batch)):
+            return None
+        states = [self._state(s) for s in seqs]
         if self.model.backend.name == "cupy":
-            if self.graphs is None or not self.graphs.fits(batch):
-                return None
-            ids = self.graphs.launch(batch, feed_rows).wait
+            sampled = [not argmax_only(state.params) for state in states]  # [N]
+            temperature = np.array([state.params.temperature if s else 0.0 for state, s in zip(states, sampled)],
+                                   dtype=np.float32)  # [N]
+            uniform = np.array([state.generator.random() if s else 0.0 for state, s in zip(states, sampled)])  # [N]
+            ids = self.graphs.launch(batch, feed_rows, temperature, uniform_bits(uniform)).wait
         else:
             fed = feed_rows >= 0
             batch.token_ids[fed] = self._host_feedback[feed_rows[fed]]
             with timer.phase("forward"):
                 logits = self.model.forward(batch, self.kv_cache)  # [N, V]
-            argmaxes = self._host_feedback = HostLogits(logits).argmax(np.arange(len(seqs)))  # [N]
-            ids = argmaxes.copy
-        return LaunchedStep(step, [self._state(s) for s in seqs], ids)
+            with timer.phase("sample"):
+                tokens = self._host_feedback = self.sampler.sample_from(HostLogits(logits), states).token_ids  # [N]
+            ids = tokens.copy
+        return LaunchedStep(step, states, ids)
 
     def collect(self, launched: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step's tokens."""

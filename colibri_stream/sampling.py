@@ -376,6 +376,12 @@ def _walk(source: LogitSource, rows: np.ndarray, candidates: Candidates, which: 
     return tokens, values
 
 
+def uniform_bits(uniform: np.ndarray) -> np.ndarray:
+    """Uniforms [R] in [0, 1), multiples of 2**-53 (as NumPy draws them), as the integers u * 2**53 that `_fraction`
+    multiplies by.  # [R] uint64"""
+    return (np.asarray(uniform, dtype=np.float64) * 2.0**53).astype(np.uint64)
+
+
 def _fraction(uniform: np.ndarray, total: np.ndarray) -> np.ndarray:
     """floor(u * t) [G] int64, exact, of uniforms [G] in [0, 1) (multiples of 2**-53, as NumPy draws them) and
     integers t [G] below 2**63."""
@@ -477,6 +483,15 @@ def argmax_only(params: SamplingParams) -> bool:
     """Whether the token is the raw logits' argmax and nothing else is asked: greedy, no logprobs, logits as they
     are (`_sample_rows` takes `source.argmax` for such a row)."""
     return params.temperature < GREEDY_TEMPERATURE and params.logprobs is None and not _adjusts_logits(params)
+
+
+def drawn_over_vocabulary(params: SamplingParams, vocab: int) -> bool:
+    """Whether a row's token is a draw over the whole vocabulary that needs nothing but the row's uniform: sampled,
+    no top-k (or one keeping every token), top-p, min-p, logprobs, penalties or bias. These are the rows
+    `LogitSource.whole_vocabulary_draws` serves."""
+    return (np.float32(params.temperature) >= GREEDY_TEMPERATURE and not 0 < params.top_k < vocab
+            and params.top_p >= 1.0 and params.min_p <= 0.0 and params.logprobs is None
+            and not _adjusts_logits(params))
 
 
 def _adjusts_logits(params: SamplingParams) -> bool:

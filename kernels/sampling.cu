@@ -21,7 +21,8 @@
 //   With draws (else null): also draws each row's token over the whole vocabulary into tokens int64 [R], the walk
 //   of sampling._walk without min-p: weights fixed_exp(x - max) in the order the candidates, largest first, then
 //   every other token by id; the token is the first whose cumulative weight exceeds floor(u * sum), u = draws[r]
-//   / 2^53 (draws uint64 [R], below 2^53). Integers throughout, so the token is the host's.
+//   / 2^53 (draws uint64 [R], below 2^53). Integers throughout, so the token is the host's. A row whose temperature
+//   is not above 0 is skipped (nothing written): a decode graph's greedy rows.
 #include "common.cuh"
 
 #define MAX_CANDIDATES 1024
@@ -147,6 +148,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) top_candidates(cons
     const float* row = logits + static_cast<long long>(rows[blockIdx.x]) * V;
     const float t = temperature[blockIdx.x];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (draws != nullptr && !(t > 0.f)) return;  // the same for the whole block
 
     unsigned long long prefix = 0ull, mask = 0ull;  // the digits of T chosen so far, and where they are
     int remaining = count;  // keys still to take among those matching the prefix

@@ -31,11 +31,14 @@ class LaunchCounter:
 
     def __init__(self, core: EngineCore):
         self.count = 0
+        self.steps = []  # the SchedulerOutputs launched
         launch = core.runner.launch
 
         def counted(step):
             launched = launch(step)
-            self.count += launched is not None
+            if launched is not None:
+                self.count += 1
+                self.steps.append(step)
             return launched
 
         core.runner.launch = counted
@@ -117,18 +120,23 @@ def test_abort_while_a_step_is_launched(tiny_model_dir, prompts):
     assert 5 <= len(got[("r1", 0)][0]) < 16 and got[("r1", 0)][2] == "abort"
 
 
-def test_sampled_and_logprob_requests_run_synchronously_beside_greedy_ones(tiny_model_dir, prompts):
-    """Steps with a sequence that needs more than an argmax are not launched ahead; seeded draws, logprobs and
-    n > 1 come out the same, and greedy requests alone in a batch again go ahead."""
+def test_sampled_requests_go_ahead_and_others_hold_the_batch_back(tiny_model_dir, prompts):
+    """Seeded draws over the whole vocabulary go ahead with greedy ones (their uniforms drawn at launch, one a
+    step); a step with a row that needs more (logprobs, top-p) is not launched ahead. Every request gets the tokens
+    of synchronous steps."""
     sync, ahead = engines(tiny_model_dir)
     counter = LaunchCounter(ahead)
     requests = {
         "seeded": (prompts[0], SamplingParams(max_tokens=10, temperature=0.9, seed=3, ignore_eos=True, n=2)),
+        "default": (prompts[3], SamplingParams(max_tokens=20, seed=5, ignore_eos=True)),  # temperature 1
         "logprobs": (prompts[1], SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True)),
+        "nucleus": (prompts[1], SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)),
         "greedy": (prompts[2], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)),
     }
     assert run_all(ahead, requests) == run_all(sync, requests)
-    assert 0 < counter.count <= 14  # the greedy request's last steps, once it runs alone
+    assert counter.count >= 10
+    launched = {s.request.request_id for step in counter.steps for s in step.seqs}
+    assert {"seeded", "default", "greedy"} <= launched and not {"logprobs", "nucleus"} & launched
 
 
 def test_preemption_and_chunked_prefill_with_steps_launched_ahead(tiny_model_dir, prompts):

@@ -72,9 +72,9 @@ def test_prefix_caching_on_the_gpu_gives_the_uncached_tokens():
 
 
 def test_steps_launched_ahead_give_the_synchronous_tokens(tiny_model_dir):
-    """Greedy decode steps launched before the host read the step before (their tokens taken on the device) give
-    what steps read one by one give, while requests finish (max_tokens, stop strings, stop tokens) and the batch
-    moves to smaller buckets with a step in flight."""
+    """Decode steps launched before the host read the step before (their tokens taken on the device: argmaxes, and
+    seeded draws over the whole vocabulary made in the graph) give what steps read one by one give, while requests
+    finish (max_tokens, stop strings, stop tokens) and the batch moves to smaller buckets with a step in flight."""
     ahead = LLM(str(tiny_model_dir), device="cuda")
     assert ahead.engine.async_scheduling  # the default where decode steps are graphs
     launches = []
@@ -86,7 +86,9 @@ def test_steps_launched_ahead_give_the_synchronous_tokens(tiny_model_dir):
     prompts_params = [(text, SamplingParams(max_tokens=4 + 5 * i, temperature=0, ignore_eos=True))
                       for i, text in enumerate(texts)]
     prompts_params += [(texts[0], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(free.token_ids[7],))),
-                       (texts[0], SamplingParams(max_tokens=24, temperature=0, stop=(free.text[10:13],)))]
+                       (texts[0], SamplingParams(max_tokens=24, temperature=0, stop=(free.text[10:13],))),
+                       (texts[1], SamplingParams(max_tokens=20, temperature=1.0, seed=11, ignore_eos=True)),
+                       (texts[3], SamplingParams(max_tokens=14, temperature=0.6, seed=12, ignore_eos=True))]
 
     def run(llm):
         for i, (text, params) in enumerate(prompts_params):

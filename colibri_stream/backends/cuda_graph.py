@@ -7,9 +7,9 @@ buffer, copies it up in one transfer, replays the graph (the whole forward plus 
 only what the caller asks for (the sampler: argmaxes and candidates, cupy_sampling.py). Everything data-dependent
 (routing, sequence lengths) is read on the device.
 
-Scheduling one step ahead: every graph writes its argmaxes into a `feedback` buffer on the device, and a step's
-input token can be named by its row there (`feed_rows`) instead of by value: the first kernel of the graph
-(feed_tokens) reads it. So step t+1 is launched before the host has read step t's ids (`launch` returns a
+Scheduling one step ahead: every graph writes its tokens (argmaxes, or draws over the whole vocabulary for rows
+given a temperature and a uniform) into a `feedback` buffer on the device, and a step's input token can be named
+by its row there (`feed_rows`) instead of by value: the first kernel of the graph (feed_tokens) reads it. So step t+1 is launched before the host has read step t's ids (`launch` returns a
 `PendingIds`), and the GPU goes from one step to the next without waiting for the host. The host buffers come in
 two, used in turn, so writing step t+1's inputs never races with step t's copy.
 """
@@ -23,12 +23,13 @@ import numpy as np
 from ..model.batch import ForwardBatch
 from ..model.paged_kv import PagedKVCache
 from ..model.transformer import MoETransformer
-from .cupy_sampling import DeviceLogits
+from .cupy_sampling import DeviceLogits, draw_on_device
 from .launch import programmatic_launch_supported, programmatic_launches
 
 logger = logging.getLogger(__name__)
 _BATCH_INPUTS = ("token_ids", "positions", "slot_mapping", "context_lens")  # [B] each, from the ForwardBatch
-_INPUTS = (*_BATCH_INPUTS, "feed_rows")
+# [B] 8-byte slots each: feed rows (int64), temperatures (float32 in the first half), uniforms (uint64, u * 2**53)
+_INPUTS = (*_BATCH_INPUTS, "feed_rows", "temperature", "draws")
 
 
 class PendingIds:
@@ -79,9 +80,12 @@ class DecodeGraph:
             for n, name in enumerate(_INPUTS):
                 views[name] = self._host[turn, n * batch_size:(n + 1) * batch_size]  # [B]
             views["block_tables"] = self._host[turn, start:].reshape(batch_size, max_blocks)  # [B, max_blocks]
+            _typed(views, batch_size)
         for n, name in enumerate(_INPUTS):
             self.inputs[name] = self._device[n * batch_size:(n + 1) * batch_size]  # [B]
         self.inputs["block_tables"] = self._device[start:].reshape(batch_size, max_blocks)  # [B, max_blocks]
+        _typed(self.inputs, batch_size)
+        self._rows = cupy.arange(batch_size, dtype=np.int32)  # [B] the logits rows the draws read
         self.inputs["query_start"] = cupy.arange(batch_size + 1, dtype=np.int64)  # [B+1]
         self.inputs["logits_indices"] = cupy.arange(batch_size, dtype=np.int64)  # [B]
         self._shape = ForwardBatch(  # shapes only: the backend reads the values from self.inputs
@@ -124,19 +128,25 @@ class DecodeGraph:
         backend = self.model.backend
         backend.feed_tokens(self.inputs["token_ids"], self.inputs["feed_rows"], self.feedback)
         logits = self.model.forward_device(self._shape, self.inputs, self.kv_cache)  # [B, V]
-        return logits, backend.greedy(logits, out=None if warm_up else self.feedback[:self.batch_size])
+        ids = backend.greedy(logits, out=None if warm_up else self.feedback[:self.batch_size])  # [B]
+        # rows with a temperature draw over the whole vocabulary instead (sampled requests launched ahead)
+        draw_on_device(logits, self._rows, self.inputs["temperature"], self.inputs["draws"], ids)
+        return logits, ids
 
     @property
     def pool_bytes(self) -> int:
         """Device memory held by the graph's private pool."""
         return self._pool.total_bytes()
 
-    def run(self, batch: ForwardBatch, feed_rows: np.ndarray | None = None) -> None:
+    def run(self, batch: ForwardBatch, feed_rows: np.ndarray | None = None, temperature: np.ndarray | None = None,
+            draws: np.ndarray | None = None) -> None:
         """Enqueue the step for `batch` (batch_size sequences of one token each) on the graph's stream; `logits`
         and `token_ids` hold its results once the stream reaches them. `feed_rows` [B] int64: where >= 0, the
         sequence's token is that row of `feedback` (the step before this one on the stream sampled it), and its
-        entry in batch.token_ids is ignored. The step before the previous one must have finished (its host buffer
-        is reused); `logits` and `token_ids` are overwritten by the next step."""
+        entry in batch.token_ids is ignored. `temperature` [B] float32 and `draws` [B] uint64 (uniforms as
+        u * 2**53): rows with a temperature above 0 get a token drawn over the whole vocabulary instead of their
+        argmax (cupy_sampling.draw_on_device); none by default. The step before the previous one must have
+        finished (its host buffer is reused); `logits` and `token_ids` are overwritten by the next step."""
         b = self.batch_size
         if batch.num_tokens != b or batch.num_seqs != b:
             raise ValueError(f"this graph runs {b} sequences of one token each, got {batch.num_seqs} sequences "
@@ -151,6 +161,8 @@ class DecodeGraph:
         turn, self._turn = self._turn, self._turn ^ 1
         views = self._host_views[turn]
         views["feed_rows"][:] = -1 if feed_rows is None else feed_rows
+        views["temperature"][:] = 0.0 if temperature is None else temperature
+        views["draws"][:] = 0 if draws is None else draws
         for name in _BATCH_INPUTS:
             views[name][:] = getattr(batch, name)
         tables = views["block_tables"]
@@ -159,13 +171,13 @@ class DecodeGraph:
         self._device.set(self._host[turn], stream=self.stream)
         self.graph.launch(stream=self.stream)
 
-    def launch(self, batch: ForwardBatch, feed_rows: np.ndarray | None = None, count: int | None = None
-               ) -> PendingIds:
+    def launch(self, batch: ForwardBatch, feed_rows: np.ndarray | None = None, count: int | None = None,
+               temperature: np.ndarray | None = None, draws: np.ndarray | None = None) -> PendingIds:
         """`run` the step, then copy its first `count` ids (all by default) back without waiting for them."""
         import cupy
 
         host = self._host_ids[self._turn]  # the turn `run` takes
-        self.run(batch, feed_rows)
+        self.run(batch, feed_rows, temperature, draws)
         count = self.batch_size if count is None else count
         cupy.cuda.runtime.memcpyAsync(host.ctypes.data, self.token_ids.data.ptr, count * 8,
                                       cupy.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
@@ -228,14 +240,21 @@ class DecodeGraphs:
         graph.run(_padded(batch, graph.batch_size))
         return DeviceLogits(graph.logits[:b], self.model.backend, graph.stream, argmax=graph.token_ids[:b])
 
-    def launch(self, batch: ForwardBatch, feed_rows: np.ndarray) -> PendingIds:
-        """Enqueue a greedy step without waiting for the steps before it; `feed_rows` [B] int64 names, where >= 0,
-        the row of the previous launched step's argmaxes that is the sequence's token (batch.token_ids there is
-        ignored). The host must have waited for the step before the previous one."""
+    def launch(self, batch: ForwardBatch, feed_rows: np.ndarray, temperature: np.ndarray, draws: np.ndarray
+               ) -> PendingIds:
+        """Enqueue a step without waiting for the steps before it; `feed_rows` [B] int64 names, where >= 0, the row
+        of the previous launched step's tokens that is the sequence's token (batch.token_ids there is ignored).
+        Each sequence's token is its argmax, or where `temperature` [B] float32 is above 0 a draw over the whole
+        vocabulary with the uniform `draws` [B] uint64 (DecodeGraph.run). The host must have waited for the step
+        before the previous one."""
         graph = self._graph(batch)
         pad = graph.batch_size - batch.num_seqs
-        rows = np.concatenate([feed_rows, np.full(pad, -1, np.int64)]) if pad else feed_rows
-        return graph.launch(_padded(batch, graph.batch_size), rows, count=batch.num_seqs)
+
+        def padded(values: np.ndarray, fill) -> np.ndarray:
+            return np.concatenate([values, np.full(pad, fill, values.dtype)]) if pad else values
+
+        return graph.launch(_padded(batch, graph.batch_size), padded(feed_rows, -1), batch.num_seqs,
+                            padded(temperature, 0.0), padded(draws, 0))
 
     def synchronize(self) -> None:
         """Wait until every launched step finished."""
@@ -251,6 +270,12 @@ class DecodeGraphs:
             graph = self._graphs[size] = DecodeGraph(self.model, self.kv_cache, size, self.max_blocks,
                                                      stream=self.stream, feedback=self.feedback)
         return graph
+
+
+def _typed(views: dict, batch_size: int) -> None:
+    """The temperature and draws slots of a packed int64 input buffer, viewed as float32 [B] and uint64 [B]."""
+    views["temperature"] = views["temperature"].view(np.float32)[:batch_size]
+    views["draws"] = views["draws"].view(np.uint64)
 
 
 def _padded(batch: ForwardBatch, size: int) -> ForwardBatch:

@@ -18,12 +18,30 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..sampling import Candidates, LogitSource, fixed_point, log_normaliser
+from ..sampling import Candidates, LogitSource, fixed_point, log_normaliser, uniform_bits
 from .base import Array, Backend
 from .cupy_backend import NULL, _launch
 
 MAX_CANDIDATES = 1024  # MAX_CANDIDATES in sampling.cu: one row's candidates are sorted in shared memory
 SELECT_THREADS = 1024  # SELECT_THREADS in sampling.cu
+
+
+def draw_on_device(logits: Array, rows: Array, temperature: Array, draws: Array, tokens: Array) -> None:
+    """top_candidates with draws, on the current stream: tokens[r] [R] int64 = the token of logits row rows[r]
+    [R] int32 drawn over the whole vocabulary at temperature[r] [R] float32 with the uniform draws[r] / 2**53 [R]
+    uint64: the walk of sampling._walk without min-p (the TOP_P_CANDIDATES best first, then the other ids), with the
+    same integers. Rows whose temperature is not above 0 are skipped (tokens[r] left as it is)."""
+    import cupy
+
+    r, vocab = rows.shape[0], logits.shape[1]
+    count = min(vocab, MAX_CANDIDATES)
+    bits, cutoff = fixed_point(vocab)
+    ids = cupy.empty((r, count), np.int32)  # [R, C] scratch
+    values = cupy.empty((r, count), np.float32)  # [R, C] scratch
+    sums = cupy.empty(r, np.uint64)  # [R] scratch
+    _launch("sampling.cu", "top_candidates", (r,), SELECT_THREADS,
+            (logits, rows, temperature, np.int32(vocab), np.int32(count), np.int32(bits), np.float64(cutoff), ids,
+             values, sums, draws, tokens))
 
 
 class DeviceLogits(LogitSource):
@@ -60,22 +78,12 @@ class DeviceLogits(LogitSource):
             return self._argmax.get(stream=self.stream)[rows]
 
     def whole_vocabulary_draws(self, rows: np.ndarray, temperature: np.ndarray, uniform: np.ndarray) -> np.ndarray:
-        """top_candidates with draws: each row's token drawn on the device by the walk of `_walk` without min-p
-        (TOP_P_CANDIDATES candidates first, then the other ids), from the same integers; only the ids come
-        back.  # [R] int64"""
-        cp, vocab = self.cp, self.vocab_size
-        count = min(vocab, MAX_CANDIDATES)
-        bits, cutoff = fixed_point(vocab)
-        draws = (np.asarray(uniform, dtype=np.float64) * 2.0**53).astype(np.uint64)  # exact: multiples of 2**-53
+        """Each row's token drawn on the device (`draw_on_device`); only the ids come back.  # [R] int64"""
+        cp = self.cp
         with self.stream:
-            ids = cp.empty((len(rows), count), np.int32)  # [R, C] scratch
-            values = cp.empty((len(rows), count), np.float32)  # [R, C] scratch
-            sums = cp.empty(len(rows), np.uint64)  # [R] scratch
             tokens = cp.empty(len(rows), np.int64)  # [R]
-            _launch("sampling.cu", "top_candidates", (len(rows),), SELECT_THREADS,
-                    (self.logits, cp.asarray(rows, dtype=np.int32), cp.asarray(temperature, dtype=np.float32),
-                     np.int32(vocab), np.int32(count), np.int32(bits), np.float64(cutoff), ids, values, sums,
-                     cp.asarray(draws), tokens))
+            draw_on_device(self.logits, cp.asarray(rows, dtype=np.int32), cp.asarray(temperature, dtype=np.float32),
+                           cp.asarray(uniform_bits(uniform)), tokens)
             return tokens.get(stream=self.stream)
 
     def candidates(self, rows: np.ndarray, temperature: np.ndarray, count: int, lse_rows: np.ndarray) -> Candidates:
