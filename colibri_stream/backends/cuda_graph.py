@@ -240,15 +240,17 @@ class DecodeGraphs:
         graph.run(_padded(batch, graph.batch_size))
         return DeviceLogits(graph.logits[:b], self.model.backend, graph.stream, argmax=graph.token_ids[:b])
 
-    def launch(self, batch: ForwardBatch, feed_rows: np.ndarray, temperature: np.ndarray, draws: np.ndarray
-               ) -> PendingIds:
+    def launch(self, batch: ForwardBatch, feed_rows: np.ndarray, temperature: np.ndarray | None = None,
+               draws: np.ndarray | None = None) -> PendingIds:
         """Enqueue a step without waiting for the steps before it; `feed_rows` [B] int64 names, where >= 0, the row
         of the previous launched step's tokens that is the sequence's token (batch.token_ids there is ignored).
         Each sequence's token is its argmax, or where `temperature` [B] float32 is above 0 a draw over the whole
-        vocabulary with the uniform `draws` [B] uint64 (DecodeGraph.run). The host must have waited for the step
-        before the previous one."""
+        vocabulary with the uniform `draws` [B] uint64 (DecodeGraph.run; by default every token is the argmax). The
+        host must have waited for the step before the previous one."""
         graph = self._graph(batch)
         pad = graph.batch_size - batch.num_seqs
+        if temperature is None:
+            temperature, draws = np.zeros(batch.num_seqs, np.float32), np.zeros(batch.num_seqs, np.uint64)
 
         def padded(values: np.ndarray, fill) -> np.ndarray:
             return np.concatenate([values, np.full(pad, fill, values.dtype)]) if pad else values
