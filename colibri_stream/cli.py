@@ -56,8 +56,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="launch every GPU step eagerly instead of replaying captured decode graphs (slower; for "
                         "debugging and comparisons)")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
-                   help="read each greedy decode step's tokens before launching the next one, instead of launching "
-                        "it ahead (for debugging and comparisons)")
+                   help="read each decode step's tokens before launching the next one, instead of launching it "
+                        "ahead (for debugging and comparisons)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
                    help="recompute every prompt instead of reusing the KV blocks of a prefix computed before")
     _add_budget_arguments(p)

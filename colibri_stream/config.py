@@ -315,7 +315,8 @@ class EngineConfig:
     device: str = "auto"  # cpu | auto (a GPU when one is usable); checked by the model loader
     verify: bool = False  # check the checkpoint's checksums when loading
     cuda_graphs: bool = True  # decode steps as CUDA graphs where they can be (off: every step launched eagerly)
-    # Greedy decode steps scheduled and launched one step ahead of reading their tokens (scheduler.schedule_next).
+    # Decode steps (greedy rows, draws over the whole vocabulary) scheduled and launched one step ahead of reading
+    # their tokens (scheduler.schedule_next).
     # None: where decode steps are CUDA graphs (the GPU then never waits for the host between steps). True on the
     # NumPy backend runs the same scheduling with nothing to overlap.
     async_scheduling: bool | None = None

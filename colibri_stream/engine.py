@@ -91,7 +91,7 @@ class EngineCore:
         self.timer: StepTimer = model.timer  # phases of every step; `timer.add_sink` turns it on
         self.async_scheduling = (self.runner.graphs is not None if config.async_scheduling is None
                                  else config.async_scheduling)
-        self._launched: LaunchedStep | None = None  # a greedy decode step launched ahead of its tokens
+        self._launched: LaunchedStep | None = None  # a decode step launched ahead of its tokens
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
         self._requests: dict[str, dict[int, _Sequence]] = {}  # request id -> its unfinished sequences by index
         self._num_steps = 0
@@ -150,8 +150,9 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one model step; returns an output for every sequence that sampled a token.
 
-        With async scheduling a greedy decode step is launched ahead: a call launches the next step, then reads
-        the tokens of the one launched by the call before (or by itself, for the first of a run of them)."""
+        With async scheduling a decode step that `runner.launch` takes is launched ahead: a call launches the next
+        step, then reads the tokens of the one launched by the call before (or by itself, for the first of a run of
+        them)."""
         if not self.has_unfinished():
             return []
         start = time.perf_counter()
@@ -178,7 +179,7 @@ class EngineCore:
 
     def _run_step(self) -> tuple[SchedulerOutput, RunnerOutput]:
         """Compute a step and return it with its tokens: the step launched ahead by the call before, else a step
-        scheduled now. A greedy decode step's successor is scheduled and launched before its tokens are read."""
+        scheduled now. A launched decode step's successor is scheduled and launched before its tokens are read."""
         launched = self._launched
         if launched is None:
             with self.timer.phase("schedule"):

@@ -32,7 +32,7 @@ class RunnerOutput:
 
 @dataclass
 class LaunchedStep:
-    """A greedy decode step launched ahead of its tokens: `ids()` waits for them.  # [N] int64"""
+    """A decode step launched ahead of its tokens: `ids()` waits for them.  # [N] int64"""
 
     step: SchedulerOutput
     states: list[SamplingState]  # of the step's sequences, in order
