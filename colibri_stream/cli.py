@@ -111,10 +111,10 @@ def _size(text: str) -> int:
 
 def _engine_options(args: argparse.Namespace) -> dict:
     """The engine keyword arguments that were given on the command line."""
-    names = ("device", "verify", "cuda_graphs", "async_scheduling", "max_seq_len", "max_batch_size", "max_num_batched_tokens", "block_size",
-             "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching", "max_queue", "gpu_memory_limit",
-             "l2_cache_size", "eviction_policy", "prefetch", "prefetch_lookahead", "usage_file", "routing_trace",
-             "cpu_experts", "gpu_slot_layout", "cpu_threads")
+    names = ("device", "verify", "cuda_graphs", "async_scheduling", "max_seq_len", "max_batch_size",
+             "max_num_batched_tokens", "block_size", "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching",
+             "max_queue", "gpu_memory_limit", "l2_cache_size", "eviction_policy", "prefetch", "prefetch_lookahead",
+             "usage_file", "routing_trace", "cpu_experts", "gpu_slot_layout", "cpu_threads")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

@@ -8,10 +8,11 @@ only what the caller asks for (the sampler: argmaxes and candidates, cupy_sampli
 (routing, sequence lengths) is read on the device.
 
 Scheduling one step ahead: every graph writes its tokens (argmaxes, or draws over the whole vocabulary for rows
-given a temperature and a uniform) into a `feedback` buffer on the device, and a step's input token can be named
-by its row there (`feed_rows`) instead of by value: the first kernel of the graph (feed_tokens) reads it. So step t+1 is launched before the host has read step t's ids (`launch` returns a
-`PendingIds`), and the GPU goes from one step to the next without waiting for the host. The host buffers come in
-two, used in turn, so writing step t+1's inputs never races with step t's copy.
+given a temperature and a uniform) into a `feedback` buffer on the device, and a step's input token can be named by
+its row there (`feed_rows`) instead of by value: the first kernel of the graph (feed_tokens) reads it. So step t+1
+is launched before the host has read step t's ids (`launch` returns a `PendingIds`), and the GPU goes from one step
+to the next without waiting for the host. The host buffers come in two, used in turn, so writing step t+1's inputs
+never races with step t's copy.
 """
 
 from __future__ import annotations
