@@ -1,17 +1,17 @@
 """Sampling from logits left on the GPU: only argmaxes, drawn tokens, candidates and exp sums come back to the host.
 
 `DeviceLogits` is the sampler's `LogitSource` for a CuPy step (sampling.py): greedy rows get their argmax
-(argmax_rows), other rows their best `count` tokens after temperature, sorted, and their exp sum (top_candidates
-in kernels/sampling.cu, one block per row), which the host turns into the row's log-normaliser. Top-k and top-p rows draw from those candidates;
-rows over the whole vocabulary (no top-k, no top-p: the OpenAI default, plain temperature, min-p) walk their best
-TOP_P_CANDIDATES (= MAX_CANDIDATES) first against the exact exp sum. Both kernels give exactly what NumPy computes
-from the same logits (`HostLogits`), so a seeded request samples the same tokens on either backend. The rest is
-copied row by row: penalties, logprobs under a temperature other than 1, a nucleus beyond the candidates, a
-whole-vocabulary draw that lands beyond them (with the probability of the mass beyond the best 1024 tokens: small
-for a peaked row, nearly 1 for a flat one), or min-p keeping the last candidate. A whole-vocabulary row without
-min-p or logprobs (the OpenAI default) is drawn on the device instead (`whole_vocabulary_draws`: the same walk, the
-same integers): only its token comes back. For 64 rows of 151936 logits that is [64, C] ids and values (C = 1024 at
-the most: 512 KiB) instead of 39 MB.
+(argmax_rows), other rows their best `count` tokens after temperature, sorted, and their exp sum (top_candidates in
+kernels/sampling.cu, one block per row), which the host turns into the row's log-normaliser. Top-k and top-p rows
+draw from those candidates; rows over the whole vocabulary (no top-k, no top-p: the OpenAI default, plain
+temperature, min-p) walk their best TOP_P_CANDIDATES (= MAX_CANDIDATES) first against the exact exp sum. Both
+kernels give exactly what NumPy computes from the same logits (`HostLogits`), so a seeded request samples the same
+tokens on either backend. The rest is copied row by row: penalties, logprobs under a temperature other than 1, a
+nucleus beyond the candidates, a whole-vocabulary draw that lands beyond them (with the probability of the mass
+beyond the best 1024 tokens: small for a peaked row, nearly 1 for a flat one), or min-p keeping the last candidate.
+A whole-vocabulary row without min-p or logprobs (the OpenAI default) is drawn on the device instead
+(`whole_vocabulary_draws`: the same walk, the same integers): only its token comes back. For 64 rows of 151936
+logits that is [64, C] ids and values (C = 1024 at the most: 512 KiB) instead of 39 MB.
 """
 
 from __future__ import annotations
