@@ -24,6 +24,7 @@ from colibri_stream.sampling import (
     SamplerOutput,
     SamplingState,
     apply_penalties,
+    drawn_over_vocabulary,
     exp_sums,
     fixed_exp,
     fixed_point,
@@ -571,3 +572,31 @@ def test_a_draw_at_the_heads_total_goes_to_the_next_candidate():
         source = CandidateLogits(logits)
         assert SAMPLER.sample_from(source, [state]).token_ids.tolist() == [order[rank]] and source.copied == []
         assert SAMPLER.sample(logits, [state]).token_ids.tolist() == [order[rank]]
+
+
+class DrawingLogits(CandidateLogits):
+    """A candidate source that also draws whole-vocabulary rows itself, as DeviceLogits does on the GPU, here by the
+    reference walk over the whole row; records the rows it drew."""
+
+    def __init__(self, logits: np.ndarray):
+        super().__init__(logits)
+        self.drawn: list[int] = []
+
+    def whole_vocabulary_draws(self, rows, temperature, uniform):
+        self.drawn += rows.tolist()
+        return np.array([reference_walk(self.logits[r], float(t), 0.0, float(u))[0]
+                         for r, t, u in zip(rows.tolist(), temperature, uniform)], dtype=np.int64)
+
+
+@pytest.mark.parametrize("vocab", [300, 3000])
+def test_the_rows_a_source_draws_are_the_rows_launched_ahead(vocab):
+    """The sampler asks a source to draw exactly the rows `drawn_over_vocabulary` names (the rows the runner
+    launches ahead, with the draw in the decode graph), and those draws give the host sampler's tokens."""
+    rng = np.random.default_rng(vocab + 7)
+    params = [random_params(rng) for _ in range(64)] + whole_vocabulary_params(rng, 16)
+    states, twins = states_for(params), states_for(params)
+    logits = random_tied_logits(rng, len(params), vocab)  # [B, V]
+    source = DrawingLogits(logits)
+    assert_same_output(SAMPLER.sample_from(source, states), SAMPLER.sample(logits, twins))
+    expected = [b for b, p in enumerate(params) if drawn_over_vocabulary(p, vocab)]
+    assert sorted(source.drawn) == expected and len(expected) >= 8
