@@ -48,6 +48,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int  # tokens admitted sequences took from the prefix cache
     prefill_computed_tokens: int  # tokens admitted sequences had to compute
     num_steps: int
+    num_steps_launched_ahead: int  # of them, launched before the step before was read (async scheduling)
     num_preemptions: int
     num_generated_tokens: int
     last_step_time: float  # seconds the last step took
@@ -95,6 +96,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
         self._requests: dict[str, dict[int, _Sequence]] = {}  # request id -> its unfinished sequences by index
         self._num_steps = 0
+        self._num_steps_launched_ahead = 0
         self._num_generated_tokens = 0
         self._last_step_time = 0.0
         self._last_step_tokens = 0
@@ -192,6 +194,7 @@ class EngineCore:
         self._launched = None if following is None else self.runner.launch(following)
         if following is not None and self._launched is None:
             raise RuntimeError("a decode step scheduled ahead could not be launched")
+        self._num_steps_launched_ahead += following is not None
         return launched.step, self.runner.collect(launched)
 
     def abort(self, request_id: str) -> list[RequestOutput]:
@@ -214,6 +217,7 @@ class EngineCore:
             prefix_cache_hit_tokens=self.scheduler.num_cached_prefill_tokens,
             prefill_computed_tokens=self.scheduler.num_computed_prefill_tokens,
             num_steps=self._num_steps,
+            num_steps_launched_ahead=self._num_steps_launched_ahead,
             num_preemptions=self.scheduler.num_preemptions,
             num_generated_tokens=self._num_generated_tokens,
             last_step_time=self._last_step_time,

@@ -52,6 +52,9 @@ class EngineCollector(Collector):
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("colibri_engine_steps", "Engine steps run", value=stats.num_steps)
+        yield CounterMetricFamily("colibri_engine_steps_launched_ahead", "Engine steps launched before the tokens "
+                                  "of the step before were read (async scheduling)",
+                                  value=stats.num_steps_launched_ahead)
         yield CounterMetricFamily("colibri_engine_preemptions", "Sequences preempted for lack of KV blocks",
                                   value=stats.num_preemptions)
         yield CounterMetricFamily("colibri_engine_generated_tokens", "Tokens the engine has sampled",

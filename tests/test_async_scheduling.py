@@ -82,6 +82,9 @@ def test_greedy_requests_of_different_lengths_match_synchronous_steps(tiny_model
     assert run_all(ahead, requests) == expected
     assert [len(expected[(f"r{i}", 0)][0]) for i in range(4)] == [3, 8, 13, 18]
     assert counter.count >= 15  # the decode steps ran ahead (18 tokens, one prefill)
+    # every launch but the first of a run was made before the step before it was read
+    assert 0 < ahead.stats().num_steps_launched_ahead < counter.count
+    assert sync.stats().num_steps_launched_ahead == 0
 
 
 def test_stops_found_after_the_next_step_was_launched(tiny_model_dir, prompts):

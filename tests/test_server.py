@@ -148,7 +148,8 @@ def test_models_health_metrics(server, client):
     for name in ("colibri_requests_total", "colibri_prompt_tokens_total", "colibri_generation_tokens_total",
                  "colibri_time_to_first_token_seconds_bucket", "colibri_inter_token_latency_seconds_bucket",
                  "colibri_num_requests_waiting", "colibri_num_requests_running", "colibri_kv_blocks_used",
-                 "colibri_kv_blocks_free", "colibri_last_step_seconds", "colibri_event_loop_lag_seconds_bucket"):
+                 "colibri_kv_blocks_free", "colibri_last_step_seconds", "colibri_event_loop_lag_seconds_bucket",
+                 "colibri_engine_steps_launched_ahead_total"):
         assert name.encode() in raw, name
 
 
