@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One session on a GPU machine: install, GPU tests, benchmarks; logs and JSON results under $OUT.
-#   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests dense kernels decode engine cpu timeline offload" benchmarks/gpu_session.sh
+#   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests dense kernels decode engine cpu timeline llama offload" benchmarks/gpu_session.sh
 # (STAGES="" only installs: what a command that runs a script of its own needs first).
 # Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first. Each stage has its own time
 # limit so the next one runs even if one fails. OFFLOAD_ARGS / TIMELINE_ARGS / DECODE_ARGS / ENGINE_ARGS / CPU_ARGS / DENSE_ARGS
@@ -61,6 +61,42 @@ for stage in $STAGES; do
       timeout "${TIMELINE_TIMEOUT:-300}" python3 benchmarks/offload_timeline.py --out "$OUT/offload_timeline_h200.json" \
         ${TIMELINE_ARGS:---fractions 0.5 0 --modes colibri --cpu-calls worker thread --handoffs stream --steps 16} \
         2>&1 | tee "$OUT/timeline.log" | grep -v "^\s*$" | tail -20 ;;
+    llama)
+      # llama.cpp as a baseline. LLAMA_SRC: a llama.cpp source tree (not part of the project: carried, or fetched
+      # where the machine can). llama-bench and llama-batched-bench are built in LLAMA_BUILD while each model of
+      # LLAMA_MODELS ("shape:layers:n-cpu-moe list", e.g. mixtral-8x7b:8:8,4,0) is written as a native folder
+      # /tmp/colibri-SHAPE-LAYERS and as GGUF next to it; builds and files stay for later stages (offload.py
+      # --folder ... --llama-bench ...). Then llama_cpp.py runs each model: decode on the GPU at LLAMA_BATCHES
+      # and, where a list is given, offloaded decode and prefill with --n-cpu-moe (LLAMA_WRITE_ONLY=1: no runs).
+      echo "== llama.cpp: build, models as GGUF, runs"
+      llama_build=${LLAMA_BUILD:-/tmp/llama-build}
+      start=$(date +%s)
+      benchmarks/build_llama_cpp.sh "$LLAMA_SRC" "$llama_build" > "$OUT/llama_build.log" 2>&1 &
+      builder=$!
+      for spec in ${LLAMA_MODELS:-mixtral-8x7b:8:8,4,0}; do
+        IFS=: read -r shape layers cpu_moe <<< "$spec"
+        folder=/tmp/colibri-$shape-$layers
+        (cd benchmarks && python3 llama_cpp.py --shape "$shape" --layers "$layers" --folder "$folder" \
+          --gguf "$folder.gguf" --gguf-py "$LLAMA_SRC/gguf-py" 2>&1 | tail -3)
+        echo "$shape ($layers layers) written after $(( $(date +%s) - start )) s"
+      done
+      if ! wait $builder; then
+        tail -20 "$OUT/llama_build.log"
+        continue
+      fi
+      echo "llama.cpp built after $(( $(date +%s) - start )) s"
+      for spec in ${LLAMA_MODELS:-mixtral-8x7b:8:8,4,0}; do
+        [ -n "${LLAMA_WRITE_ONLY:-}" ] && break
+        IFS=: read -r shape layers cpu_moe <<< "$spec"
+        folder=/tmp/colibri-$shape-$layers
+        args=(--batched-bench "$llama_build/bin/llama-batched-bench" --batches ${LLAMA_BATCHES:-1 16 64})
+        if [ -n "$cpu_moe" ]; then
+          args+=(--llama-bench "$llama_build/bin/llama-bench" --n-cpu-moe ${cpu_moe//,/ })
+        fi
+        (cd benchmarks && timeout "${LLAMA_TIMEOUT:-300}" python3 llama_cpp.py --shape "$shape" --layers "$layers" \
+          --folder "$folder" --gguf "$folder.gguf" --gguf-py "$LLAMA_SRC/gguf-py" "${args[@]}" \
+          --out "$OUT/llama_cpp_${shape}_h200.json" 2>&1 | tail -8)
+      done ;;
     offload)
       echo "== offload benchmark"
       timeout "${OFFLOAD_TIMEOUT:-540}" python3 benchmarks/offload.py --out "$OUT/offload_h200.json" \

@@ -242,6 +242,33 @@ def accelerate_baseline(args, fraction: float) -> dict:
         return json.loads(Path(out.name).read_text())
 
 
+def llama_cpp_baseline(args, records: list[dict]) -> None:
+    """llama.cpp on this machine and these weights (benchmarks/llama_cpp.py): for each GPU budget that is a whole
+    number of layers, llama-bench with the routed experts of the other layers on the CPU (--n-cpu-moe), batch-1
+    decode and prefill, written into the batch-1 and prefill records of that budget."""
+    from llama_cpp import llama_bench
+
+    for fraction in args.fractions:
+        cpu_layers = args.layers * (1 - fraction)
+        if not float(cpu_layers).is_integer():
+            continue
+        try:
+            result = llama_bench(args.llama_bench, args.gguf, round(cpu_layers), args.llama_threads,
+                                 depth=PROMPT, prompt_tokens=args.prefill)
+        except Exception as error:  # reported; the other budgets still run
+            result = {"error": repr(error)}
+        log(f"llama.cpp at {fraction:.0%}: decode {result.get('decode_tok_s')} prefill {result.get('prefill_tok_s')}")
+        for record in records:
+            if record["gpu_expert_fraction"] == fraction and record["source"] == "l2" and record["batch"] in (1, "prefill"):
+                earlier = record.get("llama_cpp_tok_s")
+                if earlier is not None:
+                    record["llama_cpp_earlier_tok_s"] = earlier
+                record["llama_cpp_tok_s"] = result.get("prefill_tok_s" if record["batch"] == "prefill" else "decode_tok_s")
+                record["llama_cpp_measured"] = True
+                record["llama_cpp"] = result
+        write(args.out, records)
+
+
 def open_folder(path: str, shape: str, layers: int):
     """(ModelFolder, PinnedExperts holding all its experts) of the random `shape` model at `path`, written there
     first (`layers` layers) if it is not there yet."""
@@ -265,6 +292,11 @@ def run(args) -> list[dict]:
 
     folder, pinned = open_folder(args.folder, args.shape, args.layers)
     config = folder.config
+    if args.llama_bench and not Path(args.gguf).is_file():
+        from llama_cpp import write_gguf
+
+        log(f"writing {args.gguf} for llama.cpp")
+        write_gguf(args.folder, args.gguf, args.gguf_py)
     bw = measure(folder, pinned, args.cpu_threads)
     common = dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"), command=" ".join(sys.argv),
                   bench="offload", mode="hybrid", shape=args.shape, layers=args.layers,
@@ -297,7 +329,7 @@ def run(args) -> list[dict]:
                               gpu_slot_layout=args.slot_layout, source=source,
                               batch=batch, resident_tok_s=resident[batch]["tok_s"])
                 modes = ["colibri"] if slots >= config.num_experts else (
-                    list(MODES) if batch == 1 else ["colibri", "ondemand"])
+                    list(args.modes) if batch == 1 else [m for m in ("colibri", "ondemand") if m in args.modes])
                 if source == "l3":
                     modes = [m for m in modes if m in ("colibri", "ondemand")]
                 for mode in modes:
@@ -337,9 +369,12 @@ def run(args) -> list[dict]:
                 reference = LLAMA_CPP.get(fraction)
                 if reference and source == "l2" and batch in (1, "prefill"):
                     record["llama_cpp_tok_s"] = reference["prefill_tok_s" if batch == "prefill" else "decode_tok_s"]
+                    record["llama_cpp_measured"] = False
                 records.append(record)
                 log(summary(record))
                 write(args.out, records)
+    if args.llama_bench:
+        llama_cpp_baseline(args, records)
     host = pinned = None
     import cupy
 
@@ -396,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folder", default="/tmp/colibri-offload-model")
     parser.add_argument("--fractions", nargs="+", type=float, default=[0.0, 0.25, 0.5, 1.0])
     parser.add_argument("--sources", nargs="+", default=["l2", "l3"], choices=["l2", "l3"])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+                        help="modes measured at batch 1 (colibri and ondemand at larger batches and prefill)")
     parser.add_argument("--slot-layout", default="spread", choices=GPU_SLOT_LAYOUTS,
                         help="the GPU slots of each layer: the same number (spread) or whole layers")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
@@ -410,8 +447,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="CPU expert executor threads (default: the store's, every core but one; the bound's "
                              "measurement: every core)")
+    parser.add_argument("--llama-bench", help="llama-bench binary (benchmarks/build_llama_cpp.sh): llama.cpp on the "
+                        "same weights and machine as the baseline of batch 1 and prefill, instead of earlier figures")
+    parser.add_argument("--gguf", help="the model as GGUF for llama.cpp (default: the folder's path + .gguf); "
+                        "written from the folder if missing, with --gguf-py")
+    parser.add_argument("--gguf-py", help="gguf-py folder of the llama.cpp source tree")
+    parser.add_argument("--llama-threads", type=int, default=16, help="llama.cpp's CPU threads")
     parser.add_argument("--out", default="benchmarks/results/offload_h200.json")
     args = parser.parse_args(argv)
+    args.gguf = args.gguf or str(Path(args.folder).with_suffix(".gguf"))
+    if args.llama_bench and not Path(args.gguf).is_file() and not args.gguf_py:
+        parser.error(f"--llama-bench needs {args.gguf}, or --gguf-py to write it")
     records = run(args)
     print(table(records))
     return 0

@@ -1,0 +1,245 @@
+"""llama.cpp on the same machine and the same weights, as a baseline for the offload benchmark.
+
+Three jobs:
+- `write_gguf(folder, path, gguf_py)`: the native model folder `folder` (a Mixtral or Qwen3-MoE model, such as
+  `write_synthetic_folder`'s) as a bf16 GGUF file of llama.cpp's `llama` or `qwen3moe` architecture: the same
+  tensors (Mixtral's q and k rows permuted to llama.cpp's interleaved rotary layout, as its own converter does from
+  Hugging Face checkpoints), norms and router in float32, and a placeholder SentencePiece vocabulary of the model's size (the benchmarks read no text).
+  `gguf_py` is the gguf-py folder of the llama.cpp source tree (the `gguf` package that writes the format).
+- `llama_bench(binary, gguf, n_cpu_moe, ...)`: llama-bench with the routed experts of `n_cpu_moe` layers on the CPU
+  (`--n-cpu-moe`, the rest on the GPU): batch-1 decode after `depth` cached tokens, and prompt processing.
+- `batched_bench(binary, gguf, batches, ...)`: llama-batched-bench with the whole model on the GPU: decode of
+  1, 16, 64 sequences at once after `context` prompt tokens each.
+Both binaries come from benchmarks/build_llama_cpp.sh. Flash attention on, CUDA graphs as llama.cpp builds them.
+
+    python benchmarks/llama_cpp.py --folder /tmp/colibri-offload-model --gguf /tmp/colibri-offload-model.gguf \
+        --gguf-py llama.cpp/gguf-py --llama-bench build/bin/llama-bench --batched-bench build/bin/llama-batched-bench \
+        --out benchmarks/results/llama_cpp_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# SentencePiece token types (llama.cpp's llama_token_type): the placeholder vocabulary's unknown, control, byte and
+# normal tokens.
+_UNKNOWN, _CONTROL, _BYTE, _NORMAL = 2, 3, 6, 1
+
+
+def _rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """q or k projection rows from the rotate-half layout (Hugging Face, Colibri) to llama.cpp's interleaved one:
+    per head, rows (i, i + d/2) become rows (2i, 2i + 1).  # [heads * d, H] -> same shape"""
+    rows, cols = weight.shape
+    d = rows // heads
+    return weight.reshape(heads, 2, d // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _placeholder_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style vocabulary of `size` tokens: <unk>, <s>, </s>, the 256 byte tokens, then plain ones."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [_UNKNOWN, _CONTROL, _CONTROL] + [_BYTE] * 256
+    if size < len(tokens):
+        raise ValueError(f"a vocabulary of {size} tokens is too small for the placeholder's {len(tokens)} fixed ones")
+    tokens += [f"\u2581t{i}" for i in range(size - len(tokens))]
+    types += [_NORMAL] * (size - len(types))
+    return tokens, [0.0] * size, types
+
+
+# Our architectures llama.cpp has, as (its architecture name, q/k rows permuted to its interleaved rotary layout).
+_ARCHITECTURES = {"mixtral": ("llama", True), "qwen3_moe": ("qwen3moe", False)}
+
+
+def write_gguf(folder_path: str | Path, gguf_path: str | Path, gguf_py: str | Path) -> Path:
+    """Write the native model folder at `folder_path` as a bf16 GGUF file for llama.cpp (module docstring)."""
+    sys.path.insert(0, str(gguf_py))
+    import gguf
+
+    from colibri_stream.checkpoint import ModelFolder
+
+    folder = ModelFolder(folder_path)
+    config = folder.config
+    if config.architecture not in _ARCHITECTURES:
+        raise ValueError(f"write_gguf writes {' and '.join(_ARCHITECTURES)} models, not {config.architecture!r}")
+    arch, interleave = _ARCHITECTURES[config.architecture]
+    if (config.qkv_bias or config.o_bias or config.shared_expert_intermediate_size
+            or set(config.moe_layers) != set(range(config.num_layers))
+            or config.qk_norm != ("per_head" if arch == "qwen3moe" else "none")):
+        raise ValueError(f"write_gguf writes {config.architecture} models of the published layout only")
+    if config.expert_dtype != "bfloat16" or config.dtype != "bfloat16":
+        raise ValueError("write_gguf writes bf16 models only")
+    bf16, f32 = gguf.GGMLQuantizationType.BF16, gguf.GGMLQuantizationType.F32
+    dense = folder.dense
+
+    def bits(array: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(array).view(np.uint16)
+
+    def float32(array: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(array.astype(np.float32))
+
+    def rotary(array: np.ndarray, heads: int) -> np.ndarray:
+        return bits(_rotary_rows(array, heads) if interleave else array)
+
+    def experts(layer: int, part: str) -> np.ndarray:  # [E, rows, cols] uint16, one part of every expert
+        return np.stack([bits(folder.experts.tensors(layer, e)[part]) for e in range(config.num_experts)])
+
+    # name -> (numpy shape, raw type, function producing the array), in file order
+    plan: dict[str, tuple[tuple[int, ...], object, object]] = {}
+
+    def add(name, shape, kind, make):
+        plan[name] = (tuple(shape), kind, make)
+
+    h, v, d = config.hidden_size, config.vocab_size, config.head_dim
+    q_rows, kv_rows = config.num_heads * d, config.num_kv_heads * d
+    e, i = config.num_experts, config.moe_intermediate_size
+    add("token_embd.weight", (v, h), bf16, lambda: bits(dense.get("embed_tokens")))
+    for layer in range(config.num_layers):
+        p, b = f"layers.{layer}.", f"blk.{layer}."
+        add(b + "attn_norm.weight", (h,), f32, lambda p=p: float32(dense.get(p + "input_norm")))
+        add(b + "attn_q.weight", (q_rows, h), bf16, lambda p=p: rotary(dense.get(p + "q_proj"), config.num_heads))
+        add(b + "attn_k.weight", (kv_rows, h), bf16, lambda p=p: rotary(dense.get(p + "k_proj"), config.num_kv_heads))
+        add(b + "attn_v.weight", (kv_rows, h), bf16, lambda p=p: bits(dense.get(p + "v_proj")))
+        add(b + "attn_output.weight", (h, q_rows), bf16, lambda p=p: bits(dense.get(p + "o_proj")))
+        if config.qk_norm == "per_head":
+            add(b + "attn_q_norm.weight", (d,), f32, lambda p=p: float32(dense.get(p + "q_norm")))
+            add(b + "attn_k_norm.weight", (d,), f32, lambda p=p: float32(dense.get(p + "k_norm")))
+        add(b + "ffn_norm.weight", (h,), f32, lambda p=p: float32(dense.get(p + "post_attention_norm")))
+        add(b + "ffn_gate_inp.weight", (e, h), f32, lambda p=p: float32(dense.get(p + "router")))
+        add(b + "ffn_gate_exps.weight", (e, i, h), bf16, lambda layer=layer: experts(layer, "gate"))
+        add(b + "ffn_up_exps.weight", (e, i, h), bf16, lambda layer=layer: experts(layer, "up"))
+        add(b + "ffn_down_exps.weight", (e, h, i), bf16, lambda layer=layer: experts(layer, "down"))
+    add("output_norm.weight", (h,), f32, lambda: float32(dense.get("norm")))
+    head = "embed_tokens" if config.tie_word_embeddings else "lm_head"
+    add("output.weight", (v, h), bf16, lambda: bits(dense.get(head)))
+
+    writer = gguf.GGUFWriter(str(gguf_path), arch)
+    writer.add_name(f"colibri {Path(folder_path).name}")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(h)
+    writer.add_block_count(config.num_layers)
+    writer.add_feed_forward_length(i)
+    writer.add_expert_feed_forward_length(i)
+    writer.add_rope_dimension_count(d)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_key_length(d)
+    writer.add_value_length(d)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope.theta)
+    writer.add_expert_count(e)
+    writer.add_expert_used_count(config.top_k)
+    writer.add_vocab_size(v)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    tokens, scores, types = _placeholder_vocab(v)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    for name, (shape, kind, _) in plan.items():
+        itemsize = 4 if kind == f32 else 2
+        writer.add_tensor_info(name, shape, np.dtype(np.float32 if kind == f32 else np.uint16),
+                               int(np.prod(shape)) * itemsize, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, (shape, _, make) in plan.items():
+        array = make()
+        if array.shape != shape:
+            raise ValueError(f"{name}: made {array.shape}, planned {shape}")
+        writer.write_tensor_data(array)
+    writer.close()
+    return Path(gguf_path)
+
+
+def llama_bench(binary: str | Path, gguf_path: str | Path, n_cpu_moe: int, threads: int, gen_tokens: int = 32,
+                prompt_tokens: int = 512, depth: int = 32, repetitions: int = 3, timeout: float = 600) -> dict:
+    """llama-bench's decode (`gen_tokens` after `depth` cached tokens, batch 1) and prompt processing
+    (`prompt_tokens`) of `gguf_path` with every layer on the GPU (-ngl 99) but the routed experts of `n_cpu_moe`
+    layers, on `threads` CPU threads, flash attention on. Returns tok/s and llama-bench's own records."""
+    command = [str(binary), "-m", str(gguf_path), "-ngl", "99", "--n-cpu-moe", str(n_cpu_moe), "-t", str(threads),
+               "-fa", "1", "-p", str(prompt_tokens), "-n", str(gen_tokens), "-d", str(depth),
+               "-r", str(repetitions), "-o", "json"]
+    begin = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({done.returncode}): {(done.stderr or done.stdout)[-800:]}")
+    runs = json.loads(done.stdout)
+    decode = [r for r in runs if r["n_gen"] > 0]
+    prefill = [r for r in runs if r["n_prompt"] > 0]
+    return {"command": " ".join(command), "n_cpu_moe": n_cpu_moe, "threads": threads,
+            "decode_tok_s": decode[0]["avg_ts"] if decode else None,
+            "decode_samples_tok_s": decode[0].get("samples_ts") if decode else None,
+            "prefill_tok_s": prefill[0]["avg_ts"] if prefill else None,
+            "prefill_samples_tok_s": prefill[0].get("samples_ts") if prefill else None,
+            "build_commit": runs[0].get("build_commit"), "wall_s": time.perf_counter() - begin,
+            "cpu_info": runs[0].get("cpu_info"), "gpu_info": runs[0].get("gpu_info")}
+
+
+def batched_bench(binary: str | Path, gguf_path: str | Path, batches: list[int], context: int = 128,
+                  gen_tokens: int = 32, threads: int = 16, timeout: float = 600) -> dict[int, dict]:
+    """llama-batched-bench's decode of `gguf_path` wholly on the GPU: for each batch size, that many sequences of
+    `context` prompt tokens each (not shared), then `gen_tokens` steps of one token per sequence; tok/s of those
+    steps (speed_tg) by batch size."""
+    longest = max(batches) * (context + gen_tokens)
+    command = [str(binary), "-m", str(gguf_path), "-ngl", "99", "-fa", "on", "-t", str(threads),
+               "-c", str(longest), "-b", "2048", "-ub", "512", "-npp", str(context), "-ntg", str(gen_tokens),
+               "-npl", ",".join(map(str, batches)), "--output-format", "jsonl"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-batched-bench failed ({done.returncode}): {(done.stderr or done.stdout)[-800:]}")
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {row["pl"]: dict(row, decode_tok_s=row["speed_tg"], command=" ".join(command)) for row in rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from decode import machine
+
+    from colibri_stream.synthetic import write_synthetic_folder
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", required=True, help="native model folder (Mixtral or Qwen3-MoE, bf16); "
+                        "a random one of --shape and --layers is written there if it is missing")
+    parser.add_argument("--shape", default="mixtral-8x7b")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--gguf", required=True, help="GGUF file: written from --folder if missing")
+    parser.add_argument("--gguf-py", required=True, help="gguf-py folder of the llama.cpp source tree")
+    parser.add_argument("--llama-bench", help="llama-bench binary: offloaded decode and prefill (--n-cpu-moe)")
+    parser.add_argument("--batched-bench", help="llama-batched-bench binary: decode on the GPU at --batches")
+    parser.add_argument("--n-cpu-moe", nargs="+", type=int, default=[8, 4, 0])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    parser.add_argument("--context", type=int, default=128, help="cached tokens per sequence (batched-bench)")
+    parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--out", help="JSON records of the runs")
+    args = parser.parse_args(argv)
+    if not (Path(args.folder) / "experts.bin").is_file():
+        write_synthetic_folder(args.folder, args.shape, num_layers=args.layers)
+    if not Path(args.gguf).is_file():
+        begin = time.perf_counter()
+        write_gguf(args.folder, args.gguf, args.gguf_py)
+        print(f"wrote {args.gguf} in {time.perf_counter() - begin:.0f} s", flush=True)
+    common = dict(machine(), shape=args.shape, layers=args.layers, engine="llama.cpp", gguf=str(args.gguf))
+    records = []
+    for n in args.n_cpu_moe if args.llama_bench else []:
+        result = llama_bench(args.llama_bench, args.gguf, n, args.threads)
+        records.append(dict(common, bench="llama_bench", **result))
+        print(json.dumps({k: result[k] for k in ("n_cpu_moe", "decode_tok_s", "prefill_tok_s")}), flush=True)
+    if args.batched_bench:
+        for batch, row in batched_bench(args.batched_bench, args.gguf, args.batches, args.context).items():
+            records.append(dict(common, bench="llama_batched_bench", batch=batch, **row))
+            print(json.dumps({"batch": batch, "decode_tok_s": row["decode_tok_s"]}), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
