@@ -24,7 +24,10 @@ except ImportError:  # the `cpu` extra is not installed: the NumPy path serves e
 
 from .stats import ComputeStats
 
-CHUNKS_PER_THREAD = 4  # row chunks per thread, so uneven thread speeds even out
+# Row chunks per thread. Each thread claims the next unclaimed chunk until none is left (an atomic counter), so a
+# thread slowed by another process, or by the core the GPU's step thread shares, takes fewer chunks and the pass
+# does not wait for it (numba's prange alone gives each thread a fixed equal share).
+CHUNKS_PER_THREAD = 8
 ROWS = 6  # weight rows per register tile (the hand-written _tile_* functions below)
 # One token whose row is at most this long (16 KiB of float32, stays in L1) is multiplied one weight row at a
 # time: a single sequential stream through each matrix, which the hardware prefetcher follows best (1.4-1.6x the
@@ -96,6 +99,18 @@ if numba is not None:
         else:
             return None
         return types.float32(value), codegen
+
+    @intrinsic
+    def _claim(typingctx, counter):
+        """counter[0] += 1, atomically; returns the value before (an int64 array shared by the threads)."""
+        if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+            return None
+
+        def codegen(context, builder, signature, args):
+            array = context.make_array(signature.args[0])(context, builder, args[0])
+            return builder.atomic_rmw("add", array.data, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+        return types.int64(counter), codegen
 
 
 # Register tiles: dot products of ROWS weight rows from o with tokens t.. of x, the weights widened inside the
@@ -227,32 +242,40 @@ def expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, x, first, la
     n = x.shape[0]
     tiles = (last - first + ROWS - 1) // ROWS
     chunks = min(tiles, threads * CHUNKS_PER_THREAD)
-    for c in numba.prange(chunks):
+    claimed = np.zeros(1, np.int64)  # chunks handed out so far
+    for _ in numba.prange(min(threads, chunks)):
         g = np.empty((n, ROWS), np.float32)
         u = np.empty((n, ROWS), np.float32)
-        for tile in range(c * tiles // chunks, (c + 1) * tiles // chunks):
-            o = first + tile * ROWS
-            rows = min(ROWS, last - o)
-            _dots(gate, o, rows, np.uint64(0), np.uint64(width), x, g)
-            _dots(up, o, rows, np.uint64(0), np.uint64(width), x, u)
-            for r in range(rows):
-                gs = gate_scale[o + r] if gate_scale.shape[0] else np.float32(1.0)
-                us = up_scale[o + r] if up_scale.shape[0] else np.float32(1.0)
-                for t in range(n):
-                    gv = g[t, r] * gs
-                    h[t, o - first + r] = gv / (np.float32(1.0) + np.exp(-gv)) * (u[t, r] * us)
+        c = _claim(claimed)
+        while c < chunks:
+            for tile in range(c * tiles // chunks, (c + 1) * tiles // chunks):
+                o = first + tile * ROWS
+                rows = min(ROWS, last - o)
+                _dots(gate, o, rows, np.uint64(0), np.uint64(width), x, g)
+                _dots(up, o, rows, np.uint64(0), np.uint64(width), x, u)
+                for r in range(rows):
+                    gs = gate_scale[o + r] if gate_scale.shape[0] else np.float32(1.0)
+                    us = up_scale[o + r] if up_scale.shape[0] else np.float32(1.0)
+                    for t in range(n):
+                        gv = g[t, r] * gs
+                        h[t, o - first + r] = gv / (np.float32(1.0) + np.exp(-gv)) * (u[t, r] * us)
+            c = _claim(claimed)
     tiles = (hidden + ROWS - 1) // ROWS
     chunks = min(tiles, threads * CHUNKS_PER_THREAD)
-    for c in numba.prange(chunks):
+    claimed[0] = 0
+    for _ in numba.prange(min(threads, chunks)):
         a = np.empty((n, ROWS), np.float32)
-        for tile in range(c * tiles // chunks, (c + 1) * tiles // chunks):
-            o = tile * ROWS
-            rows = min(ROWS, hidden - o)
-            _dots(down, o, rows, np.uint64(first), np.uint64(last), h, a)
-            for r in range(rows):
-                ds = down_scale[o + r] if down_scale.shape[0] else np.float32(1.0)
-                for t in range(n):
-                    y[t, o + r] = a[t, r] * ds
+        c = _claim(claimed)
+        while c < chunks:
+            for tile in range(c * tiles // chunks, (c + 1) * tiles // chunks):
+                o = tile * ROWS
+                rows = min(ROWS, hidden - o)
+                _dots(down, o, rows, np.uint64(first), np.uint64(last), h, a)
+                for r in range(rows):
+                    ds = down_scale[o + r] if down_scale.shape[0] else np.float32(1.0)
+                    for t in range(n):
+                        y[t, o + r] = a[t, r] * ds
+            c = _claim(claimed)
 
 
 def threads_beside_gpu() -> int:
