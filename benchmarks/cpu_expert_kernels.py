@@ -113,8 +113,9 @@ def git(*args: str) -> str:
 
 
 def baseline_module(rev: str):
-    """cpu_executor.py as of git revision `rev`, imported beside the checked-out one (its own numba cache)."""
-    source = git("show", f"{rev}:colibri_stream/experts/cpu_executor.py")
+    """cpu_executor.py as of git revision `rev` (or the file at that path, where there is no git history),
+    imported beside the checked-out one (its own numba cache)."""
+    source = Path(rev).read_text() if Path(rev).is_file() else git("show", f"{rev}:colibri_stream/experts/cpu_executor.py")
     path = Path(tempfile.mkdtemp(prefix="cpu_executor_")) / "cpu_executor_baseline.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("colibri_stream.experts.cpu_executor_baseline", path)
@@ -206,7 +207,8 @@ def main() -> None:
     parser.add_argument("--threads", type=ints, default=[numba.config.NUMBA_NUM_THREADS])
     parser.add_argument("--candidates", type=lambda text: text.split(","),
                         default=["stream", "numpy", "torch", "numba"])
-    parser.add_argument("--baseline", help="git revision whose CpuExpertExecutor runs as the `baseline` candidate")
+    parser.add_argument("--baseline", help="git revision (or cpu_executor.py file) whose CpuExpertExecutor runs as the "
+                        "`baseline` candidate")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -214,7 +216,8 @@ def main() -> None:
     if args.baseline:
         baseline = baseline_module(args.baseline)
         # the commit that last changed the baseline's cpu_executor.py
-        baseline_commit = git("log", "-1", "--format=%H", args.baseline, "--", "colibri_stream/experts/cpu_executor.py")
+        baseline_commit = (f"file {args.baseline}" if Path(args.baseline).is_file() else
+                           git("log", "-1", "--format=%H", args.baseline, "--", "colibri_stream/experts/cpu_executor.py"))
         if "baseline" not in args.candidates:
             args.candidates.append("baseline")
     rows = []
