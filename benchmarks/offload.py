@@ -15,6 +15,10 @@ modes (each a fresh store over the same pinned L2):
 Decode at `--batches` (greedy, after WARMUP steps, `--steps` timed steps, host synchronised every step, the step's
 phases recorded by the model's StepTimer: phase_ms_per_step), prefill of one `--prefill`-token prompt.
 
+llama.cpp (`--llama-bench`, a binary of benchmarks/build_llama_cpp.sh): llama-bench on the same weights as GGUF
+(benchmarks/llama_cpp.py writes it next to the folder) with the routed experts of the layers not on the GPU on the
+CPU (`--n-cpu-moe`), batch-1 decode and prefill, after Colibri's runs; without it, the earlier figures below.
+
 Bounds: per step, the GPU misses the run measured (bytes) cannot arrive faster than the pinned copy bandwidth
 (PCIe bound) or, when the CPU computes some, than the copy and the CPU expert read together (hybrid bound: their
 rate measured running at once, as they share host RAM, or either alone where that is faster), and a
@@ -49,8 +53,9 @@ from colibri_stream.experts.tiers import kvikio_available
 BLOCK_SIZE = 16
 PROMPT = 32  # cached tokens per sequence before the timed decode steps
 WARMUP = 2
-# llama.cpp on the same machine and shape (8 layers, bf16, 16 threads, -ngl 99): batch-1 decode with every routed
-# expert on the CPU (--n-cpu-moe 8) and with half the layers' experts there (--n-cpu-moe 4); prompt processing.
+# llama.cpp on the H200 machine and this shape, measured before this script could run it (8 layers, bf16, 16 threads,
+# -ngl 99): batch-1 decode with every routed expert on the CPU (--n-cpu-moe 8) and with half the layers' experts
+# there (--n-cpu-moe 4); prompt processing. --llama-bench replaces them with figures of the same run.
 LLAMA_CPP = {0.0: {"decode_tok_s": 15.6, "prefill_tok_s": 148.0}, 0.5: {"decode_tok_s": 31.1, "prefill_tok_s": 317.0}}
 MODES = {  # name: (prefetch, cpu_experts)
     "colibri": (False, "auto"),  # the defaults: misses placed by the cost model, no prefetch
