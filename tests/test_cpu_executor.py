@@ -60,6 +60,29 @@ def test_parts_over_intermediate_rows_sum_to_the_expert(dtype, min_kernel_bytes,
     assert executor.stats.cpu_bytes_read == sum(a.nbytes for a in intermediate_rows(tensors, 0, cut).values()) + read
 
 
+def test_threads_claim_every_chunk_exactly_once():
+    """_claim is the counter the kernel's threads take chunks from: across parallel threads every value is handed
+    out once (a plain read-then-write would give two threads the same chunk, and lose increments)."""
+    numba = pytest.importorskip("numba")
+    claim = cpu_executor._claim
+
+    @numba.njit(parallel=True)
+    def take_all(counter, total, workers):
+        times = np.zeros(total, np.int64)  # [total] how often each value was handed out
+        for _ in numba.prange(workers):
+            c = claim(counter)
+            while c < total:
+                times[c] += 1
+                c = claim(counter)
+        return times
+
+    total, workers = 200_000, 8
+    counter = np.zeros(1, np.int64)
+    times = take_all(counter, total, workers)
+    assert (times == 1).all()
+    assert counter[0] == total + workers  # each worker's last claim is the one past the end
+
+
 def test_strided_tokens_are_accepted():
     pytest.importorskip("numba")
     x, tensors = tokens(6)[::2], expert("bf16")  # [3, H], not contiguous
