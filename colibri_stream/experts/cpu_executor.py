@@ -281,7 +281,8 @@ def expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, x, first, la
 def threads_beside_gpu() -> int:
     """The executor's threads where the thread that drives the GPU runs beside it (GPU expert slots): every core
     numba sees but one. With all 16 of the H200 host's cores the step thread and the job's threads took turns on
-    them, and batch-1 offload decode ran 6-10 % slower than with 15 (BENCHMARKS.md)."""
+    them, and batch-1 offload decode ran 6-10 % slower than with 15 (BENCHMARKS.md); it still did once the threads
+    claimed their chunks (50 %: 29.9 / 23.5 tok/s against 32.2 / 29.6)."""
     limit = numba.config.NUMBA_NUM_THREADS if numba is not None else os.cpu_count() or 1
     return max(1, limit - 1)
 
