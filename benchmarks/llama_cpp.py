@@ -1,4 +1,4 @@
-"""llama.cpp on the same machine and the same weights, as a baseline for the offload benchmark.
+"""llama.cpp on the same machine and the same weights: the baseline of the decode and offload benchmarks.
 
 Three jobs:
 - `write_gguf(folder, path, gguf_py)`: the native model folder `folder` (a Mixtral or Qwen3-MoE model, such as
@@ -35,8 +35,8 @@ _UNKNOWN, _CONTROL, _BYTE, _NORMAL = 2, 3, 6, 1
 
 def _rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     """q or k projection rows from the rotate-half layout (Hugging Face, Colibri) to llama.cpp's interleaved one:
-    per head, rows (i, i + d/2) become rows (2i, 2i + 1).  # [heads * d, H] -> same shape"""
-    rows, cols = weight.shape
+    per head, rows (i, i + d/2) become rows (2i, 2i + 1)."""
+    rows, cols = weight.shape  # [heads * d, H], and so is the result
     d = rows // heads
     return weight.reshape(heads, 2, d // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
