@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-threads", type=int, default=16, help="llama.cpp's CPU threads")
     parser.add_argument("--out", default="benchmarks/results/offload_h200.json")
     args = parser.parse_args(argv)
-    args.gguf = args.gguf or str(Path(args.folder).with_suffix(".gguf"))
+    args.gguf = args.gguf or str(args.folder).rstrip("/") + ".gguf"
     if args.llama_bench and not Path(args.gguf).is_file() and not args.gguf_py:
         parser.error(f"--llama-bench needs {args.gguf}, or --gguf-py to write it")
     records = run(args)
