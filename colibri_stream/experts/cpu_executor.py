@@ -242,11 +242,14 @@ def expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, x, first, la
     n = x.shape[0]
     tiles = (last - first + ROWS - 1) // ROWS
     chunks = min(tiles, threads * CHUNKS_PER_THREAD)
-    claimed = np.zeros(1, np.int64)  # chunks handed out so far
+    # Chunks handed out so far, one counter per pass: numba does not see _claim write them, so a reset between the
+    # passes is a store it could move.
+    claimed_gate_up = np.zeros(1, np.int64)
+    claimed_down = np.zeros(1, np.int64)
     for _ in numba.prange(min(threads, chunks)):
         g = np.empty((n, ROWS), np.float32)
         u = np.empty((n, ROWS), np.float32)
-        c = _claim(claimed)
+        c = _claim(claimed_gate_up)
         while c < chunks:
             for tile in range(c * tiles // chunks, (c + 1) * tiles // chunks):
                 o = first + tile * ROWS
@@ -259,13 +262,12 @@ def expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, x, first, la
                     for t in range(n):
                         gv = g[t, r] * gs
                         h[t, o - first + r] = gv / (np.float32(1.0) + np.exp(-gv)) * (u[t, r] * us)
-            c = _claim(claimed)
+            c = _claim(claimed_gate_up)
     tiles = (hidden + ROWS - 1) // ROWS
     chunks = min(tiles, threads * CHUNKS_PER_THREAD)
-    claimed[0] = 0
     for _ in numba.prange(min(threads, chunks)):
         a = np.empty((n, ROWS), np.float32)
-        c = _claim(claimed)
+        c = _claim(claimed_down)
         while c < chunks:
             for tile in range(c * tiles // chunks, (c + 1) * tiles // chunks):
                 o = tile * ROWS
@@ -275,7 +277,7 @@ def expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, x, first, la
                     ds = down_scale[o + r] if down_scale.shape[0] else np.float32(1.0)
                     for t in range(n):
                         y[t, o + r] = a[t, r] * ds
-            c = _claim(claimed)
+            c = _claim(claimed_down)
 
 
 def threads_beside_gpu() -> int:
