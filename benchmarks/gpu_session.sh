@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One session on a GPU machine: install, GPU tests, benchmarks; logs and JSON results under $OUT.
 #   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests dense kernels decode engine cpu timeline llama offload" benchmarks/gpu_session.sh
+# (llama_build before other stages: llama.cpp builds in the background while they run, and stage llama waits for it)
 # (STAGES="" only installs: what a command that runs a script of its own needs first).
 # Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first. Each stage has its own time
 # limit so the next one runs even if one fails. OFFLOAD_ARGS / TIMELINE_ARGS / DECODE_ARGS / ENGINE_ARGS / CPU_ARGS / DENSE_ARGS
@@ -19,8 +20,16 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 python3 -c "import kvikio; print('kvikio', kvikio.__version__)" 2>&1 | tail -1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
 
+llama_builder=""  # the background build of llama.cpp that stage llama_build started
 for stage in $STAGES; do
   case $stage in
+    llama_build)
+      # start building llama.cpp in the background (stage llama waits for it), so stages that do not time anything
+      # (tests, writing the models) run meanwhile
+      echo "== llama.cpp: build started in the background"
+      build_start=$(date +%s)
+      benchmarks/build_llama_cpp.sh "$LLAMA_SRC" "${LLAMA_BUILD:-/tmp/llama-build}" > "$OUT/llama_build.log" 2>&1 &
+      llama_builder=$! ;;
     tests)
       echo "== GPU tests"
       timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m "gpu or not gpu" -q --maxfail=25 --continue-on-collection-errors -p no:cacheprovider \
@@ -70,9 +79,11 @@ for stage in $STAGES; do
       # and, where a list is given, offloaded decode and prefill with --n-cpu-moe (LLAMA_WRITE_ONLY=1: no runs).
       echo "== llama.cpp: build, models as GGUF, runs"
       llama_build=${LLAMA_BUILD:-/tmp/llama-build}
-      start=$(date +%s)
-      benchmarks/build_llama_cpp.sh "$LLAMA_SRC" "$llama_build" > "$OUT/llama_build.log" 2>&1 &
-      builder=$!
+      start=${build_start:-$(date +%s)}
+      if [ -z "$llama_builder" ]; then
+        benchmarks/build_llama_cpp.sh "$LLAMA_SRC" "$llama_build" > "$OUT/llama_build.log" 2>&1 &
+        llama_builder=$!
+      fi
       for spec in ${LLAMA_MODELS:-mixtral-8x7b:8:8,4,0}; do
         IFS=: read -r shape layers cpu_moe <<< "$spec"
         folder=/tmp/colibri-$shape-$layers
@@ -80,7 +91,7 @@ for stage in $STAGES; do
           --gguf "$folder.gguf" --gguf-py "$LLAMA_SRC/gguf-py" 2>&1 | tail -3)
         echo "$shape ($layers layers) written after $(( $(date +%s) - start )) s"
       done
-      if ! wait $builder; then
+      if ! wait $llama_builder; then
         tail -20 "$OUT/llama_build.log"
         continue
       fi

@@ -125,6 +125,54 @@ def test_whole_layers_on_the_gpu_give_the_resident_tokens(moe16_dir, resident_gp
     assert (stats.compute.cpu_experts > 0) == (cpu_experts == "all")
 
 
+def count_synchronisations(store) -> list[int]:
+    """Wrap the store's read-back wait (the real one still runs) to count the times the host waits for routing."""
+    calls, wait = [0], store._readback.wait
+
+    def counted(stream):
+        calls[0] += 1
+        wait(stream)
+
+    store._readback.wait = counted
+    return calls
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("cpu_experts", ["off", "auto"])
+def test_layers_holding_every_expert_skip_the_synchronisation(moe16_dir, resident_gpu_logits, cpu_experts,  # noqa: F811
+                                                              prefetch):
+    """33 slots as whole layers: [1, 16, 16]. The two whole layers never wait for their routing (one read-back a
+    step, the first layer's), give the resident logits (bit for bit without CPU experts), and are counted as the
+    synchronising store counts them, one step late (at their next step or the next read-back)."""
+    options = ExpertStoreConfig(gpu_memory_limit=gpu_budget(moe16_dir, 11), l2_cache_size=host_budget(moe16_dir, "all"),
+                                cpu_experts=cpu_experts, gpu_slot_layout="layers", cpu_threads=2, prefetch=prefetch)
+    model = load_model(str(moe16_dir), device="cuda", experts=options)
+    assert [slots.num_slots for slots in model.store._layers] == [1, 16, 16]
+    assert model.store._sync_free == [False, True, True]
+    waits = count_synchronisations(model.store)
+    got = step_logits(model)
+    assert waits[0] == len(got)  # one read-back a step: the first layer's
+    for ours, want in zip(got, resident_gpu_logits):
+        if cpu_experts == "off":
+            np.testing.assert_array_equal(ours, want)
+        else:
+            assert relative_error(ours, want) < 1e-5
+            assert (ours.argmax(axis=-1) == want.argmax(axis=-1)).all()
+    for rank in list(model.store._untallied):  # the last step's routing of the whole layers
+        model.store._tally_resident(rank)
+    stats = model.store.stats()
+    spread = load_model(str(moe16_dir), device="cuda", experts=ExpertStoreConfig(
+        gpu_memory_limit=gpu_budget(moe16_dir, 2), l2_cache_size=host_budget(moe16_dir, "all"), cpu_experts="off"))
+    spread_waits = count_synchronisations(spread.store)
+    step_logits(spread)
+    assert spread_waits[0] == 3 * len(got)
+    np.testing.assert_array_equal(stats.used, spread.store.stats().used)  # the same routing, counted alike
+    gpu = stats.tiers["gpu"]
+    assert gpu.hits + gpu.misses == int(stats.used.sum())
+    assert gpu.misses <= int(stats.used[0])  # only the first layer misses
+    assert stats.steps == len(got)
+
+
 EVEN = Bandwidths(host_read=1e9, h2d=1e9, disk=1e9, cpu_flops=1e15, measured=True)  # a lone miss is cut in two
 
 

@@ -13,7 +13,8 @@ installed, CRC32 on every block). All copies run on one non-blocking copy stream
 the copy's CUDA event, never the host.
 
 A layer's step (the backend drives it): `begin_layer` copies the routing and the MoE input to the host (the one
-synchronisation per MoE layer that offloading needs: the host must know which blocks to move), counts hits,
+synchronisation per MoE layer that offloading needs: the host must know which blocks to move; a layer whose slots
+hold every expert skips it, below), counts hits,
 decides where each missing expert is computed (`placement.place_step`, when a CPU expert executor is given: on the
 GPU, on the CPU, or one cut by rows between them), queues the copies of the first pass's missing blocks and of the
 cut expert's GPU rows, and hands the CPU's part to the CPU thread; `passes` yields one kernel launch per group of
@@ -23,6 +24,12 @@ weighted sum as a device array that the compute stream fills once the CPU thread
 (`handoff.HostFlag`): the host goes on to queue the next layer's attention and router while the CPU computes, and
 takes in the CPU's end (its error, its time) at the next `begin_layer`. What the CPU work and the cut copies take
 corrects the rates the placement uses (`placement.corrected`).
+
+A layer whose slots hold all its experts (`--gpu-slot-layout layers` gives whole layers) never misses, so it needs
+no placement and no synchronisation: its routing goes to the host in a copy that nothing waits for and is counted
+at the layer's next step, and the host goes straight on to queue the next layers while the CPU still works on an
+earlier layer's experts (as llama.cpp's resident layers run between its CPU layers). Where a prefetcher predicts
+from the layer's input for a layer that can miss, the layer synchronises as the others do.
 """
 
 from __future__ import annotations
@@ -185,6 +192,20 @@ class GpuTieredStore(ExpertStore):
         self._cpu_out: np.ndarray | None = None  # float32, grown as needed
         self._pending_cpu: dict | None = None  # the step plan whose CPU work the host has not taken in yet
         self._worker = self._make_worker() if cpu_worker else None  # the CPU's part in one compiled call a layer
+        self._sync_free = self._sync_free_ranks(counts)  # per rank: every expert resident, nothing to predict from it
+        self._untallied: dict[int, tuple[np.ndarray, object]] = {}  # per sync-free rank: routing copy [T, k], event
+        for rank in (r for r, free in enumerate(self._sync_free) if free):
+            table = np.full(self.num_experts, -1, np.int32)  # [E] the fixed expert -> local slot map
+            for expert, slot in self._layers[rank].resident.items():
+                table[expert] = slot
+            self.device.tables[rank].set(table)
+
+    def _sync_free_ranks(self, counts: list[int]) -> list[bool]:
+        """Per MoE-layer rank: whether its steps skip the read-back (its slots hold every expert, and no layer that
+        can miss takes predictions from its input)."""
+        whole = [n == self.num_experts for n in counts]
+        ahead = self.prefetcher.lookahead if self.prefetcher is not None else 0
+        return [whole[rank] and all(whole[rank + 1: rank + 1 + ahead]) for rank in range(len(counts))]
 
     def _make_worker(self) -> CpuLayerWorker | None:
         """A CpuLayerWorker when the executor's kernel serves these experts and a host tier holds blocks (else the
@@ -307,6 +328,9 @@ class GpuTieredStore(ExpertStore):
         if rank <= self._current:
             self._stats.steps += 1
         self._current = rank
+        if self._sync_free[rank]:
+            self._begin_resident_layer(rank, expert_ids)
+            return
         wanted = {"ids": cp.ascontiguousarray(expert_ids)}
         if self.prefetcher is not None or self.executor is not None:
             wanted["x"] = cp.ascontiguousarray(x)
@@ -319,6 +343,8 @@ class GpuTieredStore(ExpertStore):
         host = self._readback.queue(stream, **wanted)
         self._collect_cpu_work()
         self._readback.wait(stream)  # the synchronisation offloading needs
+        for resident in list(self._untallied):  # their copies were queued before this one: finished
+            self._tally_resident(resident)
         ids = host["ids"].astype(np.int64)  # [T, k]
         x_host = host.get("x")  # [T, H]
         self._observe_copy()
@@ -357,6 +383,30 @@ class GpuTieredStore(ExpertStore):
             step["cut"] = self._queue_cut_copy(rank, *split)
         if copies_first:
             self._start_cpu_work(layer, step)
+
+    def _begin_resident_layer(self, rank: int, expert_ids) -> None:
+        """A step of a layer whose slots hold every expert: no read-back, no placement, no CPU work. The routing's
+        copy to the host is queued, not waited for; the layer's previous one is counted now (long finished)."""
+        self._tally_resident(rank)
+        stream = self.cp.cuda.get_current_stream()
+        ids = self._readback.queue(stream, **{f"ids{rank}": self.cp.ascontiguousarray(expert_ids)})[f"ids{rank}"]
+        copied = self.cp.cuda.Event(disable_timing=True)
+        copied.record(stream)
+        self._untallied[rank] = (ids, copied)
+        self._step = {"rank": rank, "resident": True, "cpu": None}
+
+    def _tally_resident(self, rank: int) -> None:
+        """Count the routing of a sync-free layer's latest step (at the layer's next step, or after the next
+        synchronisation): its distinct experts, every one a GPU hit."""
+        if rank not in self._untallied:
+            return
+        ids, copied = self._untallied.pop(rank)
+        copied.synchronize()
+        used = len(np.unique(ids))
+        self._stats.used[rank] += used
+        self._stats.tiers["gpu"].hits += used
+        self._stats.tiers["gpu"].bytes_read += used * self.block_size
+        self._stats.compute.gpu_experts += used
 
     def _place_misses(self, layer: int, ids: np.ndarray, misses: list[int]) -> tuple[list[int], tuple | None]:
         """(the misses the CPU computes whole this step, (expert, rows) of one cut by its intermediate rows: the GPU
@@ -417,6 +467,9 @@ class GpuTieredStore(ExpertStore):
         expert's GPU rows."""
         cp, step = self.cp, self._step
         rank = step["rank"]
+        if step.get("resident"):  # every expert in its slot, the table fixed since the warm start
+            yield self.device.view(rank)
+            return
         slots, events = self._layers[rank], self._slot_events[rank]
         compute = cp.cuda.get_current_stream()
         table, batch, through_staging = step["pass"]
@@ -512,13 +565,15 @@ class GpuTieredStore(ExpertStore):
         """After the layer's kernels are queued: start the next layers' prefetches and return the weighted sum
         [T, H] on the device of the experts placed on the CPU (None if none). The compute stream waits for the CPU
         thread's flag before copying the sum in, so the host goes on to queue the next layer while the CPU works;
-        the next `begin_layer` (or, for the step's last MoE layer, this call) takes in the work's end. Without
-        stream waits on host memory the host waits here."""
+        the next `begin_layer` that synchronises (or, for the step's last MoE layer, this call) takes in the work's
+        end. Without stream waits on host memory the host waits here."""
         step, self._step = self._step, None
         for target, ranked in self._predictions:
             self._prefetch(target, ranked)
         self._predictions = []
         if step["cpu"] is None:
+            if step["rank"] == len(self._layer_ids) - 1:
+                self._collect_cpu_work()  # an earlier layer's, when the layers after it were sync-free
             return None
         cpu = step["cpu"]
         stream = self.cp.cuda.get_current_stream()
