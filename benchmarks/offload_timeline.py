@@ -205,15 +205,16 @@ def run(args) -> list[dict]:
     folder, pinned = open_folder(args.folder, "mixtral-8x7b", args.layers)
     records = []
     config = folder.config
-    runs = [(f, m, lay, c, t) for f in args.fractions for m in args.modes for lay in args.layouts
-            for c in args.cpu_calls for t in args.cpu_threads]
+    runs = [(f, m, lay, c, t, g) for f in args.fractions for m in args.modes for lay in args.layouts
+            for c in args.cpu_calls for t in args.cpu_threads for g in args.min_cut_gains]
     runs = [(r, *run) for r in range(args.rounds) for run in (runs if r % 2 == 0 else runs[::-1])]
-    for round_index, fraction, mode, layout, cpu_call, threads in runs:
+    for round_index, fraction, mode, layout, cpu_call, threads, gain in runs:
         slots = layer_slot_counts(round(fraction * config.num_experts), len(config.moe_layers), config.num_experts,
                                   layout)
         for waits in (handoff == "stream" for handoff in args.handoffs):
             model = make_model(folder, slots, pinned, mode, threads, stream_waits=waits,
-                               cpu_worker=cpu_call == "worker")
+                               cpu_worker=cpu_call == "worker", min_cut_gain=gain)
+            gain = model.store.min_cut_gain
             recorder = Recorder(model.store)
             decode(model, 1, 2)  # warm
             recorder.clear()
@@ -223,9 +224,10 @@ def run(args) -> list[dict]:
             means.update(recorder.gpu_intervals())
             handoff = "stream" if waits else "host"
             cpu_threads = model.store.executor.num_threads
-            log(f"{fraction:.0%} {mode} {layout} {cpu_call} {cpu_threads} threads, {handoff} waits: "
-                f"{figures['tok_s']:.1f} tok/s, step "
-                f"{1e3 * figures['step_s']:.1f} ms; per CPU hand-off (ms): "
+            log(f"{fraction:.0%} {mode} {layout} {cpu_call} {cpu_threads} threads, {handoff} waits, cut gain {gain}: "
+                f"{figures['tok_s']:.1f} tok/s, step {1e3 * figures['step_s']:.1f} ms, experts a step: "
+                f"{figures['cpu_experts_per_step']:.2f} CPU, {figures['split_experts_per_step']:.2f} cut; "
+                f"per CPU hand-off (ms): "
                 + ", ".join(f"{k} {v:.3f}" for k, v in means.items() if v is not None)
                 + f"; {len(layers) / args.steps:.1f} a step")
             records.append(dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"),
@@ -234,6 +236,7 @@ def run(args) -> list[dict]:
                                 thread_env={k: os.environ.get(k) for k in THREAD_ENV},
                                 layers=args.layers, batch=1, gpu_expert_fraction=fraction, mode=mode,
                                 slot_layout=layout, gpu_slots=slots, cpu_call=cpu_call, cpu_threads=cpu_threads,
+                                min_cut_gain=gain,
                                 handoff=handoff, figures=figures, handoff_ms=means,
                                 handoff_ms_median=summarise(layers, statistics.median),
                                 handoffs_per_step=len(layers) / args.steps, round=round_index))
@@ -256,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                              "Python running the executor expert by expert")
     parser.add_argument("--cpu-threads", type=int, nargs="+", default=[None],
                         help="the CPU executor's thread counts to compare (default: every core numba sees)")
+    parser.add_argument("--min-cut-gains", type=float, nargs="+", default=[None],
+                        help="the placement's minimum gain of a cut to compare (default: the store's)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the runs, every other round in reverse order")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/offload_timeline_h200.json")

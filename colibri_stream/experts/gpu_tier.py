@@ -49,7 +49,8 @@ from .cpu_worker import CpuLayerWorker
 from .handoff import HostFlag, PinnedReadback
 from .partial import DEVICE_DTYPES, PartialLayout
 from .pinned import PinnedExperts, StagingRing, pinned_empty
-from .placement import ASSUMED, Bandwidths, ExpertNeed, corrected, expert_cost, gpu_rows, place_step
+from .placement import (ASSUMED, MIN_CUT_GAIN, Bandwidths, ExpertNeed, corrected, expert_cost, gpu_rows,
+                        place_step)
 from .policies import EvictionPolicy
 from .prefetcher import Prefetcher
 from .rates import FLOP_PROBE_TOKENS, cpu_expert_rates, pinned_copy_rate, shared_rates
@@ -139,7 +140,8 @@ class GpuTieredStore(ExpertStore):
     misses on the CPU where the cost model says so (`cpu_experts` "auto"), for every miss ("all"), or never
     (None). stream_waits=False: the host waits for the CPU's part in `finish_layer` (as where the driver has no
     stream memory operations). cpu_worker=False: the CPU thread runs the executor expert by expert even where a
-    CpuLayerWorker could serve (for comparison).
+    CpuLayerWorker could serve (for comparison). `min_cut_gain`: how much sooner a cut must end a layer's misses
+    than whole experts (placement.place_step).
     """
 
     resident = False
@@ -184,6 +186,7 @@ class GpuTieredStore(ExpertStore):
         self.bandwidths = bandwidths or (self._measure_bandwidths() if cpu_executor is not None else ASSUMED)
         # Measured rates are corrected by what the steps' CPU work and cut copies take (placement.corrected).
         self.adapt_rates = bandwidths is None and cpu_executor is not None
+        self.min_cut_gain = MIN_CUT_GAIN
         self._copy_probe = None  # (start, end) timing events of the latest cut copy, and its predicted seconds
         self._readback = PinnedReadback()  # routing and MoE input to the host, one synchronisation a layer
         # The CPU's part: its sum goes through one pinned buffer; the stream waits on the flag, not the host.
@@ -419,7 +422,7 @@ class GpuTieredStore(ExpertStore):
                             splittable=self.host is not None) for e in misses]
         inter = self.file.config.moe_intermediate_size
         on_cpu, split = [], None
-        for expert, share in zip(misses, place_step(needs, self.bandwidths)):
+        for expert, share in zip(misses, place_step(needs, self.bandwidths, self.min_cut_gain)):
             rows = gpu_rows(share, inter, CUT_ROW_MULTIPLE)
             if rows == 0:
                 on_cpu.append(expert)

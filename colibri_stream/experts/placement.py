@@ -89,14 +89,14 @@ def expert_cost(need: ExpertNeed, bw: Bandwidths) -> ExpertCost:
     return ExpertCost(cpu=cpu, gpu=gpu / (1.0 + need.expected_reuse))
 
 
-def place_step(needs: list[ExpertNeed], bw: Bandwidths) -> list[float]:
+def place_step(needs: list[ExpertNeed], bw: Bandwidths, min_cut_gain: float = MIN_CUT_GAIN) -> list[float]:
     """For each need, the share of its intermediate rows the CPU computes now: 1.0 all of it, 0.0 none (it is
     loaded to a GPU slot), in between for at most one need (the rest of its rows are copied and computed on the GPU).
 
     The CPU and the copies run side by side, so the step finishes with the later queue. Whole experts first:
     largest cost first, each on the side whose queue then ends earlier (ties to the side that is cheaper for it,
     then to the GPU). Then the one splittable need whose split ends the step earliest is cut where both queues end
-    together, if that is at least MIN_CUT_GAIN sooner. A load in flight counts with the seconds it has left and is never split; neither is an
+    together, if that is at least `min_cut_gain` sooner. A load in flight counts with the seconds it has left and is never split; neither is an
     expert whose load later steps are expected to reuse (a partial copy is not kept).
     """
     costs = [expert_cost(n, bw) for n in needs]
@@ -110,7 +110,7 @@ def place_step(needs: list[ExpertNeed], bw: Bandwidths) -> list[float]:
         else:
             gpu_queue = gpu_end
     whole_end = max(cpu_queue, gpu_queue)
-    best, best_end = None, whole_end * (1.0 - MIN_CUT_GAIN)
+    best, best_end = None, whole_end * (1.0 - min_cut_gain)
     for i, need in enumerate(needs):
         if not need.splittable or need.in_flight_seconds is not None or need.expected_reuse:
             continue
