@@ -315,7 +315,8 @@ def run(args) -> list[dict]:
                   shared_host_read_gbps_measured=bw.shared_host_read_gbps,
                   shared_pcie_gbps_measured=bw.shared_pcie_gbps,
                   prompt_cached_tokens=PROMPT, decode_steps=args.steps, routing="random router (close to uniform)",
-                  eviction="lfu", kvikio=kvikio_available(), min_cut_gain=MIN_CUT_GAIN if args.min_cut_gain is None else args.min_cut_gain)
+                  eviction="lfu", kvikio=kvikio_available(),
+                  min_cut_gain=MIN_CUT_GAIN if args.min_cut_gain is None else args.min_cut_gain)
     records = []
     resident: dict = {}
     model = make_model(folder, None, None, "colibri")
