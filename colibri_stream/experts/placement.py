@@ -35,7 +35,8 @@ RATE_LEARNING = 0.25  # the weight of one step's observation in the rates the pl
 # strided CPU read of down's columns. On the H200 at 0 % of the experts on the GPU, batch 1, where whole experts
 # were already about balanced (one on each side per layer), cutting took 66.8-68.8 ms a step against 62.5 ms for
 # whole experts in an earlier run; at 50 % (one miss a layer) it took 37-40 ms against 46 (BENCHMARKS.md). 0.03
-# cut more experts and gained nothing at 0 % or with whole layers, and lost 5 % with spread slots (six rounds, a0c5f29).
+# cut more experts and gained nothing at 0 % or with whole layers, and lost 5 % with spread slots (six rounds,
+# 90b1e17).
 MIN_CUT_GAIN = 0.1
 
 
