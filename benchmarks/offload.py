@@ -4,7 +4,8 @@ to transformers + accelerate offloading at the same GPU budget.
 
 Model: a Mixtral-8x7B-shaped native model folder with random bf16 weights (`--layers`, default 8: 22.5 GB of
 experts), written once by `write_synthetic_folder`. For each GPU expert budget (`--fractions` of all experts,
-as whole slots per layer; 1.0 is the resident model) and source:
+as whole slots per layer; 1.0 is the resident model), slot layout (`--slot-layout`: the same slots in every layer,
+whole layers, or both, each budget run once per distinct layout) and source:
   l2  every expert in pinned host memory (PinnedExperts)
   l3  no host tier: experts.bin read for every GPU miss, page cache dropped before every timed step (cold)
 modes (each a fresh store over the same pinned L2):
@@ -267,11 +268,13 @@ def llama_cpp_baseline(args, records: list[dict]) -> None:
             result = {"error": repr(error)}
         log(f"llama.cpp at {fraction:.0%}: decode {result.get('decode_tok_s')} prefill {result.get('prefill_tok_s')}")
         for record in records:
-            if record["gpu_expert_fraction"] == fraction and record["source"] == "l2" and record["batch"] in (1, "prefill"):
+            if (record["gpu_expert_fraction"] == fraction and record["source"] == "l2"
+                    and record["batch"] in (1, "prefill")):
                 earlier = record.get("llama_cpp_tok_s")
                 if earlier is not None:
                     record["llama_cpp_earlier_tok_s"] = earlier
-                record["llama_cpp_tok_s"] = result.get("prefill_tok_s" if record["batch"] == "prefill" else "decode_tok_s")
+                which = "prefill_tok_s" if record["batch"] == "prefill" else "decode_tok_s"
+                record["llama_cpp_tok_s"] = result.get(which)
                 record["llama_cpp_measured"] = True
                 record["llama_cpp"] = result
         write(args.out, records)
@@ -329,13 +332,19 @@ def run(args) -> list[dict]:
             for fraction in (args.fractions if source == "l2" else args.cold_fractions)]
     for source, fraction in plan:
         slots = round(fraction * config.num_experts)
-        if slots < config.num_experts or source == "l2":
-            cold = folder.experts.path if source == "l3" else None
-            host = pinned if source == "l2" else None
-            batches = [*args.batches, "prefill"] if source == "l2" else [1]  # l3: decode at batch 1
+        if slots >= config.num_experts and source != "l2":
+            continue
+        cold = folder.experts.path if source == "l3" else None
+        host = pinned if source == "l2" else None
+        batches = [*args.batches, "prefill"] if source == "l2" else [1]  # l3: decode at batch 1
+        layouts: dict[tuple[int, ...], list[str]] = {}  # each layer's slots -> the layouts that give them
+        for name in args.slot_layout:
+            layouts.setdefault(tuple(layer_slot_counts(slots, len(config.moe_layers), config.num_experts, name)),
+                               []).append(name)
+        for counts, names in ((list(c), n) for c, n in layouts.items()):
             for batch in batches:
                 record = dict(common, gpu_expert_fraction=fraction, gpu_slots_per_layer=slots,
-                              gpu_slot_layout=args.slot_layout, source=source,
+                              gpu_slot_layout="/".join(names), gpu_slots=counts, source=source,
                               batch=batch, resident_tok_s=resident[batch]["tok_s"])
                 modes = ["colibri"] if slots >= config.num_experts else (
                     list(args.modes) if batch == 1 else [m for m in ("colibri", "ondemand") if m in args.modes])
@@ -345,8 +354,6 @@ def run(args) -> list[dict]:
                     if slots >= config.num_experts:
                         result = resident[batch]
                     else:
-                        counts = layer_slot_counts(slots, len(config.moe_layers), config.num_experts,
-                                                   args.slot_layout)
                         model = make_model(folder, counts, host, mode, args.cpu_threads,
                                            min_cut_gain=args.min_cut_gain)
                         try:
@@ -404,7 +411,8 @@ def summary(r: dict) -> str:
     def fmt(value):
         return "-" if value is None else f"{value:.1f}"
 
-    return (f"{r['gpu_expert_fraction']:.0%} {r['source']} b{r['batch']}: colibri {fmt(r.get('colibri_tok_s'))} "
+    return (f"{r['gpu_expert_fraction']:.0%} {r['gpu_slot_layout']} {r['source']} b{r['batch']}: "
+            f"colibri {fmt(r.get('colibri_tok_s'))} "
             f"ondemand {fmt(r.get('ondemand_tok_s'))} prefetch {fmt(r.get('prefetch_tok_s'))} "
             f"cpu_only {fmt(r.get('cpu_only_tok_s'))} bound {fmt(r.get('bound_tok_s'))} "
             f"accelerate {fmt(r.get('accelerate_tok_s'))} llama.cpp {fmt(r.get('llama_cpp_tok_s'))} "
@@ -412,16 +420,17 @@ def summary(r: dict) -> str:
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| GPU experts | source | batch | Colibri tok/s | bound | Colibri / bound | on-demand (PCIe only) | prefetch | "
-             "CPU only | accelerate | llama.cpp | GPU hit rate | CPU experts/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| GPU experts | layout | source | batch | Colibri tok/s | bound | Colibri / bound "
+              "| on-demand (PCIe only) | prefetch | CPU only | accelerate | llama.cpp | GPU hit rate | CPU experts/step |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def fmt(value, digits=1):
         return "-" if value is None else f"{value:.{digits}f}"
 
     for r in records:
         figures = r.get("colibri_figures", {})
-        lines.append(f"| {r['gpu_expert_fraction']:.0%} | {r['source']} | {r['batch']} | {fmt(r.get('colibri_tok_s'))}"
+        lines.append(f"| {r['gpu_expert_fraction']:.0%} | {r['gpu_slot_layout']} | {r['source']} | {r['batch']}"
+                     f" | {fmt(r.get('colibri_tok_s'))}"
                      f" | {fmt(r.get('bound_tok_s'))} | {r['colibri_vs_bound']:.0%} | {fmt(r.get('ondemand_tok_s'))}"
                      f" | {fmt(r.get('prefetch_tok_s'))} | {fmt(r.get('cpu_only_tok_s'))}"
                      f" | {fmt(r.get('accelerate_tok_s'), 2)} | {fmt(r.get('llama_cpp_tok_s'))}"
@@ -443,8 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sources", nargs="+", default=["l2", "l3"], choices=["l2", "l3"])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
                         help="modes measured at batch 1 (colibri and ondemand at larger batches and prefill)")
-    parser.add_argument("--slot-layout", default="spread", choices=GPU_SLOT_LAYOUTS,
-                        help="the GPU slots of each layer: the same number (spread) or whole layers")
+    parser.add_argument("--slot-layout", nargs="+", default=["spread"], choices=GPU_SLOT_LAYOUTS,
+                        help="the GPU slots of each layer: the same number (spread) or whole layers; several: each "
+                             "budget runs once per distinct slot count list (0 %% gives the same for both)")
     parser.add_argument("--min-cut-gain", type=float, default=None,
                         help="how much sooner a cut expert must end a layer than whole experts (default: the store's)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
