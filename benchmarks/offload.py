@@ -421,7 +421,8 @@ def summary(r: dict) -> str:
 
 def table(records: list[dict]) -> str:
     lines = [("| GPU experts | layout | source | batch | Colibri tok/s | bound | Colibri / bound "
-              "| on-demand (PCIe only) | prefetch | CPU only | accelerate | llama.cpp | GPU hit rate | CPU experts/step |"),
+              "| on-demand (PCIe only) | prefetch | CPU only | accelerate | llama.cpp | GPU hit rate "
+              "| CPU experts/step |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def fmt(value, digits=1):
