@@ -137,18 +137,20 @@ def count_synchronisations(store) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-@pytest.mark.parametrize("cpu_experts", ["off", "auto"])
+@pytest.mark.parametrize(("cpu_experts", "host", "prefetch"), [("off", "all", False), ("off", "all", True),
+                                                              ("auto", "all", False), ("auto", "none", True)])
 def test_layers_holding_every_expert_skip_the_synchronisation(moe16_dir, resident_gpu_logits, cpu_experts,  # noqa: F811
-                                                              prefetch):
+                                                              host, prefetch):
     """33 slots as whole layers: [1, 16, 16]. The two whole layers never wait for their routing (one read-back a
     step, the first layer's), give the resident logits (bit for bit without CPU experts), and are counted as the
-    synchronising store counts them, one step late (at their next step or the next read-back)."""
-    options = ExpertStoreConfig(gpu_memory_limit=gpu_budget(moe16_dir, 11), l2_cache_size=host_budget(moe16_dir, "all"),
+    synchronising store counts them, one step late (at their next step or the next read-back). The CPU's part runs
+    on the CPU thread's Python, reading experts.bin without a host tier."""
+    options = ExpertStoreConfig(gpu_memory_limit=gpu_budget(moe16_dir, 11), l2_cache_size=host_budget(moe16_dir, host),
                                 cpu_experts=cpu_experts, gpu_slot_layout="layers", cpu_threads=2, prefetch=prefetch)
     model = load_model(str(moe16_dir), device="cuda", experts=options)
     assert [slots.num_slots for slots in model.store._layers] == [1, 16, 16]
     assert model.store._sync_free == [False, True, True]
+    assert model.store._worker is None  # the tiny experts are under the kernel's size: the CPU thread's Python
     waits = count_synchronisations(model.store)
     got = step_logits(model)
     assert waits[0] == len(got)  # one read-back a step: the first layer's
@@ -171,6 +173,33 @@ def test_layers_holding_every_expert_skip_the_synchronisation(moe16_dir, residen
     assert gpu.hits + gpu.misses == int(stats.used.sum())
     assert gpu.misses <= int(stats.used[0])  # only the first layer misses
     assert stats.steps == len(got)
+
+
+def test_whole_layers_beside_the_cpu_worker_give_the_resident_tokens(moe16_dir, resident_gpu_logits):  # noqa: F811
+    """Whole layers [1, 16, 16] that skip the read-back while the CpuLayerWorker (its kernel taking experts of any
+    size) computes the first layer's misses: one read-back a step, the resident tokens, logits within rounding."""
+    from colibri_stream.backends.cupy_backend import CupyBackend
+    from colibri_stream.checkpoint import ModelFolder
+    from colibri_stream.experts.pinned import PinnedExperts
+    from colibri_stream.experts.policies import make_policy
+    from colibri_stream.experts.tiers import BlockReader
+    from colibri_stream.model.transformer import MoETransformer
+
+    folder = ModelFolder(moe16_dir)
+    config, experts = folder.config, folder.experts
+    reader = BlockReader(experts)
+    policies = [make_policy("lfu", config.num_experts) for _ in config.moe_layers]
+    store = GpuTieredStore(experts, [1, 16, 16], policies, PinnedExperts(experts, reader), reader, None,
+                           CpuExpertExecutor(min_kernel_bytes=0), "all")
+    assert store._worker is not None and store._sync_free == [False, True, True]
+    waits = count_synchronisations(store)
+    got = step_logits(MoETransformer(config, folder.dense, store, CupyBackend()))
+    assert waits[0] == len(got)
+    for ours, want in zip(got, resident_gpu_logits):
+        assert relative_error(ours, want) < 1e-5
+        assert (ours.argmax(axis=-1) == want.argmax(axis=-1)).all()
+    stats = store.stats()
+    assert stats.compute.cpu_experts == stats.tiers["gpu"].misses > 0
 
 
 EVEN = Bandwidths(host_read=1e9, h2d=1e9, disk=1e9, cpu_flops=1e15, measured=True)  # a lone miss is cut in two

@@ -389,7 +389,11 @@ class GpuTieredStore(ExpertStore):
 
     def _begin_resident_layer(self, rank: int, expert_ids) -> None:
         """A step of a layer whose slots hold every expert: no read-back, no placement, no CPU work. The routing's
-        copy to the host is queued, not waited for; the layer's previous one is counted now (long finished)."""
+        copy to the host is queued, not waited for; the layer's previous one is counted now (long finished). CPU work
+        still running on the CpuLayerWorker goes on (it needs no GIL to end, so whatever waits on the stream meanwhile
+        cannot hold it up); the CPU thread's Python needs the GIL, so its work is taken in first."""
+        if self._pending_cpu is not None and "job" not in self._pending_cpu["cpu"]:
+            self._collect_cpu_work()
         self._tally_resident(rank)
         stream = self.cp.cuda.get_current_stream()
         ids = self._readback.queue(stream, **{f"ids{rank}": self.cp.ascontiguousarray(expert_ids)})[f"ids{rank}"]
