@@ -75,8 +75,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-slot-layout", choices=("spread", "layers"), default=None,
                    help="how --gpu-memory-limit's expert slots are shared among MoE layers: spread (default: the "
                         "same number in every layer, each keeping its most used experts) or layers (whole layers "
-                        "on the GPU, the others' experts from the host: fewer CPU hand-offs a token, as "
-                        "llama.cpp's --n-cpu-moe)")
+                        "on the GPU, run without a host round trip; the others' experts from the host: fewer CPU "
+                        "hand-offs a token, as llama.cpp's --n-cpu-moe; pays when routing has little locality)")
     p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="threads computing routed experts on the CPU (default: every core; beside GPU slots every "
                         "core but one, which the thread driving the GPU keeps)")
