@@ -98,8 +98,8 @@ def place_step(needs: list[ExpertNeed], bw: Bandwidths, min_cut_gain: float = MI
     The CPU and the copies run side by side, so the step finishes with the later queue. Whole experts first:
     largest cost first, each on the side whose queue then ends earlier (ties to the side that is cheaper for it,
     then to the GPU). Then the one splittable need whose split ends the step earliest is cut where both queues end
-    together, if that is at least `min_cut_gain` sooner. A load in flight counts with the seconds it has left and is never split; neither is an
-    expert whose load later steps are expected to reuse (a partial copy is not kept).
+    together, if that is at least `min_cut_gain` sooner. A load in flight counts with the seconds it has left and is
+    never split; neither is an expert whose load later steps are expected to reuse (a partial copy is not kept).
     """
     costs = [expert_cost(n, bw) for n in needs]
     cpu_queue = gpu_queue = 0.0
