@@ -214,7 +214,7 @@ def run(args) -> list[dict]:
         for waits in (handoff == "stream" for handoff in args.handoffs):
             model = make_model(folder, slots, pinned, mode, threads, stream_waits=waits,
                                cpu_worker=cpu_call == "worker", min_cut_gain=gain)
-            gain = model.store.min_cut_gain
+            cut_gain = model.store.min_cut_gain  # the store's default where `gain` is None
             recorder = Recorder(model.store)
             decode(model, 1, 2)  # warm
             recorder.clear()
@@ -224,7 +224,7 @@ def run(args) -> list[dict]:
             means.update(recorder.gpu_intervals())
             handoff = "stream" if waits else "host"
             cpu_threads = model.store.executor.num_threads
-            log(f"{fraction:.0%} {mode} {layout} {cpu_call} {cpu_threads} threads, {handoff} waits, cut gain {gain}: "
+            log(f"{fraction:.0%} {mode} {layout} {cpu_call} {cpu_threads} threads, {handoff} waits, cut gain {cut_gain}: "
                 f"{figures['tok_s']:.1f} tok/s, step {1e3 * figures['step_s']:.1f} ms, experts a step: "
                 f"{figures['cpu_experts_per_step']:.2f} CPU, {figures['split_experts_per_step']:.2f} cut; "
                 f"per CPU hand-off (ms): "
@@ -236,7 +236,7 @@ def run(args) -> list[dict]:
                                 thread_env={k: os.environ.get(k) for k in THREAD_ENV},
                                 layers=args.layers, batch=1, gpu_expert_fraction=fraction, mode=mode,
                                 slot_layout=layout, gpu_slots=slots, cpu_call=cpu_call, cpu_threads=cpu_threads,
-                                min_cut_gain=gain,
+                                min_cut_gain=cut_gain,
                                 handoff=handoff, figures=figures, handoff_ms=means,
                                 handoff_ms_median=summarise(layers, statistics.median),
                                 handoffs_per_step=len(layers) / args.steps, round=round_index))
