@@ -224,7 +224,8 @@ def run(args) -> list[dict]:
             means.update(recorder.gpu_intervals())
             handoff = "stream" if waits else "host"
             cpu_threads = model.store.executor.num_threads
-            log(f"{fraction:.0%} {mode} {layout} {cpu_call} {cpu_threads} threads, {handoff} waits, cut gain {cut_gain}: "
+            log(f"{fraction:.0%} {mode} {layout} {cpu_call} {cpu_threads} threads, {handoff} waits, "
+                f"cut gain {cut_gain}: "
                 f"{figures['tok_s']:.1f} tok/s, step {1e3 * figures['step_s']:.1f} ms, experts a step: "
                 f"{figures['cpu_experts_per_step']:.2f} CPU, {figures['split_experts_per_step']:.2f} cut; "
                 f"per CPU hand-off (ms): "
