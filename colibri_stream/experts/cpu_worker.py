@@ -6,10 +6,10 @@ of Python around the executor's kernel, every layer (benchmarks/offload_timeline
 thread waits inside a compiled loop that holds no GIL: it spins on a doorbell word (with the machine's spin-wait
 hint, x86 PAUSE), reads the job from a table of int64 words (the addresses of the layer's tokens, routing, output
 and of each expert's pinned block, and the row range the CPU computes), runs the executor's kernel
-(cpu_executor.expert_kernel) for each expert over the tokens
-routed to it, adds the result times the routing weight into the output, then raises the CUDA stream's flag
-(handoff.HostFlag) and the done word, waking the thread that waits for it (a futex on Linux). After SPIN_SECONDS
-with no job it leaves the loop and sleeps on a threading.Event, so an idle server does not keep a core busy.
+(cpu_executor.expert_kernel) for each expert over the tokens routed to it, adds the result times the routing weight
+into the output, then raises the CUDA stream's flag (handoff.HostFlag) and the done word, waking the thread that
+waits for it (a futex on Linux). After SPIN_SECONDS with no job it leaves the loop and sleeps on a threading.Event,
+so an idle server does not keep a core busy.
 
 `CpuLayerWorker.serves(executor, tensors)` says whether a worker over that executor's kernel computes experts like
 `tensors` (else the caller runs the executor expert by expert). Blocks must be in host memory for the whole job:
