@@ -8,7 +8,6 @@ ends (the flag is raised, `wait` raises).
 from __future__ import annotations
 
 import ctypes
-import platform
 import time
 
 import ml_dtypes
@@ -121,23 +120,6 @@ def test_jobs_after_an_idle_sleep_a_grown_table_and_an_unwaited_job():
     finally:
         worker.close()
     assert not worker._thread.is_alive()
-
-
-def test_the_idle_worker_spins_with_the_machines_wait_hint():
-    """The worker's compiled loop calls the machine's spin-wait hint while it waits for a doorbell (x86 PAUSE,
-    arm64 YIELD), so the spin leaves the core's shared resources to a sibling thread."""
-    if cpu_worker.RELAX_HINT is None:
-        pytest.skip(f"no spin-wait hint is known for {platform.machine()}")
-    rng = np.random.default_rng(2)
-    blocks, views = expert_blocks("bf16", rng)
-    worker = cpu_worker.CpuLayerWorker(views[0], blocks[0], threads=1)
-    try:
-        x, ids, weights = routing(rng, 1)
-        worker.wait(worker.submit(job_items(blocks, [(0, (0, INTER))]), ids, x, weights, np.empty_like(x)))
-        ir = "\n".join(worker._shared.serve.inspect_llvm().values())
-    finally:
-        worker.close()
-    assert f"call void @{cpu_worker.RELAX_HINT[0]}(" in ir
 
 
 def test_many_short_jobs_in_a_row_never_lose_a_wake_up():

@@ -3,13 +3,12 @@
 The GPU slot store (gpu_tier.py) hands the experts it places on the CPU to another thread once per MoE layer.
 Through a Python thread pool that hand-off cost about 0.1 ms to wake the thread and pass it the GIL, and 0.15 ms
 of Python around the executor's kernel, every layer (benchmarks/offload_timeline.py, BENCHMARKS.md). Here the
-thread waits inside a compiled loop that holds no GIL: it spins on a doorbell word (with the machine's spin-wait
-hint, x86 PAUSE), reads the job from a table of int64 words (the addresses of the layer's tokens, routing, output
-and of each expert's pinned block, and the row range the CPU computes), runs the executor's kernel
-(cpu_executor.expert_kernel) for each expert over the tokens routed to it, adds the result times the routing weight
-into the output, then raises the CUDA stream's flag (handoff.HostFlag) and the done word, waking the thread that
-waits for it (a futex on Linux). After SPIN_SECONDS with no job it leaves the loop and sleeps on a threading.Event,
-so an idle server does not keep a core busy.
+thread waits inside a compiled loop that holds no GIL: it spins on a doorbell word, reads the job from a table of
+int64 words (the addresses of the layer's tokens, routing, output and of each expert's pinned block, and the row
+range the CPU computes), runs the executor's kernel (cpu_executor.expert_kernel) for each expert over the tokens
+routed to it, adds the result times the routing weight into the output, then raises the CUDA stream's flag
+(handoff.HostFlag) and the done word, waking the thread that waits for it (a futex on Linux). After SPIN_SECONDS
+with no job it leaves the loop and sleeps on a threading.Event, so an idle server does not keep a core busy.
 
 `CpuLayerWorker.serves(executor, tensors)` says whether a worker over that executor's kernel computes experts like
 `tensors` (else the caller runs the executor expert by expert). Blocks must be in host memory for the whole job:
@@ -33,10 +32,6 @@ WAIT_SPINS = 2000  # `wait` checks this often before it sleeps until the job's e
 WAIT_SLEEP_US = 20  # without futexes (not Linux on x86-64 or arm64): `wait` sleeps this long between checks
 # Linux futex system call numbers; the waiter sleeps on the low half of the DONE word until the worker wakes it
 SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine()) if sys.platform == "linux" else None
-# The spin-wait hint of the machine, as an LLVM intrinsic and its i32 operands: x86's PAUSE (lets a hyperthread
-# sibling run, and leaves the loop without a memory-order pipeline flush when the word changes), arm64's YIELD
-RELAX_HINT = {"x86_64": ("llvm.x86.sse2.pause", ()), "AMD64": ("llvm.x86.sse2.pause", ()),
-              "aarch64": ("llvm.aarch64.hint", (1,)), "arm64": ("llvm.aarch64.hint", (1,))}.get(platform.machine())
 FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129
 HEADER = 9  # job words: tokens, top_k, x, ids, weights, out addresses, flag address, flag value, experts
 ITEM = 4  # words per expert: block address, first row, last row, expert id
@@ -108,22 +103,6 @@ if numba is not None:
     _store_release = _release_store(64)
     _store_release32 = _release_store(32)
 
-    @intrinsic
-    def _relax(typingctx):
-        """One spin-wait hint (RELAX_HINT; nothing on other machines), for a spin loop bounded by time (a hint in a
-        loop bounded by a count would stretch its time: PAUSE takes up to ~140 cycles)."""
-
-        def codegen(context, builder, signature, args):
-            if RELAX_HINT is not None:
-                name, operands = RELAX_HINT
-                word = ir.IntType(32)
-                hint = cgutils.get_or_insert_function(builder.module,
-                                                      ir.FunctionType(ir.VoidType(), [word] * len(operands)), name)
-                builder.call(hint, [ir.Constant(word, value) for value in operands])
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
     @numba.njit(nogil=True)
     def _now_ns() -> int:
         spec = np.empty(2, np.int64)  # struct timespec: seconds, nanoseconds
@@ -183,7 +162,6 @@ def _server(dtype: np.dtype, scaled: bool):
             if ticket == _load_acquire(control + 8 * DONE):
                 if _load_acquire(control + 8 * STOP) != 0 or _now_ns() - idle_since > spin_ns:
                     return
-                _relax()
                 continue
             start = _now_ns()
             header = numba.carray(_pointer(_load_acquire(control + 8 * JOBS)), (HEADER,), np.int64)
