@@ -136,7 +136,7 @@ def test_gated_jobs_start_once_their_gate_is_raised_in_order_more_than_the_ring_
     staged = [(np.zeros((2, HIDDEN), np.float32), np.zeros((2, TOP_K), np.int64), np.zeros((2, TOP_K), np.float32))
               for _ in range(jobs)]  # what the job reads: filled just before its gate is raised
     outs = [np.full((2, HIDDEN), np.nan, np.float32) for _ in range(jobs)]
-    items = job_items(blocks, [(e, (0, INTER)) for e in range(EXPERTS)])
+    items = np.array(job_items(blocks, [(e, (0, INTER)) for e in range(EXPERTS)]), np.int64)  # [E, 4], as a table
     submitted, early = [], []
 
     def raiser():

@@ -173,9 +173,9 @@ def test_layers_holding_every_expert_skip_the_synchronisation(moe16_dir, residen
     assert stats.steps == len(got)
 
 
-def test_whole_layers_beside_the_cpu_worker_give_the_resident_tokens(moe16_dir, resident_gpu_logits):  # noqa: F811
-    """Whole layers [1, 16, 16] that skip the read-back while the CpuLayerWorker (its kernel taking experts of any
-    size) computes the first layer's misses: one read-back a step, the resident tokens, logits within rounding."""
+def worker_store(model_dir, slots, cpu_experts: str = "auto", **options):
+    """A GpuTieredStore over the model's experts with every block in pinned memory and the CpuLayerWorker (its
+    kernel taking experts of any size), and the model that runs it."""
     from colibri_stream.backends.cupy_backend import CupyBackend
     from colibri_stream.checkpoint import ModelFolder
     from colibri_stream.experts.pinned import PinnedExperts
@@ -183,19 +183,61 @@ def test_whole_layers_beside_the_cpu_worker_give_the_resident_tokens(moe16_dir, 
     from colibri_stream.experts.tiers import BlockReader
     from colibri_stream.model.transformer import MoETransformer
 
-    folder = ModelFolder(moe16_dir)
+    folder = ModelFolder(model_dir)
     config, experts = folder.config, folder.experts
     reader = BlockReader(experts)
     policies = [make_policy("lfu", config.num_experts) for _ in config.moe_layers]
-    store = GpuTieredStore(experts, [1, 16, 16], policies, PinnedExperts(experts, reader), reader, None,
-                           CpuExpertExecutor(min_kernel_bytes=0), "all")
+    store = GpuTieredStore(experts, slots, policies, PinnedExperts(experts, reader), reader, None,
+                           CpuExpertExecutor(min_kernel_bytes=0), cpu_experts, **options)
+    return store, MoETransformer(config, folder.dense, store, CupyBackend())
+
+
+def test_whole_layers_beside_the_cpu_worker_give_the_resident_tokens(moe16_dir, resident_gpu_logits):  # noqa: F811
+    """Whole layers [1, 16, 16] that skip the read-back while the CpuLayerWorker (its kernel taking experts of any
+    size) computes the first layer's misses: one read-back a step, the resident tokens, logits within rounding."""
+    store, model = worker_store(moe16_dir, [1, 16, 16], cpu_experts="all")
     assert store._worker is not None and store._sync_free == [False, True, True]
     waits = count_synchronisations(store)
-    got = step_logits(MoETransformer(config, folder.dense, store, CupyBackend()))
+    got = step_logits(model)
     assert waits[0] == len(got)
     assert_resident_tokens(got, resident_gpu_logits)
     stats = store.stats()
     assert stats.compute.cpu_experts == stats.tiers["gpu"].misses > 0
+
+
+@pytest.mark.parametrize("slots", [[0, 0, 0], [0, 16, 0], [2, 0, 16]])
+def test_layers_without_slots_go_from_the_stream_to_the_cpu_worker_without_a_host_wait(moe16_dir,  # noqa: F811
+                                                                                      resident_gpu_logits, slots):
+    """At decode (3 tokens a step) a layer with no GPU slot is handed from the stream to the CpuLayerWorker: the
+    stream copies the routing to pinned buffers and raises the job's gate, the worker computes each routed expert's
+    last 16 rows, the kernels its first 16 reading the pinned blocks in place. The host waits for no such layer's
+    routing (the prefill's, 23 tokens, goes through the placement); the tokens are the resident model's, the logits
+    within rounding, and every expert is counted, split between the two sides."""
+    store, model = worker_store(moe16_dir, slots)
+    slotless = {rank for rank, n in enumerate(slots) if n == 0}
+    assert store._stream_layers is not None and store._stream_layers.ranks == slotless
+    waits = count_synchronisations(store)
+    got = step_logits(model)
+    can_miss = sum(0 < n < 16 for n in slots)
+    assert waits[0] == len(slotless) + can_miss * len(got)  # the prefill's slotless layers, every step's others
+    assert_resident_tokens(got, resident_gpu_logits)
+    for rank in list(store._untallied):  # the last step's routing of the whole layers
+        store._tally_resident(rank)
+    stats = store.stats()
+    gpu, compute = stats.tiers["gpu"], stats.compute
+    assert gpu.hits + gpu.misses == int(stats.used.sum()) and all(stats.used > 0)
+    decode_experts = compute.split_experts
+    assert decode_experts > 0 and compute.cpu_experts >= decode_experts and compute.cpu_seconds > 0
+    assert 0 < store._stream_layers.gpu_share < 1
+    synchronising, model = worker_store(moe16_dir, slots, stream_driven=False)
+    assert synchronising._stream_layers is None
+    assert_resident_tokens(step_logits(model), resident_gpu_logits)
+
+
+def test_layers_without_slots_stay_with_the_placement_where_the_cpu_takes_every_miss(moe16_dir):  # noqa: F811
+    """`cpu_experts` "all" computes every miss whole on the CPU: no layer is split between the stream's two sides."""
+    store, _ = worker_store(moe16_dir, [0, 16, 0], cpu_experts="all")
+    assert store._stream_layers is None
 
 
 EVEN = Bandwidths(host_read=1e9, h2d=1e9, disk=1e9, cpu_flops=1e15, measured=True)  # a lone miss is cut in two
@@ -222,23 +264,9 @@ def test_the_cpu_worker_gives_the_resident_tokens(moe16_dir, resident_gpu_logits
     """The int8 experts of the tiny model go through the CpuLayerWorker (one compiled call per layer, the flag
     raised by it) once the executor's kernel takes experts of any size: the same tokens, logits within rounding,
     every expert counted; "auto" with the CPU as fast as the copy cuts experts between the worker and the GPU."""
-    from colibri_stream.backends.cupy_backend import CupyBackend
-    from colibri_stream.checkpoint import ModelFolder
-    from colibri_stream.experts.cpu_executor import CpuExpertExecutor
-    from colibri_stream.experts.pinned import PinnedExperts
-    from colibri_stream.experts.policies import make_policy
-    from colibri_stream.experts.tiers import BlockReader
-    from colibri_stream.model.transformer import MoETransformer
-
-    folder = ModelFolder(moe16_dir)
-    config, experts = folder.config, folder.experts
-    reader = BlockReader(experts)
-    policies = [make_policy("lfu", config.num_experts) for _ in config.moe_layers]
-    store = GpuTieredStore(experts, 2, policies, PinnedExperts(experts, reader), reader, None,
-                           CpuExpertExecutor(min_kernel_bytes=0), cpu_experts,
-                           bandwidths=EVEN if cpu_experts == "auto" else None, stream_waits=stream_waits)
+    store, model = worker_store(moe16_dir, 2, cpu_experts, bandwidths=EVEN if cpu_experts == "auto" else None,
+                                stream_waits=stream_waits)
     assert store._worker is not None and (store._flag is not None) == stream_waits
-    model = MoETransformer(config, folder.dense, store, CupyBackend())
     assert_resident_tokens(step_logits(model), resident_gpu_logits)
     stats = store.stats()
     assert stats.compute.cpu_experts > 0 and stats.compute.cpu_bytes_read > 0 and stats.compute.cpu_seconds > 0

@@ -213,8 +213,9 @@ class LayerExperts:
         slot_of = pointer(self.slot_of)
         gate_up = (pointer(self.gate), pointer(self.up), stride(self.gate), pointer(self.gate_scale),
                    pointer(self.up_scale), stride(self.gate_scale), slot_of)
-        pitch = np.int64(self.down.strides[1] // self.down.itemsize)  # down's row pitch: I, or more for rows read in place
-        down = (pointer(self.down), stride(self.down), pitch, pointer(self.down_scale), stride(self.down_scale), slot_of)
+        pitch = np.int64(self.down.strides[1] // self.down.itemsize)  # down's row pitch: I, or more (rows in place)
+        down = (pointer(self.down), stride(self.down), pitch, pointer(self.down_scale), stride(self.down_scale),
+                slot_of)
         return gate_up, down
 
 

@@ -330,7 +330,7 @@ class CpuLayerWorker:
         return (executor is not None and executor.kernel is not None and tensors["gate"].dtype in KERNEL_DTYPES
                 and sum(t.nbytes for t in tensors.values()) >= executor.min_kernel_bytes)
 
-    def submit(self, items: list[tuple[int, int, int, int]], ids: np.ndarray, x: np.ndarray, weights: np.ndarray,
+    def submit(self, items: list[tuple[int, int, int, int]] | np.ndarray, ids: np.ndarray, x: np.ndarray, weights: np.ndarray,
                out: np.ndarray, flag_address: int = 0, flag_value: int = 0, gate_address: int = 0,
                gate_value: int = 0) -> int:
         """Queue the layer's job: for each (block address, first row, last row, expert id), the expert's part over
@@ -361,7 +361,7 @@ class CpuLayerWorker:
         jobs = shared.tables[index]
         jobs[:HEADER] = (x.shape[0], ids.shape[1], x.ctypes.data, ids.ctypes.data, weights.ctypes.data,
                          out.ctypes.data, flag_address, flag_value, len(items), gate_address, gate_value, 0, 0)
-        if items:
+        if len(items):
             jobs[HEADER:words] = np.asarray(items, np.int64).reshape(-1)
         self._held[ticket] = (ids, x, weights, out, jobs)
         self._ticket = ticket

@@ -30,6 +30,11 @@ no placement and no synchronisation: its routing goes to the host in a copy that
 at the layer's next step, and the host goes straight on to queue the next layers while the CPU still works on an
 earlier layer's experts (as llama.cpp's resident layers run between its CPU layers). Where a prefetcher predicts
 from the layer's input for a layer that can miss, the layer synchronises as the others do.
+
+A layer with no slot at all, at decode, needs no synchronisation either (`stream_layers.StreamDrivenLayers`): the
+stream copies the routing to the host and raises a gate word, the CpuLayerWorker (handed the job ahead) computes
+each routed expert's last rows once the gate opens, and the kernels compute the first rows reading the pinned
+blocks in place; the host never waits for the routing of such a layer.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from .rates import FLOP_PROBE_TOKENS, cpu_expert_rates, pinned_copy_rate, shared
 from .slots import LayerSlots
 from .stats import ComputeStats, ExpertStats, TierStats
 from .store import ExpertStore
+from .stream_layers import StreamDrivenLayers
 from .tiers import BlockReader, TieredExpertStore
 
 logger = logging.getLogger(__name__)
@@ -141,7 +147,8 @@ class GpuTieredStore(ExpertStore):
     (None). stream_waits=False: the host waits for the CPU's part in `finish_layer` (as where the driver has no
     stream memory operations). cpu_worker=False: the CPU thread runs the executor expert by expert even where a
     CpuLayerWorker could serve (for comparison). `min_cut_gain`: how much sooner a cut must end a layer's misses
-    than whole experts (placement.place_step).
+    than whole experts (placement.place_step). stream_driven=False: layers without slots go through the host's
+    placement at decode too (for comparison; stream_layers.py).
     """
 
     resident = False
@@ -150,7 +157,7 @@ class GpuTieredStore(ExpertStore):
                  host: PinnedExperts | TieredExpertStore | None, reader: BlockReader,
                  prefetcher: Prefetcher | None = None, cpu_executor: CpuExpertExecutor | None = None,
                  cpu_experts: str = "auto", bandwidths: Bandwidths | None = None, stream_waits: bool = True,
-                 cpu_worker: bool = True):
+                 cpu_worker: bool = True, stream_driven: bool = True):
         import cupy
 
         self.cp = cupy
@@ -202,6 +209,17 @@ class GpuTieredStore(ExpertStore):
             for expert, slot in self._layers[rank].resident.items():
                 table[expert] = slot
             self.device.tables[rank].set(table)
+        slotless = {rank for rank, n in enumerate(counts) if n == 0 and not self._feeds_predictions(counts, rank)}
+        self._stream_layers = StreamDrivenLayers.create(
+            host, self.device.tensors, self._layer_ids, slotless if stream_driven and cpu_experts == "auto" else set(),
+            self._worker, self._flag, config.moe_intermediate_size,
+            self.bandwidths.h2d / (self.bandwidths.h2d + self.bandwidths.host_read))
+
+    def _feeds_predictions(self, counts: list[int], rank: int) -> bool:
+        """Whether the prefetcher predicts from layer `rank`'s input for a layer that can miss (so the input must
+        come to the host)."""
+        ahead = self.prefetcher.lookahead if self.prefetcher is not None else 0
+        return any(0 < n < self.num_experts for n in counts[rank + 1: rank + 1 + ahead])
 
     def _sync_free_ranks(self, counts: list[int]) -> list[bool]:
         """Per MoE-layer rank: whether its steps skip the read-back (its slots hold every expert, and no layer that
@@ -334,6 +352,9 @@ class GpuTieredStore(ExpertStore):
         if self._sync_free[rank]:
             self._begin_resident_layer(rank, expert_ids)
             return
+        if self._stream_layers is not None and weights is not None and self._stream_layers.takes(rank, x.shape[0]):
+            self._begin_stream_driven_layer(rank, x, expert_ids, weights)
+            return
         wanted = {"ids": cp.ascontiguousarray(expert_ids)}
         if self.prefetcher is not None or self.executor is not None:
             wanted["x"] = cp.ascontiguousarray(x)
@@ -346,6 +367,7 @@ class GpuTieredStore(ExpertStore):
         host = self._readback.queue(stream, **wanted)
         self._collect_cpu_work()
         self._readback.wait(stream)  # the synchronisation offloading needs
+        self._collect_stream_layers()  # the stream has passed their flags: their jobs have ended
         for resident in list(self._untallied):  # their copies were queued before this one: finished
             self._tally_resident(resident)
         ids = host["ids"].astype(np.int64)  # [T, k]
@@ -401,6 +423,21 @@ class GpuTieredStore(ExpertStore):
         copied.record(stream)
         self._untallied[rank] = (ids, copied)
         self._step = {"rank": rank, "resident": True, "cpu": None}
+
+    def _begin_stream_driven_layer(self, rank: int, x, expert_ids, weights) -> None:
+        """A decode step of a layer without slots, handed from the stream to the CpuLayerWorker with no host wait
+        (stream_layers.py). The CPU thread's Python needs the GIL, so its work is taken in first."""
+        if self._pending_cpu is not None and "job" not in self._pending_cpu["cpu"]:
+            self._collect_cpu_work()
+        if self._stream_layers.pending(rank):  # a step that failed before the last layer left it
+            self._collect_stream_layers()
+        self._step = {"rank": rank, "stream": self._stream_layers.begin(rank, x, expert_ids, weights), "cpu": None}
+
+    def _collect_stream_layers(self) -> None:
+        """Take in the stream-driven layers' CPU jobs (waiting for those still running)."""
+        if self._stream_layers is not None:
+            with self.timer.phase("expert_cpu"):
+                self._stream_layers.collect(self._stats, self.executor, self.block_size)
 
     def _tally_resident(self, rank: int) -> None:
         """Count the routing of a sync-free layer's latest step (at the layer's next step, or after the next
@@ -474,6 +511,10 @@ class GpuTieredStore(ExpertStore):
         expert's GPU rows."""
         cp, step = self.cp, self._step
         rank = step["rank"]
+        if "stream" in step:  # the GPU's rows of every expert, read in place from host memory
+            if step["stream"]["rows"]:
+                yield self._stream_layers.view(step["stream"])
+            return
         if step.get("resident"):  # every expert in its slot, the table fixed since the warm start
             yield self.device.view(rank)
             return
@@ -579,9 +620,11 @@ class GpuTieredStore(ExpertStore):
             self._prefetch(target, ranked)
         self._predictions = []
         if step["cpu"] is None:
+            out = self._stream_layers.finish(step["stream"]) if "stream" in step else None  # [T, H] or None
             if step["rank"] == len(self._layer_ids) - 1:
                 self._collect_cpu_work()  # an earlier layer's, when the layers after it were sync-free
-            return None
+                self._collect_stream_layers()
+            return out
         cpu = step["cpu"]
         stream = self.cp.cuda.get_current_stream()
         if self._flag is None or step["rank"] == len(self._layer_ids) - 1:
