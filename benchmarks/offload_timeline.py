@@ -170,7 +170,10 @@ class Recorder:
         routing = e["routing"]
         out = []
         for start, end in zip(e["cpu_start"], e["cpu_end"]):
-            submit = max(t for t in e["submit"] if t <= start)  # the hand-off of this work
+            handed = [t for t in e["submit"] if t <= start]
+            if not handed:  # a stream-driven layer's job: handed over by the stream, not timed here
+                continue
+            submit = handed[-1]  # the hand-off of this work
             before = [t for t in routing if t <= submit]
             after = [t for t in routing if t > end]
             executor = sum(d for d, at in zip(e["executor"], e["executor_at"]) if start <= at <= end)
@@ -218,14 +221,20 @@ def run(args) -> list[dict]:
             recorder = Recorder(model.store)
             decode(model, 1, 2)  # warm
             recorder.clear()
+            stream_layers = model.store._stream_layers
+            if stream_layers is not None:
+                stream_layers.history.clear()
             figures = decode(model, 1, args.steps)
             layers = recorder.layers()
             means = summarise(layers)
             means.update(recorder.gpu_intervals())
             handoff = "stream" if waits else "host"
             cpu_threads = model.store.executor.num_threads
-            stream_layers = model.store._stream_layers
             share = stream_layers.gpu_share if stream_layers is not None else None
+            history = list(stream_layers.history) if stream_layers is not None else []
+            if history:  # the timed steps' stream-driven layers: GPU rows, CPU and GPU ms
+                means.update(stream_cpu=1e3 * statistics.mean(h[2] for h in history),
+                             stream_gpu=1e3 * statistics.mean(h[3] for h in history))
             log(f"{fraction:.0%} {mode} {layout} {cpu_call} {cpu_threads} threads, {handoff} waits, "
                 f"cut gain {cut_gain}, slotless layers {slotless}"
                 + (f" (GPU share {share:.2f})" if share is not None else "") + ": "
@@ -241,6 +250,8 @@ def run(args) -> list[dict]:
                                 layers=args.layers, batch=1, gpu_expert_fraction=fraction, mode=mode,
                                 slot_layout=layout, gpu_slots=slots, cpu_call=cpu_call, cpu_threads=cpu_threads,
                                 min_cut_gain=cut_gain, slotless_layers=slotless, stream_gpu_share=share,
+                                stream_history=[(r, rows, round(1e3 * c, 3), round(1e3 * g, 3))
+                                                for r, rows, c, g in history],
                                 handoff=handoff, figures=figures, handoff_ms=means,
                                 handoff_ms_median=summarise(layers, statistics.median),
                                 handoffs_per_step=len(layers) / args.steps, round=round_index))

@@ -24,6 +24,7 @@ way: with more tokens per expert, moving whole experts to the GPU wins, which th
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import numpy as np
 
@@ -37,6 +38,11 @@ from .stats import ExpertStats
 logger = logging.getLogger(__name__)
 STREAM_DRIVEN_TOKENS = 4  # steps of at most this many tokens (decode); more go through the host's placement
 SPLIT_MULTIPLE = 16  # the GPU's rows of an expert: whole 16-byte vectors of every expert dtype
+# The GPU's share of the rows stays within these bounds and moves by at most MAX_SHARE_MOVE a step: the two sides
+# share host RAM, so one step's times are a noisy guide (a side that ends first leaves the other RAM to itself)
+SHARE_BOUNDS = (0.1, 0.9)
+MAX_SHARE_MOVE = 0.05
+HISTORY = 256  # the latest steps' (rank, GPU rows, CPU seconds, GPU seconds) kept for benchmarks
 
 
 class StreamDrivenLayers:
@@ -54,7 +60,8 @@ class StreamDrivenLayers:
         self.cp = cupy
         self.host, self.tensors, self.layer_ids, self.ranks = host, tensors, layer_ids, ranks
         self.worker, self.flag, self.gate, self.inter = worker, flag, gate, inter
-        self.gpu_share = gpu_share
+        self.gpu_share = min(max(gpu_share, SHARE_BOUNDS[0]), SHARE_BOUNDS[1])
+        self.history: deque[tuple[int, int, float, float]] = deque(maxlen=HISTORY)
         self._buffers: dict[int, dict[str, np.ndarray]] = {}  # per rank: pinned x, ids, weights, out of T tokens
         self._views: dict[tuple[int, int], object] = {}  # (rank, GPU rows) -> LayerExperts over the pinned blocks
         self._items: dict[tuple[int, int], np.ndarray] = {}  # (rank, GPU rows) -> the worker's items [E, 4]
@@ -157,13 +164,15 @@ class StreamDrivenLayers:
             stats.compute.split_experts += used
             if step["end"] is not None and step["end"].done and seconds > 0 and 0 < rows < self.inter:
                 gpu_seconds = self.cp.cuda.get_elapsed_time(step["start"], step["end"]) / 1e3
+                self.history.append((step["rank"], rows, seconds, gpu_seconds))
                 self._rebalance(rows, seconds, gpu_seconds)
 
     def _rebalance(self, rows: int, cpu_seconds: float, gpu_seconds: float) -> None:
         """Move the GPU's share toward the one that ends both sides together at the rates this step showed."""
         gpu_rate, cpu_rate = rows / gpu_seconds, (self.inter - rows) / cpu_seconds  # rows per second
         balanced = gpu_rate / (gpu_rate + cpu_rate)
-        self.gpu_share += RATE_LEARNING * (balanced - self.gpu_share)
+        move = min(max(RATE_LEARNING * (balanced - self.gpu_share), -MAX_SHARE_MOVE), MAX_SHARE_MOVE)
+        self.gpu_share = min(max(self.gpu_share + move, SHARE_BOUNDS[0]), SHARE_BOUNDS[1])
 
     # ---- buffers and views ---------------------------------------------------------------------------------
     def _buffers_for(self, rank: int, tokens: int, top_k: int, hidden: int) -> dict[str, np.ndarray]:
