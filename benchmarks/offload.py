@@ -121,13 +121,13 @@ def measure(folder, pinned, threads: int | None) -> Measured:
 
 def make_model(folder, slots: int | list[int] | None, host, mode: str, threads: int | None = None,
                stream_waits: bool = True, cpu_worker: bool = True, min_cut_gain: float | None = None,
-               stream_driven: bool = True):
+               stream_driven: bool = False):
     """The model over `slots` GPU slots per layer (or each layer's count; None: every expert resident) fed from
     `host`, the CPU expert executor (modes that use it) on `threads` threads (None: the store's default, every core
     but one);
     stream_waits=False: the host waits for the CPU's experts; cpu_worker=False: the CPU thread's Python runs the
-    executor expert by expert (GpuTieredStore); min_cut_gain: the placement's (None: its default); stream_driven=False:
-    layers without slots go through the host's placement at decode too (stream_layers.py)."""
+    executor expert by expert (GpuTieredStore); min_cut_gain: the placement's (None: its default); stream_driven: layers
+    without slots go from the stream to the CPU worker at decode (stream_layers.py)."""
     from colibri_stream.backends.cupy_backend import CupyBackend
     from colibri_stream.experts.cpu_executor import CpuExpertExecutor, threads_beside_gpu
     from colibri_stream.experts.gpu_tier import GpuTieredStore

@@ -213,7 +213,7 @@ def test_layers_without_slots_go_from_the_stream_to_the_cpu_worker_without_a_hos
     last 16 rows, the kernels its first 16 reading the pinned blocks in place. The host waits for no such layer's
     routing (the prefill's, 23 tokens, goes through the placement); the tokens are the resident model's, the logits
     within rounding, and every expert is counted, split between the two sides."""
-    store, model = worker_store(moe16_dir, slots)
+    store, model = worker_store(moe16_dir, slots, stream_driven=True)
     slotless = {rank for rank, n in enumerate(slots) if n == 0}
     assert store._stream_layers is not None and store._stream_layers.ranks == slotless
     waits = count_synchronisations(store)
@@ -229,14 +229,14 @@ def test_layers_without_slots_go_from_the_stream_to_the_cpu_worker_without_a_hos
     decode_experts = compute.split_experts
     assert decode_experts > 0 and compute.cpu_experts >= decode_experts and compute.cpu_seconds > 0
     assert 0 < store._stream_layers.gpu_share < 1
-    synchronising, model = worker_store(moe16_dir, slots, stream_driven=False)
+    synchronising, model = worker_store(moe16_dir, slots)
     assert synchronising._stream_layers is None
     assert_resident_tokens(step_logits(model), resident_gpu_logits)
 
 
 def test_layers_without_slots_stay_with_the_placement_where_the_cpu_takes_every_miss(moe16_dir):  # noqa: F811
     """`cpu_experts` "all" computes every miss whole on the CPU: no layer is split between the stream's two sides."""
-    store, _ = worker_store(moe16_dir, [0, 16, 0], cpu_experts="all")
+    store, _ = worker_store(moe16_dir, [0, 16, 0], cpu_experts="all", stream_driven=True)
     assert store._stream_layers is None
 
 

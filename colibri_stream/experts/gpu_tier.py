@@ -147,8 +147,8 @@ class GpuTieredStore(ExpertStore):
     (None). stream_waits=False: the host waits for the CPU's part in `finish_layer` (as where the driver has no
     stream memory operations). cpu_worker=False: the CPU thread runs the executor expert by expert even where a
     CpuLayerWorker could serve (for comparison). `min_cut_gain`: how much sooner a cut must end a layer's misses
-    than whole experts (placement.place_step). stream_driven=False: layers without slots go through the host's
-    placement at decode too (for comparison; stream_layers.py).
+    than whole experts (placement.place_step). stream_driven: decode steps of layers without slots go from the
+    stream to the CpuLayerWorker (stream_layers.py); else through the host's placement as other steps.
     """
 
     resident = False
@@ -157,7 +157,7 @@ class GpuTieredStore(ExpertStore):
                  host: PinnedExperts | TieredExpertStore | None, reader: BlockReader,
                  prefetcher: Prefetcher | None = None, cpu_executor: CpuExpertExecutor | None = None,
                  cpu_experts: str = "auto", bandwidths: Bandwidths | None = None, stream_waits: bool = True,
-                 cpu_worker: bool = True, stream_driven: bool = True):
+                 cpu_worker: bool = True, stream_driven: bool = False):
         import cupy
 
         self.cp = cupy
