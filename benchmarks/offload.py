@@ -358,7 +358,8 @@ def run(args) -> list[dict]:
                         result = resident[batch]
                     else:
                         model = make_model(folder, counts, host, mode, args.cpu_threads,
-                                           min_cut_gain=args.min_cut_gain)
+                                           min_cut_gain=args.min_cut_gain,
+                                           stream_driven=args.stream_driven_layers)
                         try:
                             steps = args.steps if source == "l2" else args.cold_steps
                             result = (prefill(model, args.prefill, cold) if batch == "prefill"
@@ -461,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                              "budget runs once per distinct slot count list (0 %% gives the same for both)")
     parser.add_argument("--min-cut-gain", type=float, default=None,
                         help="how much sooner a cut expert must end a layer than whole experts (default: the store's)")
+    parser.add_argument("--stream-driven-layers", action="store_true",
+                        help="layers without GPU slots: the stream starts their CPU work at batch 1 (stream_layers.py)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps (l2)")
     parser.add_argument("--cold-steps", type=int, default=3, help="timed decode steps with a cold page cache (l3)")

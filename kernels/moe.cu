@@ -24,8 +24,7 @@
 //   grid: (ceil(I / (MOE_WARPS * R)), G), block: MOE_WARPS * 32 threads; each warp R rows of gate and of up.
 //
 // moe_down<W, TT, R>: y[p, h] = route_weight[p] * (down_e[h] . act[p]).
-//   act float32 [P, I]; down W [slots, H, I] at stride w_stride, its rows ld >= I elements apart (ld > I: the
-//   first I columns of a wider matrix, as an expert cut by its intermediate rows and read in place); down_scale float32 [slots, H] at stride s_stride
+//   act float32 [P, I]; down W [slots, H, I] at stride w_stride; down_scale float32 [slots, H] at stride s_stride
 //   or null; slot_of as above; route_weights float32 [P]; y float32 [P, H].
 //   grid: (ceil(H / (MOE_WARPS * R)), G), block: MOE_WARPS * 32 threads; each warp R rows.
 //
@@ -149,7 +148,7 @@ moe_gate_up(const float* __restrict__ x, const W* __restrict__ gate, const W* __
 
 template <typename W, int TT, int R>
 __global__ void __launch_bounds__(MOE_WARPS * 32)
-moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_stride, long long ld,
+moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_stride,
          const float* __restrict__ down_scales, long long s_stride, const int* __restrict__ slot_of,
          const float* __restrict__ route_weights, const int* __restrict__ group_expert,
          const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
@@ -169,7 +168,7 @@ moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const long long row = min(row0 + r, H - 1);
-        rows[r] = down + slot * w_stride + row * ld;
+        rows[r] = down + slot * w_stride + row * I;
         scale[r] = down_scales != nullptr ? down_scales[slot * s_stride + row] : 1.f;
     }
     for (int base = begin; base < end; base += TT) {

@@ -107,7 +107,7 @@ moe_gate_up_mma(const float* __restrict__ x, const W* __restrict__ gate, const W
 
 template <typename W, int NT>
 __global__ void __launch_bounds__(MMA_WARPS * 32)
-moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long long w_stride, long long ld,
+moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long long w_stride,
              const float* __restrict__ down_scales, long long s_stride, const int* __restrict__ slot_of,
              const float* __restrict__ route_weights, const int* __restrict__ group_expert,
              const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
@@ -135,7 +135,7 @@ moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long lon
         for (int h = 0; h < 2; ++h) {
             rows[m][h] = row0 + 16 * m + quad + 8 * h;
             const long long row = min(rows[m][h], H - 1);
-            a[m][h] = down + slot * w_stride + row * ld + k0;
+            a[m][h] = down + slot * w_stride + row * I + k0;
             scale[m][h] = down_scales != nullptr ? down_scales[slot * s_stride + row] : 1.f;
         }
     }

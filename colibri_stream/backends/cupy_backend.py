@@ -180,9 +180,7 @@ class LayerExperts:
 
     Resident experts are views of stacked [E, 2I, H] and [E, H, I] arrays (slot = expert id, no table); experts
     in GPU slots are views of the slot arena in experts.bin's block layout, and `slot_of` maps expert ids to slots
-    (negative: not computed by this launch). Rows are contiguous; gate and up share one stride per slot; down's rows
-    may lie further apart than its width (the first columns of each row: an expert's first intermediate rows read in
-    place, experts/host_read.py).
+    (negative: not computed by this launch). Rows are contiguous; gate and up share one stride per slot.
     """
 
     gate: Array  # [S, I, H] storage dtype
@@ -213,9 +211,7 @@ class LayerExperts:
         slot_of = pointer(self.slot_of)
         gate_up = (pointer(self.gate), pointer(self.up), stride(self.gate), pointer(self.gate_scale),
                    pointer(self.up_scale), stride(self.gate_scale), slot_of)
-        pitch = np.int64(self.down.strides[1] // self.down.itemsize)  # down's row pitch: I, or more (rows in place)
-        down = (pointer(self.down), stride(self.down), pitch, pointer(self.down_scale), stride(self.down_scale),
-                slot_of)
+        down = (pointer(self.down), stride(self.down), pointer(self.down_scale), stride(self.down_scale), slot_of)
         return gate_up, down
 
 

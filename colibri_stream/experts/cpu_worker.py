@@ -330,8 +330,8 @@ class CpuLayerWorker:
         return (executor is not None and executor.kernel is not None and tensors["gate"].dtype in KERNEL_DTYPES
                 and sum(t.nbytes for t in tensors.values()) >= executor.min_kernel_bytes)
 
-    def submit(self, items: list[tuple[int, int, int, int]] | np.ndarray, ids: np.ndarray, x: np.ndarray, weights: np.ndarray,
-               out: np.ndarray, flag_address: int = 0, flag_value: int = 0, gate_address: int = 0,
+    def submit(self, items: list[tuple[int, int, int, int]] | np.ndarray, ids: np.ndarray, x: np.ndarray,
+               weights: np.ndarray, out: np.ndarray, flag_address: int = 0, flag_value: int = 0, gate_address: int = 0,
                gate_value: int = 0) -> int:
         """Queue the layer's job: for each (block address, first row, last row, expert id), the expert's part over
         intermediate rows first .. last - 1 for the tokens `ids` routes to it, weighted, summed into `out`; then

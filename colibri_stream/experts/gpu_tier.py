@@ -31,10 +31,10 @@ at the layer's next step, and the host goes straight on to queue the next layers
 earlier layer's experts (as llama.cpp's resident layers run between its CPU layers). Where a prefetcher predicts
 from the layer's input for a layer that can miss, the layer synchronises as the others do.
 
-A layer with no slot at all, at decode, needs no synchronisation either (`stream_layers.StreamDrivenLayers`): the
-stream copies the routing to the host and raises a gate word, the CpuLayerWorker (handed the job ahead) computes
-each routed expert's last rows once the gate opens, and the kernels compute the first rows reading the pinned
-blocks in place; the host never waits for the routing of such a layer.
+A layer with no slot at all, at decode, can have its CPU work started by the stream (`stream_driven`,
+`stream_layers.StreamDrivenLayers`): the stream copies the routing to the host and raises a gate word, and the
+CpuLayerWorker, handed the job before the host waits, computes each routed expert's last rows once the gate opens;
+after its wait the host copies the first rows of each routed expert, packed, into the staging block for one pass.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from .rates import FLOP_PROBE_TOKENS, cpu_expert_rates, pinned_copy_rate, shared
 from .slots import LayerSlots
 from .stats import ComputeStats, ExpertStats, TierStats
 from .store import ExpertStore
-from .stream_layers import StreamDrivenLayers
+from .stream_layers import SPLIT_MULTIPLE, StreamDrivenLayers
 from .tiers import BlockReader, TieredExpertStore
 
 logger = logging.getLogger(__name__)
@@ -116,15 +116,16 @@ class DeviceSlots:
     def view(self, rank: int):
         return self._views[rank]
 
-    def partial_view(self, layout: PartialLayout, expert: int):
-        """LayerExperts of the GPU part of a cut expert packed (by `layout`) into the staging block: one slot, the
-        table mapping `expert` to it."""
+    def partial_view(self, layout: PartialLayout, experts: list[int]):
+        """LayerExperts of the GPU parts of cut experts packed (by `layout`) one after the other into the staging
+        block: a slot each, in order, the table mapping each of `experts` to its slot."""
         from ..backends.cupy_backend import LayerExperts
 
         table = np.full(len(self.partial_table), -1, np.int32)
-        table[expert] = 0
+        table[experts] = np.arange(len(experts))
         self.partial_table.set(table)
-        arrays = layout.arrays(self.memory, self.base - self.memory.ptr + (self.total - 1) * self.block_size)
+        arrays = layout.arrays(self.memory, self.base - self.memory.ptr + (self.total - 1) * self.block_size,
+                               len(experts))
         return LayerExperts(arrays["gate"], arrays["up"], arrays["down"], arrays.get("gate_scale"),
                             arrays.get("up_scale"), arrays.get("down_scale"), self.partial_table)
 
@@ -210,6 +211,7 @@ class GpuTieredStore(ExpertStore):
                 table[expert] = slot
             self.device.tables[rank].set(table)
         slotless = {rank for rank, n in enumerate(counts) if n == 0 and not self._feeds_predictions(counts, rank)}
+        self._staged_rows_cache: dict[int, int] = {}  # routed pairs -> the GPU's rows the staging block holds
         self._stream_layers = StreamDrivenLayers.create(
             host, self.device.tensors, self._layer_ids, slotless if stream_driven and cpu_experts == "auto" else set(),
             self._worker, self._flag, config.moe_intermediate_size,
@@ -425,19 +427,54 @@ class GpuTieredStore(ExpertStore):
         self._step = {"rank": rank, "resident": True, "cpu": None}
 
     def _begin_stream_driven_layer(self, rank: int, x, expert_ids, weights) -> None:
-        """A decode step of a layer without slots, handed from the stream to the CpuLayerWorker with no host wait
-        (stream_layers.py). The CPU thread's Python needs the GIL, so its work is taken in first."""
+        """A decode step of a layer without slots whose CPU work the stream starts (stream_layers.py): the job is
+        handed over, then the host waits for the routing and queues the copies of the GPU's rows of each routed
+        expert into the staging block. The CPU thread's Python needs the GIL, so its work is taken in first."""
+        layers = self._stream_layers
         if self._pending_cpu is not None and "job" not in self._pending_cpu["cpu"]:
             self._collect_cpu_work()
-        if self._stream_layers.pending(rank):  # a step that failed before the last layer left it
+        if layers.pending(rank):  # a step that failed before the last layer left it
             self._collect_stream_layers()
-        self._step = {"rank": rank, "stream": self._stream_layers.begin(rank, x, expert_ids, weights), "cpu": None}
+        step = layers.begin(rank, x, expert_ids, weights, self._staged_rows(expert_ids.size))
+        stream = self.cp.cuda.get_current_stream()
+        self._readback.wait(stream)  # the routing is on the host (the CPU already works on it)
+        self._collect_stream_layers(running=step)  # the stream has passed the earlier ones' flags
+        for resident in list(self._untallied):
+            self._tally_resident(resident)
+        experts = layers.routed(step)
+        if step["rows"]:
+            step["copy"] = self._queue_cut_rows(rank, experts, step["rows"])
+        self._step = {"rank": rank, "stream": step, "cpu": None, "experts": experts}
 
-    def _collect_stream_layers(self) -> None:
-        """Take in the stream-driven layers' CPU jobs (waiting for those still running)."""
+    def _staged_rows(self, pairs: int) -> int:
+        """The most rows (a multiple of SPLIT_MULTIPLE) of `pairs` experts that fit the staging block packed."""
+        if pairs not in self._staged_rows_cache:
+            experts, rows = min(pairs, self.num_experts), self.file.config.moe_intermediate_size
+            while rows > 0 and experts * PartialLayout(self.device.tensors, rows).nbytes > self.block_size:
+                rows -= SPLIT_MULTIPLE
+            self._staged_rows_cache[pairs] = rows
+        return self._staged_rows_cache[pairs]
+
+    def _queue_cut_rows(self, rank: int, experts: list[int], rows: int) -> tuple[PartialLayout, object]:
+        """Queue the copies of the first `rows` rows of each of `experts` (blocks in host memory), packed one after
+        the other into the staging block once no earlier pass reads it: (the layout, the copies' event)."""
+        layout = PartialLayout(self.device.tensors, rows)
+        staging = self.device.pointer(rank, self.device.staging(rank))
+        if self._staging_free is not None:
+            self._copy_stream.wait_event(self._staging_free)
+        layer = self._layer_ids[rank]
+        for index, expert in enumerate(experts):
+            layout.enqueue_copy(self.host.block(layer, expert).ctypes.data, staging + index * layout.nbytes,
+                                self._copy_stream)
+        copied = self.cp.cuda.Event(disable_timing=True)
+        copied.record(self._copy_stream)
+        return layout, copied
+
+    def _collect_stream_layers(self, running: dict | None = None) -> None:
+        """Take in the stream-driven layers' CPU jobs but `running` (waiting for those still running)."""
         if self._stream_layers is not None:
             with self.timer.phase("expert_cpu"):
-                self._stream_layers.collect(self._stats, self.executor, self.block_size)
+                self._stream_layers.collect(self._stats, self.executor, self.block_size, running)
 
     def _tally_resident(self, rank: int) -> None:
         """Count the routing of a sync-free layer's latest step (at the layer's next step, or after the next
@@ -511,15 +548,20 @@ class GpuTieredStore(ExpertStore):
         expert's GPU rows."""
         cp, step = self.cp, self._step
         rank = step["rank"]
-        if "stream" in step:  # the GPU's rows of every expert, read in place from host memory
+        compute = cp.cuda.get_current_stream()
+        if "stream" in step:  # the GPU's rows of the routed experts, packed in the staging block
             if step["stream"]["rows"]:
-                yield self._stream_layers.view(step["stream"])
+                layout, copied = step["stream"]["copy"]
+                compute.wait_event(copied)
+                yield self.device.partial_view(layout, step["experts"])
+                self._pass_done = cp.cuda.Event(disable_timing=True)
+                self._pass_done.record(compute)
+                self._staging_free = self._pass_done
             return
         if step.get("resident"):  # every expert in its slot, the table fixed since the warm start
             yield self.device.view(rank)
             return
         slots, events = self._layers[rank], self._slot_events[rank]
-        compute = cp.cuda.get_current_stream()
         table, batch, through_staging = step["pass"]
         while batch:
             for expert in batch:
@@ -570,7 +612,7 @@ class GpuTieredStore(ExpertStore):
         self._stats.compute.gpu_experts += 1
         self._stats.compute.split_experts += 1
         self._stats.tiers["gpu"].bytes_read += layout.nbytes
-        return self.device.partial_view(layout, expert)
+        return self.device.partial_view(layout, [expert])
 
     def _demand_copy(self, rank: int, expert: int, slot: int, slots: LayerSlots | None):
         """Load a missed block into a local slot now (the host waits only for a disk read); its event."""

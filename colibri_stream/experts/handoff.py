@@ -43,7 +43,10 @@ class HostFlag:
         self.word[0] = 0
         self._count = 0
         self._driver = driver
-        self.device_pointer = self.device_address(self.word.ctypes.data)
+        pointer = ctypes.c_uint64()
+        self._check(driver, driver.cuMemHostGetDevicePointer_v2(ctypes.byref(pointer),
+                                                               ctypes.c_void_p(self.word.ctypes.data), 0))
+        self.device_pointer = pointer.value
         self._wait = driver.cuStreamWaitValue32_v2
         self._wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         self._write = driver.cuStreamWriteValue32_v2
@@ -67,13 +70,6 @@ class HostFlag:
             name = ctypes.c_char_p()
             driver.cuGetErrorName(status, ctypes.byref(name))
             raise RuntimeError(f"CUDA driver error {status} ({(name.value or b'?').decode()})")
-
-    def device_address(self, host_address: int) -> int:
-        """The device's address of pinned host memory at `host_address` (mapped: kernels read it over PCIe)."""
-        pointer = ctypes.c_uint64()
-        self._check(self._driver, self._driver.cuMemHostGetDevicePointer_v2(ctypes.byref(pointer),
-                                                                           ctypes.c_void_p(host_address), 0))
-        return pointer.value
 
     def ticket(self) -> int:
         self._count = (self._count + 1) & 0xFFFFFFFF

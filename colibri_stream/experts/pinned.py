@@ -23,17 +23,12 @@ logger = logging.getLogger(__name__)
 FILL_THREADS = 8  # parallel reads filling PinnedExperts at start
 
 
-def pinned_empty(rows: int, row_bytes: int, mapped: bool = False) -> np.ndarray:
+def pinned_empty(rows: int, row_bytes: int) -> np.ndarray:
     """[rows, row_bytes] uint8 in page-locked host memory (page aligned, so rows of 4 KiB multiples stay aligned),
-    the only host memory the GPU copies from asynchronously and at full PCIe speed. `mapped`: also in the device's
-    address space, so kernels read it in place (its own allocation, not CuPy's pinned pool)."""
-    import cupy
+    the only host memory the GPU copies from asynchronously and at full PCIe speed."""
     import cupyx
 
-    if not mapped:
-        return cupyx.empty_pinned((rows, row_bytes), np.uint8)
-    memory = cupy.cuda.PinnedMemory(max(rows * row_bytes, 1), cupy.cuda.runtime.hostAllocMapped)
-    return np.ndarray((rows, row_bytes), np.uint8, buffer=cupy.cuda.PinnedMemoryPointer(memory, 0))
+    return cupyx.empty_pinned((rows, row_bytes), np.uint8)
 
 
 class StagingRing:
@@ -64,8 +59,7 @@ class PinnedExperts:
         layers, experts = expert_file.config.moe_layers, expert_file.config.num_experts
         self.num_experts = experts
         self._rank = {layer: rank for rank, layer in enumerate(layers)}
-        # [L*E, block_size]; mapped: layers without GPU slots are read in place by the kernels (stream_layers.py)
-        self.arena = pinned_empty(len(layers) * experts, expert_file.block_size, mapped=True)
+        self.arena = pinned_empty(len(layers) * experts, expert_file.block_size)  # [L*E, block_size]
         start = time.perf_counter()
         jobs = [(layer, e) for layer in layers for e in range(experts)]
         with ThreadPoolExecutor(threads, thread_name_prefix="colibri-l2-fill") as pool:
