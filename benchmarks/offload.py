@@ -120,14 +120,12 @@ def measure(folder, pinned, threads: int | None) -> Measured:
 
 
 def make_model(folder, slots: int | list[int] | None, host, mode: str, threads: int | None = None,
-               stream_waits: bool = True, cpu_worker: bool = True, min_cut_gain: float | None = None,
-               stream_driven: bool = False):
+               stream_waits: bool = True, cpu_worker: bool = True, min_cut_gain: float | None = None):
     """The model over `slots` GPU slots per layer (or each layer's count; None: every expert resident) fed from
     `host`, the CPU expert executor (modes that use it) on `threads` threads (None: the store's default, every core
     but one);
     stream_waits=False: the host waits for the CPU's experts; cpu_worker=False: the CPU thread's Python runs the
-    executor expert by expert (GpuTieredStore); min_cut_gain: the placement's (None: its default); stream_driven: layers
-    without slots go from the stream to the CPU worker at decode (stream_layers.py)."""
+    executor expert by expert (GpuTieredStore); min_cut_gain: the placement's (None: its default)."""
     from colibri_stream.backends.cupy_backend import CupyBackend
     from colibri_stream.experts.cpu_executor import CpuExpertExecutor, threads_beside_gpu
     from colibri_stream.experts.gpu_tier import GpuTieredStore
@@ -148,8 +146,7 @@ def make_model(folder, slots: int | list[int] | None, host, mode: str, threads: 
     policies = [make_policy("lfu", config.num_experts) for _ in config.moe_layers]
     executor = None if cpu_experts == "off" else CpuExpertExecutor(threads or threads_beside_gpu())
     store = GpuTieredStore(experts, slots, policies, host, BlockReader(experts, use_kvikio=kvikio_available()),
-                           prefetcher, executor, cpu_experts, stream_waits=stream_waits, cpu_worker=cpu_worker,
-                           stream_driven=stream_driven)
+                           prefetcher, executor, cpu_experts, stream_waits=stream_waits, cpu_worker=cpu_worker)
     if min_cut_gain is not None:
         store.min_cut_gain = min_cut_gain
     return MoETransformer(config, folder.dense, store, CupyBackend())
@@ -358,8 +355,7 @@ def run(args) -> list[dict]:
                         result = resident[batch]
                     else:
                         model = make_model(folder, counts, host, mode, args.cpu_threads,
-                                           min_cut_gain=args.min_cut_gain,
-                                           stream_driven=args.stream_driven_layers)
+                                           min_cut_gain=args.min_cut_gain)
                         try:
                             steps = args.steps if source == "l2" else args.cold_steps
                             result = (prefill(model, args.prefill, cold) if batch == "prefill"
@@ -462,8 +458,6 @@ def main(argv: list[str] | None = None) -> int:
                              "budget runs once per distinct slot count list (0 %% gives the same for both)")
     parser.add_argument("--min-cut-gain", type=float, default=None,
                         help="how much sooner a cut expert must end a layer than whole experts (default: the store's)")
-    parser.add_argument("--stream-driven-layers", action="store_true",
-                        help="layers without GPU slots: the stream starts their CPU work at batch 1 (stream_layers.py)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps (l2)")
     parser.add_argument("--cold-steps", type=int, default=3, help="timed decode steps with a cold page cache (l3)")

@@ -170,10 +170,7 @@ class Recorder:
         routing = e["routing"]
         out = []
         for start, end in zip(e["cpu_start"], e["cpu_end"]):
-            handed = [t for t in e["submit"] if t <= start]
-            if not handed:  # a stream-driven layer's job: handed over by the stream, not timed here
-                continue
-            submit = handed[-1]  # the hand-off of this work
+            submit = max(t for t in e["submit"] if t <= start)  # the hand-off of this work
             before = [t for t in routing if t <= submit]
             after = [t for t in routing if t > end]
             executor = sum(d for d, at in zip(e["executor"], e["executor_at"]) if start <= at <= end)
@@ -208,36 +205,27 @@ def run(args) -> list[dict]:
     folder, pinned = open_folder(args.folder, "mixtral-8x7b", args.layers)
     records = []
     config = folder.config
-    runs = [(f, m, lay, c, t, g, d) for f in args.fractions for m in args.modes for lay in args.layouts
-            for c in args.cpu_calls for t in args.cpu_threads for g in args.min_cut_gains for d in args.slotless]
+    runs = [(f, m, lay, c, t, g) for f in args.fractions for m in args.modes for lay in args.layouts
+            for c in args.cpu_calls for t in args.cpu_threads for g in args.min_cut_gains]
     runs = [(r, *run) for r in range(args.rounds) for run in (runs if r % 2 == 0 else runs[::-1])]
-    for round_index, fraction, mode, layout, cpu_call, threads, gain, slotless in runs:
+    for round_index, fraction, mode, layout, cpu_call, threads, gain in runs:
         slots = layer_slot_counts(round(fraction * config.num_experts), len(config.moe_layers), config.num_experts,
                                   layout)
         for waits in (handoff == "stream" for handoff in args.handoffs):
             model = make_model(folder, slots, pinned, mode, threads, stream_waits=waits,
-                               cpu_worker=cpu_call == "worker", min_cut_gain=gain, stream_driven=slotless == "stream")
+                               cpu_worker=cpu_call == "worker", min_cut_gain=gain)
             cut_gain = model.store.min_cut_gain  # the store's default where `gain` is None
             recorder = Recorder(model.store)
             decode(model, 1, 2)  # warm
             recorder.clear()
-            stream_layers = model.store._stream_layers
-            if stream_layers is not None:
-                stream_layers.history.clear()
             figures = decode(model, 1, args.steps)
             layers = recorder.layers()
             means = summarise(layers)
             means.update(recorder.gpu_intervals())
             handoff = "stream" if waits else "host"
             cpu_threads = model.store.executor.num_threads
-            share = stream_layers.gpu_share if stream_layers is not None else None
-            history = list(stream_layers.history) if stream_layers is not None else []
-            if history:  # the timed steps' stream-driven layers: GPU rows, CPU and GPU ms
-                means.update(stream_cpu=1e3 * statistics.mean(h[2] for h in history),
-                             stream_gpu=1e3 * statistics.mean(h[3] for h in history))
             log(f"{fraction:.0%} {mode} {layout} {cpu_call} {cpu_threads} threads, {handoff} waits, "
-                f"cut gain {cut_gain}, slotless layers {slotless}"
-                + (f" (GPU share {share:.2f})" if share is not None else "") + ": "
+                f"cut gain {cut_gain}: "
                 f"{figures['tok_s']:.1f} tok/s, step {1e3 * figures['step_s']:.1f} ms, experts a step: "
                 f"{figures['cpu_experts_per_step']:.2f} CPU, {figures['split_experts_per_step']:.2f} cut; "
                 f"per CPU hand-off (ms): "
@@ -249,9 +237,7 @@ def run(args) -> list[dict]:
                                 thread_env={k: os.environ.get(k) for k in THREAD_ENV},
                                 layers=args.layers, batch=1, gpu_expert_fraction=fraction, mode=mode,
                                 slot_layout=layout, gpu_slots=slots, cpu_call=cpu_call, cpu_threads=cpu_threads,
-                                min_cut_gain=cut_gain, slotless_layers=slotless, stream_gpu_share=share,
-                                stream_history=[(r, rows, round(1e3 * c, 3), round(1e3 * g, 3))
-                                                for r, rows, c, g in history],
+                                min_cut_gain=cut_gain,
                                 handoff=handoff, figures=figures, handoff_ms=means,
                                 handoff_ms_median=summarise(layers, statistics.median),
                                 handoffs_per_step=len(layers) / args.steps, round=round_index))
@@ -276,9 +262,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="the CPU executor's thread counts to compare (default: every core numba sees)")
     parser.add_argument("--min-cut-gains", type=float, nargs="+", default=[None],
                         help="the placement's minimum gain of a cut to compare (default: the store's)")
-    parser.add_argument("--slotless", nargs="+", default=["stream", "placement"], choices=["stream", "placement"],
-                        help="layers without GPU slots at decode: handed from the stream to the CPU worker, or "
-                             "through the host's placement (both: compared)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the runs, every other round in reverse order")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/offload_timeline_h200.json")

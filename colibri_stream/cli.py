@@ -77,11 +77,6 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "same number in every layer, each keeping its most used experts) or layers (whole layers "
                         "on the GPU, run without a host round trip; the others' experts from the host: fewer CPU "
                         "hand-offs a token, as llama.cpp's --n-cpu-moe; pays when routing has little locality)")
-    p.add_argument("--stream-driven-layers", action="store_true", default=None,
-                   help="at decode, layers without GPU expert slots go from the GPU stream to the CPU worker with no "
-                        "host round trip, each routed expert's rows split between the CPU and kernels reading "
-                        "pinned memory in place (needs every expert in --l2-cache-size and --cpu-experts auto; "
-                        "experimental: see BENCHMARKS.md)")
     p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="threads computing routed experts on the CPU (default: every core; beside GPU slots every "
                         "core but one, which the thread driving the GPU keeps)")
@@ -119,7 +114,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     names = ("device", "verify", "cuda_graphs", "async_scheduling", "max_seq_len", "max_batch_size",
              "max_num_batched_tokens", "block_size", "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching",
              "max_queue", "gpu_memory_limit", "l2_cache_size", "eviction_policy", "prefetch", "prefetch_lookahead",
-             "usage_file", "routing_trace", "cpu_experts", "gpu_slot_layout", "cpu_threads", "stream_driven_layers")
+             "usage_file", "routing_trace", "cpu_experts", "gpu_slot_layout", "cpu_threads")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

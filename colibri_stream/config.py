@@ -290,8 +290,6 @@ class ExpertStoreConfig:
     gpu_slot_layout: str = "spread"  # spread (every layer the same GPU slots) | layers (whole layers on the GPU)
     cpu_threads: int | None = None  # threads computing routed experts on the CPU (None: every core; beside GPU slots
     # every core but one, which the thread driving the GPU keeps)
-    stream_driven_layers: bool = False  # decode steps of layers without GPU slots go from the stream to the CPU
-    # worker, no host round trip (experts/stream_layers.py; off by default: BENCHMARKS.md)
 
     def __post_init__(self) -> None:
         if self.cpu_experts not in CPU_EXPERT_MODES:
@@ -306,9 +304,8 @@ class ExpertStoreConfig:
             raise ConfigError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
                               f"got {self.eviction_policy!r}")
         _check_positive_int("prefetch_lookahead", self.prefetch_lookahead)
-        for name in ("prefetch", "stream_driven_layers"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if not isinstance(self.prefetch, bool):
+            raise ConfigError(f"prefetch must be a boolean, got {self.prefetch!r}")
 
 
 @dataclass(frozen=True)

@@ -100,72 +100,26 @@ def test_a_layer_job_matches_the_numpy_reference_and_raises_the_flag(dtype, toke
         worker.close()
 
 
-def test_jobs_after_an_idle_sleep_a_grown_table_and_one_queued_behind_another():
+def test_jobs_after_an_idle_sleep_a_grown_table_and_an_unwaited_job():
     rng = np.random.default_rng(1)
     blocks, views = expert_blocks("bf16", rng)
     worker = cpu_worker.CpuLayerWorker(views[0], blocks[0], threads=1)
     try:
-        for pause in (0.0, 2 * cpu_worker.SPIN_SECONDS):  # the second round finds the worker asleep
+        for pause in (0.0, 2 * cpu_worker.SPIN_SECONDS):  # the second job finds the worker asleep
             time.sleep(pause)
             x, ids, weights = routing(rng, 3)
             items = [(e, (0, INTER)) for e in range(EXPERTS)] * 3  # more items than the first table holds
-            out, queued = np.empty_like(x), np.full_like(x, np.nan)
-            first = worker.submit(job_items(blocks, items), ids, x, weights, out)
-            second = worker.submit(job_items(blocks, items[:2]), ids, x, weights, queued)  # the first not waited for
-            assert worker.wait(second) > 0 and worker.wait(first) > 0
-            assert_sums_match(out, reference(x, ids, weights, views, items))
-            assert_sums_match(queued, reference(x, ids, weights, views, items[:2]))
+            out = np.empty_like(x)
+            ticket = worker.submit(job_items(blocks, items), ids, x, weights, out)
+            with pytest.raises(RuntimeError, match="not been waited for"):
+                worker.submit([], ids, x, weights, out)
+            worker.wait(ticket)
+            want = reference(x, ids, weights, views, items)
+            assert_sums_match(out, want)
         assert worker._thread.is_alive()
     finally:
         worker.close()
     assert not worker._thread.is_alive()
-
-
-def test_gated_jobs_start_once_their_gate_is_raised_in_order_more_than_the_ring_holds():
-    """Jobs handed over before their inputs exist (the GPU writes them, then raises the gate word): none reads its
-    inputs before its gate value is reached; the jobs run in order; handing over more than RING waits for the
-    oldest, which the gate's raiser (here another thread, on the GPU the stream) lets end."""
-    import threading
-
-    rng = np.random.default_rng(5)
-    blocks, views = expert_blocks("bf16", rng)
-    worker = cpu_worker.CpuLayerWorker(views[0], blocks[0], threads=2)
-    gate, flag = np.zeros(1, np.uint32), np.zeros(1, np.uint32)
-    jobs = cpu_worker.RING + 3
-    inputs = [routing(rng, 2) for _ in range(jobs)]
-    staged = [(np.zeros((2, HIDDEN), np.float32), np.zeros((2, TOP_K), np.int64), np.zeros((2, TOP_K), np.float32))
-              for _ in range(jobs)]  # what the job reads: filled just before its gate is raised
-    outs = [np.full((2, HIDDEN), np.nan, np.float32) for _ in range(jobs)]
-    items = np.array(job_items(blocks, [(e, (0, INTER)) for e in range(EXPERTS)]), np.int64)  # [E, 4], as a table
-    submitted, early = [], []
-
-    def raiser():
-        for job in range(jobs):
-            while len(submitted) <= job:
-                time.sleep(0.001)
-            time.sleep(0.005)
-            if not np.isnan(outs[job]).all():  # the job started before its gate
-                early.append(job)
-            for target, source in zip(staged[job], inputs[job]):
-                target[:] = source
-            gate[0] = job + 1
-
-    thread = threading.Thread(target=raiser, daemon=True)
-    try:
-        thread.start()
-        for job in range(jobs):
-            x, ids, weights = staged[job]
-            submitted.append(worker.submit(items, ids, x, weights, outs[job], flag.ctypes.data, job + 1,
-                                           gate.ctypes.data, job + 1))
-        for ticket in submitted:
-            worker.wait(ticket)
-        thread.join(timeout=30)
-        assert not thread.is_alive() and flag[0] == jobs and early == []
-        for (x, ids, weights), out in zip(inputs, outs):
-            assert_sums_match(out, reference(x, ids, weights, views, [(e, (0, INTER)) for e in range(EXPERTS)]))
-    finally:
-        gate[0] = jobs  # a failed test must not leave the worker waiting
-        worker.close()
 
 
 def test_many_short_jobs_in_a_row_never_lose_a_wake_up():

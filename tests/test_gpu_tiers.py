@@ -205,57 +205,6 @@ def test_whole_layers_beside_the_cpu_worker_give_the_resident_tokens(moe16_dir, 
     assert stats.compute.cpu_experts == stats.tiers["gpu"].misses > 0
 
 
-def count_early_handovers(store) -> list[int]:
-    """Wrap the store's read-back wait (the real one still runs) to count the waits before which the CPU's job of
-    the layer being stepped had already been handed to the worker."""
-    early, wait = [0], store._readback.wait
-
-    def counted(stream):
-        pending = store._stream_layers._pending
-        early[0] += bool(pending) and pending[-1]["rank"] == store._current
-        wait(stream)
-
-    store._readback.wait = counted
-    return early
-
-
-@pytest.mark.parametrize("slots", [[0, 0, 0], [0, 16, 0], [2, 0, 16]])
-def test_the_stream_starts_the_cpu_work_of_layers_without_slots(moe16_dir, slots, monkeypatch):  # noqa: F811
-    """At decode of one sequence a layer with no GPU slot hands the CpuLayerWorker its job before the host waits for
-    the routing: the stream copies the routing to pinned buffers and raises the job's gate, the worker computes each
-    routed expert's last 16 rows, and the GPU its first 16 rows from a packed copy. The prefill (more tokens) goes
-    through the placement. The tokens are the resident model's, and every expert is counted, split in two (the
-    GPU's share kept at half or more: on experts this small the host's latency alone would give the CPU all)."""
-    from colibri_stream.experts import stream_layers
-
-    monkeypatch.setattr(stream_layers, "SHARE_BOUNDS", (0.5, 0.9))
-    tokens = 8
-    want = colibri_greedy(load_model(str(moe16_dir), device="cuda"), prompt_ids(), tokens)
-    store, model = worker_store(moe16_dir, slots, stream_driven=True)
-    slotless = {rank for rank, n in enumerate(slots) if n == 0}
-    assert store._stream_layers is not None and store._stream_layers.ranks == slotless
-    early = count_early_handovers(store)
-    assert colibri_greedy(model, prompt_ids(), tokens) == want
-    assert early[0] == len(slotless) * (tokens - 1)  # every decode step's slotless layers
-    for rank in list(store._untallied):  # the last step's routing of the whole layers
-        store._tally_resident(rank)
-    stats = store.stats()
-    gpu, compute = stats.tiers["gpu"], stats.compute
-    assert gpu.hits + gpu.misses == int(stats.used.sum()) and all(stats.used > 0)
-    assert compute.split_experts >= 2 * len(slotless) * (tokens - 1)  # top-2: both experts cut at every decode step
-    assert compute.cpu_experts >= compute.split_experts and compute.cpu_seconds > 0
-    assert store._stream_layers.history and 0 < store._stream_layers.gpu_share < 1
-    synchronising, model = worker_store(moe16_dir, slots)
-    assert synchronising._stream_layers is None
-    assert colibri_greedy(model, prompt_ids(), tokens) == want
-
-
-def test_layers_without_slots_stay_with_the_placement_where_the_cpu_takes_every_miss(moe16_dir):  # noqa: F811
-    """`cpu_experts` "all" computes every miss whole on the CPU: no layer is split between the stream's two sides."""
-    store, _ = worker_store(moe16_dir, [0, 16, 0], cpu_experts="all", stream_driven=True)
-    assert store._stream_layers is None
-
-
 EVEN = Bandwidths(host_read=1e9, h2d=1e9, disk=1e9, cpu_flops=1e15, measured=True)  # a lone miss is cut in two
 
 

@@ -162,8 +162,6 @@ def test_engine_options_take_cuda_graphs_as_a_boolean_and_the_cli_turns_it_off()
     assert "cuda_graphs" not in _engine_options(build_parser().parse_args(["serve"]))
     options = _engine_options(build_parser().parse_args(["serve", "--cpu-threads", "3"]))
     assert EngineConfig.from_options("m", **options).experts.cpu_threads == 3
-    assert not EngineConfig.from_options("m", **options).experts.stream_driven_layers
-    options = _engine_options(build_parser().parse_args(["serve", "--stream-driven-layers"]))
-    assert EngineConfig.from_options("m", **options).experts.stream_driven_layers is True
-    with pytest.raises(ConfigError, match="stream_driven_layers must be a boolean"):
-        EngineConfig.from_options("m", stream_driven_layers="yes")
+    assert EngineConfig.from_options("m", prefetch=True).experts.prefetch
+    with pytest.raises(ConfigError, match="prefetch must be a boolean"):
+        EngineConfig.from_options("m", prefetch="yes")

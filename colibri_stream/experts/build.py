@@ -99,8 +99,7 @@ def _gpu_store(folder: ModelFolder, options: ExpertStoreConfig, gpu_slots: int, 
         slots = layer_slot_counts(gpu_slots, len(config.moe_layers), config.num_experts, options.gpu_slot_layout)
         logger.info("  GPU slots of each MoE layer (%s): %s", options.gpu_slot_layout, slots)
         return GpuTieredStore(experts, slots, _policies(folder, options, usage), host, reader,
-                              _prefetcher(folder, options, usage), executor, options.cpu_experts,
-                              stream_driven=options.stream_driven_layers)
+                              _prefetcher(folder, options, usage), executor, options.cpu_experts)
     except (cupy.cuda.memory.OutOfMemoryError, cupy.cuda.runtime.CUDARuntimeError) as error:
         raise ConfigError(f"the expert tiers do not fit this machine ({error}): lower --gpu-memory-limit or "
                           f"--l2-cache-size") from error

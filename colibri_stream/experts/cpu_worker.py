@@ -10,12 +10,6 @@ routed to it, adds the result times the routing weight into the output, then rai
 (handoff.HostFlag) and the done word, waking the thread that waits for it (a futex on Linux). After SPIN_SECONDS
 with no job it leaves the loop and sleeps on a threading.Event, so an idle server does not keep a core busy.
 
-Jobs queue: up to RING of them may be handed over before the first is waited for, each in its own table, run in
-order. A job may name a gate: a uint32 word (pinned, mapped) that the GPU stream raises once it has copied the
-job's tokens and routing to the host (handoff.HostFlag.raise_on); the worker waits for it before it reads them.
-So the step thread hands over a layer's CPU work before the GPU has computed the layer's routing, and goes on
-queueing kernels while the GPU and the CPU pass the layer between them (gpu_tier.py, "stream-driven layers").
-
 `CpuLayerWorker.serves(executor, tensors)` says whether a worker over that executor's kernel computes experts like
 `tensors` (else the caller runs the executor expert by expert). Blocks must be in host memory for the whole job:
 the caller keeps them (and the arrays it passes) alive until `wait` returns.
@@ -39,15 +33,11 @@ WAIT_SLEEP_US = 20  # without futexes (not Linux on x86-64 or arm64): `wait` sle
 # Linux futex system call numbers; the waiter sleeps on the low half of the DONE word until the worker wakes it
 SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine()) if sys.platform == "linux" else None
 FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129
-# job words: tokens, top_k, x, ids, weights, out addresses, flag address, flag value, experts, gate address (0:
-# none), gate value, then the job's start and end (CLOCK_MONOTONIC ns) that the worker writes
-HEADER = 13
-GATE, GATE_VALUE, JOB_START, JOB_END = 9, 10, 11, 12
-RING = 8  # jobs handed over and not yet finished at most (`submit` waits for the oldest beyond)
+HEADER = 9  # job words: tokens, top_k, x, ids, weights, out addresses, flag address, flag value, experts
 ITEM = 4  # words per expert: block address, first row, last row, expert id
 WEIGHT_NAMES = ("gate", "up", "down", "gate_scale", "up_scale", "down_scale")
-# control words: the latest ticket handed over, the latest finished, stop, the address of the RING job tables'
-# addresses (ticket t's table: entry t % RING), the latest job's start and end (CLOCK_MONOTONIC ns)
+# control words: the latest ticket handed over, the latest finished, stop, the job table's address, the latest
+# job's start and end (CLOCK_MONOTONIC ns)
 DOORBELL, DONE, STOP, JOBS, START_NS, END_NS = range(6)
 
 
@@ -93,18 +83,6 @@ if numba is not None:
 
         return types.int64(address), codegen
 
-    @intrinsic
-    def _load_acquire32(typingctx, address):
-        """The uint32 at `address` as an int64, read anew every time (an atomic load): a word the GPU writes."""
-        if not isinstance(address, types.Integer):
-            return None
-
-        def codegen(context, builder, signature, args):
-            word = builder.load_atomic(builder.inttoptr(args[0], ir.IntType(32).as_pointer()), "acquire", 4)
-            return builder.zext(word, ir.IntType(64))
-
-        return types.int64(address), codegen
-
     def _release_store(bits: int):
         @intrinsic
         def store(typingctx, address, value):
@@ -130,11 +108,6 @@ if numba is not None:
         spec = np.empty(2, np.int64)  # struct timespec: seconds, nanoseconds
         _clock_gettime(CLOCK_MONOTONIC, _pointer(spec.ctypes.data))
         return spec[0] * 1_000_000_000 + spec[1]
-
-    @numba.njit(nogil=True)
-    def _gate_open(address: int, value: int) -> bool:
-        """Whether the uint32 counter at `address` has reached `value` (modulo 2**32, as the stream's waits)."""
-        return ((_load_acquire32(address) - value) & 0xFFFFFFFF) < 0x80000000
 
     @numba.njit(nogil=True)
     def ring(control: int, ticket: int) -> None:
@@ -185,19 +158,14 @@ def _server(dtype: np.dtype, scaled: bool):
         numba.set_num_threads(threads)
         idle_since = _now_ns()
         while True:
-            ticket = _load_acquire(control + 8 * DONE) + 1  # jobs run in order
-            if _load_acquire(control + 8 * DOORBELL) < ticket:
+            ticket = _load_acquire(control + 8 * DOORBELL)
+            if ticket == _load_acquire(control + 8 * DONE):
                 if _load_acquire(control + 8 * STOP) != 0 or _now_ns() - idle_since > spin_ns:
                     return
                 continue
-            table = _load_acquire(_load_acquire(control + 8 * JOBS) + 8 * (ticket % RING))
-            header = numba.carray(_pointer(table), (HEADER,), np.int64)
-            jobs = numba.carray(_pointer(table), (HEADER + ITEM * header[8],), np.int64)
-            if jobs[GATE] != 0:  # the GPU copies the job's inputs, then raises the gate
-                while not _gate_open(jobs[GATE], jobs[GATE_VALUE]):
-                    if _load_acquire(control + 8 * STOP) != 0:
-                        return
             start = _now_ns()
+            header = numba.carray(_pointer(_load_acquire(control + 8 * JOBS)), (HEADER,), np.int64)
+            jobs = numba.carray(_pointer(_load_acquire(control + 8 * JOBS)), (HEADER + ITEM * header[8],), np.int64)
             tokens, top_k = jobs[0], jobs[1]
             x = numba.carray(_pointer(jobs[2]), (tokens, hidden), np.float32)  # [T, H]
             ids = numba.carray(_pointer(jobs[3]), (tokens, top_k), np.int64)  # [T, k]
@@ -235,11 +203,8 @@ def _server(dtype: np.dtype, scaled: bool):
                 for r in range(n):
                     for c in range(hidden):
                         out[routed[r], c] += y[r, c] * scale[r]
-            end = _now_ns()
-            jobs[JOB_START] = start
-            jobs[JOB_END] = end
             _store_release(control + 8 * START_NS, start)
-            _store_release(control + 8 * END_NS, end)
+            _store_release(control + 8 * END_NS, _now_ns())
             if jobs[6] != 0:
                 _store_release32(jobs[6], jobs[7])  # the stream waiting on this flag may go on
             notify_done(control, ticket)
@@ -256,9 +221,7 @@ class _Shared:
     def __init__(self, serve, layout: np.ndarray, threads: int):
         self.serve, self.layout, self.threads = serve, layout, threads
         self.control = np.zeros(8, np.int64)
-        self.tables = [np.zeros(HEADER, np.int64) for _ in range(RING)]  # ticket t's job: tables[t % RING] (grown)
-        self.addresses = np.array([table.ctypes.data for table in self.tables], np.int64)  # [RING]
-        self.control[JOBS] = self.addresses.ctypes.data
+        self.jobs = np.zeros(HEADER, np.int64)  # the latest job table (grown as needed)
         self.error: Exception | None = None
         self.serving = False  # the thread is in the compiled loop (or about to enter it)
         self.entered = threading.Event()
@@ -281,14 +244,12 @@ def _run(shared: _Shared) -> None:
         shared.entered.set()
         try:
             shared.serve(control.ctypes.data, shared.layout, spin_ns, shared.threads)
-        except Exception as error:  # the jobs handed over end anyway: nobody may wait for them forever
+        except Exception as error:  # the job ends anyway: nobody may wait for it forever
             shared.error = error
+            jobs = shared.jobs
             control[START_NS] = control[END_NS] = 0
-            for ticket in range(int(control[DONE]) + 1, int(control[DOORBELL]) + 1):
-                jobs = shared.tables[ticket % RING]
-                jobs[JOB_START] = jobs[JOB_END] = 0
-                if jobs[6] != 0:
-                    ctypes.c_uint32.from_address(int(jobs[6])).value = int(jobs[7])
+            if jobs[6] != 0:
+                ctypes.c_uint32.from_address(int(jobs[6])).value = int(jobs[7])
             notify_done(control.ctypes.data, int(control[DOORBELL]))
         finally:
             shared.serving = False
@@ -299,8 +260,8 @@ class CpuLayerWorker:
 
     tensors: one expert's tensors as `ExpertFile.unpack` gives them from `block` (their offsets in a block and
     shapes are the same for every block). threads: the kernel's threads. `expert_bytes`: the weight bytes of one
-    expert. `wait` returns a job's seconds; counting them is the caller's. Up to RING jobs may be handed over
-    before they are waited for. The thread stops with `close` or when the worker is collected.
+    expert. `wait` returns a job's seconds; counting them is the caller's. The thread stops with `close` or when
+    the worker is collected.
     """
 
     def __init__(self, tensors: dict[str, np.ndarray], block: np.ndarray, threads: int):
@@ -315,8 +276,7 @@ class CpuLayerWorker:
         self._shared = _Shared(_server(dtype, "gate_scale" in tensors),
                                np.array([*offsets, inter, hidden], np.int64), threads)
         self._ticket = 0
-        self._held: dict[int, tuple] = {}  # per ticket not yet waited for: what the job reads, kept alive
-        self._seconds: dict[int, float] = {}  # per finished ticket not yet waited for: its seconds
+        self._held: tuple = ()  # what the job not yet waited for reads: kept alive until `wait`
         self._thread = threading.Thread(target=_run, args=(self._shared,), name="colibri-cpu-experts", daemon=True)
         self._thread.start()
         weakref.finalize(self, self._shared.stop)
@@ -330,41 +290,31 @@ class CpuLayerWorker:
         return (executor is not None and executor.kernel is not None and tensors["gate"].dtype in KERNEL_DTYPES
                 and sum(t.nbytes for t in tensors.values()) >= executor.min_kernel_bytes)
 
-    def submit(self, items: list[tuple[int, int, int, int]] | np.ndarray, ids: np.ndarray, x: np.ndarray,
-               weights: np.ndarray, out: np.ndarray, flag_address: int = 0, flag_value: int = 0, gate_address: int = 0,
-               gate_value: int = 0) -> int:
-        """Queue the layer's job: for each (block address, first row, last row, expert id), the expert's part over
+    def submit(self, items: list[tuple[int, int, int, int]], ids: np.ndarray, x: np.ndarray, weights: np.ndarray,
+               out: np.ndarray, flag_address: int = 0, flag_value: int = 0) -> int:
+        """Start the layer's job: for each (block address, first row, last row, expert id), the expert's part over
         intermediate rows first .. last - 1 for the tokens `ids` routes to it, weighted, summed into `out`; then
-        the uint32 at `flag_address` (if any) set to `flag_value`. With a gate, the job starts once the uint32 at
-        `gate_address` has reached `gate_value` (ids, x and weights are read only then: the GPU may still be
-        writing them). Waits for the oldest job when RING are unfinished. Returns the job's ticket for `wait`.
-        ids [T, k] int64, x [T, H] float32, weights [T, k] float32, out [T, H] float32, all C-contiguous (and,
-        with a gate, already of those types: they are not copied)."""
-        if gate_address == 0:
-            ids = np.ascontiguousarray(ids, np.int64)
-            x = np.ascontiguousarray(x, np.float32)
-            weights = np.ascontiguousarray(weights, np.float32)
-        for array, dtype in ((ids, np.int64), (x, np.float32), (weights, np.float32), (out, np.float32)):
-            if not array.flags.c_contiguous or array.dtype != dtype:
-                raise ValueError(f"the job's arrays must be C-contiguous {np.dtype(dtype)}")
-        if out.shape != x.shape or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
-            raise ValueError(f"out must have x's shape {x.shape}, weights ids' shape {ids.shape}, both x's tokens")
+        the uint32 at `flag_address` (if any) set to `flag_value`. Returns the job's ticket for `wait`.
+        ids [T, k] int64, x [T, H] float32, weights [T, k] float32, out [T, H] float32, all C-contiguous."""
+        if self._held:
+            raise RuntimeError("the previous CPU expert job has not been waited for")
+        ids = np.ascontiguousarray(ids, np.int64)
+        x = np.ascontiguousarray(x, np.float32)
+        weights = np.ascontiguousarray(weights, np.float32)
+        if not out.flags.c_contiguous or out.dtype != np.float32 or out.shape != x.shape:
+            raise ValueError(f"out must be C-contiguous float32 of shape {x.shape}")
         shared = self._shared
-        ticket = self._ticket + 1
-        if ticket > RING:
-            self._finish(ticket - RING)  # its table is this job's
-        index = ticket % RING
         words = HEADER + ITEM * len(items)
-        if shared.tables[index].size < words:
-            shared.tables[index] = np.zeros(2 * words, np.int64)
-            shared.addresses[index] = shared.tables[index].ctypes.data
-        jobs = shared.tables[index]
+        if shared.jobs.size < words:
+            shared.jobs = np.zeros(2 * words, np.int64)
+        jobs = shared.jobs
         jobs[:HEADER] = (x.shape[0], ids.shape[1], x.ctypes.data, ids.ctypes.data, weights.ctypes.data,
-                         out.ctypes.data, flag_address, flag_value, len(items), gate_address, gate_value, 0, 0)
-        if len(items):
+                         out.ctypes.data, flag_address, flag_value, len(items))
+        if items:
             jobs[HEADER:words] = np.asarray(items, np.int64).reshape(-1)
-        self._held[ticket] = (ids, x, weights, out, jobs)
-        self._ticket = ticket
+        self._held = (ids, x, weights, out, jobs)
+        shared.control[JOBS] = jobs.ctypes.data  # a grown table is another array
+        self._ticket += 1
         asleep = not shared.serving
         if asleep:
             shared.entered.clear()
@@ -374,21 +324,16 @@ class CpuLayerWorker:
             shared.entered.wait()
         return self._ticket
 
-    def _finish(self, ticket: int) -> None:
-        """Wait until the jobs up to `ticket` have ended; keep their seconds, let go of what they read."""
-        wait_done(self._shared.control.ctypes.data, ticket)
-        for done in [t for t in self._held if t <= ticket]:
-            jobs = self._held.pop(done)[-1]
-            self._seconds[done] = (jobs[JOB_END] - jobs[JOB_START]) / 1e9
-
     def wait(self, ticket: int) -> float:
         """Wait for job `ticket` (spinning briefly, then sleeping, without the GIL) and return its seconds; raises
         the worker's error."""
-        self._finish(ticket)
-        error, self._shared.error = self._shared.error, None
+        shared = self._shared
+        wait_done(shared.control.ctypes.data, ticket)
+        self._held = ()
+        error, shared.error = shared.error, None
         if error is not None:
             raise RuntimeError("the CPU expert worker failed") from error
-        return self._seconds.pop(ticket, 0.0)
+        return (shared.control[END_NS] - shared.control[START_NS]) / 1e9
 
     def span(self) -> tuple[float, float]:
         """(start, end) of the latest finished job in seconds of CLOCK_MONOTONIC, time.perf_counter's clock on

@@ -30,11 +30,6 @@ no placement and no synchronisation: its routing goes to the host in a copy that
 at the layer's next step, and the host goes straight on to queue the next layers while the CPU still works on an
 earlier layer's experts (as llama.cpp's resident layers run between its CPU layers). Where a prefetcher predicts
 from the layer's input for a layer that can miss, the layer synchronises as the others do.
-
-A layer with no slot at all, at decode, can have its CPU work started by the stream (`stream_driven`,
-`stream_layers.StreamDrivenLayers`): the stream copies the routing to the host and raises a gate word, and the
-CpuLayerWorker, handed the job before the host waits, computes each routed expert's last rows once the gate opens;
-after its wait the host copies the first rows of each routed expert, packed, into the staging block for one pass.
 """
 
 from __future__ import annotations
@@ -62,7 +57,6 @@ from .rates import FLOP_PROBE_TOKENS, cpu_expert_rates, pinned_copy_rate, shared
 from .slots import LayerSlots
 from .stats import ComputeStats, ExpertStats, TierStats
 from .store import ExpertStore
-from .stream_layers import SPLIT_MULTIPLE, StreamDrivenLayers
 from .tiers import BlockReader, TieredExpertStore
 
 logger = logging.getLogger(__name__)
@@ -116,16 +110,15 @@ class DeviceSlots:
     def view(self, rank: int):
         return self._views[rank]
 
-    def partial_view(self, layout: PartialLayout, experts: list[int]):
-        """LayerExperts of the GPU parts of cut experts packed (by `layout`) one after the other into the staging
-        block: a slot each, in order, the table mapping each of `experts` to its slot."""
+    def partial_view(self, layout: PartialLayout, expert: int):
+        """LayerExperts of the GPU part of a cut expert packed (by `layout`) into the staging block: one slot, the
+        table mapping `expert` to it."""
         from ..backends.cupy_backend import LayerExperts
 
         table = np.full(len(self.partial_table), -1, np.int32)
-        table[experts] = np.arange(len(experts))
+        table[expert] = 0
         self.partial_table.set(table)
-        arrays = layout.arrays(self.memory, self.base - self.memory.ptr + (self.total - 1) * self.block_size,
-                               len(experts))
+        arrays = layout.arrays(self.memory, self.base - self.memory.ptr + (self.total - 1) * self.block_size)
         return LayerExperts(arrays["gate"], arrays["up"], arrays["down"], arrays.get("gate_scale"),
                             arrays.get("up_scale"), arrays.get("down_scale"), self.partial_table)
 
@@ -148,8 +141,7 @@ class GpuTieredStore(ExpertStore):
     (None). stream_waits=False: the host waits for the CPU's part in `finish_layer` (as where the driver has no
     stream memory operations). cpu_worker=False: the CPU thread runs the executor expert by expert even where a
     CpuLayerWorker could serve (for comparison). `min_cut_gain`: how much sooner a cut must end a layer's misses
-    than whole experts (placement.place_step). stream_driven: decode steps of layers without slots go from the
-    stream to the CpuLayerWorker (stream_layers.py); else through the host's placement as other steps.
+    than whole experts (placement.place_step).
     """
 
     resident = False
@@ -158,7 +150,7 @@ class GpuTieredStore(ExpertStore):
                  host: PinnedExperts | TieredExpertStore | None, reader: BlockReader,
                  prefetcher: Prefetcher | None = None, cpu_executor: CpuExpertExecutor | None = None,
                  cpu_experts: str = "auto", bandwidths: Bandwidths | None = None, stream_waits: bool = True,
-                 cpu_worker: bool = True, stream_driven: bool = False):
+                 cpu_worker: bool = True):
         import cupy
 
         self.cp = cupy
@@ -210,18 +202,6 @@ class GpuTieredStore(ExpertStore):
             for expert, slot in self._layers[rank].resident.items():
                 table[expert] = slot
             self.device.tables[rank].set(table)
-        slotless = {rank for rank, n in enumerate(counts) if n == 0 and not self._feeds_predictions(counts, rank)}
-        self._staged_rows_cache: dict[int, int] = {}  # routed pairs -> the GPU's rows the staging block holds
-        self._stream_layers = StreamDrivenLayers.create(
-            host, self.device.tensors, self._layer_ids, slotless if stream_driven and cpu_experts == "auto" else set(),
-            self._worker, self._flag, config.moe_intermediate_size,
-            self.bandwidths.h2d / (self.bandwidths.h2d + self.bandwidths.host_read))
-
-    def _feeds_predictions(self, counts: list[int], rank: int) -> bool:
-        """Whether the prefetcher predicts from layer `rank`'s input for a layer that can miss (so the input must
-        come to the host)."""
-        ahead = self.prefetcher.lookahead if self.prefetcher is not None else 0
-        return any(0 < n < self.num_experts for n in counts[rank + 1: rank + 1 + ahead])
 
     def _sync_free_ranks(self, counts: list[int]) -> list[bool]:
         """Per MoE-layer rank: whether its steps skip the read-back (its slots hold every expert, and no layer that
@@ -354,9 +334,6 @@ class GpuTieredStore(ExpertStore):
         if self._sync_free[rank]:
             self._begin_resident_layer(rank, expert_ids)
             return
-        if self._stream_layers is not None and weights is not None and self._stream_layers.takes(rank, x.shape[0]):
-            self._begin_stream_driven_layer(rank, x, expert_ids, weights)
-            return
         wanted = {"ids": cp.ascontiguousarray(expert_ids)}
         if self.prefetcher is not None or self.executor is not None:
             wanted["x"] = cp.ascontiguousarray(x)
@@ -369,7 +346,6 @@ class GpuTieredStore(ExpertStore):
         host = self._readback.queue(stream, **wanted)
         self._collect_cpu_work()
         self._readback.wait(stream)  # the synchronisation offloading needs
-        self._collect_stream_layers()  # the stream has passed their flags: their jobs have ended
         for resident in list(self._untallied):  # their copies were queued before this one: finished
             self._tally_resident(resident)
         ids = host["ids"].astype(np.int64)  # [T, k]
@@ -425,56 +401,6 @@ class GpuTieredStore(ExpertStore):
         copied.record(stream)
         self._untallied[rank] = (ids, copied)
         self._step = {"rank": rank, "resident": True, "cpu": None}
-
-    def _begin_stream_driven_layer(self, rank: int, x, expert_ids, weights) -> None:
-        """A decode step of a layer without slots whose CPU work the stream starts (stream_layers.py): the job is
-        handed over, then the host waits for the routing and queues the copies of the GPU's rows of each routed
-        expert into the staging block. The CPU thread's Python needs the GIL, so its work is taken in first."""
-        layers = self._stream_layers
-        if self._pending_cpu is not None and "job" not in self._pending_cpu["cpu"]:
-            self._collect_cpu_work()
-        if layers.pending(rank):  # a step that failed before the last layer left it
-            self._collect_stream_layers()
-        step = layers.begin(rank, x, expert_ids, weights, self._staged_rows(expert_ids.size))
-        stream = self.cp.cuda.get_current_stream()
-        self._readback.wait(stream)  # the routing is on the host (the CPU already works on it)
-        self._collect_stream_layers(running=step)  # the stream has passed the earlier ones' flags
-        for resident in list(self._untallied):
-            self._tally_resident(resident)
-        experts = layers.routed(step)
-        if step["rows"]:
-            step["copy"] = self._queue_cut_rows(rank, experts, step["rows"])
-        self._step = {"rank": rank, "stream": step, "cpu": None, "experts": experts}
-
-    def _staged_rows(self, pairs: int) -> int:
-        """The most rows (a multiple of SPLIT_MULTIPLE) of `pairs` experts that fit the staging block packed."""
-        if pairs not in self._staged_rows_cache:
-            experts, rows = min(pairs, self.num_experts), self.file.config.moe_intermediate_size
-            while rows > 0 and experts * PartialLayout(self.device.tensors, rows).nbytes > self.block_size:
-                rows -= SPLIT_MULTIPLE
-            self._staged_rows_cache[pairs] = rows
-        return self._staged_rows_cache[pairs]
-
-    def _queue_cut_rows(self, rank: int, experts: list[int], rows: int) -> tuple[PartialLayout, object]:
-        """Queue the copies of the first `rows` rows of each of `experts` (blocks in host memory), packed one after
-        the other into the staging block once no earlier pass reads it: (the layout, the copies' event)."""
-        layout = PartialLayout(self.device.tensors, rows)
-        staging = self.device.pointer(rank, self.device.staging(rank))
-        if self._staging_free is not None:
-            self._copy_stream.wait_event(self._staging_free)
-        layer = self._layer_ids[rank]
-        for index, expert in enumerate(experts):
-            layout.enqueue_copy(self.host.block(layer, expert).ctypes.data, staging + index * layout.nbytes,
-                                self._copy_stream)
-        copied = self.cp.cuda.Event(disable_timing=True)
-        copied.record(self._copy_stream)
-        return layout, copied
-
-    def _collect_stream_layers(self, running: dict | None = None) -> None:
-        """Take in the stream-driven layers' CPU jobs but `running` (waiting for those still running)."""
-        if self._stream_layers is not None:
-            with self.timer.phase("expert_cpu"):
-                self._stream_layers.collect(self._stats, self.executor, self.block_size, running)
 
     def _tally_resident(self, rank: int) -> None:
         """Count the routing of a sync-free layer's latest step (at the layer's next step, or after the next
@@ -548,20 +474,11 @@ class GpuTieredStore(ExpertStore):
         expert's GPU rows."""
         cp, step = self.cp, self._step
         rank = step["rank"]
-        compute = cp.cuda.get_current_stream()
-        if "stream" in step:  # the GPU's rows of the routed experts, packed in the staging block
-            if step["stream"]["rows"]:
-                layout, copied = step["stream"]["copy"]
-                compute.wait_event(copied)
-                yield self.device.partial_view(layout, step["experts"])
-                self._pass_done = cp.cuda.Event(disable_timing=True)
-                self._pass_done.record(compute)
-                self._staging_free = self._pass_done
-            return
         if step.get("resident"):  # every expert in its slot, the table fixed since the warm start
             yield self.device.view(rank)
             return
         slots, events = self._layers[rank], self._slot_events[rank]
+        compute = cp.cuda.get_current_stream()
         table, batch, through_staging = step["pass"]
         while batch:
             for expert in batch:
@@ -612,7 +529,7 @@ class GpuTieredStore(ExpertStore):
         self._stats.compute.gpu_experts += 1
         self._stats.compute.split_experts += 1
         self._stats.tiers["gpu"].bytes_read += layout.nbytes
-        return self.device.partial_view(layout, [expert])
+        return self.device.partial_view(layout, expert)
 
     def _demand_copy(self, rank: int, expert: int, slot: int, slots: LayerSlots | None):
         """Load a missed block into a local slot now (the host waits only for a disk read); its event."""
@@ -662,11 +579,9 @@ class GpuTieredStore(ExpertStore):
             self._prefetch(target, ranked)
         self._predictions = []
         if step["cpu"] is None:
-            out = self._stream_layers.finish(step["stream"]) if "stream" in step else None  # [T, H] or None
             if step["rank"] == len(self._layer_ids) - 1:
                 self._collect_cpu_work()  # an earlier layer's, when the layers after it were sync-free
-                self._collect_stream_layers()
-            return out
+            return None
         cpu = step["cpu"]
         stream = self.cp.cuda.get_current_stream()
         if self._flag is None or step["rank"] == len(self._layer_ids) - 1:

@@ -3,10 +3,8 @@
 `HostFlag`: a word of pinned host memory a CUDA stream waits on (the driver's cuStreamWaitValue32). The thread
 that computes experts on the CPU sets it once its result is written, so the stream can hold the work that reads
 the result (a copy to the device, the add into the layer's output) while the step thread goes on queueing the
-next layer's kernels instead of waiting for the CPU. The other way, a stream raises such a word itself
-(cuStreamWriteValue32, after the work queued before it, its writes visible first) and a CPU thread waits on it:
-the gate of a CpuLayerWorker job (cpu_worker.py). CuPy does not wrap the driver's stream memory operations, so
-they are called through ctypes on libcuda; CUDA 12 drivers support 32-bit waits and writes on every device.
+next layer's kernels instead of waiting for the CPU. CuPy does not wrap the driver's stream memory operations, so
+they are called through ctypes on libcuda; CUDA 12 drivers support 32-bit waits on every device.
 
 `PinnedReadback`: several device arrays copied into reused pinned buffers on one stream with one synchronisation
 (three blocking `asnumpy` calls were three); the copies can be queued before the host is ready to wait for them.
@@ -23,16 +21,14 @@ from .pinned import pinned_empty
 
 logger = logging.getLogger(__name__)
 CU_STREAM_WAIT_VALUE_GEQ = 0  # proceed once (int32)(*addr - value) >= 0: a counter may wrap
-CU_STREAM_WRITE_VALUE_DEFAULT = 0  # the write waits for the earlier work's memory writes (a barrier)
 
 
 class HostFlag:
-    """A pinned uint32 counter that a stream waits on and a host thread raises, or the other way round.
+    """A pinned uint32 counter that a stream waits on and a host thread raises.
 
     `ticket()` gives the next value; `wait(stream, value)` queues a wait on `stream` until the counter reaches it;
-    `set(value)` (any thread, after writing what the waiting work reads) releases it. `raise_on(stream, value)`
-    queues the counter's write on `stream` instead, for a host thread waiting on `word`. `create()` returns None
-    when the driver refuses stream waits on host memory: then the caller waits on the host.
+    `set(value)` (any thread, after writing what the waiting work reads) releases it. `create()` returns None when
+    the driver refuses stream waits on host memory: then the caller waits on the host.
     """
 
     def __init__(self, driver: ctypes.CDLL):
@@ -42,15 +38,13 @@ class HostFlag:
         self.word = np.ndarray((1,), np.uint32, buffer=cupy.cuda.PinnedMemoryPointer(mapped, 0))
         self.word[0] = 0
         self._count = 0
-        self._driver = driver
         pointer = ctypes.c_uint64()
         self._check(driver, driver.cuMemHostGetDevicePointer_v2(ctypes.byref(pointer),
                                                                ctypes.c_void_p(self.word.ctypes.data), 0))
         self.device_pointer = pointer.value
         self._wait = driver.cuStreamWaitValue32_v2
         self._wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        self._write = driver.cuStreamWriteValue32_v2
-        self._write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self._driver = driver
 
     @classmethod
     def create(cls, stream) -> HostFlag | None:
@@ -82,12 +76,6 @@ class HostFlag:
 
     def set(self, value: int) -> None:
         self.word[0] = value
-
-    def raise_on(self, stream, value: int) -> None:
-        """Queue on `stream` the counter's write of `value`, after the work queued before it (whose writes, copies
-        to pinned memory included, are visible first: the write's default memory barrier)."""
-        self._check(self._driver, self._write(ctypes.c_void_p(stream.ptr), self.device_pointer, value,
-                                              CU_STREAM_WRITE_VALUE_DEFAULT))
 
 
 class PinnedReadback:

@@ -57,17 +57,12 @@ class PartialLayout:
             cp.cuda.runtime.memcpy2DAsync(destination + dst_offset, width, source + src_offset, pitch, width, height,
                                           cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
 
-    def arrays(self, memory, offset: int, slots: int = 1) -> dict:
-        """The packed tensors of `slots` experts packed one after the other (`nbytes` apart) as device arrays
-        ([slots, rows, H], [slots, H, rows], [slots, rows] ...) at `offset` bytes into the cupy allocation `memory`."""
+    def arrays(self, memory, offset: int) -> dict:
+        """The packed tensors as one-slot device arrays ([1, rows, H], [1, H, rows], [1, rows] ...) at `offset`
+        bytes into the cupy allocation `memory`."""
         import cupy as cp
 
         arrays = {}
         for name, dtype, _, dst_offset, shape, _, _, _ in self.pieces:
-            itemsize = np.dtype(DEVICE_DTYPES[dtype]).itemsize
-            inner = [itemsize]
-            for extent in reversed(shape[1:]):
-                inner.insert(0, inner[0] * extent)
-            arrays[name] = cp.ndarray((slots, *shape), DEVICE_DTYPES[dtype], memptr=memory + (offset + dst_offset),
-                                      strides=(self.nbytes, *inner))
+            arrays[name] = cp.ndarray((1, *shape), DEVICE_DTYPES[dtype], memptr=memory + (offset + dst_offset))
         return arrays
