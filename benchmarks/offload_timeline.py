@@ -205,16 +205,20 @@ def run(args) -> list[dict]:
     folder, pinned = open_folder(args.folder, "mixtral-8x7b", args.layers)
     records = []
     config = folder.config
-    runs = [(f, m, lay, c, t, g) for f in args.fractions for m in args.modes for lay in args.layouts
-            for c in args.cpu_calls for t in args.cpu_threads for g in args.min_cut_gains]
+    runs = [(f, m, lay, c, t, g, w) for f in args.fractions for m in args.modes for lay in args.layouts
+            for c in args.cpu_calls for t in args.cpu_threads for g in args.min_cut_gains for w in args.waiters]
     runs = [(r, *run) for r in range(args.rounds) for run in (runs if r % 2 == 0 else runs[::-1])]
-    for round_index, fraction, mode, layout, cpu_call, threads, gain in runs:
+    for round_index, fraction, mode, layout, cpu_call, threads, gain, waiter in runs:
         slots = layer_slot_counts(round(fraction * config.num_experts), len(config.moe_layers), config.num_experts,
                                   layout)
         for waits in (handoff == "stream" for handoff in args.handoffs):
             model = make_model(folder, slots, pinned, mode, threads, stream_waits=waits,
                                cpu_worker=cpu_call == "worker", min_cut_gain=gain)
             cut_gain = model.store.min_cut_gain  # the store's default where `gain` is None
+            worker = model.store._worker
+            if worker is not None and waiter != "default":
+                worker.wait_spin_seconds = {"spin": 0.05, "sleep": 0.0}[waiter]
+            wait_spin = worker.wait_spin_seconds if worker is not None else None
             recorder = Recorder(model.store)
             decode(model, 1, 2)  # warm
             recorder.clear()
@@ -225,7 +229,7 @@ def run(args) -> list[dict]:
             handoff = "stream" if waits else "host"
             cpu_threads = model.store.executor.num_threads
             log(f"{fraction:.0%} {mode} {layout} {cpu_call} {cpu_threads} threads, {handoff} waits, "
-                f"cut gain {cut_gain}: "
+                f"cut gain {cut_gain}, waiter spins {wait_spin} s: "
                 f"{figures['tok_s']:.1f} tok/s, step {1e3 * figures['step_s']:.1f} ms, experts a step: "
                 f"{figures['cpu_experts_per_step']:.2f} CPU, {figures['split_experts_per_step']:.2f} cut; "
                 f"per CPU hand-off (ms): "
@@ -237,7 +241,7 @@ def run(args) -> list[dict]:
                                 thread_env={k: os.environ.get(k) for k in THREAD_ENV},
                                 layers=args.layers, batch=1, gpu_expert_fraction=fraction, mode=mode,
                                 slot_layout=layout, gpu_slots=slots, cpu_call=cpu_call, cpu_threads=cpu_threads,
-                                min_cut_gain=cut_gain,
+                                min_cut_gain=cut_gain, waiter=waiter, wait_spin_seconds=wait_spin,
                                 handoff=handoff, figures=figures, handoff_ms=means,
                                 handoff_ms_median=summarise(layers, statistics.median),
                                 handoffs_per_step=len(layers) / args.steps, round=round_index))
@@ -262,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the CPU executor's thread counts to compare (default: every core numba sees)")
     parser.add_argument("--min-cut-gains", type=float, nargs="+", default=[None],
                         help="the placement's minimum gain of a cut to compare (default: the store's)")
+    parser.add_argument("--waiters", nargs="+", default=["default"], choices=["default", "spin", "sleep"],
+                        help="how the step thread waits for the CpuLayerWorker's job: the worker's default, spinning "
+                             "through the job (50 ms at most), or a short spin then asleep")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the runs, every other round in reverse order")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/offload_timeline_h200.json")

@@ -18,6 +18,7 @@ the caller keeps them (and the arrays it passes) alive until `wait` returns.
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import sys
 import threading
@@ -29,6 +30,9 @@ from .cpu_executor import KERNEL_DTYPES, CpuExpertExecutor, expert_kernel, numba
 
 SPIN_SECONDS = 0.005  # the worker spins this long after a job before it sleeps (a decode step's layers are closer)
 WAIT_SPINS = 2000  # `wait` checks this often before it sleeps until the job's end
+# ... or, where the job's threads leave a core free (the waiter's), it spins this long first: a thread woken from a
+# futex on the H200 host (a VM) ran 0.15-0.25 ms after the job's end, every CPU layer
+WAIT_SPIN_SECONDS = 0.05
 WAIT_SLEEP_US = 20  # without futexes (not Linux on x86-64 or arm64): `wait` sleeps this long between checks
 # Linux futex system call numbers; the waiter sleeps on the low half of the DONE word until the worker wakes it
 SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine()) if sys.platform == "linux" else None
@@ -122,14 +126,19 @@ if numba is not None:
             _syscall(FUTEX, _pointer(control + 8 * DONE), FUTEX_WAKE_PRIVATE, 1 << 30, _pointer(0), _pointer(0), 0)
 
     @numba.njit(nogil=True)
-    def wait_done(control: int, ticket: int) -> None:
-        """Wait, without the GIL, until the worker has finished `ticket`: a short spin, then asleep until the worker
-        wakes this thread (a futex on the DONE word's low half), or sleeps of WAIT_SLEEP_US without futexes. Not a
-        spin for the whole job: the job's threads use every core, and a waiter waking beside them takes one of theirs
-        (on 2 cores, 20 us sleeps made a job 23 % slower)."""
+    def wait_done(control: int, ticket: int, spin_ns: int) -> None:
+        """Wait, without the GIL, until the worker has finished `ticket`: a spin (WAIT_SPINS checks, or spin_ns
+        if longer), then asleep until the worker wakes this thread (a futex on the DONE word's low half), or sleeps of
+        WAIT_SLEEP_US without futexes. Spin for a whole job only where its threads leave the waiter a core: a waiter
+        beside threads on every core takes one of theirs (on 2 cores, 20 us sleeps made a job 23 % slower)."""
         for _ in range(WAIT_SPINS):
             if _load_acquire(control + 8 * DONE) >= ticket:
                 return
+        if spin_ns > 0:
+            until = _now_ns() + spin_ns
+            while _now_ns() < until:
+                if _load_acquire(control + 8 * DONE) >= ticket:
+                    return
         while True:
             done = _load_acquire(control + 8 * DONE)
             if done >= ticket:
@@ -272,6 +281,9 @@ class CpuLayerWorker:
         inter, hidden = tensors["gate"].shape
         dtype = np.dtype(np.uint16) if tensors["gate"].dtype == KERNEL_DTYPES[0] else tensors["gate"].dtype
         self.threads = threads
+        # the waiter spins through a job where the job's threads leave it a core (benchmarks may set this)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.wait_spin_seconds = WAIT_SPIN_SECONDS if threads < cores else 0.0
         self.expert_bytes = sum(t.nbytes for t in tensors.values())
         self._shared = _Shared(_server(dtype, "gate_scale" in tensors),
                                np.array([*offsets, inter, hidden], np.int64), threads)
@@ -328,7 +340,7 @@ class CpuLayerWorker:
         """Wait for job `ticket` (spinning briefly, then sleeping, without the GIL) and return its seconds; raises
         the worker's error."""
         shared = self._shared
-        wait_done(shared.control.ctypes.data, ticket)
+        wait_done(shared.control.ctypes.data, ticket, int(self.wait_spin_seconds * 1e9))
         self._held = ()
         error, shared.error = shared.error, None
         if error is not None:
