@@ -267,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-cut-gains", type=float, nargs="+", default=[None],
                         help="the placement's minimum gain of a cut to compare (default: the store's)")
     parser.add_argument("--waiters", nargs="+", default=["default"], choices=["default", "spin", "sleep"],
-                        help="how the step thread waits for the CpuLayerWorker's job: the worker's default, spinning "
-                             "through the job (50 ms at most), or a short spin then asleep")
+                        help="how the step thread waits for the CpuLayerWorker's job: the worker's default (sleep), "
+                             "spinning through the job (50 ms at most), or a short spin then asleep")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the runs, every other round in reverse order")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/offload_timeline_h200.json")

@@ -18,7 +18,6 @@ the caller keeps them (and the arrays it passes) alive until `wait` returns.
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 import sys
 import threading
@@ -29,10 +28,7 @@ import numpy as np
 from .cpu_executor import KERNEL_DTYPES, CpuExpertExecutor, expert_kernel, numba
 
 SPIN_SECONDS = 0.005  # the worker spins this long after a job before it sleeps (a decode step's layers are closer)
-WAIT_SPINS = 2000  # `wait` checks this often before it sleeps until the job's end
-# ... or, where the job's threads leave a core free (the waiter's), it spins this long first: a thread woken from a
-# futex on the H200 host (a VM) ran 0.15-0.25 ms after the job's end, every CPU layer
-WAIT_SPIN_SECONDS = 0.05
+WAIT_SPINS = 2000  # `wait` checks this often (or for CpuLayerWorker.wait_spin_seconds) before it sleeps
 WAIT_SLEEP_US = 20  # without futexes (not Linux on x86-64 or arm64): `wait` sleeps this long between checks
 # Linux futex system call numbers; the waiter sleeps on the low half of the DONE word until the worker wakes it
 SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine()) if sys.platform == "linux" else None
@@ -281,9 +277,10 @@ class CpuLayerWorker:
         inter, hidden = tensors["gate"].shape
         dtype = np.dtype(np.uint16) if tensors["gate"].dtype == KERNEL_DTYPES[0] else tensors["gate"].dtype
         self.threads = threads
-        # the waiter spins through a job where the job's threads leave it a core (benchmarks may set this)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self.wait_spin_seconds = WAIT_SPIN_SECONDS if threads < cores else 0.0
+        # How long `wait` spins before it sleeps (0: WAIT_SPINS checks). A thread woken from the futex ran 0.15-0.25
+        # ms after the job's end on the H200 host; spinning through a job needs a core its threads leave free. Not
+        # measured on the GPU host yet: benchmarks/offload_timeline.py --waiters spin sleep compares.
+        self.wait_spin_seconds = 0.0
         self.expert_bytes = sum(t.nbytes for t in tensors.values())
         self._shared = _Shared(_server(dtype, "gate_scale" in tensors),
                                np.array([*offsets, inter, hidden], np.int64), threads)
