@@ -168,6 +168,8 @@ class EngineCore:
                     self.runner.synchronize()  # nothing launched may still write KV blocks the failure frees
                 raise
             timer.annotate(tokens=scheduled.num_batched_tokens, seqs=len(scheduled.seqs))
+            for index, entries in result.prompt_logprobs:  # before the outputs: the first one carries them
+                scheduled.seqs[index].request.prompt_logprobs.extend(entries)
             with timer.phase("update"):
                 updates = self.scheduler.update_from_output(scheduled, result.token_ids)
             now = time.monotonic()
@@ -243,9 +245,12 @@ class EngineCore:
             if not seqs:
                 del self._requests[request.request_id]
         first = seq.last_token_time is None
+        prompt = first and request.prompt_logprobs is not None
         out = _request_output(
             request, text, update.new_token_ids,
             logprobs=None if request.params.logprobs is None else [logprob],
+            prompt_token_ids=request.prompt_token_ids if prompt else None,
+            prompt_logprobs=list(request.prompt_logprobs) if prompt else None,
             time_to_first_token=now - request.arrival_time if first else None,
             inter_token_latencies=[] if first else [now - seq.last_token_time],
         )

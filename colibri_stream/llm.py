@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from .engine import EngineCore
-from .request import SamplingParams
+from .request import Logprob, SamplingParams
 
 
 @dataclass
@@ -17,6 +17,7 @@ class GenerationResult:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" | "length"
+    prompt_logprobs: list[Logprob] | None = None  # with SamplingParams.prompt_logprobs: prompt tokens 1 .. P - 1's
 
 
 class LLM:
@@ -54,6 +55,8 @@ class LLM:
             result = results[int(output.request_id)]
             result.token_ids += output.token_ids
             result.text += output.text
+            if output.prompt_logprobs is not None:
+                result.prompt_logprobs = output.prompt_logprobs
             if output.finished:
                 result.finish_reason = output.finish_reason
         return results[0] if single else results

@@ -34,6 +34,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the top k
+    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob (from the second on: the
+    # first has no context) and the top k at its position; the prompt is then computed whole (no prefix cache)
     n: int = 1
 
     def __post_init__(self) -> None:
@@ -54,8 +56,10 @@ class SamplingParams:
         check(0.01 <= self.repetition_penalty <= 10.0, "repetition_penalty", "must be in [0.01, 10]")
         check(all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias), "logit_bias",
               "must map token ids to biases between -100 and 100")
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-              "logprobs", "must be an integer between 0 and 20")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or (isinstance(value, int) and 0 <= value <= 20), name,
+                  "must be an integer between 0 and 20")
         check(isinstance(self.n, int) and 1 <= self.n <= 16, "n", "must be an integer between 1 and 16")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(len(self.stop) <= 16, "stop", "may hold at most 16 strings")
@@ -151,6 +155,8 @@ class Request:
         self.num_cached_tokens: int | None = None  # prompt tokens its first admission took from the prefix cache
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None  # the stop string or stop token id that finished it
+        # With params.prompt_logprobs: prompt tokens 1 .. P - 1's logprobs, filled as the prompt is computed
+        self.prompt_logprobs: list[Logprob] | None = [] if params.prompt_logprobs is not None else None
 
     @property
     def seq_id(self) -> SeqId:
@@ -191,6 +197,10 @@ class RequestOutput:
     completion_tokens: int  # output tokens so far
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed (first admission)
     logprobs: list[Logprob] | None = None  # one per new token when the request asked for logprobs
+    # On the sequence's first output, when the request asked for prompt logprobs: the prompt's tokens, and the
+    # logprobs of tokens 1 .. P - 1 (the first has no context)
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[Logprob] | None = None
     time_to_first_token: float | None = None  # seconds from arrival to the first token; on the output carrying it
     inter_token_latencies: list[float] = field(default_factory=list)  # seconds before each later new token
 
@@ -208,6 +218,8 @@ class RequestOutput:
             completion_tokens=later.completion_tokens,
             cached_tokens=later.cached_tokens,
             logprobs=None if self.logprobs is None else self.logprobs + (later.logprobs or []),
+            prompt_token_ids=self.prompt_token_ids if self.prompt_token_ids is not None else later.prompt_token_ids,
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
             time_to_first_token=self.time_to_first_token if self.time_to_first_token is not None
             else later.time_to_first_token,
             inter_token_latencies=self.inter_token_latencies + later.inter_token_latencies,

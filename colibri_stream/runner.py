@@ -10,7 +10,7 @@ computes the step at once and keeps its tokens for the next.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from .model import ForwardBatch, MoETransformer, PagedKVCache
 from .model.batch import flat_batch
 from .request import Logprob, SeqId
 from .sampling import (HostLogits, LogitSource, Sampler, SamplingState, TokenLogprobs, argmax_only,
-                       drawn_over_vocabulary, uniform_bits)
+                       drawn_over_vocabulary, token_logprobs, uniform_bits)
 from .scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -28,6 +28,9 @@ class RunnerOutput:
 
     token_ids: list[int]
     logprobs: list[Logprob | None]  # None where the request did not ask for logprobs
+    # (scheduled sequence's index, logprobs of the prompt tokens its chunk computed, the next ones in order) for
+    # requests that asked for prompt logprobs
+    prompt_logprobs: list[tuple[int, list[Logprob]]] = field(default_factory=list)
 
 
 @dataclass
@@ -72,17 +75,23 @@ class ModelRunner:
         timer = self.model.timer
         with timer.phase("prepare"):
             batch = build_batch(step.seqs, self.kv_cache.block_size)
+            prompt_rows = _prompt_rows(step.seqs)
+            sampling_rows = len(batch.logits_indices)
+            if prompt_rows:  # their rows' logits after the sampling rows'
+                batch.logits_indices = np.concatenate([batch.logits_indices, *(rows for _, rows, _ in prompt_rows)])
         with timer.phase("forward"):
-            logits = self._forward(batch)  # [N, V]
+            logits, prompt_logits = self._forward(batch, sampling_rows)  # [N, V], [M, V] on the host
+        prompt = _prompt_logprobs(step.seqs, prompt_rows, prompt_logits)
         states = [self._state(s) for s in step.seqs if s.sample]
         if not states:
-            return RunnerOutput([], [])
+            return RunnerOutput([], [], prompt)
         with timer.phase("sample"):
             sampled = self.sampler.sample_from(logits, states)
         token_ids = sampled.token_ids.tolist()
         for state, token in zip(states, token_ids):
             state.output_token_ids.append(token)
-        return RunnerOutput(token_ids, [_logprob(token, lp) for token, lp in zip(token_ids, sampled.logprobs)])
+        return RunnerOutput(token_ids, [_logprob(token, lp) for token, lp in zip(token_ids, sampled.logprobs)],
+                            prompt)
 
     def launch(self, step: SchedulerOutput) -> LaunchedStep | None:
         """Start `step` without waiting for its tokens, when it can run so: every sequence decodes one token that
@@ -135,20 +144,26 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.synchronize()
 
-    def _forward(self, batch: ForwardBatch) -> LogitSource:
-        """The step's logits: on the host with NumPy; on the GPU left there (the sampler copies back what it needs),
-        from the bucket's decode graph where one fits. Returns once the device finished the step."""
+    def _forward(self, batch: ForwardBatch, sampling_rows: int) -> tuple[LogitSource, np.ndarray]:
+        """The step's logits of its first `sampling_rows` rows: on the host with NumPy; on the GPU left there (the
+        sampler copies back what it needs), from the bucket's decode graph where one fits; and those of the rows
+        after them (prompt positions) on the host. Returns once the device finished the step."""
         if self.model.backend.name != "cupy":
-            return HostLogits(self.model.forward(batch, self.kv_cache))
+            logits = self.model.forward(batch, self.kv_cache)  # [N + M, V]
+            return HostLogits(logits[:sampling_rows]), logits[sampling_rows:]
         from .backends.cupy_sampling import DeviceLogits
 
-        if self.graphs is not None and self.graphs.fits(batch):
+        backend = self.model.backend
+        prompt = np.zeros((0, self.model.config.vocab_size), np.float32)  # [M, V]
+        if self.graphs is not None and self.graphs.fits(batch):  # never with prompt rows (fits: one row a sequence)
             logits = self.graphs.device_logits(batch)  # one graph launch, no per-layer phases
         else:  # positions stay below the model's: EngineCore bounds max_seq_len by them
-            logits = DeviceLogits(self.model.forward_device(batch, self.model.upload_batch(batch), self.kv_cache),
-                                  self.model.backend)
+            every = self.model.forward_device(batch, self.model.upload_batch(batch), self.kv_cache)  # [N + M, V]
+            logits = DeviceLogits(every[:sampling_rows], backend)
+            if len(batch.logits_indices) > sampling_rows:
+                prompt = backend.to_host(every[sampling_rows:])
         logits.stream.synchronize()  # the forward phase holds the device's time, as the host path's copy does
-        return logits
+        return logits, prompt
 
     def _state(self, seq: ScheduledSeq) -> SamplingState:
         request = seq.request
@@ -157,6 +172,34 @@ class ModelRunner:
             state = SamplingState.from_params(request.params, request.prompt_token_ids, request.index)
             self._states[request.seq_id] = state
         return state
+
+
+def _prompt_rows(seqs: list[ScheduledSeq]) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """For each scheduled sequence whose request wants prompt logprobs not computed yet: (its index, the flat
+    batch rows whose logits predict those of its prompt tokens this chunk computes, those tokens). Position p's
+    logits predict token p + 1; a chunk recomputed after a preemption adds only the ones still missing."""
+    out, offset = [], 0
+    for i, seq in enumerate(seqs):
+        request, start, length = seq.request, seq.start_position, len(seq.token_ids)
+        if request.prompt_logprobs is not None:
+            first = len(request.prompt_logprobs)  # the next position whose prediction is missing
+            last = min(start + length, request.num_prompt_tokens - 1)  # exclusive: the last prompt token's
+            if start <= first < last:
+                rows = np.arange(offset + first - start, offset + last - start, dtype=np.int64)  # [M_i]
+                out.append((i, rows, np.asarray(request.token_ids[first + 1: last + 1], np.int64)))
+        offset += length
+    return out
+
+
+def _prompt_logprobs(seqs: list[ScheduledSeq], prompt_rows: list, logits: np.ndarray) -> list[tuple[int, list]]:
+    """(sequence index, Logprobs of its prompt tokens) from the prompt rows' logits [M, V], in `prompt_rows` order."""
+    out, at = [], 0
+    for i, rows, targets in prompt_rows:
+        k = seqs[i].request.params.prompt_logprobs
+        entries = token_logprobs(logits[at: at + len(rows)], targets, k)
+        out.append((i, [_logprob(int(t), lp) for t, lp in zip(targets, entries)]))
+        at += len(rows)
+    return out
 
 
 def _logprob(token: int, logprobs: TokenLogprobs | None) -> Logprob | None:

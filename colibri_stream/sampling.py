@@ -537,6 +537,16 @@ def apply_penalties(logits: np.ndarray, states: list[SamplingState]) -> np.ndarr
     return out
 
 
+def token_logprobs(logits: np.ndarray, token_ids: np.ndarray, k: int) -> list[TokenLogprobs]:
+    """Each row's log-probability of its token and of its k most likely tokens under the raw model distribution
+    (prompt logprobs). logits [M, V] float32, token_ids [M] int64."""
+    lse = _logsumexp(logits)  # [M]
+    chosen = logits[np.arange(len(token_ids)), token_ids] - lse  # [M]
+    top = top_sorted(logits, k) if k else np.zeros((len(token_ids), 0), np.int64)  # [M, k]
+    top_logprobs = (np.take_along_axis(logits, top, axis=1) - lse[:, None]).astype(np.float32)  # [M, k]
+    return [TokenLogprobs(float(chosen[row]), top[row], top_logprobs[row]) for row in range(len(token_ids))]
+
+
 def _logsumexp(x: np.ndarray) -> np.ndarray:
     """[N, V] -> [N] log(sum(exp(x))) along the last axis, computed stably."""
     top = np.max(x, axis=1, keepdims=True)  # [N, 1]

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .config import ConfigError, SchedulerConfig
-from .kv_cache import KVCacheManager
+from .kv_cache import CachedPrefix, KVCacheManager
 from .request import Request, RequestStatus, SeqId, check_length
 
 
@@ -134,7 +134,9 @@ class Scheduler:
             request = self.waiting[0]
             if self._sibling_computing_prompt(request):
                 break  # admitted once the sibling's prompt blocks are cached, it computes only the rest
-            prefix = self.kv.find_cached_prefix(request.token_ids)  # never the last token: it needs logits
+            # never the last token (it needs logits), nor any prompt token whose logprob is still wanted
+            prefix = (CachedPrefix() if self._wants_prompt_logits(request)
+                      else self.kv.find_cached_prefix(request.token_ids))
             num_cached = prefix.num_tokens(self.kv.block_size)
             num_new = min(request.num_tokens - num_cached, budget)
             if self.kv.allocate_slots(request.seq_id, num_cached + num_new, prefix) is None:
@@ -233,11 +235,16 @@ class Scheduler:
     def _sibling_computing_prompt(self, request: Request) -> bool:
         """Whether another sequence of `request`'s request (n > 1) is running and has not computed the prompt
         blocks `request` could take from the prefix cache yet: waiting for it saves computing the prompt again."""
-        if not self.kv.enable_prefix_caching:
+        if not self.kv.enable_prefix_caching or self._wants_prompt_logits(request):
             return False
         shareable = (request.num_prompt_tokens - 1) // self.kv.block_size * self.kv.block_size
         return shareable > 0 and any(other.request_id == request.request_id and other.num_computed_tokens < shareable
                                      for other in self.running)
+
+    @staticmethod
+    def _wants_prompt_logits(request: Request) -> bool:
+        """Whether `request` still needs logits at prompt positions (its prompt logprobs are not all computed)."""
+        return request.prompt_logprobs is not None and len(request.prompt_logprobs) < request.num_prompt_tokens - 1
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.seq_id)

@@ -188,3 +188,17 @@ def test_the_server_streams_on_the_gpu_with_steps_launched_ahead(tiny_model_dir)
     assert answers["ahead"] == answers["sync"]
     assert all(reason in ("length", "stop") for _, reason in answers["ahead"])
     assert sum(bool(text) for text, _ in answers["ahead"]) >= 3
+
+
+def test_prompt_logprobs_on_the_gpu_match_the_numpy_engine(tiny_model_dir):
+    """Prompt positions' logits come back beside the sampling rows of an eager step; the decode graphs still run
+    the later steps; the logprobs match the NumPy backend's."""
+    params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=3, logprobs=1)
+    gpu, cpu = LLM(str(tiny_model_dir), device="cuda"), LLM(str(tiny_model_dir), device="cpu")
+    ours, theirs = gpu.generate(PROMPTS, params), cpu.generate(PROMPTS, params)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.token_ids == b.token_ids and a.prompt_token_ids == b.prompt_token_ids
+        assert len(a.prompt_logprobs) == len(a.prompt_token_ids) - 1
+        np.testing.assert_allclose([lp for _, lp, _ in a.prompt_logprobs], [lp for _, lp, _ in b.prompt_logprobs],
+                                   atol=1e-4)
+    assert gpu.engine.runner.graphs._graphs  # the decode steps after the prompt ran as graphs

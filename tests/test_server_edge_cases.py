@@ -469,9 +469,11 @@ def test_no_op_values_of_unsupported_features_are_accepted(server):
 
 
 def test_completion_features_refused_clearly(server):
-    for fields, param in ((dict(echo=True), "echo"), (dict(suffix="end"), "suffix"), (dict(best_of=3), "best_of")):
+    for fields, param in ((dict(suffix="end"), "suffix"), (dict(best_of=3), "best_of")):
         error = assert_refused(server, COMPLETIONS, body_for(COMPLETIONS, False, **fields), 400, param)
         assert error["code"] == "unsupported_parameter"
+    error = assert_refused(server, CHAT, body_for(CHAT, False, echo=True), 400, "echo")  # completions only
+    assert error["code"] == "unsupported_parameter"
     for best_of in (0, -1):  # a bad value, not a feature: it said "best_of (0) other than n (1) is not supported"
         error = assert_refused(server, COMPLETIONS, body_for(COMPLETIONS, False, best_of=best_of), 400, "best_of")
         assert error["code"] is None and "positive" in error["message"]

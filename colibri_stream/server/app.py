@@ -87,6 +87,10 @@ class ServerState:
             if not self.active:
                 self.idle.set()
 
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids' text, special tokens included (an echoed prompt given as ids)."""
+        return self.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
+
     @functools.cached_property
     def token_piece(self) -> Callable[[int], tuple[str, bytes]]:
         """A token id's text and bytes, for logprobs (memoised: a vocabulary is small)."""
@@ -374,7 +378,7 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateRequest
         raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
     req = parse(await _read_json(request))
     _check_model(state, req.model)
-    responder = Responder(req, state.model_name, state.token_piece)
+    responder = Responder(req, state.model_name, state.token_piece, state.decode)
     generations = Generations(state.engine, responder.id)
     start = time.perf_counter()
     with state.in_flight():
@@ -430,7 +434,7 @@ async def _stream(request: web.Request, state: ServerState, responder: Responder
             async for index, out in generations.outputs():
                 state.metrics.observe(out)
                 choice = responder.add(out, index)
-                if out.text or out.finished or (req.logprobs and out.logprobs):
+                if choice.get("text") or out.text or out.finished or (req.logprobs and out.logprobs):
                     await stream.send(responder.chunk(choice))
         except ColibriError as e:  # after the 200, an error travels in the stream
             await stream.send(_engine_error(e, req).body())

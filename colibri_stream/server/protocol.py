@@ -2,9 +2,9 @@
 
 Unknown fields are ignored (as vLLM does; OpenAI refuses them, but clients written for vLLM-style servers send
 extensions of their own). Otherwise requests follow OpenAI's rules: a known field of the wrong type or out of range
-is a 400 naming the field, and a feature this server does not implement (tool calls, images, audio output, echo,
-suffix, best_of > n, vLLM's continue_final_message, function_call forcing a function) is a 400 that says so instead
-of being silently dropped; so are the fields of the other endpoint that would change the
+is a 400 naming the field, and a feature this server does not implement (tool calls, images, audio output, echo in
+chat, suffix, best_of > n, vLLM's continue_final_message, function_call forcing a function) is a 400 that says so
+instead of being silently dropped; so are the fields of the other endpoint that would change the
 answer (max_completion_tokens, top_logprobs or messages sent to /v1/completions, a prompt sent to chat). Types are
 as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an integer; null is the same as
 leaving a field out. The values of those features that ask for nothing (`tools: []`,
@@ -12,11 +12,15 @@ leaving a field out. The values of those features that ask for nothing (`tools: 
 `suffix: ""`, `best_of` equal to n) are accepted, and so are tools with `tool_choice: "none"` (as vLLM without a
 tool parser: the tools are ignored). The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`
 and `ignore_eos` are accepted too. /v1/completions takes a batch of prompts (a list of strings or of token id
-lists): prompt p's n choices have the indexes p * n to p * n + n - 1, as OpenAI and vLLM number them.
+lists): prompt p's n choices have the indexes p * n to p * n + n - 1, as OpenAI and vLLM number them. Its `echo`
+starts each choice's text with the prompt and, with `logprobs`, its logprobs with the prompt tokens' (the first
+one's null, as OpenAI's legacy completions gave them); `echo` with `max_tokens: 0` returns the prompt alone, which
+is how evaluation harnesses score a text.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -70,6 +74,8 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     logprobs: bool = False  # return logprobs (params.logprobs holds how many alternatives)
+    echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt's
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine's one token is dropped)
 
 
 class _Fields:
@@ -156,8 +162,6 @@ def _reject_unsupported(fields: _Fields, n: int) -> None:
         raise bad_request("best_of must be a positive integer", param="best_of")
     if best_of is not None and best_of != n:
         raise unsupported(f"best_of ({best_of}) other than n ({n}) is not supported", "best_of")
-    if fields.boolean("echo"):
-        raise unsupported("echo is not supported by this server", "echo")
     if fields.string("suffix"):
         raise unsupported("suffix is not supported by this server", "suffix")
 
@@ -245,10 +249,15 @@ def parse_completion(body: Any) -> GenerateRequest:
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
     max_tokens = fields.integer("max_tokens") if "max_tokens" in body else 16  # null: up to the context
+    echo = fields.boolean("echo")
+    echo_only = echo and max_tokens == 0  # scoring a text (its logprobs), as evaluation harnesses do
+    params = _sampling_params(fields, 1 if echo_only else max_tokens, "max_tokens", logprobs, n)
+    if echo and logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=logprobs)
     return GenerateRequest(
-        chat=False, model=model, prompts=_prompts(body.get("prompt")),
-        params=_sampling_params(fields, max_tokens, "max_tokens", logprobs, n),
+        chat=False, model=model, prompts=_prompts(body.get("prompt")), params=params,
         stream=stream, include_usage=_stream_options(fields, stream), logprobs=logprobs is not None,
+        echo=echo, echo_only=echo_only,
     )
 
 
@@ -256,6 +265,8 @@ def parse_chat(body: Any) -> GenerateRequest:
     """Validate a /v1/chat/completions body."""
     fields = _Fields(_object(body))
     model, stream, n = _common(fields, chat=True)
+    if fields.boolean("echo"):
+        raise unsupported("echo is not supported in chat completions (it is in /v1/completions)", "echo")
     logprobs = fields.boolean("logprobs")
     top_logprobs = fields.integer("top_logprobs")
     if top_logprobs is not None:
@@ -354,20 +365,23 @@ class _Choice:
     texts: list[str] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)  # chat: content entries
     tokens: list[str] = field(default_factory=list)  # completions: parallel lists
-    token_logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
     offset: int = 0  # completions: characters of token text so far
     completion_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    echoed: bool = False  # echo: the prompt went out (with the choice's first output)
 
 
 class Responder:
     """Turns one request's RequestOutputs into OpenAI response bodies: stream chunks or the whole completion."""
 
-    def __init__(self, request: GenerateRequest, model: str, token_piece: TokenPiece):
+    def __init__(self, request: GenerateRequest, model: str, token_piece: TokenPiece,
+                 decode: Callable[[list[int]], str]):
         self.request = request
+        self._decode = decode  # token ids -> text: the echo of a prompt given as token ids
         self.model = model
         self.id = ("chatcmpl-" if request.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -390,17 +404,27 @@ class Responder:
         self._prompt_tokens[prompt_index] = output.prompt_tokens
         if output.index == 0:
             self._cached_tokens[prompt_index] = output.cached_tokens
-        choice.completion_tokens = output.completion_tokens
+        request = self.request
+        echo = request.echo and not choice.echoed
+        text, entries = ("", None) if request.echo_only else (output.text, output.logprobs)
+        choice.completion_tokens = 0 if request.echo_only else output.completion_tokens
         choice.finish_reason = output.finish_reason
         choice.stop_reason = output.stop_reason
-        if not self.request.stream:
-            choice.texts.append(output.text)
-        logprobs = self._logprobs(choice, output.logprobs) if self.request.logprobs else None
+        if echo:  # the prompt first: its text, its tokens' logprobs (the first token's null)
+            choice.echoed = True
+            prompt = request.prompts[prompt_index]
+            text = (prompt if isinstance(prompt, str) else self._decode(list(prompt))) + text
+            if output.prompt_token_ids:
+                first = output.prompt_token_ids[0]
+                entries = [(first, None, None), *(output.prompt_logprobs or ()), *(entries or ())]
+        if not request.stream:
+            choice.texts.append(text)
+        logprobs = self._logprobs(choice, entries) if request.logprobs else None
         entry: dict[str, Any] = {"index": choice.index}
-        if self.request.chat:
+        if request.chat:
             entry["delta"] = {"content": output.text} if output.text or not output.finished else {}
         else:
-            entry["text"] = output.text
+            entry["text"] = text
         entry["logprobs"] = logprobs
         entry["finish_reason"] = output.finish_reason
         if output.finished:
@@ -421,12 +445,16 @@ class Responder:
         for token_id, logprob, top in entries or ():
             text = self._token_piece(token_id)[0]
             delta["tokens"].append(text)
-            delta["token_logprobs"].append(max(logprob, MIN_LOGPROB))
-            alternatives: dict[str, float] = {}
-            for t, lp in top:  # best first: a text two tokens share keeps the better logprob
-                alternatives.setdefault(self._token_piece(t)[0], max(lp, MIN_LOGPROB))
-            alternatives.setdefault(text, max(logprob, MIN_LOGPROB))  # as OpenAI: the sampled token's too
-            delta["top_logprobs"].append(alternatives)
+            if logprob is None:  # an echoed prompt's first token: nothing before it to predict it
+                delta["token_logprobs"].append(None)
+                delta["top_logprobs"].append(None)
+            else:
+                delta["token_logprobs"].append(max(logprob, MIN_LOGPROB))
+                alternatives: dict[str, float] = {}
+                for t, lp in top:  # best first: a text two tokens share keeps the better logprob
+                    alternatives.setdefault(self._token_piece(t)[0], max(lp, MIN_LOGPROB))
+                alternatives.setdefault(text, max(logprob, MIN_LOGPROB))  # as OpenAI: the sampled token's too
+                delta["top_logprobs"].append(alternatives)
             delta["text_offset"].append(choice.offset)
             choice.offset += len(text)
         if keep:

@@ -1,0 +1,85 @@
+"""/v1/completions `echo` through the official openai client on the real server: each choice's text starts with
+its prompt; with `logprobs` its logprobs start with the prompt tokens' (the first one null, as OpenAI's legacy
+completions gave them); with `max_tokens: 0` the prompt comes alone, scored (what evaluation harnesses ask for).
+A prompt's echoed logprobs equal those the same tokens got when they were generated."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from test_server import API_KEY, LiveServer
+
+from colibri_stream.engine import EngineCore
+from colibri_stream.request import SamplingParams
+
+MODEL = "tiny"
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    live = LiveServer(tiny_model_dir, dict(max_batch_size=4, max_seq_len=256), api_key=API_KEY,
+                      served_model_name=MODEL)
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def core(tiny_model_dir) -> EngineCore:
+    """An engine over the same model in this process: the tokenizer, and tokens generated with their logprobs."""
+    return EngineCore.from_pretrained(str(tiny_model_dir), device="cpu")
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_echo_prepends_the_prompt_to_each_choice(client):
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, n=2)
+    assert [c.text for c in echoed.choices] == [PROMPT + plain.choices[0].text] * 2
+    assert echoed.usage.completion_tokens == 2 * plain.usage.completion_tokens
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True,
+                                       stream=True)
+    texts = [chunk.choices[0].text for chunk in stream if chunk.choices]
+    assert texts[0].startswith(PROMPT) and "".join(texts) == PROMPT + plain.choices[0].text
+
+
+def test_echo_of_a_token_prompt_is_its_text(client, core):
+    ids = core.tokenizer.encode(PROMPT)
+    reply = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True)
+    assert reply.choices[0].text == core.tokenizer.decode(ids, skip_special_tokens=False)
+    assert reply.usage.completion_tokens == 0 and reply.choices[0].finish_reason == "length"
+
+
+def test_echoed_logprobs_score_the_prompt_as_generation_scored_the_same_tokens(client, core):
+    """Greedy tokens generated with their logprobs (by an engine over the same model), then sent as part of the
+    prompt with max_tokens 0: the echoed logprobs of those prompt tokens are the ones they had as outputs."""
+    ids = core.tokenizer.encode(PROMPT)
+    core.add_request("g", ids, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2))
+    outputs = []
+    while core.has_unfinished():
+        outputs += core.step()
+    generated = [token for out in outputs for token in out.token_ids]
+    generated_logprobs = [lp for out in outputs for _, lp, _ in out.logprobs]
+    scored = client.completions.create(model=MODEL, prompt=ids + generated, max_tokens=0, echo=True, logprobs=2)
+    logprobs = scored.choices[0].logprobs
+    assert scored.usage.prompt_tokens == len(ids) + 5 and scored.usage.completion_tokens == 0
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == len(ids) + 5
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(isinstance(lp, float) and lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs[1:])  # the top 2, and the prompt token
+    assert logprobs.token_logprobs[len(ids):] == pytest.approx(generated_logprobs, abs=1e-4)
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+    assert scored.choices[0].text == core.tokenizer.decode(ids + generated, skip_special_tokens=False)
+
+
+def test_echo_type_and_chat_are_refused(client):
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"echo": "yes"})
+    with pytest.raises(openai.BadRequestError, match="echo is not supported in chat"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body={"echo": True})
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):  # 0 only with echo
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
