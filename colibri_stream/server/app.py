@@ -46,6 +46,7 @@ from .protocol import (
     parse_chat,
     parse_completion,
 )
+from .responses import ResponsesResponder, parse_response
 from .sse import EventStream
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ def create_app(engine: Any, *, api_key: str | None = None, served_model_name: st
     app.add_routes([
         web.post("/v1/chat/completions", chat_completions, expect_handler=_expect),
         web.post("/v1/completions", completions, expect_handler=_expect),
+        web.post("/v1/responses", responses, expect_handler=_expect),
         web.get("/v1/models", list_models),
         web.get("/v1/models/{model:.+}", get_model),  # Hugging Face names hold a slash
         web.get("/health", health),
@@ -315,6 +317,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, parse_completion)
 
 
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_response)
+
+
 async def _expect(request: web.Request) -> web.StreamResponse | None:
     """`Expect: 100-continue` (curl sends it with bodies over 1 MiB): a body announced over the limit is refused
     before the client sends it; aiohttp's default answers "100 Continue" to anything. Runs before the middlewares,
@@ -378,7 +384,8 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateRequest
         raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
     req = parse(await _read_json(request))
     _check_model(state, req.model)
-    responder = Responder(req, state.model_name, state.token_piece, state.decode)
+    responder = (ResponsesResponder(req, state.model_name) if parse is parse_response
+                 else Responder(req, state.model_name, state.token_piece, state.decode))
     generations = Generations(state.engine, responder.id)
     start = time.perf_counter()
     with state.in_flight():
@@ -400,7 +407,7 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateRequest
 
 def _engine_error(error: BaseException, req: GenerateRequest) -> APIError:
     """The HTTP error for an engine refusal or failure (naming the prompt of a batch that it concerns)."""
-    prompt_param = "messages" if req.chat else "prompt"
+    prompt_param = req.prompt_param or ("messages" if req.chat else "prompt")
     prompt = ""
     if isinstance(error, PromptRefused):
         prompt, error = f"prompt {error.index}: ", error.error
@@ -410,7 +417,7 @@ def _engine_error(error: BaseException, req: GenerateRequest) -> APIError:
     if isinstance(error, InvalidParameterError):
         return bad_request(f"{prompt}{error}", param=error.param)
     if isinstance(error, ChatTemplateError):
-        return bad_request(str(error), param="messages")
+        return bad_request(str(error), param=prompt_param)
     if isinstance(error, QueueFullError):
         return APIError(429, f"the server is busy: {error}", type="rate_limit_error", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
@@ -420,27 +427,25 @@ def _engine_error(error: BaseException, req: GenerateRequest) -> APIError:
     return APIError(500, f"generation failed: {error}", type="server_error")
 
 
-async def _stream(request: web.Request, state: ServerState, responder: Responder,
+async def _stream(request: web.Request, state: ServerState, responder: Responder | ResponsesResponder,
                   generations: Generations) -> web.StreamResponse:
-    """Send the request's outputs as SSE chunks; keep-alive comments fill silences (a long prefill)."""
-    req = responder.request
+    """Send the request's outputs as SSE events (the responder's opening ones, one or none per output, its
+    closing ones); keep-alive comments fill silences (a long prefill)."""
     stream = EventStream(request, state.keepalive_interval, state.send_timeout)
     try:
         await stream.open()
-        if req.chat:
-            for chunk in responder.role_chunks():
-                await stream.send(chunk)
+        for event in responder.opening():
+            await stream.send(event)
         try:
             async for index, out in generations.outputs():
                 state.metrics.observe(out)
-                choice = responder.add(out, index)
-                if choice.get("text") or out.text or out.finished or (req.logprobs and out.logprobs):
-                    await stream.send(responder.chunk(choice))
+                for event in responder.events(out, index):
+                    await stream.send(event)
         except ColibriError as e:  # after the 200, an error travels in the stream
-            await stream.send(_engine_error(e, req).body())
+            await stream.send(_engine_error(e, responder.request).body())
         else:
-            if req.include_usage:
-                await stream.send(responder.usage_chunk())
+            for event in responder.closing():
+                await stream.send(event)
         await stream.close()
     except ConnectionResetError as e:  # the client left or stopped reading; the caller aborts the request
         log.debug("client of %s disconnected: %s", responder.id, e)

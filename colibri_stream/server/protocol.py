@@ -76,6 +76,7 @@ class GenerateRequest:
     logprobs: bool = False  # return logprobs (params.logprobs holds how many alternatives)
     echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt's
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine's one token is dropped)
+    prompt_param: str = ""  # the field that holds the prompt, named in errors about it (default: prompt / messages)
 
 
 class _Fields:
@@ -311,15 +312,16 @@ def _prompts(prompt: Any) -> tuple[str | list[int], ...]:
     return tuple(batch)
 
 
-def _messages(messages: Any) -> list[dict]:
-    """Chat messages as {"role", "content": str} dicts; content parts other than text are refused."""
+def _messages(messages: Any, name: str = "messages") -> list[dict]:
+    """Chat messages as {"role", "content": str} dicts; content parts other than text are refused. `name`: the
+    field that holds them, named in errors."""
     if messages is None:
-        raise bad_request("messages is required", param="messages")
+        raise bad_request(f"{name} is required", param=name)
     if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty array of message objects", param="messages")
+        raise bad_request(f"{name} must be a non-empty array of message objects", param=name)
     out = []
     for i, message in enumerate(messages):
-        param = f"messages[{i}]"
+        param = f"{name}[{i}]"
         if not isinstance(message, dict):
             raise bad_request(f"{param} must be an object, got {_json_type(message)}", param=param)
         role = message.get("role")
@@ -472,6 +474,20 @@ class Responder:
         prompt, completion = sum(self._prompt_tokens), sum(c.completion_tokens for c in self._choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(self._cached_tokens)}}
+
+    def opening(self) -> list[dict]:
+        """A stream's first chunks: chat streams open with one per choice that carries the assistant role."""
+        return self.role_chunks() if self.request.chat else []
+
+    def events(self, output: Any, prompt_index: int = 0) -> list[dict]:
+        """Record one RequestOutput; the stream chunk it makes (none for an output with nothing to show yet)."""
+        choice = self.add(output, prompt_index)
+        shown = choice.get("text") or output.text or output.finished or (self.request.logprobs and output.logprobs)
+        return [self.chunk(choice)] if shown else []
+
+    def closing(self) -> list[dict]:
+        """A stream's last chunks: the usage, when stream_options asked for it."""
+        return [self.usage_chunk()] if self.request.include_usage else []
 
     def chunk(self, choice: dict) -> dict:
         """A stream chunk holding one choice's delta."""

@@ -1,0 +1,196 @@
+"""The Responses API (`POST /v1/responses`), the OpenAI SDK's newer endpoint for text generation, over the same
+engine requests as chat completions.
+
+`input` (a string, or message items whose content is a string or input_text / output_text parts) and
+`instructions` (a system message first) go through the model's chat template; `max_output_tokens`, `temperature`,
+`top_p`, `stream` and the vLLM extensions of chat (`top_k`, `min_p`, `seed`, `stop`, penalties, ...) are read as
+chat reads them. Responses are not stored: `previous_response_id` is refused, and `store` is accepted and changes
+nothing (as where a server keeps no state). As in chat, what this server does not do is a 400 naming the field
+rather than something silently dropped: tools, images and files, reasoning settings, a text format other than
+plain text, logprobs (`top_logprobs`, `include`), truncation "auto".
+
+A response has one output item, an assistant message with one output_text part. A stream sends OpenAI's event
+sequence: response.created, response.in_progress, response.output_item.added, response.content_part.added, then
+response.output_text.delta per new text, response.output_text.done, response.content_part.done,
+response.output_item.done and response.completed, each event numbered by sequence_number. A response the length
+limit ended has status "incomplete" and incomplete_details.reason "max_output_tokens"; its stream still ends with
+response.completed (as vLLM's: the SDK's stream helper waits for that event).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from .protocol import (GenerateRequest, _Fields, _json_type, _messages, _object, _sampling_params, bad_request,
+                       unsupported)
+
+INPUT_TEXT_PARTS = ("input_text", "output_text", "text")  # text content parts of an input message
+
+
+def parse_response(body: Any) -> GenerateRequest:
+    """Validate a /v1/responses body."""
+    fields = _Fields(_object(body))
+    _reject_unsupported(fields)
+    fields.string("user")  # accepted for compatibility; only the types are checked
+    fields.boolean("store", True)
+    fields.get("metadata", (dict,), "an object")
+    messages = _messages(_input_messages(body.get("input")), "input")
+    instructions = fields.string("instructions")
+    if instructions:
+        messages.insert(0, {"role": "system", "content": instructions})
+    stream = fields.boolean("stream")
+    params = _sampling_params(fields, fields.integer("max_output_tokens"), "max_output_tokens", None, 1)
+    return GenerateRequest(chat=True, model=fields.string("model"), prompts=(messages,), params=params,
+                           stream=stream, prompt_param="input")
+
+
+def _reject_unsupported(fields: _Fields) -> None:
+    body = fields.body
+    if body.get("previous_response_id") is not None:
+        raise unsupported("previous_response_id is not supported: this server does not store responses; send the "
+                          "conversation in input", "previous_response_id")
+    if body.get("conversation") is not None:
+        raise unsupported("conversation is not supported: this server does not store conversations", "conversation")
+    if fields.get("tools", (list,), "an array", ()) and body.get("tool_choice") != "none":
+        raise unsupported('tools are not supported by this server (with tool_choice: "none" they are ignored)',
+                          "tools")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise unsupported("tool_choice is not supported by this server", "tool_choice")
+    if fields.get("reasoning", (dict,), "an object") or body.get("prompt") is not None:
+        name = "reasoning" if body.get("reasoning") else "prompt"
+        raise unsupported(f"{name} is not supported by this server", name)
+    text = fields.get("text", (dict,), "an object", {})
+    if text.get("format") not in (None, {"type": "text"}):
+        raise unsupported('text.format is not supported; only {"type": "text"} is accepted', "text.format")
+    if fields.integer("top_logprobs"):
+        raise unsupported("top_logprobs is not supported in /v1/responses (it is in chat completions)",
+                          "top_logprobs")
+    if fields.get("include", (list,), "an array", ()):
+        raise unsupported("include is not supported by this server", "include")
+    if body.get("truncation") not in (None, "disabled"):
+        raise unsupported('truncation is not supported; only "disabled" is accepted (a prompt over the context '
+                          'is refused)', "truncation")
+    if body.get("background"):
+        raise unsupported("background is not supported by this server", "background")
+
+
+def _input_messages(value: Any) -> list[dict]:
+    """`input` as chat messages with string or text-part content (checked again by protocol._messages)."""
+    if value is None:
+        raise bad_request("input is required", param="input")
+    if isinstance(value, str):
+        if not value:
+            raise bad_request("input must not be empty", param="input")
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise bad_request(f"input must be a string or a non-empty array of items, got {_json_type(value)}",
+                          param="input")
+    messages = []
+    for i, item in enumerate(value):
+        param = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"{param} must be an object, got {_json_type(item)}", param=param)
+        kind = item.get("type", "message")
+        if kind != "message":
+            raise unsupported(f"{param}: items of type {kind!r} are not supported by this server (only messages)",
+                              param)
+        content = item.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                part_kind = part.get("type") if isinstance(part, dict) else None
+                if part_kind not in INPUT_TEXT_PARTS or not isinstance(part.get("text"), str):
+                    raise unsupported(f"{param}.content[{j}]: only text parts are supported by this server, got "
+                                      f"{part_kind!r}", f"{param}.content")
+                parts.append({"type": "text", "text": part["text"]})
+            content = parts
+        messages.append({"role": item.get("role"), "content": content})
+    return messages
+
+
+class ResponsesResponder:
+    """Turns one /v1/responses request's RequestOutputs into the response object or its stream events."""
+
+    def __init__(self, request: GenerateRequest, model: str):
+        self.request = request
+        self.model = model
+        self.id = "resp_" + uuid.uuid4().hex
+        self._message_id = "msg_" + uuid.uuid4().hex
+        self._created = int(time.time())
+        self._texts: list[str] = []
+        self._input_tokens = self._cached_tokens = self._output_tokens = 0
+        self._finish_reason: str | None = None
+        self._sequence = 0
+
+    def add(self, output: Any, prompt_index: int = 0) -> None:
+        """Record one RequestOutput."""
+        self._input_tokens, self._cached_tokens = output.prompt_tokens, output.cached_tokens
+        self._output_tokens = output.completion_tokens
+        self._finish_reason = output.finish_reason
+        if output.text:
+            self._texts.append(output.text)
+
+    def events(self, output: Any, prompt_index: int = 0) -> list[dict]:
+        """Record one RequestOutput; the stream events it makes (a text delta, if it has text)."""
+        self.add(output, prompt_index)
+        if not output.text:
+            return []
+        return [self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
+                            content_index=0, delta=output.text, logprobs=[])]
+
+    def opening(self) -> list[dict]:
+        """The events before any text."""
+        return [self._event("response.created", response=self._response("in_progress", [])),
+                self._event("response.in_progress", response=self._response("in_progress", [])),
+                self._event("response.output_item.added", output_index=0, item=self._message("in_progress", [])),
+                self._event("response.content_part.added", item_id=self._message_id, output_index=0,
+                            content_index=0, part=self._part(""))]
+
+    def closing(self) -> list[dict]:
+        """The events after the last text: the text, part and item done, then the whole response."""
+        text, response = "".join(self._texts), self.response()
+        return [self._event("response.output_text.done", item_id=self._message_id, output_index=0, content_index=0,
+                            text=text, logprobs=[]),
+                self._event("response.content_part.done", item_id=self._message_id, output_index=0,
+                            content_index=0, part=self._part(text)),
+                self._event("response.output_item.done", output_index=0, item=response["output"][0]),
+                self._event("response.completed", response=response)]
+
+    def response(self) -> dict:
+        """The response object, once generation has ended."""
+        status = "incomplete" if self._finish_reason == "length" else "completed"
+        item = self._message(status, [self._part("".join(self._texts))])
+        return self._response(status, [item])
+
+    def _response(self, status: str, output: list[dict]) -> dict:
+        params = self.request.params
+        done = status != "in_progress"
+        return {
+            "id": self.id, "object": "response", "created_at": self._created, "status": status,
+            "background": False, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": None, "max_output_tokens": params.max_tokens, "model": self.model, "output": output,
+            "parallel_tool_calls": True, "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
+            "store": False, "temperature": params.temperature, "text": {"format": {"type": "text"}},
+            "tool_choice": "auto", "tools": [], "top_p": params.top_p, "truncation": "disabled", "metadata": {},
+            "usage": self._usage() if done else None,
+        }
+
+    def _usage(self) -> dict:
+        return {"input_tokens": self._input_tokens, "input_tokens_details": {"cached_tokens": self._cached_tokens},
+                "output_tokens": self._output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self._input_tokens + self._output_tokens}
+
+    def _message(self, status: str, content: list[dict]) -> dict:
+        return {"type": "message", "id": self._message_id, "status": status, "role": "assistant",
+                "content": content}
+
+    @staticmethod
+    def _part(text: str) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def _event(self, kind: str, **fields: Any) -> dict:
+        self._sequence += 1
+        return {"type": kind, "sequence_number": self._sequence - 1, **fields}

@@ -1,0 +1,124 @@
+"""The Responses API (POST /v1/responses) through the official openai client on the real server: the same text as
+chat completions for the same messages, OpenAI's stream event sequence (the SDK's stream helper included), the
+status and usage, and a 400 naming the field for what the server does not do; no value of any field is a 500."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from test_server import API_KEY, LiveServer, request
+
+MODEL = "tiny"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about experts"}]
+STOPS = [" ", "e", "a", "\n"]  # one of these comes early in any text
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    live = LiveServer(tiny_model_dir, dict(max_batch_size=4, max_seq_len=256), api_key=API_KEY,
+                      served_model_name=MODEL)
+    yield live
+    live.close()
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_a_response_says_what_chat_says_for_the_same_messages(client):
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    response = client.responses.create(model=MODEL, instructions=MESSAGES[0]["content"],
+                                       input=[{"role": "user", "content": [{"type": "input_text",
+                                                                             "text": MESSAGES[1]["content"]}]}],
+                                       max_output_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.output_text == chat.choices[0].message.content
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens == 8
+    assert response.usage.total_tokens == response.usage.input_tokens + 8
+    message = response.output[0]
+    assert message.type == "message" and message.role == "assistant" and message.content[0].type == "output_text"
+    plain = client.responses.create(model=MODEL, input=MESSAGES[1]["content"], max_output_tokens=64,
+                                    temperature=0, extra_body={"stop": STOPS})
+    assert plain.status == "completed" and plain.incomplete_details is None
+    assert not any(stop in plain.output_text for stop in STOPS)
+
+
+def test_a_streamed_response_sends_openais_event_sequence(client):
+    stream = client.responses.create(model=MODEL, input="Tell me about experts", max_output_tokens=10,
+                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+    events = list(stream)
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    final = events[-1].response
+    assert final.output_text == text == events[-4].text and final.usage.output_tokens == 10
+    assert text == client.responses.create(model=MODEL, input="Tell me about experts", max_output_tokens=10,
+                                           temperature=0, extra_body={"ignore_eos": True}).output_text
+    with client.responses.stream(model=MODEL, input="hi", max_output_tokens=5, temperature=0) as helper:
+        deltas = "".join(event.delta for event in helper if event.type == "response.output_text.delta")
+        assert helper.get_final_response().output_text == deltas
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"input": ""}, "input"),
+    ({"input": None}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": [5]}, "input[0]"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"instructions": "x", "input": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]},
+     "input[1].role"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"instructions": 5}, "instructions"),
+    ({"model": "other"}, "model"),
+])
+def test_what_the_server_does_not_do_is_a_400_naming_the_field(server, client, fields, param):
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, **fields}
+    status, _, raw = request(server, "POST", "/v1/responses", data=json.dumps(body).encode(),
+                             headers={"Content-Type": "application/json"})
+    error = json.loads(raw)["error"]
+    assert (status, error["param"]) == ((404, param) if param == "model" else (400, param)), error
+    assert client.responses.create(model=MODEL, input="hi", max_output_tokens=2).status in ("completed", "incomplete")
+
+
+def test_no_value_of_any_field_is_a_500(server):
+    fields = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools",
+              "tool_choice", "previous_response_id", "reasoning", "text", "top_logprobs", "include", "truncation",
+              "store", "metadata", "user", "background", "conversation", "prompt", "seed", "stop"]
+    values = [None, True, False, 0, -1, 1.5, "", "x", [], {}, [None], [[]], {"type": None}, {"format": 5}, 2**70,
+              [1, "a"], "\u0000"]
+    for name in fields:
+        for value in values:
+            body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, name: value}
+            status, _, raw = request(server, "POST", "/v1/responses", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+            assert status < 500, (name, value, raw[:300])
+            if status >= 400:
+                assert "error" in json.loads(raw), (name, value)
+
+
+def test_a_prompt_over_the_context_names_input(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, input="experts " * 400, max_output_tokens=2)
+    assert refused.value.body["param"] == "input" and refused.value.body["code"] == "context_length_exceeded"
