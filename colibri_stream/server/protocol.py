@@ -79,7 +79,7 @@ class GenerateRequest:
     prompt_param: str = ""  # the field that holds the prompt, named in errors about it (default: prompt / messages)
 
 
-class _Fields:
+class Fields:
     """Typed reads of a request body's fields; a present field of the wrong type is a 400 that names it."""
 
     def __init__(self, body: dict):
@@ -90,7 +90,7 @@ class _Fields:
         if value is None:  # absent or null
             return default
         if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            raise bad_request(f"{name} must be {what}, got {_json_type(value)}", param=name)
+            raise bad_request(f"{name} must be {what}, got {json_type(value)}", param=name)
         return value
 
     def number(self, name: str, default: float) -> float:
@@ -127,7 +127,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, (int, float)):
@@ -135,7 +135,7 @@ def _json_type(value: Any) -> str:
     return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
 
 
-def _reject_unsupported(fields: _Fields, n: int) -> None:
+def _reject_unsupported(fields: Fields, n: int) -> None:
     body = fields.body
     for name, choice in (("tools", "tool_choice"), ("functions", "function_call")):
         if fields.get(name, (list,), "an array", ()) and body.get(choice) != "none":
@@ -167,7 +167,7 @@ def _reject_unsupported(fields: _Fields, n: int) -> None:
         raise unsupported("suffix is not supported by this server", "suffix")
 
 
-def _sampling_params(fields: _Fields, max_tokens: int | None, max_tokens_name: str, logprobs: int | None,
+def sampling_params(fields: Fields, max_tokens: int | None, max_tokens_name: str, logprobs: int | None,
                      n: int) -> SamplingParams:
     try:
         return SamplingParams(
@@ -193,7 +193,7 @@ def _sampling_params(fields: _Fields, max_tokens: int | None, max_tokens_name: s
         raise bad_request(str(e), param=e.param) from None
 
 
-def _logit_bias(fields: _Fields) -> tuple[tuple[int, float], ...]:
+def _logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
     """logit_bias as (token id, bias) pairs: keys are token ids written as decimal strings ("50256"), no sign, no
     leading zero (so no two keys name one token), values are numbers; the ranges are SamplingParams' and the
     engine's."""
@@ -204,12 +204,12 @@ def _logit_bias(fields: _Fields) -> tuple[tuple[int, float], ...]:
             raise bad_request(f'logit_bias keys must be token ids such as "50256", got {key[:24]!r}',
                               param="logit_bias")
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise bad_request(f"logit_bias[{key!r}] must be a number, got {_json_type(value)}", param="logit_bias")
+            raise bad_request(f"logit_bias[{key!r}] must be a number, got {json_type(value)}", param="logit_bias")
         pairs.append((int(key), float(value)))
     return tuple(pairs)
 
 
-def _stream_options(fields: _Fields, stream: bool) -> bool:
+def _stream_options(fields: Fields, stream: bool) -> bool:
     options = fields.get("stream_options", (dict,), "an object")
     if options is None:
         return False
@@ -232,7 +232,7 @@ _OTHER_ENDPOINT = {
 }
 
 
-def _common(fields: _Fields, chat: bool) -> tuple[str | None, bool, int]:
+def _common(fields: Fields, chat: bool) -> tuple[str | None, bool, int]:
     for name, message in _OTHER_ENDPOINT[chat].items():
         if fields.body.get(name) is not None:
             raise bad_request(message, param=name)
@@ -244,7 +244,7 @@ def _common(fields: _Fields, chat: bool) -> tuple[str | None, bool, int]:
 
 def parse_completion(body: Any) -> GenerateRequest:
     """Validate a /v1/completions body."""
-    fields = _Fields(_object(body))
+    fields = Fields(body_object(body))
     model, stream, n = _common(fields, chat=False)
     logprobs = fields.integer("logprobs")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -252,7 +252,7 @@ def parse_completion(body: Any) -> GenerateRequest:
     max_tokens = fields.integer("max_tokens") if "max_tokens" in body else 16  # null: up to the context
     echo = fields.boolean("echo")
     echo_only = echo and max_tokens == 0  # scoring a text (its logprobs), as evaluation harnesses do
-    params = _sampling_params(fields, 1 if echo_only else max_tokens, "max_tokens", logprobs, n)
+    params = sampling_params(fields, 1 if echo_only else max_tokens, "max_tokens", logprobs, n)
     if echo and logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=logprobs)
     return GenerateRequest(
@@ -264,7 +264,7 @@ def parse_completion(body: Any) -> GenerateRequest:
 
 def parse_chat(body: Any) -> GenerateRequest:
     """Validate a /v1/chat/completions body."""
-    fields = _Fields(_object(body))
+    fields = Fields(body_object(body))
     model, stream, n = _common(fields, chat=True)
     if fields.boolean("echo"):
         raise unsupported("echo is not supported in chat completions (it is in /v1/completions)", "echo")
@@ -282,15 +282,15 @@ def parse_chat(body: Any) -> GenerateRequest:
     elif legacy_max_tokens is not None and legacy_max_tokens < 1:  # checked even when max_completion_tokens wins
         raise bad_request("max_tokens must be a positive integer", param="max_tokens")
     return GenerateRequest(
-        chat=True, model=model, prompts=(_messages(body.get("messages")),),
-        params=_sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs else None, n),
+        chat=True, model=model, prompts=(chat_messages(body.get("messages")),),
+        params=sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs else None, n),
         stream=stream, include_usage=_stream_options(fields, stream), logprobs=logprobs,
     )
 
 
-def _object(body: Any) -> dict:
+def body_object(body: Any) -> dict:
     if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
+        raise bad_request(f"the request body must be a JSON object, got {json_type(body)}")
     return body
 
 
@@ -312,7 +312,7 @@ def _prompts(prompt: Any) -> tuple[str | list[int], ...]:
     return tuple(batch)
 
 
-def _messages(messages: Any, name: str = "messages") -> list[dict]:
+def chat_messages(messages: Any, name: str = "messages") -> list[dict]:
     """Chat messages as {"role", "content": str} dicts; content parts other than text are refused. `name`: the
     field that holds them, named in errors."""
     if messages is None:
@@ -323,7 +323,7 @@ def _messages(messages: Any, name: str = "messages") -> list[dict]:
     for i, message in enumerate(messages):
         param = f"{name}[{i}]"
         if not isinstance(message, dict):
-            raise bad_request(f"{param} must be an object, got {_json_type(message)}", param=param)
+            raise bad_request(f"{param} must be an object, got {json_type(message)}", param=param)
         role = message.get("role")
         if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
             raise unsupported(f"{param}: tool messages and tool calls are not supported by this server", param)

@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import Any
 
-from .protocol import (GenerateRequest, _Fields, _json_type, _messages, _object, _sampling_params, bad_request,
+from .protocol import (Fields, GenerateRequest, bad_request, body_object, chat_messages, json_type, sampling_params,
                        unsupported)
 
 INPUT_TEXT_PARTS = ("input_text", "output_text", "text")  # text content parts of an input message
@@ -31,22 +31,22 @@ INPUT_TEXT_PARTS = ("input_text", "output_text", "text")  # text content parts o
 
 def parse_response(body: Any) -> GenerateRequest:
     """Validate a /v1/responses body."""
-    fields = _Fields(_object(body))
+    fields = Fields(body_object(body))
     _reject_unsupported(fields)
     fields.string("user")  # accepted for compatibility; only the types are checked
     fields.boolean("store", True)
     fields.get("metadata", (dict,), "an object")
-    messages = _messages(_input_messages(body.get("input")), "input")
+    messages = chat_messages(_input_messages(body.get("input")), "input")
     instructions = fields.string("instructions")
     if instructions:
         messages.insert(0, {"role": "system", "content": instructions})
     stream = fields.boolean("stream")
-    params = _sampling_params(fields, fields.integer("max_output_tokens"), "max_output_tokens", None, 1)
+    params = sampling_params(fields, fields.integer("max_output_tokens"), "max_output_tokens", None, 1)
     return GenerateRequest(chat=True, model=fields.string("model"), prompts=(messages,), params=params,
                            stream=stream, prompt_param="input")
 
 
-def _reject_unsupported(fields: _Fields) -> None:
+def _reject_unsupported(fields: Fields) -> None:
     body = fields.body
     if body.get("previous_response_id") is not None:
         raise unsupported("previous_response_id is not supported: this server does not store responses; send the "
@@ -77,7 +77,7 @@ def _reject_unsupported(fields: _Fields) -> None:
 
 
 def _input_messages(value: Any) -> list[dict]:
-    """`input` as chat messages with string or text-part content (checked again by protocol._messages)."""
+    """`input` as chat messages with string or text-part content (checked again by protocol.chat_messages)."""
     if value is None:
         raise bad_request("input is required", param="input")
     if isinstance(value, str):
@@ -85,13 +85,13 @@ def _input_messages(value: Any) -> list[dict]:
             raise bad_request("input must not be empty", param="input")
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise bad_request(f"input must be a string or a non-empty array of items, got {_json_type(value)}",
+        raise bad_request(f"input must be a string or a non-empty array of items, got {json_type(value)}",
                           param="input")
     messages = []
     for i, item in enumerate(value):
         param = f"input[{i}]"
         if not isinstance(item, dict):
-            raise bad_request(f"{param} must be an object, got {_json_type(item)}", param=param)
+            raise bad_request(f"{param} must be an object, got {json_type(item)}", param=param)
         kind = item.get("type", "message")
         if kind != "message":
             raise unsupported(f"{param}: items of type {kind!r} are not supported by this server (only messages)",
