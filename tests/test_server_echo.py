@@ -83,3 +83,15 @@ def test_echo_type_and_chat_are_refused(client):
                                        extra_body={"echo": True})
     with pytest.raises(openai.BadRequestError, match="max_tokens"):  # 0 only with echo
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+
+
+def test_a_streamed_echo_sends_the_prompt_and_its_logprobs_first(client, core):
+    ids = core.tokenizer.encode(PROMPT)
+    whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    chunks = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0,
+                                                               echo=True, logprobs=1, stream=True) if c.choices]
+    first = chunks[0].logprobs
+    assert first.token_logprobs[0] is None and len(first.tokens) >= len(ids)  # the prompt's, then maybe a token
+    streamed = [token for c in chunks if c.logprobs for token in c.logprobs.tokens]
+    assert streamed == whole.choices[0].logprobs.tokens
+    assert "".join(c.text for c in chunks) == whole.choices[0].text
