@@ -106,6 +106,11 @@ def plan_export(checkpoint: HFCheckpoint, config: ModelConfig) -> ExportPlan:
             experts[layer].append(tensors)
 
     tolerated = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    # Tensors of no element hold nothing (transformers builds Qwen2-MoE's shared expert even at width 0); with no
+    # shared expert its gate scales a zero output
+    tolerated |= {n for n, t in checkpoint.tensors.items() if t.nbytes == 0}
+    if not config.shared_expert_intermediate_size:
+        tolerated |= {n for n in checkpoint.tensors if ".mlp.shared_expert_gate." in n}
     unused = sorted(n for n in set(checkpoint.tensors) - used - tolerated if not n.endswith(IGNORED_SUFFIXES))
     if unused:
         raise CheckpointError(f"the checkpoint holds {len(unused)} tensors that config.json does not account for "

@@ -113,6 +113,10 @@ VARIANTS = [
     ("mixtral", {"tie_word_embeddings": True}),
     ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2}),
     ("qwen2_moe", {"decoder_sparse_step": 2, "mlp_only_layers": []}),
+    ("qwen2_moe", {"shared_expert_intermediate_size": 0}),  # transformers still builds it, with no width
+    ("qwen3_moe", {"decoder_sparse_step": 2, "mlp_only_layers": [0]}),
+    ("mixtral", {"head_dim": 32}),  # not hidden / heads (16)
+    ("olmoe", {"num_experts_per_tok": 8}),  # every expert
     ("qwen3_moe", {"attention_bias": True}),
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 5}),
     ("qwen3_moe", {"rope_parameters": {"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.0}}),
