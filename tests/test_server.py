@@ -155,6 +155,20 @@ def test_models_health_metrics(server, client):
 
 # ------------------------------------------------------------------------------------- chat and text completions
 
+def test_every_answer_names_its_request(server, client):
+    """X-Request-Id on answers and refusals: the client's own when it is plain, a new one per request otherwise."""
+    model = client.models.list().data[0].id
+    first = client.chat.completions.with_raw_response.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                             max_tokens=1)
+    second = client.models.with_raw_response.list()
+    assert first.request_id and second.request_id and first.request_id != second.request_id
+    for given, echoed in (("trace-42.a:b_c", True), ("bad id\u00e9", False), ("x" * 129, False)):
+        status, headers, _ = request(server, "GET", "/v1/models", headers={"X-Request-Id": given})
+        assert status == 200 and (headers["X-Request-Id"] == given) == echoed and headers["X-Request-Id"]
+    status, headers, _ = request(server, "POST", "/v1/completions", {"prompt": 5}, headers={"X-Request-Id": "r1"})
+    assert status == 400 and headers["X-Request-Id"] == "r1"
+
+
 def test_chat_non_streaming(client):
     reply = client.chat.completions.create(model="tiny-mixtral", messages=chat("Hello there"), **GREEDY)
     assert reply.id.startswith("chatcmpl-") and reply.object == "chat.completion"

@@ -19,6 +19,7 @@ import ipaddress
 import logging
 import signal
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +105,9 @@ class ServerState:
         return piece
 
 
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID = 128  # characters of a client's own request id that are echoed back
+
 STATE = web.AppKey("state", ServerState)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -132,6 +136,7 @@ def create_app(engine: Any, *, api_key: str | None = None, served_model_name: st
     if cors_origins:
         app[_CORS_ORIGINS] = tuple(cors_origins)
         app.on_response_prepare.append(_cors_headers)
+    app.on_response_prepare.append(_request_id_header)
     engine.add_step_sink(app[STATE].metrics.observe_step)
     if trace_file is not None:
         app.cleanup_ctx.append(functools.partial(_trace_lifetime, trace_file))
@@ -260,6 +265,14 @@ async def _cors_preflight(request: web.Request, handler: Handler) -> web.StreamR
                        request.headers.get("Access-Control-Request-Headers", "Authorization, Content-Type")}
         return web.Response(status=204, headers=headers)
     return await handler(request)
+
+
+async def _request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer names its request in X-Request-Id, as OpenAI's and vLLM's do (the openai client reads it into
+    `_request_id`): the client's own X-Request-Id when it sent a plain one, else a new id."""
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    plain = 0 < len(given) <= MAX_REQUEST_ID and all(c.isascii() and (c.isalnum() or c in "-_.:") for c in given)
+    response.headers[REQUEST_ID_HEADER] = given if plain else uuid.uuid4().hex
 
 
 async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
