@@ -66,3 +66,14 @@ def emoji_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
             (folder / path.name).symlink_to(path)
     write_tokenizer(folder, _CORPUS + ["🙂 😀 🚀 🌍 emoji 🎉 party 🐍 python ✨"] * 3)
     return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model_dir: Path):
+    """The tiny model served as "tiny" behind test_server's API key: 4 sequences, a context of 256 (one per module)."""
+    from test_server import API_KEY, LiveServer
+
+    live = LiveServer(tiny_model_dir, dict(max_batch_size=4, max_seq_len=256), api_key=API_KEY,
+                      served_model_name="tiny")
+    yield live
+    live.close()

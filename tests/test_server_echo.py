@@ -7,21 +7,13 @@ from __future__ import annotations
 
 import openai
 import pytest
-from test_server import API_KEY, LiveServer
+from test_server import API_KEY
 
 from colibri_stream.engine import EngineCore
 from colibri_stream.request import SamplingParams
 
-MODEL = "tiny"
+MODEL = "tiny"  # the name conftest.tiny_server serves the model under
 PROMPT = "The quick brown fox"
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    live = LiveServer(tiny_model_dir, dict(max_batch_size=4, max_seq_len=256), api_key=API_KEY,
-                      served_model_name=MODEL)
-    yield live
-    live.close()
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +23,8 @@ def core(tiny_model_dir) -> EngineCore:
 
 
 @pytest.fixture
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+def client(tiny_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 def test_echo_prepends_the_prompt_to_each_choice(client):

@@ -8,24 +8,16 @@ import json
 
 import openai
 import pytest
-from test_server import API_KEY, LiveServer, request
+from test_server import API_KEY, request
 
-MODEL = "tiny"
+MODEL = "tiny"  # the name conftest.tiny_server serves the model under
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about experts"}]
 STOPS = [" ", "e", "a", "\n"]  # one of these comes early in any text
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    live = LiveServer(tiny_model_dir, dict(max_batch_size=4, max_seq_len=256), api_key=API_KEY,
-                      served_model_name=MODEL)
-    yield live
-    live.close()
-
-
 @pytest.fixture
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+def client(tiny_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 def test_a_response_says_what_chat_says_for_the_same_messages(client):
@@ -93,16 +85,16 @@ def test_a_streamed_response_sends_openais_event_sequence(client):
     ({"instructions": 5}, "instructions"),
     ({"model": "other"}, "model"),
 ])
-def test_what_the_server_does_not_do_is_a_400_naming_the_field(server, client, fields, param):
+def test_what_the_server_does_not_do_is_a_400_naming_the_field(tiny_server, client, fields, param):
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, **fields}
-    status, _, raw = request(server, "POST", "/v1/responses", data=json.dumps(body).encode(),
+    status, _, raw = request(tiny_server, "POST", "/v1/responses", data=json.dumps(body).encode(),
                              headers={"Content-Type": "application/json"})
     error = json.loads(raw)["error"]
     assert (status, error["param"]) == ((404, param) if param == "model" else (400, param)), error
     assert client.responses.create(model=MODEL, input="hi", max_output_tokens=2).status in ("completed", "incomplete")
 
 
-def test_no_value_of_any_field_is_a_500(server):
+def test_no_value_of_any_field_is_a_500(tiny_server):
     fields = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools",
               "tool_choice", "previous_response_id", "reasoning", "text", "top_logprobs", "include", "truncation",
               "store", "metadata", "user", "background", "conversation", "prompt", "seed", "stop"]
@@ -111,7 +103,7 @@ def test_no_value_of_any_field_is_a_500(server):
     for name in fields:
         for value in values:
             body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, name: value}
-            status, _, raw = request(server, "POST", "/v1/responses", data=json.dumps(body).encode(),
+            status, _, raw = request(tiny_server, "POST", "/v1/responses", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
             assert status < 500, (name, value, raw[:300])
             if status >= 400:
