@@ -30,6 +30,7 @@ from .request import (EngineStepError, EngineStoppedError, InvalidParameterError
                       RequestOutput, RequestStatus, SamplingParams)
 from .runner import LaunchedStep, ModelRunner, RunnerOutput
 from .scheduler import Scheduler, SchedulerOutput, SeqUpdate
+from .structured import Constraints
 from .timing import StepSink, StepTimer
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -89,6 +90,8 @@ class EngineCore:
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_seq_len=self.max_seq_len), self.kv)
         self.runner = ModelRunner(model, model.allocate_kv_cache(num_blocks, block_size), per_seq,
                                   config.scheduler.max_batch_size, cuda_graphs=config.cuda_graphs)
+        self.runner.constraints = Constraints(tokenizer.to_json(), model.config.vocab_size,
+                                              tuple(set(tokenizer.eos_token_ids) | set(model.config.eos_token_ids)))
         self.timer: StepTimer = model.timer  # phases of every step; `timer.add_sink` turns it on
         self.async_scheduling = (self.runner.graphs is not None if config.async_scheduling is None
                                  else config.async_scheduling)
@@ -130,6 +133,8 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         if any(token_id >= vocab for token_id, _ in params.logit_bias):
             raise InvalidParameterError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        if params.grammar is not None:
+            self.runner.constraints.check(params.grammar)
         self.scheduler.check_length(len(prompt_token_ids), params.max_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

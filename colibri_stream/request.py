@@ -36,6 +36,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the top k
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob (from the second on: the
     # first has no context) and the top k at its position; the prompt is then computed whole (no prefix cache)
+    grammar: str | None = None  # llguidance grammar the tokens must follow (structured.json_schema_grammar)
     n: int = 1
 
     def __post_init__(self) -> None:
@@ -61,6 +62,7 @@ class SamplingParams:
             check(value is None or (isinstance(value, int) and 0 <= value <= 20), name,
                   "must be an integer between 0 and 20")
         check(isinstance(self.n, int) and 1 <= self.n <= 16, "n", "must be an integer between 1 and 16")
+        check(self.grammar is None or isinstance(self.grammar, str), "grammar", "must be a string")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(len(self.stop) <= 16, "stop", "may hold at most 16 strings")
 

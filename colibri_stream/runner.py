@@ -20,6 +20,7 @@ from .request import Logprob, SeqId
 from .sampling import (HostLogits, LogitSource, Sampler, SamplingState, TokenLogprobs, argmax_only,
                        drawn_over_vocabulary, token_logprobs, uniform_bits)
 from .scheduler import ScheduledSeq, SchedulerOutput
+from .structured import Constraints
 
 
 @dataclass
@@ -60,6 +61,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = Sampler()
+        self.constraints: Constraints | None = None  # grammars over the engine's tokenizer (structured output)
         self._states: dict[SeqId, SamplingState] = {}
         self._host_feedback = np.zeros(0, np.int64)  # [N] the last step launched on the host: its argmaxes
         self.graphs = None  # decode steps as CUDA graphs, where the model's work is fixed by shapes
@@ -90,6 +92,8 @@ class ModelRunner:
         token_ids = sampled.token_ids.tolist()
         for state, token in zip(states, token_ids):
             state.output_token_ids.append(token)
+            if state.constraint is not None:
+                state.constraint.accept(token)
         return RunnerOutput(token_ids, [_logprob(token, lp) for token, lp in zip(token_ids, sampled.logprobs)],
                             prompt)
 
@@ -170,6 +174,8 @@ class ModelRunner:
         state = self._states.get(request.seq_id)
         if state is None:
             state = SamplingState.from_params(request.params, request.prompt_token_ids, request.index)
+            if request.params.grammar is not None:
+                state.constraint = self.constraints.constraint(request.params.grammar)
             self._states[request.seq_id] = state
         return state
 

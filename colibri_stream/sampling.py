@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .request import SamplingParams
+from .structured import TokenConstraint
 
 # Temperatures below this are greedy: dividing float32 logits by them would overflow.
 GREEDY_TEMPERATURE = 1e-5
@@ -58,13 +59,15 @@ EXP_CHUNK = 1 << 14  # exp_sums works on pieces of this many values (their float
 class SamplingState:
     """One sequence's sampling inputs: its parameters, its random generator and its token history.
 
-    The caller appends every sampled token to `output_token_ids` (the penalties count them).
+    The caller appends every sampled token to `output_token_ids` (the penalties count them) and hands it to the
+    constraint, if any.
     """
 
     params: SamplingParams
     generator: np.random.Generator
     prompt_token_ids: np.ndarray  # [P] int64
     output_token_ids: list[int] = field(default_factory=list)
+    constraint: TokenConstraint | None = None  # where params.grammar is set: the tokens it allows next
 
     @classmethod
     def from_params(cls, params: SamplingParams, prompt_token_ids: Iterable[int], index: int = 0) -> SamplingState:
@@ -496,8 +499,8 @@ def drawn_over_vocabulary(params: SamplingParams, vocab: int) -> bool:
 
 def _adjusts_logits(params: SamplingParams) -> bool:
     """Whether `apply_penalties` changes this sequence's logits."""
-    return bool(params.logit_bias) or (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-                                       or params.presence_penalty != 0.0)
+    return bool(params.logit_bias) or params.grammar is not None or (
+        params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0)
 
 
 def apply_penalties(logits: np.ndarray, states: list[SamplingState]) -> np.ndarray:
@@ -507,8 +510,20 @@ def apply_penalties(logits: np.ndarray, states: list[SamplingState]) -> np.ndarr
     The logit bias comes first (as in vLLM): added to the logits of the tokens it names. Then repetition (over
     prompt and output tokens): positive logits are divided by the penalty, negative ones multiplied. Then frequency
     and presence (over output tokens): logit -= frequency * count + presence * (count > 0). Only the logits of
-    tokens a sequence has seen or biased are touched.
+    tokens a sequence has seen or biased are touched. Last, a sequence with a grammar (structured output) gets -inf
+    for every token its grammar does not allow next.
     """
+    out = _penalised(logits, states)
+    constrained = [b for b, s in enumerate(states) if s.constraint is not None]
+    if constrained:
+        out = out.copy() if out is logits else out
+        for b in constrained:
+            out[b, ~states[b].constraint.allowed()] = -np.inf
+    return out
+
+
+def _penalised(logits: np.ndarray, states: list[SamplingState]) -> np.ndarray:
+    """`apply_penalties` before the grammars: the bias and the penalties."""
     params = [s.params for s in states]
     repetition = np.array([p.repetition_penalty for p in params], dtype=np.float32)  # [B]
     frequency = np.array([p.frequency_penalty for p in params], dtype=np.float32)  # [B]

@@ -410,9 +410,6 @@ def test_chat_features_refused_clearly(server):
         (dict(functions=[{"name": "f"}]), "functions"),
         (dict(tool_choice="required"), "tool_choice"),
         (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
-        (dict(response_format={"type": "json_object"}), "response_format"),
-        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-         "response_format"),
     ]
     for fields, param in cases:
         for stream in (False, True):

@@ -142,6 +142,10 @@ class Tokenizer:
         """Token ids of `text`; add_special_tokens adds what the tokenizer's post-processor adds (e.g. BOS)."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def to_json(self) -> str:
+        """The tokenizer in the tokenizers library's JSON (what llguidance builds its view of the vocabulary from)."""
+        return self._backend.to_str()
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (for logprobs): a byte-level token's bytes need not be valid UTF-8
         on their own, and a byte-fallback token `<0xNN>` is that one byte."""

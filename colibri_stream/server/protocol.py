@@ -4,7 +4,8 @@ Unknown fields are ignored (as vLLM does; OpenAI refuses them, but clients writt
 extensions of their own). Otherwise requests follow OpenAI's rules: a known field of the wrong type or out of range
 is a 400 naming the field, and a feature this server does not implement (tool calls, images, audio output, echo in
 chat, suffix, best_of > n, vLLM's continue_final_message, function_call forcing a function) is a 400 that says so
-instead of being silently dropped; so are the fields of the other endpoint that would change the
+instead of being silently dropped; `response_format` json_object and json_schema (chat and, as vLLM, completions)
+constrain the text to JSON (structured.py); so are the fields of the other endpoint that would change the
 answer (max_completion_tokens, top_logprobs or messages sent to /v1/completions, a prompt sent to chat). Types are
 as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an integer; null is the same as
 leaving a field out. The values of those features that ask for nothing (`tools: []`,
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..request import InvalidParameterError, SamplingParams
+from ..structured import json_schema_grammar
 
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch
@@ -149,9 +151,6 @@ def _reject_unsupported(fields: Fields, n: int) -> None:
             raise bad_request(f'{name} must be "none", "auto", "required" or an object naming a function, got '
                               f"{value!r}", param=name)
         raise unsupported(f"{name} is not supported by this server", name)
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise unsupported('response_format is not supported; only {"type": "text"} is accepted', "response_format")
     if body.get("audio") or any(m != "text" for m in fields.strings("modalities")):
         raise unsupported("audio output is not supported; this model writes text only",
                           "audio" if body.get("audio") else "modalities")
@@ -168,7 +167,7 @@ def _reject_unsupported(fields: Fields, n: int) -> None:
 
 
 def sampling_params(fields: Fields, max_tokens: int | None, max_tokens_name: str, logprobs: int | None,
-                     n: int) -> SamplingParams:
+                    n: int, grammar: str | None = None) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -185,12 +184,38 @@ def sampling_params(fields: Fields, max_tokens: int | None, max_tokens_name: str
             repetition_penalty=fields.number("repetition_penalty", 1.0),
             logit_bias=_logit_bias(fields),
             logprobs=logprobs,
+            grammar=grammar,
             n=n,
         )
     except InvalidParameterError as e:
         if e.param == "max_tokens" and max_tokens_name != "max_tokens":
             raise bad_request(str(e).replace("max_tokens", max_tokens_name, 1), param=max_tokens_name) from None
         raise bad_request(str(e), param=e.param) from None
+
+
+def response_grammar(value: Any, param: str) -> str | None:
+    """The grammar a response format asks for: None for text, else JSON (`json_object`: any object;
+    `json_schema`: documents valid under its schema, given in `value["json_schema"]["schema"]` as chat and
+    completions put it, or in `value["schema"]` as the Responses API does)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        spec = value.get("json_schema", value)
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise bad_request(f"{param}: the json_schema's schema must be a JSON schema object", param=param)
+    else:
+        raise bad_request(f'{param} must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": '
+                          f'"json_schema", ...}}, got {value!r:.80}', param=param)
+    try:
+        return json_schema_grammar(schema)
+    except InvalidParameterError as error:
+        raise bad_request(f"{param}: {error}", param=param) from None
 
 
 def _logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
@@ -252,7 +277,8 @@ def parse_completion(body: Any) -> GenerateRequest:
     max_tokens = fields.integer("max_tokens") if "max_tokens" in body else 16  # null: up to the context
     echo = fields.boolean("echo")
     echo_only = echo and max_tokens == 0  # scoring a text (its logprobs), as evaluation harnesses do
-    params = sampling_params(fields, 1 if echo_only else max_tokens, "max_tokens", logprobs, n)
+    params = sampling_params(fields, 1 if echo_only else max_tokens, "max_tokens", logprobs, n,
+                             response_grammar(body.get("response_format"), "response_format"))
     if echo and logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=logprobs)
     return GenerateRequest(
@@ -283,7 +309,8 @@ def parse_chat(body: Any) -> GenerateRequest:
         raise bad_request("max_tokens must be a positive integer", param="max_tokens")
     return GenerateRequest(
         chat=True, model=model, prompts=(chat_messages(body.get("messages")),),
-        params=sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs else None, n),
+        params=sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs else None, n,
+                               response_grammar(body.get("response_format"), "response_format")),
         stream=stream, include_usage=_stream_options(fields, stream), logprobs=logprobs,
     )
 

@@ -4,10 +4,11 @@ engine requests as chat completions.
 `input` (a string, or message items whose content is a string or input_text / output_text parts) and
 `instructions` (a system message first) go through the model's chat template; `max_output_tokens`, `temperature`,
 `top_p`, `stream` and the vLLM extensions of chat (`top_k`, `min_p`, `seed`, `stop`, penalties, ...) are read as
-chat reads them. Responses are not stored: `previous_response_id` is refused, and `store` is accepted and changes
-nothing (as where a server keeps no state). As in chat, what this server does not do is a 400 naming the field
-rather than something silently dropped: tools, images and files, reasoning settings, a text format other than
-plain text, logprobs (`top_logprobs`, `include`), truncation "auto".
+chat reads them; `text.format` json_object or json_schema constrains the text as chat's response_format does.
+Responses are not stored: `previous_response_id` is refused, and `store` is accepted and changes nothing (as where
+a server keeps no state). As in chat, what this server does not do is a 400 naming the field rather than something
+silently dropped: tools, images and files, reasoning settings, logprobs (`top_logprobs`, `include`), truncation
+"auto".
 
 A response has one output item, an assistant message with one output_text part. A stream sends OpenAI's event
 sequence: response.created, response.in_progress, response.output_item.added, response.content_part.added, then
@@ -23,8 +24,8 @@ import time
 import uuid
 from typing import Any
 
-from .protocol import (Fields, GenerateRequest, bad_request, body_object, chat_messages, json_type, sampling_params,
-                       unsupported)
+from .protocol import (Fields, GenerateRequest, bad_request, body_object, chat_messages, json_type, response_grammar,
+                       sampling_params, unsupported)
 
 INPUT_TEXT_PARTS = ("input_text", "output_text", "text")  # text content parts of an input message
 
@@ -41,7 +42,9 @@ def parse_response(body: Any) -> GenerateRequest:
     if instructions:
         messages.insert(0, {"role": "system", "content": instructions})
     stream = fields.boolean("stream")
-    params = sampling_params(fields, fields.integer("max_output_tokens"), "max_output_tokens", None, 1)
+    text = fields.get("text", (dict,), "an object", {})
+    params = sampling_params(fields, fields.integer("max_output_tokens"), "max_output_tokens", None, 1,
+                             response_grammar(text.get("format"), "text.format"))
     return GenerateRequest(chat=True, model=fields.string("model"), prompts=(messages,), params=params,
                            stream=stream, prompt_param="input")
 
@@ -61,9 +64,6 @@ def _reject_unsupported(fields: Fields) -> None:
     if fields.get("reasoning", (dict,), "an object") or body.get("prompt") is not None:
         name = "reasoning" if body.get("reasoning") else "prompt"
         raise unsupported(f"{name} is not supported by this server", name)
-    text = fields.get("text", (dict,), "an object", {})
-    if text.get("format") not in (None, {"type": "text"}):
-        raise unsupported('text.format is not supported; only {"type": "text"} is accepted', "text.format")
     if fields.integer("top_logprobs"):
         raise unsupported("top_logprobs is not supported in /v1/responses (it is in chat completions)",
                           "top_logprobs")

@@ -1,0 +1,105 @@
+"""Structured output: a grammar that constrains a sequence's tokens (JSON, a JSON schema), through llguidance.
+
+`SamplingParams.grammar` holds a grammar in llguidance's format (`json_schema_grammar` builds one from a JSON
+schema: what `response_format` asks for). The engine checks it against its tokenizer when the request arrives
+(`Constraints.check`), and the runner gives each such sequence a `TokenConstraint`: before each draw the sampler
+sets the logits of the tokens the grammar does not allow next to -inf (`sampling.apply_penalties`), and the
+runner feeds each sampled token back (`accept`). The end-of-sequence token is allowed only where the grammar may
+end, so a sequence that stops on it holds a complete document; one cut by max_tokens holds its beginning.
+
+llguidance (the Rust library that vLLM and llama.cpp's server also use) computes a step's mask over the whole
+vocabulary in tens of microseconds; its tokenizer view is built once per engine, at the first constrained request
+(about a second for a 150k-token vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import numpy as np
+
+from .request import InvalidParameterError
+
+
+# JSON as json.dumps writes it: ", " and ": " between items, no other whitespace. A grammar that allows any run of
+# whitespace lets a weak model write nothing else (a tiny model filled 300 tokens with spaces before a value).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def json_schema_grammar(schema: Any) -> str:
+    """The grammar of JSON documents valid under `schema` (a JSON schema object; {"type": "object"}: any object),
+    laid out as JSON_LAYOUT."""
+    try:
+        from llguidance import LLMatcher
+    except ImportError as error:
+        raise InvalidParameterError("structured output needs the llguidance package (pip install llguidance)",
+                                    "response_format") from error
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
+    except ValueError as error:
+        raise InvalidParameterError(f"the schema cannot be used: {error}", "response_format") from error
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InvalidParameterError(f"the schema cannot be used: {error}", "response_format")
+    return grammar
+
+
+class TokenConstraint:
+    """One sequence's position in its grammar: the tokens allowed next, and the tokens taken so far."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self._matcher = matcher
+        self._vocab_size = vocab_size
+
+    def allowed(self) -> np.ndarray:
+        """The tokens the grammar allows next.  # [V] bool"""
+        bits = np.frombuffer(self._matcher.compute_bitmask(), np.uint8)
+        return np.unpackbits(bits, bitorder="little")[: self._vocab_size].astype(bool)
+
+    def accept(self, token: int) -> None:
+        """Advance past a sampled token (always an allowed one)."""
+        if not self._matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: {self._matcher.get_error()}")
+
+
+class Constraints:
+    """Grammars over one engine's tokenizer. tokenizer_json: the tokenizer in the tokenizers library's JSON;
+    vocab_size: the model's (the logits' width); eos_token_ids: the tokens that end a sequence."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._tokenizer = None
+        self._lock = threading.Lock()  # checked on the server's loop thread, used on the engine's
+
+    def _llg_tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                try:
+                    from llguidance import LLTokenizer
+                except ImportError as error:
+                    raise InvalidParameterError("structured output needs the llguidance package "
+                                                "(pip install llguidance)", "response_format") from error
+                self._tokenizer = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos)
+            return self._tokenizer
+
+    def check(self, grammar: str) -> None:
+        """Raise InvalidParameterError (param response_format) if `grammar` does not compile."""
+        from llguidance import LLMatcher
+
+        error = LLMatcher.validate_grammar(grammar, self._llg_tokenizer())
+        if error:
+            raise InvalidParameterError(f"the grammar cannot be used with this model's tokenizer: {error}",
+                                        "response_format")
+
+    def constraint(self, grammar: str) -> TokenConstraint:
+        """A fresh position at the start of `grammar`."""
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidParameterError(f"response_format: {matcher.get_error()}", "response_format")
+        return TokenConstraint(matcher, self.vocab_size)

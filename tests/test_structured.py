@@ -1,0 +1,119 @@
+"""Structured output (colibri_stream/structured.py): a sequence with a grammar writes only what the grammar allows.
+
+On the tiny model (random weights, so only the grammar keeps its text in shape): greedy and sampled sequences under
+a bounded JSON schema end on their own with documents valid under it, laid out as json.dumps writes them; so do
+sequences preempted and recomputed, and n sequences of one request; the tokens of an unconstrained request in the
+same batch are the ones it gets alone; a schema llguidance cannot use is refused when the request arrives. Through
+the server and the official client: response_format json_schema and json_object in chat and completions, the
+client's `parse` helpers with a pydantic model, and text.format in the Responses API.
+"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pydantic
+import pytest
+from test_server import API_KEY
+
+from colibri_stream.engine import EngineCore
+from colibri_stream.request import InvalidParameterError, SamplingParams
+from colibri_stream.structured import json_schema_grammar
+
+pytest.importorskip("llguidance")
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                          "size": {"type": "integer", "minimum": 0, "maximum": 99},
+                                          "kind": {"enum": ["small", "large"]}},
+          "required": ["ok", "size", "kind"], "additionalProperties": False}
+TIGHT = dict(device="cpu", block_size=4, num_kv_blocks=24, max_seq_len=96, max_num_batched_tokens=16,
+             max_batch_size=4)
+
+
+def valid(text: str) -> bool:
+    """Whether `text` is a document of SCHEMA as json.dumps writes it."""
+    document = json.loads(text)
+    return (set(document) == {"ok", "size", "kind"} and isinstance(document["ok"], bool)
+            and isinstance(document["size"], int) and 0 <= document["size"] <= 99
+            and document["kind"] in ("small", "large") and json.dumps(document) == text)
+
+
+def run(core: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    for request_id, (ids, params) in requests.items():
+        core.add_request(request_id, ids, params)
+    texts, reasons = {}, {}
+    while core.has_unfinished():
+        for out in core.step():
+            key = (out.request_id, out.index)
+            texts[key] = texts.get(key, "") + out.text
+            if out.finished:
+                reasons[key] = out.finish_reason
+    return {key: (texts[key], reasons[key]) for key in texts}
+
+
+def test_constrained_sequences_end_with_documents_of_the_schema(tiny_model_dir):
+    core = EngineCore.from_pretrained(str(tiny_model_dir), **TIGHT)
+    prompts = [core.tokenizer.encode(text) for text in ("Describe the box as JSON:", "The quick brown fox jumps",
+                                                         "Mixture of experts route every token")]
+    grammar = json_schema_grammar(SCHEMA)
+    plain = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    alone = run(core, {"plain": (prompts[2], plain)})
+    requests = {"greedy": (prompts[0], SamplingParams(max_tokens=60, temperature=0, grammar=grammar)),
+                "sampled": (prompts[1], SamplingParams(max_tokens=60, temperature=1.0, seed=3, n=2, grammar=grammar)),
+                "plain": (prompts[2], plain)}
+    preemptions = core.scheduler.num_preemptions
+    results = run(core, requests)
+    assert core.scheduler.num_preemptions > preemptions, "the test meant to preempt"
+    assert results[("plain", 0)] == alone[("plain", 0)]
+    for key in (("greedy", 0), ("sampled", 0), ("sampled", 1)):
+        text, reason = results[key]
+        assert reason == "stop" and valid(text), (key, text)
+
+
+def test_any_json_object_and_a_schema_that_cannot_be_used(tiny_model_dir):
+    core = EngineCore.from_pretrained(str(tiny_model_dir), device="cpu")
+    ids = core.tokenizer.encode("JSON:")
+    (text, reason), = run(core, {"o": (ids, SamplingParams(max_tokens=200, temperature=0,
+                                                          grammar=json_schema_grammar({"type": "object"})))}).values()
+    assert text.startswith("{")
+    if reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    with pytest.raises(InvalidParameterError, match="the schema cannot be used"):
+        json_schema_grammar({"type": "nonsense"})
+    with pytest.raises(InvalidParameterError, match="grammar"):
+        core.validate(ids, SamplingParams(grammar="start: nonsense_rule_that_is_not_defined"))
+
+
+class Box(pydantic.BaseModel):
+    ok: bool
+    size: int = pydantic.Field(ge=0, le=99)
+    kind: str = pydantic.Field(pattern="^(small|large)$")
+
+
+@pytest.fixture
+def client(tiny_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_response_formats_through_the_official_client(client):
+    messages = [{"role": "user", "content": "Describe the box as JSON"}]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "box", "schema": SCHEMA, "strict": True}}
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=60, temperature=0,
+                                          response_format=schema_format)
+    assert chat.choices[0].finish_reason == "stop" and valid(chat.choices[0].message.content)
+    parsed = client.chat.completions.parse(model="tiny", messages=messages, max_tokens=60, temperature=0,
+                                           response_format=Box)
+    box = parsed.choices[0].message.parsed
+    assert isinstance(box, Box) and 0 <= box.size <= 99 and box.kind in ("small", "large")
+    completion = client.completions.create(model="tiny", prompt="Box:", max_tokens=60, temperature=0,
+                                           extra_body={"response_format": schema_format})
+    assert valid(completion.choices[0].text)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=60, temperature=0,
+                                            response_format=schema_format, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat.choices[0].message.content
+    anything = client.chat.completions.create(model="tiny", messages=messages, max_tokens=60, temperature=0,
+                                              response_format={"type": "json_object"})
+    assert anything.choices[0].message.content.startswith("{")
+    response = client.responses.parse(model="tiny", input="Describe the box as JSON", max_output_tokens=60,
+                                      temperature=0, text_format=Box)
+    assert isinstance(response.output_parsed, Box)
