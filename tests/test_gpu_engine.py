@@ -202,3 +202,19 @@ def test_prompt_logprobs_on_the_gpu_match_the_numpy_engine(tiny_model_dir):
         np.testing.assert_allclose([lp for _, lp, _ in a.prompt_logprobs], [lp for _, lp, _ in b.prompt_logprobs],
                                    atol=1e-4)
     assert gpu.engine.runner.graphs._graphs  # the decode steps after the prompt ran as graphs
+
+
+def test_structured_output_on_the_gpu_follows_the_schema_as_on_the_cpu(tiny_model_dir):
+    """Constrained rows are sampled on the host from rows the GPU copies back; greedy, they give the CPU's text."""
+    import json
+
+    from colibri_stream.structured import json_schema_grammar
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=40, temperature=0, grammar=json_schema_grammar(schema))
+    gpu, cpu = LLM(str(tiny_model_dir), device="cuda"), LLM(str(tiny_model_dir), device="cpu")
+    ours, theirs = gpu.generate(PROMPTS, params), cpu.generate(PROMPTS, params)
+    assert [r.text for r in ours] == [r.text for r in theirs]
+    assert all(r.finish_reason == "stop" and set(json.loads(r.text)) == {"ok", "n"} for r in ours)
