@@ -112,14 +112,16 @@ class EngineCore:
         model = load_model(config.model, device=config.device, verify=config.verify, experts=config.experts)
         return cls(model, Tokenizer.from_folder(config.model), config)
 
-    def encode_prompt(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a text, a list of token ids, or chat messages (rendered with the chat template)."""
+    def encode_prompt(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True,
+                      tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a text, a list of token ids, or chat messages (rendered with the chat template, which is
+        shown `tools` when given)."""
         if not prompt:
             raise InvalidParameterError("prompt must not be empty", param="prompt")
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if all(isinstance(m, dict) for m in prompt):
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tools=tools)
             return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
@@ -409,13 +411,14 @@ class AsyncEngine:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
 
-    async def encode(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True) -> list[int]:
+    async def encode(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True,
+                     tools: list[dict] | None = None) -> list[int]:
         """The prompt's token ids (`EngineCore.encode_prompt`), computed on a worker thread when the prompt is long
         (tokenizing a few MiB of text takes seconds, which would stall every stream on this event loop)."""
         if _prompt_chars(prompt) <= ENCODE_INLINE_CHARS:
-            return self._core.encode_prompt(prompt, add_special_tokens)
+            return self._core.encode_prompt(prompt, add_special_tokens, tools)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self._core.encode_prompt, prompt, add_special_tokens)
+        return await loop.run_in_executor(None, self._core.encode_prompt, prompt, add_special_tokens, tools)
 
     async def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams,
                        request_id: str | None = None, add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:

@@ -380,9 +380,9 @@ def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_dir):
     threads = []
     encode = engine._core.encode_prompt
 
-    def recording(prompt, add_special_tokens=True):
+    def recording(prompt, add_special_tokens=True, tools=None):
         threads.append(threading.current_thread())
-        return encode(prompt, add_special_tokens)
+        return encode(prompt, add_special_tokens, tools)
 
     async def body(engine):
         engine._core.encode_prompt = recording

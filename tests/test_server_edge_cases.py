@@ -402,14 +402,9 @@ def test_chat_features_refused_clearly(server):
         (dict(messages=user([{"type": "text", "text": "What is this?"}, image])), "messages[0].content[1]"),
         (dict(messages=user([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}])),
          "messages[0].content[0]"),
-        (dict(messages=[{"role": "tool", "content": "42", "tool_call_id": "c1"}]), "messages[0]"),
-        (dict(messages=[{"role": "assistant", "content": None,
-                         "tool_calls": [{"id": "c1", "type": "function",
-                                         "function": {"name": "f", "arguments": "{}"}}]}]), "messages[0]"),
-        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (dict(messages=[{"role": "function", "content": "42", "name": "f"}]), "messages[0]"),
+        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),  # "auto": no parser
         (dict(functions=[{"name": "f"}]), "functions"),
-        (dict(tool_choice="required"), "tool_choice"),
-        (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
     ]
     for fields, param in cases:
         for stream in (False, True):
@@ -426,14 +421,15 @@ def test_a_tool_choice_that_is_no_choice_is_an_invalid_value(server, name, value
 
 def test_tools_are_ignored_with_tool_choice_none(server):
     """As vLLM without a tool parser: tools (or legacy functions) with tool_choice (function_call) "none" ask for a
-    plain answer, which this server gives; they were refused. Tools that may be called are still refused."""
+    plain answer, which this server gives; they were refused. Tools the model may choose to call (tool_choice
+    "auto", the default) are refused: forcing a call is what this server does (test_server_tools.py)."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     for fields in ({"tools": tools, "tool_choice": "none"}, {"functions": [{"name": "f"}], "function_call": "none"}):
         for stream in (False, True):
             status, _, reply = send(server, CHAT, body_for(CHAT, stream, **fields))
             assert status == 200, (fields, reply)
-    for fields, param in (({"tools": tools}, "tools"), ({"tools": tools, "tool_choice": "auto"}, "tools"),
-                          ({"tools": tools, "function_call": "none"}, "tools"),
+    for fields, param in (({"tools": tools}, "tool_choice"), ({"tools": tools, "tool_choice": "auto"}, "tool_choice"),
+                          ({"tools": tools, "function_call": "none"}, "tool_choice"),
                           ({"functions": [{"name": "f"}], "tool_choice": "none"}, "functions")):
         error = assert_refused(server, CHAT, body_for(CHAT, False, **fields), 400, param)
         assert error["code"] == "unsupported_parameter"

@@ -403,7 +403,8 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateRequest
     start = time.perf_counter()
     with state.in_flight():
         try:
-            await generations.start(req.prompts, req.params)
+            await generations.start(req.prompts, req.params,
+                                    list(req.forced_call.tools) if req.forced_call is not None else None)
             if req.stream:
                 return await _stream(request, state, responder, generations)
             async for index, out in generations.outputs():

@@ -35,9 +35,9 @@ class Generations:
         self._sources: list[AsyncIterator[RequestOutput]] = []
         self._tasks: list[asyncio.Future] = []  # each prompt's first output; with several prompts, then its pump
 
-    async def start(self, prompts: Sequence[Any], params: SamplingParams) -> None:
-        """Encode the prompts and have the engine admit each (raises its refusal: InvalidParameterError,
-        PromptTooLongError, QueueFullError, ...)."""
+    async def start(self, prompts: Sequence[Any], params: SamplingParams, tools: list[dict] | None = None) -> None:
+        """Encode the prompts (chat messages shown `tools`) and have the engine admit each (raises its refusal:
+        InvalidParameterError, PromptTooLongError, QueueFullError, ...)."""
         capacity, wanted = self._engine.capacity, len(prompts) * params.n
         if capacity is not None and len(prompts) > 1 and wanted > capacity:  # else every retry would get a 429
             raise InvalidParameterError(f"{len(prompts)} prompts of n={params.n} are {wanted} sequences, which can "
@@ -46,7 +46,7 @@ class Generations:
         token_ids = []
         for i, prompt in enumerate(prompts):
             try:
-                token_ids.append(await self._engine.encode(prompt))  # a long prompt: off the event loop
+                token_ids.append(await self._engine.encode(prompt, tools=tools))  # a long prompt: off the event loop
             except ColibriError as error:
                 raise _of_prompt(error, i, len(prompts)) from error
         for i, ids in enumerate(token_ids):

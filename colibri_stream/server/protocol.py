@@ -2,10 +2,11 @@
 
 Unknown fields are ignored (as vLLM does; OpenAI refuses them, but clients written for vLLM-style servers send
 extensions of their own). Otherwise requests follow OpenAI's rules: a known field of the wrong type or out of range
-is a 400 naming the field, and a feature this server does not implement (tool calls, images, audio output, echo in
-chat, suffix, best_of > n, vLLM's continue_final_message, function_call forcing a function) is a 400 that says so
+is a 400 naming the field, and a feature this server does not implement (tool_choice "auto", the legacy functions,
+images, audio output, echo in chat, suffix, best_of > n, vLLM's continue_final_message) is a 400 that says so
 instead of being silently dropped; `response_format` json_object and json_schema (chat and, as vLLM, completions)
-constrain the text to JSON (structured.py); so are the fields of the other endpoint that would change the
+constrain the text to JSON (structured.py), and a forced tool call (tool_choice "required" or a named function) is
+written under its tools' schemas (tools.py); so are the fields of the other endpoint that would change the
 answer (max_completion_tokens, top_logprobs or messages sent to /v1/completions, a prompt sent to chat). Types are
 as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an integer; null is the same as
 leaving a field out. The values of those features that ask for nothing (`tools: []`,
@@ -22,6 +23,7 @@ is how evaluation harnesses score a text.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -30,11 +32,13 @@ from typing import Any
 
 from ..request import InvalidParameterError, SamplingParams
 from ..structured import json_schema_grammar
+from .tools import ForcedCall, forced_call, tool_calls
 
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> template role
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+              "tool": "tool"}  # -> template role
 
 # A token id's text and its bytes (the bytes of a byte-level token need not be valid UTF-8 on their own).
 TokenPiece = Callable[[int], tuple[str, bytes]]
@@ -79,6 +83,7 @@ class GenerateRequest:
     echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt's
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine's one token is dropped)
     prompt_param: str = ""  # the field that holds the prompt, named in errors about it (default: prompt / messages)
+    forced_call: ForcedCall | None = None  # chat: the tool call tool_choice forces (server/tools.py)
 
 
 class Fields:
@@ -137,13 +142,16 @@ def json_type(value: Any) -> str:
     return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
 
 
-def _reject_unsupported(fields: Fields, n: int) -> None:
+def _reject_unsupported(fields: Fields, n: int, chat: bool) -> None:
     body = fields.body
-    for name, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+    # chat: tools and tool_choice are server/tools.py's; the legacy functions and function_call are refused
+    pairs = (("functions", "function_call"),) if chat else (("tools", "tool_choice"), ("functions", "function_call"))
+    for name, choice in pairs:
         if fields.get(name, (list,), "an array", ()) and body.get(choice) != "none":
-            raise unsupported(f'tool calling is not supported by this server (with {choice}: "none" the {name} are '
+            where = "in /v1/completions" if name == "tools" else "through the legacy functions"
+            raise unsupported(f'tool calling is not supported {where} (with {choice}: "none" the {name} are '
                               f'ignored)', name)
-    for name in ("tool_choice", "function_call"):  # function_call: the legacy form of tool_choice
+    for _, name in pairs:  # function_call: the legacy form of tool_choice
         value = body.get(name)
         if value in (None, "none", "auto"):
             continue
@@ -263,7 +271,7 @@ def _common(fields: Fields, chat: bool) -> tuple[str | None, bool, int]:
             raise bad_request(message, param=name)
     fields.string("user")  # accepted for compatibility; only its type is checked
     n = fields.integer("n", 1)
-    _reject_unsupported(fields, n)
+    _reject_unsupported(fields, n, chat)
     return fields.string("model"), fields.boolean("stream"), n
 
 
@@ -307,11 +315,17 @@ def parse_chat(body: Any) -> GenerateRequest:
         max_tokens, name = legacy_max_tokens, "max_tokens"
     elif legacy_max_tokens is not None and legacy_max_tokens < 1:  # checked even when max_completion_tokens wins
         raise bad_request("max_tokens must be a positive integer", param="max_tokens")
+    call = forced_call(fields.get("tools", (list,), "an array"), body.get("tool_choice"),
+                       lambda message, param: bad_request(message, param=param), unsupported)
+    grammar = response_grammar(body.get("response_format"), "response_format")
+    if call is not None and grammar is not None:
+        raise bad_request("a forced tool call and a response_format other than text cannot be asked together",
+                          param="response_format")
     return GenerateRequest(
         chat=True, model=model, prompts=(chat_messages(body.get("messages")),),
         params=sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs else None, n,
-                               response_grammar(body.get("response_format"), "response_format")),
-        stream=stream, include_usage=_stream_options(fields, stream), logprobs=logprobs,
+                               call.grammar if call is not None else grammar),
+        stream=stream, include_usage=_stream_options(fields, stream), logprobs=logprobs, forced_call=call,
     )
 
 
@@ -352,14 +366,45 @@ def chat_messages(messages: Any, name: str = "messages") -> list[dict]:
         if not isinstance(message, dict):
             raise bad_request(f"{param} must be an object, got {json_type(message)}", param=param)
         role = message.get("role")
-        if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
-            raise unsupported(f"{param}: tool messages and tool calls are not supported by this server", param)
+        if role == "function" or message.get("function_call"):
+            raise unsupported(f"{param}: the legacy function messages and function_call are not supported by this "
+                              f"server (tool messages and tool_calls are)", param)
         if not isinstance(role, str) or role not in CHAT_ROLES:  # (a list or an object is not hashable)
             raise bad_request(f"{param}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                               param=f"{param}.role")
         if not isinstance(message.get("name", ""), (str, type(None))):  # read by no template; checked as OpenAI
             raise bad_request(f"{param}.name must be a string", param=f"{param}.name")
-        out.append({"role": CHAT_ROLES[role], "content": _content(message.get("content"), role, f"{param}.content")})
+        entry = {"role": CHAT_ROLES[role], "content": _content(message.get("content"), role, f"{param}.content")}
+        if role == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                raise bad_request(f"{param}.tool_call_id must be a string", param=f"{param}.tool_call_id")
+            entry["tool_call_id"] = message["tool_call_id"]
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise bad_request(f"{param}: only assistant messages carry tool_calls", param=f"{param}.tool_calls")
+            entry["tool_calls"] = _history_calls(message["tool_calls"], f"{param}.tool_calls")
+        out.append(entry)
+    return out
+
+
+def _history_calls(calls: Any, param: str) -> list[dict]:
+    """An assistant message's earlier tool_calls as chat templates take them: the arguments as an object."""
+    if not isinstance(calls, list):
+        raise bad_request(f"{param} must be an array", param=param)
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not isinstance(arguments, str):
+            raise bad_request(f'{param}[{j}] must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                              f'"arguments": "<JSON>"}}}}', param=f"{param}[{j}]")
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise bad_request(f"{param}[{j}].function.arguments must be a JSON text",
+                              param=f"{param}[{j}].function.arguments") from None
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": parsed}})
     return out
 
 
@@ -402,6 +447,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     echoed: bool = False  # echo: the prompt went out (with the choice's first output)
+    tool_calls: list[dict] | None = None  # a forced call: the calls its whole text makes (set once finished)
 
 
 class Responder:
@@ -446,16 +492,26 @@ class Responder:
             if output.prompt_token_ids:
                 first = output.prompt_token_ids[0]
                 entries = [(first, None, None), *(output.prompt_logprobs or ()), *(entries or ())]
-        if not request.stream:
+        call = request.forced_call
+        if not request.stream or call is not None:  # a forced call's text is its calls: parsed once whole
             choice.texts.append(text)
         logprobs = self._logprobs(choice, entries) if request.logprobs else None
         entry: dict[str, Any] = {"index": choice.index}
-        if request.chat:
+        if call is not None:
+            entry["delta"] = {}
+            if output.finished:
+                choice.tool_calls = tool_calls(call, "".join(choice.texts))
+                if choice.tool_calls is not None:
+                    choice.finish_reason = "tool_calls"
+                    entry["delta"] = {"tool_calls": [dict(c, index=i) for i, c in enumerate(choice.tool_calls)]}
+                else:  # cut by max_tokens: the text as it is
+                    entry["delta"] = {"content": "".join(choice.texts)}
+        elif request.chat:
             entry["delta"] = {"content": output.text} if output.text or not output.finished else {}
         else:
             entry["text"] = text
         entry["logprobs"] = logprobs
-        entry["finish_reason"] = output.finish_reason
+        entry["finish_reason"] = choice.finish_reason
         if output.finished:
             entry["stop_reason"] = output.stop_reason
         return entry
@@ -509,6 +565,8 @@ class Responder:
     def events(self, output: Any, prompt_index: int = 0) -> list[dict]:
         """Record one RequestOutput; the stream chunk it makes (none for an output with nothing to show yet)."""
         choice = self.add(output, prompt_index)
+        if self.request.forced_call is not None:  # the calls go out whole, with the end
+            return [self.chunk(choice)] if output.finished else []
         shown = choice.get("text") or output.text or output.finished or (self.request.logprobs and output.logprobs)
         return [self.chunk(choice)] if shown else []
 
@@ -536,7 +594,10 @@ class Responder:
         choices = []
         for c in self._choices:
             entry: dict[str, Any] = {"index": c.index}
-            if self.request.chat:
+            if c.tool_calls is not None:
+                entry["message"] = {"role": "assistant", "content": None, "tool_calls": c.tool_calls}
+                entry["logprobs"] = {"content": c.logprobs} if self.request.logprobs else None
+            elif self.request.chat:
                 entry["message"] = {"role": "assistant", "content": "".join(c.texts)}
                 entry["logprobs"] = {"content": c.logprobs} if self.request.logprobs else None
             else:

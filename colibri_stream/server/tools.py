@@ -1,0 +1,96 @@
+"""Function calling in chat completions where the request forces a call: tool_choice "required" or a named function.
+
+The call is written under a grammar (../structured.py): for a named function, JSON arguments valid under its
+`parameters` schema; for "required", a JSON array of one or more {"name", "parameters"} objects, each valid under
+its tool's schema (as vLLM forces calls). The tools also go to the chat template, so the model sees them the way its
+template shows tools. The text becomes the message's `tool_calls` (finish_reason "tool_calls"); a call cut by
+max_tokens stays text (finish_reason "length"). tool_choice "auto" would need a parser of each model family's own
+tool-call syntax, which this server does not have: it stays a 400 that says so. History may hold assistant messages
+with tool_calls and tool messages with their results (protocol.chat_messages passes them to the template).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ..request import InvalidParameterError
+from ..structured import json_schema_grammar
+
+ANY_OBJECT = {"type": "object"}  # the parameters of a function that declares none
+
+
+@dataclass(frozen=True)
+class ForcedCall:
+    """What a request's tool_choice forces: `named` (that function's arguments) or, when None, one or more calls
+    of any of `schemas` (name -> parameters schema); `tools` as the chat template takes them; the grammar."""
+
+    named: str | None
+    schemas: dict[str, Any]
+    tools: tuple[dict, ...]
+    grammar: str
+
+
+def forced_call(tools: Any, tool_choice: Any, error, refusal) -> ForcedCall | None:
+    """The call `tool_choice` forces among `tools` (a chat body's fields), None where it forces none ("none" or
+    absent tools). `error(message, param)` builds the 400 of a bad value to raise, `refusal(message, param)` that of
+    what the server does not do."""
+    if tool_choice not in (None, "none", "auto", "required") and not isinstance(tool_choice, dict):
+        raise error(f'tool_choice must be "none", "auto", "required" or an object naming a function, got '
+                    f'{tool_choice!r:.80}', "tool_choice")
+    if tool_choice == "none" or (tool_choice is None and not tools):
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise error(f"tool_choice {tool_choice!r} needs a non-empty tools array", "tools")
+    schemas, listed = {}, []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise error(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}',
+                        f"tools[{i}]")
+        if name in schemas:
+            raise error(f"tools[{i}]: the function name {name!r} is used twice", f"tools[{i}]")
+        parameters = function.get("parameters", ANY_OBJECT)
+        if not isinstance(parameters, dict):
+            raise error(f"tools[{i}].function.parameters must be a JSON schema object",
+                        f"tools[{i}].function.parameters")
+        schemas[name] = parameters
+        listed.append({"type": "function", "function": {key: function[key] for key in
+                                                         ("name", "description", "parameters") if key in function}})
+    if tool_choice in (None, "auto"):
+        raise refusal('tool_choice "auto" is not supported by this server (it has no parser for the models\' own '
+                    'tool-call syntax): force a call with tool_choice "required" or {"type": "function", '
+                    '"function": {"name": ...}}, or send tool_choice "none"', "tool_choice")
+    if tool_choice == "required":
+        named, schema = None, {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
+             "required": ["name", "parameters"], "additionalProperties": False}
+            for name, parameters in schemas.items()]}}
+    else:
+        function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+        named = function.get("name") if isinstance(function, dict) else None
+        if tool_choice.get("type") != "function" or named not in schemas:
+            raise error(f'tool_choice must be "none", "required" or {{"type": "function", "function": {{"name": '
+                        f'<one of {sorted(schemas)}>}}}}, got {tool_choice!r:.120}', "tool_choice")
+        schema = schemas[named]
+    try:
+        grammar = json_schema_grammar(schema)
+    except InvalidParameterError as e:
+        raise error(f"tools: {e}", "tools") from None
+    return ForcedCall(named, schemas, tuple(listed), grammar)
+
+
+def tool_calls(call: ForcedCall, text: str) -> list[dict] | None:
+    """The message's tool_calls from the text written under `call`'s grammar; None if it is not a whole document
+    (cut by max_tokens)."""
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    pairs = [(call.named, document)] if call.named is not None else [(c["name"], c["parameters"]) for c in document]
+    return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            for name, arguments in pairs]
