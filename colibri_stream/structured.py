@@ -8,8 +8,9 @@ runner feeds each sampled token back (`accept`). The end-of-sequence token is al
 end, so a sequence that stops on it holds a complete document; one cut by max_tokens holds its beginning.
 
 llguidance (the Rust library that vLLM and llama.cpp's server also use) computes a step's mask over the whole
-vocabulary in tens of microseconds; its tokenizer view is built once per engine, at the first constrained request
-(about a second for a 150k-token vocabulary).
+vocabulary in tens of microseconds; its view of the tokenizer takes about a second to build for a 150k-token
+vocabulary, so each engine builds it on a thread of its own from the start, not on the server's event loop at the
+first constrained request.
 """
 
 from __future__ import annotations
@@ -69,22 +70,26 @@ class Constraints:
     vocab_size: the model's (the logits' width); eos_token_ids: the tokens that end a sequence."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
-        self._eos = list(eos_token_ids)
         self._tokenizer = None
-        self._lock = threading.Lock()  # checked on the server's loop thread, used on the engine's
+        self._error: Exception | None = None
+        self._builder = threading.Thread(target=self._build, args=(tokenizer_json, list(eos_token_ids)),
+                                         name="colibri-grammar-tokenizer", daemon=True)
+        self._builder.start()
+
+    def _build(self, tokenizer_json: str, eos: list[int]) -> None:
+        try:
+            from llguidance import LLTokenizer
+
+            self._tokenizer = LLTokenizer(tokenizer_json, n_vocab=self.vocab_size, eos_token=eos)
+        except Exception as error:  # noqa: BLE001 - reported to the first request that needs the tokenizer
+            self._error = error
 
     def _llg_tokenizer(self):
-        with self._lock:
-            if self._tokenizer is None:
-                try:
-                    from llguidance import LLTokenizer
-                except ImportError as error:
-                    raise InvalidParameterError("structured output needs the llguidance package "
-                                                "(pip install llguidance)", "response_format") from error
-                self._tokenizer = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos)
-            return self._tokenizer
+        self._builder.join()
+        if self._tokenizer is None:
+            raise InvalidParameterError(f"structured output is not available: {self._error}", "response_format")
+        return self._tokenizer
 
     def check(self, grammar: str) -> None:
         """Raise InvalidParameterError (param response_format) if `grammar` does not compile."""
