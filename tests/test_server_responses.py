@@ -1,6 +1,7 @@
 """The Responses API (POST /v1/responses) through the official openai client on the real server: the same text as
 chat completions for the same messages, OpenAI's stream event sequence (the SDK's stream helper included), the
-status and usage, and a 400 naming the field for what the server does not do; no value of any field is a 500."""
+status and usage, forced function calls as function_call items (and their outputs sent back), and a 400 naming the
+field for what the server does not do; no value of any field is a 500."""
 
 from __future__ import annotations
 
@@ -67,13 +68,14 @@ def test_a_streamed_response_sends_openais_event_sequence(client):
     ({"input": None}, "input"),
     ({"input": 5}, "input"),
     ({"input": [5]}, "input[0]"),
-    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"instructions": "x", "input": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]},
      "input[1].role"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tool_choice"),  # "auto": no parser
+    ({"tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "web_search"}], "tool_choice": "required"}, "tools[0]"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"text": {"format": {"type": "xml"}}}, "text.format"),
@@ -115,3 +117,32 @@ def test_a_prompt_over_the_context_names_input(client):
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model=MODEL, input="experts " * 400, max_output_tokens=2)
     assert refused.value.body["param"] == "input" and refused.value.body["code"] == "context_length_exceeded"
+
+
+TOOL = {"type": "function", "name": "weather", "description": "The forecast", "strict": True,
+        "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+                       "additionalProperties": False}}
+
+
+def test_a_forced_function_call_is_a_function_call_item_and_its_output_goes_back(client):
+    response = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[TOOL], max_output_tokens=40,
+                                       temperature=0, tool_choice={"type": "function", "name": "weather"})
+    (item,) = response.output
+    assert response.status == "completed" and item.type == "function_call" and item.name == "weather"
+    assert json.loads(item.arguments)["city"] in ("Paris", "Rome") and item.call_id.startswith("call_")
+    events = list(client.responses.create(model=MODEL, input="Weather in Paris?", tools=[TOOL], tool_choice="required",
+                                          max_output_tokens=160, temperature=0, stream=True,
+                                          parallel_tool_calls=False))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.output_item.added",
+                                        "response.function_call_arguments.delta",
+                                        "response.function_call_arguments.done", "response.output_item.done",
+                                        "response.completed"]
+    assert events[3].delta == events[4].arguments == events[-1].response.output[0].arguments
+    with client.responses.stream(model=MODEL, input="Weather?", tools=[TOOL], tool_choice="required",
+                                 max_output_tokens=160, temperature=0, parallel_tool_calls=False) as stream:
+        assert stream.get_final_response().output[0].type == "function_call"
+    answer = client.responses.create(model=MODEL, max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": item.call_id, "name": item.name, "arguments": item.arguments},
+        {"type": "function_call_output", "call_id": item.call_id, "output": "sunny"}])
+    assert answer.output[0].type == "message"

@@ -56,6 +56,9 @@ def test_a_named_function_is_called_with_arguments_of_its_schema(client):
 def test_required_calls_stream_and_a_conversation_carries_them_back(client):
     reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=120,
                                            temperature=0, tool_choice="required")
+    single = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=120,
+                                            temperature=0, tool_choice="required", parallel_tool_calls=False)
+    assert len(choice_of(single).message.tool_calls) == 1 and valid_call(choice_of(single).message.tool_calls[0])
     calls = choice_of(reply).message.tool_calls
     assert calls and all(valid_call(call) for call in calls) and choice_of(reply).finish_reason == "tool_calls"
     chunks = [c for c in client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=120,

@@ -316,7 +316,8 @@ def parse_chat(body: Any) -> GenerateRequest:
     elif legacy_max_tokens is not None and legacy_max_tokens < 1:  # checked even when max_completion_tokens wins
         raise bad_request("max_tokens must be a positive integer", param="max_tokens")
     call = forced_call(fields.get("tools", (list,), "an array"), body.get("tool_choice"),
-                       lambda message, param: bad_request(message, param=param), unsupported)
+                       lambda message, param: bad_request(message, param=param), unsupported,
+                       fields.boolean("parallel_tool_calls", True))
     grammar = response_grammar(body.get("response_format"), "response_format")
     if call is not None and grammar is not None:
         raise bad_request("a forced tool call and a response_format other than text cannot be asked together",

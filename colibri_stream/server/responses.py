@@ -4,11 +4,14 @@ engine requests as chat completions.
 `input` (a string, or message items whose content is a string or input_text / output_text parts) and
 `instructions` (a system message first) go through the model's chat template; `max_output_tokens`, `temperature`,
 `top_p`, `stream` and the vLLM extensions of chat (`top_k`, `min_p`, `seed`, `stop`, penalties, ...) are read as
-chat reads them; `text.format` json_object or json_schema constrains the text as chat's response_format does.
+chat reads them; `text.format` json_object or json_schema constrains the text as chat's response_format does;
+function tools with tool_choice "required" or a named function force a call as chat does (server/tools.py),
+answered as function_call items, and function_call / function_call_output items in `input` carry earlier calls
+and their results back.
 Responses are not stored: `previous_response_id` is refused, and `store` is accepted and changes nothing (as where
 a server keeps no state). As in chat, what this server does not do is a 400 naming the field rather than something
-silently dropped: tools, images and files, reasoning settings, logprobs (`top_logprobs`, `include`), truncation
-"auto".
+silently dropped: tool_choice "auto" and tools other than functions, images and files, reasoning settings,
+logprobs (`top_logprobs`, `include`), truncation "auto".
 
 A response has one output item, an assistant message with one output_text part. A stream sends OpenAI's event
 sequence: response.created, response.in_progress, response.output_item.added, response.content_part.added, then
@@ -26,6 +29,7 @@ from typing import Any
 
 from .protocol import (Fields, GenerateRequest, bad_request, body_object, chat_messages, json_type, response_grammar,
                        sampling_params, unsupported)
+from .tools import forced_call, tool_calls
 
 INPUT_TEXT_PARTS = ("input_text", "output_text", "text")  # text content parts of an input message
 
@@ -43,10 +47,41 @@ def parse_response(body: Any) -> GenerateRequest:
         messages.insert(0, {"role": "system", "content": instructions})
     stream = fields.boolean("stream")
     text = fields.get("text", (dict,), "an object", {})
+    grammar = response_grammar(text.get("format"), "text.format")
+    tools = _chat_tools(fields.get("tools", (list,), "an array"))
+    call = forced_call(tools, _chat_tool_choice(body.get("tool_choice")),
+                       lambda message, param: bad_request(message, param=param), unsupported,
+                       fields.boolean("parallel_tool_calls", True))
+    if call is not None and grammar is not None:
+        raise bad_request("a forced tool call and a text.format other than text cannot be asked together",
+                          param="text.format")
     params = sampling_params(fields, fields.integer("max_output_tokens"), "max_output_tokens", None, 1,
-                             response_grammar(text.get("format"), "text.format"))
+                             call.grammar if call is not None else grammar)
     return GenerateRequest(chat=True, model=fields.string("model"), prompts=(messages,), params=params,
-                           stream=stream, prompt_param="input")
+                           stream=stream, prompt_param="input", forced_call=call)
+
+
+def _chat_tools(tools: list | None) -> list | None:
+    """The Responses API's function tools ({"type": "function", "name", "parameters", ...}) in chat's form; other
+    tool types (web search, files, ...) are refused."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else json_type(tool)
+            raise unsupported(f"tools[{i}]: only function tools are supported by this server, got {kind!r}",
+                              f"tools[{i}]")
+        out.append(tool if "function" in tool else
+                   {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    return out
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    """The Responses API's tool_choice ({"type": "function", "name"} for a named function) in chat's form."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
 
 
 def _reject_unsupported(fields: Fields) -> None:
@@ -56,11 +91,6 @@ def _reject_unsupported(fields: Fields) -> None:
                           "conversation in input", "previous_response_id")
     if body.get("conversation") is not None:
         raise unsupported("conversation is not supported: this server does not store conversations", "conversation")
-    if fields.get("tools", (list,), "an array", ()) and body.get("tool_choice") != "none":
-        raise unsupported('tools are not supported by this server (with tool_choice: "none" they are ignored)',
-                          "tools")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise unsupported("tool_choice is not supported by this server", "tool_choice")
     if fields.get("reasoning", (dict,), "an object") or body.get("prompt") is not None:
         name = "reasoning" if body.get("reasoning") else "prompt"
         raise unsupported(f"{name} is not supported by this server", name)
@@ -93,9 +123,14 @@ def _input_messages(value: Any) -> list[dict]:
         if not isinstance(item, dict):
             raise bad_request(f"{param} must be an object, got {json_type(item)}", param=param)
         kind = item.get("type", "message")
+        if kind in ("function_call", "function_call_output"):  # an earlier call and its result
+            message = _call_message(item, kind, param, messages)
+            if message is not None:
+                messages.append(message)
+            continue
         if kind != "message":
-            raise unsupported(f"{param}: items of type {kind!r} are not supported by this server (only messages)",
-                              param)
+            raise unsupported(f"{param}: items of type {kind!r} are not supported by this server (messages, "
+                              f"function calls and their outputs are)", param)
         content = item.get("content")
         if isinstance(content, list):
             parts = []
@@ -108,6 +143,23 @@ def _input_messages(value: Any) -> list[dict]:
             content = parts
         messages.append({"role": item.get("role"), "content": content})
     return messages
+
+
+def _call_message(item: dict, kind: str, param: str, messages: list) -> dict | None:
+    """A function_call item as an assistant message's tool call (joined to the one before when that holds calls
+    only: None then), or a function_call_output item as a tool message."""
+    if not isinstance(item.get("call_id"), str):
+        raise bad_request(f"{param}.call_id must be a string", param=f"{param}.call_id")
+    if kind == "function_call_output":
+        return {"role": "tool", "tool_call_id": item["call_id"], "content": item.get("output")}
+    call = {"id": item["call_id"], "type": "function",
+            "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+    previous = messages[-1] if messages else None
+    if previous is not None and previous.get("role") == "assistant" and previous.get("tool_calls") \
+            and not previous.get("content"):
+        previous["tool_calls"].append(call)
+        return None
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
 
 
 class ResponsesResponder:
@@ -123,6 +175,7 @@ class ResponsesResponder:
         self._input_tokens = self._cached_tokens = self._output_tokens = 0
         self._finish_reason: str | None = None
         self._sequence = 0
+        self._calls: list[dict] | None = None  # a forced call's function_call items, once the text is whole
 
     def add(self, output: Any, prompt_index: int = 0) -> None:
         """Record one RequestOutput."""
@@ -133,36 +186,64 @@ class ResponsesResponder:
             self._texts.append(output.text)
 
     def events(self, output: Any, prompt_index: int = 0) -> list[dict]:
-        """Record one RequestOutput; the stream events it makes (a text delta, if it has text)."""
+        """Record one RequestOutput; the stream events it makes (a text delta, if it has text; a forced call's text
+        is its calls, sent whole at the end)."""
         self.add(output, prompt_index)
-        if not output.text:
+        if not output.text or self.request.forced_call is not None:
             return []
         return [self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
                             content_index=0, delta=output.text, logprobs=[])]
 
     def opening(self) -> list[dict]:
-        """The events before any text."""
-        return [self._event("response.created", response=self._response("in_progress", [])),
-                self._event("response.in_progress", response=self._response("in_progress", [])),
-                self._event("response.output_item.added", output_index=0, item=self._message("in_progress", [])),
+        """The events before any text (a forced call's items open at the end, once the calls are known)."""
+        events = [self._event("response.created", response=self._response("in_progress", [])),
+                  self._event("response.in_progress", response=self._response("in_progress", []))]
+        return events if self.request.forced_call is not None else events + self._message_opening()
+
+    def _message_opening(self) -> list[dict]:
+        return [self._event("response.output_item.added", output_index=0, item=self._message("in_progress", [])),
                 self._event("response.content_part.added", item_id=self._message_id, output_index=0,
                             content_index=0, part=self._part(""))]
 
     def closing(self) -> list[dict]:
-        """The events after the last text: the text, part and item done, then the whole response."""
+        """The events after the last text: the text, part and item done (or each forced call's item, added, its
+        arguments and done), then the whole response."""
         text, response = "".join(self._texts), self.response()
-        return [self._event("response.output_text.done", item_id=self._message_id, output_index=0, content_index=0,
-                            text=text, logprobs=[]),
-                self._event("response.content_part.done", item_id=self._message_id, output_index=0,
-                            content_index=0, part=self._part(text)),
-                self._event("response.output_item.done", output_index=0, item=response["output"][0]),
-                self._event("response.completed", response=response)]
+        events = []
+        if self.request.forced_call is not None:
+            if response["output"][0]["type"] == "function_call":
+                for index, item in enumerate(response["output"]):
+                    events += [self._event("response.output_item.added", output_index=index,
+                                           item=dict(item, arguments="", status="in_progress")),
+                               self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                           output_index=index, delta=item["arguments"]),
+                               self._event("response.function_call_arguments.done", item_id=item["id"],
+                                           output_index=index, arguments=item["arguments"]),
+                               self._event("response.output_item.done", output_index=index, item=item)]
+                return events + [self._event("response.completed", response=response)]
+            events = self._message_opening() + [self._event("response.output_text.delta", item_id=self._message_id,
+                                                            output_index=0, content_index=0, delta=text,
+                                                            logprobs=[])]
+        return events + [
+            self._event("response.output_text.done", item_id=self._message_id, output_index=0, content_index=0,
+                        text=text, logprobs=[]),
+            self._event("response.content_part.done", item_id=self._message_id, output_index=0, content_index=0,
+                        part=self._part(text)),
+            self._event("response.output_item.done", output_index=0, item=response["output"][0]),
+            self._event("response.completed", response=response)]
 
     def response(self) -> dict:
-        """The response object, once generation has ended."""
+        """The response object, once generation has ended: a message, or a forced call's function_call items."""
+        text = "".join(self._texts)
+        call = self.request.forced_call
+        if call is not None and self._calls is None:
+            self._calls = [{"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": c["id"],
+                            "name": c["function"]["name"], "arguments": c["function"]["arguments"],
+                            "status": "completed"} for c in tool_calls(call, text) or ()]
+        if self._calls:
+            return self._response("completed", self._calls)
         status = "incomplete" if self._finish_reason == "length" else "completed"
-        item = self._message(status, [self._part("".join(self._texts))])
-        return self._response(status, [item])
+        return self._response(status, [self._message(status, [self._part(text)])])
 
     def _response(self, status: str, output: list[dict]) -> dict:
         params = self.request.params

@@ -4,7 +4,8 @@ The call is written under a grammar (../structured.py): for a named function, JS
 `parameters` schema; for "required", a JSON array of one or more {"name", "parameters"} objects, each valid under
 its tool's schema (as vLLM forces calls). The tools also go to the chat template, so the model sees them the way its
 template shows tools. The text becomes the message's `tool_calls` (finish_reason "tool_calls"); a call cut by
-max_tokens stays text (finish_reason "length"). tool_choice "auto" would need a parser of each model family's own
+max_tokens stays text (finish_reason "length"); with parallel_tool_calls false "required" makes one call.
+tool_choice "auto" would need a parser of each model family's own
 tool-call syntax, which this server does not have: it stays a 400 that says so. History may hold assistant messages
 with tool_calls and tool messages with their results (protocol.chat_messages passes them to the template).
 """
@@ -33,10 +34,10 @@ class ForcedCall:
     grammar: str
 
 
-def forced_call(tools: Any, tool_choice: Any, error, refusal) -> ForcedCall | None:
+def forced_call(tools: Any, tool_choice: Any, error, refusal, parallel: bool = True) -> ForcedCall | None:
     """The call `tool_choice` forces among `tools` (a chat body's fields), None where it forces none ("none" or
-    absent tools). `error(message, param)` builds the 400 of a bad value to raise, `refusal(message, param)` that of
-    what the server does not do."""
+    absent tools); "required" allows several calls unless `parallel` (parallel_tool_calls) is false. `error(message,
+    param)` builds the 400 of a bad value to raise, `refusal(message, param)` that of what the server does not do."""
     if tool_choice not in (None, "none", "auto", "required") and not isinstance(tool_choice, dict):
         raise error(f'tool_choice must be "none", "auto", "required" or an object naming a function, got '
                     f'{tool_choice!r:.80}', "tool_choice")
@@ -69,6 +70,8 @@ def forced_call(tools: Any, tool_choice: Any, error, refusal) -> ForcedCall | No
             {"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
              "required": ["name", "parameters"], "additionalProperties": False}
             for name, parameters in schemas.items()]}}
+        if not parallel:
+            schema["maxItems"] = 1
     else:
         function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
         named = function.get("name") if isinstance(function, dict) else None
