@@ -108,6 +108,10 @@ def test_a_call_cut_by_max_tokens_comes_back_as_text(client):
                                                                                   "arguments": "{oops"}}]}]},
      "messages[1].tool_calls[0].function.arguments", None),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls", None),
+    ({"messages": MESSAGES + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                                     "function": {"name": "weather",
+                                                                                  "arguments": "1" * 5000}}]}]},
+     "messages[1].tool_calls[0].function.arguments", None),  # an integer past Python's 4300 digits
 ])
 def test_what_is_not_done_or_malformed_is_a_400_naming_the_field(client, fields, param, code):
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, **fields}

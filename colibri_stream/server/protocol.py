@@ -402,7 +402,7 @@ def _history_calls(calls: Any, param: str) -> list[dict]:
                               f'"arguments": "<JSON>"}}}}', param=f"{param}[{j}]")
         try:
             parsed = json.loads(arguments)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or a number past Python's 4300 digits
             raise bad_request(f"{param}[{j}].function.arguments must be a JSON text",
                               param=f"{param}[{j}].function.arguments") from None
         out.append({"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": parsed}})

@@ -91,7 +91,7 @@ def tool_calls(call: ForcedCall, text: str) -> list[dict] | None:
     (cut by max_tokens)."""
     try:
         document = json.loads(text)
-    except json.JSONDecodeError:
+    except ValueError:  # cut by max_tokens (or a number past Python's 4300 digits)
         return None
     pairs = [(call.named, document)] if call.named is not None else [(c["name"], c["parameters"]) for c in document]
     return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
