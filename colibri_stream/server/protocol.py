@@ -4,10 +4,10 @@ Unknown fields are ignored (as vLLM does; OpenAI refuses them, but clients writt
 extensions of their own). Otherwise requests follow OpenAI's rules: a known field of the wrong type or out of range
 is a 400 naming the field, and a feature this server does not implement (tool_choice "auto", the legacy functions,
 images, audio output, echo in chat, suffix, best_of > n, vLLM's continue_final_message) is a 400 that says so
-instead of being silently dropped; `response_format` json_object and json_schema (chat and, as vLLM, completions)
-constrain the text to JSON (structured.py), and a forced tool call (tool_choice "required" or a named function) is
-written under its tools' schemas (tools.py); so are the fields of the other endpoint that would change the
-answer (max_completion_tokens, top_logprobs or messages sent to /v1/completions, a prompt sent to chat). Types are
+instead of being silently dropped; so are the fields of the other endpoint that would change the answer
+(max_completion_tokens, top_logprobs or messages sent to /v1/completions, a prompt sent to chat). `response_format`
+json_object and json_schema (chat and, as vLLM, completions) constrain the text to JSON (structured.py), and a
+forced tool call (tool_choice "required" or a named function) is written under its tools' schemas (tools.py). Types are
 as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an integer; null is the same as
 leaving a field out. The values of those features that ask for nothing (`tools: []`,
 `tool_choice: "none"` or `"auto"`, `response_format: {"type": "text"}`, `modalities: ["text"]`, `echo: false`,
