@@ -48,6 +48,7 @@ from .protocol import (
     parse_completion,
 )
 from .responses import ResponsesResponder, parse_response
+from .tokenize import parse_detokenize, parse_tokenize
 from .sse import EventStream
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class ServerState:
 
 
 REQUEST_ID_HEADER = "X-Request-Id"
+KEYED_PATHS = ("/tokenize", "/detokenize")  # outside /v1/, behind the API key too
 MAX_REQUEST_ID = 128  # characters of a client's own request id that are echoed back
 
 STATE = web.AppKey("state", ServerState)
@@ -145,6 +147,8 @@ def create_app(engine: Any, *, api_key: str | None = None, served_model_name: st
         web.post("/v1/chat/completions", chat_completions, expect_handler=_expect),
         web.post("/v1/completions", completions, expect_handler=_expect),
         web.post("/v1/responses", responses, expect_handler=_expect),
+        web.post("/tokenize", tokenize),
+        web.post("/detokenize", detokenize),
         web.get("/v1/models", list_models),
         web.get("/v1/models/{model:.+}", get_model),  # Hugging Face names hold a slash
         web.get("/health", health),
@@ -230,9 +234,9 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 @web.middleware
 async def _authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Bearer key on /v1/*; /health and /metrics stay open for probes and scrapers."""
+    """Bearer key on /v1/* and the tokenizer endpoints; /health and /metrics stay open for probes and scrapers."""
     key = request.app[STATE].api_key
-    if key is not None and request.path.startswith("/v1/"):
+    if key is not None and (request.path.startswith("/v1/") or request.path in KEYED_PATHS):
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         # aiohttp decodes header bytes that are not UTF-8 as surrogates: encode them back the same way
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(errors="surrogateescape"),
@@ -332,6 +336,31 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def responses(request: web.Request) -> web.StreamResponse:
     return await _generate(request, parse_response)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """POST /tokenize (server/tokenize.py)."""
+    state = request.app[STATE]
+    model, prompt, add_special_tokens, token_strs = parse_tokenize(await _read_json(request))
+    _check_model(state, model)
+    try:
+        ids = await state.engine.encode(prompt, add_special_tokens)
+    except InvalidParameterError as e:
+        raise bad_request(str(e), param=e.param) from e
+    except ChatTemplateError as e:
+        raise bad_request(str(e), param="messages") from e
+    body: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.max_seq_len, "tokens": ids}
+    if token_strs:
+        body["token_strs"] = [state.token_piece(t)[0] for t in ids]
+    return _json(body)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """POST /detokenize (server/tokenize.py)."""
+    state = request.app[STATE]
+    model, ids = parse_detokenize(await _read_json(request), state.engine.model_config.vocab_size)
+    _check_model(state, model)
+    return _json({"prompt": state.decode(ids)})
 
 
 async def _expect(request: web.Request) -> web.StreamResponse | None:
