@@ -37,6 +37,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob (from the second on: the
     # first has no context) and the top k at its position; the prompt is then computed whole (no prefix cache)
     grammar: str | None = None  # llguidance grammar the tokens must follow (structured.json_schema_grammar)
+    min_tokens: int = 0  # output tokens before an end-of-sequence or stop token may be drawn (vLLM's)
     n: int = 1
 
     def __post_init__(self) -> None:
@@ -63,6 +64,8 @@ class SamplingParams:
                   "must be an integer between 0 and 20")
         check(isinstance(self.n, int) and 1 <= self.n <= 16, "n", "must be an integer between 1 and 16")
         check(self.grammar is None or isinstance(self.grammar, str), "grammar", "must be a string")
+        check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
+              "min_tokens", "must be an integer between 0 and max_tokens")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(len(self.stop) <= 16, "stop", "may hold at most 16 strings")
 

@@ -176,6 +176,10 @@ class ModelRunner:
             state = SamplingState.from_params(request.params, request.prompt_token_ids, request.index)
             if request.params.grammar is not None:
                 state.constraint = self.constraints.constraint(request.params.grammar)
+            if request.params.min_tokens:
+                ending = set(request.params.stop_token_ids) | (set() if request.params.ignore_eos
+                                                               else set(request.eos_token_ids))
+                state.ending_token_ids = tuple(t for t in sorted(ending) if t < self.model.config.vocab_size)
             self._states[request.seq_id] = state
         return state
 

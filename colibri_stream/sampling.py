@@ -68,6 +68,7 @@ class SamplingState:
     prompt_token_ids: np.ndarray  # [P] int64
     output_token_ids: list[int] = field(default_factory=list)
     constraint: TokenConstraint | None = None  # where params.grammar is set: the tokens it allows next
+    ending_token_ids: tuple[int, ...] = ()  # end-of-sequence and stop tokens: banned before params.min_tokens
 
     @classmethod
     def from_params(cls, params: SamplingParams, prompt_token_ids: Iterable[int], index: int = 0) -> SamplingState:
@@ -499,7 +500,7 @@ def drawn_over_vocabulary(params: SamplingParams, vocab: int) -> bool:
 
 def _adjusts_logits(params: SamplingParams) -> bool:
     """Whether `apply_penalties` changes this sequence's logits."""
-    return bool(params.logit_bias) or params.grammar is not None or (
+    return bool(params.logit_bias) or params.grammar is not None or params.min_tokens > 0 or (
         params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0)
 
 
@@ -510,15 +511,18 @@ def apply_penalties(logits: np.ndarray, states: list[SamplingState]) -> np.ndarr
     The logit bias comes first (as in vLLM): added to the logits of the tokens it names. Then repetition (over
     prompt and output tokens): positive logits are divided by the penalty, negative ones multiplied. Then frequency
     and presence (over output tokens): logit -= frequency * count + presence * (count > 0). Only the logits of
-    tokens a sequence has seen or biased are touched. Last, a sequence with a grammar (structured output) gets -inf
-    for every token its grammar does not allow next.
+    tokens a sequence has seen or biased are touched. Last, -inf for the tokens a sequence may not draw now: those
+    its grammar (structured output) does not allow next, and its ending tokens before min_tokens.
     """
     out = _penalised(logits, states)
     constrained = [b for b, s in enumerate(states) if s.constraint is not None]
-    if constrained:
+    early = [b for b, s in enumerate(states) if len(s.output_token_ids) < s.params.min_tokens and s.ending_token_ids]
+    if constrained or early:
         out = out.copy() if out is logits else out
         for b in constrained:
             out[b, ~states[b].constraint.allowed()] = -np.inf
+        for b in early:
+            out[b, list(states[b].ending_token_ids)] = -np.inf
     return out
 
 

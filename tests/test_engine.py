@@ -393,3 +393,20 @@ def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_dir):
         assert threads[2] is threading.main_thread()  # short prompts stay on the loop
 
     run_async(engine, body)
+
+
+def test_min_tokens_holds_back_stop_and_end_tokens(roomy, prompts):
+    """A stop token the greedy text reaches at its 4th token ends it there; with min_tokens 8 that token cannot be
+    drawn before the 8th, and the text runs on."""
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    first = run_all(roomy, {"g": (prompts[0], greedy)})[("g", 0)]
+    stop = next(t for i, t in enumerate(first) if i >= 3 and t not in first[:i])
+    at = first.index(stop)
+    stopped = run_all(roomy, {"s": (prompts[0], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                                                stop_token_ids=(stop,)))})[("s", 0)]
+    assert stopped == first[: at + 1]
+    held = run_all(roomy, {"m": (prompts[0], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                             stop_token_ids=(stop,), min_tokens=at + 4))})[("m", 0)]
+    assert held[:at] == first[:at] and stop not in held[: at + 4] and len(held) >= at + 4
+    with pytest.raises(InvalidParameterError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)

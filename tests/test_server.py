@@ -400,6 +400,8 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "x", "stream": "yes"}, "stream"),
     (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     (COMPLETIONS, {"prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    (COMPLETIONS, {"prompt": "x", "min_tokens": -1}, "min_tokens"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     (COMPLETIONS, {"prompt": "x", "suffix": "end"}, "suffix"),
     (COMPLETIONS, {"prompt": "x", "best_of": 2}, "best_of"),
