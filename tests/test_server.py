@@ -197,6 +197,12 @@ def test_chat_stream_equals_non_streaming(client):
     finishes = [c.choices[0].finish_reason for c in chunks[:-1]]
     assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
     assert all(c.usage is None for c in chunks[:-1])
+    counted = list(client.chat.completions.create(model="tiny-mixtral", messages=messages, stream=True,
+                                                  stream_options={"include_usage": True,
+                                                                  "continuous_usage_stats": True}, **GREEDY))
+    so_far = [c.usage.completion_tokens for c in counted]  # vLLM's continuous_usage_stats: the usage in every chunk
+    assert so_far == sorted(so_far) and so_far[-1] == whole.usage.completion_tokens
+    assert all(c.usage.prompt_tokens == whole.usage.prompt_tokens for c in counted)
 
 
 def test_chat_content_parts_and_roles(client):

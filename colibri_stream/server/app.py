@@ -434,6 +434,7 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateRequest
         try:
             await generations.start(req.prompts, req.params,
                                     list(req.forced_call.tools) if req.forced_call is not None else None)
+            responder.admitted(generations.prompt_tokens)
             if req.stream:
                 return await _stream(request, state, responder, generations)
             async for index, out in generations.outputs():

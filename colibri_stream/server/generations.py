@@ -34,6 +34,7 @@ class Generations:
         self._request_id = request_id
         self._sources: list[AsyncIterator[RequestOutput]] = []
         self._tasks: list[asyncio.Future] = []  # each prompt's first output; with several prompts, then its pump
+        self.prompt_tokens: list[int] = []  # each prompt's token count, once `start` has encoded them
 
     async def start(self, prompts: Sequence[Any], params: SamplingParams, tools: list[dict] | None = None) -> None:
         """Encode the prompts (chat messages shown `tools`) and have the engine admit each (raises its refusal:
@@ -49,6 +50,7 @@ class Generations:
                 token_ids.append(await self._engine.encode(prompt, tools=tools))  # a long prompt: off the event loop
             except ColibriError as error:
                 raise _of_prompt(error, i, len(prompts)) from error
+        self.prompt_tokens = [len(ids) for ids in token_ids]
         for i, ids in enumerate(token_ids):
             request_id = self._request_id if len(token_ids) == 1 else f"{self._request_id}-{i}"
             self._sources.append(self._engine.generate(ids, params, request_id=request_id))

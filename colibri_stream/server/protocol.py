@@ -80,6 +80,7 @@ class GenerateRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    continuous_usage: bool = False  # and continuous_usage_stats (vLLM's): every chunk with the usage so far
     logprobs: bool = False  # return logprobs (params.logprobs holds how many alternatives)
     echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt's
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine's one token is dropped)
@@ -244,16 +245,25 @@ def _logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def _stream_options(fields: Fields, stream: bool) -> bool:
+def _stream_options(fields: Fields, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats: vLLM's usage so far in every chunk) of stream_options."""
     options = fields.get("stream_options", (dict,), "an object")
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-    include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool) and include_usage is not None:
-        raise bad_request("stream_options.include_usage must be a boolean", param="stream_options.include_usage")
-    return bool(include_usage)
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = options.get(name, False)
+        if not isinstance(value, bool) and value is not None:
+            raise bad_request(f"stream_options.{name} must be a boolean", param=f"stream_options.{name}")
+        flags.append(bool(value))
+    return flags[0], flags[1]
+
+
+def _usage_options(fields: Fields, stream: bool) -> dict[str, bool]:
+    include_usage, continuous = _stream_options(fields, stream)
+    return {"include_usage": include_usage, "continuous_usage": include_usage and continuous}
 
 
 # Fields of the other endpoint that would change the result if they were ignored like unknown fields: a user
@@ -293,8 +303,8 @@ def parse_completion(body: Any) -> GenerateRequest:
         params = dataclasses.replace(params, prompt_logprobs=logprobs)
     return GenerateRequest(
         chat=False, model=model, prompts=_prompts(body.get("prompt")), params=params,
-        stream=stream, include_usage=_stream_options(fields, stream), logprobs=logprobs is not None,
-        echo=echo, echo_only=echo_only,
+        stream=stream, logprobs=logprobs is not None,
+        echo=echo, echo_only=echo_only, **_usage_options(fields, stream),
     )
 
 
@@ -328,7 +338,7 @@ def parse_chat(body: Any) -> GenerateRequest:
         chat=True, model=model, prompts=(chat_messages(body.get("messages")),),
         params=sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs else None, n,
                                call.grammar if call is not None else grammar),
-        stream=stream, include_usage=_stream_options(fields, stream), logprobs=logprobs, forced_call=call,
+        stream=stream, logprobs=logprobs, forced_call=call, **_usage_options(fields, stream),
     )
 
 
@@ -561,6 +571,10 @@ class Responder:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(self._cached_tokens)}}
 
+    def admitted(self, prompt_tokens: list[int]) -> None:
+        """The prompts' token counts, known once the engine has admitted them (before any output)."""
+        self._prompt_tokens = list(prompt_tokens)
+
     def opening(self) -> list[dict]:
         """A stream's first chunks: chat streams open with one per choice that carries the assistant role."""
         return self.role_chunks() if self.request.chat else []
@@ -581,7 +595,7 @@ class Responder:
         """A stream chunk holding one choice's delta."""
         body = self._body(self.chunk_object, [choice])
         if self.request.include_usage:
-            body["usage"] = None
+            body["usage"] = self.usage() if self.request.continuous_usage else None
         return body
 
     def role_chunks(self) -> list[dict]:

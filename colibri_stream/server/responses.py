@@ -177,6 +177,10 @@ class ResponsesResponder:
         self._sequence = 0
         self._calls: list[dict] | None = None  # a forced call's function_call items, once the text is whole
 
+    def admitted(self, prompt_tokens: list[int]) -> None:
+        """The input's token count, known once the engine has admitted it (before any output)."""
+        self._input_tokens = prompt_tokens[0]
+
     def add(self, output: Any, prompt_index: int = 0) -> None:
         """Record one RequestOutput."""
         self._input_tokens, self._cached_tokens = output.prompt_tokens, output.cached_tokens
