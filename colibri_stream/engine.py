@@ -150,7 +150,9 @@ class EngineCore:
         for index in range(params.n):
             request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, index, arrival)
             self.scheduler.add_request(request)
-            seqs[index] = _Sequence(request, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop))
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                                 params.stop, params.include_stop_str_in_output)
+            seqs[index] = _Sequence(request, detokenizer)
 
     def has_unfinished(self) -> bool:
         """Whether a request is unfinished or a step launched ahead is still to be collected."""

@@ -123,6 +123,9 @@ def test_stop_strings_cut_the_text(roomy, prompts):
     assert "".join(o.text for o in outputs) == full[:full.find(stop)]
     assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == ("stop", stop)
     assert outputs[-1].completion_tokens < 40 and roomy.stats().kv_blocks_used == 0
+    kept = run_text(roomy, prompts[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stop,),
+                                                      include_stop_str_in_output=True))
+    assert kept == full[:full.find(stop) + len(stop)]  # vLLM's include_stop_str_in_output
 
 
 def run_text(core: EngineCore, ids: list[int], params: SamplingParams) -> str:
@@ -410,3 +413,13 @@ def test_min_tokens_holds_back_stop_and_end_tokens(roomy, prompts):
     assert held[:at] == first[:at] and stop not in held[: at + 4] and len(held) >= at + 4
     with pytest.raises(InvalidParameterError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_special_tokens_in_the_text_when_asked(roomy, prompts):
+    """skip_special_tokens false (vLLM's): the end-of-sequence token's text is part of the output text."""
+    eos = roomy.tokenizer.eos_token_ids[0]
+    params = dict(max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias=((eos, 100.0),))
+    skipped = run_text(roomy, prompts[0], SamplingParams(**params))
+    kept = run_text(roomy, prompts[0], SamplingParams(**params, skip_special_tokens=False))
+    piece = roomy.tokenizer.decode([eos], skip_special_tokens=False)
+    assert piece and skipped == "" and kept == piece * 6

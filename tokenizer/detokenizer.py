@@ -27,16 +27,18 @@ class IncrementalDetokenizer:
 
     `add(ids)` returns the text that became final; text that could still be the start of one of the `stop`
     strings is held back. When a stop string completes, `stopped` turns True, `stop_reason` names it, and the
-    text before it is the last delta; the stop string itself is never emitted. When the request ends for another
+    text before it is the last delta; the stop string itself is emitted only with `include_stop`. When the request
+    ends for another
     reason, `flush()` returns whatever was held back. The concatenated deltas equal
     `tokenizer.decode(prompt + output)` minus `tokenizer.decode(prompt)` (up to a stop string).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Iterable[int], skip_special_tokens: bool = True,
-                 stop: Iterable[str] = ()):
+                 stop: Iterable[str] = (), include_stop: bool = False):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop = tuple(stop)
+        self._include_stop = include_stop
         # The window: prefix tokens (their text already emitted), then tokens whose text is not out yet.
         self._ids: list[int] = list(prompt_token_ids)[-CONTEXT_TOKENS:]
         self._read = len(self._ids)  # window index of the first token whose text is not out yet
@@ -85,7 +87,7 @@ class IncrementalDetokenizer:
         if hits:
             pos, i = min(hits)
             self.stopped, self.stop_reason = True, self._stop[i]
-            return text[:pos]
+            return text[:pos + len(self._stop[i])] if self._include_stop else text[:pos]
         keep = max((k for s in self._stop for k in range(1, min(len(s), len(text) + 1))
                     if text.endswith(s[:k])), default=0)
         self._held = text[len(text) - keep:] if keep else ""

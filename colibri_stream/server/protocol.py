@@ -13,12 +13,12 @@ leaving a field out. The values of those features that ask for nothing (`tools: 
 `tool_choice: "none"` or `"auto"`, `response_format: {"type": "text"}`, `modalities: ["text"]`, `echo: false`,
 `suffix: ""`, `best_of` equal to n) are accepted, and so are tools with `tool_choice: "none"` (as vLLM without a
 tool parser: the tools are ignored). The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
-`ignore_eos` and `min_tokens` (end-of-sequence and stop tokens are not drawn before it; stop strings still stop) are
-accepted too. /v1/completions takes a batch of prompts (a list of strings or of token id
-lists): prompt p's n choices have the indexes p * n to p * n + n - 1, as OpenAI and vLLM number them. Its `echo`
-starts each choice's text with the prompt and, with `logprobs`, its logprobs with the prompt tokens' (the first
-one's null, as OpenAI's legacy completions gave them); `echo` with `max_tokens: 0` returns the prompt alone, which
-is how evaluation harnesses score a text.
+`ignore_eos`, `min_tokens` (end-of-sequence and stop tokens are not drawn before it; stop strings still stop),
+`skip_special_tokens` and `include_stop_str_in_output` are accepted too. /v1/completions takes a batch of prompts
+(a list of strings or of token id lists): prompt p's n choices have the indexes p * n to p * n + n - 1, as OpenAI
+and vLLM number them. Its `echo` starts each choice's text with the prompt and, with `logprobs`, its logprobs with
+the prompt tokens' (the first one's null, as OpenAI's legacy completions gave them); `echo` with `max_tokens: 0`
+returns the prompt alone, which is how evaluation harnesses score a text.
 """
 
 from __future__ import annotations
@@ -196,6 +196,8 @@ def sampling_params(fields: Fields, max_tokens: int | None, max_tokens_name: str
             logprobs=logprobs,
             grammar=grammar,
             min_tokens=fields.integer("min_tokens", 0),
+            skip_special_tokens=fields.boolean("skip_special_tokens", True),
+            include_stop_str_in_output=fields.boolean("include_stop_str_in_output"),
             n=n,
         )
     except InvalidParameterError as e:
