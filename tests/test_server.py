@@ -408,6 +408,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     (COMPLETIONS, {"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    (COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     (COMPLETIONS, {"prompt": "x", "suffix": "end"}, "suffix"),
     (COMPLETIONS, {"prompt": "x", "best_of": 2}, "best_of"),
@@ -743,3 +744,18 @@ def test_cached_tokens_in_usage_and_metrics(server, client):
     assert served >= usage.prompt_tokens_details.cached_tokens + resent.usage.prompt_tokens_details.cached_tokens
     assert computed > 0
     assert metric(server, "colibri_kv_blocks_cached") > 0
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server, client):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens only; -1 keeps up to the context (all of these)."""
+    prompt = list(range(10, 60))  # 50 token ids
+    cut = client.completions.create(model="tiny-mixtral", prompt=prompt, max_tokens=3, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 12})
+    tail = client.completions.create(model="tiny-mixtral", prompt=prompt[-12:], max_tokens=3, temperature=0)
+    assert cut.usage.prompt_tokens == 12 and cut.choices[0].text == tail.choices[0].text
+    whole = client.completions.create(model="tiny-mixtral", prompt=prompt, max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == 50
+    chat = client.chat.completions.create(model="tiny-mixtral", messages=[{"role": "user", "content": "hello " * 30}],
+                                          max_tokens=1, extra_body={"truncate_prompt_tokens": 7})
+    assert chat.usage.prompt_tokens == 7

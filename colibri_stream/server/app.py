@@ -432,8 +432,10 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateRequest
     start = time.perf_counter()
     with state.in_flight():
         try:
+            keep = req.truncate_prompt_tokens
             await generations.start(req.prompts, req.params,
-                                    list(req.forced_call.tools) if req.forced_call is not None else None)
+                                    list(req.forced_call.tools) if req.forced_call is not None else None,
+                                    state.engine.max_seq_len if keep == -1 else keep)
             responder.admitted(generations.prompt_tokens)
             if req.stream:
                 return await _stream(request, state, responder, generations)

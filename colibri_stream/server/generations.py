@@ -36,9 +36,11 @@ class Generations:
         self._tasks: list[asyncio.Future] = []  # each prompt's first output; with several prompts, then its pump
         self.prompt_tokens: list[int] = []  # each prompt's token count, once `start` has encoded them
 
-    async def start(self, prompts: Sequence[Any], params: SamplingParams, tools: list[dict] | None = None) -> None:
-        """Encode the prompts (chat messages shown `tools`) and have the engine admit each (raises its refusal:
-        InvalidParameterError, PromptTooLongError, QueueFullError, ...)."""
+    async def start(self, prompts: Sequence[Any], params: SamplingParams, tools: list[dict] | None = None,
+                    keep_last: int | None = None) -> None:
+        """Encode the prompts (chat messages shown `tools`; each cut to its last `keep_last` tokens when given) and
+        have the engine admit each (raises its refusal: InvalidParameterError, PromptTooLongError, QueueFullError,
+        ...)."""
         capacity, wanted = self._engine.capacity, len(prompts) * params.n
         if capacity is not None and len(prompts) > 1 and wanted > capacity:  # else every retry would get a 429
             raise InvalidParameterError(f"{len(prompts)} prompts of n={params.n} are {wanted} sequences, which can "
@@ -50,6 +52,8 @@ class Generations:
                 token_ids.append(await self._engine.encode(prompt, tools=tools))  # a long prompt: off the event loop
             except ColibriError as error:
                 raise _of_prompt(error, i, len(prompts)) from error
+        if keep_last is not None:
+            token_ids = [ids[-keep_last:] for ids in token_ids]
         self.prompt_tokens = [len(ids) for ids in token_ids]
         for i, ids in enumerate(token_ids):
             request_id = self._request_id if len(token_ids) == 1 else f"{self._request_id}-{i}"

@@ -14,7 +14,7 @@ leaving a field out. The values of those features that ask for nothing (`tools: 
 `suffix: ""`, `best_of` equal to n) are accepted, and so are tools with `tool_choice: "none"` (as vLLM without a
 tool parser: the tools are ignored). The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
 `ignore_eos`, `min_tokens` (end-of-sequence and stop tokens are not drawn before it; stop strings still stop),
-`skip_special_tokens` and `include_stop_str_in_output` are accepted too. /v1/completions takes a batch of prompts
+`skip_special_tokens`, `include_stop_str_in_output` and `truncate_prompt_tokens` are accepted too. /v1/completions takes a batch of prompts
 (a list of strings or of token id lists): prompt p's n choices have the indexes p * n to p * n + n - 1, as OpenAI
 and vLLM number them. Its `echo` starts each choice's text with the prompt and, with `logprobs`, its logprobs with
 the prompt tokens' (the first one's null, as OpenAI's legacy completions gave them); `echo` with `max_tokens: 0`
@@ -86,6 +86,7 @@ class GenerateRequest:
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine's one token is dropped)
     prompt_param: str = ""  # the field that holds the prompt, named in errors about it (default: prompt / messages)
     forced_call: ForcedCall | None = None  # chat: the tool call tool_choice forces (server/tools.py)
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep each prompt's last this many tokens (-1: the context)
 
 
 class Fields:
@@ -263,9 +264,15 @@ def _stream_options(fields: Fields, stream: bool) -> tuple[bool, bool]:
     return flags[0], flags[1]
 
 
-def _usage_options(fields: Fields, stream: bool) -> dict[str, bool]:
+def _usage_options(fields: Fields, stream: bool) -> dict[str, Any]:
+    """The GenerateRequest fields common to chat and completions: stream_options, truncate_prompt_tokens."""
     include_usage, continuous = _stream_options(fields, stream)
-    return {"include_usage": include_usage, "continuous_usage": include_usage and continuous}
+    truncate = fields.integer("truncate_prompt_tokens")
+    if truncate is not None and truncate < 1 and truncate != -1:
+        raise bad_request("truncate_prompt_tokens must be a positive integer or -1 (the model's context)",
+                          param="truncate_prompt_tokens")
+    return {"include_usage": include_usage, "continuous_usage": include_usage and continuous,
+            "truncate_prompt_tokens": truncate}
 
 
 # Fields of the other endpoint that would change the result if they were ignored like unknown fields: a user
