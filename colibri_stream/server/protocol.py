@@ -14,11 +14,11 @@ leaving a field out. The values of those features that ask for nothing (`tools: 
 `suffix: ""`, `best_of` equal to n) are accepted, and so are tools with `tool_choice: "none"` (as vLLM without a
 tool parser: the tools are ignored). The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
 `ignore_eos`, `min_tokens` (end-of-sequence and stop tokens are not drawn before it; stop strings still stop),
-`skip_special_tokens`, `include_stop_str_in_output` and `truncate_prompt_tokens` are accepted too. /v1/completions takes a batch of prompts
-(a list of strings or of token id lists): prompt p's n choices have the indexes p * n to p * n + n - 1, as OpenAI
-and vLLM number them. Its `echo` starts each choice's text with the prompt and, with `logprobs`, its logprobs with
-the prompt tokens' (the first one's null, as OpenAI's legacy completions gave them); `echo` with `max_tokens: 0`
-returns the prompt alone, which is how evaluation harnesses score a text.
+`skip_special_tokens`, `include_stop_str_in_output` and `truncate_prompt_tokens` are accepted too. /v1/completions
+takes a batch of prompts (a list of strings or of token id lists): prompt p's n choices have the indexes p * n to
+p * n + n - 1, as OpenAI and vLLM number them. Its `echo` starts each choice's text with the prompt and, with
+`logprobs`, its logprobs with the prompt tokens' (the first one's null, as OpenAI's legacy completions gave them);
+`echo` with `max_tokens: 0` returns the prompt alone, which is how evaluation harnesses score a text.
 """
 
 from __future__ import annotations
