@@ -759,3 +759,10 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server, client):
     chat = client.chat.completions.create(model="tiny-mixtral", messages=[{"role": "user", "content": "hello " * 30}],
                                           max_tokens=1, extra_body={"truncate_prompt_tokens": 7})
     assert chat.usage.prompt_tokens == 7
+
+
+def test_version_is_open_like_health(server):
+    import colibri_stream
+
+    status, _, raw = request(server, "GET", "/version", key=None)
+    assert status == 200 and orjson.loads(raw) == {"version": colibri_stream.__version__}

@@ -28,6 +28,7 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
+from .. import __version__
 from ..errors import ColibriError
 from ..metrics import ServerMetrics
 from ..request import (
@@ -152,6 +153,7 @@ def create_app(engine: Any, *, api_key: str | None = None, served_model_name: st
         web.get("/v1/models", list_models),
         web.get("/v1/models/{model:.+}", get_model),  # Hugging Face names hold a slash
         web.get("/health", health),
+        web.get("/version", version),
         web.get("/metrics", metrics),
     ])
     return app
@@ -317,6 +319,11 @@ async def health(request: web.Request) -> web.Response:
     if not state.engine.healthy:  # stopped after an error, or its last model step failed
         return _json({"status": "unhealthy"}, 503)
     return _json({"status": "ok"})
+
+
+async def version(request: web.Request) -> web.Response:
+    """GET /version, as vLLM's: the server's version."""
+    return _json({"version": __version__})
 
 
 async def metrics(request: web.Request) -> web.Response:
