@@ -90,13 +90,13 @@ class EngineCore:
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_seq_len=self.max_seq_len), self.kv)
         self.runner = ModelRunner(model, model.allocate_kv_cache(num_blocks, block_size), per_seq,
                                   config.scheduler.max_batch_size, cuda_graphs=config.cuda_graphs)
-        self.runner.constraints = Constraints(tokenizer.to_json(), model.config.vocab_size,
-                                              tuple(set(tokenizer.eos_token_ids) | set(model.config.eos_token_ids)))
         self.timer: StepTimer = model.timer  # phases of every step; `timer.add_sink` turns it on
         self.async_scheduling = (self.runner.graphs is not None if config.async_scheduling is None
                                  else config.async_scheduling)
         self._launched: LaunchedStep | None = None  # a decode step launched ahead of its tokens
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
+        self.runner.constraints = Constraints(tokenizer.to_json(), model.config.vocab_size,
+                                              tuple(sorted(self.eos_token_ids)))
         self._requests: dict[str, dict[int, _Sequence]] = {}  # request id -> its unfinished sequences by index
         self._num_steps = 0
         self._num_steps_launched_ahead = 0

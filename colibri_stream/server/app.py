@@ -334,15 +334,20 @@ async def metrics(request: web.Request) -> web.Response:
 # --------------------------------------------------------------------------------------------------- generation
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_chat)
+    return await _generate(request, parse_chat, _choices_responder)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_completion)
+    return await _generate(request, parse_completion, _choices_responder)
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_response)
+    return await _generate(request, parse_response, lambda req, state: ResponsesResponder(req, state.model_name))
+
+
+def _choices_responder(req: GenerateRequest, state: ServerState) -> Responder:
+    """The responder of chat and completions: choices of chunks or of a whole completion."""
+    return Responder(req, state.model_name, state.token_piece, state.decode)
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -427,14 +432,15 @@ def _payload_error(error: web.RequestPayloadError) -> str:
     return getattr(cause, "message", None) or str(cause or error)
 
 
-async def _generate(request: web.Request, parse: Callable[[Any], GenerateRequest]) -> web.StreamResponse:
+async def _generate(request: web.Request, parse: Callable[[Any], GenerateRequest],
+                    make_responder: Callable[[GenerateRequest, ServerState], Responder | ResponsesResponder]
+                    ) -> web.StreamResponse:
     state = request.app[STATE]
     if state.draining:
         raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
     req = parse(await _read_json(request))
     _check_model(state, req.model)
-    responder = (ResponsesResponder(req, state.model_name) if parse is parse_response
-                 else Responder(req, state.model_name, state.token_piece, state.decode))
+    responder = make_responder(req, state)
     generations = Generations(state.engine, responder.id)
     start = time.perf_counter()
     with state.in_flight():

@@ -13,7 +13,9 @@ a server keeps no state). As in chat, what this server does not do is a 400 nami
 silently dropped: tool_choice "auto" and tools other than functions, images and files, reasoning settings,
 logprobs (`top_logprobs`, `include`), truncation "auto".
 
-A response has one output item, an assistant message with one output_text part. A stream sends OpenAI's event
+A response has one output item, an assistant message with one output_text part (a forced call: one function_call
+item per call, whose stream events come at the end: the item added, its arguments, the item done). A stream sends
+OpenAI's event
 sequence: response.created, response.in_progress, response.output_item.added, response.content_part.added, then
 response.output_text.delta per new text, response.output_text.done, response.content_part.done,
 response.output_item.done and response.completed, each event numbered by sequence_number. A response the length
