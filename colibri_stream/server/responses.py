@@ -15,12 +15,12 @@ logprobs (`top_logprobs`, `include`), truncation "auto".
 
 A response has one output item, an assistant message with one output_text part (a forced call: one function_call
 item per call, whose stream events come at the end: the item added, its arguments, the item done). A stream sends
-OpenAI's event
-sequence: response.created, response.in_progress, response.output_item.added, response.content_part.added, then
-response.output_text.delta per new text, response.output_text.done, response.content_part.done,
-response.output_item.done and response.completed, each event numbered by sequence_number. A response the length
-limit ended has status "incomplete" and incomplete_details.reason "max_output_tokens"; its stream still ends with
-response.completed (as vLLM's: the SDK's stream helper waits for that event).
+OpenAI's event sequence: response.created, response.in_progress, response.output_item.added,
+response.content_part.added, then response.output_text.delta per new text, response.output_text.done,
+response.content_part.done, response.output_item.done and response.completed, each event numbered by
+sequence_number. A response the length limit ended has status "incomplete" and incomplete_details.reason
+"max_output_tokens"; its stream still ends with response.completed (as vLLM's: the SDK's stream helper waits for
+that event).
 """
 
 from __future__ import annotations
