@@ -148,24 +148,22 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.synchronize()
 
-    def _forward(self, batch: ForwardBatch, sampling_rows: int) -> tuple[LogitSource, np.ndarray]:
-        """The step's logits of its first `sampling_rows` rows: on the host with NumPy; on the GPU left there (the
-        sampler copies back what it needs), from the bucket's decode graph where one fits; and those of the rows
-        after them (prompt positions) on the host. Returns once the device finished the step."""
+    def _forward(self, batch: ForwardBatch, sampling_rows: int) -> tuple[LogitSource, LogitSource]:
+        """The step's logits of its first `sampling_rows` rows and those of the rows after them (prompt positions):
+        on the host with NumPy; on the GPU left there (the sampler and `token_logprobs` copy back what they need),
+        from the bucket's decode graph where one fits. Returns once the device finished the step."""
         if self.model.backend.name != "cupy":
             logits = self.model.forward(batch, self.kv_cache)  # [N + M, V]
-            return HostLogits(logits[:sampling_rows]), logits[sampling_rows:]
+            return HostLogits(logits[:sampling_rows]), HostLogits(logits[sampling_rows:])
         from .backends.cupy_sampling import DeviceLogits
 
         backend = self.model.backend
-        prompt = np.zeros((0, self.model.config.vocab_size), np.float32)  # [M, V]
         if self.graphs is not None and self.graphs.fits(batch):  # never with prompt rows (fits: one row a sequence)
             logits = self.graphs.device_logits(batch)  # one graph launch, no per-layer phases
+            prompt = HostLogits(np.zeros((0, self.model.config.vocab_size), np.float32))
         else:  # positions stay below the model's: EngineCore bounds max_seq_len by them
             every = self.model.forward_device(batch, self.model.upload_batch(batch), self.kv_cache)  # [N + M, V]
-            logits = DeviceLogits(every[:sampling_rows], backend)
-            if len(batch.logits_indices) > sampling_rows:
-                prompt = backend.to_host(every[sampling_rows:])
+            logits, prompt = DeviceLogits(every[:sampling_rows], backend), DeviceLogits(every[sampling_rows:], backend)
         logits.stream.synchronize()  # the forward phase holds the device's time, as the host path's copy does
         return logits, prompt
 
@@ -201,13 +199,17 @@ def _prompt_rows(seqs: list[ScheduledSeq]) -> list[tuple[int, np.ndarray, np.nda
     return out
 
 
-def _prompt_logprobs(seqs: list[ScheduledSeq], prompt_rows: list, logits: np.ndarray) -> list[tuple[int, list]]:
+def _prompt_logprobs(seqs: list[ScheduledSeq], prompt_rows: list, logits: LogitSource) -> list[tuple[int, list]]:
     """(sequence index, Logprobs of its prompt tokens) from the prompt rows' logits [M, V], in `prompt_rows` order."""
+    if not prompt_rows:
+        return []
+    targets = np.concatenate([t for _, _, t in prompt_rows])  # [M]
+    k = max(seqs[i].request.params.prompt_logprobs for i, _, _ in prompt_rows)  # one pass: the most any row asks
+    entries = [_logprob(int(t), e) for t, e in zip(targets, token_logprobs(logits, targets, k))]
     out, at = [], 0
-    for i, rows, targets in prompt_rows:
-        k = seqs[i].request.params.prompt_logprobs
-        entries = token_logprobs(logits[at: at + len(rows)], targets, k)
-        out.append((i, [_logprob(int(t), lp) for t, lp in zip(targets, entries)]))
+    for i, rows, _ in prompt_rows:
+        asked = seqs[i].request.params.prompt_logprobs
+        out.append((i, [(token, logprob, top[:asked]) for token, logprob, top in entries[at: at + len(rows)]]))
         at += len(rows)
     return out
 

@@ -129,6 +129,10 @@ class LogitSource(ABC):
         """The `count` best tokens (count <= min(V, max_candidates)) of rows [R] after dividing each by its
         temperature [R] float32; the log-normaliser at least where lse_rows [R] bool is set."""
 
+    @abstractmethod
+    def values(self, rows: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+        """The logit of token token_ids[r] [R] in row rows[r] [R], on the host.  # [R] float32"""
+
     def whole_vocabulary_draws(self, rows: np.ndarray, temperature: np.ndarray,
                                uniform: np.ndarray) -> np.ndarray | None:
         """Tokens [R] int64 of rows [R] drawn over the whole vocabulary at temperatures [R] without min-p, with
@@ -153,6 +157,9 @@ class HostLogits(LogitSource):
 
     def argmax(self, rows: np.ndarray) -> np.ndarray:
         return np.argmax(self._logits_of(rows), axis=1)
+
+    def values(self, rows: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+        return self.logits[rows, token_ids]
 
     def candidates(self, rows: np.ndarray, temperature: np.ndarray, count: int, lse_rows: np.ndarray) -> Candidates:
         logits = self._logits_of(rows)  # [R, V]
@@ -556,14 +563,15 @@ def _penalised(logits: np.ndarray, states: list[SamplingState]) -> np.ndarray:
     return out
 
 
-def token_logprobs(logits: np.ndarray, token_ids: np.ndarray, k: int) -> list[TokenLogprobs]:
-    """Each row's log-probability of its token and of its k most likely tokens under the raw model distribution
-    (prompt logprobs). logits [M, V] float32, token_ids [M] int64."""
-    lse = _logsumexp(logits)  # [M]
-    chosen = logits[np.arange(len(token_ids)), token_ids] - lse  # [M]
-    top = top_sorted(logits, k) if k else np.zeros((len(token_ids), 0), np.int64)  # [M, k]
-    top_logprobs = (np.take_along_axis(logits, top, axis=1) - lse[:, None]).astype(np.float32)  # [M, k]
-    return [TokenLogprobs(float(chosen[row]), top[row], top_logprobs[row]) for row in range(len(token_ids))]
+def token_logprobs(source: LogitSource, token_ids: np.ndarray, k: int) -> list[TokenLogprobs]:
+    """Each row's log-probability of its token token_ids[r] [M] int64 and of its k most likely tokens under the raw
+    model distribution (prompt logprobs), from the M rows of `source`: only those figures leave the device."""
+    rows = np.arange(len(token_ids))  # [M]
+    best = source.candidates(rows, np.ones(len(rows), np.float32), min(max(k, 1), source.vocab_size),
+                             np.ones(len(rows), bool))
+    chosen = source.values(rows, token_ids) - best.lse  # [M] float64
+    top_logprobs = (best.logits[:, :k] - best.lse[:, None]).astype(np.float32)  # [M, k]
+    return [TokenLogprobs(float(chosen[r]), best.token_ids[r, :k], top_logprobs[r]) for r in rows]
 
 
 def _logsumexp(x: np.ndarray) -> np.ndarray:

@@ -77,6 +77,11 @@ class DeviceLogits(LogitSource):
                 self._argmax = self.backend.greedy(self.logits)  # [B] int64
             return self._argmax.get(stream=self.stream)[rows]
 
+    def values(self, rows: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+        cp = self.cp
+        with self.stream:
+            return self.logits[cp.asarray(rows), cp.asarray(token_ids)].get(stream=self.stream)  # [R]
+
     def whole_vocabulary_draws(self, rows: np.ndarray, temperature: np.ndarray, uniform: np.ndarray) -> np.ndarray:
         """Each row's token drawn on the device (`draw_on_device`); only the ids come back.  # [R] int64"""
         cp = self.cp
