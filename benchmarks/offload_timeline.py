@@ -38,6 +38,7 @@ from decode import log, machine
 from offload import decode, make_model, open_folder, write
 
 from colibri_stream.config import GPU_SLOT_LAYOUTS
+from colibri_stream.experts.cpu_worker import WAIT_SPIN_SECONDS
 from colibri_stream.experts.slots import layer_slot_counts
 
 THREAD_ENV = ("NUMBA_THREADING_LAYER", "NUMBA_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -217,7 +218,7 @@ def run(args) -> list[dict]:
             cut_gain = model.store.min_cut_gain  # the store's default where `gain` is None
             worker = model.store._worker
             if worker is not None and waiter != "default":
-                worker.wait_spin_seconds = {"spin": 0.05, "sleep": 0.0}[waiter]
+                worker.wait_spin_seconds = {"spin": WAIT_SPIN_SECONDS, "sleep": 0.0}[waiter]
             wait_spin = worker.wait_spin_seconds if worker is not None else None
             recorder = Recorder(model.store)
             decode(model, 1, 2)  # warm
@@ -267,8 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-cut-gains", type=float, nargs="+", default=[None],
                         help="the placement's minimum gain of a cut to compare (default: the store's)")
     parser.add_argument("--waiters", nargs="+", default=["default"], choices=["default", "spin", "sleep"],
-                        help="how the step thread waits for the CpuLayerWorker's job: the worker's default (sleep), "
-                             "spinning through the job (50 ms at most), or a short spin then asleep")
+                        help="how the step thread waits for the CpuLayerWorker's job: the worker's default (spin where "
+                             "its threads leave a core), spinning through the job (50 ms at most), or a short spin "
+                             "then asleep")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the runs, every other round in reverse order")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/offload_timeline_h200.json")

@@ -161,7 +161,6 @@ def test_a_waiter_that_spins_through_the_job_gets_its_sums():
     blocks, views = expert_blocks("bf16", rng)
     worker = cpu_worker.CpuLayerWorker(views[0], blocks[0], threads=1)
     try:
-        assert worker.wait_spin_seconds == 0.0  # the default: a short spin, then asleep
         worker.wait_spin_seconds = 10.0
         x, ids, weights = routing(rng, 4)
         items = [(e, (0, INTER)) for e in range(EXPERTS)] * 8  # long enough to outlast the short spin
@@ -170,6 +169,18 @@ def test_a_waiter_that_spins_through_the_job_gets_its_sums():
         assert_sums_match(out, reference(x, ids, weights, views, items))
     finally:
         worker.close()
+
+
+def test_a_waiter_spins_through_the_job_only_where_its_threads_leave_it_a_core():
+    rng = np.random.default_rng(7)
+    blocks, views = expert_blocks("bf16", rng)
+    cores = cpu_worker.numba.config.NUMBA_NUM_THREADS
+    for threads, spin in [(cores, 0.0), (cores - 1, cpu_worker.WAIT_SPIN_SECONDS)][:1 + (cores > 1)]:
+        worker = cpu_worker.CpuLayerWorker(views[0], blocks[0], threads=threads)
+        try:
+            assert worker.wait_spin_seconds == spin, threads
+        finally:
+            worker.close()
 
 
 def test_a_worker_nobody_holds_stops_its_thread():

@@ -29,6 +29,7 @@ from .cpu_executor import KERNEL_DTYPES, CpuExpertExecutor, expert_kernel, numba
 
 SPIN_SECONDS = 0.005  # the worker spins this long after a job before it sleeps (a decode step's layers are closer)
 WAIT_SPINS = 2000  # `wait` checks this often (or for CpuLayerWorker.wait_spin_seconds) before it sleeps
+WAIT_SPIN_SECONDS = 0.05  # `wait` spins this long at most where the job's threads leave it a core
 WAIT_SLEEP_US = 20  # without futexes (not Linux on x86-64 or arm64): `wait` sleeps this long between checks
 # Linux futex system call numbers; the waiter sleeps on the low half of the DONE word until the worker wakes it
 SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine()) if sys.platform == "linux" else None
@@ -277,10 +278,10 @@ class CpuLayerWorker:
         inter, hidden = tensors["gate"].shape
         dtype = np.dtype(np.uint16) if tensors["gate"].dtype == KERNEL_DTYPES[0] else tensors["gate"].dtype
         self.threads = threads
-        # How long `wait` spins before it sleeps (0: WAIT_SPINS checks). A thread woken from the futex ran 0.15-0.25
-        # ms after the job's end on the H200 host; spinning through a job needs a core its threads leave free. Not
-        # measured on the GPU host yet: benchmarks/offload_timeline.py --waiters spin sleep compares.
-        self.wait_spin_seconds = 0.0
+        # How long `wait` spins before it sleeps (0: WAIT_SPINS checks): through a whole job where its threads leave
+        # the waiter a core, as `threads_beside_gpu` does. On the H200 host the futex woke the step thread 0.14-0.16
+        # ms after the job's end, a spinning one 0.05-0.08 ms (benchmarks/offload_timeline.py --waiters spin sleep).
+        self.wait_spin_seconds = WAIT_SPIN_SECONDS if threads < numba.config.NUMBA_NUM_THREADS else 0.0
         self.expert_bytes = sum(t.nbytes for t in tensors.values())
         self._shared = _Shared(_server(dtype, "gate_scale" in tensors),
                                np.array([*offsets, inter, hidden], np.int64), threads)
