@@ -1,7 +1,9 @@
-"""Structured output: a grammar that constrains a sequence's tokens (JSON, a JSON schema), through llguidance.
+"""Structured output: a grammar that constrains a sequence's tokens (JSON, a JSON schema, a regular expression, a
+choice of strings, a Lark grammar), through llguidance.
 
 `SamplingParams.grammar` holds a grammar in llguidance's format (`json_schema_grammar` builds one from a JSON
-schema: what `response_format` asks for). The engine checks it against its tokenizer when the request arrives
+schema: what `response_format` asks for; `regex_grammar`, `choice_grammar` and `lark_grammar` what vLLM's
+`structured_outputs` asks for). The engine checks it against its tokenizer when the request arrives
 (`Constraints.check`), and the runner gives each such sequence a `TokenConstraint`: before each draw the sampler
 sets the logits of the tokens the grammar does not allow next to -inf (`sampling.apply_penalties`), and the
 runner feeds each sampled token back (`accept`). The end-of-sequence token is allowed only where the grammar may
@@ -29,21 +31,42 @@ from .request import InvalidParameterError
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def json_schema_grammar(schema: Any) -> str:
+def json_schema_grammar(schema: Any, param: str = "response_format") -> str:
     """The grammar of JSON documents valid under `schema` (a JSON schema object; {"type": "object"}: any object),
-    laid out as JSON_LAYOUT."""
+    laid out as JSON_LAYOUT. Errors name the request field `param`."""
+    return _checked(lambda matcher: matcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT),
+                    "the schema", param)
+
+
+def regex_grammar(pattern: str, param: str) -> str:
+    """The grammar of the texts that match the regular expression `pattern` whole (Rust regex syntax)."""
+    return _checked(lambda matcher: matcher.grammar_from_regex(pattern), "the regular expression", param)
+
+
+def lark_grammar(source: str, param: str) -> str:
+    """The grammar written in Lark (llguidance's dialect: `start: ...` rules, /regex/ terminals)."""
+    return _checked(lambda matcher: matcher.grammar_from_lark(source), "the grammar", param)
+
+
+def choice_grammar(choices: list[str], param: str) -> str:
+    """The grammar of exactly one of the strings `choices`."""
+    return lark_grammar("start: " + " | ".join(json.dumps(choice) for choice in choices), param)
+
+
+def _checked(build, what: str, param: str) -> str:
+    """The grammar `build(LLMatcher)` makes, validated; an InvalidParameterError naming `param` if it is not one."""
     try:
         from llguidance import LLMatcher
     except ImportError as error:
         raise InvalidParameterError("structured output needs the llguidance package (pip install llguidance)",
-                                    "response_format") from error
+                                    param) from error
     try:
-        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
+        grammar = build(LLMatcher)
     except ValueError as error:
-        raise InvalidParameterError(f"the schema cannot be used: {error}", "response_format") from error
+        raise InvalidParameterError(f"{what} cannot be used: {error}", param) from error
     error = LLMatcher.validate_grammar(grammar)
     if error:
-        raise InvalidParameterError(f"the schema cannot be used: {error}", "response_format")
+        raise InvalidParameterError(f"{what} cannot be used: {error}", param)
     return grammar
 
 

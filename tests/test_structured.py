@@ -5,7 +5,9 @@ a bounded JSON schema end on their own with documents valid under it, laid out a
 sequences preempted and recomputed, and n sequences of one request; the tokens of an unconstrained request in the
 same batch are the ones it gets alone; a schema llguidance cannot use is refused when the request arrives. Through
 the server and the official client: response_format json_schema and json_object in chat and completions, the
-client's `parse` helpers with a pydantic model, and text.format in the Responses API.
+client's `parse` helpers with a pydantic model, text.format in the Responses API, and vLLM's structured_outputs
+and guided_* fields (regex, choice, JSON schema, json_object, Lark grammar), with a 400 naming the field for each
+bad value.
 """
 
 from __future__ import annotations
@@ -117,3 +119,66 @@ def test_response_formats_through_the_official_client(client):
     response = client.responses.parse(model="tiny", input="Describe the box as JSON", max_output_tokens=60,
                                       temperature=0, text_format=Box)
     assert isinstance(response.output_parsed, Box)
+
+
+@pytest.mark.parametrize("fields", [
+    {"structured_outputs": {"regex": "(yes|no), [0-9]{3}"}},
+    {"guided_regex": "(yes|no), [0-9]{3}"},
+])
+def test_vllm_regex_fields_hold_the_text_to_the_pattern(client, fields):
+    import re
+
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Answer"}],
+                                          max_tokens=20, temperature=0, extra_body=fields)
+    text = chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "stop" and re.fullmatch("(yes|no), [0-9]{3}", text)
+    completion = client.completions.create(model="tiny", prompt="Answer:", max_tokens=20, temperature=0.9, seed=3,
+                                           n=3, extra_body=fields)
+    assert all(re.fullmatch("(yes|no), [0-9]{3}", c.text) for c in completion.choices)
+
+
+def test_vllm_choice_json_and_grammar_fields(client):
+    messages = [{"role": "user", "content": "Pick one"}]
+    choices = ["red \"wine\"", "blue\\sky", "grün"]
+    for fields in ({"structured_outputs": {"choice": choices}}, {"guided_choice": choices}):
+        picked = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=1.0,
+                                                seed=5, extra_body=fields)
+        assert picked.choices[0].message.content in choices
+    for schema in (SCHEMA, json.dumps(SCHEMA)):  # the schema as an object or as its JSON text, as vLLM takes it
+        for fields in ({"structured_outputs": {"json": schema}}, {"guided_json": schema}):
+            document = client.chat.completions.create(model="tiny", messages=messages, max_tokens=60,
+                                                      temperature=0, extra_body=fields)
+            assert valid(document.choices[0].message.content)
+    obj = client.completions.create(model="tiny", prompt="JSON:", max_tokens=40, temperature=0,
+                                    extra_body={"structured_outputs": {"json_object": True}})
+    assert obj.choices[0].text.startswith("{")
+    lark = 'start: "count: " NUMBER\nNUMBER: /[1-9][0-9]?/'
+    for fields in ({"structured_outputs": {"grammar": lark}}, {"guided_grammar": lark}):
+        counted = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0,
+                                                 extra_body=fields)
+        text = counted.choices[0].message.content
+        assert text.startswith("count: ") and text[7:].isdigit() and 1 <= int(text[7:]) <= 99
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"structured_outputs": {"regex": "((("}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "start: ((("}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"regexp": "a"}}, "structured_outputs"),
+    ({"structured_outputs": "a"}, "structured_outputs"),
+    ({"guided_regex": ""}, "guided_regex"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"guided_json": SCHEMA, "response_format": {"type": "json_object"}}, "guided_json"),
+])
+def test_bad_vllm_structured_output_fields_are_a_400_naming_the_field(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       extra_body=fields)
+    assert refused.value.body["param"] == param
+    assert client.models.list().data[0].id == "tiny"  # the server still serves

@@ -6,7 +6,8 @@ is a 400 naming the field, and a feature this server does not implement (tool_ch
 images, audio output, echo in chat, suffix, best_of > n, vLLM's continue_final_message) is a 400 that says so
 instead of being silently dropped; so are the fields of the other endpoint that would change the answer
 (max_completion_tokens, top_logprobs or messages sent to /v1/completions, a prompt sent to chat). `response_format`
-json_object and json_schema (chat and, as vLLM, completions) constrain the text to JSON (structured.py), and a
+json_object and json_schema (chat and, as vLLM, completions) constrain the text to JSON (structured.py), as do
+vLLM's `structured_outputs` and `guided_*` fields to a schema, regex, choice or Lark grammar (structured_outputs.py); a
 forced tool call (tool_choice "required" or a named function) is written under its tools' schemas (tools.py). Types are
 as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an integer; null is the same as
 leaving a field out. The values of those features that ask for nothing (`tools: []`,
@@ -33,6 +34,7 @@ from typing import Any
 
 from ..request import InvalidParameterError, SamplingParams
 from ..structured import json_schema_grammar
+from .structured_outputs import structured_outputs_grammar
 from .tools import ForcedCall, forced_call, tool_calls
 
 MAX_LOGPROBS = 20
@@ -232,6 +234,19 @@ def response_grammar(value: Any, param: str) -> str | None:
         raise bad_request(f"{param}: {error}", param=param) from None
 
 
+def output_grammar(body: dict) -> tuple[str, str] | None:
+    """(the field that asked, the grammar) the output must follow: `response_format`, or vLLM's structured-output
+    fields (structured_outputs.py); asking for both is a 400."""
+    from_format = response_grammar(body.get("response_format"), "response_format")
+    try:
+        from_vllm = structured_outputs_grammar(body)
+    except InvalidParameterError as e:
+        raise bad_request(str(e), param=e.param) from None
+    if from_format is not None and from_vllm is not None:
+        raise bad_request(f"response_format and {from_vllm[0]} cannot be asked together", param=from_vllm[0])
+    return ("response_format", from_format) if from_format is not None else from_vllm
+
+
 def _logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
     """logit_bias as (token id, bias) pairs: keys are token ids written as decimal strings ("50256"), no sign, no
     leading zero (so no two keys name one token), values are numbers; the ranges are SamplingParams' and the
@@ -306,8 +321,9 @@ def parse_completion(body: Any) -> GenerateRequest:
     max_tokens = fields.integer("max_tokens") if "max_tokens" in body else 16  # null: up to the context
     echo = fields.boolean("echo")
     echo_only = echo and max_tokens == 0  # scoring a text (its logprobs), as evaluation harnesses do
+    asked = output_grammar(body)
     params = sampling_params(fields, 1 if echo_only else max_tokens, "max_tokens", logprobs, n,
-                             response_grammar(body.get("response_format"), "response_format"))
+                             asked[1] if asked is not None else None)
     if echo and logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=logprobs)
     return GenerateRequest(
@@ -339,10 +355,10 @@ def parse_chat(body: Any) -> GenerateRequest:
     call = forced_call(fields.get("tools", (list,), "an array"), body.get("tool_choice"),
                        lambda message, param: bad_request(message, param=param), unsupported,
                        fields.boolean("parallel_tool_calls", True))
-    grammar = response_grammar(body.get("response_format"), "response_format")
-    if call is not None and grammar is not None:
-        raise bad_request("a forced tool call and a response_format other than text cannot be asked together",
-                          param="response_format")
+    asked = output_grammar(body)
+    if call is not None and asked is not None:
+        raise bad_request(f"a forced tool call and {asked[0]} cannot be asked together", param=asked[0])
+    grammar = asked[1] if asked is not None else None
     return GenerateRequest(
         chat=True, model=model, prompts=(chat_messages(body.get("messages")),),
         params=sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs else None, n,
