@@ -50,6 +50,7 @@ from .protocol import (
 )
 from .responses import ResponsesResponder, parse_response
 from .tokenize import parse_detokenize, parse_tokenize
+from .tool_syntax import HermesToolSyntax, tool_syntax_of
 from .sse import EventStream
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,11 @@ class ServerState:
     def decode(self, token_ids: list[int]) -> str:
         """Token ids' text, special tokens included (an echoed prompt given as ids)."""
         return self.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    @functools.cached_property
+    def tool_syntax(self) -> HermesToolSyntax | None:
+        """The tool-call syntax the model's chat template teaches, which tool_choice "auto" reads; None: none."""
+        return tool_syntax_of(getattr(self.engine.tokenizer, "chat_templates", {}))
 
     @functools.cached_property
     def token_piece(self) -> Callable[[int], tuple[str, bytes]]:
@@ -334,7 +340,8 @@ async def metrics(request: web.Request) -> web.Response:
 # --------------------------------------------------------------------------------------------------- generation
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_chat, _choices_responder)
+    syntax = request.app[STATE].tool_syntax
+    return await _generate(request, functools.partial(parse_chat, tool_syntax=syntax), _choices_responder)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -446,8 +453,7 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateRequest
     with state.in_flight():
         try:
             keep = req.truncate_prompt_tokens
-            await generations.start(req.prompts, req.params,
-                                    list(req.forced_call.tools) if req.forced_call is not None else None,
+            await generations.start(req.prompts, req.params, req.template_tools,
                                     state.engine.max_seq_len if keep == -1 else keep)
             responder.admitted(generations.prompt_tokens)
             if req.stream:

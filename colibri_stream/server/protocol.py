@@ -2,15 +2,17 @@
 
 Unknown fields are ignored (as vLLM does; OpenAI refuses them, but clients written for vLLM-style servers send
 extensions of their own). Otherwise requests follow OpenAI's rules: a known field of the wrong type or out of range
-is a 400 naming the field, and a feature this server does not implement (tool_choice "auto", the legacy functions,
+is a 400 naming the field, and a feature this server does not implement (tool_choice "auto" for a model whose
+chat template teaches no tool-call syntax it reads, the legacy functions,
 images, audio output, echo in chat, suffix, best_of > n, vLLM's continue_final_message) is a 400 that says so
 instead of being silently dropped; so are the fields of the other endpoint that would change the answer
 (max_completion_tokens, top_logprobs or messages sent to /v1/completions, a prompt sent to chat). `response_format`
 json_object and json_schema (chat and, as vLLM, completions) constrain the text to JSON (structured.py), as do
 vLLM's `structured_outputs` and `guided_*` fields to a schema, regex, choice or Lark grammar (structured_outputs.py); a
-forced tool call (tool_choice "required" or a named function) is written under its tools' schemas (tools.py). Types are
-as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an integer; null is the same as
-leaving a field out. The values of those features that ask for nothing (`tools: []`,
+forced tool call (tool_choice "required" or a named function) is written under its tools' schemas (tools.py);
+with tool_choice "auto" the calls the model writes in its template's syntax become tool_calls (tool_syntax.py).
+Types are as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an integer; null is the
+same as leaving a field out. The values of those features that ask for nothing (`tools: []`,
 `tool_choice: "none"` or `"auto"`, `response_format: {"type": "text"}`, `modalities: ["text"]`, `echo: false`,
 `suffix: ""`, `best_of` equal to n) are accepted, and so are tools with `tool_choice: "none"` (as vLLM without a
 tool parser: the tools are ignored). The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
@@ -35,7 +37,8 @@ from typing import Any
 from ..request import InvalidParameterError, SamplingParams
 from ..structured import json_schema_grammar
 from .structured_outputs import structured_outputs_grammar
-from .tools import ForcedCall, forced_call, tool_calls
+from .tool_syntax import HeldText, HermesToolSyntax
+from .tools import AutoCalls, ForcedCall, tool_calls, tool_use
 
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch
@@ -88,7 +91,14 @@ class GenerateRequest:
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine's one token is dropped)
     prompt_param: str = ""  # the field that holds the prompt, named in errors about it (default: prompt / messages)
     forced_call: ForcedCall | None = None  # chat: the tool call tool_choice forces (server/tools.py)
+    auto_calls: AutoCalls | None = None  # chat, tool_choice "auto": the calls the model may write (server/tools.py)
     truncate_prompt_tokens: int | None = None  # vLLM's: keep each prompt's last this many tokens (-1: the context)
+
+    @property
+    def template_tools(self) -> list[dict] | None:
+        """The tools the chat template shows the model (forced or "auto" calls), else None."""
+        calls = self.forced_call or self.auto_calls
+        return list(calls.tools) if calls is not None else None
 
 
 class Fields:
@@ -333,7 +343,7 @@ def parse_completion(body: Any) -> GenerateRequest:
     )
 
 
-def parse_chat(body: Any) -> GenerateRequest:
+def parse_chat(body: Any, tool_syntax: HermesToolSyntax | None = None) -> GenerateRequest:
     """Validate a /v1/chat/completions body."""
     fields = Fields(body_object(body))
     model, stream, n = _common(fields, chat=True)
@@ -352,9 +362,10 @@ def parse_chat(body: Any) -> GenerateRequest:
         max_tokens, name = legacy_max_tokens, "max_tokens"
     elif legacy_max_tokens is not None and legacy_max_tokens < 1:  # checked even when max_completion_tokens wins
         raise bad_request("max_tokens must be a positive integer", param="max_tokens")
-    call = forced_call(fields.get("tools", (list,), "an array"), body.get("tool_choice"),
-                       lambda message, param: bad_request(message, param=param), unsupported,
-                       fields.boolean("parallel_tool_calls", True))
+    use = tool_use(fields.get("tools", (list,), "an array"), body.get("tool_choice"),
+                   lambda message, param: bad_request(message, param=param), unsupported,
+                   fields.boolean("parallel_tool_calls", True), tool_syntax)
+    call = use if isinstance(use, ForcedCall) else None
     asked = output_grammar(body)
     if call is not None and asked is not None:
         raise bad_request(f"a forced tool call and {asked[0]} cannot be asked together", param=asked[0])
@@ -363,7 +374,8 @@ def parse_chat(body: Any) -> GenerateRequest:
         chat=True, model=model, prompts=(chat_messages(body.get("messages")),),
         params=sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs else None, n,
                                call.grammar if call is not None else grammar),
-        stream=stream, logprobs=logprobs, forced_call=call, **_usage_options(fields, stream),
+        stream=stream, logprobs=logprobs, forced_call=call, auto_calls=use if isinstance(use, AutoCalls) else None,
+        **_usage_options(fields, stream),
     )
 
 
@@ -485,7 +497,9 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     echoed: bool = False  # echo: the prompt went out (with the choice's first output)
-    tool_calls: list[dict] | None = None  # a forced call: the calls its whole text makes (set once finished)
+    tool_calls: list[dict] | None = None  # the calls its whole text makes (set once finished)
+    content: str | None = None  # tool_choice "auto": the text before those calls
+    held: HeldText | None = None  # tool_choice "auto", streaming: the text, and what of it went out
 
 
 class Responder:
@@ -544,6 +558,8 @@ class Responder:
                     entry["delta"] = {"tool_calls": [dict(c, index=i) for i, c in enumerate(choice.tool_calls)]}
                 else:  # cut by max_tokens: the text as it is
                     entry["delta"] = {"content": "".join(choice.texts)}
+        elif request.auto_calls is not None:
+            entry["delta"] = self._auto_delta(choice, request.auto_calls, output)
         elif request.chat:
             entry["delta"] = {"content": output.text} if output.text or not output.finished else {}
         else:
@@ -553,6 +569,24 @@ class Responder:
         if output.finished:
             entry["stop_reason"] = output.stop_reason
         return entry
+
+    def _auto_delta(self, choice: _Choice, auto: AutoCalls, output: Any) -> dict:
+        """tool_choice "auto": one output's delta (streaming: the text that cannot be part of a call yet); once the
+        text is whole, the calls it makes, if it makes any (finish_reason "tool_calls"), else the text held back."""
+        visible = ""
+        if self.request.stream:
+            choice.held = choice.held or HeldText(auto.syntax.opening)
+            visible = choice.held.feed(output.text)
+        if not output.finished:
+            return {"content": visible} if visible else {}
+        split = auto.syntax.split(choice.held.text if choice.held else "".join(choice.texts), auto.names)
+        if split is None:
+            rest = visible + (choice.held.rest() if choice.held else "")
+            return {"content": rest} if rest else {}
+        choice.content, choice.tool_calls = split
+        choice.finish_reason = "tool_calls"
+        calls = {"tool_calls": [dict(c, index=i) for i, c in enumerate(choice.tool_calls)]}
+        return {"content": visible, **calls} if visible else calls
 
     def _logprobs(self, choice: _Choice, entries: list | None) -> dict:
         """This delta's logprobs in the endpoint's format; kept in the choice too when not streaming."""
@@ -609,7 +643,8 @@ class Responder:
         choice = self.add(output, prompt_index)
         if self.request.forced_call is not None:  # the calls go out whole, with the end
             return [self.chunk(choice)] if output.finished else []
-        shown = choice.get("text") or output.text or output.finished or (self.request.logprobs and output.logprobs)
+        text = choice["delta"] if self.request.auto_calls is not None else choice.get("text") or output.text
+        shown = text or output.finished or (self.request.logprobs and output.logprobs)
         return [self.chunk(choice)] if shown else []
 
     def closing(self) -> list[dict]:
@@ -637,7 +672,7 @@ class Responder:
         for c in self._choices:
             entry: dict[str, Any] = {"index": c.index}
             if c.tool_calls is not None:
-                entry["message"] = {"role": "assistant", "content": None, "tool_calls": c.tool_calls}
+                entry["message"] = {"role": "assistant", "content": c.content, "tool_calls": c.tool_calls}
                 entry["logprobs"] = {"content": c.logprobs} if self.request.logprobs else None
             elif self.request.chat:
                 entry["message"] = {"role": "assistant", "content": "".join(c.texts)}

@@ -31,7 +31,7 @@ from typing import Any
 
 from .protocol import (Fields, GenerateRequest, bad_request, body_object, chat_messages, json_type, response_grammar,
                        sampling_params, unsupported)
-from .tools import forced_call, tool_calls
+from .tools import tool_calls, tool_use
 
 INPUT_TEXT_PARTS = ("input_text", "output_text", "text")  # text content parts of an input message
 
@@ -51,9 +51,9 @@ def parse_response(body: Any) -> GenerateRequest:
     text = fields.get("text", (dict,), "an object", {})
     grammar = response_grammar(text.get("format"), "text.format")
     tools = _chat_tools(fields.get("tools", (list,), "an array"))
-    call = forced_call(tools, _chat_tool_choice(body.get("tool_choice")),
-                       lambda message, param: bad_request(message, param=param), unsupported,
-                       fields.boolean("parallel_tool_calls", True))
+    call = tool_use(tools, _chat_tool_choice(body.get("tool_choice")),
+                    lambda message, param: bad_request(message, param=param), unsupported,
+                    fields.boolean("parallel_tool_calls", True))
     if call is not None and grammar is not None:
         raise bad_request("a forced tool call and a text.format other than text cannot be asked together",
                           param="text.format")

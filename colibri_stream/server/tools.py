@@ -1,13 +1,15 @@
-"""Function calling in chat completions where the request forces a call: tool_choice "required" or a named function.
+"""Function calling in chat completions: a call the request forces (tool_choice "required" or a named function), or
+calls the model may make in its own syntax (tool_choice "auto", the default with tools; tool_syntax.py).
 
 The call is written under a grammar (../structured.py): for a named function, JSON arguments valid under its
 `parameters` schema; for "required", a JSON array of one or more {"name", "parameters"} objects, each valid under
 its tool's schema (as vLLM forces calls). The tools also go to the chat template, so the model sees them the way its
 template shows tools. The text becomes the message's `tool_calls` (finish_reason "tool_calls"); a call cut by
 max_tokens stays text (finish_reason "length"); with parallel_tool_calls false "required" makes one call.
-tool_choice "auto" would need a parser of each model family's own
-tool-call syntax, which this server does not have: it stays a 400 that says so. History may hold assistant messages
-with tool_calls and tool messages with their results (protocol.chat_messages passes them to the template).
+With tool_choice "auto" the model writes freely, shown the tools by its template, and the calls
+it writes in the syntax its template teaches become tool_calls; a model whose template teaches none this server
+reads gets a 400 that says so. History may hold assistant messages with tool_calls and tool messages with their
+results (protocol.chat_messages passes them to the template).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from ..request import InvalidParameterError
 from ..structured import json_schema_grammar
+from .tool_syntax import HermesToolSyntax
 
 ANY_OBJECT = {"type": "object"}  # the parameters of a function that declares none
 
@@ -34,10 +37,21 @@ class ForcedCall:
     grammar: str
 
 
-def forced_call(tools: Any, tool_choice: Any, error, refusal, parallel: bool = True) -> ForcedCall | None:
-    """The call `tool_choice` forces among `tools` (a chat body's fields), None where it forces none ("none" or
-    absent tools); "required" allows several calls unless `parallel` (parallel_tool_calls) is false. `error(message,
-    param)` builds the 400 of a bad value to raise, `refusal(message, param)` that of what the server does not do."""
+@dataclass(frozen=True)
+class AutoCalls:
+    """tool_choice "auto": the model may call any of `names`, in `syntax`; `tools` as the chat template takes them."""
+
+    names: frozenset[str]
+    tools: tuple[dict, ...]
+    syntax: HermesToolSyntax
+
+
+def tool_use(tools: Any, tool_choice: Any, error, refusal, parallel: bool = True,
+             syntax: HermesToolSyntax | None = None) -> ForcedCall | AutoCalls | None:
+    """What `tool_choice` asks of `tools` (a chat body's fields): the call it forces, calls the model may make in
+    `syntax` ("auto", the default with tools; refused without a syntax), or None ("none", or no tools). "required"
+    allows several calls unless `parallel` (parallel_tool_calls) is false. `error(message, param)` builds the 400
+    of a bad value to raise, `refusal(message, param)` that of what the server does not do."""
     if tool_choice not in (None, "none", "auto", "required") and not isinstance(tool_choice, dict):
         raise error(f'tool_choice must be "none", "auto", "required" or an object naming a function, got '
                     f'{tool_choice!r:.80}', "tool_choice")
@@ -62,9 +76,12 @@ def forced_call(tools: Any, tool_choice: Any, error, refusal, parallel: bool = T
         listed.append({"type": "function", "function": {key: function[key] for key in
                                                          ("name", "description", "parameters") if key in function}})
     if tool_choice in (None, "auto"):
-        raise refusal('tool_choice "auto" is not supported by this server (it has no parser for the models\' own '
-                    'tool-call syntax): force a call with tool_choice "required" or {"type": "function", '
-                    '"function": {"name": ...}}, or send tool_choice "none"', "tool_choice")
+        if syntax is None:
+            raise refusal('tool_choice "auto" (the default with tools) is not supported for this model: its chat '
+                          'template teaches no tool-call syntax this server reads. Force a call with tool_choice '
+                          '"required" or {"type": "function", "function": {"name": ...}}, or send tool_choice '
+                          '"none"', "tool_choice")
+        return AutoCalls(frozenset(schemas), tuple(listed), syntax)
     if tool_choice == "required":
         named, schema = None, {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},

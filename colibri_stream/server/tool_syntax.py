@@ -1,0 +1,107 @@
+"""Tool calls a model writes in its own syntax, for tool_choice "auto": found in the text once it is whole.
+
+A model's chat template shows it how to call tools; the server reads the syntax off the template
+(`tool_syntax_of`). Supported: Hermes-style blocks, as the Qwen2.5, Qwen3 and Qwen3-MoE templates ask for,
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+one block per call, after optional text (the message's content), separated by whitespace only. A text whose
+blocks are not all JSON objects naming one of the request's tools, with an object of arguments, or that has text
+between or after them, stays text: nothing the model wrote is lost.
+While streaming, text before the first block goes out as it comes; from the block's opening tag on, the text is
+held until the end (`HeldText`), then sent as tool_calls (or, if it is not well-formed calls, as content).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping
+
+
+class HermesToolSyntax:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (the last one may lack its closing tag)."""
+
+    name = "hermes"
+    opening = "<tool_call>"
+    _block = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
+
+    def split(self, text: str, tools: frozenset[str]) -> tuple[str | None, list[dict]] | None:
+        """(the content before the calls, None if only whitespace; the calls as a message's tool_calls) of a whole
+        text; None where it holds no block or a block that is not a call of one of `tools`."""
+        start = text.find(self.opening)
+        if start < 0:
+            return None
+        calls, end = [], start
+        for match in self._block.finditer(text, start):
+            call = _parse_call(match.group(1) if match.group(1) is not None else match.group(2), tools)
+            if call is None or text[end:match.start()].strip():  # a bad block, or text between blocks
+                return None
+            calls.append(call)
+            end = match.end()
+        if text[end:].strip():  # text after the calls
+            return None
+        content = text[:start]
+        return (content if content.strip() else None), calls
+
+
+def _parse_call(block: str, tools: frozenset[str]) -> dict | None:
+    """A tool_calls entry from one block's JSON {"name", "arguments"}; None if it is not a call of `tools`."""
+    try:
+        call = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or call.get("name") not in tools:
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+SYNTAXES = (HermesToolSyntax(),)
+
+
+def tool_syntax_of(chat_templates: Mapping[str, str]) -> HermesToolSyntax | None:
+    """The tool-call syntax the chat template used with tools teaches the model (its "tool_use" template, else its
+    default one); None where it shows none this server reads."""
+    template = chat_templates.get("tool_use") or chat_templates.get("default") or ""
+    return next((syntax for syntax in SYNTAXES if syntax.opening in template), None)
+
+
+class HeldText:
+    """One streamed choice's text under tool_choice "auto": what `feed` returns may go out as content now; the
+    text from the syntax's opening tag on (and any end of the text that could be the start of that tag) is held."""
+
+    def __init__(self, opening: str):
+        self.opening = opening
+        self.parts: list[str] = []  # the whole text so far
+        self.sent = 0  # characters of it already sent as content
+        self.in_calls = False  # the opening tag has been seen
+
+    def feed(self, text: str) -> str:
+        self.parts.append(text)
+        if self.in_calls:
+            return ""
+        whole = "".join(self.parts)
+        start = whole.find(self.opening, self.sent)  # text before `sent` holds no start of the tag
+        if start >= 0:
+            self.in_calls = True
+            end = start
+        else:  # hold back an end that may begin the tag
+            end = len(whole) - next((k for k in range(min(len(self.opening) - 1, len(whole)), 0, -1)
+                                     if whole.endswith(self.opening[:k])), 0)
+        visible, self.sent = whole[self.sent:end], max(self.sent, end)
+        return visible
+
+    def rest(self) -> str:
+        """The text not sent yet."""
+        return "".join(self.parts)[self.sent:]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)

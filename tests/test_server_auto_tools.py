@@ -1,0 +1,162 @@
+"""tool_choice "auto" (server/tool_syntax.py) on the real server through the official openai client.
+
+The tiny model gets a Qwen-style chat template that shows it the tools and teaches Hermes `<tool_call>` blocks.
+Its weights are random, so the tests steer its text with vLLM's structured_outputs regex: what it then writes in
+the template's syntax comes back as tool_calls (finish_reason "tool_calls"), the text before them as content,
+streamed or not, one call or several; a text that is not well-formed calls of the request's tools stays content,
+whole, streamed or not; tool_choice "none" leaves the text alone; the template shows the tools only when asked
+to call them. A model whose template teaches no syntax refuses "auto" (test_server_tools.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import openai
+import pytest
+from test_server import API_KEY, LiveServer
+
+from colibri_stream.server.tool_syntax import HeldText, HermesToolSyntax
+
+pytest.importorskip("llguidance")
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call functions:\n<tools>\n"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
+    'For each call return {"name": <function-name>, "arguments": <args-json-object>} within '
+    "<tool_call></tool_call> tags.<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{%- for call in message.tool_calls %}\n<tool_call>\n"
+    '{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}\n</tool_call>'
+    "{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+           "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "The forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+SECOND = '<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>'
+
+
+def regex(text: str) -> dict:
+    """extra_body that makes the model write exactly `text`."""
+    escaped = "".join("\\" + c if c in "\\.+*?()|[]{}^$" else c for c in text)
+    return {"structured_outputs": {"regex": escaped}}
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hermes") / "model"
+    folder.mkdir()
+    for path in tiny_model_dir.iterdir():
+        if path.name != "tokenizer_config.json":
+            (folder / path.name).symlink_to(path)
+    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=HERMES_TEMPLATE)))
+    live = LiveServer(folder, dict(max_batch_size=4, max_seq_len=1024), api_key=API_KEY, served_model_name="tiny")
+    yield openai.OpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    live.close()
+    shutil.rmtree(folder)
+
+
+def ask(client, text: str, stream: bool = False, **fields):
+    return client.chat.completions.create(model="tiny", messages=fields.pop("messages", MESSAGES), max_tokens=400,
+                                          temperature=0, tools=fields.pop("tools", TOOLS), stream=stream,
+                                          extra_body=regex(text), **fields)
+
+
+def streamed(chunks) -> tuple[str, dict[int, dict], str | None]:
+    """(the content, the tool calls by index as the client accumulates them, the finish_reason) of a stream."""
+    content, calls, reason = "", {}, None
+    for chunk in chunks:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or ():
+            entry = calls.setdefault(call.index, {"id": "", "name": "", "arguments": ""})
+            entry["id"] += call.id or ""
+            entry["name"] += call.function.name or ""
+            entry["arguments"] += call.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return content, calls, reason
+
+
+def test_a_call_in_the_templates_syntax_comes_back_as_tool_calls(client):
+    answer = ask(client, "Let me look.\n" + CALL)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look.\n"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+    content, calls, reason = streamed(ask(client, "Let me look.\n" + CALL, stream=True))
+    assert (content, reason) == ("Let me look.\n", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("weather",
+                                                                                  {"city": "Paris", "days": 3})]
+
+
+def test_several_calls_and_no_content(client):
+    text = CALL + "\n" + SECOND
+    answer = ask(client, text)
+    assert answer.choices[0].message.content is None
+    assert [c.function.name for c in answer.choices[0].message.tool_calls] == ["weather", "clock"]
+    content, calls, reason = streamed(ask(client, text, stream=True))
+    assert content == "" and reason == "tool_calls" and sorted(calls) == [0, 1]
+    assert [calls[i]["name"] for i in (0, 1)] == ["weather", "clock"] and calls[1]["arguments"] == "{}"
+
+
+@pytest.mark.parametrize("text", [
+    "Plain words, no call at all.",
+    "A tag <tool_ that never opens, and <tool_call> alone",
+    '<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>',  # not one of the request's tools
+    '<tool_call>\n{"name": "weather", "arguments": "Paris"}\n</tool_call>',  # arguments not an object
+    '<tool_call>\n{"name": "weather", "arguments": {"city": "Pa',  # cut short
+    CALL + "\nand some words after it",
+    CALL + "\n<tool_ca",
+])
+def test_text_that_is_not_well_formed_calls_stays_content_whole(client, text):
+    answer = ask(client, text)
+    assert answer.choices[0].message.content == text and not answer.choices[0].message.tool_calls
+    assert answer.choices[0].finish_reason == "stop"
+    content, calls, reason = streamed(ask(client, text, stream=True))
+    assert (content, calls, reason) == (text, {}, "stop")
+
+
+def test_tool_choice_none_leaves_the_text_alone_and_hides_the_tools(client):
+    answer = ask(client, CALL, tool_choice="none")
+    assert answer.choices[0].message.content == CALL and answer.choices[0].finish_reason == "stop"
+    shown = ask(client, "x").usage.prompt_tokens
+    hidden = ask(client, "x", tool_choice="none").usage.prompt_tokens
+    assert shown > hidden + 20  # the template listed the tools only when they may be called
+
+
+def test_a_conversation_with_earlier_calls_and_results_goes_on(client):
+    first = ask(client, CALL).choices[0].message
+    history = MESSAGES + [first.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "Sunny, 24 C"}]
+    answer = ask(client, "It is sunny in Paris.", messages=history)
+    assert answer.choices[0].message.content == "It is sunny in Paris."
+
+
+@pytest.mark.parametrize("pieces", [
+    ["Hi <tool", "_call>\n{}", "</tool_call>"],
+    ["Hi <", "t", "ool_call", ">{}"],
+    ["<tool_call>{}"],
+    ["a<to", "x <tool_c", "all>"],
+])
+def test_held_text_sends_all_before_the_tag_and_nothing_after(pieces):
+    held = HeldText(HermesToolSyntax.opening)
+    sent = "".join(held.feed(piece) for piece in pieces)
+    whole = "".join(pieces)
+    assert sent == whole[:whole.index("<tool_call>")] and held.rest() == whole[len(sent):]
+
+
+def test_held_text_holds_only_what_may_begin_the_tag():
+    held = HeldText(HermesToolSyntax.opening)
+    assert held.feed("Hello <to") == "Hello " and held.feed("day") == "<today" and held.rest() == ""
+    assert not held.in_calls
