@@ -5,7 +5,8 @@ Its weights are random, so the tests steer its text with vLLM's structured_outpu
 the template's syntax comes back as tool_calls (finish_reason "tool_calls"), the text before them as content,
 streamed or not, one call or several; a text that is not well-formed calls of the request's tools stays content,
 whole, streamed or not; tool_choice "none" leaves the text alone; the template shows the tools only when asked
-to call them. A model whose template teaches no syntax refuses "auto" (test_server_tools.py).
+to call them. In the Responses API the calls are function_call items after the message of the text before them,
+in OpenAI's event order. A model whose template teaches no syntax refuses "auto" (test_server_tools.py).
 """
 
 from __future__ import annotations
@@ -160,3 +161,47 @@ def test_held_text_holds_only_what_may_begin_the_tag():
     held = HeldText(HermesToolSyntax.opening)
     assert held.feed("Hello <to") == "Hello " and held.feed("day") == "<today" and held.rest() == ""
     assert not held.in_calls
+
+
+RESPONSE_TOOLS = [{"type": "function", "name": "weather", "parameters": WEATHER},
+                  {"type": "function", "name": "clock", "parameters": {"type": "object"}}]
+
+
+def respond(client, text: str, stream: bool = False):
+    return client.responses.create(model="tiny", input="What is the weather in Paris?", tools=RESPONSE_TOOLS,
+                                   max_output_tokens=400, temperature=0, stream=stream, extra_body=regex(text))
+
+
+def test_responses_auto_calls_are_function_call_items_after_the_text_before_them(client):
+    response = respond(client, "Let me look.\n" + CALL + "\n" + SECOND)
+    message, first, second = response.output
+    assert response.status == "completed" and message.type == "message" and response.output_text == "Let me look.\n"
+    assert (first.type, first.name, json.loads(first.arguments)) == ("function_call", "weather",
+                                                                    {"city": "Paris", "days": 3})
+    assert (second.name, second.arguments) == ("clock", "{}")
+    events = list(respond(client, "Let me look.\n" + CALL, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-8:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.output_item.added", "response.function_call_arguments.delta",
+                          "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    streamed_text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert streamed_text == final.output_text == "Let me look.\n" and final.output[1].name == "weather"
+    assert events[-4].output_index == 1 and events[-4].delta == final.output[1].arguments
+
+
+def test_responses_calls_alone_and_text_alone(client):
+    events = list(respond(client, CALL, stream=True))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.output_item.added",
+                                        "response.function_call_arguments.delta",
+                                        "response.function_call_arguments.done", "response.output_item.done",
+                                        "response.completed"]
+    assert [item.type for item in respond(client, CALL).output] == ["function_call"]
+    text = '<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>'
+    events = list(respond(client, text, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    assert events[-1].response.output_text == text == respond(client, text).output_text
+    assert events[-1].response.output[0].type == "message" and len(events[-1].response.output) == 1

@@ -349,7 +349,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_response, lambda req, state: ResponsesResponder(req, state.model_name))
+    syntax = request.app[STATE].tool_syntax
+    return await _generate(request, functools.partial(parse_response, tool_syntax=syntax),
+                           lambda req, state: ResponsesResponder(req, state.model_name))
 
 
 def _choices_responder(req: GenerateRequest, state: ServerState) -> Responder:

@@ -244,17 +244,17 @@ def response_grammar(value: Any, param: str) -> str | None:
         raise bad_request(f"{param}: {error}", param=param) from None
 
 
-def output_grammar(body: dict) -> tuple[str, str] | None:
-    """(the field that asked, the grammar) the output must follow: `response_format`, or vLLM's structured-output
-    fields (structured_outputs.py); asking for both is a 400."""
-    from_format = response_grammar(body.get("response_format"), "response_format")
+def output_grammar(body: dict, response_format: Any, param: str = "response_format") -> tuple[str, str] | None:
+    """(the field that asked, the grammar) the output must follow: the `response_format` value (in the field
+    `param`), or vLLM's structured-output fields (structured_outputs.py); asking for both is a 400."""
+    from_format = response_grammar(response_format, param)
     try:
         from_vllm = structured_outputs_grammar(body)
     except InvalidParameterError as e:
         raise bad_request(str(e), param=e.param) from None
     if from_format is not None and from_vllm is not None:
-        raise bad_request(f"response_format and {from_vllm[0]} cannot be asked together", param=from_vllm[0])
-    return ("response_format", from_format) if from_format is not None else from_vllm
+        raise bad_request(f"{param} and {from_vllm[0]} cannot be asked together", param=from_vllm[0])
+    return (param, from_format) if from_format is not None else from_vllm
 
 
 def _logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
@@ -331,7 +331,7 @@ def parse_completion(body: Any) -> GenerateRequest:
     max_tokens = fields.integer("max_tokens") if "max_tokens" in body else 16  # null: up to the context
     echo = fields.boolean("echo")
     echo_only = echo and max_tokens == 0  # scoring a text (its logprobs), as evaluation harnesses do
-    asked = output_grammar(body)
+    asked = output_grammar(body, body.get("response_format"))
     params = sampling_params(fields, 1 if echo_only else max_tokens, "max_tokens", logprobs, n,
                              asked[1] if asked is not None else None)
     if echo and logprobs is not None:
@@ -366,7 +366,7 @@ def parse_chat(body: Any, tool_syntax: HermesToolSyntax | None = None) -> Genera
                    lambda message, param: bad_request(message, param=param), unsupported,
                    fields.boolean("parallel_tool_calls", True), tool_syntax)
     call = use if isinstance(use, ForcedCall) else None
-    asked = output_grammar(body)
+    asked = output_grammar(body, body.get("response_format"))
     if call is not None and asked is not None:
         raise bad_request(f"a forced tool call and {asked[0]} cannot be asked together", param=asked[0])
     grammar = asked[1] if asked is not None else None
@@ -583,7 +583,8 @@ class Responder:
         if split is None:
             rest = visible + (choice.held.rest() if choice.held else "")
             return {"content": rest} if rest else {}
-        choice.content, choice.tool_calls = split
+        before, choice.tool_calls = split
+        choice.content = before if before.strip() else None
         choice.finish_reason = "tool_calls"
         calls = {"tool_calls": [dict(c, index=i) for i, c in enumerate(choice.tool_calls)]}
         return {"content": visible, **calls} if visible else calls

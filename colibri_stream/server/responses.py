@@ -3,18 +3,23 @@ engine requests as chat completions.
 
 `input` (a string, or message items whose content is a string or input_text / output_text parts) and
 `instructions` (a system message first) go through the model's chat template; `max_output_tokens`, `temperature`,
-`top_p`, `stream` and the vLLM extensions of chat (`top_k`, `min_p`, `seed`, `stop`, penalties, ...) are read as
-chat reads them; `text.format` json_object or json_schema constrains the text as chat's response_format does;
-function tools with tool_choice "required" or a named function force a call as chat does (server/tools.py),
-answered as function_call items, and function_call / function_call_output items in `input` carry earlier calls
-and their results back.
+`top_p`, `stream` and the vLLM extensions of chat (`top_k`, `min_p`, `seed`, `stop`, penalties,
+`structured_outputs`, ...) are read as chat reads them; `text.format` json_object or json_schema constrains the
+text as chat's response_format does; function tools with tool_choice "required" or a named function force a call
+as chat does (server/tools.py), answered as function_call items; with tool_choice "auto" (the default with tools)
+the calls the model writes in its chat template's syntax (tool_syntax.py) become function_call items after the
+message of the text before them.
+function_call / function_call_output items in `input` carry earlier calls and their results back.
 Responses are not stored: `previous_response_id` is refused, and `store` is accepted and changes nothing (as where
 a server keeps no state). As in chat, what this server does not do is a 400 naming the field rather than something
-silently dropped: tool_choice "auto" and tools other than functions, images and files, reasoning settings,
+silently dropped: tool_choice "auto" for a model whose template teaches no tool-call syntax the server reads,
+tools other than functions, images and files, reasoning settings,
 logprobs (`top_logprobs`, `include`), truncation "auto".
 
 A response has one output item, an assistant message with one output_text part (a forced call: one function_call
-item per call, whose stream events come at the end: the item added, its arguments, the item done). A stream sends
+item per call, whose stream events come at the end: the item added, its arguments, the item done; "auto" calls:
+the message, if any text came before them, then the calls' items, at the end too; the message opens with its
+first text). A stream sends
 OpenAI's event sequence: response.created, response.in_progress, response.output_item.added,
 response.content_part.added, then response.output_text.delta per new text, response.output_text.done,
 response.content_part.done, response.output_item.done and response.completed, each event numbered by
@@ -29,14 +34,15 @@ import time
 import uuid
 from typing import Any
 
-from .protocol import (Fields, GenerateRequest, bad_request, body_object, chat_messages, json_type, response_grammar,
+from .protocol import (Fields, GenerateRequest, bad_request, body_object, chat_messages, json_type, output_grammar,
                        sampling_params, unsupported)
-from .tools import tool_calls, tool_use
+from .tool_syntax import HeldText, HermesToolSyntax
+from .tools import AutoCalls, ForcedCall, tool_calls, tool_use
 
 INPUT_TEXT_PARTS = ("input_text", "output_text", "text")  # text content parts of an input message
 
 
-def parse_response(body: Any) -> GenerateRequest:
+def parse_response(body: Any, tool_syntax: HermesToolSyntax | None = None) -> GenerateRequest:
     """Validate a /v1/responses body."""
     fields = Fields(body_object(body))
     _reject_unsupported(fields)
@@ -49,18 +55,20 @@ def parse_response(body: Any) -> GenerateRequest:
         messages.insert(0, {"role": "system", "content": instructions})
     stream = fields.boolean("stream")
     text = fields.get("text", (dict,), "an object", {})
-    grammar = response_grammar(text.get("format"), "text.format")
+    asked = output_grammar(body, text.get("format"), "text.format")
     tools = _chat_tools(fields.get("tools", (list,), "an array"))
-    call = tool_use(tools, _chat_tool_choice(body.get("tool_choice")),
-                    lambda message, param: bad_request(message, param=param), unsupported,
-                    fields.boolean("parallel_tool_calls", True))
-    if call is not None and grammar is not None:
-        raise bad_request("a forced tool call and a text.format other than text cannot be asked together",
-                          param="text.format")
+    use = tool_use(tools, _chat_tool_choice(body.get("tool_choice")),
+                   lambda message, param: bad_request(message, param=param), unsupported,
+                   fields.boolean("parallel_tool_calls", True), tool_syntax)
+    call = use if isinstance(use, ForcedCall) else None
+    if call is not None and asked is not None:
+        raise bad_request(f"a forced tool call and {asked[0]} cannot be asked together", param=asked[0])
+    grammar = asked[1] if asked is not None else None
     params = sampling_params(fields, fields.integer("max_output_tokens"), "max_output_tokens", None, 1,
                              call.grammar if call is not None else grammar)
     return GenerateRequest(chat=True, model=fields.string("model"), prompts=(messages,), params=params,
-                           stream=stream, prompt_param="input", forced_call=call)
+                           stream=stream, prompt_param="input", forced_call=call,
+                           auto_calls=use if isinstance(use, AutoCalls) else None)
 
 
 def _chat_tools(tools: list | None) -> list | None:
@@ -177,7 +185,12 @@ class ResponsesResponder:
         self._input_tokens = self._cached_tokens = self._output_tokens = 0
         self._finish_reason: str | None = None
         self._sequence = 0
-        self._calls: list[dict] | None = None  # a forced call's function_call items, once the text is whole
+        self._calls: list[dict] | None = None  # the function_call items, once the text is whole
+        self._text = ""  # with calls: the text before them
+        auto = request.auto_calls
+        # "auto", streaming: the text, and what of it went out (the message item opens with the first text)
+        self._held = HeldText(auto.syntax.opening) if auto is not None and request.stream else None
+        self._opened = False
 
     def admitted(self, prompt_tokens: list[int]) -> None:
         """The input's token count, known once the engine has admitted it (before any output)."""
@@ -195,16 +208,26 @@ class ResponsesResponder:
         """Record one RequestOutput; the stream events it makes (a text delta, if it has text; a forced call's text
         is its calls, sent whole at the end)."""
         self.add(output, prompt_index)
-        if not output.text or self.request.forced_call is not None:
+        text = self._held.feed(output.text) if self._held is not None else output.text
+        if not text or self.request.forced_call is not None:
             return []
-        return [self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
-                            content_index=0, delta=output.text, logprobs=[])]
+        return self._text_delta(text)
+
+    def _text_delta(self, text: str) -> list[dict]:
+        """The events of text going out (opening the message first where it is not open yet)."""
+        events = [] if self._opened else self._message_opening()
+        self._opened = True
+        return events + [self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
+                                     content_index=0, delta=text, logprobs=[])]
 
     def opening(self) -> list[dict]:
         """The events before any text (a forced call's items open at the end, once the calls are known)."""
         events = [self._event("response.created", response=self._response("in_progress", [])),
                   self._event("response.in_progress", response=self._response("in_progress", []))]
-        return events if self.request.forced_call is not None else events + self._message_opening()
+        if self.request.forced_call is not None or self._held is not None:
+            return events
+        self._opened = True
+        return events + self._message_opening()
 
     def _message_opening(self) -> list[dict]:
         return [self._event("response.output_item.added", output_index=0, item=self._message("in_progress", [])),
@@ -213,41 +236,56 @@ class ResponsesResponder:
 
     def closing(self) -> list[dict]:
         """The events after the last text: the text, part and item done (or each forced call's item, added, its
-        arguments and done), then the whole response."""
-        text, response = "".join(self._texts), self.response()
-        events = []
-        if self.request.forced_call is not None:
-            if response["output"][0]["type"] == "function_call":
-                for index, item in enumerate(response["output"]):
-                    events += [self._event("response.output_item.added", output_index=index,
-                                           item=dict(item, arguments="", status="in_progress")),
-                               self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                           output_index=index, delta=item["arguments"]),
-                               self._event("response.function_call_arguments.done", item_id=item["id"],
-                                           output_index=index, arguments=item["arguments"]),
-                               self._event("response.output_item.done", output_index=index, item=item)]
-                return events + [self._event("response.completed", response=response)]
-            events = self._message_opening() + [self._event("response.output_text.delta", item_id=self._message_id,
-                                                            output_index=0, content_index=0, delta=text,
-                                                            logprobs=[])]
-        return events + [
-            self._event("response.output_text.done", item_id=self._message_id, output_index=0, content_index=0,
-                        text=text, logprobs=[]),
-            self._event("response.content_part.done", item_id=self._message_id, output_index=0, content_index=0,
-                        part=self._part(text)),
-            self._event("response.output_item.done", output_index=0, item=response["output"][0]),
-            self._event("response.completed", response=response)]
+        arguments and done; "auto" calls: the message of the text before them, if any, done, then their items),
+        then the whole response."""
+        response = self.response()
+        output, events = response["output"], []
+        calls = [index for index, item in enumerate(output) if item["type"] == "function_call"]
+        if output[0]["type"] == "message":
+            unsent = ""  # text that was held back
+            if not calls and self._held is not None:
+                unsent = self._held.rest()
+            elif not calls and self.request.forced_call is not None:  # a forced call cut short: its text, whole
+                unsent = "".join(self._texts)
+            if not self._opened:
+                self._opened, events = True, self._message_opening()
+            if unsent:
+                events += self._text_delta(unsent)
+            text = output[0]["content"][0]["text"]
+            events += [self._event("response.output_text.done", item_id=self._message_id, output_index=0,
+                                   content_index=0, text=text, logprobs=[]),
+                       self._event("response.content_part.done", item_id=self._message_id, output_index=0,
+                                   content_index=0, part=self._part(text)),
+                       self._event("response.output_item.done", output_index=0, item=output[0])]
+        for index in calls:
+            item = output[index]
+            events += [self._event("response.output_item.added", output_index=index,
+                                   item=dict(item, arguments="", status="in_progress")),
+                       self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                   output_index=index, delta=item["arguments"]),
+                       self._event("response.function_call_arguments.done", item_id=item["id"],
+                                   output_index=index, arguments=item["arguments"]),
+                       self._event("response.output_item.done", output_index=index, item=item)]
+        return events + [self._event("response.completed", response=response)]
 
     def response(self) -> dict:
-        """The response object, once generation has ended: a message, or a forced call's function_call items."""
+        """The response object, once generation has ended: a message, a forced call's function_call items, or
+        "auto" calls' items after the message of the text before them (where there is any)."""
         text = "".join(self._texts)
-        call = self.request.forced_call
-        if call is not None and self._calls is None:
+        if self._calls is None:
+            found = None
+            if self.request.forced_call is not None:
+                found = "", tool_calls(self.request.forced_call, text)
+            elif self.request.auto_calls is not None:
+                found = self.request.auto_calls.syntax.split(text, self.request.auto_calls.names)
+            before, calls = found if found is not None and found[1] else (text, [])
+            self._text = before
             self._calls = [{"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": c["id"],
                             "name": c["function"]["name"], "arguments": c["function"]["arguments"],
-                            "status": "completed"} for c in tool_calls(call, text) or ()]
+                            "status": "completed"} for c in calls]
         if self._calls:
-            return self._response("completed", self._calls)
+            message = [self._message("completed", [self._part(self._text)])] if self._text else []
+            return self._response("completed", message + self._calls)
         status = "incomplete" if self._finish_reason == "length" else "completed"
         return self._response(status, [self._message(status, [self._part(text)])])
 

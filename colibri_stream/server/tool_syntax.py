@@ -29,9 +29,9 @@ class HermesToolSyntax:
     opening = "<tool_call>"
     _block = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 
-    def split(self, text: str, tools: frozenset[str]) -> tuple[str | None, list[dict]] | None:
-        """(the content before the calls, None if only whitespace; the calls as a message's tool_calls) of a whole
-        text; None where it holds no block or a block that is not a call of one of `tools`."""
+    def split(self, text: str, tools: frozenset[str]) -> tuple[str, list[dict]] | None:
+        """(the text before the calls, the calls as a message's tool_calls) of a whole text; None where it holds no
+        block, a block that is not a call of one of `tools`, or text between or after the blocks."""
         start = text.find(self.opening)
         if start < 0:
             return None
@@ -44,8 +44,7 @@ class HermesToolSyntax:
             end = match.end()
         if text[end:].strip():  # text after the calls
             return None
-        content = text[:start]
-        return (content if content.strip() else None), calls
+        return text[:start], calls
 
 
 def _parse_call(block: str, tools: frozenset[str]) -> dict | None:
