@@ -16,7 +16,7 @@ import shutil
 
 import openai
 import pytest
-from test_server import API_KEY, LiveServer
+from test_server import API_KEY, LiveServer, request
 
 from colibri_stream.server.tool_syntax import HeldText, HermesToolSyntax
 
@@ -53,7 +53,8 @@ def regex(text: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir, tmp_path_factory):
+def hermes_server(tiny_model_dir, tmp_path_factory):
+    """The tiny model with HERMES_TEMPLATE as its chat template, served as "tiny"."""
     folder = tmp_path_factory.mktemp("hermes") / "model"
     folder.mkdir()
     for path in tiny_model_dir.iterdir():
@@ -62,9 +63,14 @@ def client(tiny_model_dir, tmp_path_factory):
     config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=HERMES_TEMPLATE)))
     live = LiveServer(folder, dict(max_batch_size=4, max_seq_len=1024), api_key=API_KEY, served_model_name="tiny")
-    yield openai.OpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    yield live
     live.close()
     shutil.rmtree(folder)
+
+
+@pytest.fixture(scope="module")
+def client(hermes_server):
+    return openai.OpenAI(base_url=hermes_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 def ask(client, text: str, stream: bool = False, **fields):
@@ -205,3 +211,18 @@ def test_responses_calls_alone_and_text_alone(client):
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
     assert events[-1].response.output_text == text == respond(client, text).output_text
     assert events[-1].response.output[0].type == "message" and len(events[-1].response.output) == 1
+
+
+def test_no_value_of_the_tool_fields_is_a_500(hermes_server):
+    values = [None, True, 0, "", "auto", "required", "none", [], {}, [None], [{}], [{"type": "function"}],
+              [{"type": "function", "function": {"name": ""}}], {"type": "function"}, [1, "a"], "\u0000"]
+    for path, base in (("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS}),
+                       ("/v1/responses", {"input": "hi", "tools": RESPONSE_TOOLS})):
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            for value in values:
+                body = {**base, "model": "tiny", "max_tokens" if "messages" in base else "max_output_tokens": 3,
+                        name: value}
+                status, _, raw = request(hermes_server, "POST", path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+                assert status in (200, 400), (path, name, value, raw[:300])
+                assert status == 200 or "error" in json.loads(raw), (path, name, value)

@@ -332,9 +332,12 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "min_p", "n", "stream", "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "user", "echo", "suffix", "best_of", "tools",
           "tool_choice", "functions", "function_call", "response_format", "modalities", "audio",
-          "continue_final_message", "stop_token_ids", "ignore_eos", "parallel_tool_calls", "metadata", "store"]
+          "continue_final_message", "stop_token_ids", "ignore_eos", "parallel_tool_calls", "metadata", "store",
+          "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "min_tokens",
+          "skip_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens"]
 VALUES = [None, True, False, 0, -1, 1.5, "", "x", [], {}, [None], [[]], {"type": None}, 2**70, -1e308, [1, "a"],
-          ["a"] * 20, "\u0000", {"": ""}]
+          ["a"] * 20, "\u0000", {"": ""}, {"json": 5}, {"regex": "["}, {"choice": [""]}, {"grammar": "start:"},
+          {"json_object": True, "regex": "a"}]
 
 
 def test_no_value_of_any_field_is_a_500(server):

@@ -100,9 +100,10 @@ def test_what_the_server_does_not_do_is_a_400_naming_the_field(tiny_server, clie
 def test_no_value_of_any_field_is_a_500(tiny_server):
     fields = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools",
               "tool_choice", "previous_response_id", "reasoning", "text", "top_logprobs", "include", "truncation",
-              "store", "metadata", "user", "background", "conversation", "prompt", "seed", "stop"]
+              "store", "metadata", "user", "background", "conversation", "prompt", "seed", "stop",
+              "structured_outputs", "parallel_tool_calls"]
     values = [None, True, False, 0, -1, 1.5, "", "x", [], {}, [None], [[]], {"type": None}, {"format": 5}, 2**70,
-              [1, "a"], "\u0000"]
+              [1, "a"], "\u0000", {"regex": "("}, {"choice": ["a", "b"]}]
     for name in fields:
         for value in values:
             body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, name: value}
