@@ -113,15 +113,17 @@ class EngineCore:
         return cls(model, Tokenizer.from_folder(config.model), config)
 
     def encode_prompt(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True,
-                      tools: list[dict] | None = None) -> list[int]:
+                      tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a text, a list of token ids, or chat messages (rendered with the chat template, which is
-        shown `tools` when given)."""
+        shown `tools` when given, and `template_kwargs`: its variables, such as enable_thinking, and
+        add_generation_prompt, true unless given)."""
         if not prompt:
             raise InvalidParameterError("prompt must not be empty", param="prompt")
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if all(isinstance(m, dict) for m in prompt):
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tools=tools)
+            options = {"add_generation_prompt": True, **(template_kwargs or {})}
+            text = self.tokenizer.apply_chat_template(prompt, tools=tools, **options)
             return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
@@ -414,13 +416,14 @@ class AsyncEngine:
         await self.stop()
 
     async def encode(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True,
-                     tools: list[dict] | None = None) -> list[int]:
+                     tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """The prompt's token ids (`EngineCore.encode_prompt`), computed on a worker thread when the prompt is long
         (tokenizing a few MiB of text takes seconds, which would stall every stream on this event loop)."""
         if _prompt_chars(prompt) <= ENCODE_INLINE_CHARS:
-            return self._core.encode_prompt(prompt, add_special_tokens, tools)
+            return self._core.encode_prompt(prompt, add_special_tokens, tools, template_kwargs)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self._core.encode_prompt, prompt, add_special_tokens, tools)
+        return await loop.run_in_executor(None, self._core.encode_prompt, prompt, add_special_tokens, tools,
+                                          template_kwargs)
 
     async def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams,
                        request_id: str | None = None, add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:

@@ -383,9 +383,9 @@ def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_dir):
     threads = []
     encode = engine._core.encode_prompt
 
-    def recording(prompt, add_special_tokens=True, tools=None):
+    def recording(prompt, add_special_tokens=True, tools=None, template_kwargs=None):
         threads.append(threading.current_thread())
-        return encode(prompt, add_special_tokens, tools)
+        return encode(prompt, add_special_tokens, tools, template_kwargs)
 
     async def body(engine):
         engine._core.encode_prompt = recording

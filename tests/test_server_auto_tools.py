@@ -5,7 +5,8 @@ Its weights are random, so the tests steer its text with vLLM's structured_outpu
 the template's syntax comes back as tool_calls (finish_reason "tool_calls"), the text before them as content,
 streamed or not, one call or several; a text that is not well-formed calls of the request's tools stays content,
 whole, streamed or not; tool_choice "none" leaves the text alone; the template shows the tools only when asked
-to call them. In the Responses API the calls are function_call items after the message of the text before them,
+to call them; chat_template_kwargs (Qwen3's enable_thinking) and add_generation_prompt reach the template. In
+the Responses API the calls are function_call items after the message of the text before them,
 in OpenAI's event order. A model whose template teaches no syntax refuses "auto" (test_server_tools.py).
 """
 
@@ -35,7 +36,9 @@ HERMES_TEMPLATE = (
     "</tool_response><|im_end|>\n"
     "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
 )
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
            "required": ["city"]}
@@ -226,3 +229,25 @@ def test_no_value_of_the_tool_fields_is_a_500(hermes_server):
                                          headers={"Content-Type": "application/json"})
                 assert status in (200, 400), (path, name, value, raw[:300])
                 assert status == 200 or "error" in json.loads(raw), (path, name, value)
+
+
+def test_chat_template_kwargs_and_add_generation_prompt_reach_the_template(client):
+    def prompt_tokens(**fields) -> int:
+        return client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,
+                                              extra_body=fields).usage.prompt_tokens
+
+    plain = prompt_tokens()
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > plain  # Qwen3's empty think block
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain
+    assert prompt_tokens(add_generation_prompt=False) < plain
+    assert prompt_tokens(chat_template_kwargs={"add_generation_prompt": False}) < plain
+    for fields, param in [({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                          ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                          ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
+                          ({"chat_template_kwargs": {"add_generation_prompt": "yes"}}, "chat_template_kwargs"),
+                          ({"chat_template_kwargs": []}, "chat_template_kwargs"),
+                          ({"add_generation_prompt": 1}, "add_generation_prompt"),
+                          ({"chat_template": "{{ messages }}"}, "chat_template")]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            prompt_tokens(**fields)
+        assert refused.value.body["param"] == param, fields

@@ -456,7 +456,7 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateRequest
         try:
             keep = req.truncate_prompt_tokens
             await generations.start(req.prompts, req.params, req.template_tools,
-                                    state.engine.max_seq_len if keep == -1 else keep)
+                                    state.engine.max_seq_len if keep == -1 else keep, req.template_kwargs)
             responder.admitted(generations.prompt_tokens)
             if req.stream:
                 return await _stream(request, state, responder, generations)

@@ -37,8 +37,9 @@ class Generations:
         self.prompt_tokens: list[int] = []  # each prompt's token count, once `start` has encoded them
 
     async def start(self, prompts: Sequence[Any], params: SamplingParams, tools: list[dict] | None = None,
-                    keep_last: int | None = None) -> None:
-        """Encode the prompts (chat messages shown `tools`; each cut to its last `keep_last` tokens when given) and
+                    keep_last: int | None = None, template_kwargs: dict | None = None) -> None:
+        """Encode the prompts (chat messages shown `tools` and `template_kwargs`; each cut to its last `keep_last`
+        tokens when given) and
         have the engine admit each (raises its refusal: InvalidParameterError, PromptTooLongError, QueueFullError,
         ...)."""
         capacity, wanted = self._engine.capacity, len(prompts) * params.n
@@ -49,7 +50,8 @@ class Generations:
         token_ids = []
         for i, prompt in enumerate(prompts):
             try:
-                token_ids.append(await self._engine.encode(prompt, tools=tools))  # a long prompt: off the event loop
+                # a long prompt is encoded off the event loop
+                token_ids.append(await self._engine.encode(prompt, tools=tools, template_kwargs=template_kwargs))
             except ColibriError as error:
                 raise _of_prompt(error, i, len(prompts)) from error
         if keep_last is not None:

@@ -17,7 +17,9 @@ same as leaving a field out. The values of those features that ask for nothing (
 `suffix: ""`, `best_of` equal to n) are accepted, and so are tools with `tool_choice: "none"` (as vLLM without a
 tool parser: the tools are ignored). The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
 `ignore_eos`, `min_tokens` (end-of-sequence and stop tokens are not drawn before it; stop strings still stop),
-`skip_special_tokens`, `include_stop_str_in_output` and `truncate_prompt_tokens` are accepted too. /v1/completions
+`skip_special_tokens`, `include_stop_str_in_output`, `truncate_prompt_tokens`, and in chat `chat_template_kwargs`
+(the template's variables, such as Qwen3's enable_thinking) and `add_generation_prompt` are accepted too (a
+request's own `chat_template` is refused). /v1/completions
 takes a batch of prompts (a list of strings or of token id lists): prompt p's n choices have the indexes p * n to
 p * n + n - 1, as OpenAI and vLLM number them. Its `echo` starts each choice's text with the prompt and, with
 `logprobs`, its logprobs with the prompt tokens' (the first one's null, as OpenAI's legacy completions gave them);
@@ -93,6 +95,7 @@ class GenerateRequest:
     forced_call: ForcedCall | None = None  # chat: the tool call tool_choice forces (server/tools.py)
     auto_calls: AutoCalls | None = None  # chat, tool_choice "auto": the calls the model may write (server/tools.py)
     truncate_prompt_tokens: int | None = None  # vLLM's: keep each prompt's last this many tokens (-1: the context)
+    template_kwargs: dict | None = None  # chat, vLLM's: the chat template's variables and add_generation_prompt
 
     @property
     def template_tools(self) -> list[dict] | None:
@@ -157,8 +160,14 @@ def json_type(value: Any) -> str:
     return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
 
 
+TEMPLATE_ARGUMENTS = ("messages", "tools")  # what chat_template_kwargs may not set
+
+
 def _reject_unsupported(fields: Fields, n: int, chat: bool) -> None:
     body = fields.body
+    if chat and body.get("chat_template") is not None:
+        raise unsupported("chat_template is not supported: requests use the model's own chat template",
+                          "chat_template")
     # chat: tools and tool_choice are server/tools.py's; the legacy functions and function_call are refused
     pairs = (("functions", "function_call"),) if chat else (("tools", "tool_choice"), ("functions", "function_call"))
     for name, choice in pairs:
@@ -375,8 +384,24 @@ def parse_chat(body: Any, tool_syntax: HermesToolSyntax | None = None) -> Genera
         params=sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs else None, n,
                                call.grammar if call is not None else grammar),
         stream=stream, logprobs=logprobs, forced_call=call, auto_calls=use if isinstance(use, AutoCalls) else None,
-        **_usage_options(fields, stream),
+        template_kwargs=_template_kwargs(fields), **_usage_options(fields, stream),
     )
+
+
+def _template_kwargs(fields: Fields) -> dict | None:
+    """vLLM's chat_template_kwargs (variables the chat template reads, such as Qwen3's enable_thinking) and
+    add_generation_prompt, as keyword arguments of the template."""
+    kwargs = dict(fields.get("chat_template_kwargs", (dict,), "an object", {}))
+    for key in kwargs:
+        if not key.isidentifier() or key in TEMPLATE_ARGUMENTS:
+            raise bad_request(f"chat_template_kwargs cannot set {key[:40]!r}: its keys are the template's variables, "
+                              f"not {', '.join(TEMPLATE_ARGUMENTS)} (send those as fields of their own)",
+                              param="chat_template_kwargs")
+    add = fields.boolean("add_generation_prompt", kwargs.get("add_generation_prompt", True))
+    if not isinstance(add, bool):
+        raise bad_request("chat_template_kwargs.add_generation_prompt must be a boolean",
+                          param="chat_template_kwargs")
+    return dict(kwargs, add_generation_prompt=add) if kwargs or not add else None
 
 
 def body_object(body: Any) -> dict:
