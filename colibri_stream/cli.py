@@ -164,6 +164,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--send-timeout", type=float, default=None,
                    help="seconds a stream waits for a client that reads nothing before it is aborted (default 60; "
                         "0: wait for ever)")
+    p.add_argument("--no-reasoning-parser", dest="reasoning_parser", action="store_false", default=None,
+                   help="leave a thinking model's <think> text in the content (default: reasoning_content)")
     _add_trace_argument(p)
     p.set_defaults(run=_run_serve)
 
@@ -177,7 +179,7 @@ def _run_serve(args: argparse.Namespace) -> None:
     from .server.app import run_server
 
     given = {n: getattr(args, n) for n in ("max_body_bytes", "drain_timeout", "keepalive_interval", "send_timeout",
-                                           "trace_file") if getattr(args, n) is not None}
+                                           "trace_file", "reasoning_parser") if getattr(args, n) is not None}
     if given.get("send_timeout", 1) <= 0:
         given["send_timeout"] = None
     run_server(dict(path=args.model, **_engine_options(args)), host=args.host, port=args.port,

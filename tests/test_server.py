@@ -39,6 +39,7 @@ class LiveServer:
         self._thread.start()
         self.app, self._runner, port = self.call(self._start(model_dir, engine_options, app_options))
         self.url = f"http://127.0.0.1:{port}"
+        self.model_dir = model_dir
 
     @staticmethod
     async def _start(model_dir: Path, engine_options: dict, app_options: dict) -> tuple:

@@ -1,13 +1,16 @@
-"""tool_choice "auto" (server/tool_syntax.py) on the real server through the official openai client.
+"""A Qwen-style chat template on the real server through the official openai client: tool_choice "auto"
+(server/tool_syntax.py), reasoning (server/reasoning.py) and the template's own variables.
 
-The tiny model gets a Qwen-style chat template that shows it the tools and teaches Hermes `<tool_call>` blocks.
-Its weights are random, so the tests steer its text with vLLM's structured_outputs regex: what it then writes in
-the template's syntax comes back as tool_calls (finish_reason "tool_calls"), the text before them as content,
+The tiny model gets a chat template that shows it the tools and teaches Hermes `<tool_call>` blocks. Its weights
+are random, so the tests steer its text with vLLM's structured_outputs regex: what it then writes in the
+template's syntax comes back as tool_calls (finish_reason "tool_calls"), the text before them as content,
 streamed or not, one call or several; a text that is not well-formed calls of the request's tools stays content,
 whole, streamed or not; tool_choice "none" leaves the text alone; the template shows the tools only when asked
-to call them; chat_template_kwargs (Qwen3's enable_thinking) and add_generation_prompt reach the template. In
-the Responses API the calls are function_call items after the message of the text before them,
-in OpenAI's event order. A model whose template teaches no syntax refuses "auto" (test_server_tools.py).
+to call them; chat_template_kwargs (Qwen3's enable_thinking) and add_generation_prompt reach the template; the
+reply's <think> text comes back as reasoning_content, streamed or not, also before calls and when the prompt
+opened the tag (not with --no-reasoning-parser). In the Responses API the calls are function_call items after
+the message of the text before them, in OpenAI's event order. A model whose template teaches no syntax refuses
+"auto" (test_server_tools.py).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ HERMES_TEMPLATE = (
     "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{%- elif thinking_opened is defined %}<think>\n{% endif %}"
     "{% endif %}"
 )
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -251,3 +255,51 @@ def test_chat_template_kwargs_and_add_generation_prompt_reach_the_template(clien
         with pytest.raises(openai.BadRequestError) as refused:
             prompt_tokens(**fields)
         assert refused.value.body["param"] == param, fields
+
+
+def extra(message_or_delta, name: str = "reasoning_content"):
+    return (message_or_delta.model_extra or {}).get(name)
+
+
+def test_the_think_text_is_reasoning_content_and_the_rest_content(client):
+    text = "<think>\nThe user wants Paris.\n</think>\n\nParis is sunny."
+    message = ask(client, text).choices[0].message
+    assert (extra(message), message.content) == ("\nThe user wants Paris.\n", "Paris is sunny.")
+    chunks = list(ask(client, text, stream=True))
+    reasoning = "".join(extra(c.choices[0].delta) or "" for c in chunks if c.choices)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert (reasoning, content) == ("\nThe user wants Paris.\n", "Paris is sunny.")
+    plain = ask(client, "No thinking here.").choices[0].message
+    assert plain.content == "No thinking here." and extra(plain) is None
+
+
+def test_reasoning_before_calls_and_a_reply_cut_while_thinking(client):
+    answer = ask(client, "<think>\nCall the tool.\n</think>\n\n" + CALL).choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content is None
+    assert extra(answer.message) == "\nCall the tool.\n" and answer.message.tool_calls[0].function.name == "weather"
+    content, calls, reason = streamed(ask(client, "<think>\nCall the tool.\n</think>\n\n" + CALL, stream=True))
+    assert (content, reason, calls[0]["name"]) == ("", "tool_calls", "weather")
+    cut = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0,
+                                         extra_body=regex("<think>\n" + "x" * 200))
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content == ""
+    assert extra(cut.choices[0].message).startswith("\nxx")
+
+
+def test_a_prompt_that_opens_the_tag_makes_the_reply_start_inside_it(client):
+    fields = {"chat_template_kwargs": {"thinking_opened": True}, **regex("I see.\n</think>\n\nParis.")}
+    message = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=100, temperature=0,
+                                             extra_body=fields).choices[0].message
+    assert (extra(message), message.content) == ("I see.\n", "Paris.")
+
+
+def test_without_the_reasoning_parser_the_think_text_stays_content(hermes_server):
+    live = LiveServer(hermes_server.model_dir, dict(max_batch_size=2, max_seq_len=1024), api_key=API_KEY,
+                      served_model_name="tiny", reasoning_parser=False)
+    try:
+        raw = openai.OpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        text = "<think>\nhmm\n</think>\n\nParis."
+        message = raw.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=100, temperature=0,
+                                              extra_body=regex(text)).choices[0].message
+        assert message.content == text and extra(message) is None
+    finally:
+        live.close()

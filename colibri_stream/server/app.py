@@ -49,6 +49,7 @@ from .protocol import (
     parse_completion,
 )
 from .responses import ResponsesResponder, parse_response
+from .reasoning import opens_thinking, reasoning_tags_in
 from .tokenize import parse_detokenize, parse_tokenize
 from .tool_syntax import HermesToolSyntax, tool_syntax_of
 from .sse import EventStream
@@ -73,6 +74,7 @@ class ServerState:
     max_body_bytes: int
     metrics: ServerMetrics
     send_timeout: float | None = DEFAULT_SEND_TIMEOUT_SECONDS
+    reasoning_parser: bool = True  # split <think> text into reasoning_content where the template knows the tags
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     active: int = 0  # generation requests in flight
@@ -102,6 +104,15 @@ class ServerState:
         return tool_syntax_of(getattr(self.engine.tokenizer, "chat_templates", {}))
 
     @functools.cached_property
+    def split_reasoning(self) -> bool:
+        """Whether chat replies' <think> text goes to reasoning_content (the option, and a template with the tags)."""
+        return self.reasoning_parser and reasoning_tags_in(getattr(self.engine.tokenizer, "chat_templates", {}))
+
+    def opens_thinking(self, prompt_token_ids: list[int]) -> bool:
+        """Whether the rendered prompt leaves the reply inside the thinking tag."""
+        return opens_thinking(self.decode(prompt_token_ids[-8:]))
+
+    @functools.cached_property
     def token_piece(self) -> Callable[[int], tuple[str, bytes]]:
         """A token id's text and bytes, for logprobs (memoised: a vocabulary is small)."""
         tokenizer = self.engine.tokenizer
@@ -125,14 +136,15 @@ def create_app(engine: Any, *, api_key: str | None = None, served_model_name: st
                cors_origins: tuple[str, ...] | list[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                keepalive_interval: float = DEFAULT_KEEPALIVE_SECONDS,
                send_timeout: float | None = DEFAULT_SEND_TIMEOUT_SECONDS,
-               trace_file: str | None = None) -> web.Application:
+               trace_file: str | None = None, reasoning_parser: bool = True) -> web.Application:
     """The server application for `engine` (not yet started: the app starts and stops it).
 
     api_key: required as `Authorization: Bearer <key>` on /v1/*; cors_origins: origins allowed to call from a
     browser ("*" for any); keepalive_interval: seconds of silence after which a stream sends an SSE comment;
     send_timeout: seconds a stream may wait for its client to take the bytes already sent before it is aborted
     (its engine request freed, the connection closed; None: wait for ever); trace_file: where to write every
-    engine step's phases as a Chrome trace (closed when the app stops).
+    engine step's phases as a Chrome trace (closed when the app stops); reasoning_parser: a chat reply's
+    <think> text goes to reasoning_content where the model's template knows the tags (server/reasoning.py).
     """
     middlewares: list[Any] = [_errors]
     if cors_origins:
@@ -141,7 +153,8 @@ def create_app(engine: Any, *, api_key: str | None = None, served_model_name: st
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app[STATE] = ServerState(engine=engine, model_name=served_model_name or engine.model_name, api_key=api_key,
                              keepalive_interval=keepalive_interval, max_body_bytes=max_body_bytes,
-                             metrics=ServerMetrics(engine), send_timeout=send_timeout)
+                             metrics=ServerMetrics(engine), send_timeout=send_timeout,
+                             reasoning_parser=reasoning_parser)
     if cors_origins:
         app[_CORS_ORIGINS] = tuple(cors_origins)
         app.on_response_prepare.append(_cors_headers)
@@ -340,8 +353,9 @@ async def metrics(request: web.Request) -> web.Response:
 # --------------------------------------------------------------------------------------------------- generation
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    syntax = request.app[STATE].tool_syntax
-    return await _generate(request, functools.partial(parse_chat, tool_syntax=syntax), _choices_responder)
+    state = request.app[STATE]
+    return await _generate(request, functools.partial(parse_chat, tool_syntax=state.tool_syntax,
+                                                      split_reasoning=state.split_reasoning), _choices_responder)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -458,6 +472,8 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerateRequest
             await generations.start(req.prompts, req.params, req.template_tools,
                                     state.engine.max_seq_len if keep == -1 else keep, req.template_kwargs)
             responder.admitted(generations.prompt_tokens)
+            if req.split_reasoning:
+                responder.thinking_started = state.opens_thinking(generations.prompt_token_ids[0])
             if req.stream:
                 return await _stream(request, state, responder, generations)
             async for index, out in generations.outputs():
@@ -591,7 +607,7 @@ def run_server(engine_config: dict[str, Any], host: str = "127.0.0.1", port: int
                cors_origins: tuple[str, ...] | list[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                served_model_name: str | None = None, drain_timeout: float | None = 300.0,
                keepalive_interval: float = DEFAULT_KEEPALIVE_SECONDS, trace_file: str | None = None,
-               send_timeout: float | None = DEFAULT_SEND_TIMEOUT_SECONDS) -> None:
+               send_timeout: float | None = DEFAULT_SEND_TIMEOUT_SECONDS, reasoning_parser: bool = True) -> None:
     """Load the engine and serve until SIGTERM or SIGINT (blocking; on uvloop when it is installed).
 
     engine_config: the keyword arguments of AsyncEngine.from_pretrained, the model folder as "path". The first
@@ -606,7 +622,7 @@ def run_server(engine_config: dict[str, Any], host: str = "127.0.0.1", port: int
     engine = AsyncEngine.from_pretrained(**engine_config)
     app = create_app(engine, api_key=api_key, served_model_name=served_model_name, cors_origins=cors_origins,
                      max_body_bytes=max_body_bytes, keepalive_interval=keepalive_interval, trace_file=trace_file,
-                     send_timeout=send_timeout)
+                     send_timeout=send_timeout, reasoning_parser=reasoning_parser)
     run(_serve_until_signal(app, host, port, drain_timeout))
 
 

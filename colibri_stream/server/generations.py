@@ -35,6 +35,7 @@ class Generations:
         self._sources: list[AsyncIterator[RequestOutput]] = []
         self._tasks: list[asyncio.Future] = []  # each prompt's first output; with several prompts, then its pump
         self.prompt_tokens: list[int] = []  # each prompt's token count, once `start` has encoded them
+        self.prompt_token_ids: list[list[int]] = []  # and its token ids
 
     async def start(self, prompts: Sequence[Any], params: SamplingParams, tools: list[dict] | None = None,
                     keep_last: int | None = None, template_kwargs: dict | None = None) -> None:
@@ -56,6 +57,7 @@ class Generations:
                 raise _of_prompt(error, i, len(prompts)) from error
         if keep_last is not None:
             token_ids = [ids[-keep_last:] for ids in token_ids]
+        self.prompt_token_ids = token_ids
         self.prompt_tokens = [len(ids) for ids in token_ids]
         for i, ids in enumerate(token_ids):
             request_id = self._request_id if len(token_ids) == 1 else f"{self._request_id}-{i}"

@@ -10,7 +10,8 @@ instead of being silently dropped; so are the fields of the other endpoint that 
 json_object and json_schema (chat and, as vLLM, completions) constrain the text to JSON (structured.py), as do
 vLLM's `structured_outputs` and `guided_*` fields to a schema, regex, choice or Lark grammar (structured_outputs.py); a
 forced tool call (tool_choice "required" or a named function) is written under its tools' schemas (tools.py);
-with tool_choice "auto" the calls the model writes in its template's syntax become tool_calls (tool_syntax.py).
+with tool_choice "auto" the calls the model writes in its template's syntax become tool_calls (tool_syntax.py),
+and a thinking model's <think> text becomes the message's reasoning_content (reasoning.py).
 Types are as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an integer; null is the
 same as leaving a field out. The values of those features that ask for nothing (`tools: []`,
 `tool_choice: "none"` or `"auto"`, `response_format: {"type": "text"}`, `modalities: ["text"]`, `echo: false`,
@@ -39,6 +40,7 @@ from typing import Any
 from ..request import InvalidParameterError, SamplingParams
 from ..structured import json_schema_grammar
 from .structured_outputs import structured_outputs_grammar
+from .reasoning import ThinkingStream
 from .tool_syntax import HeldText, HermesToolSyntax
 from .tools import AutoCalls, ForcedCall, tool_calls, tool_use
 
@@ -96,6 +98,7 @@ class GenerateRequest:
     auto_calls: AutoCalls | None = None  # chat, tool_choice "auto": the calls the model may write (server/tools.py)
     truncate_prompt_tokens: int | None = None  # vLLM's: keep each prompt's last this many tokens (-1: the context)
     template_kwargs: dict | None = None  # chat, vLLM's: the chat template's variables and add_generation_prompt
+    split_reasoning: bool = False  # chat: the reply's <think> text goes to reasoning_content (reasoning.py)
 
     @property
     def template_tools(self) -> list[dict] | None:
@@ -352,7 +355,8 @@ def parse_completion(body: Any) -> GenerateRequest:
     )
 
 
-def parse_chat(body: Any, tool_syntax: HermesToolSyntax | None = None) -> GenerateRequest:
+def parse_chat(body: Any, tool_syntax: HermesToolSyntax | None = None, split_reasoning: bool = False
+               ) -> GenerateRequest:
     """Validate a /v1/chat/completions body."""
     fields = Fields(body_object(body))
     model, stream, n = _common(fields, chat=True)
@@ -384,7 +388,8 @@ def parse_chat(body: Any, tool_syntax: HermesToolSyntax | None = None) -> Genera
         params=sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs else None, n,
                                call.grammar if call is not None else grammar),
         stream=stream, logprobs=logprobs, forced_call=call, auto_calls=use if isinstance(use, AutoCalls) else None,
-        template_kwargs=_template_kwargs(fields), **_usage_options(fields, stream),
+        template_kwargs=_template_kwargs(fields), split_reasoning=split_reasoning and call is None,
+        **_usage_options(fields, stream),
     )
 
 
@@ -524,6 +529,7 @@ class _Choice:
     echoed: bool = False  # echo: the prompt went out (with the choice's first output)
     tool_calls: list[dict] | None = None  # the calls its whole text makes (set once finished)
     content: str | None = None  # tool_choice "auto": the text before those calls
+    thinking: ThinkingStream | None = None  # with split_reasoning: the reply split into reasoning and content
     held: HeldText | None = None  # tool_choice "auto", streaming: the text, and what of it went out
 
 
@@ -545,6 +551,7 @@ class Responder:
         self._cached_tokens = [0] * len(request.prompts)
         self._token_piece = token_piece
         self._choices = [_Choice(i) for i in range(len(request.prompts) * request.params.n)]
+        self.thinking_started = False  # with split_reasoning: the prompt leaves the reply inside the thinking tag
 
     def _body(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -570,6 +577,12 @@ class Responder:
                 first = output.prompt_token_ids[0]
                 entries = [(first, None, None), *(output.prompt_logprobs or ()), *(entries or ())]
         call = request.forced_call
+        reasoning = ""
+        if request.split_reasoning:  # from here on `text` is the content alone
+            choice.thinking = choice.thinking or ThinkingStream(self.thinking_started)
+            reasoning, text = choice.thinking.feed(text)
+            if output.finished:
+                reasoning, text = (a + b for a, b in zip((reasoning, text), choice.thinking.finish()))
         if not request.stream or call is not None:  # a forced call's text is its calls: parsed once whole
             choice.texts.append(text)
         logprobs = self._logprobs(choice, entries) if request.logprobs else None
@@ -584,25 +597,28 @@ class Responder:
                 else:  # cut by max_tokens: the text as it is
                     entry["delta"] = {"content": "".join(choice.texts)}
         elif request.auto_calls is not None:
-            entry["delta"] = self._auto_delta(choice, request.auto_calls, output)
+            entry["delta"] = self._auto_delta(choice, request.auto_calls, text, output.finished)
         elif request.chat:
-            entry["delta"] = {"content": output.text} if output.text or not output.finished else {}
+            entry["delta"] = {"content": text} if text or not output.finished else {}
         else:
             entry["text"] = text
+        if reasoning:
+            entry["delta"] = {"reasoning_content": reasoning, **entry["delta"]}
         entry["logprobs"] = logprobs
         entry["finish_reason"] = choice.finish_reason
         if output.finished:
             entry["stop_reason"] = output.stop_reason
         return entry
 
-    def _auto_delta(self, choice: _Choice, auto: AutoCalls, output: Any) -> dict:
-        """tool_choice "auto": one output's delta (streaming: the text that cannot be part of a call yet); once the
-        text is whole, the calls it makes, if it makes any (finish_reason "tool_calls"), else the text held back."""
+    def _auto_delta(self, choice: _Choice, auto: AutoCalls, text: str, finished: bool) -> dict:
+        """tool_choice "auto": the delta of one output's `text` (streaming: what cannot be part of a call yet); once
+        the text is whole, the calls it makes, if it makes any (finish_reason "tool_calls"), else the text held
+        back."""
         visible = ""
         if self.request.stream:
             choice.held = choice.held or HeldText(auto.syntax.opening)
-            visible = choice.held.feed(output.text)
-        if not output.finished:
+            visible = choice.held.feed(text)
+        if not finished:
             return {"content": visible} if visible else {}
         split = auto.syntax.split(choice.held.text if choice.held else "".join(choice.texts), auto.names)
         if split is None:
@@ -669,7 +685,7 @@ class Responder:
         choice = self.add(output, prompt_index)
         if self.request.forced_call is not None:  # the calls go out whole, with the end
             return [self.chunk(choice)] if output.finished else []
-        text = choice["delta"] if self.request.auto_calls is not None else choice.get("text") or output.text
+        text = any(choice["delta"].values()) if self.request.chat else choice.get("text")
         shown = text or output.finished or (self.request.logprobs and output.logprobs)
         return [self.chunk(choice)] if shown else []
 
@@ -697,11 +713,11 @@ class Responder:
         choices = []
         for c in self._choices:
             entry: dict[str, Any] = {"index": c.index}
-            if c.tool_calls is not None:
-                entry["message"] = {"role": "assistant", "content": c.content, "tool_calls": c.tool_calls}
-                entry["logprobs"] = {"content": c.logprobs} if self.request.logprobs else None
-            elif self.request.chat:
-                entry["message"] = {"role": "assistant", "content": "".join(c.texts)}
+            if self.request.chat:
+                entry["message"] = ({"role": "assistant", "content": c.content, "tool_calls": c.tool_calls}
+                                    if c.tool_calls is not None else {"role": "assistant", "content": "".join(c.texts)})
+                if c.thinking is not None and c.thinking.thought:
+                    entry["message"]["reasoning_content"] = "".join(c.thinking.reasoning)
                 entry["logprobs"] = {"content": c.logprobs} if self.request.logprobs else None
             else:
                 entry["text"] = "".join(c.texts)

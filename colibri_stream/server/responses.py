@@ -10,6 +10,7 @@ as chat does (server/tools.py), answered as function_call items; with tool_choic
 the calls the model writes in its chat template's syntax (tool_syntax.py) become function_call items after the
 message of the text before them.
 function_call / function_call_output items in `input` carry earlier calls and their results back.
+A thinking model's <think> text stays in the output text here (chat splits it into reasoning_content).
 Responses are not stored: `previous_response_id` is refused, and `store` is accepted and changes nothing (as where
 a server keeps no state). As in chat, what this server does not do is a 400 naming the field rather than something
 silently dropped: tool_choice "auto" for a model whose template teaches no tool-call syntax the server reads,
