@@ -50,7 +50,7 @@ class SamplingParams:
         check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
               "max_tokens", "must be a positive integer")
         check(0.0 <= self.temperature <= 100.0, "temperature", "must be between 0 and 100")
-        check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        check(0.0 <= self.top_p <= 1.0, "top_p", "must be in [0, 1]")
         check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 (off) or a positive integer")
         check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
         check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64), "seed",

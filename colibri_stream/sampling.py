@@ -321,8 +321,9 @@ def _pick(candidates: Candidates, draw: np.ndarray, vocab: int, params: _RowPara
         probs = np.exp(values - norm[:, None])  # [G, m], descending
         fits = (top_k > 0) | (m >= vocab) | (probs.sum(axis=1) >= top_p)  # [G]: the nucleus is among them
         mass_before = np.cumsum(probs, axis=1) - probs  # [G, m]
-        cutoff = np.where(top_p < 1.0, top_p, np.inf)  # [G]; 1.0 must not drop a rounding tail
-        probs[mass_before >= cutoff[:, None]] = 0.0  # the first token always stays: top_p > 0
+        # [G]; 1.0 must not drop a rounding tail, and 0 (as OpenAI takes it) keeps the most likely token alone
+        cutoff = np.where(top_p < 1.0, np.maximum(top_p, np.finfo(np.float64).tiny), np.inf)
+        probs[mass_before >= cutoff[:, None]] = 0.0  # the first token always stays: its mass before is 0
         probs[probs < params.min_p[group, None] * probs[:, :1]] = 0.0
         columns[group] = np.where(fits, _inverse_cdf(probs, uniform[group]), -1)
     return columns

@@ -82,6 +82,7 @@ def test_an_all_greedy_batch_takes_the_argmaxes_and_nothing_else(rows):
 @pytest.mark.parametrize("params", [
     SamplingParams(top_k=1, seed=1), SamplingParams(top_p=1e-6, seed=2), SamplingParams(min_p=1.0, seed=3),
     SamplingParams(top_k=50, top_p=1e-6, seed=4), SamplingParams(temperature=1e-7, seed=5),
+    SamplingParams(top_p=0.0, seed=6), SamplingParams(top_k=50, top_p=0.0, temperature=3.0, seed=7),
 ])
 @pytest.mark.parametrize("vocab", [50, 3 * TOP_P_CANDIDATES])
 def test_settings_that_reduce_to_greedy(params, vocab):

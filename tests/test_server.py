@@ -336,6 +336,7 @@ def test_sampling_parameters(client):
     greedy = complete(temperature=0)
     assert complete(temperature=1.0, seed=3, extra_body={"top_k": 1, "ignore_eos": True}) == greedy
     assert complete(temperature=1.0, seed=3, top_p=1e-6) == greedy
+    assert complete(temperature=1.0, seed=3, top_p=0) == greedy  # OpenAI takes 0: the most likely token alone
     assert complete(temperature=1.0, seed=3, extra_body={"min_p": 1.0, "ignore_eos": True}) == greedy
     # The penalties are accepted and change what a greedy decode repeats.
     penalised = [complete(temperature=0, presence_penalty=2.0), complete(temperature=0, frequency_penalty=2.0),
@@ -388,7 +389,7 @@ COMPLETIONS = "/v1/completions"
 BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, "temperature"),
     (COMPLETIONS, {"prompt": "x", "temperature": 101}, "temperature"),
-    (COMPLETIONS, {"prompt": "x", "top_p": 0}, "top_p"),
+    (COMPLETIONS, {"prompt": "x", "top_p": -0.5}, "top_p"),
     (COMPLETIONS, {"prompt": "x", "top_k": -2}, "top_k"),
     (COMPLETIONS, {"prompt": "x", "min_p": 1.5}, "min_p"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, "max_tokens"),

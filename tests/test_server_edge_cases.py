@@ -173,7 +173,7 @@ BAD_NUMBERS = [
     ("max_tokens", [0, -1, True, "5", 1.5, 2.0]),
     ("n", [0, -1, 17, True, "2", 2.0, 10**30]),
     ("temperature", [-0.1, 100.5, True, "0.5", 1e308]),
-    ("top_p", [0, -1, 1.01, False, "1"]),
+    ("top_p", [-0.01, -1, 1.01, False, "1"]),
     ("top_k", [-2, 1.0, True, "3"]),
     ("min_p", [-0.1, 1.1, True]),
     ("presence_penalty", [2.5, -2.5, True]),
@@ -649,7 +649,7 @@ def test_concurrent_requests_with_some_failing(server):
     singles = [send(server, COMPLETIONS, body_for(COMPLETIONS, False, prompt=p, **greedy))[2]["choices"][0]["text"]
                for p in prompts]
     bad_bodies = [body_for(COMPLETIONS, True, prompt="x " * (MAX_SEQ_LEN + 1)),
-                  body_for(COMPLETIONS, True, top_p=0), body_for(CHAT, True, messages=[{"role": 1}]),
+                  body_for(COMPLETIONS, True, top_p=-1), body_for(CHAT, True, messages=[{"role": 1}]),
                   body_for(COMPLETIONS, False, seed=-3, temperature=1.0, n=4)]
 
     async def one(session: aiohttp.ClientSession, path: str, body: dict) -> tuple[int, bytes]:
