@@ -102,9 +102,11 @@ def _reject_unsupported(fields: Fields) -> None:
                           "conversation in input", "previous_response_id")
     if body.get("conversation") is not None:
         raise unsupported("conversation is not supported: this server does not store conversations", "conversation")
-    if fields.get("reasoning", (dict,), "an object") or body.get("prompt") is not None:
-        name = "reasoning" if body.get("reasoning") else "prompt"
-        raise unsupported(f"{name} is not supported by this server", name)
+    reasoning = fields.get("reasoning", (dict,), "an object", {})
+    if any(value is not None for value in reasoning.values()):  # {"effort": null, ...} asks nothing
+        raise unsupported("reasoning settings are not supported by this server", "reasoning")
+    if body.get("prompt") is not None:
+        raise unsupported("prompt is not supported by this server", "prompt")
     if fields.integer("top_logprobs"):
         raise unsupported("top_logprobs is not supported in /v1/responses (it is in chat completions)",
                           "top_logprobs")
