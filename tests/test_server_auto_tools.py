@@ -9,8 +9,9 @@ whole, streamed or not; tool_choice "none" leaves the text alone; the template s
 to call them; chat_template_kwargs (Qwen3's enable_thinking) and add_generation_prompt reach the template; the
 reply's <think> text comes back as reasoning_content, streamed or not, also before calls and when the prompt
 opened the tag (not with --no-reasoning-parser). In the Responses API the calls are function_call items after
-the message of the text before them, in OpenAI's event order. A model whose template teaches no syntax refuses
-"auto" (test_server_tools.py).
+the message of the text before them and the reasoning a reasoning item before both, in OpenAI's event order;
+earlier reasoning goes back in the input. A model whose template teaches no syntax refuses "auto"
+(test_server_tools.py).
 """
 
 from __future__ import annotations
@@ -303,3 +304,59 @@ def test_without_the_reasoning_parser_the_think_text_stays_content(hermes_server
         assert message.content == text and extra(message) is None
     finally:
         live.close()
+
+
+def test_responses_put_the_think_text_in_a_reasoning_item_before_the_message(client):
+    text = "<think>\nPlan.\n</think>\n\nParis."
+    response = respond(client, text)
+    reasoning, message = response.output
+    assert (reasoning.type, reasoning.content[0].type, reasoning.content[0].text) == ("reasoning", "reasoning_text",
+                                                                                     "\nPlan.\n")
+    assert message.type == "message" and response.output_text == "Paris."
+    events = list(respond(client, text, stream=True))
+    kinds = [e.type for e in events]
+    first_text = kinds.index("response.output_text.delta")
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert set(kinds[4:kinds.index("response.reasoning_text.done")]) == {"response.reasoning_text.delta"}
+    assert kinds[kinds.index("response.reasoning_text.done"):first_text] == [
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert [e.output_index for e in events if e.type.startswith("response.reasoning_text")] == \
+        [0] * kinds.count("response.reasoning_text.delta") + [0]
+    assert {e.output_index for e in events if e.type == "response.output_text.delta"} == {1}
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "\nPlan.\n"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Paris."
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "message"] and final.output_text == "Paris."
+    with client.responses.stream(model="tiny", input="Weather?", tools=RESPONSE_TOOLS, max_output_tokens=400,
+                                 temperature=0, extra_body=regex("<think>\nx\n</think>\n\n" + CALL)) as stream:
+        done = stream.get_final_response()
+    assert [item.type for item in done.output] == ["reasoning", "function_call"]
+    assert done.output[1].name == "weather"
+
+
+def test_earlier_reasoning_goes_back_in_the_input(client):
+    first = respond(client, "<think>\nx\n</think>\n\n" + CALL)
+    reasoning, call = first.output
+    answer = client.responses.create(model="tiny", max_output_tokens=3, input=[
+        {"role": "user", "content": "Weather?"}, reasoning.model_dump(exclude_none=True),
+        call.model_dump(exclude_none=True), {"type": "function_call_output", "call_id": call.call_id, "output": "sun"}])
+    assert answer.status in ("completed", "incomplete")
+    chat = client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+        *MESSAGES, {"role": "assistant", "content": "Sunny.", "reasoning_content": "Look it up."},
+        {"role": "user", "content": "And Rome?"}])
+    assert chat.choices[0].finish_reason == "length"
+    for bad in ({"role": "user", "content": "x", "reasoning_content": "y"},
+                {"role": "assistant", "content": "x", "reasoning_content": 5}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="tiny", max_tokens=2, messages=[*MESSAGES, bad])
+        assert refused.value.body["param"] == "messages[1].reasoning_content"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="tiny", max_output_tokens=2, input=[
+            {"type": "reasoning", "id": "rs_1", "summary": [], "content": "not parts"}, {"role": "user",
+                                                                                        "content": "x"}])
+    assert refused.value.body["param"] == "input[0].content"

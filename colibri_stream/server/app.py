@@ -363,8 +363,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    syntax = request.app[STATE].tool_syntax
-    return await _generate(request, functools.partial(parse_response, tool_syntax=syntax),
+    state = request.app[STATE]
+    return await _generate(request, functools.partial(parse_response, tool_syntax=state.tool_syntax,
+                                                      split_reasoning=state.split_reasoning),
                            lambda req, state: ResponsesResponder(req, state.model_name))
 
 

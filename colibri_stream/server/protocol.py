@@ -433,6 +433,9 @@ def _prompts(prompt: Any) -> tuple[str | list[int], ...]:
     return tuple(batch)
 
 
+REASONING_FIELDS = ("reasoning_content", "reasoning")  # where an assistant message may carry its reasoning
+
+
 def chat_messages(messages: Any, name: str = "messages") -> list[dict]:
     """Chat messages as {"role", "content": str} dicts; content parts other than text are refused. `name`: the
     field that holds them, named in errors."""
@@ -463,6 +466,11 @@ def chat_messages(messages: Any, name: str = "messages") -> list[dict]:
             if role != "assistant":
                 raise bad_request(f"{param}: only assistant messages carry tool_calls", param=f"{param}.tool_calls")
             entry["tool_calls"] = _history_calls(message["tool_calls"], f"{param}.tool_calls")
+        for key in REASONING_FIELDS:  # an earlier reply's reasoning, which thinking models' templates may show
+            if message.get(key) is not None:
+                if role != "assistant" or not isinstance(message[key], str):
+                    raise bad_request(f"{param}.{key} must be a string, in an assistant message", f"{param}.{key}")
+                entry["reasoning_content"] = message[key]
         out.append(entry)
     return out
 

@@ -10,7 +10,9 @@ as chat does (server/tools.py), answered as function_call items; with tool_choic
 the calls the model writes in its chat template's syntax (tool_syntax.py) become function_call items after the
 message of the text before them.
 function_call / function_call_output items in `input` carry earlier calls and their results back.
-A thinking model's <think> text stays in the output text here (chat splits it into reasoning_content).
+A thinking model's <think> text is a reasoning item before the message (its reasoning_text streamed with
+response.reasoning_text.delta events), and reasoning items in `input` go back to the template as the next
+assistant turn's reasoning.
 Responses are not stored: `previous_response_id` is refused, and `store` is accepted and changes nothing (as where
 a server keeps no state). As in chat, what this server does not do is a 400 naming the field rather than something
 silently dropped: tool_choice "auto" for a model whose template teaches no tool-call syntax the server reads,
@@ -37,13 +39,15 @@ from typing import Any
 
 from .protocol import (Fields, GenerateRequest, bad_request, body_object, chat_messages, json_type, output_grammar,
                        sampling_params, unsupported)
+from .reasoning import ThinkingStream, split_reasoning
 from .tool_syntax import HeldText, HermesToolSyntax
 from .tools import AutoCalls, ForcedCall, tool_calls, tool_use
 
 INPUT_TEXT_PARTS = ("input_text", "output_text", "text")  # text content parts of an input message
 
 
-def parse_response(body: Any, tool_syntax: HermesToolSyntax | None = None) -> GenerateRequest:
+def parse_response(body: Any, tool_syntax: HermesToolSyntax | None = None, split_reasoning: bool = False
+                   ) -> GenerateRequest:
     """Validate a /v1/responses body."""
     fields = Fields(body_object(body))
     _reject_unsupported(fields)
@@ -69,7 +73,8 @@ def parse_response(body: Any, tool_syntax: HermesToolSyntax | None = None) -> Ge
                              call.grammar if call is not None else grammar)
     return GenerateRequest(chat=True, model=fields.string("model"), prompts=(messages,), params=params,
                            stream=stream, prompt_param="input", forced_call=call,
-                           auto_calls=use if isinstance(use, AutoCalls) else None)
+                           auto_calls=use if isinstance(use, AutoCalls) else None,
+                           split_reasoning=split_reasoning and call is None)
 
 
 def _chat_tools(tools: list | None) -> list | None:
@@ -130,16 +135,21 @@ def _input_messages(value: Any) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise bad_request(f"input must be a string or a non-empty array of items, got {json_type(value)}",
                           param="input")
-    messages = []
+    messages, reasoning = [], None  # reasoning: an earlier reasoning item's text, for the assistant turn after it
     for i, item in enumerate(value):
         param = f"input[{i}]"
         if not isinstance(item, dict):
             raise bad_request(f"{param} must be an object, got {json_type(item)}", param=param)
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            reasoning = _reasoning_text(item, param)
+            continue
         if kind in ("function_call", "function_call_output"):  # an earlier call and its result
             message = _call_message(item, kind, param, messages)
             if message is not None:
                 messages.append(message)
+            if reasoning is not None and kind == "function_call":
+                messages[-1]["reasoning_content"], reasoning = reasoning, None
             continue
         if kind != "message":
             raise unsupported(f"{param}: items of type {kind!r} are not supported by this server (messages, "
@@ -155,7 +165,22 @@ def _input_messages(value: Any) -> list[dict]:
                 parts.append({"type": "text", "text": part["text"]})
             content = parts
         messages.append({"role": item.get("role"), "content": content})
+        if reasoning is not None and item.get("role") == "assistant":
+            messages[-1]["reasoning_content"], reasoning = reasoning, None
     return messages
+
+
+def _reasoning_text(item: dict, param: str) -> str:
+    """The text of a reasoning input item: its reasoning_text content, else its summary."""
+    for field in ("content", "summary"):
+        parts = item.get(field)
+        if parts:
+            if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                      for p in parts):
+                raise bad_request(f'{param}.{field} must be an array of {{"type": ..., "text": ...}} parts',
+                                  param=f"{param}.{field}")
+            return "".join(p["text"] for p in parts)
+    return ""
 
 
 def _call_message(item: dict, kind: str, param: str, messages: list) -> dict | None:
@@ -176,24 +201,34 @@ def _call_message(item: dict, kind: str, param: str, messages: list) -> dict | N
 
 
 class ResponsesResponder:
-    """Turns one /v1/responses request's RequestOutputs into the response object or its stream events."""
+    """Turns one /v1/responses request's RequestOutputs into the response object or its stream events.
+
+    The output is, in order: a reasoning item (a thinking model's <think> text, where there is any), the message
+    (unless the reply is only calls), then function_call items. Streamed, the reasoning item opens with its first
+    text and closes before the message opens; the message opens with its first text (at once where nothing may
+    hold it back); calls go out at the end, once the text is whole.
+    """
 
     def __init__(self, request: GenerateRequest, model: str):
         self.request = request
         self.model = model
         self.id = "resp_" + uuid.uuid4().hex
         self._message_id = "msg_" + uuid.uuid4().hex
+        self._reasoning_id = "rs_" + uuid.uuid4().hex
         self._created = int(time.time())
-        self._texts: list[str] = []
+        self._texts: list[str] = []  # the reply as generated
         self._input_tokens = self._cached_tokens = self._output_tokens = 0
         self._finish_reason: str | None = None
         self._sequence = 0
-        self._calls: list[dict] | None = None  # the function_call items, once the text is whole
-        self._text = ""  # with calls: the text before them
+        self._output: list[dict] | None = None  # the output items, once the reply is whole
+        self._status = "completed"  # and the response's status then
+        self.thinking_started = False  # with split_reasoning: the prompt leaves the reply inside the thinking tag
+        self._thinking: ThinkingStream | None = None  # streaming with split_reasoning: the reply's split so far
         auto = request.auto_calls
-        # "auto", streaming: the text, and what of it went out (the message item opens with the first text)
+        # "auto", streaming: the content, and what of it went out
         self._held = HeldText(auto.syntax.opening) if auto is not None and request.stream else None
-        self._opened = False
+        self._reasoning_state = "none"  # streaming: none | open | done
+        self._opened = False  # streaming: the message item has opened
 
     def admitted(self, prompt_tokens: list[int]) -> None:
         """The input's token count, known once the engine has admitted it (before any output)."""
@@ -208,89 +243,143 @@ class ResponsesResponder:
             self._texts.append(output.text)
 
     def events(self, output: Any, prompt_index: int = 0) -> list[dict]:
-        """Record one RequestOutput; the stream events it makes (a text delta, if it has text; a forced call's text
-        is its calls, sent whole at the end)."""
+        """Record one RequestOutput; the stream events it makes: reasoning and text deltas of what may go out
+        now (a forced call's text is its calls, sent whole at the end)."""
         self.add(output, prompt_index)
-        text = self._held.feed(output.text) if self._held is not None else output.text
+        reasoning, content = self._split_piece(output.text)
+        return self._reasoning_delta(reasoning) + self._content_delta(content)
+
+    def _split_piece(self, text: str, last: bool = False) -> tuple[str, str]:
+        """(reasoning, content) of the next piece of the reply (`last`: and what was held back at its end)."""
+        if not self.request.split_reasoning:
+            return "", text
+        self._thinking = self._thinking or ThinkingStream(self.thinking_started)
+        reasoning, content = self._thinking.feed(text)
+        if last:
+            more_reasoning, more_content = self._thinking.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
+
+    def _reasoning_delta(self, text: str) -> list[dict]:
+        if not text:
+            return []
+        events = []
+        if self._reasoning_state == "none":
+            self._reasoning_state = "open"
+            events = [self._event("response.output_item.added", output_index=0,
+                                  item=self._reasoning_item("in_progress", [])),
+                      self._event("response.content_part.added", item_id=self._reasoning_id, output_index=0,
+                                  content_index=0, part=self._reasoning_part(""))]
+        return events + [self._event("response.reasoning_text.delta", item_id=self._reasoning_id, output_index=0,
+                                     content_index=0, delta=text)]
+
+    def _reasoning_done(self) -> list[dict]:
+        """The reasoning item's closing events, once (where it opened)."""
+        if self._reasoning_state != "open":
+            return []
+        self._reasoning_state = "done"
+        text = "".join(self._thinking.reasoning)
+        return [self._event("response.reasoning_text.done", item_id=self._reasoning_id, output_index=0,
+                            content_index=0, text=text),
+                self._event("response.content_part.done", item_id=self._reasoning_id, output_index=0,
+                            content_index=0, part=self._reasoning_part(text)),
+                self._event("response.output_item.done", output_index=0,
+                            item=self._reasoning_item("completed", [self._reasoning_part(text)]))]
+
+    def _content_delta(self, text: str) -> list[dict]:
+        """The events of content that may go out now ("auto": what cannot be part of a call)."""
+        if self._held is not None:
+            text = self._held.feed(text)
         if not text or self.request.forced_call is not None:
             return []
         return self._text_delta(text)
 
     def _text_delta(self, text: str) -> list[dict]:
-        """The events of text going out (opening the message first where it is not open yet)."""
-        events = [] if self._opened else self._message_opening()
-        self._opened = True
-        return events + [self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
-                                     content_index=0, delta=text, logprobs=[])]
+        """The events of text going out (closing the reasoning and opening the message first where needed)."""
+        events = self._message_opening()
+        return events + [self._event("response.output_text.delta", item_id=self._message_id,
+                                     output_index=self._message_index, content_index=0, delta=text, logprobs=[])]
+
+    @property
+    def _message_index(self) -> int:
+        return 1 if self._reasoning_state != "none" else 0
 
     def opening(self) -> list[dict]:
-        """The events before any text (a forced call's items open at the end, once the calls are known)."""
+        """The events before any text (the message opens at once where nothing may come before it or hold its
+        text back)."""
         events = [self._event("response.created", response=self._response("in_progress", [])),
                   self._event("response.in_progress", response=self._response("in_progress", []))]
-        if self.request.forced_call is not None or self._held is not None:
-            return events
-        self._opened = True
-        return events + self._message_opening()
+        held = self.request.forced_call is not None or self._held is not None or self.request.split_reasoning
+        return events if held else events + self._message_opening()
 
     def _message_opening(self) -> list[dict]:
-        return [self._event("response.output_item.added", output_index=0, item=self._message("in_progress", [])),
-                self._event("response.content_part.added", item_id=self._message_id, output_index=0,
-                            content_index=0, part=self._part(""))]
+        """The message item's opening events, once (after the reasoning's closing ones)."""
+        if self._opened:
+            return []
+        self._opened = True
+        index = self._message_index
+        return self._reasoning_done() + [
+            self._event("response.output_item.added", output_index=index, item=self._message("in_progress", [])),
+            self._event("response.content_part.added", item_id=self._message_id, output_index=index,
+                        content_index=0, part=self._part(""))]
 
     def closing(self) -> list[dict]:
-        """The events after the last text: the text, part and item done (or each forced call's item, added, its
-        arguments and done; "auto" calls: the message of the text before them, if any, done, then their items),
-        then the whole response."""
+        """The events after the last text: what was held back, the reasoning and the message done, each call's
+        item (added, its arguments, done), then the whole response."""
+        reasoning, content = self._split_piece("", last=True)
+        events = self._reasoning_delta(reasoning)
         response = self.response()
-        output, events = response["output"], []
-        calls = [index for index, item in enumerate(output) if item["type"] == "function_call"]
-        if output[0]["type"] == "message":
-            unsent = ""  # text that was held back
-            if not calls and self._held is not None:
-                unsent = self._held.rest()
-            elif not calls and self.request.forced_call is not None:  # a forced call cut short: its text, whole
-                unsent = "".join(self._texts)
-            if not self._opened:
-                self._opened, events = True, self._message_opening()
-            if unsent:
-                events += self._text_delta(unsent)
-            text = output[0]["content"][0]["text"]
-            events += [self._event("response.output_text.done", item_id=self._message_id, output_index=0,
+        output = response["output"]
+        message = next((i for i, item in enumerate(output) if item["type"] == "message"), None)
+        calls_made = any(item["type"] == "function_call" for item in output)
+        if message is not None:
+            unsent = content  # what the reasoning split held back
+            if self._held is not None:  # "auto": and the text that might have begun a call
+                unsent = self._held.feed(content) + ("" if calls_made else self._held.rest())
+            elif self.request.forced_call is not None:  # a forced call cut short: its text, whole
+                unsent = output[message]["content"][0]["text"]
+            events += self._message_opening() + (self._text_delta(unsent) if unsent else [])
+            text = output[message]["content"][0]["text"]
+            events += [self._event("response.output_text.done", item_id=self._message_id, output_index=message,
                                    content_index=0, text=text, logprobs=[]),
-                       self._event("response.content_part.done", item_id=self._message_id, output_index=0,
+                       self._event("response.content_part.done", item_id=self._message_id, output_index=message,
                                    content_index=0, part=self._part(text)),
-                       self._event("response.output_item.done", output_index=0, item=output[0])]
-        for index in calls:
-            item = output[index]
-            events += [self._event("response.output_item.added", output_index=index,
-                                   item=dict(item, arguments="", status="in_progress")),
-                       self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                   output_index=index, delta=item["arguments"]),
-                       self._event("response.function_call_arguments.done", item_id=item["id"],
-                                   output_index=index, arguments=item["arguments"]),
-                       self._event("response.output_item.done", output_index=index, item=item)]
+                       self._event("response.output_item.done", output_index=message, item=output[message])]
+        events += self._reasoning_done()
+        for index, item in enumerate(output):
+            if item["type"] == "function_call":
+                events += [self._event("response.output_item.added", output_index=index,
+                                       item=dict(item, arguments="", status="in_progress")),
+                           self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                       output_index=index, delta=item["arguments"]),
+                           self._event("response.function_call_arguments.done", item_id=item["id"],
+                                       output_index=index, arguments=item["arguments"]),
+                           self._event("response.output_item.done", output_index=index, item=item)]
         return events + [self._event("response.completed", response=response)]
 
     def response(self) -> dict:
-        """The response object, once generation has ended: a message, a forced call's function_call items, or
-        "auto" calls' items after the message of the text before them (where there is any)."""
-        text = "".join(self._texts)
-        if self._calls is None:
+        """The response object, once generation has ended: the reasoning item (where the reply thought), the
+        message (unless the reply is only calls: a forced call's, or "auto" calls with no text before them), the
+        function_call items."""
+        if self._output is None:
+            reasoning, content = None, "".join(self._texts)
+            if self.request.split_reasoning:
+                reasoning, content = split_reasoning(content, self.thinking_started)
             found = None
             if self.request.forced_call is not None:
-                found = "", tool_calls(self.request.forced_call, text)
+                found = "", tool_calls(self.request.forced_call, content)
             elif self.request.auto_calls is not None:
-                found = self.request.auto_calls.syntax.split(text, self.request.auto_calls.names)
-            before, calls = found if found is not None and found[1] else (text, [])
-            self._text = before
-            self._calls = [{"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": c["id"],
-                            "name": c["function"]["name"], "arguments": c["function"]["arguments"],
-                            "status": "completed"} for c in calls]
-        if self._calls:
-            message = [self._message("completed", [self._part(self._text)])] if self._text else []
-            return self._response("completed", message + self._calls)
-        status = "incomplete" if self._finish_reason == "length" else "completed"
-        return self._response(status, [self._message(status, [self._part(text)])])
+                found = self.request.auto_calls.syntax.split(content, self.request.auto_calls.names)
+            before, calls = found if found is not None and found[1] else (content, [])
+            self._status = "incomplete" if self._finish_reason == "length" and not calls else "completed"
+            self._output = ([self._reasoning_item("completed", [self._reasoning_part(reasoning)])] if reasoning
+                            else [])
+            if before or not calls:
+                self._output.append(self._message(self._status, [self._part(before)]))
+            self._output += [{"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": c["id"],
+                              "name": c["function"]["name"], "arguments": c["function"]["arguments"],
+                              "status": "completed"} for c in calls]
+        return self._response(self._status, self._output)
 
     def _response(self, status: str, output: list[dict]) -> dict:
         params = self.request.params
@@ -314,6 +403,13 @@ class ResponsesResponder:
     def _message(self, status: str, content: list[dict]) -> dict:
         return {"type": "message", "id": self._message_id, "status": status, "role": "assistant",
                 "content": content}
+
+    def _reasoning_item(self, status: str, content: list[dict]) -> dict:
+        return {"type": "reasoning", "id": self._reasoning_id, "status": status, "summary": [], "content": content}
+
+    @staticmethod
+    def _reasoning_part(text: str) -> dict:
+        return {"type": "reasoning_text", "text": text}
 
     @staticmethod
     def _part(text: str) -> dict:
