@@ -83,8 +83,8 @@ def client(hermes_server):
 
 def ask(client, text: str, stream: bool = False, **fields):
     return client.chat.completions.create(model="tiny", messages=fields.pop("messages", MESSAGES), max_tokens=400,
-                                          temperature=0, tools=fields.pop("tools", TOOLS), stream=stream,
-                                          extra_body=regex(text), **fields)
+                                          temperature=fields.pop("temperature", 0), tools=fields.pop("tools", TOOLS),
+                                          stream=stream, extra_body=regex(text), **fields)
 
 
 def streamed(chunks) -> tuple[str, dict[int, dict], str | None]:
@@ -360,3 +360,19 @@ def test_earlier_reasoning_goes_back_in_the_input(client):
             {"type": "reasoning", "id": "rs_1", "summary": [], "content": "not parts"}, {"role": "user",
                                                                                         "content": "x"}])
     assert refused.value.body["param"] == "input[0].content"
+
+
+def test_each_of_n_choices_has_its_own_reasoning_and_calls(client):
+    text = "<think>\nhm\n</think>\n\n" + CALL
+    answer = ask(client, text, n=2, temperature=1.0, seed=4)
+    assert [c.finish_reason for c in answer.choices] == ["tool_calls", "tool_calls"]
+    assert all(extra(c.message) == "\nhm\n" and c.message.tool_calls[0].function.name == "weather"
+               for c in answer.choices)
+    by_choice: dict[int, list] = {0: [], 1: []}
+    for chunk in ask(client, text, stream=True, n=2, temperature=1.0, seed=4):
+        for choice in chunk.choices:
+            by_choice[choice.index].append(chunk.model_copy(update={"choices": [choice]}))
+    for chunks in by_choice.values():
+        content, calls, reason = streamed(chunks)
+        reasoning = "".join(extra(c.choices[0].delta) or "" for c in chunks)
+        assert (reasoning, content, reason, calls[0]["name"]) == ("\nhm\n", "", "tool_calls", "weather")
