@@ -245,7 +245,10 @@ class EngineCore:
         request = update.request
         seqs = self._requests[request.request_id]
         seq = seqs[request.index]
-        text = seq.detokenizer.add(update.new_token_ids)
+        new_ids = update.new_token_ids
+        if request.status == RequestStatus.FINISHED_STOPPED and not request.params.include_stop_str_in_output:
+            new_ids = new_ids[:-1]  # the stop token's (or end of sequence's) text is not part of the output (vLLM's)
+        text = seq.detokenizer.add(new_ids)
         stop_string = seq.detokenizer.stop_reason if seq.detokenizer.stopped else None
         if stop_string is not None and not request.status.finished:
             self.scheduler.finish([request.seq_id], RequestStatus.FINISHED_STOPPED, stop_string)

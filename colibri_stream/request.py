@@ -39,7 +39,7 @@ class SamplingParams:
     grammar: str | None = None  # llguidance grammar the tokens must follow (structured.json_schema_grammar)
     min_tokens: int = 0  # output tokens before an end-of-sequence or stop token may be drawn (vLLM's)
     skip_special_tokens: bool = True  # the text leaves out special tokens (vLLM's)
-    include_stop_str_in_output: bool = False  # a stop string that ends the text is part of it (vLLM's)
+    include_stop_str_in_output: bool = False  # the stop string or stop token that ends the text is part of it (vLLM's)
     n: int = 1
 
     def __post_init__(self) -> None:

@@ -415,6 +415,24 @@ def test_min_tokens_holds_back_stop_and_end_tokens(roomy, prompts):
         SamplingParams(max_tokens=4, min_tokens=5)
 
 
+def test_the_text_of_the_token_that_stops_a_sequence_is_left_out_unless_asked(roomy, prompts):
+    """As vLLM: the end-of-sequence token or a stop token that ends the text is not part of it, special or not,
+    unless include_stop_str_in_output; the tokens themselves are still reported."""
+    eos = roomy.tokenizer.eos_token_ids[0]
+    ending = dict(max_tokens=6, temperature=0.0, logit_bias=((eos, 100.0),), skip_special_tokens=False)
+    assert run_text(roomy, prompts[0], SamplingParams(**ending)) == ""
+    piece = roomy.tokenizer.decode([eos], skip_special_tokens=False)
+    assert run_text(roomy, prompts[0], SamplingParams(**ending, include_stop_str_in_output=True)) == piece
+    full_ids = run_all(roomy, {"f": (prompts[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))})
+    first = full_ids[("f", 0)]
+    at = next(i for i, t in enumerate(first) if i >= 2 and t not in first[:i])
+    params = dict(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=(first[at],))
+    cut = run_text(roomy, prompts[0], SamplingParams(**params))
+    kept = run_text(roomy, prompts[0], SamplingParams(**params, include_stop_str_in_output=True))
+    assert cut == roomy.tokenizer.decode(first[:at]) and kept == roomy.tokenizer.decode(first[:at + 1])
+    assert run_all(roomy, {"s": (prompts[0], SamplingParams(**params))})[("s", 0)] == first[:at + 1]
+
+
 def test_special_tokens_in_the_text_when_asked(roomy, prompts):
     """skip_special_tokens false (vLLM's): the end-of-sequence token's text is part of the output text."""
     eos = roomy.tokenizer.eos_token_ids[0]
