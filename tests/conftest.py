@@ -27,19 +27,21 @@ _CORPUS = [
 ]
 
 
-def write_tokenizer(folder: str | Path, corpus: list[str] = _CORPUS) -> None:
-    """Train a byte-level BPE tokenizer (in memory, no network) and save it with a ChatML chat template."""
+def write_tokenizer(folder: str | Path, corpus: list[str] = _CORPUS, special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+                    chat_template: str = CHATML_TEMPLATE) -> None:
+    """Train a byte-level BPE tokenizer (in memory, no network) and save it with a chat template (ChatML unless
+    given); `special_tokens` start the vocabulary (the first three: pad, bos and eos)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB_SIZE, special_tokens=list(special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(corpus * 4, trainer)
     folder = Path(folder)
     tokenizer.save(str(folder / "tokenizer.json"))
-    config = {"pad_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[2], "chat_template": CHATML_TEMPLATE}
+    config = {"pad_token": special_tokens[0], "eos_token": special_tokens[2], "chat_template": chat_template}
     (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
 
 

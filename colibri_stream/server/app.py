@@ -51,7 +51,7 @@ from .protocol import (
 from .responses import ResponsesResponder, parse_response
 from .reasoning import opens_thinking, reasoning_tags_in
 from .tokenize import parse_detokenize, parse_tokenize
-from .tool_syntax import HermesToolSyntax, tool_syntax_of
+from .tool_syntax import ToolSyntax, tool_syntax_of
 from .sse import EventStream
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class ServerState:
         return self.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     @functools.cached_property
-    def tool_syntax(self) -> HermesToolSyntax | None:
+    def tool_syntax(self) -> ToolSyntax | None:
         """The tool-call syntax the model's chat template teaches, which tool_choice "auto" reads; None: none."""
         return tool_syntax_of(getattr(self.engine.tokenizer, "chat_templates", {}))
 

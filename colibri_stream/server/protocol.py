@@ -41,8 +41,8 @@ from ..request import InvalidParameterError, SamplingParams
 from ..structured import json_schema_grammar
 from .structured_outputs import structured_outputs_grammar
 from .reasoning import ThinkingStream
-from .tool_syntax import HeldText, HermesToolSyntax
-from .tools import AutoCalls, ForcedCall, tool_calls, tool_use
+from .tool_syntax import HeldText, ToolSyntax
+from .tools import AutoCalls, ForcedCall, tool_calls, tool_use, with_call_tokens
 
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch
@@ -355,7 +355,7 @@ def parse_completion(body: Any) -> GenerateRequest:
     )
 
 
-def parse_chat(body: Any, tool_syntax: HermesToolSyntax | None = None, split_reasoning: bool = False
+def parse_chat(body: Any, tool_syntax: ToolSyntax | None = None, split_reasoning: bool = False
                ) -> GenerateRequest:
     """Validate a /v1/chat/completions body."""
     fields = Fields(body_object(body))
@@ -385,8 +385,8 @@ def parse_chat(body: Any, tool_syntax: HermesToolSyntax | None = None, split_rea
     grammar = asked[1] if asked is not None else None
     return GenerateRequest(
         chat=True, model=model, prompts=(chat_messages(body.get("messages")),),
-        params=sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs else None, n,
-                               call.grammar if call is not None else grammar),
+        params=with_call_tokens(use, sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs
+                                                     else None, n, call.grammar if call is not None else grammar)),
         stream=stream, logprobs=logprobs, forced_call=call, auto_calls=use if isinstance(use, AutoCalls) else None,
         template_kwargs=_template_kwargs(fields), split_reasoning=split_reasoning and call is None,
         **_usage_options(fields, stream),

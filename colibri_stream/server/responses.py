@@ -40,13 +40,13 @@ from typing import Any
 from .protocol import (Fields, GenerateRequest, bad_request, body_object, chat_messages, json_type, output_grammar,
                        sampling_params, unsupported)
 from .reasoning import ThinkingStream, split_reasoning
-from .tool_syntax import HeldText, HermesToolSyntax
-from .tools import AutoCalls, ForcedCall, tool_calls, tool_use
+from .tool_syntax import HeldText, ToolSyntax
+from .tools import AutoCalls, ForcedCall, tool_calls, tool_use, with_call_tokens
 
 INPUT_TEXT_PARTS = ("input_text", "output_text", "text")  # text content parts of an input message
 
 
-def parse_response(body: Any, tool_syntax: HermesToolSyntax | None = None, split_reasoning: bool = False
+def parse_response(body: Any, tool_syntax: ToolSyntax | None = None, split_reasoning: bool = False
                    ) -> GenerateRequest:
     """Validate a /v1/responses body."""
     fields = Fields(body_object(body))
@@ -69,8 +69,8 @@ def parse_response(body: Any, tool_syntax: HermesToolSyntax | None = None, split
     if call is not None and asked is not None:
         raise bad_request(f"a forced tool call and {asked[0]} cannot be asked together", param=asked[0])
     grammar = asked[1] if asked is not None else None
-    params = sampling_params(fields, fields.integer("max_output_tokens"), "max_output_tokens", None, 1,
-                             call.grammar if call is not None else grammar)
+    params = with_call_tokens(use, sampling_params(fields, fields.integer("max_output_tokens"), "max_output_tokens",
+                                                   None, 1, call.grammar if call is not None else grammar))
     return GenerateRequest(chat=True, model=fields.string("model"), prompts=(messages,), params=params,
                            stream=stream, prompt_param="input", forced_call=call,
                            auto_calls=use if isinstance(use, AutoCalls) else None,

@@ -1,15 +1,22 @@
 """Tool calls a model writes in its own syntax, for tool_choice "auto": found in the text once it is whole.
 
 A model's chat template shows it how to call tools; the server reads the syntax off the template
-(`tool_syntax_of`). Supported: Hermes-style blocks, as the Qwen2.5, Qwen3 and Qwen3-MoE templates ask for,
+(`tool_syntax_of`). Supported:
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+- Hermes-style blocks, as the Qwen2.5, Qwen3 and Qwen3-MoE templates ask for, one block per call, after
+  optional text (the message's content), separated by whitespace only:
 
-one block per call, after optional text (the message's content), separated by whitespace only. A text whose
-blocks are not all JSON objects naming one of the request's tools, with an object of arguments, or that has text
-between or after them, stays text: nothing the model wrote is lost.
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+
+- Mistral's `[TOOL_CALLS]` followed by a JSON array of calls (or one call), as Mixtral-8x22B-Instruct's
+  template asks for: `[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]`. The tag is a
+  special token that detokenization would drop, so such requests keep special tokens in their text
+  (`keeps_special_tokens`; the token that ends the reply is left out all the same).
+
+A text whose calls are not all JSON objects naming one of the request's tools, with an object of arguments, or
+that has text between or after them, stays text: nothing the model wrote is lost.
 While streaming, text before the first block goes out as it comes; from the block's opening tag on, the text is
 held until the end (`HeldText`), then sent as tool_calls (or, if it is not well-formed calls, as content).
 """
@@ -27,6 +34,7 @@ class HermesToolSyntax:
 
     name = "hermes"
     opening = "<tool_call>"
+    keeps_special_tokens = False
     _block = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 
     def split(self, text: str, tools: frozenset[str]) -> tuple[str, list[dict]] | None:
@@ -47,12 +55,41 @@ class HermesToolSyntax:
         return text[:start], calls
 
 
+class MistralToolSyntax:
+    """`[TOOL_CALLS]` then a JSON array of {"name", "arguments"} objects (or one object)."""
+
+    name = "mistral"
+    opening = "[TOOL_CALLS]"
+    keeps_special_tokens = True
+
+    def split(self, text: str, tools: frozenset[str]) -> tuple[str, list[dict]] | None:
+        """(the text before the calls, the calls as a message's tool_calls) of a whole text; None where it holds no
+        tag, or what follows the tag is not JSON calls of `tools` (whitespace aside)."""
+        start = text.find(self.opening)
+        if start < 0:
+            return None
+        try:
+            document = json.loads(text[start + len(self.opening):])
+        except ValueError:
+            return None
+        items = document if isinstance(document, list) else [document]
+        calls = [_call(item, tools) for item in items]
+        if not calls or None in calls:
+            return None
+        return text[:start], calls
+
+
 def _parse_call(block: str, tools: frozenset[str]) -> dict | None:
     """A tool_calls entry from one block's JSON {"name", "arguments"}; None if it is not a call of `tools`."""
     try:
         call = json.loads(block)
     except ValueError:
         return None
+    return _call(call, tools)
+
+
+def _call(call: object, tools: frozenset[str]) -> dict | None:
+    """A tool_calls entry from a decoded {"name", "arguments"} object; None if it is not a call of `tools`."""
     if not isinstance(call, dict) or call.get("name") not in tools:
         return None
     arguments = call.get("arguments", call.get("parameters", {}))
@@ -62,10 +99,11 @@ def _parse_call(block: str, tools: frozenset[str]) -> dict | None:
             "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-SYNTAXES = (HermesToolSyntax(),)
+ToolSyntax = HermesToolSyntax | MistralToolSyntax
+SYNTAXES = (HermesToolSyntax(), MistralToolSyntax())
 
 
-def tool_syntax_of(chat_templates: Mapping[str, str]) -> HermesToolSyntax | None:
+def tool_syntax_of(chat_templates: Mapping[str, str]) -> ToolSyntax | None:
     """The tool-call syntax the chat template used with tools teaches the model (its "tool_use" template, else its
     default one); None where it shows none this server reads."""
     template = chat_templates.get("tool_use") or chat_templates.get("default") or ""

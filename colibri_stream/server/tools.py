@@ -14,14 +14,15 @@ results (protocol.chat_messages passes them to the template).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..request import InvalidParameterError
+from ..request import InvalidParameterError, SamplingParams
 from ..structured import json_schema_grammar
-from .tool_syntax import HermesToolSyntax
+from .tool_syntax import ToolSyntax
 
 ANY_OBJECT = {"type": "object"}  # the parameters of a function that declares none
 
@@ -43,11 +44,18 @@ class AutoCalls:
 
     names: frozenset[str]
     tools: tuple[dict, ...]
-    syntax: HermesToolSyntax
+    syntax: ToolSyntax
+
+
+def with_call_tokens(use: ForcedCall | AutoCalls | None, params: SamplingParams) -> SamplingParams:
+    """`params`, keeping special tokens in the text where "auto" calls open with one (Mistral's [TOOL_CALLS])."""
+    if isinstance(use, AutoCalls) and use.syntax.keeps_special_tokens:
+        return dataclasses.replace(params, skip_special_tokens=False)
+    return params
 
 
 def tool_use(tools: Any, tool_choice: Any, error, refusal, parallel: bool = True,
-             syntax: HermesToolSyntax | None = None) -> ForcedCall | AutoCalls | None:
+             syntax: ToolSyntax | None = None) -> ForcedCall | AutoCalls | None:
     """What `tool_choice` asks of `tools` (a chat body's fields): the call it forces, calls the model may make in
     `syntax` ("auto", the default with tools; refused without a syntax), or None ("none", or no tools). "required"
     allows several calls unless `parallel` (parallel_tool_calls) is false. `error(message, param)` builds the 400
