@@ -20,6 +20,7 @@ import json
 import shutil
 
 import openai
+import pydantic
 import pytest
 from test_server import API_KEY, LiveServer, request
 
@@ -376,3 +377,18 @@ def test_each_of_n_choices_has_its_own_reasoning_and_calls(client):
         content, calls, reason = streamed(chunks)
         reasoning = "".join(extra(c.choices[0].delta) or "" for c in chunks)
         assert (reasoning, content, reason, calls[0]["name"]) == ("\nhm\n", "", "tool_calls", "weather")
+
+
+class Weather(pydantic.BaseModel):
+    city: str
+    days: int
+
+
+def test_the_sdks_stream_helper_closes_each_call_with_its_parsed_arguments(client):
+    tools = [openai.pydantic_function_tool(Weather, name="weather")]
+    with client.chat.completions.stream(model="tiny", messages=MESSAGES, tools=tools, max_tokens=400, temperature=0,
+                                        extra_body=regex("Sure.\n" + CALL + "\n" + CALL)) as stream:
+        done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
+        final = stream.get_final_completion()
+    assert [(e.index, e.parsed_arguments) for e in done] == [(i, Weather(city="Paris", days=3)) for i in (0, 1)]
+    assert final.choices[0].finish_reason == "tool_calls" and final.choices[0].message.content == "Sure.\n"

@@ -691,7 +691,14 @@ class Responder:
     def events(self, output: Any, prompt_index: int = 0) -> list[dict]:
         """Record one RequestOutput; the stream chunk it makes (none for an output with nothing to show yet)."""
         choice = self.add(output, prompt_index)
-        if self.request.forced_call is not None:  # the calls go out whole, with the end
+        if self.request.chat and choice["delta"].get("tool_calls"):
+            # The calls, then the end in a chunk of its own, as OpenAI sends them: the SDK's stream helper closes
+            # a call's arguments (its arguments.done event) when the end arrives after the call.
+            end = {"index": choice["index"], "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"],
+                   "stop_reason": choice.get("stop_reason")}
+            calls = {key: value for key, value in choice.items() if key != "stop_reason"}
+            return [self.chunk(dict(calls, finish_reason=None)), self.chunk(end)]
+        if self.request.forced_call is not None:  # the calls go out whole, at the end
             return [self.chunk(choice)] if output.finished else []
         text = any(choice["delta"].values()) if self.request.chat else choice.get("text")
         shown = text or output.finished or (self.request.logprobs and output.logprobs)
