@@ -111,17 +111,18 @@ class Constraints:
     def _llg_tokenizer(self):
         self._builder.join()
         if self._tokenizer is None:
-            raise InvalidParameterError(f"structured output is not available: {self._error}", "response_format")
+            raise InvalidParameterError(f"structured output is not available: {self._error}", "grammar")
         return self._tokenizer
 
     def check(self, grammar: str) -> None:
-        """Raise InvalidParameterError (param response_format) if `grammar` does not compile."""
+        """Raise InvalidParameterError (param "grammar", SamplingParams') if `grammar` does not compile with this
+        tokenizer."""
         from llguidance import LLMatcher
 
         error = LLMatcher.validate_grammar(grammar, self._llg_tokenizer())
         if error:
             raise InvalidParameterError(f"the grammar cannot be used with this model's tokenizer: {error}",
-                                        "response_format")
+                                        "grammar")
 
     def constraint(self, grammar: str) -> TokenConstraint:
         """A fresh position at the start of `grammar`."""
@@ -129,5 +130,5 @@ class Constraints:
 
         matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidParameterError(f"response_format: {matcher.get_error()}", "response_format")
+            raise InvalidParameterError(f"the grammar cannot be used: {matcher.get_error()}", "grammar")
         return TokenConstraint(matcher, self.vocab_size)

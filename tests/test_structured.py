@@ -163,6 +163,8 @@ def test_vllm_choice_json_and_grammar_fields(client):
 @pytest.mark.parametrize(("fields", "param"), [
     ({"structured_outputs": {"regex": "((("}}, "structured_outputs.regex"),
     ({"structured_outputs": {"grammar": "start: ((("}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"grammar": "start: <[99999]>"}}, "structured_outputs.grammar"),  # the tokenizer's check
+    ({"guided_grammar": "start: <[99999]>"}, "guided_grammar"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs.choice"),
     ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),

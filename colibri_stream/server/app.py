@@ -498,8 +498,9 @@ def _engine_error(error: BaseException, req: GenerateRequest) -> APIError:
     if isinstance(error, PromptTooLongError):
         return bad_request(f"{prompt}this model's maximum context length is {error.max_seq_len} tokens: {error}",
                            param=prompt_param, code="context_length_exceeded")
-    if isinstance(error, InvalidParameterError):
-        return bad_request(f"{prompt}{error}", param=error.param)
+    if isinstance(error, InvalidParameterError):  # SamplingParams' grammar: the field that asked for it
+        param = req.grammar_param if error.param == "grammar" and req.grammar_param else error.param
+        return bad_request(f"{prompt}{error}", param=param)
     if isinstance(error, ChatTemplateError):
         return bad_request(str(error), param=prompt_param)
     if isinstance(error, QueueFullError):

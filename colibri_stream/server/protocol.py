@@ -99,6 +99,7 @@ class GenerateRequest:
     truncate_prompt_tokens: int | None = None  # vLLM's: keep each prompt's last this many tokens (-1: the context)
     template_kwargs: dict | None = None  # chat, vLLM's: the chat template's variables and add_generation_prompt
     split_reasoning: bool = False  # chat: the reply's <think> text goes to reasoning_content (reasoning.py)
+    grammar_param: str | None = None  # the field whose grammar params.grammar is (named in the engine's refusals)
 
     @property
     def template_tools(self) -> list[dict] | None:
@@ -350,6 +351,7 @@ def parse_completion(body: Any) -> GenerateRequest:
         params = dataclasses.replace(params, prompt_logprobs=logprobs)
     return GenerateRequest(
         chat=False, model=model, prompts=_prompts(body.get("prompt")), params=params,
+        grammar_param=asked[0] if asked is not None else None,
         stream=stream, logprobs=logprobs is not None,
         echo=echo, echo_only=echo_only, **_usage_options(fields, stream),
     )
@@ -389,6 +391,7 @@ def parse_chat(body: Any, tool_syntax: ToolSyntax | None = None, split_reasoning
                                                      else None, n, call.grammar if call is not None else grammar)),
         stream=stream, logprobs=logprobs, forced_call=call, auto_calls=use if isinstance(use, AutoCalls) else None,
         template_kwargs=_template_kwargs(fields), split_reasoning=split_reasoning and call is None,
+        grammar_param="tools" if call is not None else asked[0] if asked is not None else None,
         **_usage_options(fields, stream),
     )
 

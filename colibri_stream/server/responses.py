@@ -74,7 +74,8 @@ def parse_response(body: Any, tool_syntax: ToolSyntax | None = None, split_reaso
     return GenerateRequest(chat=True, model=fields.string("model"), prompts=(messages,), params=params,
                            stream=stream, prompt_param="input", forced_call=call,
                            auto_calls=use if isinstance(use, AutoCalls) else None,
-                           split_reasoning=split_reasoning and call is None)
+                           split_reasoning=split_reasoning and call is None,
+                           grammar_param="tools" if call is not None else asked[0] if asked is not None else None)
 
 
 def _chat_tools(tools: list | None) -> list | None:
