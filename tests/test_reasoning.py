@@ -51,3 +51,18 @@ def test_a_prompt_that_ends_in_the_opening_tag_starts_the_reply_inside_it():
     assert opens_thinking("<|im_start|>assistant\n<think>\n")
     assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not opens_thinking("<|im_start|>assistant\n")
+
+
+def test_reasoning_tokens_count_the_pieces_inside_the_tag_and_the_tags():
+    stream = ThinkingStream()
+    for piece in ["<", "think", ">", "a", "b", "</think>", "\n\n", "Yes", "."]:
+        stream.feed(piece, tokens=1)
+    assert stream.reasoning_tokens == 6  # "<", "think", ">", "a", "b", "</think>"
+    plain = ThinkingStream()
+    for piece in ["<", "b", ">", "hi"]:
+        plain.feed(piece, tokens=1)
+    assert plain.reasoning_tokens == 0 and not plain.thought
+    opened = ThinkingStream(started=True)
+    for piece in ["x", "</think>", "y"]:
+        opened.feed(piece, tokens=2)
+    assert opened.reasoning_tokens == 4

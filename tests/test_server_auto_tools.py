@@ -8,10 +8,10 @@ streamed or not, one call or several; a text that is not well-formed calls of th
 whole, streamed or not; tool_choice "none" leaves the text alone; the template shows the tools only when asked
 to call them; chat_template_kwargs (Qwen3's enable_thinking) and add_generation_prompt reach the template; the
 reply's <think> text comes back as reasoning_content, streamed or not, also before calls and when the prompt
-opened the tag (not with --no-reasoning-parser). In the Responses API the calls are function_call items after
-the message of the text before them and the reasoning a reasoning item before both, in OpenAI's event order;
-earlier reasoning goes back in the input. A model whose template teaches no syntax refuses "auto"
-(test_server_tools.py).
+opened the tag (not with --no-reasoning-parser), its tokens counted as reasoning_tokens. In the Responses API
+the calls are function_call items after the message of the text before them and the reasoning a reasoning item
+before both, in OpenAI's event order; earlier reasoning goes back in the input. A model whose template teaches
+no syntax refuses "auto" (test_server_tools.py).
 """
 
 from __future__ import annotations
@@ -271,8 +271,13 @@ def test_the_think_text_is_reasoning_content_and_the_rest_content(client):
     reasoning = "".join(extra(c.choices[0].delta) or "" for c in chunks if c.choices)
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert (reasoning, content) == ("\nThe user wants Paris.\n", "Paris is sunny.")
-    plain = ask(client, "No thinking here.").choices[0].message
-    assert plain.content == "No thinking here." and extra(plain) is None
+    plain = ask(client, "No thinking here.")
+    assert plain.choices[0].message.content == "No thinking here." and extra(plain.choices[0].message) is None
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+    usage = ask(client, text).usage
+    assert 0 < usage.completion_tokens_details.reasoning_tokens < usage.completion_tokens
+    response = respond(client, text).usage
+    assert 0 < response.output_tokens_details.reasoning_tokens < response.output_tokens
 
 
 def test_reasoning_before_calls_and_a_reply_cut_while_thinking(client):
@@ -285,6 +290,7 @@ def test_reasoning_before_calls_and_a_reply_cut_while_thinking(client):
                                          extra_body=regex("<think>\n" + "x" * 200))
     assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content == ""
     assert extra(cut.choices[0].message).startswith("\nxx")
+    assert cut.usage.completion_tokens_details.reasoning_tokens == cut.usage.completion_tokens == 12
 
 
 def test_a_prompt_that_opens_the_tag_makes_the_reply_start_inside_it(client):

@@ -591,7 +591,7 @@ class Responder:
         reasoning = ""
         if request.split_reasoning:  # from here on `text` is the content alone
             choice.thinking = choice.thinking or ThinkingStream(self.thinking_started)
-            reasoning, text = choice.thinking.feed(text)
+            reasoning, text = choice.thinking.feed(text, len(output.token_ids))
             if output.finished:
                 reasoning, text = (a + b for a, b in zip((reasoning, text), choice.thinking.finish()))
         if not request.stream or call is not None:  # a forced call's text is its calls: parsed once whole
@@ -680,8 +680,12 @@ class Responder:
 
     def usage(self) -> dict:
         prompt, completion = sum(self._prompt_tokens), sum(c.completion_tokens for c in self._choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(self._cached_tokens)}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": sum(self._cached_tokens)}}
+        if self.request.split_reasoning:
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(c.thinking.reasoning_tokens for c in
+                                                                          self._choices if c.thinking is not None)}
+        return usage
 
     def admitted(self, prompt_tokens: list[int]) -> None:
         """The prompts' token counts, known once the engine has admitted them (before any output)."""

@@ -38,12 +38,16 @@ class ThinkingStream:
     def __init__(self, started: bool = False):
         self._mode = "reasoning" if started else "undecided"  # undecided | reasoning | answer_start | content
         self.thought = started  # the reply has been inside the tag
+        self.reasoning_tokens = 0  # tokens of the pieces fed while inside the tag (the tags' own included)
+        self._undecided_tokens = 0  # tokens fed before the reply shows whether it opens the tag
         self._held = ""
         self.reasoning: list[str] = []  # all reasoning so far
         self.content: list[str] = []  # all content so far
 
-    def feed(self, text: str) -> tuple[str, str]:
-        """The reasoning and the content that `text` (the next piece of the reply) lets go out."""
+    def feed(self, text: str, tokens: int = 0) -> tuple[str, str]:
+        """The reasoning and the content that `text` (the next piece of the reply, of `tokens` tokens) lets go
+        out."""
+        before = self._mode
         held, reasoning, content = self._held + text, "", ""
         while True:
             if self._mode == "undecided":
@@ -73,7 +77,20 @@ class ThinkingStream:
                 content, held = content + held, ""
                 break
         self._held = held
+        self._count(before, tokens)
         return self._record(reasoning, content)
+
+    def _count(self, before: str, tokens: int) -> None:
+        """Count the tokens of a piece fed in mode `before`: inside the tag (the closing one's piece included), or
+        while undecided once the reply proves to open the tag."""
+        if before == "reasoning":
+            self.reasoning_tokens += tokens
+        elif before == "undecided":
+            self._undecided_tokens += tokens
+            if self._mode != "undecided":
+                if self.thought:
+                    self.reasoning_tokens += self._undecided_tokens
+                self._undecided_tokens = 0
 
     def finish(self) -> tuple[str, str]:
         """What was held back at the end of the reply: reasoning if it was inside the tag, else content."""

@@ -224,7 +224,7 @@ class ResponsesResponder:
         self._output: list[dict] | None = None  # the output items, once the reply is whole
         self._status = "completed"  # and the response's status then
         self.thinking_started = False  # with split_reasoning: the prompt leaves the reply inside the thinking tag
-        self._thinking: ThinkingStream | None = None  # streaming with split_reasoning: the reply's split so far
+        self._thinking: ThinkingStream | None = None  # with split_reasoning: the reply's split so far
         auto = request.auto_calls
         # "auto", streaming: the content, and what of it went out
         self._held = HeldText(auto.syntax.opening) if auto is not None and request.stream else None
@@ -235,27 +235,28 @@ class ResponsesResponder:
         """The input's token count, known once the engine has admitted it (before any output)."""
         self._input_tokens = prompt_tokens[0]
 
-    def add(self, output: Any, prompt_index: int = 0) -> None:
-        """Record one RequestOutput."""
+    def add(self, output: Any, prompt_index: int = 0) -> tuple[str, str]:
+        """Record one RequestOutput; returns the reasoning and the content of its text that may go out now."""
         self._input_tokens, self._cached_tokens = output.prompt_tokens, output.cached_tokens
         self._output_tokens = output.completion_tokens
         self._finish_reason = output.finish_reason
         if output.text:
             self._texts.append(output.text)
+        return self._split_piece(output.text, tokens=len(output.token_ids))
 
     def events(self, output: Any, prompt_index: int = 0) -> list[dict]:
         """Record one RequestOutput; the stream events it makes: reasoning and text deltas of what may go out
         now (a forced call's text is its calls, sent whole at the end)."""
-        self.add(output, prompt_index)
-        reasoning, content = self._split_piece(output.text)
+        reasoning, content = self.add(output, prompt_index)
         return self._reasoning_delta(reasoning) + self._content_delta(content)
 
-    def _split_piece(self, text: str, last: bool = False) -> tuple[str, str]:
-        """(reasoning, content) of the next piece of the reply (`last`: and what was held back at its end)."""
+    def _split_piece(self, text: str, last: bool = False, tokens: int = 0) -> tuple[str, str]:
+        """(reasoning, content) of the next piece of the reply, of `tokens` tokens (`last`: and what was held back
+        at its end)."""
         if not self.request.split_reasoning:
             return "", text
         self._thinking = self._thinking or ThinkingStream(self.thinking_started)
-        reasoning, content = self._thinking.feed(text)
+        reasoning, content = self._thinking.feed(text, tokens)
         if last:
             more_reasoning, more_content = self._thinking.finish()
             reasoning, content = reasoning + more_reasoning, content + more_content
@@ -398,7 +399,9 @@ class ResponsesResponder:
 
     def _usage(self) -> dict:
         return {"input_tokens": self._input_tokens, "input_tokens_details": {"cached_tokens": self._cached_tokens},
-                "output_tokens": self._output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": self._output_tokens,
+                "output_tokens_details": {"reasoning_tokens": self._thinking.reasoning_tokens if self._thinking
+                                          else 0},
                 "total_tokens": self._input_tokens + self._output_tokens}
 
     def _message(self, status: str, content: list[dict]) -> dict:
