@@ -428,6 +428,12 @@ class AsyncEngine:
         return await loop.run_in_executor(None, self._core.encode_prompt, prompt, add_special_tokens, tools,
                                           template_kwargs)
 
+    async def check_grammar(self, grammar: str) -> None:
+        """Check a grammar against the tokenizer on a worker thread (seconds for a large one with a large
+        vocabulary); `generate` then finds its verdict at once. Raises InvalidParameterError like `generate`."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._core.runner.constraints.check, grammar)
+
     async def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams,
                        request_id: str | None = None, add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until each of its params.n sequences has finished.

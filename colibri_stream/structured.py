@@ -70,6 +70,9 @@ def _checked(build, what: str, param: str) -> str:
     return grammar
 
 
+CHECKED_GRAMMARS = 64  # grammars whose check's verdict Constraints keeps
+
+
 class TokenConstraint:
     """One sequence's position in its grammar: the tokens allowed next, and the tokens taken so far."""
 
@@ -94,6 +97,8 @@ class Constraints:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self.vocab_size = vocab_size
+        self._checked: dict[str, str] = {}  # grammar -> its check's error ("" where none), least recent first
+        self._checked_lock = threading.Lock()  # checks run on the event loop's thread and on worker threads
         self._tokenizer = None
         self._error: Exception | None = None
         self._builder = threading.Thread(target=self._build, args=(tokenizer_json, list(eos_token_ids)),
@@ -116,10 +121,18 @@ class Constraints:
 
     def check(self, grammar: str) -> None:
         """Raise InvalidParameterError (param "grammar", SamplingParams') if `grammar` does not compile with this
-        tokenizer."""
+        tokenizer. The last CHECKED_GRAMMARS verdicts are kept: a request's grammar is checked once off the event
+        loop (AsyncEngine.check_grammar), then again, at once, where the engine admits it."""
         from llguidance import LLMatcher
 
-        error = LLMatcher.validate_grammar(grammar, self._llg_tokenizer())
+        with self._checked_lock:
+            error = self._checked.pop(grammar, None)
+        if error is None:
+            error = LLMatcher.validate_grammar(grammar, self._llg_tokenizer())
+        with self._checked_lock:
+            self._checked[grammar] = error
+            while len(self._checked) > CHECKED_GRAMMARS:
+                del self._checked[next(iter(self._checked))]  # the least recently checked
         if error:
             raise InvalidParameterError(f"the grammar cannot be used with this model's tokenizer: {error}",
                                         "grammar")

@@ -86,6 +86,23 @@ def test_any_json_object_and_a_schema_that_cannot_be_used(tiny_model_dir):
         core.validate(ids, SamplingParams(grammar="start: nonsense_rule_that_is_not_defined"))
 
 
+def test_a_grammars_verdict_is_kept_for_its_next_check(tiny_model_dir):
+    from colibri_stream.structured import CHECKED_GRAMMARS, lark_grammar
+
+    constraints = EngineCore.from_pretrained(str(tiny_model_dir), **TIGHT).runner.constraints
+    bad, good = lark_grammar("start: <[99999]>", "x"), json_schema_grammar(SCHEMA)
+    for _ in range(2):  # the second time from the kept verdict: the same answer
+        with pytest.raises(InvalidParameterError, match="tokenizer") as refused:
+            constraints.check(bad)
+        assert refused.value.param == "grammar"
+        constraints.check(good)
+    for i in range(2 * CHECKED_GRAMMARS):
+        constraints.check(lark_grammar(f'start: "{i}"', "x"))
+    assert len(constraints._checked) == CHECKED_GRAMMARS
+    with pytest.raises(InvalidParameterError, match="tokenizer"):
+        constraints.check(bad)  # checked anew once forgotten
+
+
 class Box(pydantic.BaseModel):
     ok: bool
     size: int = pydantic.Field(ge=0, le=99)

@@ -48,6 +48,8 @@ class Generations:
             raise InvalidParameterError(f"{len(prompts)} prompts of n={params.n} are {wanted} sequences, which can "
                                         f"never be admitted together: this server runs at most {capacity} at once "
                                         f"(max_batch_size + max_queue)", param="prompt")
+        if params.grammar is not None:
+            await self._engine.check_grammar(params.grammar)
         token_ids = []
         for i, prompt in enumerate(prompts):
             try:
