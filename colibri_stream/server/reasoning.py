@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from .text_tags import held_prefix
+
 OPENING, CLOSING = "<think>", "</think>"
 
 
@@ -25,11 +27,6 @@ def opens_thinking(prompt_tail: str) -> bool:
     """Whether a rendered prompt ending in `prompt_tail` leaves the reply inside the thinking tag."""
     tail = prompt_tail.rstrip()
     return tail.endswith(OPENING)
-
-
-def _held_prefix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (text that may still become the tag)."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
 
 
 class ThinkingStream:
@@ -64,7 +61,7 @@ class ThinkingStream:
                     reasoning += held[:end]
                     held, self._mode = held[end + len(CLOSING):], "answer_start"
                     continue
-                keep = _held_prefix(held, CLOSING)
+                keep = held_prefix(held, CLOSING)
                 reasoning, held = reasoning + held[:len(held) - keep], held[len(held) - keep:]
                 break
             elif self._mode == "answer_start":

@@ -28,6 +28,8 @@ import re
 import uuid
 from collections.abc import Mapping
 
+from .text_tags import held_prefix
+
 
 class HermesToolSyntax:
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (the last one may lack its closing tag)."""
@@ -112,32 +114,33 @@ def tool_syntax_of(chat_templates: Mapping[str, str]) -> ToolSyntax | None:
 
 class HeldText:
     """One streamed choice's text under tool_choice "auto": what `feed` returns may go out as content now; the
-    text from the syntax's opening tag on (and any end of the text that could be the start of that tag) is held."""
+    text from the syntax's opening tag on (and any end of the text that could be the start of that tag) is held.
+    Each piece costs its own length (a long reply is not joined again at every piece)."""
 
     def __init__(self, opening: str):
         self.opening = opening
         self.parts: list[str] = []  # the whole text so far
         self.sent = 0  # characters of it already sent as content
         self.in_calls = False  # the opening tag has been seen
+        self._pending = ""  # the text after `sent`, before the tag is seen: an end that may begin it
 
     def feed(self, text: str) -> str:
         self.parts.append(text)
         if self.in_calls:
             return ""
-        whole = "".join(self.parts)
-        start = whole.find(self.opening, self.sent)  # text before `sent` holds no start of the tag
+        pending = self._pending + text
+        start = pending.find(self.opening)
         if start >= 0:
-            self.in_calls = True
-            end = start
-        else:  # hold back an end that may begin the tag
-            end = len(whole) - next((k for k in range(min(len(self.opening) - 1, len(whole)), 0, -1)
-                                     if whole.endswith(self.opening[:k])), 0)
-        visible, self.sent = whole[self.sent:end], max(self.sent, end)
-        return visible
+            self.in_calls, end = True, start
+        else:
+            end = len(pending) - held_prefix(pending, self.opening)
+        self._pending = "" if self.in_calls else pending[end:]
+        self.sent += end
+        return pending[:end]
 
     def rest(self) -> str:
         """The text not sent yet."""
-        return "".join(self.parts)[self.sent:]
+        return self.text[self.sent:]
 
     @property
     def text(self) -> str:
