@@ -613,8 +613,8 @@ class Responder:
             entry["delta"] = {"content": text} if text or not output.finished else {}
         else:
             entry["text"] = text
-        if reasoning:
-            entry["delta"] = {"reasoning_content": reasoning, **entry["delta"]}
+        if reasoning:  # (no empty content beside it)
+            entry["delta"] = {"reasoning_content": reasoning, **{k: v for k, v in entry["delta"].items() if v}}
         entry["logprobs"] = logprobs
         entry["finish_reason"] = choice.finish_reason
         if output.finished:
