@@ -100,5 +100,5 @@ def test_text_that_is_not_calls_stays_content_without_special_tokens_leaking_in(
     ("no tag", None),
 ])
 def test_mistral_split(text, expected):
-    split = MistralToolSyntax().split(text, frozenset({"clock"}))
+    split = MistralToolSyntax().split(text, {"clock": {"type": "object"}})
     assert (None if split is None else (split[0], [c["function"]["name"] for c in split[1]])) == expected

@@ -631,7 +631,7 @@ class Responder:
             visible = choice.held.feed(text)
         if not finished:
             return {"content": visible} if visible else {}
-        split = auto.syntax.split(choice.held.text if choice.held else "".join(choice.texts), auto.names)
+        split = auto.syntax.split(choice.held.text if choice.held else "".join(choice.texts), auto.schemas)
         if split is None:
             rest = visible + (choice.held.rest() if choice.held else "")
             return {"content": rest} if rest else {}

@@ -371,7 +371,7 @@ class ResponsesResponder:
             if self.request.forced_call is not None:
                 found = "", tool_calls(self.request.forced_call, content)
             elif self.request.auto_calls is not None:
-                found = self.request.auto_calls.syntax.split(content, self.request.auto_calls.names)
+                found = self.request.auto_calls.syntax.split(content, self.request.auto_calls.schemas)
             before, calls = found if found is not None and found[1] else (content, [])
             self._status = "incomplete" if self._finish_reason == "length" and not calls else "completed"
             self._output = ([self._reasoning_item("completed", [self._reasoning_part(reasoning)])] if reasoning

@@ -40,9 +40,10 @@ class ForcedCall:
 
 @dataclass(frozen=True)
 class AutoCalls:
-    """tool_choice "auto": the model may call any of `names`, in `syntax`; `tools` as the chat template takes them."""
+    """tool_choice "auto": the model may call any of the functions of `schemas` (name -> parameters schema), in
+    `syntax`; `tools` as the chat template takes them."""
 
-    names: frozenset[str]
+    schemas: dict[str, Any]
     tools: tuple[dict, ...]
     syntax: ToolSyntax
 
@@ -89,7 +90,7 @@ def tool_use(tools: Any, tool_choice: Any, error, refusal, parallel: bool = True
                           'template teaches no tool-call syntax this server reads. Force a call with tool_choice '
                           '"required" or {"type": "function", "function": {"name": ...}}, or send tool_choice '
                           '"none"', "tool_choice")
-        return AutoCalls(frozenset(schemas), tuple(listed), syntax)
+        return AutoCalls(schemas, tuple(listed), syntax)
     if tool_choice == "required":
         named, schema = None, {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
