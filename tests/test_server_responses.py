@@ -28,6 +28,7 @@ def test_a_response_says_what_chat_says_for_the_same_messages(client):
                                        input=[{"role": "user", "content": [{"type": "input_text",
                                                                              "text": MESSAGES[1]["content"]}]}],
                                        max_output_tokens=8, temperature=0, reasoning={"effort": None},
+                                       include=["reasoning.encrypted_content"],
                                        extra_body={"ignore_eos": True})  # a reasoning object that asks nothing
     assert response.object == "response" and response.id.startswith("resp_")
     assert response.output_text == chat.choices[0].message.content

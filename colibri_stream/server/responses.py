@@ -44,6 +44,9 @@ from .tool_syntax import HeldText, ToolSyntax
 from .tools import AutoCalls, ForcedCall, tool_calls, tool_use, with_call_tokens
 
 INPUT_TEXT_PARTS = ("input_text", "output_text", "text")  # text content parts of an input message
+# include values already met: reasoning items carry their text in the clear (there is nothing encrypted), which
+# the client sends back as it would the encrypted content (the Agents SDK asks for it when nothing is stored)
+INCLUDED_ANYWAY = ("reasoning.encrypted_content",)
 
 
 def parse_response(body: Any, tool_syntax: ToolSyntax | None = None, split_reasoning: bool = False
@@ -116,8 +119,9 @@ def _reject_unsupported(fields: Fields) -> None:
     if fields.integer("top_logprobs"):
         raise unsupported("top_logprobs is not supported in /v1/responses (it is in chat completions)",
                           "top_logprobs")
-    if fields.get("include", (list,), "an array", ()):
-        raise unsupported("include is not supported by this server", "include")
+    asked = [item for item in fields.get("include", (list,), "an array", ()) if item not in INCLUDED_ANYWAY]
+    if asked:
+        raise unsupported(f"include {asked[0]!r:.80} is not supported by this server", "include")
     if body.get("truncation") not in (None, "disabled"):
         raise unsupported('truncation is not supported; only "disabled" is accepted (a prompt over the context '
                           'is refused)', "truncation")
