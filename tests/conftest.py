@@ -58,6 +58,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out_dir
 
 
+def model_with_template(model_dir: Path, folder: Path, chat_template: str) -> Path:
+    """`folder` holding `model_dir`'s files (linked) with `chat_template` as the tokenizer's chat template."""
+    folder.mkdir()
+    for path in model_dir.iterdir():
+        if path.name != "tokenizer_config.json":
+            (folder / path.name).symlink_to(path)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=chat_template)))
+    return folder
+
+
 @pytest.fixture(scope="session")
 def emoji_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same tiny model (weights linked) with a tokenizer whose vocabulary holds whole emoji as well."""

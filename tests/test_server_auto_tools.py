@@ -22,6 +22,7 @@ import shutil
 import openai
 import pydantic
 import pytest
+from conftest import model_with_template
 from test_server import API_KEY, LiveServer, request
 
 from colibri_stream.server.tool_syntax import HeldText, HermesToolSyntax
@@ -64,13 +65,7 @@ def regex(text: str) -> dict:
 @pytest.fixture(scope="module")
 def hermes_server(tiny_model_dir, tmp_path_factory):
     """The tiny model with HERMES_TEMPLATE as its chat template, served as "tiny"."""
-    folder = tmp_path_factory.mktemp("hermes") / "model"
-    folder.mkdir()
-    for path in tiny_model_dir.iterdir():
-        if path.name != "tokenizer_config.json":
-            (folder / path.name).symlink_to(path)
-    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=HERMES_TEMPLATE)))
+    folder = model_with_template(tiny_model_dir, tmp_path_factory.mktemp("hermes") / "model", HERMES_TEMPLATE)
     live = LiveServer(folder, dict(max_batch_size=4, max_seq_len=1024), api_key=API_KEY, served_model_name="tiny")
     yield live
     live.close()

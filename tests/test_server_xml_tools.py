@@ -9,6 +9,7 @@ import shutil
 
 import openai
 import pytest
+from conftest import model_with_template
 from test_server import API_KEY, LiveServer
 from test_server_auto_tools import HERMES_TEMPLATE, regex, streamed
 
@@ -30,13 +31,7 @@ ARGUMENTS = {"query": "experts\nin 2 lines", "limit": 5, "exact": True, "tags": 
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("xml") / "model"
-    folder.mkdir()
-    for path in tiny_model_dir.iterdir():
-        if path.name != "tokenizer_config.json":
-            (folder / path.name).symlink_to(path)
-    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=XML_TEMPLATE)))
+    folder = model_with_template(tiny_model_dir, tmp_path_factory.mktemp("xml") / "model", XML_TEMPLATE)
     live = LiveServer(folder, dict(max_batch_size=2, max_seq_len=1024), api_key=API_KEY, served_model_name="tiny")
     yield openai.OpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
     live.close()
