@@ -95,14 +95,15 @@ class QwenXmlToolSyntax(HermesToolSyntax):
         if function is None or function.group(1).strip() not in tools:
             return None
         name, body = function.group(1).strip(), function.group(2)
-        properties = (tools[name] or {}).get("properties", {}) if isinstance(tools[name], dict) else {}
+        properties = tools[name].get("properties") if isinstance(tools[name], dict) else None
+        properties = properties if isinstance(properties, dict) else {}  # parameter -> its schema
         arguments, end = {}, 0
         for parameter in self._parameter.finditer(body):
             if body[end:parameter.start()].strip():  # text between the parameters
                 return None
             value = parameter.group(2).removeprefix("\n").removesuffix("\n")
             key = parameter.group(1).strip()
-            arguments[key] = _typed(value, properties.get(key) if isinstance(properties, dict) else None)
+            arguments[key] = _typed(value, properties.get(key))
             end = parameter.end()
         if body[end:].strip():
             return None
