@@ -1,7 +1,9 @@
 """/v1/completions `echo` through the official openai client on the real server: each choice's text starts with
 its prompt; with `logprobs` its logprobs start with the prompt tokens' (the first one null, as OpenAI's legacy
 completions gave them); with `max_tokens: 0` the prompt comes alone, scored (what evaluation harnesses ask for).
-A prompt's echoed logprobs equal those the same tokens got when they were generated."""
+A prompt's echoed logprobs equal those the same tokens got when they were generated. vLLM's prompt_logprobs field
+gives the same figures in vLLM's layout (token id -> logprob, rank, decoded token), in chat and completions, not
+streamed."""
 
 from __future__ import annotations
 
@@ -87,3 +89,32 @@ def test_a_streamed_echo_sends_the_prompt_and_its_logprobs_first(client, core):
     streamed = [token for c in chunks if c.logprobs for token in c.logprobs.tokens]
     assert streamed == whole.choices[0].logprobs.tokens
     assert "".join(c.text for c in chunks) == whole.choices[0].text
+
+
+def test_vllms_prompt_logprobs_field_gives_the_echoed_logprobs_as_vllm_lays_them_out(client, core):
+    ids = core.tokenizer.encode(PROMPT)
+    core.add_request("scored", ids, SamplingParams(max_tokens=1, prompt_logprobs=3))
+    want = [out for out in core.step() if out.prompt_logprobs][0].prompt_logprobs  # (token, logprob, top) each
+    while core.has_unfinished():
+        core.step()
+    answer = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, n=2,
+                                       extra_body={"prompt_logprobs": 3})
+    for choice in answer.choices:
+        positions = choice.model_extra["prompt_logprobs"]
+        assert positions[0] is None and len(positions) == len(ids)
+        for (token, logprob, top), entries in zip(want, positions[1:]):
+            assert entries[str(token)]["logprob"] == pytest.approx(logprob, abs=1e-5)
+            assert entries[str(token)]["decoded_token"] == core.tokenizer.decode([token], skip_special_tokens=False)
+            ranked = sorted((int(t), e) for t, e in entries.items() if e["rank"] is not None)
+            assert sorted((e["rank"], t) for t, e in ranked) == [(r, t) for r, (t, _) in enumerate(top, start=1)]
+            assert [e["logprob"] for _, e in sorted(ranked, key=lambda te: te[1]["rank"])] == pytest.approx(
+                [lp for _, lp in top], abs=1e-5)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    positions = chat.model_extra["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == chat.usage.prompt_tokens
+    assert all(len(entries) == 1 and next(iter(entries.values()))["rank"] is None for entries in positions[1:])
+    for fields in ({"prompt_logprobs": 3, "stream": True}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body=fields)
+        assert refused.value.body["param"] == "prompt_logprobs"

@@ -335,7 +335,7 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "continue_final_message", "stop_token_ids", "ignore_eos", "parallel_tool_calls", "metadata", "store",
           "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "min_tokens",
           "skip_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens", "chat_template_kwargs",
-          "add_generation_prompt", "chat_template"]
+          "add_generation_prompt", "chat_template", "prompt_logprobs"]
 VALUES = [None, True, False, 0, -1, 1.5, "", "x", [], {}, [None], [[]], {"type": None}, 2**70, -1e308, [1, "a"],
           ["a"] * 20, "\u0000", {"": ""}, {"json": 5}, {"regex": "["}, {"choice": [""]}, {"grammar": "start:"},
           {"json_object": True, "regex": "a"}]

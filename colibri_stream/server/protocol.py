@@ -18,7 +18,8 @@ same as leaving a field out. The values of those features that ask for nothing (
 `suffix: ""`, `best_of` equal to n) are accepted, and so are tools with `tool_choice: "none"` (as vLLM without a
 tool parser: the tools are ignored). The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
 `ignore_eos`, `min_tokens` (end-of-sequence and stop tokens are not drawn before it; stop strings still stop),
-`skip_special_tokens`, `include_stop_str_in_output`, `truncate_prompt_tokens`, and in chat `chat_template_kwargs`
+`skip_special_tokens`, `include_stop_str_in_output`, `truncate_prompt_tokens`, `prompt_logprobs` (in vLLM's
+layout, not streamed), and in chat `chat_template_kwargs`
 (the template's variables, such as Qwen3's enable_thinking) and `add_generation_prompt` are accepted too (a
 request's own `chat_template` is refused). /v1/completions
 takes a batch of prompts (a list of strings or of token id lists): prompt p's n choices have the indexes p * n to
@@ -100,6 +101,7 @@ class GenerateRequest:
     template_kwargs: dict | None = None  # chat, vLLM's: the chat template's variables and add_generation_prompt
     split_reasoning: bool = False  # chat: the reply's <think> text goes to reasoning_content (reasoning.py)
     grammar_param: str | None = None  # the field whose grammar params.grammar is (named in the engine's refusals)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs: the prompt tokens' logprobs go in the answer
 
     @property
     def template_tools(self) -> list[dict] | None:
@@ -222,6 +224,7 @@ def sampling_params(fields: Fields, max_tokens: int | None, max_tokens_name: str
             logprobs=logprobs,
             grammar=grammar,
             min_tokens=fields.integer("min_tokens", 0),
+            prompt_logprobs=fields.integer("prompt_logprobs"),
             skip_special_tokens=fields.boolean("skip_special_tokens", True),
             include_stop_str_in_output=fields.boolean("include_stop_str_in_output"),
             n=n,
@@ -302,15 +305,18 @@ def _stream_options(fields: Fields, stream: bool) -> tuple[bool, bool]:
     return flags[0], flags[1]
 
 
-def _usage_options(fields: Fields, stream: bool) -> dict[str, Any]:
-    """The GenerateRequest fields common to chat and completions: stream_options, truncate_prompt_tokens."""
+def _common_options(fields: Fields, stream: bool) -> dict[str, Any]:
+    """The GenerateRequest fields common to chat and completions: stream_options, truncate_prompt_tokens, whether
+    vLLM's prompt_logprobs go in the answer (not streamed; their count is SamplingParams')."""
     include_usage, continuous = _stream_options(fields, stream)
+    if fields.integer("prompt_logprobs") is not None and stream:
+        raise bad_request("prompt_logprobs is not available when streaming", param="prompt_logprobs")
     truncate = fields.integer("truncate_prompt_tokens")
     if truncate is not None and truncate < 1 and truncate != -1:
         raise bad_request("truncate_prompt_tokens must be a positive integer or -1 (the model's context)",
                           param="truncate_prompt_tokens")
     return {"include_usage": include_usage, "continuous_usage": include_usage and continuous,
-            "truncate_prompt_tokens": truncate}
+            "truncate_prompt_tokens": truncate, "prompt_logprobs": fields.integer("prompt_logprobs") is not None}
 
 
 # Fields of the other endpoint that would change the result if they were ignored like unknown fields: a user
@@ -348,12 +354,12 @@ def parse_completion(body: Any) -> GenerateRequest:
     params = sampling_params(fields, 1 if echo_only else max_tokens, "max_tokens", logprobs, n,
                              asked[1] if asked is not None else None)
     if echo and logprobs is not None:
-        params = dataclasses.replace(params, prompt_logprobs=logprobs)
+        params = dataclasses.replace(params, prompt_logprobs=max(logprobs, params.prompt_logprobs or 0))
     return GenerateRequest(
         chat=False, model=model, prompts=_prompts(body.get("prompt")), params=params,
         grammar_param=asked[0] if asked is not None else None,
         stream=stream, logprobs=logprobs is not None,
-        echo=echo, echo_only=echo_only, **_usage_options(fields, stream),
+        echo=echo, echo_only=echo_only, **_common_options(fields, stream),
     )
 
 
@@ -392,7 +398,7 @@ def parse_chat(body: Any, tool_syntax: ToolSyntax | None = None, split_reasoning
         stream=stream, logprobs=logprobs, forced_call=call, auto_calls=use if isinstance(use, AutoCalls) else None,
         template_kwargs=_template_kwargs(fields), split_reasoning=split_reasoning and call is None,
         grammar_param="tools" if call is not None else asked[0] if asked is not None else None,
-        **_usage_options(fields, stream),
+        **_common_options(fields, stream),
     )
 
 
@@ -541,6 +547,7 @@ class _Choice:
     tool_calls: list[dict] | None = None  # the calls its whole text makes (set once finished)
     content: str | None = None  # tool_choice "auto": the text before those calls
     thinking: ThinkingStream | None = None  # with split_reasoning: the reply split into reasoning and content
+    prompt_logprobs: list | None = None  # with prompt_logprobs: vLLM's list for the prompt (None first)
     held: HeldText | None = None  # tool_choice "auto", streaming: the text, and what of it went out
 
 
@@ -587,6 +594,8 @@ class Responder:
             if output.prompt_token_ids:
                 first = output.prompt_token_ids[0]
                 entries = [(first, None, None), *(output.prompt_logprobs or ()), *(entries or ())]
+        if request.prompt_logprobs and output.prompt_token_ids and choice.prompt_logprobs is None:
+            choice.prompt_logprobs = [None, *(self._vllm_logprobs(entry) for entry in output.prompt_logprobs or ())]
         call = request.forced_call
         reasoning = ""
         if request.split_reasoning:  # from here on `text` is the content alone
@@ -674,6 +683,18 @@ class Responder:
             choice.text_offset += delta["text_offset"]
         return delta
 
+    def _vllm_logprobs(self, entry: tuple) -> dict:
+        """One prompt position as vLLM's prompt_logprobs give it: token id (a string) -> its logprob, its rank (1:
+        the most likely; null for the prompt's token where it is not among the top ones) and its text."""
+        token_id, logprob, top = entry
+        ranked = {t: (lp, rank) for rank, (t, lp) in enumerate(top, start=1)}
+        out = {str(token_id): {"logprob": max(logprob, MIN_LOGPROB), "rank": ranked.get(token_id, (None, None))[1],
+                               "decoded_token": self._token_piece(token_id)[0]}}
+        for t, (lp, rank) in ranked.items():
+            out.setdefault(str(t), {"logprob": max(lp, MIN_LOGPROB), "rank": rank,
+                                    "decoded_token": self._token_piece(t)[0]})
+        return out
+
     def _chat_logprob(self, token_id: int, logprob: float) -> dict:
         text, raw = self._token_piece(token_id)
         return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(raw)}
@@ -748,5 +769,10 @@ class Responder:
                                      if self.request.logprobs else None)
             entry["finish_reason"] = c.finish_reason
             entry["stop_reason"] = c.stop_reason
+            if self.request.prompt_logprobs and not self.request.chat:
+                entry["prompt_logprobs"] = c.prompt_logprobs
             choices.append(entry)
-        return dict(self._body(self.object, choices), usage=self.usage())
+        body = dict(self._body(self.object, choices), usage=self.usage())
+        if self.request.prompt_logprobs and self.request.chat:  # vLLM's chat answer holds them once, at the top
+            body["prompt_logprobs"] = self._choices[0].prompt_logprobs
+        return body
