@@ -381,16 +381,16 @@ def _choices_responder(req: GenerateRequest, state: ServerState) -> Responder:
 async def tokenize(request: web.Request) -> web.Response:
     """POST /tokenize (server/tokenize.py)."""
     state = request.app[STATE]
-    model, prompt, add_special_tokens, token_strs = parse_tokenize(await _read_json(request))
-    _check_model(state, model)
+    req = parse_tokenize(await _read_json(request))
+    _check_model(state, req.model)
     try:
-        ids = await state.engine.encode(prompt, add_special_tokens)
+        ids = await state.engine.encode(req.prompt, req.add_special_tokens, req.tools, req.template_kwargs)
     except InvalidParameterError as e:
         raise bad_request(str(e), param=e.param) from e
     except ChatTemplateError as e:
         raise bad_request(str(e), param="messages") from e
     body: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.max_seq_len, "tokens": ids}
-    if token_strs:
+    if req.return_token_strs:
         body["token_strs"] = [state.token_piece(t)[0] for t in ids]
     return _json(body)
 

@@ -396,13 +396,13 @@ def parse_chat(body: Any, tool_syntax: ToolSyntax | None = None, split_reasoning
         params=with_call_tokens(use, sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs
                                                      else None, n, call.grammar if call is not None else grammar)),
         stream=stream, logprobs=logprobs, forced_call=call, auto_calls=use if isinstance(use, AutoCalls) else None,
-        template_kwargs=_template_kwargs(fields), split_reasoning=split_reasoning and call is None,
+        template_kwargs=template_kwargs(fields), split_reasoning=split_reasoning and call is None,
         grammar_param="tools" if call is not None else asked[0] if asked is not None else None,
         **_common_options(fields, stream),
     )
 
 
-def _template_kwargs(fields: Fields) -> dict | None:
+def template_kwargs(fields: Fields) -> dict | None:
     """vLLM's chat_template_kwargs (variables the chat template reads, such as Qwen3's enable_thinking) and
     add_generation_prompt, as keyword arguments of the template."""
     kwargs = dict(fields.get("chat_template_kwargs", (dict,), "an object", {}))

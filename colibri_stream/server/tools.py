@@ -55,19 +55,9 @@ def with_call_tokens(use: ForcedCall | AutoCalls | None, params: SamplingParams)
     return params
 
 
-def tool_use(tools: Any, tool_choice: Any, error, refusal, parallel: bool = True,
-             syntax: ToolSyntax | None = None) -> ForcedCall | AutoCalls | None:
-    """What `tool_choice` asks of `tools` (a chat body's fields): the call it forces, calls the model may make in
-    `syntax` ("auto", the default with tools; refused without a syntax), or None ("none", or no tools). "required"
-    allows several calls unless `parallel` (parallel_tool_calls) is false. `error(message, param)` builds the 400
-    of a bad value to raise, `refusal(message, param)` that of what the server does not do."""
-    if tool_choice not in (None, "none", "auto", "required") and not isinstance(tool_choice, dict):
-        raise error(f'tool_choice must be "none", "auto", "required" or an object naming a function, got '
-                    f'{tool_choice!r:.80}', "tool_choice")
-    if tool_choice == "none" or (tool_choice is None and not tools):
-        return None
-    if not isinstance(tools, list) or not tools:
-        raise error(f"tool_choice {tool_choice!r} needs a non-empty tools array", "tools")
+def function_tools(tools: list, error) -> tuple[dict[str, Any], list[dict]]:
+    """(name -> parameters schema, the tools as the chat template takes them) of a tools array, each checked;
+    `error(message, param)` builds the 400 of a bad one to raise."""
     schemas, listed = {}, []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
@@ -84,6 +74,23 @@ def tool_use(tools: Any, tool_choice: Any, error, refusal, parallel: bool = True
         schemas[name] = parameters
         listed.append({"type": "function", "function": {key: function[key] for key in
                                                          ("name", "description", "parameters") if key in function}})
+    return schemas, listed
+
+
+def tool_use(tools: Any, tool_choice: Any, error, refusal, parallel: bool = True,
+             syntax: ToolSyntax | None = None) -> ForcedCall | AutoCalls | None:
+    """What `tool_choice` asks of `tools` (a chat body's fields): the call it forces, calls the model may make in
+    `syntax` ("auto", the default with tools; refused without a syntax), or None ("none", or no tools). "required"
+    allows several calls unless `parallel` (parallel_tool_calls) is false. `error(message, param)` builds the 400
+    of a bad value to raise, `refusal(message, param)` that of what the server does not do."""
+    if tool_choice not in (None, "none", "auto", "required") and not isinstance(tool_choice, dict):
+        raise error(f'tool_choice must be "none", "auto", "required" or an object naming a function, got '
+                    f'{tool_choice!r:.80}', "tool_choice")
+    if tool_choice == "none" or (tool_choice is None and not tools):
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise error(f"tool_choice {tool_choice!r} needs a non-empty tools array", "tools")
+    schemas, listed = function_tools(tools, error)
     if tool_choice in (None, "auto"):
         if syntax is None:
             raise refusal('tool_choice "auto" (the default with tools) is not supported for this model: its chat '
