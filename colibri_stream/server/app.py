@@ -49,6 +49,7 @@ from .protocol import (
     parse_completion,
 )
 from .responses import ResponsesResponder, parse_response
+from .fill_in_middle import fim_tokens_of
 from .reasoning import opens_thinking, reasoning_tags_in
 from .tokenize import parse_detokenize, parse_tokenize
 from .tool_syntax import ToolSyntax, tool_syntax_of
@@ -102,6 +103,11 @@ class ServerState:
     def tool_syntax(self) -> ToolSyntax | None:
         """The tool-call syntax the model's chat template teaches, which tool_choice "auto" reads; None: none."""
         return tool_syntax_of(getattr(self.engine.tokenizer, "chat_templates", {}))
+
+    @functools.cached_property
+    def fim_tokens(self) -> tuple[str, str, str] | None:
+        """The model's fill-in-the-middle tokens, which completions with a suffix need; None: it has none."""
+        return fim_tokens_of(self.engine.tokenizer.token_to_id)
 
     @functools.cached_property
     def split_reasoning(self) -> bool:
@@ -363,7 +369,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_completion, _choices_responder)
+    fim_tokens = request.app[STATE].fim_tokens
+    return await _generate(request, functools.partial(parse_completion, fim_tokens=fim_tokens), _choices_responder)
 
 
 async def responses(request: web.Request) -> web.StreamResponse:

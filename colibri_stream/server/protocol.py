@@ -4,7 +4,8 @@ Unknown fields are ignored (as vLLM does; OpenAI refuses them, but clients writt
 extensions of their own). Otherwise requests follow OpenAI's rules: a known field of the wrong type or out of range
 is a 400 naming the field, and a feature this server does not implement (tool_choice "auto" for a model whose
 chat template teaches no tool-call syntax it reads, the legacy functions,
-images, audio output, echo in chat, suffix, best_of > n, vLLM's continue_final_message) is a 400 that says so
+images, audio output, echo in chat, suffix for a model without fill-in-the-middle tokens, best_of > n, vLLM's
+continue_final_message) is a 400 that says so
 instead of being silently dropped; so are the fields of the other endpoint that would change the answer
 (max_completion_tokens, top_logprobs or messages sent to /v1/completions, a prompt sent to chat). `response_format`
 json_object and json_schema (chat and, as vLLM, completions) constrain the text to JSON (structured.py), as do
@@ -41,6 +42,7 @@ from typing import Any
 from ..request import InvalidParameterError, SamplingParams
 from ..structured import json_schema_grammar
 from .structured_outputs import structured_outputs_grammar
+from .fill_in_middle import fim_prompt
 from .reasoning import ThinkingStream
 from .tool_syntax import HeldText, ToolSyntax
 from .tools import AutoCalls, ForcedCall, tool_calls, tool_use, with_call_tokens
@@ -200,8 +202,6 @@ def _reject_unsupported(fields: Fields, n: int, chat: bool) -> None:
         raise bad_request("best_of must be a positive integer", param="best_of")
     if best_of is not None and best_of != n:
         raise unsupported(f"best_of ({best_of}) other than n ({n}) is not supported", "best_of")
-    if fields.string("suffix"):
-        raise unsupported("suffix is not supported by this server", "suffix")
 
 
 def sampling_params(fields: Fields, max_tokens: int | None, max_tokens_name: str, logprobs: int | None,
@@ -340,10 +340,12 @@ def _common(fields: Fields, chat: bool) -> tuple[str | None, bool, int]:
     return fields.string("model"), fields.boolean("stream"), n
 
 
-def parse_completion(body: Any) -> GenerateRequest:
-    """Validate a /v1/completions body."""
+def parse_completion(body: Any, fim_tokens: tuple[str, str, str] | None = None) -> GenerateRequest:
+    """Validate a /v1/completions body; `fim_tokens`: the model's fill-in-the-middle tokens, which `suffix` needs
+    (fill_in_middle.py)."""
     fields = Fields(body_object(body))
     model, stream, n = _common(fields, chat=False)
+    suffix = fields.string("suffix")
     logprobs = fields.integer("logprobs")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
@@ -355,8 +357,16 @@ def parse_completion(body: Any) -> GenerateRequest:
                              asked[1] if asked is not None else None)
     if echo and logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=max(logprobs, params.prompt_logprobs or 0))
+    prompts = _prompts(body.get("prompt"))
+    if suffix:
+        if fim_tokens is None:
+            raise unsupported("suffix needs a model trained to fill in the middle; this model's vocabulary has no "
+                              "fill-in-the-middle tokens", "suffix")
+        if echo or not all(isinstance(p, str) for p in prompts):
+            raise bad_request("suffix takes text prompts without echo", param="suffix")
+        prompts = tuple(fim_prompt(fim_tokens, prompt, suffix) for prompt in prompts)
     return GenerateRequest(
-        chat=False, model=model, prompts=_prompts(body.get("prompt")), params=params,
+        chat=False, model=model, prompts=prompts, params=params,
         grammar_param=asked[0] if asked is not None else None,
         stream=stream, logprobs=logprobs is not None,
         echo=echo, echo_only=echo_only, **_common_options(fields, stream),
