@@ -16,8 +16,12 @@ no syntax refuses "auto" (test_server_tools.py).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+import time
+
+import aiohttp
 
 import openai
 import pydantic
@@ -25,6 +29,7 @@ import pytest
 from conftest import model_with_template
 from test_server import API_KEY, LiveServer, request
 
+from colibri_stream.server.app import STATE
 from colibri_stream.server.tool_syntax import HeldText, HermesToolSyntax
 
 pytest.importorskip("llguidance")
@@ -393,3 +398,48 @@ def test_the_sdks_stream_helper_closes_each_call_with_its_parsed_arguments(clien
         final = stream.get_final_completion()
     assert [(e.index, e.parsed_arguments) for e in done] == [(i, Weather(city="Paris", days=3)) for i in (0, 1)]
     assert final.choices[0].finish_reason == "tool_calls" and final.choices[0].message.content == "Sure.\n"
+
+
+def test_concurrent_mixed_requests_each_get_their_own_answer(hermes_server, client):
+    """Tool calls, reasoning, grammars, Responses and a client that leaves, all at once: each answer is the one the
+    request gets alone, the leaver's sequence is freed, and the server goes on."""
+    think_call = "<think>\nhm\n</think>\n\n" + CALL
+    alone = {"calls": ask(client, CALL).choices[0].message.tool_calls[0].function.arguments,
+             "think": extra(ask(client, think_call).choices[0].message),
+             "plain": ask(client, "Just text.").choices[0].message.content}
+    base = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 400, "temperature": 0}
+
+    async def post(session, path: str, body: dict) -> dict:
+        async with session.post(hermes_server.url + path, json=body) as response:
+            assert response.status == 200, await response.text()
+            return await response.json()
+
+    async def leaver(session) -> None:
+        body = dict(base, stream=True, max_tokens=300, **regex("y" * 300))
+        async with session.post(hermes_server.url + "/v1/chat/completions", json=body) as response:
+            await response.content.readuntil(b"\n\n")
+
+    async def everything() -> list:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as session:
+            chat = "/v1/chat/completions"
+            return await asyncio.gather(
+                *(post(session, chat, dict(base, **regex(CALL))) for _ in range(3)),
+                *(post(session, chat, dict(base, **regex(think_call))) for _ in range(3)),
+                *(post(session, chat, dict(base, **regex("Just text."))) for _ in range(3)),
+                post(session, "/v1/responses", {"model": "tiny", "input": "Weather?", "tools": RESPONSE_TOOLS,
+                                                 "max_output_tokens": 400, **regex(think_call)}),
+                leaver(session))
+
+    answers = asyncio.run(everything())
+    calls, thinks, plains, response = answers[:3], answers[3:6], answers[6:9], answers[9]
+    assert all(a["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == alone["calls"] for a in calls)
+    assert all(a["choices"][0]["message"]["reasoning_content"] == alone["think"] for a in thinks)
+    assert all(a["choices"][0]["message"]["content"] == alone["plain"] for a in plains)
+    assert [item["type"] for item in response["output"]] == ["reasoning", "function_call"]
+    engine = hermes_server.app[STATE].engine
+    for _ in range(100):  # the leaver's sequence is aborted once the server notices the closed connection
+        if engine.stats().kv_blocks_used == 0:
+            break
+        time.sleep(0.05)
+    assert engine.stats().kv_blocks_used == 0
+    assert ask(client, "Still here.").choices[0].message.content == "Still here."
