@@ -39,6 +39,7 @@ from ..request import (
 )
 from ..timing import ChromeTraceWriter
 from ..tokenizer import ChatTemplateError
+from .fill_in_middle import fim_tokens_of
 from .generations import Generations, PromptRefused
 from .protocol import (
     APIError,
@@ -48,12 +49,11 @@ from .protocol import (
     parse_chat,
     parse_completion,
 )
-from .responses import ResponsesResponder, parse_response
-from .fill_in_middle import fim_tokens_of
 from .reasoning import opens_thinking, reasoning_tags_in
+from .responses import ResponsesResponder, parse_response
+from .sse import EventStream
 from .tokenize import parse_detokenize, parse_tokenize
 from .tool_syntax import ToolSyntax, tool_syntax_of
-from .sse import EventStream
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +99,15 @@ class ServerState:
         """Token ids' text, special tokens included (an echoed prompt given as ids)."""
         return self.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
 
+    @property
+    def chat_templates(self) -> dict[str, str]:
+        """The model's chat templates by name (none for a tokenizer without them)."""
+        return getattr(self.engine.tokenizer, "chat_templates", {})
+
     @functools.cached_property
     def tool_syntax(self) -> ToolSyntax | None:
         """The tool-call syntax the model's chat template teaches, which tool_choice "auto" reads; None: none."""
-        return tool_syntax_of(getattr(self.engine.tokenizer, "chat_templates", {}))
+        return tool_syntax_of(self.chat_templates)
 
     @functools.cached_property
     def fim_tokens(self) -> tuple[str, str, str] | None:
@@ -112,7 +117,7 @@ class ServerState:
     @functools.cached_property
     def split_reasoning(self) -> bool:
         """Whether chat replies' <think> text goes to reasoning_content (the option, and a template with the tags)."""
-        return self.reasoning_parser and reasoning_tags_in(getattr(self.engine.tokenizer, "chat_templates", {}))
+        return self.reasoning_parser and reasoning_tags_in(self.chat_templates)
 
     def opens_thinking(self, prompt_token_ids: list[int]) -> bool:
         """Whether the rendered prompt leaves the reply inside the thinking tag."""
