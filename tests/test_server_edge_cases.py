@@ -403,7 +403,8 @@ def test_chat_features_refused_clearly(server):
         (dict(messages=user([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}])),
          "messages[0].content[0]"),
         (dict(messages=[{"role": "function", "content": "42", "name": "f"}]), "messages[0]"),
-        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),  # "auto": no parser
+        # "auto": the ChatML template here teaches no tool-call syntax (test_server_auto_tools.py: one that does)
+        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
         (dict(functions=[{"name": "f"}]), "functions"),
     ]
     for fields, param in cases:
@@ -422,7 +423,8 @@ def test_a_tool_choice_that_is_no_choice_is_an_invalid_value(server, name, value
 def test_tools_are_ignored_with_tool_choice_none(server):
     """As vLLM without a tool parser: tools (or legacy functions) with tool_choice (function_call) "none" ask for a
     plain answer, which this server gives; they were refused. Tools the model may choose to call (tool_choice
-    "auto", the default) are refused: forcing a call is what this server does (test_server_tools.py)."""
+    "auto", the default) need a template that teaches a tool-call syntax (test_server_auto_tools.py); this
+    model's ChatML template teaches none."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     for fields in ({"tools": tools, "tool_choice": "none"}, {"functions": [{"name": "f"}], "function_call": "none"}):
         for stream in (False, True):
