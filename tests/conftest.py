@@ -58,12 +58,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out_dir
 
 
-def model_with_template(model_dir: Path, folder: Path, chat_template: str) -> Path:
-    """`folder` holding `model_dir`'s files (linked) with `chat_template` as the tokenizer's chat template."""
+def linked_model(model_dir: Path, folder: Path, leave_out: str = "tokenizer") -> Path:
+    """`folder`, new, holding links to `model_dir`'s files but those whose names start with `leave_out` (the
+    tokenizer's, by default: the caller writes its own)."""
     folder.mkdir()
     for path in model_dir.iterdir():
-        if path.name != "tokenizer_config.json":
+        if not path.name.startswith(leave_out):
             (folder / path.name).symlink_to(path)
+    return folder
+
+
+def model_with_template(model_dir: Path, folder: Path, chat_template: str) -> Path:
+    """`folder` holding `model_dir`'s files (linked) with `chat_template` as the tokenizer's chat template."""
+    linked_model(model_dir, folder, leave_out="tokenizer_config.json")
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=chat_template)))
     return folder
@@ -72,11 +79,7 @@ def model_with_template(model_dir: Path, folder: Path, chat_template: str) -> Pa
 @pytest.fixture(scope="session")
 def emoji_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same tiny model (weights linked) with a tokenizer whose vocabulary holds whole emoji as well."""
-    folder = tmp_path_factory.mktemp("models") / tiny_model_dir.name
-    folder.mkdir()
-    for path in tiny_model_dir.iterdir():
-        if not path.name.startswith("tokenizer"):
-            (folder / path.name).symlink_to(path)
+    folder = linked_model(tiny_model_dir, tmp_path_factory.mktemp("models") / tiny_model_dir.name)
     write_tokenizer(folder, _CORPUS + ["🙂 😀 🚀 🌍 emoji 🎉 party 🐍 python ✨"] * 3)
     return folder
 

@@ -9,7 +9,7 @@ import shutil
 
 import openai
 import pytest
-from conftest import SPECIAL_TOKENS, write_tokenizer
+from conftest import SPECIAL_TOKENS, linked_model, write_tokenizer
 from test_server import API_KEY, LiveServer, request
 
 FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
@@ -18,11 +18,7 @@ PREFIX, SUFFIX = "def add(a, b):\n    ", "\n    return total\n"
 
 @pytest.fixture(scope="module")
 def fim_server(tiny_model_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("fim") / "model"
-    folder.mkdir()
-    for path in tiny_model_dir.iterdir():
-        if not path.name.startswith("tokenizer"):
-            (folder / path.name).symlink_to(path)
+    folder = linked_model(tiny_model_dir, tmp_path_factory.mktemp("fim") / "model")
     write_tokenizer(folder, special_tokens=(*SPECIAL_TOKENS, *FIM))
     live = LiveServer(folder, dict(max_batch_size=2, max_seq_len=256), api_key=API_KEY, served_model_name="tiny")
     yield live

@@ -16,7 +16,7 @@ import shutil
 
 import openai
 import pytest
-from conftest import SPECIAL_TOKENS, write_tokenizer
+from conftest import SPECIAL_TOKENS, linked_model, write_tokenizer
 from test_server import API_KEY, LiveServer
 from test_server_auto_tools import streamed
 
@@ -44,11 +44,7 @@ CALLS = '[{"name": "weather", "arguments": {"city": "Paris"}}, {"name": "clock",
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("mistral") / "model"
-    folder.mkdir()
-    for path in tiny_model_dir.iterdir():
-        if not path.name.startswith("tokenizer"):
-            (folder / path.name).symlink_to(path)
+    folder = linked_model(tiny_model_dir, tmp_path_factory.mktemp("mistral") / "model")
     write_tokenizer(folder, special_tokens=(*SPECIAL_TOKENS, "[TOOL_CALLS]"), chat_template=MISTRAL_TEMPLATE)
     live = LiveServer(folder, dict(max_batch_size=2, max_seq_len=1024), api_key=API_KEY, served_model_name="tiny")
     yield openai.OpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
