@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from colibri_stream.server.reasoning import ThinkingStream, opens_thinking, split_reasoning
+from colibri_stream.server.reasoning import ThinkingStream, opens_thinking
 
 CASES = [  # (reply, the prompt opened the tag, reasoning, content)
     ("<think>\nLet me see.\n</think>\n\nParis.", False, "\nLet me see.\n", "Paris."),
@@ -24,7 +24,10 @@ CASES = [  # (reply, the prompt opened the tag, reasoning, content)
 
 @pytest.mark.parametrize(("reply", "started", "reasoning", "content"), CASES)
 def test_a_whole_reply_splits_into_reasoning_and_content(reply, started, reasoning, content):
-    assert split_reasoning(reply, started) == (reasoning, content)
+    stream = ThinkingStream(started)
+    pieces = [stream.feed(reply), stream.finish(), stream.finish()]  # a second finish adds nothing
+    assert ("".join(r for r, _ in pieces) if stream.thought else None, "".join(c for _, c in pieces)) == \
+        (reasoning, content)
 
 
 @pytest.mark.parametrize(("reply", "started", "reasoning", "content"), CASES)

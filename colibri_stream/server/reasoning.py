@@ -90,7 +90,8 @@ class ThinkingStream:
                 self._undecided_tokens = 0
 
     def finish(self) -> tuple[str, str]:
-        """What was held back at the end of the reply: reasoning if it was inside the tag, else content."""
+        """What was held back at the end of the reply: reasoning if it was inside the tag, else content (nothing
+        when called again)."""
         held, self._held = self._held, ""
         if self._mode == "reasoning":
             return self._record(held, "")
@@ -100,11 +101,3 @@ class ThinkingStream:
         self.reasoning.append(reasoning)
         self.content.append(content)
         return reasoning, content
-
-
-def split_reasoning(text: str, started: bool = False) -> tuple[str | None, str]:
-    """(the reasoning, None where there is none; the content) of a whole reply."""
-    stream = ThinkingStream(started)
-    stream.feed(text)
-    stream.finish()
-    return ("".join(stream.reasoning) if stream.thought else None), "".join(stream.content)

@@ -39,7 +39,7 @@ from typing import Any
 
 from .protocol import (Fields, GenerateRequest, bad_request, body_object, chat_messages, json_type, output_grammar,
                        sampling_params, unsupported)
-from .reasoning import ThinkingStream, split_reasoning
+from .reasoning import ThinkingStream
 from .tool_syntax import HeldText, ToolSyntax
 from .tools import AutoCalls, ForcedCall, tool_calls, tool_use, with_call_tokens
 
@@ -369,8 +369,10 @@ class ResponsesResponder:
         function_call items."""
         if self._output is None:
             reasoning, content = None, "".join(self._texts)
-            if self.request.split_reasoning:
-                reasoning, content = split_reasoning(content, self.thinking_started)
+            if self.request.split_reasoning:  # the split `add` made as the reply came (finish: once, in effect)
+                self._split_piece("", last=True)
+                reasoning = "".join(self._thinking.reasoning) if self._thinking.thought else None
+                content = "".join(self._thinking.content)
             found = None
             if self.request.forced_call is not None:
                 found = "", tool_calls(self.request.forced_call, content)
