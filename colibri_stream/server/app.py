@@ -39,6 +39,8 @@ from ..request import (
 )
 from ..timing import ChromeTraceWriter
 from ..tokenizer import ChatTemplateError
+from .anthropic_messages import (MessagesEventStream, MessagesResponder, error_body, is_messages_path,
+                                 parse_count_tokens, parse_messages, switches_thinking)
 from .fill_in_middle import fim_tokens_of
 from .generations import Generations, PromptRefused
 from .protocol import (
@@ -52,7 +54,7 @@ from .protocol import (
 from .reasoning import opens_thinking, reasoning_tags_in
 from .responses import ResponsesResponder, parse_response
 from .sse import EventStream
-from .tokenize import parse_detokenize, parse_tokenize
+from .tokenize import TokenizeRequest, parse_detokenize, parse_tokenize
 from .tool_syntax import ToolSyntax, tool_syntax_of
 
 log = logging.getLogger(__name__)
@@ -138,7 +140,7 @@ class ServerState:
 # Fields from which a request's parse builds a grammar (llguidance: 0.2 s for a 3000-property schema, 0.9 s for 50000
 # choices), so the parse runs on a worker thread
 GRAMMAR_FIELDS = ("response_format", "text", "tools", "structured_outputs", "guided_json", "guided_regex",
-                  "guided_choice", "guided_grammar")
+                  "guided_choice", "guided_grammar", "output_config")
 REQUEST_ID_HEADER = "X-Request-Id"
 KEYED_PATHS = ("/tokenize", "/detokenize")  # outside /v1/, behind the API key too
 MAX_REQUEST_ID = 128  # characters of a client's own request id that are echoed back
@@ -182,6 +184,8 @@ def create_app(engine: Any, *, api_key: str | None = None, served_model_name: st
         web.post("/v1/chat/completions", chat_completions, expect_handler=_expect),
         web.post("/v1/completions", completions, expect_handler=_expect),
         web.post("/v1/responses", responses, expect_handler=_expect),
+        web.post("/v1/messages", messages, expect_handler=_expect),
+        web.post("/v1/messages/count_tokens", count_message_tokens),
         web.post("/tokenize", tokenize),
         web.post("/detokenize", detokenize),
         web.get("/v1/models", list_models),
@@ -214,23 +218,23 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
 
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error in OpenAI's shape, and the request counter."""
+    """Every error in OpenAI's shape (Anthropic's on the Messages API's routes), and the request counter."""
     try:
         response = await handler(request)
     except APIError as e:
-        response = _error_response(e, e.headers)
+        response = _error_response(e, e.headers, request.path)
     except web.HTTPException as e:  # routing (404, 405), body too large (413), ...
         if e.status < 400:
             raise
         headers = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "www-authenticate")}
         response = _error_response(APIError(e.status, _http_message(e, request), code=_http_code(e.status)),
-                                   headers)
+                                   headers, request.path)
     except asyncio.CancelledError:  # the client went away
         _count(request, 499)
         raise
     except Exception:
         log.exception("error while serving %s %s", request.method, request.path)
-        response = _error_response(APIError(500, "internal server error", type="server_error"))
+        response = _error_response(APIError(500, "internal server error", type="server_error"), path=request.path)
     _count(request, response.status)
     return response
 
@@ -260,8 +264,13 @@ def _http_code(status: int) -> str | None:
     return {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
 
 
-def _error_response(error: APIError, headers: dict[str, str] | None = None) -> web.Response:
-    return _json(error.body(), error.status, headers)
+def _error_response(error: APIError, headers: dict[str, str] | None = None, path: str = "") -> web.Response:
+    return _json(_error_body(error, path), error.status, headers)
+
+
+def _error_body(error: APIError, path: str) -> dict:
+    """The error's body in the shape of the API that `path` belongs to (OpenAI's, or Anthropic's)."""
+    return error_body(error) if is_messages_path(path) else error.body()
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -270,16 +279,21 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 @web.middleware
 async def _authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Bearer key on /v1/* and the tokenizer endpoints; /health and /metrics stay open for probes and scrapers."""
+    """The key on /v1/* and the tokenizer endpoints, as `Authorization: Bearer <key>` (OpenAI's clients) or
+    `x-api-key: <key>` (Anthropic's); /health and /metrics stay open for probes and scrapers."""
     key = request.app[STATE].api_key
     if key is not None and (request.path.startswith("/v1/") or request.path in KEYED_PATHS):
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        # aiohttp decodes header bytes that are not UTF-8 as surrogates: encode them back the same way
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(errors="surrogateescape"),
-                                                                 key.encode()):
-            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+        bearer = scheme.lower() == "bearer" and _is_key(token, key)
+        if not (bearer or ("x-api-key" in request.headers and _is_key(request.headers["x-api-key"], key))):
+            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>' or "
+                                "'x-api-key: <key>'", code="invalid_api_key")
     return await handler(request)
+
+
+def _is_key(given: str, key: str) -> bool:
+    # aiohttp decodes header bytes that are not UTF-8 as surrogates: encode them back the same way
+    return hmac.compare_digest(given.strip().encode(errors="surrogateescape"), key.encode())
 
 
 _CORS_ORIGINS = web.AppKey("cors_origins", tuple)
@@ -385,6 +399,23 @@ async def responses(request: web.Request) -> web.StreamResponse:
                            lambda req, state: ResponsesResponder(req, state.model_name))
 
 
+async def messages(request: web.Request) -> web.StreamResponse:
+    """POST /v1/messages, Anthropic's Messages API (server/anthropic_messages.py)."""
+    state = request.app[STATE]
+    return await _generate(request, functools.partial(parse_messages, tool_syntax=state.tool_syntax,
+                                                      split_reasoning=state.split_reasoning,
+                                                      thinking_switch=switches_thinking(state.chat_templates)),
+                           lambda req, state: MessagesResponder(req, state.model_name))
+
+
+async def count_message_tokens(request: web.Request) -> web.Response:
+    """POST /v1/messages/count_tokens: the prompt tokens a /v1/messages request of the same fields would use."""
+    state = request.app[STATE]
+    req = parse_count_tokens(await _read_json(request), state.tool_syntax, switches_thinking(state.chat_templates))
+    _check_model(state, req.model)
+    return _json({"input_tokens": len(await _encode(state, req))})
+
+
 def _choices_responder(req: GenerateRequest, state: ServerState) -> Responder:
     """The responder of chat and completions: choices of chunks or of a whole completion."""
     return Responder(req, state.model_name, state.token_piece, state.decode)
@@ -395,16 +426,21 @@ async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse_tokenize(await _read_json(request))
     _check_model(state, req.model)
-    try:
-        ids = await state.engine.encode(req.prompt, req.add_special_tokens, req.tools, req.template_kwargs)
-    except InvalidParameterError as e:
-        raise bad_request(str(e), param=e.param) from e
-    except ChatTemplateError as e:
-        raise bad_request(str(e), param="messages") from e
+    ids = await _encode(state, req)
     body: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.max_seq_len, "tokens": ids}
     if req.return_token_strs:
         body["token_strs"] = [state.token_piece(t)[0] for t in ids]
     return _json(body)
+
+
+async def _encode(state: ServerState, req: TokenizeRequest) -> list[int]:
+    """The token ids of a tokenizer request's prompt; what the engine refuses is a 400."""
+    try:
+        return await state.engine.encode(req.prompt, req.add_special_tokens, req.tools, req.template_kwargs)
+    except InvalidParameterError as e:
+        raise bad_request(str(e), param=e.param) from e
+    except ChatTemplateError as e:
+        raise bad_request(str(e), param="messages") from e
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -430,7 +466,7 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             request.writer.output_size = 0  # the response proper has not started
         return None
-    response = _error_response(error)
+    response = _error_response(error, path=request.path)
     response.force_close()  # Connection: close: the client need not send the body to keep the connection
     _count(request, error.status)
     return response
@@ -473,7 +509,8 @@ def _payload_error(error: web.RequestPayloadError) -> str:
 
 
 async def _generate(request: web.Request, parse: Callable[[Any], GenerateRequest],
-                    make_responder: Callable[[GenerateRequest, ServerState], Responder | ResponsesResponder]
+                    make_responder: Callable[[GenerateRequest, ServerState],
+                                             Responder | ResponsesResponder | MessagesResponder]
                     ) -> web.StreamResponse:
     state = request.app[STATE]
     if state.draining:
@@ -533,11 +570,13 @@ def _engine_error(error: BaseException, req: GenerateRequest) -> APIError:
     return APIError(500, f"generation failed: {error}", type="server_error")
 
 
-async def _stream(request: web.Request, state: ServerState, responder: Responder | ResponsesResponder,
+async def _stream(request: web.Request, state: ServerState,
+                  responder: Responder | ResponsesResponder | MessagesResponder,
                   generations: Generations) -> web.StreamResponse:
     """Send the request's outputs as SSE events (the responder's opening ones, one or none per output, its
     closing ones); keep-alive comments fill silences (a long prefill)."""
-    stream = EventStream(request, state.keepalive_interval, state.send_timeout)
+    framing = MessagesEventStream if is_messages_path(request.path) else EventStream
+    stream = framing(request, state.keepalive_interval, state.send_timeout)
     try:
         await stream.open()
         for event in responder.opening():
@@ -548,7 +587,7 @@ async def _stream(request: web.Request, state: ServerState, responder: Responder
                 for event in responder.events(out, index):
                     await stream.send(event)
         except ColibriError as e:  # after the 200, an error travels in the stream
-            await stream.send(_engine_error(e, responder.request).body())
+            await stream.send(_error_body(_engine_error(e, responder.request), request.path))
         else:
             for event in responder.closing():
                 await stream.send(event)

@@ -1,0 +1,484 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`), for clients written against
+the `anthropic` SDK, over the same engine requests as chat completions.
+
+`system` (a string or text blocks) and `messages` (user and assistant turns whose content is a string or blocks:
+text, tool_use, tool_result, an earlier reply's thinking) become chat messages under the model's template;
+`max_tokens` (required, as Anthropic), `temperature`, `top_p`, `top_k` and `stop_sequences` are the sampling;
+`tools` ({name, description, input_schema}) and `tool_choice` ({"type": "auto" | "any" | "tool" | "none"}) are
+chat's tools and tool_choice ("auto", "required", a named function, "none"; server/tools.py, tool_syntax.py);
+`thinking` ({"type": "enabled", "budget_tokens"} | {"type": "adaptive"} | {"type": "disabled"}) sets the
+template's `enable_thinking` where the template reads that variable (Qwen3), and the reply's <think> text comes
+back as a thinking block (server/reasoning.py); the budget is checked (a positive integer below max_tokens) but
+not enforced: thinking and answer share max_tokens. `output_config.format` ({"type": "json_schema", "schema"})
+constrains the text as chat's response_format does. `metadata` is accepted and changes nothing; the vLLM
+extensions chat reads (`structured_outputs`, `seed`, `min_p`, ...) are read here too. What this server does not do
+is a 400 rather than something silently dropped: images and documents, server tools, a last assistant message
+(prefill), thinking with a forced tool call (as Anthropic), `display: "omitted"`, `output_config.effort`.
+
+The reply is a message whose content blocks are, in order: thinking (where the reply thought), text (unless the
+reply is only tool calls), tool_use per call; its stop_reason is tool_use, max_tokens, stop_sequence (naming the
+stop_sequence) or end_turn. A stream sends Anthropic's named events: message_start, ping, then per block
+content_block_start, content_block_delta (thinking_delta, text_delta, input_json_delta) and content_block_stop,
+then message_delta (stop_reason, usage) and message_stop; a block opens with its first text, tool_use blocks come
+at the end (each call's input in one input_json_delta), once the text is whole. Errors on these routes are
+Anthropic's {"type": "error", "error": {"type", "message"}}, in a stream an `error` event.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from .protocol import (APIError, Fields, GenerateRequest, bad_request, body_object, chat_messages, json_type,
+                       output_grammar, sampling_params, unsupported)
+from .reasoning import ThinkingStream
+from .sse import EventStream, encode_event
+from .tokenize import TokenizeRequest
+from .tool_syntax import HeldText, ToolSyntax
+from .tools import AutoCalls, ForcedCall, tool_calls, tool_use, with_call_tokens
+
+MESSAGES_PATH = "/v1/messages"
+THINKING_SWITCH = "enable_thinking"  # the template variable that turns a model's thinking on and off (Qwen3)
+# Anthropic's error type for an HTTP status; other 4xx are invalid_request_error, other 5xx api_error
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Anthropic's tool_choice type -> chat's
+
+
+def is_messages_path(path: str) -> bool:
+    """Whether `path` is one of the Messages API's (whose errors and streams are in Anthropic's shape)."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def error_body(error: APIError) -> dict:
+    """An error as Anthropic answers it: {"type": "error", "error": {"type", "message"}}."""
+    kind = ERROR_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def switches_thinking(chat_templates: dict[str, str]) -> bool:
+    """Whether the model's chat template reads `enable_thinking`, which `thinking` then sets."""
+    return any(THINKING_SWITCH in template for template in chat_templates.values())
+
+
+# ------------------------------------------------------------------------------------------------------ requests
+
+def parse_messages(body: Any, tool_syntax: ToolSyntax | None = None, split_reasoning: bool = False,
+                   thinking_switch: bool = False) -> GenerateRequest:
+    """Validate a /v1/messages body. `split_reasoning`: the server splits <think> text from the reply;
+    `thinking_switch`: the template reads enable_thinking (switches_thinking)."""
+    fields = Fields(body_object(body))
+    max_tokens = fields.integer("max_tokens")
+    if max_tokens is None or max_tokens < 1:
+        raise bad_request("max_tokens is required: a positive integer", param="max_tokens")
+    messages, use, thinking, kwargs = _conversation(fields, tool_syntax, thinking_switch, max_tokens)
+    call = use if isinstance(use, ForcedCall) else None
+    if call is not None and thinking:
+        raise bad_request("thinking may not be enabled when tool_choice forces tool use", param="thinking")
+    config = fields.get("output_config", (dict,), "an object", {})
+    if config.get("effort") is not None:
+        raise unsupported("output_config.effort is not supported by this server", "output_config.effort")
+    asked = output_grammar(body, config.get("format"), "output_config.format")
+    if call is not None and asked is not None:
+        raise bad_request(f"a forced tool call and {asked[0]} cannot be asked together", param=asked[0])
+    grammar = call.grammar if call is not None else asked[1] if asked is not None else None
+    return GenerateRequest(
+        chat=True, model=fields.string("model"), prompts=(messages,), stream=fields.boolean("stream"),
+        params=with_call_tokens(use, _sampling(body, max_tokens, grammar)), prompt_param="messages",
+        forced_call=call, auto_calls=use if isinstance(use, AutoCalls) else None, template_kwargs=kwargs,
+        split_reasoning=split_reasoning and call is None,
+        grammar_param="tools" if call is not None else asked[0] if asked is not None else None)
+
+
+def parse_count_tokens(body: Any, tool_syntax: ToolSyntax | None = None, thinking_switch: bool = False
+                       ) -> TokenizeRequest:
+    """Validate a /v1/messages/count_tokens body: the prompt a /v1/messages request of the same fields renders."""
+    fields = Fields(body_object(body))
+    messages, use, _, kwargs = _conversation(fields, tool_syntax, thinking_switch, None)
+    return TokenizeRequest(fields.string("model"), messages, add_special_tokens=True, return_token_strs=False,
+                           tools=list(use.tools) if use is not None else None, template_kwargs=kwargs)
+
+
+def _conversation(fields: Fields, tool_syntax: ToolSyntax | None, thinking_switch: bool, max_tokens: int | None
+                  ) -> tuple[list[dict], ForcedCall | AutoCalls | None, bool | None, dict | None]:
+    """(the chat messages, the tool use, whether thinking is asked (None: left to the template), the template's
+    variables) of a body's model, system, messages, tools, tool_choice and thinking."""
+    if fields.string("model") is None:
+        raise bad_request("model is required", param="model")
+    fields.get("metadata", (dict,), "an object")  # accepted; only its type is checked
+    messages = chat_messages(_system(fields.body.get("system")) + _turns(fields.body.get("messages")))
+    tools = _chat_tools(fields.get("tools", (list,), "an array"))
+    choice, parallel = _chat_tool_choice(fields.get("tool_choice", (dict,), "an object"), tools)
+    use = tool_use(tools, choice, lambda message, param: bad_request(message, param=param), unsupported, parallel,
+                   tool_syntax)
+    thinking = _thinking(fields.get("thinking", (dict,), "an object"), max_tokens)
+    kwargs = {THINKING_SWITCH: thinking} if thinking is not None and thinking_switch else None
+    return messages, use, thinking, kwargs
+
+
+def _sampling(body: dict, max_tokens: int, grammar: str | None) -> Any:
+    """The SamplingParams of a body: Anthropic's temperature, top_p, top_k, stop_sequences (and chat's vLLM
+    extensions)."""
+    stops = body.get("stop_sequences")
+    try:
+        return sampling_params(Fields({**body, "stop": stops}), max_tokens, "max_tokens", None, 1, grammar)
+    except APIError as e:
+        if e.param != "stop":
+            raise
+        raise bad_request(e.message.replace("stop", "stop_sequences", 1), param="stop_sequences") from None
+
+
+def _system(system: Any) -> list[dict]:
+    """The system prompt (a string or an array of text blocks) as a system message; none where it is empty."""
+    if system is None or system == "":
+        return []
+    if isinstance(system, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in system):
+        return [{"role": "system", "content": _text_parts(system, "system")}]
+    if not isinstance(system, str):
+        raise bad_request('system must be a string or an array of {"type": "text", "text": ...} blocks',
+                          param="system")
+    return [{"role": "system", "content": system}]
+
+
+def _text_parts(blocks: list, param: str) -> list[dict]:
+    """Text blocks (`param`: the array's field) as chat's text parts."""
+    return [_text_part(block, f"{param}[{j}]") for j, block in enumerate(blocks)]
+
+
+def _text_part(block: dict, param: str) -> dict:
+    """A text block (`param`: its field) as a chat text part."""
+    if not isinstance(block.get("text"), str):
+        raise bad_request(f"{param}.text must be a string", param=f"{param}.text")
+    return {"type": "text", "text": block["text"]}
+
+
+def _turns(messages: Any) -> list[dict]:
+    """Anthropic's user and assistant turns as chat messages: a user turn's tool_result blocks each a tool message
+    (in their place among its text), an assistant turn's tool_use blocks its tool_calls and its thinking its
+    reasoning_content."""
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty array of message objects", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise bad_request(f'{param} must be {{"role": "user" | "assistant", "content": ...}}', param=param)
+        content = message.get("content")
+        if isinstance(content, str):
+            blocks = [{"type": "text", "text": content}]
+        elif isinstance(content, list) and all(isinstance(block, dict) for block in content):
+            blocks = content
+        else:
+            raise bad_request(f"{param}.content must be a string or an array of content blocks, got "
+                              f"{json_type(content)}", param=f"{param}.content")
+        out += (_assistant_turn if message["role"] == "assistant" else _user_turn)(blocks, f"{param}.content")
+    if messages[-1]["role"] == "assistant":
+        raise unsupported("a last assistant message (prefill) is not supported by this server: the model answers "
+                          "in a turn of its own", f"messages[{len(messages) - 1}]")
+    return out
+
+
+def _user_turn(blocks: list[dict], param: str) -> list[dict]:
+    out: list[dict] = []
+    texts: list[dict] = []  # text blocks since the last tool result
+    for j, block in enumerate(blocks):
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(_text_part(block, f"{param}[{j}]"))
+        elif kind == "tool_result":
+            if texts:
+                out.append({"role": "user", "content": texts})
+                texts = []
+            if not isinstance(block.get("tool_use_id"), str):
+                raise bad_request(f"{param}[{j}].tool_use_id must be a string", param=f"{param}[{j}].tool_use_id")
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                        "content": _result_content(block.get("content"), f"{param}[{j}].content")})
+        else:
+            raise _unsupported_block(kind, f"{param}[{j}]", "text and tool_result")
+    return out + ([{"role": "user", "content": texts}] if texts or not out else [])
+
+
+def _result_content(content: Any, param: str) -> str | list[dict]:
+    """A tool_result's content (a string, or text blocks) as a tool message's."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list) or not all(isinstance(block, dict) for block in content):
+        raise bad_request(f"{param} must be a string or an array of text blocks", param=param)
+    for j, block in enumerate(content):
+        if block.get("type") != "text":
+            raise _unsupported_block(block.get("type"), f"{param}[{j}]", "text")
+    return _text_parts(content, param)
+
+
+def _assistant_turn(blocks: list[dict], param: str) -> list[dict]:
+    texts, calls, thinking = [], [], []
+    for j, block in enumerate(blocks):
+        kind, where = block.get("type"), f"{param}[{j}]"
+        if kind == "text":
+            texts.append(_text_part(block, where))
+        elif kind == "tool_use":
+            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
+                    or not isinstance(block.get("input"), dict):
+                raise bad_request(f'{where} must be {{"type": "tool_use", "id": ..., "name": ..., "input": {{...}}}}',
+                                  param=where)
+            calls.append({"id": block["id"], "type": "function",
+                          "function": {"name": block["name"], "arguments": json.dumps(block["input"])}})
+        elif kind == "thinking":
+            if not isinstance(block.get("thinking"), str):
+                raise bad_request(f"{where}.thinking must be a string", param=f"{where}.thinking")
+            thinking.append(block["thinking"])
+        elif kind != "redacted_thinking":  # (encrypted by another server: nothing the template could show)
+            raise _unsupported_block(kind, where, "text, tool_use and thinking")
+    message: dict[str, Any] = {"role": "assistant", "content": texts}
+    if calls:
+        message["tool_calls"] = calls
+    if thinking:
+        message["reasoning_content"] = "".join(thinking)
+    return [message]
+
+
+def _unsupported_block(kind: Any, param: str, supported: str) -> APIError:
+    if isinstance(kind, str):
+        return unsupported(f"{param}: content blocks of type {kind[:40]!r} are not supported by this server "
+                           f"({supported} are)", param)
+    return bad_request(f"{param} must be a content block with a type", param=param)
+
+
+def _chat_tools(tools: list | None) -> list | None:
+    """Anthropic's client tools ({name, description, input_schema}) in chat's form; server tools (web search,
+    bash, ...) are refused."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise bad_request(f"tools[{i}] must be an object, got {json_type(tool)}", param=f"tools[{i}]")
+        if tool.get("type") not in (None, "custom"):
+            raise unsupported(f"tools[{i}]: only client tools (name, description, input_schema) are supported by "
+                              f"this server, got {str(tool.get('type'))[:60]!r}", f"tools[{i}]")
+        if not isinstance(tool.get("input_schema"), dict):
+            raise bad_request(f"tools[{i}].input_schema must be a JSON schema object",
+                              param=f"tools[{i}].input_schema")
+        function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _chat_tool_choice(choice: dict | None, tools: list | None) -> tuple[Any, bool]:
+    """(chat's tool_choice, whether calls may be parallel) of Anthropic's tool_choice."""
+    if choice is None:
+        return None, True
+    kind = choice.get("type")
+    names = [tool["function"]["name"] for tool in tools or ()]
+    if kind not in (*TOOL_CHOICES, "tool"):
+        raise bad_request(f'tool_choice.type must be "auto", "any", "tool" or "none", got {kind!r:.80}',
+                          param="tool_choice.type")
+    if kind in ("any", "tool") and not names:
+        raise bad_request(f'tool_choice "{kind}" needs a non-empty tools array', param="tools")
+    if kind == "tool" and choice.get("name") not in names:
+        raise bad_request(f"tool_choice.name must be the name of one of the tools {names}, got "
+                          f"{choice.get('name')!r:.80}", param="tool_choice.name")
+    disable_parallel = choice.get("disable_parallel_tool_use", False)
+    if not isinstance(disable_parallel, bool):
+        raise bad_request("tool_choice.disable_parallel_tool_use must be a boolean",
+                          param="tool_choice.disable_parallel_tool_use")
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice["name"]}}, not disable_parallel
+    return (None if kind == "auto" and not names else TOOL_CHOICES[kind]), not disable_parallel
+
+
+def _thinking(thinking: dict | None, max_tokens: int | None) -> bool | None:
+    """Whether `thinking` asks the model to think (None: not given)."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    if kind == "disabled":
+        return False
+    if kind not in ("enabled", "adaptive"):
+        raise bad_request(f'thinking.type must be "enabled", "adaptive" or "disabled", got {kind!r:.80}',
+                          param="thinking.type")
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1 \
+                or (max_tokens is not None and budget >= max_tokens):
+            raise bad_request("thinking.budget_tokens must be a positive integer less than max_tokens",
+                              param="thinking.budget_tokens")
+    if thinking.get("display") == "omitted":
+        raise unsupported('thinking.display "omitted" is not supported: thinking comes back as text',
+                          "thinking.display")
+    return True
+
+
+# ------------------------------------------------------------------------------------------------------- replies
+
+class MessagesEventStream(EventStream):
+    """Anthropic's SSE framing: each event named by its type (`event: message_start` ...), and no `[DONE]`."""
+
+    async def send(self, payload: dict) -> None:
+        await self._write(b"event: " + payload["type"].encode() + b"\n" + encode_event(payload))
+
+    async def close(self) -> None:
+        self.stop_keepalive()
+        await self._timed(self.response.write_eof())
+
+
+class MessagesResponder:
+    """Turns one /v1/messages request's RequestOutputs into Anthropic's message or its stream events.
+
+    The reasoning split (split_reasoning) and the hold-back of text that may begin an "auto" call run as the
+    reply comes; the tool calls are read once it is whole.
+    """
+
+    def __init__(self, request: GenerateRequest, model: str):
+        self.request = request
+        self.model = model
+        self.id = "msg_" + uuid.uuid4().hex
+        self.thinking_started = False  # with split_reasoning: the prompt leaves the reply inside the thinking tag
+        self._thinking: ThinkingStream | None = None  # with split_reasoning: the reply's split so far
+        self._reasoning: list[str] = []  # the reply's reasoning pieces
+        self._content: list[str] = []  # and the rest
+        auto = request.auto_calls
+        self._held = HeldText(auto.syntax.opening) if auto is not None and request.stream else None
+        self._input_tokens = self._output_tokens = 0
+        self._finish_reason: str | None = None
+        self._stop_reason: str | int | None = None
+        self._reply: tuple[str, list[dict]] | None = None  # the text and the calls, once the reply is whole
+        self._open: str | None = None  # streaming: the type of the content block open now
+        self._blocks = 0  # streaming: content blocks opened
+        self._text_opened = False  # streaming: a text block has opened
+
+    def admitted(self, prompt_tokens: list[int]) -> None:
+        """The prompt's token count, known once the engine has admitted it (before any output)."""
+        self._input_tokens = prompt_tokens[0]
+
+    def add(self, output: Any, prompt_index: int = 0) -> tuple[str, str]:
+        """Record one RequestOutput; returns the reasoning and the content of its text that may go out now (the
+        last output: with what the split held back)."""
+        self._input_tokens, self._output_tokens = output.prompt_tokens, output.completion_tokens
+        self._finish_reason, self._stop_reason = output.finish_reason, output.stop_reason
+        reasoning, content = "", output.text
+        if self.request.split_reasoning:
+            self._thinking = self._thinking or ThinkingStream(self.thinking_started)
+            reasoning, content = self._thinking.feed(output.text, len(output.token_ids))
+            if output.finished:
+                reasoning, content = (a + b for a, b in zip((reasoning, content), self._thinking.finish()))
+        self._reasoning.append(reasoning)
+        self._content.append(content)
+        return reasoning, content
+
+    def _whole_reply(self) -> tuple[str, list[dict]]:
+        """(the text, the tool_use blocks) of the whole reply: a forced call's text is its call (unless cut by
+        max_tokens), "auto" calls follow the text before them."""
+        if self._reply is None:
+            text, calls = "".join(self._content), None
+            if self.request.forced_call is not None:
+                calls = tool_calls(self.request.forced_call, text)
+                text = "" if calls is not None else text
+            elif self.request.auto_calls is not None:
+                split = self.request.auto_calls.syntax.split(text, self.request.auto_calls.schemas)
+                text, calls = split if split is not None else (text, None)
+            self._reply = text, [{"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
+                                  "name": call["function"]["name"], "input": json.loads(call["function"]["arguments"])}
+                                 for call in calls or ()]
+        return self._reply
+
+    @property
+    def _thought(self) -> bool:
+        return self._thinking is not None and self._thinking.thought
+
+    def response(self) -> dict:
+        """The message, once generation has ended."""
+        text, calls = self._whole_reply()
+        blocks = [_thinking_block("".join(self._reasoning))] if self._thought else []
+        if text or not calls:
+            blocks.append({"type": "text", "text": text})
+        return self._message(blocks + calls, done=True)
+
+    def _message(self, content: list[dict], done: bool) -> dict:
+        stop_reason, stop_sequence = self._stop() if done else (None, None)
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": self._usage()}
+
+    def _stop(self) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence) of the whole reply."""
+        if self._whole_reply()[1]:
+            return "tool_use", None
+        if self._finish_reason == "length":
+            return "max_tokens", None
+        if isinstance(self._stop_reason, str):  # one of stop_sequences (a stop token has an int id)
+            return "stop_sequence", self._stop_reason
+        return "end_turn", None
+
+    def _usage(self) -> dict:
+        return {"input_tokens": self._input_tokens, "output_tokens": self._output_tokens}
+
+    # streaming
+
+    def opening(self) -> list[dict]:
+        """The events before any text: message_start (no content yet) and a ping."""
+        return [{"type": "message_start", "message": self._message([], done=False)}, {"type": "ping"}]
+
+    def events(self, output: Any, prompt_index: int = 0) -> list[dict]:
+        """Record one RequestOutput; the events of the reasoning and the text that may go out now (a forced call's
+        text is its call, sent at the end)."""
+        reasoning, content = self.add(output, prompt_index)
+        if self.request.forced_call is not None:
+            content = ""
+        elif self._held is not None:
+            content = self._held.feed(content)
+        return self._delta("thinking", reasoning) + self._delta("text", content)
+
+    def closing(self) -> list[dict]:
+        """The events after the last output: the text held back (an "auto" text that made no calls, a forced call
+        cut short), the open block's end, each call's tool_use block, message_delta and message_stop."""
+        text, calls = self._whole_reply()
+        unsent = ""
+        if self.request.forced_call is not None:
+            unsent = text
+        elif self._held is not None and not calls:
+            unsent = self._held.rest()
+        events = self._delta("text", unsent)
+        if not self._text_opened and not calls:  # (the message has a text block, empty if need be)
+            events += self._start_block({"type": "text", "text": ""})
+        events += self._stop_block()
+        for call in calls:
+            events += self._start_block(dict(call, input={}))
+            events.append(self._block_event("content_block_delta", delta={"type": "input_json_delta",
+                                                                          "partial_json": json.dumps(call["input"])}))
+            events += self._stop_block()
+        stop_reason, stop_sequence = self._stop()
+        return events + [{"type": "message_delta", "usage": self._usage(),
+                          "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}},
+                         {"type": "message_stop"}]
+
+    def _delta(self, kind: str, text: str) -> list[dict]:
+        """The events of `text` going out in a block of `kind` ("thinking" or "text"), opening it where needed."""
+        if not text:
+            return []
+        events = [] if self._open == kind else self._stop_block() + self._start_block(
+            _thinking_block("") if kind == "thinking" else {"type": "text", "text": ""})
+        delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta",
+                                                                                           "text": text}
+        return events + [self._block_event("content_block_delta", delta=delta)]
+
+    def _start_block(self, block: dict) -> list[dict]:
+        self._open, self._blocks = block["type"], self._blocks + 1
+        self._text_opened |= block["type"] == "text"
+        return [self._block_event("content_block_start", content_block=block)]
+
+    def _stop_block(self) -> list[dict]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [self._block_event("content_block_stop")]
+
+    def _block_event(self, kind: str, **fields: Any) -> dict:
+        """An event of the block opened last."""
+        return {"type": kind, "index": self._blocks - 1, **fields}
+
+
+def _thinking_block(text: str) -> dict:
+    return {"type": "thinking", "thinking": text, "signature": ""}  # (no signature: nothing is encrypted)
