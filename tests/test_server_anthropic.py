@@ -23,7 +23,7 @@ import openai
 import orjson
 import pytest
 from conftest import model_with_template
-from test_server import API_KEY, request
+from test_server import API_KEY, LiveServer, request
 from test_server_auto_tools import CALL, HERMES_TEMPLATE, SECOND, TOOLS, WEATHER, regex
 
 from colibri_stream.server.app import STATE

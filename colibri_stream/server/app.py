@@ -39,8 +39,8 @@ from ..request import (
 )
 from ..timing import ChromeTraceWriter
 from ..tokenizer import ChatTemplateError
-from .anthropic_messages import (MessagesEventStream, MessagesResponder, error_body, is_messages_path,
-                                 parse_count_tokens, parse_messages, switches_thinking)
+from .anthropic_messages import error_body, is_messages_path, parse_count_tokens, parse_messages, switches_thinking
+from .anthropic_replies import MessagesEventStream, MessagesResponder
 from .fill_in_middle import fim_tokens_of
 from .generations import Generations, PromptRefused
 from .protocol import (
