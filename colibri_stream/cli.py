@@ -197,6 +197,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason) at the end")
     _add_trace_argument(p)
@@ -213,9 +214,9 @@ def _run_generate(args: argparse.Namespace) -> None:
     from .timing import ChromeTraceWriter
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
-    llm = LLM(args.model, **_engine_options(args))
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     with contextlib.ExitStack() as stack:
+        llm = stack.enter_context(LLM(args.model, **_engine_options(args)))
         if args.trace_file is not None:
             llm.engine.timer.add_sink(stack.enter_context(ChromeTraceWriter(args.trace_file)))
         if args.json:

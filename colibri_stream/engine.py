@@ -103,6 +103,7 @@ class EngineCore:
         self._num_generated_tokens = 0
         self._last_step_time = 0.0
         self._last_step_tokens = 0
+        self._closed = False
 
     @classmethod
     def from_pretrained(cls, path: str | None = None, **options: Any) -> EngineCore:
@@ -219,6 +220,21 @@ class EngineCore:
     def abort_all(self) -> list[RequestOutput]:
         """Abort every unfinished request."""
         return [out for request_id in list(self._requests) for out in self.abort(request_id)]
+
+    def close(self) -> None:
+        """Abort what is unfinished, wait for the device, then stop every thread the model's expert store runs and
+        join it, so nothing runs compiled code while the interpreter shuts down. Nothing uses the engine after;
+        a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self.abort_all()
+        self._launched = None
+        try:
+            self.runner.synchronize()
+        finally:
+            self.runner.constraints.close()
+            self.runner.model.close()
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -410,6 +426,12 @@ class AsyncEngine:
         self._thread = None
         for collector in self._collectors.values():
             collector.fail(EngineStoppedError("the engine stopped"))
+
+    async def close(self) -> None:
+        """Stop (draining), then close the engine core (`EngineCore.close`): when this returns, every thread the
+        engine started has been joined."""
+        await self.stop()
+        self._core.close()
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -26,10 +27,23 @@ class LLM:
     `generate` completes prompts (several at once are batched by the engine); `stream` yields one prompt's text
     as it is produced. Prompts are text, token ids, or chat messages (a list of {"role", "content"} dicts).
     `options` are the engine's (device, verify, max_seq_len, max_batch_size, kv_cache_memory, ...).
+    `close()` (or leaving a `with LLM(...) as llm:` block) joins every thread the engine started; an LLM that is
+    collected, or still open when the interpreter exits, is closed then.
     """
 
     def __init__(self, model: str | None = None, **options: Any):
         self.engine = EngineCore.from_pretrained(model, **options)
+        self._finalizer = weakref.finalize(self, self.engine.close)
+
+    def close(self) -> None:
+        """Close the engine (`EngineCore.close`); the LLM is not used after."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

@@ -101,9 +101,16 @@ class Constraints:
         self._checked_lock = threading.Lock()  # checks run on the event loop's thread and on worker threads
         self._tokenizer = None
         self._error: Exception | None = None
+        # Not a daemon: llguidance builds with the GIL released, and a daemon thread that takes the GIL back while
+        # the interpreter finalises is ended by pthread_exit, whose unwinding through the library's Rust frames
+        # crashes the process. The interpreter joins a thread that is not a daemon before it finalises.
         self._builder = threading.Thread(target=self._build, args=(tokenizer_json, list(eos_token_ids)),
-                                         name="colibri-grammar-tokenizer", daemon=True)
+                                         name="colibri-grammar-tokenizer")
         self._builder.start()
+
+    def close(self) -> None:
+        """Wait for the tokenizer's build (it cannot be interrupted)."""
+        self._builder.join()
 
     def _build(self, tokenizer_json: str, eos: list[int]) -> None:
         try:

@@ -762,6 +762,21 @@ class GpuTieredStore(ExpertStore):
         """One expert's tensors on the host (from the memory map of experts.bin); the GPU path uses `passes`."""
         return self.file.tensors(layer, expert)
 
+    def close(self) -> None:
+        """Wait for the CPU's last layer and the copies in flight, then join every thread of the store (the CPU
+        worker's included: it may still be spinning in compiled code) and close experts.bin."""
+        try:
+            self._collect_cpu_work()
+        finally:
+            self._pool.shutdown(wait=True)
+            self._cpu_thread.shutdown(wait=True)
+            if self._worker is not None:
+                self._worker.close()
+            if isinstance(self.host, TieredExpertStore):
+                self.host.close()
+            self._copy_stream.synchronize()
+            self.reader.close()
+
     def stats(self) -> ExpertStats:
         snapshot = self._stats.snapshot()
         if self.host is not None and not isinstance(self.host, PinnedExperts):

@@ -49,6 +49,9 @@ class ExpertStore(ABC):
     def flush(self) -> None:
         """Write out whatever the store records (routing trace, usage counts)."""
 
+    def close(self) -> None:
+        """Stop the store's threads (joined before this returns) and close its files; nothing uses it after."""
+
 
 class MappedExpertStore(ExpertStore):
     """Every expert read from the memory-mapped experts.bin; the OS page cache does the caching."""
@@ -78,3 +81,6 @@ class Float32ExpertStore(ExpertStore):
             tensors = {name: dequantize(stored[name], stored.get(f"{name}_scale")) for name in ("gate", "up", "down")}
             self._cache[(layer, expert)] = tensors
         return tensors
+
+    def close(self) -> None:
+        self.inner.close()

@@ -48,6 +48,9 @@ class SlotTier(ABC):
     def tensors(self, slot: int) -> dict[str, np.ndarray]:
         """Views of the expert's tensors inside `slot`."""
 
+    def close(self) -> None:
+        """Wait for the loads in flight, stop the tier's threads and close the files it opened."""
+
 
 def kvikio_available() -> bool:
     """Whether kvikio (the `gpu` extra's parallel file reader) imports."""
@@ -120,6 +123,7 @@ class HostTier(SlotTier):
     def __init__(self, expert_file: ExpertFile, num_slots: int, io_threads: int = IO_THREADS,
                  allocate=aligned_empty, reader: BlockReader | None = None):
         self.file = expert_file
+        self._owns_reader = reader is None  # a reader handed in is its giver's to close
         self.reader = reader or BlockReader(expert_file)
         self.arena = allocate(num_slots + 1, expert_file.block_size)  # [slots + staging, block_size]
         self.staging_slot = num_slots
@@ -141,6 +145,11 @@ class HostTier(SlotTier):
 
     def tensors(self, slot: int) -> dict[str, np.ndarray]:
         return self.file.unpack(self.arena[slot])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        if self._owns_reader:
+            self.reader.close()
 
 
 class TieredExpertStore(ExpertStore):
@@ -280,3 +289,6 @@ class TieredExpertStore(ExpertStore):
 
     def stats(self) -> ExpertStats:
         return self._stats.snapshot()
+
+    def close(self) -> None:
+        self.tier.close()

@@ -168,6 +168,11 @@ class RoutingRecorder(ExpertStore):
             self._usage.save()
         self.inner.flush()
 
+    def close(self) -> None:
+        """Close the trace, save the usage counts, then close the store it records."""
+        self._finalizer()
+        self.inner.close()
+
     @staticmethod
     def _finish(trace: IO[str] | None, usage: _UsageCounter | None) -> None:
         if trace is not None:

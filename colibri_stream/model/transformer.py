@@ -116,6 +116,10 @@ class MoETransformer:
         return PagedKVCache.allocate(self.config, num_blocks, block_size, self.backend)
 
     # ---- forward ------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the expert store's threads (joined) and close its files; the model is not used after."""
+        self.store.close()
+
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> np.ndarray:
         """One step over a flat batch -> logits [N, V] float32 (host) for batch.logits_indices."""
         if batch.num_tokens and int(batch.positions.max()) >= self.max_positions:

@@ -211,7 +211,7 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
     lag_watch = asyncio.create_task(state.metrics.watch_event_loop())
     yield
     lag_watch.cancel()
-    await state.engine.stop(drain=True)
+    await state.engine.close()
 
 
 # ---------------------------------------------------------------------------------------------------- middlewares
