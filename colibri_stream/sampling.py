@@ -83,7 +83,7 @@ class SamplingState:
 class TokenLogprobs:
     """The sampled token's log-probability and the most likely tokens', under the raw model distribution."""
 
-    logprob: float
+    logprob: float  # a float32 value (`log_probabilities`), as each of top_logprobs
     top_token_ids: np.ndarray  # [k] int64, most likely first
     top_logprobs: np.ndarray  # [k] float32
 
@@ -570,9 +570,16 @@ def token_logprobs(source: LogitSource, token_ids: np.ndarray, k: int) -> list[T
     rows = np.arange(len(token_ids))  # [M]
     best = source.candidates(rows, np.ones(len(rows), np.float32), min(max(k, 1), source.vocab_size),
                              np.ones(len(rows), bool))
-    chosen = source.values(rows, token_ids) - best.lse  # [M] float64
-    top_logprobs = (best.logits[:, :k] - best.lse[:, None]).astype(np.float32)  # [M, k]
+    chosen = log_probabilities(source.values(rows, token_ids), best.lse)  # [M]
+    top_logprobs = log_probabilities(best.logits[:, :k], best.lse[:, None])  # [M, k]
     return [TokenLogprobs(float(chosen[r]), best.token_ids[r, :k], top_logprobs[r]) for r in rows]
+
+
+def log_probabilities(logits: np.ndarray, lse: np.ndarray) -> np.ndarray:
+    """Log-probabilities [...] float32 of raw logits [...] float32 under their rows' log-normalisers lse (float64,
+    broadcast to them): the one computation behind every logprob the sampler reports, so that a token's logprob
+    and its own entry among the top ones are the same number."""
+    return (np.asarray(logits, dtype=np.float32).astype(np.float64) - lse).astype(np.float32)
 
 
 def _logsumexp(x: np.ndarray) -> np.ndarray:
@@ -608,5 +615,5 @@ def _token_logprobs(candidates: Candidates, row: int, logit: float, k: int) -> T
     """The sampled token's (raw logit `logit`) and the first k candidates' log-probabilities of one row whose
     candidates are of its raw logits."""
     lse = candidates.lse[row]
-    return TokenLogprobs(logit - float(lse), candidates.token_ids[row, :k],
-                         (candidates.logits[row, :k] - lse).astype(np.float32))
+    return TokenLogprobs(float(log_probabilities(np.float32(logit), lse)), candidates.token_ids[row, :k],
+                         log_probabilities(candidates.logits[row, :k], lse))

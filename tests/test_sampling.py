@@ -29,6 +29,7 @@ from colibri_stream.sampling import (
     fixed_exp,
     fixed_point,
     log_normaliser,
+    token_logprobs,
     top_sorted,
 )
 
@@ -216,6 +217,29 @@ def test_logprobs_match_a_float64_reference():
         assert info.logprob == pytest.approx(reference[b, out.token_ids[b]], abs=1e-5)
         np.testing.assert_array_equal(info.top_token_ids, np.argsort(-reference[b], kind="stable")[:k])
         np.testing.assert_allclose(info.top_logprobs, np.sort(reference[b])[::-1][:k], atol=1e-5)
+
+
+def test_a_tokens_logprob_is_its_own_top_logprobs_entry():
+    """Every path (candidates at temperature 1, whole rows for penalties or another temperature, greedy, prompt
+    logprobs) reports the sampled token's logprob as the very number of its entry among the top ones."""
+    logits = random_logits(6, 300, seed=3, scale=4.0)
+    params = [SamplingParams(logprobs=20, seed=0), SamplingParams(logprobs=20, temperature=0.0),
+              SamplingParams(logprobs=20, temperature=0.7, seed=1), SamplingParams(logprobs=20, top_k=5, seed=2),
+              SamplingParams(logprobs=20, temperature=0.0, presence_penalty=0.5),
+              SamplingParams(logprobs=20, top_p=0.9, frequency_penalty=0.3, seed=3)]
+    out = SAMPLER.sample(logits, states_for(params, prompt=[5, 6]))
+    found = 0
+    for token, info in zip(out.token_ids.tolist(), out.logprobs, strict=True):
+        assert info.top_logprobs.dtype == np.float32 and info.logprob == float(np.float32(info.logprob))
+        top = dict(zip(info.top_token_ids.tolist(), info.top_logprobs.tolist()))
+        found += token in top
+        assert token not in top or top[token] == info.logprob
+    assert found == len(params)  # every token was among its row's best 20
+    for b in (1, 4):  # greedy: the best entry
+        assert out.logprobs[b].logprob == out.logprobs[b].top_logprobs[0]
+    targets = np.argmax(logits, axis=1)  # [B]: prompt tokens that are each row's best
+    for target, info in zip(targets.tolist(), token_logprobs(HostLogits(logits), targets, 3), strict=True):
+        assert info.top_token_ids[0] == target and info.logprob == info.top_logprobs[0]
 
 
 def test_rejects_mismatched_batch():
@@ -601,3 +625,74 @@ def test_the_rows_a_source_draws_are_the_rows_launched_ahead(vocab):
     assert_same_output(SAMPLER.sample_from(source, states), SAMPLER.sample(logits, twins))
     expected = [b for b, p in enumerate(params) if drawn_over_vocabulary(p, vocab)]
     assert sorted(source.drawn) == expected and len(expected) >= 8
+
+
+# ------------------------------------------------------------------------------------ logprobs over the server
+
+def _chat_entries_agree(content, greedy: bool) -> int:
+    """Assert that each chat logprobs entry's logprob is its own top_logprobs entry's (same token and bytes) where
+    that is listed, and the best one when decoding greedily; returns how many entries listed their token."""
+    listed = 0
+    for entry in content:
+        own = [top.logprob for top in entry.top_logprobs if (top.token, top.bytes) == (entry.token, entry.bytes)]
+        listed += bool(own)
+        assert not own or entry.logprob in own
+        if greedy:
+            assert entry.logprob == entry.top_logprobs[0].logprob == max(t.logprob for t in entry.top_logprobs)
+    return listed
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_server_logprobs_equal_their_own_top_logprobs_entry(tiny_server, tiny_model_dir, stream):
+    """Through the openai client, chat and completions, streamed or not, greedy and sampled, and the prompt's
+    logprobs of echo and vLLM's prompt_logprobs: a token's logprob is exactly (==) the number of its own entry in
+    top_logprobs, and a greedy token is the best entry (lm-evaluation-harness's is_greedy compares them)."""
+    import openai
+    from test_server import API_KEY
+
+    from colibri_stream.tokenizer import Tokenizer
+
+    client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    # Sampled rows draw from their top 5 so that each token is among the 5 top_logprobs listed; temperature 1 is
+    # served from the candidates, 0.7 from the whole row.
+    common = dict(model="tiny", max_tokens=12, stream=stream, seed=5, extra_body={"ignore_eos": True, "top_k": 5})
+    for temperature, greedy in ((0.0, True), (1.0, False), (0.7, False)):
+        reply = client.chat.completions.create(messages=[{"role": "user", "content": "The quick brown"}],
+                                               temperature=temperature, logprobs=True, top_logprobs=5, **common)
+        chunks = reply if stream else [reply]
+        content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        assert len(content) == 12 and _chat_entries_agree(content, greedy) == 12
+
+        reply = client.completions.create(prompt="Hello world", temperature=temperature, logprobs=5, **common)
+        chunks = reply if stream else [reply]
+        logprobs = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        tokens = [t for lp in logprobs for t in lp.tokens]
+        values = [v for lp in logprobs for v in lp.token_logprobs]
+        tops = [top for lp in logprobs for top in lp.top_logprobs]
+        assert len(tokens) == 12
+        for token, value, top in zip(tokens, values, tops, strict=True):
+            assert top[token] == value if greedy else top[token] >= value  # a better token may share its text
+            if greedy:
+                assert value == max(top.values())
+
+    # Scoring a greedy continuation as lm-eval's loglikelihood does: echo, max_tokens 0, logprobs 1.
+    tokenizer = Tokenizer.from_folder(str(tiny_model_dir))
+    prompt = tokenizer.encode("The quick brown fox")
+    generated = _greedy_ids(tiny_server, prompt, 6)
+    if not stream:
+        scored = client.completions.create(model="tiny", prompt=prompt + generated, max_tokens=0, echo=True,
+                                           logprobs=1).choices[0].logprobs
+        continuation = list(zip(scored.token_logprobs, scored.top_logprobs))[len(prompt):]
+        assert len(continuation) == 6 and all(value == max(top.values()) for value, top in continuation)
+        vllm = client.completions.create(model="tiny", prompt=prompt + generated, max_tokens=1,
+                                         extra_body={"prompt_logprobs": 5}).choices[0].model_extra["prompt_logprobs"]
+        for position, token in zip(vllm[len(prompt):], generated, strict=True):
+            assert position[str(token)]["rank"] == 1
+            assert position[str(token)]["logprob"] == max(entry["logprob"] for entry in position.values())
+
+
+def _greedy_ids(server, prompt: list[int], max_tokens: int) -> list[int]:
+    """The token ids the server's engine generates greedily for a token prompt."""
+    from test_server import engine_token_ids
+
+    return engine_token_ids(server, prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
