@@ -126,11 +126,16 @@ def test_several_calls_and_no_content(client):
     assert [calls[i]["name"] for i in (0, 1)] == ["weather", "clock"] and calls[1]["arguments"] == "{}"
 
 
-@pytest.mark.parametrize("text", [
+NOT_CALLS = [
     "Plain words, no call at all.",
     "A tag <tool_ that never opens, and <tool_call> alone",
     '<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>',  # not one of the request's tools
     '<tool_call>\n{"name": "weather", "arguments": "Paris"}\n</tool_call>',  # arguments not an object
+]
+CALL_ARGUMENTS = '{"city": "Paris", "days": 3}'  # CALL's, as the model writes them
+
+
+@pytest.mark.parametrize("text", NOT_CALLS + [
     '<tool_call>\n{"name": "weather", "arguments": {"city": "Pa',  # cut short
     CALL + "\nand some words after it",
     CALL + "\n<tool_ca",
@@ -139,8 +144,42 @@ def test_text_that_is_not_well_formed_calls_stays_content_whole(client, text):
     answer = ask(client, text)
     assert answer.choices[0].message.content == text and not answer.choices[0].message.tool_calls
     assert answer.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("text", NOT_CALLS)
+def test_streamed_text_that_opens_no_call_is_content_whole(client, text):
     content, calls, reason = streamed(ask(client, text, stream=True))
     assert (content, calls, reason) == (text, {}, "stop")
+
+
+@pytest.mark.parametrize(("text", "content", "arguments", "reason"), [
+    ('<tool_call>\n{"name": "weather", "arguments": {"city": "Pa', "", '{"city": "Pa', "stop"),  # cut short
+    (CALL + "\nand some words after it", "\nand some words after it", CALL_ARGUMENTS, "tool_calls"),
+    (CALL + "\n<tool_ca", "\n<tool_ca", CALL_ARGUMENTS, "tool_calls"),
+])
+def test_a_streamed_call_goes_out_as_it_is_written_whatever_follows(client, text, content, arguments, reason):
+    """As vLLM streams calls: a call that has begun is not taken back; what follows it is content."""
+    streamed_content, calls, finish_reason = streamed(ask(client, text, stream=True))
+    assert (streamed_content, finish_reason) == (content, reason)
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("weather", arguments)]
+
+
+def test_streamed_arguments_arrive_in_pieces_after_the_name(client):
+    """vLLM's streaming: the call's id and name first, then its arguments' text in pieces as the model writes it,
+    then the end; the pieces make the arguments the non-streamed answer has."""
+    chunks = list(ask(client, "Let me look.\n" + CALL + "\n" + SECOND, stream=True))
+    pieces = [(call, i) for i, chunk in enumerate(chunks) if chunk.choices
+              for call in chunk.choices[0].delta.tool_calls or ()]
+    first = [call for call, _ in pieces if call.index == 0]
+    assert first[0].id.startswith("call_") and first[0].function.name == "weather"
+    assert first[0].function.arguments == "" and all(call.function.name is None for call in first[1:])
+    assert len(first) > 3  # the arguments came in pieces, not in one delta
+    assert "".join(call.function.arguments for call in first) == CALL_ARGUMENTS
+    last_piece = max(i for _, i in pieces)
+    assert chunks[last_piece].choices[0].finish_reason is None  # the end in a chunk of its own
+    assert [c.choices[0].finish_reason for c in chunks[last_piece + 1:] if c.choices] == ["tool_calls"]
+    whole = ask(client, "Let me look.\n" + CALL + "\n" + SECOND).choices[0].message.tool_calls
+    assert json.loads(whole[0].function.arguments) == json.loads(CALL_ARGUMENTS)
 
 
 def test_tool_choice_none_leaves_the_text_alone_and_hides_the_tools(client):

@@ -2,8 +2,7 @@
 
 Unknown fields are ignored (as vLLM does; OpenAI refuses them, but clients written for vLLM-style servers send
 extensions of their own). Otherwise requests follow OpenAI's rules: a known field of the wrong type or out of range
-is a 400 naming the field, and a feature this server does not implement (tool_choice "auto" for a model whose
-chat template teaches no tool-call syntax it reads, the legacy functions,
+is a 400 naming the field, and a feature this server does not implement (the legacy functions,
 images, audio output, echo in chat, suffix for a model without fill-in-the-middle tokens, best_of > n, vLLM's
 continue_final_message) is a 400 that says so
 instead of being silently dropped; so are the fields of the other endpoint that would change the answer
@@ -11,8 +10,8 @@ instead of being silently dropped; so are the fields of the other endpoint that 
 json_object and json_schema (chat and, as vLLM, completions) constrain the text to JSON (structured.py), as do
 vLLM's `structured_outputs` and `guided_*` fields to a schema, regex, choice or Lark grammar (structured_outputs.py); a
 forced tool call (tool_choice "required" or a named function) is written under its tools' schemas (tools.py);
-with tool_choice "auto" the calls the model writes in its template's syntax become tool_calls (tool_syntax.py),
-and a thinking model's <think> text becomes the message's reasoning_content (reasoning.py).
+with tool_choice "auto" the calls the model writes in its template's syntax become tool_calls (tool_syntax.py;
+streamed as they are written; a model whose template teaches no syntax answers in text), and a thinking model's <think> text becomes the message's reasoning_content (reasoning.py).
 Types are as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an integer; null is the
 same as leaving a field out. The values of those features that ask for nothing (`tools: []`,
 `tool_choice: "none"` or `"auto"`, `response_format: {"type": "text"}`, `modalities: ["text"]`, `echo: false`,
@@ -41,10 +40,11 @@ from typing import Any
 
 from ..request import InvalidParameterError, SamplingParams
 from ..structured import json_schema_grammar
+from ..tokenizer import RESERVED_VARIABLES
 from .structured_outputs import structured_outputs_grammar
 from .fill_in_middle import fim_prompt
 from .reasoning import ThinkingStream
-from .tool_syntax import HeldText, ToolSyntax
+from .tool_syntax import HeldCalls, StreamedCalls, ToolSyntax
 from .tools import AutoCalls, ForcedCall, tool_calls, tool_use, with_call_tokens
 
 MAX_LOGPROBS = 20
@@ -167,8 +167,6 @@ def json_type(value: Any) -> str:
         return "a number"
     return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
 
-
-TEMPLATE_ARGUMENTS = ("messages", "tools")  # what chat_template_kwargs may not set
 
 
 def _reject_unsupported(fields: Fields, n: int, chat: bool) -> None:
@@ -394,7 +392,7 @@ def parse_chat(body: Any, tool_syntax: ToolSyntax | None = None, split_reasoning
     elif legacy_max_tokens is not None and legacy_max_tokens < 1:  # checked even when max_completion_tokens wins
         raise bad_request("max_tokens must be a positive integer", param="max_tokens")
     use = tool_use(fields.get("tools", (list,), "an array"), body.get("tool_choice"),
-                   lambda message, param: bad_request(message, param=param), unsupported,
+                   lambda message, param: bad_request(message, param=param),
                    fields.boolean("parallel_tool_calls", True), tool_syntax)
     call = use if isinstance(use, ForcedCall) else None
     asked = output_grammar(body, body.get("response_format"))
@@ -417,10 +415,10 @@ def template_kwargs(fields: Fields) -> dict | None:
     add_generation_prompt, as keyword arguments of the template."""
     kwargs = dict(fields.get("chat_template_kwargs", (dict,), "an object", {}))
     for key in kwargs:
-        if not key.isidentifier() or key in TEMPLATE_ARGUMENTS:
+        if not key.isidentifier() or key in RESERVED_VARIABLES:
             raise bad_request(f"chat_template_kwargs cannot set {key[:40]!r}: its keys are the template's variables, "
-                              f"not {', '.join(TEMPLATE_ARGUMENTS)} (send those as fields of their own)",
-                              param="chat_template_kwargs")
+                              f"named as identifiers and none of the renderer's own ({', '.join(RESERVED_VARIABLES)}; "
+                              f"send messages and tools as fields of their own)", param="chat_template_kwargs")
     add = fields.boolean("add_generation_prompt", kwargs.get("add_generation_prompt", True))
     if not isinstance(add, bool):
         raise bad_request("chat_template_kwargs.add_generation_prompt must be a boolean",
@@ -558,7 +556,7 @@ class _Choice:
     content: str | None = None  # tool_choice "auto": the text before those calls
     thinking: ThinkingStream | None = None  # with split_reasoning: the reply split into reasoning and content
     prompt_logprobs: list | None = None  # with prompt_logprobs: vLLM's list for the prompt (None first)
-    held: HeldText | None = None  # tool_choice "auto", streaming: the text, and what of it went out
+    calls_read: StreamedCalls | HeldCalls | None = None  # tool_choice "auto", streaming: its text's calls so far
 
 
 class Responder:
@@ -641,24 +639,27 @@ class Responder:
         return entry
 
     def _auto_delta(self, choice: _Choice, auto: AutoCalls, text: str, finished: bool) -> dict:
-        """tool_choice "auto": the delta of one output's `text` (streaming: what cannot be part of a call yet); once
-        the text is whole, the calls it makes, if it makes any (finish_reason "tool_calls"), else the text held
-        back."""
-        visible = ""
-        if self.request.stream:
-            choice.held = choice.held or HeldText(auto.syntax.opening)
-            visible = choice.held.feed(text)
-        if not finished:
-            return {"content": visible} if visible else {}
-        split = auto.syntax.split(choice.held.text if choice.held else "".join(choice.texts), auto.schemas)
-        if split is None:
-            rest = visible + (choice.held.rest() if choice.held else "")
-            return {"content": rest} if rest else {}
-        before, choice.tool_calls = split
-        choice.content = before if before.strip() else None
-        choice.finish_reason = "tool_calls"
-        calls = {"tool_calls": [dict(c, index=i) for i, c in enumerate(choice.tool_calls)]}
-        return {"content": visible, **calls} if visible else calls
+        """tool_choice "auto": the delta of one output's `text`. Streaming: the content and the calls' pieces the
+        syntax's reader lets out now (tool_syntax.py); not streaming, nothing: once the text is whole, the calls it
+        makes, if it makes any (finish_reason "tool_calls"), are read from it whole."""
+        if not self.request.stream:
+            split = auto.syntax.split("".join(choice.texts), auto.schemas) if finished else None
+            if split is not None:
+                before, choice.tool_calls = split
+                choice.content = before if before.strip() else None
+                choice.finish_reason = "tool_calls"
+            return {}
+        choice.calls_read = choice.calls_read or auto.syntax.stream_reader(auto.schemas)
+        content, calls = choice.calls_read.feed(text)
+        if finished:
+            rest, more_calls = choice.calls_read.finish()
+            content, calls = content + rest, calls + more_calls
+            if choice.calls_read.calls and choice.calls_read.whole:
+                choice.finish_reason = "tool_calls"
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
 
     def _logprobs(self, choice: _Choice, entries: list | None) -> dict:
         """This delta's logprobs in the endpoint's format; kept in the choice too when not streaming."""
@@ -729,7 +730,7 @@ class Responder:
     def events(self, output: Any, prompt_index: int = 0) -> list[dict]:
         """Record one RequestOutput; the stream chunk it makes (none for an output with nothing to show yet)."""
         choice = self.add(output, prompt_index)
-        if self.request.chat and choice["delta"].get("tool_calls"):
+        if self.request.chat and output.finished and choice["delta"].get("tool_calls"):
             # The calls, then the end in a chunk of its own, as OpenAI sends them: the SDK's stream helper closes
             # a call's arguments (its arguments.done event) when the end arrives after the call.
             end = {"index": choice["index"], "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"],

@@ -8,15 +8,14 @@ engine requests as chat completions.
 text as chat's response_format does; function tools with tool_choice "required" or a named function force a call
 as chat does (server/tools.py), answered as function_call items; with tool_choice "auto" (the default with tools)
 the calls the model writes in its chat template's syntax (tool_syntax.py) become function_call items after the
-message of the text before them.
+message of the text before them (a model whose template teaches no syntax answers with the message alone).
 function_call / function_call_output items in `input` carry earlier calls and their results back.
 A thinking model's <think> text is a reasoning item before the message (its reasoning_text streamed with
 response.reasoning_text.delta events), and reasoning items in `input` go back to the template as the next
 assistant turn's reasoning.
 Responses are not stored: `previous_response_id` is refused, and `store` is accepted and changes nothing (as where
 a server keeps no state). As in chat, what this server does not do is a 400 naming the field rather than something
-silently dropped: tool_choice "auto" for a model whose template teaches no tool-call syntax the server reads,
-tools other than functions, images and files, reasoning settings,
+silently dropped: tools other than functions, images and files, reasoning settings,
 logprobs (`top_logprobs`, `include`), truncation "auto".
 
 A response has one output item, an assistant message with one output_text part (a forced call: one function_call
@@ -66,7 +65,7 @@ def parse_response(body: Any, tool_syntax: ToolSyntax | None = None, split_reaso
     asked = output_grammar(body, text.get("format"), "text.format")
     tools = _chat_tools(fields.get("tools", (list,), "an array"))
     use = tool_use(tools, _chat_tool_choice(body.get("tool_choice")),
-                   lambda message, param: bad_request(message, param=param), unsupported,
+                   lambda message, param: bad_request(message, param=param),
                    fields.boolean("parallel_tool_calls", True), tool_syntax)
     call = use if isinstance(use, ForcedCall) else None
     if call is not None and asked is not None:

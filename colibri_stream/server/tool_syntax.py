@@ -26,10 +26,15 @@ A model's chat template shows it how to call tools; the server reads the syntax 
   special token that detokenization would drop, so such requests keep special tokens in their text
   (`keeps_special_tokens`; the token that ends the reply is left out all the same).
 
-A text whose calls are not all JSON objects naming one of the request's tools, with an object of arguments, or
-that has text between or after them, stays text: nothing the model wrote is lost.
-While streaming, text before the first block goes out as it comes; from the block's opening tag on, the text is
-held until the end (`HeldText`), then sent as tool_calls (or, if it is not well-formed calls, as content).
+A template that teaches none of these (`NO_TOOL_SYNTAX`) still shows the model the tools; its reply is text.
+
+Once the text is whole (`split`), a text whose calls are not all JSON objects naming one of the request's tools,
+with an object of arguments, or that has text between or after them, stays text: nothing the model wrote is lost.
+While streaming (`stream_reader`), Hermes blocks are read as vLLM's hermes parser streams them (`StreamedCalls`):
+text outside the blocks goes out as content as it comes, and a block that opens with one of the tools' names and
+an arguments object goes out as a call at once, its name first, then its arguments' text piece by piece as the
+model writes it. The other syntaxes hold the text from the opening tag to the end (`HeldCalls`), then send it as
+tool_calls (or, if it is not well-formed calls, as content).
 """
 
 from __future__ import annotations
@@ -48,9 +53,14 @@ class HermesToolSyntax:
 
     name = "hermes"
     opening = "<tool_call>"
+    closing = "</tool_call>"
     template_marker = "<tool_call>"  # a template that shows this teaches the syntax
     keeps_special_tokens = False
     _block = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
+
+    def stream_reader(self, tools: Mapping[str, Any]) -> StreamedCalls | HeldCalls:
+        """The reader of one streamed choice's text (`tools`: name -> parameters schema)."""
+        return StreamedCalls(self, tools)
 
     def split(self, text: str, tools: Mapping[str, Any]) -> tuple[str, list[dict]] | None:
         """(the text before the calls, the calls as a message's tool_calls) of a whole text; None where it holds no
@@ -87,6 +97,9 @@ class QwenXmlToolSyntax(HermesToolSyntax):
 
     name = "qwen3_xml"
     template_marker = "<function="
+
+    def stream_reader(self, tools: Mapping[str, Any]) -> HeldCalls:
+        return HeldCalls(self, tools)
     _function = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*\Z", re.DOTALL)
     _parameter = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
@@ -135,6 +148,10 @@ class MistralToolSyntax:
     template_marker = "[TOOL_CALLS]"
     keeps_special_tokens = True
 
+    def stream_reader(self, tools: Mapping[str, Any]) -> HeldCalls:
+        """The reader of one streamed choice's text (`tools`: name -> parameters schema)."""
+        return HeldCalls(self, tools)
+
     def split(self, text: str, tools: Mapping[str, Any]) -> tuple[str, list[dict]] | None:
         """(the text before the calls, the calls as a message's tool_calls) of a whole text; None where it holds no
         tag, or what follows the tag is not JSON calls of `tools` (name -> parameters schema; whitespace aside)."""
@@ -163,7 +180,24 @@ def _call(call: object, tools: Mapping[str, Any]) -> dict | None:
             "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-ToolSyntax = HermesToolSyntax | MistralToolSyntax  # (QwenXmlToolSyntax is a HermesToolSyntax)
+class NoToolSyntax:
+    """A template that teaches no tool-call syntax this server reads: under tool_choice "auto" the model is shown
+    the tools and its reply is text, as OpenAI answers "auto" when the model calls nothing."""
+
+    name = "none"
+    opening = None  # nothing opens a call: no text is held back
+    keeps_special_tokens = False
+
+    def split(self, text: str, tools: Mapping[str, Any]) -> None:
+        """No calls in any text."""
+        return None
+
+    def stream_reader(self, tools: Mapping[str, Any]) -> HeldCalls:
+        return HeldCalls(self, tools)
+
+
+NO_TOOL_SYNTAX = NoToolSyntax()
+ToolSyntax = HermesToolSyntax | MistralToolSyntax | NoToolSyntax  # (QwenXmlToolSyntax is a HermesToolSyntax)
 SYNTAXES = (QwenXmlToolSyntax(), HermesToolSyntax(), MistralToolSyntax())  # the most specific marker first
 
 
@@ -174,12 +208,211 @@ def tool_syntax_of(chat_templates: Mapping[str, str]) -> ToolSyntax | None:
     return next((syntax for syntax in SYNTAXES if syntax.template_marker in template), None)
 
 
+def _call_delta(index: int, call: dict) -> dict:
+    """A whole tool_calls entry as a stream delta's."""
+    return dict(call, index=index)
+
+
+def _merged(deltas: list[dict]) -> list[dict]:
+    """Stream deltas with each run of pieces of one call's arguments joined into one (a call's first delta, its
+    name's, stays apart)."""
+    out: list[dict] = []
+    for delta in deltas:
+        if out and out[-1]["index"] == delta["index"] and _is_piece(out[-1]) and _is_piece(delta):
+            out[-1] = {"index": delta["index"],
+                       "function": {"arguments": out[-1]["function"]["arguments"] + delta["function"]["arguments"]}}
+        else:
+            out.append(delta)
+    return out
+
+
+def _is_piece(delta: dict) -> bool:
+    """Whether a stream delta is a piece of a call's arguments (not a call's first delta)."""
+    return "id" not in delta
+
+
+class StreamedCalls:
+    """One streamed choice's text in Hermes blocks, read as vLLM's hermes parser streams it: `feed` and `finish`
+    return (content to send now, tool_calls deltas).
+
+    Text outside the blocks goes out as content as it comes, holding back only an end that may begin the opening
+    tag, and whitespace after a call (dropped where another block or the end follows). A block that opens with
+    `{"name": <one of the tools>, "arguments": {` goes out as a call at once: its id, type and name, then its
+    arguments object's text piece by piece as the model writes it, up to the brace that closes it (the rest of
+    the block, up to its closing tag, is syntax). Any other block is held until its closing tag (or the end of the
+    text) and goes out then, whole: as a call where it reads as one (`HermesToolSyntax._parse_block`), else as
+    content. What went out as a call stays one: a reply that breaks the syntax later (text after the calls, a
+    call cut short) is not taken back, as vLLM streams it; the non-streamed answer, read once whole, keeps such
+    text as content (`HermesToolSyntax.split`)."""
+
+    _head = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{')
+
+    def __init__(self, syntax: HermesToolSyntax, tools: Mapping[str, Any]):
+        self._syntax = syntax
+        self._tools = tools
+        self._state = "text"  # text | block (a block's start, or a held block) | arguments | tail (after them)
+        self._buffer = ""  # the text read but not sent: an end that may begin a tag, a block, a block's tail
+        self._after_call = False  # in "text": only whitespace since the last call
+        self._depth = 0  # in "arguments": brackets open
+        self._in_string = self._escaped = False  # in "arguments": inside a JSON string, after its backslash
+        self.calls = 0  # calls sent so far
+        self.whole = True  # every call sent was closed (its arguments object ended)
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        content: list[str] = []
+        deltas: list[dict] = []
+        while text:
+            text = getattr(self, "_read_" + self._state)(text, content, deltas)
+        return "".join(content), _merged(deltas)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """What is left once the text is whole."""
+        rest, self._buffer = self._buffer, ""
+        if self._state == "text":
+            return ("" if self._after_call and not rest.strip() else rest), []
+        if self._state == "block":  # the last block may lack its closing tag, as in `split`
+            return self._held_block(rest)
+        if self._state == "arguments":  # cut short
+            self.whole = False
+            return "", []
+        leftover = re.sub(r"\A\s*\}?\s*", "", rest)  # "tail": the end of the call object and its closing tag
+        return leftover, []
+
+    def _read_text(self, text: str, content: list[str], deltas: list[dict]) -> str:
+        pending = self._buffer + text
+        start = pending.find(self._syntax.opening)
+        before = pending if start < 0 else pending[:start]
+        keep = held_prefix(before, self._syntax.opening) if start < 0 else 0
+        out = before[:len(before) - keep]
+        if self._after_call and not out.strip():  # whitespace after a call: held until something follows it
+            self._buffer = before
+        else:
+            content.append(out)
+            self._after_call = False
+            self._buffer = before[len(out):]
+        if start < 0:
+            return ""
+        self._state, self._buffer, self._after_call = "block", "", False
+        return pending[start + len(self._syntax.opening):]
+
+    def _read_block(self, text: str, content: list[str], deltas: list[dict]) -> str:
+        searched = max(0, len(self._buffer) - len(self._syntax.closing) + 1)  # (the buffer holds no closing tag)
+        pending = self._buffer + text
+        end = pending.find(self._syntax.closing, searched)
+        block = pending if end < 0 else pending[:end]
+        head = self._head.match(block)
+        name = _json_string(head.group(1)) if head is not None else None
+        if name in self._tools:
+            self._state, self._buffer = "arguments", ""
+            self._depth, self._in_string, self._escaped = 0, False, False
+            deltas.append({"index": self.calls, "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                           "function": {"name": name, "arguments": ""}})
+            self.calls += 1
+            return pending[head.end() - 1:]  # from the arguments' opening brace
+        if end < 0:  # a start that may still become a call's, or a block held until it closes
+            self._buffer = pending
+            return ""
+        more_content, calls = self._held_block(block, closed=True)
+        content.append(more_content)
+        deltas += calls
+        self._state, self._buffer = "text", ""
+        return pending[end + len(self._syntax.closing):]
+
+    def _held_block(self, block: str, closed: bool = False) -> tuple[str, list[dict]]:
+        """A block that did not open as a streamed call, once it is whole (`closed`: by its closing tag, else by
+        the end of the text): a call, or content (with its tags)."""
+        call = self._syntax._parse_block(block, self._tools)
+        if call is None:
+            return self._syntax.opening + block + (self._syntax.closing if closed else ""), []
+        self._after_call = True
+        self.calls += 1
+        return "", [_call_delta(self.calls - 1, call)]
+
+    def _read_arguments(self, text: str, content: list[str], deltas: list[dict]) -> str:
+        """The arguments object's text, sent as it comes, up to the brace that closes it (a `<` outside a string,
+        which JSON cannot hold, ends it too: the model went on to a tag)."""
+        end = None
+        for i, char in enumerate(text):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    end = i + 1
+                    break
+            elif char == "<":
+                self.whole = False
+                end = i
+                break
+        piece = text if end is None else text[:end]
+        if piece:
+            deltas.append({"index": self.calls - 1, "function": {"arguments": piece}})
+        if end is None:
+            return ""
+        self._state = "tail"
+        return text[end:]
+
+    def _read_tail(self, text: str, content: list[str], deltas: list[dict]) -> str:
+        """After a streamed call's arguments: the rest of its block, up to the closing tag, is syntax."""
+        searched = max(0, len(self._buffer) - len(self._syntax.closing) + 1)
+        pending = self._buffer + text
+        end = pending.find(self._syntax.closing, searched)
+        if end < 0:
+            self._buffer = pending
+            return ""
+        self._state, self._buffer, self._after_call = "text", "", True
+        return pending[end + len(self._syntax.closing):]
+
+
+def _json_string(literal: str) -> str | None:
+    """The value of a JSON string literal; None where it is not one."""
+    try:
+        return json.loads(literal)
+    except ValueError:
+        return None
+
+
+class HeldCalls:
+    """One streamed choice's text in a syntax read only once whole (Qwen3-Coder's XML, Mistral's, none): `feed`
+    and `finish` return (content to send now, tool_calls deltas). The text from the syntax's opening tag on is held
+    (`HeldText`); at the end it goes out as calls where it reads as calls, else as content."""
+
+    def __init__(self, syntax: ToolSyntax, tools: Mapping[str, Any]):
+        self._syntax = syntax
+        self._tools = tools
+        self._held = HeldText(syntax.opening)
+        self.calls = 0  # calls sent
+        self.whole = True  # (calls go out whole)
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        return self._held.feed(text), []
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """What is left once the text is whole: the calls (the text before them went out already), else the text
+        held back."""
+        split = self._syntax.split(self._held.text, self._tools)
+        if split is None:
+            return self._held.rest(), []
+        self.calls = len(split[1])
+        return "", [_call_delta(i, call) for i, call in enumerate(split[1])]
+
+
 class HeldText:
     """One streamed choice's text under tool_choice "auto": what `feed` returns may go out as content now; the
-    text from the syntax's opening tag on (and any end of the text that could be the start of that tag) is held.
-    Each piece costs its own length (a long reply is not joined again at every piece)."""
+    text from the syntax's `opening` tag on (and any end of the text that could be the start of that tag) is held;
+    with no opening tag (None), nothing is. Each piece costs its own length (a long reply is not joined again at
+    every piece)."""
 
-    def __init__(self, opening: str):
+    def __init__(self, opening: str | None):
         self.opening = opening
         self.parts: list[str] = []  # the whole text so far
         self.sent = 0  # characters of it already sent as content
@@ -190,6 +423,9 @@ class HeldText:
         self.parts.append(text)
         if self.in_calls:
             return ""
+        if self.opening is None:
+            self.sent += len(text)
+            return text
         pending = self._pending + text
         start = pending.find(self.opening)
         if start >= 0:

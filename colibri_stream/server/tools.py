@@ -8,8 +8,9 @@ template shows tools. The text becomes the message's `tool_calls` (finish_reason
 max_tokens stays text (finish_reason "length"); with parallel_tool_calls false "required" makes one call.
 With tool_choice "auto" the model writes freely, shown the tools by its template, and the calls
 it writes in the syntax its template teaches become tool_calls; a model whose template teaches none this server
-reads gets a 400 that says so. History may hold assistant messages with tool_calls and tool messages with their
-results (protocol.chat_messages passes them to the template).
+reads is shown the tools all the same and answers in text, as OpenAI answers "auto" (forcing a call still works).
+History may hold assistant messages with tool_calls and tool messages with their results (protocol.chat_messages
+passes them to the template).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 from ..request import InvalidParameterError, SamplingParams
 from ..structured import json_schema_grammar
-from .tool_syntax import ToolSyntax
+from .tool_syntax import NO_TOOL_SYNTAX, ToolSyntax
 
 ANY_OBJECT = {"type": "object"}  # the parameters of a function that declares none
 
@@ -41,7 +42,8 @@ class ForcedCall:
 @dataclass(frozen=True)
 class AutoCalls:
     """tool_choice "auto": the model may call any of the functions of `schemas` (name -> parameters schema), in
-    `syntax`; `tools` as the chat template takes them."""
+    `syntax` (NO_TOOL_SYNTAX where its template teaches none: then it answers in text); `tools` as the chat
+    template takes them."""
 
     schemas: dict[str, Any]
     tools: tuple[dict, ...]
@@ -77,12 +79,13 @@ def function_tools(tools: list, error) -> tuple[dict[str, Any], list[dict]]:
     return schemas, listed
 
 
-def tool_use(tools: Any, tool_choice: Any, error, refusal, parallel: bool = True,
+def tool_use(tools: Any, tool_choice: Any, error, parallel: bool = True,
              syntax: ToolSyntax | None = None) -> ForcedCall | AutoCalls | None:
     """What `tool_choice` asks of `tools` (a chat body's fields): the call it forces, calls the model may make in
-    `syntax` ("auto", the default with tools; refused without a syntax), or None ("none", or no tools). "required"
+    `syntax` ("auto", the default with tools; a text answer where `syntax` is None), or None ("none", or no
+    tools). "required"
     allows several calls unless `parallel` (parallel_tool_calls) is false. `error(message, param)` builds the 400
-    of a bad value to raise, `refusal(message, param)` that of what the server does not do."""
+    of a bad value to raise."""
     if tool_choice not in (None, "none", "auto", "required") and not isinstance(tool_choice, dict):
         raise error(f'tool_choice must be "none", "auto", "required" or an object naming a function, got '
                     f'{tool_choice!r:.80}', "tool_choice")
@@ -92,12 +95,7 @@ def tool_use(tools: Any, tool_choice: Any, error, refusal, parallel: bool = True
         raise error(f"tool_choice {tool_choice!r} needs a non-empty tools array", "tools")
     schemas, listed = function_tools(tools, error)
     if tool_choice in (None, "auto"):
-        if syntax is None:
-            raise refusal('tool_choice "auto" (the default with tools) is not supported for this model: its chat '
-                          'template teaches no tool-call syntax this server reads. Force a call with tool_choice '
-                          '"required" or {"type": "function", "function": {"name": ...}}, or send tool_choice '
-                          '"none"', "tool_choice")
-        return AutoCalls(schemas, tuple(listed), syntax)
+        return AutoCalls(schemas, tuple(listed), syntax or NO_TOOL_SYNTAX)
     if tool_choice == "required":
         named, schema = None, {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
