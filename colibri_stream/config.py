@@ -21,6 +21,13 @@ STORAGE_DTYPES = ("float32", "bfloat16", "float16")
 EXPERT_DTYPES = STORAGE_DTYPES + ("int8",)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 QK_NORMS = ("none", "per_head", "full")
+# Upper bounds of config.json's sizes, far above every published model's (Llama 4 Scout: 10 M positions; vocabularies
+# up to 262 144; hidden sizes up to 18 432; 384 experts): a value past them is a corrupt or hostile file, refused
+# before any table is allocated from it.
+SIZE_LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 18, "num_layers": 1 << 12, "num_heads": 1 << 12,
+               "num_kv_heads": 1 << 12, "head_dim": 1 << 12, "num_experts": 1 << 16, "top_k": 1 << 16,
+               "moe_intermediate_size": 1 << 18, "intermediate_size": 1 << 18,
+               "shared_expert_intermediate_size": 1 << 18, "max_position_embeddings": 1 << 24}
 
 
 @dataclass(frozen=True)
@@ -50,8 +57,10 @@ class RopeConfig:
             fail(f"type {self.type!r} is not one of {', '.join(ROPE_TYPES)}")
         if self.theta <= 0 or self.factor <= 0:
             fail("theta and factor must be positive")
-        if self.original_max_position_embeddings is not None and self.original_max_position_embeddings <= 0:
-            fail("original_max_position_embeddings must be positive")
+        if self.original_max_position_embeddings is not None and not (
+                0 < self.original_max_position_embeddings <= SIZE_LIMITS["max_position_embeddings"]):
+            fail(f"original_max_position_embeddings must be positive and at most "
+                 f"{SIZE_LIMITS['max_position_embeddings']}, got {self.original_max_position_embeddings}")
         if self.type == "llama3" and None in (
             self.low_freq_factor,
             self.high_freq_factor,
@@ -118,6 +127,9 @@ class ModelConfig:
         for name in ("intermediate_size", "shared_expert_intermediate_size"):
             if getattr(self, name) < 0:
                 fail(f"{name} must not be negative, got {getattr(self, name)!r}")
+        for name, limit in SIZE_LIMITS.items():
+            if getattr(self, name) > limit:
+                fail(f"{name} {getattr(self, name)} is beyond any model this engine runs (at most {limit})")
         if self.head_dim % 2:
             fail(f"head_dim ({self.head_dim}) must be even: rotary embedding rotates pairs of dimensions")
         token_ids = {"bos_token_id": (self.bos_token_id,), "pad_token_id": (self.pad_token_id,),

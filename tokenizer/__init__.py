@@ -1,7 +1,7 @@
 """Tokenization: Hugging Face tokenizer files, chat templates and streaming detokenization."""
 
-from .chat_template import ChatTemplateError
+from .chat_template import RESERVED_VARIABLES, ChatTemplateError
 from .detokenizer import IncrementalDetokenizer
 from .hf_tokenizer import Tokenizer
 
-__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]
+__all__ = ["RESERVED_VARIABLES", "ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]

@@ -22,6 +22,9 @@ from ..errors import ColibriError
 
 # Names a message's reasoning may arrive under; templates read the first. transformers fills it from the others.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Names no template variable may take: what the renderer passes the template itself, its own parameters, and
+# Jinja's `self` (the template's own reference, which a variable of that name never reaches).
+RESERVED_VARIABLES = ("messages", "tools", "documents", "source", "self")
 
 
 class ChatTemplateError(ColibriError):
@@ -84,21 +87,26 @@ def _normalise_messages(messages: Any) -> list[dict]:
     return out
 
 
-def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
+def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], /, *, add_generation_prompt: bool,
                          tools: Sequence[Mapping[str, Any]] | None = None, documents: Sequence[Mapping] | None = None,
                          **variables: Any) -> str:
     """The prompt text for `messages`; `variables` (bos_token, eos_token, template options) go to the template.
 
-    Raises ChatTemplateError for malformed messages or tools and for any error the template raises, including
-    its own `raise_exception(...)` calls (e.g. "roles must alternate user/assistant").
+    Raises ChatTemplateError for malformed messages or tools, for a variable named as one of RESERVED_VARIABLES,
+    and for any error the template raises, including its own `raise_exception(...)` calls (e.g. "roles must
+    alternate user/assistant").
     """
+    reserved = next((name for name in variables if name in RESERVED_VARIABLES), None)
+    if reserved is not None:
+        raise ChatTemplateError(f"{reserved!r} cannot be set as a template variable: {', '.join(RESERVED_VARIABLES)} "
+                                f"are the renderer's own names")
     messages = _normalise_messages(messages)
     if tools is not None and not all(isinstance(tool, Mapping) for tool in tools):
         raise ChatTemplateError("tools must be a list of JSON-schema objects")
     template = compile_template(source)
     try:
-        return template.render(messages=messages, tools=tools, documents=documents,
-                               add_generation_prompt=add_generation_prompt, **variables)
+        return template.render({**variables, "messages": messages, "tools": tools, "documents": documents,
+                                "add_generation_prompt": add_generation_prompt})
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"chat template error: {e.message}") from e
     except Exception as e:  # the template is foreign code; whatever it trips on is a bad request, not a crash

@@ -168,13 +168,13 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.chat_templates)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], /, add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None, **extra: Any) -> str:
         """The prompt text for an OpenAI-style message list; `extra` goes to the template (e.g. enable_thinking).
 
         The text usually starts with the BOS token already, so encode it with add_special_tokens=False.
-        Raises ChatTemplateError when the model has no template, the messages are malformed or the template
-        rejects them.
+        Raises ChatTemplateError when the model has no template, the messages are malformed, a variable of `extra`
+        is one of the renderer's own names (chat_template.RESERVED_VARIABLES) or the template rejects them.
         """
         template = self._select_template(tools)
         return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt, tools=tools,

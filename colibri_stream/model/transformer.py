@@ -60,10 +60,12 @@ class MoETransformer:
     """A loaded model: dense weights on the backend, routed experts behind an ExpertStore.
 
     `forward(batch, kv_cache)` computes one step of a flat batch and returns the float32 logits of the rows in
-    `batch.logits_indices` as a host array [N, V].
+    `batch.logits_indices` as a host array [N, V]. Positions go up to `max_positions` (the model's
+    max_position_embeddings, or fewer where the engine's sequences are shorter: the rotary tables hold that many).
     """
 
-    def __init__(self, config: ModelConfig, dense: DenseFile, store: ExpertStore, backend: Backend):
+    def __init__(self, config: ModelConfig, dense: DenseFile, store: ExpertStore, backend: Backend,
+                 max_positions: int | None = None):
         self.config = config
         self.backend = backend
         self.store = backend.prepare_experts(store, config)
@@ -102,15 +104,12 @@ class MoETransformer:
             ))
         self.norm = load("norm")  # [H]
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else load("lm_head")  # [V, H]
-        cos, sin = cos_sin_table(config.rope, config.head_dim, config.max_position_embeddings)
+        self.max_positions = min(max_positions or config.max_position_embeddings, config.max_position_embeddings)
+        cos, sin = cos_sin_table(config.rope, config.head_dim, self.max_positions)
         self.rope_cos, self.rope_sin = backend.upload(cos), backend.upload(sin)  # [P, D/2] each
         self.attention_scale = config.head_dim**-0.5
         self.timer = StepTimer(backend.timing_clock())  # the engine's step timer; the forward's phases report to it
         self.store.timer = self.timer  # expert reads report to it too
-
-    @property
-    def max_positions(self) -> int:
-        return self.config.max_position_embeddings
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         return PagedKVCache.allocate(self.config, num_blocks, block_size, self.backend)
@@ -210,11 +209,12 @@ def select_backend(device: str, cpu_threads: int | None = None) -> Backend:
 
 
 def load_model(path: str, device: str = "cpu", verify: bool = False,
-               experts: ExpertStoreConfig | None = None) -> MoETransformer:
+               experts: ExpertStoreConfig | None = None, max_positions: int | None = None) -> MoETransformer:
     """Open a native model folder and load it on `device`; `verify` checks every checksum first; `experts` sets
-    the expert tiers (default: every expert resident)."""
+    the expert tiers (default: every expert resident); `max_positions`: the longest sequence it will run (default:
+    the model's max_position_embeddings)."""
     folder = ModelFolder(path, verify=verify)
     experts = experts or ExpertStoreConfig()
     backend = select_backend(device, experts.cpu_threads)
     store = open_expert_store(folder, experts, "cpu" if backend.name == "numpy" else "cuda")
-    return MoETransformer(folder.config, folder.dense, store, backend)
+    return MoETransformer(folder.config, folder.dense, store, backend, max_positions)
