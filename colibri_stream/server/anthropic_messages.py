@@ -101,8 +101,8 @@ def _conversation(fields: Fields, tool_syntax: ToolSyntax | None, thinking_switc
     messages = chat_messages(_system(fields.body.get("system")) + _turns(fields.body.get("messages")))
     tools = _chat_tools(fields.get("tools", (list,), "an array"))
     choice, parallel = _chat_tool_choice(fields.get("tool_choice", (dict,), "an object"), tools)
-    use = tool_use(tools, choice, lambda message, param: bad_request(message, param=param), unsupported, parallel,
-                   tool_syntax)
+    use = tool_use(tools, choice, lambda message, param: bad_request(message, param=param), parallel=parallel,
+                   syntax=tool_syntax)
     thinking = _thinking(fields.get("thinking", (dict,), "an object"), max_tokens)
     kwargs = {THINKING_SWITCH: thinking} if thinking is not None and thinking_switch else None
     return messages, use, thinking, kwargs
