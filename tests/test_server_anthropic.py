@@ -6,7 +6,9 @@ blocks, `<think>` tags and enable_thinking), its text steered with vLLM's struct
 message says what chat says for the same conversation, with Anthropic's id, stop_reason and usage; system and
 content blocks render as chat's system and text; stop_sequences end the text (stop_reason stop_sequence); the SDK's
 stream helper gets the same message; calls in the template's syntax come back as tool_use blocks (tool_choice
-auto), forced calls follow the tool's schema (any, tool), none leaves the text alone; tool_use and tool_result
+auto; streamed, the input in pieces as the model writes it, and a call that has begun stays one), a template
+without a syntax answers in text, forced calls follow the tool's schema (any, tool), none leaves the text alone;
+a failed model step is an api_error (an error event in a stream); tool_use and tool_result
 blocks go back to the template as chat's tool_calls and tool messages; thinking reaches the template's
 enable_thinking and the <think> text comes back as a thinking block; count_tokens counts what a message uses; the
 streamed events come in Anthropic's order with their names; the key works as x-api-key and as Bearer; every
@@ -159,13 +161,33 @@ def test_a_call_in_the_templates_syntax_is_a_tool_use_block(client):
     assert blocks(alone) == [{"type": "tool_use", "name": "weather", "input": {"city": "Paris", "days": 3}}]
 
 
-@pytest.mark.parametrize("text", ["Plain words, no call at all.", CALL + "\nand some words after it",
-                                  '<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>'])
+NOT_CALLS = ["Plain words, no call at all.", "A tag <tool_ that never opens, and <tool_call> alone",
+             '<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>']  # (not one of the tools)
+CUT_SHORT = '<tool_call>\n{"name": "weather", "arguments": {"city": "Pa'
+
+
+@pytest.mark.parametrize("text", NOT_CALLS + [CALL + "\nand some words after it", CUT_SHORT])
 def test_text_that_is_not_well_formed_calls_stays_text(client, text):
     message = write(client, text)
     assert blocks(message) == [{"type": "text", "text": text}] and message.stop_reason == "end_turn"
+
+
+@pytest.mark.parametrize("text", NOT_CALLS)
+def test_streamed_text_that_opens_no_call_stays_text(client, text):
     streamed_text, final = streamed(client, text)
-    assert streamed_text == text and blocks(final) == blocks(message)
+    assert streamed_text == text and blocks(final) == [{"type": "text", "text": text}]
+    assert final.stop_reason == "end_turn"
+
+
+def test_a_streamed_call_goes_out_as_it_is_written_whatever_follows(client):
+    """As chat streams calls (and vLLM): a call that has begun is not taken back; what follows it is text."""
+    text, final = streamed(client, CALL + "\nand some words after it")
+    assert text == "\nand some words after it" and final.stop_reason == "tool_use"
+    assert blocks(final) == [{"type": "tool_use", "name": "weather", "input": {"city": "Paris", "days": 3}},
+                             {"type": "text", "text": text}]
+    text, final = streamed(client, CUT_SHORT)
+    assert text == "" and [block.type for block in final.content] == ["tool_use"]
+    assert final.stop_reason == "end_turn"  # the call never closed
 
 
 UNITS = {"name": "units", "input_schema": {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}},
@@ -230,6 +252,19 @@ def test_tool_use_and_tool_result_go_back_as_chats_tool_calls_and_tool_messages(
         counted.input_tokens
 
 
+def test_a_model_whose_template_teaches_no_tool_syntax_answers_in_text(tiny_server):
+    """(conftest's ChatML template: tool_choice auto, the default, is a text answer there, as in chat.)"""
+    plain = anthropic.Anthropic(base_url=tiny_server.url, api_key=API_KEY, max_retries=0, timeout=60)
+    fields = dict(model=MODEL, max_tokens=6, messages=MESSAGES, tools=ANTHROPIC_TOOLS, extra_body=GREEDY_TO_THE_END)
+    message = plain.messages.create(**fields)
+    assert [block.type for block in message.content] == ["text"] and message.stop_reason == "max_tokens"
+    with plain.messages.stream(**fields) as stream:
+        assert "".join(stream.text_stream) == message.content[0].text
+    # thinking asks nothing of a template without enable_thinking
+    thinking = plain.messages.create(**fields, thinking={"type": "enabled", "budget_tokens": 4})
+    assert thinking.usage.input_tokens == message.usage.input_tokens
+
+
 # ---------------------------------------------------------------------------------------------------- thinking
 
 def test_the_think_text_is_a_thinking_block_and_thinking_reaches_the_template(client):
@@ -278,7 +313,8 @@ def test_a_stream_sends_anthropics_named_events_in_order(server):
     deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
     assert "".join(d.get("thinking", "") for d in deltas) == "\nhm\n"
     assert "".join(d.get("text", "") for d in deltas) == "Let me look.\n"
-    assert json.loads("".join(d.get("partial_json", "") for d in deltas)) == {"city": "Paris", "days": 3}
+    pieces = [d["partial_json"] for d in deltas if d["type"] == "input_json_delta"]
+    assert len(pieces) > 3 and json.loads("".join(pieces)) == {"city": "Paris", "days": 3}  # streamed as written
     assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     assert events[-2]["usage"]["output_tokens"] > 0
 
