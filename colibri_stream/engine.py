@@ -65,6 +65,16 @@ class _Sequence:
     last_token_time: float | None = None  # time.monotonic()
 
 
+class RequestsFailedError(ColibriError):
+    """Raised by `EngineCore.step` when requests failed alone in it (already aborted): `errors` maps each to its
+    EngineStepError, `outputs` holds what the step produced for the other requests."""
+
+    def __init__(self, outputs: list[RequestOutput], errors: dict[str, EngineStepError]):
+        super().__init__("; ".join(f"request {request_id}: {error}" for request_id, error in errors.items()))
+        self.outputs = outputs
+        self.errors = errors
+
+
 class EngineCore:
     """Continuous batching over one model, driven by calling `step()`; not thread-safe (one thread drives it).
 
@@ -167,7 +177,13 @@ class EngineCore:
 
         With async scheduling a decode step that `runner.launch` takes is launched ahead: a call launches the next
         step, then reads the tokens of the one launched by the call before (or by itself, for the first of a run of
-        them)."""
+        them).
+
+        A failure that belongs to one request (its grammar, its sampling, logits that are not finite in its row,
+        its detokenization) ends that request alone: it is aborted (its blocks freed) and the step raises
+        RequestsFailedError, which carries the step's other outputs and each failed request's error; the engine
+        goes on. Any other exception is the step's as a whole (the forward pass), for the caller to fail every
+        request of the step."""
         if not self.has_unfinished():
             return []
         start = time.perf_counter()
@@ -183,15 +199,28 @@ class EngineCore:
             timer.annotate(tokens=scheduled.num_batched_tokens, seqs=len(scheduled.seqs))
             for index, entries in result.prompt_logprobs:  # before the outputs: the first one carries them
                 scheduled.seqs[index].request.prompt_logprobs.extend(entries)
+            failed = {scheduled.seqs[index].request.request_id: reason for index, reason in result.failures.items()}
+            for request_id in failed:  # before the update, which then skips their sequences
+                self.abort(request_id)
             with timer.phase("update"):
                 updates = self.scheduler.update_from_output(scheduled, result.token_ids)
             now = time.monotonic()
             with timer.phase("detokenize"):
-                outputs = [self._output(update, result.logprobs[update.row], now) for update in updates]
+                outputs = []
+                for update in updates:
+                    try:
+                        outputs.append(self._output(update, result.logprobs[update.row], now))
+                    except Exception as error:  # noqa: BLE001 - this request's, reported for it alone
+                        logger.warning("detokenizing request %s failed", update.request.request_id, exc_info=True)
+                        failed[update.request.request_id] = f"detokenizing failed: {error}"
+                        self.abort(update.request.request_id)
         self._num_steps += 1
         self._num_generated_tokens += len(updates)
         self._last_step_time = time.perf_counter() - start
         self._last_step_tokens = scheduled.num_batched_tokens
+        if failed:
+            raise RequestsFailedError([out for out in outputs if out.request_id not in failed],
+                                      {request_id: EngineStepError(reason) for request_id, reason in failed.items()})
         return outputs
 
     def _run_step(self) -> tuple[SchedulerOutput, RunnerOutput]:
@@ -567,6 +596,12 @@ class AsyncEngine:
                 if core.has_unfinished():
                     try:
                         outputs = core.step()
+                    except RequestsFailedError as failed:  # those requests alone; the others' outputs go on
+                        self._publish(failed.outputs, [], num_applied)
+                        for request_id, error in failed.errors.items():
+                            logger.warning("request %s failed: %s", request_id, error)
+                            self._loop.call_soon_threadsafe(self._fail_request, request_id, error)
+                        continue
                     except Exception as exc:  # this step's requests fail; the engine serves the next ones
                         logger.exception("engine step failed; aborting its requests")
                         failed = {out.request_id for out in core.abort_all()}

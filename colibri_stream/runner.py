@@ -16,9 +16,10 @@ import numpy as np
 
 from .model import ForwardBatch, MoETransformer, PagedKVCache
 from .model.batch import flat_batch
-from .request import Logprob, SeqId
-from .sampling import (HostLogits, LogitSource, Sampler, SamplingState, TokenLogprobs, argmax_only,
-                       drawn_over_vocabulary, token_logprobs, uniform_bits)
+from .errors import ColibriError
+from .request import Logprob, SamplingParams, SeqId
+from .sampling import (NON_FINITE_LOGITS, HostLogits, LogitSource, Sampler, SamplingState, TokenLogprobs,
+                       argmax_only, drawn_over_vocabulary, token_logprobs, uniform_bits)
 from .scheduler import ScheduledSeq, SchedulerOutput
 from .structured import Constraints
 
@@ -27,11 +28,14 @@ from .structured import Constraints
 class RunnerOutput:
     """The tokens sampled by one step, one per scheduled sequence with `sample` set, in schedule order."""
 
-    token_ids: list[int]
+    token_ids: list[int]  # -1 for a failed sequence
     logprobs: list[Logprob | None]  # None where the request did not ask for logprobs
     # (scheduled sequence's index, logprobs of the prompt tokens its chunk computed, the next ones in order) for
     # requests that asked for prompt logprobs
     prompt_logprobs: list[tuple[int, list[Logprob]]] = field(default_factory=list)
+    # scheduled sequence's index -> why it failed alone (its grammar, its sampling, its logits not finite); its
+    # request is to end with that error, the step's other sequences are unaffected
+    failures: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -41,6 +45,7 @@ class LaunchedStep:
     step: SchedulerOutput
     states: list[SamplingState]  # of the step's sequences, in order
     ids: Callable[[], np.ndarray]
+    failures: dict[int, str] = field(default_factory=dict)  # as RunnerOutput's (host launches; every row samples)
 
 
 def build_batch(seqs: list[ScheduledSeq], block_size: int) -> ForwardBatch:
@@ -83,19 +88,30 @@ class ModelRunner:
                 batch.logits_indices = np.concatenate([batch.logits_indices, *(rows for _, rows, _ in prompt_rows)])
         with timer.phase("forward"):
             logits, prompt_logits = self._forward(batch, sampling_rows)  # [N, V], [M, V] on the host
-        prompt = _prompt_logprobs(step.seqs, prompt_rows, prompt_logits)
-        states = [self._state(s) for s in step.seqs if s.sample]
-        if not states:
-            return RunnerOutput([], [], prompt)
+        failures: dict[int, str] = {}
+        prompt = _prompt_logprobs(step.seqs, prompt_rows, prompt_logits, failures)
+        sampling = [i for i, s in enumerate(step.seqs) if s.sample]  # [N] the scheduled index of each row
+        if not sampling:
+            return RunnerOutput([], [], prompt, failures)
+        states = [self._state_or_failure(step.seqs[i], i, failures) for i in sampling]
         with timer.phase("sample"):
             sampled = self.sampler.sample_from(logits, states)
+        failures.update((sampling[row], reason) for row, reason in sampled.failures.items())
         token_ids = sampled.token_ids.tolist()
-        for state, token in zip(states, token_ids):
+        for index, state, token in zip(sampling, states, token_ids):
+            if index in failures:
+                continue
             state.output_token_ids.append(token)
             if state.constraint is not None:
-                state.constraint.accept(token)
+                try:
+                    state.constraint.accept(token)
+                except ColibriError as error:  # the grammar's failure, this sequence's alone
+                    failures[index] = str(error)
+        for row, index in enumerate(sampling):
+            if index in failures:
+                token_ids[row] = -1
         return RunnerOutput(token_ids, [_logprob(token, lp) for token, lp in zip(token_ids, sampled.logprobs)],
-                            prompt)
+                            prompt, failures)
 
     def launch(self, step: SchedulerOutput) -> LaunchedStep | None:
         """Start `step` without waiting for its tokens, when it can run so: every sequence decodes one token that
@@ -118,6 +134,7 @@ class ModelRunner:
         if self.model.backend.name == "cupy" and (self.graphs is None or not self.graphs.fits(batch)):
             return None
         states = [self._state(s) for s in seqs]
+        failures: dict[int, str] = {}  # the host's sampler reports them; a decode graph's tokens stay on the device
         if self.model.backend.name == "cupy":
             sampled = [not argmax_only(state.params) for state in states]  # [N]
             temperature = np.array([state.params.temperature if s else 0.0 for state, s in zip(states, sampled)],
@@ -130,17 +147,19 @@ class ModelRunner:
             with timer.phase("forward"):
                 logits = self.model.forward(batch, self.kv_cache)  # [N, V]
             with timer.phase("sample"):
-                tokens = self._host_feedback = self.sampler.sample_from(HostLogits(logits), states).token_ids  # [N]
-            ids = tokens.copy
-        return LaunchedStep(step, states, ids)
+                sampled = self.sampler.sample_from(HostLogits(logits), states)
+            tokens = self._host_feedback = sampled.token_ids  # [N]; a failed row's -1 embeds as any token would
+            ids, failures = tokens.copy, sampled.failures
+        return LaunchedStep(step, states, ids, failures)
 
     def collect(self, launched: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step's tokens."""
         with self.model.timer.phase("forward"):
             token_ids = launched.ids().tolist()
-        for state, token in zip(launched.states, token_ids):
-            state.output_token_ids.append(token)
-        return RunnerOutput(token_ids, [None] * len(token_ids))
+        for index, (state, token) in enumerate(zip(launched.states, token_ids)):
+            if index not in launched.failures:
+                state.output_token_ids.append(token)
+        return RunnerOutput(token_ids, [None] * len(token_ids), failures=dict(launched.failures))
 
     def synchronize(self) -> None:
         """Wait until every launched step finished on the device (after a failure, before anything reuses their
@@ -166,6 +185,15 @@ class ModelRunner:
             logits, prompt = DeviceLogits(every[:sampling_rows], backend), DeviceLogits(every[sampling_rows:], backend)
         logits.stream.synchronize()  # the forward phase holds the device's time, as the host path's copy does
         return logits, prompt
+
+    def _state_or_failure(self, seq: ScheduledSeq, index: int, failures: dict[int, str]) -> SamplingState:
+        """The sequence's sampling state; where it cannot be made (its grammar refused by llguidance), the failure
+        under its scheduled index and a greedy stand-in state, whose token is dropped with its request."""
+        try:
+            return self._state(seq)
+        except ColibriError as error:
+            failures[index] = str(error)
+            return SamplingState.from_params(SamplingParams(temperature=0.0), ())
 
     def _state(self, seq: ScheduledSeq) -> SamplingState:
         request = seq.request
@@ -199,18 +227,24 @@ def _prompt_rows(seqs: list[ScheduledSeq]) -> list[tuple[int, np.ndarray, np.nda
     return out
 
 
-def _prompt_logprobs(seqs: list[ScheduledSeq], prompt_rows: list, logits: LogitSource) -> list[tuple[int, list]]:
-    """(sequence index, Logprobs of its prompt tokens) from the prompt rows' logits [M, V], in `prompt_rows` order."""
+def _prompt_logprobs(seqs: list[ScheduledSeq], prompt_rows: list, logits: LogitSource,
+                     failures: dict[int, str]) -> list[tuple[int, list]]:
+    """(sequence index, Logprobs of its prompt tokens) from the prompt rows' logits [M, V], in `prompt_rows` order;
+    a sequence with a row whose logits are not finite goes to `failures` instead."""
     if not prompt_rows:
         return []
     targets = np.concatenate([t for _, _, t in prompt_rows])  # [M]
     k = max(seqs[i].request.params.prompt_logprobs for i, _, _ in prompt_rows)  # one pass: the most any row asks
-    entries = [_logprob(int(t), e) for t, e in zip(targets, token_logprobs(logits, targets, k))]
+    entries = [None if e is None else _logprob(int(t), e) for t, e in zip(targets, token_logprobs(logits, targets, k))]
     out, at = [], 0
     for i, rows, _ in prompt_rows:
         asked = seqs[i].request.params.prompt_logprobs
-        out.append((i, [(token, logprob, top[:asked]) for token, logprob, top in entries[at: at + len(rows)]]))
+        mine = entries[at: at + len(rows)]
         at += len(rows)
+        if None in mine:
+            failures[i] = NON_FINITE_LOGITS
+            continue
+        out.append((i, [(token, logprob, top[:asked]) for token, logprob, top in mine]))
     return out
 
 

@@ -25,6 +25,7 @@ maps to changed with this order (before, the walk went by token id alone).
 
 from __future__ import annotations
 
+import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -34,6 +35,8 @@ import numpy as np
 
 from .request import SamplingParams
 from .structured import TokenConstraint
+
+logger = logging.getLogger(__name__)
 
 # Temperatures below this are greedy: dividing float32 logits by them would overflow.
 GREEDY_TEMPERATURE = 1e-5
@@ -92,8 +95,9 @@ class TokenLogprobs:
 class SamplerOutput:
     """The tokens picked for a batch, and their logprobs where the request asked for them."""
 
-    token_ids: np.ndarray  # [B] int64
+    token_ids: np.ndarray  # [B] int64; -1 in a failed row
     logprobs: list[TokenLogprobs | None]  # [B]: None where params.logprobs is None
+    failures: dict[int, str] = field(default_factory=dict)  # row -> why it has no token (`Sampler.sample_from`)
 
 
 @dataclass
@@ -221,26 +225,59 @@ class Sampler:
 
     def sample_from(self, source: LogitSource, states: list[SamplingState]) -> SamplerOutput:
         """`sample` for logits held by `source`: the same tokens and logprobs, asking the source for argmaxes and
-        candidates where they suffice and for whole rows only where they do not."""
-        if all(argmax_only(s.params) for s in states):  # the arrays below cost more than the argmaxes here
-            return SamplerOutput(source.argmax(np.arange(len(states))), [None] * len(states))
+        candidates where they suffice and for whole rows only where they do not.
+
+        A row that cannot be sampled fails alone (`SamplerOutput.failures`, token -1): its logits are not finite
+        (the largest is NaN or infinite: corrupt weights, an overflow), no token is left after its grammar, bias
+        and bans, or sampling it raises (its grammar failing, a parameter the sampler cannot serve); the other rows
+        get the tokens and logprobs they would get without it."""
+        every = np.arange(len(states))  # [B]
+        best = source.argmax(every)  # [B]; a NaN row's argmax is a NaN
+        finite = np.isfinite(source.values(every, best))  # [B]
+        if finite.all() and all(argmax_only(s.params) for s in states):  # the arrays below cost more here
+            return SamplerOutput(best, [None] * len(states))
         params = _RowParams.of([s.params for s in states], source.vocab_size)
         uniform = np.array([0.0 if g else s.generator.random() for s, g in zip(states, params.greedy)])  # [B]
-        token_ids = np.full(len(states), -1, dtype=np.int64)  # [B]
-        logprobs: list[TokenLogprobs | None] = [None] * len(states)
-        # Rows whose logprobs (of the raw logits) are not among their candidates (of the scaled ones) go whole.
-        whole = params.penalised | ((params.logprobs >= 0) & ~params.greedy & (params.temperature != 1.0))
-        rows = np.flatnonzero(~whole)  # [S]
-        token_ids[rows], served = _sample_rows(source, rows, params.take(rows), uniform[rows])
-        for b, row_logprobs in zip(rows, served):
-            logprobs[b] = row_logprobs
-        rows = np.flatnonzero(token_ids < 0)  # [H]
-        if rows.size:
-            token_ids[rows], served = _sample_host(source.rows(rows), [states[b] for b in rows], params.take(rows),
+        out = SamplerOutput(np.full(len(states), -1, dtype=np.int64), [None] * len(states),
+                            {int(b): NON_FINITE_LOGITS for b in np.flatnonzero(~finite)})
+        try:
+            _sample_selected(out, source, states, params, uniform, finite)
+        except Exception:  # noqa: BLE001 - one row's failure: sampled again one row at a time to find it
+            logger.warning("sampling a batch failed; sampling its rows one at a time", exc_info=True)
+            for b in np.flatnonzero(finite):
+                alone = every == b  # [B]
+                out.token_ids[b] = -1
+                try:
+                    _sample_selected(out, source, states, params, uniform, alone)
+                except Exception as error:  # noqa: BLE001 - this row's, reported for its request
+                    logger.warning("sampling row %d failed", b, exc_info=True)
+                    out.token_ids[b], out.logprobs[b] = -1, None
+                    out.failures[int(b)] = f"sampling failed: {error}"
+        return out
+
+
+NON_FINITE_LOGITS = "the model's logits are not finite (NaN or infinity) for this sequence"
+NO_TOKEN_ALLOWED = "no token is allowed next: the grammar allows none that min_tokens does not ban"
+
+
+def _sample_selected(out: SamplerOutput, source: LogitSource, states: list[SamplingState], params: _RowParams,
+                     uniform: np.ndarray, selected: np.ndarray) -> None:
+    """Sample the selected rows [B] bool of the batch into `out` (tokens, logprobs, and the rows left without a
+    token in failures): from candidates where they suffice, else from whole rows on the host."""
+    # Rows whose logprobs (of the raw logits) are not among their candidates (of the scaled ones) go whole.
+    whole = params.penalised | ((params.logprobs >= 0) & ~params.greedy & (params.temperature != 1.0))  # [B]
+    rows = np.flatnonzero(selected & ~whole)  # [S]
+    out.token_ids[rows], served = _sample_rows(source, rows, params.take(rows), uniform[rows])
+    for b, row_logprobs in zip(rows, served):
+        out.logprobs[b] = row_logprobs
+    rows = np.flatnonzero(selected & (out.token_ids < 0))  # [H]
+    if rows.size:
+        out.token_ids[rows], served = _sample_host(source.rows(rows), [states[b] for b in rows], params.take(rows),
                                                    uniform[rows])
-            for b, row_logprobs in zip(rows, served):
-                logprobs[b] = row_logprobs
-        return SamplerOutput(token_ids, logprobs)
+        for b, row_logprobs, token in zip(rows, served, out.token_ids[rows]):
+            out.logprobs[b] = row_logprobs
+            if token < 0:
+                out.failures[int(b)] = NO_TOKEN_ALLOWED
 
 
 def _sample_rows(source: LogitSource, rows: np.ndarray, params: _RowParams, uniform: np.ndarray):
@@ -292,12 +329,14 @@ def _sample_rows(source: LogitSource, rows: np.ndarray, params: _RowParams, unif
 
 def _sample_host(logits: np.ndarray, states: list[SamplingState], params: _RowParams, uniform: np.ndarray):
     """Tokens [H] and logprobs of whole rows [H, V] on the host: penalties, then the same candidates and walks as
-    any source."""
+    any source; token -1 (and no logprobs) where the penalties left no token."""
     penalised = HostLogits(apply_penalties(logits, states))
     plain = replace(params, logprobs=np.full(len(states), -1))  # logprobs: of the raw logits, below
-    token_ids, _ = _sample_rows(penalised, np.arange(len(states)), plain, uniform)  # [H]; a host source serves all
+    token_ids = np.full(len(states), -1, dtype=np.int64)  # [H]; -1 where every token is banned
+    left = np.flatnonzero(penalised.logits.max(axis=1) > -np.inf)  # [A]
+    token_ids[left], _ = _sample_rows(penalised, left, plain.take(left), uniform[left])  # a host source serves all
     logprobs: list[TokenLogprobs | None] = [None] * len(states)
-    asked = np.flatnonzero(params.logprobs >= 0)  # [L]
+    asked = np.flatnonzero((params.logprobs >= 0) & (token_ids >= 0))  # [L]
     if asked.size:
         raw = HostLogits(logits).candidates(asked, np.ones(len(asked), dtype=np.float32),
                                             max(1, int(params.logprobs[asked].max())), np.ones(len(asked), bool))
@@ -564,15 +603,22 @@ def _penalised(logits: np.ndarray, states: list[SamplingState]) -> np.ndarray:
     return out
 
 
-def token_logprobs(source: LogitSource, token_ids: np.ndarray, k: int) -> list[TokenLogprobs]:
+def token_logprobs(source: LogitSource, token_ids: np.ndarray, k: int) -> list[TokenLogprobs | None]:
     """Each row's log-probability of its token token_ids[r] [M] int64 and of its k most likely tokens under the raw
-    model distribution (prompt logprobs), from the M rows of `source`: only those figures leave the device."""
-    rows = np.arange(len(token_ids))  # [M]
+    model distribution (prompt logprobs), from the M rows of `source`: only those figures leave the device. None
+    for a row whose logits are not finite (its largest is NaN or infinite)."""
+    every = np.arange(len(token_ids))  # [M]
+    rows = every[np.isfinite(source.values(every, source.argmax(every)))]  # [F]
+    out: list[TokenLogprobs | None] = [None] * len(token_ids)
+    if not rows.size:
+        return out
     best = source.candidates(rows, np.ones(len(rows), np.float32), min(max(k, 1), source.vocab_size),
                              np.ones(len(rows), bool))
-    chosen = log_probabilities(source.values(rows, token_ids), best.lse)  # [M]
-    top_logprobs = log_probabilities(best.logits[:, :k], best.lse[:, None])  # [M, k]
-    return [TokenLogprobs(float(chosen[r]), best.token_ids[r, :k], top_logprobs[r]) for r in rows]
+    chosen = log_probabilities(source.values(rows, token_ids[rows]), best.lse)  # [F]
+    top_logprobs = log_probabilities(best.logits[:, :k], best.lse[:, None])  # [F, k]
+    for f, r in enumerate(rows):
+        out[r] = TokenLogprobs(float(chosen[f]), best.token_ids[f, :k], top_logprobs[f])
+    return out
 
 
 def log_probabilities(logits: np.ndarray, lse: np.ndarray) -> np.ndarray:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from .errors import ColibriError
 from .request import InvalidParameterError
 
 
@@ -49,8 +50,10 @@ def lark_grammar(source: str, param: str) -> str:
 
 
 def choice_grammar(choices: list[str], param: str) -> str:
-    """The grammar of exactly one of the strings `choices`."""
-    return lark_grammar("start: " + " | ".join(json.dumps(choice) for choice in choices), param)
+    """The grammar of exactly one of the strings `choices`: one terminal (a lexeme, matched by llguidance's lexer),
+    so any number of choices is one parser item, where a rule of one alternative per choice stops past 2000
+    (llguidance's max_items_in_row) at the first token."""
+    return lark_grammar("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(choice) for choice in choices), param)
 
 
 def _checked(build, what: str, param: str) -> str:
@@ -64,10 +67,18 @@ def _checked(build, what: str, param: str) -> str:
         grammar = build(LLMatcher)
     except ValueError as error:
         raise InvalidParameterError(f"{what} cannot be used: {error}", param) from error
-    error = LLMatcher.validate_grammar(grammar)
+    error = LLMatcher.validate_grammar(grammar, limits=parser_limits())
     if error:
         raise InvalidParameterError(f"{what} cannot be used: {error}", param)
     return grammar
+
+
+def parser_limits():
+    """llguidance's default limits, with errors that name the problem without the parser's state and the whole
+    grammar (which a request's error message would otherwise carry, megabytes of it for a large grammar)."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(verbose_errors=False)
 
 
 CHECKED_GRAMMARS = 64  # grammars whose check's verdict Constraints keeps
@@ -81,14 +92,22 @@ class TokenConstraint:
         self._vocab_size = vocab_size
 
     def allowed(self) -> np.ndarray:
-        """The tokens the grammar allows next.  # [V] bool"""
+        """The tokens the grammar allows next; GrammarError if the grammar failed (a parser limit reached).
+        # [V] bool"""
         bits = np.frombuffer(self._matcher.compute_bitmask(), np.uint8)
+        if self._matcher.is_error():
+            raise GrammarError(f"the grammar failed: {self._matcher.get_error()}")
         return np.unpackbits(bits, bitorder="little")[: self._vocab_size].astype(bool)
 
     def accept(self, token: int) -> None:
-        """Advance past a sampled token (always an allowed one)."""
+        """Advance past a sampled token (always an allowed one); GrammarError if the grammar fails on it."""
         if not self._matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {self._matcher.get_error()}")
+            raise GrammarError(f"the grammar failed on token {token}: {self._matcher.get_error()}")
+
+
+class GrammarError(ColibriError):
+    """A sequence's grammar failed while it was generating (llguidance reached one of its limits on this path);
+    the sequence's request ends with it, the others go on."""
 
 
 class Constraints:
@@ -97,6 +116,7 @@ class Constraints:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self.vocab_size = vocab_size
+        self._eos_token_ids = tuple(t for t in eos_token_ids if t < vocab_size)
         self._checked: dict[str, str] = {}  # grammar -> its check's error ("" where none), least recent first
         self._checked_lock = threading.Lock()  # checks run on the event loop's thread and on worker threads
         self._tokenizer = None
@@ -128,14 +148,17 @@ class Constraints:
 
     def check(self, grammar: str) -> None:
         """Raise InvalidParameterError (param "grammar", SamplingParams') if `grammar` does not compile with this
-        tokenizer. The last CHECKED_GRAMMARS verdicts are kept: a request's grammar is checked once off the event
-        loop (AsyncEngine.check_grammar), then again, at once, where the engine admits it."""
+        tokenizer or fails its first step (`_first_step_error`). The last CHECKED_GRAMMARS verdicts are kept: a
+        request's grammar is checked once off the event loop (AsyncEngine.check_grammar), then again, at once,
+        where the engine admits it."""
         from llguidance import LLMatcher
 
         with self._checked_lock:
             error = self._checked.pop(grammar, None)
         if error is None:
-            error = LLMatcher.validate_grammar(grammar, self._llg_tokenizer())
+            tokenizer = self._llg_tokenizer()
+            error = (LLMatcher.validate_grammar(grammar, tokenizer, limits=parser_limits())
+                     or self._first_step_error(LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())))
         with self._checked_lock:
             self._checked[grammar] = error
             while len(self._checked) > CHECKED_GRAMMARS:
@@ -144,11 +167,23 @@ class Constraints:
             raise InvalidParameterError(f"the grammar cannot be used with this model's tokenizer: {error}",
                                         "grammar")
 
+    def _first_step_error(self, matcher) -> str:
+        """The error a fresh matcher reaches computing its first mask and taking the first token it allows (the
+        lowest id other than an end of sequence), "" if none. Limits that a grammar's size alone does not show,
+        such as a rule of more than 2000 alternatives (max_items_in_row), are reached there; a grammar that
+        reaches one only further on fails its request alone, in the step (`GrammarError`)."""
+        bits = np.frombuffer(matcher.compute_bitmask(), np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)  # [V]
+        allowed[list(self._eos_token_ids)] = False
+        if not matcher.is_error() and allowed.any():
+            matcher.consume_token(int(np.argmax(allowed)))
+        return matcher.get_error() if matcher.is_error() else ""
+
     def constraint(self, grammar: str) -> TokenConstraint:
-        """A fresh position at the start of `grammar`."""
+        """A fresh position at the start of `grammar`; GrammarError if llguidance refuses it."""
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0, limits=parser_limits())
         if matcher.is_error():
-            raise InvalidParameterError(f"the grammar cannot be used: {matcher.get_error()}", "grammar")
+            raise GrammarError(f"the grammar cannot be used: {matcher.get_error()}")
         return TokenConstraint(matcher, self.vocab_size)

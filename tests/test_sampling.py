@@ -242,6 +242,54 @@ def test_a_tokens_logprob_is_its_own_top_logprobs_entry():
         assert info.top_token_ids[0] == target and info.logprob == info.top_logprobs[0]
 
 
+class FailingGrammar:
+    """A constraint whose grammar has failed, as TokenConstraint reports it."""
+
+    def allowed(self):
+        from colibri_stream.structured import GrammarError
+
+        raise GrammarError("the grammar failed: a parser limit")
+
+
+class OneTokenGrammar:
+    """A constraint that allows one token next."""
+
+    def __init__(self, token: int, vocab: int):
+        self.mask = np.zeros(vocab, dtype=bool)  # [V]
+        self.mask[token] = True
+
+    def allowed(self):
+        return self.mask
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone():
+    """Rows with NaN or infinite logits, a failing grammar, or a grammar and min_tokens that ban every token get
+    token -1 and their reason; every other row gets the token and logprobs it gets alone, its generator drawn
+    once as alone."""
+    logits = random_logits(7, 300, seed=4, scale=3.0)
+    logits[1, 17] = np.nan
+    logits[2, 3] = np.inf
+    params = [SamplingParams(seed=0, logprobs=2), SamplingParams(temperature=0.0),
+              SamplingParams(top_k=5, seed=1), SamplingParams(seed=2, presence_penalty=0.5),
+              SamplingParams(temperature=0.0, logprobs=3), SamplingParams(seed=3, min_tokens=2),
+              SamplingParams(temperature=0.5, top_p=0.9, seed=4)]
+    states = states_for(params)
+    states[3].constraint = FailingGrammar()
+    states[5].constraint = OneTokenGrammar(9, 300)
+    states[5].ending_token_ids = (9,)  # min_tokens bans it
+    out = SAMPLER.sample(logits, states)
+    assert sorted(out.failures) == [1, 2, 3, 5] and all(out.token_ids[b] == -1 for b in out.failures)
+    assert "not finite" in out.failures[1] and "not finite" in out.failures[2]
+    assert "parser limit" in out.failures[3] and "no token is allowed" in out.failures[5]
+    for b in (0, 4, 6):
+        alone = SAMPLER.sample(logits[b:b + 1], states_for([params[b]]))
+        assert out.token_ids[b] == alone.token_ids[0]
+        assert (out.logprobs[b] is None) == (alone.logprobs[0] is None)
+        if out.logprobs[b] is not None:
+            assert out.logprobs[b].logprob == alone.logprobs[0].logprob
+    assert SAMPLER.sample(logits[[0, 4, 6]], states_for([params[b] for b in (0, 4, 6)])).failures == {}
+
+
 def test_rejects_mismatched_batch():
     with pytest.raises(ValueError, match="one row per state"):
         SAMPLER.sample(np.zeros((2, 4), dtype=np.float32), states_for([SamplingParams()]))

@@ -3,7 +3,8 @@
 On the tiny model (random weights, so only the grammar keeps its text in shape): greedy and sampled sequences under
 a bounded JSON schema end on their own with documents valid under it, laid out as json.dumps writes them; so do
 sequences preempted and recomputed, and n sequences of one request; the tokens of an unconstrained request in the
-same batch are the ones it gets alone; a schema llguidance cannot use is refused when the request arrives. Through
+same batch are the ones it gets alone; a schema llguidance cannot use, or a grammar past one of its parser limits,
+is refused when the request arrives, and a choice list of thousands of strings is followed. Through
 the server and the official client: response_format json_schema and json_object in chat and completions, the
 client's `parse` helpers with a pydantic model, text.format in the Responses API, and vLLM's structured_outputs
 and guided_* fields (regex, choice, JSON schema, json_object, Lark grammar), with a 400 naming the field for each
@@ -28,6 +29,8 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                           "size": {"type": "integer", "minimum": 0, "maximum": 99},
                                           "kind": {"enum": ["small", "large"]}},
           "required": ["ok", "size", "kind"], "additionalProperties": False}
+# A rule of 2500 alternatives: past llguidance's 2000 items in a parser row, which it reports at the first token
+WIDE_RULE = "start: " + " | ".join(f'"option {i}"' for i in range(2500))
 TIGHT = dict(device="cpu", block_size=4, num_kv_blocks=24, max_seq_len=96, max_num_batched_tokens=16,
              max_batch_size=4)
 
@@ -103,6 +106,25 @@ def test_a_grammars_verdict_is_kept_for_its_next_check(tiny_model_dir):
         constraints.check(bad)  # checked anew once forgotten
 
 
+def test_a_grammar_past_a_parser_limit_is_refused_at_its_check_and_a_long_choice_list_is_not(tiny_model_dir):
+    """A rule wider than llguidance's 2000 parser items validates, then fails at its first token: the check takes
+    that first step, so the grammar is refused when the request arrives rather than failing inside a step. A
+    choice list of any length is one terminal (choice_grammar), which a constrained sequence follows to one of
+    its strings."""
+    from colibri_stream.structured import choice_grammar, lark_grammar
+
+    core = EngineCore.from_pretrained(str(tiny_model_dir), **TIGHT)
+    with pytest.raises(InvalidParameterError, match="max is 2000") as refused:
+        core.runner.constraints.check(lark_grammar(WIDE_RULE, "guided_grammar"))
+    assert refused.value.param == "grammar" and len(str(refused.value)) < 1000  # no grammar dump in the message
+    choices = [f"option {i}" for i in range(5000)]
+    grammar = choice_grammar(choices, "guided_choice")
+    ids = core.tokenizer.encode("Pick:")
+    outputs = run(core, {f"{t}": (ids, SamplingParams(max_tokens=24, temperature=t, seed=1, grammar=grammar))
+                         for t in (0.0, 1.0)})
+    assert all(text in choices and reason == "stop" for text, reason in outputs.values())
+
+
 class Box(pydantic.BaseModel):
     ok: bool
     size: int = pydantic.Field(ge=0, le=99)
@@ -161,6 +183,12 @@ def test_vllm_choice_json_and_grammar_fields(client):
         picked = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=1.0,
                                                 seed=5, extra_body=fields)
         assert picked.choices[0].message.content in choices
+    many = [f"item {i}" for i in range(3000)]  # past llguidance's 2000 items a rule holds: one terminal instead
+    for stream in (False, True):
+        picked = client.completions.create(model="tiny", prompt="Pick:", max_tokens=20, temperature=1.0, seed=5,
+                                           stream=stream, extra_body={"guided_choice": many})
+        chunks = picked if stream else [picked]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) in many
     for schema in (SCHEMA, json.dumps(SCHEMA)):  # the schema as an object or as its JSON text, as vLLM takes it
         for fields in ({"structured_outputs": {"json": schema}}, {"guided_json": schema}):
             document = client.chat.completions.create(model="tiny", messages=messages, max_tokens=60,
@@ -182,6 +210,7 @@ def test_vllm_choice_json_and_grammar_fields(client):
     ({"structured_outputs": {"grammar": "start: ((("}}, "structured_outputs.grammar"),
     ({"structured_outputs": {"grammar": "start: <[99999]>"}}, "structured_outputs.grammar"),  # the tokenizer's check
     ({"guided_grammar": "start: <[99999]>"}, "guided_grammar"),
+    ({"guided_grammar": WIDE_RULE}, "guided_grammar"),  # llguidance's limit, reached at the first token
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs.choice"),
     ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
