@@ -22,17 +22,18 @@ from typing import Any
 
 from .checkpoint import default_model_path
 from .config import ConfigError, EngineConfig, ModelConfig
-from .errors import ColibriError
+from .errors import ColibriError, describe
 from .experts.stats import ExpertStats
 from .kv_cache import KVCacheManager
 from .model import MoETransformer, PagedKVCache, load_model
-from .request import (EngineStepError, EngineStoppedError, InvalidParameterError, Logprob, QueueFullError, Request,
-                      RequestOutput, RequestStatus, SamplingParams)
+from .request import (EngineStepError, EngineStoppedError, InvalidParameterError, Logprob, PromptTooLongError,
+                      QueueFullError, Request, RequestOutput, RequestStatus, SamplingParams)
 from .runner import LaunchedStep, ModelRunner, RunnerOutput
 from .scheduler import Scheduler, SchedulerOutput, SeqUpdate
 from .structured import Constraints
 from .timing import StepSink, StepTimer
 from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .tokenizer.prompt_bound import CharLimit, max_chars_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,9 @@ class EngineCore:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
         self.runner.constraints = Constraints(tokenizer.to_json(), model.config.vocab_size,
                                               tuple(sorted(self.eos_token_ids)))
+        per_token = max_chars_per_token(tokenizer.to_json())
+        # the most characters a prompt can have and fit max_seq_len (None: this tokenizer bounds no token's span)
+        self.prompt_char_limit = None if per_token is None else CharLimit(self.max_seq_len, per_token)
         self._requests: dict[str, dict[int, _Sequence]] = {}  # request id -> its unfinished sequences by index
         self._num_steps = 0
         self._num_steps_launched_ahead = 0
@@ -125,22 +129,35 @@ class EngineCore:
         return cls(model, Tokenizer.from_folder(config.model), config)
 
     def encode_prompt(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True,
-                      tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+                      tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                      keep_last: int | None = None, fit_context: bool = True) -> list[int]:
         """Token ids of a text, a list of token ids, or chat messages (rendered with the chat template, which is
         shown `tools` when given, and `template_kwargs`: its variables, such as enable_thinking, and
-        add_generation_prompt, true unless given)."""
+        add_generation_prompt, true unless given).
+
+        A prompt that certainly has more tokens than max_seq_len raises PromptTooLongError before it is tokenized
+        or rendered whole: a text, or a chat's rendering so far, of more characters than `prompt_char_limit`, or
+        more token ids than max_seq_len. Not so with `keep_last` (the last keep_last ids are returned: vLLM's
+        truncate_prompt_tokens) or with fit_context=False (a prompt counted whatever its length)."""
         if not prompt:
             raise InvalidParameterError("prompt must not be empty", param="prompt")
+        limit = self.prompt_char_limit if fit_context and keep_last is None else None
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        if all(isinstance(m, dict) for m in prompt):
+            if limit is not None:
+                limit.check_text(len(prompt))
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        elif all(isinstance(m, dict) for m in prompt):
             options = {"add_generation_prompt": True, **(template_kwargs or {})}
-            text = self.tokenizer.apply_chat_template(prompt, tools=tools, **options)
-            return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise InvalidParameterError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-        return list(prompt)
+            text = self.tokenizer.apply_chat_template(prompt, tools=tools, char_limit=limit, **options)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+        else:
+            if fit_context and keep_last is None and len(prompt) > self.max_seq_len:
+                raise PromptTooLongError(len(prompt), None, self.max_seq_len)
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+                raise InvalidParameterError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+            ids = list(prompt)
+        return ids if keep_last is None else ids[-keep_last:]
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The admission checks, callable from any thread: InvalidParameterError, PromptTooLongError."""
@@ -355,14 +372,13 @@ class _Stop:
     drain: bool  # finish the running requests first (True) or abort them
 
 
-ENCODE_INLINE_CHARS = 8192  # prompts up to this many characters are tokenized on the event loop (microseconds)
+ENCODE_INLINE_CHARS = 8192  # texts of up to this many characters (or token ids) are encoded on the event loop
 
 
-def _prompt_chars(prompt: str | list[int] | list[dict]) -> int:
-    """Characters to tokenize: a text's length, chat messages' content lengths, 0 for token ids."""
-    if isinstance(prompt, str):
-        return len(prompt)
-    return sum(len(str(m.get("content") or "")) for m in prompt if isinstance(m, dict))
+def _encodes_inline(prompt: str | list[int] | list[dict]) -> bool:
+    """Whether a prompt is encoded on the event loop (microseconds): a short text or token id list. Chats render on
+    a worker thread whatever their size, as a template's cost follows no one count (messages, content, tools)."""
+    return len(prompt) <= ENCODE_INLINE_CHARS and not any(isinstance(item, dict) for item in prompt[:1])
 
 
 class _Collector:
@@ -471,14 +487,16 @@ class AsyncEngine:
         await self.stop()
 
     async def encode(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True,
-                     tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
-        """The prompt's token ids (`EngineCore.encode_prompt`), computed on a worker thread when the prompt is long
-        (tokenizing a few MiB of text takes seconds, which would stall every stream on this event loop)."""
-        if _prompt_chars(prompt) <= ENCODE_INLINE_CHARS:
-            return self._core.encode_prompt(prompt, add_special_tokens, tools, template_kwargs)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self._core.encode_prompt, prompt, add_special_tokens, tools,
-                                          template_kwargs)
+                     tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                     keep_last: int | None = None, fit_context: bool = True) -> list[int]:
+        """The prompt's token ids (`EngineCore.encode_prompt`: a prompt that cannot fit is refused before it is
+        tokenized whole, unless `keep_last` or fit_context=False). Chats and long prompts are encoded on a worker
+        thread, where the tokenizer runs without the GIL: tokenizing a few MiB of text takes seconds, which would
+        stall every stream on this event loop."""
+        args = (prompt, add_special_tokens, tools, template_kwargs, keep_last, fit_context)
+        if _encodes_inline(prompt):
+            return self._core.encode_prompt(*args)
+        return await asyncio.get_running_loop().run_in_executor(None, self._core.encode_prompt, *args)
 
     async def check_grammar(self, grammar: str) -> None:
         """Check a grammar against the tokenizer on a worker thread (seconds for a large one with a large
@@ -638,14 +656,14 @@ class AsyncEngine:
 
     def _fail_step(self, request_ids: set[str], error: BaseException) -> None:
         self._last_step_failed = True
-        failure = EngineStepError(f"the model step failed: {error!r}")
+        failure = EngineStepError(f"the model step failed: {describe(error)}")
         failure.__cause__ = error
         for request_id in request_ids:
             self._fail_request(request_id, failure)
 
     def _fail_all(self, error: BaseException) -> None:
         self._accepting = False
-        failure = EngineStoppedError(f"the engine stopped after an error: {error!r}")
+        failure = EngineStoppedError(f"the engine stopped after an error: {describe(error)}")
         failure.__cause__ = error
         for collector in self._collectors.values():
             collector.fail(failure)

@@ -33,19 +33,21 @@ PROMPTS = [f"Request {i}: the quick brown fox {'jumps ' * (i % 5)}over dog {i * 
 class LiveServer:
     """A real server on 127.0.0.1:<free port>, its event loop running in a thread of its own."""
 
-    def __init__(self, model_dir: Path, engine_options: dict, **app_options: Any):
+    def __init__(self, model_dir: Path, engine_options: dict, *, serve_options: dict | None = None,
+                 **app_options: Any):
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
         self._thread.start()
-        self.app, self._runner, port = self.call(self._start(model_dir, engine_options, app_options))
+        self.app, self._runner, port = self.call(self._start(model_dir, engine_options, app_options,
+                                                             serve_options or {}))
         self.url = f"http://127.0.0.1:{port}"
         self.model_dir = model_dir
 
     @staticmethod
-    async def _start(model_dir: Path, engine_options: dict, app_options: dict) -> tuple:
+    async def _start(model_dir: Path, engine_options: dict, app_options: dict, serve_options: dict) -> tuple:
         engine = AsyncEngine.from_pretrained(str(model_dir), **{"device": "cpu", **engine_options})
         app = create_app(engine, **app_options)
-        return (app, *await serve(app, "127.0.0.1", 0))
+        return (app, *await serve(app, "127.0.0.1", 0, **serve_options))
 
     def call(self, coro: Any, timeout: float = 60) -> Any:
         """Run a coroutine on the server's loop and return its result."""

@@ -19,6 +19,12 @@ from tokenizers.processors import TemplateProcessing
 
 from ..errors import CheckpointError
 from .chat_template import ChatTemplateError, render_chat_template
+from .native_heap import release_free_heap
+from .prompt_bound import CharLimit
+
+TRIM_AFTER_CHARS = 1 << 16  # texts longer than this leave enough freed heap behind to be worth returning
+DECODE_HOLDING_GIL_IDS = 4096  # longer id lists are decoded by the library's batch call, which drops the GIL (the
+# one-text call, faster for the short windows of streaming, keeps it)
 
 # The named special tokens transformers passes to chat templates (as strings) when the config sets them.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -71,6 +77,17 @@ def _chat_templates(folder: Path, config: dict) -> dict[str, str]:
     return templates
 
 
+def _token_text(value: Any) -> Any:
+    """A tokenizer_config.json value with each serialised AddedToken ({"content": ..., ...}) as its text."""
+    if isinstance(value, Mapping):
+        if isinstance(value.get("content"), str):
+            return value["content"]
+        return {key: _token_text(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_token_text(item) for item in value]
+    return value
+
+
 def _eos_ids(value: Any) -> list[int]:
     """generation_config's eos_token_id (an int, a list or null) as a list."""
     if isinstance(value, int):
@@ -88,10 +105,12 @@ class Tokenizer:
     """
 
     def __init__(self, backend: BackendTokenizer, special_tokens: Mapping[str, str],
-                 chat_templates: Mapping[str, str], eos_token_ids: Sequence[int]):
+                 chat_templates: Mapping[str, str], eos_token_ids: Sequence[int],
+                 config: Mapping[str, Any] | None = None):
         self._backend = backend
         self.special_tokens = dict(special_tokens)  # e.g. {"bos_token": "<s>", "eos_token": "</s>"}
         self.chat_templates = dict(chat_templates)
+        self.config = dict(config or {})  # tokenizer_config.json as read
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
         self.bos_token_id: int | None = self.token_to_id(self.special_tokens.get("bos_token"))
         self.pad_token_id: int | None = self.token_to_id(self.special_tokens.get("pad_token"))
@@ -132,15 +151,23 @@ class Tokenizer:
 
         eos_ids = [backend.token_to_id(special_tokens["eos_token"])] if "eos_token" in special_tokens else []
         eos_ids += _eos_ids(_read_json(folder / "generation_config.json").get("eos_token_id"))
-        return cls(backend, special_tokens, _chat_templates(folder, config), [i for i in eos_ids if i is not None])
+        return cls(backend, special_tokens, _chat_templates(folder, config), [i for i in eos_ids if i is not None],
+                   config)
 
     def token_to_id(self, token: str | None) -> int | None:
         """The id of a token string, or None when the vocabulary lacks it."""
         return None if token is None else self._backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; add_special_tokens adds what the tokenizer's post-processor adds (e.g. BOS)."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; add_special_tokens adds what the tokenizer's post-processor adds (e.g. BOS).
+
+        Runs without the GIL (the library's `encode` keeps it for the whole text, its batch calls drop it), so a
+        long text tokenized on a worker thread does not stall the others; the heap it took is handed back after.
+        """
+        ids = self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+        if len(text) > TRIM_AFTER_CHARS:
+            release_free_heap()
+        return ids
 
     def to_json(self) -> str:
         """The tokenizer in the tokenizers library's JSON (what llguidance builds its view of the vocabulary from)."""
@@ -162,15 +189,34 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`; bytes that do not form whole UTF-8 characters decode to U+FFFD."""
+        if len(ids) > DECODE_HOLDING_GIL_IDS:  # the batch call drops the GIL
+            return self._backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def info(self) -> dict[str, Any]:
+        """The tokenizer as vLLM's GET /tokenizer_info describes it (transformers' view of the same files):
+        tokenizer_config.json's fields, each token entry as its text; `tokenizer_class`, the class transformers
+        loads (the fast one); the named special tokens (null where unset); the default chat template."""
+        info = {key: _token_text(value) for key, value in self.config.items() if key != "chat_template"}
+        named = self.config.get("tokenizer_class")
+        info["tokenizer_class"] = (named if named.endswith("Fast") else named + "Fast") if isinstance(named, str) \
+            else "PreTrainedTokenizerFast"
+        for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            info[name] = self.special_tokens.get(name)
+        if "default" in self.chat_templates:
+            info["chat_template"] = self.chat_templates["default"]
+        return info
 
     @property
     def has_chat_template(self) -> bool:
         return bool(self.chat_templates)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], /, add_generation_prompt: bool = True,
-                            tools: Sequence[Mapping[str, Any]] | None = None, **extra: Any) -> str:
+                            tools: Sequence[Mapping[str, Any]] | None = None, *, char_limit: CharLimit | None = None,
+                            **extra: Any) -> str:
         """The prompt text for an OpenAI-style message list; `extra` goes to the template (e.g. enable_thinking).
+        With `char_limit`, a conversation that renders to more characters than the context holds raises
+        PromptTooManyCharsError as soon as its text grows past them.
 
         The text usually starts with the BOS token already, so encode it with add_special_tokens=False.
         Raises ChatTemplateError when the model has no template, the messages are malformed, a variable of `extra`
@@ -178,7 +224,7 @@ class Tokenizer:
         """
         template = self._select_template(tools)
         return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                    **{**self.special_tokens, **extra})
+                                    char_limit=char_limit, **{**self.special_tokens, **extra})
 
     def _select_template(self, tools: Sequence[Mapping[str, Any]] | None) -> str:
         if not self.chat_templates:

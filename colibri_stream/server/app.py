@@ -29,7 +29,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
 from .. import __version__
-from ..errors import ColibriError
+from ..errors import ColibriError, RequestsAbortedError
 from ..metrics import ServerMetrics
 from ..request import (
     EngineStoppedError,
@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_KEEPALIVE_SECONDS = 10.0
 DEFAULT_SEND_TIMEOUT_SECONDS = 60.0  # a stream whose client reads nothing for this long is aborted
+DEFAULT_REQUEST_HEAD_TIMEOUT_SECONDS = 60.0  # a connection waiting this long for a request's headers is closed
 RETRY_AFTER_SECONDS = 1  # a full queue's 429 says when to try again; the openai client waits that long, then retries
 READABLE_ENCODINGS = ("identity", "gzip", "deflate")  # request bodies aiohttp decodes without extra packages
 
@@ -142,7 +143,7 @@ class ServerState:
 GRAMMAR_FIELDS = ("response_format", "text", "tools", "structured_outputs", "guided_json", "guided_regex",
                   "guided_choice", "guided_grammar", "output_config")
 REQUEST_ID_HEADER = "X-Request-Id"
-KEYED_PATHS = ("/tokenize", "/detokenize")  # outside /v1/, behind the API key too
+KEYED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")  # outside /v1/, behind the API key too
 MAX_REQUEST_ID = 128  # characters of a client's own request id that are echoed back
 
 STATE = web.AppKey("state", ServerState)
@@ -188,6 +189,7 @@ def create_app(engine: Any, *, api_key: str | None = None, served_model_name: st
         web.post("/v1/messages/count_tokens", count_message_tokens),
         web.post("/tokenize", tokenize),
         web.post("/detokenize", detokenize),
+        web.get("/tokenizer_info", tokenizer_info),
         web.get("/v1/models", list_models),
         web.get("/v1/models/{model:.+}", get_model),  # Hugging Face names hold a slash
         web.get("/health", health),
@@ -451,6 +453,12 @@ async def detokenize(request: web.Request) -> web.Response:
     return _json({"prompt": state.decode(ids)})
 
 
+async def tokenizer_info(request: web.Request) -> web.Response:
+    """GET /tokenizer_info, as vLLM's: the tokenizer's class, its tokenizer_config.json fields, special tokens and
+    chat template (what lm-evaluation-harness reads to tokenize through /tokenize instead of a download)."""
+    return _json(request.app[STATE].engine.tokenizer.info())
+
+
 async def _expect(request: web.Request) -> web.StreamResponse | None:
     """`Expect: 100-continue` (curl sends it with bodies over 1 MiB): a body announced over the limit is refused
     before the client sends it; aiohttp's default answers "100 Continue" to anything. Runs before the middlewares,
@@ -629,26 +637,64 @@ class _RequestHandler(web.RequestHandler):
 
 
 class _Server(web.Server):
+    """aiohttp's connection manager, whose connections answer malformed HTTP in OpenAI's shape (`_RequestHandler`)
+    and are closed once they have waited `request_head_timeout` seconds for a request's line and headers: from the
+    connection's start, or from its last answer, however the bytes trickle in (a client that sends its headers
+    slowly, slowloris, holds a socket that long at most; an idle keep-alive connection is closed after it too).
+    A connection is checked every `request_head_timeout` seconds while it waits, and every second while a request
+    runs, so one that waits is closed between one and two timeouts after its wait began."""
+
+    request_head_timeout: float | None = None  # set by _AppRunner; None: wait for ever
+
     def __call__(self) -> web.RequestHandler:
         handler = super().__call__()
         handler.__class__ = _RequestHandler  # same slots: only handle_error differs
         return handler
 
+    def connection_made(self, handler: web.RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        if self.request_head_timeout is not None:
+            self._check_head(handler, None)
+
+    def _check_head(self, handler: web.RequestHandler, heads_read: int | None) -> None:
+        """Close `handler`'s connection if it has waited for a request's head since the last check, which saw
+        `heads_read` heads read (None: the first check, or one while a request ran); else check again later."""
+        if handler.transport is None:  # closed
+            return
+        heads = handler._request_count  # (aiohttp's count of the heads its parser has read on this connection)
+        waiter = handler._waiter  # (set while the connection waits for a request)
+        waiting = waiter is not None and not waiter.done()
+        if waiting and heads == heads_read:
+            handler.logger.debug("closed a connection that sent no whole request head in %.3g s",
+                                 self.request_head_timeout)
+            handler.force_close()
+            return
+        delay = self.request_head_timeout if waiting else min(1.0, self.request_head_timeout)
+        asyncio.get_running_loop().call_later(delay, self._check_head, handler, heads if waiting else None)
+
 
 class _AppRunner(web.AppRunner):
-    """The app's runner, whose connections answer malformed HTTP in OpenAI's shape (`_RequestHandler`)."""
+    """The app's runner, whose connections answer malformed HTTP in OpenAI's shape and time out slow request heads
+    (`_Server`)."""
+
+    def __init__(self, app: web.Application, *, request_head_timeout: float | None, **options: Any):
+        super().__init__(app, **options)
+        self._request_head_timeout = request_head_timeout
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         with contextlib.suppress(TypeError):  # an aiohttp whose Server has a layout of its own: its text errors
             server.__class__ = _Server
+            server.request_head_timeout = self._request_head_timeout
         return server
 
 
-async def serve(app: web.Application, host: str, port: int,
-                shutdown_timeout: float = 5.0) -> tuple[web.AppRunner, int]:
-    """Start the app (and so the engine) and listen on host:port (0: any free port); returns the runner and port."""
-    runner = _AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
+async def serve(app: web.Application, host: str, port: int, shutdown_timeout: float = 5.0,
+                request_head_timeout: float | None = DEFAULT_REQUEST_HEAD_TIMEOUT_SECONDS) -> tuple[web.AppRunner, int]:
+    """Start the app (and so the engine) and listen on host:port (0: any free port); returns the runner and port.
+    A connection that waits `request_head_timeout` seconds for a request's head is closed (`_Server`)."""
+    runner = _AppRunner(app, request_head_timeout=request_head_timeout, handler_cancellation=True,
+                        shutdown_timeout=shutdown_timeout)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner, runner.addresses[0][1]
@@ -674,7 +720,8 @@ def run_server(engine_config: dict[str, Any], host: str = "127.0.0.1", port: int
 
     engine_config: the keyword arguments of AsyncEngine.from_pretrained, the model folder as "path". The first
     signal drains (running requests finish, new ones get 503, up to drain_timeout seconds, then the rest are
-    aborted); a second one stops at once.
+    aborted); a second one stops at once. Raises RequestsAbortedError (`colibri serve` exits non-zero) when it
+    stopped with requests still running.
     """
     from ..engine import AsyncEngine, run
 
@@ -689,12 +736,15 @@ def run_server(engine_config: dict[str, Any], host: str = "127.0.0.1", port: int
 
 
 async def _serve_until_signal(app: web.Application, host: str, port: int, drain_timeout: float | None) -> None:
+    """Serve until a signal, drain (a second signal or `drain_timeout` ends the drain) and stop; raises
+    RequestsAbortedError, once stopped, where requests were still running."""
     loop = asyncio.get_running_loop()
     signalled = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signalled.set)
     runner, bound = await serve(app, host, port)
     log.info("serving %s on http://%s:%d/v1", app[STATE].model_name, host, bound)
+    aborted, why = 0, ""
     try:
         await signalled.wait()
         signalled.clear()
@@ -706,11 +756,15 @@ async def _serve_until_signal(app: web.Application, host: str, port: int, drain_
         draining.cancel()
         second.cancel()
         if not drained:
-            log.warning("stopping with %d requests still in flight; they are aborted", app[STATE].active)
+            aborted = app[STATE].active
+            why = "a second signal came" if second in done else f"the drain timeout ({drain_timeout:g} s) passed"
+            log.warning("stopping with %d requests still in flight; they are aborted", aborted)
             await app[STATE].engine.stop(drain=False)
     finally:
         await runner.cleanup()
         log.info("stopped")
+    if aborted:
+        raise RequestsAbortedError(f"stopped with {aborted} request{'s' if aborted > 1 else ''} aborted: {why}")
 
 
 def _is_loopback(host: str) -> bool:

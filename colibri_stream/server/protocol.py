@@ -11,7 +11,8 @@ json_object and json_schema (chat and, as vLLM, completions) constrain the text 
 vLLM's `structured_outputs` and `guided_*` fields to a schema, regex, choice or Lark grammar (structured_outputs.py); a
 forced tool call (tool_choice "required" or a named function) is written under its tools' schemas (tools.py);
 with tool_choice "auto" the calls the model writes in its template's syntax become tool_calls (tool_syntax.py;
-streamed as they are written; a model whose template teaches no syntax answers in text), and a thinking model's <think> text becomes the message's reasoning_content (reasoning.py).
+streamed as they are written; a model whose template teaches no syntax answers in text), and a thinking model's
+<think> text becomes the message's reasoning_content (reasoning.py).
 Types are as strict as OpenAI's: no number in a string, no boolean for a number, no 2.0 for an integer; null is the
 same as leaving a field out. The values of those features that ask for nothing (`tools: []`,
 `tool_choice: "none"` or `"auto"`, `response_format: {"type": "text"}`, `modalities: ["text"]`, `echo: false`,

@@ -26,8 +26,9 @@ OpenAI's event sequence: response.created, response.in_progress, response.output
 response.content_part.added, then response.output_text.delta per new text, response.output_text.done,
 response.content_part.done, response.output_item.done and response.completed, each event numbered by
 sequence_number. A response the length limit ended has status "incomplete" and incomplete_details.reason
-"max_output_tokens"; its stream still ends with response.completed (as vLLM's: the SDK's stream helper waits for
-that event).
+"max_output_tokens", and its stream ends with response.incomplete instead, as OpenAI's does (the SDK's stream
+helper yields it with the response; its get_final_response() waits for response.completed alone, against OpenAI
+as here).
 """
 
 from __future__ import annotations
@@ -330,7 +331,8 @@ class ResponsesResponder:
 
     def closing(self) -> list[dict]:
         """The events after the last text: what was held back, the reasoning and the message done, each call's
-        item (added, its arguments, done), then the whole response."""
+        item (added, its arguments, done), then the whole response (response.completed, or response.incomplete
+        where the length limit ended it)."""
         reasoning, content = self._split_piece("", last=True)
         events = self._reasoning_delta(reasoning)
         response = self.response()
@@ -360,7 +362,8 @@ class ResponsesResponder:
                            self._event("response.function_call_arguments.done", item_id=item["id"],
                                        output_index=index, arguments=item["arguments"]),
                            self._event("response.output_item.done", output_index=index, item=item)]
-        return events + [self._event("response.completed", response=response)]
+        end = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return events + [self._event(end, response=response)]
 
     def response(self) -> dict:
         """The response object, once generation has ended: the reasoning item (where the reply thought), the
