@@ -432,7 +432,6 @@ BAD_REQUESTS = [
                                                       {"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[1]"),
     (CHAT, {"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id"),
-    (CHAT, {"messages": chat("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     (CHAT, {"messages": chat("hi"), "tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0]"),
     (CHAT, {"messages": chat("hi"), "tools": [{"type": "function", "function": {"name": "f"}}],
             "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
