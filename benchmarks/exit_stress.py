@@ -4,10 +4,11 @@ Each run must end with exit code 0. The model is the test suite's tiny Mixtral (
 tests/conftest.py does): it answers in a fraction of a second, so a run's exit comes while the threads the engine
 started at load may still be working, which is the race this measures. With `--baseline-ref REF` the same runs are
 made with the package of git revision REF (installed from a temporary worktree, put first on PYTHONPATH), in the
-same process and on the same machine, so the record holds both. Results: benchmarks/results/exit_stress_cpu.json.
+same process and on the same machine, so the record holds both; `--ref` measures a revision the same way (edits in
+the work tree during the run then do not reach the children). Results: benchmarks/results/exit_stress_cpu.json.
 
     python benchmarks/exit_stress.py [--generate-runs 1000] [--concurrency 4] [--server-cycles 100]
-                                     [--baseline-ref a28294f --baseline-generate-runs 300]
+                                     [--ref HEAD] [--baseline-ref a28294f --baseline-generate-runs 300]
 """
 
 from __future__ import annotations
@@ -63,14 +64,16 @@ def generate_runs(model: Path, runs: int, concurrency: int, env: dict) -> dict:
     command = [*CLI, "generate", "--model", str(model), "--prompt",
                "The quick brown fox", "--max-tokens", "16", "--temperature", "0", "--json"]
 
-    def one(_: int) -> int:
-        return subprocess.run(command, capture_output=True, timeout=300, env=env, cwd=model.parent).returncode
+    def one(_: int) -> subprocess.CompletedProcess:
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=model.parent)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        codes = list(pool.map(one, range(runs)))
+        done = list(pool.map(one, range(runs)))
+    codes = [d.returncode for d in done]
     return {"runs": runs, "concurrency": concurrency, "exit_codes": dict(collections.Counter(map(str, codes))),
-            "failures": sum(code != 0 for code in codes), "seconds": round(time.perf_counter() - start, 1)}
+            "failures": sum(code != 0 for code in codes), "seconds": round(time.perf_counter() - start, 1),
+            "failure_stderr": [d.stderr[-400:] for d in done if d.returncode != 0][:5]}
 
 
 def server_cycles(model: Path, cycles: int, env: dict) -> dict:
@@ -111,40 +114,51 @@ def wait_healthy(port: int, process: subprocess.Popen, timeout: float = 120.0) -
     return False
 
 
+def installed(ref: str, scratch: Path, name: str) -> dict:
+    """The children's environment for git revision `ref`, installed (not editable: the package maps export/,
+    tokenizer/ and kernels/ into itself) from a temporary worktree into scratch/NAME-site."""
+    worktree, site = scratch / name, scratch / f"{name}-site"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), ref], check=True,
+                   capture_output=True)
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
+                        str(worktree)], check=True)
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False)
+    env = child_env(site)
+    where = subprocess.run([sys.executable, "-c", "import colibri_stream; print(colibri_stream.__file__)"],
+                           env=env, cwd=scratch, capture_output=True, text=True, check=True).stdout.strip()
+    if not where.startswith(str(site)):
+        raise SystemExit(f"revision {ref} imports {where}, not the package installed in {site}")
+    return env
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--generate-runs", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=4, help="generate runs at once")
     parser.add_argument("--server-cycles", type=int, default=100)
+    parser.add_argument("--ref", default=None,
+                        help="git revision measured (default: the checkout as it is, through its install)")
     parser.add_argument("--baseline-ref", default=None, help="git revision whose package is the baseline")
     parser.add_argument("--baseline-generate-runs", type=int, default=300)
     parser.add_argument("--baseline-server-cycles", type=int, default=0)
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as scratch:
-        model = build_tiny_model(Path(scratch))
+    with tempfile.TemporaryDirectory() as folder:
+        scratch = Path(folder)
+        model = build_tiny_model(scratch)
+        env = child_env(None) if args.ref is None else installed(args.ref, scratch, "measured")
         record = {"bench": "exit_stress", "machine": machine(), "model": "tests' tiny Mixtral (fp32)",
-                  "colibri": {"generate": generate_runs(model, args.generate_runs, args.concurrency, child_env(None)),
-                              "server": server_cycles(model, args.server_cycles, child_env(None))}}
+                  "colibri": {"ref": args.ref or "work tree",
+                              "generate": generate_runs(model, args.generate_runs, args.concurrency, env),
+                              "server": server_cycles(model, args.server_cycles, env)}}
         if args.baseline_ref is not None:
-            worktree, site = Path(scratch) / "baseline", Path(scratch) / "baseline-site"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), args.baseline_ref],
-                           check=True, capture_output=True)
-            try:  # installed (not editable): the package maps export/, tokenizer/ and kernels/ into itself
-                subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
-                                str(worktree)], check=True)
-                env = child_env(site)
-                where = subprocess.run([sys.executable, "-c", "import colibri_stream; print(colibri_stream.__file__)"],
-                                       env=env, cwd=scratch, capture_output=True, text=True, check=True).stdout.strip()
-                if not where.startswith(str(site)):
-                    raise SystemExit(f"the baseline imports {where}, not the package installed in {site}")
-                record["baseline"] = {"ref": args.baseline_ref,
-                                      "generate": generate_runs(model, args.baseline_generate_runs,
-                                                                args.concurrency, env),
-                                      "server": server_cycles(model, args.baseline_server_cycles, env)}
-            finally:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False)
+            env = installed(args.baseline_ref, scratch, "baseline")
+            record["baseline"] = {"ref": args.baseline_ref,
+                                  "generate": generate_runs(model, args.baseline_generate_runs, args.concurrency, env),
+                                  "server": server_cycles(model, args.baseline_server_cycles, env)}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
