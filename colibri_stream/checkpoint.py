@@ -87,6 +87,16 @@ def crc32(data) -> int:
     return zlib.crc32(_raw_bytes(data)) & 0xFFFFFFFF
 
 
+def corrupt_block_error(file_name: str, layer: int, expert: int) -> CheckpointError:
+    """The error for an expert block whose bytes fail their CRC32."""
+    return CheckpointError(f"{file_name}: expert {expert} of layer {layer} fails its checksum (the file is corrupt)")
+
+
+def corrupt_tensor_error(file_name: str, name: str) -> CheckpointError:
+    """The error for a dense tensor whose bytes fail their CRC32."""
+    return CheckpointError(f"{file_name}: tensor {name} fails its checksum (the file is corrupt)")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Tensor names and shapes: the contract between exporter, loader and model.
 # ----------------------------------------------------------------------------------------------------------------
@@ -267,8 +277,17 @@ class ExpertFileWriter:
             self._file.close()
 
 
+# A block's checksum verdict, kept per index entry by ExpertFile.
+_UNCHECKED, _INTACT, _CORRUPT = 0, 1, 2
+
+
 class ExpertFile:
-    """Read-only, memory-mapped experts.bin: one expert block is one contiguous read."""
+    """Read-only, memory-mapped experts.bin: one expert block is one contiguous read.
+
+    `tensors` checks a block's CRC32 the first time it hands the block out and keeps the verdict, so every block
+    is read through its checksum once (a corrupt one raises CheckpointError on every read); `block` is the raw,
+    unchecked view.
+    """
 
     def __init__(self, path: str | os.PathLike, config: ModelConfig):
         self.path = Path(path)
@@ -318,24 +337,31 @@ class ExpertFile:
             for expert in range(config.num_experts)
         ):
             raise CheckpointError(f"{name}: the index does not list every (layer, expert) exactly once")
+        self._verdicts = np.zeros(num_entries, np.uint8)  # [L*E] per index entry: _UNCHECKED, _INTACT, _CORRUPT
         self._file = open(self.path, "rb")
         self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         self._buffer = np.frombuffer(self._mmap, np.uint8) if size else np.zeros(0, np.uint8)
 
     def entry(self, layer: int, expert: int) -> np.void:
         """The index record (offset, size, crc32) of one expert."""
+        return self.index[self._entry_position(layer, expert)]
+
+    def _entry_position(self, layer: int, expert: int) -> int:
         try:
-            return self.index[self._position[(layer, expert)]]
+            return self._position[(layer, expert)]
         except KeyError:
             raise KeyError(f"no expert ({layer}, {expert}) in {self.path.name}") from None
 
     def block(self, layer: int, expert: int) -> np.ndarray:
-        """The raw bytes of one expert block, a view of the memory map.  # [block_size] uint8"""
+        """The raw bytes of one expert block, a view of the memory map, unchecked.  # [block_size] uint8"""
         e = self.entry(layer, expert)
         return self._buffer[int(e["offset"]) : int(e["offset"]) + int(e["size"])]
 
     def tensors(self, layer: int, expert: int) -> dict[str, np.ndarray]:
-        """Views of one expert's tensors (storage dtype) inside the memory map."""
+        """Views of one expert's tensors (storage dtype) inside the memory map; CheckpointError naming the layer
+        and expert if its block fails its checksum (checked on the first read, the verdict kept)."""
+        if not self.block_is_intact(layer, expert):
+            raise corrupt_block_error(self.path.name, layer, expert)
         return self.unpack(self.block(layer, expert))
 
     def unpack(self, block: np.ndarray) -> dict[str, np.ndarray]:
@@ -346,7 +372,14 @@ class ExpertFile:
         }
 
     def block_is_intact(self, layer: int, expert: int) -> bool:
-        return crc32(self.block(layer, expert)) == int(self.entry(layer, expert)["crc32"])
+        """Whether the block matches its CRC32: computed on the first call, then kept. (Threads that ask at once
+        both compute it; they find the same verdict.)"""
+        position = self._entry_position(layer, expert)
+        verdict = self._verdicts[position]
+        if verdict == _UNCHECKED:
+            intact = crc32(self.block(layer, expert)) == int(self.index[position]["crc32"])
+            verdict = self._verdicts[position] = _INTACT if intact else _CORRUPT
+        return verdict == _INTACT
 
     def corrupt_experts(self) -> Iterator[tuple[int, int]]:
         """Yields every (layer, expert) whose block fails its checksum."""
@@ -467,18 +500,20 @@ class DenseFile:
                                       f"{tensor.get_dtype()}, config.json's dtype {config.dtype} is {expected_dtype}")
         self.names = list(specs)
 
-    def get(self, name: str, verify: bool = False) -> np.ndarray:
-        """One tensor in its storage dtype."""
+    def get(self, name: str) -> np.ndarray:
+        """One tensor in its storage dtype, checked against its CRC32 (CheckpointError naming it if it fails)."""
         array = self._file.get_tensor(name)
-        if verify and f"{crc32(array):08x}" != self._crc.get(name):
-            raise CheckpointError(f"{self.path.name}: tensor {name} fails its checksum (the file is corrupt)")
+        if not self._intact(name, array):
+            raise corrupt_tensor_error(self.path.name, name)
         return array
 
     def corrupt_tensors(self) -> Iterator[str]:
         for name in self.names:
-            array = self._file.get_tensor(name)
-            if f"{crc32(array):08x}" != self._crc.get(name):
+            if not self._intact(name, self._file.get_tensor(name)):
                 yield name
+
+    def _intact(self, name: str, array: np.ndarray) -> bool:
+        return f"{crc32(array):08x}" == self._crc.get(name)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -513,7 +548,8 @@ class ModelFolder:
     """An opened native model folder: config, dense tensors and the expert file, cross-checked.
 
     With `verify=True` every checksum is checked at open (reads every byte once); otherwise only the
-    headers, sizes and shapes are checked, and `verify()` can be called later.
+    headers, sizes and shapes are checked at open, and each dense tensor's and expert block's checksum when it is
+    first read (`DenseFile.get`, `ExpertFile.tensors`); `verify()` can be called later.
     """
 
     def __init__(self, path: str | os.PathLike, verify: bool = False):
@@ -527,11 +563,9 @@ class ModelFolder:
     def verify(self) -> None:
         """Raise CheckpointError naming the first corrupt tensor or expert block."""
         for name in self.dense.corrupt_tensors():
-            raise CheckpointError(f"{self.config.dense_file}: tensor {name} fails its checksum (the file is corrupt)")
+            raise corrupt_tensor_error(self.config.dense_file, name)
         for layer, expert in self.experts.corrupt_experts():
-            raise CheckpointError(
-                f"{self.config.experts_file}: expert {expert} of layer {layer} fails its checksum (the file is corrupt)"
-            )
+            raise corrupt_block_error(self.config.experts_file, layer, expert)
 
     def tokenizer_files(self) -> list[Path]:
         return [self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()]

@@ -27,15 +27,15 @@ BATCH_TOKENS = 160  # long enough that the hostile request comes and goes while 
 NAN_TOKEN = 7  # the token whose embedding the NaN model holds as NaN
 
 
-def nan_embedding_model(model_dir: Path, folder: Path, token: int) -> Path:
-    """`folder`: `model_dir`'s files (linked) but dense.safetensors, rewritten with token `token`'s embedding row
-    NaN and every tensor's checksum recomputed (so the folder is intact, only its numbers are not)."""
+def nan_weights_model(model_dir: Path, folder: Path, tensor: str, index) -> Path:
+    """`folder`: `model_dir`'s files (linked) but dense.safetensors, rewritten with `tensor`[index] NaN and every
+    tensor's checksum recomputed (so the folder is intact, only its numbers are not)."""
     linked_model(model_dir, folder, leave_out="dense.safetensors")
     config = read_config(model_dir)
     dense = DenseFile(model_dir / config.dense_file, config)
     arrays = {name: dense.get(name) for name in dense.names}
-    arrays["embed_tokens"] = arrays["embed_tokens"].copy()
-    arrays["embed_tokens"][token] = np.nan
+    arrays[tensor] = arrays[tensor].copy()
+    arrays[tensor][index] = np.nan
     writer = DenseFileWriter(folder / config.dense_file, {n: (a.shape, config.dtype) for n, a in arrays.items()})
     for name, array in arrays.items():
         writer.write(name, array)
@@ -46,7 +46,8 @@ def nan_embedding_model(model_dir: Path, folder: Path, token: int) -> Path:
 @pytest.fixture(scope="module")
 def live(tiny_model_dir, tmp_path_factory):
     """The tiny model with a NaN embedding for NAN_TOKEN, served with room for the batch and the hostile request."""
-    folder = nan_embedding_model(tiny_model_dir, tmp_path_factory.mktemp("models") / "tiny-nan", NAN_TOKEN)
+    folder = nan_weights_model(tiny_model_dir, tmp_path_factory.mktemp("models") / "tiny-nan", "embed_tokens",
+                               NAN_TOKEN)
     server = LiveServer(folder, dict(max_batch_size=4, max_seq_len=512), served_model_name=MODEL)
     yield server
     server.close()

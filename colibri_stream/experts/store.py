@@ -54,7 +54,9 @@ class ExpertStore(ABC):
 
 
 class MappedExpertStore(ExpertStore):
-    """Every expert read from the memory-mapped experts.bin; the OS page cache does the caching."""
+    """Every expert read from the memory-mapped experts.bin; the OS page cache does the caching. A block's CRC32
+    is checked the first time it is read (`ExpertFile.tensors`), so a corrupt one is a CheckpointError naming
+    its layer and expert, never weights."""
 
     def __init__(self, expert_file: ExpertFile):
         self.file = expert_file

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from ..checkpoint import BLOCK_ALIGNMENT, ExpertFile, crc32
+from ..checkpoint import BLOCK_ALIGNMENT, ExpertFile, corrupt_block_error, crc32
 from ..errors import CheckpointError
 from .policies import EvictionPolicy
 from .prefetcher import Prefetcher
@@ -94,8 +94,7 @@ class BlockReader:
             raise CheckpointError(f"{self.file.path.name}: expert {expert} of layer {layer} is cut short "
                                   f"(the file is truncated)")
         if crc32(out) != int(entry["crc32"]):
-            raise CheckpointError(f"{self.file.path.name}: expert {expert} of layer {layer} fails its checksum "
-                                  f"(the file is corrupt)")
+            raise corrupt_block_error(self.file.path.name, layer, expert)
 
     def close(self) -> None:
         if self._cufile is not None:
