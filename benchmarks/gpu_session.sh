@@ -34,7 +34,7 @@ for stage in $STAGES; do
       echo "== GPU tests"
       timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m "gpu or not gpu" -q --maxfail=25 --continue-on-collection-errors -p no:cacheprovider \
         --junitxml="$OUT/pytest_gpu.xml" ${TEST_FILES:-tests/test_kernel_compile.py tests/test_gpu_kernels.py \
-        tests/test_gpu_tiers.py tests/test_gpu_engine.py tests/test_gpu_model.py} 2>&1 | tee "$OUT/pytest_gpu.log" \
+        tests/test_gpu_tiers.py tests/test_gpu_engine.py tests/test_gpu_model.py tests/test_gpu_sampling.py} 2>&1 | tee "$OUT/pytest_gpu.log" \
         | grep -v "^\.*\s*\[" | tail -60 ;;
     decode)
       echo "== decode benchmark"
@@ -108,6 +108,24 @@ for stage in $STAGES; do
           --folder "$folder" --gguf "$folder.gguf" --gguf-py "$LLAMA_SRC/gguf-py" "${args[@]}" \
           --out "$OUT/llama_cpp_${shape}_h200.json" 2>&1 | tail -8)
       done ;;
+    serving)
+      echo "== serving against the engine offline"
+      timeout "${SERVING_TIMEOUT:-400}" python3 benchmarks/serving_gpu.py --out "$OUT/serving_gpu_h200.json" \
+        ${SERVING_ARGS:-} 2>&1 | tee "$OUT/serving.log" | tail -30 ;;
+    exit)
+      # exit codes of GPU generate runs whose experts are offloaded (the CPU worker's thread is joined at close)
+      echo "== exit codes of offloaded GPU runs"
+      folder=/tmp/colibri-exit-mixtral
+      python3 -c "from colibri_stream.synthetic import write_synthetic_folder as w; w('$folder', 'mixtral-8x7b', 2)" \
+        > /dev/null 2>&1
+      cp colibri_stream/default_model/tokenizer* $folder/  # a tokenizer for the text prompt
+      codes=""
+      for i in $(seq ${EXIT_RUNS:-12}); do
+        timeout 120 python3 -m colibri_stream.cli generate --model $folder --device cuda --gpu-memory-limit 4GB \
+          --prompt "hello" --max-tokens 8 --ignore-eos --json > /dev/null 2>> "$OUT/exit.err"
+        codes="$codes $?"
+      done
+      echo "exit codes:$codes" ;;
     offload)
       echo "== offload benchmark"
       timeout "${OFFLOAD_TIMEOUT:-540}" python3 benchmarks/offload.py --out "$OUT/offload_h200.json" \
