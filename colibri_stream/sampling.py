@@ -137,6 +137,12 @@ class LogitSource(ABC):
     def values(self, rows: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
         """The logit of token token_ids[r] [R] in row rows[r] [R], on the host.  # [R] float32"""
 
+    def finite(self, rows: np.ndarray, argmax: np.ndarray) -> np.ndarray:
+        """Whether each of rows [R] can be sampled: no NaN, no +inf, a value above -inf; given their argmaxes [R]
+        (NumPy's argmax stops at the first NaN, so the value there is NaN, +inf or -inf exactly where the row is
+        not; a source whose argmax skips NaN checks its rows whole).  # [R] bool"""
+        return np.isfinite(self.values(rows, argmax))
+
     def whole_vocabulary_draws(self, rows: np.ndarray, temperature: np.ndarray,
                                uniform: np.ndarray) -> np.ndarray | None:
         """Tokens [R] int64 of rows [R] drawn over the whole vocabulary at temperatures [R] without min-p, with
@@ -232,8 +238,8 @@ class Sampler:
         and bans, or sampling it raises (its grammar failing, a parameter the sampler cannot serve); the other rows
         get the tokens and logprobs they would get without it."""
         every = np.arange(len(states))  # [B]
-        best = source.argmax(every)  # [B]; a NaN row's argmax is a NaN
-        finite = np.isfinite(source.values(every, best))  # [B]
+        best = source.argmax(every)  # [B]
+        finite = source.finite(every, best)  # [B]
         if finite.all() and all(argmax_only(s.params) for s in states):  # the arrays below cost more here
             return SamplerOutput(best, [None] * len(states))
         params = _RowParams.of([s.params for s in states], source.vocab_size)
@@ -608,7 +614,7 @@ def token_logprobs(source: LogitSource, token_ids: np.ndarray, k: int) -> list[T
     model distribution (prompt logprobs), from the M rows of `source`: only those figures leave the device. None
     for a row whose logits are not finite (its largest is NaN or infinite)."""
     every = np.arange(len(token_ids))  # [M]
-    rows = every[np.isfinite(source.values(every, source.argmax(every)))]  # [F]
+    rows = every[source.finite(every, source.argmax(every))]  # [F]
     out: list[TokenLogprobs | None] = [None] * len(token_ids)
     if not rows.size:
         return out

@@ -62,6 +62,7 @@ class DeviceLogits(LogitSource):
             self.logits = cupy.ascontiguousarray(logits)  # [B, V] float32
         self.backend = backend
         self._argmax = argmax  # [B] int64 on the device, or None
+        self._finite = None  # [B] bool on the device once `finite` is asked
 
     @property
     def vocab_size(self) -> int:
@@ -76,6 +77,14 @@ class DeviceLogits(LogitSource):
             if self._argmax is None:
                 self._argmax = self.backend.greedy(self.logits)  # [B] int64
             return self._argmax.get(stream=self.stream)[rows]
+
+    def finite(self, rows: np.ndarray, argmax: np.ndarray) -> np.ndarray:
+        """LogitSource.finite from each row's maximum (CuPy's max propagates NaN; the greedy kernel's argmax skips
+        it), taken for every row when first asked.  # [R] bool"""
+        with self.stream:
+            if self._finite is None:
+                self._finite = self.cp.isfinite(self.logits.max(axis=1))  # [B] bool
+            return self._finite.get(stream=self.stream)[rows]
 
     def values(self, rows: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
         cp = self.cp
