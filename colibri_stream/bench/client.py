@@ -35,7 +35,7 @@ class BenchConfig:
     """What to send, where, and how fast."""
 
     url: str  # the server's address: http://host:port, with or without /v1
-    prompts: tuple[str, ...]  # used in turn
+    prompts: tuple[str | list[int], ...]  # used in turn; token ids only with endpoint "completions"
     num_requests: int
     output_len: int  # max_tokens of every request
     model: str | None = None  # None: the first model the server lists
@@ -168,7 +168,7 @@ async def _send_all(session: aiohttp.ClientSession, config: BenchConfig, model: 
     return list(await asyncio.gather(*tasks))
 
 
-def _body(config: BenchConfig, model: str, prompt: str) -> dict:
+def _body(config: BenchConfig, model: str, prompt: str | list[int]) -> dict:
     body = {"model": model, "max_tokens": config.output_len, "temperature": config.temperature, "stream": True,
             "stream_options": {"include_usage": True}}
     if config.endpoint == "chat":
@@ -180,7 +180,8 @@ def _body(config: BenchConfig, model: str, prompt: str) -> dict:
     return body
 
 
-async def _send(session: aiohttp.ClientSession, config: BenchConfig, model: str, prompt: str) -> RequestResult:
+async def _send(session: aiohttp.ClientSession, config: BenchConfig, model: str, prompt: str | list[int]
+                ) -> RequestResult:
     path = "/chat/completions" if config.endpoint == "chat" else "/completions"
     start = time.perf_counter()
     result = RequestResult(status="")  # set once the server answers or the request fails
