@@ -390,24 +390,32 @@ class _Collector:
 
     def __init__(self) -> None:
         self._pending: dict[int, RequestOutput] = {}  # sequence index -> merged outputs, oldest first
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # while the consumer waits for an output
         self._error: BaseException | None = None
 
     def put(self, out: RequestOutput) -> None:
         previous = self._pending.get(out.index)
         self._pending[out.index] = out if previous is None else previous.merge(out)
-        self._ready.set()
+        self._wake()
 
     def fail(self, error: BaseException) -> None:
         self._error = error
-        self._ready.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def get(self) -> RequestOutput:
         while not self._pending:
             if self._error is not None:
                 raise self._error
-            await self._ready.wait()
-            self._ready.clear()
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         return self._pending.pop(next(iter(self._pending)))
 
 

@@ -5,6 +5,10 @@ observed as responses are produced; the engine's state (queue depth, running req
 from `engine.stats()` at scrape time, so it is always current and costs nothing between scrapes. Step timings
 arrive from the engine's step thread as `StepRecord`s (`observe_step`): `colibri_step_seconds` per step and
 `colibri_step_phase_seconds{phase}` per phase and step (the names in `timing.PHASES`).
+
+What is observed once per streamed output (its tokens, their latencies) only counts, in plain Python numbers that
+become metric families at scrape time (`TokenCollector`): prometheus_client's Counter and Histogram take a lock for
+every update, a cost that would be paid per token and stream on the event loop.
 """
 
 from __future__ import annotations
@@ -117,14 +121,59 @@ class ExpertStoreCollector(Collector):
         yield recall
 
 
-class _Buckets:
-    """One histogram's observations: a count per bucket (the last one past every bound) and their sum."""
+class _Histogram:
+    """Observations counted into the buckets of `bounds` (upper bounds, ascending; the last bucket past them all)
+    and summed; a metric family's samples when scraped."""
 
-    __slots__ = ("counts", "sum")
+    __slots__ = ("bounds", "les", "counts", "sum")
 
-    def __init__(self, size: int):
-        self.counts = [0] * size
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.les = [*map(floatToGoString, bounds), "+Inf"]
+        self.counts = [0] * (len(bounds) + 1)
         self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """(le, observations up to it) per bucket, as a metric family takes them."""
+        return list(zip(self.les, itertools.accumulate(self.counts)))
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(name, doc)
+        family.add_metric([], self.cumulative(), self.sum)
+        return family
+
+
+class TokenCollector(Collector):
+    """What the streamed outputs carried: prompt and generated tokens, time to first token, inter-token latency.
+
+    `observe` runs on the event loop for every RequestOutput, so it only counts; it needs no lock, as the event loop
+    both updates and scrapes it."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.ttft = _Histogram(_LATENCY_BUCKETS)
+        self.itl = _Histogram(_LATENCY_BUCKETS)
+
+    def observe(self, output: Any) -> None:
+        if output.time_to_first_token is not None:
+            self.ttft.observe(output.time_to_first_token)
+            if output.index == 0:  # once per request
+                self.prompt_tokens += output.prompt_tokens
+        for latency in output.inter_token_latencies:
+            self.itl.observe(latency)
+        self.generation_tokens += len(output.token_ids)
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("colibri_prompt_tokens", "Prompt tokens of admitted requests",
+                                  value=self.prompt_tokens)
+        yield CounterMetricFamily("colibri_generation_tokens", "Tokens sent to clients", value=self.generation_tokens)
+        yield self.ttft.family("colibri_time_to_first_token_seconds", "Request arrival to its first token")
+        yield self.itl.family("colibri_inter_token_latency_seconds", "Time between a sequence's tokens")
 
 
 class StepTimingCollector(Collector):
@@ -138,35 +187,25 @@ class StepTimingCollector(Collector):
 
     def __init__(self, bounds: tuple[float, ...] = _STEP_BUCKETS):
         self._bounds = bounds
-        self._les = [*map(floatToGoString, bounds), "+Inf"]
-        self._step = _Buckets(len(bounds) + 1)
-        self._phases: dict[str, _Buckets] = {}
+        self._step = _Histogram(bounds)
+        self._phases: dict[str, _Histogram] = {}
 
     def observe(self, record: StepRecord) -> None:
-        self._add(self._step, record.duration)
+        self._step.observe(record.duration)
         for phase, seconds in record.phase_seconds().items():
-            buckets = self._phases.get(phase)
-            if buckets is None:
-                buckets = self._phases[phase] = _Buckets(len(self._bounds) + 1)
-            self._add(buckets, seconds)
-
-    def _add(self, buckets: _Buckets, seconds: float) -> None:
-        buckets.counts[bisect.bisect_left(self._bounds, seconds)] += 1
-        buckets.sum += seconds
+            histogram = self._phases.get(phase)
+            if histogram is None:
+                histogram = self._phases[phase] = _Histogram(self._bounds)
+            histogram.observe(seconds)
 
     def collect(self) -> Iterator[Metric]:
-        step = HistogramMetricFamily("colibri_step_seconds", "Duration of engine steps")
-        step.add_metric([], self._cumulative(self._step), self._step.sum)
-        yield step
+        yield self._step.family("colibri_step_seconds", "Duration of engine steps")
         phases = HistogramMetricFamily("colibri_step_phase_seconds",
                                        "Time one engine step spent in a phase (summed over the model's layers)",
                                        labels=["phase"])
-        for phase, buckets in list(self._phases.items()):  # a copy: the step thread may add a phase meanwhile
-            phases.add_metric([phase], self._cumulative(buckets), buckets.sum)
+        for phase, histogram in list(self._phases.items()):  # a copy: the step thread may add a phase meanwhile
+            phases.add_metric([phase], histogram.cumulative(), histogram.sum)
         yield phases
-
-    def _cumulative(self, buckets: _Buckets) -> list[tuple[str, float]]:
-        return list(zip(self._les, itertools.accumulate(buckets.counts)))
 
 
 class ServerMetrics:
@@ -179,12 +218,8 @@ class ServerMetrics:
                                 ["route", "status"], registry=r)
         self.finished = Counter("colibri_request_finished", "Finished sequences by finish reason",
                                 ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("colibri_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.generation_tokens = Counter("colibri_generation_tokens", "Tokens sent to clients", registry=r)
-        self.ttft = Histogram("colibri_time_to_first_token_seconds", "Request arrival to its first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("colibri_inter_token_latency_seconds", "Time between a sequence's tokens",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens = TokenCollector()
+        r.register(self.tokens)
         self.e2e = Histogram("colibri_request_latency_seconds", "Request arrival to its last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.loop_lag = Histogram("colibri_event_loop_lag_seconds", "How late the event loop wakes a timer",
@@ -200,13 +235,7 @@ class ServerMetrics:
 
     def observe(self, output: Any) -> None:
         """Count one RequestOutput's tokens and latencies (measured by the engine when it sampled them)."""
-        if output.time_to_first_token is not None:
-            self.ttft.observe(output.time_to_first_token)
-            if output.index == 0:  # once per request
-                self.prompt_tokens.inc(output.prompt_tokens)
-        for latency in output.inter_token_latencies:
-            self.itl.observe(latency)
-        self.generation_tokens.inc(len(output.token_ids))
+        self.tokens.observe(output)
         if output.finished:
             self.finished.labels(output.finish_reason).inc()
 
