@@ -321,8 +321,8 @@ def model_records(name: str, args: argparse.Namespace, conditions: dict, log_dir
     path, description = model_folder(name, args.layers, Path(args.folder_root), args.device)
     config = read_config(path)
     max_batch, max_seq_len = max(args.concurrency), args.input_len + args.output_len
-    # KV blocks for every sequence at its longest, whatever the model's size: no run is cut by preemptions
-    blocks = max_batch * -(-max_seq_len // CacheConfig().block_size)
+    # KV blocks for every sequence at its longest and one more each, whatever the model's size: no preemptions
+    blocks = max_batch * (-(-max_seq_len // CacheConfig().block_size) + 1)
     options = {"device": args.device, "max_batch_size": max_batch, "max_seq_len": max_seq_len,
                "num_kv_blocks": blocks}
     runs = [(c, *prompt_sets(config.vocab_size, c, args.rounds, args.input_len)) for c in args.concurrency]
