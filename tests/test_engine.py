@@ -383,14 +383,15 @@ def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_dir):
     threads = []
     encode = engine._core.encode_prompt
 
-    def recording(prompt, add_special_tokens=True, tools=None, template_kwargs=None):
+    def recording(*args):
         threads.append(threading.current_thread())
-        return encode(prompt, add_special_tokens, tools, template_kwargs)
+        return encode(*args)
 
     async def body(engine):
         engine._core.encode_prompt = recording
-        assert await engine.encode(text) == encode(text)
-        assert await engine.encode(messages) == encode(messages)
+        # counted whole (fit_context=False): longer than this engine's context of 64 tokens
+        assert await engine.encode(text, fit_context=False) == encode(text, fit_context=False)
+        assert await engine.encode(messages, fit_context=False) == encode(messages, fit_context=False)
         assert await engine.encode("short") == encode("short")
         assert threads[0] is not threading.main_thread() and threads[1] is not threading.main_thread()
         assert threads[2] is threading.main_thread()  # short prompts stay on the loop

@@ -19,12 +19,13 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import ColibriError
+from .prompt_bound import CharLimit, PromptTooManyCharsError
 
 # Names a message's reasoning may arrive under; templates read the first. transformers fills it from the others.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Names no template variable may take: what the renderer passes the template itself, its own parameters, and
 # Jinja's `self` (the template's own reference, which a variable of that name never reaches).
-RESERVED_VARIABLES = ("messages", "tools", "documents", "source", "self")
+RESERVED_VARIABLES = ("messages", "tools", "documents", "source", "char_limit", "self")
 
 
 class ChatTemplateError(ColibriError):
@@ -89,8 +90,11 @@ def _normalise_messages(messages: Any) -> list[dict]:
 
 def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], /, *, add_generation_prompt: bool,
                          tools: Sequence[Mapping[str, Any]] | None = None, documents: Sequence[Mapping] | None = None,
-                         **variables: Any) -> str:
+                         char_limit: CharLimit | None = None, **variables: Any) -> str:
     """The prompt text for `messages`; `variables` (bos_token, eos_token, template options) go to the template.
+
+    With `char_limit`, rendering stops with PromptTooManyCharsError as soon as the text grows past the characters
+    that the context can hold, so a huge conversation is never rendered whole.
 
     Raises ChatTemplateError for malformed messages or tools, for a variable named as one of RESERVED_VARIABLES,
     and for any error the template raises, including its own `raise_exception(...)` calls (e.g. "roles must
@@ -105,9 +109,23 @@ def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], /, 
         raise ChatTemplateError("tools must be a list of JSON-schema objects")
     template = compile_template(source)
     try:
-        return template.render({**variables, "messages": messages, "tools": tools, "documents": documents,
-                                "add_generation_prompt": add_generation_prompt})
+        return _render(template, {**variables, "messages": messages, "tools": tools, "documents": documents,
+                                  "add_generation_prompt": add_generation_prompt}, char_limit)
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"chat template error: {e.message}") from e
+    except PromptTooManyCharsError:
+        raise
     except Exception as e:  # the template is foreign code; whatever it trips on is a bad request, not a crash
         raise ChatTemplateError(f"chat template error: {type(e).__name__}: {e}") from e
+
+
+def _render(template: jinja2.Template, context: dict[str, Any], char_limit: CharLimit | None) -> str:
+    """The template's text for `context`, rendered piece by piece when a limit must be checked on the way."""
+    if char_limit is None:
+        return template.render(context)
+    pieces, chars = [], 0
+    for piece in template.generate(context):
+        chars += len(piece)
+        char_limit.check_rendered(chars)
+        pieces.append(piece)
+    return "".join(pieces)

@@ -8,6 +8,7 @@ for the same files.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,8 +22,10 @@ from ..errors import CheckpointError
 from .chat_template import ChatTemplateError, render_chat_template
 from .native_heap import release_free_heap
 from .prompt_bound import CharLimit
+from .text_pieces import PIECE_CHARS, CutRule, cut_into_pieces
 
 TRIM_AFTER_CHARS = 1 << 16  # texts longer than this leave enough freed heap behind to be worth returning
+PIECES_AT_ONCE = 8  # pieces of a long text encoded by one call (in parallel): 512 Ki characters, ~60 MiB of heap
 DECODE_HOLDING_GIL_IDS = 4096  # longer id lists are decoded by the library's batch call, which drops the GIL (the
 # one-text call, faster for the short windows of streaming, keeps it)
 
@@ -161,13 +164,28 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; add_special_tokens adds what the tokenizer's post-processor adds (e.g. BOS).
 
-        Runs without the GIL (the library's `encode` keeps it for the whole text, its batch calls drop it), so a
-        long text tokenized on a worker thread does not stall the others; the heap it took is handed back after.
+        Encodes through the library's batch call, which drops the GIL (its `encode` keeps it for the whole text),
+        so a long text tokenized on a worker thread does not stall the others; a long text goes in pieces that
+        give the same ids (text_pieces.py) where the tokenizer allows, and the heap it took is handed back after.
         """
-        ids = self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+        if len(text) <= PIECE_CHARS or not self._cut_rule.applies(add_special_tokens):
+            ids = self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = []
+            pieces = cut_into_pieces(text)
+            for start in range(0, len(pieces), PIECES_AT_ONCE):
+                encodings = self._backend.encode_batch_fast(pieces[start:start + PIECES_AT_ONCE],
+                                                            add_special_tokens=False)
+                encodings.reverse()
+                while encodings:  # each freed on its own, a short hold of the GIL
+                    ids += encodings.pop().ids
         if len(text) > TRIM_AFTER_CHARS:
             release_free_heap()
         return ids
+
+    @functools.cached_property
+    def _cut_rule(self) -> CutRule:
+        return CutRule.of(self._backend.to_str())
 
     def to_json(self) -> str:
         """The tokenizer in the tokenizers library's JSON (what llguidance builds its view of the vocabulary from)."""

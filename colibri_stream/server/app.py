@@ -54,7 +54,7 @@ from .protocol import (
 from .reasoning import opens_thinking, reasoning_tags_in
 from .responses import ResponsesResponder, parse_response
 from .sse import EventStream
-from .tokenize import TokenizeRequest, parse_detokenize, parse_tokenize
+from .tokenize import LONG_TOKEN_LIST, TokenizeRequest, parse_detokenize, parse_tokenize, tokenize_body
 from .tool_syntax import ToolSyntax, tool_syntax_of
 
 log = logging.getLogger(__name__)
@@ -429,16 +429,18 @@ async def tokenize(request: web.Request) -> web.Response:
     req = parse_tokenize(await _read_json(request))
     _check_model(state, req.model)
     ids = await _encode(state, req)
-    body: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.max_seq_len, "tokens": ids}
-    if req.return_token_strs:
-        body["token_strs"] = [state.token_piece(t)[0] for t in ids]
-    return _json(body)
+    token_text = (lambda token_id: state.token_piece(token_id)[0]) if req.return_token_strs else None
+    write = functools.partial(tokenize_body, ids, state.engine.max_seq_len, token_text)
+    body = await _on_worker(write) if len(ids) > LONG_TOKEN_LIST else write()
+    return web.Response(body=body, content_type="application/json")
 
 
 async def _encode(state: ServerState, req: TokenizeRequest) -> list[int]:
-    """The token ids of a tokenizer request's prompt; what the engine refuses is a 400."""
+    """The token ids of a tokenizer request's prompt, counted whatever its length (as vLLM's /tokenize: the
+    answer says max_model_len); what the engine refuses is a 400."""
     try:
-        return await state.engine.encode(req.prompt, req.add_special_tokens, req.tools, req.template_kwargs)
+        return await state.engine.encode(req.prompt, req.add_special_tokens, req.tools, req.template_kwargs,
+                                         fit_context=False)
     except InvalidParameterError as e:
         raise bad_request(str(e), param=e.param) from e
     except ChatTemplateError as e:
@@ -448,9 +450,19 @@ async def _encode(state: ServerState, req: TokenizeRequest) -> list[int]:
 async def detokenize(request: web.Request) -> web.Response:
     """POST /detokenize (server/tokenize.py)."""
     state = request.app[STATE]
-    model, ids = parse_detokenize(await _read_json(request), state.engine.model_config.vocab_size)
+    body = await _read_json(request)
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    long = isinstance(tokens, list) and len(tokens) > LONG_TOKEN_LIST
+    parse = functools.partial(parse_detokenize, body, state.engine.model_config.vocab_size)
+    model, ids = await _on_worker(parse) if long else parse()
     _check_model(state, model)
-    return _json({"prompt": state.decode(ids)})
+    decode = functools.partial(state.decode, ids)
+    return _json({"prompt": await _on_worker(decode) if long else decode()})
+
+
+async def _on_worker(work: Callable[[], Any]) -> Any:
+    """work() on a worker thread: checks and texts of millions of tokens, which would stall the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, work)
 
 
 async def tokenizer_info(request: web.Request) -> web.Response:

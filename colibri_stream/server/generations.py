@@ -40,7 +40,7 @@ class Generations:
     async def start(self, prompts: Sequence[Any], params: SamplingParams, tools: list[dict] | None = None,
                     keep_last: int | None = None, template_kwargs: dict | None = None) -> None:
         """Encode the prompts (chat messages shown `tools` and `template_kwargs`; each cut to its last `keep_last`
-        tokens when given) and
+        tokens when given, and then not refused for its length before it is tokenized) and
         have the engine admit each (raises its refusal: InvalidParameterError, PromptTooLongError, QueueFullError,
         ...)."""
         capacity, wanted = self._engine.capacity, len(prompts) * params.n
@@ -54,11 +54,10 @@ class Generations:
         for i, prompt in enumerate(prompts):
             try:
                 # a long prompt is encoded off the event loop
-                token_ids.append(await self._engine.encode(prompt, tools=tools, template_kwargs=template_kwargs))
+                token_ids.append(await self._engine.encode(prompt, tools=tools, template_kwargs=template_kwargs,
+                                                           keep_last=keep_last))
             except ColibriError as error:
                 raise _of_prompt(error, i, len(prompts)) from error
-        if keep_last is not None:
-            token_ids = [ids[-keep_last:] for ids in token_ids]
         self.prompt_token_ids = token_ids
         self.prompt_tokens = [len(ids) for ids in token_ids]
         for i, ids in enumerate(token_ids):

@@ -7,15 +7,26 @@ is the one a chat completion's usage reports) and answers {"count", "max_model_l
 "token_strs" (each token's text) with "return_token_strs": true. /detokenize takes {"tokens": [ids]} and answers
 {"prompt": text}, special tokens included. Both name the served model or leave it out, and take the API key as /v1/
 does.
+
+A prompt of a few MiB has millions of tokens. Their checks, token texts and JSON are made on a worker thread, the
+JSON a slice at a time: one orjson call over the whole list would hold the GIL for tens of milliseconds, and every
+stream on the event loop would wait for it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from .protocol import Fields, bad_request, body_object, chat_messages, template_kwargs
 from .tools import function_tools
+
+
+LONG_TOKEN_LIST = 1 << 15  # token lists longer than this are checked, decoded and written on a worker thread
+_JSON_SLICE = 1 << 15  # items written by one orjson call
 
 
 @dataclass(frozen=True)
@@ -50,3 +61,17 @@ def parse_detokenize(body: Any, vocab_size: int) -> tuple[str | None, list[int]]
     if "tokens" not in body or any(not 0 <= t < vocab_size for t in tokens):
         raise bad_request(f"tokens must be a list of token ids in [0, {vocab_size})", param="tokens")
     return fields.string("model"), list(tokens)
+
+
+def tokenize_body(ids: list[int], max_model_len: int, token_text: Callable[[int], str] | None) -> bytes:
+    """The /tokenize answer as JSON; with `token_text`, each token's text as "token_strs"."""
+    body = b'{"count":%d,"max_model_len":%d,"tokens":%s' % (len(ids), max_model_len, _json_array(ids))
+    if token_text is not None:
+        body += b',"token_strs":' + _json_array([token_text(t) for t in ids])
+    return body + b"}"
+
+
+def _json_array(items: list) -> bytes:
+    """orjson's JSON of a list, written a slice at a time (so a thread writing it lets others run in between)."""
+    return b"[" + b",".join(orjson.dumps(items[i:i + _JSON_SLICE])[1:-1]
+                            for i in range(0, len(items), _JSON_SLICE)) + b"]"
