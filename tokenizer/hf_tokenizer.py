@@ -24,7 +24,9 @@ from .native_heap import release_free_heap
 from .prompt_bound import CharLimit
 from .text_pieces import PIECE_CHARS, CutRule, cut_into_pieces
 
-TRIM_AFTER_CHARS = 1 << 16  # texts longer than this leave enough freed heap behind to be worth returning
+# Texts and conversations longer than these leave enough freed heap behind to be worth returning (native_heap.py).
+TRIM_AFTER_CHARS = 1 << 16
+TRIM_AFTER_MESSAGES = 1024
 PIECES_AT_ONCE = 8  # pieces of a long text encoded by one call (in parallel): 512 Ki characters, ~60 MiB of heap
 DECODE_HOLDING_GIL_IDS = 4096  # longer id lists are decoded by the library's batch call, which drops the GIL (the
 # one-text call, faster for the short windows of streaming, keeps it)
@@ -241,8 +243,12 @@ class Tokenizer:
         is one of the renderer's own names (chat_template.RESERVED_VARIABLES) or the template rejects them.
         """
         template = self._select_template(tools)
-        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                    char_limit=char_limit, **{**self.special_tokens, **extra})
+        try:
+            return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                        char_limit=char_limit, **{**self.special_tokens, **extra})
+        finally:
+            if isinstance(messages, Sequence) and len(messages) > TRIM_AFTER_MESSAGES:  # their copies' freed heap
+                release_free_heap()
 
     def _select_template(self, tools: Sequence[Mapping[str, Any]] | None) -> str:
         if not self.chat_templates:

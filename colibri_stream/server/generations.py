@@ -57,7 +57,10 @@ class Generations:
                 token_ids.append(await self._engine.encode(prompt, tools=tools, template_kwargs=template_kwargs,
                                                            keep_last=keep_last))
             except ColibriError as error:
-                raise _of_prompt(error, i, len(prompts)) from error
+                refusal = _of_prompt(error, i, len(prompts))
+                if refusal is error:
+                    raise  # as its own cause, a reference cycle would keep its frames and the prompt until a full GC
+                raise refusal from error
         self.prompt_token_ids = token_ids
         self.prompt_tokens = [len(ids) for ids in token_ids]
         for i, ids in enumerate(token_ids):
