@@ -254,6 +254,22 @@ def post(server: ServedProcess, path: str, body: bytes, timeout: float = 120) ->
     return asyncio.run(go())
 
 
+def test_long_token_lists_through_tokenize_and_detokenize(served, tokenizers, text):
+    """/tokenize of 300 000 characters with each token's text, and /detokenize of its ids (both written and checked
+    on a worker thread): the tokenizer's own ids, texts and decode."""
+    tokenizer = tokenizers["shipped"]
+    sample = text[:300_000]
+    status, raw = post(served, "/tokenize", orjson.dumps({"prompt": sample, "return_token_strs": True}))
+    answer = orjson.loads(raw)
+    ids = tokenizer.encode(sample)
+    assert status == 200 and len(ids) > 32_768 and answer["count"] == len(ids) and answer["tokens"] == ids
+    assert answer["token_strs"] == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    status, raw = post(served, "/detokenize", orjson.dumps({"tokens": ids}))
+    assert status == 200 and orjson.loads(raw) == {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
+    status, raw = post(served, "/detokenize", orjson.dumps({"tokens": [*ids, 10**9]}))
+    assert status == 400 and orjson.loads(raw)["error"]["param"] == "tokens"
+
+
 @pytest.mark.slow
 def test_rss_stays_flat_under_repeated_hostile_chats(served):
     """200 chats of 70 000 one-letter messages: each a 400 context_length_exceeded, answered before the chat is

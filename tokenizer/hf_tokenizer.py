@@ -246,8 +246,8 @@ class Tokenizer:
         try:
             return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                         char_limit=char_limit, **{**self.special_tokens, **extra})
-        finally:
-            if isinstance(messages, Sequence) and len(messages) > TRIM_AFTER_MESSAGES:  # their copies' freed heap
+        finally:  # rendering a long conversation copies every message: hand the freed heap back
+            if isinstance(messages, Sequence) and len(messages) > TRIM_AFTER_MESSAGES:
                 release_free_heap()
 
     def _select_template(self, tools: Sequence[Mapping[str, Any]] | None) -> str:
