@@ -26,8 +26,9 @@ class EventStream:
     socket's and the transport's buffers are full), which also closes the connection.
 
     Writes are timed by one watchdog timer per stream rather than a timer per write: a write notes when it began,
-    and the watchdog, armed by the first write after it last fired, checks the write in progress every
-    `send_timeout` seconds (a write that does not wait, nearly every one, costs a clock read).
+    and the watchdog, armed by the first write after it last fired, checks the oldest write in progress (the
+    handler's, or a keep-alive's beside it) when that one would time out (a write that does not wait, nearly every
+    one, costs a clock read).
     """
 
     def __init__(self, request: web.Request, keepalive_interval: float, send_timeout: float | None = None):
@@ -36,7 +37,7 @@ class EventStream:
         self._send_timeout = send_timeout
         self._loop: asyncio.AbstractEventLoop | None = None  # the running loop, once open
         self._last_write = 0.0
-        self._writing_since: float | None = None  # loop time the write in progress began
+        self._write_starts: list[float] = []  # loop times the writes in progress began, oldest first
         self._watchdog: asyncio.TimerHandle | None = None
         self._timed_out = False
         self._keepalive: asyncio.Task | None = None
@@ -79,25 +80,26 @@ class EventStream:
         if self._send_timeout is None:
             await write
             return
-        self._writing_since = now = self._loop.time()
+        now = self._loop.time()
+        self._write_starts.append(now)
         if self._watchdog is None:
             self._watchdog = self._loop.call_at(now + self._send_timeout, self._check_write)
         try:
             await write
         finally:
-            self._writing_since = None
+            self._write_starts.remove(now)
         if self._timed_out:  # the watchdog aborted the connection, which ended the wait
             raise ConnectionResetError(f"the client took nothing for {self._send_timeout:g} s")
 
     def _check_write(self) -> None:
-        """The watchdog: drop the connection if the write in progress has waited send_timeout seconds, else check
-        again when it would have; with no write in progress, rest until the next write."""
+        """The watchdog: drop the connection if the oldest write in progress has waited send_timeout seconds, else
+        check again when it would have; with no write in progress, rest until the next write."""
         self._watchdog = None
-        since = self._writing_since
-        if since is None:
+        if not self._write_starts:
             return
-        if self._loop.time() - since < self._send_timeout:
-            self._watchdog = self._loop.call_at(since + self._send_timeout, self._check_write)
+        oldest = self._write_starts[0]
+        if self._loop.time() - oldest < self._send_timeout:
+            self._watchdog = self._loop.call_at(oldest + self._send_timeout, self._check_write)
             return
         self._timed_out = True
         if self._request.transport is not None:
