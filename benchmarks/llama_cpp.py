@@ -185,14 +185,18 @@ def llama_bench(binary: str | Path, gguf_path: str | Path, n_cpu_moe: int, threa
 
 
 def batched_bench(binary: str | Path, gguf_path: str | Path, batches: list[int], context: int = 128,
-                  gen_tokens: int = 32, threads: int = 16, timeout: float = 600) -> dict[int, dict]:
+                  gen_tokens: int = 32, threads: int = 16, timeout: float = 600,
+                  cache_type: str | None = None) -> dict[int, dict]:
     """llama-batched-bench's decode of `gguf_path` wholly on the GPU: for each batch size, that many sequences of
     `context` prompt tokens each (not shared), then `gen_tokens` steps of one token per sequence; tok/s of those
-    steps (speed_tg) by batch size."""
+    steps (speed_tg, as decode_tok_s) and of the prompts (speed_pp) by batch size. `cache_type`: the KV cache's
+    element type for keys and values (-ctk/-ctv: f16 by default, q8_0, f32, ...)."""
     longest = max(batches) * (context + gen_tokens)
     command = [str(binary), "-m", str(gguf_path), "-ngl", "99", "-fa", "on", "-t", str(threads),
                "-c", str(longest), "-b", "2048", "-ub", "512", "-npp", str(context), "-ntg", str(gen_tokens),
                "-npl", ",".join(map(str, batches)), "--output-format", "jsonl"]
+    if cache_type is not None:
+        command += ["-ctk", cache_type, "-ctv", cache_type]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"llama-batched-bench failed ({done.returncode}): {(done.stderr or done.stdout)[-800:]}")

@@ -1,0 +1,251 @@
+"""Long prompts and long conversations: Colibri's engine against llama.cpp on the same weights, same GPU, one run.
+
+For each shape (`--shapes SHAPE:LAYERS`, random bf16 weights of the published dimensions, written once under
+`--folder-root` with a word-level tokenizer, and as GGUF beside it for llama.cpp), each KV cache dtype
+(`--kv-dtypes`), each context C (`--contexts`) and batch B (`--batches`):
+
+  colibri_prefill_tok_s  B requests of C random prompt tokens each added to `EngineCore` at once (chunked prefill
+                         with the engine's default token budget, as `colibri serve` runs it): B * C over the wall
+                         time until every request has its first token
+  ttft_s                 that wall time (batch 1: the time to the first token of one C-token prompt)
+  colibri_decode_tok_s   then `--decode-tokens` more greedy tokens per request, every step a pure decode step:
+                         B * (decode_tokens - 1) over their wall time
+  llama_prefill_tok_s, llama_decode_tok_s  llama-batched-bench (flash attention on, whole model on the GPU) with
+                         -npp C -ntg decode_tokens -npl B: its speed_pp and speed_tg. Its KV cache is f16 for
+                         Colibri's bf16 and fp16 (the same bytes), q8_0 for fp8, f32 for fp32.
+  roofline_decode_tok_s  B over the seconds one decode step must take at least: the bytes it reads (every dense
+                         weight, the lm_head, the experts the batch touches under uniform routing, and the KV cache
+                         of B sequences of C tokens at the dtype's size) over the device-to-device copy
+                         bandwidth measured in this run (bytes read plus written, as decode.py counts it)
+
+A case whose predicted Colibri prefill (from the same shape's batch-1 rate) exceeds `--max-case-seconds` is
+recorded as skipped. Records (`bench: "long_context"`) go to `--out`; the Markdown table is printed.
+
+    python benchmarks/long_context.py --batched-bench /tmp/llama-build/bin/llama-batched-bench \
+        --gguf-py <llama.cpp>/gguf-py --out benchmarks/results/long_context_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+from conditions import machine as host_machine
+from serving_gpu import model_folder
+
+DEFAULT_SHAPES = ("mixtral-8x7b:8", "qwen3-30b-a3b:16")
+LLAMA_KV_TYPES = {"bf16": "f16", "fp16": "f16", "fp8": "q8_0", "fp32": "f32"}
+KV_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}  # bytes a cached key or value element takes
+WARM_UP_TOKENS = 256  # prompt tokens of the warm-up requests (kernels compiled, decode graphs captured)
+FIRST_PROMPT_ID = 16  # prompt ids are drawn from [FIRST_PROMPT_ID, vocab), past small vocabularies' special tokens
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Experts one MoE layer touches for `batch` tokens routed uniformly at random to `top_k` of `num_experts`."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def decode_step_bytes(config, batch: int, context: int, kv_bytes: int, weight_bytes: int = 2) -> float:
+    """Bytes one decode step of `batch` sequences at `context` cached tokens reads at least."""
+    h, d = config.hidden_size, config.head_dim
+    attention = (2 * config.num_heads + 2 * config.num_kv_heads) * d * h * weight_bytes
+    router = config.num_experts * h * weight_bytes
+    experts = (expected_distinct_experts(config.num_experts, config.top_k, batch)
+               * 3 * h * config.moe_intermediate_size * weight_bytes)
+    kv = 2 * batch * context * config.num_kv_heads * d * kv_bytes
+    return config.num_layers * (attention + router + experts + kv) + config.vocab_size * h * weight_bytes
+
+
+def run_requests(core, prompts: list[list[int]], decode_tokens: int, tag: str) -> tuple[float, float]:
+    """(seconds until every prompt has its first token, seconds of the remaining pure decode steps)."""
+    from colibri_stream.request import SamplingParams
+
+    params = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
+    begin = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"{tag}-{i}", prompt, params)
+    started: set[str] = set()
+    prefilled_at = None
+    while core.has_unfinished():
+        for out in core.step():
+            started.add(out.request_id)
+        if prefilled_at is None and len(started) == len(prompts):
+            prefilled_at = time.perf_counter()
+    end = time.perf_counter()
+    return prefilled_at - begin, end - prefilled_at
+
+
+def colibri_cases(folder: Path, config, kv_dtype: str, contexts: list[int], batches: list[int],
+                  decode_tokens: int, max_case_seconds: float) -> list[dict]:
+    """Colibri's records of one shape and KV dtype: one engine sized for the largest case, every case on it."""
+    import cupy
+
+    from colibri_stream.engine import EngineCore
+
+    longest = max(contexts) + decode_tokens
+    blocks = max(batches) * (-(-longest // 16) + 1) + 64
+    options = dict(device="cuda", max_seq_len=longest + 16, num_kv_blocks=blocks, max_batch_size=max(batches),
+                   kv_cache_dtype=kv_dtype)
+    try:
+        core = EngineCore.from_pretrained(str(folder), **options)
+    except Exception as error:  # an option this revision lacks, or a cache that does not fit
+        log(f"colibri {kv_dtype}: {error}")
+        return [dict(context=c, batch=b, colibri_error=f"{type(error).__name__}: {error}")
+                for c in contexts for b in batches]
+    rng = np.random.default_rng(0)
+
+    def prompts(count: int, length: int) -> list[list[int]]:
+        return rng.integers(FIRST_PROMPT_ID, config.vocab_size, (count, length)).tolist()  # [count, length]
+
+    records = []
+    try:
+        run_requests(core, prompts(max(batches), WARM_UP_TOKENS), 4, "warm")
+        prefill_rate = None  # batch-1 prefill tok/s of the context run last: predicts the larger batches
+        for context in contexts:
+            for batch in batches:
+                record = dict(context=context, batch=batch, colibri_options=options)
+                if prefill_rate and batch * context / prefill_rate > max_case_seconds:
+                    record["colibri_skipped"] = (f"predicted prefill {batch * context / prefill_rate:.0f} s "
+                                                 f"> --max-case-seconds {max_case_seconds:.0f}")
+                    records.append(record)
+                    continue
+                try:
+                    prefill_s, decode_s = run_requests(core, prompts(batch, context), decode_tokens,
+                                                       f"c{context}b{batch}")
+                except Exception as error:
+                    traceback.print_exc()
+                    record["colibri_error"] = f"{type(error).__name__}: {error}"
+                    records.append(record)
+                    continue
+                record.update(ttft_s=prefill_s, colibri_prefill_tok_s=batch * context / prefill_s,
+                              colibri_decode_tok_s=batch * (decode_tokens - 1) / decode_s)
+                if batch == 1:
+                    prefill_rate = record["colibri_prefill_tok_s"]
+                log(f"colibri {kv_dtype} context {context} batch {batch}: prefill "
+                    f"{record['colibri_prefill_tok_s']:.0f} tok/s, decode {record['colibri_decode_tok_s']:.0f} tok/s")
+                records.append(record)
+    finally:
+        core.close()
+        del core
+        cupy.get_default_memory_pool().free_all_blocks()
+    return records
+
+
+def llama_cases(binary: str, gguf: Path, kv_dtype: str, contexts: list[int], batches: list[int],
+                decode_tokens: int, timeout: float) -> dict[tuple[int, int], dict]:
+    """llama-batched-bench's figures by (context, batch) for one GGUF and KV type."""
+    from llama_cpp import batched_bench
+
+    figures = {}
+    for context in contexts:
+        try:
+            rows = batched_bench(binary, gguf, batches, context=context, gen_tokens=decode_tokens,
+                                 cache_type=LLAMA_KV_TYPES[kv_dtype], timeout=timeout)
+        except Exception as error:
+            log(f"llama.cpp {kv_dtype} context {context}: {error}")
+            for batch in batches:
+                figures[context, batch] = dict(llama_error=str(error)[-400:])
+            continue
+        for batch, row in rows.items():
+            figures[context, batch] = dict(llama_prefill_tok_s=row["speed_pp"], llama_decode_tok_s=row["speed_tg"],
+                                           llama_kv_type=LLAMA_KV_TYPES[kv_dtype], llama_command=row["command"])
+            log(f"llama.cpp {kv_dtype} context {context} batch {batch}: prefill {row['speed_pp']:.0f} tok/s, "
+                f"decode {row['speed_tg']:.0f} tok/s")
+    return figures
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def table(records: list[dict]) -> str:
+    def cell(value, digits=0):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = ["| shape | kv | context | batch | prefill tok/s Colibri / llama.cpp | x | decode tok/s Colibri / "
+             "llama.cpp | x | decode / roofline | TTFT s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        lines.append(
+            f"| {r['shape']} ({r['layers']}) | {r['kv_dtype']} | {r['context']} | {r['batch']} | "
+            f"{cell(r.get('colibri_prefill_tok_s'))} / {cell(r.get('llama_prefill_tok_s'))} | "
+            f"{cell(ratio(r.get('colibri_prefill_tok_s'), r.get('llama_prefill_tok_s')), 2)} | "
+            f"{cell(r.get('colibri_decode_tok_s'))} / {cell(r.get('llama_decode_tok_s'))} | "
+            f"{cell(ratio(r.get('colibri_decode_tok_s'), r.get('llama_decode_tok_s')), 2)} | "
+            f"{cell(ratio(r.get('colibri_decode_tok_s'), r.get('roofline_decode_tok_s')), 2)} | "
+            f"{cell(r.get('ttft_s'), 2)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="SHAPE:LAYERS entries")
+    parser.add_argument("--contexts", nargs="+", type=int, default=[1024, 8192, 32768])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--kv-dtypes", nargs="+", default=["bf16", "fp8"], choices=sorted(KV_BYTES))
+    parser.add_argument("--decode-tokens", type=int, default=33, help="tokens per request, the first included")
+    parser.add_argument("--batched-bench", help="llama-batched-bench binary (none: Colibri only)")
+    parser.add_argument("--gguf-py", help="gguf-py folder of the llama.cpp source tree (writes the GGUF files)")
+    parser.add_argument("--folder-root", default="/tmp/colibri-long-context")
+    parser.add_argument("--keep-models", action="store_true", help="keep each shape's files after its runs")
+    parser.add_argument("--max-case-seconds", type=float, default=60.0)
+    parser.add_argument("--llama-timeout", type=float, default=300.0)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "long_context.json"))
+    args = parser.parse_args(argv)
+    try:
+        import cupy
+
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:
+        print(f"long_context.py needs a CUDA GPU and CuPy: {error}", file=sys.stderr)
+        return 2
+    from decode import machine as gpu_machine
+    from decode import measure_bandwidth
+
+    bandwidth = measure_bandwidth(cupy)  # GB/s, bytes read plus written
+    common = dict(host_machine(), **gpu_machine(), bench="long_context", bandwidth_gb_s=bandwidth)
+    records: list[dict] = []
+    for spec in args.shapes:
+        shape, layers = spec.split(":")[0], int(spec.split(":")[1])
+        folder, description = model_folder(shape, layers, Path(args.folder_root), "cuda")
+        from colibri_stream.checkpoint import ModelFolder
+
+        config = ModelFolder(folder).config
+        gguf = folder.with_suffix(".gguf")
+        if args.batched_bench and not gguf.is_file():
+            from llama_cpp import write_gguf
+
+            log(f"writing {gguf}")
+            write_gguf(folder, gguf, args.gguf_py)
+            os.sync()
+        for kv_dtype in args.kv_dtypes:
+            cases = colibri_cases(folder, config, kv_dtype, args.contexts, args.batches, args.decode_tokens,
+                                  args.max_case_seconds)
+            llama = (llama_cases(args.batched_bench, gguf, kv_dtype, args.contexts, args.batches,
+                                 args.decode_tokens, args.llama_timeout) if args.batched_bench else {})
+            for case in cases:
+                step = decode_step_bytes(config, case["batch"], case["context"], KV_BYTES[kv_dtype])
+                records.append(dict(common, shape=shape, layers=layers, model_description=description,
+                                    kv_dtype=kv_dtype, decode_tokens=args.decode_tokens,
+                                    roofline_decode_tok_s=case["batch"] * bandwidth * 1e9 / step,
+                                    **case, **llama.get((case["context"], case["batch"]), {})))
+            Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
+        if not args.keep_models:
+            shutil.rmtree(folder, ignore_errors=True)
+            gguf.unlink(missing_ok=True)
+    print(table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
