@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .config import KV_CACHE_DTYPES
 from .errors import ColibriError
 
 
@@ -50,8 +51,16 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 2048)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default 16)")
     cache = p.add_mutually_exclusive_group()
-    cache.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES", help="KV-cache budget")
+    cache.add_argument("--kv-cache-memory", type=_size, default=None, metavar="SIZE",
+                       help="KV-cache budget, e.g. 8GiB (default: sized from free memory, see "
+                            "--gpu-memory-utilization)")
     cache.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache size in blocks")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="element type of the KV cache: auto (default: fp16 for an fp16 model, else bf16), bf16, "
+                        "fp16, fp32 (the reference)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="share of the GPU's memory the engine may use; the KV cache gets what the weights, expert "
+                        "slots and activations leave of it (default 0.9)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
                    help="launch every GPU step eagerly instead of replaying captured decode graphs (slower; for "
                         "debugging and comparisons)")
@@ -113,6 +122,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     """The engine keyword arguments that were given on the command line."""
     names = ("device", "verify", "cuda_graphs", "async_scheduling", "max_seq_len", "max_batch_size",
              "max_num_batched_tokens", "block_size", "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching",
+             "kv_cache_dtype", "gpu_memory_utilization",
              "max_queue", "gpu_memory_limit", "l2_cache_size", "eviction_policy", "prefetch", "prefetch_lookahead",
              "usage_file", "routing_trace", "cpu_experts", "gpu_slot_layout", "cpu_threads")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}

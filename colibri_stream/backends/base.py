@@ -8,8 +8,10 @@ Activations are float32 unless a backend documents otherwise; weights are whatev
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,6 +24,26 @@ if TYPE_CHECKING:
     from ..model.batch import ForwardBatch
 
 Array = Any  # a backend's array type (numpy.ndarray, cupy.ndarray)
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Free and total bytes of the memory a backend's arrays live in."""
+
+    free: int
+    total: int
+    host: bool  # host RAM (the CPU backend) rather than a GPU's own memory
+
+
+def host_memory() -> MemoryInfo:
+    """The host's RAM: MemAvailable and MemTotal of /proc/meminfo (Linux), else the free and total pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.strip()}
+        return MemoryInfo(fields["MemAvailable"], fields["MemTotal"], host=True)
+    except (OSError, KeyError, ValueError, IndexError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return MemoryInfo(os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page, host=True)
 
 
 class Backend(ABC):
@@ -48,7 +70,12 @@ class Backend(ABC):
 
     @abstractmethod
     def zeros(self, shape: tuple[int, ...], dtype: str = "float32") -> Array:
-        """A zero-filled device array."""
+        """A zero-filled device array of a storage dtype (float32, bfloat16, float16) in the form the backend's
+        operations take it."""
+
+    def memory_info(self) -> MemoryInfo:
+        """Free and total bytes of the memory this backend allocates from (the host's RAM unless overridden)."""
+        return host_memory()
 
     def prepare_experts(self, store: ExpertStore, config: ModelConfig) -> ExpertStore:
         """The expert store `routed_experts` will be given (the GPU backend makes every expert resident)."""
