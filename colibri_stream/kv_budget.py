@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .backends.base import MemoryInfo
 from .config import CacheConfig, ConfigError, ModelConfig
+from .memory import MemoryInfo
 
 HOST_KV_SHARE = 0.5  # of the host's available RAM at most, for the KV cache of the CPU backend
 MIN_ACTIVATION_RESERVE = 256 << 20  # bytes kept free on a GPU for one step's activations, at least

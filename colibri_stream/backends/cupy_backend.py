@@ -29,7 +29,8 @@ import numpy as np
 from ..config import QK_NORMS, ModelConfig
 from ..experts.store import ExpertStore
 from ..model.batch import ForwardBatch
-from .base import Array, Backend, MemoryInfo
+from ..memory import MemoryInfo
+from .base import Array, Backend
 from .kernels import get_kernel
 from .launch import launch_programmatic, programmatic_active
 
