@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .config import KV_CACHE_DTYPES
 from .errors import ColibriError
 
 
@@ -50,8 +51,16 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 2048)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default 16)")
     cache = p.add_mutually_exclusive_group()
-    cache.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES", help="KV-cache budget")
+    cache.add_argument("--kv-cache-memory", type=_size, default=None, metavar="SIZE",
+                       help="KV-cache budget, e.g. 8GiB (default: sized from free memory, see "
+                            "--gpu-memory-utilization)")
     cache.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache size in blocks")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="element type of the KV cache: auto (default: fp16 for an fp16 model, else bf16), bf16, "
+                        "fp16, fp32 (the reference)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="share of the GPU's memory the engine may use; the KV cache gets what the weights, expert "
+                        "slots and activations leave of it (default 0.9)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
                    help="launch every GPU step eagerly instead of replaying captured decode graphs (slower; for "
                         "debugging and comparisons)")
@@ -113,6 +122,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     """The engine keyword arguments that were given on the command line."""
     names = ("device", "verify", "cuda_graphs", "async_scheduling", "max_seq_len", "max_batch_size",
              "max_num_batched_tokens", "block_size", "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching",
+             "kv_cache_dtype", "gpu_memory_utilization",
              "max_queue", "gpu_memory_limit", "l2_cache_size", "eviction_policy", "prefetch", "prefetch_lookahead",
              "usage_file", "routing_trace", "cpu_experts", "gpu_slot_layout", "cpu_threads")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
@@ -125,6 +135,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where experts are computed (default: cuda with --gpu-memory-limit, else cpu)")
     _add_budget_arguments(p)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="element type of the KV cache (default auto: fp16 for an fp16 model, else bf16)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+                   help="share of the GPU's memory the engine may use (default 0.9)")
+    p.add_argument("--gpu-total-memory", type=_size, default=None, metavar="SIZE",
+                   help="the GPU's memory, for the KV cache's size (default: the H200's 139GiB)")
     p.add_argument("--gpu-hit-rate", type=float, default=None, help="L1 hit rate (default: slots / experts)")
     p.add_argument("--host-hit-rate", type=float, default=None, help="L2 hit rate (default: slots / experts)")
     for name, doc in (("hbm", "GPU memory"), ("pcie-pinned", "host to GPU from pinned memory"),
@@ -136,15 +152,24 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> None:
-    from .checkpoint import default_model_path
-    from .plan import Bandwidths, plan_for_folder
+    from .checkpoint import default_model_path, read_config
+    from .config import CacheConfig
+    from .memory import host_memory
+    from .model.paged_kv import kv_bytes_per_token, resolve_kv_dtype
+    from .plan import H200_MEMORY, Bandwidths, kv_report, plan_for_folder
 
+    folder = args.model or default_model_path()
     device = args.device or ("cuda" if args.gpu_memory_limit is not None else "cpu")
-    plan = plan_for_folder(args.model or default_model_path(), device, args.gpu_memory_limit, args.l2_cache_size)
+    plan = plan_for_folder(folder, device, args.gpu_memory_limit, args.l2_cache_size)
     overrides = {name: getattr(args, "bw_" + name) for name in ("hbm", "pcie_pinned", "pcie_pageable", "disk",
                                                                  "host_ram")}
     bandwidths = Bandwidths(**{k: v * 1e9 for k, v in overrides.items() if v is not None})
     print(plan.report(bandwidths, args.gpu_hit_rate, args.host_hit_rate))
+    config = read_config(folder)
+    cache = CacheConfig(kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization)
+    dtype = resolve_kv_dtype(cache.kv_cache_dtype, config)
+    print(kv_report(config, plan, cache, dtype, kv_bytes_per_token(config, dtype), host_memory(),
+                    args.gpu_total_memory or H200_MEMORY))
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

@@ -238,17 +238,21 @@ class SchedulerConfig:
                               f"max_batch_size ({self.max_batch_size}) so that every running sequence can decode")
 
 
-DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when neither kv_cache_memory nor num_kv_blocks is given
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32")  # --kv-cache-dtype; auto: fp16 for fp16 models, else bf16
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV cache: block size, and its size as a block count or a memory budget (give one at most)."""
+    """The paged KV cache: block size, element type, and its size: a block count, a memory budget (give one at
+    most), or by default what memory is left (kv_budget.py: a share of the GPU after the weights under
+    gpu_memory_utilization, a share of available host RAM on the CPU)."""
 
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None  # bytes; default DEFAULT_KV_CACHE_MEMORY, capped at what the batch can use
+    kv_cache_memory: int | None = None  # bytes
     enable_prefix_caching: bool = True  # reuse the KV of full blocks whose tokens (and all before) match
+    kv_cache_dtype: str = "auto"  # auto | bf16 | fp16 | fp32 (model/paged_kv.py)
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may hold, KV cache included
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
@@ -259,18 +263,13 @@ class CacheConfig:
             raise ConfigError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ConfigError("give num_kv_blocks or kv_cache_memory, not both")
-
-    def num_blocks(self, bytes_per_block: int, max_useful_blocks: int) -> int:
-        """Blocks to allocate: num_kv_blocks, or the memory budget divided by `bytes_per_block`.
-
-        Without either setting the default budget is capped at `max_useful_blocks` (what a full batch of
-        max_seq_len sequences can hold), so small models do not reserve memory they can never use.
-        """
-        if self.num_kv_blocks is not None:
-            return self.num_kv_blocks
-        if self.kv_cache_memory is not None:
-            return self.kv_cache_memory // bytes_per_block
-        return min(DEFAULT_KV_CACHE_MEMORY // bytes_per_block, max_useful_blocks)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
+        utilization = self.gpu_memory_utilization
+        if (not isinstance(utilization, (int, float)) or isinstance(utilization, bool)
+                or not 0 < utilization <= 1):
+            raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
 
 
 EVICTION_POLICIES = ("lru", "lfu", "pinned")

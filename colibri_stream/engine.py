@@ -24,8 +24,10 @@ from .checkpoint import default_model_path
 from .config import ConfigError, EngineConfig, ModelConfig
 from .errors import ColibriError, describe
 from .experts.stats import ExpertStats
+from .kv_budget import KVCacheSize, activation_reserve, default_budget, size_kv_cache
 from .kv_cache import KVCacheManager
 from .model import MoETransformer, PagedKVCache, load_model
+from .model.paged_kv import kv_bytes_per_token, resolve_kv_dtype
 from .request import (EngineStepError, EngineStoppedError, InvalidParameterError, Logprob, PromptTooLongError,
                       QueueFullError, Request, RequestOutput, RequestStatus, SamplingParams)
 from .runner import LaunchedStep, ModelRunner, RunnerOutput
@@ -76,6 +78,20 @@ class RequestsFailedError(ColibriError):
         self.errors = errors
 
 
+def _size_kv_cache(model: MoETransformer, config: EngineConfig) -> KVCacheSize:
+    """The KV cache's blocks and the engine's max_seq_len (kv_budget.py), from the memory left after loading; a
+    lowered max_seq_len is logged as a warning."""
+    dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, model.config)
+    memory = model.backend.memory_info()
+    budget = default_budget(memory, config.cache.gpu_memory_utilization,
+                            activation_reserve(model.config, config.scheduler.max_num_batched_tokens))
+    size = size_kv_cache(config.cache, kv_bytes_per_token(model.config, dtype), model.config.max_position_embeddings,
+                         config.scheduler.max_seq_len, config.scheduler.max_batch_size, budget)
+    if size.warning():
+        logger.warning("%s", size.warning())
+    return size
+
+
 class EngineCore:
     """Continuous batching over one model, driven by calling `step()`; not thread-safe (one thread drives it).
 
@@ -89,17 +105,17 @@ class EngineCore:
         self.config = config
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
-        limit = model.config.max_position_embeddings
-        self.max_seq_len = config.scheduler.max_seq_len or limit
-        if self.max_seq_len > limit:
-            raise ConfigError(f"max_seq_len {self.max_seq_len} exceeds the model's {limit} positions")
-        block_size = config.cache.block_size
-        per_seq = -(-self.max_seq_len // block_size)
-        num_blocks = config.cache.num_blocks(PagedKVCache.bytes_per_block(model.config, block_size),
-                                             config.scheduler.max_batch_size * per_seq)
+        self.kv_size = _size_kv_cache(model, config)
+        self.max_seq_len = self.kv_size.max_seq_len
+        num_blocks, block_size = self.kv_size.num_blocks, self.kv_size.block_size
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_seq_len=self.max_seq_len), self.kv)
-        self.runner = ModelRunner(model, model.allocate_kv_cache(num_blocks, block_size), per_seq,
+        kv_cache = model.allocate_kv_cache(num_blocks, block_size, config.cache.kv_cache_dtype)
+        logger.info("KV cache: %d tokens (%d blocks of %d) in %s, %.2f GiB; max_seq_len %d",
+                    self.kv_size.capacity_tokens, num_blocks, block_size, kv_cache.dtype,
+                    num_blocks * PagedKVCache.bytes_per_block(model.config, block_size, kv_cache.dtype) / 2**30,
+                    self.max_seq_len)
+        self.runner = ModelRunner(model, kv_cache, -(-self.max_seq_len // block_size),
                                   config.scheduler.max_batch_size, cuda_graphs=config.cuda_graphs)
         self.timer: StepTimer = model.timer  # phases of every step; `timer.add_sink` turns it on
         self.async_scheduling = (self.runner.graphs is not None if config.async_scheduling is None

@@ -1,5 +1,5 @@
 """Expert placement plan: where experts live per tier under the memory budgets, what must move per token, and which
-path bounds decode speed. Built from config.json and file sizes only (no weights are read); `colibri plan` prints it
+path bounds decode speed; and the KV cache's bytes per token and the tokens its default size holds (`kv_report`). Built from config.json and file sizes only (no weights are read); `colibri plan` prints it
 and the engine logs the same text at start.
 
 Tiers: L1 GPU slots (`gpu_memory_limit` minus the dense weights), L2 host slots (`l2_cache_size`; without it every
@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import expert_block_layout, read_config
-from .config import ConfigError, ModelConfig
+from .config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from .inspect import _size as format_size
+from .kv_budget import HOST_KV_SHARE, SIZE_FLAGS, activation_reserve, default_budget
+from .memory import MemoryInfo
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,13 @@ class PlacementPlan:
     def _slot_bytes(self, slots: int) -> int:
         return (slots * self.num_moe_layers + 1) * self.block_size  # + the staging block
 
+    @property
+    def gpu_weight_bytes(self) -> int:
+        """GPU memory of the dense weights and the expert slots (0 on the CPU)."""
+        if self.device != "cuda":
+            return 0
+        return self.dense_bytes + (self.expert_bytes if self.fully_resident else self._slot_bytes(self.gpu_slots))
+
     def report(self, bandwidths: Bandwidths = Bandwidths(), gpu_hit: float | None = None,
                host_hit: float | None = None) -> str:
         """The full text: tiers, traffic per token at the given (or uniform-routing) hit rates, bottleneck."""
@@ -163,6 +172,39 @@ class PlacementPlan:
         lines.append(f"Bandwidths assumed: {bandwidths.describe()} (defaults: measured on the H200 machine, disk "
                      f"cold, host RAM with 16 threads; --bw-* overrides)")
         return "\n".join(lines)
+
+
+H200_MEMORY = 139 << 30  # bytes of GPU memory `colibri plan` assumes without --gpu-total-memory (the H200 machine)
+
+
+def kv_report(config: ModelConfig, plan: PlacementPlan, cache: CacheConfig, dtype: str, per_token: int,
+              host: MemoryInfo, gpu_total: int = H200_MEMORY,
+              max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens) -> str:
+    """KV bytes per token and the tokens the default cache size holds (kv_budget.py's rules) for a cache of storage
+    `dtype` taking `per_token` bytes a token (model/paged_kv.py): on the GPU, `gpu_total` under
+    gpu_memory_utilization less the plan's weights and expert slots and the activation reserve; on the CPU, a share
+    of the host's available memory `host`."""
+    lines = [f"KV cache in {dtype}: {format_size(per_token)} per token ({config.num_layers} layers x keys and values "
+             f"x {config.num_kv_heads} KV heads x {config.head_dim} dims)"]
+    if plan.device == "cuda":
+        reserve = activation_reserve(config, max_num_batched_tokens)
+        memory = MemoryInfo(max(0, gpu_total - plan.gpu_weight_bytes), gpu_total, host=False)
+        budget = default_budget(memory, cache.gpu_memory_utilization, reserve)
+        lines.append(f"  {format_size(budget)} for it: {cache.gpu_memory_utilization:g} of {format_size(gpu_total)} "
+                     f"GPU memory (--gpu-total-memory), less {format_size(plan.gpu_weight_bytes)} of weights and "
+                     f"expert slots and a {format_size(reserve)} activation reserve")
+    else:
+        budget = default_budget(host, cache.gpu_memory_utilization, 0)
+        lines.append(f"  {format_size(budget)} for it: {HOST_KV_SHARE:g} of the {format_size(host.free)} of host "
+                     f"memory available now")
+    tokens = budget // (per_token * cache.block_size) * cache.block_size
+    context = config.max_position_embeddings
+    if tokens >= context:
+        lines.append(f"  holds {tokens:,} tokens: {tokens // context:,} sequences of the model's {context:,} positions")
+    else:
+        lines.append(f"  holds {tokens:,} tokens, less than one sequence of the model's {context:,} positions: "
+                     f"max_seq_len would be lowered to {tokens:,} ({SIZE_FLAGS} change it)")
+    return "\n".join(lines)
 
 
 def make_plan(config: ModelConfig, dense_bytes: int, device: str, gpu_memory_limit: int | None = None,

@@ -1,11 +1,14 @@
 // Launch contract
 //
-// paged_attention<DPL>: causal attention of every query token over its own sequence's cached keys and values, with
-// grouped-query heads, computed flash-style (online softmax per warp, merged at the end): no score matrix is
+// KV: the element type of the caches, float, __nv_bfloat16 or __half (the KV cache's dtype); keys and values are
+// widened to float32 as they are loaded, and every product and sum is float32.
+//
+// paged_attention<KV, DPL>: causal attention of every query token over its own sequence's cached keys and values,
+// with grouped-query heads, computed flash-style (online softmax per warp, merged at the end): no score matrix is
 // stored, for one decode token or a long prompt alike.
 //   q            float32 [T, Q, D] contiguous, out float32 [T, Q, D]
 //   key_cache,
-//   value_cache  float32 [num_blocks, block_size, K, D]
+//   value_cache  KV [num_blocks, block_size, K, D]
 //   block_tables int64 [B, max_blocks]: KV blocks of each sequence
 //   query_start  int64 [B + 1]: sequence b owns tokens query_start[b] .. query_start[b + 1] - 1
 //   positions    int64 [T]
@@ -15,14 +18,14 @@
 //   DPL = ceil(D / 32) rounded up to 1, 2, 4 or 8 (D <= 256): head dims per lane. Each warp takes ATTN_UNROLL
 //   keys per step, so several loads are in flight.
 //
-// paged_attention_gqa<DPL, G>: the same attention for decode-like launches (one query token per sequence: T == B,
+// paged_attention_gqa<KV, DPL, G>: the same attention for decode-like launches (one query token per sequence: T == B,
 // so token t is sequence t; query_start is still honoured, read once and searched only if query_start[t] != t).
 // One block per (token, KV head, split) computes all group = Q / K query heads of that KV head, so each key and
 // value row is read from memory once for the group instead of once per query head.
 //   G: group rounded up to 1, 2, 4, 8 or 16 (heads group .. G - 1 are padding: zero q, never written).
 //   G * DPL <= 64 floats of q and as many of accumulators per lane (the backend uses paged_attention beyond).
-//   VW = min(DPL, 4): D a multiple of VW and key_cache, value_cache aligned to VW floats; lane l holds dims
-//   (c * 32 + l) * VW .. + VW - 1 (c < DPL / VW), each row read with VW-float vector loads.
+//   VW = min(DPL, 4): D a multiple of VW and key_cache, value_cache aligned to VW elements; lane l holds dims
+//   (c * 32 + l) * VW .. + VW - 1 (c < DPL / VW), each row read with VW-element vector loads.
 //   grid: (T, K, S), block: GQA_WARPS * 32 threads, dynamic shared memory: GQA_WARPS * G * D floats (at most
 //   32 KiB: G * D <= 32 * G * DPL <= 2048), plus under 4 KiB static. ptxas (sm_90): 128 registers at G * DPL = 32
 //   (Qwen3 <4, 8>, Mixtral <4, 4>), up to 237 at 64 (<4, 16>, <8, 8>), no spills there (4-24 bytes at
@@ -50,10 +53,10 @@
 constexpr int ATTN_WARPS = 16;
 constexpr int ATTN_UNROLL = 8;
 
-template <int DPL>
+template <typename KV, int DPL>
 __global__ void __launch_bounds__(ATTN_WARPS * 32)
-paged_attention(const float* __restrict__ q, const float* __restrict__ key_cache,
-                const float* __restrict__ value_cache, const long long* __restrict__ block_tables,
+paged_attention(const float* __restrict__ q, const KV* __restrict__ key_cache,
+                const KV* __restrict__ value_cache, const long long* __restrict__ block_tables,
                 const long long* __restrict__ query_start, const long long* __restrict__ positions,
                 float* __restrict__ out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                 int block_size, int max_blocks, float scale, int window) {
@@ -83,8 +86,8 @@ paged_attention(const float* __restrict__ q, const float* __restrict__ key_cache
     }
     float m = neg_inf(), l = 0.f, acc[DPL] = {};
     for (int j0 = first + warp * ATTN_UNROLL; j0 <= pos; j0 += ATTN_WARPS * ATTN_UNROLL) {
-        const float* k_rows[ATTN_UNROLL];
-        const float* v_rows[ATTN_UNROLL];
+        const KV* k_rows[ATTN_UNROLL];
+        const KV* v_rows[ATTN_UNROLL];
 #pragma unroll
         for (int u = 0; u < ATTN_UNROLL; ++u) {
             const int j = j0 + u <= pos ? j0 + u : j0;  // past the end: re-read a valid row, masked below
@@ -101,8 +104,8 @@ paged_attention(const float* __restrict__ q, const float* __restrict__ key_cache
 #pragma unroll
             for (int i = 0; i < DPL; ++i) {
                 const int d = lane + 32 * i;
-                kv[u][i] = d < head_dim ? k_rows[u][d] : 0.f;
-                if constexpr (VALUES_AHEAD) vv[u][i] = d < head_dim ? v_rows[u][d] : 0.f;
+                kv[u][i] = d < head_dim ? to_float(k_rows[u][d]) : 0.f;
+                if constexpr (VALUES_AHEAD) vv[u][i] = d < head_dim ? to_float(v_rows[u][d]) : 0.f;
             }
         }
         float s[ATTN_UNROLL];
@@ -130,7 +133,7 @@ paged_attention(const float* __restrict__ q, const float* __restrict__ key_cache
 #pragma unroll
             for (int i = 0; i < DPL; ++i) {
                 const int d = lane + 32 * i;
-                if (d < head_dim) acc[i] = fmaf(p, VALUES_AHEAD ? vv[u][i] : v_rows[u][d], acc[i]);
+                if (d < head_dim) acc[i] = fmaf(p, VALUES_AHEAD ? vv[u][i] : to_float(v_rows[u][d]), acc[i]);
             }
         }
         m = m_new;
@@ -170,17 +173,39 @@ __host__ __device__ constexpr int gqa_unroll(int g, int dpl) {
 
 __host__ __device__ constexpr int log2_of(int n) { return n <= 1 ? 0 : 1 + log2_of(n / 2); }
 
-// VW consecutive floats of a key or value row (VW-float aligned), through the read-only path.
-template <int VW>
-__device__ __forceinline__ void load_row_floats(const float* __restrict__ p, float* out) {
-    if constexpr (VW == 4) {
-        const float4 v = __ldg(reinterpret_cast<const float4*>(p));
-        out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
-    } else if constexpr (VW == 2) {
-        const float2 v = __ldg(reinterpret_cast<const float2*>(p));
-        out[0] = v.x; out[1] = v.y;
-    } else {
-        out[0] = __ldg(p);
+// Two 16-bit elements (bf16 or fp16) as one 32-bit word -> two floats.
+__device__ __forceinline__ void widen_pair(unsigned bits, const __nv_bfloat16*, float* out) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+    out[0] = f.x; out[1] = f.y;
+}
+__device__ __forceinline__ void widen_pair(unsigned bits, const __half*, float* out) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&bits));
+    out[0] = f.x; out[1] = f.y;
+}
+
+// VW consecutive elements of a key or value row (VW-element aligned) widened to float, through the read-only path:
+// one vector load of VW * sizeof(KV) bytes.
+template <int VW, typename KV>
+__device__ __forceinline__ void load_row_floats(const KV* __restrict__ p, float* out) {
+    if constexpr (sizeof(KV) == 4) {  // float
+        if constexpr (VW == 4) {
+            const float4 v = __ldg(reinterpret_cast<const float4*>(p));
+            out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+        } else if constexpr (VW == 2) {
+            const float2 v = __ldg(reinterpret_cast<const float2*>(p));
+            out[0] = v.x; out[1] = v.y;
+        } else {
+            out[0] = __ldg(p);
+        }
+    } else {  // __nv_bfloat16, __half
+        if constexpr (VW == 4) {
+            const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+            widen_pair(v.x, p, out); widen_pair(v.y, p, out + 2);
+        } else if constexpr (VW == 2) {
+            widen_pair(__ldg(reinterpret_cast<const unsigned*>(p)), p, out);
+        } else {
+            out[0] = to_float(p[0]);
+        }
     }
 }
 
@@ -227,16 +252,16 @@ __device__ __forceinline__ float reduce_scatter(float (&v)[G], int lane) {
     return s;
 }
 
-template <int DPL, int G>
+template <typename KV, int DPL, int G>
 __global__ void __launch_bounds__(GQA_WARPS * 32)
-paged_attention_gqa(const float* __restrict__ q, const float* __restrict__ key_cache,
-                    const float* __restrict__ value_cache, const long long* __restrict__ block_tables,
+paged_attention_gqa(const float* __restrict__ q, const KV* __restrict__ key_cache,
+                    const KV* __restrict__ value_cache, const long long* __restrict__ block_tables,
                     const long long* __restrict__ query_start, const long long* __restrict__ positions,
                     float* __restrict__ out, float* __restrict__ partial_acc, float* __restrict__ partial_ml,
                     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
                     float scale, int window) {
     pdl_wait();
-    constexpr int VW = DPL < 4 ? DPL : 4;  // floats per vector load
+    constexpr int VW = DPL < 4 ? DPL : 4;  // elements per vector load
     constexpr int NV = DPL / VW;           // vector loads per row and lane
     constexpr int U = gqa_unroll(G, DPL);
     constexpr int LOG_G = log2_of(G);
@@ -289,8 +314,8 @@ paged_attention_gqa(const float* __restrict__ q, const float* __restrict__ key_c
         for (int u = 0; u < U; ++u) {
             const int j = j0 + u < hi ? j0 + u : j0;  // past the split's end: re-read a valid row, masked below
             const long long slot = table[j / block_size] * block_size + j % block_size;
-            const float* k_row = key_cache + slot * slot_stride + kv_offset;
-            const float* v_row = value_cache + slot * slot_stride + kv_offset;
+            const KV* k_row = key_cache + slot * slot_stride + kv_offset;
+            const KV* v_row = value_cache + slot * slot_stride + kv_offset;
 #pragma unroll
             for (int c = 0; c < NV; ++c) {
                 const int d = (c * 32 + lane) * VW;

@@ -1,6 +1,6 @@
 // Launch contract
 //
-// qk_norm_rope_write: what a layer does between the q/k/v projections and attention, in one launch: optional
+// qk_norm_rope_write<KV>: what a layer does between the q/k/v projections and attention, in one launch: optional
 // RMSNorm of q and k, optional clamp of q, k and v, the rotary embedding of q and k (as rotary in rope.cu), k and v
 // stored in the paged caches (as write_kv in kv_cache.cu), the rotated q written out. In the model's order:
 // full norm, clamp, per-head norm, rotary.
@@ -13,7 +13,8 @@
 //   cos, sin   float32 [P, D/2] tables; positions int64 [T], each below P
 //   slots      int64 [T]; a negative slot stores nothing (padding rows of a captured batch), q is still written
 //   q_out      float32 [T, Q, D] (not aliasing q)
-//   key_cache, value_cache float32 [num_blocks, block_size, K, D]: slot s owns the K*D floats at s * K * D
+//   key_cache, value_cache KV [num_blocks, block_size, K, D]: slot s owns the K*D elements at s * K * D; KV is
+//              float, __nv_bfloat16 or __half (the KV cache's dtype), each value rounded to nearest when stored
 //   grid: (T, G), block: a multiple of 32 threads (at most 1024). Each warp takes one of the token's Q + 2K heads
 //   at a time (q heads, then k heads, then v heads), striding by G * warps per block.
 //   norm 2 needs G = 1: the block sums each token's squares of q and of k before any head is written.
@@ -23,12 +24,13 @@ __device__ __forceinline__ float clamp_to(float v, float clip) {
     return clip > 0.f ? fminf(fmaxf(v, -clip), clip) : v;
 }
 
-extern "C" __global__ void __launch_bounds__(1024)
+template <typename KV>
+__global__ void __launch_bounds__(1024)
 qk_norm_rope_write(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                    const float* __restrict__ q_weight, const float* __restrict__ k_weight,
                    const float* __restrict__ cos, const float* __restrict__ sin,
                    const long long* __restrict__ positions, const long long* __restrict__ slots,
-                   float* __restrict__ q_out, float* __restrict__ key_cache, float* __restrict__ value_cache,
+                   float* __restrict__ q_out, KV* __restrict__ key_cache, KV* __restrict__ value_cache,
                    int Q, int K, int half, int norm, float eps, float clip) {
     pdl_wait();
     const long long t = blockIdx.x;
@@ -58,15 +60,16 @@ qk_norm_rope_write(const float* __restrict__ q, const float* __restrict__ k, con
             if (slot < 0) continue;
             const int head = h - Q - K;
             const float* src = v + (t * K + head) * D;
-            float* dst = value_cache + (slot * K + head) * D;
-            for (int i = lane; i < D; i += 32) dst[i] = clamp_to(src[i], clip);
+            KV* dst = value_cache + (slot * K + head) * D;
+            for (int i = lane; i < D; i += 32) dst[i] = from_float<KV>(clamp_to(src[i], clip));
             continue;
         }
         const bool is_q = h < Q;
         if (!is_q && slot < 0) continue;
         const int head = is_q ? h : h - Q;
         const float* src = is_q ? q + (t * Q + head) * D : k + (t * K + head) * D;
-        float* dst = is_q ? q_out + (t * Q + head) * D : key_cache + (slot * K + head) * D;
+        float* q_dst = q_out + (t * Q + head) * D;  // used when is_q
+        KV* k_dst = key_cache + (slot * K + head) * D;  // used when !is_q
         const float* weight = is_q ? q_weight : k_weight;
         float scale = 1.f;
         if (norm == 1) {
@@ -94,8 +97,14 @@ qk_norm_rope_write(const float* __restrict__ q, const float* __restrict__ k, con
                 }
             }
             const float c = cos[p * half + i], s = sin[p * half + i];
-            dst[i] = x1 * c - x2 * s;
-            dst[i + half] = x2 * c + x1 * s;
+            const float y1 = x1 * c - x2 * s, y2 = x2 * c + x1 * s;
+            if (is_q) {
+                q_dst[i] = y1;
+                q_dst[i + half] = y2;
+            } else {
+                k_dst[i] = from_float<KV>(y1);
+                k_dst[i + half] = from_float<KV>(y2);
+            }
         }
     }
 }

@@ -60,7 +60,7 @@ def budget(model_dir: Path, slots: int) -> int:
 def step_logits(model, steps: int = 4) -> list[np.ndarray]:
     """Logits [3, V] of a batched prefill of PROMPTS, then `steps` batched greedy decode steps."""
     per_seq = -(-(max(map(len, PROMPTS)) + steps) // BLOCK)
-    kv = model.allocate_kv_cache(per_seq * len(PROMPTS), BLOCK)
+    kv = model.allocate_kv_cache(per_seq * len(PROMPTS), BLOCK, "fp32")  # the comparisons' tolerances are float32's
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(PROMPTS))]
     requests = [Request(str(i), p, SamplingParams()) for i, p in enumerate(PROMPTS)]
     chunks, starts = [list(p) for p in PROMPTS], [0] * len(PROMPTS)

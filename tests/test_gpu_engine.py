@@ -39,7 +39,7 @@ def test_engine_decode_graphs_give_the_eager_tokens(tiny_model_dir, params):
 def test_a_padded_decode_batch_gives_the_eager_logits(tiny_model_dir):
     model = load_model(str(tiny_model_dir), device="cuda")
     block, per_seq, b = 4, 4, 5
-    kv = model.allocate_kv_cache(b * per_seq, block)
+    kv = model.allocate_kv_cache(b * per_seq, block, "fp32")  # the 1e-4 below is float32's
     tables = np.arange(b * per_seq).reshape(b, per_seq).tolist()
     prompts = np.random.default_rng(0).integers(3, model.config.vocab_size, (b, 6)).tolist()
     first = model.forward(flat_batch(prompts, [0] * b, tables, [True] * b, block), kv)  # [b, V] prefill
@@ -192,9 +192,10 @@ def test_the_server_streams_on_the_gpu_with_steps_launched_ahead(tiny_model_dir)
 
 def test_prompt_logprobs_on_the_gpu_match_the_numpy_engine(tiny_model_dir):
     """Prompt positions' logits come back beside the sampling rows of an eager step; the decode graphs still run
-    the later steps; the logprobs match the NumPy backend's."""
+    the later steps; the logprobs match the NumPy backend's (within float32 rounding: float32 KV caches)."""
     params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=3, logprobs=1)
-    gpu, cpu = LLM(str(tiny_model_dir), device="cuda"), LLM(str(tiny_model_dir), device="cpu")
+    gpu = LLM(str(tiny_model_dir), device="cuda", kv_cache_dtype="fp32")
+    cpu = LLM(str(tiny_model_dir), device="cpu", kv_cache_dtype="fp32")
     ours, theirs = gpu.generate(PROMPTS, params), cpu.generate(PROMPTS, params)
     for a, b in zip(ours, theirs, strict=True):
         assert a.token_ids == b.token_ids and a.prompt_token_ids == b.prompt_token_ids

@@ -43,6 +43,7 @@ from colibri_stream.backends.cupy_backend import (  # noqa: E402
     _on_tensor_cores,
     _launch,
     _tile,
+    to_device_storage,
 )
 from colibri_stream.backends.numpy_backend import NumpyBackend  # noqa: E402
 from colibri_stream.config import RopeConfig  # noqa: E402
@@ -59,6 +60,23 @@ STORAGE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.
 # (bf16) with exact accumulation (a NumPy simulation at H = 4096); the rest is the tensor cores' float32
 # accumulation over two chained products. Dropping the low part gives 1.7e-3 (bf16) and 2.1e-4 (fp16).
 MMA_TOLERANCE = 2e-4
+
+
+KV_DTYPES = ("float32", "bfloat16", "float16")  # the KV cache's element types
+KV_CTYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half"}
+
+
+def kv_cache_pair(values: np.ndarray, dtype: str) -> tuple[np.ndarray, object]:
+    """float32 values [num_blocks, block_size, K, D] rounded to a KV dtype: (the NumPy backend's cache, a device
+    copy of the same bits)."""
+    host = values.astype(STORAGE[dtype])
+    return host, to_device_storage(host)
+
+
+def kv_to_float32(cache) -> np.ndarray:
+    """A device KV cache (bfloat16 as uint16 bits) read back as float32."""
+    host = cupy.asnumpy(cache)
+    return (host.view(ml_dtypes.bfloat16) if host.dtype == np.uint16 else host).astype(np.float32)
 
 
 def poison() -> None:
@@ -279,17 +297,19 @@ def test_rotary(head_dim, heads):
     check(ours, REF.rotary(x, cos, sin, positions))
 
 
-def test_write_kv():
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_write_kv(kv_dtype):
+    """Rounded to the cache's dtype as the NumPy backend rounds (to nearest even): the same bits."""
     rng = np.random.default_rng(3)
     shape = (6, 8, 2, 24)  # [num_blocks, block_size, K, D]
-    key_cache, value_cache = rng.standard_normal((2, *shape)).astype(np.float32)
+    key_cache, gpu_keys = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
+    value_cache, gpu_values = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
     key, value = rng.standard_normal((2, 11, 2, 24)).astype(np.float32)
     slots = rng.permutation(48)[:11]
-    gpu_keys, gpu_values = cupy.asarray(key_cache), cupy.asarray(value_cache)
     GPU.write_kv(gpu_keys, gpu_values, cupy.asarray(key), cupy.asarray(value), cupy.asarray(slots))
     REF.write_kv(key_cache, value_cache, key, value, slots)
-    check(gpu_keys, key_cache, 0)
-    check(gpu_values, value_cache, 0)
+    check(kv_to_float32(gpu_keys), key_cache.astype(np.float32), 0)
+    check(kv_to_float32(gpu_values), value_cache.astype(np.float32), 0)
 
 
 def attention_batch(rng, seqs: list[tuple[int, int]], block_size: int, num_blocks: int) -> ForwardBatch:
@@ -315,22 +335,25 @@ def attention_batch(rng, seqs: list[tuple[int, int]], block_size: int, num_block
 @pytest.mark.parametrize("head_dim", [24, 64, 128])
 @pytest.mark.parametrize("window", [None, 16])
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_paged_attention(head_dim, window, block_size, monkeypatch):
-    """Sequences of several tokens (T != B): paged_attention, a block per (token, query head)."""
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_paged_attention(head_dim, window, block_size, kv_dtype, monkeypatch):
+    """Sequences of several tokens (T != B): paged_attention, a block per (token, query head), over a cache of
+    each KV dtype (the same rounded values on both backends: float32 tolerance)."""
     rng = np.random.default_rng(head_dim + block_size)
     seqs = [(1, 1), (37, 37), (100, 1), (64, 5), (200, 1)]
     num_blocks = sum(-(-c // block_size) for c, _ in seqs) + 3
     batch = attention_batch(rng, seqs, block_size, num_blocks)
     heads, kv_heads = 8, 2
-    key_cache, value_cache = rng.standard_normal((2, num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    key_cache, gpu_keys = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
+    value_cache, gpu_values = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
     query = rng.standard_normal((batch.num_tokens, heads, head_dim)).astype(np.float32)
     scale = head_dim**-0.5
     device_batch = {name: cupy.asarray(getattr(batch, name)) for name in ("block_tables", "query_start", "positions")}
     launched = launched_kernels(monkeypatch)
     poison()
-    ours = GPU.paged_attention(cupy.asarray(query), cupy.asarray(key_cache), cupy.asarray(value_cache), batch,
-                               device_batch, scale, window)
-    assert launched == [f"paged_attention<{ {24: 1, 64: 2, 128: 4}[head_dim]}>"]
+    ours = GPU.paged_attention(cupy.asarray(query), gpu_keys, gpu_values, batch, device_batch, scale, window)
+    assert launched == [f"paged_attention<{KV_CTYPES[kv_dtype]}, { {24: 1, 64: 2, 128: 4}[head_dim]}>"]
     check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, scale, window))
 
 
@@ -338,7 +361,8 @@ def test_paged_attention(head_dim, window, block_size, monkeypatch):
 @pytest.mark.parametrize("heads,kv_heads", [(32, 4), (32, 8), (8, 8), (16, 1), (12, 4)])
 @pytest.mark.parametrize("window", [None, 16])
 @pytest.mark.parametrize("split", [True, False])
-def test_paged_attention_decode(head_dim, heads, kv_heads, window, split, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_paged_attention_decode(head_dim, heads, kv_heads, window, split, kv_dtype, monkeypatch):
     """One token per sequence (T == B): paged_attention_gqa, a block per (token, KV head) for the whole query group
     (12 / 4: a group of 3 padded to 4), the context split over blocks and merged by paged_attention_merge (split;
     splits of the short contexts are empty) or in one block each. The backend decides from shapes only, so the
@@ -348,7 +372,9 @@ def test_paged_attention_decode(head_dim, heads, kv_heads, window, split, monkey
     seqs = [(p + 1, 1) for p in (0, 36, 143, 200, 511)]
     num_blocks = sum(-(-c // block_size) for c, _ in seqs) + 3
     batch = attention_batch(rng, seqs, block_size, num_blocks)
-    key_cache, value_cache = rng.standard_normal((2, num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    key_cache, gpu_keys = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
+    value_cache, gpu_values = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
     query = rng.standard_normal((batch.num_tokens, heads, head_dim)).astype(np.float32)
     scale = head_dim**-0.5
     device_batch = {name: cupy.asarray(getattr(batch, name)) for name in ("block_tables", "query_start", "positions")}
@@ -356,11 +382,11 @@ def test_paged_attention_decode(head_dim, heads, kv_heads, window, split, monkey
         monkeypatch.setattr(cupy_backend, "GQA_MAX_SPLITS", 1)
     launched = launched_kernels(monkeypatch)
     poison()
-    ours = GPU.paged_attention(cupy.asarray(query), cupy.asarray(key_cache), cupy.asarray(value_cache), None,
-                               device_batch, scale, window)
+    ours = GPU.paged_attention(cupy.asarray(query), gpu_keys, gpu_values, None, device_batch, scale, window)
     per_lane = {64: 2, 96: 4, 128: 4}[head_dim]
     group = {1: 1, 2: 2, 3: 4, 4: 4, 8: 8, 16: 16}[heads // kv_heads]
-    assert launched == [f"paged_attention_gqa<{per_lane}, {group}>"] + (["paged_attention_merge"] if split else [])
+    assert launched == ([f"paged_attention_gqa<{KV_CTYPES[kv_dtype]}, {per_lane}, {group}>"]
+                        + (["paged_attention_merge"] if split else []))
     check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, scale, window))
 
 
@@ -375,7 +401,7 @@ def test_a_single_decode_token_takes_the_query_head_kernel(monkeypatch):
     poison()
     ours = GPU.paged_attention(cupy.asarray(query), cupy.asarray(key_cache), cupy.asarray(value_cache), None,
                                device_batch, 0.1, None)
-    assert launched == ["paged_attention<4>"]
+    assert launched == ["paged_attention<float, 4>"]
     check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, 0.1, None))
 
 
@@ -461,9 +487,12 @@ def test_route_replayed_in_a_cuda_graph(tokens):
 @pytest.mark.parametrize("clip", [None, 0.8])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 24), (32, 4, 128), (16, 16, 64), (12, 1, 256)])
 @pytest.mark.parametrize("tokens", [1, 7])
-def test_qk_norm_rope_write(qk_norm, clip, heads, kv_heads, head_dim, tokens):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_qk_norm_rope_write(qk_norm, clip, heads, kv_heads, head_dim, tokens, kv_dtype):
     """The fused prologue against the NumPy composition: rotated q, k and v in their cache slots (padding slot -1
-    stores nothing), every other cache row untouched."""
+    stores nothing), every other cache row untouched. Keys in a 16-bit cache: within one rounding step (2^-8
+    relative, bf16) of NumPy's, whose float32 keys differ from the kernel's in their last bits; values, only
+    clamped, the same bits."""
     rng = np.random.default_rng(heads * head_dim + tokens)
     cos, sin = cos_sin_table(RopeConfig(theta=1e6), head_dim, 4096)
     q = rng.standard_normal((tokens, heads * head_dim)).astype(np.float32)
@@ -474,11 +503,11 @@ def test_qk_norm_rope_write(qk_norm, clip, heads, kv_heads, head_dim, tokens):
         q_norm, k_norm = ((1 + 0.2 * rng.standard_normal(n)).astype(np.float32) for n in widths)
     block_size, num_blocks = 8, 4
     cache_shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache, value_cache = rng.standard_normal((2, *cache_shape)).astype(np.float32)
+    key_cache, gpu_keys = kv_cache_pair(rng.standard_normal(cache_shape).astype(np.float32), kv_dtype)
+    value_cache, gpu_values = kv_cache_pair(rng.standard_normal(cache_shape).astype(np.float32), kv_dtype)
     positions = rng.integers(0, 4096, tokens)
     slots = rng.permutation(num_blocks * block_size)[:tokens]
     slots[tokens // 2] = -1  # a padding row
-    gpu_keys, gpu_values = cupy.asarray(key_cache), cupy.asarray(value_cache)
     poison()
     ours = GPU.qk_norm_rope_write(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v),
                                   None if q_norm is None else GPU.prepare_weight(q_norm),
@@ -489,13 +518,15 @@ def test_qk_norm_rope_write(qk_norm, clip, heads, kv_heads, head_dim, tokens):
                                        key_cache, value_cache, slots)
     check(ours, reference)
     stored = slots[slots >= 0]
-    ours_keys = cupy.asnumpy(gpu_keys).reshape(-1, kv_heads, head_dim)  # [slots, K, D]
-    ours_values = cupy.asnumpy(gpu_values).reshape(-1, kv_heads, head_dim)
-    check(ours_keys[stored], key_cache.reshape(-1, kv_heads, head_dim)[stored])
-    check(ours_values[stored], value_cache.reshape(-1, kv_heads, head_dim)[stored], 0)
+    ours_keys = kv_to_float32(gpu_keys).reshape(-1, kv_heads, head_dim)  # [slots, K, D]
+    ours_values = kv_to_float32(gpu_values).reshape(-1, kv_heads, head_dim)
+    ref_keys = key_cache.astype(np.float32).reshape(-1, kv_heads, head_dim)
+    ref_values = value_cache.astype(np.float32).reshape(-1, kv_heads, head_dim)
+    check(ours_keys[stored], ref_keys[stored], 1e-5 if kv_dtype == "float32" else 2**-8)
+    check(ours_values[stored], ref_values[stored], 0)
     untouched = np.setdiff1d(np.arange(num_blocks * block_size), stored)
-    assert np.array_equal(ours_keys[untouched], key_cache.reshape(-1, kv_heads, head_dim)[untouched])
-    assert np.array_equal(ours_values[untouched], value_cache.reshape(-1, kv_heads, head_dim)[untouched])
+    assert np.array_equal(ours_keys[untouched], ref_keys[untouched])
+    assert np.array_equal(ours_values[untouched], ref_values[untouched])
 
 
 class DictExpertStore(ExpertStore):

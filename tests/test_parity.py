@@ -5,6 +5,8 @@ Reference: the transformers model in float32 on the CPU. Tolerances:
 - bfloat16 / int8 exports: compared with the reference whose weights were rounded the same way (bf16 rounding,
   or per-row int8 quantisation of the routed experts): the same 1e-4, since only storage differs. Against the
   unrounded float32 reference they must stay within 5e-2 (bf16) and 1e-1 (int8) relative.
+The KV cache is float32 here (the reference's), so only the weights' storage differs; bf16 KV against float32 KV is
+tests/test_kv_dtype.py's.
 """
 
 from __future__ import annotations
@@ -41,19 +43,21 @@ def reference_greedy(hf_model, ids: np.ndarray, steps: int) -> list[int]:
     return tokens[len(ids):]
 
 
-def colibri_logits(model, ids: np.ndarray) -> np.ndarray:
+def colibri_logits(model, ids: np.ndarray, kv_cache_dtype: str = "fp32") -> np.ndarray:
+    """Logits of every prompt position; the KV cache float32 unless asked (the reference's, for exact comparisons)."""
     blocks = -(-len(ids) // BLOCK_SIZE)
-    kv = model.allocate_kv_cache(blocks, BLOCK_SIZE)
+    kv = model.allocate_kv_cache(blocks, BLOCK_SIZE, kv_cache_dtype)
     batch = single_sequence_batch(ids, 0, np.arange(blocks), BLOCK_SIZE)
     batch.logits_indices = np.arange(len(ids))
     return model.forward(batch, kv)  # [S, V]
 
 
-def colibri_greedy(model, ids: np.ndarray, steps: int) -> list[int]:
-    """Prefill, then one token at a time through the KV cache (blocks deliberately out of order)."""
+def colibri_greedy(model, ids: np.ndarray, steps: int, kv_cache_dtype: str = "fp32") -> list[int]:
+    """Prefill, then one token at a time through the KV cache (blocks deliberately out of order; float32 unless
+    asked)."""
     blocks = -(-(len(ids) + steps) // BLOCK_SIZE)
     table = np.random.default_rng(1).permutation(blocks)
-    kv = model.allocate_kv_cache(blocks, BLOCK_SIZE)
+    kv = model.allocate_kv_cache(blocks, BLOCK_SIZE, kv_cache_dtype)
     out: list[int] = []
     logits = model.forward(single_sequence_batch(ids, 0, table, BLOCK_SIZE), kv)
     for step in range(steps):

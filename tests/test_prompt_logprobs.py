@@ -50,7 +50,7 @@ def test_prompt_logprobs_match_transformers_through_chunks_preemption_and_the_pr
     hf_model = build_hf_model(arch, tmp_path / "hf", vocab_size=TOKENIZER_VOCAB_SIZE)
     export_model(tmp_path / "hf", tmp_path / "model", dtype="fp32", progress=False)
     write_tokenizer(tmp_path / "model")
-    core = EngineCore.from_pretrained(str(tmp_path / "model"), **TIGHT)
+    core = EngineCore.from_pretrained(str(tmp_path / "model"), kv_cache_dtype="fp32", **TIGHT)  # the reference's
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, TOKENIZER_VOCAB_SIZE, length).tolist() for length in (37, 29, 33)]
     # The first prompt goes through once without prompt logprobs: its blocks are then in the prefix cache.

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..memory import MemoryInfo, host_memory
 from ..timing import HOST_CLOCK, Clock
 
 if TYPE_CHECKING:
@@ -48,7 +49,12 @@ class Backend(ABC):
 
     @abstractmethod
     def zeros(self, shape: tuple[int, ...], dtype: str = "float32") -> Array:
-        """A zero-filled device array."""
+        """A zero-filled device array of a storage dtype (float32, bfloat16, float16) in the form the backend's
+        operations take it."""
+
+    def memory_info(self) -> MemoryInfo:
+        """Free and total bytes of the memory this backend allocates from (the host's RAM unless overridden)."""
+        return host_memory()
 
     def prepare_experts(self, store: ExpertStore, config: ModelConfig) -> ExpertStore:
         """The expert store `routed_experts` will be given (the GPU backend makes every expert resident)."""

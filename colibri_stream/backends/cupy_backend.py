@@ -1,6 +1,7 @@
 """The GPU backend: CuPy arrays and our own CUDA kernels (kernels/*.cu, compiled at run time by kernels.py).
 
-Numerics: activations, the KV cache and every accumulation are float32. Weight matrices stay in their storage
+Numerics: activations and every accumulation are float32; the KV cache is in its own dtype (bfloat16 by default,
+float16, float32), rounded when written and widened when attention loads it. Weight matrices stay in their storage
 dtype (bfloat16, float16, float32; routed experts also int8 with per-row float32 scales) and are widened in
 registers as they are loaded; vectors (norm weights, biases) are held as float32. bfloat16 arrays are CuPy uint16
 arrays of the same bits (CuPy has no bfloat16 arithmetic); `storage_type` names their CUDA type for the kernels.
@@ -28,6 +29,7 @@ import numpy as np
 from ..config import QK_NORMS, ModelConfig
 from ..experts.store import ExpertStore
 from ..model.batch import ForwardBatch
+from ..memory import MemoryInfo
 from .base import Array, Backend
 from .kernels import get_kernel
 from .launch import launch_programmatic, programmatic_active
@@ -95,9 +97,12 @@ _FAMILIES = {
                                   for nt in MMA_TILES) if w in ("__nv_bfloat16", "__half") else (),
     "linear_mma.cu": lambda w: tuple(f"linear_mma<{w}, {nt}>" for nt in LINEAR_MMA_TILES)
     if w in ("__nv_bfloat16", "__half") else (),
-    "attention.cu": lambda w: (*(f"paged_attention<{d}>" for d in (1, 2, 4, 8)),
-                               *(f"paged_attention_gqa<{d}, {g}>" for d in (1, 2, 4, 8) for g in GQA_GROUPS
+    # w: the KV cache's element type (float, __nv_bfloat16, __half)
+    "attention.cu": lambda w: (*(f"paged_attention<{w}, {d}>" for d in (1, 2, 4, 8)),
+                               *(f"paged_attention_gqa<{w}, {d}, {g}>" for d in (1, 2, 4, 8) for g in GQA_GROUPS
                                  if g * d <= GQA_MAX_LANE_FLOATS), "paged_attention_merge"),
+    "attention_prologue.cu": lambda w: (f"qk_norm_rope_write<{w}>",),
+    "kv_cache.cu": lambda w: (f"write_kv<{w}>",),
 }
 
 
@@ -313,7 +318,12 @@ class CupyBackend(Backend):
         return self.cp.asnumpy(array)
 
     def zeros(self, shape: tuple[int, ...], dtype: str = "float32") -> Array:
-        return self.cp.zeros(shape, dtype=dtype)
+        return self.cp.zeros(shape, dtype=_DEVICE_DTYPES[dtype])
+
+    def memory_info(self) -> MemoryInfo:
+        """The current GPU's free and total bytes, counting blocks CuPy's memory pool holds unused as free."""
+        free, total = self.cp.cuda.runtime.memGetInfo()
+        return MemoryInfo(free + self.cp.get_default_memory_pool().free_bytes(), total, host=False)
 
     def random_weight(self, shape: tuple[int, ...], std: float, seed: int, dtype: str) -> Array:
         values = self.cp.random.RandomState(seed).standard_normal(shape, dtype=np.float32)  # [shape]
@@ -492,9 +502,10 @@ class CupyBackend(Backend):
     def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
         t = key.shape[0]
         width = key_cache.shape[2] * key_cache.shape[3]
-        _launch("kv_cache.cu", "write_kv", (t,), 128, (self.cp.ascontiguousarray(key),
-                                                       self.cp.ascontiguousarray(value), key_cache, value_cache,
-                                                       slot_mapping, np.int32(width)))
+        kv_type = storage_type(key_cache)
+        _launch("kv_cache.cu", f"write_kv<{kv_type}>", (t,), 128,
+                (self.cp.ascontiguousarray(key), self.cp.ascontiguousarray(value), key_cache, value_cache,
+                 slot_mapping, np.int32(width)), weight_type=kv_type)
 
     def qk_norm_rope_write(self, q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, positions, key_cache,
                            value_cache, slot_mapping):
@@ -514,7 +525,9 @@ class CupyBackend(Backend):
         args = (q, k, v, NULL if q_norm is None else q_norm, NULL if k_norm is None else k_norm, cos, sin, positions,
                 slot_mapping, out, key_cache, value_cache, np.int32(num_heads), np.int32(num_kv_heads),
                 np.int32(head_dim // 2), np.int32(QK_NORMS.index(qk_norm)), np.float32(eps), np.float32(clip or 0))
-        _launch("attention_prologue.cu", "qk_norm_rope_write", (t, groups), 32 * warps, args)
+        kv_type = storage_type(key_cache)
+        _launch("attention_prologue.cu", f"qk_norm_rope_write<{kv_type}>", (t, groups), 32 * warps, args,
+                weight_type=kv_type)
         return out
 
     def paged_attention(self, query, key_cache, value_cache, batch: ForwardBatch, device_batch, scale,
@@ -539,10 +552,12 @@ class CupyBackend(Backend):
                  np.int32(block_size), np.int32(tables.shape[1]), np.float32(scale), np.int32(sliding_window or 0))
         group = num_heads // num_kv_heads
         padded = next((g for g in GQA_GROUPS if g >= group), None)
-        vector = min(per_lane, 4)  # floats per load of a key or value row
+        kv_type = storage_type(key_cache)
+        vector = min(per_lane, 4)  # elements per load of a key or value row
+        load_bytes = vector * key_cache.itemsize
         if (t == tables.shape[0] and t >= GQA_MIN_TOKENS and num_heads % num_kv_heads == 0 and padded is not None
                 and padded * per_lane <= GQA_MAX_LANE_FLOATS and head_dim % vector == 0
-                and key_cache.data.ptr % (4 * vector) == 0 and value_cache.data.ptr % (4 * vector) == 0):
+                and key_cache.data.ptr % load_bytes == 0 and value_cache.data.ptr % load_bytes == 0):
             pairs = t * num_kv_heads
             capacity = tables.shape[1] * block_size  # the longest context the tables hold
             splits = max(1, min(GQA_MAX_SPLITS, GQA_BLOCKS_PER_SM * self.multiprocessors // max(pairs, 1),
@@ -552,15 +567,15 @@ class CupyBackend(Backend):
                 partial_ml = self.cp.empty((t, num_heads, splits, 2), np.float32)  # [T, Q, S, (m, l)]
             else:
                 partial_acc = partial_ml = NULL
-            _launch("attention.cu", f"paged_attention_gqa<{per_lane}, {padded}>", (t, num_kv_heads, splits),
-                    32 * GQA_WARPS, (*common, partial_acc, partial_ml, *sizes),
-                    shared_mem=GQA_WARPS * padded * head_dim * 4)
+            _launch("attention.cu", f"paged_attention_gqa<{kv_type}, {per_lane}, {padded}>",
+                    (t, num_kv_heads, splits), 32 * GQA_WARPS, (*common, partial_acc, partial_ml, *sizes),
+                    shared_mem=GQA_WARPS * padded * head_dim * 4, weight_type=kv_type)
             if splits > 1:
                 _launch("attention.cu", "paged_attention_merge", (t, num_heads), 32 * per_lane,
-                        (partial_acc, partial_ml, out, np.int32(head_dim), np.int32(splits)))
+                        (partial_acc, partial_ml, out, np.int32(head_dim), np.int32(splits)), weight_type=kv_type)
             return out
-        _launch("attention.cu", f"paged_attention<{per_lane}>", (t, num_heads), 32 * ATTENTION_WARPS,
-                (*common, *sizes), shared_mem=ATTENTION_WARPS * head_dim * 4)
+        _launch("attention.cu", f"paged_attention<{kv_type}, {per_lane}>", (t, num_heads), 32 * ATTENTION_WARPS,
+                (*common, *sizes), shared_mem=ATTENTION_WARPS * head_dim * 4, weight_type=kv_type)
         return out
 
     # ---- mixture of experts -------------------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """The reference backend: NumPy on the CPU, float32 compute from bf16/fp16/int8 storage.
 
+The KV cache is held in its own dtype (float32, bfloat16 through ml_dtypes, float16): rows are rounded when written
+and widened to float32 when attention reads them.
+
 Clarity over speed: this is what the GPU backend is checked against and what CI runs. Routed experts go through
 the CPU expert executor (compiled kernel over the storage dtype when numba is installed, else the same float32
 NumPy formulas).
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..checkpoint import NUMPY_DTYPES
 from ..config import ModelConfig
 from ..experts.cpu_executor import CpuExpertExecutor, silu_mul
 from ..experts.store import ExpertStore, Float32ExpertStore, MappedExpertStore
@@ -17,6 +21,11 @@ from .base import Backend
 
 
 FLOAT32_EXPERTS_BYTES = 256 << 20  # resident experts up to this size as float32 are widened once, not every step
+
+
+def _widened(rows: np.ndarray) -> np.ndarray:
+    """Gathered KV rows (a copy, in the cache's dtype) as float32: the same array when already float32."""
+    return rows.astype(np.float32, copy=False)
 
 
 class NumpyBackend(Backend):
@@ -38,7 +47,7 @@ class NumpyBackend(Backend):
         return array
 
     def zeros(self, shape: tuple[int, ...], dtype: str = "float32") -> np.ndarray:
-        return np.zeros(shape, dtype=dtype)
+        return np.zeros(shape, dtype=NUMPY_DTYPES[dtype])
 
     def prepare_experts(self, store: ExpertStore, config: ModelConfig) -> ExpertStore:
         """Experts of a resident model small enough for FLOAT32_EXPERTS_BYTES are kept widened to float32 (the
@@ -82,6 +91,7 @@ class NumpyBackend(Backend):
         return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
     def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
+        """Keys and values are rounded to the caches' dtype (bfloat16: to nearest even, as the GPU's writer)."""
         block_size = key_cache.shape[1]
         stored = slot_mapping >= 0  # [T]
         slots = slot_mapping[stored]  # [T']
@@ -123,8 +133,8 @@ class NumpyBackend(Backend):
         num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
         longest = int(batch.context_lens.max())
         blocks = batch.block_tables[:, : -(-longest // block_size)]  # [B, n]
-        keys = key_cache[blocks].reshape(seqs, -1, num_kv_heads, head_dim)[:, :longest]  # [B, S, K, D]
-        values = value_cache[blocks].reshape(seqs, -1, num_kv_heads, head_dim)[:, :longest]  # [B, S, K, D]
+        keys = _widened(key_cache[blocks]).reshape(seqs, -1, num_kv_heads, head_dim)[:, :longest]  # [B, S, K, D]
+        values = _widened(value_cache[blocks]).reshape(seqs, -1, num_kv_heads, head_dim)[:, :longest]  # [B, S, K, D]
         k_pos = np.arange(longest)[None, :]  # [1, S]
         q_pos = batch.positions[:, None]  # [B, 1]
         visible = (k_pos <= q_pos) & (k_pos < batch.context_lens[:, None])  # [B, S]
@@ -150,8 +160,8 @@ class NumpyBackend(Backend):
             start, end = int(batch.query_start[b]), int(batch.query_start[b + 1])
             context = int(batch.context_lens[b])
             blocks = batch.block_tables[b, : -(-context // block_size)]
-            keys = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context]  # [S, K, D]
-            values = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context]  # [S, K, D]
+            keys = _widened(key_cache[blocks]).reshape(-1, num_kv_heads, head_dim)[:context]  # [S, K, D]
+            values = _widened(value_cache[blocks]).reshape(-1, num_kv_heads, head_dim)[:context]  # [S, K, D]
             t = end - start
             # Batched matmuls over the KV heads (BLAS; einsum was 1.5x slower at one query token, 7-10x at 64):
             # a KV head's G query heads and t tokens are the rows of one product.

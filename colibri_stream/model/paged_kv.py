@@ -1,37 +1,67 @@
-"""The paged key/value cache arrays: per layer, keys and values in fixed-size blocks of token rows."""
+"""The paged key/value cache arrays: per layer, keys and values in fixed-size blocks of token rows.
+
+The element type is a property of the cache, not of the model (`--kv-cache-dtype`): bfloat16 by default (float16
+for a float16 model), float32 for the reference. Keys and values are rounded once, when they are written; every
+read widens them to float32, so attention computes in float32 on either backend.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..backends.base import Array, Backend
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 
-KV_DTYPE_BYTES = 4  # float32 keys and values
+# --kv-cache-dtype option -> storage dtype of the cache arrays ("auto" resolves through resolve_kv_dtype)
+KV_CACHE_STORAGE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}  # bytes per key or value element
+
+
+def resolve_kv_dtype(option: str, model: ModelConfig) -> str:
+    """The storage dtype of the KV cache for the option `option` (auto | bf16 | fp16 | fp32).
+
+    auto: float16 when the model's dense weights are float16 (its activations were trained to fit that range),
+    otherwise bfloat16 (bfloat16 and float32 models alike: float32 only where asked for, as the reference)."""
+    if option == "auto":
+        return "float16" if model.dtype == "float16" else "bfloat16"
+    if option not in KV_CACHE_STORAGE:
+        raise ConfigError(f"kv_cache_dtype must be auto or one of {', '.join(KV_CACHE_STORAGE)}, got {option!r}")
+    return KV_CACHE_STORAGE[option]
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: str) -> int:
+    """Memory one token's keys and values take over all layers, in the cache's storage dtype."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_DTYPE_BYTES[dtype]
 
 
 @dataclass
 class PagedKVCache:
-    """keys[l], values[l]: [num_blocks, block_size, K, D] of layer l; block ids come from the block manager."""
+    """keys[l], values[l]: [num_blocks, block_size, K, D] of layer l in `dtype`; block ids come from the block
+    manager."""
 
     keys: list[Array]
     values: list[Array]
     num_blocks: int
     block_size: int
+    dtype: str  # storage dtype of every array: bfloat16, float16 or float32
 
     @classmethod
-    def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int, backend: Backend) -> PagedKVCache:
+    def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int, backend: Backend,
+                 dtype: str = "bfloat16") -> PagedKVCache:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("the KV cache needs at least one block of at least one token")
+        if dtype not in KV_DTYPE_BYTES:
+            raise ValueError(f"KV cache dtype {dtype!r} is not one of {', '.join(KV_DTYPE_BYTES)}")
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         return cls(
-            keys=[backend.zeros(shape) for _ in range(config.num_layers)],
-            values=[backend.zeros(shape) for _ in range(config.num_layers)],
+            keys=[backend.zeros(shape, dtype) for _ in range(config.num_layers)],
+            values=[backend.zeros(shape, dtype) for _ in range(config.num_layers)],
             num_blocks=num_blocks,
             block_size=block_size,
+            dtype=dtype,
         )
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int) -> int:
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: str) -> int:
         """Memory one block takes over all layers, keys and values."""
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * KV_DTYPE_BYTES
+        return block_size * kv_bytes_per_token(config, dtype)

@@ -18,7 +18,7 @@ from ..experts.build import open_expert_store
 from ..experts.store import ExpertStore
 from ..timing import StepTimer
 from .batch import ForwardBatch
-from .paged_kv import PagedKVCache
+from .paged_kv import PagedKVCache, resolve_kv_dtype
 from .rope import cos_sin_table
 
 BATCH_FIELDS = ("token_ids", "positions", "query_start", "context_lens", "block_tables", "slot_mapping",
@@ -111,8 +111,10 @@ class MoETransformer:
         self.timer = StepTimer(backend.timing_clock())  # the engine's step timer; the forward's phases report to it
         self.store.timer = self.timer  # expert reads report to it too
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        return PagedKVCache.allocate(self.config, num_blocks, block_size, self.backend)
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto") -> PagedKVCache:
+        """A KV cache for this model; `kv_cache_dtype` is an option of `resolve_kv_dtype` (auto, bf16, fp16, fp32)."""
+        return PagedKVCache.allocate(self.config, num_blocks, block_size, self.backend,
+                                     resolve_kv_dtype(kv_cache_dtype, self.config))
 
     # ---- forward ------------------------------------------------------------------------------------------
     def close(self) -> None:
