@@ -31,6 +31,8 @@ from ..experts.store import ExpertStore
 from ..model.batch import ForwardBatch
 from ..memory import MemoryInfo
 from .base import Array, Backend
+from .cupy_flash_attention import (FLASH_FILE, FLASH_THREADS, FlashTileCache, flash_attention_launch,
+                                   flash_instantiations, takes_flash_attention)
 from .kernels import get_kernel
 from .launch import launch_programmatic, programmatic_active
 
@@ -103,6 +105,7 @@ _FAMILIES = {
                                  if g * d <= GQA_MAX_LANE_FLOATS), "paged_attention_merge"),
     "attention_prologue.cu": lambda w: (f"qk_norm_rope_write<{w}>",),
     "kv_cache.cu": lambda w: (f"write_kv<{w}>",),
+    FLASH_FILE: flash_instantiations,  # w: the KV cache's element type
 }
 
 
@@ -302,6 +305,7 @@ class CupyBackend(Backend):
         # resets what it counted)
         self._route_counters = cupy.zeros(ROUTER_SPLIT_TOKENS, np.uint32)
         self.captured_cublas = True  # lm_head-sized projections of a capture on cuBLAS (off: on linear_mma)
+        self._flash_tiles = FlashTileCache()
 
     # ---- memory -------------------------------------------------------------------------------------------
     def prepare_weight(self, host) -> Array:
@@ -537,9 +541,17 @@ class CupyBackend(Backend):
         block per (token, KV head, split) computing the KV head's whole query group, so each key and value row is
         read once for the group; the context is split over enough blocks to fill the GPU, and
         paged_attention_merge combines the splits.
-        Otherwise (prefill chunks, or head layouts the GQA kernel does not take): paged_attention, a block per
+        Prefill steps with a chunk of FLASH_MIN_TOKENS or more: flash_attention.cu on tensor cores
+        (cupy_flash_attention.py).
+        Otherwise (short chunks, or head layouts the other kernels do not take): paged_attention, a block per
         (token, query head)."""
         query = self.cp.ascontiguousarray(query)
+        if takes_flash_attention(query, key_cache, value_cache, batch):
+            kv_type = storage_type(key_cache)
+            flash = flash_attention_launch(self.cp, self._flash_tiles, query, key_cache, value_cache, batch,
+                                           device_batch, kv_type, scale, sliding_window)
+            _launch(FLASH_FILE, flash.expression, flash.grid, FLASH_THREADS, flash.args, weight_type=kv_type)
+            return flash.out
         t, num_heads, head_dim = query.shape
         block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
         tables = device_batch["block_tables"]  # [B, max_blocks] int64

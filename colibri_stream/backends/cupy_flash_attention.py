@@ -1,0 +1,100 @@
+"""Prefill attention on tensor cores: when the CuPy backend takes kernels/flash_attention.cu, and its launch.
+
+flash_attention.cu computes the attention of prefill chunks over the paged KV cache in tiles of FLASH_ROWS query
+rows ((token, group head) pairs of one KV head) by FLASH_KEYS keys on mma.sync (bf16 operands, float32
+accumulation); attention.cu's paged_attention (float32 on CUDA cores, a block per (token, query head)) keeps decode
+steps, short chunks and head dims the flash kernel is not built for. docs/PREFILL_ATTENTION.md gives the choice of
+our own kernel over FlashInfer and cuDNN.
+
+The tile list is built on the host from the batch's query_start (a prefill step is never captured in a CUDA graph,
+so the batch holds real values there) and uploaded when it changes: the layers of a step share one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..model.batch import ForwardBatch
+
+FLASH_FILE = "flash_attention.cu"
+FLASH_ROWS = 64  # FLASH_ROWS in flash_attention.cu: query rows per block
+FLASH_THREADS = 128  # FLASH_THREADS in flash_attention.cu
+FLASH_HEAD_DIMS = (64, 96, 128)  # flash_attention instantiations: head dims
+FLASH_KV_TYPES = ("float", "__nv_bfloat16", "__half")  # ... and KV cache element types
+FLASH_MIN_TOKENS = 32  # a step takes the flash kernel when one of its sequences computes this many tokens or more
+
+
+def flash_instantiations(kv_type: str | None) -> tuple[str, ...]:
+    """The flash_attention instantiations compiled together for a KV cache of CUDA type `kv_type`."""
+    if kv_type not in FLASH_KV_TYPES:
+        return ()
+    return tuple(f"flash_attention<{kv_type}, {d}>" for d in FLASH_HEAD_DIMS)
+
+
+def takes_flash_attention(query, key_cache, value_cache, batch: ForwardBatch | None) -> bool:
+    """Whether a step's attention runs on flash_attention.cu: a prefill step (more tokens than sequences, so never a
+    captured decode graph) with a chunk of FLASH_MIN_TOKENS or more, a head dim the kernel is built for, whole query
+    groups per KV head, and 16-byte aligned arrays (the kernel reads 16 bytes at a time)."""
+    t, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if batch is None or t <= batch.num_seqs or head_dim not in FLASH_HEAD_DIMS or num_heads % num_kv_heads:
+        return False
+    if any(array.data.ptr % 16 for array in (query, key_cache, value_cache)):
+        return False
+    return int(np.diff(batch.query_start).max()) >= FLASH_MIN_TOKENS
+
+
+def flash_tiles(query_start: np.ndarray, positions: np.ndarray, group: int) -> np.ndarray:
+    """int32 [N, 2]: (sequence, first row) of each block of FLASH_ROWS query rows, sequence b holding
+    (query_start[b + 1] - query_start[b]) * group rows; the blocks whose last token sits furthest into its context
+    (the most keys to read) come first."""
+    rows = np.diff(query_start) * group  # [B]
+    counts = -(-rows // FLASH_ROWS)  # [B] blocks per sequence
+    seqs = np.repeat(np.arange(len(rows)), counts)  # [N]
+    first_block = np.concatenate([[0], np.cumsum(counts)[:-1]])  # [B]
+    row0 = (np.arange(len(seqs)) - first_block[seqs]) * FLASH_ROWS  # [N]
+    last_row = np.minimum(row0 + FLASH_ROWS, rows[seqs]) - 1  # [N]
+    last_pos = positions[query_start[seqs] + last_row // group]  # [N]
+    order = np.argsort(-last_pos, kind="stable")
+    return np.stack([seqs[order], row0[order]], axis=1).astype(np.int32)
+
+
+@dataclass
+class FlashLaunch:
+    """One launch of flash_attention.cu, for the backend's launcher: the instantiation, grid and arguments, and the
+    output array the kernel fills."""
+
+    expression: str
+    grid: tuple[int, int]
+    args: tuple
+    out: object  # float32 [T, Q, D] device array
+
+
+class FlashTileCache:
+    """The device copy of the last tile list: the layers of a step share one, so it is uploaded once a step."""
+
+    def __init__(self):
+        self._host: np.ndarray | None = None  # [N, 2] int32
+        self._device = None
+
+    def tiles(self, cp, batch: ForwardBatch, group: int):
+        host = flash_tiles(batch.query_start, batch.positions, group)
+        if self._host is None or not np.array_equal(host, self._host):
+            self._host, self._device = host, cp.asarray(host)
+        return self._device
+
+
+def flash_attention_launch(cp, tile_cache: FlashTileCache, query, key_cache, value_cache, batch: ForwardBatch,
+                           device_batch, kv_type: str, scale: float, sliding_window: int | None) -> FlashLaunch:
+    """The launch of flash_attention<kv_type, D> over a step that takes_flash_attention accepted."""
+    t, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    tables = device_batch["block_tables"]  # [B, max_blocks] int64
+    tiles = tile_cache.tiles(cp, batch, num_heads // num_kv_heads)  # [N, 2] int32
+    out = cp.empty((t, num_heads, head_dim), np.float32)  # [T, Q, D]
+    args = (query, key_cache, value_cache, tables, device_batch["query_start"], device_batch["positions"], tiles, out,
+            np.int32(num_heads), np.int32(num_kv_heads), np.int32(block_size), np.int32(tables.shape[1]),
+            np.float32(scale), np.int32(sliding_window or 0))
+    return FlashLaunch(f"flash_attention<{kv_type}, {head_dim}>", (tiles.shape[0], num_kv_heads), args, out)

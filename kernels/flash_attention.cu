@@ -1,0 +1,264 @@
+// Launch contract
+//
+// flash_attention<KV, D>: causal attention of prefill chunks over the paged KV cache on tensor cores
+// (mma.sync.m16n8k16, bf16 operands, float32 accumulation), flash-style: online softmax over tiles of keys, no score
+// matrix in memory. The same attention as attention.cu's paged_attention, for many query tokens per sequence.
+//   q            float32 [T, Q, D] contiguous, 16-byte aligned; out float32 [T, Q, D]
+//   key_cache,
+//   value_cache  KV [num_blocks, block_size, K, D] (KV: float, __nv_bfloat16 or __half), 16-byte aligned
+//   block_tables int64 [B, max_blocks]: KV blocks of each sequence
+//   query_start  int64 [B + 1]: sequence b owns tokens query_start[b] .. query_start[b + 1] - 1
+//   positions    int64 [T], ascending inside each sequence (a chunk's tokens are consecutive positions)
+//   tiles        int32 [N, 2]: (sequence b, first row r0) of each block's FLASH_ROWS query rows; the backend lists
+//                them longest key range first, so the blocks with most work start first
+//   Token t of sequence b at position p, head h, reads KV head h / (Q / K) at cached positions j <= p, and only
+//   j > p - window when window > 0; scores are scaled by `scale`.
+//   D: 64, 96 or 128 (a multiple of 16, at most 128: the accumulators of 16 rows x D fit in registers).
+//   grid: (N, K), block: FLASH_THREADS, static shared memory only: 2 * FLASH_KEYS * (D + 8) * 2 bytes (34 KiB at
+//   D = 128) plus the rows' positions.
+//
+// Rows: the query rows of sequence b for KV head k are its (token, group head) pairs, token-major: row i is token
+// query_start[b] + i / group, query head k * group + i % group (group = Q / K), so one tile of keys and values in
+// shared memory serves every query head of its KV head. Block (n, k) takes rows r0 .. r0 + FLASH_ROWS - 1 of its
+// sequence (those past the sequence's last row are padding: position -1, every key masked, never written); warp w
+// owns rows 16w .. 16w + 15 of them. The block's keys run from the first key its first row sees to its last row's
+// position, in tiles of FLASH_KEYS aligned to multiples of FLASH_KEYS; keys of a tile outside that range are
+// zero-filled in shared memory (never read from the cache) and masked.
+//
+// Numerics: q, k, v are rounded to bf16 as they are staged in shared memory (float32 or fp16 caches are converted
+// on load); scores, the softmax (base 2, scale * log2 e) and the output accumulate in float32; the probabilities
+// are rounded to bf16 for the product with V while the row sums add them in float32.
+//
+// mma fragments (PTX ISA, m16n8k16; r = lane / 4, c = lane % 4; pairs of bf16 in one 32-bit register, the lower
+// index in the low half):
+//   A (16 x 16, row-major): a0 {row r, k 2c, 2c+1}, a1 {row r+8, k 2c..}, a2 {row r, k 2c+8..}, a3 {row r+8, k 2c+8..}
+//   B (16 x 8, k x n):      b0 {k 2c, 2c+1; column r}, b1 {k 2c+8, 2c+9; column r}
+//   C (16 x 8, float):      c0, c1 {row r, columns 2c, 2c+1}, c2, c3 {row r+8, columns 2c, 2c+1}
+// S = Q K^T: A from the staged queries (registers for the whole block's life), B from K rows in shared memory
+// (a key's k-pair is two consecutive dims of its row: one 32-bit read). P V: the C fragments of S for key columns
+// 16s .. 16s + 15 (n-tiles 2s and 2s+1) are the A fragment of k-step s as they stand (rows r, r+8; keys 2c.., 2c+8..),
+// packed to bf16; B (keys x dims) from V rows by ldmatrix.trans: each 8 x 8 matrix of 8 key rows and 8 dims, loaded
+// transposed, gives lane l the pair {keys 2c, 2c+1; dim r}, which is b0 (keys 0-7 of the k-step) or b1 (keys 8-15).
+// Shared rows are padded to D + 8 bf16, so the 8 rows a fragment read or an ldmatrix phase touches start 16 bytes
+// apart modulo 128: no bank conflicts.
+#include "mma.cuh"
+
+constexpr int FLASH_ROWS = 64;   // query rows per block
+constexpr int FLASH_KEYS = 64;   // keys per tile
+constexpr int FLASH_WARPS = FLASH_ROWS / 16;
+constexpr int FLASH_THREADS = FLASH_WARPS * 32;
+constexpr int FLASH_PAD = 8;     // bf16 of padding per shared row (16 bytes)
+
+// Eight consecutive elements of a cache or query row (16-byte aligned) as eight bf16, through the read-only path.
+template <typename T> struct Bf16x8;
+
+template <> struct Bf16x8<float> {
+    __device__ __forceinline__ static uint4 load(const float* p) {
+        const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+        const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+        using M = Mma<__nv_bfloat16>;
+        return make_uint4(M::pack(a.x, a.y), M::pack(a.z, a.w), M::pack(b.x, b.y), M::pack(b.z, b.w));
+    }
+};
+
+template <> struct Bf16x8<__nv_bfloat16> {
+    __device__ __forceinline__ static uint4 load(const __nv_bfloat16* p) {
+        return __ldg(reinterpret_cast<const uint4*>(p));
+    }
+};
+
+template <> struct Bf16x8<__half> {
+    __device__ __forceinline__ static uint4 load(const __half* p) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+        const unsigned* halves = reinterpret_cast<const unsigned*>(&raw);
+        unsigned out[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = Mma<__half>::unpack(halves[i]);
+            out[i] = Mma<__nv_bfloat16>::pack(f.x, f.y);
+        }
+        return make_uint4(out[0], out[1], out[2], out[3]);
+    }
+};
+
+// The four 8 x 8 bf16 matrices whose rows start at the addresses lanes 0-7, 8-15, 16-23 and 24-31 give, transposed.
+__device__ __forceinline__ void load_matrices_transposed(const __nv_bfloat16* row, unsigned (&r)[4]) {
+    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+__device__ __forceinline__ unsigned shared_pair(const __nv_bfloat16* p) {
+    return *reinterpret_cast<const unsigned*>(p);
+}
+
+// Sum (or max) over the 4 lanes of a quad: the lanes holding one C-fragment row.
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 1));
+    return fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(FULL_MASK, v, 1);
+    return v + __shfl_xor_sync(FULL_MASK, v, 2);
+}
+
+template <typename KV, int D>
+__global__ void __launch_bounds__(FLASH_THREADS)
+flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, const KV* __restrict__ value_cache,
+                const long long* __restrict__ block_tables, const long long* __restrict__ query_start,
+                const long long* __restrict__ positions, const int* __restrict__ tiles, float* __restrict__ out,
+                int num_heads, int num_kv_heads, int block_size, int max_blocks, float scale, int window) {
+    static_assert(D % 16 == 0 && D <= 128, "D is a multiple of 16 up to 128");
+    constexpr int STRIDE = D + FLASH_PAD;  // bf16 per shared row
+    constexpr int CHUNKS = D / 8;          // 16-byte chunks of bf16 per row
+    constexpr int KSTEPS = D / 16;         // k-steps of S = Q K^T
+    constexpr int DTILES = D / 8;          // n-tiles of the output
+    constexpr int NTILES = FLASH_KEYS / 8; // n-tiles of S
+    __shared__ __align__(16) __nv_bfloat16 keys_s[FLASH_KEYS * STRIDE];  // first the block's queries, then keys
+    __shared__ __align__(16) __nv_bfloat16 values_s[FLASH_KEYS * STRIDE];
+    __shared__ int row_pos_s[FLASH_ROWS];  // position of each row's token, -1 for padding rows
+    pdl_wait();
+
+    const int seq = tiles[2 * blockIdx.x], row0 = tiles[2 * blockIdx.x + 1];
+    const int kv = blockIdx.y;
+    const int group = num_heads / num_kv_heads;
+    const long long start = query_start[seq];
+    const int rows = static_cast<int>(query_start[seq + 1] - start) * group - row0;  // this block's valid rows
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, c = lane % 4;
+    const long long* table = block_tables + static_cast<long long>(seq) * max_blocks;
+
+    // Stage the queries (rounded to bf16) in keys_s, and each row's position.
+    for (int i = threadIdx.x; i < FLASH_ROWS * CHUNKS; i += FLASH_THREADS) {
+        const int row = i / CHUNKS, d = (i % CHUNKS) * 8;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (row < rows) {
+            const int pair = row0 + row;
+            const long long t = start + pair / group;
+            const int h = kv * group + pair % group;
+            v = Bf16x8<float>::load(q + (t * num_heads + h) * D + d);
+        }
+        *reinterpret_cast<uint4*>(&keys_s[row * STRIDE + d]) = v;
+    }
+    if (threadIdx.x < FLASH_ROWS) {
+        const int row = threadIdx.x;
+        row_pos_s[row] = row < rows ? static_cast<int>(positions[start + (row0 + row) / group]) : -1;
+    }
+    __syncthreads();
+
+    unsigned qa[KSTEPS][4];  // this warp's 16 query rows as A fragments
+    const int row_a = warp * 16 + r, row_b = row_a + 8;
+#pragma unroll
+    for (int s = 0; s < KSTEPS; ++s) {
+        const int col = s * 16 + 2 * c;
+        qa[s][0] = shared_pair(&keys_s[row_a * STRIDE + col]);
+        qa[s][1] = shared_pair(&keys_s[row_b * STRIDE + col]);
+        qa[s][2] = shared_pair(&keys_s[row_a * STRIDE + col + 8]);
+        qa[s][3] = shared_pair(&keys_s[row_b * STRIDE + col + 8]);
+    }
+    const int pos[2] = {row_pos_s[row_a], row_pos_s[row_b]};
+    const int first_pos = row_pos_s[0], last_pos = row_pos_s[min(rows, FLASH_ROWS) - 1];
+    const int key_lo = window > 0 ? max(0, first_pos - window + 1) : 0;  // the block's keys [key_lo, key_hi)
+    const int key_hi = last_pos + 1;
+    const float scale_log2 = scale * 1.4426950408889634f;
+    __syncthreads();  // every warp holds its queries before keys_s is overwritten
+
+    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};  // rows r, r + 8: running max (log2 units), lane sum
+    float o[DTILES][4] = {};
+    for (int tile0 = key_lo / FLASH_KEYS * FLASH_KEYS; tile0 < key_hi; tile0 += FLASH_KEYS) {
+        for (int i = threadIdx.x; i < FLASH_KEYS * CHUNKS; i += FLASH_THREADS) {
+            const int key = i / CHUNKS, d = (i % CHUNKS) * 8;
+            const int j = tile0 + key;
+            uint4 kv8 = make_uint4(0, 0, 0, 0), vv8 = kv8;
+            if (j >= key_lo && j < key_hi) {
+                const long long slot = table[j / block_size] * block_size + j % block_size;
+                const long long offset = (slot * num_kv_heads + kv) * D + d;
+                kv8 = Bf16x8<KV>::load(key_cache + offset);
+                vv8 = Bf16x8<KV>::load(value_cache + offset);
+            }
+            *reinterpret_cast<uint4*>(&keys_s[key * STRIDE + d]) = kv8;
+            *reinterpret_cast<uint4*>(&values_s[key * STRIDE + d]) = vv8;
+        }
+        __syncthreads();
+
+        float s[NTILES][4] = {};  // scores of rows r (0, 1) and r + 8 (2, 3), keys tile0 + 8n + 2c (+1)
+#pragma unroll
+        for (int n = 0; n < NTILES; ++n) {
+            const __nv_bfloat16* key_row = &keys_s[(n * 8 + r) * STRIDE + 2 * c];
+#pragma unroll
+            for (int k = 0; k < KSTEPS; ++k) {
+                Mma<__nv_bfloat16>::mma(s[n], qa[k][0], qa[k][1], qa[k][2], qa[k][3], shared_pair(key_row + k * 16),
+                                        shared_pair(key_row + k * 16 + 8));
+            }
+        }
+
+        float tile_max[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int n = 0; n < NTILES; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = tile0 + n * 8 + 2 * c + (e & 1), p = pos[e / 2];
+                const bool visible = j <= p && (window <= 0 || j > p - window);
+                s[n][e] = visible ? s[n][e] * scale_log2 : neg_inf();
+                tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
+            }
+        }
+        float reference[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float m_new = fmaxf(m[h], quad_max(tile_max[h]));
+            reference[h] = m_new == neg_inf() ? 0.f : m_new;  // a row with no visible key yet: p = 0, not NaN
+            const float correction = exp2f(m[h] - reference[h]);  // 0 while m is -inf
+            l[h] *= correction;
+#pragma unroll
+            for (int n = 0; n < DTILES; ++n) {
+                o[n][2 * h] *= correction;
+                o[n][2 * h + 1] *= correction;
+            }
+            m[h] = m_new;
+        }
+#pragma unroll
+        for (int n = 0; n < NTILES; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[n][e] = exp2f(s[n][e] - reference[e / 2]);
+                l[e / 2] += s[n][e];
+            }
+        }
+
+        // O += P V, k-step k over keys 16k .. 16k + 15 of the tile.
+        const int matrix = lane / 8;  // the 8 x 8 matrix whose row this lane addresses: keys + 8 (bit 0), dims + 8
+        const __nv_bfloat16* value_row = &values_s[((matrix & 1) * 8 + lane % 8) * STRIDE + (matrix >> 1) * 8];
+#pragma unroll
+        for (int k = 0; k < FLASH_KEYS / 16; ++k) {
+            using M = Mma<__nv_bfloat16>;
+            const unsigned a0 = M::pack(s[2 * k][0], s[2 * k][1]), a1 = M::pack(s[2 * k][2], s[2 * k][3]);
+            const unsigned a2 = M::pack(s[2 * k + 1][0], s[2 * k + 1][1]);
+            const unsigned a3 = M::pack(s[2 * k + 1][2], s[2 * k + 1][3]);
+#pragma unroll
+            for (int n = 0; n < DTILES / 2; ++n) {  // dims 16n .. 16n + 15: output n-tiles 2n, 2n + 1
+                unsigned b[4];
+                load_matrices_transposed(value_row + k * 16 * STRIDE + n * 16, b);
+                M::mma(o[2 * n], a0, a1, a2, a3, b[0], b[1]);
+                M::mma(o[2 * n + 1], a0, a1, a2, a3, b[2], b[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with this tile before the next one is staged
+    }
+
+    const float row_sum[2] = {quad_sum(l[0]), quad_sum(l[1])};  // the whole warp shuffles, padding rows too
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = h == 0 ? row_a : row_b;
+        if (row >= rows) continue;
+        const float inverse = 1.f / row_sum[h];  // > 0: a row always sees its own position's key
+        const int pair = row0 + row;
+        const long long t = start + pair / group;
+        float* out_row = out + (t * num_heads + kv * group + pair % group) * D;
+#pragma unroll
+        for (int n = 0; n < DTILES; ++n) {
+            *reinterpret_cast<float2*>(out_row + n * 8 + 2 * c) =
+                make_float2(o[n][2 * h] * inverse, o[n][2 * h + 1] * inverse);
+        }
+    }
+}
