@@ -1,0 +1,179 @@
+"""Prefill attention: flash_attention.cu (tensor cores) against attention.cu's paged_attention on the same inputs.
+
+    python benchmarks/prefill_attention.py --out prefill_attention.json
+
+One sequence over a paged KV cache (block size 16, blocks in random order), Mixtral (32 query heads, 8 KV, d128)
+and Qwen3-30B-A3B (32 / 4, d128) shapes, contexts 1k, 8k and 32k, the prompt as one chunk or as 2048-token
+chunks (each over the cache the chunks before it wrote; the figure is the sum over the chunks). The KV cache is
+float32 for both kernels; flash_attention also runs on a bf16 cache (its ratio is to paged_attention on float32).
+TFLOP/s counts causal FLOPs: 4 * D * (keys seen) per query head and token. Each case is checked against
+paged_attention on float32 (relative error of the outputs; the bf16 cache holds the float32 values rounded as the
+flash kernel rounds them, so its error is the same) and timed with CUDA events, the median of its repetitions.
+A failing case is printed and recorded, and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conditions import machine  # noqa: E402
+
+SHAPES = {"mixtral-8x7b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128)}  # (Q, K, D)
+CONTEXTS = (1024, 8192, 32768)
+CHUNK = 2048
+BLOCK_SIZE = 16
+TIME_BUDGET_S = 0.5  # repetitions of a case until about this much GPU time (at least one after a warm-up)
+MAX_REPEATS = 20
+
+
+@contextlib.contextmanager
+def flash_off():
+    """paged_attention for every step: the flash kernel's threshold past any chunk."""
+    from colibri_stream.backends import cupy_flash_attention
+
+    saved = cupy_flash_attention.FLASH_MIN_TOKENS
+    cupy_flash_attention.FLASH_MIN_TOKENS = 1 << 62
+    try:
+        yield
+    finally:
+        cupy_flash_attention.FLASH_MIN_TOKENS = saved
+
+
+def causal_flops(context: int, heads: int, head_dim: int) -> float:
+    """QK^T and PV of a whole causal prompt: token p sees p + 1 keys."""
+    return 4.0 * head_dim * heads * context * (context + 1) / 2
+
+
+class Prompt:
+    """One sequence's prompt of `context` tokens over a random KV cache, split into chunks of `chunk` tokens."""
+
+    def __init__(self, cp, heads: int, kv_heads: int, head_dim: int, context: int, chunk: int, kv_dtype: str,
+                 seed: int = 0):
+        from colibri_stream.model.batch import single_sequence_batch
+
+        blocks = -(-context // BLOCK_SIZE)
+        rng = np.random.default_rng(seed)
+        table = rng.permutation(blocks)
+        generator = cp.random.default_rng(seed)
+        shape = (blocks, BLOCK_SIZE, kv_heads, head_dim)  # [num_blocks, block_size, K, D]
+        self.key_cache, self.value_cache = (generator.standard_normal(shape, dtype=np.float32) for _ in range(2))
+        if kv_dtype == "bfloat16":  # round to nearest even, kept as uint16 bits as the backend stores bf16
+            self.key_cache, self.value_cache = (to_bf16_bits(cp, c) for c in (self.key_cache, self.value_cache))
+        self.steps = []  # (batch, device_batch, query [T, Q, D]) of each chunk
+        for start in range(0, context, chunk):
+            end = min(context, start + chunk)
+            batch = single_sequence_batch(np.zeros(end - start, np.int64), start, table, BLOCK_SIZE)
+            device_batch = {name: cp.asarray(getattr(batch, name))
+                            for name in ("block_tables", "query_start", "positions")}
+            query = generator.standard_normal((end - start, heads, head_dim), dtype=np.float32)
+            self.steps.append((batch, device_batch, query))
+        self.scale = head_dim**-0.5
+
+    def run(self, backend) -> list:
+        return [backend.paged_attention(query, self.key_cache, self.value_cache, batch, device_batch, self.scale,
+                                        None) for batch, device_batch, query in self.steps]
+
+
+def to_bf16_bits(cp, values):
+    bits = values.view(np.uint32)
+    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return (rounded >> np.uint32(16)).astype(np.uint16)
+
+
+def time_us(cp, run) -> float:
+    """Median GPU time of run() in microseconds (the caller has run it once: compiled, warmed up)."""
+    times = []
+    while len(times) < MAX_REPEATS and (not times or sum(times) < TIME_BUDGET_S * 1e6):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+    return float(np.median(times))
+
+
+def relative_error(ours: list, reference: list, cp) -> float:
+    num = sum(float(cp.linalg.norm(a - b)) ** 2 for a, b in zip(ours, reference))
+    den = sum(float(cp.linalg.norm(b)) ** 2 for b in reference)
+    return (num / den) ** 0.5
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON file for the records")
+    parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    args = parser.parse_args(argv)
+
+    from colibri_stream.backends.cupy_backend import cuda_available
+
+    if not cuda_available():
+        print("prefill_attention: no CUDA GPU (CuPy is missing or sees no device); nothing was measured.",
+              file=sys.stderr)
+        return 2
+    import cupy as cp
+
+    from colibri_stream.backends.cupy_backend import CupyBackend
+
+    backend = CupyBackend()
+    conditions = machine()
+    conditions["gpu"] = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    records = []
+    header = (f"{'shape':<15}{'context':>8}{'chunk':>7}  {'kernel':<24}{'kv':<9}{'us/prompt':>12}{'TFLOP/s':>9}"
+              f"{'x paged':>9}{'rel err':>10}")
+    print(header)
+    for shape in args.shapes:
+        heads, kv_heads, head_dim = SHAPES[shape]
+        for context in args.contexts:
+            for chunk in sorted({context, min(context, CHUNK)}, reverse=True):
+                flops = causal_flops(context, heads, head_dim)
+                baseline_us = None
+                reference = None
+                for kernel, kv_dtype in (("paged_attention", "float32"), ("flash_attention", "float32"),
+                                         ("flash_attention", "bfloat16")):
+                    record = {"bench": "prefill_attention", "shape": shape, "heads": heads, "kv_heads": kv_heads,
+                              "head_dim": head_dim, "context": context, "chunk": chunk, "chunks": -(-context // chunk),
+                              "kernel": kernel, "kv_dtype": kv_dtype, "commit": conditions["commit"],
+                              "gpu": conditions["gpu"]}
+                    prompt = None  # the previous case's arrays go before this one's are made
+                    try:
+                        prompt = Prompt(cp, heads, kv_heads, head_dim, context, chunk, kv_dtype)
+                        if kernel == "paged_attention":
+                            with flash_off():
+                                reference = prompt.run(backend)
+                                us = time_us(cp, lambda: prompt.run(backend))
+                            baseline_us = us
+                            error = 0.0
+                        else:
+                            ours = prompt.run(backend)
+                            error = relative_error(ours, reference, cp) if reference else None
+                            del ours
+                            us = time_us(cp, lambda: prompt.run(backend))
+                        record.update(us_per_call=us, tflops=flops / us / 1e6,
+                                      ratio=baseline_us / us if baseline_us else None, relative_error=error)
+                        ratio = f"{record['ratio']:.2f}" if record["ratio"] else "-"
+                        err = f"{error:.1e}" if error is not None else "-"
+                        print(f"{shape:<15}{context:>8}{chunk:>7}  {kernel:<24}{kv_dtype:<9}{us:>12.0f}"
+                              f"{record['tflops']:>9.1f}{ratio:>9}{err:>10}", flush=True)
+                    except Exception as failure:  # one case's failure is recorded; the others still run
+                        record["error"] = f"{type(failure).__name__}: {failure}"
+                        print(f"{shape:<15}{context:>8}{chunk:>7}  {kernel:<24}{kv_dtype:<9} FAILED {record['error']}",
+                              flush=True)
+                    records.append(record)
+                reference = None
+                cp.get_default_memory_pool().free_all_blocks()
+    Path(args.out).write_text(json.dumps({"machine": conditions, "records": records}, indent=1))
+    print(f"wrote {args.out}")
+    return 1 if any("error" in r for r in records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""flash_attention.cu (prefill attention on tensor cores) against the NumPy backend's attention (CUDA GPU).
+
+Random queries, keys and values over a paged cache whose blocks are scattered; several sequences in one launch,
+each a chunk over a cached prefix. The kernel rounds q, k and v to bf16 and the probabilities to bf16 for P V, so
+the reference takes q, k and v rounded to bf16 (then computes in float32) and the bound on ||ours - ref|| / ||ref||
+is FLASH_TOLERANCE: the probabilities' rounding (8 significant bits, errors of random sign averaged over the keys)
+gives a few 1e-3; a misplaced fragment, mask or tile gives errors of order 1.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed (GPU tests need cupy-cuda12x or cupy-cuda13x)")
+if not cupy.cuda.is_available():
+    pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
+
+from colibri_stream.backends import cupy_flash_attention  # noqa: E402
+from colibri_stream.backends.cupy_backend import _launch, storage_type  # noqa: E402
+from colibri_stream.backends.cupy_flash_attention import (  # noqa: E402
+    FLASH_FILE,
+    FLASH_MIN_TOKENS,
+    FLASH_THREADS,
+    FlashTileCache,
+    flash_attention_launch,
+)
+from colibri_stream.model.batch import single_sequence_batch  # noqa: E402
+from colibri_stream.synthetic import synthetic_model  # noqa: E402
+from test_gpu_kernels import GPU, REF, attention_batch, check, launched_kernels, poison  # noqa: E402
+from test_parity import relative_error  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+FLASH_TOLERANCE = 1e-2
+BLOCK_SIZE = 16
+KV_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+# (context, tokens computed this step) per sequence: contexts 1..600, each chunk over a cached prefix where the
+# context is longer than the chunk.
+CONTEXTS = (1, 2, 17, 63, 64, 65, 130, 333, 600)
+
+
+def bf16_rounded(array: np.ndarray) -> np.ndarray:
+    return array.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def device_cache(cache: np.ndarray, kv_dtype: str):
+    """A float32 host cache on the device in `kv_dtype` (bf16 as uint16 bits, as the backend stores it)."""
+    stored = cache.astype(KV_DTYPES[kv_dtype])
+    if kv_dtype == "bfloat16":
+        stored = stored.view(np.uint16)
+    return cupy.asarray(stored)
+
+
+def random_case(rng, seqs, heads: int, kv_heads: int, head_dim: int):
+    num_blocks = sum(-(-c // BLOCK_SIZE) for c, _ in seqs) + 3
+    batch = attention_batch(rng, seqs, BLOCK_SIZE, num_blocks)
+    caches = rng.standard_normal((2, num_blocks, BLOCK_SIZE, kv_heads, head_dim)).astype(np.float32)
+    query = rng.standard_normal((batch.num_tokens, heads, head_dim)).astype(np.float32)
+    device_batch = {name: cupy.asarray(getattr(batch, name)) for name in ("block_tables", "query_start", "positions")}
+    return batch, device_batch, caches[0], caches[1], query
+
+
+def run_flash(query, key_cache, value_cache, batch, device_batch, scale, window):
+    """One launch of flash_attention.cu, whatever the dispatch rule would pick."""
+    kv_type = storage_type(key_cache)
+    launch = flash_attention_launch(cupy, FlashTileCache(), query, key_cache, value_cache, batch, device_batch,
+                                    kv_type, scale, window)
+    _launch(FLASH_FILE, launch.expression, launch.grid, FLASH_THREADS, launch.args, weight_type=kv_type)
+    return launch.out
+
+
+def reference(query, key_cache, value_cache, batch, scale, window):
+    return REF.paged_attention(bf16_rounded(query), bf16_rounded(key_cache), bf16_rounded(value_cache), batch, {},
+                               scale, window)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("window", [None, 48])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("chunk", [1, 17, 128])
+def test_flash_attention_matches_the_reference(chunk, group, head_dim, window, kv_dtype):
+    rng = np.random.default_rng(chunk * 1000 + group * 100 + head_dim + (window or 0))
+    seqs = [(context, min(chunk, context)) for context in CONTEXTS]
+    kv_heads = 2
+    batch, device_batch, key_cache, value_cache, query = random_case(rng, seqs, group * kv_heads, kv_heads, head_dim)
+    scale = head_dim**-0.5
+    poison()
+    ours = run_flash(cupy.asarray(query), device_cache(key_cache, kv_dtype), device_cache(value_cache, kv_dtype),
+                     batch, device_batch, scale, window)
+    check(ours, reference(query, key_cache, value_cache, batch, scale, window), FLASH_TOLERANCE)
+
+
+@pytest.mark.parametrize("window", [None, 1, 300])
+def test_one_long_chunk_over_a_long_prefix(window):
+    """A 700-token chunk after 1300 cached tokens (Qwen3's 32 / 4 heads, d128): many key tiles per block, and with a
+    window most of them skipped or partly masked (a window of 1: each token sees itself only)."""
+    rng = np.random.default_rng(7)
+    batch, device_batch, key_cache, value_cache, query = random_case(rng, [(2000, 700), (40, 40)], 32, 4, 128)
+    poison()
+    ours = run_flash(cupy.asarray(query), device_cache(key_cache, "bfloat16"), device_cache(value_cache, "bfloat16"),
+                     batch, device_batch, 128**-0.5, window)
+    check(ours, reference(query, key_cache, value_cache, batch, 128**-0.5, window), FLASH_TOLERANCE)
+
+
+def test_prefill_steps_take_the_flash_kernel_and_others_do_not(monkeypatch):
+    """The backend's dispatch: a prefill step with a chunk of FLASH_MIN_TOKENS tokens takes flash_attention; one
+    whose chunks are all shorter, and a head dim the kernel is not built for, take paged_attention."""
+    rng = np.random.default_rng(5)
+    cases = [([(200, FLASH_MIN_TOKENS), (90, 1)], 128, "flash_attention<__nv_bfloat16, 128>"),
+             ([(200, FLASH_MIN_TOKENS - 1), (90, 2)], 128, "paged_attention<4>"),
+             ([(200, 100)], 48, "paged_attention<2>")]
+    for seqs, head_dim, expected in cases:
+        batch, device_batch, key_cache, value_cache, query = random_case(rng, seqs, 8, 2, head_dim)
+        launched = launched_kernels(monkeypatch)
+        poison()
+        ours = GPU.paged_attention(cupy.asarray(query), device_cache(key_cache, "bfloat16"),
+                                   device_cache(value_cache, "bfloat16"), batch, device_batch, 0.125, None)
+        assert launched == [expected]
+        check(ours, reference(query, key_cache, value_cache, batch, 0.125, None), FLASH_TOLERANCE)
+        monkeypatch.undo()
+
+
+def test_chunked_prefill_of_a_model_matches_paged_attention(monkeypatch):
+    """A synthetic OLMoE layer (16 heads, d128) prefilling 300 tokens in chunks of 200 and 100 (the second over the
+    first's cache): logits with flash_attention as with paged_attention (FLASH_MIN_TOKENS raised past any chunk)."""
+    model = synthetic_model("olmoe-1b-7b", num_layers=1, device="cuda")
+    ids = np.random.default_rng(3).integers(3, 1000, 300)
+
+    def prefill() -> np.ndarray:
+        kv = model.allocate_kv_cache(-(-300 // BLOCK_SIZE), BLOCK_SIZE)
+        table = np.arange(-(-300 // BLOCK_SIZE))[::-1]  # blocks in reverse order: the table is honoured
+        logits = []
+        for start, end in ((0, 200), (200, 300)):
+            batch = single_sequence_batch(ids[start:end], start, table, BLOCK_SIZE)
+            batch.logits_indices = np.arange(end - start)
+            logits.append(model.forward(batch, kv))
+        return np.concatenate(logits)  # [300, V]
+
+    launched = launched_kernels(monkeypatch)
+    flash = prefill()
+    assert sum(name.startswith("flash_attention<") for name in launched) == 2
+    monkeypatch.setattr(cupy_flash_attention, "FLASH_MIN_TOKENS", 1 << 30)
+    launched.clear()
+    plain = prefill()
+    assert not any(name.startswith("flash_attention<") for name in launched)
+    assert np.isfinite(flash).all()
+    assert relative_error(flash, plain) < 2e-2
+    assert (flash.argmax(axis=1) == plain.argmax(axis=1)).mean() > 0.8  # random logits: near ties may flip
