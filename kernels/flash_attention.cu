@@ -15,7 +15,8 @@
 //   j > p - window when window > 0; scores are scaled by `scale`.
 //   D: 64, 96 or 128 (a multiple of 16, at most 128: the accumulators of 16 rows x D fit in registers).
 //   grid: (N, K), block: FLASH_THREADS, static shared memory only: 2 * FLASH_KEYS * (D + 8) * 2 bytes (34 KiB at
-//   D = 128) plus the rows' positions.
+//   D = 128) plus the rows' positions. ptxas (sm_90), bounded for 3 blocks a multiprocessor: 161-168 registers,
+//   no spills.
 //
 // Rows: the query rows of sequence b for KV head k are its (token, group head) pairs, token-major: row i is token
 // query_start[b] + i / group, query head k * group + i % group (group = Q / K), so one tile of keys and values in
@@ -104,7 +105,7 @@ __device__ __forceinline__ float quad_sum(float v) {
 }
 
 template <typename KV, int D>
-__global__ void __launch_bounds__(FLASH_THREADS)
+__global__ void __launch_bounds__(FLASH_THREADS, 3)
 flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, const KV* __restrict__ value_cache,
                 const long long* __restrict__ block_tables, const long long* __restrict__ query_start,
                 const long long* __restrict__ positions, const int* __restrict__ tiles, float* __restrict__ out,

@@ -107,17 +107,18 @@ def test_one_long_chunk_over_a_long_prefix(window):
 
 def test_prefill_steps_take_the_flash_kernel_and_others_do_not(monkeypatch):
     """The backend's dispatch: a prefill step with a chunk of FLASH_MIN_TOKENS tokens takes flash_attention; one
-    whose chunks are all shorter, and a head dim the kernel is not built for, take paged_attention."""
+    whose chunks are all shorter, and a head dim the kernel is not built for, take paged_attention (float32 caches:
+    the only type paged_attention reads)."""
     rng = np.random.default_rng(5)
-    cases = [([(200, FLASH_MIN_TOKENS), (90, 1)], 128, "flash_attention<__nv_bfloat16, 128>"),
+    cases = [([(200, FLASH_MIN_TOKENS), (90, 1)], 128, "flash_attention<float, 128>"),
              ([(200, FLASH_MIN_TOKENS - 1), (90, 2)], 128, "paged_attention<4>"),
              ([(200, 100)], 48, "paged_attention<2>")]
     for seqs, head_dim, expected in cases:
         batch, device_batch, key_cache, value_cache, query = random_case(rng, seqs, 8, 2, head_dim)
         launched = launched_kernels(monkeypatch)
         poison()
-        ours = GPU.paged_attention(cupy.asarray(query), device_cache(key_cache, "bfloat16"),
-                                   device_cache(value_cache, "bfloat16"), batch, device_batch, 0.125, None)
+        ours = GPU.paged_attention(cupy.asarray(query), cupy.asarray(key_cache), cupy.asarray(value_cache), batch,
+                                   device_batch, 0.125, None)
         assert launched == [expected]
         check(ours, reference(query, key_cache, value_cache, batch, 0.125, None), FLASH_TOLERANCE)
         monkeypatch.undo()

@@ -23,6 +23,7 @@ FLASH_ROWS = 64  # FLASH_ROWS in flash_attention.cu: query rows per block
 FLASH_THREADS = 128  # FLASH_THREADS in flash_attention.cu
 FLASH_HEAD_DIMS = (64, 96, 128)  # flash_attention instantiations: head dims
 FLASH_KV_TYPES = ("float", "__nv_bfloat16", "__half")  # ... and KV cache element types
+FLASH_KV_DTYPES = (np.dtype(np.float32), np.dtype(np.uint16), np.dtype(np.float16))  # the same as device dtypes
 FLASH_MIN_TOKENS = 32  # a step takes the flash kernel when one of its sequences computes this many tokens or more
 
 
@@ -35,13 +36,16 @@ def flash_instantiations(kv_type: str | None) -> tuple[str, ...]:
 
 def takes_flash_attention(query, key_cache, value_cache, batch: ForwardBatch | None) -> bool:
     """Whether a step's attention runs on flash_attention.cu: a prefill step (more tokens than sequences, so never a
-    captured decode graph) with a chunk of FLASH_MIN_TOKENS or more, a head dim the kernel is built for, whole query
-    groups per KV head, and 16-byte aligned arrays (the kernel reads 16 bytes at a time)."""
+    captured decode graph) with a chunk of FLASH_MIN_TOKENS or more, a head dim and cache type the kernel is built
+    for, whole query groups per KV head, and contiguous 16-byte aligned arrays (the kernel reads 16 bytes at a
+    time)."""
     t, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if batch is None or t <= batch.num_seqs or head_dim not in FLASH_HEAD_DIMS or num_heads % num_kv_heads:
         return False
-    if any(array.data.ptr % 16 for array in (query, key_cache, value_cache)):
+    if np.dtype(key_cache.dtype) not in FLASH_KV_DTYPES or value_cache.dtype != key_cache.dtype:
+        return False
+    if any(array.data.ptr % 16 or not array.flags.c_contiguous for array in (query, key_cache, value_cache)):
         return False
     return int(np.diff(batch.query_start).max()) >= FLASH_MIN_TOKENS
 
