@@ -9,7 +9,9 @@ float32 for both kernels; flash_attention also runs on a bf16 cache (its ratio i
 TFLOP/s counts causal FLOPs: 4 * D * (keys seen) per query head and token. Each case is checked against
 paged_attention on float32 (relative error of the outputs; the bf16 cache holds the float32 values rounded as the
 flash kernel rounds them, so its error is the same) and timed with CUDA events, the median of its repetitions.
-A failing case is printed and recorded, and the others still run.
+A failing case is printed and recorded, and the others still run. A second table times one step of a short
+chunk after a cached prefix of SHORT_CONTEXT tokens on each kernel: where the flash kernel overtakes
+paged_attention is what FLASH_MIN_TOKENS should be.
 """
 
 from __future__ import annotations
@@ -28,46 +30,50 @@ from conditions import machine  # noqa: E402
 SHAPES = {"mixtral-8x7b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128)}  # (Q, K, D)
 CONTEXTS = (1024, 8192, 32768)
 CHUNK = 2048
+SHORT_CONTEXT = 4096  # short chunks: one step of a few tokens at the end of a context of this many
+SHORT_CHUNKS = (2, 8, 16, 32, 64, 128, 512)
 BLOCK_SIZE = 16
 TIME_BUDGET_S = 0.5  # repetitions of a case until about this much GPU time (at least one after a warm-up)
 MAX_REPEATS = 20
 
 
 @contextlib.contextmanager
-def flash_off():
-    """paged_attention for every step: the flash kernel's threshold past any chunk."""
+def flash_threshold(tokens: int):
+    """The backend's dispatch with FLASH_MIN_TOKENS set to `tokens` (past any chunk: paged_attention only)."""
     from colibri_stream.backends import cupy_flash_attention
 
     saved = cupy_flash_attention.FLASH_MIN_TOKENS
-    cupy_flash_attention.FLASH_MIN_TOKENS = 1 << 62
+    cupy_flash_attention.FLASH_MIN_TOKENS = tokens
     try:
         yield
     finally:
         cupy_flash_attention.FLASH_MIN_TOKENS = saved
 
 
-def causal_flops(context: int, heads: int, head_dim: int) -> float:
-    """QK^T and PV of a whole causal prompt: token p sees p + 1 keys."""
-    return 4.0 * head_dim * heads * context * (context + 1) / 2
+def causal_flops(first: int, context: int, heads: int, head_dim: int) -> float:
+    """QK^T and PV of positions first .. context - 1 of a causal prompt: position p sees p + 1 keys."""
+    keys = (context * (context + 1) - first * (first + 1)) / 2
+    return 4.0 * head_dim * heads * keys
 
 
 class Prompt:
-    """One sequence's prompt of `context` tokens over a random KV cache, split into chunks of `chunk` tokens."""
+    """One sequence's prompt of `context` tokens over a random KV cache, positions `first` on computed in chunks
+    of `chunk` tokens (the ones before `first` are in the cache as a cached prefix would be)."""
 
     def __init__(self, cp, heads: int, kv_heads: int, head_dim: int, context: int, chunk: int, kv_dtype: str,
-                 seed: int = 0):
+                 first: int = 0, seed: int = 0):
         from colibri_stream.model.batch import single_sequence_batch
 
         blocks = -(-context // BLOCK_SIZE)
         rng = np.random.default_rng(seed)
         table = rng.permutation(blocks)
-        generator = cp.random.default_rng(seed)
+        generator = cp.random.RandomState(seed)
         shape = (blocks, BLOCK_SIZE, kv_heads, head_dim)  # [num_blocks, block_size, K, D]
         self.key_cache, self.value_cache = (generator.standard_normal(shape, dtype=np.float32) for _ in range(2))
         if kv_dtype == "bfloat16":  # round to nearest even, kept as uint16 bits as the backend stores bf16
             self.key_cache, self.value_cache = (to_bf16_bits(cp, c) for c in (self.key_cache, self.value_cache))
         self.steps = []  # (batch, device_batch, query [T, Q, D]) of each chunk
-        for start in range(0, context, chunk):
+        for start in range(first, context, chunk):
             end = min(context, start + chunk)
             batch = single_sequence_batch(np.zeros(end - start, np.int64), start, table, BLOCK_SIZE)
             device_batch = {name: cp.asarray(getattr(batch, name))
@@ -88,7 +94,7 @@ def to_bf16_bits(cp, values):
 
 
 def time_us(cp, run) -> float:
-    """Median GPU time of run() in microseconds (the caller has run it once: compiled, warmed up)."""
+    """Median GPU time of run() in microseconds (the caller has run it once: compiled and warmed up)."""
     times = []
     while len(times) < MAX_REPEATS and (not times or sum(times) < TIME_BUDGET_S * 1e6):
         start, end = cp.cuda.Event(), cp.cuda.Event()
@@ -106,11 +112,52 @@ def relative_error(ours: list, reference: list, cp) -> float:
     return (num / den) ** 0.5
 
 
+KERNELS = (("paged_attention", "float32"), ("flash_attention", "float32"), ("flash_attention", "bfloat16"))
+
+
+def measure(cp, backend, conditions: dict, shape: str, context: int, chunk: int, first: int) -> list[dict]:
+    """Both kernels (and flash on a bf16 cache) on one case; a failure is recorded in its record and printed."""
+    heads, kv_heads, head_dim = SHAPES[shape]
+    flops = causal_flops(first, context, heads, head_dim)
+    baseline_us = reference = None
+    records = []
+    for kernel, kv_dtype in KERNELS:
+        record = {"bench": "prefill_attention", "shape": shape, "heads": heads, "kv_heads": kv_heads,
+                  "head_dim": head_dim, "context": context, "cached_prefix": first, "chunk": chunk,
+                  "chunks": -(-(context - first) // chunk), "kernel": kernel, "kv_dtype": kv_dtype,
+                  "commit": conditions["commit"], "gpu": conditions["gpu"]}
+        label = f"{shape:<15}{context:>8}{first:>8}{chunk:>7}  {kernel:<17}{kv_dtype:<9}"
+        prompt = None  # the previous case's arrays go before this one's are made
+        try:
+            prompt = Prompt(cp, heads, kv_heads, head_dim, context, chunk, kv_dtype, first)
+            with flash_threshold(1 << 62 if kernel == "paged_attention" else 2):
+                outputs = prompt.run(backend)  # compiles and warms up
+                us = time_us(cp, lambda: prompt.run(backend))
+            if kernel == "paged_attention":
+                baseline_us, reference, error = us, outputs, 0.0
+            else:
+                error = relative_error(outputs, reference, cp) if reference else None
+            del outputs
+            record.update(us_per_call=us, tflops=flops / us / 1e6, ratio=baseline_us / us if baseline_us else None,
+                          relative_error=error)
+            ratio = f"{record['ratio']:.2f}" if record["ratio"] else "-"
+            err = f"{error:.1e}" if error is not None else "-"
+            print(f"{label}{us:>12.0f}{record['tflops']:>9.1f}{ratio:>9}{err:>10}", flush=True)
+        except Exception as failure:  # one case's failure is recorded; the others still run
+            record["error"] = f"{type(failure).__name__}: {failure}"
+            print(f"{label} FAILED {record['error']}", flush=True)
+        records.append(record)
+    cp.get_default_memory_pool().free_all_blocks()
+    return records
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file for the records")
     parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--short-chunks", type=int, nargs="*", default=list(SHORT_CHUNKS),
+                        help="chunk sizes timed as one step after a cached prefix (for FLASH_MIN_TOKENS)")
     args = parser.parse_args(argv)
 
     from colibri_stream.backends.cupy_backend import cuda_available
@@ -127,49 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     conditions = machine()
     conditions["gpu"] = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     records = []
-    header = (f"{'shape':<15}{'context':>8}{'chunk':>7}  {'kernel':<24}{'kv':<9}{'us/prompt':>12}{'TFLOP/s':>9}"
-              f"{'x paged':>9}{'rel err':>10}")
-    print(header)
+    print(f"{'shape':<15}{'context':>8}{'cached':>8}{'chunk':>7}  {'kernel':<17}{'kv':<9}{'us/prompt':>12}"
+          f"{'TFLOP/s':>9}{'x paged':>9}{'rel err':>10}")
     for shape in args.shapes:
-        heads, kv_heads, head_dim = SHAPES[shape]
         for context in args.contexts:
             for chunk in sorted({context, min(context, CHUNK)}, reverse=True):
-                flops = causal_flops(context, heads, head_dim)
-                baseline_us = None
-                reference = None
-                for kernel, kv_dtype in (("paged_attention", "float32"), ("flash_attention", "float32"),
-                                         ("flash_attention", "bfloat16")):
-                    record = {"bench": "prefill_attention", "shape": shape, "heads": heads, "kv_heads": kv_heads,
-                              "head_dim": head_dim, "context": context, "chunk": chunk, "chunks": -(-context // chunk),
-                              "kernel": kernel, "kv_dtype": kv_dtype, "commit": conditions["commit"],
-                              "gpu": conditions["gpu"]}
-                    prompt = None  # the previous case's arrays go before this one's are made
-                    try:
-                        prompt = Prompt(cp, heads, kv_heads, head_dim, context, chunk, kv_dtype)
-                        if kernel == "paged_attention":
-                            with flash_off():
-                                reference = prompt.run(backend)
-                                us = time_us(cp, lambda: prompt.run(backend))
-                            baseline_us = us
-                            error = 0.0
-                        else:
-                            ours = prompt.run(backend)
-                            error = relative_error(ours, reference, cp) if reference else None
-                            del ours
-                            us = time_us(cp, lambda: prompt.run(backend))
-                        record.update(us_per_call=us, tflops=flops / us / 1e6,
-                                      ratio=baseline_us / us if baseline_us else None, relative_error=error)
-                        ratio = f"{record['ratio']:.2f}" if record["ratio"] else "-"
-                        err = f"{error:.1e}" if error is not None else "-"
-                        print(f"{shape:<15}{context:>8}{chunk:>7}  {kernel:<24}{kv_dtype:<9}{us:>12.0f}"
-                              f"{record['tflops']:>9.1f}{ratio:>9}{err:>10}", flush=True)
-                    except Exception as failure:  # one case's failure is recorded; the others still run
-                        record["error"] = f"{type(failure).__name__}: {failure}"
-                        print(f"{shape:<15}{context:>8}{chunk:>7}  {kernel:<24}{kv_dtype:<9} FAILED {record['error']}",
-                              flush=True)
-                    records.append(record)
-                reference = None
-                cp.get_default_memory_pool().free_all_blocks()
+                records += measure(cp, backend, conditions, shape, context, chunk, 0)
+    for shape in args.shapes:
+        for chunk in args.short_chunks:
+            records += measure(cp, backend, conditions, shape, SHORT_CONTEXT, chunk, SHORT_CONTEXT - chunk)
     Path(args.out).write_text(json.dumps({"machine": conditions, "records": records}, indent=1))
     print(f"wrote {args.out}")
     return 1 if any("error" in r for r in records) else 0
