@@ -35,3 +35,16 @@ def test_serving_gpu_records_served_and_offline_figures(tmp_path):
         assert "--max-batch-size=2" in r["server_command"] and r["machine"]["commit"] == r["commit"]
     table = done.stdout.splitlines()
     assert table[0].startswith("| model | streams | offline tok/s | served tok/s |") and len(table) == 2 + 2
+
+
+def test_prefill_attention_says_when_there_is_no_gpu(tmp_path):
+    """prefill_attention.py times GPU kernels only: without a GPU it says so, exits 2 and writes nothing."""
+    from colibri_stream.backends.cupy_backend import cuda_available
+
+    if cuda_available():
+        pytest.skip("a GPU is present: the benchmark would run")
+    out = tmp_path / "prefill.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "prefill_attention.py"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no CUDA GPU" in done.stderr
+    assert not out.exists()
