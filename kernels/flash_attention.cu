@@ -15,8 +15,8 @@
 //   j > p - window when window > 0; scores are scaled by `scale`.
 //   D: 64, 96 or 128 (a multiple of 16, at most 128: the accumulators of 16 rows x D fit in registers).
 //   grid: (N, K), block: FLASH_THREADS, static shared memory only: 2 * FLASH_KEYS * (D + 8) * 2 bytes (34 KiB at
-//   D = 128) plus the rows' positions. ptxas (sm_90), bounded for 3 blocks a multiprocessor: 161-168 registers,
-//   no spills.
+//   D = 128) plus the rows' positions. ptxas (sm_90), bounded for 3 blocks a multiprocessor: up to 168 registers,
+//   24-28 bytes spilled at D = 128 (unbounded it takes 210 registers: 2 blocks a multiprocessor).
 //
 // Rows: the query rows of sequence b for KV head k are its (token, group head) pairs, token-major: row i is token
 // query_start[b] + i / group, query head k * group + i % group (group = Q / K), so one tile of keys and values in
@@ -104,6 +104,33 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(FULL_MASK, v, 2);
 }
 
+// Stage keys (or values) tile0 .. tile0 + FLASH_KEYS - 1 of KV head kv in shared memory as bf16 rows of D + 8:
+// those outside [key_lo, key_hi) are zeros, never read from the cache. Each thread's chunks of 8 elements are all
+// loaded before any is stored, so their memory round trips overlap instead of following one another.
+template <typename KV, int D>
+__device__ __forceinline__ void stage_tile(const KV* __restrict__ cache, const long long* __restrict__ table,
+                                           int tile0, int key_lo, int key_hi, int block_size, int num_kv_heads,
+                                           int kv, __nv_bfloat16* rows) {
+    constexpr int CHUNKS = D / 8;                                // 16-byte chunks of bf16 per row
+    constexpr int STAGED = FLASH_KEYS * CHUNKS / FLASH_THREADS;  // ... of the tile per thread
+    static_assert(FLASH_KEYS * CHUNKS % FLASH_THREADS == 0, "a tile's chunks spread evenly over the threads");
+    uint4 chunk[STAGED];
+#pragma unroll
+    for (int u = 0; u < STAGED; ++u) {
+        const int i = threadIdx.x + u * FLASH_THREADS, j = tile0 + i / CHUNKS, d = (i % CHUNKS) * 8;
+        chunk[u] = make_uint4(0, 0, 0, 0);
+        if (j >= key_lo && j < key_hi) {
+            const long long slot = table[j / block_size] * block_size + j % block_size;
+            chunk[u] = Bf16x8<KV>::load(cache + (slot * num_kv_heads + kv) * D + d);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < STAGED; ++u) {
+        const int i = threadIdx.x + u * FLASH_THREADS;
+        *reinterpret_cast<uint4*>(&rows[(i / CHUNKS) * (D + FLASH_PAD) + (i % CHUNKS) * 8]) = chunk[u];
+    }
+}
+
 template <typename KV, int D>
 __global__ void __launch_bounds__(FLASH_THREADS, 3)
 flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, const KV* __restrict__ value_cache,
@@ -167,19 +194,8 @@ flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, c
     float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};  // rows r, r + 8: running max (log2 units), lane sum
     float o[DTILES][4] = {};
     for (int tile0 = key_lo / FLASH_KEYS * FLASH_KEYS; tile0 < key_hi; tile0 += FLASH_KEYS) {
-        for (int i = threadIdx.x; i < FLASH_KEYS * CHUNKS; i += FLASH_THREADS) {
-            const int key = i / CHUNKS, d = (i % CHUNKS) * 8;
-            const int j = tile0 + key;
-            uint4 kv8 = make_uint4(0, 0, 0, 0), vv8 = kv8;
-            if (j >= key_lo && j < key_hi) {
-                const long long slot = table[j / block_size] * block_size + j % block_size;
-                const long long offset = (slot * num_kv_heads + kv) * D + d;
-                kv8 = Bf16x8<KV>::load(key_cache + offset);
-                vv8 = Bf16x8<KV>::load(value_cache + offset);
-            }
-            *reinterpret_cast<uint4*>(&keys_s[key * STRIDE + d]) = kv8;
-            *reinterpret_cast<uint4*>(&values_s[key * STRIDE + d]) = vv8;
-        }
+        stage_tile<KV, D>(key_cache, table, tile0, key_lo, key_hi, block_size, num_kv_heads, kv, keys_s);
+        stage_tile<KV, D>(value_cache, table, tile0, key_lo, key_hi, block_size, num_kv_heads, kv, values_s);
         __syncthreads();
 
         float s[NTILES][4] = {};  // scores of rows r (0, 1) and r + 8 (2, 3), keys tile0 + 8n + 2c (+1)
