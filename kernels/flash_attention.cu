@@ -1,6 +1,6 @@
 // Launch contract
 //
-// flash_attention<KV, D>: causal attention of prefill chunks over the paged KV cache on tensor cores
+// flash_attention<KV, D, SPLIT>: causal attention of prefill chunks over the paged KV cache on tensor cores
 // (mma.sync.m16n8k16, bf16 operands, float32 accumulation), flash-style: online softmax over tiles of keys, no score
 // matrix in memory. The same attention as attention.cu's paged_attention, for many query tokens per sequence.
 //   q            float32 [T, Q, D] contiguous, 16-byte aligned; out float32 [T, Q, D]
@@ -14,21 +14,25 @@
 //   Token t of sequence b at position p, head h, reads KV head h / (Q / K) at cached positions j <= p, and only
 //   j > p - window when window > 0; scores are scaled by `scale`.
 //   D: 64, 96 or 128 (a multiple of 16, at most 128: the accumulators of 16 rows x D fit in registers).
-//   grid: (N, K), block: FLASH_THREADS, static shared memory only: 2 * FLASH_KEYS * (D + 8) * 2 bytes (34 KiB at
-//   D = 128) plus the rows' positions. ptxas (sm_90), bounded for 3 blocks a multiprocessor: up to 168 registers,
-//   24-28 bytes spilled at D = 128 (unbounded it takes 210 registers: 2 blocks a multiprocessor).
+//   grid: (N, K), block: FLASH_THREADS, static shared memory only: 2 * FLASH_ROWS * (D + 8) * 2 bytes (34 KiB at
+//   D = 128) plus the rows' positions. ptxas (sm_90): SPLIT bounded for 2 blocks a multiprocessor, up to 249
+//   registers, no spills; without SPLIT for 3, up to 168 registers, 24-40 bytes spilled at D = 96 and 128.
 //
 // Rows: the query rows of sequence b for KV head k are its (token, group head) pairs, token-major: row i is token
 // query_start[b] + i / group, query head k * group + i % group (group = Q / K), so one tile of keys and values in
 // shared memory serves every query head of its KV head. Block (n, k) takes rows r0 .. r0 + FLASH_ROWS - 1 of its
 // sequence (those past the sequence's last row are padding: position -1, every key masked, never written); warp w
 // owns rows 16w .. 16w + 15 of them. The block's keys run from the first key its first row sees to its last row's
-// position, in tiles of FLASH_KEYS aligned to multiples of FLASH_KEYS; keys of a tile outside that range are
-// zero-filled in shared memory (never read from the cache) and masked.
+// position, in tiles of KEYS (32 with SPLIT_KV, else 64) aligned to multiples of KEYS; keys of a tile outside that
+// range are zero-filled in shared memory (never read from the cache) and masked.
 //
-// Numerics: q, k, v are rounded to bf16 as they are staged in shared memory (float32 or fp16 caches are converted
-// on load); scores, the softmax (base 2, scale * log2 e) and the output accumulate in float32; the probabilities
-// are rounded to bf16 for the product with V while the row sums add them in float32.
+// Numerics: scores, the softmax (base 2, scale * log2 e), the row sums and the output accumulate in float32.
+// SPLIT: each float32 operand x of the products (q, the probabilities p, and k and v where bf16 does not hold the
+// cache's type exactly: SPLIT_KV) is staged as x = hi + lo, hi its bf16 rounding and lo the bf16 rounding of the
+// rest (about 16 significant bits, as the backend's projections split their activations), and each product sums
+// the partial products hi hi, lo hi and hi lo (lo lo is below 2^-16 of the result): within about 1e-5 of float32
+// attention, at 2 (bf16 cache) or 3 times the mma of bf16 operands. Without SPLIT, q, k, v and p are rounded to
+// bf16 (about 1e-3).
 //
 // mma fragments (PTX ISA, m16n8k16; r = lane / 4, c = lane % 4; pairs of bf16 in one 32-bit register, the lower
 // index in the low half):
@@ -38,47 +42,60 @@
 // S = Q K^T: A from the staged queries (registers for the whole block's life), B from K rows in shared memory
 // (a key's k-pair is two consecutive dims of its row: one 32-bit read). P V: the C fragments of S for key columns
 // 16s .. 16s + 15 (n-tiles 2s and 2s+1) are the A fragment of k-step s as they stand (rows r, r+8; keys 2c.., 2c+8..),
-// packed to bf16; B (keys x dims) from V rows by ldmatrix.trans: each 8 x 8 matrix of 8 key rows and 8 dims, loaded
+// packed to bf16 (split into hi and lo); B (keys x dims) from V rows by ldmatrix.trans: each 8 x 8 matrix of 8 key rows and 8 dims, loaded
 // transposed, gives lane l the pair {keys 2c, 2c+1; dim r}, which is b0 (keys 0-7 of the k-step) or b1 (keys 8-15).
 // Shared rows are padded to D + 8 bf16, so the 8 rows a fragment read or an ldmatrix phase touches start 16 bytes
 // apart modulo 128: no bank conflicts.
 #include "mma.cuh"
 
 constexpr int FLASH_ROWS = 64;   // query rows per block
-constexpr int FLASH_KEYS = 64;   // keys per tile
 constexpr int FLASH_WARPS = FLASH_ROWS / 16;
 constexpr int FLASH_THREADS = FLASH_WARPS * 32;
 constexpr int FLASH_PAD = 8;     // bf16 of padding per shared row (16 bytes)
 
-// Eight consecutive elements of a cache or query row (16-byte aligned) as eight bf16, through the read-only path.
+// Two floats as bf16 pairs: hi their rounding, lo the rounding of what hi leaves (a + b = hi + lo to ~16 bits).
+__device__ __forceinline__ void split_pair(float a, float b, unsigned& hi, unsigned& lo) {
+    using M = Mma<__nv_bfloat16>;
+    hi = M::pack(a, b);
+    const float2 rounded = M::unpack(hi);
+    lo = M::pack(a - rounded.x, b - rounded.y);
+}
+
+__device__ __forceinline__ void split8(const float (&x)[8], uint4& hi, uint4& lo) {
+    split_pair(x[0], x[1], hi.x, lo.x);
+    split_pair(x[2], x[3], hi.y, lo.y);
+    split_pair(x[4], x[5], hi.z, lo.z);
+    split_pair(x[6], x[7], hi.w, lo.w);
+}
+
+// Eight consecutive elements of a cache or query row (16-byte aligned), through the read-only path, as eight bf16
+// high parts and eight low parts. EXACT: bf16 holds the element type exactly (the low parts are zero).
 template <typename T> struct Bf16x8;
 
 template <> struct Bf16x8<float> {
-    __device__ __forceinline__ static uint4 load(const float* p) {
+    static constexpr bool EXACT = false;
+    __device__ __forceinline__ static void load(const float* p, uint4& hi, uint4& lo) {
         const float4 a = __ldg(reinterpret_cast<const float4*>(p));
         const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-        using M = Mma<__nv_bfloat16>;
-        return make_uint4(M::pack(a.x, a.y), M::pack(a.z, a.w), M::pack(b.x, b.y), M::pack(b.z, b.w));
+        split8({a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w}, hi, lo);
     }
 };
 
 template <> struct Bf16x8<__nv_bfloat16> {
-    __device__ __forceinline__ static uint4 load(const __nv_bfloat16* p) {
-        return __ldg(reinterpret_cast<const uint4*>(p));
+    static constexpr bool EXACT = true;
+    __device__ __forceinline__ static void load(const __nv_bfloat16* p, uint4& hi, uint4& lo) {
+        hi = __ldg(reinterpret_cast<const uint4*>(p));
+        lo = make_uint4(0, 0, 0, 0);
     }
 };
 
 template <> struct Bf16x8<__half> {
-    __device__ __forceinline__ static uint4 load(const __half* p) {
+    static constexpr bool EXACT = false;
+    __device__ __forceinline__ static void load(const __half* p, uint4& hi, uint4& lo) {
         const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
-        const unsigned* halves = reinterpret_cast<const unsigned*>(&raw);
-        unsigned out[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 f = Mma<__half>::unpack(halves[i]);
-            out[i] = Mma<__nv_bfloat16>::pack(f.x, f.y);
-        }
-        return make_uint4(out[0], out[1], out[2], out[3]);
+        const float2 a = Mma<__half>::unpack(raw.x), b = Mma<__half>::unpack(raw.y);
+        const float2 c = Mma<__half>::unpack(raw.z), d = Mma<__half>::unpack(raw.w);
+        split8({a.x, a.y, b.x, b.y, c.x, c.y, d.x, d.y}, hi, lo);
     }
 };
 
@@ -94,7 +111,7 @@ __device__ __forceinline__ unsigned shared_pair(const __nv_bfloat16* p) {
     return *reinterpret_cast<const unsigned*>(p);
 }
 
-// Sum (or max) over the 4 lanes of a quad: the lanes holding one C-fragment row.
+// Max (or sum) over the 4 lanes of a quad: the lanes holding one C-fragment row.
 __device__ __forceinline__ float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 1));
     return fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 2));
@@ -104,48 +121,62 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(FULL_MASK, v, 2);
 }
 
-// Stage keys (or values) tile0 .. tile0 + FLASH_KEYS - 1 of KV head kv in shared memory as bf16 rows of D + 8:
-// those outside [key_lo, key_hi) are zeros, never read from the cache. Each thread's chunks of 8 elements are all
-// loaded before any is stored, so their memory round trips overlap instead of following one another.
-template <typename KV, int D>
+// Stage keys (or values) tile0 .. tile0 + KEYS - 1 of KV head kv in shared memory as bf16 rows of D + 8, the high
+// parts in hi_rows and, with LO, the low parts in lo_rows: those outside [key_lo, key_hi) are zeros, never read
+// from the cache. Each thread's chunks of 8 elements are all loaded before any is stored, so their memory round
+// trips overlap instead of following one another.
+template <typename KV, int D, int KEYS, bool LO>
 __device__ __forceinline__ void stage_tile(const KV* __restrict__ cache, const long long* __restrict__ table,
                                            int tile0, int key_lo, int key_hi, int block_size, int num_kv_heads,
-                                           int kv, __nv_bfloat16* rows) {
-    constexpr int CHUNKS = D / 8;                                // 16-byte chunks of bf16 per row
-    constexpr int STAGED = FLASH_KEYS * CHUNKS / FLASH_THREADS;  // ... of the tile per thread
-    static_assert(FLASH_KEYS * CHUNKS % FLASH_THREADS == 0, "a tile's chunks spread evenly over the threads");
-    uint4 chunk[STAGED];
+                                           int kv, __nv_bfloat16* hi_rows, __nv_bfloat16* lo_rows) {
+    constexpr int CHUNKS = D / 8;                          // 16-byte chunks of bf16 per row
+    constexpr int STAGED = KEYS * CHUNKS / FLASH_THREADS;  // ... of the tile per thread
+    static_assert(KEYS * CHUNKS % FLASH_THREADS == 0, "a tile's chunks spread evenly over the threads");
+    uint4 hi[STAGED], lo[STAGED];
 #pragma unroll
     for (int u = 0; u < STAGED; ++u) {
         const int i = threadIdx.x + u * FLASH_THREADS, j = tile0 + i / CHUNKS, d = (i % CHUNKS) * 8;
-        chunk[u] = make_uint4(0, 0, 0, 0);
+        hi[u] = lo[u] = make_uint4(0, 0, 0, 0);
         if (j >= key_lo && j < key_hi) {
             const long long slot = table[j / block_size] * block_size + j % block_size;
-            chunk[u] = Bf16x8<KV>::load(cache + (slot * num_kv_heads + kv) * D + d);
+            Bf16x8<KV>::load(cache + (slot * num_kv_heads + kv) * D + d, hi[u], lo[u]);
         }
     }
 #pragma unroll
     for (int u = 0; u < STAGED; ++u) {
         const int i = threadIdx.x + u * FLASH_THREADS;
-        *reinterpret_cast<uint4*>(&rows[(i / CHUNKS) * (D + FLASH_PAD) + (i % CHUNKS) * 8]) = chunk[u];
+        const int at = (i / CHUNKS) * (D + FLASH_PAD) + (i % CHUNKS) * 8;
+        *reinterpret_cast<uint4*>(&hi_rows[at]) = hi[u];
+        if constexpr (LO) *reinterpret_cast<uint4*>(&lo_rows[at]) = lo[u];
     }
 }
 
-template <typename KV, int D>
-__global__ void __launch_bounds__(FLASH_THREADS, 3)
+template <typename KV, int D, bool SPLIT>
+__global__ void __launch_bounds__(FLASH_THREADS, SPLIT ? 2 : 3)
 flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, const KV* __restrict__ value_cache,
                 const long long* __restrict__ block_tables, const long long* __restrict__ query_start,
                 const long long* __restrict__ positions, const int* __restrict__ tiles, float* __restrict__ out,
                 int num_heads, int num_kv_heads, int block_size, int max_blocks, float scale, int window) {
     static_assert(D % 16 == 0 && D <= 128, "D is a multiple of 16 up to 128");
-    constexpr int STRIDE = D + FLASH_PAD;  // bf16 per shared row
-    constexpr int CHUNKS = D / 8;          // 16-byte chunks of bf16 per row
-    constexpr int KSTEPS = D / 16;         // k-steps of S = Q K^T
-    constexpr int DTILES = D / 8;          // n-tiles of the output
-    constexpr int NTILES = FLASH_KEYS / 8; // n-tiles of S
-    __shared__ __align__(16) __nv_bfloat16 keys_s[FLASH_KEYS * STRIDE];  // first the block's queries, then keys
-    __shared__ __align__(16) __nv_bfloat16 values_s[FLASH_KEYS * STRIDE];
+    constexpr bool SPLIT_KV = SPLIT && !Bf16x8<KV>::EXACT;  // keys and values in high and low parts too
+    constexpr int KEYS = SPLIT_KV ? 32 : 64;  // keys per tile
+    constexpr int STRIDE = D + FLASH_PAD;     // bf16 per shared row
+    constexpr int CHUNKS = D / 8;             // 16-byte chunks of bf16 per row
+    constexpr int KSTEPS = D / 16;            // k-steps of S = Q K^T
+    constexpr int DTILES = D / 8;             // n-tiles of the output
+    constexpr int NTILES = KEYS / 8;          // n-tiles of S
+    static_assert((SPLIT_KV ? 4 : 2) * KEYS == 2 * FLASH_ROWS, "the key tiles fill the queries' shared rows");
+    // First the queries' high and low parts [2][FLASH_ROWS][STRIDE], then the tiles [k hi, v hi, k lo, v lo]
+    // [KEYS][STRIDE] each (the low parts only with SPLIT_KV).
+    __shared__ __align__(16) __nv_bfloat16 shared_rows[2 * FLASH_ROWS * STRIDE];
     __shared__ int row_pos_s[FLASH_ROWS];  // position of each row's token, -1 for padding rows
+    __nv_bfloat16* const q_hi = shared_rows;
+    __nv_bfloat16* const q_lo = shared_rows + FLASH_ROWS * STRIDE;
+    __nv_bfloat16* const k_hi = shared_rows;
+    __nv_bfloat16* const v_hi = shared_rows + KEYS * STRIDE;
+    constexpr int LO_AT = SPLIT_KV ? 2 * KEYS * STRIDE : 0;  // the low parts' tiles (none without SPLIT_KV)
+    __nv_bfloat16* const k_lo = shared_rows + LO_AT;
+    __nv_bfloat16* const v_lo = shared_rows + LO_AT + (SPLIT_KV ? KEYS * STRIDE : 0);
     pdl_wait();
 
     const int seq = tiles[2 * blockIdx.x], row0 = tiles[2 * blockIdx.x + 1];
@@ -156,17 +187,18 @@ flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, c
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, c = lane % 4;
     const long long* table = block_tables + static_cast<long long>(seq) * max_blocks;
 
-    // Stage the queries (rounded to bf16) in keys_s, and each row's position.
+    // Stage the queries (high and low bf16 parts) and each row's position.
     for (int i = threadIdx.x; i < FLASH_ROWS * CHUNKS; i += FLASH_THREADS) {
         const int row = i / CHUNKS, d = (i % CHUNKS) * 8;
-        uint4 v = make_uint4(0, 0, 0, 0);
+        uint4 hi = make_uint4(0, 0, 0, 0), lo = hi;
         if (row < rows) {
             const int pair = row0 + row;
             const long long t = start + pair / group;
             const int h = kv * group + pair % group;
-            v = Bf16x8<float>::load(q + (t * num_heads + h) * D + d);
+            Bf16x8<float>::load(q + (t * num_heads + h) * D + d, hi, lo);
         }
-        *reinterpret_cast<uint4*>(&keys_s[row * STRIDE + d]) = v;
+        *reinterpret_cast<uint4*>(&q_hi[row * STRIDE + d]) = hi;
+        if constexpr (SPLIT) *reinterpret_cast<uint4*>(&q_lo[row * STRIDE + d]) = lo;
     }
     if (threadIdx.x < FLASH_ROWS) {
         const int row = threadIdx.x;
@@ -174,38 +206,57 @@ flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, c
     }
     __syncthreads();
 
-    unsigned qa[KSTEPS][4];  // this warp's 16 query rows as A fragments
+    // This warp's 16 query rows as A fragments: high parts, and low parts with SPLIT.
+    unsigned qa[KSTEPS][4], ql[SPLIT ? KSTEPS : 1][4];
     const int row_a = warp * 16 + r, row_b = row_a + 8;
 #pragma unroll
     for (int s = 0; s < KSTEPS; ++s) {
-        const int col = s * 16 + 2 * c;
-        qa[s][0] = shared_pair(&keys_s[row_a * STRIDE + col]);
-        qa[s][1] = shared_pair(&keys_s[row_b * STRIDE + col]);
-        qa[s][2] = shared_pair(&keys_s[row_a * STRIDE + col + 8]);
-        qa[s][3] = shared_pair(&keys_s[row_b * STRIDE + col + 8]);
+        const int a = row_a * STRIDE + s * 16 + 2 * c, b = row_b * STRIDE + s * 16 + 2 * c;
+        qa[s][0] = shared_pair(&q_hi[a]);
+        qa[s][1] = shared_pair(&q_hi[b]);
+        qa[s][2] = shared_pair(&q_hi[a + 8]);
+        qa[s][3] = shared_pair(&q_hi[b + 8]);
+        if constexpr (SPLIT) {
+            ql[s][0] = shared_pair(&q_lo[a]);
+            ql[s][1] = shared_pair(&q_lo[b]);
+            ql[s][2] = shared_pair(&q_lo[a + 8]);
+            ql[s][3] = shared_pair(&q_lo[b + 8]);
+        }
     }
     const int pos[2] = {row_pos_s[row_a], row_pos_s[row_b]};
     const int first_pos = row_pos_s[0], last_pos = row_pos_s[min(rows, FLASH_ROWS) - 1];
     const int key_lo = window > 0 ? max(0, first_pos - window + 1) : 0;  // the block's keys [key_lo, key_hi)
     const int key_hi = last_pos + 1;
     const float scale_log2 = scale * 1.4426950408889634f;
-    __syncthreads();  // every warp holds its queries before keys_s is overwritten
+    __syncthreads();  // every warp holds its queries before the key tiles overwrite them
 
+    using M = Mma<__nv_bfloat16>;
     float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};  // rows r, r + 8: running max (log2 units), lane sum
     float o[DTILES][4] = {};
-    for (int tile0 = key_lo / FLASH_KEYS * FLASH_KEYS; tile0 < key_hi; tile0 += FLASH_KEYS) {
-        stage_tile<KV, D>(key_cache, table, tile0, key_lo, key_hi, block_size, num_kv_heads, kv, keys_s);
-        stage_tile<KV, D>(value_cache, table, tile0, key_lo, key_hi, block_size, num_kv_heads, kv, values_s);
+    // The 8 x 8 matrix whose row this lane addresses in ldmatrix: keys + 8 (bit 0), dims + 8 (bit 1).
+    const int matrix = lane / 8;
+    const int value_at = ((matrix & 1) * 8 + lane % 8) * STRIDE + (matrix >> 1) * 8;
+    for (int tile0 = key_lo / KEYS * KEYS; tile0 < key_hi; tile0 += KEYS) {
+        stage_tile<KV, D, KEYS, SPLIT_KV>(key_cache, table, tile0, key_lo, key_hi, block_size, num_kv_heads, kv,
+                                          k_hi, k_lo);
+        stage_tile<KV, D, KEYS, SPLIT_KV>(value_cache, table, tile0, key_lo, key_hi, block_size, num_kv_heads, kv,
+                                          v_hi, v_lo);
         __syncthreads();
 
+        // S = Q K^T: q_hi k_hi, + q_lo k_hi with SPLIT, + q_hi k_lo with SPLIT_KV (q_lo k_lo is below 2^-16).
         float s[NTILES][4] = {};  // scores of rows r (0, 1) and r + 8 (2, 3), keys tile0 + 8n + 2c (+1)
 #pragma unroll
         for (int n = 0; n < NTILES; ++n) {
-            const __nv_bfloat16* key_row = &keys_s[(n * 8 + r) * STRIDE + 2 * c];
+            const int at = (n * 8 + r) * STRIDE + 2 * c;
 #pragma unroll
             for (int k = 0; k < KSTEPS; ++k) {
-                Mma<__nv_bfloat16>::mma(s[n], qa[k][0], qa[k][1], qa[k][2], qa[k][3], shared_pair(key_row + k * 16),
-                                        shared_pair(key_row + k * 16 + 8));
+                const unsigned b0 = shared_pair(&k_hi[at + k * 16]), b1 = shared_pair(&k_hi[at + k * 16 + 8]);
+                M::mma(s[n], qa[k][0], qa[k][1], qa[k][2], qa[k][3], b0, b1);
+                if constexpr (SPLIT) M::mma(s[n], ql[k][0], ql[k][1], ql[k][2], ql[k][3], b0, b1);
+                if constexpr (SPLIT_KV) {
+                    M::mma(s[n], qa[k][0], qa[k][1], qa[k][2], qa[k][3], shared_pair(&k_lo[at + k * 16]),
+                           shared_pair(&k_lo[at + k * 16 + 8]));
+                }
             }
         }
 
@@ -243,21 +294,30 @@ flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, c
             }
         }
 
-        // O += P V, k-step k over keys 16k .. 16k + 15 of the tile.
-        const int matrix = lane / 8;  // the 8 x 8 matrix whose row this lane addresses: keys + 8 (bit 0), dims + 8
-        const __nv_bfloat16* value_row = &values_s[((matrix & 1) * 8 + lane % 8) * STRIDE + (matrix >> 1) * 8];
+        // O += P V, k-step k over keys 16k .. 16k + 15 of the tile: p_hi v_hi, + p_lo v_hi with SPLIT,
+        // + p_hi v_lo with SPLIT_KV.
 #pragma unroll
-        for (int k = 0; k < FLASH_KEYS / 16; ++k) {
-            using M = Mma<__nv_bfloat16>;
-            const unsigned a0 = M::pack(s[2 * k][0], s[2 * k][1]), a1 = M::pack(s[2 * k][2], s[2 * k][3]);
-            const unsigned a2 = M::pack(s[2 * k + 1][0], s[2 * k + 1][1]);
-            const unsigned a3 = M::pack(s[2 * k + 1][2], s[2 * k + 1][3]);
+        for (int k = 0; k < KEYS / 16; ++k) {
+            unsigned ph[4], pl[4];
+            split_pair(s[2 * k][0], s[2 * k][1], ph[0], pl[0]);
+            split_pair(s[2 * k][2], s[2 * k][3], ph[1], pl[1]);
+            split_pair(s[2 * k + 1][0], s[2 * k + 1][1], ph[2], pl[2]);
+            split_pair(s[2 * k + 1][2], s[2 * k + 1][3], ph[3], pl[3]);
 #pragma unroll
             for (int n = 0; n < DTILES / 2; ++n) {  // dims 16n .. 16n + 15: output n-tiles 2n, 2n + 1
                 unsigned b[4];
-                load_matrices_transposed(value_row + k * 16 * STRIDE + n * 16, b);
-                M::mma(o[2 * n], a0, a1, a2, a3, b[0], b[1]);
-                M::mma(o[2 * n + 1], a0, a1, a2, a3, b[2], b[3]);
+                load_matrices_transposed(&v_hi[value_at + k * 16 * STRIDE + n * 16], b);
+                M::mma(o[2 * n], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
+                M::mma(o[2 * n + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
+                if constexpr (SPLIT) {
+                    M::mma(o[2 * n], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
+                    M::mma(o[2 * n + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
+                }
+                if constexpr (SPLIT_KV) {
+                    load_matrices_transposed(&v_lo[value_at + k * 16 * STRIDE + n * 16], b);
+                    M::mma(o[2 * n], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
+                    M::mma(o[2 * n + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
+                }
             }
         }
         __syncthreads();  // every warp is done with this tile before the next one is staged
