@@ -61,10 +61,10 @@ def stored(cache: np.ndarray, kv_dtype: str) -> np.ndarray:
     return cache.astype(KV_DTYPES[kv_dtype]).astype(np.float32)
 
 
-def random_case(rng, seqs, heads: int, kv_heads: int, head_dim: int):
-    num_blocks = sum(-(-c // BLOCK_SIZE) for c, _ in seqs) + 3
-    batch = attention_batch(rng, seqs, BLOCK_SIZE, num_blocks)
-    caches = rng.standard_normal((2, num_blocks, BLOCK_SIZE, kv_heads, head_dim)).astype(np.float32)
+def random_case(rng, seqs, heads: int, kv_heads: int, head_dim: int, block_size: int = BLOCK_SIZE):
+    num_blocks = sum(-(-c // block_size) for c, _ in seqs) + 3
+    batch = attention_batch(rng, seqs, block_size, num_blocks)
+    caches = rng.standard_normal((2, num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
     query = rng.standard_normal((batch.num_tokens, heads, head_dim)).astype(np.float32)
     device_batch = {name: cupy.asarray(getattr(batch, name)) for name in ("block_tables", "query_start", "positions")}
     return batch, device_batch, caches[0], caches[1], query
@@ -108,13 +108,16 @@ def test_flash_attention_matches_the_reference(chunk, group, head_dim, window, k
     check_flash(ours, query, key_cache, value_cache, batch, scale, window, kv_dtype, split)
 
 
+@pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("window", [None, 1, 300])
-def test_one_long_chunk_over_a_long_prefix(window, kv_dtype):
+def test_one_long_chunk_over_a_long_prefix(window, kv_dtype, block_size):
     """A 700-token chunk after 1300 cached tokens (Qwen3's 32 / 4 heads, d128): many key tiles per block, and with a
-    window most of them skipped or partly masked (a window of 1: each token sees itself only)."""
+    window most of them skipped or partly masked (a window of 1: each token sees itself only); blocks of 8 tokens
+    as well as 16."""
     rng = np.random.default_rng(7)
-    batch, device_batch, key_cache, value_cache, query = random_case(rng, [(2000, 700), (40, 40)], 32, 4, 128)
+    batch, device_batch, key_cache, value_cache, query = random_case(rng, [(2000, 700), (40, 40)], 32, 4, 128,
+                                                                     block_size)
     poison()
     ours = run_flash(cupy.asarray(query), device_cache(key_cache, kv_dtype), device_cache(value_cache, kv_dtype),
                      batch, device_batch, 128**-0.5, window)
