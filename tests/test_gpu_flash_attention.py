@@ -30,7 +30,7 @@ from colibri_stream.backends.cupy_flash_attention import (  # noqa: E402
 )
 from colibri_stream.model.batch import single_sequence_batch  # noqa: E402
 from colibri_stream.synthetic import synthetic_model  # noqa: E402
-from test_gpu_kernels import GPU, REF, attention_batch, check, launched_kernels, poison  # noqa: E402
+from test_gpu_kernels import GPU, REF, attention_batch, check, kv_cache_pair, launched_kernels, poison  # noqa: E402
 from test_parity import relative_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +38,6 @@ pytestmark = pytest.mark.gpu
 SPLIT_TOLERANCE = 1e-4
 BF16_TOLERANCE = 1e-2
 BLOCK_SIZE = 16
-KV_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # (context, tokens computed this step) per sequence: contexts 1..600, each chunk over a cached prefix where the
 # context is longer than the chunk.
 CONTEXTS = (1, 2, 17, 63, 64, 65, 130, 333, 600)
@@ -48,26 +47,15 @@ def bf16_rounded(array: np.ndarray) -> np.ndarray:
     return array.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def device_cache(cache: np.ndarray, kv_dtype: str):
-    """A float32 host cache on the device in `kv_dtype` (bf16 as uint16 bits, as the backend stores it)."""
-    stored = cache.astype(KV_DTYPES[kv_dtype])
-    if kv_dtype == "bfloat16":
-        stored = stored.view(np.uint16)
-    return cupy.asarray(stored)
-
-
-def stored(cache: np.ndarray, kv_dtype: str) -> np.ndarray:
-    """The values a `kv_dtype` cache holds for a float32 host cache, as float32."""
-    return cache.astype(KV_DTYPES[kv_dtype]).astype(np.float32)
-
-
-def random_case(rng, seqs, heads: int, kv_heads: int, head_dim: int, block_size: int = BLOCK_SIZE):
+def random_case(rng, seqs, heads: int, kv_heads: int, head_dim: int, kv_dtype: str, block_size: int = BLOCK_SIZE):
+    """A batch of sequences (context, tokens computed), random queries, and random key and value caches of
+    `kv_dtype` as (host, device) pairs holding the same values."""
     num_blocks = sum(-(-c // block_size) for c, _ in seqs) + 3
     batch = attention_batch(rng, seqs, block_size, num_blocks)
     caches = rng.standard_normal((2, num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
     query = rng.standard_normal((batch.num_tokens, heads, head_dim)).astype(np.float32)
     device_batch = {name: cupy.asarray(getattr(batch, name)) for name in ("block_tables", "query_start", "positions")}
-    return batch, device_batch, caches[0], caches[1], query
+    return batch, device_batch, kv_cache_pair(caches[0], kv_dtype), kv_cache_pair(caches[1], kv_dtype), query
 
 
 def run_flash(query, key_cache, value_cache, batch, device_batch, scale, window):
@@ -79,9 +67,9 @@ def run_flash(query, key_cache, value_cache, batch, device_batch, scale, window)
     return launch.out
 
 
-def check_flash(ours, query, key_cache, value_cache, batch, scale, window, kv_dtype: str, split: bool) -> None:
-    """ours against the NumPy attention over the stored cache (with q, k, v rounded to bf16 without the split)."""
-    keys, values = stored(key_cache, kv_dtype), stored(value_cache, kv_dtype)
+def check_flash(ours, query, key_cache, value_cache, batch, scale, window, split: bool) -> None:
+    """ours against the NumPy attention over the host caches (with q, k, v rounded to bf16 without the split)."""
+    keys, values = key_cache.astype(np.float32), value_cache.astype(np.float32)
     if split:
         check(ours, REF.paged_attention(query, keys, values, batch, {}, scale, window), SPLIT_TOLERANCE)
     else:
@@ -100,12 +88,12 @@ def test_flash_attention_matches_the_reference(chunk, group, head_dim, window, k
     rng = np.random.default_rng(chunk * 1000 + group * 100 + head_dim + (window or 0))
     seqs = [(context, min(chunk, context)) for context in CONTEXTS]
     kv_heads = 2
-    batch, device_batch, key_cache, value_cache, query = random_case(rng, seqs, group * kv_heads, kv_heads, head_dim)
+    batch, device_batch, (key_cache, gpu_keys), (value_cache, gpu_values), query = random_case(
+        rng, seqs, group * kv_heads, kv_heads, head_dim, kv_dtype)
     scale = head_dim**-0.5
     poison()
-    ours = run_flash(cupy.asarray(query), device_cache(key_cache, kv_dtype), device_cache(value_cache, kv_dtype),
-                     batch, device_batch, scale, window)
-    check_flash(ours, query, key_cache, value_cache, batch, scale, window, kv_dtype, split)
+    ours = run_flash(cupy.asarray(query), gpu_keys, gpu_values, batch, device_batch, scale, window)
+    check_flash(ours, query, key_cache, value_cache, batch, scale, window, split)
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
@@ -116,30 +104,28 @@ def test_one_long_chunk_over_a_long_prefix(window, kv_dtype, block_size):
     window most of them skipped or partly masked (a window of 1: each token sees itself only); blocks of 8 tokens
     as well as 16."""
     rng = np.random.default_rng(7)
-    batch, device_batch, key_cache, value_cache, query = random_case(rng, [(2000, 700), (40, 40)], 32, 4, 128,
-                                                                     block_size)
+    batch, device_batch, (key_cache, gpu_keys), (value_cache, gpu_values), query = random_case(
+        rng, [(2000, 700), (40, 40)], 32, 4, 128, kv_dtype, block_size)
     poison()
-    ours = run_flash(cupy.asarray(query), device_cache(key_cache, kv_dtype), device_cache(value_cache, kv_dtype),
-                     batch, device_batch, 128**-0.5, window)
-    check_flash(ours, query, key_cache, value_cache, batch, 128**-0.5, window, kv_dtype, True)
+    ours = run_flash(cupy.asarray(query), gpu_keys, gpu_values, batch, device_batch, 128**-0.5, window)
+    check_flash(ours, query, key_cache, value_cache, batch, 128**-0.5, window, True)
 
 
 def test_prefill_steps_take_the_flash_kernel_and_others_do_not(monkeypatch):
     """The backend's dispatch: a prefill step with a chunk of FLASH_MIN_TOKENS tokens takes flash_attention; one
-    whose chunks are all shorter, and a head dim the kernel is not built for, take paged_attention (float32 caches:
-    the only type paged_attention reads)."""
+    whose chunks are all shorter, and a head dim the kernel is not built for, take paged_attention."""
     rng = np.random.default_rng(5)
-    cases = [([(200, FLASH_MIN_TOKENS), (90, 1)], 128, "flash_attention<float, 128, true>"),
-             ([(200, FLASH_MIN_TOKENS - 1), (90, 2)], 128, "paged_attention<4>"),
-             ([(200, 100)], 48, "paged_attention<2>")]
+    cases = [([(200, FLASH_MIN_TOKENS), (90, 1)], 128, "flash_attention<__nv_bfloat16, 128, true>"),
+             ([(200, FLASH_MIN_TOKENS - 1), (90, 2)], 128, "paged_attention<__nv_bfloat16, 4>"),
+             ([(200, 100)], 48, "paged_attention<__nv_bfloat16, 2>")]
     for seqs, head_dim, expected in cases:
-        batch, device_batch, key_cache, value_cache, query = random_case(rng, seqs, 8, 2, head_dim)
+        batch, device_batch, (key_cache, gpu_keys), (value_cache, gpu_values), query = random_case(
+            rng, seqs, 8, 2, head_dim, "bfloat16")
         launched = launched_kernels(monkeypatch)
         poison()
-        ours = GPU.paged_attention(cupy.asarray(query), cupy.asarray(key_cache), cupy.asarray(value_cache), batch,
-                                   device_batch, 0.125, None)
+        ours = GPU.paged_attention(cupy.asarray(query), gpu_keys, gpu_values, batch, device_batch, 0.125, None)
         assert launched == [expected]
-        check_flash(ours, query, key_cache, value_cache, batch, 0.125, None, "float32", True)
+        check_flash(ours, query, key_cache, value_cache, batch, 0.125, None, True)
         monkeypatch.undo()
 
 
