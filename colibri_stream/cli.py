@@ -201,7 +201,7 @@ def _add_trace_argument(p: argparse.ArgumentParser) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> None:
-    from .server.app import run_server
+    from .server.serving import run_server
 
     given = {n: getattr(args, n) for n in ("max_body_bytes", "drain_timeout", "keepalive_interval", "send_timeout",
                                            "trace_file", "reasoning_parser") if getattr(args, n) is not None}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, ColibriError
+from .errors import CheckpointError, ConfigError
 from .field_types import type_error
 
 FORMAT_VERSION = 1
@@ -212,9 +212,6 @@ class ModelConfig:
                 data[name] = tuple(data[name])
         return cls(**data)
 
-
-class ConfigError(ColibriError):
-    """An engine option is missing, unknown or out of range; the message names it."""
 
 
 @dataclass(frozen=True)

@@ -21,15 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import default_model_path
-from .config import ConfigError, EngineConfig, ModelConfig
-from .errors import ColibriError, describe
+from .config import EngineConfig, ModelConfig
+from .errors import (ColibriError, EngineStepError, EngineStoppedError, InvalidParameterError, PromptTooLongError,
+                     QueueFullError, RequestsFailedError, describe)
 from .experts.stats import ExpertStats
 from .kv_budget import KVCacheSize, activation_reserve, default_budget, size_kv_cache
 from .kv_cache import KVCacheManager
 from .model import MoETransformer, PagedKVCache, load_model
 from .model.paged_kv import kv_bytes_per_token, resolve_kv_dtype
-from .request import (EngineStepError, EngineStoppedError, InvalidParameterError, Logprob, PromptTooLongError,
-                      QueueFullError, Request, RequestOutput, RequestStatus, SamplingParams)
+from .request import Logprob, Request, RequestOutput, RequestStatus, SamplingParams
 from .runner import LaunchedStep, ModelRunner, RunnerOutput
 from .scheduler import Scheduler, SchedulerOutput, SeqUpdate
 from .structured import Constraints
@@ -66,16 +66,6 @@ class _Sequence:
     request: Request
     detokenizer: IncrementalDetokenizer
     last_token_time: float | None = None  # time.monotonic()
-
-
-class RequestsFailedError(ColibriError):
-    """Raised by `EngineCore.step` when requests failed alone in it (already aborted): `errors` maps each to its
-    EngineStepError, `outputs` holds what the step produced for the other requests."""
-
-    def __init__(self, outputs: list[RequestOutput], errors: dict[str, EngineStepError]):
-        super().__init__("; ".join(f"request {request_id}: {error}" for request_id, error in errors.items()))
-        self.outputs = outputs
-        self.errors = errors
 
 
 def _size_kv_cache(model: MoETransformer, config: EngineConfig) -> KVCacheSize:

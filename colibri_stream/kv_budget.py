@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import CacheConfig, ConfigError, ModelConfig
+from .config import CacheConfig, ModelConfig
 from .memory import MemoryInfo
+from .errors import ConfigError
 
 HOST_KV_SHARE = 0.5  # of the host's available RAM at most, for the KV cache of the CPU backend
 MIN_ACTIVATION_RESERVE = 256 << 20  # bytes kept free on a GPU for one step's activations, at least

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import expert_block_layout, read_config
-from .config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
+from .config import CacheConfig, ModelConfig, SchedulerConfig
+from .errors import ConfigError
 from .inspect import _size as format_size
 from .kv_budget import HOST_KV_SHARE, SIZE_FLAGS, activation_reserve, default_budget
 from .memory import MemoryInfo

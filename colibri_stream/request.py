@@ -5,15 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from .errors import ColibriError
+from .errors import InvalidParameterError, PromptTooLongError
 
-
-class InvalidParameterError(ColibriError):
-    """A sampling parameter is out of range; the message names the parameter."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -76,32 +69,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-class PromptTooLongError(ColibriError):
-    """A prompt, with the tokens it asks for, does not fit in the engine's max_seq_len."""
-
-    def __init__(self, prompt_tokens: int, max_tokens: int | None, max_seq_len: int):
-        if max_tokens is None:
-            message = (f"the prompt has {prompt_tokens} tokens, which leaves no room for output in max_seq_len "
-                       f"{max_seq_len}")
-        else:
-            message = (f"the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}: "
-                       f"{prompt_tokens + max_tokens} exceeds max_seq_len {max_seq_len}")
-        super().__init__(message)
-        self.prompt_tokens = prompt_tokens
-        self.max_tokens = max_tokens
-        self.max_seq_len = max_seq_len
 
 
-class QueueFullError(ColibriError):
-    """The engine's waiting queue is at max_queue; the client may retry later."""
-
-
-class EngineStoppedError(ColibriError):
-    """The engine is not running (not started, stopping, or stopped after a failure)."""
-
-
-class EngineStepError(ColibriError):
-    """A model step failed while computing this request; the engine aborted the step's requests and goes on."""
 
 
 def check_length(prompt_tokens: int, max_tokens: int | None, max_seq_len: int) -> int:

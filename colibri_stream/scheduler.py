@@ -25,7 +25,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .config import ConfigError, SchedulerConfig
+from .config import SchedulerConfig
+from .errors import ConfigError
 from .kv_cache import CachedPrefix, KVCacheManager
 from .request import Request, RequestStatus, SeqId, check_length
 

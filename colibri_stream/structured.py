@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ColibriError
-from .request import InvalidParameterError
+from .errors import GrammarError, InvalidParameterError
 
 
 # JSON as json.dumps writes it: ", " and ": " between items, no other whitespace. A grammar that allows any run of
@@ -104,10 +103,6 @@ class TokenConstraint:
         if not self._matcher.consume_token(token):
             raise GrammarError(f"the grammar failed on token {token}: {self._matcher.get_error()}")
 
-
-class GrammarError(ColibriError):
-    """A sequence's grammar failed while it was generating (llguidance reached one of its limits on this path);
-    the sequence's request ends with it, the others go on."""
 
 
 class Constraints:

@@ -185,7 +185,7 @@ def test_schedule_next_feeds_each_sequence_its_row_and_declines_admissions(tiny_
 
 
 def test_async_scheduling_option_is_checked(tiny_model_dir):
-    from colibri_stream.config import ConfigError
+    from colibri_stream.errors import ConfigError
 
     with pytest.raises(ConfigError, match="async_scheduling"):
         EngineCore.from_pretrained(str(tiny_model_dir), **ROOMY, async_scheduling="yes")

@@ -9,8 +9,9 @@ import contextlib
 import pytest
 
 from colibri_stream.engine import AsyncEngine, EngineCore
-from colibri_stream.request import (EngineStepError, EngineStoppedError, InvalidParameterError, PromptTooLongError,
-                                    QueueFullError, Request, SamplingParams)
+from colibri_stream.errors import (EngineStepError, EngineStoppedError, InvalidParameterError, PromptTooLongError,
+                                   QueueFullError)
+from colibri_stream.request import Request, SamplingParams
 from colibri_stream.runner import build_batch
 from colibri_stream.scheduler import ScheduledSeq
 

@@ -17,8 +17,8 @@ from tiny_models import build_hf_model
 
 from colibri_stream.checkpoint import ModelFolder, expert_block_layout, read_config
 from colibri_stream.cli import main
-from colibri_stream.config import ConfigError, ExpertStoreConfig
-from colibri_stream.errors import CheckpointError
+from colibri_stream.config import ExpertStoreConfig
+from colibri_stream.errors import CheckpointError, ConfigError
 from colibri_stream.experts.build import open_expert_store
 from colibri_stream.experts.policies import LRUPolicy
 from colibri_stream.experts.prefetcher import Prefetcher

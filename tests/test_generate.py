@@ -86,7 +86,7 @@ def test_cli_bad_input_is_one_line(tiny_model_dir, args, message):
 
 
 def test_empty_prompt_is_refused(llm):
-    from colibri_stream.request import InvalidParameterError
+    from colibri_stream.errors import InvalidParameterError
 
     with pytest.raises(InvalidParameterError, match="prompt"):
         llm.generate("", SamplingParams())

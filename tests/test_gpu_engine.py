@@ -148,7 +148,7 @@ def test_the_server_streams_on_the_gpu_with_steps_launched_ahead(tiny_model_dir)
     import openai
     from test_server import LiveServer
 
-    from colibri_stream.server.app import STATE
+    from colibri_stream.server.state import STATE
 
     messages = [[{"role": "user", "content": text}] for text in PROMPTS + ["streaming tokens one by one!"]]
 

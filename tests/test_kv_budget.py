@@ -11,7 +11,7 @@ import pytest
 
 from colibri_stream.checkpoint import expert_block_layout
 from colibri_stream.cli import main
-from colibri_stream.config import CacheConfig, ConfigError
+from colibri_stream.config import CacheConfig
 from colibri_stream.engine import EngineCore
 from colibri_stream.kv_budget import (HOST_KV_SHARE, MIN_ACTIVATION_RESERVE, activation_reserve, default_budget,
                                       size_kv_cache)
@@ -20,6 +20,7 @@ from colibri_stream.model.paged_kv import kv_bytes_per_token
 from colibri_stream.request import SamplingParams
 from colibri_stream.synthetic import shape_config, write_synthetic_folder
 from conftest import TOKENIZER_VOCAB_SIZE, write_tokenizer
+from colibri_stream.errors import ConfigError
 
 GiB = 1 << 30
 H200 = 139 * GiB

@@ -19,7 +19,7 @@ import pytest
 
 from colibri_stream.checkpoint import default_model_path
 from colibri_stream.cli import _engine_options, build_parser
-from colibri_stream.config import ConfigError, EngineConfig
+from colibri_stream.config import EngineConfig
 from colibri_stream.engine import EngineCore
 from colibri_stream.llm import LLM
 from colibri_stream.model import load_model
@@ -27,6 +27,7 @@ from colibri_stream.model.paged_kv import kv_bytes_per_token, resolve_kv_dtype
 from colibri_stream.request import SamplingParams
 from colibri_stream.tokenizer import Tokenizer
 from test_parity import colibri_logits
+from colibri_stream.errors import ConfigError
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "import numpy as np\n",
            "The quick brown fox", "Q: What is 2 + 2?\nA:", "class Stack:\n    def push(self, item):",

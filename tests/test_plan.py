@@ -7,8 +7,8 @@ import pytest
 
 from colibri_stream.checkpoint import expert_block_layout, read_config
 from colibri_stream.cli import main
-from colibri_stream.config import ConfigError
 from colibri_stream.plan import Bandwidths, make_plan, plan_for_folder
+from colibri_stream.errors import ConfigError
 
 MiB = 1 << 20
 

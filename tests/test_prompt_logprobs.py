@@ -17,7 +17,8 @@ from tiny_models import ARCHITECTURES, build_hf_model  # noqa: E402
 
 from colibri_stream.engine import EngineCore  # noqa: E402
 from colibri_stream.export import export_model  # noqa: E402
-from colibri_stream.request import InvalidParameterError, SamplingParams  # noqa: E402
+from colibri_stream.errors import InvalidParameterError  # noqa: E402
+from colibri_stream.request import SamplingParams  # noqa: E402
 
 TOP = 3
 # Chunked prefill (8 tokens a step) and a KV cache small enough that three long requests preempt one another.

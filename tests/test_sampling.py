@@ -246,7 +246,7 @@ class FailingGrammar:
     """A constraint whose grammar has failed, as TokenConstraint reports it."""
 
     def allowed(self):
-        from colibri_stream.structured import GrammarError
+        from colibri_stream.errors import GrammarError
 
         raise GrammarError("the grammar failed: a parser limit")
 

@@ -3,9 +3,10 @@ exact KV block ids through allocate, append, preempt, resume and free."""
 
 import pytest
 
-from colibri_stream.config import ConfigError, SchedulerConfig
+from colibri_stream.config import SchedulerConfig
+from colibri_stream.errors import ConfigError, PromptTooLongError
 from colibri_stream.kv_cache import KVCacheManager
-from colibri_stream.request import PromptTooLongError, Request, RequestStatus, SamplingParams
+from colibri_stream.request import Request, RequestStatus, SamplingParams
 from colibri_stream.scheduler import Scheduler
 
 EOS = 2

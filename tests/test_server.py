@@ -23,7 +23,7 @@ import pytest
 from colibri_stream.engine import AsyncEngine
 from colibri_stream.request import SamplingParams
 from colibri_stream.server import create_app, serve
-from colibri_stream.server.app import STATE
+from colibri_stream.server.state import STATE
 
 API_KEY = "test-key"
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -28,7 +28,7 @@ from conftest import model_with_template
 from test_server import API_KEY, LiveServer, request
 from test_server_auto_tools import CALL, HERMES_TEMPLATE, SECOND, TOOLS, WEATHER, regex
 
-from colibri_stream.server.app import STATE
+from colibri_stream.server.state import STATE
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -15,9 +15,10 @@ import openai
 import pytest
 from test_server import API_KEY, CHAT, COMPLETIONS, LiveServer, _error, metric, post, request, sse_events
 
-from colibri_stream.request import InvalidParameterError, SamplingParams
+from colibri_stream.errors import InvalidParameterError
+from colibri_stream.request import SamplingParams
 from colibri_stream.sampling import Sampler, SamplingState
-from colibri_stream.server.app import STATE
+from colibri_stream.server.state import STATE
 
 MODEL = "tiny-mixtral"
 

@@ -29,7 +29,7 @@ import pytest
 from conftest import model_with_template
 from test_server import API_KEY, LiveServer, request
 
-from colibri_stream.server.app import STATE
+from colibri_stream.server.state import STATE
 from colibri_stream.server.tool_syntax import HeldText, HermesToolSyntax
 
 pytest.importorskip("llguidance")

@@ -25,7 +25,7 @@ from test_server import API_KEY, LiveServer, request, sse_events
 
 from colibri_stream.checkpoint import default_model_path
 from colibri_stream.errors import CheckpointError
-from colibri_stream.server.app import STATE
+from colibri_stream.server.state import STATE
 from colibri_stream.server.tool_syntax import HermesToolSyntax, tool_syntax_of
 from colibri_stream.tokenizer import Tokenizer
 

@@ -17,9 +17,10 @@ import orjson
 import pytest
 from test_server import API_KEY, CHAT, COMPLETIONS, LiveServer, _error, metric, request, sse_events
 
-from colibri_stream.request import InvalidParameterError, SamplingParams
+from colibri_stream.errors import InvalidParameterError
+from colibri_stream.request import SamplingParams
 from colibri_stream.sampling import SamplingState
-from colibri_stream.server.app import STATE
+from colibri_stream.server.state import STATE
 
 MODEL = "colibri/tiny-mixtral"  # a served name with a slash, as Hugging Face names have
 MAX_SEQ_LEN = 256
@@ -169,20 +170,9 @@ def test_bodies_over_the_limit_are_413_even_chunked(server, path):
 
 # ------------------------------------------------------------------------------------------ numeric parameters
 
-BAD_NUMBERS = [
-    ("max_tokens", [0, -1, True, "5", 1.5, 2.0]),
-    ("n", [0, -1, 17, True, "2", 2.0, 10**30]),
-    ("temperature", [-0.1, 100.5, True, "0.5", 1e308]),
-    ("top_p", [-0.01, -1, 1.01, False, "1"]),
-    ("top_k", [-2, 1.0, True, "3"]),
-    ("min_p", [-0.1, 1.1, True]),
-    ("presence_penalty", [2.5, -2.5, True]),
-    ("frequency_penalty", [2.5, -2.5, "0"]),
-    ("repetition_penalty", [0, -1, 1e-300, 0.001, 10.5, True]),
-    ("seed", [1.5, True, "7", 2**64, -(2**63) - 1, 10**30]),
-    ("stop_token_ids", [5, [1.5], [True], ["1"]]),
-]
-BAD_NUMBER_CASES = [(name, value) for name, values in BAD_NUMBERS for value in values]
+# A few of the wrong values test_server_parse.py gives every field at the parsers, sent to the real server.
+BAD_NUMBER_CASES = [("max_tokens", 0), ("n", 17), ("temperature", "0.5"), ("top_p", True), ("seed", 10**30),
+                    ("stop_token_ids", [1.5])]
 
 
 @pytest.mark.parametrize("path, stream", ENDPOINTS, ids=ENDPOINT_IDS)

@@ -31,7 +31,7 @@ from test_server import (
 )
 
 from colibri_stream.checkpoint import default_model_path
-from colibri_stream.server.app import STATE
+from colibri_stream.server.state import STATE
 
 MODEL = "default_model"
 SEND_TIMEOUT = 0.5
@@ -437,10 +437,10 @@ def test_message_name_must_be_a_string(server):
 def test_serve_command_passes_the_send_timeout(flag, expected, monkeypatch):
     """`colibri serve --send-timeout` reaches the server (0: wait for ever); left out, the server's default."""
     from colibri_stream import cli
-    from colibri_stream.server import app as server_app
+    from colibri_stream.server import serving
 
     given = {}
-    monkeypatch.setattr(server_app, "run_server", lambda *args, **kwargs: given.update(kwargs))
+    monkeypatch.setattr(serving, "run_server", lambda *args, **kwargs: given.update(kwargs))
     args = cli.build_parser().parse_args(["serve", *flag])
     args.run(args)
-    assert given.get("send_timeout", server_app.DEFAULT_SEND_TIMEOUT_SECONDS) == expected
+    assert given.get("send_timeout", serving.DEFAULT_SEND_TIMEOUT_SECONDS) == expected

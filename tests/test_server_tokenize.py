@@ -10,7 +10,7 @@ import openai
 import pytest
 from test_server import API_KEY, request
 
-from colibri_stream.server.app import STATE
+from colibri_stream.server.state import STATE
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
 

@@ -21,7 +21,8 @@ import pytest
 from test_server import API_KEY
 
 from colibri_stream.engine import EngineCore
-from colibri_stream.request import InvalidParameterError, SamplingParams
+from colibri_stream.errors import InvalidParameterError
+from colibri_stream.request import SamplingParams
 from colibri_stream.structured import json_schema_grammar
 
 pytest.importorskip("llguidance")

@@ -22,8 +22,7 @@ import json
 from dataclasses import dataclass
 from tokenizers import pre_tokenizers
 
-from ..errors import ColibriError
-from ..request import PromptTooLongError
+from ..errors import ColibriError, PromptTooLongError
 
 COMPOSITION_SHRINK = 4  # NFC/NFKC: the most code points a canonical composition folds into one
 _LENGTH_KEEPING_NORMALIZERS = {"NFD", "NFKD", "Lowercase", "Prepend", "ByteLevel"}

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint import ModelFolder
-from ..config import ConfigError, ExpertStoreConfig
+from ..config import ExpertStoreConfig
+from ..errors import ConfigError
 from ..plan import make_plan
 from .policies import make_policy
 from .prefetcher import Prefetcher

@@ -20,9 +20,10 @@ from typing import IO
 
 import numpy as np
 
-from ..config import ConfigError, ModelConfig
+from ..config import ModelConfig
 from .stats import ExpertStats
 from .store import ExpertStore
+from ..errors import ConfigError
 
 USAGE_FORMAT = "colibri-expert-usage"
 USAGE_FILE = "expert_usage.json"  # the default usage file, next to the model's config.json

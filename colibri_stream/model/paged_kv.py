@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..backends.base import Array, Backend
-from ..config import ConfigError, ModelConfig
+from ..config import ModelConfig
+from ..errors import ConfigError
 
 # --kv-cache-dtype option -> storage dtype of the cache arrays ("auto" resolves through resolve_kv_dtype)
 KV_CACHE_STORAGE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

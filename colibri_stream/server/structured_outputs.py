@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..request import InvalidParameterError
 from ..structured import choice_grammar, json_schema_grammar, lark_grammar, regex_grammar
+from ..errors import InvalidParameterError
 
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")

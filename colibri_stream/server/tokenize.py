@@ -21,7 +21,9 @@ from typing import Any
 
 import orjson
 
-from .protocol import Fields, bad_request, body_object, chat_messages, template_kwargs
+from .chat_messages import chat_messages
+from .fields import Fields, bad_request, body_object
+from .params import template_kwargs
 from .tools import function_tools
 
 

@@ -9,7 +9,7 @@ max_tokens stays text (finish_reason "length"); with parallel_tool_calls false "
 With tool_choice "auto" the model writes freely, shown the tools by its template, and the calls
 it writes in the syntax its template teaches become tool_calls; a model whose template teaches none this server
 reads is shown the tools all the same and answers in text, as OpenAI answers "auto" (forcing a call still works).
-History may hold assistant messages with tool_calls and tool messages with their results (protocol.chat_messages
+History may hold assistant messages with tool_calls and tool messages with their results (chat_messages.chat_messages
 passes them to the template).
 """
 
@@ -21,7 +21,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..request import InvalidParameterError, SamplingParams
+from ..errors import InvalidParameterError
+from ..request import SamplingParams
 from ..structured import json_schema_grammar
 from .tool_syntax import NO_TOOL_SYNTAX, ToolSyntax
 

@@ -1,4 +1,4 @@
-"""Replies of Anthropic's Messages API (`POST /v1/messages`, anthropic_messages.py): the message, or its stream of
+"""Replies of Anthropic's Messages API (`POST /v1/messages`, parse_anthropic.py): the message, or its stream of
 named SSE events.
 
 The reply is a message whose content blocks are, in order: thinking (the reply's <think> text, where it has any),
@@ -18,11 +18,10 @@ import json
 import uuid
 from typing import Any
 
-from .protocol import GenerateRequest
-from .reasoning import ThinkingStream
+from .admission import Admission
+from .generate_request import GenerateRequest
+from .reply_text import ReplyPiece, ReplyText
 from .sse import EventStream, encode_event
-from .tool_syntax import HeldCalls, StreamedCalls
-from .tools import tool_calls
 
 
 class MessagesEventStream(EventStream):
@@ -39,69 +38,33 @@ class MessagesEventStream(EventStream):
 class MessagesResponder:
     """Turns one /v1/messages request's RequestOutputs into Anthropic's message or its stream events.
 
-    The reasoning split (split_reasoning) runs as the reply comes, and so does the reading of "auto" calls when
-    streaming; otherwise the calls are read once the reply is whole.
+    The reply's text goes through reply_text.py's stage: the reasoning split runs as the reply comes, and so does
+    the reading of "auto" calls when streaming; otherwise the calls are read once the reply is whole.
     """
 
     def __init__(self, request: GenerateRequest, model: str):
         self.request = request
         self.model = model
         self.id = "msg_" + uuid.uuid4().hex
-        self.thinking_started = False  # with split_reasoning: the prompt leaves the reply inside the thinking tag
-        self._thinking: ThinkingStream | None = None  # with split_reasoning: the reply's split so far
-        self._reasoning: list[str] = []  # the reply's reasoning pieces
-        self._content: list[str] = []  # and the rest
-        auto = request.auto_calls
-        # "auto", streaming: the calls read so far
-        self._calls_read: StreamedCalls | HeldCalls | None = (auto.syntax.stream_reader(auto.schemas)
-                                                              if auto is not None and request.stream else None)
+        self._reply: ReplyText | None = None  # the reply's text, once admitted
         self._input_tokens = self._output_tokens = 0
         self._finish_reason: str | None = None
         self._stop_reason: str | int | None = None
-        self._reply: tuple[str, list[dict]] | None = None  # the text and its tool_calls, once the reply is whole
         self._open: str | None = None  # streaming: the type of the content block open now
         self._opened: list[str] = []  # streaming: the type of each content block opened so far
 
-    def admitted(self, prompt_tokens: list[int]) -> None:
-        """The prompt's token count, known once the engine has admitted it (before any output)."""
-        self._input_tokens = prompt_tokens[0]
-
-    def add(self, output: Any, prompt_index: int = 0) -> tuple[str, str]:
-        """Record one RequestOutput; returns the reasoning and the content of its text that may go out now (the
-        last output: with what the split held back)."""
-        self._input_tokens, self._output_tokens = output.prompt_tokens, output.completion_tokens
-        self._finish_reason, self._stop_reason = output.finish_reason, output.stop_reason
-        reasoning, content = "", output.text
-        if self.request.split_reasoning:
-            self._thinking = self._thinking or ThinkingStream(self.thinking_started)
-            reasoning, content = self._thinking.feed(output.text, len(output.token_ids))
-            if output.finished:
-                reasoning, content = (a + b for a, b in zip((reasoning, content), self._thinking.finish()))
-        self._reasoning.append(reasoning)
-        self._content.append(content)
-        return reasoning, content
-
-    def _whole_reply(self) -> tuple[str, list[dict]]:
-        """(the text, its calls as chat's tool_calls entries) of the whole reply: a forced call's text is its call
-        (unless cut by max_tokens), "auto" calls follow the text before them."""
-        if self._reply is None:
-            text, calls = "".join(self._content), None
-            if self.request.forced_call is not None:
-                calls = tool_calls(self.request.forced_call, text)
-                text = "" if calls is not None else text
-            elif self.request.auto_calls is not None:
-                split = self.request.auto_calls.syntax.split(text, self.request.auto_calls.schemas)
-                text, calls = split if split is not None else (text, None)
-            self._reply = text, calls or []
-        return self._reply
+    def admitted(self, admission: Admission) -> None:
+        """The prompt as admitted (before any output): its token count, whether the reply starts thinking."""
+        self._input_tokens = admission.prompt_tokens[0]
+        self._reply = ReplyText(self.request, admission.thinking_started)
 
     def response(self) -> dict:
         """The message, once generation has ended."""
-        text, calls = self._whole_reply()
-        reasoning = "".join(self._reasoning)
-        blocks = [_thinking_block(reasoning)] if reasoning else []
-        if text or not calls:
-            blocks.append({"type": "text", "text": text})
+        reply = self._reply.whole()
+        calls = reply.calls or []
+        blocks = [_thinking_block(reply.reasoning)] if reply.reasoning else []
+        if reply.content or not calls:
+            blocks.append({"type": "text", "text": reply.content})
         blocks += [dict(_tool_use_block(call), input=json.loads(call["function"]["arguments"])) for call in calls]
         return self._message(blocks, done=True)
 
@@ -112,8 +75,7 @@ class MessagesResponder:
 
     def _stop(self) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence) of the whole reply."""
-        called = (self._calls_read.calls and self._calls_read.whole) if self._calls_read else self._whole_reply()[1]
-        if called:
+        if self._reply.called:
             return "tool_use", None
         if self._finish_reason == "length":
             return "max_tokens", None
@@ -130,28 +92,24 @@ class MessagesResponder:
         """The events before any text: message_start (no content yet) and a ping."""
         return [{"type": "message_start", "message": self._message([], done=False)}, {"type": "ping"}]
 
+    def add(self, output: Any, prompt_index: int = 0) -> ReplyPiece:
+        """Record one RequestOutput; returns what of its text may go out now."""
+        self._input_tokens, self._output_tokens = output.prompt_tokens, output.completion_tokens
+        self._finish_reason, self._stop_reason = output.finish_reason, output.stop_reason
+        return self._reply.feed(output.text, len(output.token_ids), output.finished)
+
     def events(self, output: Any, prompt_index: int = 0) -> list[dict]:
-        """Record one RequestOutput; the events of the reasoning, the text and the "auto" calls' pieces that may go
-        out now (a forced call's text is its call, sent at the end)."""
-        reasoning, content = self.add(output, prompt_index)
-        events = self._delta("thinking", reasoning)
-        if self.request.forced_call is not None:
-            return events
-        if self._calls_read is None:
-            return events + self._delta("text", content)
-        content, calls = self._calls_read.feed(content)
-        if output.finished:
-            rest, more_calls = self._calls_read.finish()
-            content, calls = content + rest, calls + more_calls
-        return events + self._delta("text", content) + self._call_events(calls)
+        """Record one RequestOutput; the events of the reasoning, the text and the calls' pieces that may go out
+        now ("auto" calls as they are written; a forced call's tool_use block, or its text where max_tokens cut it,
+        with the last output)."""
+        piece = self.add(output, prompt_index)
+        return self._delta("thinking", piece.reasoning) + self._delta("text", piece.content) + \
+            self._call_events(piece.calls)
 
     def closing(self) -> list[dict]:
-        """The events after the last output: a forced call's tool_use block (its text where max_tokens cut it), the
-        empty text block of a reply that has no other, the open block's end, message_delta and message_stop."""
+        """The events after the last output: the empty text block of a reply that has no other, the open block's
+        end, message_delta and message_stop."""
         events = []
-        if self.request.forced_call is not None:
-            text, calls = self._whole_reply()
-            events += self._delta("text", text) + self._call_events(calls)
         if not {"text", "tool_use"} & set(self._opened):  # (a message has a text block, empty if need be)
             events += self._stop_block() + self._start_block({"type": "text", "text": ""})
         stop_reason, stop_sequence = self._stop()

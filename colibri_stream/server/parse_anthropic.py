@@ -15,7 +15,7 @@ extensions chat reads (`structured_outputs`, `seed`, `min_p`, ...) are read here
 is a 400 rather than something silently dropped: images and documents, server tools, a last assistant message
 (prefill), thinking with a forced tool call (as Anthropic), `display: "omitted"`, `output_config.effort`.
 Errors on these routes are Anthropic's {"type": "error", "error": {"type", "message"}} (`error_body`); the
-key may come as `x-api-key` (app.py). The replies and their stream are anthropic_replies.py's.
+key may come as `x-api-key` (app.py). The replies and their stream are render_anthropic.py's.
 """
 
 from __future__ import annotations
@@ -23,8 +23,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .protocol import (APIError, Fields, GenerateRequest, bad_request, body_object, chat_messages, json_type,
-                       output_grammar, sampling_params, unsupported)
+from ..errors import APIError
+from .chat_messages import chat_messages
+from .fields import Fields, bad_request, body_object, json_type, unsupported
+from .generate_request import GenerateRequest
+from .params import output_grammar, sampling_params
 from .tokenize import TokenizeRequest
 from .tool_syntax import ToolSyntax
 from .tools import AutoCalls, ForcedCall, tool_use, with_call_tokens

@@ -1,0 +1,114 @@
+"""Request fields every API reads alike: the sampling parameters, the grammar a response format asks for, the
+chat template's variables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import InvalidParameterError
+from ..request import SamplingParams
+from ..structured import json_schema_grammar
+from ..tokenizer import RESERVED_VARIABLES
+from .fields import Fields, bad_request, json_type
+from .structured_outputs import structured_outputs_grammar
+
+
+def sampling_params(fields: Fields, max_tokens: int | None, max_tokens_name: str, logprobs: int | None,
+                    n: int, grammar: str | None = None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=fields.number("temperature", 1.0),
+            top_p=fields.number("top_p", 1.0),
+            top_k=fields.integer("top_k", 0),
+            min_p=fields.number("min_p", 0.0),
+            seed=fields.integer("seed"),
+            stop=fields.strings("stop"),
+            stop_token_ids=fields.integers("stop_token_ids"),
+            ignore_eos=fields.boolean("ignore_eos"),
+            presence_penalty=fields.number("presence_penalty", 0.0),
+            frequency_penalty=fields.number("frequency_penalty", 0.0),
+            repetition_penalty=fields.number("repetition_penalty", 1.0),
+            logit_bias=_logit_bias(fields),
+            logprobs=logprobs,
+            grammar=grammar,
+            min_tokens=fields.integer("min_tokens", 0),
+            prompt_logprobs=fields.integer("prompt_logprobs"),
+            skip_special_tokens=fields.boolean("skip_special_tokens", True),
+            include_stop_str_in_output=fields.boolean("include_stop_str_in_output"),
+            n=n,
+        )
+    except InvalidParameterError as e:
+        if e.param == "max_tokens" and max_tokens_name != "max_tokens":
+            raise bad_request(str(e).replace("max_tokens", max_tokens_name, 1), param=max_tokens_name) from None
+        raise bad_request(str(e), param=e.param) from None
+
+
+def response_grammar(value: Any, param: str) -> str | None:
+    """The grammar a response format asks for: None for text, else JSON (`json_object`: any object;
+    `json_schema`: documents valid under its schema, given in `value["json_schema"]["schema"]` as chat and
+    completions put it, or in `value["schema"]` as the Responses API does)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        spec = value.get("json_schema", value)
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise bad_request(f"{param}: the json_schema's schema must be a JSON schema object", param=param)
+    else:
+        raise bad_request(f'{param} must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": '
+                          f'"json_schema", ...}}, got {value!r:.80}', param=param)
+    try:
+        return json_schema_grammar(schema)
+    except InvalidParameterError as error:
+        raise bad_request(f"{param}: {error}", param=param) from None
+
+
+def output_grammar(body: dict, response_format: Any, param: str = "response_format") -> tuple[str, str] | None:
+    """(the field that asked, the grammar) the output must follow: the `response_format` value (in the field
+    `param`), or vLLM's structured-output fields (structured_outputs.py); asking for both is a 400."""
+    from_format = response_grammar(response_format, param)
+    try:
+        from_vllm = structured_outputs_grammar(body)
+    except InvalidParameterError as e:
+        raise bad_request(str(e), param=e.param) from None
+    if from_format is not None and from_vllm is not None:
+        raise bad_request(f"{param} and {from_vllm[0]} cannot be asked together", param=from_vllm[0])
+    return (param, from_format) if from_format is not None else from_vllm
+
+
+def _logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs: keys are token ids written as decimal strings ("50256"), no sign, no
+    leading zero (so no two keys name one token), values are numbers; the ranges are SamplingParams' and the
+    engine's."""
+    bias = fields.get("logit_bias", (dict,), "an object mapping token ids to biases", {})
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) < 19 and str(int(key)) == key):
+            raise bad_request(f'logit_bias keys must be token ids such as "50256", got {key[:24]!r}',
+                              param="logit_bias")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise bad_request(f"logit_bias[{key!r}] must be a number, got {json_type(value)}", param="logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
+
+
+def template_kwargs(fields: Fields) -> dict | None:
+    """vLLM's chat_template_kwargs (variables the chat template reads, such as Qwen3's enable_thinking) and
+    add_generation_prompt, as keyword arguments of the template."""
+    kwargs = dict(fields.get("chat_template_kwargs", (dict,), "an object", {}))
+    for key in kwargs:
+        if not key.isidentifier() or key in RESERVED_VARIABLES:
+            raise bad_request(f"chat_template_kwargs cannot set {key[:40]!r}: its keys are the template's variables, "
+                              f"named as identifiers and none of the renderer's own ({', '.join(RESERVED_VARIABLES)}; "
+                              f"send messages and tools as fields of their own)", param="chat_template_kwargs")
+    add = fields.boolean("add_generation_prompt", kwargs.get("add_generation_prompt", True))
+    if not isinstance(add, bool):
+        raise bad_request("chat_template_kwargs.add_generation_prompt must be a boolean",
+                          param="chat_template_kwargs")
+    return dict(kwargs, add_generation_prompt=add) if kwargs or not add else None

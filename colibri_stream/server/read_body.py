@@ -1,0 +1,88 @@
+"""Reading a request's body as JSON: its size limit (also announced with `Expect: 100-continue`), its
+Content-Encoding, and the 400 of a body that is not JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from ..errors import APIError
+from .error_replies import error_response
+from .fields import bad_request
+from .state import STATE, ServerState, count_request
+
+READABLE_ENCODINGS = ("identity", "gzip", "deflate")  # request bodies aiohttp decodes without extra packages
+
+
+def too_large(state: ServerState) -> APIError:
+    return APIError(413, f"the request body exceeds the server's limit of {state.max_body_bytes} bytes",
+                    code="request_too_large")
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue` (curl sends it with bodies over 1 MiB): a body announced over the limit is refused
+    before the client sends it; aiohttp's default answers "100 Continue" to anything. Runs before the middlewares,
+    so it answers in OpenAI's shape itself."""
+    state = request.app[STATE]
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        error = APIError(417, f"unsupported Expect: {request.headers.get('Expect', '')[:64]!r}",
+                         code="expectation_failed")
+    elif request.content_length is not None and request.content_length > state.max_body_bytes:
+        error = too_large(state)
+    else:
+        if request.version >= (1, 1):  # as aiohttp's default handler
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # the response proper has not started
+        return None
+    response = error_response(error, path=request.path)
+    response.force_close()  # Connection: close: the client need not send the body to keep the connection
+    count_request(request, error.status)
+    return response
+
+
+async def read_json(request: web.Request) -> Any:
+    """The body as JSON (`read_body`, `json_body`)."""
+    return json_body(await read_body(request))
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The body's bytes, whatever its Content-Type says (curl -d sends form-encoded); a body that cannot be read
+    (a Content-Encoding it does not decode to) is a 400 like one that is not JSON. A Content-Length over the limit
+    is a 413 before anything is read (aiohttp then reads and drops the body for up to 10 s, so that the client,
+    which sends the whole body before it reads the answer, gets the 413 rather than a reset connection)."""
+    state = request.app[STATE]
+    if request.content_length is not None and request.content_length > state.max_body_bytes:
+        raise too_large(state)
+    encoding = request.headers.get("Content-Encoding", "identity")
+    if encoding.strip().lower() not in READABLE_ENCODINGS:
+        raise unreadable_encoding(encoding)
+    try:
+        raw = await request.read()
+    except web.RequestPayloadError as e:
+        raise bad_request(f"the request body could not be read: {_payload_error(e)}") from None
+    if not raw:
+        raise bad_request("the request body is empty; send a JSON object")
+    return raw
+
+
+def json_body(raw: bytes) -> Any:
+    """A body's bytes as JSON; a 400 where they are not JSON."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+def unreadable_encoding(encoding: str | None) -> APIError:
+    """415 for a request body in a Content-Encoding (named when known) that this server does not decode."""
+    named = "the request's Content-Encoding" if encoding is None else f"Content-Encoding {encoding.strip()[:100]!r}"
+    return APIError(415, f"{named} is not supported: send the body as {', '.join(READABLE_ENCODINGS)}",
+                    code="unsupported_content_encoding")
+
+
+def _payload_error(error: web.RequestPayloadError) -> str:
+    """What the body parser said, without aiohttp's "400, message:" prefix."""
+    cause = error.__cause__
+    return getattr(cause, "message", None) or str(cause or error)
