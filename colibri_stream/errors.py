@@ -2,7 +2,7 @@
 
 Every error a user can cause (a bad model folder, an unsupported checkpoint, a bad argument, a bad request) is
 raised as one of these; the CLI prints `error: <message>` and exits non-zero instead of a traceback, and the server
-answers a ColibriError of a request as an APIError (server/engine_errors.py).
+answers a ColibriError of a request as an APIError (server/error_replies.py).
 """
 
 from __future__ import annotations

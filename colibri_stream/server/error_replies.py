@@ -10,7 +10,7 @@ from ..errors import (APIError, EngineStoppedError, InvalidParameterError, Promp
 from ..tokenizer import ChatTemplateError
 from .fields import bad_request
 from .generate_request import GenerateRequest
-from .parse_anthropic import error_body, is_messages_path
+from .render_anthropic import error_body, is_messages_path
 from .state import json_response
 
 RETRY_AFTER_SECONDS = 1  # a full queue's 429 says when to try again; the openai client waits that long, then retries

@@ -16,11 +16,11 @@ from .error_replies import api_error_body, engine_error
 from .admission import admit
 from .generate_request import GenerateRequest
 from .generations import Generations
-from .parse_anthropic import is_messages_path, parse_messages, switches_thinking
+from .parse_anthropic import parse_messages, switches_thinking
 from .parse_openai import parse_chat, parse_completion
 from .parse_responses import parse_response
 from .read_body import json_body, read_body
-from .render_anthropic import MessagesEventStream, MessagesResponder
+from .render_anthropic import MessagesEventStream, MessagesResponder, is_messages_path
 from .render_openai import Responder
 from .render_responses import ResponsesResponder
 from .sse import EventStream

@@ -11,6 +11,7 @@ from ..structured import json_schema_grammar
 from ..tokenizer import RESERVED_VARIABLES
 from .fields import Fields, bad_request, json_type
 from .structured_outputs import structured_outputs_grammar
+from .tools import ForcedCall
 
 
 def sampling_params(fields: Fields, max_tokens: int | None, max_tokens_name: str, logprobs: int | None,
@@ -81,6 +82,16 @@ def output_grammar(body: dict, response_format: Any, param: str = "response_form
         raise bad_request(f"{param} and {from_vllm[0]} cannot be asked together", param=from_vllm[0])
     return (param, from_format) if from_format is not None else from_vllm
 
+
+
+def generation_grammar(call: ForcedCall | None, asked: tuple[str, str] | None) -> tuple[str | None, str | None]:
+    """(the grammar the reply is written under, the field that asked for it): a forced tool call's (its tools'
+    schemas), else what `asked` (output_grammar's) holds; asking for both is a 400."""
+    if call is not None and asked is not None:
+        raise bad_request(f"a forced tool call and {asked[0]} cannot be asked together", param=asked[0])
+    if call is not None:
+        return call.grammar, "tools"
+    return (asked[1], asked[0]) if asked is not None else (None, None)
 
 def _logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
     """logit_bias as (token id, bias) pairs: keys are token ids written as decimal strings ("50256"), no sign, no

@@ -14,7 +14,7 @@ constrains the text as chat's response_format does. `metadata` is accepted and c
 extensions chat reads (`structured_outputs`, `seed`, `min_p`, ...) are read here too. What this server does not do
 is a 400 rather than something silently dropped: images and documents, server tools, a last assistant message
 (prefill), thinking with a forced tool call (as Anthropic), `display: "omitted"`, `output_config.effort`.
-Errors on these routes are Anthropic's {"type": "error", "error": {"type", "message"}} (`error_body`); the
+Errors on these routes are Anthropic's {"type": "error", "error": {"type", "message"}} (render_anthropic.py); the
 key may come as `x-api-key` (app.py). The replies and their stream are render_anthropic.py's.
 """
 
@@ -27,28 +27,13 @@ from ..errors import APIError
 from .chat_messages import chat_messages
 from .fields import Fields, bad_request, body_object, json_type, unsupported
 from .generate_request import GenerateRequest
-from .params import output_grammar, sampling_params
+from .params import generation_grammar, output_grammar, sampling_params
 from .tokenize import TokenizeRequest
 from .tool_syntax import ToolSyntax
 from .tools import AutoCalls, ForcedCall, tool_use, with_call_tokens
 
-MESSAGES_PATH = "/v1/messages"
 THINKING_SWITCH = "enable_thinking"  # the template variable that turns a model's thinking on and off (Qwen3)
-# Anthropic's error type for an HTTP status; other 4xx are invalid_request_error, other 5xx api_error
-ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-               413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Anthropic's tool_choice type -> chat's
-
-
-def is_messages_path(path: str) -> bool:
-    """Whether `path` is one of the Messages API's (whose errors and streams are in Anthropic's shape)."""
-    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
-
-
-def error_body(error: APIError) -> dict:
-    """An error as Anthropic answers it: {"type": "error", "error": {"type", "message"}}."""
-    kind = ERROR_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
 def switches_thinking(chat_templates: dict[str, str]) -> bool:
@@ -74,15 +59,13 @@ def parse_messages(body: Any, tool_syntax: ToolSyntax | None = None, split_reaso
     if config.get("effort") is not None:
         raise unsupported("output_config.effort is not supported by this server", "output_config.effort")
     asked = output_grammar(body, config.get("format"), "output_config.format")
-    if call is not None and asked is not None:
-        raise bad_request(f"a forced tool call and {asked[0]} cannot be asked together", param=asked[0])
-    grammar = call.grammar if call is not None else asked[1] if asked is not None else None
+    grammar, grammar_param = generation_grammar(call, asked)
     return GenerateRequest(
         chat=True, model=fields.string("model"), prompts=(messages,), stream=fields.boolean("stream"),
         params=with_call_tokens(use, _sampling(body, max_tokens, grammar)), prompt_param="messages",
         forced_call=call, auto_calls=use if isinstance(use, AutoCalls) else None, template_kwargs=kwargs,
         split_reasoning=split_reasoning and call is None,
-        grammar_param="tools" if call is not None else asked[0] if asked is not None else None)
+        grammar_param=grammar_param)
 
 
 def parse_count_tokens(body: Any, tool_syntax: ToolSyntax | None = None, thinking_switch: bool = False
@@ -104,8 +87,7 @@ def _conversation(fields: Fields, tool_syntax: ToolSyntax | None, thinking_switc
     messages = chat_messages(_system(fields.body.get("system")) + _turns(fields.body.get("messages")))
     tools = _chat_tools(fields.get("tools", (list,), "an array"))
     choice, parallel = _chat_tool_choice(fields.get("tool_choice", (dict,), "an object"), tools)
-    use = tool_use(tools, choice, lambda message, param: bad_request(message, param=param), parallel=parallel,
-                   syntax=tool_syntax)
+    use = tool_use(tools, choice, bad_request, parallel=parallel, syntax=tool_syntax)
     thinking = _thinking(fields.get("thinking", (dict,), "an object"), max_tokens)
     kwargs = {THINKING_SWITCH: thinking} if thinking is not None and thinking_switch else None
     return messages, use, thinking, kwargs

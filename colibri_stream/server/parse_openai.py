@@ -38,7 +38,7 @@ from .chat_messages import chat_messages
 from .fields import Fields, bad_request, body_object, is_int, unsupported
 from .fill_in_middle import fim_prompt
 from .generate_request import GenerateRequest
-from .params import output_grammar, sampling_params, template_kwargs
+from .params import generation_grammar, output_grammar, sampling_params, template_kwargs
 from .tool_syntax import ToolSyntax
 from .tools import AutoCalls, ForcedCall, tool_use, with_call_tokens
 
@@ -142,9 +142,8 @@ def parse_completion(body: Any, fim_tokens: tuple[str, str, str] | None = None) 
     max_tokens = fields.integer("max_tokens") if "max_tokens" in body else 16  # null: up to the context
     echo = fields.boolean("echo")
     echo_only = echo and max_tokens == 0  # scoring a text (its logprobs), as evaluation harnesses do
-    asked = output_grammar(body, body.get("response_format"))
-    params = sampling_params(fields, 1 if echo_only else max_tokens, "max_tokens", logprobs, n,
-                             asked[1] if asked is not None else None)
+    grammar, grammar_param = generation_grammar(None, output_grammar(body, body.get("response_format")))
+    params = sampling_params(fields, 1 if echo_only else max_tokens, "max_tokens", logprobs, n, grammar)
     if echo and logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=max(logprobs, params.prompt_logprobs or 0))
     prompts = _prompts(body.get("prompt"))
@@ -157,8 +156,7 @@ def parse_completion(body: Any, fim_tokens: tuple[str, str, str] | None = None) 
         prompts = tuple(fim_prompt(fim_tokens, prompt, suffix) for prompt in prompts)
     return GenerateRequest(
         chat=False, model=model, prompts=prompts, params=params,
-        grammar_param=asked[0] if asked is not None else None,
-        stream=stream, logprobs=logprobs is not None,
+        grammar_param=grammar_param, stream=stream, logprobs=logprobs is not None,
         echo=echo, echo_only=echo_only, **_common_options(fields, stream),
     )
 
@@ -183,21 +181,18 @@ def parse_chat(body: Any, tool_syntax: ToolSyntax | None = None, split_reasoning
         max_tokens, name = legacy_max_tokens, "max_tokens"
     elif legacy_max_tokens is not None and legacy_max_tokens < 1:  # checked even when max_completion_tokens wins
         raise bad_request("max_tokens must be a positive integer", param="max_tokens")
-    use = tool_use(fields.get("tools", (list,), "an array"), body.get("tool_choice"),
-                   lambda message, param: bad_request(message, param=param),
+    use = tool_use(fields.get("tools", (list,), "an array"), body.get("tool_choice"), bad_request,
                    fields.boolean("parallel_tool_calls", True), tool_syntax)
     call = use if isinstance(use, ForcedCall) else None
     asked = output_grammar(body, body.get("response_format"))
-    if call is not None and asked is not None:
-        raise bad_request(f"a forced tool call and {asked[0]} cannot be asked together", param=asked[0])
-    grammar = asked[1] if asked is not None else None
+    grammar, grammar_param = generation_grammar(call, asked)
     return GenerateRequest(
         chat=True, model=model, prompts=(chat_messages(body.get("messages")),),
         params=with_call_tokens(use, sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs
-                                                     else None, n, call.grammar if call is not None else grammar)),
+                                                     else None, n, grammar)),
         stream=stream, logprobs=logprobs, forced_call=call, auto_calls=use if isinstance(use, AutoCalls) else None,
         template_kwargs=template_kwargs(fields), split_reasoning=split_reasoning and call is None,
-        grammar_param="tools" if call is not None else asked[0] if asked is not None else None,
+        grammar_param=grammar_param,
         **_common_options(fields, stream),
     )
 

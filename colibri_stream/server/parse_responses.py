@@ -27,7 +27,7 @@ from typing import Any
 from .chat_messages import chat_messages
 from .fields import Fields, bad_request, body_object, json_type, unsupported
 from .generate_request import GenerateRequest
-from .params import output_grammar, sampling_params
+from .params import generation_grammar, output_grammar, sampling_params
 from .tool_syntax import ToolSyntax
 from .tools import AutoCalls, ForcedCall, tool_use, with_call_tokens
 
@@ -53,20 +53,17 @@ def parse_response(body: Any, tool_syntax: ToolSyntax | None = None, split_reaso
     text = fields.get("text", (dict,), "an object", {})
     asked = output_grammar(body, text.get("format"), "text.format")
     tools = _chat_tools(fields.get("tools", (list,), "an array"))
-    use = tool_use(tools, _chat_tool_choice(body.get("tool_choice")),
-                   lambda message, param: bad_request(message, param=param),
+    use = tool_use(tools, _chat_tool_choice(body.get("tool_choice")), bad_request,
                    fields.boolean("parallel_tool_calls", True), tool_syntax)
     call = use if isinstance(use, ForcedCall) else None
-    if call is not None and asked is not None:
-        raise bad_request(f"a forced tool call and {asked[0]} cannot be asked together", param=asked[0])
-    grammar = asked[1] if asked is not None else None
+    grammar, grammar_param = generation_grammar(call, asked)
     params = with_call_tokens(use, sampling_params(fields, fields.integer("max_output_tokens"), "max_output_tokens",
-                                                   None, 1, call.grammar if call is not None else grammar))
+                                                   None, 1, grammar))
     return GenerateRequest(chat=True, model=fields.string("model"), prompts=(messages,), params=params,
                            stream=stream, prompt_param="input", forced_call=call,
                            auto_calls=use if isinstance(use, AutoCalls) else None,
                            split_reasoning=split_reasoning and call is None,
-                           grammar_param="tools" if call is not None else asked[0] if asked is not None else None)
+                           grammar_param=grammar_param)
 
 
 def _chat_tools(tools: list | None) -> list | None:

@@ -18,10 +18,27 @@ import json
 import uuid
 from typing import Any
 
+from ..errors import APIError
 from .admission import Admission
 from .generate_request import GenerateRequest
 from .reply_text import ReplyPiece, ReplyText
 from .sse import EventStream, encode_event
+
+MESSAGES_PATH = "/v1/messages"
+# Anthropic's error type for an HTTP status; other 4xx are invalid_request_error, other 5xx api_error
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def is_messages_path(path: str) -> bool:
+    """Whether `path` is one of the Messages API's (whose errors and streams are in Anthropic's shape)."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def error_body(error: APIError) -> dict:
+    """An error as Anthropic answers it: {"type": "error", "error": {"type", "message"}}."""
+    kind = ERROR_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
 class MessagesEventStream(EventStream):

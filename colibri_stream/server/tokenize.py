@@ -50,7 +50,7 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
         raise bad_request("send either prompt (a string) or messages", param="prompt" if messages is None
                           else "messages")
     tools = fields.get("tools", (list,), "an array")
-    listed = function_tools(tools, lambda message, param: bad_request(message, param=param))[1] if tools else None
+    listed = function_tools(tools, bad_request)[1] if tools else None
     return TokenizeRequest(fields.string("model"), prompt if prompt is not None else chat_messages(messages),
                            fields.boolean("add_special_tokens", True), fields.boolean("return_token_strs"),
                            listed, template_kwargs(fields))
