@@ -264,6 +264,9 @@ def test_max_tokens_forms(client):
                                                max_tokens=None, extra_body={"ignore_eos": True})
     assert unlimited.choices[0].finish_reason == "length"
     assert unlimited.usage.total_tokens == 1024  # up to the context
+    unlimited = client.completions.create(model="tiny-mixtral", prompt="Hi", temperature=0, max_tokens=None,
+                                          extra_body={"ignore_eos": True})
+    assert unlimited.choices[0].finish_reason == "length" and unlimited.usage.total_tokens == 1024
     both = client.chat.completions.create(model="tiny-mixtral", messages=chat("Hi"), temperature=0, max_tokens=9,
                                           max_completion_tokens=3, extra_body={"ignore_eos": True})
     assert both.usage.completion_tokens == 3
