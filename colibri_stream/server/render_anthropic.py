@@ -2,8 +2,8 @@
 named SSE events.
 
 The reply is a message whose content blocks are, in order: thinking (the reply's <think> text, where it has any),
-text (unless the reply is only tool calls), tool_use per call; its stop_reason is tool_use, max_tokens, stop_sequence (naming the
-stop_sequence) or end_turn. A stream sends Anthropic's named events: message_start, ping, then per block
+text (unless the reply is only tool calls), tool_use per call; its stop_reason is tool_use, max_tokens,
+stop_sequence (naming the stop_sequence) or end_turn. A stream sends Anthropic's named events: message_start, ping, then per block
 content_block_start, content_block_delta (thinking_delta, text_delta, input_json_delta) and content_block_stop,
 then message_delta (stop_reason, usage) and message_stop. A block opens with its first text; an "auto" call's
 tool_use block opens as the model writes the call, its input following in input_json_delta pieces (as

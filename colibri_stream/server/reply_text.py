@@ -23,8 +23,8 @@ class ReplyPiece:
 
     reasoning: str = ""  # text inside the thinking tag
     content: str = ""  # text outside it; none of a forced call's (its text is its calls) until it proves cut short
-    calls: list[dict] = field(default_factory=list)  # chat's tool_calls stream deltas (streaming "auto"; a forced
-    #   call's, whole, with the last piece)
+    # chat's tool_calls stream deltas: streamed "auto" calls as they are written, a forced call's whole at the end
+    calls: list[dict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
