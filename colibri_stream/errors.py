@@ -94,7 +94,10 @@ class PromptRefused(ColibriError):
 
 
 class APIError(Exception):
-    """An error answered as OpenAI does: HTTP `status` and {"error": {"message", "type", "param", "code"}}."""
+    """An HTTP error of the server, answered as OpenAI does: HTTP `status` and {"error": {"message", "type",
+    "param", "code"}} (on the Messages API's routes in Anthropic's shape, server/render_anthropic.py). Not a
+    ColibriError: the generation handler turns the engine's ColibriErrors into APIErrors (server/error_replies.py)
+    and lets these pass as they are."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None):
