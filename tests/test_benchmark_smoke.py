@@ -21,11 +21,13 @@ LIBRARIES = {"conditions.py"}  # imported by the scripts, not run
 
 # Scripts that time the GPU, with the options of a run: each must stop at the GPU check, before writing anything.
 GPU_SCRIPTS = {
+    "compare_revisions.py": ["--baseline-tree", str(ROOT), "--rounds", "1"],
     "decode.py": ["--shapes", "mixtral-8x7b", "--batches", "1"],
     "dense_projection.py": ["--tokens", "1"],
     "engine_decode.py": ["--shapes", "mixtral-8x7b", "--layers", "1", "--batches", "1"],
     "handoff_latency.py": ["--repeats", "1"],
     "host_pages.py": ["--blocks", "1", "--rounds", "1"],
+    "long_context.py": ["--shapes", "mixtral-8x7b:1", "--contexts", "64", "--batches", "1", "--decode-tokens", "2"],
     "offload.py": ["--layers", "1", "--fractions", "0.5", "--batches", "1"],
     "offload_handoff.py": ["--layers", "1", "--fractions", "0.5"],
     "offload_timeline.py": ["--layers", "1", "--steps", "1"],
