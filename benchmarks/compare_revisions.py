@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from conditions import machine
+from conditions import machine, require_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=400.0, help="seconds per run")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compare_revisions.json"))
     args = parser.parse_args(argv)
+    require_gpu()  # its decode and offload runs time the GPU
     trees = {"current": ROOT, "baseline": Path(args.baseline_tree).resolve()}
     scripts = {s: a for s, a in (("decode.py", args.decode_args), ("offload.py", args.offload_args))
                if s not in args.skip}

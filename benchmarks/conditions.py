@@ -1,10 +1,12 @@
-"""The conditions a benchmark ran under, recorded next to its figures: CPU, cores, platform, versions, commit, load."""
+"""The conditions a benchmark ran under, recorded next to its figures (CPU, cores, platform, versions, commit, load),
+and the check that a GPU benchmark has its GPU."""
 
 from __future__ import annotations
 
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,3 +20,14 @@ def machine() -> dict:
                             text=True).stdout.strip()
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "numpy": np.__version__, "commit": commit, "load_average": os.getloadavg()}
+
+
+def require_gpu() -> None:
+    """Exit with a message naming what is missing unless CuPy sees a CUDA device: for scripts that time the GPU."""
+    script = Path(sys.argv[0]).name
+    try:
+        import cupy
+    except ImportError:
+        sys.exit(f"{script} needs a GPU: CuPy is not installed (pip install \".[gpu]\")")
+    if not cupy.cuda.is_available():
+        sys.exit(f"{script} needs a GPU: CuPy finds no CUDA device")

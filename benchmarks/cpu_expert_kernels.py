@@ -148,7 +148,8 @@ def measure_shape(name: str, dtype: str, args, baseline) -> list[dict]:
     rng = np.random.default_rng(0)
     one = make_expert(hidden, inter, dtype, rng)
     nbytes, params = expert_bytes(one), 3 * hidden * inter
-    copies = [one] + [make_expert(hidden, inter, dtype, rng) for _ in range(max(1, -(-CYCLE_BYTES // nbytes)) - 1)]
+    cycle_bytes = args.cycle_mib << 20
+    copies = [one] + [make_expert(hidden, inter, dtype, rng) for _ in range(max(1, -(-cycle_bytes // nbytes)) - 1)]
     rows = []
     for threads in args.threads:
         numba.set_num_threads(threads)
@@ -210,6 +211,8 @@ def main() -> None:
     parser.add_argument("--baseline", help="git revision (or cpu_executor.py file) whose CpuExpertExecutor runs as the "
                         "`baseline` candidate")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--cycle-mib", type=int, default=CYCLE_BYTES >> 20,
+                        help="expert memory the calls cycle through (MiB): more than the CPU's caches hold")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     baseline = baseline_commit = None

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from conditions import require_gpu
 from offload_accelerate import hf_config
 
 PROMPT = 128  # cached tokens per sequence before the timed steps
@@ -490,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                              "integer constant of cupy_backend.py set (MOE_DOWN_ROW_BYTES=8192, GQA_BLOCKS_PER_SM=4, ...); "
                              "repeatable")
     args = parser.parse_args(argv)
+    require_gpu()
     variants = []
     for text in args.variant:
         name, _, value = text.partition("=")

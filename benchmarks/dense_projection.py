@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from conditions import require_gpu
 from decode import log, machine, measure_bandwidth, time_in_graph
 
 LAYERS = 8  # copies of each weight the calls cycle through
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="... and these LINEAR_MMA_MIN_SPAN values (every pair)")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     args = parser.parse_args(argv)
+    require_gpu()
     from colibri_stream.backends.cupy_backend import CupyBackend
 
     backend = CupyBackend()

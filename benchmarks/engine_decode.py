@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 from colibri_stream.tokenizer import Tokenizer
+from conditions import require_gpu
 from decode import graph_replay_seconds, log, machine
 
 from colibri_stream.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -160,14 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", nargs="+", type=int, default=[8, 16], help="layers of each shape")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--new", type=int, default=64, help="tokens generated per request")
-    parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/results/engine_decode_h200.json")
     args = parser.parse_args(argv)
+    require_gpu()
     records = []
     for shape, layers in zip(args.shapes, args.layers):
-        run = EngineRun(shape, layers, args.device, max(args.batches), args.new)
+        run = EngineRun(shape, layers, "cuda", max(args.batches), args.new)
         for batch in args.batches:
-            record = dict(machine() if args.device == "cuda" else {}, commit=os.environ.get("COLIBRI_COMMIT"),
+            record = dict(machine(), commit=os.environ.get("COLIBRI_COMMIT"),
                           bench="engine_decode", shape=shape, layers=layers, prompt=PROMPT, new_tokens=args.new,
                           **run_batch(run, batch), **run_sampled(run, batch))
             records.append(record)

@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--modes", default="bf16,bf16+int8", help="comma-separated dtype[+int8] exports to measure")
     parser.add_argument("--workdir", default=None, help="where to write the checkpoints (default: a /tmp folder)")
     parser.add_argument("--keep", action="store_true", help="keep the generated checkpoint and exports")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="colibri-export-rss-", dir=args.workdir))
@@ -132,8 +133,8 @@ def main() -> None:
             "runs": runs,
             "machine": {"platform": platform.platform(), "python": platform.python_version()},
         }
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

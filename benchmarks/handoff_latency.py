@@ -23,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from conditions import require_gpu
 from decode import log, machine
 from offload import write
 
@@ -134,12 +135,12 @@ def pool_future(repeats: int) -> tuple[list[float], list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import cupy as cp
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--out", default="benchmarks/results/handoff_latency_h200.json")
     args = parser.parse_args(argv)
+    require_gpu()
+    import cupy as cp
     stream = cp.cuda.Stream(non_blocking=True)
     flag = HostFlag.create(stream)
     source = pinned_empty(1, 4096 * 4)[0].view(np.float32)  # [4096]

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from conditions import require_gpu
 from decode import log, machine
 from offload import write
 
@@ -120,14 +121,14 @@ def copy_rate(blocks: np.ndarray, rounds: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import cupy as cp
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--kinds", nargs="+", default=["cuda_host_alloc", "thp_registered", "pageable"])
     parser.add_argument("--out", default="benchmarks/results/host_pages_h200.json")
     args = parser.parse_args(argv)
+    require_gpu()
+    import cupy as cp
     template = random_block(np.random.default_rng(0))  # copied into every block: each is its own memory
     executor = CpuExpertExecutor()
     settings = thp_settings()

@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=16)
     parser.add_argument("--out", help="JSON records of the runs")
     args = parser.parse_args(argv)
+    if not (Path(args.gguf_py) / "gguf").is_dir():
+        sys.exit(f"llama_cpp.py needs llama.cpp's gguf-py folder: {args.gguf_py} holds no gguf package")
     if not (Path(args.folder) / "experts.bin").is_file():
         write_synthetic_folder(args.folder, args.shape, num_layers=args.layers)
     if not Path(args.gguf).is_file():

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 from conditions import machine as host_machine
+from conditions import require_gpu
 from serving_gpu import model_folder
 
 DEFAULT_SHAPES = ("mixtral-8x7b:8", "qwen3-30b-a3b:16")
@@ -202,13 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-timeout", type=float, default=300.0)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "long_context.json"))
     args = parser.parse_args(argv)
-    try:
-        import cupy
+    require_gpu()
+    import cupy
 
-        cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:
-        print(f"long_context.py needs a CUDA GPU and CuPy: {error}", file=sys.stderr)
-        return 2
     from decode import machine as gpu_machine
     from decode import measure_bandwidth
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from conditions import require_gpu
 from decode import log, machine
 
 from colibri_stream.config import GPU_SLOT_LAYOUTS
@@ -480,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-threads", type=int, default=16, help="llama.cpp's CPU threads")
     parser.add_argument("--out", default="benchmarks/results/offload_h200.json")
     args = parser.parse_args(argv)
+    require_gpu()
     args.gguf = args.gguf or str(args.folder).rstrip("/") + ".gguf"
     if args.llama_bench and not Path(args.gguf).is_file() and not args.gguf_py:
         parser.error(f"--llama-bench needs {args.gguf}, or --gguf-py to write it")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -323,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts-implementation", default="eager")
     parser.add_argument("--json", help="write the record here")
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("accelerate") is None:
+        sys.exit("offload_accelerate.py needs accelerate, the baseline it measures (pip install accelerate)")
     record = run_offload_baseline(
         args.shape, args.layers, args.gpu_budget_gb, args.gpu_expert_fraction, args.batch, args.prompt_tokens,
         args.new_tokens, args.warmup_tokens, args.device, args.tiny, args.allowance_gb, args.seed,

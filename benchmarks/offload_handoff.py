@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 
+from conditions import require_gpu
 from decode import log, machine
 from offload import decode, make_model, measure, open_folder, release, write
 
@@ -68,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/offload_handoff_h200.json")
-    run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    require_gpu()
+    run(args)
     return 0
 
 

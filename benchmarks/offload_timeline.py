@@ -34,6 +34,7 @@ import sys
 import time
 from collections import defaultdict
 
+from conditions import require_gpu
 from decode import log, machine
 from offload import decode, make_model, open_folder, write
 
@@ -274,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="repeat the runs, every other round in reverse order")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/offload_timeline_h200.json")
-    run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    require_gpu()
+    run(args)
     return 0
 
 

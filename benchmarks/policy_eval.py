@@ -14,7 +14,7 @@ Everything runs on the CPU with the shipped default model (8 MoE layers x 32 exp
    TieredExpertStore at 4 and 8 slots, with and without prefetch. Checks that every step's logits equal the
    resident model's, and that without prefetch the store's hits equal the replay of the routing it recorded.
 
-    python benchmarks/policy_eval.py [--decode-tokens 256] [--write-usage PATH]
+    python benchmarks/policy_eval.py [--decode-tokens 256] [--window-tokens 1024] [--write-usage PATH]
 
 Results: benchmarks/results/policy_eval.json; the tables are printed as Markdown.
 """
@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -245,9 +246,13 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=256, help="tokens per window in the store runs")
     parser.add_argument("--write-usage", default=None, type=Path,
                         help="also write a usage file of all the trace's routes (for --eviction-policy pinned)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--window-tokens", type=int, default=None,
+                        help="replay and prefetch over the first N tokens of each window (default: all of them)")
     args = parser.parse_args()
     data = np.load(TRACES)
     ids, tokens = data["expert_ids"].astype(np.int64), data["tokens"]  # [S, L, T, K], [S, T]
+    ids, tokens = ids[:, :, :args.window_tokens], tokens[:, :args.window_tokens]
     folder = ModelFolder(args.model)
     if args.write_usage:
         counts = np.stack([np.bincount(ids[:, l].ravel(), minlength=32) for l in range(ids.shape[1])])
@@ -268,13 +273,13 @@ def main() -> None:
                   "with bypass; pinned preloads its slots (free warm start)",
         "store_runs": f"NumPy backend, {args.decode_tokens} tokens per window teacher-forced, experts.bin in the "
                       f"page cache (warm), one run each",
-        "command": f"python benchmarks/policy_eval.py --decode-tokens {args.decode_tokens}",
+        "command": " ".join(["python benchmarks/policy_eval.py", *sys.argv[1:]]),
         "wall_s": round(time.time() - start, 1),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(markdown(results))
-    print(f"\nwrote {RESULTS} ({results['conditions']['wall_s']} s)")
+    print(f"\nwrote {args.out} ({results['conditions']['wall_s']} s)")
 
 
 if __name__ == "__main__":

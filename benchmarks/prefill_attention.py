@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conditions import machine  # noqa: E402
+from conditions import machine, require_gpu  # noqa: E402
 
 SHAPES = {"mixtral-8x7b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128)}  # (Q, K, D)
 CONTEXTS = (1024, 8192, 32768)
@@ -165,13 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--short-chunks", type=int, nargs="*", default=list(SHORT_CHUNKS),
                         help="chunk sizes timed as one step after a cached prefix (for FLASH_MIN_TOKENS)")
     args = parser.parse_args(argv)
-
-    from colibri_stream.backends.cupy_backend import cuda_available
-
-    if not cuda_available():
-        print("prefill_attention: no CUDA GPU (CuPy is missing or sees no device); nothing was measured.",
-              file=sys.stderr)
-        return 2
+    require_gpu()
     import cupy as cp
 
     from colibri_stream.backends.cupy_backend import CupyBackend

@@ -52,6 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=900)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "prefix_cache_ttft.json")
     args = parser.parse_args()
     engines = {on: EngineCore.from_pretrained(None, device="cpu", enable_prefix_caching=on) for on in (True, False)}
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -73,8 +74,7 @@ def main() -> None:
                                                        "max": 1e3 * max(t)} for on, t in times.items()},
         "cached_tokens_per_resend": engines[True].stats().prefix_cache_hit_tokens / (args.rounds + 1),
     }
-    out = Path(__file__).parent / "results" / "prefix_cache_ttft.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
 
 

@@ -5,7 +5,7 @@ Starts the server on a loopback port, warms it up (page cache, first steps) with
 exact command line. Results go to benchmarks/results/serving_cpu.json; the Markdown table for BENCHMARKS.md is
 printed.
 
-    python benchmarks/serving_cpu.py [--port 8011] [--input-len 64] [--output-len 64]
+    python benchmarks/serving_cpu.py [--port 8011] [--input-len 64] [--output-len 64] [--max-requests N]
 """
 
 from __future__ import annotations
@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--input-len", type=int, default=64, help="words per synthetic prompt")
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--max-requests", type=int, default=None, help="at most N requests per load")
     args = parser.parse_args()
 
     url = f"http://127.0.0.1:{args.port}"
@@ -94,6 +96,7 @@ def main() -> None:
         conditions = machine()  # its load average: before the recorded runs
         runs = []
         for label, load, num_requests, seed in LOADS:
+            num_requests = min(num_requests, args.max_requests or num_requests)
             command, report = bench(url, load, num_requests, seed, args.input_len, args.output_len)
             runs.append({"load": label, "command": " ".join(command), "report": report})
             print(f"{label}: {report['output_token_throughput']:.0f} output tok/s", file=sys.stderr)
@@ -108,8 +111,8 @@ def main() -> None:
         "machine": conditions,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(markdown(runs))
 
 

@@ -15,6 +15,7 @@ import argparse
 import sys
 
 import numpy as np
+from conditions import require_gpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--context", type=int, default=144)
     args = parser.parse_args(argv)
+    require_gpu()
     import cupy
 
     from colibri_stream.model.batch import ForwardBatch

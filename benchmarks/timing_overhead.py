@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=200, help="decode steps per arm, pass and round")
     parser.add_argument("--rounds", type=int, default=3, help="fresh batches per batch size")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
     core = EngineCore.from_pretrained(args.model, device="cpu")
@@ -156,8 +157,8 @@ def main() -> None:
         "runs": runs,
         "machine": machine(),
     }
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     for run in runs:
         figures = "; ".join(f"{name} {run[name]['overhead']:+.2%} (paired {run[name]['overhead_paired']:+.2%})"
                             for name in PASSES)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.gpu  # in the GPU lane (`pytest -m gpu`), though compiling needs NVRTC alone
+
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
                             reason="CuPy is not installed (kernel compile checks need cupy-cuda12x/13x and NVRTC)")
 

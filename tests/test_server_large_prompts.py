@@ -291,7 +291,9 @@ def test_rss_stays_flat_under_repeated_hostile_chats(served):
 
     start = time.perf_counter()
     rss = asyncio.run(go())
-    assert time.perf_counter() - start < 60
+    # a refusal reads and parses the body but renders and tokenizes no chat: well under the second a chat rendered
+    # and tokenized whole takes, also on a loaded 2-core machine
+    assert time.perf_counter() - start < 200 * 0.75
     settled = rss[4]
     assert max(rss[5:]) <= 1.1 * settled, f"RSS {settled:.0f} MiB after 5 requests, then up to {max(rss):.0f} MiB"
 

@@ -11,7 +11,7 @@ All numbers use the windows train.py evaluates: the `test` token stream cut into
 
 Bits per byte = total NLL / ln 2 / UTF-8 bytes of the predicted tokens (special tokens count 0 bytes).
 
-Usage: python benchmarks/default_model/evaluate.py [--hf .data/default_model/hf]
+Usage: python export/default_model_provenance/evaluate.py [--hf .data/default_model/hf]
            [--export colibri_stream/default_model] [--out benchmarks/data/default_model/eval_cpu.json]
 """
 

@@ -5,7 +5,7 @@ bf16 shards (transformers' parameter names), checks that transformers and model.
 few random sequences (float32, relative error < 1e-4), then writes the folder with `save_pretrained` (bf16
 safetensors), the tokenizer files and a generation_config.json whose eos ids are <|im_end|> and <|endoftext|>.
 
-Usage: python benchmarks/default_model/to_hf.py RUN_DIR [--tokenizer .data/default_model/tokenizer]
+Usage: python export/default_model_provenance/to_hf.py RUN_DIR [--tokenizer .data/default_model/tokenizer]
                                                 [--out .data/default_model/hf]
 """
 

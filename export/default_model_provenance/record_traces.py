@@ -15,7 +15,7 @@ Output (`numpy.savez_compressed`):
     meta            str                   JSON: model config summary, split, corpus and tokenizer hashes,
                                           top-k agreement with the bf16 (unquantised) model
 
-Usage: python benchmarks/default_model/record_traces.py [--export colibri_stream/default_model]
+Usage: python export/default_model_provenance/record_traces.py [--export colibri_stream/default_model]
            [--hf .data/default_model/hf] [--out benchmarks/data/default_model/traces_test.npz]
 """
 

@@ -25,7 +25,7 @@ Output (deterministic for a given Python build: sorted walks, no randomness, no 
     OUT/manifest.json                                   interpreter version, counts and bytes per split and kind,
                                                         sha256 of every output file
 
-Usage: python benchmarks/default_model/build_corpus.py [--out .data/default_model/corpus]
+Usage: python export/default_model_provenance/build_corpus.py [--out .data/default_model/corpus]
 """
 
 from __future__ import annotations

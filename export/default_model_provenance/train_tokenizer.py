@@ -15,7 +15,7 @@ Reads the corpus of build_corpus.py and writes
 The BPE trainer only sees training documents, with the ChatML control strings removed (they are special tokens,
 never merged). Deterministic: same corpus, same `tokenizers` version, same output.
 
-Usage: python benchmarks/default_model/train_tokenizer.py [--data .data/default_model] [--vocab 8192]
+Usage: python export/default_model_provenance/train_tokenizer.py [--data .data/default_model] [--vocab 8192]
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ dequantised (the export's int8 rule); and per-layer routing statistics over the 
 Writes to OUT: weights as bf16 safetensors shards (transformers' names, <= 12 MiB each; skipped with
 --no-save), `results_moe.json` or `results_dense.json` (arguments, parameter counts, timings, the evaluation above, the validation curve).
 
-Usage (GPU): python benchmarks/default_model/train.py --data .data/default_model --out OUT [--dense] [--steps N]
+Usage (GPU): python export/default_model_provenance/train.py --data .data/default_model --out OUT [--dense] [--steps N]
 """
 
 from __future__ import annotations
