@@ -27,7 +27,7 @@ from .errors import (ColibriError, EngineStepError, EngineStoppedError, InvalidP
 from .experts.stats import ExpertStats
 from .kv_budget import KVCacheSize, activation_reserve, default_budget, size_kv_cache
 from .kv_cache import KVCacheManager
-from .model import MoETransformer, PagedKVCache, load_model
+from .model import MoETransformer, load_model
 from .model.paged_kv import kv_bytes_per_token, resolve_kv_dtype
 from .request import Logprob, Request, RequestOutput, RequestStatus, SamplingParams
 from .runner import LaunchedStep, ModelRunner, RunnerOutput
@@ -103,7 +103,7 @@ class EngineCore:
         kv_cache = model.allocate_kv_cache(num_blocks, block_size, config.cache.kv_cache_dtype)
         logger.info("KV cache: %d tokens (%d blocks of %d) in %s, %.2f GiB; max_seq_len %d",
                     self.kv_size.capacity_tokens, num_blocks, block_size, kv_cache.dtype,
-                    num_blocks * PagedKVCache.bytes_per_block(model.config, block_size, kv_cache.dtype) / 2**30,
+                    self.kv_size.capacity_tokens * kv_bytes_per_token(model.config, kv_cache.dtype) / 2**30,
                     self.max_seq_len)
         self.runner = ModelRunner(model, kv_cache, -(-self.max_seq_len // block_size),
                                   config.scheduler.max_batch_size, cuda_graphs=config.cuda_graphs)
@@ -459,9 +459,10 @@ class AsyncEngine:
     @classmethod
     def from_pretrained(cls, path: str | None = None, **config: Any) -> AsyncEngine:
         """Load a model folder (None: the model shipped with Colibri). Options: max_batch_size,
-        max_num_batched_tokens, max_seq_len, kv_cache_memory (bytes) or num_kv_blocks, block_size,
-        enable_prefix_caching (default True), max_queue (0: unbounded), device ("cpu" | "auto"), verify,
-        cuda_graphs (default True: decode steps replayed as CUDA graphs on the GPU)."""
+        max_num_batched_tokens, max_seq_len, kv_cache_memory (bytes) or num_kv_blocks (default: sized from free
+        memory, docs/KV_CACHE.md), gpu_memory_utilization (default 0.9), kv_cache_dtype (auto | bf16 | fp16 | fp32),
+        block_size, enable_prefix_caching (default True), max_queue (0: unbounded), device ("cpu" | "auto"),
+        verify, cuda_graphs (default True: decode steps replayed as CUDA graphs on the GPU)."""
         return cls(EngineCore.from_pretrained(path, **config))
 
     async def start(self) -> None:

@@ -26,7 +26,8 @@ class LLM:
 
     `generate` completes prompts (several at once are batched by the engine); `stream` yields one prompt's text
     as it is produced. Prompts are text, token ids, or chat messages (a list of {"role", "content"} dicts).
-    `options` are the engine's (device, verify, max_seq_len, max_batch_size, kv_cache_memory, ...).
+    `options` are the engine's (device, verify, max_seq_len, max_batch_size, kv_cache_memory, kv_cache_dtype,
+    gpu_memory_utilization, ...).
     `close()` (or leaving a `with LLM(...) as llm:` block) joins every thread the engine started; an LLM that is
     collected, or still open when the interpreter exits, is closed then.
     """

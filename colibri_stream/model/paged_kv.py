@@ -61,8 +61,3 @@ class PagedKVCache:
             block_size=block_size,
             dtype=dtype,
         )
-
-    @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: str) -> int:
-        """Memory one block takes over all layers, keys and values."""
-        return block_size * kv_bytes_per_token(config, dtype)
