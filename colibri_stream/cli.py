@@ -57,7 +57,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     cache.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache size in blocks")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                    help="element type of the KV cache: auto (default: fp16 for an fp16 model, else bf16), bf16, "
-                        "fp16, fp32 (the reference)")
+                        "fp16, fp8 (e4m3, half of bf16's bytes), fp32 (the reference)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                    help="share of the GPU's memory the engine may use; the KV cache gets what the weights, expert "
                         "slots and activations leave of it (default 0.9)")

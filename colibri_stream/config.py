@@ -235,7 +235,7 @@ class SchedulerConfig:
                               f"max_batch_size ({self.max_batch_size}) so that every running sequence can decode")
 
 
-KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32")  # --kv-cache-dtype; auto: fp16 for fp16 models, else bf16
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp32")  # --kv-cache-dtype; auto: fp16 for fp16 models, else bf16
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,7 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes
     enable_prefix_caching: bool = True  # reuse the KV of full blocks whose tokens (and all before) match
-    kv_cache_dtype: str = "auto"  # auto | bf16 | fp16 | fp32 (model/paged_kv.py)
+    kv_cache_dtype: str = "auto"  # auto | bf16 | fp16 | fp8 | fp32 (model/paged_kv.py)
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may hold, KV cache included
 
     def __post_init__(self) -> None:

@@ -460,9 +460,9 @@ class AsyncEngine:
     def from_pretrained(cls, path: str | None = None, **config: Any) -> AsyncEngine:
         """Load a model folder (None: the model shipped with Colibri). Options: max_batch_size,
         max_num_batched_tokens, max_seq_len, kv_cache_memory (bytes) or num_kv_blocks (default: sized from free
-        memory, docs/KV_CACHE.md), gpu_memory_utilization (default 0.9), kv_cache_dtype (auto | bf16 | fp16 | fp32),
-        block_size, enable_prefix_caching (default True), max_queue (0: unbounded), device ("cpu" | "auto"),
-        verify, cuda_graphs (default True: decode steps replayed as CUDA graphs on the GPU)."""
+        memory, docs/KV_CACHE.md), gpu_memory_utilization (default 0.9), kv_cache_dtype (auto | bf16 | fp16 | fp8
+        | fp32), block_size, enable_prefix_caching (default True), max_queue (0: unbounded), device ("cpu" |
+        "auto"), verify, cuda_graphs (default True: decode steps replayed as CUDA graphs on the GPU)."""
         return cls(EngineCore.from_pretrained(path, **config))
 
     async def start(self) -> None:

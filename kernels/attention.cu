@@ -1,7 +1,9 @@
 // Launch contract
 //
-// KV: the element type of the caches, float, __nv_bfloat16 or __half (the KV cache's dtype); keys and values are
-// widened to float32 as they are loaded, and every product and sum is float32.
+// KV: the element type of the caches, float, __nv_bfloat16, __half or __nv_fp8_e4m3 (the KV cache's dtype); keys
+// and values are widened to float32 as they are loaded, and every product and sum is float32. A stored key stands
+// for itself times k_scale, a value for itself times v_scale (1 but for fp8 caches with scales): the backend folds
+// k_scale into `scale`, and the kernels multiply their output (or split partials) by v_scale.
 //
 // paged_attention<KV, DPL>: causal attention of every query token over its own sequence's cached keys and values,
 // with grouped-query heads, computed flash-style (online softmax per warp, merged at the end): no score matrix is
@@ -48,7 +50,7 @@
 //
 // paged_attention_merge: out[t, h] = sum_s acc_s exp(m_s - M) / sum_s l_s exp(m_s - M), M = max_s m_s (empty splits
 //   weigh 0). grid: (T, Q), block: 32 * DPL threads (>= D), no shared memory; S = splits.
-#include "common.cuh"
+#include "kv_types.cuh"
 
 constexpr int ATTN_WARPS = 16;
 constexpr int ATTN_UNROLL = 8;
@@ -59,7 +61,7 @@ paged_attention(const float* __restrict__ q, const KV* __restrict__ key_cache,
                 const KV* __restrict__ value_cache, const long long* __restrict__ block_tables,
                 const long long* __restrict__ query_start, const long long* __restrict__ positions,
                 float* __restrict__ out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                int block_size, int max_blocks, float scale, int window) {
+                int block_size, int max_blocks, float scale, int window, float v_scale) {
     pdl_wait();
     extern __shared__ float merged[];  // [ATTN_WARPS, head_dim]
     __shared__ float warp_max_s[ATTN_WARPS], warp_sum_s[ATTN_WARPS];
@@ -157,7 +159,7 @@ paged_attention(const float* __restrict__ q, const KV* __restrict__ key_cache,
         float a = 0.f;
 #pragma unroll
         for (int w = 0; w < ATTN_WARPS; ++w) a += merged[w * head_dim + d] * expf(warp_max_s[w] - total_max);
-        out_row[d] = a / total;
+        out_row[d] = a * v_scale / total;
     }
 }
 
@@ -187,7 +189,21 @@ __device__ __forceinline__ void widen_pair(unsigned bits, const __half*, float* 
 // one vector load of VW * sizeof(KV) bytes.
 template <int VW, typename KV>
 __device__ __forceinline__ void load_row_floats(const KV* __restrict__ p, float* out) {
-    if constexpr (sizeof(KV) == 4) {  // float
+    if constexpr (sizeof(KV) == 1) {  // __nv_fp8_e4m3: VW bytes
+        const __nv_fp8_e4m3* e = reinterpret_cast<const __nv_fp8_e4m3*>(p);
+        if constexpr (VW == 4) {
+            const unsigned bits = __ldg(reinterpret_cast<const unsigned*>(p));
+            e = reinterpret_cast<const __nv_fp8_e4m3*>(&bits);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) out[i] = to_float(e[i]);
+        } else if constexpr (VW == 2) {
+            const unsigned short bits = __ldg(reinterpret_cast<const unsigned short*>(p));
+            e = reinterpret_cast<const __nv_fp8_e4m3*>(&bits);
+            out[0] = to_float(e[0]); out[1] = to_float(e[1]);
+        } else {
+            out[0] = to_float(e[0]);
+        }
+    } else if constexpr (sizeof(KV) == 4) {  // float
         if constexpr (VW == 4) {
             const float4 v = __ldg(reinterpret_cast<const float4*>(p));
             out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
@@ -259,7 +275,7 @@ paged_attention_gqa(const float* __restrict__ q, const KV* __restrict__ key_cach
                     const long long* __restrict__ query_start, const long long* __restrict__ positions,
                     float* __restrict__ out, float* __restrict__ partial_acc, float* __restrict__ partial_ml,
                     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
-                    float scale, int window) {
+                    float scale, int window, float v_scale) {
     pdl_wait();
     constexpr int VW = DPL < 4 ? DPL : 4;  // elements per vector load
     constexpr int NV = DPL / VW;           // vector loads per row and lane
@@ -413,6 +429,7 @@ paged_attention_gqa(const float* __restrict__ q, const KV* __restrict__ key_cach
         float a = 0.f;
 #pragma unroll
         for (int w = 0; w < GQA_WARPS; ++w) a = fmaf(merged[(w * G + g) * head_dim + d], weight_s[w][g], a);
+        a *= v_scale;
         const long long row = static_cast<long long>(t) * num_heads + kv * group + g;  // [T, Q]
         if (splits == 1) {
             out[row * head_dim + d] = a / total_s[g];  // key `first` is this block's: total_s[g] >= 1

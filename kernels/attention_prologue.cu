@@ -14,11 +14,13 @@
 //   slots      int64 [T]; a negative slot stores nothing (padding rows of a captured batch), q is still written
 //   q_out      float32 [T, Q, D] (not aliasing q)
 //   key_cache, value_cache KV [num_blocks, block_size, K, D]: slot s owns the K*D elements at s * K * D; KV is
-//              float, __nv_bfloat16 or __half (the KV cache's dtype), each value rounded to nearest when stored
+//              float, __nv_bfloat16, __half or __nv_fp8_e4m3 (the KV cache's dtype); each key is divided by
+//              k_scale, each value by v_scale (1 but for fp8 caches with scales), then rounded to nearest (fp8
+//              saturated at +-448)
 //   grid: (T, G), block: a multiple of 32 threads (at most 1024). Each warp takes one of the token's Q + 2K heads
 //   at a time (q heads, then k heads, then v heads), striding by G * warps per block.
 //   norm 2 needs G = 1: the block sums each token's squares of q and of k before any head is written.
-#include "common.cuh"
+#include "kv_types.cuh"
 
 __device__ __forceinline__ float clamp_to(float v, float clip) {
     return clip > 0.f ? fminf(fmaxf(v, -clip), clip) : v;
@@ -31,7 +33,7 @@ qk_norm_rope_write(const float* __restrict__ q, const float* __restrict__ k, con
                    const float* __restrict__ cos, const float* __restrict__ sin,
                    const long long* __restrict__ positions, const long long* __restrict__ slots,
                    float* __restrict__ q_out, KV* __restrict__ key_cache, KV* __restrict__ value_cache,
-                   int Q, int K, int half, int norm, float eps, float clip) {
+                   int Q, int K, int half, int norm, float eps, float clip, float k_scale, float v_scale) {
     pdl_wait();
     const long long t = blockIdx.x;
     const int D = 2 * half;
@@ -61,7 +63,7 @@ qk_norm_rope_write(const float* __restrict__ q, const float* __restrict__ k, con
             const int head = h - Q - K;
             const float* src = v + (t * K + head) * D;
             KV* dst = value_cache + (slot * K + head) * D;
-            for (int i = lane; i < D; i += 32) dst[i] = from_float<KV>(clamp_to(src[i], clip));
+            for (int i = lane; i < D; i += 32) dst[i] = from_float<KV>(clamp_to(src[i], clip) / v_scale);
             continue;
         }
         const bool is_q = h < Q;
@@ -102,8 +104,8 @@ qk_norm_rope_write(const float* __restrict__ q, const float* __restrict__ k, con
                 q_dst[i] = y1;
                 q_dst[i + half] = y2;
             } else {
-                k_dst[i] = from_float<KV>(y1);
-                k_dst[i + half] = from_float<KV>(y2);
+                k_dst[i] = from_float<KV>(y1 / k_scale);
+                k_dst[i + half] = from_float<KV>(y2 / k_scale);
             }
         }
     }

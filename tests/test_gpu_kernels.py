@@ -62,21 +62,28 @@ STORAGE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.
 MMA_TOLERANCE = 2e-4
 
 
-KV_DTYPES = ("float32", "bfloat16", "float16")  # the KV cache's element types
-KV_CTYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half"}
+KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3")  # the KV cache's element types
+KV_CTYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "float8_e4m3": "__nv_fp8_e4m3"}
+KV_STORAGE = {**STORAGE, "float8_e4m3": ml_dtypes.float8_e4m3fn}
+# (k_scale, v_scale) per KV dtype: fp8 with scales other than 1 (powers of two: dividing and multiplying are exact on
+# both backends, so the rounded values agree)
+KV_SCALES = {"float32": (1.0, 1.0), "bfloat16": (1.0, 1.0), "float16": (1.0, 1.0), "float8_e4m3": (0.25, 2.0)}
+# keys computed a few float32 ulps apart on the two backends may round to neighbouring values: one rounding step
+KV_ROUNDING = {"float32": 1e-5, "bfloat16": 2**-8, "float16": 2**-8, "float8_e4m3": 2**-4}
 
 
 def kv_cache_pair(values: np.ndarray, dtype: str) -> tuple[np.ndarray, object]:
     """float32 values [num_blocks, block_size, K, D] rounded to a KV dtype: (the NumPy backend's cache, a device
     copy of the same bits)."""
-    host = values.astype(STORAGE[dtype])
+    host = values.astype(KV_STORAGE[dtype])
     return host, to_device_storage(host)
 
 
 def kv_to_float32(cache) -> np.ndarray:
-    """A device KV cache (bfloat16 as uint16 bits) read back as float32."""
+    """A device KV cache's stored values (bfloat16 as uint16 bits, fp8 as uint8) read back as float32."""
     host = cupy.asnumpy(cache)
-    return (host.view(ml_dtypes.bfloat16) if host.dtype == np.uint16 else host).astype(np.float32)
+    bits = {np.dtype(np.uint16): ml_dtypes.bfloat16, np.dtype(np.uint8): ml_dtypes.float8_e4m3fn}
+    return (host.view(bits[host.dtype]) if host.dtype in bits else host).astype(np.float32)
 
 
 def poison() -> None:
@@ -299,15 +306,18 @@ def test_rotary(head_dim, heads):
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_write_kv(kv_dtype):
-    """Rounded to the cache's dtype as the NumPy backend rounds (to nearest even): the same bits."""
+    """Divided by the scales and rounded to the cache's dtype as the NumPy backend rounds (to nearest even; fp8
+    saturated at 448: some values are out of range): the same bits."""
     rng = np.random.default_rng(3)
     shape = (6, 8, 2, 24)  # [num_blocks, block_size, K, D]
     key_cache, gpu_keys = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
     value_cache, gpu_values = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
     key, value = rng.standard_normal((2, 11, 2, 24)).astype(np.float32)
+    key[0, 0, :3] = [300.0, -500.0, 1e4]  # beyond fp8's range once divided by k_scale 0.25
     slots = rng.permutation(48)[:11]
-    GPU.write_kv(gpu_keys, gpu_values, cupy.asarray(key), cupy.asarray(value), cupy.asarray(slots))
-    REF.write_kv(key_cache, value_cache, key, value, slots)
+    scales = KV_SCALES[kv_dtype]
+    GPU.write_kv(gpu_keys, gpu_values, cupy.asarray(key), cupy.asarray(value), cupy.asarray(slots), scales)
+    REF.write_kv(key_cache, value_cache, key, value, slots, scales)
     check(kv_to_float32(gpu_keys), key_cache.astype(np.float32), 0)
     check(kv_to_float32(gpu_values), value_cache.astype(np.float32), 0)
 
@@ -338,8 +348,8 @@ def attention_batch(rng, seqs: list[tuple[int, int]], block_size: int, num_block
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_paged_attention(head_dim, window, block_size, kv_dtype, monkeypatch):
     """Sequences of several tokens (T != B): paged_attention, a block per (token, query head), over a cache of
-    each KV dtype (the same rounded values on both backends: float32 tolerance). The 37-token chunk would take the
-    flash kernel (tests/test_gpu_flash_attention.py): its threshold is raised past it."""
+    each KV dtype (the same rounded values on both backends, fp8 with scales: float32 tolerance). The 37-token
+    chunk would take the flash kernel (tests/test_gpu_flash_attention.py): its threshold is raised past it."""
     monkeypatch.setattr(cupy_flash_attention, "FLASH_MIN_TOKENS", 1 << 30)
     rng = np.random.default_rng(head_dim + block_size)
     seqs = [(1, 1), (37, 37), (100, 1), (64, 5), (200, 1)]
@@ -354,9 +364,10 @@ def test_paged_attention(head_dim, window, block_size, kv_dtype, monkeypatch):
     device_batch = {name: cupy.asarray(getattr(batch, name)) for name in ("block_tables", "query_start", "positions")}
     launched = launched_kernels(monkeypatch)
     poison()
-    ours = GPU.paged_attention(cupy.asarray(query), gpu_keys, gpu_values, batch, device_batch, scale, window)
+    scales = KV_SCALES[kv_dtype]
+    ours = GPU.paged_attention(cupy.asarray(query), gpu_keys, gpu_values, batch, device_batch, scale, window, scales)
     assert launched == [f"paged_attention<{KV_CTYPES[kv_dtype]}, { {24: 1, 64: 2, 128: 4}[head_dim]}>"]
-    check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, scale, window))
+    check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, scale, window, scales))
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
@@ -384,12 +395,13 @@ def test_paged_attention_decode(head_dim, heads, kv_heads, window, split, kv_dty
         monkeypatch.setattr(cupy_backend, "GQA_MAX_SPLITS", 1)
     launched = launched_kernels(monkeypatch)
     poison()
-    ours = GPU.paged_attention(cupy.asarray(query), gpu_keys, gpu_values, None, device_batch, scale, window)
+    scales = KV_SCALES[kv_dtype]
+    ours = GPU.paged_attention(cupy.asarray(query), gpu_keys, gpu_values, None, device_batch, scale, window, scales)
     per_lane = {64: 2, 96: 4, 128: 4}[head_dim]
     group = {1: 1, 2: 2, 3: 4, 4: 4, 8: 8, 16: 16}[heads // kv_heads]
     assert launched == ([f"paged_attention_gqa<{KV_CTYPES[kv_dtype]}, {per_lane}, {group}>"]
                         + (["paged_attention_merge"] if split else []))
-    check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, scale, window))
+    check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, scale, window, scales))
 
 
 def test_a_single_decode_token_takes_the_query_head_kernel(monkeypatch):
@@ -492,9 +504,9 @@ def test_route_replayed_in_a_cuda_graph(tokens):
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_qk_norm_rope_write(qk_norm, clip, heads, kv_heads, head_dim, tokens, kv_dtype):
     """The fused prologue against the NumPy composition: rotated q, k and v in their cache slots (padding slot -1
-    stores nothing), every other cache row untouched. Keys in a 16-bit cache: within one rounding step (2^-8
-    relative, bf16) of NumPy's, whose float32 keys differ from the kernel's in their last bits; values, only
-    clamped, the same bits."""
+    stores nothing), every other cache row untouched. Keys in a 16-bit or fp8 cache: within one rounding step
+    (KV_ROUNDING) of NumPy's, whose float32 keys differ from the kernel's in their last bits; values, only clamped
+    and divided by a power of two, the same bits."""
     rng = np.random.default_rng(heads * head_dim + tokens)
     cos, sin = cos_sin_table(RopeConfig(theta=1e6), head_dim, 4096)
     q = rng.standard_normal((tokens, heads * head_dim)).astype(np.float32)
@@ -515,16 +527,16 @@ def test_qk_norm_rope_write(qk_norm, clip, heads, kv_heads, head_dim, tokens, kv
                                   None if q_norm is None else GPU.prepare_weight(q_norm),
                                   None if k_norm is None else GPU.prepare_weight(k_norm), qk_norm, 1e-6, clip,
                                   cupy.asarray(cos), cupy.asarray(sin), cupy.asarray(positions), gpu_keys,
-                                  gpu_values, cupy.asarray(slots))
+                                  gpu_values, cupy.asarray(slots), KV_SCALES[kv_dtype])
     reference = REF.qk_norm_rope_write(q, k, v, q_norm, k_norm, qk_norm, 1e-6, clip, cos, sin, positions,
-                                       key_cache, value_cache, slots)
+                                       key_cache, value_cache, slots, KV_SCALES[kv_dtype])
     check(ours, reference)
     stored = slots[slots >= 0]
     ours_keys = kv_to_float32(gpu_keys).reshape(-1, kv_heads, head_dim)  # [slots, K, D]
     ours_values = kv_to_float32(gpu_values).reshape(-1, kv_heads, head_dim)
     ref_keys = key_cache.astype(np.float32).reshape(-1, kv_heads, head_dim)
     ref_values = value_cache.astype(np.float32).reshape(-1, kv_heads, head_dim)
-    check(ours_keys[stored], ref_keys[stored], 1e-5 if kv_dtype == "float32" else 2**-8)
+    check(ours_keys[stored], ref_keys[stored], KV_ROUNDING[kv_dtype])
     check(ours_values[stored], ref_values[stored], 0)
     untouched = np.setdiff1d(np.arange(num_blocks * block_size), stored)
     assert np.array_equal(ours_keys[untouched], ref_keys[untouched])

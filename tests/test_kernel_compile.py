@@ -1,4 +1,5 @@
-"""Every kernel of kernels/*.cu compiles with NVRTC for sm_90, for every weight type the backend instantiates.
+"""Every kernel of kernels/*.cu compiles with NVRTC for sm_90, for every weight type the backend instantiates (and
+every KV cache element type for the kernels that read or write the cache).
 
 Compiling needs NVRTC and the CUDA headers, not a GPU: where CuPy and NVRTC are installed (a development machine
 with the `gpu` extra, the GPU machine) this catches a broken kernel before any device time is spent.
@@ -20,7 +21,8 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
 from colibri_stream.backends.cupy_backend import _FAMILIES  # noqa: E402
 from colibri_stream.backends.kernels import COMPILE_OPTIONS, kernel_dir, kernel_source  # noqa: E402
 
-WEIGHT_TYPES = ("float", "__nv_bfloat16", "__half", "signed char")
+WEIGHT_TYPES = ("float", "__nv_bfloat16", "__half", "signed char", "__nv_fp8_e4m3")
+KV_FILES = ("attention.cu", "attention_prologue.cu", "kv_cache.cu")  # templated on the KV cache's element type
 ARCH = "compute_90"  # the H200
 
 
@@ -61,4 +63,6 @@ def test_kernel_file_compiles(name):
     for weight_type in WEIGHT_TYPES:
         if weight_type == "signed char" and name != "moe.cu":
             continue  # only routed experts are ever int8
+        if weight_type == "__nv_fp8_e4m3" and name not in KV_FILES:
+            continue  # fp8 is a KV cache type only
         _compile(name, _FAMILIES[name](weight_type))

@@ -108,26 +108,32 @@ class Backend(ABC):
         """x [T, heads, D], cos/sin tables [P, D/2], positions [T] -> x rotated ("rotate half" pairing)."""
 
     @abstractmethod
-    def write_kv(self, key_cache: Array, value_cache: Array, key: Array, value: Array, slot_mapping: Array) -> None:
+    def write_kv(self, key_cache: Array, value_cache: Array, key: Array, value: Array, slot_mapping: Array,
+                 kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
         """Store key/value [T, K, D] into the paged caches [num_blocks, block_size, K, D] at the slots [T]; a
-        negative slot stores nothing (padding rows of a captured batch)."""
+        negative slot stores nothing (padding rows of a captured batch). Each value is rounded to the caches'
+        dtype (to nearest even) after division by its scale, kv_scales = (k_scale, v_scale); an fp8 cache
+        saturates at +-448 (e4m3's largest finite value)."""
 
     @abstractmethod
     def qk_norm_rope_write(self, q: Array, k: Array, v: Array, q_norm: Array | None, k_norm: Array | None,
                            qk_norm: str, eps: float, clip: float | None, cos: Array, sin: Array, positions: Array,
-                           key_cache: Array, value_cache: Array, slot_mapping: Array) -> Array:
+                           key_cache: Array, value_cache: Array, slot_mapping: Array,
+                           kv_scales: tuple[float, float] = (1.0, 1.0)) -> Array:
         """A layer's step from its q/k/v projections to attention: q [T, Q*D], k/v [T, K*D] -> rotated q [T, Q, D].
 
         In order: RMSNorm of each token's whole q and k when qk_norm is "full" (weights q_norm [Q*D], k_norm
         [K*D]); q, k, v clamped to [-clip, clip] unless clip is None; RMSNorm of each head of q and k when qk_norm
-        is "per_head" (weights [D]); `rotary` of q and k; `write_kv` of k and v at slot_mapping [T]. K and D are
-        read from the caches' shape [num_blocks, block_size, K, D].
+        is "per_head" (weights [D]); `rotary` of q and k; `write_kv` of k and v at slot_mapping [T] with
+        kv_scales. K and D are read from the caches' shape [num_blocks, block_size, K, D].
         """
 
     @abstractmethod
     def paged_attention(self, query: Array, key_cache: Array, value_cache: Array, batch: ForwardBatch,
-                        device_batch: dict[str, Array], scale: float, sliding_window: int | None) -> Array:
-        """Causal attention of query [T, Q, D] over each sequence's cached keys/values -> [T, Q, D].
+                        device_batch: dict[str, Array], scale: float, sliding_window: int | None,
+                        kv_scales: tuple[float, float] = (1.0, 1.0)) -> Array:
+        """Causal attention of query [T, Q, D] over each sequence's cached keys/values -> [T, Q, D]; a stored key
+        or value is read as float32 times its scale, kv_scales = (k_scale, v_scale).
 
         Query token i of a sequence at position p attends to cached positions j with j <= p (and, with a
         sliding window W, j > p - W). GQA: query head h reads key/value head h // (Q / K).

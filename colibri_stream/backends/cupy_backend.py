@@ -1,7 +1,7 @@
 """The GPU backend: CuPy arrays and our own CUDA kernels (kernels/*.cu, compiled at run time by kernels.py).
 
 Numerics: activations and every accumulation are float32; the KV cache is in its own dtype (bfloat16 by default,
-float16, float32), rounded when written and widened when attention loads it. Weight matrices stay in their storage
+float16, fp8 e4m3 as uint8 bits, float32), rounded when written and widened when attention loads it. Weight matrices stay in their storage
 dtype (bfloat16, float16, float32; routed experts also int8 with per-row float32 scales) and are widened in
 registers as they are loaded; vectors (norm weights, biases) are held as float32. bfloat16 arrays are CuPy uint16
 arrays of the same bits (CuPy has no bfloat16 arithmetic); `storage_type` names their CUDA type for the kernels.
@@ -83,8 +83,9 @@ _CTYPES = {
     np.dtype(np.uint16): "__nv_bfloat16",
     np.dtype(np.float16): "__half",
     np.dtype(np.int8): "signed char",
+    np.dtype(np.uint8): "__nv_fp8_e4m3",  # KV caches only
 }
-_DEVICE_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16}
+_DEVICE_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16, "float8_e4m3": np.uint8}
 
 # The instantiations compiled together with a kernel of each templated file, for weight type w.
 _FAMILIES = {
@@ -99,7 +100,7 @@ _FAMILIES = {
                                   for nt in MMA_TILES) if w in ("__nv_bfloat16", "__half") else (),
     "linear_mma.cu": lambda w: tuple(f"linear_mma<{w}, {nt}>" for nt in LINEAR_MMA_TILES)
     if w in ("__nv_bfloat16", "__half") else (),
-    # w: the KV cache's element type (float, __nv_bfloat16, __half)
+    # w: the KV cache's element type (float, __nv_bfloat16, __half, __nv_fp8_e4m3)
     "attention.cu": lambda w: (*(f"paged_attention<{w}, {d}>" for d in (1, 2, 4, 8)),
                                *(f"paged_attention_gqa<{w}, {d}, {g}>" for d in (1, 2, 4, 8) for g in GQA_GROUPS
                                  if g * d <= GQA_MAX_LANE_FLOATS), "paged_attention_merge"),
@@ -126,12 +127,14 @@ def storage_type(array: Array) -> str:
 
 def to_device_storage(array) -> Array:
     """A weight (host NumPy in any storage dtype, or already a device array) as a contiguous device array of a
-    kernel-readable dtype (bfloat16 as uint16 bits)."""
+    kernel-readable dtype (bfloat16 as uint16 bits, fp8 e4m3 as uint8 bits)."""
     import cupy
 
     if isinstance(array, np.ndarray):
         if array.dtype == ml_dtypes.bfloat16:
             array = array.view(np.uint16)
+        elif array.dtype == ml_dtypes.float8_e4m3fn:
+            array = array.view(np.uint8)
         return cupy.asarray(np.ascontiguousarray(array))
     return cupy.ascontiguousarray(array)
 
@@ -503,16 +506,17 @@ class CupyBackend(Backend):
         _launch("rope.cu", "rotary", (t,), 256, (x, out, cos, sin, positions, np.int32(heads), np.int32(d // 2)))
         return out
 
-    def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
+    def write_kv(self, key_cache, value_cache, key, value, slot_mapping, kv_scales=(1.0, 1.0)) -> None:
         t = key.shape[0]
         width = key_cache.shape[2] * key_cache.shape[3]
         kv_type = storage_type(key_cache)
         _launch("kv_cache.cu", f"write_kv<{kv_type}>", (t,), 128,
                 (self.cp.ascontiguousarray(key), self.cp.ascontiguousarray(value), key_cache, value_cache,
-                 slot_mapping, np.int32(width)), weight_type=kv_type)
+                 slot_mapping, np.int32(width), np.float32(kv_scales[0]), np.float32(kv_scales[1])),
+                weight_type=kv_type)
 
     def qk_norm_rope_write(self, q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, positions, key_cache,
-                           value_cache, slot_mapping):
+                           value_cache, slot_mapping, kv_scales=(1.0, 1.0)):
         """One launch of qk_norm_rope_write: a warp per head (q, k and v heads). Without a full-width norm the
         heads spread over blocks of PROLOGUE_WARPS warps; with one, a token's heads share one block, which first
         sums the squares of the token's whole q and k."""
@@ -528,25 +532,27 @@ class CupyBackend(Backend):
             warps, groups = PROLOGUE_WARPS, _ceil(heads, PROLOGUE_WARPS)
         args = (q, k, v, NULL if q_norm is None else q_norm, NULL if k_norm is None else k_norm, cos, sin, positions,
                 slot_mapping, out, key_cache, value_cache, np.int32(num_heads), np.int32(num_kv_heads),
-                np.int32(head_dim // 2), np.int32(QK_NORMS.index(qk_norm)), np.float32(eps), np.float32(clip or 0))
+                np.int32(head_dim // 2), np.int32(QK_NORMS.index(qk_norm)), np.float32(eps), np.float32(clip or 0),
+                np.float32(kv_scales[0]), np.float32(kv_scales[1]))
         kv_type = storage_type(key_cache)
         _launch("attention_prologue.cu", f"qk_norm_rope_write<{kv_type}>", (t, groups), 32 * warps, args,
                 weight_type=kv_type)
         return out
 
     def paged_attention(self, query, key_cache, value_cache, batch: ForwardBatch, device_batch, scale,
-                        sliding_window):
+                        sliding_window, kv_scales=(1.0, 1.0)):
         """One query token per sequence and at least GQA_MIN_TOKENS of them (T == B, decided from shapes only:
         inside a captured graph `batch` holds shapes, and decode.py's profile passes None): paged_attention_gqa, a
         block per (token, KV head, split) computing the KV head's whole query group, so each key and value row is
         read once for the group; the context is split over enough blocks to fill the GPU, and
         paged_attention_merge combines the splits.
         Prefill steps with a chunk of FLASH_MIN_TOKENS or more: flash_attention.cu on tensor cores
-        (cupy_flash_attention.py).
-        Otherwise (short chunks, or head layouts the other kernels do not take): paged_attention, a block per
-        (token, query head)."""
+        (cupy_flash_attention.py; caches of float, bf16 or fp16 without scales).
+        Otherwise (short chunks, or head layouts or caches the other kernels do not take): paged_attention, a block
+        per (token, query head). k_scale is folded into the score scale; the kernels multiply their outputs by
+        v_scale."""
         query = self.cp.ascontiguousarray(query)
-        if takes_flash_attention(query, key_cache, value_cache, batch):
+        if kv_scales == (1.0, 1.0) and takes_flash_attention(query, key_cache, value_cache, batch):
             kv_type = storage_type(key_cache)
             flash = flash_attention_launch(self.cp, self._flash_tiles, query, key_cache, value_cache, batch,
                                            device_batch, kv_type, scale, sliding_window)
@@ -561,7 +567,8 @@ class CupyBackend(Backend):
         out = self.cp.empty_like(query)  # [T, Q, D]
         common = (query, key_cache, value_cache, tables, device_batch["query_start"], device_batch["positions"], out)
         sizes = (np.int32(tables.shape[0]), np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim),
-                 np.int32(block_size), np.int32(tables.shape[1]), np.float32(scale), np.int32(sliding_window or 0))
+                 np.int32(block_size), np.int32(tables.shape[1]), np.float32(scale * kv_scales[0]),
+                 np.int32(sliding_window or 0), np.float32(kv_scales[1]))
         group = num_heads // num_kv_heads
         padded = next((g for g in GQA_GROUPS if g >= group), None)
         kv_type = storage_type(key_cache)

@@ -1,7 +1,7 @@
 """The reference backend: NumPy on the CPU, float32 compute from bf16/fp16/int8 storage.
 
-The KV cache is held in its own dtype (float32, bfloat16 through ml_dtypes, float16): rows are rounded when written
-and widened to float32 when attention reads them.
+The KV cache is held in its own dtype (float32, bfloat16 and fp8 e4m3 through ml_dtypes, float16): rows are
+rounded when written and widened to float32 when attention reads them.
 
 Clarity over speed: this is what the GPU backend is checked against and what CI runs. Routed experts go through
 the CPU expert executor (compiled kernel over the storage dtype when numba is installed, else the same float32
@@ -10,6 +10,7 @@ NumPy formulas).
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from ..checkpoint import NUMPY_DTYPES
@@ -23,9 +24,24 @@ from .base import Backend
 FLOAT32_EXPERTS_BYTES = 256 << 20  # resident experts up to this size as float32 are widened once, not every step
 
 
-def _widened(rows: np.ndarray) -> np.ndarray:
-    """Gathered KV rows (a copy, in the cache's dtype) as float32: the same array when already float32."""
-    return rows.astype(np.float32, copy=False)
+FP8_E4M3_MAX = 448.0  # e4m3's largest finite value: an fp8 cache saturates there, as CUDA's satfinite conversion
+KV_NUMPY_DTYPES = {**NUMPY_DTYPES, "float8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn)}  # the KV cache's dtypes
+
+
+def _widened(rows: np.ndarray, scale: float) -> np.ndarray:
+    """Gathered KV rows (a copy, in the cache's dtype) as float32 times their scale (the same array when already
+    float32 and the scale is 1)."""
+    rows = rows.astype(np.float32, copy=False)
+    return rows if scale == 1.0 else rows * np.float32(scale)
+
+
+def _for_cache(rows: np.ndarray, cache: np.ndarray, scale: float) -> np.ndarray:
+    """float32 rows divided by their scale, saturated where the cache is fp8: what is rounded into `cache`."""
+    if scale != 1.0:
+        rows = rows / np.float32(scale)
+    if cache.dtype == KV_NUMPY_DTYPES["float8_e4m3"]:
+        rows = np.clip(rows, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return rows
 
 
 class NumpyBackend(Backend):
@@ -47,7 +63,7 @@ class NumpyBackend(Backend):
         return array
 
     def zeros(self, shape: tuple[int, ...], dtype: str = "float32") -> np.ndarray:
-        return np.zeros(shape, dtype=NUMPY_DTYPES[dtype])
+        return np.zeros(shape, dtype=KV_NUMPY_DTYPES[dtype])
 
     def prepare_experts(self, store: ExpertStore, config: ModelConfig) -> ExpertStore:
         """Experts of a resident model small enough for FLOAT32_EXPERTS_BYTES are kept widened to float32 (the
@@ -90,17 +106,17 @@ class NumpyBackend(Backend):
         x1, x2 = x[..., :half], x[..., half:]  # [T, heads, D/2]
         return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
-    def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
-        """Keys and values are rounded to the caches' dtype (bfloat16: to nearest even, as the GPU's writer)."""
+    def write_kv(self, key_cache, value_cache, key, value, slot_mapping, kv_scales=(1.0, 1.0)) -> None:
+        """Keys and values are rounded to the caches' dtype (to nearest even, as the GPU's writer)."""
         block_size = key_cache.shape[1]
         stored = slot_mapping >= 0  # [T]
         slots = slot_mapping[stored]  # [T']
         blocks, rows = slots // block_size, slots % block_size
-        key_cache[blocks, rows] = key[stored]
-        value_cache[blocks, rows] = value[stored]
+        key_cache[blocks, rows] = _for_cache(key[stored], key_cache, kv_scales[0])
+        value_cache[blocks, rows] = _for_cache(value[stored], value_cache, kv_scales[1])
 
     def qk_norm_rope_write(self, q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, positions, key_cache,
-                           value_cache, slot_mapping):
+                           value_cache, slot_mapping, kv_scales=(1.0, 1.0)):
         t = q.shape[0]
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
         if qk_norm == "full":
@@ -116,16 +132,17 @@ class NumpyBackend(Backend):
             k = self.rms_norm(k, k_norm, eps)
         q = self.rotary(q, cos, sin, positions)
         k = self.rotary(k, cos, sin, positions)
-        self.write_kv(key_cache, value_cache, k, v, slot_mapping)
+        self.write_kv(key_cache, value_cache, k, v, slot_mapping, kv_scales)
         return q
 
     def paged_attention(self, query, key_cache, value_cache, batch: ForwardBatch, device_batch, scale,
-                        sliding_window):
+                        sliding_window, kv_scales=(1.0, 1.0)):
         if batch.num_seqs and batch.num_tokens == batch.num_seqs:  # a decode step: one query token per sequence
-            return self._decode_attention(query, key_cache, value_cache, batch, scale, sliding_window)
-        return self._attention_per_sequence(query, key_cache, value_cache, batch, scale, sliding_window)
+            return self._decode_attention(query, key_cache, value_cache, batch, scale, sliding_window, kv_scales)
+        return self._attention_per_sequence(query, key_cache, value_cache, batch, scale, sliding_window, kv_scales)
 
-    def _decode_attention(self, query, key_cache, value_cache, batch: ForwardBatch, scale, sliding_window):
+    def _decode_attention(self, query, key_cache, value_cache, batch: ForwardBatch, scale, sliding_window,
+                          kv_scales):
         """One query token per sequence: every sequence in one batched product, keys padded to the longest
         context and masked (the default model on 2 cores decodes 6-16 % more tokens/s at batch 16-32 than with
         the loop over sequences)."""
@@ -133,8 +150,10 @@ class NumpyBackend(Backend):
         num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
         longest = int(batch.context_lens.max())
         blocks = batch.block_tables[:, : -(-longest // block_size)]  # [B, n]
-        keys = _widened(key_cache[blocks]).reshape(seqs, -1, num_kv_heads, head_dim)[:, :longest]  # [B, S, K, D]
-        values = _widened(value_cache[blocks]).reshape(seqs, -1, num_kv_heads, head_dim)[:, :longest]  # [B, S, K, D]
+        k_scale, v_scale = kv_scales
+        keys = _widened(key_cache[blocks], k_scale).reshape(seqs, -1, num_kv_heads, head_dim)[:, :longest]
+        values = _widened(value_cache[blocks], v_scale).reshape(seqs, -1, num_kv_heads, head_dim)[:, :longest]
+        # keys, values: [B, S, K, D]
         k_pos = np.arange(longest)[None, :]  # [1, S]
         q_pos = batch.positions[:, None]  # [B, 1]
         visible = (k_pos <= q_pos) & (k_pos < batch.context_lens[:, None])  # [B, S]
@@ -150,7 +169,8 @@ class NumpyBackend(Backend):
         attended = np.matmul(probs, values.transpose(0, 2, 1, 3))  # [B, K, G, D]
         return attended.reshape(seqs, num_heads, head_dim)
 
-    def _attention_per_sequence(self, query, key_cache, value_cache, batch: ForwardBatch, scale, sliding_window):
+    def _attention_per_sequence(self, query, key_cache, value_cache, batch: ForwardBatch, scale, sliding_window,
+                                kv_scales):
         """Any number of query tokens per sequence (prefill chunks), one sequence at a time."""
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
@@ -160,8 +180,8 @@ class NumpyBackend(Backend):
             start, end = int(batch.query_start[b]), int(batch.query_start[b + 1])
             context = int(batch.context_lens[b])
             blocks = batch.block_tables[b, : -(-context // block_size)]
-            keys = _widened(key_cache[blocks]).reshape(-1, num_kv_heads, head_dim)[:context]  # [S, K, D]
-            values = _widened(value_cache[blocks]).reshape(-1, num_kv_heads, head_dim)[:context]  # [S, K, D]
+            keys = _widened(key_cache[blocks], kv_scales[0]).reshape(-1, num_kv_heads, head_dim)[:context]  # [S, K, D]
+            values = _widened(value_cache[blocks], kv_scales[1]).reshape(-1, num_kv_heads, head_dim)[:context]
             t = end - start
             # Batched matmuls over the KV heads (BLAS; einsum was 1.5x slower at one query token, 7-10x at 64):
             # a KV head's G query heads and t tokens are the rows of one product.

@@ -1,8 +1,10 @@
 """The paged key/value cache arrays: per layer, keys and values in fixed-size blocks of token rows.
 
 The element type is a property of the cache, not of the model (`--kv-cache-dtype`): bfloat16 by default (float16
-for a float16 model), float32 for the reference. Keys and values are rounded once, when they are written; every
-read widens them to float32, so attention computes in float32 on either backend.
+for a float16 model), fp8 e4m3 on request, float32 for the reference. Keys and values are rounded once, when they
+are written; every read widens them to float32, so attention computes in float32 on either backend. An fp8 cache
+stores key / k_scale and value / v_scale (saturated at +-448) and reads them times the scale: per layer, 1.0
+(vLLM's fp8 without scales from the checkpoint; docs/KV_CACHE.md says why).
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 
 # --kv-cache-dtype option -> storage dtype of the cache arrays ("auto" resolves through resolve_kv_dtype)
-KV_CACHE_STORAGE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}  # bytes per key or value element
+KV_CACHE_STORAGE = {"bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3", "fp32": "float32"}
+KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float8_e4m3": 1, "float32": 4}  # bytes per key or value element
 
 
 def resolve_kv_dtype(option: str, model: ModelConfig) -> str:
-    """The storage dtype of the KV cache for the option `option` (auto | bf16 | fp16 | fp32).
+    """The storage dtype of the KV cache for the option `option` (auto | bf16 | fp16 | fp8 | fp32).
 
     auto: float16 when the model's dense weights are float16 (its activations were trained to fit that range),
     otherwise bfloat16 (bfloat16 and float32 models alike: float32 only where asked for, as the reference)."""
@@ -38,13 +40,16 @@ def kv_bytes_per_token(config: ModelConfig, dtype: str) -> int:
 @dataclass
 class PagedKVCache:
     """keys[l], values[l]: [num_blocks, block_size, K, D] of layer l in `dtype`; block ids come from the block
-    manager."""
+    manager. k_scales[l], v_scales[l]: what a stored key or value of layer l is multiplied by when read (1.0 but
+    for an fp8 cache given other scales)."""
 
     keys: list[Array]
     values: list[Array]
     num_blocks: int
     block_size: int
-    dtype: str  # storage dtype of every array: bfloat16, float16 or float32
+    dtype: str  # storage dtype of every array: bfloat16, float16, float8_e4m3 or float32
+    k_scales: list[float]
+    v_scales: list[float]
 
     @classmethod
     def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int, backend: Backend,
@@ -60,4 +65,6 @@ class PagedKVCache:
             num_blocks=num_blocks,
             block_size=block_size,
             dtype=dtype,
+            k_scales=[1.0] * config.num_layers,
+            v_scales=[1.0] * config.num_layers,
         )

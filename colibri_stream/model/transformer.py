@@ -161,11 +161,12 @@ class MoETransformer:
         q, k, v = b.linears(x, (layer.q_proj, layer.k_proj, layer.v_proj),
                             (layer.q_bias, layer.k_bias, layer.v_bias))  # [T, Q*D], [T, K*D], [T, K*D]
         key_cache, value_cache = kv_cache.keys[index], kv_cache.values[index]
+        kv_scales = (kv_cache.k_scales[index], kv_cache.v_scales[index])
         q = b.qk_norm_rope_write(q, k, v, layer.q_norm, layer.k_norm, cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv,
                                  self.rope_cos, self.rope_sin, device_batch["positions"], key_cache, value_cache,
-                                 device_batch["slot_mapping"])  # [T, Q, D]; k, v stored in the caches
+                                 device_batch["slot_mapping"], kv_scales)  # [T, Q, D]; k, v stored in the caches
         attended = b.paged_attention(q, key_cache, value_cache, batch, device_batch, self.attention_scale,
-                                     cfg.sliding_windows[index])  # [T, Q, D]
+                                     cfg.sliding_windows[index], kv_scales)  # [T, Q, D]
         return b.linear(attended.reshape(t, cfg.num_heads * d), layer.o_proj, layer.o_bias)
 
     def _mlp(self, index: int, layer: LayerWeights, x: Array) -> Array:
