@@ -1,6 +1,7 @@
 """Expert placement plan: where experts live per tier under the memory budgets, what must move per token, and which
-path bounds decode speed; and the KV cache's bytes per token and the tokens its default size holds (`kv_report`). Built from config.json and file sizes only (no weights are read); `colibri plan` prints it
-and the engine logs the same text at start.
+path bounds decode speed. Built from config.json and file sizes only (no weights are read); `colibri plan` prints it
+and the engine logs the same text at start. `kv_report`: the KV cache's bytes per token and the tokens its default
+size holds (kv_budget.py's rules), which `colibri plan` prints after it.
 
 Tiers: L1 GPU slots (`gpu_memory_limit` minus the dense weights), L2 host slots (`l2_cache_size`; without it every
 expert is reached through the memory map of experts.bin), L3 experts.bin itself. A bounded tier holds whole slots,

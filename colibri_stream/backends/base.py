@@ -49,8 +49,8 @@ class Backend(ABC):
 
     @abstractmethod
     def zeros(self, shape: tuple[int, ...], dtype: str = "float32") -> Array:
-        """A zero-filled device array of a storage dtype (float32, bfloat16, float16) in the form the backend's
-        operations take it."""
+        """A zero-filled device array of a storage dtype (float32, bfloat16, float16; float8_e4m3 for KV caches) in
+        the form the backend's operations take it."""
 
     def memory_info(self) -> MemoryInfo:
         """Free and total bytes of the memory this backend allocates from (the host's RAM unless overridden)."""
