@@ -1,10 +1,11 @@
 """The GPU backend: CuPy arrays and our own CUDA kernels (kernels/*.cu, compiled at run time by kernels.py).
 
 Numerics: activations and every accumulation are float32; the KV cache is in its own dtype (bfloat16 by default,
-float16, fp8 e4m3 as uint8 bits, float32), rounded when written and widened when attention loads it. Weight matrices stay in their storage
-dtype (bfloat16, float16, float32; routed experts also int8 with per-row float32 scales) and are widened in
-registers as they are loaded; vectors (norm weights, biases) are held as float32. bfloat16 arrays are CuPy uint16
-arrays of the same bits (CuPy has no bfloat16 arithmetic); `storage_type` names their CUDA type for the kernels.
+float16, fp8 e4m3 as uint8 bits, float32), rounded when written and widened when attention loads it. Weight
+matrices stay in their storage dtype (bfloat16, float16, float32; routed experts also int8 with per-row float32
+scales) and are widened in registers as they are loaded; vectors (norm weights, biases) are held as float32.
+bfloat16 arrays are CuPy uint16 arrays of the same bits (CuPy has no bfloat16 arithmetic); `storage_type` names
+their CUDA type for the kernels.
 
 Dense projections of up to SMALL_BATCH tokens run on our GEMV kernel (linear.cu), which reads each weight once for
 all the tokens; larger ones go to cuBLAS on tensor cores: float32 activations are split into a bf16 (or fp16) high
