@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -26,17 +27,30 @@ KV_FILES = ("attention.cu", "attention_prologue.cu", "kv_cache.cu")  # templated
 ARCH = "compute_90"  # the H200
 
 
+def _header_version(include: Path) -> tuple[int, int] | None:
+    """(major, minor) of the CUDA headers in `include` (CUDART_VERSION of cuda_runtime_api.h), None if unknown."""
+    try:
+        found = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", (include / "cuda_runtime_api.h").read_text())
+    except OSError:
+        return None
+    return None if found is None else (int(found.group(1)) // 1000, int(found.group(1)) % 1000 // 10)
+
+
 def _include_dirs() -> list[str]:
-    """CuPy's headers and a folder holding cuda_bf16.h (a CUDA toolkit, or the nvidia-* wheels)."""
+    """CuPy's headers and a folder holding cuda_bf16.h (a CUDA toolkit, or the nvidia-* wheels): the first whose
+    version is NVRTC's, else the first found. Headers newer than NVRTC can use what its built-in headers lack
+    (CUDA 13's cuda_fp8.hpp under NVRTC 12.9 does)."""
     import cupy
 
     dirs = [str(Path(cupy.__file__).parent / "_core" / "include")]
     candidates = [os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
     candidates += glob.glob(str(Path(cupy.__file__).parents[1] / "nvidia" / "*"))
-    for root in candidates:
-        if root and Path(root, "include", "cuda_bf16.h").is_file():
-            return dirs + [str(Path(root, "include"))]
-    pytest.skip("no CUDA headers (cuda_bf16.h) found for NVRTC")
+    found = [Path(root, "include") for root in candidates if root and Path(root, "include", "cuda_bf16.h").is_file()]
+    if not found:
+        pytest.skip("no CUDA headers (cuda_bf16.h) found for NVRTC")
+    version = tuple(nvrtc.getVersion())
+    matching = [include for include in found if _header_version(include) == version]
+    return dirs + [str((matching or found)[0])]
 
 
 def _compile(name: str, expressions: tuple[str, ...]) -> None:
