@@ -10,20 +10,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
+import os
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .admission import Admission
 from .checkpoint import default_model_path
 from .config import EngineConfig, ModelConfig
-from .errors import (ColibriError, EngineStepError, EngineStoppedError, InvalidParameterError, PromptTooLongError,
-                     QueueFullError, RequestsFailedError, describe)
+from .engine_loop import AbortRequest, AddRequest, Command, LoopEnded, StepReport, StopLoop, run_step_loop
+from .engine_process import EngineProcess
+from .errors import (EngineStepError, EngineStoppedError, InvalidParameterError, QueueFullError, RequestsFailedError,
+                     describe)
 from .experts.stats import ExpertStats
 from .kv_budget import KVCacheSize, activation_reserve, default_budget, size_kv_cache
 from .kv_cache import KVCacheManager
@@ -32,10 +37,8 @@ from .model.paged_kv import kv_bytes_per_token, resolve_kv_dtype
 from .request import Logprob, Request, RequestOutput, RequestStatus, SamplingParams
 from .runner import LaunchedStep, ModelRunner, RunnerOutput
 from .scheduler import Scheduler, SchedulerOutput, SeqUpdate
-from .structured import Constraints
 from .timing import StepSink, StepTimer
 from .tokenizer import IncrementalDetokenizer, Tokenizer
-from .tokenizer.prompt_bound import CharLimit, max_chars_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -112,11 +115,8 @@ class EngineCore:
                                  else config.async_scheduling)
         self._launched: LaunchedStep | None = None  # a decode step launched ahead of its tokens
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
-        self.runner.constraints = Constraints(tokenizer.to_json(), model.config.vocab_size,
-                                              tuple(sorted(self.eos_token_ids)))
-        per_token = max_chars_per_token(tokenizer.to_json())
-        # the most characters a prompt can have and fit max_seq_len (None: this tokenizer bounds no token's span)
-        self.prompt_char_limit = None if per_token is None else CharLimit(self.max_seq_len, per_token)
+        self.admission = Admission(tokenizer, model.config, self.max_seq_len, self.eos_token_ids)
+        self.runner.constraints = self.admission.constraints
         self._requests: dict[str, dict[int, _Sequence]] = {}  # request id -> its unfinished sequences by index
         self._num_steps = 0
         self._num_steps_launched_ahead = 0
@@ -137,49 +137,24 @@ class EngineCore:
     def encode_prompt(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True,
                       tools: list[dict] | None = None, template_kwargs: dict | None = None,
                       keep_last: int | None = None, fit_context: bool = True) -> list[int]:
-        """Token ids of a text, a list of token ids, or chat messages (rendered with the chat template, which is
-        shown `tools` when given, and `template_kwargs`: its variables, such as enable_thinking, and
-        add_generation_prompt, true unless given).
-
-        A prompt that certainly has more tokens than max_seq_len raises PromptTooLongError before it is tokenized
-        or rendered whole: a text, or a chat's rendering so far, of more characters than `prompt_char_limit`, or
-        more token ids than max_seq_len. Not so with `keep_last` (the last keep_last ids are returned: vLLM's
-        truncate_prompt_tokens) or with fit_context=False (a prompt counted whatever its length)."""
-        if not prompt:
-            raise InvalidParameterError("prompt must not be empty", param="prompt")
-        limit = self.prompt_char_limit if fit_context and keep_last is None else None
-        if isinstance(prompt, str):
-            if limit is not None:
-                limit.check_text(len(prompt))
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        elif all(isinstance(m, dict) for m in prompt):
-            options = {"add_generation_prompt": True, **(template_kwargs or {})}
-            text = self.tokenizer.apply_chat_template(prompt, tools=tools, char_limit=limit, **options)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
-        else:
-            if fit_context and keep_last is None and len(prompt) > self.max_seq_len:
-                raise PromptTooLongError(len(prompt), None, self.max_seq_len)
-            vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-                raise InvalidParameterError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-            ids = list(prompt)
-        return ids if keep_last is None else ids[-keep_last:]
+        """Token ids of a prompt: `Admission.encode_prompt`."""
+        return self.admission.encode_prompt(prompt, add_special_tokens, tools, template_kwargs, keep_last, fit_context)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The admission checks, callable from any thread: InvalidParameterError, PromptTooLongError."""
-        if not prompt_token_ids:
-            raise InvalidParameterError("prompt must not be empty", param="prompt")
-        vocab = self.model_config.vocab_size
-        if any(token_id >= vocab for token_id, _ in params.logit_bias):
-            raise InvalidParameterError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
-        if params.grammar is not None:
-            self.runner.constraints.check(params.grammar)
-        self.scheduler.check_length(len(prompt_token_ids), params.max_tokens)
+        self.admission.validate(prompt_token_ids, params)
+
+    def check_grammar(self, grammar: str) -> None:
+        """Raise InvalidParameterError if `grammar` cannot be used with this model's tokenizer."""
+        self.admission.check_grammar(grammar)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request (as params.n sequences); raises like `validate`, or ValueError for a duplicate id."""
-        self.validate(prompt_token_ids, params)
+                    arrival_time: float | None = None, validated: bool = False) -> None:
+        """Queue a request (as params.n sequences); raises like `validate`, or ValueError for a duplicate id.
+        validated: `validate` has passed already (where the request was admitted), so its grammar is not checked
+        again here; the length is, by the scheduler."""
+        if not validated:
+            self.validate(prompt_token_ids, params)
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already running")
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -359,25 +334,6 @@ def _request_output(request: Request, text: str, token_ids: list[int], **extra: 
     )
 
 
-@dataclass
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-
-
-@dataclass
-class _Abort:
-    request_id: str
-    done: asyncio.Future | None  # resolved on the loop once the blocks are free
-
-
-@dataclass
-class _Stop:
-    drain: bool  # finish the running requests first (True) or abort them
-
-
 ENCODE_INLINE_CHARS = 8192  # texts of up to this many characters (or token ids) are encoded on the event loop
 
 
@@ -428,71 +384,106 @@ class _Collector:
 class AsyncEngine:
     """The asyncio face of the engine: `generate()` streams RequestOutputs, `abort()` cancels a request.
 
-    Use it as `async with AsyncEngine.from_pretrained(path) as engine:`. One thread runs the steps (the event
-    loop never waits for the model); it sleeps when there is no work. Requests and aborts reach it through a
-    queue and are applied between steps; each step's outputs go back with one `call_soon_threadsafe` to the
-    per-request collectors. Stopping a `generate()` iteration early (break and aclose, task cancellation)
-    aborts the request and frees its KV blocks.
+    Use it as `async with AsyncEngine.from_pretrained(path) as engine:`. The step loop (`engine_loop.py`) runs on
+    a thread of this process, or with engine_process=True in a child process of its own (`engine_process.py`),
+    so that this process's Python does not share a GIL with the steps; either way the event loop never waits
+    for the model, prompts are tokenized and requests validated here, and the loop sleeps when there is no work.
+    Requests and aborts reach the loop as commands applied between steps; each step's outputs come back in one
+    message, handed to the per-request collectors with one `call_soon_threadsafe`. Stopping a `generate()`
+    iteration early (break and aclose, task cancellation) aborts the request and frees its KV blocks.
 
     Latency: every RequestOutput carries `time_to_first_token` (on the output with a sequence's first token) and
-    `inter_token_latencies` (per later token), measured in the step thread when the tokens were sampled, so a
+    `inter_token_latencies` (per later token), measured where the step ran when the tokens were sampled, so a
     consumer that lags does not distort them; `stats()` is the engine-wide snapshot for monitoring.
     """
 
     def __init__(self, core: EngineCore):
+        """Step `core` on a thread of this process."""
         self._core = core
-        self.tokenizer: Tokenizer = core.tokenizer
-        self.model_config: ModelConfig = core.model_config
-        self.model_name = Path(core.config.model).resolve().name
-        self.max_seq_len: int = core.max_seq_len
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._setup(core.config, core, _StepThread(core), core.stats())
+
+    def _setup(self, config: EngineConfig, admission: EngineCore | Admission, transport: _StepThread | EngineProcess,
+               stats: EngineStats) -> None:
+        self._config = config
+        # encodes and validates prompts: the core itself in-process (its checks are its Admission's)
+        self._admission = admission
+        self._transport = transport
+        self.tokenizer: Tokenizer = admission.tokenizer
+        self.model_config: ModelConfig = admission.model_config
+        self.model_name = Path(config.model).resolve().name
+        self.max_seq_len: int = admission.max_seq_len
         self._collectors: dict[str, _Collector] = {}
-        self._stats = core.stats()
-        self._num_sent = 0  # sequences sent to the step thread
-        self._num_applied = 0  # of which the step thread had queued at the last snapshot
+        self._stats = stats
+        self._num_sent = 0  # sequences sent to the step loop
+        self._num_applied = 0  # of which the step loop had queued at the last snapshot
+        self._abort_acks: dict[int, asyncio.Future] = {}  # AbortRequest ack -> resolved once its blocks are free
+        self._ack_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._thread_done: asyncio.Future | None = None
+        self._running = False
+        self._loop_done: asyncio.Future | None = None
         self._accepting = False
         self._last_step_failed = False  # set and cleared on the event loop, in step order
 
     @classmethod
-    def from_pretrained(cls, path: str | None = None, **config: Any) -> AsyncEngine:
-        """Load a model folder (None: the model shipped with Colibri). Options: max_batch_size,
-        max_num_batched_tokens, max_seq_len, kv_cache_memory (bytes) or num_kv_blocks (default: sized from free
-        memory, docs/KV_CACHE.md), gpu_memory_utilization (default 0.9), kv_cache_dtype (auto | bf16 | fp16 | fp8
-        | fp32), block_size, enable_prefix_caching (default True), max_queue (0: unbounded), device ("cpu" |
-        "auto"), verify, cuda_graphs (default True: decode steps replayed as CUDA graphs on the GPU)."""
-        return cls(EngineCore.from_pretrained(path, **config))
+    def from_pretrained(cls, path: str | None = None, engine_process: bool = False, **config: Any) -> AsyncEngine:
+        """Load a model folder (None: the model shipped with Colibri). engine_process: run the steps in a child
+        process (spawned; this process never touches the device), else on a thread of this one. Options:
+        max_batch_size, max_num_batched_tokens, max_seq_len, kv_cache_memory (bytes) or num_kv_blocks (default:
+        sized from free memory, docs/KV_CACHE.md), gpu_memory_utilization (default 0.9), kv_cache_dtype (auto |
+        bf16 | fp16 | fp8 | fp32), block_size, enable_prefix_caching (default True), max_queue (0: unbounded),
+        device ("cpu" | "auto"), verify, cuda_graphs (default True: decode steps replayed as CUDA graphs on the
+        GPU)."""
+        if not engine_process:
+            return cls(EngineCore.from_pretrained(path, **config))
+        engine_config = EngineConfig.from_options(str(default_model_path()) if path is None else str(path), **config)
+        process = EngineProcess(path, config)  # raises what loading the model raised
+        try:
+            ready = process.ready
+            tokenizer = Tokenizer.from_folder(engine_config.model)
+            eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(ready.model_config.eos_token_ids)
+            admission = Admission(tokenizer, ready.model_config, ready.max_seq_len, eos_token_ids)
+        except BaseException:
+            process.close()
+            raise
+        engine = cls.__new__(cls)
+        engine._setup(engine_config, admission, process, ready.stats)
+        return engine
+
+    @property
+    def pid(self) -> int:
+        """The id of the process that runs the steps."""
+        return self._transport.pid
 
     async def start(self) -> None:
-        """Start the step thread on the running loop."""
-        if self._thread is not None:
+        """Start the step loop, publishing to the running loop."""
+        if self._running:
             return
-        self._loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._num_sent = self._num_applied = 0
-        self._thread_done = self._loop.create_future()
-        self._thread = threading.Thread(target=self._run, name="colibri-engine", daemon=True)
-        self._accepting = True
-        self._thread.start()
+        self._loop_done = loop.create_future()
+        self._running = self._accepting = True
+        self._transport.start_loop(lambda message: loop.call_soon_threadsafe(self._on_message, message))
 
     async def stop(self, drain: bool = True) -> None:
-        """Refuse new requests, then finish (drain) or abort the running ones and end the step thread."""
-        if self._thread is None:
+        """Refuse new requests, then finish (drain) or abort the running ones and end the step loop."""
+        if not self._running:
             return
         self._accepting = False
-        self._inbox.put(_Stop(drain))
-        await self._thread_done
-        self._thread.join()
-        self._thread = None
+        if not self._loop_done.done():
+            self._transport.send(StopLoop(drain))
+        await self._loop_done
+        self._transport.join_loop()
+        self._running = False
         for collector in self._collectors.values():
             collector.fail(EngineStoppedError("the engine stopped"))
 
     async def close(self) -> None:
-        """Stop (draining), then close the engine core (`EngineCore.close`): when this returns, every thread the
-        engine started has been joined."""
+        """Stop (draining), then close the engine core (`EngineCore.close`, in the child process where it runs
+        there, which is then joined): when this returns, every thread and process the engine started has been
+        joined."""
         await self.stop()
-        self._core.close()
+        self._transport.close()
+        self._admission.close()  # in-process the core, closed already (a second close does nothing)
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()
@@ -504,20 +495,19 @@ class AsyncEngine:
     async def encode(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True,
                      tools: list[dict] | None = None, template_kwargs: dict | None = None,
                      keep_last: int | None = None, fit_context: bool = True) -> list[int]:
-        """The prompt's token ids (`EngineCore.encode_prompt`: a prompt that cannot fit is refused before it is
+        """The prompt's token ids (`Admission.encode_prompt`: a prompt that cannot fit is refused before it is
         tokenized whole, unless `keep_last` or fit_context=False). Chats and long prompts are encoded on a worker
         thread, where the tokenizer runs without the GIL: tokenizing a few MiB of text takes seconds, which would
         stall every stream on this event loop."""
         args = (prompt, add_special_tokens, tools, template_kwargs, keep_last, fit_context)
         if _encodes_inline(prompt):
-            return self._core.encode_prompt(*args)
-        return await asyncio.get_running_loop().run_in_executor(None, self._core.encode_prompt, *args)
+            return self._admission.encode_prompt(*args)
+        return await asyncio.get_running_loop().run_in_executor(None, self._admission.encode_prompt, *args)
 
     async def check_grammar(self, grammar: str) -> None:
         """Check a grammar against the tokenizer on a worker thread (seconds for a large one with a large
         vocabulary); `generate` then finds its verdict at once. Raises InvalidParameterError like `generate`."""
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._core.runner.constraints.check, grammar)
+        await asyncio.get_running_loop().run_in_executor(None, self._admission.check_grammar, grammar)
 
     async def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams,
                        request_id: str | None = None, add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
@@ -527,8 +517,8 @@ class AsyncEngine:
         requests raise before the first output: InvalidParameterError, PromptTooLongError, QueueFullError,
         EngineStoppedError (and ChatTemplateError for messages the template rejects).
         """
-        prompt_token_ids = self._core.encode_prompt(prompt, add_special_tokens)
-        self._core.validate(prompt_token_ids, params)
+        prompt_token_ids = self._admission.encode_prompt(prompt, add_special_tokens)
+        self._admission.validate(prompt_token_ids, params)
         if not self._accepting:
             raise EngineStoppedError("the engine is not running")
         capacity = self.capacity
@@ -536,14 +526,14 @@ class AsyncEngine:
             raise InvalidParameterError(f"n={params.n} sequences can never be admitted: this server runs at most "
                                         f"{capacity} at once (max_batch_size + max_queue)", param="n")
         if self._queue_is_full(params.n):
-            raise QueueFullError(f"{self._core.config.scheduler.max_queue} sequences are already waiting; "
+            raise QueueFullError(f"{self._config.scheduler.max_queue} sequences are already waiting; "
                                  f"retry later")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._collectors:
             raise InvalidParameterError(f"request_id {request_id!r} is already in use", param="request_id")
         collector = _Collector()
         self._collectors[request_id] = collector
-        self._inbox.put(_Add(request_id, prompt_token_ids, params, time.monotonic()))
+        self._transport.send(AddRequest(request_id, prompt_token_ids, params, time.monotonic()))
         self._num_sent += params.n
         finished = 0
         try:
@@ -554,15 +544,19 @@ class AsyncEngine:
         finally:
             del self._collectors[request_id]
             if finished < params.n:
-                self._inbox.put(_Abort(request_id, None))
+                self._transport.send(AbortRequest(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; returns once its KV blocks are free. Unknown or finished requests are ignored."""
-        if self._thread is None:
+        if not self._running:
             return
-        done = self._loop.create_future()
-        self._inbox.put(_Abort(request_id, done))
-        await asyncio.wait([done, self._thread_done], return_when=asyncio.FIRST_COMPLETED)
+        ack = next(self._ack_ids)
+        done = self._abort_acks[ack] = self._loop.create_future()
+        self._transport.send(AbortRequest(request_id, ack))
+        try:
+            await asyncio.wait([done, self._loop_done], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            del self._abort_acks[ack]
 
     @property
     def healthy(self) -> bool:
@@ -574,95 +568,52 @@ class AsyncEngine:
         return self._stats
 
     def add_step_sink(self, sink: StepSink) -> None:
-        """Time every later step's phases and hand each StepRecord to `sink`, in the step thread (before start())."""
-        self._core.timer.add_sink(sink)
+        """Time every later step's phases and hand each StepRecord to `sink` (before start()), on the step
+        thread, or on the thread that reads the engine process's messages."""
+        self._transport.add_step_sink(sink)
 
     def store_stats(self) -> ExpertStats | None:
-        """The expert store's counters now (taken while a step may run: a step's figures can be half counted)."""
-        return self._core.store_stats()
+        """The expert store's counters: now in-process (taken while a step may run: a step's figures can be half
+        counted), as of the last step from an engine process."""
+        return self._transport.store_stats()
 
     @property
     def capacity(self) -> int | None:
         """Sequences the engine can hold at once, running and waiting (None: the queue is unbounded)."""
-        config = self._core.config.scheduler
+        config = self._config.scheduler
         return config.max_batch_size + config.max_queue if config.max_queue else None
 
     def _queue_is_full(self, n: int) -> bool:
         """Whether `n` more sequences would leave more than max_queue waiting once the batch's free slots fill."""
-        config, stats = self._core.config.scheduler, self._stats
+        config, stats = self._config.scheduler, self._stats
         if not config.max_queue:
             return False
-        unapplied = self._num_sent - self._num_applied  # sent to the step thread after the last snapshot
+        unapplied = self._num_sent - self._num_applied  # sent to the step loop after the last snapshot
         free = config.max_batch_size - stats.num_running  # batch slots the waiting sequences move into first
         return max(0, stats.num_waiting + unapplied + n - free) > config.max_queue
 
-    # ---- the step thread ---------------------------------------------------------------------------------
-    def _run(self) -> None:
-        core = self._core
-        stopping = False
-        num_applied = 0
-        try:
-            while not (stopping and not core.has_unfinished()):
-                commands = [self._inbox.get()] if not (stopping or core.has_unfinished()) else []
-                while not self._inbox.empty():
-                    commands.append(self._inbox.get())
-                outputs: list[RequestOutput] = []
-                done: list[asyncio.Future] = []
-                for command in commands:
-                    if isinstance(command, _Add):
-                        num_applied += command.params.n
-                        try:
-                            core.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                             command.arrival_time)
-                        except (ColibriError, ValueError) as exc:
-                            self._loop.call_soon_threadsafe(self._fail_request, command.request_id, exc)
-                    elif isinstance(command, _Abort):
-                        outputs += core.abort(command.request_id)
-                        if command.done is not None:
-                            done.append(command.done)
-                    else:
-                        stopping = True
-                        if not command.drain:
-                            outputs += core.abort_all()
-                if commands:
-                    self._publish(outputs, done, num_applied)
-                if core.has_unfinished():
-                    try:
-                        outputs = core.step()
-                    except RequestsFailedError as failed:  # those requests alone; the others' outputs go on
-                        self._publish(failed.outputs, [], num_applied)
-                        for request_id, error in failed.errors.items():
-                            logger.warning("request %s failed: %s", request_id, error)
-                            self._loop.call_soon_threadsafe(self._fail_request, request_id, error)
-                        continue
-                    except Exception as exc:  # this step's requests fail; the engine serves the next ones
-                        logger.exception("engine step failed; aborting its requests")
-                        failed = {out.request_id for out in core.abort_all()}
-                        self._loop.call_soon_threadsafe(self._fail_step, failed, exc)
-                        continue
-                    self._publish(outputs, [], num_applied)
-        except Exception as exc:  # the engine is unusable: every waiting consumer learns why
-            logger.exception("engine step failed")
-            self._loop.call_soon_threadsafe(self._fail_all, exc)
-        finally:
-            self._loop.call_soon_threadsafe(self._thread_done.set_result, None)
-
-    def _publish(self, outputs: list[RequestOutput], done: list[asyncio.Future], num_applied: int) -> None:
-        self._loop.call_soon_threadsafe(self._deliver, outputs, done, self._core.stats(), num_applied)
-
     # ---- on the event loop -------------------------------------------------------------------------------
-    def _deliver(self, outputs: list[RequestOutput], done: list[asyncio.Future], stats: EngineStats,
-                 num_applied: int) -> None:
-        self._stats, self._num_applied = stats, num_applied
-        if outputs:
+    def _on_message(self, message: StepReport | LoopEnded) -> None:
+        if isinstance(message, LoopEnded):
+            if message.error is not None:
+                self._fail_all(message.error)
+            self._loop_done.set_result(None)
+            return
+        self._stats, self._num_applied = message.stats, message.num_applied
+        if message.outputs:
             self._last_step_failed = False
-        for out in outputs:
+        for out in message.outputs:
             collector = self._collectors.get(out.request_id)
             if collector is not None:
                 collector.put(out)
-        for future in done:
-            if not future.done():
+        for ack in message.acks:
+            future = self._abort_acks.get(ack)
+            if future is not None and not future.done():
                 future.set_result(None)
+        for request_id, error in message.failed.items():
+            self._fail_request(request_id, error)
+        if message.step_failure is not None:
+            self._fail_step(message.step_failure.request_ids, message.step_failure.error)
 
     def _fail_request(self, request_id: str, error: BaseException) -> None:
         collector = self._collectors.get(request_id)
@@ -682,6 +633,43 @@ class AsyncEngine:
         failure.__cause__ = error
         for collector in self._collectors.values():
             collector.fail(failure)
+
+
+class _StepThread:
+    """The step loop on a thread of this process: AsyncEngine's transport without an engine process."""
+
+    def __init__(self, core: EngineCore):
+        self._core = core
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.pid = os.getpid()
+
+    def start_loop(self, deliver: Callable[[StepReport | LoopEnded], None]) -> None:
+        self._thread = threading.Thread(target=run_step_loop, args=(self._core, self._receive, deliver),
+                                        name="colibri-engine", daemon=True)
+        self._thread.start()
+
+    def send(self, command: Command) -> None:
+        self._inbox.put(command)
+
+    def join_loop(self) -> None:
+        self._thread.join()
+        self._thread = None
+
+    def close(self) -> None:
+        self._core.close()
+
+    def add_step_sink(self, sink: StepSink) -> None:
+        self._core.timer.add_sink(sink)
+
+    def store_stats(self) -> ExpertStats | None:
+        return self._core.store_stats()
+
+    def _receive(self, block: bool) -> list[Command]:
+        commands = [self._inbox.get()] if block else []
+        while not self._inbox.empty():
+            commands.append(self._inbox.get())
+        return commands
 
 
 def run(main: Coroutine[Any, Any, Any]) -> Any:

@@ -96,12 +96,31 @@ class StepRecord:
         spans.sort(key=lambda s: (s.start, s.depth))
         return [step, *spans]
 
+    def __reduce__(self) -> tuple:
+        """Pickled with each clock as its track's name (a device clock holds GPU events): the record a process
+        that did not run the step receives."""
+        closed = [(name, clock.track, depth, start, end) for name, clock, depth, start, end in self._closed]
+        return _received_record, (self.index, closed, self.args)
+
     def phase_seconds(self) -> dict[str, float]:
         """Seconds per phase name within the step (summed over layers), the step itself excluded."""
         totals: dict[str, float] = {}
         for name, _, _, start, end in self._closed[:-1]:
             totals[name] = totals.get(name, 0.0) + end - start
         return totals
+
+
+class _TrackClock(Clock):
+    """A clock known by its track's name alone: the clocks of a record received from another process."""
+
+    def __init__(self, track: str):
+        self.track = track
+
+
+def _received_record(index: int, closed: list[tuple[str, str, int, float, float]], args: dict[str, Any]) -> StepRecord:
+    clocks = {track: _TrackClock(track) for track in {entry[1] for entry in closed}}
+    return StepRecord(index, [(name, clocks[track], depth, start, end) for name, track, depth, start, end in closed],
+                      args)
 
 
 StepSink = Callable[[StepRecord], None]
