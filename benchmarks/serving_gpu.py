@@ -6,8 +6,11 @@ word-level tokenizer of its vocabulary; any other entry is a model folder's path
 (`--concurrency`):
 
   offline_tok_s  `AsyncEngine.generate` driven by C concurrent consumers (a new request as soon as one ends), in a
-                 fresh process: output tokens over the wall time from the first request to the last one finished
-  served_tok_s   `colibri serve` with the same engine options, in its own process, loaded by `colibri bench`'s client
+                 fresh process, its step loop on a thread of that process: output tokens over the wall time from the
+                 first request to the last one finished
+  served_tok_s   `colibri serve` with the same engine options, in its own process (its steps in the engine process
+                 it spawns; `--no-engine-process`: on its step thread; `engine_process` in the records), loaded
+                 by `colibri bench`'s client
                  (`colibri_stream.bench`, run from this process) with C concurrent streamed /v1/completions requests:
                  the server's completion tokens over the same span, as the client saw it
   ratio          served_tok_s / offline_tok_s
@@ -278,11 +281,13 @@ def bench_once(url: str, prompts: list[list[int]], concurrency: int, output_len:
 
 
 def measure_served(path: Path, options: dict, runs: list[tuple[int, list, list]], output_len: int,
-                   switch_interval: float | None, timeout: float, log_dir: Path) -> tuple[dict[int, dict], str]:
+                   switch_interval: float | None, timeout: float, log_dir: Path,
+                   engine_process: bool = True) -> tuple[dict[int, dict], str]:
     """Per concurrency the timed `colibri bench` report against `colibri serve` (warm-up first); the server
-    command. The server is stopped whatever happens; its log is printed when something failed."""
+    command. engine_process=False serves with --no-engine-process (the steps on a thread of the server's
+    process). The server is stopped whatever happens; its log is printed when something failed."""
     port = free_port()
-    command = serve_command(path, options, port)
+    command = serve_command(path, options, port) + ([] if engine_process else ["--no-engine-process"])
     url = f"http://127.0.0.1:{port}"
     log_path = log_dir / f"serve-{port}.log"
     with open(log_path, "wb") as server_log:
@@ -331,13 +336,13 @@ def model_records(name: str, args: argparse.Namespace, conditions: dict, log_dir
                               args.timeout * (1 + 2 * len(args.concurrency)))
     log(f"{name}: served")
     served, server_command = measure_served(path, options, runs, args.output_len, args.switch_interval,
-                                            args.timeout, log_dir)
+                                            args.timeout, log_dir, args.engine_process)
     records = []
     for concurrency, _, timed in runs:
         engine, report = offline[concurrency], served[concurrency]
         records.append({
             "bench": "serving_gpu", "model": name, "model_description": description,
-            "layers": config.num_layers, "device": args.device,
+            "layers": config.num_layers, "device": args.device, "engine_process": args.engine_process,
             "concurrency": concurrency, "num_requests": len(timed), "input_len": args.input_len,
             "output_len": args.output_len,
             "served_tok_s": report["output_token_throughput"], "offline_tok_s": engine["tok_s"],
@@ -411,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--switch-interval", type=float, default=None, metavar="SECONDS",
                         help="sys.setswitchinterval in the server's and the offline engine's processes (default: "
                              "Python's, 0.005): how long a thread waits for the GIL before it asks for it")
+    parser.add_argument("--no-engine-process", dest="engine_process", action="store_false",
+                        help="serve with the engine's steps on a thread of the server's process (colibri serve "
+                             "--no-engine-process) instead of its default, a process of their own")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     if min(args.concurrency) < 1 or args.rounds < 1 or args.output_len < 2 or args.input_len < 1:

@@ -191,6 +191,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "0: wait for ever)")
     p.add_argument("--no-reasoning-parser", dest="reasoning_parser", action="store_false", default=None,
                    help="leave a thinking model's <think> text in the content (default: reasoning_content)")
+    p.add_argument("--no-engine-process", dest="engine_process", action="store_false",
+                   help="run the engine's steps on a thread of the server's process instead of a process of their "
+                        "own (where the server's Python and the steps' share one GIL)")
     _add_trace_argument(p)
     p.set_defaults(run=_run_serve)
 
@@ -207,9 +210,9 @@ def _run_serve(args: argparse.Namespace) -> None:
                                            "trace_file", "reasoning_parser") if getattr(args, n) is not None}
     if given.get("send_timeout", 1) <= 0:
         given["send_timeout"] = None
-    run_server(dict(path=args.model, **_engine_options(args)), host=args.host, port=args.port,
-               api_key=args.api_key, cors_origins=tuple(args.cors_origin), served_model_name=args.served_model_name,
-               **given)
+    engine = dict(path=args.model, engine_process=args.engine_process, **_engine_options(args))
+    run_server(engine, host=args.host, port=args.port, api_key=args.api_key, cors_origins=tuple(args.cors_origin),
+               served_model_name=args.served_model_name, **given)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
