@@ -31,7 +31,8 @@ PROMPTS = [f"Request {i}: the quick brown fox {'jumps ' * (i % 5)}over dog {i * 
 
 
 class LiveServer:
-    """A real server on 127.0.0.1:<free port>, its event loop running in a thread of its own."""
+    """A real server on 127.0.0.1:<free port>, its event loop running in a thread of its own; its engine's steps
+    in an engine process, as `colibri serve` runs them (engine_options engine_process=False: on a thread)."""
 
     def __init__(self, model_dir: Path, engine_options: dict, *, serve_options: dict | None = None,
                  **app_options: Any):
@@ -45,7 +46,8 @@ class LiveServer:
 
     @staticmethod
     async def _start(model_dir: Path, engine_options: dict, app_options: dict, serve_options: dict) -> tuple:
-        engine = AsyncEngine.from_pretrained(str(model_dir), **{"device": "cpu", **engine_options})
+        engine = AsyncEngine.from_pretrained(str(model_dir), **{"device": "cpu", "engine_process": True,
+                                                                **engine_options})
         app = create_app(engine, **app_options)
         return (app, *await serve(app, "127.0.0.1", 0, **serve_options))
 
@@ -695,7 +697,7 @@ def test_examples_run_against_the_server(server):
 
 
 def test_a_failed_model_step_is_a_500_the_health_check_sees_and_the_server_goes_on(tiny_model_dir):
-    live = LiveServer(tiny_model_dir, {"max_batch_size": 4})
+    live = LiveServer(tiny_model_dir, {"max_batch_size": 4, "engine_process": False})
     try:
         runner = live.app[STATE].engine._core.runner
         execute = runner.execute

@@ -43,9 +43,11 @@ MAX_BODY_BYTES = 1 << 20
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    """The tiny model under HERMES_TEMPLATE, served as "tiny" behind the API key, bodies up to 1 MiB."""
+    """The tiny model under HERMES_TEMPLATE, served as "tiny" behind the API key, bodies up to 1 MiB; the steps on
+    a thread of this process, whose model a test reaches (`engine._core`)."""
     folder = model_with_template(tiny_model_dir, tmp_path_factory.mktemp("anthropic") / "model", HERMES_TEMPLATE)
-    live = LiveServer(folder, dict(max_batch_size=4, max_seq_len=1024), api_key=API_KEY, served_model_name=MODEL,
+    live = LiveServer(folder, dict(max_batch_size=4, max_seq_len=1024, engine_process=False), api_key=API_KEY,
+                      served_model_name=MODEL,
                       max_body_bytes=MAX_BODY_BYTES)
     yield live
     live.close()

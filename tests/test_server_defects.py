@@ -256,7 +256,7 @@ def test_absurd_config_sizes_are_one_error_line(tmp_path, changes):
 def test_rotary_tables_are_sized_by_the_longest_sequence_served(tmp_path):
     """A model of 16 M positions (the bound) served with max_seq_len 256 holds tables of 256 positions, not GiBs."""
     folder = model_with_config(tmp_path / "model", max_position_embeddings=1 << 24)
-    live = LiveServer(folder, dict(max_batch_size=2, max_seq_len=256), api_key=API_KEY)
+    live = LiveServer(folder, dict(max_batch_size=2, max_seq_len=256, engine_process=False), api_key=API_KEY)
     try:
         model = live.app[STATE].engine._core.runner.model
         assert model.rope_cos.shape[0] == model.max_positions == 256
@@ -408,7 +408,18 @@ def test_serve_exits_non_zero_when_its_drain_timed_out_and_aborted_requests(tiny
 
 # ------------------------------------------------------------------------------- no class names in error bodies
 
-def test_a_failed_step_says_what_failed_without_internal_class_names(tiny_server):
+@pytest.fixture
+def in_process_server(tiny_model_dir):
+    """tiny_server's configuration with the engine's steps on a thread of this process, whose model a test can
+    reach (`engine._core`)."""
+    live = LiveServer(tiny_model_dir, dict(max_batch_size=4, max_seq_len=256, engine_process=False),
+                      api_key=API_KEY, served_model_name="tiny")
+    yield live
+    live.close()
+
+
+def test_a_failed_step_says_what_failed_without_internal_class_names(in_process_server):
+    tiny_server = in_process_server
     engine = tiny_server.app[STATE].engine
     execute = engine._core.runner.execute
 
