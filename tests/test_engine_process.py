@@ -208,3 +208,27 @@ def test_the_engine_process_ends_when_its_parent_dies(tiny_model_dir):
     assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
     child = int(result.stdout.split()[0])
     assert wait_until(lambda: not pid_alive(child), 30), f"the engine process {child} outlived its parent"
+
+
+def test_a_step_report_crosses_the_pipe_whole():
+    import pickle
+
+    from colibri_stream.engine import EngineStats
+    from colibri_stream.engine_loop import StepFailure, StepReport
+    from colibri_stream.request import EngineStepError, InvalidParameterError, PromptTooLongError, RequestOutput
+
+    first = RequestOutput("a", 0, " word", [12], False, None, None, 5, 1, logprobs=[(12, -0.5, [(12, -0.5)])],
+                          time_to_first_token=0.02)
+    outputs = [first, first.merge(RequestOutput("a", 0, "!", [3], True, "stop", 3, 5, 2,
+                                                inter_token_latencies=[0.01]))]
+    stats = EngineStats(*range(11), 0.5, 7)
+    report = StepReport(outputs, stats, 4, acks=[3],
+                        failed={"b": InvalidParameterError("bad top_k", "top_k"), "c": PromptTooLongError(9, 4, 10)},
+                        step_failure=StepFailure({"d"}, EngineStepError("device lost")))
+    received = pickle.loads(pickle.dumps(report))
+    assert received.outputs == outputs and received.stats == stats and received.acks == [3]
+    invalid, too_long = received.failed["b"], received.failed["c"]
+    assert type(invalid) is InvalidParameterError and invalid.param == "top_k" and str(invalid) == "bad top_k"
+    assert type(too_long) is PromptTooLongError and str(too_long) == str(PromptTooLongError(9, 4, 10))
+    assert too_long.max_seq_len == 10
+    assert received.step_failure.request_ids == {"d"} and str(received.step_failure.error) == "device lost"
