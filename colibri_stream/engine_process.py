@@ -22,13 +22,16 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import ModelConfig
 from .engine_loop import Command, LoopEnded, StepReport, portable_error, run_step_loop
 from .errors import EngineStoppedError
 from .experts.stats import ExpertStats
 from .timing import StepSink
+
+if TYPE_CHECKING:
+    from .engine import EngineCore, EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ class EngineReady:
 
     model_config: ModelConfig
     max_seq_len: int
-    stats: Any  # EngineStats
+    stats: EngineStats
     store_stats: ExpertStats | None
 
 
@@ -202,7 +205,7 @@ def _child_main(path: str | None, options: dict[str, Any], commands: Connection,
         core.close()
 
 
-def _serve(core: Any, commands: Connection, events: Connection) -> None:
+def _serve(core: EngineCore, commands: Connection, events: Connection) -> None:
     """Run the step loop each time the parent asks, until CloseEngine (or the parent is gone)."""
     records: list = []  # the step records of the report being built
     timing = False
