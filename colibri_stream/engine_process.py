@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import signal
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -96,14 +97,21 @@ class EngineProcess:
         self._reader: threading.Thread | None = None
         self._sinks: list[StepSink] = []
         self._send_lock = threading.Lock()  # commands come from the event loop and from close()
+        # At exit, before multiprocessing joins its children (which would wait for ever on a child that ignores
+        # SIGTERM and waits for commands), and at close(): end of file on the command pipe, the child leaves.
+        self._end = weakref.finalize(self, _end_child, self._process, self._commands)
         try:
             message = self._events.recv()
         except EOFError:
             self._process.join()
             raise EngineStoppedError(f"the engine process ended while loading the model "
                                      f"({_exit_status(self._process.exitcode)})") from None
+        except BaseException:  # interrupted while the model loads: the child is of no use
+            self._process.kill()
+            self._end()
+            raise
         if isinstance(message, LoadFailed):
-            self._process.join()
+            self._end()
             raise message.error
         self.ready: EngineReady = message
         self._store_stats = message.store_stats  # as of the last report
@@ -146,12 +154,7 @@ class EngineProcess:
     def close(self) -> None:
         """Ask the child to close its engine and wait for it to exit (killed past CLOSE_TIMEOUT_SECONDS)."""
         self.send(CloseEngine())
-        self._process.join(CLOSE_TIMEOUT_SECONDS)
-        if self._process.is_alive():
-            logger.warning("the engine process did not exit in %g s; killing it", CLOSE_TIMEOUT_SECONDS)
-            self._process.kill()
-            self._process.join()
-        self._commands.close()
+        self._end()
         self._events.close()
 
     def _read(self, deliver: Callable[[StepReport | LoopEnded], None], sinks: list[StepSink]) -> None:
@@ -171,6 +174,17 @@ class EngineProcess:
             deliver(message)
             if isinstance(message, LoopEnded):
                 return
+
+
+def _end_child(process: multiprocessing.process.BaseProcess, commands: Connection) -> None:
+    """Close the command pipe (the child closes its engine and leaves) and join the child, killed past
+    CLOSE_TIMEOUT_SECONDS."""
+    commands.close()
+    process.join(CLOSE_TIMEOUT_SECONDS)
+    if process.is_alive():
+        logger.warning("the engine process did not exit in %g s; killing it", CLOSE_TIMEOUT_SECONDS)
+        process.kill()
+        process.join()
 
 
 def _exit_status(code: int | None) -> str:

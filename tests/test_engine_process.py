@@ -192,20 +192,21 @@ def test_a_stopped_engine_refuses_requests_and_its_process_exits(tiny_model_dir)
     assert not pid_alive(pid)
 
 
-def test_the_engine_process_ends_when_its_parent_dies(tiny_model_dir):
+@pytest.mark.parametrize("end, code", [("os.kill(os.getpid(), 9)", -signal.SIGKILL), ("sys.exit(3)", 3)])
+def test_the_engine_process_ends_when_its_parent_dies_or_exits_without_closing_it(tiny_model_dir, end, code):
     script = ("import os, sys\n"
               "from colibri_stream.engine import AsyncEngine\n"
               "if __name__ == '__main__':\n"
               f"    engine = AsyncEngine.from_pretrained({str(tiny_model_dir)!r}, engine_process=True, device='cpu')\n"
               "    print(engine.pid, flush=True)\n"
-              "    os.kill(os.getpid(), 9)\n")
+              f"    {end}\n")
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"orphan-{os.getpid()}.py"
     path.write_text(script)
     try:
         result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
     finally:
         path.unlink()
-    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    assert result.returncode == code, result.stderr[-2000:]
     child = int(result.stdout.split()[0])
     assert wait_until(lambda: not pid_alive(child), 30), f"the engine process {child} outlived its parent"
 
