@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .admission import Admission
+from .request_checks import RequestChecks
 from .checkpoint import default_model_path
 from .config import EngineConfig, ModelConfig
 from .engine_loop import AbortRequest, AddRequest, Command, LoopEnded, StepReport, StopLoop, run_step_loop
@@ -115,8 +115,8 @@ class EngineCore:
                                  else config.async_scheduling)
         self._launched: LaunchedStep | None = None  # a decode step launched ahead of its tokens
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
-        self.admission = Admission(tokenizer, model.config, self.max_seq_len, self.eos_token_ids)
-        self.runner.constraints = self.admission.constraints
+        self.checks = RequestChecks(tokenizer, model.config, self.max_seq_len, self.eos_token_ids)
+        self.runner.constraints = self.checks.constraints
         self._requests: dict[str, dict[int, _Sequence]] = {}  # request id -> its unfinished sequences by index
         self._num_steps = 0
         self._num_steps_launched_ahead = 0
@@ -137,16 +137,16 @@ class EngineCore:
     def encode_prompt(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True,
                       tools: list[dict] | None = None, template_kwargs: dict | None = None,
                       keep_last: int | None = None, fit_context: bool = True) -> list[int]:
-        """Token ids of a prompt: `Admission.encode_prompt`."""
-        return self.admission.encode_prompt(prompt, add_special_tokens, tools, template_kwargs, keep_last, fit_context)
+        """Token ids of a prompt: `RequestChecks.encode_prompt`."""
+        return self.checks.encode_prompt(prompt, add_special_tokens, tools, template_kwargs, keep_last, fit_context)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The admission checks, callable from any thread: InvalidParameterError, PromptTooLongError."""
-        self.admission.validate(prompt_token_ids, params)
+        self.checks.validate(prompt_token_ids, params)
 
     def check_grammar(self, grammar: str) -> None:
         """Raise InvalidParameterError if `grammar` cannot be used with this model's tokenizer."""
-        self.admission.check_grammar(grammar)
+        self.checks.check_grammar(grammar)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, validated: bool = False) -> None:
@@ -402,16 +402,15 @@ class AsyncEngine:
         self._core = core
         self._setup(core.config, core, _StepThread(core), core.stats())
 
-    def _setup(self, config: EngineConfig, admission: EngineCore | Admission, transport: _StepThread | EngineProcess,
+    def _setup(self, config: EngineConfig, checks: EngineCore | RequestChecks, transport: _StepThread | EngineProcess,
                stats: EngineStats) -> None:
         self._config = config
-        # encodes and validates prompts: the core itself in-process (its checks are its Admission's)
-        self._admission = admission
+        self._checks = checks  # encodes and validates prompts: in-process the core itself (it delegates to its own)
         self._transport = transport
-        self.tokenizer: Tokenizer = admission.tokenizer
-        self.model_config: ModelConfig = admission.model_config
+        self.tokenizer: Tokenizer = checks.tokenizer
+        self.model_config: ModelConfig = checks.model_config
         self.model_name = Path(config.model).resolve().name
-        self.max_seq_len: int = admission.max_seq_len
+        self.max_seq_len: int = checks.max_seq_len
         self._collectors: dict[str, _Collector] = {}
         self._stats = stats
         self._num_sent = 0  # sequences sent to the step loop
@@ -441,12 +440,12 @@ class AsyncEngine:
             ready = process.ready
             tokenizer = Tokenizer.from_folder(engine_config.model)
             eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(ready.model_config.eos_token_ids)
-            admission = Admission(tokenizer, ready.model_config, ready.max_seq_len, eos_token_ids)
+            checks = RequestChecks(tokenizer, ready.model_config, ready.max_seq_len, eos_token_ids)
         except BaseException:
             process.close()
             raise
         engine = cls.__new__(cls)
-        engine._setup(engine_config, admission, process, ready.stats)
+        engine._setup(engine_config, checks, process, ready.stats)
         return engine
 
     @property
@@ -483,7 +482,7 @@ class AsyncEngine:
         joined."""
         await self.stop()
         self._transport.close()
-        self._admission.close()  # in-process the core, closed already (a second close does nothing)
+        self._checks.close()  # in-process the core, closed already (a second close does nothing)
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()
@@ -495,19 +494,19 @@ class AsyncEngine:
     async def encode(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True,
                      tools: list[dict] | None = None, template_kwargs: dict | None = None,
                      keep_last: int | None = None, fit_context: bool = True) -> list[int]:
-        """The prompt's token ids (`Admission.encode_prompt`: a prompt that cannot fit is refused before it is
+        """The prompt's token ids (`RequestChecks.encode_prompt`: a prompt that cannot fit is refused before it is
         tokenized whole, unless `keep_last` or fit_context=False). Chats and long prompts are encoded on a worker
         thread, where the tokenizer runs without the GIL: tokenizing a few MiB of text takes seconds, which would
         stall every stream on this event loop."""
         args = (prompt, add_special_tokens, tools, template_kwargs, keep_last, fit_context)
         if _encodes_inline(prompt):
-            return self._admission.encode_prompt(*args)
-        return await asyncio.get_running_loop().run_in_executor(None, self._admission.encode_prompt, *args)
+            return self._checks.encode_prompt(*args)
+        return await asyncio.get_running_loop().run_in_executor(None, self._checks.encode_prompt, *args)
 
     async def check_grammar(self, grammar: str) -> None:
         """Check a grammar against the tokenizer on a worker thread (seconds for a large one with a large
         vocabulary); `generate` then finds its verdict at once. Raises InvalidParameterError like `generate`."""
-        await asyncio.get_running_loop().run_in_executor(None, self._admission.check_grammar, grammar)
+        await asyncio.get_running_loop().run_in_executor(None, self._checks.check_grammar, grammar)
 
     async def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams,
                        request_id: str | None = None, add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
@@ -517,8 +516,8 @@ class AsyncEngine:
         requests raise before the first output: InvalidParameterError, PromptTooLongError, QueueFullError,
         EngineStoppedError (and ChatTemplateError for messages the template rejects).
         """
-        prompt_token_ids = self._admission.encode_prompt(prompt, add_special_tokens)
-        self._admission.validate(prompt_token_ids, params)
+        prompt_token_ids = self._checks.encode_prompt(prompt, add_special_tokens)
+        self._checks.validate(prompt_token_ids, params)
         if not self._accepting:
             raise EngineStoppedError("the engine is not running")
         capacity = self.capacity

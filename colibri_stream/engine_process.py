@@ -3,7 +3,7 @@
 The serving process's Python (HTTP, rendering, SSE writes) and the step loop's Python (scheduling, sampling
 glue, detokenizing) would otherwise share one GIL, and every token's server work would lengthen the step. The
 child loads the model (`EngineCore.from_pretrained`, the only place the device is touched) and runs
-`engine_loop.run_step_loop`; the parent keeps the tokenizer and the admission checks (`admission.py`).
+`engine_loop.run_step_loop`; the parent keeps the tokenizer and the admission checks (`request_checks.py`).
 
 Messages, pickled by `multiprocessing.Connection`: parent to child, `StartLoop`, the loop's commands and
 `CloseEngine`; child to parent, `EngineReady` (or `LoadFailed`) once, then one `StepReport` per batch of

@@ -19,7 +19,8 @@ import pytest
 from test_server import LiveServer, request
 
 from colibri_stream.engine import AsyncEngine
-from colibri_stream.request import EngineStoppedError, SamplingParams
+from colibri_stream.errors import EngineStoppedError
+from colibri_stream.request import SamplingParams
 from colibri_stream.server.app import STATE
 
 OPTIONS = dict(device="cpu", max_batch_size=4, max_seq_len=512)
@@ -216,7 +217,8 @@ def test_a_step_report_crosses_the_pipe_whole():
 
     from colibri_stream.engine import EngineStats
     from colibri_stream.engine_loop import StepFailure, StepReport
-    from colibri_stream.request import EngineStepError, InvalidParameterError, PromptTooLongError, RequestOutput
+    from colibri_stream.errors import EngineStepError, InvalidParameterError, PromptTooLongError
+    from colibri_stream.request import RequestOutput
 
     first = RequestOutput("a", 0, " word", [12], False, None, None, 5, 1, logprobs=[(12, -0.5, [(12, -0.5)])],
                           time_to_first_token=0.02)

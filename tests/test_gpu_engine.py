@@ -179,7 +179,7 @@ def test_the_server_streams_on_the_gpu_with_steps_launched_ahead(tiny_model_dir)
 
     answers = {}
     for name, options in {"ahead": {}, "sync": {"async_scheduling": False}}.items():
-        live = LiveServer(tiny_model_dir, {"max_batch_size": 8, "device": "cuda", **options})
+        live = LiveServer(tiny_model_dir, {"max_batch_size": 8, "device": "cuda", "engine_process": False, **options})
         try:
             assert live.app[STATE].engine._core.async_scheduling == (name == "ahead")
             answers[name] = asyncio.run(ask(live))

@@ -15,7 +15,7 @@ from .tokenizer import Tokenizer
 from .tokenizer.prompt_bound import CharLimit, max_chars_per_token
 
 
-class Admission:
+class RequestChecks:
     """Encodes prompts and checks requests for one model: `encode_prompt`, `validate`, `check_grammar`.
 
     eos_token_ids: the tokens that end a sequence (the tokenizer's and the model config's); `constraints` holds
