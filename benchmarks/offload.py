@@ -164,7 +164,7 @@ def decode(model, batch: int, steps: int, cold: Path | None = None) -> dict:
     """Timed greedy decode of `batch` sequences with PROMPT cached tokens (random keys and values)."""
     import cupy as cp
 
-    from colibri_stream.model.batch import flat_batch
+    from colibri_stream.batch import flat_batch
 
     per_seq = -(-(PROMPT + WARMUP + steps + 1) // BLOCK_SIZE)
     kv = model.allocate_kv_cache(batch * per_seq, BLOCK_SIZE)
@@ -195,7 +195,7 @@ def decode(model, batch: int, steps: int, cold: Path | None = None) -> dict:
 
 def prefill(model, tokens: int, cold: Path | None = None) -> dict:
     """Seconds of one prompt of `tokens` tokens (the second of two runs)."""
-    from colibri_stream.model.batch import flat_batch
+    from colibri_stream.batch import flat_batch
 
     blocks = -(-tokens // BLOCK_SIZE)
     kv = model.allocate_kv_cache(blocks, BLOCK_SIZE)

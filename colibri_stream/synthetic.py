@@ -28,7 +28,8 @@ from .checkpoint import (CONFIG_FILE, NUMPY_DTYPES, DenseFileWriter, ExpertFileW
                          expert_block_layout, write_config)
 from .config import ModelConfig, RopeConfig
 from .experts.store import ExpertStore
-from .model.transformer import MoETransformer, select_backend
+from .loader import select_backend
+from .model.transformer import MoETransformer
 
 # Dimensions of published checkpoints (their config.json), as ModelConfig fields.
 SHAPES: dict[str, dict] = {

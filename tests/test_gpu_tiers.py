@@ -27,7 +27,7 @@ from test_parity import NEW_TOKENS, colibri_greedy, colibri_logits, prompt_ids, 
 from test_server import LiveServer, request  # noqa: E402
 from tiny_models import ARCHITECTURES, build_hf_model  # noqa: E402
 
-from colibri_stream.backends.cupy_backend import DeviceExpertStore  # noqa: E402
+from colibri_stream.backends.cupy_moe import DeviceExpertStore  # noqa: E402
 from colibri_stream.checkpoint import read_config  # noqa: E402
 from colibri_stream.config import ExpertStoreConfig  # noqa: E402
 from colibri_stream.errors import CheckpointError  # noqa: E402
@@ -36,7 +36,7 @@ from colibri_stream.experts.gpu_tier import GpuTieredStore  # noqa: E402
 from colibri_stream.experts.placement import Bandwidths  # noqa: E402
 from colibri_stream.experts.slots import layer_slot_counts  # noqa: E402
 from colibri_stream.experts.trace import read_trace  # noqa: E402
-from colibri_stream.model import load_model  # noqa: E402
+from colibri_stream.loader import load_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -279,7 +279,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 from test_parity import colibri_greedy, prompt_ids
 from colibri_stream.config import ExpertStoreConfig
-from colibri_stream.model import load_model
+from colibri_stream.loader import load_model
 model = load_model(sys.argv[2], device="cuda",
                    experts=ExpertStoreConfig(gpu_memory_limit=int(sys.argv[3]), cpu_experts="all"))
 print(colibri_greedy(model, prompt_ids(), 8))

@@ -15,24 +15,34 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..memory import MemoryInfo, host_memory
-from ..timing import HOST_CLOCK, Clock
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
     from ..experts.store import ExpertStore
-    from ..model.batch import ForwardBatch
+    from ..batch import ForwardBatch
+    from ..sampling import LogitSource
 
 Array = Any  # a backend's array type (numpy.ndarray, cupy.ndarray)
 
 
 class Backend(ABC):
-    """Array operations of one device; subclasses implement each for their array library."""
+    """Array operations of one device; subclasses implement each for their array library.
 
-    name: str
+    What callers may rely on is said by capabilities, never by the backend's name: `device` (where its arrays live,
+    "cpu" or "cuda": the expert tiers are built for it), `supports_graphs` (a decode step can be captured as a
+    CUDA graph, cuda_graph.py), `logit_source` (how the sampler reads a forward's logits) and `synchronize`.
+    """
 
-    def timing_clock(self) -> Clock:
-        """The clock the model's step phases are timed with: the host's, unless the device runs asynchronously."""
-        return HOST_CLOCK
+    name: str  # for logs and reports
+    device: str
+    supports_graphs: bool = False
+
+    @abstractmethod
+    def logit_source(self, logits: Array) -> LogitSource:
+        """A forward's logits [N, V] float32, left where they are, as the sampler reads them."""
+
+    def synchronize(self) -> None:
+        """Wait until the device finished the work queued so far (a host backend computes as it is called)."""
 
     # ---- memory -------------------------------------------------------------------------------------------
     @abstractmethod

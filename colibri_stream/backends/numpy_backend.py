@@ -10,6 +10,8 @@ NumPy formulas).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import ml_dtypes
 import numpy as np
 
@@ -17,8 +19,11 @@ from ..checkpoint import NUMPY_DTYPES
 from ..config import ModelConfig
 from ..experts.cpu_executor import CpuExpertExecutor, silu_mul
 from ..experts.store import ExpertStore, Float32ExpertStore, MappedExpertStore
-from ..model.batch import ForwardBatch
+from ..sampling import HostLogits
 from .base import Backend
+
+if TYPE_CHECKING:
+    from ..batch import ForwardBatch
 
 
 FLOAT32_EXPERTS_BYTES = 256 << 20  # resident experts up to this size as float32 are widened once, not every step
@@ -48,9 +53,13 @@ class NumpyBackend(Backend):
     """Float32 NumPy on the host."""
 
     name = "numpy"
+    device = "cpu"
 
     def __init__(self, expert_executor: CpuExpertExecutor | None = None):
         self.experts = expert_executor or CpuExpertExecutor()
+
+    def logit_source(self, logits: np.ndarray) -> HostLogits:
+        return HostLogits(logits)
 
     # ---- memory -------------------------------------------------------------------------------------------
     def prepare_weight(self, host: np.ndarray) -> np.ndarray:

@@ -4,7 +4,7 @@
 model has. Memory: one device arena of each MoE layer's slots (`slots.layer_slot_counts`: the same number in every
 layer, or whole layers) plus a staging block, each block
 4 KiB aligned and in experts.bin's layout, so a load is one host-to-device copy of the whole block; the MoE kernels
-read the blocks in place through per-slot strides and an expert -> slot table per layer (cupy_backend.LayerExperts).
+read the blocks in place through per-slot strides and an expert -> slot table per layer (device.LayerExperts).
 
 Where a block comes from: `PinnedExperts` (L2 holding every expert: pinned host copy of experts.bin, checked at
 start), a `TieredExpertStore` over a pinned `HostTier` (L2 holding some: its own eviction policy), or, without
@@ -46,6 +46,7 @@ from ..checkpoint import BLOCK_ALIGNMENT, ExpertFile, expert_block_layout
 from ..errors import CheckpointError
 from .cpu_executor import CpuExpertExecutor
 from .cpu_worker import CpuLayerWorker
+from .device import DeviceExperts, LayerExperts
 from .handoff import HostFlag, PinnedReadback
 from .partial import DEVICE_DTYPES, PartialLayout
 from .pinned import PinnedExperts, StagingRing, pinned_empty
@@ -56,7 +57,6 @@ from .prefetcher import Prefetcher
 from .rates import FLOP_PROBE_TOKENS, cpu_expert_rates, pinned_copy_rate, shared_rates
 from .slots import LayerSlots
 from .stats import ComputeStats, ExpertStats, TierStats
-from .store import ExpertStore
 from .tiers import BlockReader, TieredExpertStore
 
 logger = logging.getLogger(__name__)
@@ -81,8 +81,6 @@ class DeviceSlots:
     def __init__(self, expert_file: ExpertFile, slots: list[int]):
         import cupy
 
-        from ..backends.cupy_backend import LayerExperts
-
         config = expert_file.config
         self.block_size = expert_file.block_size
         self.first = [sum(slots[:rank]) for rank in range(len(slots))]  # each layer's first block in the arena
@@ -104,8 +102,7 @@ class DeviceSlots:
                 pointer = self.memory + (self.base - self.memory.ptr + first * self.block_size + t.offset)
                 arrays[t.name] = cupy.ndarray((self.total - first, *t.shape), dtype, memptr=pointer,
                                               strides=(self.block_size, *inner))
-            self._views.append(LayerExperts(arrays["gate"], arrays["up"], arrays["down"], arrays.get("gate_scale"),
-                                            arrays.get("up_scale"), arrays.get("down_scale"), self.tables[rank]))
+            self._views.append(LayerExperts.from_arrays(arrays, self.tables[rank]))
 
     def view(self, rank: int):
         return self._views[rank]
@@ -113,14 +110,11 @@ class DeviceSlots:
     def partial_view(self, layout: PartialLayout, expert: int):
         """LayerExperts of the GPU part of a cut expert packed (by `layout`) into the staging block: one slot, the
         table mapping `expert` to it."""
-        from ..backends.cupy_backend import LayerExperts
-
         table = np.full(len(self.partial_table), -1, np.int32)
         table[expert] = 0
         self.partial_table.set(table)
         arrays = layout.arrays(self.memory, self.base - self.memory.ptr + (self.total - 1) * self.block_size)
-        return LayerExperts(arrays["gate"], arrays["up"], arrays["down"], arrays.get("gate_scale"),
-                            arrays.get("up_scale"), arrays.get("down_scale"), self.partial_table)
+        return LayerExperts.from_arrays(arrays, self.partial_table)
 
     def staging(self, rank: int) -> int:
         """The staging block as a local slot of layer `rank`."""
@@ -131,7 +125,7 @@ class DeviceSlots:
         return self.base + (self.first[rank] + int(slot)) * self.block_size  # Python ints: no overflow
 
 
-class GpuTieredStore(ExpertStore):
+class GpuTieredStore(DeviceExperts):
     """Routed experts computed from GPU slots: `slots` per MoE layer, or a list of each layer's count; see the module
     docstring.
 

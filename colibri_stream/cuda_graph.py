@@ -21,11 +21,11 @@ import logging
 
 import numpy as np
 
-from ..model.batch import ForwardBatch
-from ..model.paged_kv import PagedKVCache
-from ..model.transformer import MoETransformer
-from .cupy_sampling import DeviceLogits, draw_on_device
-from .launch import programmatic_launch_supported, programmatic_launches
+from .backends.cupy_sampling import DeviceLogits, draw_on_device
+from .backends.launch import programmatic_launch_supported, programmatic_launches
+from .batch import ForwardBatch
+from .model.paged_kv import PagedKVCache
+from .model.transformer import MoETransformer
 
 logger = logging.getLogger(__name__)
 _BATCH_INPUTS = ("token_ids", "positions", "slot_mapping", "context_lens")  # [B] each, from the ForwardBatch
@@ -62,8 +62,8 @@ class DecodeGraph:
         import cupy
         import cupyx
 
-        if model.backend.name != "cupy":
-            raise ValueError("CUDA graphs need the CuPy backend")
+        if not model.backend.supports_graphs:
+            raise ValueError(f"the {model.backend.name} backend does not capture CUDA graphs")
         self.model, self.kv_cache = model, kv_cache
         self.batch_size, self.max_blocks = batch_size, max_blocks
         self.feedback = cupy.zeros((batch_size,), np.int64) if feedback is None else feedback  # [F >= B] argmaxes
@@ -204,8 +204,8 @@ class DecodeGraphs:
     """The engine's decode steps as CUDA graphs: one `DecodeGraph` per batch-size bucket, captured the first time
     a decode batch of that bucket comes, a smaller batch padded up to it (padding rows write no KV: slot -1).
 
-    Used only where a step's work is fixed by shapes: the CuPy backend with every expert resident (GPU expert
-    slots synchronise with the host every layer). `logits(batch)` returns the rows of the real sequences, and
+    Used only where a step's work is fixed by shapes: a backend that captures graphs with a store that needs no
+    host work between kernels (`ExpertStore.capturable`; GPU expert slots synchronise with the host every layer). `logits(batch)` returns the rows of the real sequences, and
     `device_logits(batch)` the same left on the device for the sampler. `launch(batch, feed_rows)` enqueues a
     greedy step whose tokens may be the previous step's argmaxes (rows of the shared `feedback`): all graphs run
     on one stream in launch order and write their argmaxes to the same buffer.
@@ -222,7 +222,7 @@ class DecodeGraphs:
 
     @staticmethod
     def usable(model: MoETransformer) -> bool:
-        return model.backend.name == "cupy" and getattr(model.store, "resident", False)
+        return model.backend.supports_graphs and model.store.capturable
 
     def fits(self, batch: ForwardBatch) -> bool:
         return (batch.num_seqs <= self.sizes[-1] and batch.block_tables.shape[1] <= self.max_blocks
