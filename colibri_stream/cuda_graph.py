@@ -53,8 +53,8 @@ class DecodeGraph:
     finished, `launch` at once. The argmaxes land in `feedback[:batch_size]` (the graph's own buffer by default;
     DecodeGraphs shares one between its graphs, so a step can take its tokens from a step of another size).
     With `programmatic` (and a GPU that has it), the kernels are captured as programmatic dependent launches
-    (launch.py): each may start while the one before it ends. A capture that fails with them (or with cuBLAS,
-    captured_cublas.py) is made again without either.
+    (launch.py): each may start while the one before it ends. A capture that fails with them is made again
+    without.
     """
 
     def __init__(self, model: MoETransformer, kv_cache: PagedKVCache, batch_size: int, max_blocks: int,
@@ -104,15 +104,14 @@ class DecodeGraph:
             self._step(warm_up=True)  # compiles every kernel outside the capture; leaves `feedback` alone
             self.stream.synchronize()
             self.programmatic = programmatic and programmatic_launch_supported()
-            backend = model.backend
             try:
                 self._capture()
-            except Exception as error:  # a driver or GPU that refuses programmatic launches or cuBLAS in a capture
-                if not (self.programmatic or backend.captured_cublas):
+            except Exception as error:  # a driver or GPU that refuses programmatic launches in a capture
+                if not self.programmatic:
                     raise
-                logger.warning("capturing the decode step with programmatic launches and cuBLAS failed (%s); "
-                               "capturing it with plain launches and our own kernels", error)
-                self.programmatic = backend.captured_cublas = False
+                logger.warning("capturing the decode step with programmatic launches failed (%s); capturing it "
+                               "with plain launches", error)
+                self.programmatic = False
                 self._capture()
 
     def _capture(self) -> None:

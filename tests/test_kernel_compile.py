@@ -23,7 +23,7 @@ from colibri_stream.backends.cupy_launch import FAMILIES  # noqa: E402
 from colibri_stream.backends.kernels import COMPILE_OPTIONS, kernel_dir, kernel_source  # noqa: E402
 
 WEIGHT_TYPES = ("float", "__nv_bfloat16", "__half", "signed char", "__nv_fp8_e4m3")
-KV_FILES = ("attention.cu", "attention_prologue.cu", "kv_cache.cu")  # templated on the KV cache's element type
+KV_FILES = ("attention.cu", "attention_prologue.cu")  # templated on the KV cache's element type
 ARCH = "compute_90"  # the H200
 
 

@@ -108,23 +108,7 @@ class Backend(ABC):
     def sigmoid(self, x: Array) -> Array:
         """Elementwise logistic function."""
 
-    @abstractmethod
-    def clip(self, x: Array, limit: float) -> Array:
-        """Clamp every element to [-limit, limit]."""
-
     # ---- attention ----------------------------------------------------------------------------------------
-    @abstractmethod
-    def rotary(self, x: Array, cos: Array, sin: Array, positions: Array) -> Array:
-        """x [T, heads, D], cos/sin tables [P, D/2], positions [T] -> x rotated ("rotate half" pairing)."""
-
-    @abstractmethod
-    def write_kv(self, key_cache: Array, value_cache: Array, key: Array, value: Array, slot_mapping: Array,
-                 kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
-        """Store key/value [T, K, D] into the paged caches [num_blocks, block_size, K, D] at the slots [T]; a
-        negative slot stores nothing (padding rows of a captured batch). Each value is rounded to the caches'
-        dtype (to nearest even) after division by its scale, kv_scales = (k_scale, v_scale); an fp8 cache
-        saturates at +-448 (e4m3's largest finite value)."""
-
     @abstractmethod
     def qk_norm_rope_write(self, q: Array, k: Array, v: Array, q_norm: Array | None, k_norm: Array | None,
                            qk_norm: str, eps: float, clip: float | None, cos: Array, sin: Array, positions: Array,

@@ -79,7 +79,6 @@ class CupyBackend(Backend):
         # [token tiles] route_split's block counters (tiles of one token up): zero between launches (each launch
         # resets what it counted)
         self._route_counters = cupy.zeros(ROUTER_SPLIT_TOKENS, np.uint32)
-        self.captured_cublas = True  # lm_head-sized projections of a capture on cuBLAS (off: on linear_mma)
         self._flash_tiles = FlashTileCache()
 
     def logit_source(self, logits: Array) -> LogitSource:
@@ -175,14 +174,14 @@ class CupyBackend(Backend):
     def _dense_path(self, x: Array, weight: Array) -> str:
         """How x [T, In] is multiplied by `weight`: "mma" (linear_mma) inside a graph capture from
         DENSE_MMA_MIN_TOKENS tokens with bf16/fp16 weights, except lm_head-sized ones from CAPTURED_CUBLAS_MIN_TOKENS
-        and every one from CAPTURED_CUBLAS_ALL_MIN_TOKENS (cuBLAS, while `captured_cublas` is on); eager steps of
+        and every one from CAPTURED_CUBLAS_ALL_MIN_TOKENS (cuBLAS); eager steps of
         that size compile linear_mma, for the capture.
         "gemv" (linear_rows) for few tokens or other captures, "cublas" otherwise."""
         tokens, capturing = x.shape[0], self.cp.cuda.get_current_stream().is_capturing()
         if tokens >= DENSE_MMA_MIN_TOKENS and np.dtype(weight.dtype) in (np.dtype(np.uint16), np.dtype(np.float16)):
             if capturing:
                 large = weight.shape[0] >= CAPTURED_CUBLAS_MIN_ROWS or tokens >= CAPTURED_CUBLAS_ALL_MIN_TOKENS
-                if self.captured_cublas and tokens >= CAPTURED_CUBLAS_MIN_TOKENS and large:
+                if tokens >= CAPTURED_CUBLAS_MIN_TOKENS and large:
                     return "cublas"
                 return "mma"
             w = storage_type(weight)  # an eager step (a graph's warm-up) compiles it for the capture
@@ -275,26 +274,7 @@ class CupyBackend(Backend):
     def sigmoid(self, x: Array) -> Array:
         return self._sigmoid(x)
 
-    def clip(self, x: Array, limit: float) -> Array:
-        return self.cp.clip(x, -limit, limit)
-
     # ---- attention ----------------------------------------------------------------------------------------
-    def rotary(self, x: Array, cos: Array, sin: Array, positions: Array) -> Array:
-        x = self.cp.ascontiguousarray(x)
-        t, heads, d = x.shape
-        out = self.cp.empty_like(x)  # [T, heads, D]
-        launch("rope.cu", "rotary", (t,), 256, (x, out, cos, sin, positions, np.int32(heads), np.int32(d // 2)))
-        return out
-
-    def write_kv(self, key_cache, value_cache, key, value, slot_mapping, kv_scales=(1.0, 1.0)) -> None:
-        t = key.shape[0]
-        width = key_cache.shape[2] * key_cache.shape[3]
-        kv_type = storage_type(key_cache)
-        launch("kv_cache.cu", f"write_kv<{kv_type}>", (t,), 128,
-               (self.cp.ascontiguousarray(key), self.cp.ascontiguousarray(value), key_cache, value_cache,
-                slot_mapping, np.int32(width), np.float32(kv_scales[0]), np.float32(kv_scales[1])),
-               weight_type=kv_type)
-
     def qk_norm_rope_write(self, q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, positions, key_cache,
                            value_cache, slot_mapping, kv_scales=(1.0, 1.0)):
         """One launch of qk_norm_rope_write: a warp per head (q, k and v heads). Without a full-width norm the

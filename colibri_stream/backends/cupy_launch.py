@@ -47,7 +47,6 @@ FAMILIES = {
                                *(f"paged_attention_gqa<{w}, {d}, {g}>" for d in (1, 2, 4, 8) for g in GQA_GROUPS
                                  if g * d <= GQA_MAX_LANE_FLOATS), "paged_attention_merge"),
     "attention_prologue.cu": lambda w: (f"qk_norm_rope_write<{w}>",),
-    "kv_cache.cu": lambda w: (f"write_kv<{w}>",),
     FLASH_FILE: flash_instantiations,  # w: the KV cache's element type
 }
 

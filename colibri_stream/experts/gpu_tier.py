@@ -50,8 +50,7 @@ from .device import DeviceExperts, LayerExperts
 from .handoff import HostFlag, PinnedReadback
 from .partial import DEVICE_DTYPES, PartialLayout
 from .pinned import PinnedExperts, StagingRing, pinned_empty
-from .placement import (ASSUMED, MIN_CUT_GAIN, Bandwidths, ExpertNeed, corrected, expert_cost, gpu_rows,
-                        place_step)
+from .placement import ASSUMED, Bandwidths, ExpertNeed, corrected, expert_cost, gpu_rows, place_step
 from .policies import EvictionPolicy
 from .prefetcher import Prefetcher
 from .rates import FLOP_PROBE_TOKENS, cpu_expert_rates, pinned_copy_rate, shared_rates
@@ -132,10 +131,7 @@ class GpuTieredStore(DeviceExperts):
     host: PinnedExperts (L2 holds all), a TieredExpertStore over a pinned HostTier (L2 holds some) or None (L3
     only). prefetcher: predicts later layers' experts from the host copy of the MoE input. cpu_executor: computes
     misses on the CPU where the cost model says so (`cpu_experts` "auto"), for every miss ("all"), or never
-    (None). stream_waits=False: the host waits for the CPU's part in `finish_layer` (as where the driver has no
-    stream memory operations). cpu_worker=False: the CPU thread runs the executor expert by expert even where a
-    CpuLayerWorker could serve (for comparison). `min_cut_gain`: how much sooner a cut must end a layer's misses
-    than whole experts (placement.place_step).
+    (None).
     """
 
     resident = False
@@ -143,8 +139,7 @@ class GpuTieredStore(DeviceExperts):
     def __init__(self, expert_file: ExpertFile, slots: int | list[int], policies: list[EvictionPolicy],
                  host: PinnedExperts | TieredExpertStore | None, reader: BlockReader,
                  prefetcher: Prefetcher | None = None, cpu_executor: CpuExpertExecutor | None = None,
-                 cpu_experts: str = "auto", bandwidths: Bandwidths | None = None, stream_waits: bool = True,
-                 cpu_worker: bool = True):
+                 cpu_experts: str = "auto", bandwidths: Bandwidths | None = None):
         import cupy
 
         self.cp = cupy
@@ -180,15 +175,13 @@ class GpuTieredStore(DeviceExperts):
         self.bandwidths = bandwidths or (self._measure_bandwidths() if cpu_executor is not None else ASSUMED)
         # Measured rates are corrected by what the steps' CPU work and cut copies take (placement.corrected).
         self.adapt_rates = bandwidths is None and cpu_executor is not None
-        self.min_cut_gain = MIN_CUT_GAIN
         self._copy_probe = None  # (start, end) timing events of the latest cut copy, and its predicted seconds
         self._readback = PinnedReadback()  # routing and MoE input to the host, one synchronisation a layer
         # The CPU's part: its sum goes through one pinned buffer; the stream waits on the flag, not the host.
-        waits = cpu_executor is not None and stream_waits
-        self._flag = HostFlag.create(cupy.cuda.get_current_stream()) if waits else None
+        self._flag = HostFlag.create(cupy.cuda.get_current_stream()) if cpu_executor is not None else None
         self._cpu_out: np.ndarray | None = None  # float32, grown as needed
         self._pending_cpu: dict | None = None  # the step plan whose CPU work the host has not taken in yet
-        self._worker = self._make_worker() if cpu_worker else None  # the CPU's part in one compiled call a layer
+        self._worker = self._make_worker()  # the CPU's part in one compiled call a layer, where it serves
         self._sync_free = self._sync_free_ranks(counts)  # per rank: every expert resident, nothing to predict from it
         self._untallied: dict[int, tuple[np.ndarray, object]] = {}  # per sync-free rank: routing copy [T, k], event
         for rank in (r for r, free in enumerate(self._sync_free) if free):
@@ -420,7 +413,7 @@ class GpuTieredStore(DeviceExperts):
                             splittable=self.host is not None) for e in misses]
         inter = self.file.config.moe_intermediate_size
         on_cpu, split = [], None
-        for expert, share in zip(misses, place_step(needs, self.bandwidths, self.min_cut_gain)):
+        for expert, share in zip(misses, place_step(needs, self.bandwidths)):
             rows = gpu_rows(share, inter, CUT_ROW_MULTIPLE)
             if rows == 0:
                 on_cpu.append(expert)
@@ -567,7 +560,7 @@ class GpuTieredStore(DeviceExperts):
         [T, H] on the device of the experts placed on the CPU (None if none). The compute stream waits for the CPU
         thread's flag before copying the sum in, so the host goes on to queue the next layer while the CPU works;
         the next `begin_layer` that synchronises (or, for the step's last MoE layer, this call) takes in the work's
-        end. Without stream waits on host memory the host waits here."""
+        end."""
         step, self._step = self._step, None
         for target, ranked in self._predictions:
             self._prefetch(target, ranked)
@@ -578,7 +571,7 @@ class GpuTieredStore(DeviceExperts):
             return None
         cpu = step["cpu"]
         stream = self.cp.cuda.get_current_stream()
-        if self._flag is None or step["rank"] == len(self._layer_ids) - 1:
+        if step["rank"] == len(self._layer_ids) - 1:
             self._collect_cpu_work()
         else:
             self._flag.wait(stream, cpu["ticket"])
@@ -627,7 +620,7 @@ class GpuTieredStore(DeviceExperts):
         if self._cpu_out is None or self._cpu_out.size < x.size:
             self._cpu_out = pinned_empty(1, 2 * x.nbytes)[0].view(np.float32)
         out = self._cpu_out[: x.size].reshape(x.shape)  # [T, H]
-        ticket = self._flag.ticket() if self._flag is not None else None
+        ticket = self._flag.ticket()
         cpu = step["cpu"] = {"work": work, "out": out, "ticket": ticket}
         in_memory = all(self._in_host_memory(layer, expert) for expert, _ in work)
         if self._worker is not None and in_memory:
@@ -653,7 +646,7 @@ class GpuTieredStore(DeviceExperts):
         cpu["future"] = self._cpu_thread.submit(self._compute_on_cpu, step["ids"], step["x"], step["weights"],
                                                 fetches, cpu["out"], cpu["ticket"], entered)
         # Let the CPU thread take the GIL for its Python before the executor (which runs without it): while this
-        # thread queues kernels, the other would wait for the GIL (~0.2 ms a layer measured). Not behind a disk read.
+        # thread queues kernels, the other would wait for the GIL. Not behind a disk read.
         if in_memory:
             entered.wait()
 
@@ -666,14 +659,14 @@ class GpuTieredStore(DeviceExperts):
             first, last = rows or (0, inter)
             items.append((block.ctypes.data, first, last, expert))
             releases.append(release)
-        flag = self._flag.word.ctypes.data if self._flag is not None else 0
+        flag = self._flag.word.ctypes.data
         cpu["job"] = self._worker.submit(items, step["ids"], step["x"], step["weights"], cpu["out"], flag,
-                                         cpu["ticket"] or 0)
+                                         cpu["ticket"])
         cpu["releases"] = releases
         cpu["nbytes"] = sum((last - first) * self._worker.expert_bytes // inter for _, first, last, _ in items)
 
     def _compute_on_cpu(self, ids: np.ndarray, x: np.ndarray, weights: np.ndarray, fetches: list, out: np.ndarray,
-                        ticket: int | None, entered: threading.Event) -> float:
+                        ticket: int, entered: threading.Event) -> float:
         """On the CPU thread: the weighted sum of the fetched experts' outputs over their tokens into `out`, then
         the flag raised to `ticket` (also on an error: the stream waiting on it must go on; the step thread raises
         the error). `entered` is set as the executor is called. Returns the seconds it took.
@@ -694,8 +687,7 @@ class GpuTieredStore(DeviceExperts):
             return time.perf_counter() - begin
         finally:
             entered.set()
-            if ticket is not None:
-                self._flag.set(ticket)
+            self._flag.set(ticket)
 
     def _cpu_seconds(self, ids: np.ndarray, work: list[tuple[int, tuple | None]]) -> float:
         """What the placement's rates predict the CPU work of a layer takes (each expert's block already in host
