@@ -4,7 +4,7 @@ Wraps (in this process only) the store's readback, placement hand-off, CPU threa
 step thread's wait for the CPU, records `time.perf_counter()` at each, and prints per MoE layer the mean of:
   sync      readback returned (routing on the host) -> CPU work submitted, in three parts:
   before_place -> the cost model starts (slots looked up, prefetch predictions)
-  place       the cost model's placement of the misses (_place_misses)
+  place       the planner's placement of the misses (_place_misses)
   after_place -> the CPU work submitted (copies queued)
   wake      submitted -> the CPU thread starts
   glue      CPU thread time outside the executor (block lookup, unpacking, weighted sum)
@@ -64,12 +64,12 @@ class Recorder:
         self.events: dict[str, list[float]] = defaultdict(list)
         self.rank = 0
         self._wrap("_start_cpu_work", before="submit")
-        self._wrap("_compute_on_cpu", before="cpu_start", after="cpu_end")
+        self._wrap("_compute", before="cpu_start", after="cpu_end", owner=store.cpu)
         self._wrap("_collect_cpu_work", before="collect", after="collected")
         self._wrap("_place_misses", before="place", after="placed")
         self._wrap_executor()
-        if store._worker is not None:
-            self._wrap_worker(store._worker)
+        if store.cpu.worker is not None:
+            self._wrap_worker(store.cpu.worker)
         readback = store._readback
         original_queue, original_wait = readback.queue, readback.wait
 
@@ -84,8 +84,7 @@ class Recorder:
 
         readback.queue, readback.wait = queue, wait
         self.gpu: list[tuple[str, object]] = []  # ("routing" | "wait" | "waited", timing event) in stream order
-        if store._flag is not None:
-            self._wrap_flag(store._flag)
+        self._wrap_flag(store.cpu.flag)
 
     def _event(self, name: str) -> None:
         import cupy as cp
@@ -104,8 +103,10 @@ class Recorder:
 
         flag.wait = wait
 
-    def _wrap(self, name: str, before: str, after: str | None = None) -> None:
-        original = getattr(self.store, name)
+    def _wrap(self, name: str, before: str, after: str | None = None, owner=None) -> None:
+        """Record `before` (and `after`) around every call of the method `name` of `owner` (default: the store)."""
+        owner = self.store if owner is None else owner
+        original = getattr(owner, name)
 
         def wrapped(*args, **kwargs):
             self.events[before].append(time.perf_counter())
@@ -115,7 +116,7 @@ class Recorder:
                 if after is not None:
                     self.events[after].append(time.perf_counter())
 
-        setattr(self.store, name, wrapped)
+        setattr(owner, name, wrapped)
 
     def _wrap_executor(self) -> None:
         executor = self.store.executor
@@ -215,7 +216,7 @@ def run(args) -> list[dict]:
         slots = layer_slot_counts(round(fraction * config.num_experts), len(config.moe_layers), config.num_experts,
                                   layout)
         model = make_model(folder, slots, pinned, mode, threads)
-        worker = model.store._worker
+        worker = model.store.cpu.worker
         cpu_call = "thread" if worker is None else "worker"
         if worker is not None and waiter != "default":
             worker.wait_spin_seconds = {"spin": WAIT_SPIN_SECONDS, "sleep": 0.0}[waiter]

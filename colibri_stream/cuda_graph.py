@@ -204,7 +204,8 @@ class DecodeGraphs:
     a decode batch of that bucket comes, a smaller batch padded up to it (padding rows write no KV: slot -1).
 
     Used only where a step's work is fixed by shapes: a backend that captures graphs with a store that needs no
-    host work between kernels (`ExpertStore.capturable`; GPU expert slots synchronise with the host every layer). `logits(batch)` returns the rows of the real sequences, and
+    host work between kernels (`ExpertStore.capturable`; GPU expert slots synchronise with the host every layer).
+    `logits(batch)` returns the rows of the real sequences, and
     `device_logits(batch)` the same left on the device for the sampler. `launch(batch, feed_rows)` enqueues a
     greedy step whose tokens may be the previous step's argmaxes (rows of the shared `feedback`): all graphs run
     on one stream in launch order and write their argmaxes to the same buffer.

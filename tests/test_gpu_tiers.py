@@ -153,7 +153,7 @@ def test_layers_holding_every_expert_skip_the_synchronisation(moe16_dir, residen
     model = load_model(str(moe16_dir), device="cuda", experts=options)
     assert [slots.num_slots for slots in model.store._layers] == [1, 16, 16]
     assert model.store._sync_free == [False, True, True]
-    assert model.store._worker is None  # the tiny experts are under the kernel's size: the CPU thread's Python
+    assert model.store.cpu.worker is None  # the tiny experts are under the kernel's size: the CPU thread's Python
     waits = count_synchronisations(model.store)
     got = step_logits(model)
     assert waits[0] == len(got)  # one read-back a step: the first layer's
@@ -196,7 +196,7 @@ def test_whole_layers_beside_the_cpu_worker_give_the_resident_tokens(moe16_dir, 
     """Whole layers [1, 16, 16] that skip the read-back while the CpuLayerWorker (its kernel taking experts of any
     size) computes the first layer's misses: one read-back a step, the resident tokens, logits within rounding."""
     store, model = worker_store(moe16_dir, [1, 16, 16], cpu_experts="all")
-    assert store._worker is not None and store._sync_free == [False, True, True]
+    assert store.cpu.worker is not None and store._sync_free == [False, True, True]
     waits = count_synchronisations(store)
     got = step_logits(model)
     assert waits[0] == len(got)
@@ -229,7 +229,7 @@ def test_the_cpu_worker_gives_the_resident_tokens(moe16_dir, resident_gpu_logits
     raised by it) once the executor's kernel takes experts of any size: the same tokens, logits within rounding,
     every expert counted; "auto" with the CPU as fast as the copy cuts experts between the worker and the GPU."""
     store, model = worker_store(moe16_dir, 2, cpu_experts, bandwidths=EVEN if cpu_experts == "auto" else None)
-    assert store._worker is not None and store._flag is not None
+    assert store.cpu.worker is not None and store.cpu.flag is not None
     assert_resident_tokens(step_logits(model), resident_gpu_logits)
     stats = store.stats()
     assert stats.compute.cpu_experts > 0 and stats.compute.cpu_bytes_read > 0 and stats.compute.cpu_seconds > 0

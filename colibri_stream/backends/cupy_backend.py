@@ -14,7 +14,7 @@ stays within about 1e-5 of float32 while each weight is still read once. CuPy re
 captures a CUDA graph, so inside a capture bf16/fp16 projections of DENSE_MMA_MIN_TOKENS tokens or more run on our
 tensor-core kernel (linear_mma.cu: the same hi/lo split, the columns split over enough blocks to fill the GPU),
 except lm_head-sized ones, which call cuBLAS through ctypes (captured_cublas.py), and the others on linear_rows.
-Routed experts are held per layer as stacked device arrays (DeviceExpertStore), and the MoE kernels read the
+Routed experts are held per layer as stacked device arrays (cupy_moe.DeviceExpertStore), and the MoE kernels read the
 routing from device memory, so a decode step needs no host synchronisation and can be captured in a CUDA graph
 (cuda_graph.py).
 """

@@ -65,7 +65,7 @@ def routed_experts(backend, x: Array, weights: Array, expert_ids: Array, layer: 
     routing = (group_expert, group_start, sorted_pairs, num_groups)
     act = y = None
     for experts in device.passes(layer):
-        i = experts.gate.shape[1]  # a cut expert's GPU part (experts/partial.py) has fewer rows than the others
+        i = experts.gate.shape[1]  # a cut expert's GPU part (experts/cut_layout.py) has fewer rows than the others
         if act is None or act.shape[1] != i:
             check_row_width(h, experts.gate, "experts (hidden size)")
             check_row_width(i, experts.down, "experts (intermediate size)")

@@ -2,7 +2,8 @@
 
 The GPU slot store (gpu_tier.py) hands the experts it places on the CPU to another thread once per MoE layer.
 Through a Python thread pool that hand-off would wake a thread and pass it the GIL, and run Python around the
-executor's kernel, every layer (benchmarks/offload_timeline.py times both). Here the thread waits inside a compiled loop that holds no GIL: it spins on a doorbell word, reads the job from a table of
+executor's kernel, every layer (benchmarks/offload_timeline.py times both). Here the thread waits inside a compiled
+loop that holds no GIL: it spins on a doorbell word, reads the job from a table of
 int64 words (the addresses of the layer's tokens, routing, output and of each expert's pinned block, and the row
 range the CPU computes), runs the executor's kernel (cpu_executor.expert_kernel) for each expert over the tokens
 routed to it, adds the result times the routing weight into the output, then raises the CUDA stream's flag
