@@ -23,6 +23,7 @@ through the layers so weights do not stay in L2) shows where a step's time goes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -47,6 +48,22 @@ WEIGHT_BYTES = 2  # bf16
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+@contextlib.contextmanager
+def tuning_set(name: str, value: int):
+    """A constant of backends/tuning.py set to `value` meanwhile, in every GPU backend module that uses it."""
+    from colibri_stream.backends import cupy_backend, cupy_launch, cupy_moe, tuning
+
+    users = [m for m in (tuning, cupy_backend, cupy_moe, cupy_launch) if hasattr(m, name)]
+    saved = [getattr(m, name) for m in users]
+    for module in users:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, old in zip(users, saved):
+            setattr(module, name, old)
 
 
 def measure_bandwidth(cp) -> float:
@@ -110,7 +127,7 @@ class Colibri:
         self.cp = self.backend.cp
 
     def setup(self, batch: int) -> None:
-        from colibri_stream.backends.cuda_graph import DecodeGraph
+        from colibri_stream.cuda_graph import DecodeGraph
 
         per_seq = -(-(PROMPT + DECODE + 1) // BLOCK_SIZE)
         self.kv = self.model.allocate_kv_cache(batch * per_seq, BLOCK_SIZE)
@@ -123,7 +140,7 @@ class Colibri:
         self.first_tokens = np.random.default_rng(batch + 1).integers(0, self.config.vocab_size, batch)
 
     def step_batch(self, tokens: np.ndarray, step: int):
-        from colibri_stream.model.batch import ForwardBatch
+        from colibri_stream.batch import ForwardBatch
 
         b = len(tokens)
         positions = np.full(b, PROMPT + step, np.int64)
@@ -186,19 +203,14 @@ class Colibri:
         return graph_replay_seconds(graph, replays)
 
     def variant_replays(self, variants: list[tuple[str, int]], eager_tokens: list[np.ndarray]) -> dict:
-        """For each (constant of cupy_backend.py, value): the decode graph captured with it set, replayed back to
+        """For each (constant of backends/tuning.py, value): the decode graph captured with it set, replayed back to
         back against the shipped graph (interleaved), and whether its greedy tokens equal the eager step's."""
-        from colibri_stream.backends import cupy_backend
-        from colibri_stream.backends.cuda_graph import DecodeGraph
+        from colibri_stream.cuda_graph import DecodeGraph
 
         results = {}
         for name, value in variants:
-            saved = getattr(cupy_backend, name)
-            setattr(cupy_backend, name, value)
-            try:
+            with tuning_set(name, value):
                 graph = DecodeGraph(self.model, self.kv, self.graph.batch_size, self.graph.max_blocks)
-            finally:
-                setattr(cupy_backend, name, saved)
             _, tokens = self.decode(CHECK_STEPS, graph)
             shipped, variant = [], []
             for _ in range(REPEATS):
@@ -236,7 +248,7 @@ class Colibri:
 
     def profile(self, batch: int, context: int, variants: list[tuple[str, int]]) -> list[dict]:
         """Time of each operation of a decode step at `batch` tokens, cycling through the layers; then again with each
-        (constant of cupy_backend.py, value) of `variants` set."""
+        (constant of backends/tuning.py, value) of `variants` set."""
         cp, b, cfg, layers = self.cp, self.backend, self.config, self.model.layers
         h = cfg.hidden_size
         x = cp.random.standard_normal((batch, h), dtype=np.float32)  # [B, H]
@@ -270,22 +282,14 @@ class Colibri:
             ("lm_head", cfg.vocab_size * h * WEIGHT_BYTES / n, lambda i: b.linear(x, self.model.lm_head)
              if i % n == 0 else None),
         ]
-        from colibri_stream.backends import cupy_backend
-
         records = []
         for variant in [None, *variants]:
-            saved = None if variant is None else getattr(cupy_backend, variant[0])
-            if variant is not None:
-                setattr(cupy_backend, variant[0], variant[1])
-            try:
+            with contextlib.nullcontext() if variant is None else tuning_set(*variant):
                 for name, nbytes, fn in ops:
                     seconds = time_in_graph(cp, fn)
                     records.append({"op": name if variant is None else f"{name} ({variant[0]} = {variant[1]})",
                                     "us_per_layer": seconds * 1e6, "bytes_per_layer": nbytes,
                                     "gbps": nbytes / seconds / 1e9 if nbytes else None})
-            finally:
-                if variant is not None:
-                    setattr(cupy_backend, variant[0], saved)
         return records
 
 
@@ -488,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/decode_h200.json")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE",
                         help="capture and replay the decode graph, and profile the operations again, with this "
-                             "integer constant of cupy_backend.py set (MOE_DOWN_ROW_BYTES=8192, GQA_BLOCKS_PER_SM=4, ...); "
+                             "integer constant of backends/tuning.py set (MOE_DOWN_ROW_BYTES=8192, GQA_BLOCKS_PER_SM=4, ...); "
                              "repeatable")
     args = parser.parse_args(argv)
     require_gpu()
@@ -498,11 +502,11 @@ def main(argv: list[str] | None = None) -> int:
         variants.append((name, int(value)))
     import cupy
 
-    from colibri_stream.backends import cupy_backend
+    from colibri_stream.backends import tuning
 
-    unknown = [name for name, _ in variants if not isinstance(getattr(cupy_backend, name, None), int)]
+    unknown = [name for name, _ in variants if not isinstance(getattr(tuning, name, None), int)]
     if unknown:
-        parser.error(f"not integer constants of cupy_backend.py: {unknown}")
+        parser.error(f"not integer constants of backends/tuning.py: {unknown}")
     bandwidth = measure_bandwidth(cupy)
     log(f"device-to-device copy: {bandwidth:.0f} GB/s")
     common = dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"), command=" ".join(sys.argv),

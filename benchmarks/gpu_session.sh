@@ -66,9 +66,9 @@ for stage in $STAGES; do
         ${CPU_ARGS:---shapes mixtral-8x7b,qwen3-30b-a3b --dtypes bf16 --tokens 1,16 --threads 8,16 --candidates stream,numba} \
         2>&1 | tee "$OUT/cpu.log" | tail -20 ;;
     timeline)
-      echo "== offload hand-offs, layer by layer (the CPU's part: worker against thread)"
+      echo "== offload hand-offs, layer by layer"
       timeout "${TIMELINE_TIMEOUT:-300}" python3 benchmarks/offload_timeline.py --out "$OUT/offload_timeline_h200.json" \
-        ${TIMELINE_ARGS:---fractions 0.5 0 --modes colibri --cpu-calls worker thread --handoffs stream --steps 16} \
+        ${TIMELINE_ARGS:---fractions 0.5 0 --modes colibri --steps 16} \
         2>&1 | tee "$OUT/timeline.log" | grep -v "^\s*$" | tail -20 ;;
     llama)
       # llama.cpp as a baseline. LLAMA_SRC: a llama.cpp source tree (not part of the project: carried, or fetched

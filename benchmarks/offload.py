@@ -120,13 +120,10 @@ def measure(folder, pinned, threads: int | None) -> Measured:
     return Measured(pcie, host_read, disk, shared_read, shared_pcie)
 
 
-def make_model(folder, slots: int | list[int] | None, host, mode: str, threads: int | None = None,
-               stream_waits: bool = True, cpu_worker: bool = True, min_cut_gain: float | None = None):
+def make_model(folder, slots: int | list[int] | None, host, mode: str, threads: int | None = None):
     """The model over `slots` GPU slots per layer (or each layer's count; None: every expert resident) fed from
     `host`, the CPU expert executor (modes that use it) on `threads` threads (None: the store's default, every core
-    but one);
-    stream_waits=False: the host waits for the CPU's experts; cpu_worker=False: the CPU thread's Python runs the
-    executor expert by expert (GpuTieredStore); min_cut_gain: the placement's (None: its default)."""
+    but one)."""
     from colibri_stream.backends.cupy_backend import CupyBackend
     from colibri_stream.experts.cpu_executor import CpuExpertExecutor, threads_beside_gpu
     from colibri_stream.experts.gpu_tier import GpuTieredStore
@@ -147,9 +144,7 @@ def make_model(folder, slots: int | list[int] | None, host, mode: str, threads: 
     policies = [make_policy("lfu", config.num_experts) for _ in config.moe_layers]
     executor = None if cpu_experts == "off" else CpuExpertExecutor(threads or threads_beside_gpu())
     store = GpuTieredStore(experts, slots, policies, host, BlockReader(experts, use_kvikio=kvikio_available()),
-                           prefetcher, executor, cpu_experts, stream_waits=stream_waits, cpu_worker=cpu_worker)
-    if min_cut_gain is not None:
-        store.min_cut_gain = min_cut_gain
+                           prefetcher, executor, cpu_experts)
     return MoETransformer(config, folder.dense, store, CupyBackend())
 
 
@@ -164,7 +159,7 @@ def decode(model, batch: int, steps: int, cold: Path | None = None) -> dict:
     """Timed greedy decode of `batch` sequences with PROMPT cached tokens (random keys and values)."""
     import cupy as cp
 
-    from colibri_stream.model.batch import flat_batch
+    from colibri_stream.batch import flat_batch
 
     per_seq = -(-(PROMPT + WARMUP + steps + 1) // BLOCK_SIZE)
     kv = model.allocate_kv_cache(batch * per_seq, BLOCK_SIZE)
@@ -195,7 +190,7 @@ def decode(model, batch: int, steps: int, cold: Path | None = None) -> dict:
 
 def prefill(model, tokens: int, cold: Path | None = None) -> dict:
     """Seconds of one prompt of `tokens` tokens (the second of two runs)."""
-    from colibri_stream.model.batch import flat_batch
+    from colibri_stream.batch import flat_batch
 
     blocks = -(-tokens // BLOCK_SIZE)
     kv = model.allocate_kv_cache(blocks, BLOCK_SIZE)
@@ -322,7 +317,7 @@ def run(args) -> list[dict]:
                   shared_pcie_gbps_measured=bw.shared_pcie_gbps,
                   prompt_cached_tokens=PROMPT, decode_steps=args.steps, routing="random router (close to uniform)",
                   eviction="lfu", kvikio=kvikio_available(),
-                  min_cut_gain=MIN_CUT_GAIN if args.min_cut_gain is None else args.min_cut_gain)
+                  min_cut_gain=MIN_CUT_GAIN)
     records = []
     resident: dict = {}
     model = make_model(folder, None, None, "colibri")
@@ -357,8 +352,7 @@ def run(args) -> list[dict]:
                     if slots >= config.num_experts:
                         result = resident[batch]
                     else:
-                        model = make_model(folder, counts, host, mode, args.cpu_threads,
-                                           min_cut_gain=args.min_cut_gain)
+                        model = make_model(folder, counts, host, mode, args.cpu_threads)
                         try:
                             steps = args.steps if source == "l2" else args.cold_steps
                             result = (prefill(model, args.prefill, cold) if batch == "prefill"
@@ -459,8 +453,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slot-layout", nargs="+", default=["spread"], choices=GPU_SLOT_LAYOUTS,
                         help="the GPU slots of each layer: the same number (spread) or whole layers; several: each "
                              "budget runs once per distinct slot count list (0 %% gives the same for both)")
-    parser.add_argument("--min-cut-gain", type=float, default=None,
-                        help="how much sooner a cut expert must end a layer than whole experts (default: the store's)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps (l2)")
     parser.add_argument("--cold-steps", type=int, default=3, help="timed decode steps with a cold page cache (l3)")

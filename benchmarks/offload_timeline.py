@@ -4,7 +4,7 @@ Wraps (in this process only) the store's readback, placement hand-off, CPU threa
 step thread's wait for the CPU, records `time.perf_counter()` at each, and prints per MoE layer the mean of:
   sync      readback returned (routing on the host) -> CPU work submitted, in three parts:
   before_place -> the cost model starts (slots looked up, prefetch predictions)
-  place       the cost model's placement of the misses (_place_misses)
+  place       the planner's placement of the misses (_place_misses)
   after_place -> the CPU work submitted (copies queued)
   wake      submitted -> the CPU thread starts
   glue      CPU thread time outside the executor (block lookup, unpacking, weighted sum)
@@ -13,10 +13,10 @@ step thread's wait for the CPU, records `time.perf_counter()` at each, and print
 same clock as time.perf_counter; "glue" is 0)
   tail      the CPU thread's end (flag raised) -> the next layer's routing on the host, in two parts:
   host_wake   -> the step thread has taken in the CPU's end
-  after_collect -> the routing is on the host (the GPU's attention and router after the flag, the readback; with
-            the host waiting, also the Python that queues them), of which
+  after_collect -> the routing is on the host (the GPU's attention and router after the flag, the readback), of
+            which
   readback    the host's wait for the routing's copies (queued before the CPU's end was taken in)
-and, with the stream waiting, CUDA events on the compute stream around the flag wait (GPU clock):
+and CUDA events on the compute stream around the flag wait (GPU clock):
   gpu_experts   the routing read back -> the GPU's own experts queued before the wait are done
   gpu_waited    how long the stream waited on the flag (about 0: the GPU's experts ended after the CPU's)
   gpu_next      the flag seen -> the next layer's routing ready to read back (sum copied in, attention, router)
@@ -39,6 +39,7 @@ from decode import log, machine
 from offload import decode, make_model, open_folder, write
 
 from colibri_stream.config import GPU_SLOT_LAYOUTS
+from colibri_stream.experts.placement import MIN_CUT_GAIN
 from colibri_stream.experts.cpu_worker import WAIT_SPIN_SECONDS
 from colibri_stream.experts.slots import layer_slot_counts
 
@@ -63,12 +64,12 @@ class Recorder:
         self.events: dict[str, list[float]] = defaultdict(list)
         self.rank = 0
         self._wrap("_start_cpu_work", before="submit")
-        self._wrap("_compute_on_cpu", before="cpu_start", after="cpu_end")
+        self._wrap("_compute", before="cpu_start", after="cpu_end", owner=store.cpu)
         self._wrap("_collect_cpu_work", before="collect", after="collected")
         self._wrap("_place_misses", before="place", after="placed")
         self._wrap_executor()
-        if store._worker is not None:
-            self._wrap_worker(store._worker)
+        if store.cpu.worker is not None:
+            self._wrap_worker(store.cpu.worker)
         readback = store._readback
         original_queue, original_wait = readback.queue, readback.wait
 
@@ -83,8 +84,7 @@ class Recorder:
 
         readback.queue, readback.wait = queue, wait
         self.gpu: list[tuple[str, object]] = []  # ("routing" | "wait" | "waited", timing event) in stream order
-        if store._flag is not None:
-            self._wrap_flag(store._flag)
+        self._wrap_flag(store.cpu.flag)
 
     def _event(self, name: str) -> None:
         import cupy as cp
@@ -103,8 +103,10 @@ class Recorder:
 
         flag.wait = wait
 
-    def _wrap(self, name: str, before: str, after: str | None = None) -> None:
-        original = getattr(self.store, name)
+    def _wrap(self, name: str, before: str, after: str | None = None, owner=None) -> None:
+        """Record `before` (and `after`) around every call of the method `name` of `owner` (default: the store)."""
+        owner = self.store if owner is None else owner
+        original = getattr(owner, name)
 
         def wrapped(*args, **kwargs):
             self.events[before].append(time.perf_counter())
@@ -114,7 +116,7 @@ class Recorder:
                 if after is not None:
                     self.events[after].append(time.perf_counter())
 
-        setattr(self.store, name, wrapped)
+        setattr(owner, name, wrapped)
 
     def _wrap_executor(self) -> None:
         executor = self.store.executor
@@ -207,48 +209,44 @@ def run(args) -> list[dict]:
     folder, pinned = open_folder(args.folder, "mixtral-8x7b", args.layers)
     records = []
     config = folder.config
-    runs = [(f, m, lay, c, t, g, w) for f in args.fractions for m in args.modes for lay in args.layouts
-            for c in args.cpu_calls for t in args.cpu_threads for g in args.min_cut_gains for w in args.waiters]
+    runs = [(f, m, lay, t, w) for f in args.fractions for m in args.modes for lay in args.layouts
+            for t in args.cpu_threads for w in args.waiters]
     runs = [(r, *run) for r in range(args.rounds) for run in (runs if r % 2 == 0 else runs[::-1])]
-    for round_index, fraction, mode, layout, cpu_call, threads, gain, waiter in runs:
+    for round_index, fraction, mode, layout, threads, waiter in runs:
         slots = layer_slot_counts(round(fraction * config.num_experts), len(config.moe_layers), config.num_experts,
                                   layout)
-        for waits in (handoff == "stream" for handoff in args.handoffs):
-            model = make_model(folder, slots, pinned, mode, threads, stream_waits=waits,
-                               cpu_worker=cpu_call == "worker", min_cut_gain=gain)
-            cut_gain = model.store.min_cut_gain  # the store's default where `gain` is None
-            worker = model.store._worker
-            if worker is not None and waiter != "default":
-                worker.wait_spin_seconds = {"spin": WAIT_SPIN_SECONDS, "sleep": 0.0}[waiter]
-            wait_spin = worker.wait_spin_seconds if worker is not None else None
-            recorder = Recorder(model.store)
-            decode(model, 1, 2)  # warm
-            recorder.clear()
-            figures = decode(model, 1, args.steps)
-            layers = recorder.layers()
-            means = summarise(layers)
-            means.update(recorder.gpu_intervals())
-            handoff = "stream" if waits else "host"
-            cpu_threads = model.store.executor.num_threads
-            log(f"{fraction:.0%} {mode} {layout} {cpu_call} {cpu_threads} threads, {handoff} waits, "
-                f"cut gain {cut_gain}, waiter spins {wait_spin} s: "
-                f"{figures['tok_s']:.1f} tok/s, step {1e3 * figures['step_s']:.1f} ms, experts a step: "
-                f"{figures['cpu_experts_per_step']:.2f} CPU, {figures['split_experts_per_step']:.2f} cut; "
-                f"per CPU hand-off (ms): "
-                + ", ".join(f"{k} {v:.3f}" for k, v in means.items() if v is not None)
-                + f"; {len(layers) / args.steps:.1f} a step")
-            records.append(dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"),
-                                command=" ".join(sys.argv), bench="offload_timeline", shape="mixtral-8x7b",
-                                numba_threading_layer=threading_layer(),
-                                thread_env={k: os.environ.get(k) for k in THREAD_ENV},
-                                layers=args.layers, batch=1, gpu_expert_fraction=fraction, mode=mode,
-                                slot_layout=layout, gpu_slots=slots, cpu_call=cpu_call, cpu_threads=cpu_threads,
-                                min_cut_gain=cut_gain, waiter=waiter, wait_spin_seconds=wait_spin,
-                                handoff=handoff, figures=figures, handoff_ms=means,
-                                handoff_ms_median=summarise(layers, statistics.median),
-                                handoffs_per_step=len(layers) / args.steps, round=round_index))
-            write(args.out, records)
-            del model, recorder
+        model = make_model(folder, slots, pinned, mode, threads)
+        worker = model.store.cpu.worker
+        cpu_call = "thread" if worker is None else "worker"
+        if worker is not None and waiter != "default":
+            worker.wait_spin_seconds = {"spin": WAIT_SPIN_SECONDS, "sleep": 0.0}[waiter]
+        wait_spin = worker.wait_spin_seconds if worker is not None else None
+        recorder = Recorder(model.store)
+        decode(model, 1, 2)  # warm
+        recorder.clear()
+        figures = decode(model, 1, args.steps)
+        layers = recorder.layers()
+        means = summarise(layers)
+        means.update(recorder.gpu_intervals())
+        cpu_threads = model.store.executor.num_threads
+        log(f"{fraction:.0%} {mode} {layout} {cpu_call} {cpu_threads} threads, waiter spins {wait_spin} s: "
+            f"{figures['tok_s']:.1f} tok/s, step {1e3 * figures['step_s']:.1f} ms, experts a step: "
+            f"{figures['cpu_experts_per_step']:.2f} CPU, {figures['split_experts_per_step']:.2f} cut; "
+            f"per CPU hand-off (ms): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in means.items() if v is not None)
+            + f"; {len(layers) / args.steps:.1f} a step")
+        records.append(dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"),
+                            command=" ".join(sys.argv), bench="offload_timeline", shape="mixtral-8x7b",
+                            numba_threading_layer=threading_layer(),
+                            thread_env={k: os.environ.get(k) for k in THREAD_ENV},
+                            layers=args.layers, batch=1, gpu_expert_fraction=fraction, mode=mode,
+                            slot_layout=layout, gpu_slots=slots, cpu_call=cpu_call, cpu_threads=cpu_threads,
+                            min_cut_gain=MIN_CUT_GAIN, waiter=waiter, wait_spin_seconds=wait_spin,
+                            handoff="stream", figures=figures, handoff_ms=means,
+                            handoff_ms_median=summarise(layers, statistics.median),
+                            handoffs_per_step=len(layers) / args.steps, round=round_index))
+        write(args.out, records)
+        del model, recorder
     return records
 
 
@@ -259,15 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.5])
     parser.add_argument("--modes", nargs="+", default=["colibri", "cpu_only"], choices=["colibri", "cpu_only"])
     parser.add_argument("--layouts", nargs="+", default=["spread"], choices=GPU_SLOT_LAYOUTS)
-    parser.add_argument("--handoffs", nargs="+", default=["stream", "host"], choices=["stream", "host"],
-                        help="who waits for the CPU's experts: the stream (on a flag) or the host")
-    parser.add_argument("--cpu-calls", nargs="+", default=["worker", "thread"], choices=["worker", "thread"],
-                        help="the CPU's part of a layer: one compiled call (CpuLayerWorker) or the CPU thread's "
-                             "Python running the executor expert by expert")
     parser.add_argument("--cpu-threads", type=int, nargs="+", default=[None],
                         help="the CPU executor's thread counts to compare (default: every core numba sees)")
-    parser.add_argument("--min-cut-gains", type=float, nargs="+", default=[None],
-                        help="the placement's minimum gain of a cut to compare (default: the store's)")
     parser.add_argument("--waiters", nargs="+", default=["default"], choices=["default", "spin", "sleep"],
                         help="how the step thread waits for the CpuLayerWorker's job: the worker's default (spin where "
                              "its threads leave a core), spinning through the job (50 ms at most), or a short spin "

@@ -41,8 +41,9 @@ from colibri_stream.experts.prefetcher import Prefetcher
 from colibri_stream.experts.replay import replay, replay_policy
 from colibri_stream.experts.store import MappedExpertStore
 from colibri_stream.experts.trace import read_trace, write_usage
-from colibri_stream.model import MoETransformer, load_model
-from colibri_stream.model.batch import single_sequence_batch
+from colibri_stream.loader import load_model
+from colibri_stream.model import MoETransformer
+from colibri_stream.batch import single_sequence_batch
 
 ROOT = Path(__file__).resolve().parent
 TRACES = ROOT / "data" / "default_model" / "traces_test.npz"

@@ -62,7 +62,7 @@ class Prompt:
 
     def __init__(self, cp, heads: int, kv_heads: int, head_dim: int, context: int, chunk: int, kv_dtype: str,
                  first: int = 0, seed: int = 0):
-        from colibri_stream.model.batch import single_sequence_batch
+        from colibri_stream.batch import single_sequence_batch
 
         blocks = -(-context // BLOCK_SIZE)
         rng = np.random.default_rng(seed)

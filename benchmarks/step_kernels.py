@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     require_gpu()
     import cupy
 
-    from colibri_stream.model.batch import ForwardBatch
+    from colibri_stream.batch import ForwardBatch
     from colibri_stream.synthetic import synthetic_model
 
     model = synthetic_model(args.shape, num_layers=args.layers, device="cuda")

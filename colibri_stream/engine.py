@@ -32,7 +32,8 @@ from .errors import (EngineStepError, EngineStoppedError, InvalidParameterError,
 from .experts.stats import ExpertStats
 from .kv_budget import KVCacheSize, activation_reserve, default_budget, size_kv_cache
 from .kv_cache import KVCacheManager
-from .model import MoETransformer, load_model
+from .loader import load_model
+from .model import MoETransformer
 from .model.paged_kv import kv_bytes_per_token, resolve_kv_dtype
 from .request import Logprob, Request, RequestOutput, RequestStatus, SamplingParams
 from .runner import LaunchedStep, ModelRunner, RunnerOutput

@@ -24,8 +24,8 @@ from .memory import MemoryInfo
 
 @dataclass(frozen=True)
 class Bandwidths:
-    """Bytes per second of every path an expert can take. Defaults: measured on the H200 machine (one H200,
-    16 cores); they are assumptions anywhere else, so measure and override them."""
+    """Bytes per second of every path an expert can take. Defaults: a host of one H200 and 16 cores; they are
+    assumptions anywhere else, so measure and override them."""
 
     hbm: float = 4.2e12  # GPU memory, device-to-device copy
     pcie_pinned: float = 55e9  # host -> GPU from pinned memory

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .model import ForwardBatch, MoETransformer, PagedKVCache
-from .model.batch import flat_batch
+from .batch import flat_batch
 from .errors import ColibriError
 from .request import Logprob, SamplingParams, SeqId
 from .sampling import (NON_FINITE_LOGITS, HostLogits, LogitSource, Sampler, SamplingState, TokenLogprobs,
@@ -71,7 +71,7 @@ class ModelRunner:
         self._host_feedback = np.zeros(0, np.int64)  # [N] the last step launched on the host: its argmaxes
         self.graphs = None  # decode steps as CUDA graphs, where the model's work is fixed by shapes
         if cuda_graphs and max_blocks_per_seq is not None and max_batch_size is not None:
-            from .backends.cuda_graph import DecodeGraphs
+            from .cuda_graph import DecodeGraphs
 
             if DecodeGraphs.usable(model):
                 self.graphs = DecodeGraphs(model, kv_cache, max_blocks_per_seq, max_batch_size)
@@ -131,11 +131,12 @@ class ModelRunner:
         with timer.phase("prepare"):
             batch = build_batch(seqs, self.kv_cache.block_size)
             feed_rows = np.array([s.feed_row for s in seqs], dtype=np.int64)  # [N]
-        if self.model.backend.name == "cupy" and (self.graphs is None or not self.graphs.fits(batch)):
+        graphed = self.graphs is not None and self.graphs.fits(batch)
+        if self.model.backend.supports_graphs and not graphed:  # its tokens would go through the host
             return None
         states = [self._state(s) for s in seqs]
         failures: dict[int, str] = {}  # the host's sampler reports them; a decode graph's tokens stay on the device
-        if self.model.backend.name == "cupy":
+        if graphed:
             sampled = [not argmax_only(state.params) for state in states]  # [N]
             temperature = np.array([state.params.temperature if s else 0.0 for state, s in zip(states, sampled)],
                                    dtype=np.float32)  # [N]
@@ -169,22 +170,17 @@ class ModelRunner:
 
     def _forward(self, batch: ForwardBatch, sampling_rows: int) -> tuple[LogitSource, LogitSource]:
         """The step's logits of its first `sampling_rows` rows and those of the rows after them (prompt positions):
-        on the host with NumPy; on the GPU left there (the sampler and `token_logprobs` copy back what they need),
+        where the backend left them (a GPU's stay there: the sampler and `token_logprobs` copy back what they need),
         from the bucket's decode graph where one fits. Returns once the device finished the step."""
-        if self.model.backend.name != "cupy":
-            logits = self.model.forward(batch, self.kv_cache)  # [N + M, V]
-            return HostLogits(logits[:sampling_rows]), HostLogits(logits[sampling_rows:])
-        from .backends.cupy_sampling import DeviceLogits
-
-        backend = self.model.backend
         if self.graphs is not None and self.graphs.fits(batch):  # never with prompt rows (fits: one row a sequence)
             logits = self.graphs.device_logits(batch)  # one graph launch, no per-layer phases
-            prompt = HostLogits(np.zeros((0, self.model.config.vocab_size), np.float32))
-        else:  # positions stay below the model's: EngineCore bounds max_seq_len by them
-            every = self.model.forward_device(batch, self.model.upload_batch(batch), self.kv_cache)  # [N + M, V]
-            logits, prompt = DeviceLogits(every[:sampling_rows], backend), DeviceLogits(every[sampling_rows:], backend)
-        logits.stream.synchronize()  # the forward phase holds the device's time, as the host path's copy does
-        return logits, prompt
+            logits.stream.synchronize()
+            return logits, HostLogits(np.zeros((0, self.model.config.vocab_size), np.float32))
+        # positions stay below the model's: EngineCore bounds max_seq_len by them
+        backend = self.model.backend
+        every = self.model.forward_device(batch, self.model.upload_batch(batch), self.kv_cache)  # [N + M, V]
+        backend.synchronize()  # the forward phase holds the device's time
+        return backend.logit_source(every[:sampling_rows]), backend.logit_source(every[sampling_rows:])
 
     def _state_or_failure(self, seq: ScheduledSeq, index: int, failures: dict[int, str]) -> SamplingState:
         """The sequence's sampling state; where it cannot be made (its grammar refused by llguidance), the failure

@@ -20,7 +20,7 @@ logit (equal ones by lower id: the candidates' order), then every other token by
 floor(exp(x - max) * 2**bits) (`fixed_exp`, the terms of `exp_sums`), so the candidates' weights and the row's
 total are exact integers on either processor and the walk ends on the same token whether or not the row is
 copied. The distribution is the softmax's (to 2**-bits of the best token's weight); which token a given uniform
-maps to changed with this order (before, the walk went by token id alone).
+maps to follows this order, not the token ids'.
 """
 
 from __future__ import annotations

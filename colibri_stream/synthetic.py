@@ -28,7 +28,8 @@ from .checkpoint import (CONFIG_FILE, NUMPY_DTYPES, DenseFileWriter, ExpertFileW
                          expert_block_layout, write_config)
 from .config import ModelConfig, RopeConfig
 from .experts.store import ExpertStore
-from .model.transformer import MoETransformer, select_backend
+from .loader import select_backend
+from .model.transformer import MoETransformer
 
 # Dimensions of published checkpoints (their config.json), as ModelConfig fields.
 SHAPES: dict[str, dict] = {
@@ -153,7 +154,7 @@ def pooled_normal(draw: WeightDraw) -> np.ndarray:
     each at a random offset drawn from the same seed. Every value is an N(0, std) draw in the storage dtype, but
     windows repeat values of the pool at random shifts: fine for timing, not for statistics across windows.
 
-    About 5 GB/s of bf16 on one core (a 2-core VM), against 0.12 GB/s for drawing every value.
+    Much faster than drawing every value, so a benchmark's model of real size is made in seconds on one core.
     """
     from .backends.numpy_backend import NumpyBackend
 
@@ -230,11 +231,8 @@ def write_synthetic_folder(path: str | os.PathLike, shape: str | ModelConfig, nu
     writing is bound by the disk; on the CPU tensors come from `pooled_normal`. Dense tensors are all stored in
     `config.dtype` (norm weights rounded to it). Tensors are made one at a time, the next expert while the
     one before is written, so memory peaks at about two experts (plus the largest dense tensor). config.json is
-    written last: a folder whose writing failed does not open.
-
-    Measured: Mixtral-8x7B with 8 layers (23.7 GB) in 18.5 s on the H200 host (GPU draws, 1.3 GB/s, bound by
-    writing and CRC32); one layer (3.4 GB) in 1.5 to 7.5 s on a 2-core VM without GPU (0.5 to 2.3 GB/s, bound by
-    the page cache's writeback; the draws alone run at 4.8 GB/s).
+    written last: a folder whose writing failed does not open. Writing and CRC32 bound it on a GPU host (the draws
+    run on the GPU), the page cache's writeback on a small VM.
     """
     if isinstance(shape, ModelConfig):
         if num_layers is not None:

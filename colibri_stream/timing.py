@@ -24,8 +24,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-# Every phase the engine records -> the phase it runs inside. Host-to-device copies of experts are to be timed as
-# h2d_copy by the GPU tier that will move those bytes; the host tier's reads are timed below.
+# Every phase the engine records -> the phase it runs inside.
 PHASES: dict[str, str | None] = {
     "step": None,
     "schedule": "step",  # the scheduler picks the step's sequences and token budget

@@ -1,8 +1,8 @@
 // Launch contract
 //
 // qk_norm_rope_write<KV>: what a layer does between the q/k/v projections and attention, in one launch: optional
-// RMSNorm of q and k, optional clamp of q, k and v, the rotary embedding of q and k (as rotary in rope.cu), k and v
-// stored in the paged caches (as write_kv in kv_cache.cu), the rotated q written out. In the model's order:
+// RMSNorm of q and k, optional clamp of q, k and v, the rotary embedding of q and k (as NumpyBackend.rotary), k and
+// v stored in the paged caches (as NumpyBackend.write_kv), the rotated q written out. In the model's order:
 // full norm, clamp, per-head norm, rotary.
 //   q          float32 [T, Q*D] contiguous; k, v float32 [T, K*D] contiguous; D = 2 * half
 //   norm       0: none; 1: per head, RMSNorm over each head's D; 2: full, RMSNorm over each token's Q*D of q and

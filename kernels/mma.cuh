@@ -140,13 +140,9 @@ __device__ __forceinline__ void mma_rows(const W* const (&a)[M][2], const float*
     }
     const int lane_col = (threadIdx.x % 4) * 8;
     // Each n-tile's activations of the next chunk are loaded just before this chunk's mma of that tile, so their
-    // L2 latency is off the loop's path. On the H200 (benchmarks/dense_projection.py, decode.py; BENCHMARKS.md):
-    // - one n-tile: 2-5 % faster;
-    // - four and eight: q/k/v/o 1.1-1.2x (Qwen3's lm_head at 64 tokens 0.8x), Mixtral batch 64 from 33 to 43 %;
-    // - two: loading ahead took more registers, cut the blocks per multiprocessor from 4 to 3 and ran 15-20 %
-    //   slower, so two n-tiles load each chunk's activations in the iteration that uses them.
-    // Loading every tile's next chunk before any mma was better at Mixtral batch 64 (46 %) and worse at batch 32
-    // (54 against 60 %, Qwen3 54 against 58 %).
+    // L2 latency is off the loop's path (benchmarks/dense_projection.py and decode.py compare the variants). With
+    // two n-tiles loading ahead takes registers enough to cut the blocks per multiprocessor from 4 to 3, so they
+    // load each chunk's activations in the iteration that uses them.
     constexpr bool load_ahead = NT != 2;
     float v[NT][8];  // this chunk's activations of each n-tile (t < tiles, and tile 0 always)
     if constexpr (load_ahead) {

@@ -26,7 +26,7 @@ from colibri_stream.experts.slots import layer_slot_counts
 from colibri_stream.experts.store import Float32ExpertStore, MappedExpertStore
 from colibri_stream.experts.tiers import HostTier, TieredExpertStore
 from colibri_stream.experts.trace import USAGE_FILE, read_trace, read_usage, write_usage
-from colibri_stream.model import load_model
+from colibri_stream.loader import load_model
 from colibri_stream.request import Request, SamplingParams
 from colibri_stream.runner import build_batch
 from colibri_stream.scheduler import ScheduledSeq

@@ -25,7 +25,7 @@ from colibri_stream.config import RopeConfig  # noqa: E402
 from colibri_stream.errors import CheckpointError, ColibriError, UnsupportedModelError  # noqa: E402
 from colibri_stream.export import export_model  # noqa: E402
 from colibri_stream.export.architectures import translate_config  # noqa: E402
-from colibri_stream.model import load_model
+from colibri_stream.loader import load_model
 from test_parity import colibri_logits, prompt_ids, reference_logits, relative_error
 from tiny_models import ARCHITECTURES, build_hf_model  # noqa: E402
 

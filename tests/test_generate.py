@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from colibri_stream.llm import LLM
-from colibri_stream.model import load_model
-from colibri_stream.model.batch import single_sequence_batch
+from colibri_stream.loader import load_model
+from colibri_stream.batch import single_sequence_batch
 from colibri_stream.request import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""The engine's decode steps as CUDA graphs (backends/cuda_graph.DecodeGraphs) against eager steps (CUDA GPU).
+"""The engine's decode steps as CUDA graphs (cuda_graph.DecodeGraphs) against eager steps (CUDA GPU).
 
 Both run the same kernels (a captured step computes every projection with linear_rows, as the eager step does up
 to SMALL_BATCH tokens), so at up to four sequences greedy and seeded sampled tokens are identical; a batch of five
@@ -14,10 +14,10 @@ cupy = pytest.importorskip("cupy", reason="CuPy is not installed (GPU tests need
 if not cupy.cuda.is_available():
     pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
 
-from colibri_stream.backends.cuda_graph import DecodeGraphs, is_decode  # noqa: E402
+from colibri_stream.cuda_graph import DecodeGraphs, is_decode  # noqa: E402
 from colibri_stream.llm import LLM  # noqa: E402
-from colibri_stream.model import load_model  # noqa: E402
-from colibri_stream.model.batch import flat_batch  # noqa: E402
+from colibri_stream.loader import load_model  # noqa: E402
+from colibri_stream.batch import flat_batch  # noqa: E402
 from colibri_stream.request import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.gpu

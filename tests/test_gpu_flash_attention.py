@@ -20,7 +20,7 @@ if not cupy.cuda.is_available():
     pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
 
 from colibri_stream.backends import cupy_flash_attention  # noqa: E402
-from colibri_stream.backends.cupy_backend import _launch, storage_type  # noqa: E402
+from colibri_stream.backends.cupy_launch import launch, storage_type  # noqa: E402
 from colibri_stream.backends.cupy_flash_attention import (  # noqa: E402
     FLASH_FILE,
     FLASH_MIN_TOKENS,
@@ -28,7 +28,7 @@ from colibri_stream.backends.cupy_flash_attention import (  # noqa: E402
     FlashTileCache,
     flash_attention_launch,
 )
-from colibri_stream.model.batch import single_sequence_batch  # noqa: E402
+from colibri_stream.batch import single_sequence_batch  # noqa: E402
 from colibri_stream.synthetic import synthetic_model  # noqa: E402
 from test_gpu_kernels import GPU, REF, attention_batch, check, kv_cache_pair, launched_kernels, poison  # noqa: E402
 from test_parity import relative_error  # noqa: E402
@@ -61,10 +61,10 @@ def random_case(rng, seqs, heads: int, kv_heads: int, head_dim: int, kv_dtype: s
 def run_flash(query, key_cache, value_cache, batch, device_batch, scale, window):
     """One launch of flash_attention.cu, whatever the dispatch rule would pick."""
     kv_type = storage_type(key_cache)
-    launch = flash_attention_launch(cupy, FlashTileCache(), query, key_cache, value_cache, batch, device_batch,
-                                    kv_type, scale, window)
-    _launch(FLASH_FILE, launch.expression, launch.grid, FLASH_THREADS, launch.args, weight_type=kv_type)
-    return launch.out
+    flash = flash_attention_launch(cupy, FlashTileCache(), query, key_cache, value_cache, batch, device_batch,
+                                   kv_type, scale, window)
+    launch(FLASH_FILE, flash.expression, flash.grid, FLASH_THREADS, flash.args, weight_type=kv_type)
+    return flash.out
 
 
 def check_flash(ours, query, key_cache, value_cache, batch, scale, window, split: bool) -> None:

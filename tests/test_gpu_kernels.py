@@ -20,8 +20,11 @@ cupy = pytest.importorskip("cupy", reason="CuPy is not installed (GPU tests need
 if not cupy.cuda.is_available():
     pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
 
-from colibri_stream.backends import cupy_backend, cupy_flash_attention  # noqa: E402
-from colibri_stream.backends.cupy_backend import (  # noqa: E402
+from colibri_stream.backends import cupy_backend, cupy_flash_attention, cupy_moe  # noqa: E402
+from colibri_stream.backends.cupy_backend import CupyBackend  # noqa: E402
+from colibri_stream.backends.cupy_launch import launch, smallest_tile, storage_type, to_device_storage  # noqa: E402
+from colibri_stream.backends.cupy_moe import DeviceExpertStore, on_tensor_cores  # noqa: E402
+from colibri_stream.backends.tuning import (  # noqa: E402
     CAPTURED_CUBLAS_ALL_MIN_TOKENS,
     CAPTURED_CUBLAS_MIN_ROWS,
     CAPTURED_CUBLAS_MIN_TOKENS,
@@ -37,18 +40,12 @@ from colibri_stream.backends.cupy_backend import (  # noqa: E402
     ROUTER_SPLIT_TOKENS,
     SMALL_BATCH,
     TOKEN_TILES,
-    CupyBackend,
-    DeviceExpertStore,
-    LayerExperts,
-    _on_tensor_cores,
-    _launch,
-    _tile,
-    to_device_storage,
 )
 from colibri_stream.backends.numpy_backend import NumpyBackend  # noqa: E402
 from colibri_stream.config import RopeConfig  # noqa: E402
+from colibri_stream.experts.device import DeviceExperts, LayerExperts  # noqa: E402
 from colibri_stream.experts.store import ExpertStore  # noqa: E402
-from colibri_stream.model.batch import ForwardBatch  # noqa: E402
+from colibri_stream.batch import ForwardBatch  # noqa: E402
 from colibri_stream.model.rope import cos_sin_table  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -213,14 +210,14 @@ def test_linear_captured_in_a_cuda_graph(dtype, tokens, dims, monkeypatch):
     stream = cupy.cuda.Stream(non_blocking=True)
     launched = launched_kernels(monkeypatch)
     graph, out = captured(stream, lambda: (launched.clear(), GPU.linear(x, device_w, device_bias))[1])
-    w_type = cupy_backend.storage_type(device_w)
+    w_type = storage_type(device_w)
     tensor_cores = tokens >= DENSE_MMA_MIN_TOKENS and dtype != "float32"
     if tensor_cores and tokens >= CAPTURED_CUBLAS_ALL_MIN_TOKENS:
         assert launched == [f"to_storage_split<{w_type}>"]  # then cuBLAS, then CuPy's add
     elif tensor_cores:
-        assert launched == [f"linear_mma<{w_type}, {_tile(-(-tokens // 8), LINEAR_MMA_TILES)}>"]
+        assert launched == [f"linear_mma<{w_type}, {smallest_tile(-(-tokens // 8), LINEAR_MMA_TILES)}>"]
     else:
-        assert launched == [f"linear_rows<{w_type}, {_tile(tokens, TOKEN_TILES)}>"]
+        assert launched == [f"linear_rows<{w_type}, {smallest_tile(tokens, TOKEN_TILES)}>"]
     check_replays(graph, stream, x, out, rng, lambda host: REF.linear(host, REF.prepare_weight(w), bias),
                   1e-4 if tensor_cores else 1e-5)
 
@@ -239,17 +236,17 @@ def test_lm_head_sized_projections_captured_on_cublas(dtype, tokens, monkeypatch
     stream = cupy.cuda.Stream(non_blocking=True)
     launched = launched_kernels(monkeypatch)
     graph, out = captured(stream, lambda: (launched.clear(), GPU.linear(x, device_w))[1])
-    w_type = cupy_backend.storage_type(device_w)
+    w_type = storage_type(device_w)
     on_cublas = tokens >= CAPTURED_CUBLAS_MIN_TOKENS
     assert launched == ([f"to_storage_split<{w_type}>"] if on_cublas
-                        else [f"linear_mma<{w_type}, {_tile(-(-tokens // 8), LINEAR_MMA_TILES)}>"])
+                        else [f"linear_mma<{w_type}, {smallest_tile(-(-tokens // 8), LINEAR_MMA_TILES)}>"])
     check_replays(graph, stream, x, out, rng, lambda host: REF.linear(host, REF.prepare_weight(w), None), 1e-4)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("tokens", [DENSE_MMA_MIN_TOKENS, 16, CAPTURED_CUBLAS_ALL_MIN_TOKENS - 1])
 @pytest.mark.parametrize("outs", [(4096, 512, 512), (2048, 256), (136,)])
-def test_linears_captured_on_tensor_cores(dtype, tokens, outs, monkeypatch):
+def test_linears_capturedon_tensor_cores(dtype, tokens, outs, monkeypatch):
     """q, k and v of a captured step of several tokens: one launch of linear_mma for all of them, split over the
     columns, each output as `linear` computes it, on every replay."""
     rng = np.random.default_rng(tokens + sum(outs))
@@ -281,7 +278,6 @@ def test_elementwise():
     poison()
     check(GPU.silu_mul(cupy.asarray(gate), cupy.asarray(up)), REF.silu_mul(gate, up))
     check(GPU.sigmoid(cupy.asarray(gate)), REF.sigmoid(gate))
-    check(GPU.clip(cupy.asarray(gate), 0.5), REF.clip(gate, 0.5), 0)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -291,35 +287,6 @@ def test_from_float32_rounds_to_nearest_even(dtype):
     ours = cupy.asnumpy(GPU.from_float32(cupy.asarray(values), dtype))
     expected = values.astype(STORAGE[dtype]).view(np.uint16 if dtype == "bfloat16" else np.float16)
     assert np.array_equal(ours.view(np.uint16), expected.view(np.uint16))
-
-
-@pytest.mark.parametrize("head_dim,heads", [(24, 4), (64, 2), (128, 32)])
-def test_rotary(head_dim, heads):
-    rng = np.random.default_rng(head_dim)
-    cos, sin = cos_sin_table(RopeConfig(theta=10000.0), head_dim, 512)
-    x = rng.standard_normal((9, heads, head_dim)).astype(np.float32)
-    positions = rng.integers(0, 512, 9)
-    poison()
-    ours = GPU.rotary(cupy.asarray(x), cupy.asarray(cos), cupy.asarray(sin), cupy.asarray(positions))
-    check(ours, REF.rotary(x, cos, sin, positions))
-
-
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_write_kv(kv_dtype):
-    """Divided by the scales and rounded to the cache's dtype as the NumPy backend rounds (to nearest even; fp8
-    saturated at 448: some values are out of range): the same bits."""
-    rng = np.random.default_rng(3)
-    shape = (6, 8, 2, 24)  # [num_blocks, block_size, K, D]
-    key_cache, gpu_keys = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
-    value_cache, gpu_values = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
-    key, value = rng.standard_normal((2, 11, 2, 24)).astype(np.float32)
-    key[0, 0, :3] = [300.0, -500.0, 1e4]  # beyond fp8's range once divided by k_scale 0.25
-    slots = rng.permutation(48)[:11]
-    scales = KV_SCALES[kv_dtype]
-    GPU.write_kv(gpu_keys, gpu_values, cupy.asarray(key), cupy.asarray(value), cupy.asarray(slots), scales)
-    REF.write_kv(key_cache, value_cache, key, value, slots, scales)
-    check(kv_to_float32(gpu_keys), key_cache.astype(np.float32), 0)
-    check(kv_to_float32(gpu_values), value_cache.astype(np.float32), 0)
 
 
 def attention_batch(rng, seqs: list[tuple[int, int]], block_size: int, num_blocks: int) -> ForwardBatch:
@@ -576,7 +543,7 @@ def random_experts(rng, num_experts: int, hidden: int, inter: int, dtype: str) -
 def test_routed_experts(dtype, tokens, experts, top_k, hidden, inter, rows, monkeypatch):
     """moe.cu (and moe_mma.cu from MMA_MIN_TOKENS bf16/fp16 tokens) against NumPy, with each number of weight rows
     per warp."""
-    monkeypatch.setattr(cupy_backend, "moe_rows_per_warp", lambda row_bytes, budget: rows)
+    monkeypatch.setattr(cupy_moe, "moe_rows_per_warp", lambda row_bytes, budget: rows)
     rng = np.random.default_rng(tokens * 31 + experts)
     store = random_experts(rng, experts, hidden, inter, dtype)
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
@@ -624,19 +591,20 @@ def launched_kernels(monkeypatch) -> list[str]:
 
     def record(file, expression, *args, **kwargs):
         names.append(expression)
-        return _launch(file, expression, *args, **kwargs)
+        return launch(file, expression, *args, **kwargs)
 
-    monkeypatch.setattr(cupy_backend, "_launch", record)
+    monkeypatch.setattr(cupy_backend, "launch", record)
+    monkeypatch.setattr(cupy_moe, "launch", record)
     return names
 
 
 def test_tensor_core_dispatch_rule():
     bf16, fp16 = np.zeros((2, 8), np.uint16), np.zeros((2, 8), np.float16)
     assert MMA_MIN_TOKENS == 8
-    assert _on_tensor_cores(bf16, 8) and _on_tensor_cores(fp16, 64)
-    assert not _on_tensor_cores(bf16, 7)
-    assert not _on_tensor_cores(np.zeros((2, 8), np.float32), 64)
-    assert not _on_tensor_cores(np.zeros((2, 16), np.int8), 64)
+    assert on_tensor_cores(bf16, 8) and on_tensor_cores(fp16, 64)
+    assert not on_tensor_cores(bf16, 7)
+    assert not on_tensor_cores(np.zeros((2, 8), np.float32), 64)
+    assert not on_tensor_cores(np.zeros((2, 16), np.int8), 64)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -647,14 +615,14 @@ def test_tensor_core_dispatch_rule():
     (16, 4, 136, 200),  # rows not a multiple of 16, columns not of 32: partial tiles and a partial last chunk
     (8, 2, 4096, 1792),  # Mixtral's hidden size, an eighth of its intermediate size
 ])
-def test_routed_on_tensor_cores(dtype, tokens, experts, top_k, hidden, inter, monkeypatch):
+def test_routedon_tensor_cores(dtype, tokens, experts, top_k, hidden, inter, monkeypatch):
     store, device_store = experts_on_device(experts, hidden, inter, dtype)
     x, weights, ids = random_routing(np.random.default_rng(tokens + hidden), tokens, experts, top_k, hidden)
     launched = launched_kernels(monkeypatch)
     poison()
     ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
     w = "__nv_bfloat16" if dtype == "bfloat16" else "__half"
-    n_tiles = _tile(-(-tokens // 8), MMA_TILES)
+    n_tiles = smallest_tile(-(-tokens // 8), MMA_TILES)
     assert f"moe_gate_up_mma<{w}, {n_tiles}>" in launched and f"moe_down_mma<{w}, {n_tiles}>" in launched
     check(ours, REF.routed_experts(x, weights, ids, 5, store), MMA_TOLERANCE)
 
@@ -671,7 +639,7 @@ def test_tensor_cores_match_cuda_cores(dtype, tokens, monkeypatch):
     assert any(name.startswith("moe_down_mma<") for name in launched)
     assert GPU.column_splits(384, -(-256 // MMA_DOWN_ROWS) * 8) > 1  # down's partial products add up
     launched.clear()
-    monkeypatch.setattr(cupy_backend, "MMA_MIN_TOKENS", 1 << 30)  # every step on moe.cu
+    monkeypatch.setattr(cupy_moe, "MMA_MIN_TOKENS", 1 << 30)  # every step on moe.cu
     poison()
     cuda_cores = GPU.routed_experts(*args)
     assert not any("_mma<" in name for name in launched) and any(name.startswith("moe_down<") for name in launched)
@@ -701,7 +669,7 @@ def slot_arena(tensors: list[dict[str, np.ndarray]], hidden: int, inter: int, dt
     return arena, view(offsets[0], inter, hidden), view(offsets[1], inter, hidden), view(offsets[2], hidden, inter)
 
 
-class SlotPasses:
+class SlotPasses(DeviceExperts):
     """A store computing its experts in GPU slots, in the given launches (LayerExperts with slot tables)."""
 
     resident = False
@@ -714,6 +682,9 @@ class SlotPasses:
 
     def finish_layer(self, layer: int):
         return None  # nothing computed on the CPU
+
+    def expert(self, layer: int, expert: int):
+        raise AssertionError("the GPU backend reads slotted experts through passes")
 
 
 def slotted_experts(rng, num_experts: int, hidden: int, inter: int, dtype: str):
@@ -748,7 +719,7 @@ def test_routed_experts_in_slot_arena(dtype, tensor_cores, monkeypatch):
     computed = (tables[0] >= 0) | (tables[1] >= 0)  # [E]
     assert not computed[ids].all() and computed[ids].any()
     if not tensor_cores:
-        monkeypatch.setattr(cupy_backend, "MMA_MIN_TOKENS", 1 << 30)
+        monkeypatch.setattr(cupy_moe, "MMA_MIN_TOKENS", 1 << 30)
     launched = launched_kernels(monkeypatch)
     poison()
     ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5,
@@ -781,7 +752,7 @@ def test_mma_kernels_leave_pairs_of_skipped_experts_untouched(dtype):
     poison()
     group_expert, group_start = cupy.empty(num_experts, np.int32), cupy.empty(num_experts + 1, np.int32)
     sorted_pairs, num_groups = cupy.empty(pairs, np.int32), cupy.empty(1, np.int32)
-    _launch("moe.cu", "moe_align", (1,), 1024, (cupy.asarray(ids.reshape(pairs)), np.int32(pairs),
+    launch("moe.cu", "moe_align", (1,), 1024, (cupy.asarray(ids.reshape(pairs)), np.int32(pairs),
                                                  np.int32(num_experts), group_expert, group_start, sorted_pairs,
                                                  num_groups), shared_mem=8 * num_experts)
     routing = (group_expert, group_start, sorted_pairs, num_groups)
@@ -789,11 +760,11 @@ def test_mma_kernels_leave_pairs_of_skipped_experts_untouched(dtype):
     y = cupy.full((pairs, hidden), np.nan, np.float32)
     gate_up_args, down_args = experts.kernel_args()
     groups = min(num_experts, pairs)
-    n_tiles = _tile(-(-tokens // 8), MMA_TILES)
-    _launch("moe_mma.cu", f"moe_gate_up_mma<{w}, {n_tiles}>", (-(-inter // MMA_GATE_UP_ROWS), groups), MMA_THREADS,
+    n_tiles = smallest_tile(-(-tokens // 8), MMA_TILES)
+    launch("moe_mma.cu", f"moe_gate_up_mma<{w}, {n_tiles}>", (-(-inter // MMA_GATE_UP_ROWS), groups), MMA_THREADS,
             (cupy.asarray(x), *gate_up_args, *routing, act, np.int32(hidden), np.int32(inter), np.int32(top_k)),
             weight_type=w)
-    _launch("moe_mma.cu", f"moe_down_mma<{w}, {n_tiles}>", (-(-hidden // MMA_DOWN_ROWS), groups), MMA_THREADS,
+    launch("moe_mma.cu", f"moe_down_mma<{w}, {n_tiles}>", (-(-hidden // MMA_DOWN_ROWS), groups), MMA_THREADS,
             (act, *down_args, cupy.asarray(weights.reshape(pairs)), *routing, y, np.int32(hidden), np.int32(inter),
              np.int32(inter)), weight_type=w)
     y = cupy.asnumpy(y)  # [P, H]

@@ -17,11 +17,11 @@ cupy = pytest.importorskip("cupy", reason="CuPy is not installed (GPU tests need
 if not cupy.cuda.is_available():
     pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
 
-from colibri_stream.backends.cuda_graph import DecodeGraph  # noqa: E402
+from colibri_stream.cuda_graph import DecodeGraph  # noqa: E402
 from colibri_stream.export import export_model  # noqa: E402
 from colibri_stream.llm import LLM  # noqa: E402
-from colibri_stream.model import load_model  # noqa: E402
-from colibri_stream.model.batch import ForwardBatch  # noqa: E402
+from colibri_stream.loader import load_model  # noqa: E402
+from colibri_stream.batch import ForwardBatch  # noqa: E402
 from colibri_stream.request import SamplingParams  # noqa: E402
 from colibri_stream.synthetic import synthetic_model  # noqa: E402
 from test_parity import NEW_TOKENS, colibri_greedy, colibri_logits, prompt_ids, relative_error  # noqa: E402
@@ -105,14 +105,14 @@ def test_decode_graphs_launch_programmatically_where_the_gpu_can():
 
 
 def test_a_refused_programmatic_capture_falls_back_to_plain_launches(monkeypatch):
-    import colibri_stream.backends.cupy_backend as cupy_backend
+    import colibri_stream.backends.cupy_launch as cupy_launch
 
     def refuse(*args, **kwargs):
         raise RuntimeError("cuLaunchKernelEx failed with CUresult 400")
 
     model = synthetic_model("olmoe-1b-7b", num_layers=1, device="cuda")
     kv = model.allocate_kv_cache(4, 16)
-    monkeypatch.setattr(cupy_backend, "launch_programmatic", refuse)
+    monkeypatch.setattr(cupy_launch, "launch_programmatic", refuse)
     graph = DecodeGraph(model, kv, 1, 4)
     assert not graph.programmatic
     batch = decode_batch(np.array([5]), np.array([3]), np.arange(4).reshape(1, 4), 16)

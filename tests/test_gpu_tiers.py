@@ -27,7 +27,7 @@ from test_parity import NEW_TOKENS, colibri_greedy, colibri_logits, prompt_ids, 
 from test_server import LiveServer, request  # noqa: E402
 from tiny_models import ARCHITECTURES, build_hf_model  # noqa: E402
 
-from colibri_stream.backends.cupy_backend import DeviceExpertStore  # noqa: E402
+from colibri_stream.backends.cupy_moe import DeviceExpertStore  # noqa: E402
 from colibri_stream.checkpoint import read_config  # noqa: E402
 from colibri_stream.config import ExpertStoreConfig  # noqa: E402
 from colibri_stream.errors import CheckpointError  # noqa: E402
@@ -36,7 +36,7 @@ from colibri_stream.experts.gpu_tier import GpuTieredStore  # noqa: E402
 from colibri_stream.experts.placement import Bandwidths  # noqa: E402
 from colibri_stream.experts.slots import layer_slot_counts  # noqa: E402
 from colibri_stream.experts.trace import read_trace  # noqa: E402
-from colibri_stream.model import load_model  # noqa: E402
+from colibri_stream.loader import load_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -153,7 +153,7 @@ def test_layers_holding_every_expert_skip_the_synchronisation(moe16_dir, residen
     model = load_model(str(moe16_dir), device="cuda", experts=options)
     assert [slots.num_slots for slots in model.store._layers] == [1, 16, 16]
     assert model.store._sync_free == [False, True, True]
-    assert model.store._worker is None  # the tiny experts are under the kernel's size: the CPU thread's Python
+    assert model.store.cpu.worker is None  # the tiny experts are under the kernel's size: the CPU thread's Python
     waits = count_synchronisations(model.store)
     got = step_logits(model)
     assert waits[0] == len(got)  # one read-back a step: the first layer's
@@ -196,7 +196,7 @@ def test_whole_layers_beside_the_cpu_worker_give_the_resident_tokens(moe16_dir, 
     """Whole layers [1, 16, 16] that skip the read-back while the CpuLayerWorker (its kernel taking experts of any
     size) computes the first layer's misses: one read-back a step, the resident tokens, logits within rounding."""
     store, model = worker_store(moe16_dir, [1, 16, 16], cpu_experts="all")
-    assert store._worker is not None and store._sync_free == [False, True, True]
+    assert store.cpu.worker is not None and store._sync_free == [False, True, True]
     waits = count_synchronisations(store)
     got = step_logits(model)
     assert waits[0] == len(got)
@@ -223,15 +223,13 @@ def test_experts_cut_between_cpu_and_gpu_match_within_float32_rounding(moe16_dir
     assert (compute.split_experts > 0) == (host != "none")
 
 
-@pytest.mark.parametrize(("cpu_experts", "stream_waits"), [("all", True), ("all", False), ("auto", True)])
-def test_the_cpu_worker_gives_the_resident_tokens(moe16_dir, resident_gpu_logits, cpu_experts,  # noqa: F811
-                                                   stream_waits):
+@pytest.mark.parametrize("cpu_experts", ["all", "auto"])
+def test_the_cpu_worker_gives_the_resident_tokens(moe16_dir, resident_gpu_logits, cpu_experts):  # noqa: F811
     """The int8 experts of the tiny model go through the CpuLayerWorker (one compiled call per layer, the flag
     raised by it) once the executor's kernel takes experts of any size: the same tokens, logits within rounding,
     every expert counted; "auto" with the CPU as fast as the copy cuts experts between the worker and the GPU."""
-    store, model = worker_store(moe16_dir, 2, cpu_experts, bandwidths=EVEN if cpu_experts == "auto" else None,
-                                stream_waits=stream_waits)
-    assert store._worker is not None and (store._flag is not None) == stream_waits
+    store, model = worker_store(moe16_dir, 2, cpu_experts, bandwidths=EVEN if cpu_experts == "auto" else None)
+    assert store.cpu.worker is not None and store.cpu.flag is not None
     assert_resident_tokens(step_logits(model), resident_gpu_logits)
     stats = store.stats()
     assert stats.compute.cpu_experts > 0 and stats.compute.cpu_bytes_read > 0 and stats.compute.cpu_seconds > 0
@@ -279,7 +277,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 from test_parity import colibri_greedy, prompt_ids
 from colibri_stream.config import ExpertStoreConfig
-from colibri_stream.model import load_model
+from colibri_stream.loader import load_model
 model = load_model(sys.argv[2], device="cuda",
                    experts=ExpertStoreConfig(gpu_memory_limit=int(sys.argv[3]), cpu_experts="all"))
 print(colibri_greedy(model, prompt_ids(), 8))

@@ -24,8 +24,8 @@ from colibri_stream.cli import _engine_options, build_parser
 from colibri_stream.config import EngineConfig
 from colibri_stream.engine import EngineCore
 from colibri_stream.llm import LLM
-from colibri_stream.model import load_model
-from colibri_stream.model.batch import single_sequence_batch
+from colibri_stream.batch import single_sequence_batch
+from colibri_stream.loader import load_model
 from colibri_stream.model.paged_kv import kv_bytes_per_token, resolve_kv_dtype
 from colibri_stream.request import SamplingParams
 from colibri_stream.tokenizer import Tokenizer

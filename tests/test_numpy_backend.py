@@ -9,7 +9,7 @@ import pytest
 
 from colibri_stream.backends.numpy_backend import NumpyBackend
 from colibri_stream.config import RopeConfig
-from colibri_stream.model.batch import ForwardBatch
+from colibri_stream.batch import ForwardBatch
 from colibri_stream.model.rope import cos_sin_table
 
 B = NumpyBackend()

@@ -17,8 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from colibri_stream.export import export_model  # noqa: E402
-from colibri_stream.model import load_model  # noqa: E402
-from colibri_stream.model.batch import single_sequence_batch  # noqa: E402
+from colibri_stream.loader import load_model  # noqa: E402
+from colibri_stream.batch import single_sequence_batch  # noqa: E402
 from tiny_models import ARCHITECTURES, VOCAB_SIZE, build_hf_model  # noqa: E402
 
 PROMPT_LEN = 32

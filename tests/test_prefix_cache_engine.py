@@ -98,14 +98,14 @@ def test_logits_of_a_cached_prefix_match_a_whole_prompt_within_rounding(kv_dtype
     last = []  # each engine's logits of the probe's last step
     for core in (cached, plain):
         captured = []
-        forward = core.runner.model.forward
-        core.runner.model.forward = lambda batch, kv, forward=forward: captured.append(forward(batch, kv)) or \
-            captured[-1]
+        forward = core.runner.model.forward_device  # every eager step's logits (host arrays on the CPU)
+        core.runner.model.forward_device = lambda batch, device_batch, kv, forward=forward: captured.append(
+            forward(batch, device_batch, kv)) or captured[-1]
         try:
             run(core, {"warm": prompt[:-3]}, SamplingParams(max_tokens=1))  # shares all but the last blocks
             run(core, {"probe": prompt}, SamplingParams(max_tokens=1))
         finally:
-            del core.runner.model.forward
+            del core.runner.model.forward_device
         last.append(captured[-1])
     with_cache, without = last
     assert with_cache.shape == without.shape == (1, cached.model_config.vocab_size)

@@ -20,7 +20,7 @@ from colibri_stream.config import RopeConfig  # noqa: E402
 from colibri_stream.errors import UnsupportedModelError  # noqa: E402
 from colibri_stream.export import export_model  # noqa: E402
 from colibri_stream.export.architectures import translate_config  # noqa: E402
-from colibri_stream.model import load_model  # noqa: E402
+from colibri_stream.loader import load_model  # noqa: E402
 from test_parity import colibri_greedy, colibri_logits, prompt_ids, reference_greedy, reference_logits  # noqa: E402
 from test_parity import relative_error  # noqa: E402
 from tiny_models import VOCAB_SIZE, save_random_model  # noqa: E402

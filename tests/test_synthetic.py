@@ -10,8 +10,8 @@ import pytest
 from colibri_stream import synthetic
 from colibri_stream.backends.numpy_backend import NumpyBackend
 from colibri_stream.checkpoint import TOKENIZER_FILES, ModelFolder, dense_tensor_specs
-from colibri_stream.model.batch import single_sequence_batch
-from colibri_stream.model.transformer import load_model
+from colibri_stream.batch import single_sequence_batch
+from colibri_stream.loader import load_model
 from colibri_stream.synthetic import (SHAPES, RandomDense, RandomExpertStore, WeightDraw, pooled_normal, shape_config,
                                       synthetic_model, write_synthetic_folder)
 

@@ -15,24 +15,34 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..memory import MemoryInfo, host_memory
-from ..timing import HOST_CLOCK, Clock
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
     from ..experts.store import ExpertStore
-    from ..model.batch import ForwardBatch
+    from ..batch import ForwardBatch
+    from ..sampling import LogitSource
 
 Array = Any  # a backend's array type (numpy.ndarray, cupy.ndarray)
 
 
 class Backend(ABC):
-    """Array operations of one device; subclasses implement each for their array library."""
+    """Array operations of one device; subclasses implement each for their array library.
 
-    name: str
+    What callers may rely on is said by capabilities, never by the backend's name: `device` (where its arrays live,
+    "cpu" or "cuda": the expert tiers are built for it), `supports_graphs` (a decode step can be captured as a
+    CUDA graph, cuda_graph.py), `logit_source` (how the sampler reads a forward's logits) and `synchronize`.
+    """
 
-    def timing_clock(self) -> Clock:
-        """The clock the model's step phases are timed with: the host's, unless the device runs asynchronously."""
-        return HOST_CLOCK
+    name: str  # for logs and reports
+    device: str
+    supports_graphs: bool = False
+
+    @abstractmethod
+    def logit_source(self, logits: Array) -> LogitSource:
+        """A forward's logits [N, V] float32, left where they are, as the sampler reads them."""
+
+    def synchronize(self) -> None:
+        """Wait until the device finished the work queued so far (a host backend computes as it is called)."""
 
     # ---- memory -------------------------------------------------------------------------------------------
     @abstractmethod
@@ -98,23 +108,7 @@ class Backend(ABC):
     def sigmoid(self, x: Array) -> Array:
         """Elementwise logistic function."""
 
-    @abstractmethod
-    def clip(self, x: Array, limit: float) -> Array:
-        """Clamp every element to [-limit, limit]."""
-
     # ---- attention ----------------------------------------------------------------------------------------
-    @abstractmethod
-    def rotary(self, x: Array, cos: Array, sin: Array, positions: Array) -> Array:
-        """x [T, heads, D], cos/sin tables [P, D/2], positions [T] -> x rotated ("rotate half" pairing)."""
-
-    @abstractmethod
-    def write_kv(self, key_cache: Array, value_cache: Array, key: Array, value: Array, slot_mapping: Array,
-                 kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
-        """Store key/value [T, K, D] into the paged caches [num_blocks, block_size, K, D] at the slots [T]; a
-        negative slot stores nothing (padding rows of a captured batch). Each value is rounded to the caches'
-        dtype (to nearest even) after division by its scale, kv_scales = (k_scale, v_scale); an fp8 cache
-        saturates at +-448 (e4m3's largest finite value)."""
-
     @abstractmethod
     def qk_norm_rope_write(self, q: Array, k: Array, v: Array, q_norm: Array | None, k_norm: Array | None,
                            qk_norm: str, eps: float, clip: float | None, cos: Array, sin: Array, positions: Array,

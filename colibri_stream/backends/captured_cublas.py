@@ -2,10 +2,9 @@
 
 CuPy's cuBLAS wrappers refuse to run while a stream captures ("calling cuBLAS API during stream capture is
 currently unsupported"), but cuBLAS itself records its kernels into a capture like any other launch. A decode
-graph uses this for lm_head from CAPTURED_CUBLAS_MIN_TOKENS tokens: on the H200 cuBLAS reads Qwen3-30B-A3B's
-lm_head (622 MB) at 16 tokens in 185 us against linear_mma's 361 (benchmarks/dense_projection.py), and at 64
-tokens in 245 against 1353; and for every projection from CAPTURED_CUBLAS_ALL_MIN_TOKENS tokens (whole steps
-0.8-6 % faster at 32 and 64 tokens).
+graph uses this for lm_head from CAPTURED_CUBLAS_MIN_TOKENS tokens, where cuBLAS reads a large vocabulary's
+matrix faster than linear_mma (benchmarks/dense_projection.py compares them), and for every projection from
+CAPTURED_CUBLAS_ALL_MIN_TOKENS tokens (backends/tuning.py).
 
 The handle is CuPy's (its workspace is allocated by the eager warm-up step that precedes every capture); the calls
 are stream-ordered on the capturing stream, and the engine never runs an eager cuBLAS call concurrently with a

@@ -15,10 +15,12 @@ so the batch holds real values there) and uploaded when it changes: the layers o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..model.batch import ForwardBatch
+if TYPE_CHECKING:
+    from ..batch import ForwardBatch
 
 FLASH_FILE = "flash_attention.cu"
 FLASH_ROWS = 64  # FLASH_ROWS in flash_attention.cu: query rows per block

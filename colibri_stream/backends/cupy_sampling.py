@@ -20,7 +20,7 @@ import numpy as np
 
 from ..sampling import Candidates, LogitSource, fixed_point, log_normaliser, uniform_bits
 from .base import Array, Backend
-from .cupy_backend import NULL, _launch
+from .cupy_launch import NULL, launch
 
 MAX_CANDIDATES = 1024  # MAX_CANDIDATES in sampling.cu: one row's candidates are sorted in shared memory
 SELECT_THREADS = 1024  # SELECT_THREADS in sampling.cu
@@ -39,7 +39,7 @@ def draw_on_device(logits: Array, rows: Array, temperature: Array, draws: Array,
     ids = cupy.empty((r, count), np.int32)  # [R, C] scratch
     values = cupy.empty((r, count), np.float32)  # [R, C] scratch
     sums = cupy.empty(r, np.uint64)  # [R] scratch
-    _launch("sampling.cu", "top_candidates", (r,), SELECT_THREADS,
+    launch("sampling.cu", "top_candidates", (r,), SELECT_THREADS,
             (logits, rows, temperature, np.int32(vocab), np.int32(count), np.int32(bits), np.float64(cutoff), ids,
              values, sums, draws, tokens))
 
@@ -110,7 +110,7 @@ class DeviceLogits(LogitSource):
             ids = cp.empty((len(rows), count), np.int32)  # [R, C]
             values = cp.empty((len(rows), count), np.float32)  # [R, C]
             sums = cp.empty(len(rows), np.uint64)  # [R]
-            _launch("sampling.cu", "top_candidates", (len(rows),), SELECT_THREADS,
+            launch("sampling.cu", "top_candidates", (len(rows),), SELECT_THREADS,
                     (self.logits, cp.asarray(rows, dtype=np.int32), cp.asarray(temperature, dtype=np.float32),
                      np.int32(vocab), np.int32(count), np.int32(bits), np.float64(cutoff), ids, values, sums, NULL,
                      NULL))

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL): kernels of a captured decode step that start while the one before them ends.
 
-A decode step at small batch is a chain of short kernels (BENCHMARKS.md: a Qwen3-30B-A3B layer at batch 1 is 17
-kernels taking 72 us for 27 us of bytes), and between two kernels of a CUDA graph the GPU drains the first grid
+A decode step at small batch is a chain of short kernels, each shorter than the gap a kernel boundary costs
+(BENCHMARKS.md, step kernels), and between two kernels of a CUDA graph the GPU drains the first grid
 before it launches the second. Launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (sm_90 and
 newer), a kernel's blocks are scheduled as soon as every block of the kernel before it has started, and run up to
 `pdl_wait()` (kernels/common.cuh) while that kernel finishes: they get resident and pull their weights into L2

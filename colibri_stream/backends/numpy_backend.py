@@ -10,6 +10,8 @@ NumPy formulas).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import ml_dtypes
 import numpy as np
 
@@ -17,8 +19,11 @@ from ..checkpoint import NUMPY_DTYPES
 from ..config import ModelConfig
 from ..experts.cpu_executor import CpuExpertExecutor, silu_mul
 from ..experts.store import ExpertStore, Float32ExpertStore, MappedExpertStore
-from ..model.batch import ForwardBatch
+from ..sampling import HostLogits
 from .base import Backend
+
+if TYPE_CHECKING:
+    from ..batch import ForwardBatch
 
 
 FLOAT32_EXPERTS_BYTES = 256 << 20  # resident experts up to this size as float32 are widened once, not every step
@@ -48,9 +53,13 @@ class NumpyBackend(Backend):
     """Float32 NumPy on the host."""
 
     name = "numpy"
+    device = "cpu"
 
     def __init__(self, expert_executor: CpuExpertExecutor | None = None):
         self.experts = expert_executor or CpuExpertExecutor()
+
+    def logit_source(self, logits: np.ndarray) -> HostLogits:
+        return HostLogits(logits)
 
     # ---- memory -------------------------------------------------------------------------------------------
     def prepare_weight(self, host: np.ndarray) -> np.ndarray:
@@ -66,9 +75,9 @@ class NumpyBackend(Backend):
         return np.zeros(shape, dtype=KV_NUMPY_DTYPES[dtype])
 
     def prepare_experts(self, store: ExpertStore, config: ModelConfig) -> ExpertStore:
-        """Experts of a resident model small enough for FLOAT32_EXPERTS_BYTES are kept widened to float32 (the
-        shipped model's 49 KB int8 experts took a fifth of a decode step to convert every time); larger ones stay
-        in their storage dtype for the executor's kernel, which reads them at memory bandwidth."""
+        """Experts of a resident model small enough for FLOAT32_EXPERTS_BYTES are kept widened to float32 (a small
+        model's experts would otherwise be converted again at every step); larger ones stay in their storage dtype
+        for the executor's kernel, which reads them at memory bandwidth."""
         widened = 4 * 3 * config.hidden_size * config.moe_intermediate_size * config.num_experts * len(config.moe_layers)
         if type(store) is MappedExpertStore and widened <= FLOAT32_EXPERTS_BYTES:
             return Float32ExpertStore(store)
@@ -97,17 +106,22 @@ class NumpyBackend(Backend):
         return 1.0 / (1.0 + np.exp(-x))
 
     def clip(self, x: np.ndarray, limit: float) -> np.ndarray:
+        """Clamp every element to [-limit, limit]."""
         return np.clip(x, -limit, limit)
 
     # ---- attention ----------------------------------------------------------------------------------------
     def rotary(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """x [T, heads, D], cos/sin tables [P, D/2], positions [T] -> x rotated ("rotate half" pairing)."""
         half = x.shape[-1] // 2
         c, s = cos[positions][:, None, :], sin[positions][:, None, :]  # [T, 1, D/2]
         x1, x2 = x[..., :half], x[..., half:]  # [T, heads, D/2]
         return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
     def write_kv(self, key_cache, value_cache, key, value, slot_mapping, kv_scales=(1.0, 1.0)) -> None:
-        """Keys and values are rounded to the caches' dtype (to nearest even, as the GPU's writer)."""
+        """Store key/value [T, K, D] into the paged caches [num_blocks, block_size, K, D] at the slots [T]; a
+        negative slot stores nothing (padding rows of a captured batch). Each value is rounded to the caches'
+        dtype (to nearest even, as the GPU's writer) after division by its scale, kv_scales = (k_scale, v_scale);
+        an fp8 cache saturates at +-448 (e4m3's largest finite value)."""
         block_size = key_cache.shape[1]
         stored = slot_mapping >= 0  # [T]
         slots = slot_mapping[stored]  # [T']

@@ -35,7 +35,7 @@ ROWS = 6  # weight rows per register tile (the hand-written _tile_* functions be
 # the token once per 6 rows.
 SINGLE_ROW_K = 4096
 # Below this many weight bytes NumPy is as fast: the kernel's call and thread start cost more than the reads
-# (the default model's 49 KB experts ran 25 % slower end to end through the kernel; docs/CPU_EXPERTS.md).
+# (the default model's small experts run faster end to end in NumPy; docs/CPU_EXPERTS.md).
 MIN_KERNEL_BYTES = 1 << 20
 KERNEL_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.int8), np.dtype(np.float32))
 # Float32 sums may be reassociated (into SIMD lanes) and multiply-adds fused; no other fast-math assumption.
@@ -282,9 +282,8 @@ def expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, x, first, la
 
 def threads_beside_gpu() -> int:
     """The executor's threads where the thread that drives the GPU runs beside it (GPU expert slots): every core
-    numba sees but one. With all 16 of the H200 host's cores the step thread and the job's threads took turns on
-    them, and batch-1 offload decode ran 6-10 % slower than with 15 (BENCHMARKS.md); it still did once the threads
-    claimed their chunks (50 %: 29.9 / 23.5 tok/s against 32.2 / 29.6)."""
+    numba sees but one. On every core the step thread and the job's threads take turns on them, and batch-1
+    offload decode is slower than with one core left to the step thread (BENCHMARKS.md)."""
     limit = numba.config.NUMBA_NUM_THREADS if numba is not None else os.cpu_count() or 1
     return max(1, limit - 1)
 

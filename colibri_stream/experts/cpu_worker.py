@@ -1,9 +1,9 @@
 """A host thread that computes one MoE layer's CPU experts in one compiled call, handed its work without the GIL.
 
 The GPU slot store (gpu_tier.py) hands the experts it places on the CPU to another thread once per MoE layer.
-Through a Python thread pool that hand-off cost about 0.1 ms to wake the thread and pass it the GIL, and 0.15 ms
-of Python around the executor's kernel, every layer (benchmarks/offload_timeline.py, BENCHMARKS.md). Here the
-thread waits inside a compiled loop that holds no GIL: it spins on a doorbell word, reads the job from a table of
+Through a Python thread pool that hand-off would wake a thread and pass it the GIL, and run Python around the
+executor's kernel, every layer (benchmarks/offload_timeline.py times both). Here the thread waits inside a compiled
+loop that holds no GIL: it spins on a doorbell word, reads the job from a table of
 int64 words (the addresses of the layer's tokens, routing, output and of each expert's pinned block, and the row
 range the CPU computes), runs the executor's kernel (cpu_executor.expert_kernel) for each expert over the tokens
 routed to it, adds the result times the routing weight into the output, then raises the CUDA stream's flag
@@ -127,7 +127,7 @@ if numba is not None:
         """Wait, without the GIL, until the worker has finished `ticket`: a spin (WAIT_SPINS checks, or spin_ns
         if longer), then asleep until the worker wakes this thread (a futex on the DONE word's low half), or sleeps of
         WAIT_SLEEP_US without futexes. Spin for a whole job only where its threads leave the waiter a core: a waiter
-        beside threads on every core takes one of theirs (on 2 cores, 20 us sleeps made a job 23 % slower)."""
+        beside threads on every core takes one of theirs, and its short sleeps then slow the job down."""
         for _ in range(WAIT_SPINS):
             if _load_acquire(control + 8 * DONE) >= ticket:
                 return
@@ -279,8 +279,8 @@ class CpuLayerWorker:
         dtype = np.dtype(np.uint16) if tensors["gate"].dtype == KERNEL_DTYPES[0] else tensors["gate"].dtype
         self.threads = threads
         # How long `wait` spins before it sleeps (0: WAIT_SPINS checks): through a whole job where its threads leave
-        # the waiter a core, as `threads_beside_gpu` does. On the H200 host the futex woke the step thread 0.14-0.16
-        # ms after the job's end, a spinning one 0.05-0.08 ms (benchmarks/offload_timeline.py --waiters spin sleep).
+        # the waiter a core, as `threads_beside_gpu` does: a spinning waiter sees the job's end sooner than one woken
+        # by the futex (benchmarks/offload_timeline.py --waiters spin sleep).
         self.wait_spin_seconds = WAIT_SPIN_SECONDS if threads < numba.config.NUMBA_NUM_THREADS else 0.0
         self.expert_bytes = sum(t.nbytes for t in tensors.values())
         self._shared = _Shared(_server(dtype, "gate_scale" in tensors),

@@ -1,25 +1,24 @@
 """Routed experts in a bounded set of GPU slots (L1), fed from pinned host memory (L2) or experts.bin (L3).
 
 `GpuTieredStore` is the CuPy backend's store when `--gpu-memory-limit` leaves room for fewer experts than the
-model has. Memory: one device arena of each MoE layer's slots (`slots.layer_slot_counts`: the same number in every
-layer, or whole layers) plus a staging block, each block
-4 KiB aligned and in experts.bin's layout, so a load is one host-to-device copy of the whole block; the MoE kernels
-read the blocks in place through per-slot strides and an expert -> slot table per layer (cupy_backend.LayerExperts).
-
-Where a block comes from: `PinnedExperts` (L2 holding every expert: pinned host copy of experts.bin, checked at
-start), a `TieredExpertStore` over a pinned `HostTier` (L2 holding some: its own eviction policy), or, without
-an L2 budget, experts.bin itself through a `StagingRing` of pinned buffers (kvikio parallel reads when kvikio is
-installed, CRC32 on every block). All copies run on one non-blocking copy stream; the compute stream waits on
-the copy's CUDA event, never the host.
+model has. It moves blocks and never looks inside one; its parts, a module each:
+- slot_arena.DeviceSlots: one device arena of each MoE layer's slots (`slots.layer_slot_counts`: the same number in
+  every layer, or whole layers) plus a staging block, in experts.bin's block layout;
+- block_sources.BlockSource: where a block comes from (every block pinned, a pinned host tier holding some, or
+  experts.bin through a staging ring: kvikio parallel reads when kvikio is installed, CRC32 on every block);
+- step_plan: the LayerPlan of a layer's step and the planner that places its misses (GPU, CPU, or one cut);
+- cpu_dispatch.CpuDispatch: the CPU's part of a layer, on a compiled worker or the CPU thread.
+All copies run on one non-blocking copy stream; the compute stream waits on the copy's CUDA event, never the
+host.
 
 A layer's step (the backend drives it): `begin_layer` copies the routing and the MoE input to the host (the one
 synchronisation per MoE layer that offloading needs: the host must know which blocks to move; a layer whose slots
-hold every expert skips it, below), counts hits,
-decides where each missing expert is computed (`placement.place_step`, when a CPU expert executor is given: on the
-GPU, on the CPU, or one cut by rows between them), queues the copies of the first pass's missing blocks and of the
-cut expert's GPU rows, and hands the CPU's part to the CPU thread; `passes` yields one kernel launch per group of
-experts that fit the layer's slots (a later pass's copies wait for the earlier pass's kernels), then the cut
-expert's GPU rows; `finish_layer` starts the predicted next layer's loads (prefetch) and returns the CPU's
+hold every expert skips it, below), counts hits, decides where each missing expert is computed
+(`step_plan.place_misses`, when a CPU expert executor is given: on the GPU, on the CPU, or one cut by rows between
+them), queues the copies of the first pass's missing blocks and of the cut expert's GPU rows, and hands the CPU's
+part to the CPU (cpu_dispatch.py); `passes` yields one kernel launch per group of experts that fit the layer's
+slots (a later pass's copies wait for the earlier pass's kernels), then the cut expert's GPU rows; `finish_layer`
+starts the predicted next layer's loads (prefetch) and returns the CPU's
 weighted sum as a device array that the compute stream fills once the CPU thread raises a flag in pinned memory
 (`handoff.HostFlag`): the host goes on to queue the next layer's attention and router while the CPU computes, and
 takes in the CPU's end (its error, its time) at the next `begin_layer`. What the CPU work and the cut copies take
@@ -35,33 +34,32 @@ from the layer's input for a layer that can miss, the layer synchronises as the 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from ..checkpoint import BLOCK_ALIGNMENT, ExpertFile, expert_block_layout
+from ..checkpoint import ExpertFile
 from ..errors import CheckpointError
+from .block_sources import LOADER_THREADS, BlockSource, block_source
+from .cpu_dispatch import CpuDispatch
 from .cpu_executor import CpuExpertExecutor
-from .cpu_worker import CpuLayerWorker
-from .handoff import HostFlag, PinnedReadback
-from .partial import DEVICE_DTYPES, PartialLayout
-from .pinned import PinnedExperts, StagingRing, pinned_empty
-from .placement import (ASSUMED, MIN_CUT_GAIN, Bandwidths, ExpertNeed, corrected, expert_cost, gpu_rows,
-                        place_step)
+from .cut_layout import CutLayout
+from .device import DeviceExperts, LayerExperts
+from .handoff import PinnedReadback
+from .pinned import PinnedExperts
+from .placement import ASSUMED, Bandwidths, ExpertNeed, corrected, expert_cost
 from .policies import EvictionPolicy
 from .prefetcher import Prefetcher
 from .rates import FLOP_PROBE_TOKENS, cpu_expert_rates, pinned_copy_rate, shared_rates
+from .slot_arena import DeviceSlots
 from .slots import LayerSlots
 from .stats import ComputeStats, ExpertStats, TierStats
-from .store import ExpertStore
+from .step_plan import Cut, GpuPass, LayerPlan, place_misses
 from .tiers import BlockReader, TieredExpertStore
 
 logger = logging.getLogger(__name__)
-GPU_IO_THREADS = 4  # prefetch reads of blocks that are not in host memory
-CUT_ROW_MULTIPLE = 16  # a cut expert's GPU rows: whole 16-byte vectors of every expert dtype
 
 
 def _done(event) -> Future:
@@ -70,78 +68,14 @@ def _done(event) -> Future:
     return future
 
 
-class DeviceSlots:
-    """The GPU arena: `slots[rank]` blocks for each MoE layer, one layer after the other, then one staging block, in
-    experts.bin's layout.
-
-    `view(rank)` gives the layer's LayerExperts: tensors indexed by the layer's local slot (0 .. slots - 1; the
-    staging block is local slot `staging(rank)`), with the layer's device slot table attached.
-    """
-
-    def __init__(self, expert_file: ExpertFile, slots: list[int]):
-        import cupy
-
-        from ..backends.cupy_backend import LayerExperts
-
-        config = expert_file.config
-        self.block_size = expert_file.block_size
-        self.first = [sum(slots[:rank]) for rank in range(len(slots))]  # each layer's first block in the arena
-        self.total = sum(slots) + 1  # + staging
-        self.memory = cupy.cuda.alloc(self.total * self.block_size + BLOCK_ALIGNMENT)
-        self.base = self.memory.ptr + (-self.memory.ptr % BLOCK_ALIGNMENT)  # first block, 4 KiB aligned
-        tensors, _ = expert_block_layout(config)
-        self.tensors = tensors
-        self.tables = [cupy.full(config.num_experts, -1, np.int32) for _ in config.moe_layers]  # [E] per layer
-        self.partial_table = cupy.full(config.num_experts, -1, np.int32)  # [E]: the cut expert -> 0
-        self._views = []
-        for rank, first in enumerate(self.first):
-            arrays = {}
-            for t in tensors:
-                dtype = np.dtype(DEVICE_DTYPES[t.dtype])
-                inner = [dtype.itemsize]
-                for extent in reversed(t.shape[1:]):
-                    inner.insert(0, inner[0] * extent)
-                pointer = self.memory + (self.base - self.memory.ptr + first * self.block_size + t.offset)
-                arrays[t.name] = cupy.ndarray((self.total - first, *t.shape), dtype, memptr=pointer,
-                                              strides=(self.block_size, *inner))
-            self._views.append(LayerExperts(arrays["gate"], arrays["up"], arrays["down"], arrays.get("gate_scale"),
-                                            arrays.get("up_scale"), arrays.get("down_scale"), self.tables[rank]))
-
-    def view(self, rank: int):
-        return self._views[rank]
-
-    def partial_view(self, layout: PartialLayout, expert: int):
-        """LayerExperts of the GPU part of a cut expert packed (by `layout`) into the staging block: one slot, the
-        table mapping `expert` to it."""
-        from ..backends.cupy_backend import LayerExperts
-
-        table = np.full(len(self.partial_table), -1, np.int32)
-        table[expert] = 0
-        self.partial_table.set(table)
-        arrays = layout.arrays(self.memory, self.base - self.memory.ptr + (self.total - 1) * self.block_size)
-        return LayerExperts(arrays["gate"], arrays["up"], arrays["down"], arrays.get("gate_scale"),
-                            arrays.get("up_scale"), arrays.get("down_scale"), self.partial_table)
-
-    def staging(self, rank: int) -> int:
-        """The staging block as a local slot of layer `rank`."""
-        return self.total - 1 - self.first[rank]
-
-    def pointer(self, rank: int, slot: int) -> int:
-        """Device address of layer `rank`'s local slot."""
-        return self.base + (self.first[rank] + int(slot)) * self.block_size  # Python ints: no overflow
-
-
-class GpuTieredStore(ExpertStore):
+class GpuTieredStore(DeviceExperts):
     """Routed experts computed from GPU slots: `slots` per MoE layer, or a list of each layer's count; see the module
     docstring.
 
     host: PinnedExperts (L2 holds all), a TieredExpertStore over a pinned HostTier (L2 holds some) or None (L3
-    only). prefetcher: predicts later layers' experts from the host copy of the MoE input. cpu_executor: computes
-    misses on the CPU where the cost model says so (`cpu_experts` "auto"), for every miss ("all"), or never
-    (None). stream_waits=False: the host waits for the CPU's part in `finish_layer` (as where the driver has no
-    stream memory operations). cpu_worker=False: the CPU thread runs the executor expert by expert even where a
-    CpuLayerWorker could serve (for comparison). `min_cut_gain`: how much sooner a cut must end a layer's misses
-    than whole experts (placement.place_step).
+    only): block_sources.block_source makes the store's BlockSource of it. prefetcher: predicts later layers'
+    experts from the host copy of the MoE input. cpu_executor: computes misses on the CPU where the cost model says
+    so (`cpu_experts` "auto"), for every miss ("all"), or never (None).
     """
 
     resident = False
@@ -149,13 +83,13 @@ class GpuTieredStore(ExpertStore):
     def __init__(self, expert_file: ExpertFile, slots: int | list[int], policies: list[EvictionPolicy],
                  host: PinnedExperts | TieredExpertStore | None, reader: BlockReader,
                  prefetcher: Prefetcher | None = None, cpu_executor: CpuExpertExecutor | None = None,
-                 cpu_experts: str = "auto", bandwidths: Bandwidths | None = None, stream_waits: bool = True,
-                 cpu_worker: bool = True):
+                 cpu_experts: str = "auto", bandwidths: Bandwidths | None = None):
         import cupy
 
         self.cp = cupy
         config = expert_file.config
-        self.file, self.host, self.reader, self.prefetcher = expert_file, host, reader, prefetcher
+        self.file, self.prefetcher = expert_file, prefetcher
+        self.source: BlockSource = block_source(expert_file, host, reader)
         self.executor, self.cpu_experts = cpu_executor, cpu_experts
         self.num_experts = config.num_experts
         self.block_size = expert_file.block_size
@@ -172,29 +106,22 @@ class GpuTieredStore(ExpertStore):
         self._inflight: list[dict[int, Future]] = [{} for _ in policies]  # per rank: expert -> prefetch (event)
         self._prefetched: list[set[int]] = [set() for _ in policies]
         self._copy_stream = cupy.cuda.Stream(non_blocking=True)
-        self._ring = StagingRing(self.block_size, GPU_IO_THREADS + 2) if not isinstance(host, PinnedExperts) else None
-        self._pool = ThreadPoolExecutor(GPU_IO_THREADS, thread_name_prefix="colibri-gpu-io")
-        self._cpu_thread = ThreadPoolExecutor(1, thread_name_prefix="colibri-cpu-experts")  # runs the CPU executor
+        self._pool = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="colibri-gpu-io")
         self._pass_done = None  # CUDA event after the latest pass's kernels
         self._staging_free = None  # CUDA event after the latest pass that read the staging block
         self._stats = self._fresh_stats()
         self._current = len(policies)
-        self._step: dict | None = None  # the running layer's plan (begin_layer -> passes -> finish_layer)
+        self._plan: LayerPlan | None = None  # the running layer's (begin_layer -> passes -> finish_layer)
         self._predictions: list[tuple[int, list[int]]] = []
         self._warm_start()
         self._stats = self._fresh_stats()  # count the model's requests, not the warm start
         self.bandwidths = bandwidths or (self._measure_bandwidths() if cpu_executor is not None else ASSUMED)
         # Measured rates are corrected by what the steps' CPU work and cut copies take (placement.corrected).
         self.adapt_rates = bandwidths is None and cpu_executor is not None
-        self.min_cut_gain = MIN_CUT_GAIN
         self._copy_probe = None  # (start, end) timing events of the latest cut copy, and its predicted seconds
         self._readback = PinnedReadback()  # routing and MoE input to the host, one synchronisation a layer
-        # The CPU's part: its sum goes through one pinned buffer; the stream waits on the flag, not the host.
-        waits = cpu_executor is not None and stream_waits
-        self._flag = HostFlag.create(cupy.cuda.get_current_stream()) if waits else None
-        self._cpu_out: np.ndarray | None = None  # float32, grown as needed
-        self._pending_cpu: dict | None = None  # the step plan whose CPU work the host has not taken in yet
-        self._worker = self._make_worker() if cpu_worker else None  # the CPU's part in one compiled call a layer
+        self.cpu = None if cpu_executor is None else CpuDispatch(
+            expert_file, self.source, cpu_executor, cupy.cuda.get_current_stream(), self._layer_ids[0])
         self._sync_free = self._sync_free_ranks(counts)  # per rank: every expert resident, nothing to predict from it
         self._untallied: dict[int, tuple[np.ndarray, object]] = {}  # per sync-free rank: routing copy [T, k], event
         for rank in (r for r, free in enumerate(self._sync_free) if free):
@@ -210,24 +137,11 @@ class GpuTieredStore(ExpertStore):
         ahead = self.prefetcher.lookahead if self.prefetcher is not None else 0
         return [whole[rank] and all(whole[rank + 1: rank + 1 + ahead]) for rank in range(len(counts))]
 
-    def _make_worker(self) -> CpuLayerWorker | None:
-        """A CpuLayerWorker when the executor's kernel serves these experts and a host tier holds blocks (else the
-        CPU thread's Python runs the executor expert by expert)."""
-        executor = self.executor
-        if self.host is None:  # every block the CPU computes is read from experts.bin by the CPU thread
-            return None
-        pinned = isinstance(self.host, PinnedExperts)
-        block = self.host.block(self._layer_ids[0], 0) if pinned else self._ring.buffers[0]  # offsets from one block
-        tensors = self.file.unpack(block)
-        if not CpuLayerWorker.serves(executor, tensors):
-            return None
-        logger.info("CPU experts: one compiled call per layer on %d threads (CpuLayerWorker)", executor.num_threads)
-        return CpuLayerWorker(tensors, block, executor.num_threads)
-
     # ---- start ---------------------------------------------------------------------------------------------
     def _fresh_stats(self) -> ExpertStats:
-        tiers = ("gpu", "host", "disk") if isinstance(self.host, PinnedExperts) else ("gpu", "disk")
-        return ExpertStats(len(self._layers), tiers={name: TierStats() for name in tiers})
+        stats = ExpertStats(len(self._layers), tiers={name: TierStats() for name in ("gpu", *self.source.tier_names)})
+        self.source.counts = stats.tiers
+        return stats
 
     def _warm_start(self) -> None:
         """Fill every slot: the policy's preload choice first, then the lowest expert ids (a GPU slot left empty
@@ -248,12 +162,7 @@ class GpuTieredStore(ExpertStore):
         executor, as in a step: both reading the same block at once would serve part of the reads from the CPU's
         caches."""
         layer, other = self._layer_ids[0], min(1, self.num_experts - 1)
-        if self._ring is not None:
-            computed, copied = self._ring.buffers[0], self._ring.buffers[1]
-            self.reader.read_into(layer, 0, computed)
-            self.reader.read_into(layer, other, copied)
-        else:
-            computed, copied = self.host.block(layer, 0), self.host.block(layer, other)
+        computed, copied = self.source.sample_blocks(layer, 0, other)
         destination = self.device.pointer(0, self.device.staging(0))
         tensors = self.file.unpack(computed)
         h2d = pinned_copy_rate(copied, destination, self._copy_stream)
@@ -268,14 +177,14 @@ class GpuTieredStore(ExpertStore):
 
     # ---- moving blocks -------------------------------------------------------------------------------------
     def _copy(self, layer: int, expert: int, destination: int, after=None):
-        """Copy the block of (layer, expert) from host memory (reading experts.bin when no tier holds it) to
+        """Copy the block of (layer, expert) from its source (reading experts.bin when no tier holds it) to
         `destination` on the copy stream, after the event `after` if given; returns the copy's event."""
-        source, release = self._host_block(layer, expert)
+        source, release = self.source.block(layer, expert)
         if after is not None:
             self._copy_stream.wait_event(after)
         return self._enqueue(source, release, destination)
 
-    def _enqueue(self, source: np.ndarray, release, destination: int, layout: PartialLayout | None = None):
+    def _enqueue(self, source: np.ndarray, release, destination: int, layout: CutLayout | None = None):
         """Queue the copy of a pinned block (or with `layout`, of its rows packed) to `destination` on the copy
         stream; hand its event to `release` (the source may be reused once it completes) and return it."""
         cp = self.cp
@@ -289,41 +198,9 @@ class GpuTieredStore(ExpertStore):
         release(event)
         return event
 
-    def _host_block(self, layer: int, expert: int):
-        """(pinned block [block_size] uint8, release(event)) of (layer, expert), on the step thread."""
-        stats = self._stats.tiers
-        if isinstance(self.host, PinnedExperts):
-            stats["host"].hits += 1
-            stats["host"].bytes_read += self.block_size
-            return self.host.block(layer, expert), lambda event: None
-        if self.host is not None:
-            slot = self.host.slot_of(layer, expert)
-            return self.host.tier.arena[slot], lambda event: self.host.tier.release(slot, event)
-        return self._read_staged(layer, expert)
-
-    def _read_staged(self, layer: int, expert: int, count: bool = True):
-        """Read (layer, expert) from experts.bin into a staging buffer: (buffer, release(event)); `count`: add
-        the read to the disk tier's counters (loader threads leave that to the step thread)."""
-        if count:
-            disk = self._stats.tiers["disk"]
-            disk.hits += 1
-            disk.bytes_read += self.block_size
-        index = self._ring.acquire()
-        try:
-            self.reader.read_into(layer, expert, self._ring.buffers[index])
-        except BaseException:
-            self._ring.release(index)
-            raise
-        return self._ring.buffers[index], lambda event: self._ring.release(index, event)
-
     def _copy_from_disk(self, layer: int, expert: int, destination: int):
         """A prefetch of a block that no host tier holds, on a loader thread: read, check, copy; the event."""
-        return self._enqueue(*self._read_staged(layer, expert, count=False), destination)
-
-    def _in_host_memory(self, layer: int, expert: int) -> bool:
-        if isinstance(self.host, PinnedExperts):
-            return True
-        return self.host is not None and self.host.holds(layer, expert)
+        return self._enqueue(*self.source.read_staged(layer, expert), destination)
 
     # ---- the step ------------------------------------------------------------------------------------------
     def begin_layer(self, layer: int, x, expert_ids, weights=None) -> None:
@@ -365,34 +242,33 @@ class GpuTieredStore(ExpertStore):
         hits = [e for e in needed if slots.lookup(e) is not None]
         misses = [e for e in needed if slots.lookup(e) is None]
         on_cpu: list[int] = []
-        split = None
+        cut = None
         if self.executor is not None and misses:
-            on_cpu, split = self._place_misses(layer, ids, misses)
-            misses = [e for e in misses if e not in on_cpu and (split is None or e != split[0])]
-        cpu_part = on_cpu + ([split[0]] if split is not None else [])
-        if self.host is not None and not isinstance(self.host, PinnedExperts):
-            self.host.begin_layer(layer, None, np.asarray(misses + cpu_part, np.int64)[:, None])
+            on_cpu, cut = self._place_misses(layer, ids, misses)
+            misses = [e for e in misses if e not in on_cpu and (cut is None or e != cut.expert)]
+        cpu_part = on_cpu + ([cut.expert] if cut is not None else [])
+        self.source.begin_layer(layer, misses + cpu_part)
         self._stats.tiers["gpu"].hits += len(hits)
         self._stats.tiers["gpu"].misses += len(misses) + len(cpu_part)
-        self._step = step = {"rank": rank, "layer": layer, "hits": hits, "todo": list(misses), "on_cpu": on_cpu,
-                             "split": split, "ids": ids, "x": x_host, "weights": host.get("weights"), "cut": None}
+        self._plan = plan = LayerPlan(rank, layer, hits=hits, todo=list(misses), on_cpu=on_cpu, cut=cut, ids=ids,
+                                      x=x_host, weights=host.get("weights"))
         # The copies start first unless one waits for a disk read (the CPU would wait behind it); the cut's copy
         # goes now when the first pass takes every other miss (else the staging block may still be needed).
-        copies_first = all(self._in_host_memory(layer, e) for e in misses)
+        copies_first = all(self.source.in_memory(layer, e) for e in misses)
         if not copies_first:
-            self._start_cpu_work(layer, step)
-        step["pass"] = self._queue_pass(step, first=True)
-        if split is not None and not step["todo"] and not step["pass"][2]:
-            step["cut"] = self._queue_cut_copy(rank, *split)
+            self._start_cpu_work(plan)
+        plan.first_pass = self._queue_pass(plan, first=True)
+        if cut is not None and not plan.todo and not plan.first_pass.through_staging:
+            plan.cut_copy = self._queue_cut_copy(rank, cut)
         if copies_first:
-            self._start_cpu_work(layer, step)
+            self._start_cpu_work(plan)
 
     def _begin_resident_layer(self, rank: int, expert_ids) -> None:
         """A step of a layer whose slots hold every expert: no read-back, no placement, no CPU work. The routing's
         copy to the host is queued, not waited for; the layer's previous one is counted now (long finished). CPU work
         still running on the CpuLayerWorker goes on (it needs no GIL to end, so whatever waits on the stream meanwhile
         cannot hold it up); the CPU thread's Python needs the GIL, so its work is taken in first."""
-        if self._pending_cpu is not None and "job" not in self._pending_cpu["cpu"]:
+        if self.cpu is not None and self.cpu.thread_job_pending():
             self._collect_cpu_work()
         self._tally_resident(rank)
         stream = self.cp.cuda.get_current_stream()
@@ -400,7 +276,7 @@ class GpuTieredStore(ExpertStore):
         copied = self.cp.cuda.Event(disable_timing=True)
         copied.record(stream)
         self._untallied[rank] = (ids, copied)
-        self._step = {"rank": rank, "resident": True, "cpu": None}
+        self._plan = LayerPlan(rank, self._layer_ids[rank], resident=True)
 
     def _tally_resident(self, rank: int) -> None:
         """Count the routing of a sync-free layer's latest step (at the layer's next step, or after the next
@@ -415,36 +291,27 @@ class GpuTieredStore(ExpertStore):
         self._stats.tiers["gpu"].bytes_read += used * self.block_size
         self._stats.compute.gpu_experts += used
 
-    def _place_misses(self, layer: int, ids: np.ndarray, misses: list[int]) -> tuple[list[int], tuple | None]:
-        """(the misses the CPU computes whole this step, (expert, rows) of one cut by its intermediate rows: the GPU
-        computes rows 0 .. rows - 1, the CPU the rest; or None): all whole ("all"), or the cost model's choice
-        ("auto"). Only an expert in host memory is cut (the CPU and the copy read the same pinned block)."""
-        if self.cpu_experts == "all":
-            return list(misses), None
+    def _place_misses(self, layer: int, ids: np.ndarray, misses: list[int]) -> tuple[list[int], Cut | None]:
+        """(the misses the CPU computes whole this step, the one cut by its intermediate rows or None), from the
+        planner: all whole ("all"), or the cost model's choice ("auto"). Only an expert in host memory is cut (the
+        CPU and the copy read the same pinned block)."""
         counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)
-        needs = [ExpertNeed(self.block_size, self._params, int(counts[e]), on_disk=not self._in_host_memory(layer, e),
-                            splittable=self.host is not None) for e in misses]
-        inter = self.file.config.moe_intermediate_size
-        on_cpu, split = [], None
-        for expert, share in zip(misses, place_step(needs, self.bandwidths, self.min_cut_gain)):
-            rows = gpu_rows(share, inter, CUT_ROW_MULTIPLE)
-            if rows == 0:
-                on_cpu.append(expert)
-            elif rows < inter:
-                split = (expert, rows)
-        return on_cpu, split
+        needs = [ExpertNeed(self.block_size, self._params, int(counts[e]), on_disk=not self.source.in_memory(layer, e),
+                            splittable=self.source.has_host_blocks) for e in misses]
+        return place_misses(misses, needs, self.bandwidths, self.file.config.moe_intermediate_size,
+                            every_miss=self.cpu_experts == "all")
 
-    def _queue_pass(self, step: dict, first: bool) -> tuple[np.ndarray, list[int], bool]:
-        """Place the step's next group of experts in the layer's slots and queue the copies of those not there:
-        (table [E] of each expert's local slot, the experts, whether the one expert goes through the staging
-        block because every slot holds an expert this step still needs). The first pass takes the hits (a hit
-        whose prefetch failed becomes a miss) and as many misses as free slots hold; a block placed for a later
-        pass is copied after the earlier pass's kernels (the copy waits on `_pass_done`)."""
-        rank, todo = step["rank"], step["todo"]
+    def _queue_pass(self, plan: LayerPlan, first: bool) -> GpuPass:
+        """Place the step's next group of experts in the layer's slots and queue the copies of those not there
+        (its one expert goes through the staging block when every slot holds an expert this step still needs).
+        The first pass takes the hits (a hit whose prefetch failed becomes a miss) and as many misses as free slots
+        hold; a block placed for a later pass is copied after the earlier pass's kernels (the copy waits on
+        `_pass_done`)."""
+        rank, todo = plan.rank, plan.todo
         slots, events = self._layers[rank], self._slot_events[rank]
         table = np.full(self.num_experts, -1, np.int32)  # [E] local slot of each expert in this pass
         batch = []
-        for expert in step["hits"] if first else ():
+        for expert in plan.hits if first else ():
             slot = self._ready_slot(rank, expert)
             if slot is None:  # its prefetch failed: now a miss
                 todo.append(expert)
@@ -466,48 +333,48 @@ class GpuTieredStore(ExpertStore):
             self._stats.bypass_loads += 1
             self.cp.cuda.get_current_stream().wait_event(self._demand_copy(rank, expert, table[expert], None))
             batch.append(expert)
-        return table, batch, through_staging
+        return GpuPass(table, batch, through_staging)
 
-    def passes(self, layer: int) -> Iterator:
+    def passes(self, layer: int) -> Iterator[LayerExperts]:
         """One LayerExperts per kernel launch: the step's experts that are (or are made) resident, as many at a
         time as the layer's slots hold (the first pass's copies were queued by `begin_layer`), then the cut
         expert's GPU rows."""
-        cp, step = self.cp, self._step
-        rank = step["rank"]
-        if step.get("resident"):  # every expert in its slot, the table fixed since the warm start
+        cp, plan = self.cp, self._plan
+        rank = plan.rank
+        if plan.resident:  # every expert in its slot, the table fixed since the warm start
             yield self.device.view(rank)
             return
         slots, events = self._layers[rank], self._slot_events[rank]
         compute = cp.cuda.get_current_stream()
-        table, batch, through_staging = step["pass"]
-        while batch:
-            for expert in batch:
-                slot = int(table[expert])
+        gpu_pass = plan.first_pass
+        while gpu_pass.experts:
+            for expert in gpu_pass.experts:
+                slot = int(gpu_pass.table[expert])
                 if slot in events:
                     compute.wait_event(events[slot])
-            self.device.tables[rank].set(table)
-            self._stats.compute.gpu_experts += len(batch)
-            self._stats.tiers["gpu"].bytes_read += len(batch) * self.block_size
+            self.device.tables[rank].set(gpu_pass.table)
+            self._stats.compute.gpu_experts += len(gpu_pass.experts)
+            self._stats.tiers["gpu"].bytes_read += len(gpu_pass.experts) * self.block_size
             yield self.device.view(rank)
             self._pass_done = cp.cuda.Event(disable_timing=True)
             self._pass_done.record(compute)
-            if through_staging:
+            if gpu_pass.through_staging:
                 self._staging_free = self._pass_done
-            for expert in batch:
+            for expert in gpu_pass.experts:
                 slots.use(expert)
-            table, batch, through_staging = self._queue_pass(step, first=False)
-        if step["split"] is not None:
-            yield self._partial_pass(rank, step)
+            gpu_pass = self._queue_pass(plan, first=False)
+        if plan.cut is not None:
+            yield self._cut_pass(rank, plan)
             self._pass_done = cp.cuda.Event(disable_timing=True)
             self._pass_done.record(compute)
             self._staging_free = self._pass_done
 
-    def _queue_cut_copy(self, rank: int, expert: int, rows: int) -> tuple[PartialLayout, object]:
-        """Queue the copy of a cut expert's first `rows` rows, packed, into the staging block once no earlier pass
-        reads that block: (its layout, the copy's event)."""
+    def _queue_cut_copy(self, rank: int, cut: Cut) -> tuple[CutLayout, object]:
+        """Queue the copy of a cut expert's GPU rows, packed, into the staging block once no earlier pass reads
+        that block: (its layout, the copy's event)."""
         cp = self.cp
-        layout = PartialLayout(self.device.tensors, rows)
-        source, release = self._host_block(self._layer_ids[rank], expert)
+        layout = CutLayout(self.device.tensors, cut.gpu_rows)
+        source, release = self.source.block(self._layer_ids[rank], cut.expert)
         if self._staging_free is not None:
             self._copy_stream.wait_event(self._staging_free)
         start = cp.cuda.Event() if self.adapt_rates else None  # timing the copy corrects the copy rate
@@ -520,16 +387,15 @@ class GpuTieredStore(ExpertStore):
             self._copy_probe = (start, end, layout.nbytes / self.bandwidths.h2d)
         return layout, copied
 
-    def _partial_pass(self, rank: int, step: dict):
+    def _cut_pass(self, rank: int, plan: LayerPlan) -> LayerExperts:
         """The GPU part of the step's cut expert (its copy queued now if `begin_layer` did not): the compute waits
-        for the copy. Returns the pass's LayerExperts."""
-        expert, rows = step["split"]
-        layout, copied = step["cut"] or self._queue_cut_copy(rank, expert, rows)
+        for the copy."""
+        layout, copied = plan.cut_copy or self._queue_cut_copy(rank, plan.cut)
         self.cp.cuda.get_current_stream().wait_event(copied)
         self._stats.compute.gpu_experts += 1
         self._stats.compute.split_experts += 1
         self._stats.tiers["gpu"].bytes_read += layout.nbytes
-        return self.device.partial_view(layout, expert)
+        return self.device.cut_view(layout, plan.cut.expert)
 
     def _demand_copy(self, rank: int, expert: int, slot: int, slots: LayerSlots | None):
         """Load a missed block into a local slot now (the host waits only for a disk read); its event."""
@@ -570,138 +436,47 @@ class GpuTieredStore(ExpertStore):
 
     def finish_layer(self, layer: int):
         """After the layer's kernels are queued: start the next layers' prefetches and return the weighted sum
-        [T, H] on the device of the experts placed on the CPU (None if none). The compute stream waits for the CPU
-        thread's flag before copying the sum in, so the host goes on to queue the next layer while the CPU works;
-        the next `begin_layer` that synchronises (or, for the step's last MoE layer, this call) takes in the work's
-        end. Without stream waits on host memory the host waits here."""
-        step, self._step = self._step, None
+        [T, H] on the device of the experts placed on the CPU (None if none). The compute stream waits for the CPU's
+        flag before copying the sum in, so the host goes on to queue the next layer while the CPU works; the next
+        `begin_layer` that synchronises (or, for the step's last MoE layer, this call) takes in the work's end."""
+        plan, self._plan = self._plan, None
         for target, ranked in self._predictions:
             self._prefetch(target, ranked)
         self._predictions = []
-        if step["cpu"] is None:
-            if step["rank"] == len(self._layer_ids) - 1:
+        last = plan.rank == len(self._layer_ids) - 1
+        if plan.cpu is None:
+            if last:
                 self._collect_cpu_work()  # an earlier layer's, when the layers after it were sync-free
             return None
-        cpu = step["cpu"]
         stream = self.cp.cuda.get_current_stream()
-        if self._flag is None or step["rank"] == len(self._layer_ids) - 1:
+        if last:
             self._collect_cpu_work()
         else:
-            self._flag.wait(stream, cpu["ticket"])
-        out = self.cp.empty(cpu["out"].shape, np.float32)  # [T, H]
-        self.cp.cuda.runtime.memcpyAsync(out.data.ptr, cpu["out"].ctypes.data, out.nbytes,
+            self.cpu.flag.wait(stream, plan.cpu.ticket)
+        out = self.cp.empty(plan.cpu.out.shape, np.float32)  # [T, H]
+        self.cp.cuda.runtime.memcpyAsync(out.data.ptr, plan.cpu.out.ctypes.data, out.nbytes,
                                          self.cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
         return out
 
+    def _start_cpu_work(self, plan: LayerPlan) -> None:
+        """Hand the experts placed on the CPU to it (cpu_dispatch.py), and predict what they take meanwhile."""
+        if self.cpu is None:
+            return
+        job = self.cpu.start(plan)
+        if job is not None:
+            job.predicted = self._cpu_seconds(plan.ids, job.work)  # while the CPU works
+
     def _collect_cpu_work(self) -> None:
-        """Wait for the CPU thread's latest layer (its flag is set once it ends, so the stream waiting on it goes
-        on): raise its error, correct the CPU rates by its time, count its experts as used."""
-        step, self._pending_cpu = self._pending_cpu, None
-        if step is None:
+        """Wait for the CPU's latest layer: raise its error, correct the CPU rates by its time, count its experts
+        as used."""
+        if self.cpu is None or self.cpu.pending is None:
             return
-        cpu = step["cpu"]
         with self.timer.phase("expert_cpu"):
-            if "job" in cpu:
-                seconds = self._worker.wait(cpu["job"])
-                for release in cpu["releases"]:
-                    release(None)
-                self.executor.record(len(cpu["work"]), seconds, cpu["nbytes"])
-            else:
-                seconds = cpu["future"].result()
+            plan, seconds = self.cpu.collect()
         if self.adapt_rates:
-            self.bandwidths = corrected(self.bandwidths, "cpu", cpu["predicted"], seconds)
-        for expert, _ in cpu["work"]:
-            self._layers[step["rank"]].use(expert)
-
-    def _start_cpu_work(self, layer: int, step: dict) -> None:
-        """Hand the experts placed on the CPU (whole, and a cut one's other rows) to the CpuLayerWorker (every block
-        in host memory and the kernel serving them) or else to the CPU thread, so they are computed while this
-        thread queues the layer's copies and kernels. step["cpu"]: None, or the worker's job (or the thread's
-        future of its seconds), predicted seconds, work list, pinned output [T, H] and flag ticket. Blocks in host
-        memory are looked up here (the tiers are used from this thread only); one that no tier holds is read from
-        experts.bin by the CPU thread."""
-        work = [(expert, None) for expert in step["on_cpu"]]  # (expert, rows the CPU computes: None for all)
-        if step["split"] is not None:
-            expert, rows = step["split"]
-            work.append((expert, (rows, self.file.config.moe_intermediate_size)))
-        if not work:
-            step["cpu"] = None
-            return
-        x = step["x"]
-        # One output buffer serves every layer: the next layer's work is handed over after begin_layer has
-        # synchronised the stream, which by then has copied this one out.
-        if self._cpu_out is None or self._cpu_out.size < x.size:
-            self._cpu_out = pinned_empty(1, 2 * x.nbytes)[0].view(np.float32)
-        out = self._cpu_out[: x.size].reshape(x.shape)  # [T, H]
-        ticket = self._flag.ticket() if self._flag is not None else None
-        cpu = step["cpu"] = {"work": work, "out": out, "ticket": ticket}
-        in_memory = all(self._in_host_memory(layer, expert) for expert, _ in work)
-        if self._worker is not None and in_memory:
-            self._start_worker_job(layer, step, cpu)
-        else:
-            self._start_cpu_thread(layer, step, cpu, in_memory)
-        self._pending_cpu = step  # taken in by the next begin_layer, even if this step fails before finish_layer
-        cpu["predicted"] = self._cpu_seconds(step["ids"], work)  # while the CPU works
-
-    def _start_cpu_thread(self, layer: int, step: dict, cpu: dict, in_memory: bool) -> None:
-        """Hand the layer's CPU work to the CPU thread, which runs the executor expert by expert."""
-        fetches = []
-        for expert, rows in cpu["work"]:
-            if self._in_host_memory(layer, expert):
-                held = self._host_block(layer, expert)
-                fetches.append((expert, rows, lambda held=held: held))
-            else:
-                disk = self._stats.tiers["disk"]
-                disk.hits += 1
-                disk.bytes_read += self.block_size
-                fetches.append((expert, rows, lambda e=expert: self._read_staged(layer, e, count=False)))
-        entered = threading.Event()
-        cpu["future"] = self._cpu_thread.submit(self._compute_on_cpu, step["ids"], step["x"], step["weights"],
-                                                fetches, cpu["out"], cpu["ticket"], entered)
-        # Let the CPU thread take the GIL for its Python before the executor (which runs without it): while this
-        # thread queues kernels, the other would wait for the GIL (~0.2 ms a layer measured). Not behind a disk read.
-        if in_memory:
-            entered.wait()
-
-    def _start_worker_job(self, layer: int, step: dict, cpu: dict) -> None:
-        """Hand the layer's CPU work to the CpuLayerWorker: each block's address and row range; it raises the
-        flag itself. The blocks are released when the work is taken in."""
-        inter, items, releases = self.file.config.moe_intermediate_size, [], []
-        for expert, rows in cpu["work"]:
-            block, release = self._host_block(layer, expert)
-            first, last = rows or (0, inter)
-            items.append((block.ctypes.data, first, last, expert))
-            releases.append(release)
-        flag = self._flag.word.ctypes.data if self._flag is not None else 0
-        cpu["job"] = self._worker.submit(items, step["ids"], step["x"], step["weights"], cpu["out"], flag,
-                                         cpu["ticket"] or 0)
-        cpu["releases"] = releases
-        cpu["nbytes"] = sum((last - first) * self._worker.expert_bytes // inter for _, first, last, _ in items)
-
-    def _compute_on_cpu(self, ids: np.ndarray, x: np.ndarray, weights: np.ndarray, fetches: list, out: np.ndarray,
-                        ticket: int | None, entered: threading.Event) -> float:
-        """On the CPU thread: the weighted sum of the fetched experts' outputs over their tokens into `out`, then
-        the flag raised to `ticket` (also on an error: the stream waiting on it must go on; the step thread raises
-        the error). `entered` is set as the executor is called. Returns the seconds it took.
-        ids [T, k], x [T, H], weights [T, k] -> out [T, H]"""
-        begin = time.perf_counter()
-        try:
-            out.fill(0.0)
-            for expert, rows, fetch in fetches:
-                tokens, which = np.nonzero(ids == expert)  # the tokens routed to it, and their top-k position
-                block, release = fetch()
-                try:
-                    tensors, rows_x = self.file.unpack(block), x[tokens]
-                    entered.set()
-                    y = self.executor.run(rows_x, tensors, rows)  # [n, H]
-                finally:
-                    release(None)
-                out[tokens] += y * weights[tokens, which][:, None]  # a token routes to an expert at most once
-            return time.perf_counter() - begin
-        finally:
-            entered.set()
-            if ticket is not None:
-                self._flag.set(ticket)
+            self.bandwidths = corrected(self.bandwidths, "cpu", plan.cpu.predicted, seconds)
+        for expert, _ in plan.cpu.work:
+            self._layers[plan.rank].use(expert)
 
     def _cpu_seconds(self, ids: np.ndarray, work: list[tuple[int, tuple | None]]) -> float:
         """What the placement's rates predict the CPU work of a layer takes (each expert's block already in host
@@ -729,12 +504,10 @@ class GpuTieredStore(ExpertStore):
         self._settle(rank)
         for expert, slot in self._layers[rank].place_ahead(ranked):
             destination = self.device.pointer(rank, slot)
-            if self._in_host_memory(layer, expert):
+            if self.source.in_memory(layer, expert):
                 future = _done(self._copy(layer, expert, destination))
             else:
-                disk = self._stats.tiers["disk"]
-                disk.hits += 1
-                disk.bytes_read += self.block_size
+                self.source.count_disk_read()
                 future = self._pool.submit(self._copy_from_disk, layer, expert, destination)
             self._inflight[rank][expert] = future
             self._prefetched[rank].add(expert)
@@ -764,27 +537,18 @@ class GpuTieredStore(ExpertStore):
 
     def close(self) -> None:
         """Wait for the CPU's last layer and the copies in flight, then join every thread of the store (the CPU
-        worker's included: it may still be spinning in compiled code) and close experts.bin."""
+        worker's included: it may still be spinning in compiled code) and close its block source."""
         try:
             self._collect_cpu_work()
         finally:
             self._pool.shutdown(wait=True)
-            self._cpu_thread.shutdown(wait=True)
-            if self._worker is not None:
-                self._worker.close()
-            if isinstance(self.host, TieredExpertStore):
-                self.host.close()
+            if self.cpu is not None:
+                self.cpu.close()
             self._copy_stream.synchronize()
-            self.reader.close()
+            self.source.close()
 
     def stats(self) -> ExpertStats:
-        snapshot = self._stats.snapshot()
-        if self.host is not None and not isinstance(self.host, PinnedExperts):
-            host_stats = self.host.stats()
-            snapshot.tiers = {"gpu": snapshot.tiers["gpu"], "host": host_stats.tiers["host"],
-                              "disk": TierStats(hits=snapshot.tiers["disk"].hits + host_stats.tiers["disk"].hits,
-                                                misses=0, bytes_read=snapshot.tiers["disk"].bytes_read
-                                                + host_stats.tiers["disk"].bytes_read)}
+        snapshot = self.source.merged_stats(self._stats.snapshot())
         if self.executor is not None:
             cpu = self.executor.stats
             snapshot.compute.cpu_experts = cpu.cpu_experts

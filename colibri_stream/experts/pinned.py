@@ -1,5 +1,5 @@
 """Pinned (page-locked) host memory that the GPU expert tier copies from: the only host memory a GPU copies
-asynchronously and at full PCIe speed (55 GB/s on the H200 host against 8.6 GB/s from pageable memory).
+asynchronously and at full PCIe speed (several times what a copy from pageable memory reaches).
 
 `PinnedExperts` is the L2 tier when its budget holds every expert: all of experts.bin read once, in parallel and
 checksummed, never evicted. `StagingRing` holds the blocks read from experts.bin on their way to the GPU when no

@@ -28,15 +28,12 @@ class Bandwidths:
     measured: bool = False
 
 
-# The 16-core H200 host (docs/CPU_EXPERTS.md): 88 GB/s read with 16 threads, pinned copies 55 GB/s.
+# Rates assumed where start-up does not measure them: a 16-core GPU host's (docs/CPU_EXPERTS.md).
 ASSUMED = Bandwidths(host_read=88e9, h2d=55e9, disk=3e9, cpu_flops=1.0e12)
 RATE_LEARNING = 0.25  # the weight of one step's observation in the rates the placement goes on with
 # A cut must end the step this much sooner than whole experts: it costs a pass of partial copies and kernels and a
-# strided CPU read of down's columns. On the H200 at 0 % of the experts on the GPU, batch 1, where whole experts
-# were already about balanced (one on each side per layer), cutting took 66.8-68.8 ms a step against 62.5 ms for
-# whole experts in an earlier run; at 50 % (one miss a layer) it took 37-40 ms against 46 (BENCHMARKS.md). 0.03
-# cut more experts and gained nothing at 0 % or with whole layers, and lost 5 % with spread slots (six rounds,
-# 90b1e17).
+# strided CPU read of down's columns, which the cost model does not count. A smaller margin cuts more experts
+# without ending steps sooner (the offload runs of the benchmark record, BENCHMARKS.md).
 MIN_CUT_GAIN = 0.1
 
 

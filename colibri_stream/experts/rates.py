@@ -69,8 +69,7 @@ def shared_rates(executor: CpuExpertExecutor, tensors: dict[str, np.ndarray], so
     both run at once: `copies` back-to-back copies of `source` to `destination` on `stream`, the executor running
     one expert's `tensors` (a block's views) over and over until they end. Both read host RAM, so each is slower
     than alone; this is what a step that cuts an expert between them gets. The trial of the median CPU rate of
-    `trials`: on the H200 host single trials of one process's models ranged from 48 to 71 GB/s, and each model's
-    placement went on with its own."""
+    `trials`: single trials vary widely from one to the next, and the placement goes on with what this gives."""
     x = np.ones((1, tensors["gate"].shape[1]), np.float32)  # [1, H]
     nbytes = sum(t.nbytes for t in tensors.values())
     results = []

@@ -8,6 +8,7 @@ set of slots in front of experts.bin; `trace.RoutingRecorder` wraps either to re
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,6 +35,9 @@ class ExpertStore(ABC):
     """
 
     timer: StepTimer = StepTimer()  # disabled until the model hands over its own
+    # Whether a step through this store can be captured in a CUDA graph: it needs nothing of the host between the
+    # kernels of a layer (every expert computed on the device, nothing recorded).
+    capturable: bool = False
 
     def begin_layer(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, weights=None) -> None:
         """The step reached MoE layer `layer`; its tokens chose `expert_ids` with routing `weights` [T, k]."""
@@ -41,6 +45,16 @@ class ExpertStore(ABC):
     @abstractmethod
     def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
         ...
+
+    def device_experts(self) -> ExpertStore | None:
+        """The store (a device.DeviceExperts) the GPU backend's MoE kernels compute from (None: this store serves
+        host tensors only)."""
+        return None
+
+    def on_device(self, upload: Callable[[ExpertStore], ExpertStore]) -> ExpertStore:
+        """This store with its experts on the device: `upload(store)` gives a device.DeviceExperts holding a
+        store's experts; a store already on the device returns itself, a wrapper wraps its inner store's."""
+        return upload(self)
 
     def stats(self) -> ExpertStats | None:
         """A snapshot of the store's counters (None: the store counts nothing)."""

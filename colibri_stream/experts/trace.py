@@ -92,12 +92,10 @@ class _UsageCounter:
 class RoutingRecorder(ExpertStore):
     """Wraps a store and records its routing: a trace file, usage counts, or both.
 
-    On the GPU it wraps the backend's device store (`passes`, `finish_layer` pass through) and copies each layer's
-    routing to the host, one synchronisation per MoE layer: a step that records is never captured as a CUDA graph
-    (`resident` is False for that reason).
+    On the GPU it wraps the backend's device store (`device_experts` hands it on) and copies each layer's routing
+    to the host, one synchronisation per MoE layer: a step that records is never captured as a CUDA graph
+    (`capturable` stays False).
     """
-
-    resident = False
 
     def __init__(self, inner: ExpertStore, config: ModelConfig, trace_file: str | None = None,
                  usage_file: str | None = None):
@@ -148,16 +146,12 @@ class RoutingRecorder(ExpertStore):
     def timer(self, value) -> None:
         self.inner.timer = value
 
-    @property
-    def num_experts(self) -> int:
-        return self.inner.num_experts
+    def device_experts(self):
+        return self.inner.device_experts()
 
-    def passes(self, layer: int):
-        """The device store's kernel launches (GPU backend)."""
-        return self.inner.passes(layer)
-
-    def finish_layer(self, layer: int):
-        return self.inner.finish_layer(layer)
+    def on_device(self, upload) -> ExpertStore:
+        self.inner = self.inner.on_device(upload)
+        return self
 
     def stats(self) -> ExpertStats | None:
         return self.inner.stats()

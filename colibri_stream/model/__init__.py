@@ -1,7 +1,7 @@
-"""The model definition (one for every architecture) and its loader."""
+"""The model definition, one for every architecture (colibri_stream/loader.py loads it onto a device)."""
 
-from .batch import ForwardBatch
+from ..batch import ForwardBatch
 from .paged_kv import PagedKVCache
-from .transformer import MoETransformer, load_model
+from .transformer import MoETransformer
 
-__all__ = ["ForwardBatch", "MoETransformer", "PagedKVCache", "load_model"]
+__all__ = ["ForwardBatch", "MoETransformer", "PagedKVCache"]

@@ -12,12 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backends.base import Array, Backend
-from ..checkpoint import DenseFile, ModelFolder
-from ..config import ExpertStoreConfig, ModelConfig
-from ..experts.build import open_expert_store
+from ..checkpoint import DenseFile
+from ..config import ModelConfig
 from ..experts.store import ExpertStore
 from ..timing import StepTimer
-from .batch import ForwardBatch
+from ..batch import ForwardBatch
 from .paged_kv import PagedKVCache, resolve_kv_dtype
 from .rope import cos_sin_table
 
@@ -108,7 +107,7 @@ class MoETransformer:
         cos, sin = cos_sin_table(config.rope, config.head_dim, self.max_positions)
         self.rope_cos, self.rope_sin = backend.upload(cos), backend.upload(sin)  # [P, D/2] each
         self.attention_scale = config.head_dim**-0.5
-        self.timer = StepTimer(backend.timing_clock())  # the engine's step timer; the forward's phases report to it
+        self.timer = StepTimer()  # the engine's step timer; the forward's phases report to it
         self.store.timer = self.timer  # expert reads report to it too
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto") -> PagedKVCache:
@@ -190,34 +189,3 @@ class MoETransformer:
         b = self.backend
         return b.linear(b.silu_mul(b.linear(x, mlp.gate_proj), b.linear(x, mlp.up_proj)), mlp.down_proj)
 
-
-def select_backend(device: str, cpu_threads: int | None = None) -> Backend:
-    """The backend for `device`: cpu (NumPy, its routed experts on `cpu_threads` threads; None: every core), cuda
-    (CuPy), or auto (CuPy when it finds a GPU, else NumPy)."""
-    from ..backends.cupy_backend import cuda_available
-    from ..errors import ColibriError
-
-    if device not in ("auto", "cpu", "cuda"):
-        raise ColibriError(f"unknown device {device!r}: use auto, cpu or cuda")
-    if device == "cuda" or (device == "auto" and cuda_available()):
-        if not cuda_available():
-            raise ColibriError("no CUDA GPU is usable (CuPy is missing or finds no device); use --device cpu")
-        from ..backends.cupy_backend import CupyBackend
-
-        return CupyBackend()
-    from ..backends.numpy_backend import NumpyBackend
-    from ..experts.cpu_executor import CpuExpertExecutor
-
-    return NumpyBackend(CpuExpertExecutor(cpu_threads))
-
-
-def load_model(path: str, device: str = "cpu", verify: bool = False,
-               experts: ExpertStoreConfig | None = None, max_positions: int | None = None) -> MoETransformer:
-    """Open a native model folder and load it on `device`; `verify` checks every checksum first; `experts` sets
-    the expert tiers (default: every expert resident); `max_positions`: the longest sequence it will run (default:
-    the model's max_position_embeddings)."""
-    folder = ModelFolder(path, verify=verify)
-    experts = experts or ExpertStoreConfig()
-    backend = select_backend(device, experts.cpu_threads)
-    store = open_expert_store(folder, experts, "cpu" if backend.name == "numpy" else "cuda")
-    return MoETransformer(folder.config, folder.dense, store, backend, max_positions)

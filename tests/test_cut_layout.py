@@ -1,4 +1,4 @@
-"""The packed layout of a cut expert's GPU part (experts/partial.py), checked on the host: the copies it describes,
+"""The packed layout of a cut expert's GPU part (experts/cut_layout.py), checked on the host: the copies it describes,
 done with NumPy on a real int8 block, give tensors that compute exactly the expert's first rows."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from test_expert_tiers import moe16_dir  # noqa: F401
 
 from colibri_stream.checkpoint import NUMPY_DTYPES, ModelFolder
 from colibri_stream.experts.cpu_executor import intermediate_rows, numpy_expert
-from colibri_stream.experts.partial import TENSOR_ALIGNMENT, PartialLayout
+from colibri_stream.experts.cut_layout import TENSOR_ALIGNMENT, CutLayout
 
 
-def copy_like_the_gpu(layout: PartialLayout, block: np.ndarray) -> dict[str, np.ndarray]:
+def copy_like_the_gpu(layout: CutLayout, block: np.ndarray) -> dict[str, np.ndarray]:
     """What the layout's 2D copies write, done on the host, and the packed tensors read back from it."""
     packed = np.zeros(layout.nbytes, np.uint8)
     for _, _, src, dst, _, width, pitch, height in layout.pieces:
@@ -28,7 +28,7 @@ def test_packed_part_is_the_first_rows_of_the_expert(moe16_dir, rows):  # noqa: 
     inter = experts.config.moe_intermediate_size
     block = np.array(experts.block(experts.config.moe_layers[0], 3))  # [block_size] uint8
     tensors = experts.unpack(block)
-    layout = PartialLayout(experts.slots, rows)
+    layout = CutLayout(experts.slots, rows)
     assert layout.nbytes <= experts.block_size  # it fits the staging block
     assert all(dst % TENSOR_ALIGNMENT == 0 for _, _, _, dst, _, _, _, _ in layout.pieces)
     packed = copy_like_the_gpu(layout, block)

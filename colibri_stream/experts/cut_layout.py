@@ -24,7 +24,7 @@ def _align(offset: int) -> int:
     return -(-offset // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
 
 
-class PartialLayout:
+class CutLayout:
     """Where each tensor of an expert's first `rows` intermediate rows lies in a packed block, and how to copy it.
 
     tensors: the expert block's TensorSlots (checkpoint.expert_block_layout). `pieces` lists per tensor (name, source

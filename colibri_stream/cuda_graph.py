@@ -21,11 +21,11 @@ import logging
 
 import numpy as np
 
-from ..model.batch import ForwardBatch
-from ..model.paged_kv import PagedKVCache
-from ..model.transformer import MoETransformer
-from .cupy_sampling import DeviceLogits, draw_on_device
-from .launch import programmatic_launch_supported, programmatic_launches
+from .backends.cupy_sampling import DeviceLogits, draw_on_device
+from .backends.launch import programmatic_launch_supported, programmatic_launches
+from .batch import ForwardBatch
+from .model.paged_kv import PagedKVCache
+from .model.transformer import MoETransformer
 
 logger = logging.getLogger(__name__)
 _BATCH_INPUTS = ("token_ids", "positions", "slot_mapping", "context_lens")  # [B] each, from the ForwardBatch
@@ -53,8 +53,8 @@ class DecodeGraph:
     finished, `launch` at once. The argmaxes land in `feedback[:batch_size]` (the graph's own buffer by default;
     DecodeGraphs shares one between its graphs, so a step can take its tokens from a step of another size).
     With `programmatic` (and a GPU that has it), the kernels are captured as programmatic dependent launches
-    (launch.py): each may start while the one before it ends. A capture that fails with them (or with cuBLAS,
-    captured_cublas.py) is made again without either.
+    (launch.py): each may start while the one before it ends. A capture that fails with them is made again
+    without.
     """
 
     def __init__(self, model: MoETransformer, kv_cache: PagedKVCache, batch_size: int, max_blocks: int,
@@ -62,8 +62,8 @@ class DecodeGraph:
         import cupy
         import cupyx
 
-        if model.backend.name != "cupy":
-            raise ValueError("CUDA graphs need the CuPy backend")
+        if not model.backend.supports_graphs:
+            raise ValueError(f"the {model.backend.name} backend does not capture CUDA graphs")
         self.model, self.kv_cache = model, kv_cache
         self.batch_size, self.max_blocks = batch_size, max_blocks
         self.feedback = cupy.zeros((batch_size,), np.int64) if feedback is None else feedback  # [F >= B] argmaxes
@@ -104,15 +104,14 @@ class DecodeGraph:
             self._step(warm_up=True)  # compiles every kernel outside the capture; leaves `feedback` alone
             self.stream.synchronize()
             self.programmatic = programmatic and programmatic_launch_supported()
-            backend = model.backend
             try:
                 self._capture()
-            except Exception as error:  # a driver or GPU that refuses programmatic launches or cuBLAS in a capture
-                if not (self.programmatic or backend.captured_cublas):
+            except Exception as error:  # a driver or GPU that refuses programmatic launches in a capture
+                if not self.programmatic:
                     raise
-                logger.warning("capturing the decode step with programmatic launches and cuBLAS failed (%s); "
-                               "capturing it with plain launches and our own kernels", error)
-                self.programmatic = backend.captured_cublas = False
+                logger.warning("capturing the decode step with programmatic launches failed (%s); capturing it "
+                               "with plain launches", error)
+                self.programmatic = False
                 self._capture()
 
     def _capture(self) -> None:
@@ -204,8 +203,9 @@ class DecodeGraphs:
     """The engine's decode steps as CUDA graphs: one `DecodeGraph` per batch-size bucket, captured the first time
     a decode batch of that bucket comes, a smaller batch padded up to it (padding rows write no KV: slot -1).
 
-    Used only where a step's work is fixed by shapes: the CuPy backend with every expert resident (GPU expert
-    slots synchronise with the host every layer). `logits(batch)` returns the rows of the real sequences, and
+    Used only where a step's work is fixed by shapes: a backend that captures graphs with a store that needs no
+    host work between kernels (`ExpertStore.capturable`; GPU expert slots synchronise with the host every layer).
+    `logits(batch)` returns the rows of the real sequences, and
     `device_logits(batch)` the same left on the device for the sampler. `launch(batch, feed_rows)` enqueues a
     greedy step whose tokens may be the previous step's argmaxes (rows of the shared `feedback`): all graphs run
     on one stream in launch order and write their argmaxes to the same buffer.
@@ -222,7 +222,7 @@ class DecodeGraphs:
 
     @staticmethod
     def usable(model: MoETransformer) -> bool:
-        return model.backend.name == "cupy" and getattr(model.store, "resident", False)
+        return model.backend.supports_graphs and model.store.capturable
 
     def fits(self, batch: ForwardBatch) -> bool:
         return (batch.num_seqs <= self.sizes[-1] and batch.block_tables.shape[1] <= self.max_blocks

@@ -1,0 +1,174 @@
+"""Routed experts on the GPU: the MoE kernels over a store's device experts, and the store of resident experts.
+
+`routed_experts` sorts a step's (token, expert) pairs into groups per expert on the device (moe_align), launches
+moe_gate_up and moe_down (or their tensor-core forms, moe_mma.cu) once per pass the store yields
+(experts/device.py), and sums each token's experts (moe_sum). `DeviceExpertStore` holds every expert resident,
+stacked per MoE layer: one pass, no host work, so a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import ml_dtypes
+import numpy as np
+
+from ..experts.device import DeviceExperts, LayerExperts
+from ..experts.store import ExpertStore
+from .cupy_launch import Array, ceil_div, check_row_width, launch, smallest_tile, storage_type, to_device_storage
+from .tuning import (MMA_DOWN_ROWS, MMA_GATE_UP_ROWS, MMA_MIN_TOKENS, MMA_THREADS, MMA_TILES, MOE_DOWN_ROW_BYTES,
+                     MOE_ROWS_PER_WARP, MOE_TILES, MOE_UP_ROW_BYTES, MOE_WARPS)
+
+def moe_rows_per_warp(row_bytes: int, budget: int) -> int:
+    """Weight rows each warp of moe.cu takes: as many of MOE_ROWS_PER_WARP as hold `budget` bytes together."""
+    return max([r for r in MOE_ROWS_PER_WARP if r == 1 or r * row_bytes <= budget])
+
+
+def on_tensor_cores(weight: Array, tokens: int) -> bool:
+    """Whether a step's routed experts run on moe_mma.cu (tensor cores) instead of moe.cu (CUDA cores).
+
+    moe.cu reads each weight once per group of up to 8 pairs but multiplies in float32 on CUDA cores, so once the
+    experts' groups hold several pairs it is bound by FMAs and activation loads, not by reading the weights. The
+    mma kernels need bf16 or fp16 weights (the tensor cores'
+    operand types; float32 and int8 experts stay on moe.cu) and pay a fixed cost per 8-pair tile, which only
+    several pairs per expert repay: at T tokens a group averages T * k / E pairs, so below MMA_MIN_TOKENS the
+    GEMV, already near the copy bandwidth at batch 1, keeps them.
+    """
+    return tokens >= MMA_MIN_TOKENS and np.dtype(weight.dtype) in (np.dtype(np.uint16), np.dtype(np.float16))
+
+
+def routed_experts(backend, x: Array, weights: Array, expert_ids: Array, layer: int, store: ExpertStore) -> Array:
+    """The MoE kernels once per launch the store's device experts ask for (`passes(layer)`: one when every
+    expert is resident; with GPU slots, one per group of experts that fit the layer's slots), then the sum over
+    each token's experts, plus what `finish_layer` returns (experts the store computed on the CPU meanwhile).
+    `backend` is the CupyBackend (its CuPy module and column splits).  # x [T, H] -> [T, H]"""
+    device = store.device_experts()
+    if device is None:
+        raise TypeError("the CuPy backend computes routed experts from a device store (prepare_experts)")
+    cp = backend.cp
+    x = cp.ascontiguousarray(x)
+    t, h = x.shape
+    top_k = expert_ids.shape[1]
+    pairs = t * top_k
+    num_experts = device.num_experts
+    ids = cp.ascontiguousarray(expert_ids, dtype=np.int32).reshape(pairs)  # [P]
+    route_weights = cp.ascontiguousarray(weights, dtype=np.float32).reshape(pairs)  # [P]
+    group_expert = cp.empty(num_experts, np.int32)  # [E]
+    group_start = cp.empty(num_experts + 1, np.int32)  # [E+1]
+    sorted_pairs = cp.empty(pairs, np.int32)  # [P]
+    num_groups = cp.empty(1, np.int32)
+    launch("moe.cu", "moe_align", (1,), 1024,
+            (ids, np.int32(pairs), np.int32(num_experts), group_expert, group_start, sorted_pairs, num_groups),
+            shared_mem=8 * num_experts)
+    groups = min(num_experts, pairs)
+    tile = smallest_tile(t, MOE_TILES)  # a group holds at most T pairs
+    routing = (group_expert, group_start, sorted_pairs, num_groups)
+    act = y = None
+    for experts in device.passes(layer):
+        i = experts.gate.shape[1]  # a cut expert's GPU part (experts/cut_layout.py) has fewer rows than the others
+        if act is None or act.shape[1] != i:
+            check_row_width(h, experts.gate, "experts (hidden size)")
+            check_row_width(i, experts.down, "experts (intermediate size)")
+            act = cp.empty((pairs, i), np.float32)  # [P, I]
+        mma = on_tensor_cores(experts.gate, t)
+        # moe_down_mma adds partial products of `splits` column spans when its row blocks leave the GPU idle
+        splits = backend.column_splits(i, ceil_div(h, MMA_DOWN_ROWS) * groups) if mma else 1
+        span = 32 * ceil_div(i, 32 * splits)
+        if y is None:
+            # [P, H]; pairs skipped by every launch (experts computed on the CPU) must add nothing, and column
+            # spans add into it
+            y = (cp.empty if device.resident and splits == 1 else cp.zeros)((pairs, h), np.float32)
+        w = storage_type(experts.gate)
+        gate_up_args, down_args = experts.kernel_args()
+        gate_up = (x, *gate_up_args, *routing, act, np.int32(h), np.int32(i), np.int32(top_k))
+        down = (act, *down_args, route_weights, *routing, y, np.int32(h), np.int32(i))
+        if mma:
+            n_tiles = smallest_tile(ceil_div(t, 8), MMA_TILES)  # 8 pairs per n-tile; a group holds at most T pairs
+            launch("moe_mma.cu", f"moe_gate_up_mma<{w}, {n_tiles}>", (ceil_div(i, MMA_GATE_UP_ROWS), groups),
+                    MMA_THREADS, gate_up, weight_type=w)
+            launch("moe_mma.cu", f"moe_down_mma<{w}, {n_tiles}>",
+                    (ceil_div(h, MMA_DOWN_ROWS), groups, ceil_div(i, span)), MMA_THREADS, (*down, np.int32(span)),
+                    weight_type=w)
+        else:
+            item = experts.gate.itemsize
+            r_up = moe_rows_per_warp(h * item, MOE_UP_ROW_BYTES)
+            r_down = moe_rows_per_warp(i * item, MOE_DOWN_ROW_BYTES)
+            launch("moe.cu", f"moe_gate_up<{w}, {tile}, {r_up}>", (ceil_div(i, MOE_WARPS * r_up), groups),
+                    32 * MOE_WARPS, gate_up, weight_type=w)
+            launch("moe.cu", f"moe_down<{w}, {tile}, {r_down}>", (ceil_div(h, MOE_WARPS * r_down), groups),
+                    32 * MOE_WARPS, down, weight_type=w)
+    out = cp.empty((t, h), np.float32)  # [T, H]
+    if y is None:  # no launch: every expert of the step was computed on the CPU
+        out.fill(0)
+    else:
+        launch("moe.cu", "moe_sum", (ceil_div(t * h, 256),), 256,
+                (y, out, np.int32(t), np.int32(top_k), np.int32(h)))
+    from_host = device.finish_layer(layer)  # [T, H]: experts the store computed on the CPU meanwhile, or None
+    if from_host is not None:
+        out += from_host
+    return out
+
+
+class DeviceExpertStore(DeviceExperts):
+    """Every routed expert resident in GPU memory, stacked per MoE layer (`passes(l)` gives the one launch's view)."""
+
+    resident = True  # every expert computed in one launch, on the GPU
+    capturable = True
+
+    def __init__(self, layers: dict[int, LayerExperts]):
+        self.layers = layers
+        self.num_experts = next(iter(layers.values())).gate.shape[0] if layers else 0
+
+    @classmethod
+    def upload(cls, store: ExpertStore, layers: Iterable[int], num_experts: int) -> DeviceExpertStore:
+        """Copy experts 0..num_experts-1 of each layer from `store` (host or device arrays) into stacked arrays."""
+        import cupy
+
+        stacked = {}
+        for layer in layers:
+            w13 = w2 = s13 = s2 = None
+            for expert in range(num_experts):
+                tensors = store.expert(layer, expert)
+                gate, up, down = (to_device_storage(tensors[n]) for n in ("gate", "up", "down"))  # [I, H], [I, H], [H, I]
+                if w13 is None:
+                    i, h = gate.shape
+                    quantized = "gate_scale" in tensors
+                    w13 = cupy.empty((num_experts, 2 * i, h), gate.dtype)  # [E, 2I, H]: gate rows, then up rows
+                    w2 = cupy.empty((num_experts, h, i), gate.dtype)  # [E, H, I]
+                    s13 = cupy.empty((num_experts, 2 * i), np.float32) if quantized else None  # [E, 2I]
+                    s2 = cupy.empty((num_experts, h), np.float32) if quantized else None  # [E, H]
+                if not gate.dtype == up.dtype == down.dtype == w13.dtype:
+                    raise ValueError(f"expert ({layer}, {expert}) has tensors of another dtype than expert 0")
+                i = gate.shape[0]
+                w13[expert, :i] = gate
+                w13[expert, i:] = up
+                w2[expert] = down
+                if s13 is not None:
+                    s13[expert, :i] = cupy.asarray(tensors["gate_scale"], dtype=np.float32)
+                    s13[expert, i:] = cupy.asarray(tensors["up_scale"], dtype=np.float32)
+                    s2[expert] = cupy.asarray(tensors["down_scale"], dtype=np.float32)
+            stacked[layer] = LayerExperts.stacked(w13, w2, s13, s2)
+        return cls(stacked)
+
+    def passes(self, layer: int) -> Iterable[LayerExperts]:
+        """The launches of the MoE kernels for `layer`'s step: one, over every expert."""
+        return (self.layers[layer],)
+
+    def finish_layer(self, layer: int) -> None:
+        """Nothing is computed elsewhere: every expert is resident (returns None)."""
+
+    def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        """One expert's tensors copied back to the host, in the storage layout ExpertStore promises."""
+        import cupy
+
+        arrays = self.layers[layer]
+
+        def host(array: Array) -> np.ndarray:
+            values = cupy.asnumpy(array)
+            return values.view(ml_dtypes.bfloat16) if values.dtype == np.uint16 else values
+
+        tensors = {"gate": host(arrays.gate[expert]), "up": host(arrays.up[expert]), "down": host(arrays.down[expert])}
+        if arrays.gate_scale is not None:
+            tensors.update(gate_scale=host(arrays.gate_scale[expert]), up_scale=host(arrays.up_scale[expert]),
+                           down_scale=host(arrays.down_scale[expert]))
+        return tensors

@@ -1,0 +1,52 @@
+"""Launch shapes and thresholds of the CUDA kernels: every number the GPU backend picks a kernel or a block by.
+
+Two kinds live here. Mirrors of a kernel's own constants (marked "= X in file.cu") must change together with the
+.cu file. Thresholds choose between two correct paths by speed; they were chosen from decode and step-kernel runs
+on the GPUs the benchmark record names (BENCHMARKS.md), and any value gives the same results within the parity
+tolerances.
+"""
+
+# ---- dense projections (linear.cu, linear_mma.cu, cuBLAS) ------------------------------------------------------
+SMALL_BATCH = 4  # up to this many tokens (or in a graph capture off tensor cores), projections use linear_rows
+TOKEN_TILES = (1, 2, 4, 8)  # linear_rows instantiations: tokens per block
+LINEAR_ROWS_PER_BLOCK = 2  # = LINEAR_ROWS in linear.cu
+DENSE_MMA_MIN_TOKENS = 4  # from this many tokens, captured bf16/fp16 projections run on linear_mma
+CAPTURED_CUBLAS_MIN_TOKENS = 8  # ... and from this many, those of CAPTURED_CUBLAS_MIN_ROWS rows or more (lm_head) on
+CAPTURED_CUBLAS_MIN_ROWS = 16384  # cuBLAS, called inside the capture through captured_cublas.py
+CAPTURED_CUBLAS_ALL_MIN_TOKENS = 32  # ... and from this many, every captured bf16/fp16 projection on cuBLAS
+LINEAR_MMA_TILES = (1, 2, 4, 8)  # linear_mma instantiations: n-tiles of 8 tokens per pass over the weights
+LINEAR_MMA_ROWS = 128  # output rows per block of linear_mma: 4 warps x 32
+LINEAR_MMA_BLOCKS_PER_SM = 4  # blocks of 48 KiB shared memory a multiprocessor runs at once: what the splits fill
+LINEAR_MMA_MIN_SPAN = 128  # columns per split at least (four 32-column chunks)
+
+# ---- routed experts (moe.cu on CUDA cores, moe_mma.cu on tensor cores) -----------------------------------------
+MOE_TILES = (1, 2, 4, 8)  # moe_gate_up / moe_down instantiations: pairs of one expert per pass
+MOE_WARPS = 4  # warps per block of the MoE kernels (moe.cu)
+MOE_ROWS_PER_WARP = (1, 2, 4)  # moe_gate_up / moe_down instantiations: weight rows per warp
+# A warp of moe.cu takes rows of its matrix until they hold this many bytes (up to 4 rows): fewer, longer rows per
+# warp for moe_down, whose rows (I elements) are short; gate and up rows (H elements) one or two at a time.
+MOE_UP_ROW_BYTES = 8192
+MOE_DOWN_ROW_BYTES = 65536
+MMA_MIN_TOKENS = 8  # from this many tokens a step, bf16/fp16 routed experts run on tensor cores (moe_mma.cu)
+MMA_TILES = (1, 2, 4)  # moe_gate_up_mma / moe_down_mma instantiations: n-tiles of 8 pairs per pass over the weights
+MMA_THREADS = 128  # = MMA_WARPS * 32 in moe_mma.cu (and linear_mma.cu)
+MMA_GATE_UP_ROWS = 64  # gate (and up) rows per block of moe_gate_up_mma: 4 warps x 16
+MMA_DOWN_ROWS = 128  # down rows per block of moe_down_mma: 4 warps x 32
+
+# ---- attention (attention.cu, attention_prologue.cu) -----------------------------------------------------------
+ATTENTION_WARPS = 16  # = ATTN_WARPS in attention.cu
+GQA_WARPS = 4  # = GQA_WARPS in attention.cu: warps per block of paged_attention_gqa
+GQA_GROUPS = (1, 2, 4, 8, 16)  # paged_attention_gqa instantiations: query heads per KV head, rounded up to one
+GQA_MAX_LANE_FLOATS = 64  # G * DPL (q floats per lane, as many accumulators) above this: paged_attention instead
+GQA_MAX_SPLITS = 16  # paged_attention_gqa splits a context over at most this many blocks (then a merge launch)
+GQA_BLOCKS_PER_SM = 2  # ... and over as many as make T * K * splits about this many blocks per multiprocessor
+GQA_MIN_SPLIT_KEYS = 16  # ... with at least this many keys per split at the tables' full width
+GQA_MIN_TOKENS = 2  # a single token takes paged_attention, whose block per query head is then the shorter path
+PROLOGUE_WARPS = 4  # warps per block of qk_norm_rope_write (attention_prologue.cu) without a full-width qk norm
+
+# ---- routing (router.cu) ---------------------------------------------------------------------------------------
+ROUTER_SPLIT_TOKENS = 64  # up to this many tokens, route_split spreads the router's rows over the GPU
+# route_split's tokens per block at most: its last block of a tile selects for them, a warp a token, so ROUTER_WARPS
+# of them select in one round
+ROUTER_TILE = 4
+ROUTER_WARPS = 4  # = ROUTER_WARPS in router.cu

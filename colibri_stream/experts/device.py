@@ -1,0 +1,94 @@
+"""The interface between expert stores and the GPU backend: experts as the MoE kernels see them on the device.
+
+A store that computes on the GPU implements `DeviceExperts`: for each MoE layer's step it yields one
+`LayerExperts` per launch of the MoE kernels (`passes`) and afterwards hands back what it computed elsewhere
+(`finish_layer`). The backend needs nothing else from a store, and a store nothing of the backend: the arrays are
+device arrays (CuPy), read here only for their pointers, strides and shapes.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .store import ExpertStore
+
+Array = Any  # a device array (cupy.ndarray)
+NULL = np.uint64(0)  # a null pointer kernel argument
+
+
+@dataclass
+class LayerExperts:
+    """A MoE layer's experts on the device as one launch of the MoE kernels sees them: matrices indexed by slot.
+
+    Resident experts are views of stacked [E, 2I, H] and [E, H, I] arrays (slot = expert id, no table); experts
+    in GPU slots are views of the slot arena in experts.bin's block layout, and `slot_of` maps expert ids to slots
+    (negative: not computed by this launch). Rows are contiguous; gate and up share one stride per slot.
+    """
+
+    gate: Array  # [S, I, H] storage dtype
+    up: Array  # [S, I, H]
+    down: Array  # [S, H, I]
+    gate_scale: Array | None  # [S, I] float32 per-row scales (int8 experts), else None
+    up_scale: Array | None  # [S, I]
+    down_scale: Array | None  # [S, H]
+    slot_of: Array | None = None  # [E] int32
+
+    @classmethod
+    def stacked(cls, w13: Array, w2: Array, s13: Array | None, s2: Array | None) -> LayerExperts:
+        """Views of stacked arrays w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], s13 [E, 2I], s2 [E, H]."""
+        i = w2.shape[2]
+        return cls(w13[:, :i], w13[:, i:], w2, None if s13 is None else s13[:, :i],
+                   None if s13 is None else s13[:, i:], s2)
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, Array], slot_of: Array | None) -> LayerExperts:
+        """From device arrays named as an expert block's tensors (gate, up, down and, for int8, their scales)."""
+        return cls(arrays["gate"], arrays["up"], arrays["down"], arrays.get("gate_scale"), arrays.get("up_scale"),
+                   arrays.get("down_scale"), slot_of)
+
+    def kernel_args(self) -> tuple[tuple, tuple]:
+        """(gate/up arguments, down arguments) of moe_gate_up and moe_down: pointers and strides per slot."""
+        def stride(array: Array | None) -> np.int64:
+            return np.int64(0 if array is None else array.strides[0] // array.itemsize)
+
+        def pointer(array: Array | None):
+            return NULL if array is None else np.uint64(array.data.ptr)
+
+        if self.gate.strides != self.up.strides:
+            raise ValueError("gate and up of a layer's experts must share their strides")
+        slot_of = pointer(self.slot_of)
+        gate_up = (pointer(self.gate), pointer(self.up), stride(self.gate), pointer(self.gate_scale),
+                   pointer(self.up_scale), stride(self.gate_scale), slot_of)
+        down = (pointer(self.down), stride(self.down), pointer(self.down_scale), stride(self.down_scale), slot_of)
+        return gate_up, down
+
+
+class DeviceExperts(ExpertStore):
+    """A store whose experts the GPU backend computes in place on the device.
+
+    For MoE layer `layer`'s step, after `begin_layer`: `passes(layer)` yields one LayerExperts per launch of the
+    MoE kernels (the backend launches them before asking for the next), then `finish_layer(layer)` returns the
+    weighted sum [T, H] (device) of the experts the store computed elsewhere, or None.
+    """
+
+    num_experts: int  # E: the length of every slot table
+    resident: bool  # every expert of a step computed by its passes (none elsewhere: every pair gets a value)
+
+    @abstractmethod
+    def passes(self, layer: int) -> Iterable[LayerExperts]:
+        ...
+
+    @abstractmethod
+    def finish_layer(self, layer: int) -> Array | None:
+        ...
+
+    def device_experts(self) -> DeviceExperts:
+        return self
+
+    def on_device(self, upload) -> ExpertStore:
+        return self

@@ -1,0 +1,47 @@
+"""Loads a model onto a device: picks the backend and builds the expert store for it.
+
+The one module that knows the concrete backends (NumPy, CuPy) and the expert stores (experts/build.py) together;
+the model below it sees only the Backend and ExpertStore interfaces.
+"""
+
+from __future__ import annotations
+
+from .backends.base import Backend
+from .checkpoint import ModelFolder
+from .config import ExpertStoreConfig
+from .errors import ColibriError
+from .experts.build import open_expert_store
+from .model.transformer import MoETransformer
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def select_backend(device: str, cpu_threads: int | None = None) -> Backend:
+    """The backend for `device`: cpu (NumPy, its routed experts on `cpu_threads` threads; None: every core), cuda
+    (CuPy), or auto (CuPy when it finds a GPU, else NumPy)."""
+    from .backends.cupy_backend import cuda_available
+
+    if device not in DEVICES:
+        raise ColibriError(f"unknown device {device!r}: use auto, cpu or cuda")
+    if device == "cuda" or (device == "auto" and cuda_available()):
+        if not cuda_available():
+            raise ColibriError("no CUDA GPU is usable (CuPy is missing or finds no device); use --device cpu")
+        from .backends.cupy_backend import CupyBackend
+
+        return CupyBackend()
+    from .backends.numpy_backend import NumpyBackend
+    from .experts.cpu_executor import CpuExpertExecutor
+
+    return NumpyBackend(CpuExpertExecutor(cpu_threads))
+
+
+def load_model(path: str, device: str = "cpu", verify: bool = False,
+               experts: ExpertStoreConfig | None = None, max_positions: int | None = None) -> MoETransformer:
+    """Open a native model folder and load it on `device`; `verify` checks every checksum first; `experts` sets
+    the expert tiers (default: every expert resident); `max_positions`: the longest sequence it will run (default:
+    the model's max_position_embeddings)."""
+    folder = ModelFolder(path, verify=verify)
+    experts = experts or ExpertStoreConfig()
+    backend = select_backend(device, experts.cpu_threads)
+    store = open_expert_store(folder, experts, backend.device)
+    return MoETransformer(folder.config, folder.dense, store, backend, max_positions)
