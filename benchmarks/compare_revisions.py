@@ -42,7 +42,7 @@ def run_tree(tree: Path, script: str, args: list[str], out: Path, timeout: float
 def figures(script: str, records: list[dict]) -> dict[str, float]:
     """The throughput figures of one run by case name."""
     if script == "decode.py":
-        return {f"decode {r['shape']} b{r['batch']}": r["colibri_tok_s"] for r in records}
+        return {f"decode {r['shape']} b{r['batch']}": r["colibri_tok_s"] for r in records if r.get("colibri_tok_s")}
     return {f"offload {r.get('shape', '')} {r['gpu_expert_fraction']:.0%} b{r['batch']}": r["colibri_tok_s"]
             for r in records if r.get("colibri_tok_s") and r.get("source") == "l2"}
 
@@ -77,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
                         errors.append(f"round {round_} {label} {script}: {error}")
                         print(errors[-1], flush=True)
                         continue
-                    runs.setdefault((label, script), []).append(figures(script, records))
+                    run = figures(script, records)
+                    if not run:  # the script ran but measured nothing: its records say why
+                        errors.append(f"round {round_} {label} {script}: no figures in {json.dumps(records)[-1500:]}")
+                        print(errors[-1], flush=True)
+                    runs.setdefault((label, script), []).append(run)
     common = dict(machine(), bench="compare_revisions", baseline=args.baseline_label, rounds=args.rounds,
                   decode_args=args.decode_args, offload_args=args.offload_args, errors=errors)
     records = []

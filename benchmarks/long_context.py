@@ -96,7 +96,7 @@ def colibri_cases(folder: Path, config, kv_dtype: str, contexts: list[int], batc
 
     longest = max(contexts) + decode_tokens
     blocks = max(batches) * (-(-longest // 16) + 1) + 64
-    options = dict(device="cuda", max_seq_len=longest + 16, num_kv_blocks=blocks, max_batch_size=max(batches),
+    options = dict(device="cuda", max_seq_len=longest, num_kv_blocks=blocks, max_batch_size=max(batches),
                    kv_cache_dtype=kv_dtype)
     try:
         core = EngineCore.from_pretrained(str(folder), **options)
@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         from colibri_stream.checkpoint import ModelFolder
 
         config = ModelFolder(folder).config
+        # contexts past the model's positions (Mixtral's 32768 less the decoded tokens) are cut to fit, for both
+        # engines alike; each record names the context it ran
+        contexts = sorted({min(c, config.max_position_embeddings - args.decode_tokens) for c in args.contexts})
         gguf = folder.with_suffix(".gguf")
         if args.batched_bench and not gguf.is_file():
             from llama_cpp import write_gguf
@@ -226,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             write_gguf(folder, gguf, args.gguf_py)
             os.sync()
         for kv_dtype in args.kv_dtypes:
-            cases = colibri_cases(folder, config, kv_dtype, args.contexts, args.batches, args.decode_tokens,
+            cases = colibri_cases(folder, config, kv_dtype, contexts, args.batches, args.decode_tokens,
                                   args.max_case_seconds)
-            llama = (llama_cases(args.batched_bench, gguf, kv_dtype, args.contexts, args.batches,
+            llama = (llama_cases(args.batched_bench, gguf, kv_dtype, contexts, args.batches,
                                  args.decode_tokens, args.llama_timeout) if args.batched_bench else {})
             for case in cases:
                 step = decode_step_bytes(config, case["batch"], case["context"], KV_BYTES[kv_dtype])
