@@ -16,8 +16,9 @@ def machine() -> dict:
     """This machine and checkout; the load average tells whether something else was running."""
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True,
-                            text=True).stdout.strip()
+    # COLIBRI_COMMIT names the tree where git cannot (a copy of the working tree on another machine)
+    commit = os.environ.get("COLIBRI_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True).stdout.strip()
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "numpy": np.__version__, "commit": commit, "load_average": os.getloadavg()}
 
