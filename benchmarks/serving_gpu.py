@@ -150,7 +150,7 @@ def offline_worker(path: str, options: dict, runs: list[tuple[int, list, list]],
     """In a fresh process: load the engine, then per concurrency a warm-up and a timed run; sends the timed
     figures by concurrency, or {"error": traceback}."""
     try:
-        from colibri_stream.engine import AsyncEngine, run
+        from colibri_stream.async_engine import AsyncEngine, run
 
         if switch_interval is not None:
             sys.setswitchinterval(switch_interval)

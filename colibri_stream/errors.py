@@ -7,11 +7,6 @@ answers a ColibriError of a request as an APIError (server/error_replies.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .request import RequestOutput
-
 
 class ColibriError(Exception):
     """Base of every error Colibri reports to a user."""
@@ -77,9 +72,10 @@ class GrammarError(ColibriError):
 
 class RequestsFailedError(ColibriError):
     """Raised by `EngineCore.step` when requests failed alone in it (already aborted): `errors` maps each to its
-    EngineStepError, `outputs` holds what the step produced for the other requests."""
+    EngineStepError, `outputs` holds what the step produced for the other requests (`request.RequestOutput`s:
+    this module imports nothing of the engine's)."""
 
-    def __init__(self, outputs: list[RequestOutput], errors: dict[str, EngineStepError]):
+    def __init__(self, outputs: list, errors: dict[str, EngineStepError]):
         super().__init__("; ".join(f"request {request_id}: {error}" for request_id, error in errors.items()))
         self.outputs = outputs
         self.errors = errors

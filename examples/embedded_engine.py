@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from colibri_stream.engine import AsyncEngine, run
+from colibri_stream.async_engine import AsyncEngine, run
 from colibri_stream.request import SamplingParams
 
 

@@ -8,7 +8,8 @@ import contextlib
 
 import pytest
 
-from colibri_stream.engine import AsyncEngine, EngineCore
+from colibri_stream.async_engine import AsyncEngine
+from colibri_stream.engine import EngineCore
 from colibri_stream.errors import (EngineStepError, EngineStoppedError, InvalidParameterError, PromptTooLongError,
                                    QueueFullError)
 from colibri_stream.request import Request, SamplingParams
@@ -306,7 +307,7 @@ def test_n_sequences_stream_with_their_index(async_engine, prompts):
 
 
 def test_uvloop_runs_the_engine(async_engine, prompts):
-    from colibri_stream.engine import run
+    from colibri_stream.async_engine import run
 
     async def main():
         async with async_engine:
@@ -376,7 +377,7 @@ def test_more_sequences_than_the_engine_can_ever_hold_are_a_bad_request(tiny_mod
 
 
 def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_dir):
-    from colibri_stream.engine import ENCODE_INLINE_CHARS
+    from colibri_stream.async_engine import ENCODE_INLINE_CHARS
 
     engine = AsyncEngine.from_pretrained(str(tiny_model_dir), **ROOMY)
     text = "Mixture of experts " * (ENCODE_INLINE_CHARS // 10)

@@ -18,7 +18,7 @@ import openai
 import pytest
 from test_server import LiveServer, request
 
-from colibri_stream.engine import AsyncEngine
+from colibri_stream.async_engine import AsyncEngine
 from colibri_stream.errors import EngineStoppedError
 from colibri_stream.request import SamplingParams
 from colibri_stream.server.app import STATE
@@ -196,7 +196,7 @@ def test_a_stopped_engine_refuses_requests_and_its_process_exits(tiny_model_dir)
 @pytest.mark.parametrize("end, code", [("os.kill(os.getpid(), 9)", -signal.SIGKILL), ("sys.exit(3)", 3)])
 def test_the_engine_process_ends_when_its_parent_dies_or_exits_without_closing_it(tiny_model_dir, end, code):
     script = ("import os, sys\n"
-              "from colibri_stream.engine import AsyncEngine\n"
+              "from colibri_stream.async_engine import AsyncEngine\n"
               "if __name__ == '__main__':\n"
               f"    engine = AsyncEngine.from_pretrained({str(tiny_model_dir)!r}, engine_process=True, device='cpu')\n"
               "    print(engine.pid, flush=True)\n"

@@ -20,7 +20,7 @@ import openai
 import orjson
 import pytest
 
-from colibri_stream.engine import AsyncEngine
+from colibri_stream.async_engine import AsyncEngine
 from colibri_stream.request import SamplingParams
 from colibri_stream.server import create_app, serve
 from colibri_stream.server.state import STATE

@@ -138,7 +138,7 @@ def run_server(engine_config: dict[str, Any], host: str = "127.0.0.1", port: int
     aborted); a second one stops at once. Raises RequestsAbortedError (`colibri serve` exits non-zero) when it
     stopped with requests still running.
     """
-    from ..engine import AsyncEngine, run
+    from ..async_engine import AsyncEngine, run
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if api_key is None and not _is_loopback(host):
