@@ -1,8 +1,8 @@
 """Decode and offload figures of two revisions on one machine, run alternately: the change against its baseline.
 
 The current tree and a baseline tree (`--baseline-tree`: a folder holding an older revision's `colibri_stream/`,
-`kernels/` and `benchmarks/`, as `git archive REV colibri_stream kernels benchmarks | tar -x -C DIR` writes it)
-each run their own `benchmarks/decode.py` (Colibri only) and `benchmarks/offload.py` (Colibri's default mode, host
+`kernels/` and `benchmarks/`, as `git archive REV colibri_stream kernels benchmarks | tar -x -C DIR` writes it;
+its kernels/ is copied into its package so that it compiles its own, `own_kernels`) each run their own `benchmarks/decode.py` (Colibri only) and `benchmarks/offload.py` (Colibri's default mode, host
 RAM tier, `--fractions` of the experts on the GPU), `--rounds` times, alternating, each run in a fresh process whose
 `PYTHONPATH` is that tree. The medians of each revision's runs are compared: `ratio` = current / baseline.
 Records (`bench: "compare_revisions"`) go to `--out`; the Markdown table is printed.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -25,6 +26,16 @@ from pathlib import Path
 from conditions import machine, require_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def own_kernels(tree: Path) -> None:
+    """Make `tree`'s package load its own kernels/: revisions whose `kernel_dir()` asks for the package data
+    `colibri_stream._kernels` first would get the editable install's (the current tree's) through it, so the
+    baseline tree gets that package as a copy of its kernels/."""
+    package = tree / "colibri_stream" / "_kernels"
+    if (tree / "kernels").is_dir() and not package.is_dir():
+        shutil.copytree(tree / "kernels", package)
+        (package / "__init__.py").write_text("")
 
 
 def run_tree(tree: Path, script: str, args: list[str], out: Path, timeout: float) -> list[dict]:
@@ -61,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     require_gpu()  # its decode and offload runs time the GPU
     trees = {"current": ROOT, "baseline": Path(args.baseline_tree).resolve()}
+    own_kernels(trees["baseline"])
     scripts = {s: a for s, a in (("decode.py", args.decode_args), ("offload.py", args.offload_args))
                if s not in args.skip}
     runs: dict[tuple[str, str], list[dict[str, float]]] = {}

@@ -18,14 +18,12 @@ COMPILE_OPTIONS = ("-std=c++17",)
 
 
 def kernel_dir() -> Path:
-    """The folder holding the .cu sources: the installed package data, else the repository's kernels/."""
-    try:
-        folder = Path(str(importlib.resources.files("colibri_stream._kernels")))
-        if (folder / "common.cuh").is_file():
-            return folder
-    except ModuleNotFoundError:
-        pass
-    return Path(__file__).resolve().parents[2] / "kernels"
+    """The folder holding the .cu sources: kernels/ of the source tree this package was imported from (a checkout,
+    an editable install, or another revision's tree put first on the path), else the installed package data."""
+    source = Path(__file__).resolve().parents[2]
+    if (source / "pyproject.toml").is_file() and (source / "kernels" / "common.cuh").is_file():
+        return source / "kernels"
+    return Path(str(importlib.resources.files("colibri_stream._kernels")))
 
 
 @functools.lru_cache(maxsize=None)
