@@ -372,7 +372,8 @@ def test_paged_attention_decode(head_dim, heads, kv_heads, window, split, kv_dty
 
 
 def test_a_single_decode_token_takes_the_query_head_kernel(monkeypatch):
-    """Below GQA_MIN_TOKENS tokens paged_attention (a block per query head) is faster than the GQA kernel."""
+    """Below GQA_MIN_TOKENS tokens paged_attention (a block per query head) is faster than the GQA kernel, where the
+    tables hold a short context."""
     rng = np.random.default_rng(3)
     batch = attention_batch(rng, [(144, 1)], 16, 12)
     key_cache, value_cache = rng.standard_normal((2, 12, 16, 4, 128)).astype(np.float32)
@@ -383,6 +384,28 @@ def test_a_single_decode_token_takes_the_query_head_kernel(monkeypatch):
     ours = GPU.paged_attention(cupy.asarray(query), cupy.asarray(key_cache), cupy.asarray(value_cache), None,
                                device_batch, 0.1, None)
     assert launched == ["paged_attention<float, 4>"]
+    check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, 0.1, None))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_a_single_decode_token_of_a_long_context_is_split_over_the_gpu(monkeypatch, kv_dtype):
+    """One token whose tables hold more than GQA_ONE_TOKEN_MAX_KEYS keys takes the GQA kernel with its splits and
+    the merge (a block per query head would walk the whole context alone)."""
+    from colibri_stream.backends.tuning import GQA_ONE_TOKEN_MAX_KEYS
+
+    rng = np.random.default_rng(4)
+    context = GQA_ONE_TOKEN_MAX_KEYS + 300
+    blocks = -(-context // 16) + 3
+    batch = attention_batch(rng, [(context, 1)], 16, blocks)
+    shape = (blocks, 16, 4, 128)
+    key_cache, gpu_keys = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
+    value_cache, gpu_values = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
+    query = rng.standard_normal((1, 32, 128)).astype(np.float32)
+    device_batch = {name: cupy.asarray(getattr(batch, name)) for name in ("block_tables", "query_start", "positions")}
+    launched = launched_kernels(monkeypatch)
+    poison()
+    ours = GPU.paged_attention(cupy.asarray(query), gpu_keys, gpu_values, None, device_batch, 0.1, None)
+    assert launched == [f"paged_attention_gqa<{KV_CTYPES[kv_dtype]}, 4, 8>", "paged_attention_merge"]
     check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, 0.1, None))
 
 

@@ -37,7 +37,8 @@ from .cupy_moe import DeviceExpertStore, routed_experts
 from .kernels import get_kernel
 from .tuning import (ATTENTION_WARPS, CAPTURED_CUBLAS_ALL_MIN_TOKENS, CAPTURED_CUBLAS_MIN_ROWS,
                      CAPTURED_CUBLAS_MIN_TOKENS, DENSE_MMA_MIN_TOKENS, GQA_BLOCKS_PER_SM, GQA_GROUPS,
-                     GQA_MAX_LANE_FLOATS, GQA_MAX_SPLITS, GQA_MIN_SPLIT_KEYS, GQA_MIN_TOKENS, GQA_WARPS,
+                     GQA_MAX_LANE_FLOATS, GQA_MAX_SPLITS, GQA_MIN_SPLIT_KEYS, GQA_MIN_TOKENS,
+                     GQA_ONE_TOKEN_MAX_KEYS, GQA_WARPS,
                      LINEAR_MMA_BLOCKS_PER_SM,
                      LINEAR_MMA_MIN_SPAN, LINEAR_MMA_ROWS, LINEAR_MMA_TILES, LINEAR_ROWS_PER_BLOCK, MMA_THREADS,
                      PROLOGUE_WARPS, ROUTER_SPLIT_TOKENS, ROUTER_TILE, ROUTER_WARPS, SMALL_BATCH, TOKEN_TILES)
@@ -301,8 +302,9 @@ class CupyBackend(Backend):
 
     def paged_attention(self, query, key_cache, value_cache, batch: ForwardBatch, device_batch, scale,
                         sliding_window, kv_scales=(1.0, 1.0)):
-        """One query token per sequence and at least GQA_MIN_TOKENS of them (T == B, decided from shapes only:
-        inside a captured graph `batch` holds shapes, and decode.py's profile passes None): paged_attention_gqa, a
+        """One query token per sequence and at least GQA_MIN_TOKENS of them, or one token whose tables hold more
+        than GQA_ONE_TOKEN_MAX_KEYS keys (T == B, decided from shapes only: inside a captured graph `batch` holds
+        shapes, and decode.py's profile passes None): paged_attention_gqa, a
         block per (token, KV head, split) computing the KV head's whole query group, so each key and value row is
         read once for the group; the context is split over enough blocks to fill the GPU, and
         paged_attention_merge combines the splits.
@@ -334,11 +336,12 @@ class CupyBackend(Backend):
         kv_type = storage_type(key_cache)
         vector = min(per_lane, 4)  # elements per load of a key or value row
         load_bytes = vector * key_cache.itemsize
-        if (t == tables.shape[0] and t >= GQA_MIN_TOKENS and num_heads % num_kv_heads == 0 and padded is not None
+        capacity = tables.shape[1] * block_size  # the longest context the tables hold
+        enough_tokens = t >= GQA_MIN_TOKENS or capacity > GQA_ONE_TOKEN_MAX_KEYS
+        if (t == tables.shape[0] and enough_tokens and num_heads % num_kv_heads == 0 and padded is not None
                 and padded * per_lane <= GQA_MAX_LANE_FLOATS and head_dim % vector == 0
                 and key_cache.data.ptr % load_bytes == 0 and value_cache.data.ptr % load_bytes == 0):
             pairs = t * num_kv_heads
-            capacity = tables.shape[1] * block_size  # the longest context the tables hold
             splits = max(1, min(GQA_MAX_SPLITS, GQA_BLOCKS_PER_SM * self.multiprocessors // max(pairs, 1),
                                 ceil_div(capacity, GQA_MIN_SPLIT_KEYS)))
             if splits > 1:

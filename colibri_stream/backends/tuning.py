@@ -38,10 +38,12 @@ ATTENTION_WARPS = 16  # = ATTN_WARPS in attention.cu
 GQA_WARPS = 4  # = GQA_WARPS in attention.cu: warps per block of paged_attention_gqa
 GQA_GROUPS = (1, 2, 4, 8, 16)  # paged_attention_gqa instantiations: query heads per KV head, rounded up to one
 GQA_MAX_LANE_FLOATS = 64  # G * DPL (q floats per lane, as many accumulators) above this: paged_attention instead
-GQA_MAX_SPLITS = 16  # paged_attention_gqa splits a context over at most this many blocks (then a merge launch)
+GQA_MAX_SPLITS = 32  # paged_attention_gqa splits a context over at most this many blocks (then a merge launch)
 GQA_BLOCKS_PER_SM = 2  # ... and over as many as make T * K * splits about this many blocks per multiprocessor
 GQA_MIN_SPLIT_KEYS = 16  # ... with at least this many keys per split at the tables' full width
-GQA_MIN_TOKENS = 2  # a single token takes paged_attention, whose block per query head is then the shorter path
+GQA_MIN_TOKENS = 2  # a single token takes paged_attention, whose block per query head is then the shorter path,
+GQA_ONE_TOKEN_MAX_KEYS = 2048  # ... unless its tables hold more keys: one block per query head walks the whole
+#                                context, where the GQA kernel reads each key once for the group, split over the GPU
 PROLOGUE_WARPS = 4  # warps per block of qk_norm_rope_write (attention_prologue.cu) without a full-width qk norm
 
 # ---- routing (router.cu) ---------------------------------------------------------------------------------------
