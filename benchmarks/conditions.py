@@ -3,6 +3,7 @@ and the check that a GPU benchmark has its GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import subprocess
@@ -32,3 +33,17 @@ def require_gpu() -> None:
         sys.exit(f"{script} needs a GPU: CuPy is not installed (pip install \".[gpu]\")")
     if not cupy.cuda.is_available():
         sys.exit(f"{script} needs a GPU: CuPy finds no CUDA device")
+
+
+@contextlib.contextmanager
+def constants_set(modules, **values):
+    """Module constants set to `values` meanwhile, in each of `modules` that defines them: a constant imported by
+    name is a binding of the importing module too, so every module that reads one is named."""
+    saved = [(module, name, getattr(module, name)) for module in modules for name in values if hasattr(module, name)]
+    for module, name, _ in saved:
+        setattr(module, name, values[name])
+    try:
+        yield
+    finally:
+        for module, name, old in saved:
+            setattr(module, name, old)

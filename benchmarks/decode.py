@@ -10,7 +10,7 @@ alternating run by run; the median of REPEATS runs is reported. Colibri's figure
 tokens, both ways, are checked against Colibri's eager step on the same inputs.
 
 Roofline: the bytes one decode step must read (every dense weight, the whole lm_head, the distinct experts that
-the step's routing touched, measured, and the float32 KV cache) over the device-to-device copy bandwidth measured
+the step's routing touched, measured, and the bf16 KV cache) over the device-to-device copy bandwidth measured
 here (bytes read plus written). Each graph is timed with and without programmatic dependent launch
 (backends/launch.py), interleaved, and replayed back to back (the device's time per step, without the host's work
 between steps); a synchronous step is also split into building the batch, enqueueing it and waiting for the
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from conditions import require_gpu
+from conditions import constants_set, require_gpu
 from offload_accelerate import hf_config
 
 PROMPT = 128  # cached tokens per sequence before the timed steps
@@ -50,20 +50,11 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-@contextlib.contextmanager
 def tuning_set(name: str, value: int):
     """A constant of backends/tuning.py set to `value` meanwhile, in every GPU backend module that uses it."""
     from colibri_stream.backends import cupy_backend, cupy_launch, cupy_moe, tuning
 
-    users = [m for m in (tuning, cupy_backend, cupy_moe, cupy_launch) if hasattr(m, name)]
-    saved = [getattr(m, name) for m in users]
-    for module in users:
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for module, old in zip(users, saved):
-            setattr(module, name, old)
+    return constants_set((tuning, cupy_backend, cupy_moe, cupy_launch), **{name: value})
 
 
 def measure_bandwidth(cp) -> float:
@@ -132,8 +123,9 @@ class Colibri:
         per_seq = -(-(PROMPT + DECODE + 1) // BLOCK_SIZE)
         self.kv = self.model.allocate_kv_cache(batch * per_seq, BLOCK_SIZE)
         state = self.cp.random.RandomState(batch)
-        for array in self.kv.keys + self.kv.values:
-            array[...] = state.standard_normal(array.shape, dtype=np.float32)
+        for array in self.kv.keys + self.kv.values:  # random values rounded to the cache's dtype
+            array[...] = self.backend.from_float32(state.standard_normal(array.shape, dtype=np.float32),
+                                                   self.kv.dtype)
         self.tables = np.random.default_rng(batch).permutation(batch * per_seq).reshape(batch, per_seq)
         self.graph = DecodeGraph(self.model, self.kv, batch, per_seq)  # programmatic launches where the GPU has them
         self.graph_without_pdl = DecodeGraph(self.model, self.kv, batch, per_seq, programmatic=False)
@@ -261,7 +253,7 @@ class Colibri:
                         "positions": cp.full(batch, context - 1, dtype=np.int64)}
         attn_bytes = (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * h * WEIGHT_BYTES
         expert_bytes = 3 * h * cfg.moe_intermediate_size * WEIGHT_BYTES
-        kv_bytes = 2 * batch * context * cfg.num_kv_heads * cfg.head_dim * 4
+        kv_bytes = 2 * batch * context * cfg.num_kv_heads * cfg.head_dim * self.kv.keys[0].itemsize
         ops = [
             ("q,k,v,o projections", attn_bytes, lambda i: [b.linear(x if w.shape[1] == h else q.reshape(batch, -1), w)
                                                          for w in (layers[i % n].q_proj, layers[i % n].k_proj,
@@ -340,13 +332,14 @@ class Transformers:
         self.torch.cuda.empty_cache()
 
 
-def step_bytes(config, batch: int, distinct: float, context: int) -> float:
-    """Bytes one decode step reads at least: dense weights, lm_head, the touched experts, the KV cache."""
+def step_bytes(config, batch: int, distinct: float, context: int, kv_bytes: int) -> float:
+    """Bytes one decode step reads at least: dense weights, lm_head, the `distinct` experts a layer touches, the KV
+    cache of `batch` sequences of `context` tokens at `kv_bytes` an element."""
     h, d = config.hidden_size, config.head_dim
     attention = (2 * config.num_heads + 2 * config.num_kv_heads) * d * h * WEIGHT_BYTES
     router = config.num_experts * h * WEIGHT_BYTES
     experts = distinct * 3 * h * config.moe_intermediate_size * WEIGHT_BYTES
-    kv = 2 * batch * context * config.num_kv_heads * d * 4
+    kv = 2 * batch * context * config.num_kv_heads * d * kv_bytes
     return config.num_layers * (attention + router + experts + kv) + config.vocab_size * h * WEIGHT_BYTES
 
 
@@ -400,7 +393,7 @@ def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None
     host = colibri.host_phases()
     eager = batch * DECODE / colibri.decode(DECODE, graph=False)[0]
     context = PROMPT + DECODE // 2
-    nbytes = step_bytes(colibri.config, batch, distinct, context)
+    nbytes = step_bytes(colibri.config, batch, distinct, context, colibri.kv.keys[0].itemsize)
     roofline = batch * bandwidth * 1e9 / nbytes
     record = dict(common, bench="decode", batch=batch,
                   colibri_tok_s=statistics.median(ours), colibri_tok_s_runs=ours, colibri_eager_tok_s=eager,
@@ -510,9 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = measure_bandwidth(cupy)
     log(f"device-to-device copy: {bandwidth:.0f} GB/s")
     common = dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"), command=" ".join(sys.argv),
-                  numerics="bf16 weights, fp32 activations and KV cache", prompt_tokens=PROMPT,
+                  numerics="bf16 weights and KV cache, fp32 activations", prompt_tokens=PROMPT,
                   decode_steps=DECODE, repeats=REPEATS, routing="random router (close to uniform)",
-                  kv_cache="random values, float32", timing="wall clock per run, host sync every step")
+                  kv_cache="random values, the default dtype (bf16)", timing="wall clock per run, host sync every step")
     records = []
     for shape in args.shapes:
         records += run_shape(shape, args.layers or DEFAULT_LAYERS.get(shape, 4), args.batches, bandwidth, common,

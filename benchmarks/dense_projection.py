@@ -11,7 +11,6 @@ the next of LAYERS copies of the weights, so they come from HBM, not L2. GB/s is
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conditions import require_gpu
+from conditions import constants_set, require_gpu
 from decode import log, machine, measure_bandwidth, time_in_graph
 
 LAYERS = 8  # copies of each weight the calls cycle through
@@ -51,6 +50,8 @@ def measure(backend, shape: str, name: str, n_in: int, n_outs: list[int],
             sweep: list[tuple[int, int]], token_counts: list[int]) -> list[dict]:
     """One projection of `shape` at every token count (linear_mma also with each (blocks per SM, least span) of
     `sweep`)."""
+    from colibri_stream.backends import cupy_backend  # the module whose split constants a sweep sets
+
     cp = backend.cp
     copies = 2 if name == "lm_head" else LAYERS
     weights = [[backend.random_weight((n, n_in), 0.02, 100 * c + m, "bfloat16") for m, n in enumerate(n_outs)]
@@ -66,7 +67,8 @@ def measure(backend, shape: str, name: str, n_in: int, n_outs: list[int],
         cublas = eager_seconds(cp, lambda i, x=x: [backend._gemm(x, w) for w in weights[i % copies]])
         variants = {}  # "blocks per SM x least span": mma microseconds with those split constants
         for blocks_per_sm, min_span in sweep:
-            with split_constants(blocks_per_sm, min_span):
+            with constants_set((cupy_backend,), LINEAR_MMA_BLOCKS_PER_SM=blocks_per_sm,
+                               LINEAR_MMA_MIN_SPAN=min_span):
                 seconds = time_in_graph(cp, lambda i, x=x: backend._linear_mma(x, weights[i % copies], biases))
                 variants[f"{blocks_per_sm}x{min_span}"] = {
                     "us": seconds * 1e6, "splits": backend.column_splits(n_in, sum(-(-n // 128) for n in n_outs))}
@@ -81,19 +83,6 @@ def measure(backend, shape: str, name: str, n_in: int, n_outs: list[int],
             f"splits {splits}" + (f"; best split constants {best[0]}: {best[1]['us']:.1f} us "
                                   f"({best[1]['splits']} splits)" if best else ""))
     return records
-
-
-@contextlib.contextmanager
-def split_constants(blocks_per_sm: int, min_span: int):
-    """cupy_backend's LINEAR_MMA_BLOCKS_PER_SM and LINEAR_MMA_MIN_SPAN set to these values meanwhile."""
-    from colibri_stream.backends import cupy_backend
-
-    saved = cupy_backend.LINEAR_MMA_BLOCKS_PER_SM, cupy_backend.LINEAR_MMA_MIN_SPAN
-    cupy_backend.LINEAR_MMA_BLOCKS_PER_SM, cupy_backend.LINEAR_MMA_MIN_SPAN = blocks_per_sm, min_span
-    try:
-        yield
-    finally:
-        cupy_backend.LINEAR_MMA_BLOCKS_PER_SM, cupy_backend.LINEAR_MMA_MIN_SPAN = saved
 
 
 def main(argv: list[str] | None = None) -> int:

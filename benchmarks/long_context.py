@@ -57,17 +57,6 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
-def decode_step_bytes(config, batch: int, context: int, kv_bytes: int, weight_bytes: int = 2) -> float:
-    """Bytes one decode step of `batch` sequences at `context` cached tokens reads at least."""
-    h, d = config.hidden_size, config.head_dim
-    attention = (2 * config.num_heads + 2 * config.num_kv_heads) * d * h * weight_bytes
-    router = config.num_experts * h * weight_bytes
-    experts = (expected_distinct_experts(config.num_experts, config.top_k, batch)
-               * 3 * h * config.moe_intermediate_size * weight_bytes)
-    kv = 2 * batch * context * config.num_kv_heads * d * kv_bytes
-    return config.num_layers * (attention + router + experts + kv) + config.vocab_size * h * weight_bytes
-
-
 def run_requests(core, prompts: list[list[int]], decode_tokens: int, tag: str) -> tuple[float, float]:
     """(seconds until every prompt has its first token, seconds of the remaining pure decode steps)."""
     from colibri_stream.request import SamplingParams
@@ -207,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     import cupy
 
     from decode import machine as gpu_machine
-    from decode import measure_bandwidth
+    from decode import measure_bandwidth, step_bytes
 
     bandwidth = measure_bandwidth(cupy)  # GB/s, bytes read plus written
     common = dict(host_machine(), **gpu_machine(), bench="long_context", bandwidth_gb_s=bandwidth)
@@ -234,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             llama = (llama_cases(args.batched_bench, gguf, kv_dtype, contexts, args.batches,
                                  args.decode_tokens, args.llama_timeout) if args.batched_bench else {})
             for case in cases:
-                step = decode_step_bytes(config, case["batch"], case["context"], KV_BYTES[kv_dtype])
+                distinct = expected_distinct_experts(config.num_experts, config.top_k, case["batch"])
+                step = step_bytes(config, case["batch"], distinct, case["context"], KV_BYTES[kv_dtype])
                 records.append(dict(common, shape=shape, layers=layers, model_description=description,
                                     kv_dtype=kv_dtype, decode_tokens=args.decode_tokens,
                                     roofline_decode_tok_s=case["batch"] * bandwidth * 1e9 / step,

@@ -17,7 +17,6 @@ paged_attention is what FLASH_MIN_TOKENS should be.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conditions import machine, require_gpu  # noqa: E402
+from conditions import constants_set, machine, require_gpu  # noqa: E402
 
 SHAPES = {"mixtral-8x7b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128)}  # (Q, K, D)
 CONTEXTS = (1024, 8192, 32768)
@@ -35,19 +34,6 @@ SHORT_CHUNKS = (2, 8, 16, 32, 64, 128, 512)
 BLOCK_SIZE = 16
 TIME_BUDGET_S = 0.5  # repetitions of a case until about this much GPU time (at least one after a warm-up)
 MAX_REPEATS = 20
-
-
-@contextlib.contextmanager
-def flash_settings(min_tokens: int, split: bool):
-    """The backend's dispatch with FLASH_MIN_TOKENS (past any chunk: paged_attention only) and FLASH_SPLIT set."""
-    from colibri_stream.backends import cupy_flash_attention
-
-    saved = cupy_flash_attention.FLASH_MIN_TOKENS, cupy_flash_attention.FLASH_SPLIT
-    cupy_flash_attention.FLASH_MIN_TOKENS, cupy_flash_attention.FLASH_SPLIT = min_tokens, split
-    try:
-        yield
-    finally:
-        cupy_flash_attention.FLASH_MIN_TOKENS, cupy_flash_attention.FLASH_SPLIT = saved
 
 
 def causal_flops(first: int, context: int, heads: int, head_dim: int) -> float:
@@ -120,6 +106,8 @@ KERNELS = tuple((kernel, kv_dtype, split) for kv_dtype in ("bfloat16", "float32"
 
 def measure(cp, backend, conditions: dict, shape: str, context: int, chunk: int, first: int) -> list[dict]:
     """Every entry of KERNELS on one case; a failure is recorded in its record and printed."""
+    from colibri_stream.backends import cupy_flash_attention  # the dispatch constants each case sets
+
     heads, kv_heads, head_dim = SHAPES[shape]
     flops = causal_flops(first, context, heads, head_dim)
     baseline_us = reference = None
@@ -136,7 +124,9 @@ def measure(cp, backend, conditions: dict, shape: str, context: int, chunk: int,
             baseline_us = reference = None
         try:
             prompt = Prompt(cp, heads, kv_heads, head_dim, context, chunk, kv_dtype, first)
-            with flash_settings(1 << 62 if kernel == "paged_attention" else 2, split):
+            # paged_attention: a FLASH_MIN_TOKENS past any chunk
+            with constants_set((cupy_flash_attention,), FLASH_SPLIT=split,
+                               FLASH_MIN_TOKENS=1 << 62 if kernel == "paged_attention" else 2):
                 outputs = prompt.run(backend)  # compiles and warms up
                 us = time_us(cp, lambda: prompt.run(backend))
             if kernel == "paged_attention":
