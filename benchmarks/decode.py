@@ -57,6 +57,16 @@ def tuning_set(name: str, value: int):
     return constants_set((tuning, cupy_backend, cupy_moe, cupy_launch), **{name: value})
 
 
+def random_kv_cache(model, num_blocks: int, block_size: int, seed: int):
+    """`model`'s (CuPy) KV cache in its default dtype, every key and value a normal draw rounded to that dtype:
+    attention is never timed on zeros."""
+    kv = model.allocate_kv_cache(num_blocks, block_size)
+    state = model.backend.cp.random.RandomState(seed)
+    for array in kv.keys + kv.values:
+        array[...] = model.backend.from_float32(state.standard_normal(array.shape, dtype=np.float32), kv.dtype)
+    return kv
+
+
 def measure_bandwidth(cp) -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read plus written), median of 20 copies of 2 GiB."""
     src = cp.random.random(1 << 29, dtype=np.float32)  # [2 GiB / 4]
@@ -121,11 +131,7 @@ class Colibri:
         from colibri_stream.cuda_graph import DecodeGraph
 
         per_seq = -(-(PROMPT + DECODE + 1) // BLOCK_SIZE)
-        self.kv = self.model.allocate_kv_cache(batch * per_seq, BLOCK_SIZE)
-        state = self.cp.random.RandomState(batch)
-        for array in self.kv.keys + self.kv.values:  # random values rounded to the cache's dtype
-            array[...] = self.backend.from_float32(state.standard_normal(array.shape, dtype=np.float32),
-                                                   self.kv.dtype)
+        self.kv = random_kv_cache(self.model, batch * per_seq, BLOCK_SIZE, seed=batch)
         self.tables = np.random.default_rng(batch).permutation(batch * per_seq).reshape(batch, per_seq)
         self.graph = DecodeGraph(self.model, self.kv, batch, per_seq)  # programmatic launches where the GPU has them
         self.graph_without_pdl = DecodeGraph(self.model, self.kv, batch, per_seq, programmatic=False)

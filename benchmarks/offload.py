@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 from conditions import require_gpu
-from decode import log, machine
+from decode import log, machine, random_kv_cache
 
 from colibri_stream.config import GPU_SLOT_LAYOUTS
 from colibri_stream.experts.placement import MIN_CUT_GAIN
@@ -157,15 +157,10 @@ def release(model) -> None:
 
 def decode(model, batch: int, steps: int, cold: Path | None = None) -> dict:
     """Timed greedy decode of `batch` sequences with PROMPT cached tokens (random keys and values)."""
-    import cupy as cp
-
     from colibri_stream.batch import flat_batch
 
     per_seq = -(-(PROMPT + WARMUP + steps + 1) // BLOCK_SIZE)
-    kv = model.allocate_kv_cache(batch * per_seq, BLOCK_SIZE)
-    state = cp.random.RandomState(batch)
-    for array in kv.keys + kv.values:
-        array[...] = state.standard_normal(array.shape, dtype=np.float32)
+    kv = random_kv_cache(model, batch * per_seq, BLOCK_SIZE, seed=batch)
     tables = np.arange(batch * per_seq).reshape(batch, per_seq).tolist()
     tokens = np.random.default_rng(batch).integers(0, model.config.vocab_size, batch)
     before, seconds = None, 0.0
