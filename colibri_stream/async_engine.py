@@ -272,7 +272,7 @@ class AsyncEngine:
 
     def store_stats(self) -> ExpertStats | None:
         """The expert store's counters: now in-process (taken while a step may run: a step's figures can be half
-        counted), as of the last step from an engine process."""
+        counted), at most `engine_process.STORE_STATS_SECONDS` old from an engine process."""
         return self._transport.store_stats()
 
     @property

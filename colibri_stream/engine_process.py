@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_SECONDS = 60.0  # how long `close` waits for the child to close its engine before killing it
+STORE_STATS_SECONDS = 0.25  # the expert store's counters ride on a step report at most this often (a monitoring
+#                             read: a tiered store's snapshot has arrays per layer and expert, too much per step)
 
 
 @dataclass
@@ -125,7 +128,8 @@ class EngineProcess:
         self._sinks.append(sink)
 
     def store_stats(self) -> ExpertStats | None:
-        """The expert store's counters as of the last report."""
+        """The expert store's counters as of the last report that carried them: at most STORE_STATS_SECONDS old
+        while steps run, the last step's once the engine is idle."""
         return self._store_stats
 
     def start_loop(self, deliver: Callable[[StepReport | LoopEnded], None]) -> None:
@@ -167,7 +171,8 @@ class EngineProcess:
                                                      f"({_exit_status(self._process.exitcode)})")))
                 return
             if isinstance(message, StepReport):
-                self._store_stats = message.store_stats
+                if message.store_stats is not None:
+                    self._store_stats = message.store_stats
                 for record in message.step_records:
                     for sink in sinks:
                         sink(record)
@@ -230,11 +235,17 @@ def _serve(core: EngineCore, commands: Connection, events: Connection) -> None:
             waiting.append(_receive(commands))
         return waiting
 
+    stats_sent = time.monotonic()
+
     def publish(message: StepReport | LoopEnded) -> None:
+        nonlocal stats_sent
         if isinstance(message, StepReport):
             message.step_records = records.copy()
             records.clear()
-            message.store_stats = core.store_stats()
+            # and on the last report before the engine idles, so a quiet engine's counters are whole
+            if time.monotonic() - stats_sent >= STORE_STATS_SECONDS or not core.has_unfinished():
+                message.store_stats = core.store_stats()
+                stats_sent = time.monotonic()
         _send(events, message)
 
     while True:
