@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One session on a GPU machine: install, GPU tests, benchmarks; logs and JSON results under $OUT.
 #   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests dense kernels decode engine cpu timeline llama offload" benchmarks/gpu_session.sh
+# (other stages: attention, long_context, compare, serving, exit)
 # (llama_build before other stages: llama.cpp builds in the background while they run, and stage llama waits for it)
 # (STAGES="" only installs: what a command that runs a script of its own needs first).
 # Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first. Each stage has its own time
 # limit so the next one runs even if one fails. OFFLOAD_ARGS / TIMELINE_ARGS / DECODE_ARGS / ENGINE_ARGS / CPU_ARGS / DENSE_ARGS
-# pass options to the benchmarks; the kernels stage profiles one step per kernel with Nsight Compute (KERNEL_SHAPES, KERNEL_BATCHES).
+# pass options to the benchmarks; the kernels stage profiles one step per kernel with Nsight Compute (KERNEL_SHAPES, KERNEL_BATCHES, KERNEL_CONTEXT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/colibri-gpu}
@@ -54,7 +55,7 @@ for stage in $STAGES; do
         for batch in ${KERNEL_BATCHES:-1}; do
           timeout "${KERNEL_TIMEOUT:-120}" ncu --profile-from-start off --clock-control none --csv \
             --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size \
-            python3 benchmarks/step_kernels.py --shape "$shape" --batch "$batch" --layers 2 \
+            python3 benchmarks/step_kernels.py --shape "$shape" --batch "$batch" --layers 2 --context "${KERNEL_CONTEXT:-144}" \
             > "$OUT/ncu_${shape}_b${batch}.csv" 2> "$OUT/ncu_${shape}_b${batch}.err"
           python3 benchmarks/step_kernels_table.py "$OUT/ncu_${shape}_b${batch}.csv" | tee "$OUT/kernels_${shape}_b${batch}.md" \
             | tail -16
@@ -108,6 +109,23 @@ for stage in $STAGES; do
           --folder "$folder" --gguf "$folder.gguf" --gguf-py "$LLAMA_SRC/gguf-py" "${args[@]}" \
           --out "$OUT/llama_cpp_${shape}_h200.json" 2>&1 | tail -8)
       done ;;
+    attention)
+      echo "== decode attention alone: splits swept against the KV bytes"
+      timeout "${ATTENTION_TIMEOUT:-240}" python3 benchmarks/decode_attention.py --out "$OUT/decode_attention_h200.json" \
+        ${ATTENTION_ARGS:-} 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
+    long_context)
+      # needs LLAMA_SRC and llama.cpp built (stage llama_build first: this stage waits for it)
+      echo "== long context against llama.cpp"
+      if [ -n "$llama_builder" ] && ! wait $llama_builder; then tail -20 "$OUT/llama_build.log"; continue; fi
+      timeout "${LONG_TIMEOUT:-540}" python3 benchmarks/long_context.py --out "$OUT/long_context_h200.json" \
+        --batched-bench "${LLAMA_BUILD:-/tmp/llama-build}/bin/llama-batched-bench" --gguf-py "$LLAMA_SRC/gguf-py" \
+        ${LONG_ARGS:-} 2>&1 | tee "$OUT/long_context.log" | tail -30 ;;
+    compare)
+      # BASELINE_TREE: an older revision's tree (git archive REV colibri_stream kernels benchmarks | tar -x -C DIR)
+      echo "== this tree against $BASELINE_TREE"
+      timeout "${COMPARE_TIMEOUT:-580}" python3 benchmarks/compare_revisions.py --baseline-tree "$BASELINE_TREE" \
+        --baseline-label "${BASELINE_LABEL:-baseline}" --out "$OUT/compare_revisions_h200.json" ${COMPARE_ARGS:-} \
+        2>&1 | tee "$OUT/compare.log" | tail -30 ;;
     serving)
       echo "== serving against the engine offline"
       timeout "${SERVING_TIMEOUT:-400}" python3 benchmarks/serving_gpu.py --out "$OUT/serving_gpu_h200.json" \

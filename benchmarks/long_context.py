@@ -44,7 +44,7 @@ from serving_gpu import model_folder
 DEFAULT_SHAPES = ("mixtral-8x7b:8", "qwen3-30b-a3b:16")
 LLAMA_KV_TYPES = {"bf16": "f16", "fp16": "f16", "fp8": "q8_0", "fp32": "f32"}
 KV_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}  # bytes a cached key or value element takes
-WARM_UP_TOKENS = 256  # prompt tokens of the warm-up requests (kernels compiled, decode graphs captured)
+WARM_UP_TOKENS = 256  # prompt tokens of the warm-up requests (kernels compiled, each batch's decode graph captured)
 FIRST_PROMPT_ID = 16  # prompt ids are drawn from [FIRST_PROMPT_ID, vocab), past small vocabularies' special tokens
 
 
@@ -100,7 +100,8 @@ def colibri_cases(folder: Path, config, kv_dtype: str, contexts: list[int], batc
 
     records = []
     try:
-        run_requests(core, prompts(max(batches), WARM_UP_TOKENS), 4, "warm")
+        for batch in sorted(set(batches)):  # every batch's decode graph captured before any timing
+            run_requests(core, prompts(batch, WARM_UP_TOKENS), 4, f"warm{batch}")
         prefill_rate = None  # batch-1 prefill tok/s of the context run last: predicts the larger batches
         for context in contexts:
             for batch in batches:

@@ -32,8 +32,11 @@
 //   32 KiB: G * D <= 32 * G * DPL <= 2048), plus under 4 KiB static. ptxas (sm_90): 128 registers at G * DPL = 32
 //   (Qwen3 <4, 8>, Mixtral <4, 4>), up to 237 at 64 (<4, 16>, <8, 8>), no spills there (4-24 bytes at
 //   <1, 8>, <1, 16>, <2, 2>, <2, 16>).
-//   Split z of S takes the contiguous keys [lo, hi) = [first + z * span, min(p + 1, first + (z + 1) * span)),
-//   span = ceil((p - first + 1) / S), first = max(0, p - window + 1) with a window, else 0 (a split may be empty).
+//   Token t's keys first .. p (first = max(0, p - window + 1) with a window, else 0: n = p - first + 1 keys) are
+//   cut into S_t = clamp(ceil(n / split_keys), 1, S) splits (gqa_splits): a short context uses few of the launch's
+//   S blocks, whose others return at once, so one launch shape (a captured graph's) serves every length.
+//   Split z < S_t takes the contiguous keys [lo, hi) = [first + z * span, min(p + 1, first + (z + 1) * span)),
+//   span = ceil(n / S_t) (a split may be empty).
 //   Inside a split, warp w takes the chunks of U = gqa_unroll(G, DPL) keys starting at lo + (w + GQA_WARPS * i) * U:
 //   the U key and value rows are all loaded before use; for each key the lane's G partial dot products are summed
 //   over the warp by a reduce-scatter butterfly (G - 1 + log2(32 / G) shuffles), after which the 32 / G lanes
@@ -41,15 +44,16 @@
 //   probabilities and rescale factors reach every lane through a per-warp shared-memory buffer (broadcast reads).
 //   The warps' (m, l, acc) are merged per head in shared memory at the end (a warp without keys, m = -inf, gets
 //   weight 0, never exp(-inf - -inf)).
-//   S == 1: the block writes out. S > 1: it writes its split's unnormalised partial (m, l, acc) for heads
+//   S_t == 1: the block writes out. S_t > 1: it writes its split's unnormalised partial (m, l, acc) for heads
 //   h = k * group + g:
 //     partial_acc float32 [T, Q, S, D], partial_ml float32 [T, Q, S, 2] (m = -inf, l = 0, acc = 0 for an empty
-//     split; split 0 always holds key `first`)
+//     split; split 0 always holds key `first`; splits z >= S_t are not written)
 //   and paged_attention_merge combines them: same math, one more launch. The backend picks S from shapes only
 //   (a captured graph replays it for every context length): enough blocks to fill the GPU, capped.
 //
-// paged_attention_merge: out[t, h] = sum_s acc_s exp(m_s - M) / sum_s l_s exp(m_s - M), M = max_s m_s (empty splits
-//   weigh 0). grid: (T, Q), block: 32 * DPL threads (>= D), no shared memory; S = splits.
+// paged_attention_merge: out[t, h] = sum_s acc_s exp(m_s - M) / sum_s l_s exp(m_s - M), M = max_s m_s over the
+//   token's S_t splits (empty splits weigh 0; S_t == 1: nothing to do, the GQA block wrote out). grid: (T, Q),
+//   block: 32 * DPL threads (>= D), no shared memory; max_splits = S, window and split_keys as the GQA launch's.
 #include "kv_types.cuh"
 
 constexpr int ATTN_WARPS = 16;
@@ -173,6 +177,11 @@ __host__ __device__ constexpr int gqa_unroll(int g, int dpl) {
     return u < 2 ? 2 : u > 8 ? 8 : u;
 }
 
+// The splits of a token's `keys` keys: about split_keys keys each, at most max_splits (the launch's S), at least 1.
+__device__ __forceinline__ int gqa_splits(int keys, int split_keys, int max_splits) {
+    return max(1, min(max_splits, (keys + split_keys - 1) / split_keys));
+}
+
 __host__ __device__ constexpr int log2_of(int n) { return n <= 1 ? 0 : 1 + log2_of(n / 2); }
 
 // Two 16-bit elements (bf16 or fp16) as one 32-bit word -> two floats.
@@ -275,7 +284,7 @@ paged_attention_gqa(const float* __restrict__ q, const KV* __restrict__ key_cach
                     const long long* __restrict__ query_start, const long long* __restrict__ positions,
                     float* __restrict__ out, float* __restrict__ partial_acc, float* __restrict__ partial_ml,
                     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
-                    float scale, int window, float v_scale) {
+                    float scale, int window, float v_scale, int split_keys) {
     pdl_wait();
     constexpr int VW = DPL < 4 ? DPL : 4;  // elements per vector load
     constexpr int NV = DPL / VW;           // vector loads per row and lane
@@ -286,12 +295,15 @@ paged_attention_gqa(const float* __restrict__ q, const KV* __restrict__ key_cach
     __shared__ __align__(16) float bcast[GQA_WARPS][U + 1][G];  // per warp: p of each key, then the rescale
     __shared__ float warp_max_s[GQA_WARPS][G], warp_sum_s[GQA_WARPS][G], weight_s[GQA_WARPS][G], total_max_s[G],
         total_s[G];
-    const int t = blockIdx.x, kv = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int t = blockIdx.x, kv = blockIdx.y, split = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int head = lane >> (5 - LOG_G);  // the head whose score and softmax state this lane holds
     const int group = num_heads / num_kv_heads;
 
     const int pos = static_cast<int>(positions[t]);
+    const int first = window > 0 ? max(0, pos - window + 1) : 0;
+    const int splits = gqa_splits(pos - first + 1, split_keys, gridDim.z);  // this token's; the rest are idle
+    if (split >= splits) return;
     int b = t;  // one token per sequence: token t is sequence t; otherwise search as paged_attention does
     if (t >= num_seqs || query_start[t] != t) {
         int lo = 0, hi = num_seqs - 1;
@@ -302,7 +314,6 @@ paged_attention_gqa(const float* __restrict__ q, const KV* __restrict__ key_cach
         b = lo;
     }
     const long long* table = block_tables + static_cast<long long>(b) * max_blocks;
-    const int first = window > 0 ? max(0, pos - window + 1) : 0;
     const int span = (pos - first + splits) / splits;  // ceil((pos - first + 1) / splits) >= 1
     const int lo = first + split * span, hi = min(pos + 1, lo + span);  // this split's keys [lo, hi)
     const long long slot_stride = static_cast<long long>(num_kv_heads) * head_dim;
@@ -434,7 +445,7 @@ paged_attention_gqa(const float* __restrict__ q, const KV* __restrict__ key_cach
         if (splits == 1) {
             out[row * head_dim + d] = a / total_s[g];  // key `first` is this block's: total_s[g] >= 1
         } else {
-            const long long part = row * splits + split;  // [T, Q, S]
+            const long long part = row * gridDim.z + split;  // [T, Q, S]
             partial_acc[part * head_dim + d] = a;
             if (d == 0) { partial_ml[2 * part] = total_max_s[g]; partial_ml[2 * part + 1] = total_s[g]; }
         }
@@ -443,10 +454,14 @@ paged_attention_gqa(const float* __restrict__ q, const KV* __restrict__ key_cach
 
 __global__ void __launch_bounds__(256)
 paged_attention_merge(const float* __restrict__ partial_acc, const float* __restrict__ partial_ml,
-                      float* __restrict__ out, int head_dim, int splits) {
+                      float* __restrict__ out, const long long* __restrict__ positions, int head_dim,
+                      int max_splits, int window, int split_keys) {
     pdl_wait();
+    const int pos = static_cast<int>(positions[blockIdx.x]);
+    const int splits = gqa_splits(window > 0 ? min(pos + 1, window) : pos + 1, split_keys, max_splits);
+    if (splits == 1) return;  // paged_attention_gqa wrote out
     const long long row = static_cast<long long>(blockIdx.x) * gridDim.y + blockIdx.y;  // t * Q + h
-    const float* ml = partial_ml + row * splits * 2;
+    const float* ml = partial_ml + row * max_splits * 2;
     float top = neg_inf();
     for (int s = 0; s < splits; ++s) top = fmaxf(top, ml[2 * s]);  // finite: split 0 holds key `first`
     float total = 0.f;
@@ -455,7 +470,7 @@ paged_attention_merge(const float* __restrict__ partial_acc, const float* __rest
         float a = 0.f;
         for (int s = 0; s < splits; ++s) {
             const float weight = ml[2 * s] == neg_inf() ? 0.f : expf(ml[2 * s] - top);
-            a = fmaf(partial_acc[(row * splits + s) * head_dim + d], weight, a);
+            a = fmaf(partial_acc[(row * max_splits + s) * head_dim + d], weight, a);
         }
         out[row * head_dim + d] = a / total;
     }

@@ -23,6 +23,7 @@ LIBRARIES = {"conditions.py"}  # imported by the scripts, not run
 GPU_SCRIPTS = {
     "compare_revisions.py": ["--baseline-tree", str(ROOT), "--rounds", "1"],
     "decode.py": ["--shapes", "mixtral-8x7b", "--batches", "1"],
+    "decode_attention.py": ["--shapes", "mixtral-8x7b", "--contexts", "64", "--batches", "1"],
     "dense_projection.py": ["--tokens", "1"],
     "engine_decode.py": ["--shapes", "mixtral-8x7b", "--layers", "1", "--batches", "1"],
     "handoff_latency.py": ["--repeats", "1"],

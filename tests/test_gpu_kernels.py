@@ -371,6 +371,30 @@ def test_paged_attention_decode(head_dim, heads, kv_heads, window, split, kv_dty
     check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, scale, window, scales))
 
 
+@pytest.mark.parametrize("window", [None, 40])
+def test_decode_tokens_use_the_splits_their_context_fills(window, monkeypatch):
+    """A launch of many splits over sequences of 1 to 700 keys (with a window: at most 40): each token cuts its
+    keys into ceil(keys / GQA_SPLIT_KEYS) splits of the launch's, one split writes out directly and the merge
+    combines only the splits a token used."""
+    monkeypatch.setattr(cupy_backend, "GQA_SPLIT_KEYS", 8)
+    monkeypatch.setattr(cupy_backend, "GQA_MAX_SPLITS", 64)
+    monkeypatch.setattr(cupy_backend, "GQA_BLOCKS_PER_SM", 64)
+    rng = np.random.default_rng(11)
+    seqs = [(c, 1) for c in (1, 5, 8, 9, 41, 300, 700)]
+    blocks = sum(-(-c // 16) for c, _ in seqs) + 2
+    batch = attention_batch(rng, seqs, 16, blocks)
+    shape = (blocks, 16, 2, 64)
+    key_cache, gpu_keys = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), "bfloat16")
+    value_cache, gpu_values = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), "bfloat16")
+    query = rng.standard_normal((batch.num_tokens, 8, 64)).astype(np.float32)
+    device_batch = {name: cupy.asarray(getattr(batch, name)) for name in ("block_tables", "query_start", "positions")}
+    launched = launched_kernels(monkeypatch)
+    poison()
+    ours = GPU.paged_attention(cupy.asarray(query), gpu_keys, gpu_values, None, device_batch, 0.125, window)
+    assert launched == ["paged_attention_gqa<__nv_bfloat16, 2, 4>", "paged_attention_merge"]
+    check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, 0.125, window))
+
+
 def test_a_single_decode_token_takes_the_query_head_kernel(monkeypatch):
     """Below GQA_MIN_TOKENS tokens paged_attention (a block per query head) is faster than the GQA kernel, where the
     tables hold a short context."""

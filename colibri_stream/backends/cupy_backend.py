@@ -37,7 +37,7 @@ from .cupy_moe import DeviceExpertStore, routed_experts
 from .kernels import get_kernel
 from .tuning import (ATTENTION_WARPS, CAPTURED_CUBLAS_ALL_MIN_TOKENS, CAPTURED_CUBLAS_MIN_ROWS,
                      CAPTURED_CUBLAS_MIN_TOKENS, DENSE_MMA_MIN_TOKENS, GQA_BLOCKS_PER_SM, GQA_GROUPS,
-                     GQA_MAX_LANE_FLOATS, GQA_MAX_SPLITS, GQA_MIN_SPLIT_KEYS, GQA_MIN_TOKENS,
+                     GQA_MAX_LANE_FLOATS, GQA_MAX_SPLITS, GQA_SPLIT_KEYS, GQA_MIN_TOKENS,
                      GQA_ONE_TOKEN_MAX_KEYS, GQA_WARPS,
                      LINEAR_MMA_BLOCKS_PER_SM,
                      LINEAR_MMA_MIN_SPAN, LINEAR_MMA_ROWS, LINEAR_MMA_TILES, LINEAR_ROWS_PER_BLOCK, MMA_THREADS,
@@ -306,8 +306,8 @@ class CupyBackend(Backend):
         than GQA_ONE_TOKEN_MAX_KEYS keys (T == B, decided from shapes only: inside a captured graph `batch` holds
         shapes, and decode.py's profile passes None): paged_attention_gqa, a
         block per (token, KV head, split) computing the KV head's whole query group, so each key and value row is
-        read once for the group; the context is split over enough blocks to fill the GPU, and
-        paged_attention_merge combines the splits.
+        read once for the group; the launch has enough splits to fill the GPU at the tables' full width, each
+        token uses as many of them as give GQA_SPLIT_KEYS keys a split, and paged_attention_merge combines them.
         Prefill steps with a chunk of FLASH_MIN_TOKENS or more: flash_attention.cu on tensor cores
         (cupy_flash_attention.py; caches of float, bf16 or fp16 without scales).
         Otherwise (short chunks, or head layouts or caches the other kernels do not take): paged_attention, a block
@@ -343,18 +343,21 @@ class CupyBackend(Backend):
                 and key_cache.data.ptr % load_bytes == 0 and value_cache.data.ptr % load_bytes == 0):
             pairs = t * num_kv_heads
             splits = max(1, min(GQA_MAX_SPLITS, GQA_BLOCKS_PER_SM * self.multiprocessors // max(pairs, 1),
-                                ceil_div(capacity, GQA_MIN_SPLIT_KEYS)))
+                                ceil_div(capacity, GQA_SPLIT_KEYS)))
             if splits > 1:
                 partial_acc = self.cp.empty((t, num_heads, splits, head_dim), np.float32)  # [T, Q, S, D]
                 partial_ml = self.cp.empty((t, num_heads, splits, 2), np.float32)  # [T, Q, S, (m, l)]
             else:
                 partial_acc = partial_ml = NULL
             launch("attention.cu", f"paged_attention_gqa<{kv_type}, {per_lane}, {padded}>",
-                   (t, num_kv_heads, splits), 32 * GQA_WARPS, (*common, partial_acc, partial_ml, *sizes),
+                   (t, num_kv_heads, splits), 32 * GQA_WARPS,
+                   (*common, partial_acc, partial_ml, *sizes, np.int32(GQA_SPLIT_KEYS)),
                    shared_mem=GQA_WARPS * padded * head_dim * 4, weight_type=kv_type)
             if splits > 1:
                 launch("attention.cu", "paged_attention_merge", (t, num_heads), 32 * per_lane,
-                       (partial_acc, partial_ml, out, np.int32(head_dim), np.int32(splits)), weight_type=kv_type)
+                       (partial_acc, partial_ml, out, device_batch["positions"], np.int32(head_dim),
+                        np.int32(splits), np.int32(sliding_window or 0), np.int32(GQA_SPLIT_KEYS)),
+                       weight_type=kv_type)
             return out
         launch("attention.cu", f"paged_attention<{kv_type}, {per_lane}>", (t, num_heads), 32 * ATTENTION_WARPS,
                (*common, *sizes), shared_mem=ATTENTION_WARPS * head_dim * 4, weight_type=kv_type)

@@ -40,7 +40,8 @@ GQA_GROUPS = (1, 2, 4, 8, 16)  # paged_attention_gqa instantiations: query heads
 GQA_MAX_LANE_FLOATS = 64  # G * DPL (q floats per lane, as many accumulators) above this: paged_attention instead
 GQA_MAX_SPLITS = 32  # paged_attention_gqa splits a context over at most this many blocks (then a merge launch)
 GQA_BLOCKS_PER_SM = 2  # ... and over as many as make T * K * splits about this many blocks per multiprocessor
-GQA_MIN_SPLIT_KEYS = 16  # ... with at least this many keys per split at the tables' full width
+GQA_SPLIT_KEYS = 16  # ... at the tables' full width; a token's context is cut into splits of about this many keys
+#                      (at most the launch's): a short context leaves most of the launch's blocks idle
 GQA_MIN_TOKENS = 2  # a single token takes paged_attention, whose block per query head is then the shorter path,
 GQA_ONE_TOKEN_MAX_KEYS = 2048  # ... unless its tables hold more keys: one block per query head walks the whole
 #                                context, where the GQA kernel reads each key once for the group, split over the GPU
