@@ -5,18 +5,19 @@
 For each shape (Mixtral: 32 query heads, 8 KV, d128; Qwen3-30B-A3B: 32 / 4, d128), KV cache dtype, context C and
 batch B: B sequences of C cached tokens (block size 16, blocks in random order, every key and value a normal draw
 rounded to the cache's dtype), one decode token each at position C - 1, the block tables padded to
-`--capacity` tokens as the engine's captured decode graphs pad them. Timed with CUDA events (median of the
-repetitions) on:
+`--capacity` tokens as the engine's captured decode graphs pad them. Each point's launches are captured in a CUDA
+graph and the graph's replays timed with CUDA events (median of the repetitions), as a decode step runs them:
 
-  query_head    paged_attention, a block per (token, query head): what a single token took before the GQA kernel
-                served it (GQA_MIN_TOKENS and GQA_ONE_TOKEN_MAX_KEYS out of reach)
-  default       the backend's choice with backends/tuning.py as it is
-  sweep         paged_attention_gqa under every combination of --blocks-per-sm, --max-splits and --split-keys
+  query_head    paged_attention, a block per (token, query head)
+  gqa           paged_attention_gqa with backends/tuning.py as it is (flash_decode out of reach)
+  default       the backend's choice with backends/tuning.py as it is (flash_decode for bf16 and fp16 caches)
+  gqa sweep     paged_attention_gqa under every --gqa-blocks-per-sm x --gqa-max-splits x --gqa-split-keys
+  flash sweep   flash_decode under every --blocks-per-sm x --max-splits x --split-keys
 
 Ceiling: the KV bytes of the B contexts (keys and values) over the device-to-device copy bandwidth measured in the
 same run (read plus written, as decode.py counts it). Each output is compared with the query_head kernel's on
-the same inputs (relative error). The table gives, per case, both baselines, the fastest sweep point and its
-fraction of the ceiling; the records hold every point.
+the same inputs (relative error). The table gives, per case, the baselines, the fastest point of each sweep and
+the fraction of the ceiling of the fastest; the records hold every point.
 """
 
 from __future__ import annotations
@@ -81,16 +82,24 @@ def tuning_modules():
 
 
 def timed(cp, backend, case: DecodeCase, reference, **constants) -> tuple[float, float | None, list]:
-    """(microseconds, relative error against `reference`, output) of the case under `constants`."""
-    with constants_set(tuning_modules(), **constants):
-        out = case.run(backend)  # compiles and warms up
-        us = time_us(cp, lambda: case.run(backend))
+    """(microseconds, relative error against `reference`, output) of the case's launches under `constants`,
+    captured in a graph and replayed (no host time between them)."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with constants_set(tuning_modules(), **constants), stream:
+        case.run(backend)  # compiles, and leaves the pool the blocks the capture reuses
+        stream.synchronize()
+        stream.begin_capture()
+        out = case.run(backend)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        us = time_us(cp, lambda: graph.launch(stream))
+        stream.synchronize()
     error = relative_error([out], [reference], cp) if reference is not None else None
     return us, error, out
 
 
 def measure(cp, backend, conditions: dict, shape: str, kv_dtype: str, context: int, batch: int, capacity: int,
-            sweep: list[dict], bandwidth: float) -> list[dict]:
+            sweep: list[tuple[str, dict]], bandwidth: float) -> list[dict]:
     heads, kv_heads, head_dim = SHAPES[shape]
     common = {"bench": "decode_attention", "shape": shape, "heads": heads, "kv_heads": kv_heads,
               "head_dim": head_dim, "kv_dtype": kv_dtype, "context": context, "batch": batch, "capacity": capacity,
@@ -98,8 +107,9 @@ def measure(cp, backend, conditions: dict, shape: str, kv_dtype: str, context: i
     case = DecodeCase(cp, backend, heads, kv_heads, head_dim, context, batch, capacity, kv_dtype)
     ceiling_us = case.kv_bytes / bandwidth / 1e3
     common.update(kv_bytes=case.kv_bytes, ceiling_us=ceiling_us)
-    points = [("query_head", dict(GQA_MIN_TOKENS=OUT_OF_REACH, GQA_ONE_TOKEN_MAX_KEYS=OUT_OF_REACH)),
-              ("default", {})] + [("sweep", constants) for constants in sweep]
+    no_flash = dict(FLASH_DECODE_MIN_KEYS=OUT_OF_REACH)
+    points = [("query_head", dict(no_flash, GQA_MIN_TOKENS=OUT_OF_REACH, GQA_ONE_TOKEN_MAX_KEYS=OUT_OF_REACH)),
+              ("gqa", no_flash), ("default", {})] + sweep
     records, reference = [], None
     for kind, constants in points:
         record = dict(common, kind=kind, constants=constants)
@@ -119,21 +129,24 @@ def measure(cp, backend, conditions: dict, shape: str, kv_dtype: str, context: i
 
 
 def summary_row(records: list[dict]) -> str:
-    by_kind = {}
+    by_kind: dict[str, list[dict]] = {}
     for record in records:
         if "us" in record:
             by_kind.setdefault(record["kind"], []).append(record)
     first = records[0]
     head = f"{first['shape']:<15}{first['kv_dtype']:<5}{first['context']:>7}{first['batch']:>4}"
-    if not by_kind.get("sweep"):
-        return head + "  no sweep point ran"
-    best = min(by_kind["sweep"], key=lambda r: r["us"])
-    query_head = by_kind.get("query_head", [{"us": float("nan")}])[0]["us"]
-    default = by_kind.get("default", [{"us": float("nan")}])[0]["us"]
-    worst_error = max((r["relative_error"] or 0.0) for r in by_kind["sweep"])
-    knobs = " ".join(f"{k.removeprefix('GQA_').lower()}={v}" for k, v in best["constants"].items())
-    return (f"{head}{query_head:>10.1f}{default:>10.1f}{best['us']:>10.1f}{best['of_ceiling']:>8.0%}"
-            f"{best['gb_s']:>8.0f}{worst_error:>10.1e}  {knobs}")
+
+    def fastest(kind: str) -> dict:
+        return min(by_kind.get(kind, []), key=lambda r: r["us"], default={"us": float("nan"), "constants": {}})
+
+    best = min((r for rs in by_kind.values() for r in rs), key=lambda r: r["us"], default=None)
+    if best is None:
+        return head + "  no point ran"
+    worst_error = max((r["relative_error"] or 0.0) for rs in by_kind.values() for r in rs)
+    knobs = " ".join(f"{k.lower()}={v}" for k, v in best["constants"].items() if "MIN" not in k)
+    cells = "".join(f"{fastest(kind)['us']:>9.1f}" for kind in ("query_head", "gqa", "default", "gqa sweep",
+                                                                 "flash sweep"))
+    return f"{head}{cells}{best['of_ceiling']:>8.0%}{best['gb_s']:>7.0f}{worst_error:>9.1e}  {best['kind']}: {knobs}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,9 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--capacity", type=int, default=40960,
                         help="tokens the block tables are padded to (the engine's max_seq_len)")
-    parser.add_argument("--blocks-per-sm", type=int, nargs="+", default=[2, 4, 8, 16])
-    parser.add_argument("--max-splits", type=int, nargs="+", default=[32, 128, 256])
-    parser.add_argument("--split-keys", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--gqa-blocks-per-sm", type=int, nargs="*", default=[2, 4, 8])
+    parser.add_argument("--gqa-max-splits", type=int, nargs="*", default=[32, 256])
+    parser.add_argument("--gqa-split-keys", type=int, nargs="*", default=[16, 64, 256])
+    parser.add_argument("--blocks-per-sm", type=int, nargs="*", default=[2, 4, 8, 16])
+    parser.add_argument("--max-splits", type=int, nargs="*", default=[32, 128, 512])
+    parser.add_argument("--split-keys", type=int, nargs="*", default=[64, 256, 1024])
     args = parser.parse_args(argv)
     require_gpu()
     import cupy as cp
@@ -158,11 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     conditions = machine()
     conditions["gpu"] = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     bandwidth = measure_bandwidth(cp)
-    sweep = [dict(GQA_BLOCKS_PER_SM=b, GQA_MAX_SPLITS=s, GQA_SPLIT_KEYS=k, GQA_ONE_TOKEN_MAX_KEYS=0)
-             for b, s, k in itertools.product(args.blocks_per_sm, args.max_splits, args.split_keys)]
-    print(f"copy bandwidth {bandwidth:.0f} GB/s; {len(sweep)} sweep points a case")
-    print(f"{'shape':<15}{'kv':<5}{'context':>7}{'B':>4}{'qhead us':>10}{'default':>10}{'best':>10}{'of ceil':>8}"
-          f"{'GB/s':>8}{'max err':>10}  best constants")
+    sweep = [("gqa sweep", dict(GQA_BLOCKS_PER_SM=b, GQA_MAX_SPLITS=s, GQA_SPLIT_KEYS=k, GQA_ONE_TOKEN_MAX_KEYS=0,
+                                FLASH_DECODE_MIN_KEYS=OUT_OF_REACH))
+             for b, s, k in itertools.product(args.gqa_blocks_per_sm, args.gqa_max_splits, args.gqa_split_keys)]
+    sweep += [("flash sweep", dict(FLASH_DECODE_BLOCKS_PER_SM=b, FLASH_DECODE_MAX_SPLITS=s, FLASH_DECODE_SPLIT_KEYS=k))
+              for b, s, k in itertools.product(args.blocks_per_sm, args.max_splits, args.split_keys)]
+    print(f"copy bandwidth {bandwidth:.0f} GB/s; {len(sweep)} sweep points a case; microseconds:")
+    print(f"{'shape':<15}{'kv':<5}{'context':>7}{'B':>4}{'qhead':>9}{'gqa':>9}{'default':>9}{'gqa best':>9}"
+          f"{'flash':>9}{'of ceil':>8}{'GB/s':>7}{'max err':>9}  fastest")
     records = []
     for shape, kv_dtype, context, batch in itertools.product(args.shapes, args.kv_dtypes, args.contexts,
                                                              args.batches):

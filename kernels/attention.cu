@@ -33,7 +33,7 @@
 //   (Qwen3 <4, 8>, Mixtral <4, 4>), up to 237 at 64 (<4, 16>, <8, 8>), no spills there (4-24 bytes at
 //   <1, 8>, <1, 16>, <2, 2>, <2, 16>).
 //   Token t's keys first .. p (first = max(0, p - window + 1) with a window, else 0: n = p - first + 1 keys) are
-//   cut into S_t = clamp(ceil(n / split_keys), 1, S) splits (gqa_splits): a short context uses few of the launch's
+//   cut into S_t = clamp(ceil(n / split_keys), 1, S) splits (decode_splits): a short context uses few of the launch's
 //   S blocks, whose others return at once, so one launch shape (a captured graph's) serves every length.
 //   Split z < S_t takes the contiguous keys [lo, hi) = [first + z * span, min(p + 1, first + (z + 1) * span)),
 //   span = ceil(n / S_t) (a split may be empty).
@@ -177,11 +177,6 @@ __host__ __device__ constexpr int gqa_unroll(int g, int dpl) {
     return u < 2 ? 2 : u > 8 ? 8 : u;
 }
 
-// The splits of a token's `keys` keys: about split_keys keys each, at most max_splits (the launch's S), at least 1.
-__device__ __forceinline__ int gqa_splits(int keys, int split_keys, int max_splits) {
-    return max(1, min(max_splits, (keys + split_keys - 1) / split_keys));
-}
-
 __host__ __device__ constexpr int log2_of(int n) { return n <= 1 ? 0 : 1 + log2_of(n / 2); }
 
 // Two 16-bit elements (bf16 or fp16) as one 32-bit word -> two floats.
@@ -302,7 +297,7 @@ paged_attention_gqa(const float* __restrict__ q, const KV* __restrict__ key_cach
 
     const int pos = static_cast<int>(positions[t]);
     const int first = window > 0 ? max(0, pos - window + 1) : 0;
-    const int splits = gqa_splits(pos - first + 1, split_keys, gridDim.z);  // this token's; the rest are idle
+    const int splits = decode_splits(pos - first + 1, split_keys, gridDim.z);  // this token's; the rest are idle
     if (split >= splits) return;
     int b = t;  // one token per sequence: token t is sequence t; otherwise search as paged_attention does
     if (t >= num_seqs || query_start[t] != t) {
@@ -458,7 +453,7 @@ paged_attention_merge(const float* __restrict__ partial_acc, const float* __rest
                       int max_splits, int window, int split_keys) {
     pdl_wait();
     const int pos = static_cast<int>(positions[blockIdx.x]);
-    const int splits = gqa_splits(window > 0 ? min(pos + 1, window) : pos + 1, split_keys, max_splits);
+    const int splits = decode_splits(window > 0 ? min(pos + 1, window) : pos + 1, split_keys, max_splits);
     if (splits == 1) return;  // paged_attention_gqa wrote out
     const long long row = static_cast<long long>(blockIdx.x) * gridDim.y + blockIdx.y;  // t * Q + h
     const float* ml = partial_ml + row * max_splits * 2;

@@ -31,6 +31,12 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
 #endif
 }
 
+// The splits a decode token's `keys` keys are cut into (attention.cu's paged_attention_gqa and merge,
+// flash_attention.cu's flash_decode): about split_keys keys each, at most max_splits (the launch's), at least 1.
+__device__ __forceinline__ int decode_splits(int keys, int split_keys, int max_splits) {
+    return max(1, min(max_splits, (keys + split_keys - 1) / split_keys));
+}
+
 template <typename W> struct Vec;
 
 template <> struct Vec<float> {

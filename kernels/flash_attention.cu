@@ -53,12 +53,17 @@ constexpr int FLASH_WARPS = FLASH_ROWS / 16;
 constexpr int FLASH_THREADS = FLASH_WARPS * 32;
 constexpr int FLASH_PAD = 8;     // bf16 of padding per shared row (16 bytes)
 
-// Two floats as bf16 pairs: hi their rounding, lo the rounding of what hi leaves (a + b = hi + lo to ~16 bits).
-__device__ __forceinline__ void split_pair(float a, float b, unsigned& hi, unsigned& lo) {
-    using M = Mma<__nv_bfloat16>;
+// Two floats as pairs of T (bf16 or fp16): hi their rounding, lo the rounding of what hi leaves (a + b = hi + lo
+// to ~16 bits).
+template <typename T>
+__device__ __forceinline__ void split_pair_as(float a, float b, unsigned& hi, unsigned& lo) {
+    using M = Mma<T>;
     hi = M::pack(a, b);
     const float2 rounded = M::unpack(hi);
     lo = M::pack(a - rounded.x, b - rounded.y);
+}
+__device__ __forceinline__ void split_pair(float a, float b, unsigned& hi, unsigned& lo) {
+    split_pair_as<__nv_bfloat16>(a, b, hi, lo);
 }
 
 __device__ __forceinline__ void split8(const float (&x)[8], uint4& hi, uint4& lo) {
@@ -336,6 +341,225 @@ flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, c
         for (int n = 0; n < DTILES; ++n) {
             *reinterpret_cast<float2*>(out_row + n * 8 + 2 * c) =
                 make_float2(o[n][2 * h] * inverse, o[n][2 * h + 1] * inverse);
+        }
+    }
+}
+
+// ---- decode -------------------------------------------------------------------------------------------------------
+// flash_decode<KV, D>: one query token per sequence (T == B; token t is sequence t unless query_start says otherwise)
+// over the paged cache on tensor cores, flash-decoding style: the same attention and the same splits as
+// attention.cu's paged_attention_gqa (split z of the token's S_t = decode_splits(n, split_keys, S) takes keys
+// [lo, hi) of its n, idle splits return at once), and the same outputs: out where S_t == 1, else the unnormalised
+// partials partial_acc [T, Q, S, D] / partial_ml [T, Q, S, 2] (m in natural-log units) that attention.cu's
+// paged_attention_merge combines.
+//   KV: __nv_bfloat16 or __half (the mma operand type: keys and values are used as stored, exactly).
+//   D: 64, 96 or 128. The query group (Q / K heads of one KV head, at most 16) forms the 16 rows of one m-tile;
+//   rows past the group are zero queries, never written. q is split into high and low parts of KV (about 16
+//   significant bits) and so are the probabilities, as flash_attention's SPLIT does: within about 1e-5 of float32.
+//   grid: (T, K, S), block: DECODE_THREADS, static shared memory: DECODE_WARPS * DECODE_STAGES key and value tiles of
+//   DECODE_KEYS rows of D + 8 elements (34 KiB at D = 128), reused for the warps' merge.
+//   Warp w of a block takes the split's tiles of DECODE_KEYS keys w, w + DECODE_WARPS, ...; its lanes copy each tile
+//   into the warp's own ring of DECODE_STAGES slots with cp.async (keys past hi zero-filled, never read), so
+//   DECODE_STAGES - 1 tiles stream in while one is used, and no block barrier is needed until the merge.
+//   k_scale is folded into `scale` by the backend; v_scale multiplies the outputs.
+constexpr int DECODE_WARPS = 2;
+constexpr int DECODE_THREADS = DECODE_WARPS * 32;
+constexpr int DECODE_KEYS = 16;   // keys per tile: two n-tiles of S, one k-step of P V
+constexpr int DECODE_STAGES = 2;  // tiles per warp in shared memory
+
+template <typename KV, int D>
+__global__ void __launch_bounds__(DECODE_THREADS, 4)
+flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, const KV* __restrict__ value_cache,
+             const long long* __restrict__ block_tables, const long long* __restrict__ query_start,
+             const long long* __restrict__ positions, float* __restrict__ out, float* __restrict__ partial_acc,
+             float* __restrict__ partial_ml, int num_seqs, int num_heads, int num_kv_heads, int block_size,
+             int max_blocks, float scale, int window, float v_scale, int split_keys) {
+    static_assert(D % 16 == 0 && D <= 128, "D is a multiple of 16 up to 128");
+    constexpr int STRIDE = D + FLASH_PAD;  // elements per shared row
+    constexpr int CHUNKS = D / 8;          // 16-byte chunks per row
+    constexpr int KSTEPS = D / 16;         // k-steps of S = Q K^T
+    constexpr int DTILES = D / 8;          // n-tiles of the output
+    constexpr int TILE = DECODE_KEYS * STRIDE;
+    constexpr int COPIES = DECODE_KEYS * CHUNKS / 32;  // 16-byte copies per lane per key (or value) tile
+    static_assert(DECODE_KEYS * CHUNKS % 32 == 0, "a tile's chunks spread evenly over the lanes");
+    static_assert(DECODE_STAGES * 2 * TILE * 2 >= 16 * D * 4, "a warp's ring holds its 16 x D float accumulators");
+    using M = Mma<KV>;
+    // [warp][stage][keys, values][DECODE_KEYS rows of STRIDE]: the bits of KV elements
+    __shared__ __align__(16) __nv_bfloat16 ring_s[DECODE_WARPS][DECODE_STAGES][2][TILE];
+    __shared__ float m_s[DECODE_WARPS][16], l_s[DECODE_WARPS][16];
+    pdl_wait();
+
+    const int t = blockIdx.x, kv = blockIdx.y, split = blockIdx.z;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, c = lane % 4;
+    const int group = num_heads / num_kv_heads;
+    const int pos = static_cast<int>(positions[t]);
+    const int first = window > 0 ? max(0, pos - window + 1) : 0;
+    const int splits = decode_splits(pos - first + 1, split_keys, gridDim.z);
+    if (split >= splits) return;
+    const int span = (pos - first + splits) / splits;  // ceil(n / splits) >= 1
+    const int lo = first + split * span, hi = min(pos + 1, lo + span);  // this split's keys [lo, hi)
+    int b = t;
+    if (t >= num_seqs || query_start[t] != t) {
+        int low = 0, high = num_seqs - 1;
+        while (low < high) {
+            const int mid = (low + high + 1) / 2;
+            if (query_start[mid] <= t) low = mid; else high = mid - 1;
+        }
+        b = low;
+    }
+    const long long* table = block_tables + static_cast<long long>(b) * max_blocks;
+
+    // Rows r and r + 8 of the m-tile (query heads kv * group + row; zero past the group) as A fragments.
+    unsigned qa[KSTEPS][4], ql[KSTEPS][4];
+    {
+        const long long head0 = static_cast<long long>(t) * num_heads + kv * group;
+        const float* row_a = q + (head0 + min(r, group - 1)) * D;
+        const float* row_b = q + (head0 + min(r + 8, group - 1)) * D;
+        const bool in_a = r < group, in_b = r + 8 < group;
+        const float2 zero = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int k = 0; k < KSTEPS; ++k) {
+            const int d = k * 16 + 2 * c;
+            const float2 a0 = in_a ? *reinterpret_cast<const float2*>(row_a + d) : zero;
+            const float2 a2 = in_a ? *reinterpret_cast<const float2*>(row_a + d + 8) : zero;
+            const float2 b0 = in_b ? *reinterpret_cast<const float2*>(row_b + d) : zero;
+            const float2 b2 = in_b ? *reinterpret_cast<const float2*>(row_b + d + 8) : zero;
+            split_pair_as<KV>(a0.x, a0.y, qa[k][0], ql[k][0]);
+            split_pair_as<KV>(b0.x, b0.y, qa[k][1], ql[k][1]);
+            split_pair_as<KV>(a2.x, a2.y, qa[k][2], ql[k][2]);
+            split_pair_as<KV>(b2.x, b2.y, qa[k][3], ql[k][3]);
+        }
+    }
+
+    const int tiles = max(0, (hi - lo + DECODE_KEYS - 1) / DECODE_KEYS);
+    // Copy tile `tile` (keys lo + DECODE_KEYS * tile ..) into ring slot `slot`; one commit group either way.
+    auto fetch = [&](int tile, int slot) {
+        if (tile < tiles) {
+#pragma unroll
+            for (int u = 0; u < COPIES; ++u) {
+                const int i = lane + 32 * u, row = i / CHUNKS, d = (i % CHUNKS) * 8;
+                const int j = lo + DECODE_KEYS * tile + row;
+                const bool in = j < hi;
+                const int key = in ? j : lo;  // a valid address; nothing is read where !in
+                const long long at = ((table[key / block_size] * block_size + key % block_size) * num_kv_heads + kv)
+                                     * D + d;
+                copy_async(reinterpret_cast<uint4*>(&ring_s[warp][slot][0][row * STRIDE + d]), key_cache + at, in);
+                copy_async(reinterpret_cast<uint4*>(&ring_s[warp][slot][1][row * STRIDE + d]), value_cache + at, in);
+            }
+        }
+        copy_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < DECODE_STAGES - 1; ++s) fetch(warp + s * DECODE_WARPS, s);
+
+    const float scale_log2 = scale * 1.4426950408889634f;
+    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};  // rows r, r + 8: running max (log2 units), lane sum
+    float o[DTILES][4] = {};
+    const int matrix = lane / 8;  // the 8 x 8 matrix whose row this lane addresses in ldmatrix
+    const int value_at = ((matrix & 1) * 8 + lane % 8) * STRIDE + (matrix >> 1) * 8;
+    for (int i = 0, tile = warp; tile < tiles; ++i, tile += DECODE_WARPS) {
+        fetch(tile + (DECODE_STAGES - 1) * DECODE_WARPS, (i + DECODE_STAGES - 1) % DECODE_STAGES);
+        copy_wait<DECODE_STAGES - 1>();  // this tile's group is complete (the later ones may still run)
+        __syncwarp();                    // ... and every lane's copies are visible to the warp
+        const __nv_bfloat16* keys = ring_s[warp][i % DECODE_STAGES][0];
+        const __nv_bfloat16* values = ring_s[warp][i % DECODE_STAGES][1];
+
+        float s[2][4] = {};  // scores of rows r (0, 1) and r + 8 (2, 3), keys 8n + 2c (+1) of the tile
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            const int at = (n * 8 + r) * STRIDE + 2 * c;
+#pragma unroll
+            for (int k = 0; k < KSTEPS; ++k) {
+                const unsigned b0 = shared_pair(&keys[at + k * 16]), b1 = shared_pair(&keys[at + k * 16 + 8]);
+                M::mma(s[n], qa[k][0], qa[k][1], qa[k][2], qa[k][3], b0, b1);
+                M::mma(s[n], ql[k][0], ql[k][1], ql[k][2], ql[k][3], b0, b1);
+            }
+        }
+        const int key0 = lo + DECODE_KEYS * tile;
+        float tile_max[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[n][e] = key0 + n * 8 + 2 * c + (e & 1) < hi ? s[n][e] * scale_log2 : neg_inf();
+                tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float m_new = fmaxf(m[h], quad_max(tile_max[h]));  // finite: key0 < hi
+            const float correction = exp2f(m[h] - m_new);           // 0 while m is -inf
+            l[h] *= correction;
+#pragma unroll
+            for (int n = 0; n < DTILES; ++n) {
+                o[n][2 * h] *= correction;
+                o[n][2 * h + 1] *= correction;
+            }
+            m[h] = m_new;
+        }
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[n][e] = exp2f(s[n][e] - m[e / 2]);
+                l[e / 2] += s[n][e];
+            }
+        }
+        // O += P V over the tile's 16 keys: p_hi v + p_lo v.
+        unsigned ph[4], pl[4];
+        split_pair_as<KV>(s[0][0], s[0][1], ph[0], pl[0]);
+        split_pair_as<KV>(s[0][2], s[0][3], ph[1], pl[1]);
+        split_pair_as<KV>(s[1][0], s[1][1], ph[2], pl[2]);
+        split_pair_as<KV>(s[1][2], s[1][3], ph[3], pl[3]);
+#pragma unroll
+        for (int n = 0; n < DTILES / 2; ++n) {  // dims 16n .. 16n + 15: output n-tiles 2n, 2n + 1
+            unsigned bv[4];
+            load_matrices_transposed(&values[value_at + n * 16], bv);
+            M::mma(o[2 * n], ph[0], ph[1], ph[2], ph[3], bv[0], bv[1]);
+            M::mma(o[2 * n + 1], ph[0], ph[1], ph[2], ph[3], bv[2], bv[3]);
+            M::mma(o[2 * n], pl[0], pl[1], pl[2], pl[3], bv[0], bv[1]);
+            M::mma(o[2 * n + 1], pl[0], pl[1], pl[2], pl[3], bv[2], bv[3]);
+        }
+        __syncwarp();  // every lane has read this slot before a later fetch refills it
+    }
+    copy_wait<0>();
+
+    // Merge the warps per row in shared memory (each warp's ring holds its accumulators), weight exp2(m_w - M).
+    const float row_sum[2] = {quad_sum(l[0]), quad_sum(l[1])};
+    float* o_s = reinterpret_cast<float*>(&ring_s[warp][0][0][0]);  // [16, D] this warp's accumulators
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = r + 8 * h;
+        if (c == 0) { m_s[warp][row] = m[h]; l_s[warp][row] = row_sum[h]; }
+#pragma unroll
+        for (int n = 0; n < DTILES; ++n) {
+            *reinterpret_cast<float2*>(&o_s[row * D + n * 8 + 2 * c]) = make_float2(o[n][2 * h], o[n][2 * h + 1]);
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < group * D; e += DECODE_THREADS) {
+        const int g = e / D, d = e % D;
+        float top = neg_inf();
+#pragma unroll
+        for (int w = 0; w < DECODE_WARPS; ++w) top = fmaxf(top, m_s[w][g]);
+        float total = 0.f, a = 0.f;
+#pragma unroll
+        for (int w = 0; w < DECODE_WARPS; ++w) {
+            const float weight = m_s[w][g] == neg_inf() ? 0.f : exp2f(m_s[w][g] - top);  // 0 for a warp without keys
+            total += l_s[w][g] * weight;
+            a = fmaf(reinterpret_cast<const float*>(&ring_s[w][0][0][0])[g * D + d], weight, a);
+        }
+        a *= v_scale;
+        const long long row = static_cast<long long>(t) * num_heads + kv * group + g;  // [T, Q]
+        if (splits == 1) {
+            out[row * D + d] = a / total;  // key `first` is this block's: total >= 1
+        } else {
+            const long long part = row * gridDim.z + split;  // [T, Q, S]
+            partial_acc[part * D + d] = a;
+            if (d == 0) {
+                partial_ml[2 * part] = top == neg_inf() ? top : top * 0.6931471805599453f;  // log2 -> natural log
+                partial_ml[2 * part + 1] = total;
+            }
         }
     }
 }

@@ -155,3 +155,68 @@ def test_chunked_prefill_of_a_model_matches_paged_attention(monkeypatch):
     assert np.isfinite(flash).all()
     assert relative_error(flash, plain) < 1e-4
     assert (flash.argmax(axis=1) == plain.argmax(axis=1)).mean() >= 0.99  # random logits: a near tie may flip
+
+
+DECODE_CONTEXTS = (1, 5, 16, 17, 40, 143, 600, 2100)  # one decode token per sequence at position context - 1
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(32, 4), (32, 8), (8, 8), (16, 1), (12, 4)])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("splits", ["default", "many", "one"])
+def test_flash_decode_matches_the_reference(head_dim, heads, kv_heads, window, kv_dtype, splits, monkeypatch):
+    """Decode launches (T == B, decided from shapes: batch None) of bf16 and fp16 caches take flash_decode, with the
+    context split over blocks and merged ("many": a split every 8 keys, up to 64; "one": no split, the kernel
+    writes out) or as the defaults split it; against float32 attention over the cache's values."""
+    from colibri_stream.backends import cupy_backend
+
+    if splits == "many":
+        for name, value in (("FLASH_DECODE_SPLIT_KEYS", 8), ("FLASH_DECODE_MAX_SPLITS", 64),
+                            ("FLASH_DECODE_BLOCKS_PER_SM", 64)):
+            monkeypatch.setattr(cupy_backend, name, value)
+    elif splits == "one":
+        monkeypatch.setattr(cupy_backend, "FLASH_DECODE_MAX_SPLITS", 1)
+    rng = np.random.default_rng(head_dim * heads + kv_heads)
+    seqs = [(c, 1) for c in DECODE_CONTEXTS]
+    batch, device_batch, (keys, gpu_keys), (values, gpu_values), query = random_case(
+        rng, seqs, heads, kv_heads, head_dim, kv_dtype)
+    scale = head_dim**-0.5
+    launched = launched_kernels(monkeypatch)
+    poison()
+    ours = GPU.paged_attention(cupy.asarray(query), gpu_keys, gpu_values, None, device_batch, scale, window)
+    kv_type = {"bfloat16": "__nv_bfloat16", "float16": "__half"}[kv_dtype]
+    assert launched == [f"flash_decode<{kv_type}, {head_dim}>"] + ([] if splits == "one" else ["paged_attention_merge"])
+    check_flash(ours, query, keys, values, batch, scale, window, split=True)
+
+
+def test_a_captured_flash_decode_serves_every_context_length():
+    """One captured decode launch (tables of 4096 keys, as a decode graph pads them) replayed at contexts of 3000,
+    1 and 700 keys: each replay matches the reference of its own context (the splits a token uses follow its
+    position, not the launch's shape)."""
+    rng = np.random.default_rng(5)
+    heads, kv_heads, head_dim, width = 32, 4, 128, 4096 // BLOCK_SIZE
+    num_blocks = width + 2
+    caches = rng.standard_normal((2, num_blocks, BLOCK_SIZE, kv_heads, head_dim)).astype(np.float32)
+    (keys, gpu_keys), (values, gpu_values) = (kv_cache_pair(cache, "bfloat16") for cache in caches)
+    table = rng.permutation(num_blocks)[:width]
+    positions = cupy.zeros(1, np.int64)
+    device_batch = {"block_tables": cupy.asarray(table[None, :].astype(np.int64)),  # [1, width]
+                    "query_start": cupy.asarray(np.array([0, 1], np.int64)), "positions": positions}
+    query = rng.standard_normal((1, heads, head_dim)).astype(np.float32)
+    gpu_query = cupy.asarray(query)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        GPU.paged_attention(gpu_query, gpu_keys, gpu_values, None, device_batch, 0.1, None)  # compiled first
+        stream.synchronize()
+        stream.begin_capture()
+        out = GPU.paged_attention(gpu_query, gpu_keys, gpu_values, None, device_batch, 0.1, None)
+        graph = stream.end_capture()
+        for context in (3000, 1, 700):
+            positions.fill(context - 1)
+            graph.launch(stream)
+            stream.synchronize()
+            batch = single_sequence_batch(np.zeros(1, np.int64), context - 1,
+                                          table[: -(-context // BLOCK_SIZE)], BLOCK_SIZE)
+            check(out, REF.paged_attention(query, keys.astype(np.float32), values.astype(np.float32), batch, {},
+                                           0.1, None), SPLIT_TOLERANCE)

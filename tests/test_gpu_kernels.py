@@ -346,7 +346,9 @@ def test_paged_attention_decode(head_dim, heads, kv_heads, window, split, kv_dty
     """One token per sequence (T == B): paged_attention_gqa, a block per (token, KV head) for the whole query group
     (12 / 4: a group of 3 padded to 4), the context split over blocks and merged by paged_attention_merge (split;
     splits of the short contexts are empty) or in one block each. The backend decides from shapes only, so the
-    batch passed is None (as in decode.py's profile)."""
+    batch passed is None (as in decode.py's profile). bf16 and fp16 caches would take flash_decode
+    (tests/test_gpu_flash_attention.py): its threshold is raised past the tables here."""
+    monkeypatch.setattr(cupy_backend, "FLASH_DECODE_MIN_KEYS", 1 << 40)
     rng = np.random.default_rng(head_dim + heads + kv_heads)
     block_size = 16
     seqs = [(p + 1, 1) for p in (0, 36, 143, 200, 511)]
@@ -375,7 +377,8 @@ def test_paged_attention_decode(head_dim, heads, kv_heads, window, split, kv_dty
 def test_decode_tokens_use_the_splits_their_context_fills(window, monkeypatch):
     """A launch of many splits over sequences of 1 to 700 keys (with a window: at most 40): each token cuts its
     keys into ceil(keys / GQA_SPLIT_KEYS) splits of the launch's, one split writes out directly and the merge
-    combines only the splits a token used."""
+    combines only the splits a token used (the GQA kernel: flash_decode's threshold raised past the tables)."""
+    monkeypatch.setattr(cupy_backend, "FLASH_DECODE_MIN_KEYS", 1 << 40)
     monkeypatch.setattr(cupy_backend, "GQA_SPLIT_KEYS", 8)
     monkeypatch.setattr(cupy_backend, "GQA_MAX_SPLITS", 64)
     monkeypatch.setattr(cupy_backend, "GQA_BLOCKS_PER_SM", 64)
@@ -414,9 +417,11 @@ def test_a_single_decode_token_takes_the_query_head_kernel(monkeypatch):
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 def test_a_single_decode_token_of_a_long_context_is_split_over_the_gpu(monkeypatch, kv_dtype):
     """One token whose tables hold more than GQA_ONE_TOKEN_MAX_KEYS keys takes the GQA kernel with its splits and
-    the merge (a block per query head would walk the whole context alone)."""
+    the merge (a block per query head would walk the whole context alone); flash_decode's threshold is raised past
+    the tables for the bf16 cache."""
     from colibri_stream.backends.tuning import GQA_ONE_TOKEN_MAX_KEYS
 
+    monkeypatch.setattr(cupy_backend, "FLASH_DECODE_MIN_KEYS", 1 << 40)
     rng = np.random.default_rng(4)
     context = GQA_ONE_TOKEN_MAX_KEYS + 300
     blocks = -(-context // 16) + 3

@@ -21,7 +21,8 @@ routing from device memory, so a decode step needs no host synchronisation and c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,14 +30,16 @@ from ..config import QK_NORMS, ModelConfig
 from ..experts.store import ExpertStore
 from ..memory import MemoryInfo
 from .base import Array, Backend
-from .cupy_flash_attention import (FLASH_FILE, FLASH_THREADS, FlashTileCache, flash_attention_launch,
-                                   takes_flash_attention)
+from .cupy_flash_attention import (DECODE_THREADS, FLASH_FILE, FLASH_THREADS, FlashTileCache, flash_attention_launch,
+                                   takes_flash_attention, takes_flash_decode)
 from .cupy_launch import (NULL, FAMILIES, ceil_div, check_row_width, launch, smallest_tile, storage_type,
                           to_device_storage)
 from .cupy_moe import DeviceExpertStore, routed_experts
 from .kernels import get_kernel
 from .tuning import (ATTENTION_WARPS, CAPTURED_CUBLAS_ALL_MIN_TOKENS, CAPTURED_CUBLAS_MIN_ROWS,
-                     CAPTURED_CUBLAS_MIN_TOKENS, DENSE_MMA_MIN_TOKENS, GQA_BLOCKS_PER_SM, GQA_GROUPS,
+                     CAPTURED_CUBLAS_MIN_TOKENS, DENSE_MMA_MIN_TOKENS, FLASH_DECODE_BLOCKS_PER_SM,
+                     FLASH_DECODE_MAX_SPLITS, FLASH_DECODE_MIN_KEYS, FLASH_DECODE_SPLIT_KEYS, GQA_BLOCKS_PER_SM,
+                     GQA_GROUPS,
                      GQA_MAX_LANE_FLOATS, GQA_MAX_SPLITS, GQA_SPLIT_KEYS, GQA_MIN_TOKENS,
                      GQA_ONE_TOKEN_MAX_KEYS, GQA_WARPS,
                      LINEAR_MMA_BLOCKS_PER_SM,
@@ -46,6 +49,17 @@ from .tuning import (ATTENTION_WARPS, CAPTURED_CUBLAS_ALL_MIN_TOKENS, CAPTURED_C
 if TYPE_CHECKING:
     from ..batch import ForwardBatch
     from ..sampling import LogitSource
+
+@dataclass(frozen=True)
+class DecodeSplits:
+    """The context splits of one decode attention launch: how many the launch has, the keys a split takes, and the
+    partials the splits write for paged_attention_merge (NULL for one split)."""
+
+    splits: int
+    split_keys: int
+    acc: Any  # float32 [T, Q, S, D]
+    ml: Any  # float32 [T, Q, S, 2]
+
 
 DEVICE_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16,
                  "float8_e4m3": np.uint8}  # storage dtypes on the device
@@ -302,7 +316,9 @@ class CupyBackend(Backend):
 
     def paged_attention(self, query, key_cache, value_cache, batch: ForwardBatch, device_batch, scale,
                         sliding_window, kv_scales=(1.0, 1.0)):
-        """One query token per sequence and at least GQA_MIN_TOKENS of them, or one token whose tables hold more
+        """One query token per sequence (T == B) over a bf16 or fp16 cache: flash_decode (flash_attention.cu, tensor
+        cores; cupy_flash_attention.takes_flash_decode), the context split over blocks as below.
+        Other decode launches with at least GQA_MIN_TOKENS tokens, or one token whose tables hold more
         than GQA_ONE_TOKEN_MAX_KEYS keys (T == B, decided from shapes only: inside a captured graph `batch` holds
         shapes, and decode.py's profile passes None): paged_attention_gqa, a
         block per (token, KV head, split) computing the KV head's whole query group, so each key and value row is
@@ -338,30 +354,55 @@ class CupyBackend(Backend):
         load_bytes = vector * key_cache.itemsize
         capacity = tables.shape[1] * block_size  # the longest context the tables hold
         enough_tokens = t >= GQA_MIN_TOKENS or capacity > GQA_ONE_TOKEN_MAX_KEYS
+        window = np.int32(sliding_window or 0)
+        if takes_flash_decode(query, key_cache, value_cache, tables, FLASH_DECODE_MIN_KEYS):
+            split = self._decode_splits(query, num_kv_heads, capacity, FLASH_DECODE_MAX_SPLITS,
+                                        FLASH_DECODE_BLOCKS_PER_SM, FLASH_DECODE_SPLIT_KEYS)
+            launch(FLASH_FILE, f"flash_decode<{kv_type}, {head_dim}>", (t, num_kv_heads, split.splits),
+                   DECODE_THREADS,
+                   (query, key_cache, value_cache, tables, device_batch["query_start"], device_batch["positions"],
+                    out, split.acc, split.ml, np.int32(tables.shape[0]), np.int32(num_heads), np.int32(num_kv_heads),
+                    np.int32(block_size), np.int32(tables.shape[1]), np.float32(scale * kv_scales[0]), window,
+                    np.float32(kv_scales[1]), np.int32(split.split_keys)), weight_type=kv_type)
+            self._merge_splits(split, out, device_batch, per_lane, window, kv_type)
+            return out
         if (t == tables.shape[0] and enough_tokens and num_heads % num_kv_heads == 0 and padded is not None
                 and padded * per_lane <= GQA_MAX_LANE_FLOATS and head_dim % vector == 0
                 and key_cache.data.ptr % load_bytes == 0 and value_cache.data.ptr % load_bytes == 0):
-            pairs = t * num_kv_heads
-            splits = max(1, min(GQA_MAX_SPLITS, GQA_BLOCKS_PER_SM * self.multiprocessors // max(pairs, 1),
-                                ceil_div(capacity, GQA_SPLIT_KEYS)))
-            if splits > 1:
-                partial_acc = self.cp.empty((t, num_heads, splits, head_dim), np.float32)  # [T, Q, S, D]
-                partial_ml = self.cp.empty((t, num_heads, splits, 2), np.float32)  # [T, Q, S, (m, l)]
-            else:
-                partial_acc = partial_ml = NULL
+            split = self._decode_splits(query, num_kv_heads, capacity, GQA_MAX_SPLITS, GQA_BLOCKS_PER_SM,
+                                        GQA_SPLIT_KEYS)
             launch("attention.cu", f"paged_attention_gqa<{kv_type}, {per_lane}, {padded}>",
-                   (t, num_kv_heads, splits), 32 * GQA_WARPS,
-                   (*common, partial_acc, partial_ml, *sizes, np.int32(GQA_SPLIT_KEYS)),
+                   (t, num_kv_heads, split.splits), 32 * GQA_WARPS,
+                   (*common, split.acc, split.ml, *sizes, np.int32(split.split_keys)),
                    shared_mem=GQA_WARPS * padded * head_dim * 4, weight_type=kv_type)
-            if splits > 1:
-                launch("attention.cu", "paged_attention_merge", (t, num_heads), 32 * per_lane,
-                       (partial_acc, partial_ml, out, device_batch["positions"], np.int32(head_dim),
-                        np.int32(splits), np.int32(sliding_window or 0), np.int32(GQA_SPLIT_KEYS)),
-                       weight_type=kv_type)
+            self._merge_splits(split, out, device_batch, per_lane, window, kv_type)
             return out
         launch("attention.cu", f"paged_attention<{kv_type}, {per_lane}>", (t, num_heads), 32 * ATTENTION_WARPS,
                (*common, *sizes), shared_mem=ATTENTION_WARPS * head_dim * 4, weight_type=kv_type)
         return out
+
+    def _decode_splits(self, query, num_kv_heads: int, capacity: int, max_splits: int, blocks_per_sm: int,
+                       split_keys: int) -> DecodeSplits:
+        """The splits of a decode launch (paged_attention_gqa, flash_decode) from shapes only: enough blocks per
+        (token, KV head) to make about blocks_per_sm a multiprocessor, at most max_splits, at most one per
+        split_keys keys of the tables' full width; each token uses as many as its own context fills."""
+        t, num_heads, head_dim = query.shape
+        splits = max(1, min(max_splits, blocks_per_sm * self.multiprocessors // max(t * num_kv_heads, 1),
+                            ceil_div(capacity, split_keys)))
+        if splits == 1:
+            return DecodeSplits(1, split_keys, NULL, NULL)
+        return DecodeSplits(splits, split_keys,
+                            self.cp.empty((t, num_heads, splits, head_dim), np.float32),  # [T, Q, S, D]
+                            self.cp.empty((t, num_heads, splits, 2), np.float32))  # [T, Q, S, (m, l)]
+
+    def _merge_splits(self, split: DecodeSplits, out, device_batch, per_lane: int, window, kv_type: str) -> None:
+        """paged_attention_merge over a split decode launch's partials (nothing for one split)."""
+        if split.splits == 1:
+            return
+        t, num_heads, head_dim = out.shape
+        launch("attention.cu", "paged_attention_merge", (t, num_heads), 32 * per_lane,
+               (split.acc, split.ml, out, device_batch["positions"], np.int32(head_dim), np.int32(split.splits),
+                window, np.int32(split.split_keys)), weight_type=kv_type)
 
     # ---- mixture of experts -------------------------------------------------------------------------------
     def route(self, x, router, top_k, renormalize):

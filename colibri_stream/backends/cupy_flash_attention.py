@@ -1,4 +1,4 @@
-"""Prefill attention on tensor cores: when the CuPy backend takes kernels/flash_attention.cu, and its launch.
+"""Attention on tensor cores: when the CuPy backend takes kernels/flash_attention.cu, and the prefill launch.
 
 flash_attention.cu computes the attention of prefill chunks over the paged KV cache in tiles of FLASH_ROWS query
 rows ((token, group head) pairs of one KV head) by tiles of keys on mma.sync (bf16 operands, float32
@@ -7,6 +7,10 @@ steps, short chunks and head dims the flash kernel is not built for. With FLASH_
 float32 operand as a high and a low bf16 part (as the backend's projections do), so the result is within about
 1e-5 of float32 attention; without it, bf16 operands alone (about 1e-3, up to 3x fewer products). docs/PREFILL_ATTENTION.md gives the choice of
 our own kernel over FlashInfer and cuDNN.
+
+flash_decode, the same file's decode kernel, takes decode launches (one token per sequence) of bf16 and fp16 caches
+(`takes_flash_decode`): the query group of a KV head as the rows of one m-tile, the context split over blocks as
+attention.cu's paged_attention_gqa splits it, and that file's merge.
 
 The tile list is built on the host from the batch's query_start (a prefill step is never captured in a CUDA graph,
 so the batch holds real values there) and uploaded when it changes: the layers of a step share one.
@@ -32,11 +36,34 @@ FLASH_MIN_TOKENS = 32  # a step takes the flash kernel when one of its sequences
 FLASH_SPLIT = True  # products of high and low bf16 parts (float32-close), else of bf16 operands only
 
 
+DECODE_THREADS = 64  # DECODE_THREADS in flash_attention.cu: threads per block of flash_decode
+DECODE_KV_TYPES = ("__nv_bfloat16", "__half")  # flash_decode instantiations: KV cache element types (mma operands)
+DECODE_KV_DTYPES = (np.dtype(np.uint16), np.dtype(np.float16))  # the same as device dtypes
+DECODE_MAX_GROUP = 16  # query heads per KV head at most: the rows of one m-tile
+
+
 def flash_instantiations(kv_type: str | None) -> tuple[str, ...]:
-    """The flash_attention instantiations compiled together for a KV cache of CUDA type `kv_type`."""
+    """The flash_attention.cu instantiations compiled together for a KV cache of CUDA type `kv_type`."""
     if kv_type not in FLASH_KV_TYPES:
         return ()
-    return tuple(f"flash_attention<{kv_type}, {d}, {split}>" for d in FLASH_HEAD_DIMS for split in ("true", "false"))
+    prefill = tuple(f"flash_attention<{kv_type}, {d}, {split}>" for d in FLASH_HEAD_DIMS for split in ("true", "false"))
+    decode = tuple(f"flash_decode<{kv_type}, {d}>" for d in FLASH_HEAD_DIMS) if kv_type in DECODE_KV_TYPES else ()
+    return prefill + decode
+
+
+def takes_flash_decode(query, key_cache, value_cache, tables, min_keys: int) -> bool:
+    """Whether a decode launch (one query token per sequence: T == B, from shapes only, as a captured graph sees
+    them) runs on flash_decode: a bf16 or fp16 cache, a head dim the kernel is built for, whole query groups of at
+    most DECODE_MAX_GROUP heads, contiguous 16-byte aligned arrays, and tables holding at least `min_keys` keys."""
+    t, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    if t != tables.shape[0] or head_dim not in FLASH_HEAD_DIMS or num_heads % num_kv_heads:
+        return False
+    if num_heads // num_kv_heads > DECODE_MAX_GROUP or tables.shape[1] * block_size < min_keys:
+        return False
+    if np.dtype(key_cache.dtype) not in DECODE_KV_DTYPES or value_cache.dtype != key_cache.dtype:
+        return False
+    return not any(array.data.ptr % 16 or not array.flags.c_contiguous for array in (query, key_cache, value_cache))
 
 
 def takes_flash_attention(query, key_cache, value_cache, batch: ForwardBatch | None) -> bool:

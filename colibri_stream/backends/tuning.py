@@ -45,6 +45,12 @@ GQA_SPLIT_KEYS = 16  # ... at the tables' full width; a token's context is cut i
 GQA_MIN_TOKENS = 2  # a single token takes paged_attention, whose block per query head is then the shorter path,
 GQA_ONE_TOKEN_MAX_KEYS = 2048  # ... unless its tables hold more keys: one block per query head walks the whole
 #                                context, where the GQA kernel reads each key once for the group, split over the GPU
+# flash_decode (flash_attention.cu) takes a decode launch of a bf16 / fp16 cache whose tables hold at least this
+# many keys; its splits as paged_attention_gqa's, with constants of its own
+FLASH_DECODE_MIN_KEYS = 0
+FLASH_DECODE_MAX_SPLITS = 128
+FLASH_DECODE_BLOCKS_PER_SM = 4
+FLASH_DECODE_SPLIT_KEYS = 256
 PROLOGUE_WARPS = 4  # warps per block of qk_norm_rope_write (attention_prologue.cu) without a full-width qk norm
 
 # ---- routing (router.cu) ---------------------------------------------------------------------------------------
