@@ -8,8 +8,9 @@ For each shape (`--shapes SHAPE:LAYERS`, random bf16 weights of the published di
                          with the engine's default token budget, as `colibri serve` runs it): B * C over the wall
                          time until every request has its first token
   ttft_s                 that wall time (batch 1: the time to the first token of one C-token prompt)
-  colibri_decode_tok_s   then `--decode-tokens` more greedy tokens per request, every step a pure decode step:
-                         B * (decode_tokens - 1) over their wall time
+  colibri_decode_tok_s   then `--decode-tokens` - 1 more steps, every one a pure decode step of all B requests
+                         (an early request decodes while the others prefill, so none is near its end): their
+                         tokens over their wall time
   llama_prefill_tok_s, llama_decode_tok_s  llama-batched-bench (flash attention on, whole model on the GPU) with
                          -npp C -ntg decode_tokens -npl B: its speed_pp and speed_tg. Its KV cache is f16 for
                          Colibri's bf16 and fp16 (the same bytes), q8_0 for fp8, f32 for fp32.
@@ -45,6 +46,7 @@ DEFAULT_SHAPES = ("mixtral-8x7b:8", "qwen3-30b-a3b:16")
 LLAMA_KV_TYPES = {"bf16": "f16", "fp16": "f16", "fp8": "q8_0", "fp32": "f32"}
 KV_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}  # bytes a cached key or value element takes
 WARM_UP_TOKENS = 256  # prompt tokens of the warm-up requests (kernels compiled, each batch's decode graph captured)
+PREFILL_BUDGET = 2048  # the engine's default token budget a step: prefill steps of B * C prompt tokens
 FIRST_PROMPT_ID = 16  # prompt ids are drawn from [FIRST_PROMPT_ID, vocab), past small vocabularies' special tokens
 
 
@@ -57,23 +59,30 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
-def run_requests(core, prompts: list[list[int]], decode_tokens: int, tag: str) -> tuple[float, float]:
-    """(seconds until every prompt has its first token, seconds of the remaining pure decode steps)."""
+def run_requests(core, prompts: list[list[int]], decode_tokens: int, room: int, tag: str) -> tuple[float, float]:
+    """(seconds until every prompt has its first token, decode tok/s of the next decode_tokens - 1 steps).
+
+    A request prefilled early decodes while the others prefill (chunked prefill), so each may generate up to
+    `room` tokens: after the last first token all of them are decoding, the next steps are pure decode steps of
+    the whole batch, and their tokens over their time is the decode rate. Then the requests are aborted."""
     from colibri_stream.request import SamplingParams
 
-    params = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)
     begin = time.perf_counter()
     for i, prompt in enumerate(prompts):
         core.add_request(f"{tag}-{i}", prompt, params)
     started: set[str] = set()
-    prefilled_at = None
+    while len(started) < len(prompts):
+        started.update(out.request_id for out in core.step())
+    prefilled_at = time.perf_counter()
+    tokens = 0
+    for _ in range(decode_tokens - 1):
+        tokens += sum(len(out.token_ids) for out in core.step())
+    decode_s = time.perf_counter() - prefilled_at
+    core.abort_all()
     while core.has_unfinished():
-        for out in core.step():
-            started.add(out.request_id)
-        if prefilled_at is None and len(started) == len(prompts):
-            prefilled_at = time.perf_counter()
-    end = time.perf_counter()
-    return prefilled_at - begin, end - prefilled_at
+        core.step()
+    return prefilled_at - begin, tokens / decode_s
 
 
 def colibri_cases(folder: Path, config, kv_dtype: str, contexts: list[int], batches: list[int],
@@ -83,7 +92,9 @@ def colibri_cases(folder: Path, config, kv_dtype: str, contexts: list[int], batc
 
     from colibri_stream.engine import EngineCore
 
-    longest = max(contexts) + decode_tokens
+    # room for the tokens an early request decodes while the others prefill (at most one a step)
+    room = decode_tokens + -(-max(batches) * max(contexts) // PREFILL_BUDGET) + 8
+    longest = max(contexts) + room
     blocks = max(batches) * (-(-longest // 16) + 1) + 64
     options = dict(device="cuda", max_seq_len=longest, num_kv_blocks=blocks, max_batch_size=max(batches),
                    kv_cache_dtype=kv_dtype)
@@ -101,7 +112,7 @@ def colibri_cases(folder: Path, config, kv_dtype: str, contexts: list[int], batc
     records = []
     try:
         for batch in sorted(set(batches)):  # every batch's decode graph captured before any timing
-            run_requests(core, prompts(batch, WARM_UP_TOKENS), 4, f"warm{batch}")
+            run_requests(core, prompts(batch, WARM_UP_TOKENS), 4, room, f"warm{batch}")
         prefill_rate = None  # batch-1 prefill tok/s of the context run last: predicts the larger batches
         for context in contexts:
             for batch in batches:
@@ -112,15 +123,15 @@ def colibri_cases(folder: Path, config, kv_dtype: str, contexts: list[int], batc
                     records.append(record)
                     continue
                 try:
-                    prefill_s, decode_s = run_requests(core, prompts(batch, context), decode_tokens,
-                                                       f"c{context}b{batch}")
+                    prefill_s, decode_rate = run_requests(core, prompts(batch, context), decode_tokens, room,
+                                                          f"c{context}b{batch}")
                 except Exception as error:
                     traceback.print_exc()
                     record["colibri_error"] = f"{type(error).__name__}: {error}"
                     records.append(record)
                     continue
                 record.update(ttft_s=prefill_s, colibri_prefill_tok_s=batch * context / prefill_s,
-                              colibri_decode_tok_s=batch * (decode_tokens - 1) / decode_s)
+                              colibri_decode_tok_s=decode_rate)
                 if batch == 1:
                     prefill_rate = record["colibri_prefill_tok_s"]
                 log(f"colibri {kv_dtype} context {context} batch {batch}: prefill "
@@ -210,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         config = ModelFolder(folder).config
         # contexts past the model's positions (Mixtral's 32768 less the decoded tokens) are cut to fit, for both
         # engines alike; each record names the context it ran
-        contexts = sorted({min(c, config.max_position_embeddings - args.decode_tokens) for c in args.contexts})
+        room = args.decode_tokens + -(-max(args.batches) * max(args.contexts) // PREFILL_BUDGET) + 8
+        contexts = sorted({min(c, config.max_position_embeddings - room) for c in args.contexts})
         gguf = folder.with_suffix(".gguf")
         if args.batched_bench and not gguf.is_file():
             from llama_cpp import write_gguf
