@@ -17,12 +17,15 @@ experts.bin layout (little endian):
           20   header_crc   u32      CRC32 of the JSON header bytes followed by the index bytes
           24   data_offset  u64      first expert block, a multiple of 4096
           32   JSON header  {"dtype", "block_size", "tensors": [{"name", "dtype", "shape", "offset", "nbytes"}],
-                             "moe_layers", "num_experts", "hidden_size", "moe_intermediate_size"}
+                             "moe_layers", "num_experts", "hidden_size", "moe_intermediate_size"}, and
+                             "params" for a format that has parameters (int4: group_size, zero_point; fp8:
+                             scales and block)
                index        num_entries records of INDEX_DTYPE (layer, expert, offset, size, crc32), 8-byte aligned
     data_offset  blocks     one block per (layer, expert), each `block_size` bytes (a multiple of 4096) at a
-                            4096-aligned offset: gate [I, H], up [I, H], down [H, I] back to back (so gate and up
-                            form one [2I, H] matrix), then for int8 the per-output-channel float32 scales
-                            gate_scale [I], up_scale [I], down_scale [H]; zero padding to block_size.
+                            4096-aligned offset: the tensors of the expert's codec (experts/codecs.py): gate
+                            [I, H], up [I, H], down [H, I] back to back (so gate and up form one [2I, H] matrix
+                            where gate's bytes are a multiple of 256), then the scales (gate_scale, up_scale,
+                            down_scale) and zero points of the quantized formats; zero padding to block_size.
 
 The CRC32 of a block covers all `block_size` bytes, padding included.
 """
@@ -41,8 +44,9 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
-from .config import ModelConfig
+from .config import EXPERT_DTYPES, ModelConfig
 from .errors import CheckpointError
+from .experts.codecs import FP8, expert_codec
 
 CONFIG_FILE = "config.json"
 EXPERTS_MAGIC = b"CLBRIEXP"
@@ -68,6 +72,8 @@ NUMPY_DTYPES = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float16": np.dtype(np.float16),
     "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+    "float8_e4m3fn": FP8,
 }
 
 
@@ -159,12 +165,9 @@ class TensorSlot:
 
 
 def expert_block_layout(config: ModelConfig) -> tuple[list[TensorSlot], int]:
-    """The tensors of one expert block and the block size (a multiple of 4096)."""
-    h, i = config.hidden_size, config.moe_intermediate_size
-    weight_dtype = config.expert_dtype
-    entries = [("gate", weight_dtype, (i, h)), ("up", weight_dtype, (i, h)), ("down", weight_dtype, (h, i))]
-    if weight_dtype == "int8":
-        entries += [("gate_scale", "float32", (i,)), ("up_scale", "float32", (i,)), ("down_scale", "float32", (h,))]
+    """The tensors of one expert block (its codec's, each TENSOR_ALIGNMENT aligned) and the block size (a
+    multiple of 4096)."""
+    entries = expert_codec(config).expert_tensors(config.hidden_size, config.moe_intermediate_size)
     slots, offset = [], 0
     for name, dtype, shape in entries:
         nbytes = int(np.prod(shape)) * NUMPY_DTYPES[dtype].itemsize
@@ -179,6 +182,7 @@ def expert_block_layout(config: ModelConfig) -> tuple[list[TensorSlot], int]:
 
 
 def _experts_header_json(config: ModelConfig, slots: list[TensorSlot], block_size: int) -> bytes:
+    params = expert_codec(config).params()
     header = {
         "dtype": config.expert_dtype,
         "block_size": block_size,
@@ -190,6 +194,7 @@ def _experts_header_json(config: ModelConfig, slots: list[TensorSlot], block_siz
         "num_experts": config.num_experts,
         "hidden_size": config.hidden_size,
         "moe_intermediate_size": config.moe_intermediate_size,
+        **({"params": params} if params else {}),
     }
     return json.dumps(header, sort_keys=True).encode()
 
@@ -277,6 +282,12 @@ class ExpertFileWriter:
             self._file.close()
 
 
+def _stored_format(header: dict) -> str:
+    """experts.bin's format and parameters as its header records them, in words."""
+    params = header.get("params", {})
+    return header["dtype"] + (" (" + ", ".join(f"{k} {v}" for k, v in sorted(params.items())) + ")" if params else "")
+
+
 # A block's checksum verdict, kept per index entry by ExpertFile.
 _UNCHECKED, _INTACT, _CORRUPT = 0, 1, 2
 
@@ -313,13 +324,16 @@ class ExpertFile:
         if crc32(header_json + index_bytes) != header_crc:
             raise CheckpointError(f"{name}: header checksum mismatch (the file is corrupt)")
         header = json.loads(header_json)
+        if header.get("dtype") not in EXPERT_DTYPES:
+            raise CheckpointError(f"{name} stores experts as {header.get('dtype')!r}, a format this Colibri does not "
+                                  f"read ({', '.join(EXPERT_DTYPES)})")
         self.index = np.frombuffer(index_bytes, INDEX_DTYPE)
         self.slots, self.block_size = expert_block_layout(config)
-        expected_json = _experts_header_json(config, self.slots, self.block_size)
-        if json.loads(expected_json) != header:
-            differing = sorted(k for k in header.keys() | json.loads(expected_json).keys()
-                               if header.get(k) != json.loads(expected_json).get(k))
-            raise CheckpointError(f"{name} does not match config.json (differs in {', '.join(differing)})")
+        expected = json.loads(_experts_header_json(config, self.slots, self.block_size))
+        if expected != header:
+            differing = sorted(k for k in header.keys() | expected.keys() if header.get(k) != expected.get(k))
+            raise CheckpointError(f"{name} does not match config.json (differs in {', '.join(differing)}; config.json "
+                                  f"says {expert_codec(config).describe()}, the file {_stored_format(header)})")
         if num_entries != len(config.moe_layers) * config.num_experts:
             raise CheckpointError(f"{name} has {num_entries} experts, config.json implies "
                                   f"{len(config.moe_layers) * config.num_experts}")

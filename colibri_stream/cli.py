@@ -14,7 +14,14 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("hf_dir", help="folder with config.json and *.safetensors")
     p.add_argument("out_dir", help="model folder to write")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="storage dtype (default bf16)")
-    p.add_argument("--quantize", choices=("int8",), default=None, help="quantize the routed experts")
+    p.add_argument("--quantize", choices=("int8", "int4", "fp8"), default=None,
+                   help="quantize the routed experts, rounded to nearest: int8 (a scale per output channel), int4 "
+                        "(a scale per group of input channels), fp8 (e4m3)")
+    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,
+                   help="int4: input channels per scale (default 128)")
+    p.add_argument("--int4-zero-point", action="store_true", help="int4: asymmetric, a zero point per group")
+    p.add_argument("--fp8-scales", choices=("block", "channel"), default=None,
+                   help="fp8: a scale per 128x128 tile (block, default; as DeepSeek-V3) or per output channel")
     p.add_argument("--force", action="store_true", help="write into a non-empty out_dir")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_run_export)
@@ -23,10 +30,13 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 def _run_export(args: argparse.Namespace) -> None:
     from .export import export_model
 
+    from .experts.codecs import expert_codec
+
     config = export_model(args.hf_dir, args.out_dir, dtype=args.dtype, quantize=args.quantize, force=args.force,
-                          progress=not args.quiet)
+                          progress=not args.quiet, group_size=args.group_size, zero_point=args.int4_zero_point,
+                          fp8_scales=args.fp8_scales)
     print(f"wrote {args.out_dir}: {config.architecture}, {config.num_layers} layers, "
-          f"{config.num_experts} experts (top-{config.top_k}), experts in {config.expert_dtype}")
+          f"{config.num_experts} experts (top-{config.top_k}), experts in {expert_codec(config).describe()}")
 
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:

@@ -18,7 +18,9 @@ from .field_types import type_error
 FORMAT_VERSION = 1
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")
-EXPERT_DTYPES = STORAGE_DTYPES + ("int8",)
+EXPERT_DTYPES = STORAGE_DTYPES + ("int8", "int4", "fp8")  # experts/codecs.py: one codec each
+INT4_GROUP_SIZES = (32, 64, 128)  # int4: input channels per scale
+FP8_SCALES = ("block", "channel")  # fp8: a scale per 128 x 128 tile, or per output channel
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 QK_NORMS = ("none", "per_head", "full")
 # Upper bounds of config.json's sizes, far above every published model's (Llama 4 Scout: 10 M positions; vocabularies
@@ -102,7 +104,10 @@ class ModelConfig:
     hidden_act: str = "silu"
     max_position_embeddings: int = 4096
     dtype: str = "bfloat16"  # storage dtype of dense.safetensors
-    expert_dtype: str = "bfloat16"  # storage dtype of routed experts in experts.bin
+    expert_dtype: str = "bfloat16"  # format of routed experts in experts.bin (experts/codecs.py)
+    expert_group_size: int = 0  # int4: input channels per scale (INT4_GROUP_SIZES); 0 for other formats
+    expert_zero_point: bool = False  # int4: asymmetric, a zero point per group
+    expert_scales: str = ""  # fp8: FP8_SCALES; "" for other formats
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -167,6 +172,16 @@ class ModelConfig:
             fail(f"dtype {self.dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
         if self.expert_dtype not in EXPERT_DTYPES:
             fail(f"expert_dtype {self.expert_dtype!r} is not one of {', '.join(EXPERT_DTYPES)}")
+        int4, fp8 = self.expert_dtype == "int4", self.expert_dtype == "fp8"
+        if int4 and self.expert_group_size not in INT4_GROUP_SIZES:
+            fail(f"int4 experts need expert_group_size {' or '.join(map(str, INT4_GROUP_SIZES))}, "
+                 f"got {self.expert_group_size}")
+        if not int4 and (self.expert_group_size or self.expert_zero_point):
+            fail(f"expert_group_size and expert_zero_point are int4's; experts are {self.expert_dtype}")
+        if fp8 and self.expert_scales not in FP8_SCALES:
+            fail(f"fp8 experts need expert_scales {' or '.join(FP8_SCALES)}, got {self.expert_scales!r}")
+        if not fp8 and self.expert_scales:
+            fail(f"expert_scales is fp8's; experts are {self.expert_dtype}")
         if self.rms_norm_eps <= 0:
             fail("rms_norm_eps must be positive")
         if self.clip_qkv is not None and self.clip_qkv <= 0:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .checkpoint import CONFIG_FILE, ModelFolder
 from .config import ModelConfig
+from .experts.codecs import expert_codec
 
 
 def describe_model(folder: str | os.PathLike, verify: bool = False) -> str:
@@ -101,7 +102,7 @@ def _summary(path: Path, config: ModelConfig) -> str:
         ("norms", f"RMSNorm eps {config.rms_norm_eps:g}; embeddings "
                   + ("tied to lm_head" if config.tie_word_embeddings else "separate from lm_head")),
         ("max positions", str(config.max_position_embeddings)),
-        ("dtypes", f"dense {config.dtype}, routed experts {config.expert_dtype}"),
+        ("dtypes", f"dense {config.dtype}, routed experts {expert_codec(config).describe()}"),
     ]
     return f"Model folder {path}\n" + "\n".join(f"  {name:<16} {value}" for name, value in rows)
 
@@ -119,10 +120,10 @@ def _files(model: ModelFolder) -> str:
 
 
 def _block_layout(model: ModelFolder) -> str:
-    lines = [f"  {'tensor':<12} {'dtype':<9} {'shape':<14} {'offset':>8} {'bytes':>10}"]
+    lines = [f"  {'tensor':<12} {'dtype':<13} {'shape':<14} {'offset':>8} {'bytes':>10}"]
     for slot in model.experts.slots:
         shape = str(list(slot.shape))
-        lines.append(f"  {slot.name:<12} {slot.dtype:<9} {shape:<14} {slot.offset:>8} {slot.nbytes:>10}")
+        lines.append(f"  {slot.name:<12} {slot.dtype:<13} {shape:<14} {slot.offset:>8} {slot.nbytes:>10}")
     return f"Expert block layout ({model.experts.block_size} bytes, zero-padded)\n" + "\n".join(lines)
 
 

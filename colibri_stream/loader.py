@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from .backends.base import Backend
 from .checkpoint import ModelFolder
-from .config import ExpertStoreConfig
-from .errors import ColibriError
+from .config import ExpertStoreConfig, ModelConfig
+from .errors import ColibriError, UnsupportedModelError
 from .experts.build import open_expert_store
 from .model.transformer import MoETransformer
 
@@ -35,6 +35,15 @@ def select_backend(device: str, cpu_threads: int | None = None) -> Backend:
     return NumpyBackend(CpuExpertExecutor(cpu_threads))
 
 
+def check_expert_format(config: ModelConfig, backend: Backend | type[Backend]) -> None:
+    """UnsupportedModelError, one line, when `backend` has no kernels for the model's expert format."""
+    if config.expert_dtype not in backend.expert_formats:
+        raise UnsupportedModelError(
+            f"the {backend.name} backend does not run {config.expert_dtype} experts (it runs "
+            f"{', '.join(backend.expert_formats)}); run this model with --device cpu, or export it with another "
+            f"--quantize")
+
+
 def load_model(path: str, device: str = "cpu", verify: bool = False,
                experts: ExpertStoreConfig | None = None, max_positions: int | None = None) -> MoETransformer:
     """Open a native model folder and load it on `device`; `verify` checks every checksum first; `experts` sets
@@ -43,5 +52,6 @@ def load_model(path: str, device: str = "cpu", verify: bool = False,
     folder = ModelFolder(path, verify=verify)
     experts = experts or ExpertStoreConfig()
     backend = select_backend(device, experts.cpu_threads)
+    check_expert_format(folder.config, backend)
     store = open_expert_store(folder, experts, backend.device)
     return MoETransformer(folder.config, folder.dense, store, backend, max_positions)

@@ -21,12 +21,14 @@ from tqdm import tqdm
 from ..checkpoint import (CONFIG_FILE, NUMPY_DTYPES, TOKENIZER_FILES, DenseFileWriter, ExpertFileWriter,
                           dense_tensor_specs, expert_block_layout, write_config)
 from ..config import ModelConfig
+from ..config import FP8_SCALES, INT4_GROUP_SIZES
 from ..errors import CheckpointError, ColibriError, UnsupportedModelError
+from ..experts.codecs import ExpertCodec, expert_codec
 from .architectures import IGNORED_SUFFIXES, hf_dense_candidates, hf_expert_names, translate_config
 from .hf_checkpoint import SOURCE_DTYPES, HFCheckpoint
-from .quantize import quantize_rows
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+QUANTIZE = ("int8", "int4", "fp8")  # --quantize: the routed experts' codec (experts/codecs.py)
 _CHUNK_BYTES = 16 << 20  # float32 bytes of the rows read and converted at once
 
 
@@ -169,13 +171,10 @@ class _Reader:
             out[start:stop] = _cast(rows, out.dtype, source.name)
         return out
 
-    def quantized(self, source: Source) -> tuple[np.ndarray, np.ndarray]:
-        """int8 rows and their scales.  # ([rows, cols] int8, [rows] float32)"""
-        q = np.empty(source.shape, np.int8)
-        scale = np.empty(source.shape[0], np.float32)
-        for start, stop, rows in self._rows(source):
-            q[start:stop], scale[start:stop] = quantize_rows(rows.astype(np.float32))
-        return q, scale
+    def quantized(self, source: Source, part: str, codec: ExpertCodec) -> dict[str, np.ndarray]:
+        """The whole source (one expert matrix) as float32, quantized by `codec`: its block tensors by name
+        (scales of fp8's 128-row tiles span row chunks, so the matrix is read first)."""
+        return codec.quantize_matrix(part, self.converted(source, "float32"))
 
 
 def _write_weights(plan: ExportPlan, checkpoint: HFCheckpoint, out: Path, progress: bool) -> None:
@@ -188,13 +187,15 @@ def _write_weights(plan: ExportPlan, checkpoint: HFCheckpoint, out: Path, progre
         for name, source in plan.dense.items():
             dense.write(name, reader.converted(source, config.dtype))
         dense.close()
+        codec = expert_codec(config)
+        quantized = config.expert_dtype in QUANTIZE
         with ExpertFileWriter(out / config.experts_file, config) as experts:
             for layer, sources in plan.experts.items():
                 for expert, parts in enumerate(sources):
                     tensors: dict[str, np.ndarray] = {}
                     for part, source in parts.items():
-                        if config.expert_dtype == "int8":
-                            tensors[part], tensors[part + "_scale"] = reader.quantized(source)
+                        if quantized:
+                            tensors.update(reader.quantized(source, part, codec))
                         else:
                             tensors[part] = reader.converted(source, config.expert_dtype)
                     experts.write_expert(layer, expert, tensors)
@@ -222,23 +223,48 @@ def _prepare_output(out: Path, source: Path, config: ModelConfig, force: bool, n
     return created
 
 
+def expert_format(quantize: str | None, group_size: int | None, zero_point: bool,
+                  fp8_scales: str | None) -> dict:
+    """config.json's expert format fields for the export's options (None: the dense storage dtype stays);
+    options of another format than `quantize` are refused."""
+    if quantize not in (None, *QUANTIZE):
+        raise ColibriError(f"quantize {quantize!r} is not supported ({', '.join(QUANTIZE)})")
+    if quantize != "int4" and (group_size is not None or zero_point):
+        raise ColibriError("--group-size and --int4-zero-point are options of --quantize int4")
+    if quantize != "fp8" and fp8_scales is not None:
+        raise ColibriError("--fp8-scales is an option of --quantize fp8")
+    if quantize == "int4":
+        group_size = 128 if group_size is None else group_size
+        if group_size not in INT4_GROUP_SIZES:
+            raise ColibriError(f"int4 group size {group_size} is not one of {', '.join(map(str, INT4_GROUP_SIZES))}")
+        return dict(expert_dtype="int4", expert_group_size=group_size, expert_zero_point=zero_point)
+    if quantize == "fp8":
+        fp8_scales = fp8_scales or "block"
+        if fp8_scales not in FP8_SCALES:
+            raise ColibriError(f"fp8 scales {fp8_scales!r} are not one of {', '.join(FP8_SCALES)}")
+        return dict(expert_dtype="fp8", expert_scales=fp8_scales)
+    return dict(expert_dtype=quantize) if quantize else {}
+
+
 def export_model(hf_dir: str | Path, out_dir: str | Path, dtype: str = "bf16", quantize: str | None = None,
-                 force: bool = False, progress: bool = True) -> ModelConfig:
+                 force: bool = False, progress: bool = True, group_size: int | None = None, zero_point: bool = False,
+                 fp8_scales: str | None = None) -> ModelConfig:
     """Convert a Hugging Face MoE checkpoint into a native model folder and return its config.
 
-    dtype: "bf16", "fp16" or "fp32", the storage dtype of every tensor; quantize: None, or "int8" for the routed
-    experts (symmetric, per output channel). A non-empty `out_dir` is refused unless `force`. config.json is
-    written last, and a failed export leaves no config.json behind.
+    dtype: "bf16", "fp16" or "fp32", the storage dtype of every tensor; quantize: None, or the routed experts'
+    format, rounded to nearest (experts/codecs.py): "int8" (symmetric, per output channel), "int4" (a scale per
+    `group_size` input channels, 32, 64 or 128 (default); with `zero_point` asymmetric), "fp8" (e4m3; `fp8_scales`
+    "block": per 128 x 128 tile (default), "channel": per output channel). A non-empty `out_dir` is refused unless
+    `force`. config.json is written last, and a failed export leaves no config.json behind.
     """
     if dtype not in DTYPE_NAMES:
         raise ColibriError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
-    if quantize not in (None, "int8"):
-        raise ColibriError(f"quantize {quantize!r} is not supported (int8)")
+    formats = expert_format(quantize, group_size, zero_point, fp8_scales)
     checkpoint = HFCheckpoint(hf_dir)
     storage = DTYPE_NAMES[dtype]
     config = translate_config(checkpoint.config, checkpoint.generation_config, checkpoint.tensors.keys(),
-                              storage, "int8" if quantize else storage)
-    config = untie_differing_lm_head(checkpoint, config)
+                              storage, storage)
+    config = untie_differing_lm_head(checkpoint, dataclasses.replace(config, **formats))
     plan = plan_export(checkpoint, config)
     dense_bytes = sum(int(np.prod(s)) for s in dense_tensor_specs(config).values()) * NUMPY_DTYPES[storage].itemsize
     expert_bytes = len(config.moe_layers) * config.num_experts * expert_block_layout(config)[1]

@@ -1,6 +1,7 @@
 """The CPU expert worker (experts/cpu_worker.py): one compiled call per layer, handed over without the GIL.
 
-Its weighted sums match the NumPy reference for bf16, int8 and float32 experts, whole and by row ranges; it
+Its weighted sums match the NumPy reference for bf16, int8, float32, int4 and fp8 experts, whole and by row
+ranges; it
 raises the flag word after writing the sum; it sleeps when idle and wakes for the next job; a failing job still
 ends (the flag is raised, `wait` raises).
 """
@@ -15,14 +16,19 @@ import numpy as np
 import pytest
 
 from colibri_stream.experts import cpu_worker
-from colibri_stream.experts.cpu_executor import numpy_expert
+from colibri_stream.experts.codecs import Fp8Codec, Int4Codec
+from colibri_stream.experts.cpu_executor import intermediate_rows, numpy_expert
 
 pytestmark = pytest.mark.skipif(cpu_worker.numba is None, reason="numba is not installed (the `cpu` extra)")
 HIDDEN, INTER, EXPERTS, TOP_K = 48, 40, 4, 2
+CODECS = {"int4-g32": Int4Codec(32, False), "int4-g64-zero": Int4Codec(64, True), "fp8-block": Fp8Codec("block"),
+          "fp8-channel": Fp8Codec("channel")}
 
 
 def expert_blocks(dtype: str, rng: np.random.Generator) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
     """[EXPERTS, block] uint8 and each block's tensors (views), laid out as in experts.bin (gate, up, down, scales)."""
+    if dtype in CODECS:
+        return codec_blocks(CODECS[dtype], rng)
     storage = {"bf16": np.dtype(ml_dtypes.bfloat16), "int8": np.dtype(np.int8), "fp32": np.dtype(np.float32)}[dtype]
     shapes = [("gate", storage, (INTER, HIDDEN)), ("up", storage, (INTER, HIDDEN)), ("down", storage, (HIDDEN, INTER))]
     if dtype == "int8":
@@ -49,15 +55,37 @@ def expert_blocks(dtype: str, rng: np.random.Generator) -> tuple[np.ndarray, lis
     return blocks, views
 
 
+def codec_blocks(codec, rng: np.random.Generator) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
+    """Blocks of random experts quantized by `codec`, its tensors 256-byte aligned as in experts.bin."""
+    layout = codec.expert_tensors(HIDDEN, INTER)
+    sizes = [-(-int(np.prod(shape)) * np.dtype(stored(kind)).itemsize // 256) * 256 for _, kind, shape in layout]
+    blocks = np.zeros((EXPERTS, sum(sizes)), np.uint8)
+    views = []
+    for block in blocks:
+        values = {}
+        for name, shape in (("gate", (INTER, HIDDEN)), ("up", (INTER, HIDDEN)), ("down", (HIDDEN, INTER))):
+            values.update(codec.quantize_matrix(name, (rng.standard_normal(shape) * 0.2).astype(np.float32)))
+        tensors, offset = {}, 0
+        for (name, kind, shape), size in zip(layout, sizes):
+            view = block[offset: offset + int(np.prod(shape)) * np.dtype(stored(kind)).itemsize]
+            tensors[name] = view.view(stored(kind)).reshape(shape)
+            tensors[name][:] = values[name]
+            offset += size
+        views.append(tensors)
+    return blocks, views
+
+
+def stored(kind: str) -> np.dtype:
+    from colibri_stream.checkpoint import NUMPY_DTYPES
+
+    return NUMPY_DTYPES[kind]
+
+
 def reference(x, ids, weights, views, items) -> np.ndarray:
     """sum over items (expert, rows) of the expert's part over those rows, weighted, for the tokens routed to it."""
     out = np.zeros_like(x)
     for expert, (first, last) in items:
-        tensors = views[expert]
-        part = {name: tensors[name][first:last] for name in ("gate", "up", "gate_scale", "up_scale") if name in tensors}
-        part["down"] = tensors["down"][:, first:last]
-        if "down_scale" in tensors:
-            part["down_scale"] = tensors["down_scale"]
+        part = intermediate_rows(views[expert], first, last)
         tokens, which = np.nonzero(ids == expert)
         out[tokens] += numpy_expert(x[tokens], part) * weights[tokens, which][:, None]
     return out
@@ -79,7 +107,7 @@ def routing(rng: np.random.Generator, tokens: int) -> tuple[np.ndarray, np.ndarr
     return x, ids, weights
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "int8", "fp32"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "fp32", *CODECS])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_a_layer_job_matches_the_numpy_reference_and_raises_the_flag(dtype, tokens):
     rng = np.random.default_rng(tokens)

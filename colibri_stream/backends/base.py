@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..config import EXPERT_DTYPES
 from ..memory import MemoryInfo, host_memory
 
 if TYPE_CHECKING:
@@ -30,12 +31,14 @@ class Backend(ABC):
 
     What callers may rely on is said by capabilities, never by the backend's name: `device` (where its arrays live,
     "cpu" or "cuda": the expert tiers are built for it), `supports_graphs` (a decode step can be captured as a
-    CUDA graph, cuda_graph.py), `logit_source` (how the sampler reads a forward's logits) and `synchronize`.
+    CUDA graph, cuda_graph.py), `logit_source` (how the sampler reads a forward's logits), `synchronize` and
+    `expert_formats` (the routed-expert formats it computes, config.EXPERT_DTYPES's names).
     """
 
     name: str  # for logs and reports
     device: str
     supports_graphs: bool = False
+    expert_formats: tuple[str, ...] = EXPERT_DTYPES
 
     @abstractmethod
     def logit_source(self, logits: Array) -> LogitSource:

@@ -81,6 +81,7 @@ class CupyBackend(Backend):
     name = "cupy"
     device = "cuda"
     supports_graphs = True
+    expert_formats = ("bfloat16", "float16", "float32", "int8")  # kernels/moe*.cu widen these; not int4, fp8 yet
 
     def __init__(self):
         import cupy

@@ -5,8 +5,9 @@ numba installed (the `cpu` extra) it runs one compiled kernel over a pool of thr
 contiguous range of weight rows, 6 at a time, and multiplies them with 4 tokens at a time in registers (24 float32
 accumulators; a single token with short rows: one row at a time), widening each weight to float32 inside the
 multiply-add loop (bf16: the bits shifted into a float32; int8: a cast, the row scale applied to the dot product).
-The weights are read once, straight from their storage, and no float32 copy of them is made. Without numba, or for
-fp16 experts, it dequantises to float32 and multiplies with NumPy. Measurements and the choice: docs/CPU_EXPERTS.md.
+int4 and fp8 experts take cpu_grouped.grouped_expert_kernel, which decodes one weight row at a time. The weights
+are read once, straight from their storage, and no float32 copy of them is made. Without numba, or for fp16
+experts, it dequantises to float32 and multiplies with NumPy. Measurements and the choice: docs/CPU_EXPERTS.md.
 """
 
 from __future__ import annotations
@@ -17,17 +18,12 @@ import time
 import ml_dtypes
 import numpy as np
 
-try:
-    import numba
-except ImportError:  # the `cpu` extra is not installed: the NumPy path serves every expert
-    numba = None
-
+from .codecs import ExpertCodec, codec_of, dequantize_expert
+from .cpu_grouped import grouped_expert_kernel, kernel_arguments
+from .jit import CHUNKS_PER_THREAD, FASTMATH, numba
+from .jit import jit as _jit
 from .stats import ComputeStats
 
-# Row chunks per thread. Each thread claims the next unclaimed chunk until none is left (an atomic counter), so a
-# thread slowed by another process, or by the core the GPU's step thread shares, takes fewer chunks and the pass
-# does not wait for it (numba's prange alone gives each thread a fixed equal share).
-CHUNKS_PER_THREAD = 8
 ROWS = 6  # weight rows per register tile (the hand-written _tile_* functions below)
 # One token whose row is at most this long (16 KiB of float32, stays in L1) is multiplied one weight row at a
 # time: a single sequential stream through each matrix, which the hardware prefetcher follows best (1.4-1.6x the
@@ -38,15 +34,6 @@ SINGLE_ROW_K = 4096
 # (the default model's small experts run faster end to end in NumPy; docs/CPU_EXPERTS.md).
 MIN_KERNEL_BYTES = 1 << 20
 KERNEL_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.int8), np.dtype(np.float32))
-# Float32 sums may be reassociated (into SIMD lanes) and multiply-adds fused; no other fast-math assumption.
-FASTMATH = {"reassoc", "contract"}
-
-
-def dequantize(weight: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
-    """A stored weight as float32: a cast, times the per-row scale for int8.  # [Out, In]"""
-    if scale is None:
-        return weight.astype(np.float32, copy=False)  # float32 already (a widened cache): no copy
-    return weight.astype(np.float32) * scale[:, None]
 
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -55,8 +42,11 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 
 def intermediate_rows(tensors: dict[str, np.ndarray], first: int, last: int) -> dict[str, np.ndarray]:
-    """Views of one expert's tensors over intermediate rows first .. last - 1: gate and up rows (and their scales),
-    down columns; down's per-row scales whole."""
+    """One expert's tensors over intermediate rows first .. last - 1: gate and up rows (and their scales), down
+    columns; down's per-row scales whole. Views where the format slices by rows (codecs.ExpertCodec.sliceable),
+    else the rows of the float32 reference (dequantize_expert)."""
+    if not codec_of(tensors).sliceable:
+        tensors = dequantize_expert(tensors)
     sliced = {name: tensors[name][first:last] for name in ("gate", "up", "gate_scale", "up_scale") if name in tensors}
     sliced["down"] = tensors["down"][:, first:last]
     if "down_scale" in tensors:
@@ -64,17 +54,19 @@ def intermediate_rows(tensors: dict[str, np.ndarray], first: int, last: int) -> 
     return sliced
 
 
+def expert_bytes(tensors: dict[str, np.ndarray], first: int, last: int) -> int:
+    """The stored bytes an expert's part over intermediate rows first .. last - 1 reads: its share of the
+    weights, and down's per-row scales whole."""
+    share = (last - first) / tensors["gate"].shape[0]
+    whole = sum(tensors[name].nbytes for name in ("down_scale", "down_zero") if name in tensors and
+                tensors[name].ndim == 1)
+    return int(round(share * (sum(t.nbytes for t in tensors.values()) - whole))) + whole
+
+
 def numpy_expert(x: np.ndarray, tensors: dict[str, np.ndarray]) -> np.ndarray:
     """The reference: dequantise the three matrices to float32, multiply with NumPy.  x [n, H] -> [n, H]"""
-    gate = dequantize(tensors["gate"], tensors.get("gate_scale"))  # [I, H]
-    up = dequantize(tensors["up"], tensors.get("up_scale"))  # [I, H]
-    down = dequantize(tensors["down"], tensors.get("down_scale"))  # [H, I]
-    return silu_mul(x @ gate.T, x @ up.T) @ down.T
-
-
-def _jit(**options):
-    """numba.njit(**options), compiled on first call; the plain function when numba is missing."""
-    return numba.njit(cache=True, error_model="numpy", **options) if numba is not None else (lambda function: function)
+    weights = dequantize_expert(tensors)  # gate, up [I, H], down [H, I]
+    return silu_mul(x @ weights["gate"].T, x @ weights["up"].T) @ weights["down"].T
 
 
 if numba is not None:
@@ -315,8 +307,8 @@ class CpuExpertExecutor:
         partition of 0 .. I sum to the whole."""
         start = time.perf_counter()
         first, last = rows or (0, tensors["gate"].shape[0])
-        part = intermediate_rows(tensors, first, last)
-        nbytes = sum(a.nbytes for a in part.values())
+        part = intermediate_rows(tensors, first, last) if rows else tensors
+        nbytes = expert_bytes(tensors, first, last)
         y = self._compute(x, tensors, part, first, nbytes)
         self.record(1, time.perf_counter() - start, nbytes)
         return y
@@ -329,16 +321,27 @@ class CpuExpertExecutor:
 
     def _compute(self, x: np.ndarray, tensors: dict[str, np.ndarray], part: dict[str, np.ndarray], first: int,
                  nbytes: int) -> np.ndarray:
-        gate, up, down = tensors["gate"], tensors["up"], tensors["down"]
-        if self.kernel is None or gate.dtype not in KERNEL_DTYPES or nbytes < self.min_kernel_bytes:
+        codec = codec_of(tensors)
+        if not self.computes(codec, tensors["gate"].dtype, nbytes):
             return numpy_expert(x, part)
-        if gate.dtype == KERNEL_DTYPES[0]:  # bf16: the kernel reads the bits
-            gate, up, down = gate.view(np.uint16), up.view(np.uint16), down.view(np.uint16)
-        no_scale = np.empty(0, np.float32)
         x = np.ascontiguousarray(x, dtype=np.float32)
         h = np.empty((x.shape[0], part["gate"].shape[0]), np.float32)  # [n, last - first]
         y = np.empty_like(x)  # [n, H]
         numba.set_num_threads(self.num_threads)
+        if codec.cpu_kernel == "grouped":
+            grouped_expert_kernel(*kernel_arguments(codec, tensors), x, first, first + h.shape[1], h, y,
+                                  self.num_threads)
+            return y
+        gate, up, down = tensors["gate"], tensors["up"], tensors["down"]
+        if gate.dtype == KERNEL_DTYPES[0]:  # bf16: the kernel reads the bits
+            gate, up, down = gate.view(np.uint16), up.view(np.uint16), down.view(np.uint16)
+        no_scale = np.empty(0, np.float32)
         self.kernel(gate, up, down, tensors.get("gate_scale", no_scale), tensors.get("up_scale", no_scale),
                     tensors.get("down_scale", no_scale), x, first, first + h.shape[1], h, y, self.num_threads)
         return y
+
+    def computes(self, codec: ExpertCodec, dtype: np.dtype, nbytes: int) -> bool:
+        """Whether experts of `codec` (stored as `dtype`) of `nbytes` weight bytes take a compiled kernel here:
+        numba is there, the format has a kernel, and they are at least min_kernel_bytes."""
+        has_kernel = codec.cpu_kernel == "grouped" or (codec.cpu_kernel == "plain" and dtype in KERNEL_DTYPES)
+        return self.kernel is not None and has_kernel and nbytes >= self.min_kernel_bytes

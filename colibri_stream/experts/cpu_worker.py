@@ -25,7 +25,9 @@ import weakref
 
 import numpy as np
 
-from .cpu_executor import KERNEL_DTYPES, CpuExpertExecutor, expert_kernel, numba
+from .codecs import codec_of
+from .cpu_executor import KERNEL_DTYPES, CpuExpertExecutor, expert_bytes, expert_kernel, numba
+from .cpu_grouped import grouped_expert_kernel, kernel_arguments
 
 SPIN_SECONDS = 0.005  # the worker spins this long after a job before it sleeps (a decode step's layers are closer)
 WAIT_SPINS = 2000  # `wait` checks this often (or for CpuLayerWorker.wait_spin_seconds) before it sleeps
@@ -36,7 +38,9 @@ SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine()) if sys.platfo
 FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129
 HEADER = 9  # job words: tokens, top_k, x, ids, weights, out addresses, flag address, flag value, experts
 ITEM = 4  # words per expert: block address, first row, last row, expert id
-WEIGHT_NAMES = ("gate", "up", "down", "gate_scale", "up_scale", "down_scale")
+# A block's tensors in the layout table: per name its offset in the block (-1: absent) and two dimensions
+WEIGHT_NAMES = ("gate", "up", "down", "gate_scale", "up_scale", "down_scale", "gate_zero", "up_zero", "down_zero")
+LAYOUT_WORDS = 3 * len(WEIGHT_NAMES)  # then I, H, and the grouped kernel's rows and columns per scale of each matrix
 # control words: the latest ticket handed over, the latest finished, stop, the job table's address, the latest
 # job's start and end (CLOCK_MONOTONIC ns)
 DOORBELL, DONE, STOP, JOBS, START_NS, END_NS = range(6)
@@ -150,17 +154,61 @@ if numba is not None:
 _servers: dict = {}
 
 
-def _server(dtype: np.dtype, scaled: bool):
-    """The worker's compiled loop for experts of `dtype` (with int8's row scales when `scaled`), built once."""
-    key = (dtype.str, scaled)
+def _plain_compute(dtype: np.dtype, scaled: bool):
+    """The worker's call of cpu_executor.expert_kernel on one block of `dtype` weights (with int8's row scales
+    when `scaled`)."""
+    @numba.njit(nogil=True)
+    def compute(block, layout, rows, first, last, h, y, threads):
+        gate = numba.carray(_pointer(block + layout[0]), (layout[1], layout[2]), dtype)  # [I, H]
+        up = numba.carray(_pointer(block + layout[3]), (layout[4], layout[5]), dtype)  # [I, H]
+        down = numba.carray(_pointer(block + layout[6]), (layout[7], layout[8]), dtype)  # [H, I]
+        if scaled:
+            gate_scale = numba.carray(_pointer(block + layout[9]), (layout[10],), np.float32)  # [I]
+            up_scale = numba.carray(_pointer(block + layout[12]), (layout[13],), np.float32)  # [I]
+            down_scale = numba.carray(_pointer(block + layout[15]), (layout[16],), np.float32)  # [H]
+        else:
+            gate_scale = up_scale = down_scale = np.empty(0, np.float32)
+        expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, rows, first, last, h, y, threads)
+
+    return compute
+
+
+def _grouped_compute(kind: int, zeroed: bool):
+    """The worker's call of cpu_grouped.grouped_expert_kernel on one int4 or fp8 block (`kind`; with zero points
+    when `zeroed`)."""
+    @numba.njit(nogil=True)
+    def compute(block, layout, rows, first, last, h, y, threads):
+        at = LAYOUT_WORDS + 2
+        gate = numba.carray(_pointer(block + layout[0]), (layout[1], layout[2]), np.uint8)  # [I, bytes per row]
+        up = numba.carray(_pointer(block + layout[3]), (layout[4], layout[5]), np.uint8)  # [I, bytes per row]
+        down = numba.carray(_pointer(block + layout[6]), (layout[7], layout[8]), np.uint8)  # [H, bytes per row]
+        gate_scale = numba.carray(_pointer(block + layout[9]), (layout[10], layout[11]), np.float32)
+        up_scale = numba.carray(_pointer(block + layout[12]), (layout[13], layout[14]), np.float32)
+        down_scale = numba.carray(_pointer(block + layout[15]), (layout[16], layout[17]), np.float32)
+        if zeroed:
+            gate_zero = numba.carray(_pointer(block + layout[18]), (layout[19], layout[20]), np.uint8)
+            up_zero = numba.carray(_pointer(block + layout[21]), (layout[22], layout[23]), np.uint8)
+            down_zero = numba.carray(_pointer(block + layout[24]), (layout[25], layout[26]), np.uint8)
+        else:
+            gate_zero = up_zero = down_zero = np.zeros((0, 0), np.uint8)
+        grouped_expert_kernel(kind, gate, gate_scale, gate_zero, layout[at], layout[at + 1], up, up_scale, up_zero,
+                              layout[at + 2], layout[at + 3], down, down_scale, down_zero, layout[at + 4],
+                              layout[at + 5], rows, first, last, h, y, threads)
+
+    return compute
+
+
+def _server(key: tuple, make_compute):
+    """The worker's compiled loop over `make_compute()` (one expert block's part: _plain_compute or
+    _grouped_compute), built once per `key`."""
     if key in _servers:
         return _servers[key]
+    compute = make_compute()
 
     @numba.njit(nogil=True)
     def serve(control: int, layout: np.ndarray, spin_ns: int, threads: int) -> None:
-        """Run jobs until STOP is set or no job came for spin_ns. layout: offsets of gate, up, down and the three
-        scales in a block, then I and H."""
-        inter, hidden = layout[6], layout[7]
+        """Run jobs until STOP is set or no job came for spin_ns. layout: see LAYOUT_WORDS."""
+        hidden = layout[LAYOUT_WORDS + 1]
         numba.set_num_threads(threads)
         idle_since = _now_ns()
         while True:
@@ -181,15 +229,6 @@ def _server(dtype: np.dtype, scaled: bool):
             for item in range(jobs[8]):
                 at = HEADER + ITEM * item
                 block, first, last, expert = jobs[at], jobs[at + 1], jobs[at + 2], jobs[at + 3]
-                gate = numba.carray(_pointer(block + layout[0]), (inter, hidden), dtype)  # [I, H]
-                up = numba.carray(_pointer(block + layout[1]), (inter, hidden), dtype)  # [I, H]
-                down = numba.carray(_pointer(block + layout[2]), (hidden, inter), dtype)  # [H, I]
-                if scaled:
-                    gate_scale = numba.carray(_pointer(block + layout[3]), (inter,), np.float32)
-                    up_scale = numba.carray(_pointer(block + layout[4]), (inter,), np.float32)
-                    down_scale = numba.carray(_pointer(block + layout[5]), (hidden,), np.float32)
-                else:
-                    gate_scale = up_scale = down_scale = np.empty(0, np.float32)
                 routed = np.empty(tokens, np.int64)  # the tokens routed to this expert
                 scale = np.empty(tokens, np.float32)  # and their routing weights
                 n = 0
@@ -205,7 +244,7 @@ def _server(dtype: np.dtype, scaled: bool):
                     rows[r] = x[routed[r]]
                 h = np.empty((n, last - first), np.float32)  # [n, last - first]
                 y = np.empty((n, hidden), np.float32)  # [n, H]
-                expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, rows, first, last, h, y, threads)
+                compute(block, layout, rows, first, last, h, y, threads)
                 for r in range(n):
                     for c in range(hidden):
                         out[routed[r], c] += y[r, c] * scale[r]
@@ -271,20 +310,36 @@ class CpuLayerWorker:
     """
 
     def __init__(self, tensors: dict[str, np.ndarray], block: np.ndarray, threads: int):
-        if numba is None or tensors["gate"].dtype not in KERNEL_DTYPES:
-            raise ValueError("the CPU expert kernel does not serve these experts (numba is missing or their dtype)")
-        base = block.ctypes.data
-        offsets = [tensors[name].ctypes.data - base if name in tensors else -1 for name in WEIGHT_NAMES]
-        inter, hidden = tensors["gate"].shape
-        dtype = np.dtype(np.uint16) if tensors["gate"].dtype == KERNEL_DTYPES[0] else tensors["gate"].dtype
+        codec = codec_of(tensors)
+        if numba is None or codec.cpu_kernel is None or (codec.cpu_kernel == "plain"
+                                                         and tensors["gate"].dtype not in KERNEL_DTYPES):
+            raise ValueError("the CPU expert kernel does not serve these experts (numba is missing or their format)")
+        inter, hidden = tensors["gate"].shape[0], tensors["down"].shape[0]
+        if codec.cpu_kernel == "grouped":
+            arguments = kernel_arguments(codec, tensors)  # kind, then (bytes, scale, zero, rows, cols) per matrix
+            arrays = {name: arguments[1 + 5 * m + k] for m, matrix in enumerate(("gate", "up", "down"))
+                      for k, name in enumerate((matrix, matrix + "_scale", matrix + "_zero"))}
+            per_scale = [arguments[1 + 5 * m + k] for m in range(3) for k in (3, 4)]
+            kind, zeroed = arguments[0], "gate_zero" in tensors
+            key, compute = ("grouped", kind, zeroed), lambda: _grouped_compute(kind, zeroed)
+        else:
+            arrays, per_scale = tensors, [0] * 6
+            dtype = np.dtype(np.uint16) if tensors["gate"].dtype == KERNEL_DTYPES[0] else tensors["gate"].dtype
+            scaled = "gate_scale" in tensors
+            key, compute = ("plain", dtype.str, scaled), lambda: _plain_compute(dtype, scaled)
+        base, layout = block.ctypes.data, []
+        for name in WEIGHT_NAMES:
+            array = arrays.get(name)
+            present = array is not None and array.size > 0
+            layout += [array.ctypes.data - base, *array.shape, *([0] * (2 - array.ndim))] if present else [-1, 0, 0]
         self.threads = threads
         # How long `wait` spins before it sleeps (0: WAIT_SPINS checks): through a whole job where its threads leave
         # the waiter a core, as `threads_beside_gpu` does: a spinning waiter sees the job's end sooner than one woken
         # by the futex (benchmarks/offload_timeline.py --waiters spin sleep).
         self.wait_spin_seconds = WAIT_SPIN_SECONDS if threads < numba.config.NUMBA_NUM_THREADS else 0.0
-        self.expert_bytes = sum(t.nbytes for t in tensors.values())
-        self._shared = _Shared(_server(dtype, "gate_scale" in tensors),
-                               np.array([*offsets, inter, hidden], np.int64), threads)
+        self.expert_bytes = expert_bytes(tensors, 0, inter)
+        self._shared = _Shared(_server(key, compute), np.array([*layout, inter, hidden, *per_scale], np.int64),
+                               threads)
         self._ticket = 0
         self._held: tuple = ()  # what the job not yet waited for reads: kept alive until `wait`
         self._thread = threading.Thread(target=_run, args=(self._shared,), name="colibri-cpu-experts", daemon=True)
@@ -297,8 +352,8 @@ class CpuLayerWorker:
     def serves(executor: CpuExpertExecutor | None, tensors: dict[str, np.ndarray]) -> bool:
         """Whether a worker over `executor`'s kernel computes experts like `tensors`: the kernel is there (numba),
         takes their dtype, and the executor would use it for their size (min_kernel_bytes)."""
-        return (executor is not None and executor.kernel is not None and tensors["gate"].dtype in KERNEL_DTYPES
-                and sum(t.nbytes for t in tensors.values()) >= executor.min_kernel_bytes)
+        return executor is not None and executor.computes(codec_of(tensors), tensors["gate"].dtype,
+                                                          sum(t.nbytes for t in tensors.values()))
 
     def submit(self, items: list[tuple[int, int, int, int]], ids: np.ndarray, x: np.ndarray, weights: np.ndarray,
                out: np.ndarray, flag_address: int = 0, flag_value: int = 0) -> int:

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..checkpoint import ExpertFile
 from ..timing import StepTimer
+from .codecs import dequantize_expert
 
 if TYPE_CHECKING:
     from .stats import ExpertStats
@@ -23,8 +24,9 @@ if TYPE_CHECKING:
 class ExpertStore(ABC):
     """Gives the tensors of one routed expert in the storage layout of experts.bin.
 
-    `expert(layer, e)` returns gate [I, H], up [I, H], down [H, I] in the expert dtype, plus gate_scale [I],
-    up_scale [I], down_scale [H] (float32) for int8 experts. The arrays stay valid until the next `expert` or
+    `expert(layer, e)` returns the expert's tensors as its codec stores them (experts/codecs.py): gate [I, H],
+    up [I, H], down [H, I] in the expert dtype, plus for the quantized formats their scales (int8: gate_scale [I],
+    up_scale [I], down_scale [H] float32) and zero points. The arrays stay valid until the next `expert` or
     `begin_layer` call.
 
     The model calls `begin_layer(layer, x, expert_ids, weights)` once per MoE layer and step, after routing and
@@ -80,21 +82,19 @@ class MappedExpertStore(ExpertStore):
 
 
 class Float32ExpertStore(ExpertStore):
-    """A small resident model's experts, each widened to float32 once on first use and kept (int8 times its
-    per-row scales, bf16 and fp16 cast), so the CPU computes them without converting every step. The arrays are
-    exactly what `cpu_executor.dequantize` gives, so results do not change."""
+    """A small resident model's experts, each widened to float32 once on first use and kept (their codec's
+    dequantize: int8 times its per-row scales, bf16 and fp16 cast, ...), so the CPU computes them without
+    converting every step. The arrays are exactly what `codecs.dequantize_expert` gives, so results do not
+    change."""
 
     def __init__(self, inner: MappedExpertStore):
         self.inner = inner
         self._cache: dict[tuple[int, int], dict[str, np.ndarray]] = {}
 
     def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
-        from .cpu_executor import dequantize
-
         tensors = self._cache.get((layer, expert))
         if tensors is None:
-            stored = self.inner.expert(layer, expert)
-            tensors = {name: dequantize(stored[name], stored.get(f"{name}_scale")) for name in ("gate", "up", "down")}
+            tensors = dequantize_expert(self.inner.expert(layer, expert))
             self._cache[(layer, expert)] = tensors
         return tensors
 

@@ -1,0 +1,276 @@
+"""Expert formats (experts/codecs.py): each codec round-trips within its rounding bound, lays out the bytes it
+documents, exports and loads through the native folder, computes on the CPU kernels as the NumPy reference does,
+and a corrupt block, a mislabelled header or a format the GPU backend lacks is refused with one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from colibri_stream.backends.cupy_backend import CupyBackend
+from colibri_stream.backends.numpy_backend import NumpyBackend
+from colibri_stream.checkpoint import (NUMPY_DTYPES, ModelFolder, default_model_path, expert_block_layout, read_config,
+                                       write_config)
+from colibri_stream.cli import main
+from colibri_stream.errors import CheckpointError, ColibriError, UnsupportedModelError
+from colibri_stream.experts.codecs import (FP8_BLOCK, Fp8Codec, Int4Codec, Int8Codec, PlainCodec, codec_of,
+                                           dequantize_expert)
+from colibri_stream.experts.cpu_executor import CpuExpertExecutor, numba, numpy_expert
+from colibri_stream.loader import check_expert_format
+from colibri_stream.plan import make_plan
+
+CODECS = [PlainCodec("bfloat16"), PlainCodec("float16"), Int8Codec(), Int4Codec(32, False), Int4Codec(64, True),
+          Int4Codec(128, False), Int4Codec(128, True), Fp8Codec("block"), Fp8Codec("channel")]
+SHAPES = [(64, 256), (300, 77), (5, 130), (130, 3)]  # rows and columns off every group and tile boundary
+
+
+def random_matrix(rng: np.random.Generator, shape: tuple[int, int], offset: float = 0.0) -> np.ndarray:
+    return (rng.standard_normal(shape) / np.sqrt(shape[1]) + offset).astype(np.float32)
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.describe())
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("offset", [0.0, 0.05])  # centred, and every group of one sign (int4's zero points)
+def test_each_codec_round_trips_within_its_rounding_bound(codec, shape, offset):
+    weight = random_matrix(np.random.default_rng(shape[0]), shape, offset)
+    parts = codec.quantize(weight)
+    assert {k: (v.dtype, v.shape) for k, v in parts.items()} == {
+        suffix: (NUMPY_DTYPES[dtype], shape) for suffix, dtype, shape in codec.matrix_tensors(*shape)}
+    error = np.abs(codec.dequantize(parts, shape[1]) - weight)
+    bound = codec.error_bound(weight)
+    assert np.all(error <= bound), float(np.max(error - bound))
+    if codec.name != "float32":
+        assert error.max() > 0  # a lossy format rounds something
+
+
+def test_int4_packs_the_even_channel_in_the_low_nibble_and_scales_follow_the_weights():
+    codec = Int4Codec(32, False)
+    weight = np.tile(np.arange(-7, 25, dtype=np.float32) % 15 - 7, (2, 1))  # [2, 32], max |w| 7: scale 1
+    parts = codec.quantize(weight)
+    codes = weight[0].astype(np.int64) + 8  # symmetric: code = w / scale + 8
+    assert parts["_scale"].tolist() == [[1.0], [1.0]]
+    assert parts[""][0, 0].tolist() == (codes[0::2] | codes[1::2] << 4).tolist()
+    names = [s.name for s in expert_block_layout(_config(expert_dtype="int4", expert_group_size=32,
+                                                          expert_zero_point=True))[0]]
+    assert names == ["gate", "up", "down", "gate_scale", "up_scale", "down_scale", "gate_zero", "up_zero", "down_zero"]
+
+
+def test_fp8_block_scales_are_deepseeks_weight_scale_inv():
+    rng = np.random.default_rng(0)
+    weight = random_matrix(rng, (300, 200))
+    parts = Fp8Codec("block").quantize(weight)
+    assert parts["_scale"].shape == (3, 2)  # [ceil(out / 128), ceil(in / 128)]
+    tile = np.abs(weight[256:, 128:]).max()
+    assert parts["_scale"][2, 1] == np.float32(tile / 448)  # the tile's largest value maps to e4m3's largest
+    q = parts[""].astype(np.float32)
+    expected = q * np.repeat(np.repeat(parts["_scale"], FP8_BLOCK, 0), FP8_BLOCK, 1)[:300, :200]
+    np.testing.assert_array_equal(Fp8Codec("block").dequantize(parts, 200), expected)  # w = fp8 value * scale
+
+
+def _config(**changes):
+    return dataclasses.replace(read_config(default_model_path()), **changes)
+
+
+def expert(codec, hidden: int, inter: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    tensors = {}
+    for name, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+        tensors.update(codec.quantize_matrix(name, random_matrix(rng, shape)))
+    return tensors
+
+
+@pytest.mark.skipif(numba is None, reason="numba is not installed (the `cpu` extra)")
+@pytest.mark.parametrize("codec", CODECS[3:], ids=lambda c: c.describe())
+@pytest.mark.parametrize("hidden,inter,tokens", [(256, 64, 1), (130, 77, 5), (300, 200, 9)])
+def test_the_grouped_kernel_matches_the_numpy_reference(codec, hidden, inter, tokens):
+    rng = np.random.default_rng(hidden + tokens)
+    tensors = expert(codec, hidden, inter, rng)
+    assert codec_of(tensors).name == codec.name
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    executor = CpuExpertExecutor(num_threads=2, min_kernel_bytes=0)
+    assert executor.computes(codec, tensors["gate"].dtype, 0)
+    want = numpy_expert(x, tensors)
+    np.testing.assert_allclose(executor.run(x, tensors), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    part = executor.run(x, tensors, rows=(0, inter // 2)) + executor.run(x, tensors, rows=(inter // 2, inter))
+    np.testing.assert_allclose(part, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())  # row ranges add up
+    weights = sum(t.nbytes for t in tensors.values())
+    per_row = tensors["down_scale"].nbytes if tensors["down_scale"].ndim == 1 else 0  # each part reads them whole
+    assert executor.stats.cpu_bytes_read == 2 * weights + per_row  # the stored bytes, not float32's
+
+
+def test_stored_bytes_per_expert_are_smaller_and_plan_counts_them():
+    bf16, int8 = _config(expert_dtype="bfloat16"), _config()
+    int4, fp8 = _config(expert_dtype="int4", expert_group_size=128), _config(expert_dtype="fp8", expert_scales="block")
+    weight_bytes = {name: sum(s.nbytes for s in expert_block_layout(c)[0])
+                    for name, c in (("bf16", bf16), ("int8", int8), ("int4", int4), ("fp8", fp8))}
+    assert weight_bytes["bf16"] > 1.9 * weight_bytes["fp8"] and weight_bytes["bf16"] > 3 * weight_bytes["int4"]
+    budget = 8 * 1 << 20
+    slots = {name: make_plan(c, 0, "cpu", l2_cache_size=budget).host_slots for name, c in
+             (("bf16", bf16), ("int4", int4))}
+    blocks = {name: expert_block_layout(c)[1] for name, c in (("bf16", bf16), ("int4", int4))}
+    layers = len(bf16.moe_layers)
+    for name in slots:  # whole slots of the codec's block size per MoE layer, one staging block
+        assert slots[name] == min(bf16.num_experts, (budget // blocks[name] - 1) // layers)
+    assert slots["int4"] > slots["bf16"]
+
+
+def test_config_refuses_parameters_of_another_format():
+    for changes, words in [(dict(expert_dtype="int4"), "int4 experts need expert_group_size 32 or 64 or 128"),
+                           (dict(expert_dtype="int4", expert_group_size=48), "got 48"),
+                           (dict(expert_group_size=64), "expert_group_size and expert_zero_point are int4's"),
+                           (dict(expert_dtype="fp8"), "fp8 experts need expert_scales block or channel"),
+                           (dict(expert_scales="block"), "expert_scales is fp8's")]:
+        with pytest.raises(CheckpointError, match=words):
+            _config(**changes)
+
+
+def test_the_gpu_backend_refuses_int4_and_fp8_experts_in_one_line():
+    for changes in (dict(expert_dtype="int4", expert_group_size=64), dict(expert_dtype="fp8", expert_scales="block")):
+        with pytest.raises(UnsupportedModelError) as info:
+            check_expert_format(_config(**changes), CupyBackend)
+        message = str(info.value)
+        assert "\n" not in message and "bfloat16, float16, float32, int8" in message and changes["expert_dtype"] in message
+        check_expert_format(_config(**changes), NumpyBackend)  # the reference runs every format
+    check_expert_format(_config(), CupyBackend)  # int8 (the shipped model) stays on the GPU
+    check_expert_format(_config(expert_dtype="bfloat16"), CupyBackend)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Through the folder: export, header, load, refusals
+# ----------------------------------------------------------------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+from tiny_models import build_hf_model  # noqa: E402
+
+FORMATS = {"int4-g32-zero": ["--quantize", "int4", "--group-size", "32", "--int4-zero-point"],
+           "int4-g128": ["--quantize", "int4"], "fp8-block": ["--quantize", "fp8"],
+           "fp8-channel": ["--quantize", "fp8", "--fp8-scales", "channel"], "fp32": ["--dtype", "fp32"]}
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict[str, Path]:
+    """A tiny qwen3_moe (H 64, I 32: below every group and tile) exported in each format by the CLI."""
+    root = tmp_path_factory.mktemp("formats")
+    build_hf_model("qwen3_moe", root / "hf")
+    folders = {}
+    for name, options in FORMATS.items():
+        assert main(["export", str(root / "hf"), str(root / name), "--quiet", *options]) == 0
+        folders[name] = root / name
+    return folders
+
+
+def experts_header(path: Path) -> dict:
+    data = path.read_bytes()
+    json_len = struct.unpack_from("<I", data, 12)[0]
+    return json.loads(data[32: 32 + json_len])
+
+
+def test_the_header_records_the_format_and_its_parameters(exports):
+    headers = {name: experts_header(folder / "experts.bin") for name, folder in exports.items()}
+    assert headers["int4-g32-zero"]["params"] == {"group_size": 32, "zero_point": True}
+    assert headers["int4-g128"]["params"] == {"group_size": 128, "zero_point": False}
+    assert headers["fp8-block"]["params"] == {"scales": "block", "block": [128, 128]}
+    assert headers["fp8-channel"]["params"] == {"scales": "channel"}
+    assert "params" not in headers["fp32"]  # unparameterized formats keep the header older files have
+    config = read_config(exports["int4-g32-zero"])
+    assert (config.expert_dtype, config.expert_group_size, config.expert_zero_point) == ("int4", 32, True)
+
+
+def test_exported_experts_are_the_source_within_the_formats_bound(exports):
+    reference = ModelFolder(exports["fp32"])  # the float32 source as it is
+    for name in ("int4-g32-zero", "int4-g128", "fp8-block", "fp8-channel"):
+        folder = ModelFolder(exports[name], verify=True)
+        for layer in folder.config.moe_layers:
+            for e in range(folder.config.num_experts):
+                stored, source = folder.experts.tensors(layer, e), reference.experts.tensors(layer, e)
+                codec = codec_of(stored)
+                for matrix, weight in dequantize_expert(stored).items():
+                    original = source[matrix].astype(np.float32)
+                    assert np.all(np.abs(weight - original) <= codec.error_bound(original))
+
+
+@pytest.mark.skipif(numba is None, reason="numba is not installed (the `cpu` extra)")
+def test_the_numpy_backend_computes_stored_experts_as_their_dequantized_weights(exports):
+    from colibri_stream.experts.store import Float32ExpertStore, MappedExpertStore
+    from colibri_stream.loader import load_model
+
+    rng = np.random.default_rng(0)
+    for name in ("int4-g32-zero", "int4-g128", "fp8-block", "fp8-channel"):
+        folder = ModelFolder(exports[name])
+        config = folder.config
+        backend = NumpyBackend(CpuExpertExecutor(num_threads=2, min_kernel_bytes=0))  # the kernels, tiny or not
+        x = rng.standard_normal((7, config.hidden_size)).astype(np.float32)  # [T, H]
+        ids = np.stack([rng.choice(config.num_experts, config.top_k, replace=False) for _ in range(7)])  # [T, k]
+        weights = rng.uniform(0.1, 1, ids.shape).astype(np.float32)  # [T, k]
+        stored = MappedExpertStore(folder.experts)
+        got = backend.routed_experts(x, weights, ids, 1, stored)  # from the stored bytes
+        want = backend.routed_experts(x, weights, ids, 1, Float32ExpertStore(stored))  # dequantized, then NumPy
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        assert isinstance(load_model(str(exports[name])).store, Float32ExpertStore)  # small: widened once
+
+
+def rewrite_header(path: Path, edit) -> None:
+    """Apply `edit` to experts.bin's JSON header (same length) and fix its checksum, as a mislabelled file."""
+    data = bytearray(path.read_bytes())
+    json_len, num_entries = struct.unpack_from("<II", data, 12)
+    header = edit(bytes(data[32: 32 + json_len]))
+    assert len(header) == json_len
+    data[32: 32 + json_len] = header
+    index_start = -(-(32 + json_len) // 8) * 8
+    index = bytes(data[index_start: index_start + num_entries * 32])
+    struct.pack_into("<I", data, 20, zlib.crc32(header + index) & 0xFFFFFFFF)
+    path.write_bytes(bytes(data))
+
+
+def test_an_unknown_format_or_a_mislabelled_header_is_refused(exports, tmp_path):
+    import shutil
+
+    folder = Path(shutil.copytree(exports["int4-g32-zero"], tmp_path / "m"))
+    rewrite_header(folder / "experts.bin", lambda h: h.replace(b'"int4"', b'"int3"'))
+    with pytest.raises(CheckpointError, match="stores experts as 'int3', a format this Colibri does not read"):
+        ModelFolder(folder)
+    rewrite_header(folder / "experts.bin", lambda h: h.replace(b'"int3"', b'"int4"').replace(b'"group_size": 32',
+                                                                                              b'"group_size": 64'))
+    with pytest.raises(CheckpointError, match=r"differs in params.*groups of 32.*group_size 64"):
+        ModelFolder(folder)
+    config = read_config(exports["int4-g32-zero"])
+    write_config(folder, dataclasses.replace(config, expert_zero_point=False))  # config.json says symmetric
+    shutil.copy(exports["int4-g32-zero"] / "experts.bin", folder / "experts.bin")
+    with pytest.raises(CheckpointError, match="does not match config.json"):
+        ModelFolder(folder)
+
+
+def test_a_corrupt_quantized_block_is_refused_naming_it(exports, tmp_path):
+    import shutil
+
+    for name in ("int4-g128", "fp8-block"):
+        folder = Path(shutil.copytree(exports[name], tmp_path / name))
+        opened = ModelFolder(folder)
+        entry = opened.experts.entry(1, 3)
+        scale = next(s for s in opened.experts.slots if s.name == "down_scale")
+        opened.experts.close()
+        with open(folder / "experts.bin", "r+b") as f:  # a flipped bit in a scale
+            f.seek(int(entry["offset"]) + scale.offset)
+            byte = f.read(1)
+            f.seek(int(entry["offset"]) + scale.offset)
+            f.write(bytes([byte[0] ^ 0x10]))
+        with pytest.raises(CheckpointError, match="expert 3 of layer 1 fails its checksum"):
+            ModelFolder(folder, verify=True)
+
+
+def test_export_options_of_another_format_are_refused(exports, tmp_path):
+    from colibri_stream.export import export_model
+
+    hf = exports["fp32"].parent / "hf"
+    for options, words in [(dict(quantize="int8", group_size=64), "--group-size and --int4-zero-point"),
+                           (dict(zero_point=True), "--group-size and --int4-zero-point"),
+                           (dict(quantize="int4", fp8_scales="block"), "--fp8-scales is an option of --quantize fp8"),
+                           (dict(quantize="int4", group_size=16), "int4 group size 16 is not one of 32, 64, 128"),
+                           (dict(quantize="nf4"), "quantize 'nf4' is not supported")]:
+        with pytest.raises(ColibriError, match=words):
+            export_model(hf, tmp_path / "x", progress=False, **options)
