@@ -1,13 +1,15 @@
 """Candidates for computing one routed expert on the host CPU, next to a plain read of the same bytes.
 
 One expert's SiLU-gated MLP, down(silu(gate x) * up x), at published expert shapes, for T tokens routed to it, in
-bf16 and int8 (per-row float32 scales), with 1 or more threads. Figures of merit: weight bytes read per second (what
+bf16, int8 (per-row float32 scales), int4 (groups of 128) and fp8 (128 x 128 tile scales) (experts/codecs.py),
+with 1 or more threads. Figures of merit: weight bytes read per second (what
 decides decode speed at 1-4 tokens) and GFLOP/s (2 * T * parameters per second: what decides it at 8-64 tokens).
 Candidates:
 
 - `stream`: a numba parallel sum over the expert's weight bytes (as uint64 words), the practical read ceiling;
 - `numpy`: `astype(float32)` of each matrix, then `x @ W.T` (the NumPy-backend path);
-- `torch`: bf16 `F.linear` on zero-copy bf16 views (bf16 activations), int8 through `torch._weight_int8pack_mm`;
+- `torch`: bf16 `F.linear` on zero-copy bf16 views (bf16 activations), int8 through `torch._weight_int8pack_mm`
+  (not run for int4 and fp8);
 - `numba`: `CpuExpertExecutor`'s kernel as checked out;
 - `baseline`: the same executor from another git revision (`--baseline REV`), to measure a kernel change.
 
@@ -15,8 +17,9 @@ Each expert is copied until the calls cycle through at least 768 MiB, each call 
 from RAM, not the L3; weights are random normal (never zeros); candidates are interleaved round by round after a
 warm-up call that also measures the error against the float32 reference; the median of the rounds is reported.
 
-    python benchmarks/cpu_expert_kernels.py [--shapes qwen3-30b-a3b,olmoe-1b-7b,mixtral-8x7b] [--dtypes bf16,int8]
-        [--tokens 1,4,16,64] [--threads 1,2] [--candidates stream,numpy,torch,numba] [--baseline REV] [--rounds 9]
+    python benchmarks/cpu_expert_kernels.py [--shapes qwen3-30b-a3b,olmoe-1b-7b,mixtral-8x7b]
+        [--dtypes bf16,int8,int4,fp8] [--tokens 1,4,16,64] [--threads 1,2] [--candidates stream,numpy,torch,numba]
+        [--baseline REV] [--rounds 9]
 
 Writes benchmarks/results/cpu_expert_kernels.json; docs/CPU_EXPERTS.md discusses the results.
 """
@@ -40,6 +43,7 @@ import numba
 import numpy as np
 import torch
 
+from colibri_stream.experts.codecs import Fp8Codec, Int4Codec
 from colibri_stream.experts.cpu_executor import CpuExpertExecutor, numpy_expert
 
 SHAPES = {  # name: (hidden H, expert intermediate I)
@@ -47,6 +51,8 @@ SHAPES = {  # name: (hidden H, expert intermediate I)
     "olmoe-1b-7b": (2048, 1024),
     "mixtral-8x7b": (4096, 14336),
 }
+CODECS = {"int4": Int4Codec(128, False), "fp8": Fp8Codec("block")}  # the formats quantized by their codec
+TORCH_DTYPES = ("bf16", "int8")  # the formats the torch candidate computes
 CYCLE_BYTES = 768 << 20  # the calls cycle through at least this much expert memory
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "cpu_expert_kernels.json"
@@ -72,11 +78,13 @@ def read_weights(tensors: dict[str, np.ndarray]) -> int:
 
 
 def make_expert(hidden: int, inter: int, dtype: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Random gate [I, H], up [I, H], down [H, I] in bf16, or int8 with float32 row scales."""
+    """Random gate [I, H], up [I, H], down [H, I] in bf16, int8 with float32 row scales, or a codec's format."""
     tensors = {}
     for name, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
         w = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
-        if dtype == "bf16":
+        if dtype in CODECS:
+            tensors.update(CODECS[dtype].quantize_matrix(name, w))
+        elif dtype == "bf16":
             tensors[name] = w.astype(ml_dtypes.bfloat16)
         else:
             scale = np.abs(w).max(axis=1) / np.float32(127)  # [rows]
@@ -154,7 +162,7 @@ def measure_shape(name: str, dtype: str, args, baseline) -> list[dict]:
     for threads in args.threads:
         numba.set_num_threads(threads)
         torch.set_num_threads(threads)
-        cands = candidates(args.candidates, threads, baseline)
+        cands = candidates([c for c in args.candidates if c != "torch" or dtype in TORCH_DTYPES], threads, baseline)
         prepared = {c: [prep(t) for t in copies] for c, (prep, _) in cands.items()}
         for tokens in args.tokens:
             x = rng.standard_normal((tokens, hidden), dtype=np.float32)  # [T, H]
@@ -203,7 +211,7 @@ def threading_layer() -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="qwen3-30b-a3b,olmoe-1b-7b,mixtral-8x7b")
-    parser.add_argument("--dtypes", default="bf16,int8")
+    parser.add_argument("--dtypes", default="bf16,int8", help="of bf16, int8, int4, fp8")
     parser.add_argument("--tokens", type=ints, default=[1, 4, 16, 64])
     parser.add_argument("--threads", type=ints, default=[numba.config.NUMBA_NUM_THREADS])
     parser.add_argument("--candidates", type=lambda text: text.split(","),

@@ -21,6 +21,7 @@ STORAGE_DTYPES = ("float32", "bfloat16", "float16")
 EXPERT_DTYPES = STORAGE_DTYPES + ("int8", "int4", "fp8")  # experts/codecs.py: one codec each
 INT4_GROUP_SIZES = (32, 64, 128)  # int4: input channels per scale
 FP8_SCALES = ("block", "channel")  # fp8: a scale per 128 x 128 tile, or per output channel
+EXPERT_FORMAT_FIELDS = {"int4": ("expert_group_size", "expert_zero_point"), "fp8": ("expert_scales",)}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 QK_NORMS = ("none", "per_head", "full")
 # Upper bounds of config.json's sizes, far above every published model's (Llama 4 Scout: 10 M positions; vocabularies
@@ -192,6 +193,10 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
+        # A format's parameters only where the format has them: config.json of the others stays as it was
+        for name in sum(EXPERT_FORMAT_FIELDS.values(), ()):
+            if name not in EXPERT_FORMAT_FIELDS.get(self.expert_dtype, ()):
+                del data[name]
         data["format"] = "colibri"
         return data
 

@@ -35,8 +35,8 @@ GPU_SCRIPTS = {
     "step_kernels.py": ["--layers", "1"],
 }
 # Scripts with a test of their own below.
-CPU_SCRIPTS = {"cpu_expert_kernels.py", "exit_stress.py", "export_peak_rss.py", "llama_cpp.py",
-               "offload_accelerate.py", "policy_eval.py", "prefix_cache_ttft.py", "sampling_host.py",
+CPU_SCRIPTS = {"cpu_expert_kernels.py", "exit_stress.py", "expert_format_quality.py", "export_peak_rss.py",
+               "llama_cpp.py", "offload_accelerate.py", "policy_eval.py", "prefix_cache_ttft.py", "sampling_host.py",
                "serving_cpu.py", "serving_gpu.py", "step_kernels_table.py", "timing_overhead.py"}
 
 
@@ -140,6 +140,18 @@ def test_offload_accelerate(tmp_path):
     succeeded(done)
     record = json.loads(out.read_text())
     assert record["bench"] == "offload_baseline" and record["device"] == "cpu" and record["prefill_tok_s"] > 0
+
+
+def test_expert_format_quality(tmp_path):
+    out = tmp_path / "expert_formats.json"
+    succeeded(run_script("expert_format_quality.py", "--max-windows", "1", "--formats", "int8", "int4-g128",
+                         "fp8-block", "--out", out))
+    record = json.loads(out.read_text())
+    formats = record["formats"]
+    assert record["windows"] == 1 and set(formats) == {"int8", "int4-g128", "fp8-block"}
+    assert formats["int8"]["perplexity_vs_int8"] == 0 and all(f["perplexity"] > 1 for f in formats.values())
+    assert formats["int4-g128"]["expert_bytes"] < 0.6 * formats["int8"]["expert_bytes"]
+    assert formats["int4-g128"]["perplexity"] != formats["int8"]["perplexity"]  # the experts really changed
 
 
 def test_policy_eval(tmp_path):

@@ -2,7 +2,7 @@
 
 `grouped_expert_kernel` computes down(silu(gate x) * up x) straight from the stored bytes: each thread takes a
 range of weight rows; for each row it decodes the row into a float32 buffer of one row (L1-resident: int4 codes
-minus the group's zero point, fp8 bytes through a 256-entry table, times the scale of the group or tile), then
+minus the group's zero point, fp8 bytes by shifting their bits into a float32's, times the scale of the group or tile), then
 multiplies it with every token. Each weight byte is read once per call, and no float32 copy of the expert is made.
 Every matrix is passed as a 2D uint8 view of its bytes, [out, stored bytes per row], with its scales as
 [scale rows, scale columns] float32 and zero points as [out, groups] uint8 ([0, 0]: none). A weight (o, c) takes
@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .codecs import FP8, FP8_BLOCK, INT4_SYMMETRIC_ZERO, ExpertCodec, Fp8Codec, Int4Codec
+from .codecs import FP8_BLOCK, INT4_SYMMETRIC_ZERO, ExpertCodec, Fp8Codec, Int4Codec
 from .jit import CHUNKS_PER_THREAD, FASTMATH, jit, numba
 
 INT4, FP8_CODES = 0, 1  # `kind`: how a row's bytes hold its values
 CHANNEL_COLUMNS = 1 << 30  # cols_per_scale of a per-row scale: every column of a row shares it
-FP8_VALUES = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float32)  # [256] e4m3 byte -> float32
 
 
 def kernel_arguments(codec: ExpertCodec, tensors: dict[str, np.ndarray]) -> tuple:
@@ -47,29 +46,115 @@ def kernel_arguments(codec: ExpertCodec, tensors: dict[str, np.ndarray]) -> tupl
     return tuple(arguments)
 
 
+if numba is not None:
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def _fp8_bits(typingctx, byte):
+        """An e4m3 byte as the float32 whose exponent and mantissa fields hold its own, 2**-120 of its value
+        (subnormals included): sign to bit 31, exponent and mantissa to bits 20-26. Vectorises, unlike a table."""
+        if byte != types.uint8:
+            return None
+
+        def codegen(context, builder, signature, args):
+            word = builder.zext(args[0], ir.IntType(32))
+            sign = builder.shl(builder.and_(word, ir.Constant(ir.IntType(32), 0x80)), ir.Constant(ir.IntType(32), 24))
+            rest = builder.shl(builder.and_(word, ir.Constant(ir.IntType(32), 0x7F)), ir.Constant(ir.IntType(32), 20))
+            return builder.bitcast(builder.or_(sign, rest), ir.FloatType())
+
+        return types.float32(byte), codegen
+
+    def _nibble(high: bool):
+        @intrinsic
+        def nibble(typingctx, byte):
+            """The low (or high) 4 bits of a byte as float32, converted from 32 bits (numba's own `&` and `>>`
+            widen a uint8 to 64 bits, whose conversion to float32 costs more)."""
+            if byte != types.uint8:
+                return None
+
+            def codegen(context, builder, signature, args):
+                word = builder.zext(args[0], ir.IntType(32))
+                if high:
+                    word = builder.lshr(word, ir.Constant(ir.IntType(32), 4))
+                else:
+                    word = builder.and_(word, ir.Constant(ir.IntType(32), 15))
+                return builder.sitofp(word, ir.FloatType())
+
+            return types.float32(byte), codegen
+
+        return nibble
+
+    _low_nibble, _high_nibble = _nibble(False), _nibble(True)
+
+FP8_BIAS = np.float32(2.0**120)  # 2**(127 - 7): float32's exponent bias less e4m3's
+
+
+# Inner loops run over np.uint64 indices: with a signed index numba checks for negative (wrap-around) indices,
+# which stops LLVM vectorising the loop (as in cpu_executor's kernel).
 @jit(inline="always", fastmath=FASTMATH)
 def _decode_row(kind, w, scale, zero, rows_per_scale, cols_per_scale, o, c0, c1, buf):
     """buf[c - c0] = the value of weight (o, c) for c0 <= c < c1, as float32."""
     scale_row = o // rows_per_scale
+    row = w[o]  # [bytes per row] uint8
     for group in range(c0 // cols_per_scale, (c1 - 1) // cols_per_scale + 1):
         a, b = max(c0, group * cols_per_scale), min(c1, (group + 1) * cols_per_scale)
         s = scale[scale_row, group]
         if kind == INT4:
             z = np.float32(zero[o, group]) if zero.shape[0] else np.float32(INT4_SYMMETRIC_ZERO)
-            for c in range(a, b):
-                code = (w[o, c >> 1] >> ((c & 1) << 2)) & 15
-                buf[c - c0] = (np.float32(code) - z) * s
+            if a & 1:  # an odd first column: the high nibble of its byte
+                buf[a - c0] = (_high_nibble(row[a >> 1]) - z) * s
+                a += 1
+            if b & 1 and b > a:  # an odd end: the low nibble of the last byte
+                buf[b - 1 - c0] = (_low_nibble(row[b >> 1]) - z) * s
+            out = buf[a - c0:]
+            for j in range(np.uint64(0), np.uint64((b - a) >> 1)):  # whole bytes: the even column in the low nibble
+                byte = row[np.uint64(a >> 1) + j]
+                out[j + j] = (_low_nibble(byte) - z) * s
+                out[j + j + np.uint64(1)] = (_high_nibble(byte) - z) * s
         else:
-            for c in range(a, b):
-                buf[c - c0] = FP8_VALUES[w[o, c]] * s
+            s = s * FP8_BIAS
+            values, out = row[a:], buf[a - c0:]
+            for c in range(np.uint64(0), np.uint64(b - a)):
+                out[c] = _fp8_bits(values[c]) * s
 
 
 @jit(inline="always", fastmath=FASTMATH)
 def _dot(buf, x, t, width):
+    """buf · x[t] over `width` columns."""
     acc = np.float32(0.0)
-    for c in range(width):
-        acc += buf[c] * x[t, c]
+    row = x[t]
+    for c in range(np.uint64(0), np.uint64(width)):
+        acc += buf[c] * row[c]
     return acc
+
+
+@jit(inline="always", fastmath=FASTMATH)
+def _dot4(buf, x, t, width):
+    """buf · x[t + k] for k < 4: the decoded row read once for four tokens."""
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    r0, r1, r2, r3 = x[t], x[t + 1], x[t + 2], x[t + 3]
+    for c in range(np.uint64(0), np.uint64(width)):
+        v = buf[c]
+        a0 += v * r0[c]
+        a1 += v * r1[c]
+        a2 += v * r2[c]
+        a3 += v * r3[c]
+    return a0, a1, a2, a3
+
+
+@jit(inline="always", fastmath=FASTMATH)
+def _dots(buf, x, width, out, column):
+    """out[t, column] = buf · x[t] for every token t, four at a time."""
+    n = x.shape[0]
+    t = 0
+    while t + 4 <= n:
+        out[t, column], out[t + 1, column], out[t + 2, column], out[t + 3, column] = _dot4(buf, x, t, width)
+        t += 4
+    while t < n:
+        out[t, column] = _dot(buf, x, t, width)
+        t += 1
 
 
 @jit(parallel=True, fastmath=FASTMATH, nogil=True)
@@ -84,16 +169,19 @@ def grouped_expert_kernel(kind, gate, gate_scale, gate_zero, gate_rows, gate_col
     for chunk in numba.prange(chunks):
         g = np.empty(width, np.float32)  # one decoded gate row [H]
         u = np.empty(width, np.float32)  # and up row [H]
+        gx = np.empty((n, 1), np.float32)  # its products with the tokens [n, 1]
+        ux = np.empty((n, 1), np.float32)
         for o in range(first + chunk * rows // chunks, first + (chunk + 1) * rows // chunks):
             _decode_row(kind, gate, gate_scale, gate_zero, gate_rows, gate_cols, o, 0, width, g)
             _decode_row(kind, up, up_scale, up_zero, up_rows, up_cols, o, 0, width, u)
+            _dots(g, x, width, gx, 0)
+            _dots(u, x, width, ux, 0)
             for t in range(n):
-                gv, uv = _dot(g, x, t, width), _dot(u, x, t, width)
-                h[t, o - first] = gv / (np.float32(1.0) + np.exp(-gv)) * uv
+                gv = gx[t, 0]
+                h[t, o - first] = gv / (np.float32(1.0) + np.exp(-gv)) * ux[t, 0]
     chunks = max(1, min(hidden, threads * CHUNKS_PER_THREAD))
     for chunk in numba.prange(chunks):
         d = np.empty(rows, np.float32)  # one decoded down row's columns first .. last - 1
         for o in range(chunk * hidden // chunks, (chunk + 1) * hidden // chunks):
             _decode_row(kind, down, down_scale, down_zero, down_rows, down_cols, o, first, last, d)
-            for t in range(n):
-                y[t, o] = _dot(d, h, t, rows)
+            _dots(d, h, rows, y, o)

@@ -63,6 +63,7 @@ def model_nll(model, w: np.ndarray, token_bytes: np.ndarray, batch: int) -> dict
 def load_export_into(model, folder: Path) -> None:
     """Replace the HF model's weights by the exported folder's (dense bf16, experts dequantised from int8)."""
     from colibri_stream.checkpoint import ModelFolder
+    from colibri_stream.experts.codecs import dequantize_expert
 
     mf = ModelFolder(folder, verify=True)
     cfg = mf.config
@@ -81,13 +82,8 @@ def load_export_into(model, folder: Path) -> None:
                 put(getattr(layer.self_attn, name).weight, mf.dense.get(p + name))
             put(layer.mlp.gate.weight, mf.dense.get(p + "router"))
             for e in range(cfg.num_experts):
-                t = mf.experts.tensors(i, e)
-                if cfg.expert_dtype == "int8":
-                    gate = t["gate"].astype(np.float32) * t["gate_scale"][:, None]
-                    up = t["up"].astype(np.float32) * t["up_scale"][:, None]
-                    down = t["down"].astype(np.float32) * t["down_scale"][:, None]
-                else:
-                    gate, up, down = (t[k].astype(np.float32) for k in ("gate", "up", "down"))
+                t = dequantize_expert(mf.experts.tensors(i, e))  # the format's dequantize (experts/codecs.py)
+                gate, up, down = t["gate"], t["up"], t["down"]
                 put(layer.mlp.experts.gate_up_proj[e], np.concatenate([gate, up], axis=0))
                 put(layer.mlp.experts.down_proj[e], down)
         if not cfg.tie_word_embeddings:
