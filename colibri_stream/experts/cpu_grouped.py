@@ -95,29 +95,50 @@ FP8_BIAS = np.float32(2.0**120)  # 2**(127 - 7): float32's exponent bias less e4
 # which stops LLVM vectorising the loop (as in cpu_executor's kernel).
 @jit(inline="always", fastmath=FASTMATH)
 def _decode_row(kind, w, scale, zero, rows_per_scale, cols_per_scale, o, c0, c1, buf):
-    """buf[c - c0] = the value of weight (o, c) for c0 <= c < c1, as float32."""
+    """Weight row o over columns c0 .. c1 - 1 as float32 in buf, laid out as `_paired` lays out the tokens:
+    fp8: buf[c - c0]; int4: the bytes j0 = c0 // 2 .. ceil(c1 / 2) - 1, low nibbles (even columns) in
+    buf[j - j0], high nibbles (odd columns) in buf[nb + j - j0] (nb bytes): two contiguous stores per byte."""
     scale_row = o // rows_per_scale
     row = w[o]  # [bytes per row] uint8
+    if kind == INT4:
+        j0, j1 = c0 >> 1, (c1 + 1) >> 1
+        nb, per_group = j1 - j0, cols_per_scale >> 1  # bytes decoded, bytes per group
+        for group in range(j0 // per_group, (j1 - 1) // per_group + 1):
+            a, b = max(j0, group * per_group), min(j1, (group + 1) * per_group)
+            s = scale[scale_row, group]
+            z = np.float32(zero[o, group]) if zero.shape[0] else np.float32(INT4_SYMMETRIC_ZERO)
+            values, low, high = row[a:b], buf[a - j0:], buf[nb + a - j0:]
+            for j in range(np.uint64(0), np.uint64(b - a)):
+                byte = values[j]
+                low[j] = (_low_nibble(byte) - z) * s
+                high[j] = (_high_nibble(byte) - z) * s
+        return
     for group in range(c0 // cols_per_scale, (c1 - 1) // cols_per_scale + 1):
         a, b = max(c0, group * cols_per_scale), min(c1, (group + 1) * cols_per_scale)
-        s = scale[scale_row, group]
-        if kind == INT4:
-            z = np.float32(zero[o, group]) if zero.shape[0] else np.float32(INT4_SYMMETRIC_ZERO)
-            if a & 1:  # an odd first column: the high nibble of its byte
-                buf[a - c0] = (_high_nibble(row[a >> 1]) - z) * s
-                a += 1
-            if b & 1 and b > a:  # an odd end: the low nibble of the last byte
-                buf[b - 1 - c0] = (_low_nibble(row[b >> 1]) - z) * s
-            out = buf[a - c0:]
-            for j in range(np.uint64(0), np.uint64((b - a) >> 1)):  # whole bytes: the even column in the low nibble
-                byte = row[np.uint64(a >> 1) + j]
-                out[j + j] = (_low_nibble(byte) - z) * s
-                out[j + j + np.uint64(1)] = (_high_nibble(byte) - z) * s
-        else:
-            s = s * FP8_BIAS
-            values, out = row[a:], buf[a - c0:]
-            for c in range(np.uint64(0), np.uint64(b - a)):
-                out[c] = _fp8_bits(values[c]) * s
+        s = scale[scale_row, group] * FP8_BIAS
+        values, out = row[a:b], buf[a - c0:]
+        for c in range(np.uint64(0), np.uint64(b - a)):
+            out[c] = _fp8_bits(values[c]) * s
+
+
+@jit(inline="always")
+def _paired(kind, x, c0, c1):
+    """The tokens x [n, c1 - c0] (column 0 is column c0 of the weights) in the layout `_decode_row` gives the
+    weights: fp8: x itself; int4: [n, 2 nb], the even columns of bytes c0 // 2 .. then the odd ones, zero where a
+    byte's nibble lies outside c0 .. c1 - 1."""
+    if kind != INT4:
+        return x
+    j0, j1 = c0 >> 1, (c1 + 1) >> 1
+    nb = j1 - j0
+    out = np.zeros((x.shape[0], 2 * nb), np.float32)
+    for t in range(x.shape[0]):
+        for j in range(nb):
+            even = 2 * (j0 + j) - c0
+            if 0 <= even < c1 - c0:
+                out[t, j] = x[t, even]
+            if 0 <= even + 1 < c1 - c0:
+                out[t, nb + j] = x[t, even + 1]
+    return out
 
 
 @jit(inline="always", fastmath=FASTMATH)
@@ -165,23 +186,25 @@ def grouped_expert_kernel(kind, gate, gate_scale, gate_zero, gate_rows, gate_col
     n, width = x.shape
     hidden = y.shape[1]
     rows = last - first
+    xs = _paired(kind, x, 0, width)  # [n, H], or int4's [n, 2 ceil(H / 2)]
     chunks = max(1, min(rows, threads * CHUNKS_PER_THREAD))
     for chunk in numba.prange(chunks):
-        g = np.empty(width, np.float32)  # one decoded gate row [H]
-        u = np.empty(width, np.float32)  # and up row [H]
+        g = np.empty(xs.shape[1], np.float32)  # one decoded gate row
+        u = np.empty(xs.shape[1], np.float32)  # and up row
         gx = np.empty((n, 1), np.float32)  # its products with the tokens [n, 1]
         ux = np.empty((n, 1), np.float32)
         for o in range(first + chunk * rows // chunks, first + (chunk + 1) * rows // chunks):
             _decode_row(kind, gate, gate_scale, gate_zero, gate_rows, gate_cols, o, 0, width, g)
             _decode_row(kind, up, up_scale, up_zero, up_rows, up_cols, o, 0, width, u)
-            _dots(g, x, width, gx, 0)
-            _dots(u, x, width, ux, 0)
+            _dots(g, xs, xs.shape[1], gx, 0)
+            _dots(u, xs, xs.shape[1], ux, 0)
             for t in range(n):
                 gv = gx[t, 0]
                 h[t, o - first] = gv / (np.float32(1.0) + np.exp(-gv)) * ux[t, 0]
+    hs = _paired(kind, h, first, last)  # [n, last - first], or int4's pairs
     chunks = max(1, min(hidden, threads * CHUNKS_PER_THREAD))
     for chunk in numba.prange(chunks):
-        d = np.empty(rows, np.float32)  # one decoded down row's columns first .. last - 1
+        d = np.empty(hs.shape[1], np.float32)  # one decoded down row's columns first .. last - 1
         for o in range(chunk * hidden // chunks, (chunk + 1) * hidden // chunks):
             _decode_row(kind, down, down_scale, down_zero, down_rows, down_cols, o, first, last, d)
-            _dots(d, h, rows, y, o)
+            _dots(d, hs, hs.shape[1], y, o)
