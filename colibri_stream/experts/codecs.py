@@ -51,7 +51,7 @@ class ExpertCodec(ABC):
     # The CPU executor's kernel for the format: "plain" (cpu_executor.expert_kernel: a cast, a per-row scale),
     # "grouped" (cpu_grouped.grouped_expert_kernel: scales per group or tile), None (NumPy only).
     cpu_kernel: str | None = "plain"
-    sliceable = True  # an expert's intermediate rows are views of its tensors (cut_layout.py, intermediate_rows)
+    sliceable = True  # an expert's intermediate rows are views of its tensors (cpu_executor.intermediate_rows)
 
     def params(self) -> dict:
         """The format's parameters as experts.bin's header records them (nothing for unparameterized formats)."""

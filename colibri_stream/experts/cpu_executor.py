@@ -307,9 +307,8 @@ class CpuExpertExecutor:
         partition of 0 .. I sum to the whole."""
         start = time.perf_counter()
         first, last = rows or (0, tensors["gate"].shape[0])
-        part = intermediate_rows(tensors, first, last) if rows else tensors
         nbytes = expert_bytes(tensors, first, last)
-        y = self._compute(x, tensors, part, first, nbytes)
+        y = self._compute(x, tensors, first, last, nbytes)
         self.record(1, time.perf_counter() - start, nbytes)
         return y
 
@@ -319,13 +318,14 @@ class CpuExpertExecutor:
         self.stats.cpu_seconds += seconds
         self.stats.cpu_bytes_read += nbytes
 
-    def _compute(self, x: np.ndarray, tensors: dict[str, np.ndarray], part: dict[str, np.ndarray], first: int,
+    def _compute(self, x: np.ndarray, tensors: dict[str, np.ndarray], first: int, last: int,
                  nbytes: int) -> np.ndarray:
         codec = codec_of(tensors)
         if not self.computes(codec, tensors["gate"].dtype, nbytes):
-            return numpy_expert(x, part)
+            whole = (first, last) == (0, tensors["gate"].shape[0])
+            return numpy_expert(x, tensors if whole else intermediate_rows(tensors, first, last))
         x = np.ascontiguousarray(x, dtype=np.float32)
-        h = np.empty((x.shape[0], part["gate"].shape[0]), np.float32)  # [n, last - first]
+        h = np.empty((x.shape[0], last - first), np.float32)  # [n, last - first]
         y = np.empty_like(x)  # [n, H]
         numba.set_num_threads(self.num_threads)
         if codec.cpu_kernel == "grouped":

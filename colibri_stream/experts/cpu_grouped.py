@@ -2,12 +2,13 @@
 
 `grouped_expert_kernel` computes down(silu(gate x) * up x) straight from the stored bytes: each thread takes a
 range of weight rows; for each row it decodes the row into a float32 buffer of one row (L1-resident: int4 codes
-minus the group's zero point, fp8 bytes by shifting their bits into a float32's, times the scale of the group or tile), then
-multiplies it with every token. Each weight byte is read once per call, and no float32 copy of the expert is made.
-Every matrix is passed as a 2D uint8 view of its bytes, [out, stored bytes per row], with its scales as
-[scale rows, scale columns] float32 and zero points as [out, groups] uint8 ([0, 0]: none). A weight (o, c) takes
-scale[o // rows_per_scale, c // cols_per_scale]: int4 1 x group width, fp8 tiles 128 x 128, fp8 channels
-1 x (any width; CHANNEL_COLUMNS).
+minus the group's zero point, low nibbles to the buffer's first half and high nibbles to its second; fp8 bytes by
+shifting their bits into a float32's; times the scale of the group or tile), then multiplies it with the tokens,
+four at a time, laid out as the buffer is (`_paired`). Each weight byte is read once per call, and no float32 copy
+of the expert is made. Every matrix is passed as a 2D uint8 view of its bytes, [out, stored bytes per row], with
+its scales as [scale rows, scale columns] float32 and zero points as [out, groups] uint8 ([0, 0]: none). A weight
+(o, c) takes scale[o // rows_per_scale, c // cols_per_scale]: int4 1 x group width, fp8 tiles 128 x 128, fp8
+channels 1 x (any width; CHANNEL_COLUMNS).
 """
 
 from __future__ import annotations

@@ -321,12 +321,12 @@ class CpuLayerWorker:
                       for k, name in enumerate((matrix, matrix + "_scale", matrix + "_zero"))}
             per_scale = [arguments[1 + 5 * m + k] for m in range(3) for k in (3, 4)]
             kind, zeroed = arguments[0], "gate_zero" in tensors
-            key, compute = ("grouped", kind, zeroed), lambda: _grouped_compute(kind, zeroed)
+            key, make_compute = ("grouped", kind, zeroed), lambda: _grouped_compute(kind, zeroed)
         else:
             arrays, per_scale = tensors, [0] * 6
             dtype = np.dtype(np.uint16) if tensors["gate"].dtype == KERNEL_DTYPES[0] else tensors["gate"].dtype
             scaled = "gate_scale" in tensors
-            key, compute = ("plain", dtype.str, scaled), lambda: _plain_compute(dtype, scaled)
+            key, make_compute = ("plain", dtype.str, scaled), lambda: _plain_compute(dtype, scaled)
         base, layout = block.ctypes.data, []
         for name in WEIGHT_NAMES:
             array = arrays.get(name)
@@ -338,7 +338,7 @@ class CpuLayerWorker:
         # by the futex (benchmarks/offload_timeline.py --waiters spin sleep).
         self.wait_spin_seconds = WAIT_SPIN_SECONDS if threads < numba.config.NUMBA_NUM_THREADS else 0.0
         self.expert_bytes = expert_bytes(tensors, 0, inter)
-        self._shared = _Shared(_server(key, compute), np.array([*layout, inter, hidden, *per_scale], np.int64),
+        self._shared = _Shared(_server(key, make_compute), np.array([*layout, inter, hidden, *per_scale], np.int64),
                                threads)
         self._ticket = 0
         self._held: tuple = ()  # what the job not yet waited for reads: kept alive until `wait`
