@@ -1,4 +1,4 @@
-// Launch contract
+// Launch contract (flash_decode, the decode kernel of this file, has its own below)
 //
 // flash_attention<KV, D, SPLIT>: causal attention of prefill chunks over the paged KV cache on tensor cores
 // (mma.sync.m16n8k16, bf16 operands, float32 accumulation), flash-style: online softmax over tiles of keys, no score
