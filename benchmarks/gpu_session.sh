@@ -22,6 +22,14 @@ python3 -c "import kvikio; print('kvikio', kvikio.__version__)" 2>&1 | tail -1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
 
 llama_builder=""  # the background build of llama.cpp that stage llama_build started
+
+# bench SECONDS LOG LINES SCRIPT ARGS...: run a benchmark script under a time limit, its output logged to $OUT/LOG
+# and its last LINES lines printed
+bench() {
+  local limit=$1 log=$2 lines=$3
+  shift 3
+  timeout "$limit" python3 "$@" 2>&1 | tee "$OUT/$log" | tail -"$lines"
+}
 for stage in $STAGES; do
   case $stage in
     llama_build)
@@ -39,16 +47,15 @@ for stage in $STAGES; do
         | grep -v "^\.*\s*\[" | tail -60 ;;
     decode)
       echo "== decode benchmark"
-      timeout "${DECODE_TIMEOUT:-300}" python3 benchmarks/decode.py --out "$OUT/decode_h200.json" ${DECODE_ARGS:-} \
-        2>&1 | tee "$OUT/decode.log" | tail -40 ;;
+      bench "${DECODE_TIMEOUT:-300}" decode.log 40 benchmarks/decode.py --out "$OUT/decode_h200.json" ${DECODE_ARGS:-} ;;
     engine)
       echo "== decode through the engine against the graph alone"
       (cd benchmarks && timeout "${ENGINE_TIMEOUT:-240}" python3 engine_decode.py --out "$OUT/engine_decode_h200.json" \
         ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine.log" | tail -8) ;;
     dense)
       echo "== dense projections: GEMV against tensor cores"
-      timeout "${DENSE_TIMEOUT:-240}" python3 benchmarks/dense_projection.py --out "$OUT/dense_projection_h200.json" \
-        ${DENSE_ARGS:-} 2>&1 | tee "$OUT/dense.log" | tail -50 ;;
+      bench "${DENSE_TIMEOUT:-240}" dense.log 50 benchmarks/dense_projection.py --out "$OUT/dense_projection_h200.json" \
+        ${DENSE_ARGS:-} ;;
     kernels)
       echo "== one decode step per kernel (Nsight Compute)"
       for shape in ${KERNEL_SHAPES:-qwen3-30b-a3b mixtral-8x7b}; do
@@ -63,9 +70,8 @@ for stage in $STAGES; do
       done ;;
     cpu)
       echo "== CPU expert executor kernels"
-      timeout "${CPU_TIMEOUT:-240}" python3 benchmarks/cpu_expert_kernels.py --out "$OUT/cpu_expert_kernels_h200.json" \
-        ${CPU_ARGS:---shapes mixtral-8x7b,qwen3-30b-a3b --dtypes bf16 --tokens 1,16 --threads 8,16 --candidates stream,numba} \
-        2>&1 | tee "$OUT/cpu.log" | tail -20 ;;
+      bench "${CPU_TIMEOUT:-240}" cpu.log 20 benchmarks/cpu_expert_kernels.py --out "$OUT/cpu_expert_kernels_h200.json" \
+        ${CPU_ARGS:---shapes mixtral-8x7b,qwen3-30b-a3b --dtypes bf16 --tokens 1,16 --threads 8,16 --candidates stream,numba} ;;
     timeline)
       echo "== offload hand-offs, layer by layer"
       timeout "${TIMELINE_TIMEOUT:-300}" python3 benchmarks/offload_timeline.py --out "$OUT/offload_timeline_h200.json" \
@@ -111,25 +117,24 @@ for stage in $STAGES; do
       done ;;
     attention)
       echo "== decode attention alone: splits swept against the KV bytes"
-      timeout "${ATTENTION_TIMEOUT:-240}" python3 benchmarks/decode_attention.py --out "$OUT/decode_attention_h200.json" \
-        ${ATTENTION_ARGS:-} 2>&1 | tee "$OUT/attention.log" | tail -40 ;;
+      bench "${ATTENTION_TIMEOUT:-240}" attention.log 40 benchmarks/decode_attention.py \
+        --out "$OUT/decode_attention_h200.json" ${ATTENTION_ARGS:-} ;;
     long_context)
       # needs LLAMA_SRC and llama.cpp built (stage llama_build first: this stage waits for it)
       echo "== long context against llama.cpp"
       if [ -n "$llama_builder" ] && ! wait $llama_builder; then tail -20 "$OUT/llama_build.log"; continue; fi
-      timeout "${LONG_TIMEOUT:-540}" python3 benchmarks/long_context.py --out "$OUT/long_context_h200.json" \
+      bench "${LONG_TIMEOUT:-540}" long_context.log 30 benchmarks/long_context.py --out "$OUT/long_context_h200.json" \
         --batched-bench "${LLAMA_BUILD:-/tmp/llama-build}/bin/llama-batched-bench" --gguf-py "$LLAMA_SRC/gguf-py" \
-        ${LONG_ARGS:-} 2>&1 | tee "$OUT/long_context.log" | tail -30 ;;
+        ${LONG_ARGS:-} ;;
     compare)
       # BASELINE_TREE: an older revision's tree (git archive REV colibri_stream kernels benchmarks | tar -x -C DIR)
       echo "== this tree against $BASELINE_TREE"
-      timeout "${COMPARE_TIMEOUT:-580}" python3 benchmarks/compare_revisions.py --baseline-tree "$BASELINE_TREE" \
-        --baseline-label "${BASELINE_LABEL:-baseline}" --out "$OUT/compare_revisions_h200.json" ${COMPARE_ARGS:-} \
-        2>&1 | tee "$OUT/compare.log" | tail -30 ;;
+      bench "${COMPARE_TIMEOUT:-580}" compare.log 30 benchmarks/compare_revisions.py --baseline-tree "$BASELINE_TREE" \
+        --baseline-label "${BASELINE_LABEL:-baseline}" --out "$OUT/compare_revisions_h200.json" ${COMPARE_ARGS:-} ;;
     serving)
       echo "== serving against the engine offline"
-      timeout "${SERVING_TIMEOUT:-400}" python3 benchmarks/serving_gpu.py --out "$OUT/serving_gpu_h200.json" \
-        ${SERVING_ARGS:-} 2>&1 | tee "$OUT/serving.log" | tail -30 ;;
+      bench "${SERVING_TIMEOUT:-400}" serving.log 30 benchmarks/serving_gpu.py --out "$OUT/serving_gpu_h200.json" \
+        ${SERVING_ARGS:-} ;;
     exit)
       # exit codes of GPU generate runs whose experts are offloaded (the CPU worker's thread is joined at close)
       echo "== exit codes of offloaded GPU runs"
@@ -146,7 +151,6 @@ for stage in $STAGES; do
       echo "exit codes:$codes" ;;
     offload)
       echo "== offload benchmark"
-      timeout "${OFFLOAD_TIMEOUT:-540}" python3 benchmarks/offload.py --out "$OUT/offload_h200.json" \
-        ${OFFLOAD_ARGS:-} 2>&1 | tee "$OUT/offload.log" | tail -60 ;;
+      bench "${OFFLOAD_TIMEOUT:-540}" offload.log 60 benchmarks/offload.py --out "$OUT/offload_h200.json" ${OFFLOAD_ARGS:-} ;;
   esac
 done

@@ -295,22 +295,11 @@ paged_attention_gqa(const float* __restrict__ q, const KV* __restrict__ key_cach
     const int head = lane >> (5 - LOG_G);  // the head whose score and softmax state this lane holds
     const int group = num_heads / num_kv_heads;
 
-    const int pos = static_cast<int>(positions[t]);
-    const int first = window > 0 ? max(0, pos - window + 1) : 0;
-    const int splits = decode_splits(pos - first + 1, split_keys, gridDim.z);  // this token's; the rest are idle
-    if (split >= splits) return;
-    int b = t;  // one token per sequence: token t is sequence t; otherwise search as paged_attention does
-    if (t >= num_seqs || query_start[t] != t) {
-        int lo = 0, hi = num_seqs - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (query_start[mid] <= t) lo = mid; else hi = mid - 1;
-        }
-        b = lo;
-    }
-    const long long* table = block_tables + static_cast<long long>(b) * max_blocks;
-    const int span = (pos - first + splits) / splits;  // ceil((pos - first + 1) / splits) >= 1
-    const int lo = first + split * span, hi = min(pos + 1, lo + span);  // this split's keys [lo, hi)
+    const DecodeSplit range = decode_split(static_cast<int>(positions[t]), window, split_keys, split, gridDim.z);
+    if (split >= range.splits) return;  // the token's splits are fewer than the launch's: this block is idle
+    const int splits = range.splits, lo = range.lo, hi = range.hi;  // this split's keys [lo, hi)
+    const long long* table =
+        block_tables + static_cast<long long>(decode_sequence(t, num_seqs, query_start)) * max_blocks;
     const long long slot_stride = static_cast<long long>(num_kv_heads) * head_dim;
     const long long kv_offset = static_cast<long long>(kv) * head_dim;
 
@@ -452,8 +441,7 @@ paged_attention_merge(const float* __restrict__ partial_acc, const float* __rest
                       float* __restrict__ out, const long long* __restrict__ positions, int head_dim,
                       int max_splits, int window, int split_keys) {
     pdl_wait();
-    const int pos = static_cast<int>(positions[blockIdx.x]);
-    const int splits = decode_splits(window > 0 ? min(pos + 1, window) : pos + 1, split_keys, max_splits);
+    const int splits = decode_split(static_cast<int>(positions[blockIdx.x]), window, split_keys, 0, max_splits).splits;
     if (splits == 1) return;  // paged_attention_gqa wrote out
     const long long row = static_cast<long long>(blockIdx.x) * gridDim.y + blockIdx.y;  // t * Q + h
     const float* ml = partial_ml + row * max_splits * 2;

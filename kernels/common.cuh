@@ -37,6 +37,32 @@ __device__ __forceinline__ int decode_splits(int keys, int split_keys, int max_s
     return max(1, min(max_splits, (keys + split_keys - 1) / split_keys));
 }
 
+// Split `split` of a decode token at position pos: the token's number of splits (decode_splits over its
+// n = pos - first + 1 keys, first = max(0, pos - window + 1) with a window, else 0) and the split's keys [lo, hi),
+// contiguous runs of ceil(n / splits) keys (the last ones may be short or empty).
+struct DecodeSplit {
+    int splits, lo, hi;
+};
+__device__ __forceinline__ DecodeSplit decode_split(int pos, int window, int split_keys, int split, int max_splits) {
+    const int first = window > 0 ? max(0, pos - window + 1) : 0;
+    const int splits = decode_splits(pos - first + 1, split_keys, max_splits);
+    const int span = (pos - first + splits) / splits;  // ceil(n / splits) >= 1
+    const int lo = first + split * span;
+    return {splits, lo, min(pos + 1, lo + span)};
+}
+
+// The sequence of decode token t: t itself where query_start[t] == t (one token per sequence, a decode step's
+// layout), else the last b with query_start[b] <= t.
+__device__ __forceinline__ int decode_sequence(int t, int num_seqs, const long long* __restrict__ query_start) {
+    if (t < num_seqs && query_start[t] == t) return t;
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (query_start[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
 template <typename W> struct Vec;
 
 template <> struct Vec<float> {

@@ -126,6 +126,28 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(FULL_MASK, v, 2);
 }
 
+// One tile's step of the online softmax for a warp's rows r and r + 8 (the two halves of m, l and o): the running
+// maxima m (log2 units) raised by the tile's (tile_max, this lane's columns; the quad's maximum is taken here), the
+// row sums l and accumulators o rescaled to them; reference: what the tile's probabilities are taken against, the
+// new maximum, or 0 for a row with no visible key yet (its p are 0, not NaN).
+template <int DTILES>
+__device__ __forceinline__ void online_softmax_step(float (&m)[2], float (&l)[2], float (&o)[DTILES][4],
+                                                    const float (&tile_max)[2], float (&reference)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float m_new = fmaxf(m[h], quad_max(tile_max[h]));
+        reference[h] = m_new == neg_inf() ? 0.f : m_new;
+        const float correction = exp2f(m[h] - reference[h]);  // 0 while m is -inf
+        l[h] *= correction;
+#pragma unroll
+        for (int n = 0; n < DTILES; ++n) {
+            o[n][2 * h] *= correction;
+            o[n][2 * h + 1] *= correction;
+        }
+        m[h] = m_new;
+    }
+}
+
 // Stage keys (or values) tile0 .. tile0 + KEYS - 1 of KV head kv in shared memory as bf16 rows of D + 8, the high
 // parts in hi_rows and, with LO, the low parts in lo_rows: those outside [key_lo, key_hi) are zeros, never read
 // from the cache. Each thread's chunks of 8 elements are all loaded before any is stored, so their memory round
@@ -277,19 +299,7 @@ flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, c
             }
         }
         float reference[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float m_new = fmaxf(m[h], quad_max(tile_max[h]));
-            reference[h] = m_new == neg_inf() ? 0.f : m_new;  // a row with no visible key yet: p = 0, not NaN
-            const float correction = exp2f(m[h] - reference[h]);  // 0 while m is -inf
-            l[h] *= correction;
-#pragma unroll
-            for (int n = 0; n < DTILES; ++n) {
-                o[n][2 * h] *= correction;
-                o[n][2 * h + 1] *= correction;
-            }
-            m[h] = m_new;
-        }
+        online_softmax_step(m, l, o, tile_max, reference);
 #pragma unroll
         for (int n = 0; n < NTILES; ++n) {
 #pragma unroll
@@ -392,22 +402,11 @@ flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, cons
     const int t = blockIdx.x, kv = blockIdx.y, split = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, c = lane % 4;
     const int group = num_heads / num_kv_heads;
-    const int pos = static_cast<int>(positions[t]);
-    const int first = window > 0 ? max(0, pos - window + 1) : 0;
-    const int splits = decode_splits(pos - first + 1, split_keys, gridDim.z);
-    if (split >= splits) return;
-    const int span = (pos - first + splits) / splits;  // ceil(n / splits) >= 1
-    const int lo = first + split * span, hi = min(pos + 1, lo + span);  // this split's keys [lo, hi)
-    int b = t;
-    if (t >= num_seqs || query_start[t] != t) {
-        int low = 0, high = num_seqs - 1;
-        while (low < high) {
-            const int mid = (low + high + 1) / 2;
-            if (query_start[mid] <= t) low = mid; else high = mid - 1;
-        }
-        b = low;
-    }
-    const long long* table = block_tables + static_cast<long long>(b) * max_blocks;
+    const DecodeSplit range = decode_split(static_cast<int>(positions[t]), window, split_keys, split, gridDim.z);
+    if (split >= range.splits) return;  // the token's splits are fewer than the launch's: this block is idle
+    const int splits = range.splits, lo = range.lo, hi = range.hi;  // this split's keys [lo, hi)
+    const long long* table =
+        block_tables + static_cast<long long>(decode_sequence(t, num_seqs, query_start)) * max_blocks;
 
     // Rows r and r + 8 of the m-tile (query heads kv * group + row; zero past the group) as A fragments.
     unsigned qa[KSTEPS][4], ql[KSTEPS][4];
@@ -485,23 +484,13 @@ flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, cons
                 tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
             }
         }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float m_new = fmaxf(m[h], quad_max(tile_max[h]));  // finite: key0 < hi
-            const float correction = exp2f(m[h] - m_new);           // 0 while m is -inf
-            l[h] *= correction;
-#pragma unroll
-            for (int n = 0; n < DTILES; ++n) {
-                o[n][2 * h] *= correction;
-                o[n][2 * h + 1] *= correction;
-            }
-            m[h] = m_new;
-        }
+        float reference[2];
+        online_softmax_step(m, l, o, tile_max, reference);
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                s[n][e] = exp2f(s[n][e] - m[e / 2]);
+                s[n][e] = exp2f(s[n][e] - reference[e / 2]);
                 l[e / 2] += s[n][e];
             }
         }
