@@ -118,12 +118,11 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
     """ModelConfig of a Hugging Face config.json (and generation_config.json) for the given storage dtypes.
 
     `tensor_names` settles the one option that legacy configs leave to the weights: Qwen2-MoE's qkv_bias.
+    quantization_config is not read here: it says how the weights are stored (export/quantized_sources.py).
     """
     arch = detect_architecture(raw)
-    for key in ("quantization_config", "per_layer_config"):
-        if raw.get(key) is not None:
-            what = "pre-quantised checkpoints" if key == "quantization_config" else "per-layer configs"
-            raise _unsupported(f"{key} is set: {what} are not supported (export from the unquantised original)")
+    if raw.get("per_layer_config") is not None:
+        raise _unsupported("per_layer_config is set: per-layer configs are not supported")
     missing = [key for key in (*_REQUIRED_KEYS, _EXPERT_WIDTH_KEY[arch]) if raw.get(key) is None]
     if raw.get("num_experts") is None and raw.get("num_local_experts") is None:
         missing.append("num_local_experts" if arch == "mixtral" else "num_experts")

@@ -4,6 +4,10 @@ The export is planned from the safetensors headers alone (every source tensor's 
 against the translated config before anything is written), then written tensor by tensor: dense tensors in
 `dense_tensor_specs` order through DenseFileWriter, then routed experts one at a time through ExpertFileWriter.
 Rows are read and converted in chunks of a few MiB, so memory peaks at about one expert (or one dense tensor).
+
+A pre-quantized checkpoint (config.json's quantization_config, export/quantized_sources.py) keeps its routed
+experts' values and scales in the matching codec, and its quantized dense weights are dequantized to the dense
+dtype; such a checkpoint is not quantized again (`quantize` is refused).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from ..errors import CheckpointError, ColibriError, UnsupportedModelError
 from ..experts.codecs import ExpertCodec, expert_codec
 from .architectures import IGNORED_SUFFIXES, hf_dense_candidates, hf_expert_names, translate_config
 from .hf_checkpoint import SOURCE_DTYPES, HFCheckpoint
+from .quantized_source import QuantizedSource
+from .quantized_sources import quantized_source
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 QUANTIZE = ("int8", "int4", "fp8")  # --quantize: the routed experts' codec (experts/codecs.py)
@@ -44,6 +50,12 @@ class Source:
     shape: tuple[int, ...]  # of what is read: [n] or [rows, cols]
     lead: tuple[int, ...] = ()
     row0: int = 0
+    stored: tuple[str, ...] = ()  # the tensors of a weight the checkpoint stores quantized (none: plain)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the source is a quantized weight, read whole by the checkpoint's format reader."""
+        return bool(self.stored)
 
     def chunks(self) -> Iterator[tuple[int, int]]:
         """Row ranges [a, b) of at most _CHUNK_BYTES as float32."""
@@ -63,13 +75,28 @@ class ExportPlan:
     dense: dict[str, Source]  # our dense tensor name -> source, in dense_tensor_specs order
     experts: dict[int, list[dict[str, Source]]]  # MoE layer -> per expert {"gate", "up", "down"}
     source_bytes: int  # bytes read from the checkpoint in all
+    quantization: QuantizedSource | None = None  # the reader of the checkpoint's quantized weights
 
 
-def plan_export(checkpoint: HFCheckpoint, config: ModelConfig) -> ExportPlan:
-    """Map every native tensor to its checkpoint source, checking names, dtypes and shapes; reads headers only."""
+def plan_export(checkpoint: HFCheckpoint, config: ModelConfig, quantization: QuantizedSource | None = None
+                ) -> ExportPlan:
+    """Map every native tensor to its checkpoint source, checking names, dtypes and shapes; reads headers only.
+
+    With `quantization`, a weight it stores quantized is named `<module>.weight` as in any checkpoint, and stands
+    for the format's tensors; every routed expert must be one (config's expert format is the checkpoint's).
+    """
     used: set[str] = set()
+    imported = quantization.weights(checkpoint.tensors) if quantization else {}  # weight -> its stored tensors
+    names = checkpoint.tensors.keys() | imported.keys()
 
     def checked(name: str, shape: tuple[int, ...]) -> str:
+        if name in imported:
+            if len(shape) != 2:
+                raise UnsupportedModelError(f"{name} is quantized with {len(shape)} dimensions; Colibri imports "
+                                            "quantized matrices [out, in] (one per expert)")
+            quantization.check(checkpoint.tensors, name, shape)
+            used.update(imported[name])
+            return name
         info = checkpoint.tensors[name]
         if info.dtype not in SOURCE_DTYPES:
             raise UnsupportedModelError(f"{name} is stored as {info.dtype}; Colibri exports from BF16, F16 or F32 "
@@ -82,30 +109,36 @@ def plan_export(checkpoint: HFCheckpoint, config: ModelConfig) -> ExportPlan:
     dense: dict[str, Source] = {}
     for name, shape in dense_tensor_specs(config).items():
         candidates = hf_dense_candidates(name)
-        found = next((c for c in candidates if c in checkpoint.tensors), None)
+        found = next((c for c in candidates if c in names), None)
         if found is None:
             raise CheckpointError(f"{candidates[0]} is missing from the checkpoint")
-        dense[name] = Source(checked(found, shape), shape)
+        dense[name] = Source(checked(found, shape), shape, stored=imported.get(found, ()))
 
     h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
     experts: dict[int, list[dict[str, Source]]] = {}
     for layer in config.moe_layers:
-        names = hf_expert_names(layer, checkpoint.tensors)
-        if names.fused:
-            gate_up, down = checked(names.gate, (e, 2 * i, h)), checked(names.down, (e, h, i))
+        layout = hf_expert_names(layer, names)
+        if layout.fused:
+            gate_up, down = checked(layout.gate, (e, 2 * i, h)), checked(layout.down, (e, h, i))
             experts[layer] = [dict(gate=Source(gate_up, (i, h), (x,), 0), up=Source(gate_up, (i, h), (x,), i),
                                    down=Source(down, (h, i), (x,))) for x in range(e)]
             continue
         experts[layer] = []
         for x in range(e):
             tensors = {}
-            for part, pattern, shape in (("gate", names.gate, (i, h)), ("up", names.up, (i, h)),
-                                         ("down", names.down, (h, i))):
+            for part, pattern, shape in (("gate", layout.gate, (i, h)), ("up", layout.up, (i, h)),
+                                         ("down", layout.down, (h, i))):
                 name = pattern.format(e=x)
-                if name not in checkpoint.tensors:
+                if name not in names:
                     raise CheckpointError(f"{name} is missing from the checkpoint")
-                tensors[part] = Source(checked(name, shape), shape)
+                tensors[part] = Source(checked(name, shape), shape, stored=imported.get(name, ()))
             experts[layer].append(tensors)
+    if quantization:
+        plain = [s.name for parts in experts.values() for expert in parts for s in expert.values() if not s.quantized]
+        if plain:
+            raise UnsupportedModelError(f"the checkpoint stores {len(plain)} routed expert matrices unquantized "
+                                        f"(first: {plain[0]}); Colibri imports {quantization.description} "
+                                        "checkpoints whose routed experts are all quantized")
 
     tolerated = {"lm_head.weight"} if config.tie_word_embeddings else set()
     # Tensors of no element hold nothing (transformers builds Qwen2-MoE's shared expert even at width 0); with no
@@ -117,7 +150,7 @@ def plan_export(checkpoint: HFCheckpoint, config: ModelConfig) -> ExportPlan:
     if unused:
         raise CheckpointError(f"the checkpoint holds {len(unused)} tensors that config.json does not account for "
                               f"(first: {unused[0]})")
-    return ExportPlan(config, dense, experts, sum(checkpoint.tensors[n].nbytes for n in used))
+    return ExportPlan(config, dense, experts, sum(checkpoint.tensors[n].nbytes for n in used), quantization)
 
 
 def untie_differing_lm_head(checkpoint: HFCheckpoint, config: ModelConfig) -> ModelConfig:
@@ -152,11 +185,19 @@ def _cast(rows: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
 
 
 class _Reader:
-    """Reads sources chunk by chunk into storage arrays, counting the bytes read on a progress bar."""
+    """Reads sources chunk by chunk into storage arrays, counting the bytes read on a progress bar; quantized
+    sources whole, through the checkpoint's format reader."""
 
-    def __init__(self, checkpoint: HFCheckpoint, bar: tqdm):
+    def __init__(self, checkpoint: HFCheckpoint, bar: tqdm, quantization: QuantizedSource | None):
         self.checkpoint = checkpoint
         self.bar = bar
+        self.quantization = quantization
+
+    def imported(self, source: Source) -> dict[str, np.ndarray]:
+        """A quantized source as the format's codec tensors by suffix, its values and scales as stored."""
+        parts = self.quantization.read(self.checkpoint, source.name, source.shape)
+        self.bar.update(sum(self.checkpoint.tensors[name].nbytes for name in source.stored))
+        return parts
 
     def _rows(self, source: Source) -> Iterator[tuple[int, int, np.ndarray]]:
         for start, stop in source.chunks():
@@ -165,7 +206,10 @@ class _Reader:
             yield start, stop, rows
 
     def converted(self, source: Source, dtype: str) -> np.ndarray:
-        """The whole source in `dtype`.  # source.shape"""
+        """The whole source in `dtype` (a quantized one dequantized first).  # source.shape"""
+        if source.quantized:
+            codec = self.quantization.codec
+            return _cast(codec.dequantize(self.imported(source), source.shape[1]), NUMPY_DTYPES[dtype], source.name)
         out = np.empty(source.shape, NUMPY_DTYPES[dtype])
         for start, stop, rows in self._rows(source):
             out[start:stop] = _cast(rows, out.dtype, source.name)
@@ -181,7 +225,7 @@ def _write_weights(plan: ExportPlan, checkpoint: HFCheckpoint, out: Path, progre
     config = plan.config
     with tqdm(total=plan.source_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="export",
               file=sys.stderr, disable=not progress) as bar:
-        reader = _Reader(checkpoint, bar)
+        reader = _Reader(checkpoint, bar, plan.quantization)
         specs = dense_tensor_specs(config)
         dense = DenseFileWriter(out / config.dense_file, {n: (shape, config.dtype) for n, shape in specs.items()})
         for name, source in plan.dense.items():
@@ -194,7 +238,9 @@ def _write_weights(plan: ExportPlan, checkpoint: HFCheckpoint, out: Path, progre
                 for expert, parts in enumerate(sources):
                     tensors: dict[str, np.ndarray] = {}
                     for part, source in parts.items():
-                        if quantized:
+                        if source.quantized:  # the checkpoint's own values in the same codec
+                            tensors.update({part + suffix: a for suffix, a in reader.imported(source).items()})
+                        elif quantized:
                             tensors.update(reader.quantized(source, part, codec))
                         else:
                             tensors[part] = reader.converted(source, config.expert_dtype)
@@ -255,17 +301,24 @@ def export_model(hf_dir: str | Path, out_dir: str | Path, dtype: str = "bf16", q
     format, rounded to nearest (experts/codecs.py): "int8" (symmetric, per output channel), "int4" (a scale per
     `group_size` input channels, 32, 64 or 128 (default); with `zero_point` asymmetric), "fp8" (e4m3; `fp8_scales`
     "block": per 128 x 128 tile (default), "channel": per output channel). A non-empty `out_dir` is refused unless
-    `force`. config.json is written last, and a failed export leaves no config.json behind.
+    `force`. A pre-quantized checkpoint (export/quantized_sources.py) keeps its experts' format and is refused with
+    `quantize`. config.json is written last, and a failed export leaves no config.json behind.
     """
     if dtype not in DTYPE_NAMES:
         raise ColibriError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
     formats = expert_format(quantize, group_size, zero_point, fp8_scales)
     checkpoint = HFCheckpoint(hf_dir)
+    quantization = quantized_source(checkpoint.config)
+    if quantization is not None:
+        if formats:
+            raise ColibriError(f"the checkpoint is already quantized ({quantization.description}); export it "
+                               "without --quantize and its options (its experts keep their format)")
+        formats = quantization.expert_format()
     storage = DTYPE_NAMES[dtype]
     config = translate_config(checkpoint.config, checkpoint.generation_config, checkpoint.tensors.keys(),
                               storage, storage)
     config = untie_differing_lm_head(checkpoint, dataclasses.replace(config, **formats))
-    plan = plan_export(checkpoint, config)
+    plan = plan_export(checkpoint, config, quantization)
     dense_bytes = sum(int(np.prod(s)) for s in dense_tensor_specs(config).values()) * NUMPY_DTYPES[storage].itemsize
     expert_bytes = len(config.moe_layers) * config.num_experts * expert_block_layout(config)[1]
     out = Path(out_dir)

@@ -19,8 +19,15 @@ from ..errors import CheckpointError, UnsupportedModelError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# safetensors dtype code -> our dtype name, for the dtypes a source checkpoint may use.
+# safetensors dtype code -> our dtype name, for the dtypes a source checkpoint may use for plain weights.
 SOURCE_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+# safetensors dtype code -> NumPy dtype of every dtype the exporter reads: the plain ones, then those of quantized
+# weights (export/quantized_sources.py): fp8 e4m3 values, packed int4 codes, shapes and zero points.
+STORED_DTYPES = {**{code: NUMPY_DTYPES[name] for code, name in SOURCE_DTYPES.items()},
+                 "F8_E4M3": NUMPY_DTYPES["float8_e4m3fn"], "I32": np.dtype("<i4"), "I64": np.dtype("<i8"),
+                 "I8": NUMPY_DTYPES["int8"], "U8": NUMPY_DTYPES["uint8"]}
+# Dtypes safetensors' NumPy reader cannot give (NumPy has no float8): their bytes are read from the file.
+_RAW_DTYPES = ("F8_E4M3",)
 
 
 @dataclass(frozen=True)
@@ -31,9 +38,13 @@ class TensorInfo:
     dtype: str  # safetensors code: "BF16", "F16", "F32", ...
     shape: tuple[int, ...]
 
+    offset: int  # of the tensor's first byte in the file
+
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * np.dtype(NUMPY_DTYPES[SOURCE_DTYPES[self.dtype]]).itemsize
+        """The tensor's bytes (0 for a dtype the exporter does not read, which the plan refuses by name)."""
+        dtype = STORED_DTYPES.get(self.dtype)
+        return int(np.prod(self.shape)) * dtype.itemsize if dtype is not None else 0
 
 
 def read_json(path: Path) -> dict:
@@ -97,11 +108,12 @@ class HFCheckpoint:
         for path in self._weight_files():
             try:
                 with safe_open(str(path), framework="numpy") as f:
+                    offsets = _data_offsets(path)
                     for name in f.keys():
                         view = f.get_slice(name)
                         if name in tensors:
                             raise CheckpointError(f"tensor {name} is in both {tensors[name].file.name} and {path.name}")
-                        tensors[name] = TensorInfo(path, view.get_dtype(), tuple(view.get_shape()))
+                        tensors[name] = TensorInfo(path, view.get_dtype(), tuple(view.get_shape()), offsets[name])
             except CheckpointError:
                 raise
             except Exception as exc:  # safetensors raises its own error types for a bad header
@@ -120,7 +132,10 @@ class HFCheckpoint:
 
     def read(self, name: str, index: tuple = ()) -> np.ndarray:
         """`tensor[index]` in its stored dtype; only the bytes of the selected rows are read."""
-        file = self.tensors[name].file
+        info = self.tensors[name]
+        file = info.file
+        if info.dtype in _RAW_DTYPES:
+            return self._read_raw(name)[index] if index else self._read_raw(name)
         try:
             with safe_open(str(file), framework="numpy") as f:
                 return f.get_slice(name)[index] if index else f.get_tensor(name)
@@ -128,3 +143,24 @@ class HFCheckpoint:
             raise  # the exporter reports it with the file name
         except Exception as exc:  # the file changed or broke since its header was read
             raise CheckpointError(f"cannot read {name} from {file.name} ({exc})") from None
+
+    def _read_raw(self, name: str) -> np.ndarray:
+        """A whole tensor of a dtype NumPy's safetensors reader lacks, from its bytes in the file."""
+        info = self.tensors[name]
+        dtype = STORED_DTYPES[info.dtype]
+        count = int(np.prod(info.shape))
+        with open(info.file, "rb") as f:
+            f.seek(info.offset)
+            data = np.fromfile(f, np.uint8, count * dtype.itemsize)
+        if data.size != count * dtype.itemsize:
+            raise CheckpointError(f"cannot read {name} from {info.file.name} (the file ends inside it)")
+        return data.view(dtype).reshape(info.shape)
+
+
+def _data_offsets(path: Path) -> dict[str, int]:
+    """Each tensor's first byte in a safetensors file: after the 8-byte header length and the JSON header, at the
+    header's data_offsets[0] (safe_open has read and checked the same header)."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    return {name: 8 + length + entry["data_offsets"][0] for name, entry in header.items() if name != "__metadata__"}

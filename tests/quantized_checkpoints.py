@@ -1,0 +1,132 @@
+"""Tiny pre-quantized Hugging Face checkpoints in the published formats, built from a random Qwen3-MoE model.
+
+Each writes per-expert tensors (`model.layers.L.mlp.experts.E.gate_proj.weight`, as the published FP8 and
+compressed-tensors checkpoints name them) and returns the float32 state dict that the stored values dequantize to,
+in the layout of the transformers model (fused experts), so a float model loaded with it is the reference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tiny_models import build_hf_model
+
+FP8_TILE = 128
+# Linear weights quantized in both formats: attention and routed experts; the router, norms, embeddings and lm_head
+# stay bfloat16, as in the published checkpoints
+QUANTIZED = (".self_attn.q_proj.weight", ".self_attn.k_proj.weight", ".self_attn.v_proj.weight",
+             ".self_attn.o_proj.weight", ".gate_proj.weight", ".up_proj.weight", ".down_proj.weight")
+
+
+def per_expert(state: dict[str, torch.Tensor], inter: int) -> dict[str, torch.Tensor]:
+    """The fused [E, 2I, H] / [E, H, I] experts of a transformers state dict as per-expert [out, in] weights."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            for e, fused in enumerate(tensor):
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = fused[:inter], fused[inter:]
+        elif name.endswith(".experts.down_proj"):
+            base = name[: -len("down_proj")]
+            out.update({f"{base}{e}.down_proj.weight": w for e, w in enumerate(tensor)})
+        else:
+            out[name] = tensor
+    return out
+
+
+def fused(weights: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert weights back in the fused layout of the state dict `like`."""
+    out = {}
+    for name, tensor in like.items():
+        if name.endswith(".experts.gate_up_proj") or name.endswith(".experts.down_proj"):
+            base, kind = name.rsplit(".", 1)
+            parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+            out[name] = torch.stack([torch.cat([weights[f"{base}.{e}.{p}.weight"] for p in parts])
+                                     for e in range(tensor.shape[0])])
+        else:
+            out[name] = weights[name]
+    return out
+
+
+def _write(folder: Path, tensors: dict[str, torch.Tensor], quantization: dict) -> None:
+    (folder / "model.safetensors").unlink()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = quantization
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def fp8_tiles(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float32 -> (float8_e4m3fn [out, in], scale_inv float32 [ceil(out/128), ceil(in/128)]): DeepSeek-V3's
+    block quantization, amax / 448 per tile, the last tiles partial."""
+    out, inp = weight.shape
+    rows, cols = -(-out // FP8_TILE), -(-inp // FP8_TILE)
+    padded = torch.nn.functional.pad(weight.abs(), (0, cols * FP8_TILE - inp, 0, rows * FP8_TILE - out))
+    scale = padded.reshape(rows, FP8_TILE, cols, FP8_TILE).amax(dim=(1, 3)) / 448.0  # [rows, cols]
+    spread = scale.repeat_interleave(FP8_TILE, 0).repeat_interleave(FP8_TILE, 1)[:out, :inp]
+    return (weight / spread).to(torch.float8_e4m3fn), scale
+
+
+def fp8_dequantized(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    spread = scale.repeat_interleave(FP8_TILE, 0).repeat_interleave(FP8_TILE, 1)[: values.shape[0], : values.shape[1]]
+    return values.float() * spread
+
+
+def build_fp8_checkpoint(folder: Path, **overrides) -> dict[str, torch.Tensor]:
+    """A Qwen3-MoE checkpoint as the `-FP8` releases ship it; returns the dequantized float32 state dict."""
+    model = build_hf_model("qwen3_moe", folder, **overrides)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    stored, dequantized = {}, {}
+    for name, weight in per_expert(state, model.config.moe_intermediate_size).items():
+        if name.endswith(QUANTIZED):
+            stored[name], stored[name + "_scale_inv"] = fp8_tiles(weight)
+            dequantized[name] = fp8_dequantized(stored[name], stored[name + "_scale_inv"])
+        else:
+            stored[name] = weight.to(torch.bfloat16)
+            dequantized[name] = stored[name].float()
+    _write(folder, stored, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [FP8_TILE, FP8_TILE], "modules_to_not_convert": ["lm_head"]})
+    return fused(dequantized, state)
+
+
+def compressed_tensors_scheme(group_size: int, symmetric: bool):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group_size))
+
+
+def build_pack_quantized_checkpoint(folder: Path, group_size: int = 32, symmetric: bool = True,
+                                    **overrides) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A Qwen3-MoE checkpoint compressed by compressed-tensors' own pack-quantized compressor (min-max scales
+    from its calculate_qparams, bfloat16 as llm-compressor stores them). Returns the float32 state dict the
+    library decompresses to (with the scales widened to float32) and the stored tensors."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = build_hf_model("qwen3_moe", folder, **overrides)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    scheme = compressed_tensors_scheme(group_size, symmetric)
+    stored, dequantized = {}, {}
+    for name, weight in per_expert(state, model.config.moe_intermediate_size).items():
+        if not name.endswith(QUANTIZED):
+            stored[name] = weight.to(torch.bfloat16)
+            dequantized[name] = stored[name].float()
+            continue
+        groups = weight.reshape(weight.shape[0], -1, group_size)
+        scale, zero = calculate_qparams(groups.amin(2), groups.amax(2), scheme.weights)
+        module = PackedQuantizationCompressor.compress(
+            {"weight": weight, "weight_scale": scale.to(torch.bfloat16), "weight_zero_point": zero}, scheme)
+        base = name[: -len("weight")]
+        stored.update({base + key: value for key, value in module.items()})
+        wide = dict(module, weight_scale=module["weight_scale"].float())
+        dequantized[name] = PackedQuantizationCompressor.decompress(wide, scheme)["weight"].float()
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
+                                quantization_status="compressed", ignore=["lm_head", "re:.*mlp.gate$"])
+    _write(folder, stored, config.model_dump(mode="json"))
+    return fused(dequantized, state), stored
