@@ -16,7 +16,8 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="storage dtype (default bf16)")
     p.add_argument("--quantize", choices=("int8", "int4", "fp8"), default=None,
                    help="quantize the routed experts, rounded to nearest: int8 (a scale per output channel), int4 "
-                        "(a scale per group of input channels), fp8 (e4m3)")
+                        "(a scale per group of input channels), fp8 (e4m3); a pre-quantized checkpoint keeps its "
+                        "experts' format and refuses it")
     p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,
                    help="int4: input channels per scale (default 128)")
     p.add_argument("--int4-zero-point", action="store_true", help="int4: asymmetric, a zero point per group")

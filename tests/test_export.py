@@ -241,7 +241,7 @@ def test_special_tokens_from_generation_config():
     ("olmoe", dict(partial_rotary_factor=0.5), ["partial_rotary_factor"]),
     ("qwen3_moe", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
      ["partial_rotary_factor"]),
-    ("mixtral", dict(quantization_config={"quant_method": "fp8"}), ["quantization_config", "pre-quantised"]),
+    ("mixtral", dict(per_layer_config={"0": {}}), ["per_layer_config"]),
     ("qwen2_moe", dict(use_sliding_window=False,
                        layer_types=["sliding_attention", "full_attention", "full_attention"]), ["layer 0"]),
     ("olmoe", dict(head_dim=32), ["head_dim"]),

@@ -20,6 +20,7 @@ from colibri_stream.config import RopeConfig  # noqa: E402
 from colibri_stream.errors import UnsupportedModelError  # noqa: E402
 from colibri_stream.export import export_model  # noqa: E402
 from colibri_stream.export.architectures import translate_config  # noqa: E402
+from colibri_stream.export.quantized_sources import quantized_source  # noqa: E402
 from colibri_stream.loader import load_model  # noqa: E402
 from test_parity import colibri_greedy, colibri_logits, prompt_ids, reference_greedy, reference_logits  # noqa: E402
 from test_parity import relative_error  # noqa: E402
@@ -125,9 +126,9 @@ def test_qwen3_yarn_as_its_model_card_enables_it():
                                              original_max_position_embeddings=32768)
 
 
-def test_pre_quantised_published_config_is_refused():
-    with pytest.raises(UnsupportedModelError, match="quantization_config"):
-        translate(published("qwen1.5-moe-a2.7b-chat-gptq-int4"))
+def test_pre_quantised_published_config_of_an_unsupported_format_is_refused():
+    with pytest.raises(UnsupportedModelError, match="quant_method 'gptq' is not supported; Colibri imports fp8"):
+        quantized_source(published("qwen1.5-moe-a2.7b-chat-gptq-int4"))
 
 
 # ------------------------------------------------------------------------------------------------------------------

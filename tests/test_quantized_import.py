@@ -1,0 +1,287 @@
+"""Importing pre-quantized checkpoints: FP8 block-scaled (DeepSeek-V3 / Qwen3-FP8) and compressed-tensors
+pack-quantized int4, built by tests/quantized_checkpoints.py from tiny random Qwen3-MoE models.
+
+What must hold: the routed experts in experts.bin are the checkpoint's own values and scales (fp8: the same bytes;
+int4: the same codes, dequantizing to what compressed-tensors decompresses), quantized dense weights are
+dequantized, and the exported model computes what a float32 transformers model loaded with the dequantized weights
+computes: logits within 1e-4 of the largest reference logit (float32 dense export, float32 KV cache: the weights
+are the same numbers, only the order of operations differs) and the same 32 greedy tokens. Everything else in a
+quantization_config is refused in one line naming what is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("compressed_tensors")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from colibri_stream.checkpoint import ModelFolder  # noqa: E402
+from colibri_stream.errors import CheckpointError, ColibriError, UnsupportedModelError  # noqa: E402
+from colibri_stream.experts.codecs import dequantize_expert  # noqa: E402
+from colibri_stream.export import export_model  # noqa: E402
+from colibri_stream.export.quantized_sources import quantized_source  # noqa: E402
+from colibri_stream.loader import load_model  # noqa: E402
+from quantized_checkpoints import (build_fp8_checkpoint, build_pack_quantized_checkpoint,  # noqa: E402
+                                   compressed_tensors_scheme)
+from test_parity import (NEW_TOKENS, colibri_greedy, colibri_logits, prompt_ids, reference_greedy,  # noqa: E402
+                         reference_logits, relative_error)
+from tiny_models import hf_config  # noqa: E402
+
+# hidden 160 and expert width 48: two 128-column tiles, the second partial, and tiles of fewer than 128 rows
+FP8_SHAPE = dict(hidden_size=160, moe_intermediate_size=48)
+# (group size, symmetric, shape): compressed-tensors needs the group size to divide every quantized matrix's input
+INT4_CASES = [(32, True, {}), (64, False, dict(head_dim=32, moe_intermediate_size=64))]
+
+
+def reference_model(overrides: dict, state: dict[str, torch.Tensor]):
+    """A float32 transformers Qwen3-MoE holding the dequantized weights."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(hf_config("qwen3_moe", **overrides), dtype=torch.float32)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def assert_generates_like(reference, out: Path) -> None:
+    model = load_model(out, verify=True)
+    ids = prompt_ids()
+    assert relative_error(colibri_logits(model, ids), reference_logits(reference, ids)) < 1e-4
+    assert colibri_greedy(model, ids, NEW_TOKENS) == reference_greedy(reference, ids, NEW_TOKENS)
+
+
+def expert_weights(layer: int, expert: int) -> dict[str, str]:
+    base = f"model.layers.{layer}.mlp.experts.{expert}"
+    return {part: f"{base}.{part}_proj.weight" for part in ("gate", "up", "down")}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# FP8 block-scaled
+# ------------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """(folder, dequantized float32 state dict, exported folder with float32 dense weights)."""
+    root = tmp_path_factory.mktemp("fp8")
+    state = build_fp8_checkpoint(root / "hf", **FP8_SHAPE)
+    export_model(root / "hf", root / "out", dtype="fp32", progress=False)
+    return root / "hf", state, root / "out"
+
+
+def test_fp8_experts_keep_the_checkpoints_bytes_and_scales(fp8_checkpoint):
+    hf_dir, _, out = fp8_checkpoint
+    source = load_file(str(hf_dir / "model.safetensors"))
+    folder = ModelFolder(out, verify=True)
+    config = folder.config
+    assert (config.expert_dtype, config.expert_scales) == ("fp8", "block")
+    for layer in config.moe_layers:
+        for expert in range(config.num_experts):
+            ours = folder.experts.tensors(layer, expert)
+            for part, name in expert_weights(layer, expert).items():
+                values, scale = source[name], source[name + "_scale_inv"]
+                rows, cols = values.shape
+                assert scale.shape == (-(-rows // 128), -(-cols // 128))
+                np.testing.assert_array_equal(ours[part].view(np.uint8), values.view(torch.uint8).numpy())
+                np.testing.assert_array_equal(ours[part + "_scale"], scale.numpy())
+    folder.experts.close()
+
+
+def test_fp8_dense_weights_are_dequantized_per_tile(fp8_checkpoint, tmp_path):
+    hf_dir, state, out = fp8_checkpoint
+    name = "model.layers.1.self_attn.q_proj.weight"  # [96, 160]: tiles of 96 x 128 and 96 x 32
+    folder = ModelFolder(out)
+    np.testing.assert_array_equal(folder.dense.get("layers.1.q_proj"), state[name].numpy())
+    np.testing.assert_array_equal(folder.dense.get("layers.1.router"), state["model.layers.1.mlp.gate.weight"])
+    export_model(hf_dir, tmp_path / "bf16", progress=False)  # the default dense dtype
+    rounded = state[name].numpy().astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(ModelFolder(tmp_path / "bf16").dense.get("layers.1.q_proj"), rounded)
+
+
+def test_fp8_export_generates_like_the_dequantized_reference(fp8_checkpoint):
+    _, state, out = fp8_checkpoint
+    assert_generates_like(reference_model(FP8_SHAPE, state), out)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# compressed-tensors pack-quantized int4
+# ------------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=INT4_CASES, ids=["g32-symmetric", "g64-zero-points"])
+def int4_checkpoint(request, tmp_path_factory):
+    """(group size, symmetric, overrides, folder, decompressed float32 state, stored tensors, exported folder)."""
+    group_size, symmetric, overrides = request.param
+    root = tmp_path_factory.mktemp(f"int4_g{group_size}")
+    state, stored = build_pack_quantized_checkpoint(root / "hf", group_size, symmetric, **overrides)
+    export_model(root / "hf", root / "out", dtype="fp32", progress=False)
+    return group_size, symmetric, overrides, root / "hf", state, stored, root / "out"
+
+
+def test_int4_experts_are_the_libraries_codes_and_decompress_alike(int4_checkpoint):
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    group_size, symmetric, _, _, _, stored, out = int4_checkpoint
+    scheme = compressed_tensors_scheme(group_size, symmetric)
+    folder = ModelFolder(out, verify=True)
+    config = folder.config
+    assert (config.expert_dtype, config.expert_group_size, config.expert_zero_point) == ("int4", group_size,
+                                                                                       not symmetric)
+    for layer in config.moe_layers:
+        for expert in range(config.num_experts):
+            ours = folder.experts.tensors(layer, expert)
+            dequantized = dequantize_expert(ours)
+            for part, name in expert_weights(layer, expert).items():
+                base = name[: -len("weight")]
+                module = {key[len(base):]: value for key, value in stored.items() if key.startswith(base)}
+                shape = tuple(module["weight_shape"].tolist())
+                signed = unpack_from_int32(module["weight_packed"], 4, torch.Size(shape)).numpy()  # [out, in]
+                codes = np.stack([ours[part] & 15, ours[part] >> 4], axis=-1).reshape(shape)
+                np.testing.assert_array_equal(codes, signed + 8)
+                # the library's decompression with the scales as stored (bf16): ours rounded the same way
+                library = PackedQuantizationCompressor.decompress(module, scheme)["weight"]
+                assert library.dtype == torch.bfloat16
+                np.testing.assert_array_equal(dequantized[part].astype(ml_dtypes.bfloat16),
+                                              library.view(torch.uint16).numpy().view(ml_dtypes.bfloat16))
+    folder.experts.close()
+
+
+def test_int4_dense_weights_are_decompressed(int4_checkpoint):
+    *_, state, _, out = int4_checkpoint
+    folder = ModelFolder(out)
+    for ours, theirs in (("layers.0.o_proj", "model.layers.0.self_attn.o_proj.weight"),
+                         ("layers.2.k_proj", "model.layers.2.self_attn.k_proj.weight")):
+        np.testing.assert_array_equal(folder.dense.get(ours), state[theirs].numpy())
+
+
+def test_int4_export_generates_like_the_decompressed_reference(int4_checkpoint):
+    _, _, overrides, _, state, _, out = int4_checkpoint
+    assert_generates_like(reference_model(overrides, state), out)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Refusals and damaged checkpoints
+# ------------------------------------------------------------------------------------------------------------------
+
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+PACKED = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+              "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}}
+
+
+def packed(**weights) -> dict:
+    group = dict(PACKED["config_groups"]["group_0"], weights=dict(PACKED["config_groups"]["group_0"]["weights"],
+                                                                  **weights))
+    return dict(PACKED, config_groups={"group_0": group})
+
+
+REFUSED = [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}, "'awq'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "'gptq'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
+    ({"quant_method": "mxfp4"}, "'mxfp4'"),
+    (dict(FP8, weight_block_size=[64, 64]), "weight_block_size [64, 64]"),
+    (dict(FP8, activation_scheme="static"), "activation_scheme 'static'"),
+    (dict(FP8, fmt="e5m2"), "fmt 'e5m2'"),
+    (dict(FP8, scale_fmt="ue8m0"), "scale_fmt 'ue8m0'"),
+    (dict(PACKED, format="float-quantized"), "format 'float-quantized'"),
+    (dict(PACKED, format="naive-quantized"), "format 'naive-quantized'"),
+    (dict(PACKED, quantization_status="frozen"), "quantization_status 'frozen'"),
+    (packed(group_size=16), "group_size 16"),
+    (packed(num_bits=8), "num_bits 8"),
+    (packed(strategy="channel", group_size=None), "strategy 'channel'"),
+    (packed(actorder="group"), "actorder 'group'"),
+    (dict(PACKED, config_groups={"group_0": dict(PACKED["config_groups"]["group_0"], input_activations={
+        "num_bits": 8, "type": "int", "strategy": "token", "dynamic": True})}), "input_activations"),
+]
+
+
+@pytest.mark.parametrize("quantization,words", REFUSED, ids=[w for _, w in REFUSED])
+def test_other_quantization_configs_are_refused_in_one_line(quantization, words):
+    with pytest.raises(UnsupportedModelError) as info:
+        quantized_source({"quantization_config": quantization})
+    message = str(info.value)
+    assert "\n" not in message and words in message and "Colibri imports" in message, message
+
+
+def test_supported_configs_are_read():
+    assert quantized_source({}) is None
+    assert quantized_source({"quantization_config": dict(FP8, modules_to_not_convert=["lm_head"])}).codec.name == "fp8"
+    source = quantized_source({"quantization_config": packed(symmetric=False, group_size=64, actorder="weight")})
+    assert source.expert_format() == dict(expert_dtype="int4", expert_group_size=64, expert_zero_point=True)
+
+
+def error_of(hf_dir: Path, out: Path, kind=ColibriError, **kwargs) -> str:
+    with pytest.raises(kind) as info:
+        export_model(hf_dir, out, progress=False, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert not (out / "config.json").exists()
+    return message
+
+
+@pytest.fixture
+def fp8_copy(fp8_checkpoint, tmp_path):
+    shutil.copytree(fp8_checkpoint[0], tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def edit_tensors(folder: Path, edit) -> None:
+    tensors = load_file(str(folder / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def test_a_quantized_checkpoint_is_not_quantized_again(fp8_copy, tmp_path):
+    message = error_of(fp8_copy, tmp_path / "a", quantize="int4")
+    assert "already quantized" in message and "fp8" in message
+
+
+def test_damaged_fp8_checkpoints_name_the_tensor(fp8_copy, tmp_path):
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"  # [160, 48]: scales [2, 1]
+    edit_tensors(fp8_copy, lambda t: t.update({name + "_scale_inv": torch.ones(1, 1)}))
+    message = error_of(fp8_copy, tmp_path / "a", CheckpointError)
+    assert name + "_scale_inv" in message and "[1, 1]" in message and "[2, 1]" in message
+    edit_tensors(fp8_copy, lambda t: t.pop(name + "_scale_inv"))
+    assert f"{name}_scale_inv is missing" in error_of(fp8_copy, tmp_path / "b", CheckpointError)
+
+    def nan_value(tensors):
+        tensors[name + "_scale_inv"] = torch.ones(2, 1)
+        values = tensors[name].view(torch.uint8).clone()
+        values[0, 0] = 0x7F  # e4m3fn's NaN
+        tensors[name] = values.view(torch.float8_e4m3fn)
+
+    edit_tensors(fp8_copy, nan_value)
+    message = error_of(fp8_copy, tmp_path / "c", CheckpointError)
+    assert name in message and "NaN" in message
+
+    def plain_expert(tensors):
+        tensors.pop(name + "_scale_inv")
+        tensors[name] = torch.zeros(160, 48, dtype=torch.bfloat16)
+
+    edit_tensors(fp8_copy, plain_expert)
+    message = error_of(fp8_copy, tmp_path / "d", UnsupportedModelError)
+    assert "1 routed expert matrices unquantized" in message and name in message
+
+
+def test_mislabelled_int4_checkpoints_are_refused(tmp_path):
+    build_pack_quantized_checkpoint(tmp_path / "hf", 32, True)
+    config_path = tmp_path / "hf" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 64
+    config_path.write_text(json.dumps(config))
+    message = error_of(tmp_path / "hf", tmp_path / "a", CheckpointError)
+    assert "model.layers.0.self_attn" in message
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 32
+    config_path.write_text(json.dumps(config))
+    name = "model.layers.2.mlp.experts.7.up_proj.weight_shape"
+    edit_tensors(tmp_path / "hf", lambda t: t.update({name: torch.tensor([32, 32])}))
+    message = error_of(tmp_path / "hf", tmp_path / "b", CheckpointError)
+    assert name in message and "[32, 32]" in message and "[32, 64]" in message
