@@ -99,8 +99,10 @@ def plan_export(checkpoint: HFCheckpoint, config: ModelConfig, quantization: Qua
             return name
         info = checkpoint.tensors[name]
         if info.dtype not in SOURCE_DTYPES:
-            raise UnsupportedModelError(f"{name} is stored as {info.dtype}; Colibri exports from BF16, F16 or F32 "
-                                        "weights (pre-quantised checkpoints are not supported)")
+            raise UnsupportedModelError(f"{name} is stored as {info.dtype}; Colibri exports plain weights from BF16, "
+                                        "F16 or F32, and quantized ones in the formats of config.json's "
+                                        "quantization_config that it imports (fp8 block-scaled, compressed-tensors "
+                                        "pack-quantized int4)")
         if info.shape != shape:
             raise CheckpointError(f"{name} has shape {list(info.shape)}, config.json implies {list(shape)}")
         used.add(name)

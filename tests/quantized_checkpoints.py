@@ -100,7 +100,7 @@ def compressed_tensors_scheme(group_size: int, symmetric: bool):
         num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group_size))
 
 
-def build_pack_quantized_checkpoint(folder: Path, group_size: int = 32, symmetric: bool = True,
+def build_pack_quantized_checkpoint(folder: Path, group_size: int = 32, symmetric: bool = True, seed: int = 0,
                                     **overrides) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """A Qwen3-MoE checkpoint compressed by compressed-tensors' own pack-quantized compressor (min-max scales
     from its calculate_qparams, bfloat16 as llm-compressor stores them). Returns the float32 state dict the
@@ -109,7 +109,7 @@ def build_pack_quantized_checkpoint(folder: Path, group_size: int = 32, symmetri
     from compressed_tensors.quantization import QuantizationConfig
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    model = build_hf_model("qwen3_moe", folder, **overrides)
+    model = build_hf_model("qwen3_moe", folder, seed, **overrides)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     scheme = compressed_tensors_scheme(group_size, symmetric)
     stored, dequantized = {}, {}
