@@ -135,6 +135,8 @@ def dense_tensor_specs(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         specs[p + "post_attention_norm"] = (h,)
         if config.is_moe_layer(layer):
             specs[p + "router"] = (config.num_experts, h)
+            if config.score_correction_bias:
+                specs[p + "score_correction_bias"] = (config.num_experts,)
             if config.shared_expert_intermediate_size:
                 s = config.shared_expert_intermediate_size
                 specs[p + "shared_expert.gate_proj"] = (s, h)

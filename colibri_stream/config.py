@@ -16,7 +16,7 @@ from .errors import CheckpointError, ConfigError
 from .field_types import type_error
 
 FORMAT_VERSION = 1
-ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2")
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")
 EXPERT_DTYPES = STORAGE_DTYPES + ("int8", "int4", "fp8")  # experts/codecs.py: one codec each
 INT4_GROUP_SIZES = (32, 64, 128)  # int4: input channels per scale
@@ -24,6 +24,7 @@ FP8_SCALES = ("block", "channel")  # fp8: a scale per 128 x 128 tile, or per out
 EXPERT_FORMAT_FIELDS = {"int4": ("expert_group_size", "expert_zero_point"), "fp8": ("expert_scales",)}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 QK_NORMS = ("none", "per_head", "full")
+ROUTER_SCORINGS = ("softmax", "sigmoid")
 # Upper bounds of config.json's sizes, far above every published model's (Llama 4 Scout: 10 M positions; vocabularies
 # up to 262 144; hidden sizes up to 18 432; 384 experts): a value past them is a corrupt or hostile file, refused
 # before any table is allocated from it.
@@ -90,14 +91,19 @@ class ModelConfig:
     moe_intermediate_size: int  # I of one routed expert
     moe_layers: tuple[int, ...]  # layers whose MLP is a MoE block; the others use a dense MLP
     intermediate_size: int = 0  # dense MLP width for the non-MoE layers (0 when every layer is MoE)
-    router_scoring: str = "softmax"  # softmax over all experts, then top-k
+    router_scoring: str = "softmax"  # softmax over all experts | sigmoid of each expert's logit; then top-k
+    score_correction_bias: bool = False  # a per-expert bias [E] added to the scores for choosing experts only
+    n_group: int = 1  # experts in n_group equal groups; only the topk_group best groups (top-2 sum) are chosen from
+    topk_group: int = 1
     norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times this (after renormalising)
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gate: bool = False  # sigmoid(x @ w) scales the shared expert's output
     qk_norm: str = "none"  # none | per_head (RMSNorm over D) | full (RMSNorm over all heads' q and k)
     qkv_bias: bool = False
     o_bias: bool = False
     clip_qkv: float | None = None  # clamp q, k, v to [-c, c] after projection (and qk-norm)
+    rotary_dim: int | None = None  # leading dimensions of each head that rotary embedding rotates; None: all D
     sliding_windows: tuple[int | None, ...] = ()  # per layer: window in tokens, None for full attention
     rope: RopeConfig = field(default_factory=RopeConfig)
     rms_norm_eps: float = 1e-6
@@ -157,8 +163,22 @@ class ModelConfig:
             fail(f"moe_layers must be increasing layer indices below {self.num_layers}")
         if len(self.moe_layers) < self.num_layers and self.intermediate_size <= 0:
             fail("intermediate_size must be positive when some layers use a dense MLP")
-        if self.router_scoring != "softmax":
-            fail(f"router_scoring {self.router_scoring!r} is not supported (softmax)")
+        if self.router_scoring not in ROUTER_SCORINGS:
+            fail(f"router_scoring {self.router_scoring!r} is not one of {', '.join(ROUTER_SCORINGS)}")
+        if self.n_group <= 0 or self.num_experts % self.n_group:
+            fail(f"n_group ({self.n_group}) must be a positive divisor of num_experts ({self.num_experts})")
+        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+            fail(f"groups of experts are ranked by their two best scores: n_group {self.n_group} leaves fewer than "
+                 "two experts a group")
+        if not 0 < self.topk_group <= self.n_group:
+            fail(f"topk_group ({self.topk_group}) must be between 1 and n_group ({self.n_group})")
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            fail(f"top_k ({self.top_k}) exceeds the experts of the topk_group ({self.topk_group}) groups chosen")
+        if self.routed_scaling_factor <= 0:
+            fail(f"routed_scaling_factor must be positive, got {self.routed_scaling_factor!r}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            fail(f"rotary_dim ({self.rotary_dim}) must be a positive even number of at most head_dim "
+                 f"({self.head_dim})")
         if self.shared_expert_gate and not self.shared_expert_intermediate_size:
             fail("shared_expert_gate needs a shared expert")
         if self.qk_norm not in QK_NORMS:

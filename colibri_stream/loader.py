@@ -44,6 +44,13 @@ def check_expert_format(config: ModelConfig, backend: Backend | type[Backend]) -
             f"--quantize")
 
 
+def check_features(config: ModelConfig, backend: Backend | type[Backend]) -> None:
+    """UnsupportedModelError, one line, when `backend` does not run some option of the model."""
+    if missing := backend.missing_features(config):
+        raise UnsupportedModelError(f"the {backend.name} backend does not run {', '.join(missing)} yet "
+                                    f"({config.architecture}); run this model with --device cpu")
+
+
 def load_model(path: str, device: str = "cpu", verify: bool = False,
                experts: ExpertStoreConfig | None = None, max_positions: int | None = None) -> MoETransformer:
     """Open a native model folder and load it on `device`; `verify` checks every checksum first; `experts` sets
@@ -53,5 +60,6 @@ def load_model(path: str, device: str = "cpu", verify: bool = False,
     experts = experts or ExpertStoreConfig()
     backend = select_backend(device, experts.cpu_threads)
     check_expert_format(folder.config, backend)
+    check_features(folder.config, backend)
     store = open_expert_store(folder, experts, backend.device)
     return MoETransformer(folder.config, folder.dense, store, backend, max_positions)

@@ -31,14 +31,20 @@ class Backend(ABC):
 
     What callers may rely on is said by capabilities, never by the backend's name: `device` (where its arrays live,
     "cpu" or "cuda": the expert tiers are built for it), `supports_graphs` (a decode step can be captured as a
-    CUDA graph, cuda_graph.py), `logit_source` (how the sampler reads a forward's logits), `synchronize` and
-    `expert_formats` (the routed-expert formats it computes, config.EXPERT_DTYPES's names).
+    CUDA graph, cuda_graph.py), `logit_source` (how the sampler reads a forward's logits), `synchronize`,
+    `expert_formats` (the routed-expert formats it computes, config.EXPERT_DTYPES's names) and `missing_features`
+    (the model options it does not run).
     """
 
     name: str  # for logs and reports
     device: str
     supports_graphs: bool = False
     expert_formats: tuple[str, ...] = EXPERT_DTYPES
+
+    @classmethod
+    def missing_features(cls, config: ModelConfig) -> list[str]:
+        """What `config` computes that this backend does not run, one phrase each; empty when it runs the model."""
+        return []
 
     @abstractmethod
     def logit_source(self, logits: Array) -> LogitSource:
@@ -121,7 +127,8 @@ class Backend(ABC):
 
         In order: RMSNorm of each token's whole q and k when qk_norm is "full" (weights q_norm [Q*D], k_norm
         [K*D]); q, k, v clamped to [-clip, clip] unless clip is None; RMSNorm of each head of q and k when qk_norm
-        is "per_head" (weights [D]); `rotary` of q and k; `write_kv` of k and v at slot_mapping [T] with
+        is "per_head" (weights [D]); `rotary` of q and k (the first R dimensions of each head, cos and sin
+        [P, R/2]); `write_kv` of k and v at slot_mapping [T] with
         kv_scales. K and D are read from the caches' shape [num_blocks, block_size, K, D].
         """
 
@@ -138,10 +145,16 @@ class Backend(ABC):
 
     # ---- mixture of experts -------------------------------------------------------------------------------
     @abstractmethod
-    def route(self, x: Array, router: Array, top_k: int, renormalize: bool) -> tuple[Array, Array]:
-        """x [T, H], router [E, H] -> (weights [T, k] float32, expert ids [T, k] int64).
+    def route(self, x: Array, router: Array, top_k: int, renormalize: bool, scoring: str = "softmax",
+              correction_bias: Array | None = None, n_group: int = 1, topk_group: int = 1,
+              scaling: float = 1.0) -> tuple[Array, Array]:
+        """x [T, H], router [E, H] -> (weights [T, k] float32, expert ids [T, k] int64), in float32.
 
-        Softmax over all E logits (float32), the k largest, optionally renormalised to sum to 1.
+        Scores from the logits x @ router.T: a softmax over all E ("softmax") or each logit's sigmoid ("sigmoid").
+        Experts are chosen by score plus correction_bias [E] (when given); with n_group > 1 only from each token's
+        topk_group best groups of E / n_group consecutive experts, a group ranked by the sum of its two best
+        biased scores. The k chosen, largest first (ties to the lower id), are weighted by their unbiased scores,
+        optionally renormalised to sum to 1, then times `scaling`.
         """
 
     @abstractmethod

@@ -83,6 +83,17 @@ class CupyBackend(Backend):
     supports_graphs = True
     expert_formats = ("bfloat16", "float16", "float32", "int8")  # kernels/moe*.cu widen these; not int4, fp8 yet
 
+    @classmethod
+    def missing_features(cls, config: ModelConfig) -> list[str]:
+        """kernels/router.cu is a softmax top-k and the attention prologue rotates whole heads."""
+        missing = [f"{config.router_scoring} routing"] if config.router_scoring != "softmax" else []
+        missing += [name for name, used in (
+            ("score correction bias", config.score_correction_bias),
+            ("group-limited routing (n_group)", config.n_group > 1),
+            ("routed_scaling_factor", config.routed_scaling_factor != 1.0),
+            ("partial rotary (rotary_dim)", config.rotary_dim not in (None, config.head_dim))) if used]
+        return missing
+
     def __init__(self):
         import cupy
 
@@ -406,10 +417,15 @@ class CupyBackend(Backend):
                 window, np.int32(split.split_keys)), weight_type=kv_type)
 
     # ---- mixture of experts -------------------------------------------------------------------------------
-    def route(self, x, router, top_k, renormalize):
-        """Up to ROUTER_SPLIT_TOKENS tokens: route_split, a block per (expert, token tile) and the selection in
-        each tile's last block (a batch-1 step reads the router on many SMs instead of one); more tokens:
-        route_topk, a block per token, each reading the whole router (mostly from L2)."""
+    def route(self, x, router, top_k, renormalize, scoring="softmax", correction_bias=None, n_group=1,
+              topk_group=1, scaling=1.0):
+        """Softmax routing only (`missing_features`). Up to ROUTER_SPLIT_TOKENS tokens: route_split, a block per
+        (expert, token tile) and the selection in each tile's last block (a batch-1 step reads the router on many
+        SMs instead of one); more tokens: route_topk, a block per token, each reading the whole router (mostly
+        from L2)."""
+        if scoring != "softmax" or correction_bias is not None or n_group != 1 or scaling != 1.0:
+            raise ValueError("the cupy backend routes by softmax top-k only (no sigmoid scores, correction bias, "
+                             "groups or scaling)")
         x = self.cp.ascontiguousarray(x)
         t, h = x.shape
         num_experts = router.shape[0]

@@ -49,6 +49,18 @@ def _for_cache(rows: np.ndarray, cache: np.ndarray, scale: float) -> np.ndarray:
     return rows
 
 
+def _best_groups_only(choice: np.ndarray, n_group: int, topk_group: int) -> np.ndarray:
+    """choice [T, E] with every expert outside each token's topk_group best groups set to -inf; a group of E /
+    n_group consecutive experts ranks by the sum of its two largest scores (ties towards the lower group)."""
+    t, e = choice.shape
+    grouped = choice.reshape(t, n_group, e // n_group)  # [T, G, E/G]
+    group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)  # [T, G]
+    best = np.argsort(-group_scores, axis=-1, kind="stable")[:, :topk_group]  # [T, g]
+    kept = np.zeros((t, n_group), dtype=bool)  # [T, G]
+    np.put_along_axis(kept, best, True, axis=-1)
+    return np.where(np.repeat(kept, e // n_group, axis=-1), choice, np.float32(-np.inf))
+
+
 class NumpyBackend(Backend):
     """Float32 NumPy on the host."""
 
@@ -111,11 +123,12 @@ class NumpyBackend(Backend):
 
     # ---- attention ----------------------------------------------------------------------------------------
     def rotary(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """x [T, heads, D], cos/sin tables [P, D/2], positions [T] -> x rotated ("rotate half" pairing)."""
-        half = x.shape[-1] // 2
-        c, s = cos[positions][:, None, :], sin[positions][:, None, :]  # [T, 1, D/2]
-        x1, x2 = x[..., :half], x[..., half:]  # [T, heads, D/2]
-        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+        """x [T, heads, D], cos/sin tables [P, R/2], positions [T] -> x with its first R dimensions rotated ("rotate
+        half" pairing within them: i with i + R/2) and the other D - R as they were."""
+        half = cos.shape[1]
+        c, s = cos[positions][:, None, :], sin[positions][:, None, :]  # [T, 1, R/2]
+        x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]  # [T, heads, R/2] twice, [.., D-R]
+        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1)
 
     def write_kv(self, key_cache, value_cache, key, value, slot_mapping, kv_scales=(1.0, 1.0)) -> None:
         """Store key/value [T, K, D] into the paged caches [num_blocks, block_size, K, D] at the slots [T]; a
@@ -218,16 +231,25 @@ class NumpyBackend(Backend):
         return out
 
     # ---- mixture of experts -------------------------------------------------------------------------------
-    def route(self, x, router, top_k, renormalize):
+    def route(self, x, router, top_k, renormalize, scoring="softmax", correction_bias=None, n_group=1,
+              topk_group=1, scaling=1.0):
         logits = x @ router.T  # [T, E]
-        logits = logits - logits.max(axis=-1, keepdims=True)
-        probs = np.exp(logits)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        # Largest first; a stable sort on the negated probabilities breaks ties towards the lower id, as top-k does.
-        expert_ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]  # [T, k]
-        weights = np.take_along_axis(probs, expert_ids, axis=-1)  # [T, k]
+        if scoring == "softmax":
+            logits = logits - logits.max(axis=-1, keepdims=True)
+            scores = np.exp(logits)
+            scores /= scores.sum(axis=-1, keepdims=True)
+        else:
+            scores = self.sigmoid(logits)
+        choice = scores if correction_bias is None else scores + correction_bias  # [T, E]
+        if n_group > 1:
+            choice = _best_groups_only(choice, n_group, topk_group)
+        # Largest first; a stable sort on the negated scores breaks ties towards the lower id, as top-k does.
+        expert_ids = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]  # [T, k]
+        weights = np.take_along_axis(scores, expert_ids, axis=-1)  # [T, k]: unbiased scores
         if renormalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
+        if scaling != 1.0:
+            weights = weights * np.float32(scaling)
         return weights.astype(np.float32), expert_ids.astype(np.int64)
 
     def routed_experts(self, x, weights, expert_ids, layer, store: ExpertStore):

@@ -1,7 +1,7 @@
 """The one model definition for every supported architecture: a decoder of attention and (MoE or dense) MLP layers.
 
 Architectures differ only through ModelConfig fields (qk-norm kind, biases, clipping, shared experts, sliding
-windows, dense layers, top-k renormalisation), never through branches on the architecture name. Every array
+windows, dense layers, partial rotary, the router's scoring, correction bias, groups, renormalisation and scaling), never through branches on the architecture name. Every array
 operation goes through the backend, so the same code runs on NumPy and CuPy.
 """
 
@@ -50,6 +50,7 @@ class LayerWeights:
     q_norm: Array | None = None  # [D] per head, or [Q*D] over the whole projection
     k_norm: Array | None = None  # [D] or [K*D]
     router: Array | None = None  # [E, H] (MoE layers)
+    score_correction_bias: Array | None = None  # [E]: added to the router's scores to choose experts
     shared_expert: MLPWeights | None = None
     shared_expert_gate: Array | None = None  # [1, H]
     dense_mlp: MLPWeights | None = None  # non-MoE layers
@@ -97,6 +98,8 @@ class MoETransformer:
                 q_norm=load_optional(p + "q_norm"),
                 k_norm=load_optional(p + "k_norm"),
                 router=load(p + "router") if moe else None,
+                score_correction_bias=load(p + "score_correction_bias") if moe and config.score_correction_bias
+                else None,
                 shared_expert=load_mlp(p + "shared_expert.") if moe and config.shared_expert_intermediate_size else None,
                 shared_expert_gate=load_optional(p + "shared_expert_gate"),
                 dense_mlp=None if moe else load_mlp(p + "mlp."),
@@ -104,8 +107,8 @@ class MoETransformer:
         self.norm = load("norm")  # [H]
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else load("lm_head")  # [V, H]
         self.max_positions = min(max_positions or config.max_position_embeddings, config.max_position_embeddings)
-        cos, sin = cos_sin_table(config.rope, config.head_dim, self.max_positions)
-        self.rope_cos, self.rope_sin = backend.upload(cos), backend.upload(sin)  # [P, D/2] each
+        cos, sin = cos_sin_table(config.rope, config.rotary_dim or config.head_dim, self.max_positions)
+        self.rope_cos, self.rope_sin = backend.upload(cos), backend.upload(sin)  # [P, R/2] each (R rotated dims)
         self.attention_scale = config.head_dim**-0.5
         self.timer = StepTimer()  # the engine's step timer; the forward's phases report to it
         self.store.timer = self.timer  # expert reads report to it too
@@ -174,7 +177,9 @@ class MoETransformer:
             with t.device_phase("mlp"):
                 return self._gated_mlp(layer.dense_mlp, x)
         with t.device_phase("routing"):
-            weights, expert_ids = b.route(x, layer.router, cfg.top_k, cfg.norm_topk_prob)  # [T, k] each
+            weights, expert_ids = b.route(x, layer.router, cfg.top_k, cfg.norm_topk_prob, cfg.router_scoring,
+                                          layer.score_correction_bias, cfg.n_group, cfg.topk_group,
+                                          cfg.routed_scaling_factor)  # [T, k] each
         with t.device_phase("experts"):
             self.store.begin_layer(index, x, expert_ids, weights)  # a tiered store loads, prefetches, places
             out = b.routed_experts(x, weights, expert_ids, index, self.store)  # [T, H]
