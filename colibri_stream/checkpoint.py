@@ -155,6 +155,14 @@ def dense_tensor_specs(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return specs
 
 
+FLOAT32_DENSE_SUFFIXES = (".score_correction_bias",)  # added to scores near one another: kept exact, as trained
+
+
+def dense_tensor_dtype(name: str, config: ModelConfig) -> str:
+    """The storage dtype of dense tensor `name`: config.dtype, but float32 for the correction biases of routers."""
+    return "float32" if name.endswith(FLOAT32_DENSE_SUFFIXES) else config.dtype
+
+
 @dataclass(frozen=True)
 class TensorSlot:
     """Where one tensor of an expert lives inside its block."""
@@ -502,8 +510,9 @@ class DenseFile:
         extra = sorted(present - set(specs))
         if extra:
             raise CheckpointError(f"{name} does not match config.json: unexpected tensors {extra[:5]}")
-        expected_dtype = _SAFETENSORS_DTYPES[config.dtype]
         for tensor_name, shape in specs.items():
+            dtype = dense_tensor_dtype(tensor_name, config)
+            expected_dtype = _SAFETENSORS_DTYPES[dtype]
             tensor = self._file.get_slice(tensor_name)
             actual = tuple(tensor.get_shape())
             if actual != shape:
@@ -513,7 +522,7 @@ class DenseFile:
                 )
             if tensor.get_dtype() != expected_dtype:
                 raise CheckpointError(f"{name} does not match config.json: {tensor_name} is stored as "
-                                      f"{tensor.get_dtype()}, config.json's dtype {config.dtype} is {expected_dtype}")
+                                      f"{tensor.get_dtype()}, expected {expected_dtype} ({dtype})")
         self.names = list(specs)
 
     def get(self, name: str) -> np.ndarray:

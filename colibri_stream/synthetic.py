@@ -24,8 +24,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from .backends.base import Array, Backend
-from .checkpoint import (CONFIG_FILE, NUMPY_DTYPES, DenseFileWriter, ExpertFileWriter, dense_tensor_specs,
-                         expert_block_layout, write_config)
+from .checkpoint import (CONFIG_FILE, NUMPY_DTYPES, DenseFileWriter, ExpertFileWriter, dense_tensor_dtype,
+                         dense_tensor_specs, expert_block_layout, write_config)
 from .config import ModelConfig, RopeConfig
 from .experts.store import ExpertStore
 from .loader import select_backend
@@ -254,9 +254,9 @@ def write_synthetic_folder(path: str | os.PathLike, shape: str | ModelConfig, nu
     host = _HostDraws(device)
     try:
         dense = DenseFileWriter(folder / config.dense_file,
-                                {name: (d.shape, config.dtype) for name, d in draws.items()})
+                                {name: (d.shape, dense_tensor_dtype(name, config)) for name, d in draws.items()})
         for name, draw in draws.items():
-            dense.write(name, host(draw, config.dtype))
+            dense.write(name, host(draw, dense_tensor_dtype(name, config)))
         dense.close()
         experts = [(layer, expert) for layer in config.moe_layers for expert in range(config.num_experts)]
         jobs = ((lambda layer=layer, expert=expert: {name: host(d) for name, d in

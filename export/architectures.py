@@ -1,7 +1,7 @@
 """The supported Hugging Face architectures: config.json translated to ModelConfig, and the tensor name maps.
 
 The translation follows the transformers 5 config classes (MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig,
-OlmoeConfig) and their modeling code: a key absent from config.json takes the class default, every option that
+OlmoeConfig, Glm4MoeConfig, MiniMaxM2Config) and their modeling code: a key absent from config.json takes the class default, every option that
 changes the computation becomes a ModelConfig field or is refused with UnsupportedModelError, and training-only
 options (dropout, router jitter and auxiliary loss, initializer range, use_cache, ...) are ignored.
 """
@@ -19,7 +19,14 @@ _CAUSAL_LM_CLASSES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
 }
+# Hugging Face model types Colibri knows of and refuses, with what they compute that it does not.
+_REFUSED = {"deepseek_v3": "Multi-head Latent Attention", "kimi_k2": "Multi-head Latent Attention",
+            "deepseek_v32": "Multi-head Latent Attention and the sparse attention indexer",
+            "glm_moe_dsa": "the sparse attention indexer"}
+
 _COMMON_DEFAULTS = dict(hidden_act="silu", tie_word_embeddings=False, head_dim=None, rope_theta=10000.0)
 # The transformers config-class defaults of every key the translation reads.
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -50,7 +57,23 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         attention_bias=False, clip_qkv=None, num_experts_per_tok=8, num_experts=64, norm_topk_prob=False,
         bos_token_id=None, eos_token_id=50279, pad_token_id=1,
     ),
+    "glm4_moe": dict(
+        _COMMON_DEFAULTS, vocab_size=151552, hidden_size=4096, intermediate_size=10944, num_hidden_layers=46,
+        num_attention_heads=96, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        attention_bias=False, moe_intermediate_size=1408, num_experts_per_tok=8, n_shared_experts=1,
+        n_routed_experts=128, routed_scaling_factor=1.0, n_group=1, topk_group=1, first_k_dense_replace=1,
+        norm_topk_prob=True, use_qk_norm=False, num_nextn_predict_layers=1, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None,
+    ),
+    "minimax_m2": dict(
+        _COMMON_DEFAULTS, vocab_size=200064, hidden_size=3072, intermediate_size=1536, num_hidden_layers=62,
+        num_attention_heads=48, num_key_value_heads=8, head_dim=128, max_position_embeddings=196608,
+        rms_norm_eps=1e-6, num_experts_per_tok=8, num_local_experts=256, rope_theta=5e6, bos_token_id=200034,
+        eos_token_id=200020, pad_token_id=None,
+    ),
 }
+# The default share of each head that GLM-4.5 rotates (Glm4MoeConfig sets it when config.json does not).
+_GLM_PARTIAL_ROTARY_FACTOR = 0.5
 
 
 # Keys that set a model's shape or routing. Absent, transformers would take its config class's default (the sizes of
@@ -58,7 +81,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 # right shapes (a head count, top-k); so config.json must state them. The expert width key differs per family.
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok")
 _EXPERT_WIDTH_KEY = {"mixtral": "intermediate_size", "olmoe": "intermediate_size",
-                     "qwen2_moe": "moe_intermediate_size", "qwen3_moe": "moe_intermediate_size"}
+                     "qwen2_moe": "moe_intermediate_size", "qwen3_moe": "moe_intermediate_size",
+                     "glm4_moe": "moe_intermediate_size", "minimax_m2": "intermediate_size"}
+# The keys that may give the routed-expert count (transformers aliases them), the config class's own name first.
+_EXPERT_COUNT_KEYS = {"mixtral": ("num_local_experts", "num_experts"), "glm4_moe": ("n_routed_experts",
+                      "num_local_experts"), "minimax_m2": ("num_local_experts", "num_experts")}
+_DEFAULT_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
 
 
 def _unsupported(message: str) -> UnsupportedModelError:
@@ -106,6 +134,9 @@ def detect_architecture(raw: dict[str, Any]) -> str:
             return named[0]
         raise UnsupportedModelError(f"config.json names no supported model_type or architecture ({classes}); "
                                     f"Colibri exports {supported}")
+    if model_type in _REFUSED:
+        raise UnsupportedModelError(f"model_type {model_type!r} needs {_REFUSED[model_type]}, which Colibri does "
+                                    f"not run; Colibri exports {supported}")
     if model_type not in ARCHITECTURES:
         raise UnsupportedModelError(f"model_type {model_type!r} is not supported; Colibri exports {supported}")
     if named and model_type not in named:
@@ -124,8 +155,9 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
     if raw.get("per_layer_config") is not None:
         raise _unsupported("per_layer_config is set: per-layer configs are not supported")
     missing = [key for key in (*_REQUIRED_KEYS, _EXPERT_WIDTH_KEY[arch]) if raw.get(key) is None]
-    if raw.get("num_experts") is None and raw.get("num_local_experts") is None:
-        missing.append("num_local_experts" if arch == "mixtral" else "num_experts")
+    count_keys = _EXPERT_COUNT_KEYS.get(arch, _DEFAULT_EXPERT_COUNT_KEYS)
+    if all(raw.get(key) is None for key in count_keys):
+        missing.append(count_keys[0])
     if missing:
         raise _invalid(f"{', '.join(missing)} missing: Colibri does not guess a model's shape "
                        "from transformers' defaults")
@@ -141,7 +173,7 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
     if num_heads % num_kv_heads:
         raise _invalid(f"num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads})")
     head_dim = _int(cfg["head_dim"] or hidden // num_heads, "head_dim")
-    num_experts = _num_experts(raw, cfg)
+    num_experts = _num_experts(raw, cfg, count_keys)
     top_k = _int(cfg["num_experts_per_tok"], "num_experts_per_tok")
     if top_k > num_experts:
         raise _invalid(f"num_experts_per_tok ({top_k}) exceeds the number of experts ({num_experts})")
@@ -157,6 +189,7 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
         num_experts=num_experts,
         top_k=top_k,
         rope=_rope(raw, cfg),
+        rotary_dim=_rotary_dim(raw, arch, head_dim),
         rms_norm_eps=_number(cfg["rms_norm_eps"], "rms_norm_eps"),
         tie_word_embeddings=_bool(cfg["tie_word_embeddings"], "tie_word_embeddings"),
         max_position_embeddings=_int(cfg["max_position_embeddings"], "max_position_embeddings"),
@@ -182,6 +215,8 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
                       qk_norm="full", qkv_bias=bias, o_bias=bias,
                       clip_qkv=None if clip is None else _number(clip, "clip_qkv"),
                       sliding_windows=(None,) * num_layers)
+    elif arch in ("glm4_moe", "minimax_m2"):
+        fields.update(_sigmoid_routed(arch, cfg, num_layers, tensor_names))
     else:
         fields.update(_qwen_mlp(cfg, num_layers))
         if arch == "qwen2_moe":
@@ -198,13 +233,12 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
     return ModelConfig(**fields)
 
 
-def _num_experts(raw: dict[str, Any], cfg: dict[str, Any]) -> int:
-    """The routed-expert count: transformers aliases num_experts and num_local_experts in these configs."""
-    given = {key: raw[key] for key in ("num_experts", "num_local_experts") if raw.get(key) is not None}
+def _num_experts(raw: dict[str, Any], cfg: dict[str, Any], keys: tuple[str, ...]) -> int:
+    """The routed-expert count from whichever of `keys` config.json gives (transformers aliases them)."""
+    given = {key: raw[key] for key in keys if raw.get(key) is not None}
     if len(set(given.values())) > 1:
-        raise _invalid(f"num_experts ({given['num_experts']}) and num_local_experts ({given['num_local_experts']}) "
-                       "disagree")
-    value = next(iter(given.values()), cfg["num_experts"])
+        raise _invalid(" and ".join(f"{key} ({value})" for key, value in given.items()) + " disagree")
+    value = next(iter(given.values()), cfg[keys[0]])
     if value == 0:
         raise _unsupported("num_experts is 0: the model has no routed experts, it is not a mixture of experts")
     return _int(value, "num_experts")
@@ -223,6 +257,57 @@ def _qwen_mlp(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
                 moe_intermediate_size=_int(cfg["moe_intermediate_size"], "moe_intermediate_size"),
                 intermediate_size=_int(cfg["intermediate_size"], "intermediate_size") if dense else 0,
                 norm_topk_prob=_bool(cfg["norm_topk_prob"], "norm_topk_prob"))
+
+
+def _sigmoid_routed(arch: str, cfg: dict[str, Any], num_layers: int,
+                    tensor_names: Collection[str]) -> dict[str, Any]:
+    """GLM-4.5 and MiniMax-M2: sigmoid scores with a correction bias for the choice. GLM-4.5 adds the groups,
+    renormalisation and scaling of its config, an ungated shared expert of n_shared_experts routed widths, dense
+    first layers, optional per-head qk-norm and q/k/v biases; MiniMax-M2 renormalises always and has RMSNorm over
+    the whole q and k projections."""
+    fields: dict[str, Any] = dict(router_scoring="sigmoid", sliding_windows=(None,) * num_layers)
+    if arch == "minimax_m2":
+        for key, computed in (("scoring_func", "sigmoid"), ("use_qk_norm", True), ("qk_norm_type", "per_layer"),
+                              ("shared_intermediate_size", 0)):
+            if cfg.get(key, computed) != computed:
+                raise _unsupported(f"{key} {cfg[key]!r} is not supported (MiniMax-M2 computes {computed!r})")
+        if any(kind != 1 for kind in cfg.get("attn_type_list") or []):
+            raise _unsupported("attn_type_list names linear-attention layers (type 0); Colibri runs full "
+                               "attention (type 1) only")
+        moe_layers = tuple(range(num_layers))
+        fields.update(moe_intermediate_size=_int(cfg["intermediate_size"], "intermediate_size"),
+                      moe_layers=moe_layers, norm_topk_prob=True, qk_norm="full")
+        bias_names = ("mlp.e_score_correction_bias", "block_sparse_moe.e_score_correction_bias")
+    else:
+        width = _int(cfg["moe_intermediate_size"], "moe_intermediate_size")
+        dense_first = min(_int(cfg["first_k_dense_replace"], "first_k_dense_replace", minimum=0), num_layers)
+        moe_layers = tuple(range(dense_first, num_layers))
+        n_group = _int(cfg["n_group"], "n_group")
+        topk_group = _int(cfg["topk_group"], "topk_group")
+        bias = _bool(cfg["attention_bias"], "attention_bias")
+        fields.update(moe_intermediate_size=width, moe_layers=moe_layers,
+                      intermediate_size=_int(cfg["intermediate_size"], "intermediate_size") if dense_first else 0,
+                      norm_topk_prob=_bool(cfg["norm_topk_prob"], "norm_topk_prob"),
+                      qk_norm="per_head" if _bool(cfg["use_qk_norm"], "use_qk_norm") else "none",
+                      qkv_bias=bias, n_group=n_group, topk_group=topk_group,
+                      routed_scaling_factor=_number(cfg["routed_scaling_factor"], "routed_scaling_factor"),
+                      shared_expert_intermediate_size=width * _int(cfg["n_shared_experts"], "n_shared_experts",
+                                                                   minimum=0))
+        bias_names = ("mlp.gate.e_score_correction_bias",)
+    # transformers starts the bias at zero and loads it where the checkpoint has one: absent, it chooses by score
+    fields["score_correction_bias"] = bool(moe_layers) and any(
+        f"model.layers.{moe_layers[0]}.{name}" in tensor_names for name in bias_names)
+    return fields
+
+
+def multi_token_prediction_layers(raw: dict[str, Any]) -> range:
+    """The layer indices after the decoder's that hold GLM-4.5's multi-token-prediction modules (not exported)."""
+    if detect_architecture(raw) != "glm4_moe":
+        return range(0)
+    cfg = {**_DEFAULTS["glm4_moe"], **raw}
+    count = _int(cfg["num_nextn_predict_layers"], "num_nextn_predict_layers", minimum=0)
+    layers = _int(cfg["num_hidden_layers"], "num_hidden_layers")
+    return range(layers, layers + count)
 
 
 def _window(value: Any, key: str) -> int | None:
@@ -267,10 +352,6 @@ def _rope(raw: dict[str, Any], cfg: dict[str, Any]) -> RopeConfig:
         raise _invalid(f"rope parameters must be an object, got {params!r}")
     if any(isinstance(value, dict) for value in params.values()):
         raise _unsupported("per-layer-type rope parameters are not supported")
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
-    if partial is not None and partial != 1:
-        raise _unsupported(f"partial_rotary_factor {partial} is not supported "
-                           "(rotary embedding over the whole head only)")
     theta = params.get("rope_theta")
     theta = _number(cfg["rope_theta"] if theta is None else theta, "rope_theta")
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -304,6 +385,28 @@ def _rope(raw: dict[str, Any], cfg: dict[str, Any]) -> RopeConfig:
                       beta_slow=optional("beta_slow"), mscale=optional("mscale"),
                       mscale_all_dim=optional("mscale_all_dim"),
                       truncate=_bool(params.get("truncate", True), "truncate"))
+
+
+def _rotary_dim(raw: dict[str, Any], arch: str, head_dim: int) -> int | None:
+    """The leading dimensions of each head that rotary embedding rotates (None: all), from partial_rotary_factor
+    (in the rope parameters or at the top level), MiniMax-M2's rotary_dim, or GLM-4.5's default."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if factor is None and arch == "minimax_m2" and raw.get("rotary_dim") is not None:
+        factor = _int(raw["rotary_dim"], "rotary_dim") / head_dim
+    if factor is None:
+        factor = _GLM_PARTIAL_ROTARY_FACTOR if arch == "glm4_moe" else 1.0
+    factor = _number(factor, "partial_rotary_factor")
+    if factor == 1:
+        return None
+    if arch not in ("glm4_moe", "minimax_m2"):
+        raise _unsupported(f"partial_rotary_factor {factor:g} is not an option of {arch} "
+                           "(its rotary embedding spans the whole head)")
+    dims = int(head_dim * factor)  # as transformers rounds it
+    if not 0 < dims <= head_dim or dims % 2:
+        raise _unsupported(f"partial_rotary_factor {factor:g} rotates {dims} of head_dim {head_dim} dimensions; "
+                           "Colibri rotates an even number of them, at least 2")
+    return dims
 
 
 def _special_tokens(cfg: dict[str, Any], generation: dict[str, Any]) -> dict[str, Any]:
@@ -340,9 +443,11 @@ _LAYER_TENSORS = {
     "k_norm": ("self_attn.k_norm.weight",),
     "post_attention_norm": ("post_attention_layernorm.weight",),
     "router": ("mlp.gate.weight", "block_sparse_moe.gate.weight"),
-    "shared_expert.gate_proj": ("mlp.shared_expert.gate_proj.weight",),
-    "shared_expert.up_proj": ("mlp.shared_expert.up_proj.weight",),
-    "shared_expert.down_proj": ("mlp.shared_expert.down_proj.weight",),
+    "score_correction_bias": ("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias",
+                              "block_sparse_moe.e_score_correction_bias"),
+    "shared_expert.gate_proj": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_experts.gate_proj.weight"),
+    "shared_expert.up_proj": ("mlp.shared_expert.up_proj.weight", "mlp.shared_experts.up_proj.weight"),
+    "shared_expert.down_proj": ("mlp.shared_expert.down_proj.weight", "mlp.shared_experts.down_proj.weight"),
     "shared_expert_gate": ("mlp.shared_expert_gate.weight",),
     "mlp.gate_proj": ("mlp.gate_proj.weight",),
     "mlp.up_proj": ("mlp.up_proj.weight",),

@@ -13,6 +13,7 @@ dtype; such a checkpoint is not quantized again (`quantize` is refused).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 import sys
 from dataclasses import dataclass
@@ -23,12 +24,13 @@ import numpy as np
 from tqdm import tqdm
 
 from ..checkpoint import (CONFIG_FILE, NUMPY_DTYPES, TOKENIZER_FILES, DenseFileWriter, ExpertFileWriter,
-                          dense_tensor_specs, expert_block_layout, write_config)
+                          dense_tensor_dtype, dense_tensor_specs, expert_block_layout, write_config)
 from ..config import ModelConfig
 from ..config import FP8_SCALES, INT4_GROUP_SIZES
 from ..errors import CheckpointError, ColibriError, UnsupportedModelError
 from ..experts.codecs import ExpertCodec, expert_codec
-from .architectures import IGNORED_SUFFIXES, hf_dense_candidates, hf_expert_names, translate_config
+from .architectures import (IGNORED_SUFFIXES, hf_dense_candidates, hf_expert_names, multi_token_prediction_layers,
+                            translate_config)
 from .hf_checkpoint import SOURCE_DTYPES, HFCheckpoint
 from .quantized_source import QuantizedSource
 from .quantized_sources import quantized_source
@@ -36,6 +38,7 @@ from .quantized_sources import quantized_source
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 QUANTIZE = ("int8", "int4", "fp8")  # --quantize: the routed experts' codec (experts/codecs.py)
 _CHUNK_BYTES = 16 << 20  # float32 bytes of the rows read and converted at once
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,12 +81,13 @@ class ExportPlan:
     quantization: QuantizedSource | None = None  # the reader of the checkpoint's quantized weights
 
 
-def plan_export(checkpoint: HFCheckpoint, config: ModelConfig, quantization: QuantizedSource | None = None
-                ) -> ExportPlan:
+def plan_export(checkpoint: HFCheckpoint, config: ModelConfig, quantization: QuantizedSource | None = None,
+                skipped_layers: range = range(0)) -> ExportPlan:
     """Map every native tensor to its checkpoint source, checking names, dtypes and shapes; reads headers only.
 
     With `quantization`, a weight it stores quantized is named `<module>.weight` as in any checkpoint, and stands
-    for the format's tensors; every routed expert must be one (config's expert format is the checkpoint's).
+    for the format's tensors; every routed expert must be one (config's expert format is the checkpoint's). The
+    tensors of `skipped_layers` (multi-token-prediction modules after the decoder's layers) are left out.
     """
     used: set[str] = set()
     imported = quantization.weights(checkpoint.tensors) if quantization else {}  # weight -> its stored tensors
@@ -148,7 +152,12 @@ def plan_export(checkpoint: HFCheckpoint, config: ModelConfig, quantization: Qua
     tolerated |= {n for n, t in checkpoint.tensors.items() if t.nbytes == 0}
     if not config.shared_expert_intermediate_size:
         tolerated |= {n for n in checkpoint.tensors if ".mlp.shared_expert_gate." in n}
-    unused = sorted(n for n in set(checkpoint.tensors) - used - tolerated if not n.endswith(IGNORED_SUFFIXES))
+    skipped = {n for n in checkpoint.tensors if n.startswith(tuple(f"model.layers.{i}." for i in skipped_layers))}
+    if skipped:
+        log.warning("skipping %d tensors of the multi-token-prediction layers %d-%d (speculative decoding does not "
+                    "use them yet)", len(skipped), skipped_layers[0], skipped_layers[-1])
+    unused = sorted(n for n in set(checkpoint.tensors) - used - tolerated - skipped
+                    if not n.endswith(IGNORED_SUFFIXES))
     if unused:
         raise CheckpointError(f"the checkpoint holds {len(unused)} tensors that config.json does not account for "
                               f"(first: {unused[0]})")
@@ -229,9 +238,10 @@ def _write_weights(plan: ExportPlan, checkpoint: HFCheckpoint, out: Path, progre
               file=sys.stderr, disable=not progress) as bar:
         reader = _Reader(checkpoint, bar, plan.quantization)
         specs = dense_tensor_specs(config)
-        dense = DenseFileWriter(out / config.dense_file, {n: (shape, config.dtype) for n, shape in specs.items()})
+        dense = DenseFileWriter(out / config.dense_file,
+                                {n: (shape, dense_tensor_dtype(n, config)) for n, shape in specs.items()})
         for name, source in plan.dense.items():
-            dense.write(name, reader.converted(source, config.dtype))
+            dense.write(name, reader.converted(source, dense_tensor_dtype(name, config)))
         dense.close()
         codec = expert_codec(config)
         quantized = config.expert_dtype in QUANTIZE
@@ -320,7 +330,7 @@ def export_model(hf_dir: str | Path, out_dir: str | Path, dtype: str = "bf16", q
     config = translate_config(checkpoint.config, checkpoint.generation_config, checkpoint.tensors.keys(),
                               storage, storage)
     config = untie_differing_lm_head(checkpoint, dataclasses.replace(config, **formats))
-    plan = plan_export(checkpoint, config, quantization)
+    plan = plan_export(checkpoint, config, quantization, multi_token_prediction_layers(checkpoint.config))
     dense_bytes = sum(int(np.prod(s)) for s in dense_tensor_specs(config).values()) * NUMPY_DTYPES[storage].itemsize
     expert_bytes = len(config.moe_layers) * config.num_experts * expert_block_layout(config)[1]
     out = Path(out_dir)

@@ -1,6 +1,7 @@
 """The NumPy backend's own logic in the attention prologue: padding slots store nothing, and `qk_norm_rope_write`
 applies full norm, clamp, per-head norm, rotary and the KV write in the model's order (checked against the formulas
-written out here); a decode step's batched attention equals attention one sequence at a time."""
+written out here); a decode step's batched attention equals attention one sequence at a time; partial rotary,
+sigmoid and group-limited routing against hand-worked scores."""
 
 from __future__ import annotations
 
@@ -103,3 +104,58 @@ def test_decode_attention_matches_one_sequence_at_a_time(window, heads):
     one_by_one = B._attention_per_sequence(query, key_cache, value_cache, batch, 0.25, window)
     assert np.isfinite(batched).all()
     np.testing.assert_allclose(batched, one_by_one, rtol=1e-5, atol=1e-6)
+
+
+def test_partial_rotary_rotates_the_leading_dimensions_only():
+    rng = np.random.default_rng(3)
+    t, heads, d, rotated = 3, 2, 12, 4
+    cos, sin = cos_sin_table(RopeConfig(theta=10000.0), rotated, 32)  # [P, R/2]
+    x = rng.standard_normal((t, heads, d)).astype(np.float32)
+    positions = np.array([0, 7, 31])
+    out = B.rotary(x, cos, sin, positions)
+    np.testing.assert_allclose(out[..., :rotated], rotate(x[..., :rotated], cos[positions], sin[positions]),
+                               rtol=1e-6, atol=1e-6)
+    assert np.array_equal(out[..., rotated:], x[..., rotated:])
+
+
+def route_scores(logits: np.ndarray, router_width: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """x and router [E, H] whose product is `logits` [T, E]: x the identity rows padded, router its transpose."""
+    t, e = logits.shape
+    x = np.zeros((t, t + router_width), np.float32)
+    x[:, :t] = np.eye(t)
+    router = np.zeros((e, t + router_width), np.float32)
+    router[:, :t] = logits.T
+    return x, router
+
+
+def test_sigmoid_routing_chooses_by_biased_scores_and_weights_by_unbiased_ones():
+    logits = np.array([[2.0, 1.0, 0.0, -1.0]], np.float32)  # [T, E]
+    x, router = route_scores(logits)
+    sigmoid = 1 / (1 + np.exp(-logits[0]))
+    bias = np.array([0.0, 0.0, 0.6, 0.0], np.float32)  # lifts expert 2 above expert 1 (sigmoid gap 0.23)
+    weights, ids = B.route(x, router, 2, False, "sigmoid", bias)
+    assert ids.tolist() == [[2, 0]]
+    np.testing.assert_allclose(weights[0], sigmoid[[2, 0]], rtol=1e-6)  # the bias does not enter the weights
+    weights, _ = B.route(x, router, 2, True, "sigmoid", bias, scaling=2.5)
+    np.testing.assert_allclose(weights[0], 2.5 * sigmoid[[2, 0]] / sigmoid[[2, 0]].sum(), rtol=1e-6)
+    weights, ids = B.route(x, router, 2, True)  # softmax, as the other families route
+    softmax = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    assert ids.tolist() == [[0, 1]]
+    np.testing.assert_allclose(weights[0], softmax[[0, 1]] / softmax[[0, 1]].sum(), rtol=1e-6)
+
+
+def test_group_limited_routing_ranks_groups_by_their_two_best_scores():
+    # Groups of 3: group 0 holds the single best expert (0) but group 1 the larger top-2 sum; with one group kept,
+    # experts 3 and 4 are chosen over expert 0. A bias on expert 1 moves group 0 ahead.
+    logits = np.array([[3.0, -3.0, -3.0, 2.0, 2.0, -3.0],
+                       [3.0, -3.0, -3.0, 2.0, 2.0, -3.0]], np.float32)
+    x, router = route_scores(logits)
+    _, ids = B.route(x, router, 2, True, "sigmoid")
+    assert ids.tolist() == [[0, 3], [0, 3]]  # without groups: the two best overall
+    _, ids = B.route(x, router, 2, True, "sigmoid", n_group=2, topk_group=1)
+    assert ids.tolist() == [[3, 4], [3, 4]]
+    bias = np.array([0.0, 1.0, 0.0, 0.0, 0.0, 0.0], np.float32)  # group 0's biased top-2 sum: 1.95 over 1.76
+    _, ids = B.route(x[1:], router, 2, True, "sigmoid", bias, n_group=2, topk_group=1)
+    assert ids.tolist() == [[1, 0]]
+    _, ids = B.route(x, router, 3, True, "sigmoid", n_group=2, topk_group=2)  # every group kept: no restriction
+    assert ids.tolist() == [[0, 3, 4], [0, 3, 4]]

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from colibri_stream.export import export_model  # noqa: E402
 from colibri_stream.loader import load_model  # noqa: E402
 from colibri_stream.batch import single_sequence_batch  # noqa: E402
-from tiny_models import ARCHITECTURES, VOCAB_SIZE, build_hf_model  # noqa: E402
+from tiny_models import ALL_ARCHITECTURES, VOCAB_SIZE, build_hf_model  # noqa: E402
 
 PROMPT_LEN = 32
 NEW_TOKENS = 32
@@ -88,7 +88,7 @@ def round_like_export(hf_model, dtype: str):
     return rounded
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
+@pytest.fixture(scope="module", params=ALL_ARCHITECTURES)
 def hf_tiny(request, tmp_path_factory):
     arch = request.param
     folder = tmp_path_factory.mktemp(f"hf_{arch}")
@@ -130,6 +130,15 @@ VARIANTS = [
     ("qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                        "original_max_position_embeddings": 128}}),
     ("olmoe", {"clip_qkv": 0.5, "attention_bias": True, "norm_topk_prob": True}),
+    ("glm4_moe", {"use_qk_norm": False, "attention_bias": False}),
+    ("glm4_moe", {"n_group": 1, "topk_group": 1, "first_k_dense_replace": 0}),
+    ("glm4_moe", {"n_group": 4, "topk_group": 2, "num_experts_per_tok": 3}),  # groups of 2, 3 experts of 4 kept
+    ("glm4_moe", {"n_shared_experts": 2, "norm_topk_prob": False, "routed_scaling_factor": 1.0}),
+    ("glm4_moe", {"partial_rotary_factor": 1.0, "first_k_dense_replace": 2}),
+    ("glm4_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 128, "partial_rotary_factor": 0.5}}),
+    ("minimax_m2", {"rotary_dim": None}),  # the whole head
+    ("minimax_m2", {"num_experts_per_tok": 4, "head_dim": 16, "rotary_dim": 8}),
 ]
 
 

@@ -1,7 +1,8 @@
 """Tiny random Hugging Face MoE models of every supported architecture, built with transformers on the CPU.
 
 Each has several layers, 8 experts, top-2 or more routing and grouped-query attention, so every code path of the
-runtime (GQA, qk-norm, shared experts, dense layers, biases) is exercised. Weights are drawn with a larger spread
+runtime (GQA, qk-norm, shared experts, dense layers, biases; sigmoid routing with a correction bias, groups,
+scaling and partial rotary in GLM-4.5 and MiniMax-M2) is exercised. Weights are drawn with a larger spread
 than transformers' default so logits are far from ties and greedy decoding is a meaningful comparison.
 """
 
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # what every backend runs
+SIGMOID_ROUTED = ("glm4_moe", "minimax_m2")  # the NumPy backend only (CupyBackend.missing_features)
+ALL_ARCHITECTURES = ARCHITECTURES + SIGMOID_ROUTED
 VOCAB_SIZE = 256
 
 
@@ -46,6 +49,14 @@ def hf_config(arch: str, **overrides):
     elif arch == "olmoe":
         cfg = dict(common, intermediate_size=32, num_experts=8, norm_topk_prob=False, clip_qkv=None)
         cls = transformers.OlmoeConfig
+    elif arch == "glm4_moe":
+        cfg = dict(common, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                   first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                   use_qk_norm=True, attention_bias=True)  # head_dim 16, the first 8 rotated (factor 0.5)
+        cls = transformers.Glm4MoeConfig
+    elif arch == "minimax_m2":
+        cfg = dict(common, intermediate_size=32, num_local_experts=8, head_dim=24, rotary_dim=12)
+        cls = transformers.MiniMaxM2Config
     else:
         raise ValueError(f"unknown architecture {arch}")
     cfg.update(overrides)
@@ -72,6 +83,9 @@ def save_random_model(config, folder: str | Path, seed: int = 0, max_shard_size:
                 param.copy_(0.1 * torch.randn_like(param))
             else:
                 param.copy_(config.initializer_range * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zero at initialisation; trained ones are not
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     model.eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
