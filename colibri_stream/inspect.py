@@ -67,6 +67,20 @@ def _rope(config: ModelConfig) -> str:
                                                 "mscale_all_dim")}
         text += "".join(f", {k} {v:g}" for k, v in extras.items() if v is not None)
         text += "" if rope.truncate else ", untruncated"
+    if config.rotary_dim not in (None, config.head_dim):
+        text += f"; the first {config.rotary_dim} of {config.head_dim} dimensions of each head rotated"
+    return text
+
+
+def _routing(config: ModelConfig) -> str:
+    text = (f"{config.num_experts} per MoE layer, top-{config.top_k} by {config.router_scoring}"
+            + (" plus a correction bias (for the choice only)" if config.score_correction_bias else ""))
+    if config.n_group > 1:
+        text += f", from the best {config.topk_group} of {config.n_group} groups"
+    text += (f", intermediate {config.moe_intermediate_size}, "
+             f"top-k weights {'renormalised' if config.norm_topk_prob else 'not renormalised'}")
+    if config.routed_scaling_factor != 1.0:
+        text += f", scaled by {config.routed_scaling_factor:g}"
     return text
 
 
@@ -81,8 +95,6 @@ def _summary(path: Path, config: ModelConfig) -> str:
         attention.append(f"qk-norm {config.qk_norm}")
     if config.clip_qkv is not None:
         attention.append(f"q/k/v clipped to ±{config.clip_qkv:g}")
-    experts = (f"{config.num_experts} per MoE layer, top-{config.top_k}, intermediate {config.moe_intermediate_size}, "
-               f"top-k weights {'renormalised' if config.norm_topk_prob else 'not renormalised'}")
     shared = "none"
     if config.shared_expert_intermediate_size:
         shared = f"intermediate {config.shared_expert_intermediate_size}"
@@ -97,7 +109,7 @@ def _summary(path: Path, config: ModelConfig) -> str:
         ("attention", "; ".join(attention)),
         ("sliding windows", _windows(config)),
         ("rope", _rope(config)),
-        ("routed experts", experts),
+        ("routed experts", _routing(config)),
         ("shared expert", shared),
         ("norms", f"RMSNorm eps {config.rms_norm_eps:g}; embeddings "
                   + ("tied to lm_head" if config.tie_word_embeddings else "separate from lm_head")),

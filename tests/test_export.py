@@ -27,18 +27,20 @@ from colibri_stream.export import export_model  # noqa: E402
 from colibri_stream.export.architectures import translate_config  # noqa: E402
 from colibri_stream.loader import load_model
 from test_parity import colibri_logits, prompt_ids, reference_logits, relative_error
-from tiny_models import ARCHITECTURES, build_hf_model  # noqa: E402
+from tiny_models import ALL_ARCHITECTURES, build_hf_model  # noqa: E402
 
-# Our per-layer dense tensor name -> the transformers parameter name (under model.layers.{l}.).
+# Our per-layer dense tensor name -> the transformers parameter name (under model.layers.{l}.); a tuple: the name
+# differs between families.
 HF_LAYER_NAMES = {
     "input_norm": "input_layernorm.weight", "post_attention_norm": "post_attention_layernorm.weight",
     "q_proj": "self_attn.q_proj.weight", "k_proj": "self_attn.k_proj.weight", "v_proj": "self_attn.v_proj.weight",
     "o_proj": "self_attn.o_proj.weight", "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
     "v_bias": "self_attn.v_proj.bias", "o_bias": "self_attn.o_proj.bias", "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight", "router": "mlp.gate.weight",
-    "shared_expert.gate_proj": "mlp.shared_expert.gate_proj.weight",
-    "shared_expert.up_proj": "mlp.shared_expert.up_proj.weight",
-    "shared_expert.down_proj": "mlp.shared_expert.down_proj.weight",
+    "score_correction_bias": ("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias"),
+    "shared_expert.gate_proj": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_experts.gate_proj.weight"),
+    "shared_expert.up_proj": ("mlp.shared_expert.up_proj.weight", "mlp.shared_experts.up_proj.weight"),
+    "shared_expert.down_proj": ("mlp.shared_expert.down_proj.weight", "mlp.shared_experts.down_proj.weight"),
     "shared_expert_gate": "mlp.shared_expert_gate.weight", "mlp.gate_proj": "mlp.gate_proj.weight",
     "mlp.up_proj": "mlp.up_proj.weight", "mlp.down_proj": "mlp.down_proj.weight",
 }
@@ -61,11 +63,20 @@ EXPECTED = {
     "olmoe": dict(head_dim=16, num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(0, 1, 2),
                   intermediate_size=0, norm_topk_prob=False, qk_norm="full", qkv_bias=False, o_bias=False,
                   clip_qkv=None, shared_expert_intermediate_size=0, rope=RopeConfig(theta=1e4)),
+    "glm4_moe": dict(head_dim=16, num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(1, 2),
+                     intermediate_size=96, norm_topk_prob=True, qk_norm="per_head", qkv_bias=True, o_bias=False,
+                     shared_expert_intermediate_size=32, shared_expert_gate=False, rope=RopeConfig(theta=1e4),
+                     router_scoring="sigmoid", score_correction_bias=True, n_group=2, topk_group=1,
+                     routed_scaling_factor=2.5, rotary_dim=8),
+    "minimax_m2": dict(head_dim=24, num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(0, 1, 2),
+                       intermediate_size=0, norm_topk_prob=True, qk_norm="full", qkv_bias=False, o_bias=False,
+                       shared_expert_intermediate_size=0, rope=RopeConfig(theta=5e6), router_scoring="sigmoid",
+                       score_correction_bias=True, n_group=1, routed_scaling_factor=1.0, rotary_dim=12),
 }
 STORAGE = {"fp32": np.float32, "bf16": ml_dtypes.bfloat16, "fp16": np.float16}
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
+@pytest.fixture(scope="module", params=ALL_ARCHITECTURES)
 def hf_tiny(request, tmp_path_factory):
     """(arch, folder written by save_pretrained, {name: float32 array} of the model in memory)."""
     folder = tmp_path_factory.mktemp(f"hf_{request.param}")
@@ -77,7 +88,8 @@ def hf_dense(state: dict[str, np.ndarray], name: str) -> np.ndarray:
     if name in HF_GLOBAL_NAMES:
         return state[HF_GLOBAL_NAMES[name]]
     _, layer, part = name.split(".", 2)
-    return state[f"model.layers.{layer}.{HF_LAYER_NAMES[part]}"]
+    names = HF_LAYER_NAMES[part] if isinstance(HF_LAYER_NAMES[part], tuple) else (HF_LAYER_NAMES[part],)
+    return next(state[f"model.layers.{layer}.{n}"] for n in names if f"model.layers.{layer}.{n}" in state)
 
 
 def hf_expert(state: dict[str, np.ndarray], layer: int, expert: int, size: int) -> dict[str, np.ndarray]:
@@ -104,7 +116,8 @@ def test_export_translates_config_and_round_trips_every_tensor(hf_tiny, dtype, q
     assert (tmp_path / "out" / "generation_config.json").is_file()
     for name in folder.dense.names:
         ours = folder.dense.get(name).astype(np.float32)
-        np.testing.assert_array_equal(ours, rounded(hf_dense(state, name), dtype), err_msg=name)
+        stored = "fp32" if name.endswith("score_correction_bias") else dtype  # router biases stay float32
+        np.testing.assert_array_equal(ours, rounded(hf_dense(state, name), stored), err_msg=name)
     for layer in config.moe_layers:
         for expert in range(config.num_experts):
             ours = folder.experts.tensors(layer, expert)
@@ -450,6 +463,7 @@ def test_cli_export_reports_broken_checkpoints_in_one_line(hf_copy, tmp_path):
     completed = subprocess.run([sys.executable, "-m", "colibri_stream.cli", "export", str(hf_copy),
                                 str(tmp_path / "out"), "--quiet"], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 1 and "Traceback" not in completed.stderr
-    assert completed.stderr == ("error: model_type 'deepseek_v3' is not supported; "
-                                "Colibri exports mixtral, qwen2_moe, qwen3_moe, olmoe\n")
+    assert completed.stderr == ("error: model_type 'deepseek_v3' needs Multi-head Latent Attention, which Colibri "
+                                "does not run; Colibri exports mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe, "
+                                "minimax_m2\n")
     assert not (tmp_path / "out").exists()

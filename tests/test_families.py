@@ -1,0 +1,159 @@
+"""The sigmoid-routed families (GLM-4.5, MiniMax-M2) end to end: `colibri export`, `inspect` and `generate` on the
+NumPy backend against transformers' greedy tokens; the multi-token-prediction layers GLM-4.5 checkpoints carry are
+skipped; the GPU backend refuses what it does not run in one line; the families Colibri does not run are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from safetensors.numpy import load_file, save_file  # noqa: E402
+
+from colibri_stream.backends.cupy_backend import CupyBackend  # noqa: E402
+from colibri_stream.backends.numpy_backend import NumpyBackend  # noqa: E402
+from colibri_stream.checkpoint import ModelFolder  # noqa: E402
+from colibri_stream.errors import CheckpointError, UnsupportedModelError  # noqa: E402
+from colibri_stream.export import export_model  # noqa: E402
+from colibri_stream.export.architectures import translate_config  # noqa: E402
+from colibri_stream.loader import check_features  # noqa: E402
+from conftest import TOKENIZER_VOCAB_SIZE, write_tokenizer  # noqa: E402
+from test_parity import reference_greedy  # noqa: E402
+from tiny_models import ARCHITECTURES, SIGMOID_ROUTED, build_hf_model, hf_config  # noqa: E402
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "colibri_stream", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("arch", SIGMOID_ROUTED)
+def test_cli_export_inspect_generate_match_transformers(arch, tmp_path):
+    hf_model = build_hf_model(arch, tmp_path / "hf", vocab_size=TOKENIZER_VOCAB_SIZE)
+    write_tokenizer(tmp_path / "hf")
+    done = run_cli("export", str(tmp_path / "hf"), str(tmp_path / "model"), "--dtype", "fp32", "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"wrote {tmp_path / 'model'}: {arch}, 3 layers, 8 experts (top-2)")
+
+    shown = run_cli("inspect", str(tmp_path / "model"))
+    assert shown.returncode == 0, shown.stderr
+    assert "top-2 by sigmoid plus a correction bias (for the choice only)" in shown.stdout
+    if arch == "glm4_moe":
+        assert "from the best 1 of 2 groups" in shown.stdout and "scaled by 2.5" in shown.stdout
+        assert "the first 8 of 16 dimensions of each head rotated" in shown.stdout
+        assert "qk-norm per_head" in shown.stdout and "MoE: 1, 2" in shown.stdout
+    else:
+        assert "the first 12 of 24 dimensions of each head rotated" in shown.stdout
+        assert "qk-norm full" in shown.stdout and "groups" not in shown.stdout
+
+    done = run_cli("generate", "--model", str(tmp_path / "model"), "--device", "cpu", "--prompt", "Hello world",
+                   "--max-tokens", "10", "--ignore-eos", "--json")
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)
+    prompt = np.array(printed["prompt_token_ids"])
+    assert printed["token_ids"] == reference_greedy(hf_model, prompt, 10)
+
+
+def with_mtp_layer(folder, layers: int) -> int:
+    """Adds the tensors of a multi-token-prediction module after the decoder's `layers` layers to the checkpoint,
+    as GLM-4.5's published checkpoints hold them; returns how many."""
+    tensors = load_file(folder / "model.safetensors")
+    h = tensors["model.embed_tokens.weight"].shape[1]
+    extra = {f"model.layers.{layers}.eh_proj.weight": np.zeros((h, 2 * h), np.float32),
+             f"model.layers.{layers}.enorm.weight": np.ones(h, np.float32),
+             f"model.layers.{layers}.input_layernorm.weight": np.ones(h, np.float32)}
+    save_file({**tensors, **extra}, folder / "model.safetensors", metadata={"format": "pt"})
+    return len(extra)
+
+
+def test_multi_token_prediction_layers_are_skipped_with_a_log_line(tmp_path, caplog):
+    build_hf_model("glm4_moe", tmp_path / "hf", num_nextn_predict_layers=1)
+    count = with_mtp_layer(tmp_path / "hf", 3)
+    with caplog.at_level(logging.WARNING):
+        config = export_model(tmp_path / "hf", tmp_path / "model", dtype="fp32", progress=False)
+    assert config.num_layers == 3
+    assert f"skipping {count} tensors of the multi-token-prediction layers 3-3" in caplog.text
+    assert not any(".layers.3." in name for name in ModelFolder(tmp_path / "model").dense.names)
+
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(raw, num_nextn_predict_layers=0)))
+    with pytest.raises(CheckpointError, match=r"3 tensors that config.json does not account for \(first: model\.lay"):
+        export_model(tmp_path / "hf", tmp_path / "again", dtype="fp32", progress=False)
+
+
+def translated(arch: str, **changes):
+    raw = dict(hf_config(arch).to_dict(), **changes)
+    return translate_config(raw, {}, {"model.layers.1.mlp.gate.e_score_correction_bias",
+                                      "model.layers.0.mlp.e_score_correction_bias"}, "bfloat16", "bfloat16")
+
+
+@pytest.mark.parametrize("arch", SIGMOID_ROUTED)
+def test_gpu_backend_refuses_what_it_does_not_run_in_one_line(arch):
+    config = translated(arch)
+    with pytest.raises(UnsupportedModelError) as info:
+        check_features(config, CupyBackend)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("the cupy backend does not run sigmoid routing, score "
+                                                      "correction bias")
+    assert "partial rotary (rotary_dim)" in message and message.endswith(f"({arch}); run this model with --device cpu")
+    assert ("group-limited routing (n_group)" in message) == (arch == "glm4_moe")
+    check_features(config, NumpyBackend)  # the reference runs every option
+    # One option at a time: each is named
+    plain = dataclasses.replace(config, router_scoring="softmax", score_correction_bias=False, n_group=1,
+                                topk_group=1, routed_scaling_factor=1.0, rotary_dim=None)
+    check_features(plain, CupyBackend)
+    for change, words in ((dict(rotary_dim=config.head_dim), None), (dict(routed_scaling_factor=2.0),
+                          "routed_scaling_factor"), (dict(router_scoring="sigmoid"), "sigmoid routing")):
+        if words is None:
+            check_features(dataclasses.replace(plain, **change), CupyBackend)  # a rotary_dim of the whole head
+            continue
+        with pytest.raises(UnsupportedModelError, match=words):
+            check_features(dataclasses.replace(plain, **change), CupyBackend)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_gpu_backend_runs_the_other_families_as_before(arch):
+    check_features(translate_config(hf_config(arch).to_dict(), {}, set(), "bfloat16", "bfloat16"), CupyBackend)
+
+
+@pytest.mark.parametrize("arch,changes,words", [
+    ("mixtral", dict(model_type="deepseek_v3"), ["deepseek_v3", "Multi-head Latent Attention", "glm4_moe"]),
+    ("mixtral", dict(model_type="kimi_k2"), ["kimi_k2", "Multi-head Latent Attention"]),
+    ("mixtral", dict(model_type="deepseek_v32"), ["deepseek_v32", "indexer"]),
+    ("mixtral", dict(model_type="glm_moe_dsa"), ["glm_moe_dsa", "indexer", "minimax_m2"]),
+    ("minimax_m2", dict(scoring_func="softmax"), ["scoring_func", "sigmoid"]),
+    ("minimax_m2", dict(use_qk_norm=False), ["use_qk_norm"]),
+    ("minimax_m2", dict(qk_norm_type="per_head"), ["qk_norm_type", "per_layer"]),
+    ("minimax_m2", dict(shared_intermediate_size=64), ["shared_intermediate_size"]),
+    ("minimax_m2", dict(attn_type_list=[0, 1, 1]), ["attn_type_list", "linear-attention"]),
+    ("glm4_moe", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}),
+     ["partial_rotary_factor 0.1", "rotates 1 of head_dim 16"]),
+])
+def test_unsupported_variants_are_refused_in_one_line(arch, changes, words):
+    with pytest.raises(UnsupportedModelError) as info:
+        translated(arch, **changes)
+    message = str(info.value)
+    assert "\n" not in message and all(w in message for w in words), message
+
+
+def test_group_options_are_checked():
+    with pytest.raises(CheckpointError, match="n_group \\(3\\) must be a positive divisor of num_experts \\(8\\)"):
+        translated("glm4_moe", n_group=3)
+    with pytest.raises(CheckpointError, match="topk_group \\(3\\) must be between 1 and n_group \\(2\\)"):
+        translated("glm4_moe", topk_group=3)
+    with pytest.raises(CheckpointError, match="top_k \\(4\\) exceeds the experts of the topk_group"):
+        translated("glm4_moe", n_group=4, topk_group=1, num_experts_per_tok=4)
+    with pytest.raises(CheckpointError, match="fewer than two experts a group"):
+        translated("glm4_moe", n_group=8, topk_group=8)
+    config = translated("glm4_moe", n_shared_experts=2, first_k_dense_replace=2)
+    assert (config.shared_expert_intermediate_size, config.moe_layers) == (64, (2,))
+    rope = {"rope_type": "default", "rope_theta": 5e6}  # without its partial_rotary_factor, which would win
+    assert translated("minimax_m2", rotary_dim=8, rope_parameters=rope).rotary_dim == 8
+    assert translated("minimax_m2", rotary_dim=24, rope_parameters=rope).rotary_dim is None  # the whole head
