@@ -521,8 +521,10 @@ class DenseFile:
                     f"expected {list(shape)}"
                 )
             if tensor.get_dtype() != expected_dtype:
+                wanted = (f"config.json's dtype {config.dtype} is {expected_dtype}" if dtype == config.dtype
+                          else f"a router's correction bias is {expected_dtype}")
                 raise CheckpointError(f"{name} does not match config.json: {tensor_name} is stored as "
-                                      f"{tensor.get_dtype()}, expected {expected_dtype} ({dtype})")
+                                      f"{tensor.get_dtype()}, {wanted}")
         self.names = list(specs)
 
     def get(self, name: str) -> np.ndarray:

@@ -1,9 +1,10 @@
 """The supported Hugging Face architectures: config.json translated to ModelConfig, and the tensor name maps.
 
 The translation follows the transformers 5 config classes (MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig,
-OlmoeConfig, Glm4MoeConfig, MiniMaxM2Config) and their modeling code: a key absent from config.json takes the class default, every option that
-changes the computation becomes a ModelConfig field or is refused with UnsupportedModelError, and training-only
-options (dropout, router jitter and auxiliary loss, initializer range, use_cache, ...) are ignored.
+OlmoeConfig, Glm4MoeConfig, MiniMaxM2Config) and their modeling code: a key absent from config.json takes the class
+default, every option that changes the computation becomes a ModelConfig field or is refused with
+UnsupportedModelError, and training-only options (dropout, router jitter and auxiliary loss, initializer range,
+use_cache, ...) are ignored.
 """
 
 from __future__ import annotations
