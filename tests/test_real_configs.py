@@ -85,7 +85,25 @@ EXPECTED = {
         intermediate_size=0, norm_topk_prob=False, shared_expert_intermediate_size=20480, shared_expert_gate=True,
         qkv_bias=True, sliding_windows=window(28), rope=RopeConfig(theta=1e6), max_position_embeddings=131072,
         bos_token_id=151643, eos_token_ids=(151643,)),
+    "glm-4.5-air": dict(
+        architecture="glm4_moe", vocab_size=151552, hidden_size=4096, num_layers=46, num_heads=96, num_kv_heads=8,
+        head_dim=128, num_experts=128, top_k=8, moe_intermediate_size=1408, moe_layers=tuple(range(1, 46)),
+        intermediate_size=10944, norm_topk_prob=True, shared_expert_intermediate_size=1408, shared_expert_gate=False,
+        router_scoring="sigmoid", score_correction_bias=True, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        qk_norm="none", qkv_bias=True, o_bias=False, clip_qkv=None, sliding_windows=window(46), rotary_dim=64,
+        rope=RopeConfig(theta=1e6), rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072,
+        bos_token_id=None, eos_token_ids=(151329, 151336, 151338), pad_token_id=151329),
+    "minimax-m2.5-bf16": dict(
+        architecture="minimax_m2", vocab_size=200064, hidden_size=3072, num_layers=62, num_heads=48, num_kv_heads=8,
+        head_dim=128, num_experts=256, top_k=8, moe_intermediate_size=1536, moe_layers=tuple(range(62)),
+        intermediate_size=0, norm_topk_prob=True, shared_expert_intermediate_size=0, router_scoring="sigmoid",
+        score_correction_bias=True, n_group=1, routed_scaling_factor=1.0, qk_norm="full", qkv_bias=False,
+        o_bias=False, sliding_windows=window(62), rotary_dim=64, rope=RopeConfig(theta=5e6), rms_norm_eps=1e-6,
+        tie_word_embeddings=False, max_position_embeddings=196608, bos_token_id=200034, eos_token_ids=(200020,),
+        pad_token_id=None),
 }
+# The tensors that tell the exporter a router has a correction bias (as the published checkpoints have).
+BIASES = {"model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.0.block_sparse_moe.e_score_correction_bias"}
 NAMES = sorted(EXPECTED)
 
 
@@ -96,7 +114,7 @@ def test_every_stored_config_is_checked():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_published_config_translates_to_what_the_model_computes(name):
-    config = translate(published(name), names={QWEN2_BIAS})
+    config = translate(published(name), names={QWEN2_BIAS} | BIASES)
     expected = EXPECTED[name]
     assert {k: getattr(config, k) for k in expected} == expected
 
@@ -148,7 +166,7 @@ def shrunk(raw: dict) -> dict:
         out.update(head_dim=16, hidden_size=48)
     else:
         out.update(hidden_size=16 * out["num_attention_heads"])
-    experts_key = "num_local_experts" if "num_local_experts" in raw else "num_experts"
+    experts_key = next(k for k in ("num_local_experts", "n_routed_experts", "num_experts") if k in raw)
     out[experts_key] = min(raw[experts_key], 2 * raw["num_experts_per_tok"], 16)
     out["num_experts_per_tok"] = min(raw["num_experts_per_tok"], out[experts_key] // 2)
     if "moe_intermediate_size" in raw:
@@ -157,6 +175,10 @@ def shrunk(raw: dict) -> dict:
         out.update(intermediate_size=24)
     if raw.get("shared_expert_intermediate_size"):
         out["shared_expert_intermediate_size"] = 32
+    if "rotary_dim" in raw:  # MiniMax-M2: the same share of the smaller head
+        out["rotary_dim"] = raw["rotary_dim"] * out["head_dim"] // raw["head_dim"]
+    if "attn_type_list" in raw:
+        out["attn_type_list"] = raw["attn_type_list"][:layers]
     if "max_window_layers" in raw:
         out["max_window_layers"] = round(raw["max_window_layers"] * layers / raw["num_hidden_layers"])
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # ids inside the tiny vocabulary
@@ -189,6 +211,9 @@ PARITY = [
     ("qwen2-57b-a14b", {}),
     ("qwen2-57b-a14b", {"head_dim": 8}),
     ("qwen2-57b-a14b", {"use_sliding_window": True, "sliding_window": 5, "mlp_only_layers": [1]}),
+    ("glm-4.5-air", {}),
+    ("glm-4.5-air", {"use_qk_norm": True, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5}),
+    ("minimax-m2.5-bf16", {}),
 ]
 
 
