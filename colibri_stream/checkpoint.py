@@ -116,10 +116,13 @@ def dense_tensor_specs(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for layer in range(config.num_layers):
         p = f"layers.{layer}."
         specs[p + "input_norm"] = (h,)
-        specs[p + "q_proj"] = (q_width, h)
-        specs[p + "k_proj"] = (kv_width, h)
-        specs[p + "v_proj"] = (kv_width, h)
-        specs[p + "o_proj"] = (h, q_width)
+        if config.attention == "mla":
+            specs.update(_latent_attention_specs(config, p))
+        else:
+            specs[p + "q_proj"] = (q_width, h)
+            specs[p + "k_proj"] = (kv_width, h)
+            specs[p + "v_proj"] = (kv_width, h)
+            specs[p + "o_proj"] = (h, q_width)
         if config.qkv_bias:
             specs[p + "q_bias"] = (q_width,)
             specs[p + "k_bias"] = (kv_width,)
@@ -152,6 +155,24 @@ def dense_tensor_specs(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     specs["norm"] = (h,)
     if not config.tie_word_embeddings:
         specs["lm_head"] = (config.vocab_size, h)
+    return specs
+
+
+def _latent_attention_specs(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """Multi-head Latent Attention's tensors of the layer named by prefix `p`."""
+    h, heads, rank = config.hidden_size, config.num_heads, config.kv_lora_rank
+    nope = config.head_dim - config.rotary_dim
+    specs: dict[str, tuple[int, ...]] = {}
+    if config.q_lora_rank:
+        specs[p + "q_a_proj"] = (config.q_lora_rank, h)
+        specs[p + "q_a_norm"] = (config.q_lora_rank,)
+        specs[p + "q_b_proj"] = (heads * config.head_dim, config.q_lora_rank)
+    else:
+        specs[p + "q_proj"] = (heads * config.head_dim, h)
+    specs[p + "kv_a_proj"] = (rank + config.rotary_dim, h)  # the latent, then the rope key shared by all heads
+    specs[p + "kv_a_norm"] = (rank,)
+    specs[p + "kv_b_proj"] = (heads * (nope + config.v_head_dim), rank)  # per head: key rows, then value rows
+    specs[p + "o_proj"] = (h, heads * config.v_head_dim)
     return specs
 
 

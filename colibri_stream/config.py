@@ -16,7 +16,7 @@ from .errors import CheckpointError, ConfigError
 from .field_types import type_error
 
 FORMAT_VERSION = 1
-ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2")
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3")
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")
 EXPERT_DTYPES = STORAGE_DTYPES + ("int8", "int4", "fp8")  # experts/codecs.py: one codec each
 INT4_GROUP_SIZES = (32, 64, 128)  # int4: input channels per scale
@@ -25,6 +25,7 @@ EXPERT_FORMAT_FIELDS = {"int4": ("expert_group_size", "expert_zero_point"), "fp8
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 QK_NORMS = ("none", "per_head", "full")
 ROUTER_SCORINGS = ("softmax", "sigmoid")
+ATTENTIONS = ("gqa", "mla")  # grouped-query attention | Multi-head Latent Attention (model/transformer.py)
 # Upper bounds of config.json's sizes, far above every published model's (Llama 4 Scout: 10 M positions; vocabularies
 # up to 262 144; hidden sizes up to 18 432; 384 experts): a value past them is a corrupt or hostile file, refused
 # before any table is allocated from it.
@@ -85,7 +86,7 @@ class ModelConfig:
     num_layers: int  # L
     num_heads: int  # query heads
     num_kv_heads: int  # key/value heads (GQA when fewer than num_heads)
-    head_dim: int  # D
+    head_dim: int  # D of each query and key head (mla: head_dim - rotary_dim without rotary, then rotary_dim with)
     num_experts: int  # E routed experts per MoE layer
     top_k: int  # experts per token
     moe_intermediate_size: int  # I of one routed expert
@@ -103,7 +104,14 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     clip_qkv: float | None = None  # clamp q, k, v to [-c, c] after projection (and qk-norm)
-    rotary_dim: int | None = None  # leading dimensions of each head that rotary embedding rotates; None: all D
+    rotary_dim: int | None = None  # dimensions of each head rotary embedding rotates (gqa: the leading ones; mla:
+    # the last, its rope part); None: all D
+    rope_interleave: bool = False  # rotary pairs dimensions (2i, 2i + 1) of the rotated part, not (i, i + R/2)
+    attention: str = "gqa"  # gqa: q, k, v projections, K heads cached | mla: a latent and a rope key cached per token
+    q_lora_rank: int = 0  # mla: width of the query's low-rank path (q_a_proj, q_a_norm, q_b_proj); 0: one q_proj
+    kv_lora_rank: int = 0  # mla: width R of the latent, expanded to each head's keys and values by kv_b_proj
+    v_head_dim: int = 0  # mla: width of each head's value
+    softmax_scale: float | None = None  # attention logits' scale; None: head_dim ** -0.5
     sliding_windows: tuple[int | None, ...] = ()  # per layer: window in tokens, None for full attention
     rope: RopeConfig = field(default_factory=RopeConfig)
     rms_norm_eps: float = 1e-6
@@ -176,6 +184,21 @@ class ModelConfig:
             fail(f"top_k ({self.top_k}) exceeds the experts of the topk_group ({self.topk_group}) groups chosen")
         if self.routed_scaling_factor <= 0:
             fail(f"routed_scaling_factor must be positive, got {self.routed_scaling_factor!r}")
+        if self.attention not in ATTENTIONS:
+            fail(f"attention {self.attention!r} is not one of {', '.join(ATTENTIONS)}")
+        if self.attention == "mla":
+            if self.kv_lora_rank <= 0 or self.v_head_dim <= 0 or self.q_lora_rank < 0:
+                fail("mla needs a positive kv_lora_rank and v_head_dim and a q_lora_rank of 0 or more")
+            if self.rotary_dim is None or self.rotary_dim >= self.head_dim:
+                fail("mla needs a rotary_dim below head_dim (the rope part of each query and key head)")
+            if self.qk_norm != "none" or self.qkv_bias or self.o_bias or self.clip_qkv is not None:
+                fail("mla has no qk_norm, attention biases or clip_qkv")
+            if any(w is not None for w in self.sliding_windows):
+                fail("mla attends to the whole context: sliding windows are gqa's")
+        elif self.q_lora_rank or self.kv_lora_rank or self.v_head_dim or self.rope_interleave:
+            fail("q_lora_rank, kv_lora_rank, v_head_dim and rope_interleave are options of mla attention")
+        if self.softmax_scale is not None and self.softmax_scale <= 0:
+            fail(f"softmax_scale must be positive or null, got {self.softmax_scale!r}")
         if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             fail(f"rotary_dim ({self.rotary_dim}) must be a positive even number of at most head_dim "
                  f"({self.head_dim})")

@@ -14,6 +14,7 @@ from typing import Any, Collection
 
 from ..config import ARCHITECTURES, ROPE_TYPES, ModelConfig, RopeConfig
 from ..errors import CheckpointError, UnsupportedModelError
+from ..model.rope import yarn_mscale
 
 _CAUSAL_LM_CLASSES = {
     "MixtralForCausalLM": "mixtral",
@@ -22,11 +23,13 @@ _CAUSAL_LM_CLASSES = {
     "OlmoeForCausalLM": "olmoe",
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # Hugging Face model types Colibri knows of and refuses, with what they compute that it does not.
-_REFUSED = {"deepseek_v3": "Multi-head Latent Attention", "kimi_k2": "Multi-head Latent Attention",
-            "deepseek_v32": "Multi-head Latent Attention and the sparse attention indexer",
-            "glm_moe_dsa": "the sparse attention indexer"}
+_REFUSED = {"deepseek_v32": "the sparse attention indexer of DeepSeek-V3.2",
+            "glm_moe_dsa": "the sparse attention indexer of GLM-5"}
+# Model types that name another's architecture: Kimi K2 is DeepSeek-V3's (its config.json says DeepseekV3ForCausalLM).
+_MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 _COMMON_DEFAULTS = dict(hidden_act="silu", tie_word_embeddings=False, head_dim=None, rope_theta=10000.0)
 # The transformers config-class defaults of every key the translation reads.
@@ -66,6 +69,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         norm_topk_prob=True, use_qk_norm=False, num_nextn_predict_layers=1, bos_token_id=None, eos_token_id=None,
         pad_token_id=None,
     ),
+    "deepseek_v3": dict(
+        _COMMON_DEFAULTS, vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+        n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+        v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3,
+        norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
+        pad_token_id=None, rope_interleave=True, attention_bias=False, num_nextn_predict_layers=1,
+    ),
     "minimax_m2": dict(
         _COMMON_DEFAULTS, vocab_size=200064, hidden_size=3072, intermediate_size=1536, num_hidden_layers=62,
         num_attention_heads=48, num_key_value_heads=8, head_dim=128, max_position_embeddings=196608,
@@ -83,10 +94,12 @@ _GLM_PARTIAL_ROTARY_FACTOR = 0.5
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok")
 _EXPERT_WIDTH_KEY = {"mixtral": "intermediate_size", "olmoe": "intermediate_size",
                      "qwen2_moe": "moe_intermediate_size", "qwen3_moe": "moe_intermediate_size",
-                     "glm4_moe": "moe_intermediate_size", "minimax_m2": "intermediate_size"}
+                     "glm4_moe": "moe_intermediate_size", "minimax_m2": "intermediate_size",
+                     "deepseek_v3": "moe_intermediate_size"}
 # The keys that may give the routed-expert count (transformers aliases them), the config class's own name first.
 _EXPERT_COUNT_KEYS = {"mixtral": ("num_local_experts", "num_experts"), "glm4_moe": ("n_routed_experts",
-                      "num_local_experts"), "minimax_m2": ("num_local_experts", "num_experts")}
+                      "num_local_experts"), "minimax_m2": ("num_local_experts", "num_experts"),
+                      "deepseek_v3": ("n_routed_experts", "num_local_experts")}
 _DEFAULT_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
 
 
@@ -135,6 +148,7 @@ def detect_architecture(raw: dict[str, Any]) -> str:
             return named[0]
         raise UnsupportedModelError(f"config.json names no supported model_type or architecture ({classes}); "
                                     f"Colibri exports {supported}")
+    model_type = _MODEL_TYPE_ALIASES.get(model_type, model_type)
     if model_type in _REFUSED:
         raise UnsupportedModelError(f"model_type {model_type!r} needs {_REFUSED[model_type]}, which Colibri does "
                                     f"not run; Colibri exports {supported}")
@@ -216,8 +230,10 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
                       qk_norm="full", qkv_bias=bias, o_bias=bias,
                       clip_qkv=None if clip is None else _number(clip, "clip_qkv"),
                       sliding_windows=(None,) * num_layers)
-    elif arch in ("glm4_moe", "minimax_m2"):
+    elif arch in ("glm4_moe", "minimax_m2", "deepseek_v3"):
         fields.update(_sigmoid_routed(arch, cfg, num_layers, tensor_names))
+        if arch == "deepseek_v3":
+            fields.update(_latent_attention(cfg, fields["rope"]))
     else:
         fields.update(_qwen_mlp(cfg, num_layers))
         if arch == "qwen2_moe":
@@ -262,10 +278,10 @@ def _qwen_mlp(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
 
 def _sigmoid_routed(arch: str, cfg: dict[str, Any], num_layers: int,
                     tensor_names: Collection[str]) -> dict[str, Any]:
-    """GLM-4.5 and MiniMax-M2: sigmoid scores with a correction bias for the choice. GLM-4.5 adds the groups,
-    renormalisation and scaling of its config, an ungated shared expert of n_shared_experts routed widths, dense
-    first layers, optional per-head qk-norm and q/k/v biases; MiniMax-M2 renormalises always and has RMSNorm over
-    the whole q and k projections."""
+    """GLM-4.5, MiniMax-M2 and DeepSeek-V3: sigmoid scores with a correction bias for the choice. GLM-4.5 and
+    DeepSeek-V3 add the groups, renormalisation and scaling of their config, an ungated shared expert of
+    n_shared_experts routed widths and dense first layers (GLM-4.5 also optional per-head qk-norm and q/k/v
+    biases); MiniMax-M2 renormalises always and has RMSNorm over the whole q and k projections."""
     fields: dict[str, Any] = dict(router_scoring="sigmoid", sliding_windows=(None,) * num_layers)
     if arch == "minimax_m2":
         for key, computed in (("scoring_func", "sigmoid"), ("use_qk_norm", True), ("qk_norm_type", "per_layer"),
@@ -285,12 +301,13 @@ def _sigmoid_routed(arch: str, cfg: dict[str, Any], num_layers: int,
         moe_layers = tuple(range(dense_first, num_layers))
         n_group = _int(cfg["n_group"], "n_group")
         topk_group = _int(cfg["topk_group"], "topk_group")
-        bias = _bool(cfg["attention_bias"], "attention_bias")
+        if arch == "glm4_moe":
+            fields.update(qk_norm="per_head" if _bool(cfg["use_qk_norm"], "use_qk_norm") else "none",
+                          qkv_bias=_bool(cfg["attention_bias"], "attention_bias"))
         fields.update(moe_intermediate_size=width, moe_layers=moe_layers,
                       intermediate_size=_int(cfg["intermediate_size"], "intermediate_size") if dense_first else 0,
                       norm_topk_prob=_bool(cfg["norm_topk_prob"], "norm_topk_prob"),
-                      qk_norm="per_head" if _bool(cfg["use_qk_norm"], "use_qk_norm") else "none",
-                      qkv_bias=bias, n_group=n_group, topk_group=topk_group,
+                      n_group=n_group, topk_group=topk_group,
                       routed_scaling_factor=_number(cfg["routed_scaling_factor"], "routed_scaling_factor"),
                       shared_expert_intermediate_size=width * _int(cfg["n_shared_experts"], "n_shared_experts",
                                                                    minimum=0))
@@ -301,11 +318,35 @@ def _sigmoid_routed(arch: str, cfg: dict[str, Any], num_layers: int,
     return fields
 
 
+def _latent_attention(cfg: dict[str, Any], rope: RopeConfig) -> dict[str, Any]:
+    """DeepSeek-V3's Multi-head Latent Attention: query and key heads of qk_nope_head_dim + qk_rope_head_dim (the
+    rope part last), the latent, and YaRN's mscale_all_dim on the softmax scale (squared, as DeepSeek applies it)."""
+    if _bool(cfg["attention_bias"], "attention_bias"):
+        raise _unsupported("attention_bias is not supported with Multi-head Latent Attention")
+    if cfg["rms_norm_eps"] != 1e-6:
+        raise _unsupported(f"rms_norm_eps {cfg['rms_norm_eps']} is not supported for DeepSeek-V3: transformers "
+                           "normalises the latents with 1e-6 whatever it says, Colibri with rms_norm_eps")
+    nope = _int(cfg["qk_nope_head_dim"], "qk_nope_head_dim")
+    rope_dim = _int(cfg["qk_rope_head_dim"], "qk_rope_head_dim")
+    scale = (nope + rope_dim) ** -0.5
+    if rope.type != "default" and rope.mscale_all_dim:
+        scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+    q_rank = cfg["q_lora_rank"]
+    return dict(attention="mla", head_dim=nope + rope_dim, rotary_dim=rope_dim,
+                num_kv_heads=_int(cfg["num_attention_heads"], "num_attention_heads"),
+                q_lora_rank=0 if q_rank is None else _int(q_rank, "q_lora_rank"),
+                kv_lora_rank=_int(cfg["kv_lora_rank"], "kv_lora_rank"),
+                v_head_dim=_int(cfg["v_head_dim"], "v_head_dim"),
+                rope_interleave=_bool(cfg["rope_interleave"], "rope_interleave"), softmax_scale=scale)
+
+
 def multi_token_prediction_layers(raw: dict[str, Any]) -> range:
-    """The layer indices after the decoder's that hold GLM-4.5's multi-token-prediction modules (not exported)."""
-    if detect_architecture(raw) != "glm4_moe":
+    """The layer indices after the decoder's that hold GLM-4.5's and DeepSeek-V3's multi-token-prediction modules
+    (not exported)."""
+    arch = detect_architecture(raw)
+    if arch not in ("glm4_moe", "deepseek_v3"):
         return range(0)
-    cfg = {**_DEFAULTS["glm4_moe"], **raw}
+    cfg = {**_DEFAULTS[arch], **raw}
     count = _int(cfg["num_nextn_predict_layers"], "num_nextn_predict_layers", minimum=0)
     layers = _int(cfg["num_hidden_layers"], "num_hidden_layers")
     return range(layers, layers + count)
@@ -441,6 +482,12 @@ _LAYER_TENSORS = {
     "v_bias": ("self_attn.v_proj.bias",),
     "o_bias": ("self_attn.o_proj.bias",),
     "q_norm": ("self_attn.q_norm.weight",),
+    "q_a_proj": ("self_attn.q_a_proj.weight",),
+    "q_a_norm": ("self_attn.q_a_layernorm.weight",),
+    "q_b_proj": ("self_attn.q_b_proj.weight",),
+    "kv_a_proj": ("self_attn.kv_a_proj_with_mqa.weight",),
+    "kv_a_norm": ("self_attn.kv_a_layernorm.weight",),
+    "kv_b_proj": ("self_attn.kv_b_proj.weight",),
     "k_norm": ("self_attn.k_norm.weight",),
     "post_attention_norm": ("post_attention_layernorm.weight",),
     "router": ("mlp.gate.weight", "block_sparse_moe.gate.weight"),

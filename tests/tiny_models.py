@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # what every backend runs
-SIGMOID_ROUTED = ("glm4_moe", "minimax_m2")  # the NumPy backend only (CupyBackend.missing_features)
+SIGMOID_ROUTED = ("glm4_moe", "minimax_m2", "deepseek_v3")  # the NumPy backend only (CupyBackend.missing_features)
 ALL_ARCHITECTURES = ARCHITECTURES + SIGMOID_ROUTED
 VOCAB_SIZE = 256
 
@@ -57,6 +57,12 @@ def hf_config(arch: str, **overrides):
     elif arch == "minimax_m2":
         cfg = dict(common, intermediate_size=32, num_local_experts=8, head_dim=24, rotary_dim=12)
         cls = transformers.MiniMaxM2Config
+    elif arch == "deepseek_v3":
+        cfg = dict(common, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                   first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                   q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=20,
+                   rope_interleave=True, num_key_value_heads=4)
+        cls = transformers.DeepseekV3Config
     else:
         raise ValueError(f"unknown architecture {arch}")
     cfg.update(overrides)

@@ -132,6 +132,24 @@ class Backend(ABC):
         kv_scales. K and D are read from the caches' shape [num_blocks, block_size, K, D].
         """
 
+    def latent_rope_write(self, q_latent: Array, q_rope: Array, latent: Array, k_rope: Array, cos: Array,
+                          sin: Array, positions: Array, interleaved: bool, cache: Array, slot_mapping: Array,
+                          scale: float = 1.0) -> Array:
+        """Multi-head Latent Attention's step from its projections to attention -> the query [T, Q, R + r].
+
+        q_latent [T, Q, R] (each head's query without rotary, through its key up-projection), q_rope [T, Q, r],
+        latent [T, R] (normalised), k_rope [T, r]: q_rope and k_rope rotated (cos, sin [P, r/2]; `interleaved`
+        as `rotary`'s), each token's latent and rotated k_rope stored as one row [R + r] of cache [num_blocks,
+        block_size, 1, R + r] at slot_mapping [T] (divided by `scale`), and q_latent then the rotated q_rope
+        returned. Attention over that cache as both keys and values gives each head's latent output in its first
+        R columns.
+        """
+        raise NotImplementedError(f"the {self.name} backend does not run Multi-head Latent Attention")
+
+    def per_head_linear(self, x: Array, weight: Array) -> Array:
+        """x [T, H, In], weight [H, Out, In] -> [T, H, Out]: each head through its own matrix."""
+        raise NotImplementedError(f"the {self.name} backend does not run Multi-head Latent Attention")
+
     @abstractmethod
     def paged_attention(self, query: Array, key_cache: Array, value_cache: Array, batch: ForwardBatch,
                         device_batch: dict[str, Array], scale: float, sliding_window: int | None,

@@ -61,6 +61,15 @@ def _best_groups_only(choice: np.ndarray, n_group: int, topk_group: int) -> np.n
     return np.where(np.repeat(kept, e // n_group, axis=-1), choice, np.float32(-np.inf))
 
 
+def _write_rows(cache: np.ndarray, rows: np.ndarray, slot_mapping: np.ndarray, scale: float) -> None:
+    """rows [T, K, D] into cache [num_blocks, block_size, K, D] at the slots [T] (a negative slot stores nothing),
+    rounded to the cache's dtype after division by `scale`."""
+    block_size = cache.shape[1]
+    stored = slot_mapping >= 0  # [T]
+    slots = slot_mapping[stored]  # [T']
+    cache[slots // block_size, slots % block_size] = _for_cache(rows[stored], cache, scale)
+
+
 class NumpyBackend(Backend):
     """Float32 NumPy on the host."""
 
@@ -122,25 +131,38 @@ class NumpyBackend(Backend):
         return np.clip(x, -limit, limit)
 
     # ---- attention ----------------------------------------------------------------------------------------
-    def rotary(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def rotary(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray,
+               interleaved: bool = False) -> np.ndarray:
         """x [T, heads, D], cos/sin tables [P, R/2], positions [T] -> x with its first R dimensions rotated ("rotate
-        half" pairing within them: i with i + R/2) and the other D - R as they were."""
+        half" pairing within them: i with i + R/2) and the other D - R as they were. `interleaved` pairs 2i with
+        2i + 1 instead, and lays the rotated pairs out as the rotate-half form does (first elements, then seconds),
+        as transformers' interleaved rotary does: queries and keys alike, so their products are the same."""
         half = cos.shape[1]
         c, s = cos[positions][:, None, :], sin[positions][:, None, :]  # [T, 1, R/2]
-        x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]  # [T, heads, R/2] twice, [.., D-R]
-        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1)
+        if interleaved:
+            x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]  # [T, heads, R/2] each
+        else:
+            x1, x2 = x[..., :half], x[..., half:2 * half]  # [T, heads, R/2] each
+        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * half:]], axis=-1)
 
     def write_kv(self, key_cache, value_cache, key, value, slot_mapping, kv_scales=(1.0, 1.0)) -> None:
         """Store key/value [T, K, D] into the paged caches [num_blocks, block_size, K, D] at the slots [T]; a
         negative slot stores nothing (padding rows of a captured batch). Each value is rounded to the caches'
         dtype (to nearest even, as the GPU's writer) after division by its scale, kv_scales = (k_scale, v_scale);
         an fp8 cache saturates at +-448 (e4m3's largest finite value)."""
-        block_size = key_cache.shape[1]
-        stored = slot_mapping >= 0  # [T]
-        slots = slot_mapping[stored]  # [T']
-        blocks, rows = slots // block_size, slots % block_size
-        key_cache[blocks, rows] = _for_cache(key[stored], key_cache, kv_scales[0])
-        value_cache[blocks, rows] = _for_cache(value[stored], value_cache, kv_scales[1])
+        _write_rows(key_cache, key, slot_mapping, kv_scales[0])
+        _write_rows(value_cache, value, slot_mapping, kv_scales[1])
+
+    def latent_rope_write(self, q_latent, q_rope, latent, k_rope, cos, sin, positions, interleaved, cache,
+                          slot_mapping, scale=1.0):
+        q_rope = self.rotary(q_rope, cos, sin, positions, interleaved)  # [T, Q, r]
+        k_rope = self.rotary(k_rope[:, None, :], cos, sin, positions, interleaved)  # [T, 1, r]
+        _write_rows(cache, np.concatenate([latent[:, None, :], k_rope], axis=-1), slot_mapping, scale)
+        return np.concatenate([q_latent, q_rope], axis=-1)  # [T, Q, R + r]
+
+    def per_head_linear(self, x, weight):
+        # [H, T, In] @ [H, In, Out]: one BLAS product per head
+        return np.matmul(x.transpose(1, 0, 2), weight.transpose(0, 2, 1)).transpose(1, 0, 2)  # [T, H, Out]
 
     def qk_norm_rope_write(self, q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, positions, key_cache,
                            value_cache, slot_mapping, kv_scales=(1.0, 1.0)):

@@ -32,14 +32,26 @@ def resolve_kv_dtype(option: str, model: ModelConfig) -> str:
     return KV_CACHE_STORAGE[option]
 
 
+def kv_row_shape(config: ModelConfig) -> tuple[int, int]:
+    """(heads, width) of what a token stores in one layer's cache arrays: K heads of D (keys, and values as many),
+    or MLA's one row of its latent and rotated rope key [kv_lora_rank + rotary_dim], the keys and values of every
+    query head at once (attention reads the one array as both)."""
+    if config.attention == "mla":
+        return 1, config.kv_lora_rank + config.rotary_dim
+    return config.num_kv_heads, config.head_dim
+
+
 def kv_bytes_per_token(config: ModelConfig, dtype: str) -> int:
     """Memory one token's keys and values take over all layers, in the cache's storage dtype."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_DTYPE_BYTES[dtype]
+    heads, width = kv_row_shape(config)
+    arrays = 1 if config.attention == "mla" else 2
+    return arrays * config.num_layers * heads * width * KV_DTYPE_BYTES[dtype]
 
 
 @dataclass
 class PagedKVCache:
-    """keys[l], values[l]: [num_blocks, block_size, K, D] of layer l in `dtype`; block ids come from the block
+    """keys[l], values[l]: [num_blocks, block_size, K, D] of layer l in `dtype` (MLA: one array [num_blocks,
+    block_size, 1, kv_lora_rank + rotary_dim], values[l] the same object as keys[l]); block ids come from the block
     manager. k_scales[l], v_scales[l]: what a stored key or value of layer l is multiplied by when read (1.0 but
     for an fp8 cache given other scales)."""
 
@@ -58,10 +70,11 @@ class PagedKVCache:
             raise ValueError("the KV cache needs at least one block of at least one token")
         if dtype not in KV_DTYPE_BYTES:
             raise ValueError(f"KV cache dtype {dtype!r} is not one of {', '.join(KV_DTYPE_BYTES)}")
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        shape = (num_blocks, block_size, *kv_row_shape(config))
+        keys = [backend.zeros(shape, dtype) for _ in range(config.num_layers)]
         return cls(
-            keys=[backend.zeros(shape, dtype) for _ in range(config.num_layers)],
-            values=[backend.zeros(shape, dtype) for _ in range(config.num_layers)],
+            keys=keys,
+            values=list(keys) if config.attention == "mla" else [backend.zeros(shape, dtype) for _ in keys],
             num_blocks=num_blocks,
             block_size=block_size,
             dtype=dtype,

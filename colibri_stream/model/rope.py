@@ -39,19 +39,20 @@ def _llama3(inv_freq: np.ndarray, rope: RopeConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled)
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `scale` times (DeepSeek's weighting `m`)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
 def _yarn(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
     original = rope.original_max_position_embeddings
     factor = rope.factor
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attention_factor = rope.attention_factor
     if attention_factor is None:
         if rope.mscale and rope.mscale_all_dim:
-            attention_factor = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+            attention_factor = yarn_mscale(factor, rope.mscale) / yarn_mscale(factor, rope.mscale_all_dim)
         else:
-            attention_factor = mscale(factor)
+            attention_factor = yarn_mscale(factor)
     beta_fast = rope.beta_fast or 32.0
     beta_slow = rope.beta_slow or 1.0
 

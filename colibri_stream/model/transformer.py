@@ -35,15 +35,31 @@ class MLPWeights:
 
 
 @dataclass
+class LatentAttentionWeights:
+    """Multi-head Latent Attention's own weights (the query's low-rank path when it has one, the latent's
+    projection and norm, and kv_b_proj split per head into the key and value up-projections that attention absorbs
+    into its query and output sides). R latent width, r rope width, N = D - r, Dv value width."""
+
+    kv_a_proj: Array  # [R + r, H]: the latent, then the rope key
+    kv_a_norm: Array  # [R]
+    k_up: Array  # [Q, R, N]: a head's query without rotary -> its query over the latent
+    v_up: Array  # [Q, Dv, R]: a head's attention output over the latent -> its value
+    q_a_proj: Array | None = None  # [q_lora_rank, H]
+    q_a_norm: Array | None = None  # [q_lora_rank]
+    q_b_proj: Array | None = None  # [Q*D, q_lora_rank]
+
+
+@dataclass
 class LayerWeights:
     """Dense weights of one decoder layer; optional parts are None when the config has none."""
 
     input_norm: Array  # [H]
-    q_proj: Array  # [Q*D, H]
-    k_proj: Array  # [K*D, H]
-    v_proj: Array  # [K*D, H]
-    o_proj: Array  # [H, Q*D]
+    o_proj: Array  # [H, Q*D] (mla: [H, Q*Dv])
     post_attention_norm: Array  # [H]
+    q_proj: Array | None = None  # [Q*D, H] (mla: without a low-rank query)
+    k_proj: Array | None = None  # [K*D, H] (gqa)
+    v_proj: Array | None = None  # [K*D, H] (gqa)
+    latent: LatentAttentionWeights | None = None  # mla
     q_bias: Array | None = None  # [Q*D]
     k_bias: Array | None = None  # [K*D]
     v_bias: Array | None = None  # [K*D]
@@ -87,9 +103,10 @@ class MoETransformer:
             moe = config.is_moe_layer(layer)
             self.layers.append(LayerWeights(
                 input_norm=load(p + "input_norm"),
-                q_proj=load(p + "q_proj"),
-                k_proj=load(p + "k_proj"),
-                v_proj=load(p + "v_proj"),
+                q_proj=load_optional(p + "q_proj"),
+                k_proj=load_optional(p + "k_proj"),
+                v_proj=load_optional(p + "v_proj"),
+                latent=self._latent_weights(dense, p) if config.attention == "mla" else None,
                 o_proj=load(p + "o_proj"),
                 post_attention_norm=load(p + "post_attention_norm"),
                 q_bias=load_optional(p + "q_bias"),
@@ -110,9 +127,20 @@ class MoETransformer:
         self.max_positions = min(max_positions or config.max_position_embeddings, config.max_position_embeddings)
         cos, sin = cos_sin_table(config.rope, config.rotary_dim or config.head_dim, self.max_positions)
         self.rope_cos, self.rope_sin = backend.upload(cos), backend.upload(sin)  # [P, R/2] each (R rotated dims)
-        self.attention_scale = config.head_dim**-0.5
+        self.attention_scale = config.softmax_scale or config.head_dim**-0.5
         self.timer = StepTimer()  # the engine's step timer; the forward's phases report to it
         self.store.timer = self.timer  # expert reads report to it too
+
+    def _latent_weights(self, dense: DenseFile, p: str) -> LatentAttentionWeights:
+        cfg, prepare = self.config, self.backend.prepare_weight
+        nope = cfg.head_dim - cfg.rotary_dim
+        kv_b = dense.get(p + "kv_b_proj").reshape(cfg.num_heads, nope + cfg.v_head_dim, cfg.kv_lora_rank)
+        optional = {name: prepare(dense.get(p + name)) for name in ("q_a_proj", "q_a_norm", "q_b_proj")
+                    if p + name in dense.names}
+        return LatentAttentionWeights(kv_a_proj=prepare(dense.get(p + "kv_a_proj")),
+                                      kv_a_norm=prepare(dense.get(p + "kv_a_norm")),
+                                      k_up=prepare(kv_b[:, :nope].transpose(0, 2, 1)),
+                                      v_up=prepare(kv_b[:, nope:]), **optional)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto") -> PagedKVCache:
         """A KV cache for this model; `kv_cache_dtype` is an option of `resolve_kv_dtype` (auto, bf16, fp16, fp32)."""
@@ -159,6 +187,8 @@ class MoETransformer:
 
     def _attention(self, index: int, layer: LayerWeights, x: Array, batch: ForwardBatch,
                    device_batch: dict[str, Array], kv_cache: PagedKVCache) -> Array:
+        if layer.latent is not None:
+            return self._latent_attention(index, layer, x, batch, device_batch, kv_cache)
         b, cfg = self.backend, self.config
         t, d = batch.num_tokens, cfg.head_dim
         q, k, v = b.linears(x, (layer.q_proj, layer.k_proj, layer.v_proj),
@@ -171,6 +201,30 @@ class MoETransformer:
         attended = b.paged_attention(q, key_cache, value_cache, batch, device_batch, self.attention_scale,
                                      cfg.sliding_windows[index], kv_scales)  # [T, Q, D]
         return b.linear(attended.reshape(t, cfg.num_heads * d), layer.o_proj, layer.o_bias)
+
+    def _latent_attention(self, index: int, layer: LayerWeights, x: Array, batch: ForwardBatch,
+                          device_batch: dict[str, Array], kv_cache: PagedKVCache) -> Array:
+        """Multi-head Latent Attention with the up-projections absorbed: each head's query is taken onto the latent
+        (k_up) and attends, with its rotated rope part, over the cached rows [latent | rope key] as keys and values
+        alike (one KV head); the latent part of its output goes through v_up to the head's value."""
+        b, cfg, lat = self.backend, self.config, layer.latent
+        t, heads, rank = batch.num_tokens, cfg.num_heads, cfg.kv_lora_rank
+        nope = cfg.head_dim - cfg.rotary_dim
+        if lat.q_a_proj is None:
+            q = b.linear(x, layer.q_proj)  # [T, Q*D]
+        else:
+            q = b.linear(b.rms_norm(b.linear(x, lat.q_a_proj), lat.q_a_norm, cfg.rms_norm_eps), lat.q_b_proj)
+        q = q.reshape(t, heads, cfg.head_dim)  # [T, Q, D]
+        compressed = b.linear(x, lat.kv_a_proj)  # [T, R + r]
+        latent = b.rms_norm(compressed[:, :rank], lat.kv_a_norm, cfg.rms_norm_eps)  # [T, R]
+        cache, scale = kv_cache.keys[index], kv_cache.k_scales[index]
+        query = b.latent_rope_write(b.per_head_linear(q[..., :nope], lat.k_up), q[..., nope:], latent,
+                                    compressed[:, rank:], self.rope_cos, self.rope_sin, device_batch["positions"],
+                                    cfg.rope_interleave, cache, device_batch["slot_mapping"], scale)  # [T, Q, R + r]
+        attended = b.paged_attention(query, cache, cache, batch, device_batch, self.attention_scale, None,
+                                     (scale, scale))  # [T, Q, R + r]
+        values = b.per_head_linear(attended[..., :rank], lat.v_up)  # [T, Q, Dv]
+        return b.linear(values.reshape(t, heads * cfg.v_head_dim), layer.o_proj)
 
     def _mlp(self, index: int, layer: LayerWeights, x: Array) -> Array:
         b, cfg, t = self.backend, self.config, self.timer
