@@ -67,9 +67,19 @@ def _rope(config: ModelConfig) -> str:
                                                 "mscale_all_dim")}
         text += "".join(f", {k} {v:g}" for k, v in extras.items() if v is not None)
         text += "" if rope.truncate else ", untruncated"
-    if config.rotary_dim not in (None, config.head_dim):
+    if config.attention == "gqa" and config.rotary_dim not in (None, config.head_dim):
         text += f"; the first {config.rotary_dim} of {config.head_dim} dimensions of each head rotated"
-    return text
+    return text + ("; interleaved pairs" if config.rope_interleave else "")
+
+
+def _attention(config: ModelConfig) -> list[str]:
+    if config.attention == "mla":
+        nope = config.head_dim - config.rotary_dim
+        query = (f"q LoRA rank {config.q_lora_rank}" if config.q_lora_rank else "a full q projection")
+        return [f"Multi-head Latent Attention: {config.num_heads} heads, query/key {nope} + {config.rotary_dim} "
+                f"rope dims, value {config.v_head_dim}", f"{query}",
+                f"cached per token: latent {config.kv_lora_rank} + rope key {config.rotary_dim}"]
+    return [f"{config.num_heads} query heads, {config.num_kv_heads} key/value heads, head_dim {config.head_dim}"]
 
 
 def _routing(config: ModelConfig) -> str:
@@ -87,7 +97,7 @@ def _routing(config: ModelConfig) -> str:
 def _summary(path: Path, config: ModelConfig) -> str:
     moe = list(config.moe_layers)
     dense = [layer for layer in range(config.num_layers) if not config.is_moe_layer(layer)]
-    attention = [f"{config.num_heads} query heads, {config.num_kv_heads} key/value heads, head_dim {config.head_dim}"]
+    attention = _attention(config)
     if config.qkv_bias or config.o_bias:
         attention.append("bias on " + "/".join(p for p, on in (("q, k, v", config.qkv_bias), ("o", config.o_bias))
                                                if on))
@@ -95,6 +105,8 @@ def _summary(path: Path, config: ModelConfig) -> str:
         attention.append(f"qk-norm {config.qk_norm}")
     if config.clip_qkv is not None:
         attention.append(f"q/k/v clipped to ±{config.clip_qkv:g}")
+    if config.softmax_scale is not None:
+        attention.append(f"softmax scale {config.softmax_scale:.6g}")
     shared = "none"
     if config.shared_expert_intermediate_size:
         shared = f"intermediate {config.shared_expert_intermediate_size}"

@@ -186,8 +186,9 @@ def kv_report(config: ModelConfig, plan: PlacementPlan, cache: CacheConfig, dtyp
     `dtype` taking `per_token` bytes a token (model/paged_kv.py): on the GPU, `gpu_total` under
     gpu_memory_utilization less the plan's weights and expert slots and the activation reserve; on the CPU, a share
     of the host's available memory `host`."""
-    lines = [f"KV cache in {dtype}: {format_size(per_token)} per token ({config.num_layers} layers x keys and values "
-             f"x {config.num_kv_heads} KV heads x {config.head_dim} dims)"]
+    entry = (f"one row of latent {config.kv_lora_rank} + rope key {config.rotary_dim}" if config.attention == "mla"
+             else f"keys and values x {config.num_kv_heads} KV heads x {config.head_dim} dims")
+    lines = [f"KV cache in {dtype}: {format_size(per_token)} per token ({config.num_layers} layers x {entry})"]
     if plan.device == "cuda":
         reserve = activation_reserve(config, max_num_batched_tokens)
         memory = MemoryInfo(max(0, gpu_total - plan.gpu_weight_bytes), gpu_total, host=False)

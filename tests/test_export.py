@@ -37,6 +37,9 @@ HF_LAYER_NAMES = {
     "o_proj": "self_attn.o_proj.weight", "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
     "v_bias": "self_attn.v_proj.bias", "o_bias": "self_attn.o_proj.bias", "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight", "router": "mlp.gate.weight",
+    "q_a_proj": "self_attn.q_a_proj.weight", "q_a_norm": "self_attn.q_a_layernorm.weight",
+    "q_b_proj": "self_attn.q_b_proj.weight", "kv_a_proj": "self_attn.kv_a_proj_with_mqa.weight",
+    "kv_a_norm": "self_attn.kv_a_layernorm.weight", "kv_b_proj": "self_attn.kv_b_proj.weight",
     "score_correction_bias": ("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias"),
     "shared_expert.gate_proj": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_experts.gate_proj.weight"),
     "shared_expert.up_proj": ("mlp.shared_expert.up_proj.weight", "mlp.shared_experts.up_proj.weight"),
@@ -72,6 +75,12 @@ EXPECTED = {
                        intermediate_size=0, norm_topk_prob=True, qk_norm="full", qkv_bias=False, o_bias=False,
                        shared_expert_intermediate_size=0, rope=RopeConfig(theta=5e6), router_scoring="sigmoid",
                        score_correction_bias=True, n_group=1, routed_scaling_factor=1.0, rotary_dim=12),
+    "deepseek_v3": dict(head_dim=20, num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(1, 2),
+                        intermediate_size=96, norm_topk_prob=True, qk_norm="none", qkv_bias=False, o_bias=False,
+                        shared_expert_intermediate_size=32, shared_expert_gate=False, rope=RopeConfig(theta=1e4),
+                        router_scoring="sigmoid", score_correction_bias=True, n_group=2, topk_group=1,
+                        routed_scaling_factor=2.5, attention="mla", rotary_dim=8, q_lora_rank=24, kv_lora_rank=16,
+                        v_head_dim=20, rope_interleave=True, num_kv_heads=4, softmax_scale=20**-0.5),
 }
 STORAGE = {"fp32": np.float32, "bf16": ml_dtypes.bfloat16, "fp16": np.float16}
 
@@ -459,11 +468,11 @@ def test_unreadable_tensor_data_names_the_tensor(hf_copy, monkeypatch):
 
 def test_cli_export_reports_broken_checkpoints_in_one_line(hf_copy, tmp_path):
     (hf_copy / "config.json").write_text(json.dumps(dict(json.loads((hf_copy / "config.json").read_text()),
-                                                         model_type="deepseek_v3")))
+                                                         model_type="deepseek_v32")))
     completed = subprocess.run([sys.executable, "-m", "colibri_stream.cli", "export", str(hf_copy),
                                 str(tmp_path / "out"), "--quiet"], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 1 and "Traceback" not in completed.stderr
-    assert completed.stderr == ("error: model_type 'deepseek_v3' needs Multi-head Latent Attention, which Colibri "
-                                "does not run; Colibri exports mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe, "
-                                "minimax_m2\n")
+    assert completed.stderr == ("error: model_type 'deepseek_v32' needs the sparse attention indexer of "
+                                "DeepSeek-V3.2, which Colibri does not run; Colibri exports mixtral, qwen2_moe, "
+                                "qwen3_moe, olmoe, glm4_moe, minimax_m2, deepseek_v3\n")
     assert not (tmp_path / "out").exists()

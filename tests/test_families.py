@@ -49,9 +49,13 @@ def test_cli_export_inspect_generate_match_transformers(arch, tmp_path):
         assert "from the best 1 of 2 groups" in shown.stdout and "scaled by 2.5" in shown.stdout
         assert "the first 8 of 16 dimensions of each head rotated" in shown.stdout
         assert "qk-norm per_head" in shown.stdout and "MoE: 1, 2" in shown.stdout
-    else:
+    elif arch == "minimax_m2":
         assert "the first 12 of 24 dimensions of each head rotated" in shown.stdout
         assert "qk-norm full" in shown.stdout and "groups" not in shown.stdout
+    else:
+        assert "Multi-head Latent Attention: 4 heads, query/key 12 + 8 rope dims, value 20" in shown.stdout
+        assert "q LoRA rank 24; cached per token: latent 16 + rope key 8" in shown.stdout
+        assert "interleaved pairs" in shown.stdout and "softmax scale 0.223607" in shown.stdout
 
     done = run_cli("generate", "--model", str(tmp_path / "model"), "--device", "cpu", "--prompt", "Hello world",
                    "--max-tokens", "10", "--ignore-eos", "--json")
@@ -102,10 +106,15 @@ def test_gpu_backend_refuses_what_it_does_not_run_in_one_line(arch):
     message = str(info.value)
     assert "\n" not in message and message.startswith("the cupy backend does not run sigmoid routing, score "
                                                       "correction bias")
-    assert "partial rotary (rotary_dim)" in message and message.endswith(f"({arch}); run this model with --device cpu")
-    assert ("group-limited routing (n_group)" in message) == (arch == "glm4_moe")
+    assert message.endswith(f"({arch}); run this model with --device cpu")
+    assert ("partial rotary (rotary_dim)" in message) == (arch != "deepseek_v3")
+    assert ("Multi-head Latent Attention" in message) == (arch == "deepseek_v3")
+    assert ("group-limited routing (n_group)" in message) == (arch != "minimax_m2")
     check_features(config, NumpyBackend)  # the reference runs every option
-    # One option at a time: each is named
+
+
+def test_gpu_backend_names_each_option_alone():
+    config = translated("glm4_moe")
     plain = dataclasses.replace(config, router_scoring="softmax", score_correction_bias=False, n_group=1,
                                 topk_group=1, routed_scaling_factor=1.0, rotary_dim=None)
     check_features(plain, CupyBackend)
@@ -124,10 +133,10 @@ def test_gpu_backend_runs_the_other_families_as_before(arch):
 
 
 @pytest.mark.parametrize("arch,changes,words", [
-    ("mixtral", dict(model_type="deepseek_v3"), ["deepseek_v3", "Multi-head Latent Attention", "glm4_moe"]),
-    ("mixtral", dict(model_type="kimi_k2"), ["kimi_k2", "Multi-head Latent Attention"]),
-    ("mixtral", dict(model_type="deepseek_v32"), ["deepseek_v32", "indexer"]),
-    ("mixtral", dict(model_type="glm_moe_dsa"), ["glm_moe_dsa", "indexer", "minimax_m2"]),
+    ("mixtral", dict(model_type="deepseek_v32", architectures=None), ["deepseek_v32", "indexer", "deepseek_v3"]),
+    ("mixtral", dict(model_type="glm_moe_dsa", architectures=None), ["glm_moe_dsa", "indexer", "minimax_m2"]),
+    ("deepseek_v3", dict(attention_bias=True), ["attention_bias", "Latent"]),
+    ("deepseek_v3", dict(rms_norm_eps=1e-5), ["rms_norm_eps 1e-05", "1e-6"]),
     ("minimax_m2", dict(scoring_func="softmax"), ["scoring_func", "sigmoid"]),
     ("minimax_m2", dict(use_qk_norm=False), ["use_qk_norm"]),
     ("minimax_m2", dict(qk_norm_type="per_head"), ["qk_norm_type", "per_layer"]),
@@ -141,6 +150,12 @@ def test_unsupported_variants_are_refused_in_one_line(arch, changes, words):
         translated(arch, **changes)
     message = str(info.value)
     assert "\n" not in message and all(w in message for w in words), message
+
+
+def test_kimi_k2_configs_name_deepseek_v3():
+    raw = dict(hf_config("deepseek_v3").to_dict(), model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
+    config = translate_config(raw, {}, set(), "bfloat16", "bfloat16")
+    assert (config.architecture, config.attention) == ("deepseek_v3", "mla")
 
 
 def test_group_options_are_checked():

@@ -139,6 +139,12 @@ VARIANTS = [
                                       "original_max_position_embeddings": 128, "partial_rotary_factor": 0.5}}),
     ("minimax_m2", {"rotary_dim": None}),  # the whole head
     ("minimax_m2", {"num_experts_per_tok": 4, "head_dim": 16, "rotary_dim": 8}),
+    ("deepseek_v3", {"q_lora_rank": None}),  # one q_proj
+    ("deepseek_v3", {"rope_interleave": False, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1}),
+    ("deepseek_v3", {"n_shared_experts": 2, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3}),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 128, "mscale": 0.8,
+                                         "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
 ]
 
 

@@ -85,13 +85,16 @@ class CupyBackend(Backend):
 
     @classmethod
     def missing_features(cls, config: ModelConfig) -> list[str]:
-        """kernels/router.cu is a softmax top-k and the attention prologue rotates whole heads."""
+        """kernels/router.cu is a softmax top-k, the attention prologue rotates whole heads, and the kernels
+        attend over K heads of keys and values (no latent rows)."""
         missing = [f"{config.router_scoring} routing"] if config.router_scoring != "softmax" else []
         missing += [name for name, used in (
             ("score correction bias", config.score_correction_bias),
             ("group-limited routing (n_group)", config.n_group > 1),
             ("routed_scaling_factor", config.routed_scaling_factor != 1.0),
-            ("partial rotary (rotary_dim)", config.rotary_dim not in (None, config.head_dim))) if used]
+            ("partial rotary (rotary_dim)",
+             config.attention == "gqa" and config.rotary_dim not in (None, config.head_dim)),
+            ("Multi-head Latent Attention", config.attention == "mla")) if used]
         return missing
 
     def __init__(self):
