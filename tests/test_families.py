@@ -1,6 +1,7 @@
-"""The sigmoid-routed families (GLM-4.5, MiniMax-M2) end to end: `colibri export`, `inspect` and `generate` on the
-NumPy backend against transformers' greedy tokens; the multi-token-prediction layers GLM-4.5 checkpoints carry are
-skipped; the GPU backend refuses what it does not run in one line; the families Colibri does not run are refused.
+"""The sigmoid-routed families (GLM-4.5, MiniMax-M2, DeepSeek-V3) end to end: `colibri export`, `inspect` and
+`generate` on the NumPy backend against transformers' greedy tokens; DeepSeek-V3's latent cache under prefix caching and chunked
+prefill; the multi-token-prediction layers the published checkpoints carry are skipped; the GPU backend refuses
+what it does not run in one line; the families Colibri does not run are refused.
 """
 
 from __future__ import annotations
@@ -65,6 +66,42 @@ def test_cli_export_inspect_generate_match_transformers(arch, tmp_path):
     assert printed["token_ids"] == reference_greedy(hf_model, prompt, 10)
 
 
+def test_latent_cache_serves_prefix_caching_and_chunked_prefill(tmp_path):
+    """DeepSeek-V3's cache of latent rows under the engine: prompts computed in chunks of 8 tokens, a second prompt
+    taking the first's shared blocks from the prefix cache, both decoding transformers' greedy tokens."""
+    from colibri_stream.llm import LLM
+    from colibri_stream.request import SamplingParams
+
+    hf_model = build_hf_model("deepseek_v3", tmp_path / "hf", seed=2, vocab_size=TOKENIZER_VOCAB_SIZE)
+    write_tokenizer(tmp_path / "hf")
+    export_model(tmp_path / "hf", tmp_path / "model", dtype="fp32", progress=False)
+    shared = [int(i) for i in np.random.default_rng(4).integers(3, TOKENIZER_VOCAB_SIZE, 21)]
+    prompts = [shared + [5, 6, 7], shared + [9, 10]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM(str(tmp_path / "model"), device="cpu", block_size=4, max_num_batched_tokens=8, max_batch_size=2,
+             kv_cache_dtype="fp32") as llm:
+        first = llm.generate(prompts[0], params)
+        second = llm.generate(prompts[1], params)
+        assert llm.engine.stats().prefix_cache_hit_tokens == 20  # the 5 full blocks of the shared 21 tokens
+    for prompt, result in zip(prompts, (first, second)):
+        assert result.token_ids == reference_greedy(hf_model, np.array(prompt), 6)
+
+
+def test_latent_cache_bytes_per_token():
+    """DeepSeek-V3's shape (transformers' DeepseekV3Config defaults): 61 layers of one 512 + 64 row, 576 values a
+    layer instead of 128 heads x (192 key + 128 value) dims."""
+    import transformers
+
+    from colibri_stream.model.paged_kv import kv_bytes_per_token, kv_row_shape
+
+    raw = transformers.DeepseekV3Config(rope_parameters={"rope_type": "default", "rope_theta": 1e4}).to_dict()
+    config = translate_config(raw, {}, set(), "bfloat16", "bfloat16")
+    assert kv_row_shape(config) == (1, 576)
+    assert kv_bytes_per_token(config, "bfloat16") == 61 * 576 * 2
+    assert kv_bytes_per_token(config, "float8_e4m3") == 61 * 576
+    assert kv_row_shape(translated("glm4_moe")) == (2, 16)  # grouped-query: K heads of D, keys and values
+
+
 def with_mtp_layer(folder, layers: int) -> int:
     """Adds the tensors of a multi-token-prediction module after the decoder's `layers` layers to the checkpoint,
     as GLM-4.5's published checkpoints hold them; returns how many."""
@@ -77,8 +114,9 @@ def with_mtp_layer(folder, layers: int) -> int:
     return len(extra)
 
 
-def test_multi_token_prediction_layers_are_skipped_with_a_log_line(tmp_path, caplog):
-    build_hf_model("glm4_moe", tmp_path / "hf", num_nextn_predict_layers=1)
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
+def test_multi_token_prediction_layers_are_skipped_with_a_log_line(arch, tmp_path, caplog):
+    build_hf_model(arch, tmp_path / "hf", num_nextn_predict_layers=1)
     count = with_mtp_layer(tmp_path / "hf", 3)
     with caplog.at_level(logging.WARNING):
         config = export_model(tmp_path / "hf", tmp_path / "model", dtype="fp32", progress=False)
