@@ -10,6 +10,7 @@ sliding_window: null, max_window_layers, ...) go through the exporter as they co
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -109,7 +110,7 @@ NAMES = sorted(EXPECTED)
 
 def test_every_stored_config_is_checked():
     stored = {p.stem for p in CONFIGS.glob("*.json")}
-    assert stored == set(NAMES) | {"qwen1.5-moe-a2.7b-chat-gptq-int4"}
+    assert stored == set(NAMES) | {"qwen1.5-moe-a2.7b-chat-gptq-int4", "deepseek-v3"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -147,6 +148,29 @@ def test_qwen3_yarn_as_its_model_card_enables_it():
 def test_pre_quantised_published_config_of_an_unsupported_format_is_refused():
     with pytest.raises(UnsupportedModelError, match="quant_method 'gptq' is not supported; Colibri imports fp8"):
         quantized_source(published("qwen1.5-moe-a2.7b-chat-gptq-int4"))
+
+
+def unquantised(name: str) -> dict:
+    """A published FP8 config as its bf16 conversion has it: without quantization_config."""
+    return {k: v for k, v in published(name).items() if k != "quantization_config"}
+
+
+def test_deepseek_v3_translates_to_what_it_computes():
+    raw = published("deepseek-v3")
+    assert quantized_source(raw).expert_format() == dict(expert_dtype="fp8", expert_scales="block")  # as shipped
+    config = translate(raw, names={"model.layers.3.mlp.gate.e_score_correction_bias"})
+    mscale = 0.1 * math.log(40) + 1  # YaRN's mscale_all_dim correction, squared on the softmax scale
+    expected = dict(
+        architecture="deepseek_v3", vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128,
+        head_dim=192, rotary_dim=64, attention="mla", q_lora_rank=1536, kv_lora_rank=512, v_head_dim=128,
+        rope_interleave=True, num_experts=256, top_k=8, moe_intermediate_size=2048, moe_layers=tuple(range(3, 61)),
+        intermediate_size=18432, shared_expert_intermediate_size=2048, router_scoring="sigmoid",
+        score_correction_bias=True, n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5,
+        rope=RopeConfig(type="yarn", theta=1e4, factor=40.0, original_max_position_embeddings=4096,
+                        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=163840, bos_token_id=0, eos_token_ids=(1,))
+    assert {k: getattr(config, k) for k in expected} == expected
+    assert config.softmax_scale == pytest.approx(192**-0.5 * mscale**2, rel=1e-12)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -214,15 +238,20 @@ PARITY = [
     ("glm-4.5-air", {}),
     ("glm-4.5-air", {"use_qk_norm": True, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5}),
     ("minimax-m2.5-bf16", {}),
+    ("deepseek-v3", {"first_k_dense_replace": 1}),  # one dense layer, two MoE
+    ("deepseek-v3", {"first_k_dense_replace": 1, "q_lora_rank": None, "rope_scaling": None}),
 ]
 
 
 @pytest.mark.parametrize("name,changes", PARITY, ids=[f"{n}-{'-'.join(c) or 'published'}" for n, c in PARITY])
 def test_shrunk_published_config_matches_transformers(name, changes, tmp_path):
-    raw = dict(shrunk(published(name)), **changes)
+    raw = dict(shrunk(unquantised(name)), **changes)
     hf_model = build_shrunk(raw, tmp_path / "hf")
     config = export_model(tmp_path / "hf", tmp_path / "model", dtype="fp32", progress=False)
-    assert config.head_dim == raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
+    if "qk_nope_head_dim" in raw:  # Multi-head Latent Attention: query/key heads of the two parts
+        assert config.head_dim == raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"]
+    else:
+        assert config.head_dim == raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
     model = load_model(tmp_path / "model")
     ids = prompt_ids(seed=2)
     assert relative_error(colibri_logits(model, ids), reference_logits(hf_model, ids)) < 1e-4
