@@ -1,8 +1,8 @@
 """The one model definition for every supported architecture: a decoder of attention and (MoE or dense) MLP layers.
 
-Architectures differ only through ModelConfig fields (qk-norm kind, biases, clipping, shared experts, sliding
-windows, dense layers, partial rotary; the router's scoring, correction bias, groups, renormalisation and
-scaling), never through branches on the architecture name. Every array operation goes through the backend, so the
+Architectures differ only through ModelConfig fields (grouped-query or latent attention, qk-norm kind, biases,
+clipping, shared experts, sliding windows, dense layers, partial rotary; the router's scoring, correction bias,
+groups, renormalisation and scaling), never through branches on the architecture name. Every array operation goes through the backend, so the
 same code runs on NumPy and CuPy.
 """
 
