@@ -1,4 +1,5 @@
-"""Tiny pre-quantized Hugging Face checkpoints in the published formats, built from a random Qwen3-MoE model.
+"""Tiny pre-quantized Hugging Face checkpoints in the published formats, built from a random Qwen3-MoE model (FP8
+also from a DeepSeek-V3 one, as DeepSeek ships it).
 
 Each writes per-expert tensors (`model.layers.L.mlp.experts.E.gate_proj.weight`, as the published FP8 and
 compressed-tensors checkpoints name them) and returns the float32 state dict that the stored values dequantize to,
@@ -16,10 +17,13 @@ from safetensors.torch import save_file
 from tiny_models import build_hf_model
 
 FP8_TILE = 128
-# Linear weights quantized in both formats: attention and routed experts; the router, norms, embeddings and lm_head
-# stay bfloat16, as in the published checkpoints
+# Linear weights quantized in both formats: attention (DeepSeek-V3's latent projections too) and the experts (and
+# shared and dense MLPs); the router, its bias, norms, embeddings and lm_head stay bfloat16, as in the published
+# checkpoints
 QUANTIZED = (".self_attn.q_proj.weight", ".self_attn.k_proj.weight", ".self_attn.v_proj.weight",
-             ".self_attn.o_proj.weight", ".gate_proj.weight", ".up_proj.weight", ".down_proj.weight")
+             ".self_attn.o_proj.weight", ".self_attn.q_a_proj.weight", ".self_attn.q_b_proj.weight",
+             ".self_attn.kv_a_proj_with_mqa.weight", ".self_attn.kv_b_proj.weight", ".gate_proj.weight",
+             ".up_proj.weight", ".down_proj.weight")
 
 
 def per_expert(state: dict[str, torch.Tensor], inter: int) -> dict[str, torch.Tensor]:
@@ -76,9 +80,10 @@ def fp8_dequantized(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return values.float() * spread
 
 
-def build_fp8_checkpoint(folder: Path, **overrides) -> dict[str, torch.Tensor]:
-    """A Qwen3-MoE checkpoint as the `-FP8` releases ship it; returns the dequantized float32 state dict."""
-    model = build_hf_model("qwen3_moe", folder, **overrides)
+def build_fp8_checkpoint(folder: Path, arch: str = "qwen3_moe", **overrides) -> dict[str, torch.Tensor]:
+    """A checkpoint of `arch` as the `-FP8` releases (and DeepSeek-V3) ship it; returns the dequantized float32
+    state dict."""
+    model = build_hf_model(arch, folder, **overrides)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     stored, dequantized = {}, {}
     for name, weight in per_expert(state, model.config.moe_intermediate_size).items():

@@ -1,7 +1,8 @@
 """The sigmoid-routed families (GLM-4.5, MiniMax-M2, DeepSeek-V3) end to end: `colibri export`, `inspect` and
-`generate` on the NumPy backend against transformers' greedy tokens; DeepSeek-V3's latent cache under prefix caching and chunked
-prefill; the multi-token-prediction layers the published checkpoints carry are skipped; the GPU backend refuses
-what it does not run in one line; the families Colibri does not run are refused.
+`generate` on the NumPy backend against transformers' greedy tokens; DeepSeek-V3's latent cache under prefix
+caching and chunked prefill, and its FP8 checkpoint; the multi-token-prediction layers the published checkpoints
+carry are skipped; the GPU backend refuses what it does not run in one line; the families Colibri does not run
+are refused.
 """
 
 from __future__ import annotations
@@ -100,6 +101,28 @@ def test_latent_cache_bytes_per_token():
     assert kv_bytes_per_token(config, "bfloat16") == 61 * 576 * 2
     assert kv_bytes_per_token(config, "float8_e4m3") == 61 * 576
     assert kv_row_shape(translated("glm4_moe")) == (2, 16)  # grouped-query: K heads of D, keys and values
+
+
+def test_fp8_deepseek_v3_checkpoint_generates_like_its_dequantized_reference(tmp_path):
+    """DeepSeek-V3 as it ships: FP8 block-scaled projections (the latent ones too, in partial 128 x 128 tiles at
+    hidden size 160) and experts; the experts keep their FP8 bytes, the rest is dequantized."""
+    import transformers
+
+    from colibri_stream.loader import load_model
+    from quantized_checkpoints import build_fp8_checkpoint
+    from test_parity import colibri_greedy, colibri_logits, prompt_ids, reference_logits, relative_error
+
+    state = build_fp8_checkpoint(tmp_path / "hf", "deepseek_v3", hidden_size=160)
+    config = export_model(tmp_path / "hf", tmp_path / "model", dtype="fp32", progress=False)
+    assert (config.attention, config.expert_dtype, config.expert_scales) == ("mla", "fp8", "block")
+    reference = transformers.AutoModelForCausalLM.from_config(hf_config("deepseek_v3", hidden_size=160),
+                                                              dtype=torch.float32)
+    reference.load_state_dict(state)
+    reference.eval()
+    model = load_model(tmp_path / "model", verify=True)
+    ids = prompt_ids()
+    assert relative_error(colibri_logits(model, ids), reference_logits(reference, ids)) < 1e-4
+    assert colibri_greedy(model, ids, 16) == reference_greedy(reference, ids, 16)
 
 
 def with_mtp_layer(folder, layers: int) -> int:
