@@ -1,7 +1,7 @@
 """Candidates for computing one routed expert on the host CPU, next to a plain read of the same bytes.
 
 One expert's SiLU-gated MLP, down(silu(gate x) * up x), at published expert shapes, for T tokens routed to it, in
-bf16, int8 (per-row float32 scales), int4 (groups of 128) and fp8 (128 x 128 tile scales) (experts/codecs.py),
+bf16, int8 (per-row float32 scales), int4 (groups of 128) and fp8 (128 x 128 tile scales) (expert_codecs.py),
 with 1 or more threads. Figures of merit: weight bytes read per second (what
 decides decode speed at 1-4 tokens) and GFLOP/s (2 * T * parameters per second: what decides it at 8-64 tokens).
 Candidates:
@@ -43,7 +43,7 @@ import numba
 import numpy as np
 import torch
 
-from colibri_stream.experts.codecs import Fp8Codec, Int4Codec
+from colibri_stream.expert_codecs import Fp8Codec, Int4Codec
 from colibri_stream.experts.cpu_executor import CpuExpertExecutor, numpy_expert
 
 SHAPES = {  # name: (hidden H, expert intermediate I)

@@ -33,7 +33,7 @@ import numpy as np
 from colibri_stream.batch import single_sequence_batch
 from colibri_stream.checkpoint import (TOKENIZER_FILES, ExpertFileWriter, ModelFolder, default_model_path,
                                        expert_block_layout, write_config)
-from colibri_stream.experts.codecs import dequantize_expert, expert_codec
+from colibri_stream.expert_codecs import dequantize_expert, expert_codec
 from colibri_stream.loader import load_model
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,7 +22,7 @@ experts.bin layout (little endian):
                              scales and block)
                index        num_entries records of INDEX_DTYPE (layer, expert, offset, size, crc32), 8-byte aligned
     data_offset  blocks     one block per (layer, expert), each `block_size` bytes (a multiple of 4096) at a
-                            4096-aligned offset: the tensors of the expert's codec (experts/codecs.py): gate
+                            4096-aligned offset: the tensors of the expert's codec (expert_codecs.py): gate
                             [I, H], up [I, H], down [H, I] back to back (so gate and up form one [2I, H] matrix
                             where gate's bytes are a multiple of 256), then the scales (gate_scale, up_scale,
                             down_scale) and zero points of the quantized formats; zero padding to block_size.
@@ -46,7 +46,7 @@ import numpy as np
 
 from .config import EXPERT_DTYPES, ModelConfig
 from .errors import CheckpointError
-from .experts.codecs import FP8, expert_codec
+from .expert_codecs import FP8, expert_codec
 
 CONFIG_FILE = "config.json"
 EXPERTS_MAGIC = b"CLBRIEXP"

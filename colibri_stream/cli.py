@@ -31,7 +31,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 def _run_export(args: argparse.Namespace) -> None:
     from .export import export_model
 
-    from .experts.codecs import expert_codec
+    from .expert_codecs import expert_codec
 
     config = export_model(args.hf_dir, args.out_dir, dtype=args.dtype, quantize=args.quantize, force=args.force,
                           progress=not args.quiet, group_size=args.group_size, zero_point=args.int4_zero_point,

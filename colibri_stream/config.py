@@ -18,7 +18,7 @@ from .field_types import type_error
 FORMAT_VERSION = 1
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3")
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")
-EXPERT_DTYPES = STORAGE_DTYPES + ("int8", "int4", "fp8")  # experts/codecs.py: one codec each
+EXPERT_DTYPES = STORAGE_DTYPES + ("int8", "int4", "fp8")  # expert_codecs.py: one codec each
 INT4_GROUP_SIZES = (32, 64, 128)  # int4: input channels per scale
 FP8_SCALES = ("block", "channel")  # fp8: a scale per 128 x 128 tile, or per output channel
 EXPERT_FORMAT_FIELDS = {"int4": ("expert_group_size", "expert_zero_point"), "fp8": ("expert_scales",)}
@@ -119,7 +119,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     max_position_embeddings: int = 4096
     dtype: str = "bfloat16"  # storage dtype of dense.safetensors
-    expert_dtype: str = "bfloat16"  # format of routed experts in experts.bin (experts/codecs.py)
+    expert_dtype: str = "bfloat16"  # format of routed experts in experts.bin (expert_codecs.py)
     expert_group_size: int = 0  # int4: input channels per scale (INT4_GROUP_SIZES); 0 for other formats
     expert_zero_point: bool = False  # int4: asymmetric, a zero point per group
     expert_scales: str = ""  # fp8: FP8_SCALES; "" for other formats

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .checkpoint import CONFIG_FILE, ModelFolder
 from .config import ModelConfig
-from .experts.codecs import expert_codec
+from .expert_codecs import expert_codec
 
 
 def describe_model(folder: str | os.PathLike, verify: bool = False) -> str:

@@ -28,7 +28,7 @@ from ..checkpoint import (CONFIG_FILE, NUMPY_DTYPES, TOKENIZER_FILES, DenseFileW
 from ..config import ModelConfig
 from ..config import FP8_SCALES, INT4_GROUP_SIZES
 from ..errors import CheckpointError, ColibriError, UnsupportedModelError
-from ..experts.codecs import ExpertCodec, expert_codec
+from ..expert_codecs import ExpertCodec, expert_codec
 from .architectures import (IGNORED_SUFFIXES, hf_dense_candidates, hf_expert_names, multi_token_prediction_layers,
                             translate_config)
 from .hf_checkpoint import SOURCE_DTYPES, HFCheckpoint
@@ -36,7 +36,7 @@ from .quantized_source import QuantizedSource
 from .quantized_sources import quantized_source
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-QUANTIZE = ("int8", "int4", "fp8")  # --quantize: the routed experts' codec (experts/codecs.py)
+QUANTIZE = ("int8", "int4", "fp8")  # --quantize: the routed experts' codec (expert_codecs.py)
 _CHUNK_BYTES = 16 << 20  # float32 bytes of the rows read and converted at once
 log = logging.getLogger(__name__)
 
@@ -310,7 +310,7 @@ def export_model(hf_dir: str | Path, out_dir: str | Path, dtype: str = "bf16", q
     """Convert a Hugging Face MoE checkpoint into a native model folder and return its config.
 
     dtype: "bf16", "fp16" or "fp32", the storage dtype of every tensor; quantize: None, or the routed experts'
-    format, rounded to nearest (experts/codecs.py): "int8" (symmetric, per output channel), "int4" (a scale per
+    format, rounded to nearest (expert_codecs.py): "int8" (symmetric, per output channel), "int4" (a scale per
     `group_size` input channels, 32, 64 or 128 (default); with `zero_point` asymmetric), "fp8" (e4m3; `fp8_scales`
     "block": per 128 x 128 tile (default), "channel": per output channel). A non-empty `out_dir` is refused unless
     `force`. A pre-quantized checkpoint (export/quantized_sources.py) keeps its experts' format and is refused with

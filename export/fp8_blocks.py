@@ -15,14 +15,15 @@ from typing import Mapping
 import numpy as np
 
 from ..errors import CheckpointError, UnsupportedModelError
-from ..experts.codecs import FP8_BLOCK, Fp8Codec
+from ..expert_codecs import FP8_BLOCK, Fp8Codec
 from .hf_checkpoint import HFCheckpoint, TensorInfo
 from .quantized_source import QuantizedSource, expect_tensor
 
 SCALE_SUFFIX = "_scale_inv"
-# What the reader honours, per key of quantization_config (absent keys take transformers' defaults, these)
-SUPPORTED = {"fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
-             "scale_fmt": "float", "expert_dtype": "fp8"}
+# What the reader honours, per key of quantization_config: the values each key may take (absent keys take
+# transformers' defaults, the first); MiniMax-M2 names the format float8_e4m3fn
+SUPPORTED = {"fmt": ("e4m3", "float8_e4m3fn"), "activation_scheme": ("dynamic",),
+             "weight_block_size": ([FP8_BLOCK, FP8_BLOCK],), "scale_fmt": ("float",), "expert_dtype": ("fp8",)}
 # Keys that do not change the stored weights: the skip lists (the tensors' dtypes say which are quantized) and
 # transformers' load-time option to dequantize
 IGNORED_KEYS = ("quant_method", "modules_to_not_convert", "ignored_layers", "modules_to_convert", "dequantize")
@@ -39,7 +40,7 @@ class Fp8BlockSource(QuantizedSource):
         for key, value in quantization.items():
             if key in IGNORED_KEYS:
                 continue
-            if key not in SUPPORTED or value != SUPPORTED[key]:
+            if key not in SUPPORTED or value not in SUPPORTED[key]:
                 raise UnsupportedModelError(f"config.json: quantization_config {key} {value!r} is not supported "
                                             f"(Colibri imports fp8 with {_supported_words()})")
 
@@ -63,4 +64,4 @@ class Fp8BlockSource(QuantizedSource):
 
 
 def _supported_words() -> str:
-    return ", ".join(f"{key} {value}" for key, value in SUPPORTED.items())
+    return ", ".join(f"{key} {' or '.join(map(repr, values))}" for key, values in SUPPORTED.items())

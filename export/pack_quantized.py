@@ -25,7 +25,7 @@ import numpy as np
 
 from ..config import INT4_GROUP_SIZES
 from ..errors import CheckpointError, UnsupportedModelError
-from ..experts.codecs import Int4Codec
+from ..expert_codecs import Int4Codec
 from .hf_checkpoint import HFCheckpoint, TensorInfo
 from .quantized_source import QuantizedSource, expect_tensor
 

@@ -3,7 +3,7 @@ the reader from config.json's quantization_config).
 
 A quantized Linear weight `<module>.weight` [out, in] is stored as several checkpoint tensors (the values and their
 scales, under names of the format's own). A reader lists those tensors per weight, checks their dtypes and shapes
-from the headers, and reads a weight as the tensors of one of our expert codecs (experts/codecs.py): routed experts
+from the headers, and reads a weight as the tensors of one of our expert codecs (expert_codecs.py): routed experts
 are written to experts.bin as they are, dense weights are dequantized by the same codec.
 """
 
@@ -15,7 +15,7 @@ from typing import Mapping
 import numpy as np
 
 from ..errors import CheckpointError
-from ..experts.codecs import ExpertCodec
+from ..expert_codecs import ExpertCodec
 from .hf_checkpoint import HFCheckpoint, TensorInfo
 
 

@@ -1,4 +1,4 @@
-"""Expert formats (experts/codecs.py): each codec round-trips within its rounding bound, lays out the bytes it
+"""Expert formats (expert_codecs.py): each codec round-trips within its rounding bound, lays out the bytes it
 documents, exports and loads through the native folder, computes on the CPU kernels as the NumPy reference does,
 and a corrupt block, a mislabelled header or a format the GPU backend lacks is refused with one line."""
 
@@ -19,7 +19,7 @@ from colibri_stream.checkpoint import (NUMPY_DTYPES, ModelFolder, default_model_
                                        write_config)
 from colibri_stream.cli import main
 from colibri_stream.errors import CheckpointError, ColibriError, UnsupportedModelError
-from colibri_stream.experts.codecs import (FP8_BLOCK, Fp8Codec, Int4Codec, Int8Codec, PlainCodec, codec_of,
+from colibri_stream.expert_codecs import (FP8_BLOCK, Fp8Codec, Int4Codec, Int8Codec, PlainCodec, codec_of,
                                            dequantize_expert)
 from colibri_stream.experts.cpu_executor import CpuExpertExecutor, numba, numpy_expert
 from colibri_stream.loader import check_expert_format

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from colibri_stream.experts import cpu_worker
-from colibri_stream.experts.codecs import Fp8Codec, Int4Codec
+from colibri_stream.expert_codecs import Fp8Codec, Int4Codec
 from colibri_stream.experts.cpu_executor import intermediate_rows, numpy_expert
 
 pytestmark = pytest.mark.skipif(cpu_worker.numba is None, reason="numba is not installed (the `cpu` extra)")

@@ -346,7 +346,7 @@ def test_output_folder_rules(hf_copy, tmp_path, monkeypatch):
     def fail(*args):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr("colibri_stream.experts.codecs.Int8Codec.quantize", fail)
+    monkeypatch.setattr("colibri_stream.expert_codecs.Int8Codec.quantize", fail)
     with pytest.raises(RuntimeError):
         export_model(hf_copy, out, quantize="int8", force=True, progress=False)
     assert not (out / "config.json").exists() and not (out / "experts.bin").exists()

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from colibri_stream.checkpoint import ModelFolder  # noqa: E402
 from colibri_stream.errors import CheckpointError, ColibriError, UnsupportedModelError  # noqa: E402
-from colibri_stream.experts.codecs import dequantize_expert  # noqa: E402
+from colibri_stream.expert_codecs import dequantize_expert  # noqa: E402
 from colibri_stream.export import export_model  # noqa: E402
 from colibri_stream.export.quantized_sources import quantized_source  # noqa: E402
 from colibri_stream.loader import load_model  # noqa: E402
@@ -215,6 +215,8 @@ def test_other_quantization_configs_are_refused_in_one_line(quantization, words)
 def test_supported_configs_are_read():
     assert quantized_source({}) is None
     assert quantized_source({"quantization_config": dict(FP8, modules_to_not_convert=["lm_head"])}).codec.name == "fp8"
+    # MiniMax-M2's FP8 release names the format by its torch dtype
+    assert quantized_source({"quantization_config": dict(FP8, fmt="float8_e4m3fn")}).codec.name == "fp8"
     source = quantized_source({"quantization_config": packed(symmetric=False, group_size=64, actorder="weight")})
     assert source.expert_format() == dict(expert_dtype="int4", expert_group_size=64, expert_zero_point=True)
 

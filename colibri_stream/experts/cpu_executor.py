@@ -18,7 +18,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from .codecs import ExpertCodec, codec_of, dequantize_expert
+from ..expert_codecs import ExpertCodec, codec_of, dequantize_expert
 from .cpu_grouped import grouped_expert_kernel, kernel_arguments
 from .jit import CHUNKS_PER_THREAD, FASTMATH, numba
 from .jit import jit as _jit

@@ -1,4 +1,4 @@
-"""The CPU expert kernel for the formats with scales per group or tile (int4, fp8; experts/codecs.py).
+"""The CPU expert kernel for the formats with scales per group or tile (int4, fp8; expert_codecs.py).
 
 `grouped_expert_kernel` computes down(silu(gate x) * up x) straight from the stored bytes: each thread takes a
 range of weight rows; for each row it decodes the row into a float32 buffer of one row (L1-resident: int4 codes
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .codecs import FP8_BLOCK, INT4_SYMMETRIC_ZERO, ExpertCodec, Fp8Codec, Int4Codec
+from ..expert_codecs import FP8_BLOCK, INT4_SYMMETRIC_ZERO, ExpertCodec, Fp8Codec, Int4Codec
 from .jit import CHUNKS_PER_THREAD, FASTMATH, jit, numba
 
 INT4, FP8_CODES = 0, 1  # `kind`: how a row's bytes hold its values

@@ -25,7 +25,7 @@ import weakref
 
 import numpy as np
 
-from .codecs import codec_of
+from ..expert_codecs import codec_of
 from .cpu_executor import KERNEL_DTYPES, CpuExpertExecutor, expert_bytes, expert_kernel, numba
 from .cpu_grouped import grouped_expert_kernel, kernel_arguments
 

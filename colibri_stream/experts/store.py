@@ -15,7 +15,7 @@ import numpy as np
 
 from ..checkpoint import ExpertFile
 from ..timing import StepTimer
-from .codecs import dequantize_expert
+from ..expert_codecs import dequantize_expert
 
 if TYPE_CHECKING:
     from .stats import ExpertStats
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class ExpertStore(ABC):
     """Gives the tensors of one routed expert in the storage layout of experts.bin.
 
-    `expert(layer, e)` returns the expert's tensors as its codec stores them (experts/codecs.py): gate [I, H],
+    `expert(layer, e)` returns the expert's tensors as its codec stores them (expert_codecs.py): gate [I, H],
     up [I, H], down [H, I] in the expert dtype, plus for the quantized formats their scales (int8: gate_scale [I],
     up_scale [I], down_scale [H] float32) and zero points. The arrays stay valid until the next `expert` or
     `begin_layer` call.

@@ -63,7 +63,7 @@ def model_nll(model, w: np.ndarray, token_bytes: np.ndarray, batch: int) -> dict
 def load_export_into(model, folder: Path) -> None:
     """Replace the HF model's weights by the exported folder's (dense bf16, experts dequantised from int8)."""
     from colibri_stream.checkpoint import ModelFolder
-    from colibri_stream.experts.codecs import dequantize_expert
+    from colibri_stream.expert_codecs import dequantize_expert
 
     mf = ModelFolder(folder, verify=True)
     cfg = mf.config
@@ -82,7 +82,7 @@ def load_export_into(model, folder: Path) -> None:
                 put(getattr(layer.self_attn, name).weight, mf.dense.get(p + name))
             put(layer.mlp.gate.weight, mf.dense.get(p + "router"))
             for e in range(cfg.num_experts):
-                t = dequantize_expert(mf.experts.tensors(i, e))  # the format's dequantize (experts/codecs.py)
+                t = dequantize_expert(mf.experts.tensors(i, e))  # the format's dequantize (expert_codecs.py)
                 gate, up, down = t["gate"], t["up"], t["down"]
                 put(layer.mlp.experts.gate_up_proj[e], np.concatenate([gate, up], axis=0))
                 put(layer.mlp.experts.down_proj[e], down)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from ..config import FP8_SCALES, ModelConfig
+from .config import FP8_SCALES, ModelConfig
 
 MATRICES = ("gate", "up", "down")
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
