@@ -298,8 +298,7 @@ paged_attention_gqa(const float* __restrict__ q, const KV* __restrict__ key_cach
     const DecodeSplit range = decode_split(static_cast<int>(positions[t]), window, split_keys, split, gridDim.z);
     if (split >= range.splits) return;  // the token's splits are fewer than the launch's: this block is idle
     const int splits = range.splits, lo = range.lo, hi = range.hi;  // this split's keys [lo, hi)
-    const long long* table =
-        block_tables + static_cast<long long>(decode_sequence(t, num_seqs, query_start)) * max_blocks;
+    const long long* table = decode_table(t, num_seqs, query_start, block_tables, max_blocks);
     const long long slot_stride = static_cast<long long>(num_kv_heads) * head_dim;
     const long long kv_offset = static_cast<long long>(kv) * head_dim;
 

@@ -51,16 +51,20 @@ __device__ __forceinline__ DecodeSplit decode_split(int pos, int window, int spl
     return {splits, lo, min(pos + 1, lo + span)};
 }
 
-// The sequence of decode token t: t itself where query_start[t] == t (one token per sequence, a decode step's
-// layout), else the last b with query_start[b] <= t.
-__device__ __forceinline__ int decode_sequence(int t, int num_seqs, const long long* __restrict__ query_start) {
-    if (t < num_seqs && query_start[t] == t) return t;
-    int lo = 0, hi = num_seqs - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (query_start[mid] <= t) lo = mid; else hi = mid - 1;
+// The block table row [max_blocks] of decode token t's sequence: t itself where query_start[t] == t (one token
+// per sequence, a decode step's layout), else the last b with query_start[b] <= t.
+__device__ __forceinline__ const long long* decode_table(int t, int num_seqs, const long long* __restrict__ query_start,
+                                                         const long long* __restrict__ block_tables, int max_blocks) {
+    int b = t;
+    if (t >= num_seqs || query_start[t] != t) {
+        int lo = 0, hi = num_seqs - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (query_start[mid] <= t) lo = mid; else hi = mid - 1;
+        }
+        b = lo;
     }
-    return lo;
+    return block_tables + static_cast<long long>(b) * max_blocks;
 }
 
 template <typename W> struct Vec;

@@ -405,8 +405,7 @@ flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, cons
     const DecodeSplit range = decode_split(static_cast<int>(positions[t]), window, split_keys, split, gridDim.z);
     if (split >= range.splits) return;  // the token's splits are fewer than the launch's: this block is idle
     const int splits = range.splits, lo = range.lo, hi = range.hi;  // this split's keys [lo, hi)
-    const long long* table =
-        block_tables + static_cast<long long>(decode_sequence(t, num_seqs, query_start)) * max_blocks;
+    const long long* table = decode_table(t, num_seqs, query_start, block_tables, max_blocks);
 
     // Rows r and r + 8 of the m-tile (query heads kv * group + row; zero past the group) as A fragments.
     unsigned qa[KSTEPS][4], ql[KSTEPS][4];
