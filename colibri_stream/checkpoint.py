@@ -129,6 +129,8 @@ def dense_tensor_specs(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             specs[p + "v_bias"] = (kv_width,)
         if config.o_bias:
             specs[p + "o_bias"] = (h,)
+        if config.attention_sinks:
+            specs[p + "sinks"] = (config.num_heads,)
         if config.qk_norm == "per_head":
             specs[p + "q_norm"] = (d,)
             specs[p + "k_norm"] = (d,)
@@ -138,6 +140,8 @@ def dense_tensor_specs(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         specs[p + "post_attention_norm"] = (h,)
         if config.is_moe_layer(layer):
             specs[p + "router"] = (config.num_experts, h)
+            if config.router_bias:
+                specs[p + "router_bias"] = (config.num_experts,)
             if config.score_correction_bias:
                 specs[p + "score_correction_bias"] = (config.num_experts,)
             if config.shared_expert_intermediate_size:

@@ -94,6 +94,7 @@ class ModelConfig:
     intermediate_size: int = 0  # dense MLP width for the non-MoE layers (0 when every layer is MoE)
     router_scoring: str = "softmax"  # softmax over all experts | sigmoid of each expert's logit; then top-k
     score_correction_bias: bool = False  # a per-expert bias [E] added to the scores for choosing experts only
+    router_bias: bool = False  # a per-expert bias [E] added to the router's logits (choice and weights alike)
     n_group: int = 1  # experts in n_group equal groups; only the topk_group best groups (top-2 sum) are chosen from
     topk_group: int = 1
     norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1
@@ -112,6 +113,7 @@ class ModelConfig:
     kv_lora_rank: int = 0  # mla: width R of the latent, expanded to each head's keys and values by kv_b_proj
     v_head_dim: int = 0  # mla: width of each head's value
     softmax_scale: float | None = None  # attention logits' scale; None: head_dim ** -0.5
+    attention_sinks: bool = False  # a learned logit per query head and layer in the softmax denominator
     sliding_windows: tuple[int | None, ...] = ()  # per layer: window in tokens, None for full attention
     rope: RopeConfig = field(default_factory=RopeConfig)
     rms_norm_eps: float = 1e-6
@@ -193,6 +195,8 @@ class ModelConfig:
                 fail("mla needs a rotary_dim below head_dim (the rope part of each query and key head)")
             if self.qk_norm != "none" or self.qkv_bias or self.o_bias or self.clip_qkv is not None:
                 fail("mla has no qk_norm, attention biases or clip_qkv")
+            if self.attention_sinks:
+                fail("mla has no attention sinks")
             if any(w is not None for w in self.sliding_windows):
                 fail("mla attends to the whole context: sliding windows are gqa's")
         elif self.q_lora_rank or self.kv_lora_rank or self.v_head_dim or self.rope_interleave:

@@ -180,7 +180,8 @@ def test_gpu_backend_names_each_option_alone():
                                 topk_group=1, routed_scaling_factor=1.0, rotary_dim=None)
     check_features(plain, CupyBackend)
     for change, words in ((dict(rotary_dim=config.head_dim), None), (dict(routed_scaling_factor=2.0),
-                          "routed_scaling_factor"), (dict(router_scoring="sigmoid"), "sigmoid routing")):
+                          "routed_scaling_factor"), (dict(router_scoring="sigmoid"), "sigmoid routing"),
+                          (dict(router_bias=True), "router bias"), (dict(attention_sinks=True), "attention sinks")):
         if words is None:
             check_features(dataclasses.replace(plain, **change), CupyBackend)  # a rotary_dim of the whole head
             continue

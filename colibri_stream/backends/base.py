@@ -153,9 +153,10 @@ class Backend(ABC):
     @abstractmethod
     def paged_attention(self, query: Array, key_cache: Array, value_cache: Array, batch: ForwardBatch,
                         device_batch: dict[str, Array], scale: float, sliding_window: int | None,
-                        kv_scales: tuple[float, float] = (1.0, 1.0)) -> Array:
+                        kv_scales: tuple[float, float] = (1.0, 1.0), sinks: Array | None = None) -> Array:
         """Causal attention of query [T, Q, D] over each sequence's cached keys/values -> [T, Q, D]; a stored key
-        or value is read as float32 times its scale, kv_scales = (k_scale, v_scale).
+        or value is read as float32 times its scale, kv_scales = (k_scale, v_scale). `sinks` [Q] float32: each
+        head's learned logit, in its softmax denominator only (a key no value goes with).
 
         Query token i of a sequence at position p attends to cached positions j with j <= p (and, with a
         sliding window W, j > p - W). GQA: query head h reads key/value head h // (Q / K).
@@ -165,10 +166,10 @@ class Backend(ABC):
     @abstractmethod
     def route(self, x: Array, router: Array, top_k: int, renormalize: bool, scoring: str = "softmax",
               correction_bias: Array | None = None, n_group: int = 1, topk_group: int = 1,
-              scaling: float = 1.0) -> tuple[Array, Array]:
+              scaling: float = 1.0, router_bias: Array | None = None) -> tuple[Array, Array]:
         """x [T, H], router [E, H] -> (weights [T, k] float32, expert ids [T, k] int64), in float32.
 
-        Scores from the logits x @ router.T: a softmax over all E ("softmax") or each logit's sigmoid ("sigmoid").
+        Scores from the logits x @ router.T (+ router_bias [E] when given): a softmax over all E ("softmax") or each logit's sigmoid ("sigmoid").
         Experts are chosen by score plus correction_bias [E] (when given); with n_group > 1 only from each token's
         topk_group best groups of E / n_group consecutive experts, a group ranked by the sum of its two best
         biased scores. The k chosen, largest first (ties to the lower id), are weighted by their unbiased scores,

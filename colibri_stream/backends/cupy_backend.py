@@ -85,13 +85,15 @@ class CupyBackend(Backend):
 
     @classmethod
     def missing_features(cls, config: ModelConfig) -> list[str]:
-        """kernels/router.cu is a softmax top-k, the attention prologue rotates whole heads, and the kernels
-        attend over K heads of keys and values (no latent rows)."""
+        """kernels/router.cu is a softmax top-k of unbiased logits, the attention prologue rotates whole heads,
+        and the kernels attend over K heads of keys and values (no latent rows, no sink logits)."""
         missing = [f"{config.router_scoring} routing"] if config.router_scoring != "softmax" else []
         missing += [name for name, used in (
             ("score correction bias", config.score_correction_bias),
             ("group-limited routing (n_group)", config.n_group > 1),
             ("routed_scaling_factor", config.routed_scaling_factor != 1.0),
+            ("router bias", config.router_bias),
+            ("attention sinks", config.attention_sinks),
             ("partial rotary (rotary_dim)",
              config.attention == "gqa" and config.rotary_dim not in (None, config.head_dim)),
             ("Multi-head Latent Attention", config.attention == "mla")) if used]
@@ -330,7 +332,7 @@ class CupyBackend(Backend):
         return out
 
     def paged_attention(self, query, key_cache, value_cache, batch: ForwardBatch, device_batch, scale,
-                        sliding_window, kv_scales=(1.0, 1.0)):
+                        sliding_window, kv_scales=(1.0, 1.0), sinks=None):
         """One query token per sequence (T == B) over a bf16 or fp16 cache: flash_decode (flash_attention.cu, tensor
         cores; cupy_flash_attention.takes_flash_decode), the context split over blocks as below.
         Other decode launches with at least GQA_MIN_TOKENS tokens, or one token whose tables hold more
@@ -344,6 +346,8 @@ class CupyBackend(Backend):
         Otherwise (short chunks, or head layouts or caches the other kernels do not take): paged_attention, a block
         per (token, query head). k_scale is folded into the score scale; the kernels multiply their outputs by
         v_scale."""
+        if sinks is not None:
+            raise ValueError("the cupy backend has no attention sinks (missing_features)")
         query = self.cp.ascontiguousarray(query)
         if kv_scales == (1.0, 1.0) and takes_flash_attention(query, key_cache, value_cache, batch):
             kv_type = storage_type(key_cache)
@@ -421,14 +425,15 @@ class CupyBackend(Backend):
 
     # ---- mixture of experts -------------------------------------------------------------------------------
     def route(self, x, router, top_k, renormalize, scoring="softmax", correction_bias=None, n_group=1,
-              topk_group=1, scaling=1.0):
+              topk_group=1, scaling=1.0, router_bias=None):
         """Softmax routing only (`missing_features`). Up to ROUTER_SPLIT_TOKENS tokens: route_split, a block per
         (expert, token tile) and the selection in each tile's last block (a batch-1 step reads the router on many
         SMs instead of one); more tokens: route_topk, a block per token, each reading the whole router (mostly
         from L2)."""
-        if scoring != "softmax" or correction_bias is not None or n_group != 1 or scaling != 1.0:
+        if (scoring != "softmax" or correction_bias is not None or n_group != 1 or scaling != 1.0
+                or router_bias is not None):
             raise ValueError("the cupy backend routes by softmax top-k only (no sigmoid scores, correction bias, "
-                             "groups or scaling)")
+                             "groups, scaling or router bias)")
         x = self.cp.ascontiguousarray(x)
         t, h = x.shape
         num_experts = router.shape[0]

@@ -61,6 +61,19 @@ def _best_groups_only(choice: np.ndarray, n_group: int, topk_group: int) -> np.n
     return np.where(np.repeat(kept, e // n_group, axis=-1), choice, np.float32(-np.inf))
 
 
+def _softmax_with_sinks(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
+    """softmax over the last axis of scores [..., S] (-inf where masked); `sinks` (broadcast to [..., 1]) add
+    each head's logit to the denominator only, so the probabilities of a row sum to less than 1."""
+    peak = scores.max(axis=-1, keepdims=True)  # [..., 1]
+    if sinks is not None:
+        peak = np.maximum(peak, sinks)
+    probs = np.exp(scores - peak)
+    total = probs.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + np.exp(sinks - peak)
+    return probs / total
+
+
 def _write_rows(cache: np.ndarray, rows: np.ndarray, slot_mapping: np.ndarray, scale: float) -> None:
     """rows [T, K, D] into cache [num_blocks, block_size, K, D] at the slots [T] (a negative slot stores nothing),
     rounded to the cache's dtype after division by `scale`."""
@@ -185,13 +198,15 @@ class NumpyBackend(Backend):
         return q
 
     def paged_attention(self, query, key_cache, value_cache, batch: ForwardBatch, device_batch, scale,
-                        sliding_window, kv_scales=(1.0, 1.0)):
+                        sliding_window, kv_scales=(1.0, 1.0), sinks=None):
         if batch.num_seqs and batch.num_tokens == batch.num_seqs:  # a decode step: one query token per sequence
-            return self._decode_attention(query, key_cache, value_cache, batch, scale, sliding_window, kv_scales)
-        return self._attention_per_sequence(query, key_cache, value_cache, batch, scale, sliding_window, kv_scales)
+            return self._decode_attention(query, key_cache, value_cache, batch, scale, sliding_window, kv_scales,
+                                          sinks)
+        return self._attention_per_sequence(query, key_cache, value_cache, batch, scale, sliding_window, kv_scales,
+                                            sinks)
 
     def _decode_attention(self, query, key_cache, value_cache, batch: ForwardBatch, scale, sliding_window,
-                          kv_scales=(1.0, 1.0)):
+                          kv_scales=(1.0, 1.0), sinks=None):
         """One query token per sequence: every sequence in one batched product, keys padded to the longest
         context and masked (the default model on 2 cores decodes 6-16 % more tokens/s at batch 16-32 than with
         the loop over sequences)."""
@@ -212,18 +227,18 @@ class NumpyBackend(Backend):
         q = query.reshape(seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, K, G, D]
         scores = np.matmul(q, keys.transpose(0, 2, 3, 1)) * np.float32(scale)  # [B, K, G, S]
         scores = np.where(visible[:, None, None, :], scores, -np.inf)
-        scores -= scores.max(axis=-1, keepdims=True)
-        probs = np.exp(scores)
-        probs /= probs.sum(axis=-1, keepdims=True)
+        sinks = None if sinks is None else sinks.reshape(1, num_kv_heads, num_heads // num_kv_heads, 1)
+        probs = _softmax_with_sinks(scores, sinks)  # [B, K, G, S]
         attended = np.matmul(probs, values.transpose(0, 2, 1, 3))  # [B, K, G, D]
         return attended.reshape(seqs, num_heads, head_dim)
 
     def _attention_per_sequence(self, query, key_cache, value_cache, batch: ForwardBatch, scale, sliding_window,
-                                kv_scales=(1.0, 1.0)):
+                                kv_scales=(1.0, 1.0), sinks=None):
         """Any number of query tokens per sequence (prefill chunks), one sequence at a time."""
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
         group = num_heads // num_kv_heads
+        head_sinks = None if sinks is None else sinks.reshape(num_kv_heads, group, 1, 1)
         out = np.empty_like(query)  # [T, Q, D]
         for b in range(batch.num_seqs):
             start, end = int(batch.query_start[b]), int(batch.query_start[b + 1])
@@ -243,9 +258,7 @@ class NumpyBackend(Backend):
             if sliding_window is not None:
                 visible &= k_pos > q_pos - sliding_window
             scores = np.where(visible, scores, -np.inf)
-            scores -= scores.max(axis=-1, keepdims=True)
-            probs = np.exp(scores)
-            probs /= probs.sum(axis=-1, keepdims=True)
+            probs = _softmax_with_sinks(scores, head_sinks)  # [K, G, t, S]
             attended = np.matmul(probs.reshape(num_kv_heads, group * t, context), values.transpose(1, 0, 2))
             # [K, G*t, D] -> [t, K, G, D]
             out[start:end] = attended.reshape(num_kv_heads, group, t, head_dim).transpose(2, 0, 1, 3).reshape(
@@ -254,8 +267,10 @@ class NumpyBackend(Backend):
 
     # ---- mixture of experts -------------------------------------------------------------------------------
     def route(self, x, router, top_k, renormalize, scoring="softmax", correction_bias=None, n_group=1,
-              topk_group=1, scaling=1.0):
+              topk_group=1, scaling=1.0, router_bias=None):
         logits = x @ router.T  # [T, E]
+        if router_bias is not None:
+            logits = logits + router_bias
         if scoring == "softmax":
             logits = logits - logits.max(axis=-1, keepdims=True)
             scores = np.exp(logits)

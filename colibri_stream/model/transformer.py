@@ -1,8 +1,8 @@
 """The one model definition for every supported architecture: a decoder of attention and (MoE or dense) MLP layers.
 
 Architectures differ only through ModelConfig fields (grouped-query or latent attention, qk-norm kind, biases,
-clipping, shared experts, sliding windows, dense layers, partial rotary; the router's scoring, correction bias,
-groups, renormalisation and scaling), never through branches on the architecture name. Every array operation goes through the backend, so the
+clipping, attention sinks, shared experts, sliding windows, dense layers, partial rotary; the router's scoring,
+logit bias, correction bias, groups, renormalisation and scaling), never through branches on the architecture name. Every array operation goes through the backend, so the
 same code runs on NumPy and CuPy.
 """
 
@@ -64,9 +64,11 @@ class LayerWeights:
     k_bias: Array | None = None  # [K*D]
     v_bias: Array | None = None  # [K*D]
     o_bias: Array | None = None  # [H]
+    sinks: Array | None = None  # [Q]: each head's logit in its attention softmax denominator
     q_norm: Array | None = None  # [D] per head, or [Q*D] over the whole projection
     k_norm: Array | None = None  # [D] or [K*D]
     router: Array | None = None  # [E, H] (MoE layers)
+    router_bias: Array | None = None  # [E]: added to the router's logits
     score_correction_bias: Array | None = None  # [E]: added to the router's scores to choose experts
     shared_expert: MLPWeights | None = None
     shared_expert_gate: Array | None = None  # [1, H]
@@ -113,9 +115,11 @@ class MoETransformer:
                 k_bias=load_optional(p + "k_bias"),
                 v_bias=load_optional(p + "v_bias"),
                 o_bias=load_optional(p + "o_bias"),
+                sinks=load(p + "sinks") if config.attention_sinks else None,
                 q_norm=load_optional(p + "q_norm"),
                 k_norm=load_optional(p + "k_norm"),
                 router=load(p + "router") if moe else None,
+                router_bias=load(p + "router_bias") if moe and config.router_bias else None,
                 score_correction_bias=load(p + "score_correction_bias") if moe and config.score_correction_bias
                 else None,
                 shared_expert=load_mlp(p + "shared_expert.") if moe and config.shared_expert_intermediate_size else None,
@@ -199,7 +203,7 @@ class MoETransformer:
                                  self.rope_cos, self.rope_sin, device_batch["positions"], key_cache, value_cache,
                                  device_batch["slot_mapping"], kv_scales)  # [T, Q, D]; k, v stored in the caches
         attended = b.paged_attention(q, key_cache, value_cache, batch, device_batch, self.attention_scale,
-                                     cfg.sliding_windows[index], kv_scales)  # [T, Q, D]
+                                     cfg.sliding_windows[index], kv_scales, layer.sinks)  # [T, Q, D]
         return b.linear(attended.reshape(t, cfg.num_heads * d), layer.o_proj, layer.o_bias)
 
     def _latent_attention(self, index: int, layer: LayerWeights, x: Array, batch: ForwardBatch,
@@ -234,7 +238,7 @@ class MoETransformer:
         with t.device_phase("routing"):
             weights, expert_ids = b.route(x, layer.router, cfg.top_k, cfg.norm_topk_prob, cfg.router_scoring,
                                           layer.score_correction_bias, cfg.n_group, cfg.topk_group,
-                                          cfg.routed_scaling_factor)  # [T, k] each
+                                          cfg.routed_scaling_factor, layer.router_bias)  # [T, k] each
         with t.device_phase("experts"):
             self.store.begin_layer(index, x, expert_ids, weights)  # a tiered store loads, prefetches, places
             out = b.routed_experts(x, weights, expert_ids, index, self.store)  # [T, H]

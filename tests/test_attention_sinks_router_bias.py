@@ -1,0 +1,129 @@
+"""Attention sinks and the router's logit bias on the NumPy backend, against transformers' gpt-oss functions.
+
+gpt-oss adds a learned logit per query head to each attention softmax's denominator and a bias to its router's
+logits, then takes the top-k logits and a softmax over those k (the same weights as a softmax over all experts
+renormalised over the chosen k, which is how the backend routes).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from colibri_stream.backends.numpy_backend import NumpyBackend
+from colibri_stream.batch import ForwardBatch
+from colibri_stream.config import ModelConfig
+from colibri_stream.checkpoint import dense_tensor_specs
+from colibri_stream.errors import CheckpointError
+
+torch = pytest.importorskip("torch")
+gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+
+B = NumpyBackend()
+
+
+def one_sequence_batch(context: int, queries: int, block_size: int, num_blocks: int,
+                       rng: np.random.Generator) -> ForwardBatch:
+    """The last `queries` of `context` tokens of one sequence whose blocks are scattered over the cache."""
+    blocks = rng.permutation(num_blocks)[: -(-context // block_size)]
+    positions = np.arange(context - queries, context)
+    return ForwardBatch(token_ids=np.zeros(queries, np.int64), positions=positions,
+                        query_start=np.array([0, queries], np.int64), context_lens=np.array([context]),
+                        block_tables=blocks[None, :].astype(np.int64),
+                        slot_mapping=blocks[positions // block_size] * block_size + positions % block_size,
+                        logits_indices=np.arange(queries, dtype=np.int64))
+
+
+def transformers_attention(query, keys, values, sinks, scale, window, positions):
+    """gpt-oss's eager attention: query [t, Q, D] at `positions`, keys/values [S, K, D] -> [t, Q, D]."""
+    q_pos, k_pos = positions[:, None], np.arange(keys.shape[0])[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    mask = torch.from_numpy(np.where(visible, 0.0, -np.inf).astype(np.float32))[None, None]  # [1, 1, t, S]
+    module = SimpleNamespace(sinks=torch.from_numpy(sinks), num_key_value_groups=query.shape[1] // keys.shape[1],
+                             training=False)
+
+    def heads_first(a):
+        return torch.from_numpy(np.ascontiguousarray(a.transpose(1, 0, 2)))[None]  # [1, heads, n, D]
+
+    out, _ = gpt_oss.eager_attention_forward(module, heads_first(query), heads_first(keys), heads_first(values),
+                                             mask, scale)  # [1, t, Q, D]
+    return out[0].numpy()
+
+
+@pytest.mark.parametrize("queries", [1, 7])  # a decode step, a prefill chunk
+@pytest.mark.parametrize("window", [None, 6])
+def test_attention_with_sinks_matches_transformers(queries, window):
+    rng = np.random.default_rng(queries * 10 + (window or 0))
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks, context = 8, 2, 16, 4, 12, 19
+    batch = one_sequence_batch(context, queries, block_size, num_blocks, rng)
+    key_cache, value_cache = rng.standard_normal((2, num_blocks, block_size, num_kv_heads, head_dim),
+                                                 dtype=np.float32)
+    query = rng.standard_normal((queries, num_heads, head_dim), dtype=np.float32)
+    sinks = rng.normal(0.0, 2.0, num_heads).astype(np.float32)  # [Q]: some above the scores, some below
+    ours = B.paged_attention(query, key_cache, value_cache, batch, {}, 0.25, window, sinks=sinks)
+    keys = key_cache[batch.block_tables[0]].reshape(-1, num_kv_heads, head_dim)[:context]  # [S, K, D]
+    values = value_cache[batch.block_tables[0]].reshape(-1, num_kv_heads, head_dim)[:context]
+    expected = transformers_attention(query, keys, values, sinks, 0.25, window, batch.positions)
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
+    without = B.paged_attention(query, key_cache, value_cache, batch, {}, 0.25, window)
+    assert np.abs(ours - without).max() > 1e-3  # the sinks take a share of every row's probability
+
+
+def test_decode_with_sinks_matches_one_sequence_at_a_time():
+    """The batched decode path (keys padded to the longest context) and the per-sequence path agree with sinks."""
+    rng = np.random.default_rng(5)
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 8, 4
+    contexts = np.array([3, 11, 6])
+    tables = np.arange(1, 1 + 3 * 3).reshape(3, 3)
+    positions = contexts - 1
+    batch = ForwardBatch(token_ids=np.zeros(3, np.int64), positions=positions,
+                         query_start=np.arange(4, dtype=np.int64), context_lens=contexts, block_tables=tables,
+                         slot_mapping=tables[np.arange(3), positions // block_size] * block_size
+                         + positions % block_size, logits_indices=np.arange(3, dtype=np.int64))
+    key_cache, value_cache = rng.standard_normal((2, 10, block_size, num_kv_heads, head_dim), dtype=np.float32)
+    query = rng.standard_normal((3, num_heads, head_dim), dtype=np.float32)
+    sinks = np.array([3.0, -1.0, 0.5, 8.0], np.float32)
+    batched = B.paged_attention(query, key_cache, value_cache, batch, {}, 0.3, None, sinks=sinks)
+    one_by_one = B._attention_per_sequence(query, key_cache, value_cache, batch, 0.3, None, sinks=sinks)
+    np.testing.assert_allclose(batched, one_by_one, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("top_k", [2, 4])
+def test_biased_router_matches_transformers_topk_router(top_k):
+    rng = np.random.default_rng(top_k)
+    tokens, hidden, experts = 9, 16, 8
+    x = rng.standard_normal((tokens, hidden), dtype=np.float32)
+    router = rng.standard_normal((experts, hidden), dtype=np.float32)
+    bias = rng.normal(0.0, 1.5, experts).astype(np.float32)  # large enough to change the choice
+    module = gpt_oss.GptOssTopKRouter(SimpleNamespace(num_experts_per_tok=top_k, num_local_experts=experts,
+                                                      hidden_size=hidden))
+    with torch.no_grad():
+        module.weight.copy_(torch.from_numpy(router))
+        module.bias.copy_(torch.from_numpy(bias))
+        _, scores, indices = module(torch.from_numpy(x))
+    weights, ids = B.route(x, router, top_k, True, router_bias=bias)
+    assert np.array_equal(ids, indices.numpy())
+    np.testing.assert_allclose(weights, scores.numpy(), rtol=1e-5, atol=1e-6)
+    _, unbiased_ids = B.route(x, router, top_k, True)
+    assert not np.array_equal(unbiased_ids, ids)
+
+
+def small_config(**fields) -> ModelConfig:
+    return ModelConfig(architecture="mixtral", vocab_size=32, hidden_size=16, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=4, num_experts=4, top_k=2, moe_intermediate_size=8,
+                       moe_layers=(0, 1), sliding_windows=(None, None), **fields)
+
+
+def test_sinks_and_router_bias_are_dense_tensors_of_each_layer():
+    specs = dense_tensor_specs(small_config(attention_sinks=True, router_bias=True))
+    assert specs["layers.1.sinks"] == (4,) and specs["layers.1.router_bias"] == (4,)
+    assert "layers.0.sinks" not in dense_tensor_specs(small_config())
+
+
+def test_latent_attention_with_sinks_is_refused():
+    with pytest.raises(CheckpointError, match="mla has no attention sinks"):
+        small_config(attention="mla", attention_sinks=True, kv_lora_rank=8, v_head_dim=4, rotary_dim=2)
