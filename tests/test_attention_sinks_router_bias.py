@@ -1,4 +1,4 @@
-"""Attention sinks and the router's logit bias on the NumPy backend, against transformers' gpt-oss functions.
+"""gpt-oss's attention sinks, router logit bias and YaRN on the NumPy backend, against transformers' functions.
 
 gpt-oss adds a learned logit per query head to each attention softmax's denominator and a bias to its router's
 logits, then takes the top-k logits and a softmax over those k (the same weights as a softmax over all experts
@@ -7,6 +7,7 @@ renormalised over the chosen k, which is how the backend routes).
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,9 +15,10 @@ import pytest
 
 from colibri_stream.backends.numpy_backend import NumpyBackend
 from colibri_stream.batch import ForwardBatch
-from colibri_stream.config import ModelConfig
+from colibri_stream.config import ModelConfig, RopeConfig
 from colibri_stream.checkpoint import dense_tensor_specs
 from colibri_stream.errors import CheckpointError
+from colibri_stream.model.rope import cos_sin_table, inverse_frequencies
 
 torch = pytest.importorskip("torch")
 gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
@@ -127,3 +129,28 @@ def test_sinks_and_router_bias_are_dense_tensors_of_each_layer():
 def test_latent_attention_with_sinks_is_refused():
     with pytest.raises(CheckpointError, match="mla has no attention sinks"):
         small_config(attention="mla", attention_sinks=True, kv_lora_rank=8, v_head_dim=4, rotary_dim=2)
+
+
+def test_yarn_as_gpt_oss_configures_it_matches_transformers():
+    """gpt-oss's default rope: YaRN, factor 32 over 4096 positions, the correction range not rounded
+    (truncate false), cos/sin scaled by YaRN's attention factor."""
+    import transformers
+
+    hf = transformers.GptOssConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   num_hidden_layers=2, rope_theta=150000.0)
+    params = hf.rope_parameters
+    assert params["rope_type"] == "yarn" and params["truncate"] is False
+    rope = RopeConfig(type="yarn", theta=params["rope_theta"], factor=params["factor"],
+                      original_max_position_embeddings=params["original_max_position_embeddings"],
+                      beta_fast=params["beta_fast"], beta_slow=params["beta_slow"], truncate=False)
+    hf_rotary = gpt_oss.GptOssRotaryEmbedding(hf)
+    inv_freq, scaling = inverse_frequencies(rope, 32)
+    np.testing.assert_allclose(inv_freq, hf_rotary.inv_freq.numpy(), rtol=1e-6)
+    assert scaling == pytest.approx(hf_rotary.attention_scaling, rel=1e-7)
+    cos, sin = cos_sin_table(rope, 32, 300)  # [P, D/2]
+    hf_cos, hf_sin = hf_rotary(torch.zeros(1, dtype=torch.float32), torch.arange(300)[None])
+    # transformers rounds each angle to float32 (its ulp at 300 radians is 3e-5); the table computes it in float64
+    np.testing.assert_allclose(cos, hf_cos[0].numpy(), atol=5e-5)
+    np.testing.assert_allclose(sin, hf_sin[0].numpy(), atol=5e-5)
+    rounded = cos_sin_table(dataclasses.replace(rope, truncate=True), 32, 300)[0]
+    assert np.abs(rounded - cos).max() > 1e-4  # truncate changes the table: the comparison would see it
