@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 
 from colibri_stream.backends.numpy_backend import NumpyBackend
-from colibri_stream.batch import ForwardBatch
+from colibri_stream.batch import ForwardBatch, single_sequence_batch
 from colibri_stream.config import ModelConfig, RopeConfig
 from colibri_stream.checkpoint import dense_tensor_specs
 from colibri_stream.errors import CheckpointError
 from colibri_stream.model.rope import cos_sin_table, inverse_frequencies
+from colibri_stream.model.transformer import MoETransformer
+from colibri_stream.synthetic import RandomDense, RandomExpertStore
 
 torch = pytest.importorskip("torch")
 gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
@@ -154,3 +156,38 @@ def test_yarn_as_gpt_oss_configures_it_matches_transformers():
     np.testing.assert_allclose(sin, hf_sin[0].numpy(), atol=5e-5)
     rounded = cos_sin_table(dataclasses.replace(rope, truncate=True), 32, 300)[0]
     assert np.abs(rounded - cos).max() > 1e-4  # truncate changes the table: the comparison would see it
+
+
+class OverriddenDense:
+    """RandomDense of `config` with some tensors replaced, and those of names outside `names` left out."""
+
+    def __init__(self, config: ModelConfig, replaced: dict[str, np.ndarray], names: list[str]):
+        self.random, self.replaced = RandomDense(config, B), replaced
+        self.names = names
+
+    def get(self, name: str) -> np.ndarray:
+        return self.replaced[name] if name in self.replaced else self.random.get(name)
+
+
+def test_the_model_feeds_each_layer_its_sinks_and_router_bias():
+    """Sinks far below every score and a bias equal for all experts compute the model without them (a softmax
+    does not see a constant shift); sinks above the scores and a varied bias change the logits."""
+    plain = dataclasses.replace(small_config(), vocab_size=300, hidden_size=64, head_dim=16, num_experts=8,
+                                moe_intermediate_size=32, max_position_embeddings=64)
+    config = dataclasses.replace(plain, attention_sinks=True, router_bias=True)
+    names = list(dense_tensor_specs(config))
+    rng = np.random.default_rng(0)
+
+    def logits(dense, model_config):
+        model = MoETransformer(model_config, dense, RandomExpertStore(model_config, B), B)
+        kv = model.allocate_kv_cache(4, 8)
+        return model.forward(single_sequence_batch(np.arange(11), 0, np.arange(2), 8), kv)  # [1, V]
+
+    neutral = {f"layers.{l}.{n}": np.full(shape, value, np.float32) for l in range(2)
+               for n, shape, value in (("sinks", (4,), -1e4), ("router_bias", (8,), 0.7))}
+    reference = logits(OverriddenDense(config, neutral, [n for n in names if n not in neutral]), plain)
+    np.testing.assert_allclose(logits(OverriddenDense(config, neutral, names), config), reference,
+                               rtol=1e-5, atol=1e-5)
+    for name, values in (("sinks", rng.normal(2.0, 1.0, 4)), ("router_bias", rng.normal(0.0, 2.0, 8))):
+        changed = dict(neutral, **{f"layers.{l}.{name}": values.astype(np.float32) for l in range(2)})
+        assert np.abs(logits(OverriddenDense(config, changed, names), config) - reference).max() > 1e-3, name
