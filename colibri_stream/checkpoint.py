@@ -46,7 +46,7 @@ import numpy as np
 
 from .config import EXPERT_DTYPES, ModelConfig
 from .errors import CheckpointError
-from .expert_codecs import FP8, expert_codec
+from .expert_codecs import FP8, expert_bias_tensors, expert_codec
 
 CONFIG_FILE = "config.json"
 EXPERTS_MAGIC = b"CLBRIEXP"
@@ -200,9 +200,11 @@ class TensorSlot:
 
 
 def expert_block_layout(config: ModelConfig) -> tuple[list[TensorSlot], int]:
-    """The tensors of one expert block (its codec's, each TENSOR_ALIGNMENT aligned) and the block size (a
-    multiple of 4096)."""
+    """The tensors of one expert block (its codec's, then its float32 biases when the config has them, each
+    TENSOR_ALIGNMENT aligned) and the block size (a multiple of 4096)."""
     entries = expert_codec(config).expert_tensors(config.hidden_size, config.moe_intermediate_size)
+    if config.expert_bias:
+        entries += expert_bias_tensors(config.hidden_size, config.moe_intermediate_size)
     slots, offset = [], 0
     for name, dtype, shape in entries:
         nbytes = int(np.prod(shape)) * NUMPY_DTYPES[dtype].itemsize

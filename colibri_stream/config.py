@@ -77,6 +77,14 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class ClampedSwiglu:
+    """The routed experts' clamped SwiGLU (ModelConfig.swiglu_limit, swiglu_alpha) in place of silu(gate) * up."""
+
+    limit: float
+    alpha: float
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Everything the runtime needs to compute a model; written as `config.json` in the model folder."""
 
@@ -99,6 +107,10 @@ class ModelConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1
     routed_scaling_factor: float = 1.0  # the routed experts' weights times this (after renormalising)
+    expert_bias: bool = False  # each routed expert adds gate_bias [I], up_bias [I], down_bias [H] (float32)
+    swiglu_limit: float | None = None  # routed experts' clamped SwiGLU: (clip(up, +-limit) + 1) * g * sigmoid(alpha
+    # g) with g = min(gate, limit); None: silu(gate) * up
+    swiglu_alpha: float = 1.702
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gate: bool = False  # sigmoid(x @ w) scales the shared expert's output
     qk_norm: str = "none"  # none | per_head (RMSNorm over D) | full (RMSNorm over all heads' q and k)
@@ -234,6 +246,12 @@ class ModelConfig:
             fail("rms_norm_eps must be positive")
         if self.clip_qkv is not None and self.clip_qkv <= 0:
             fail("clip_qkv must be positive or null")
+        if self.swiglu_limit is not None and self.swiglu_limit <= 0:
+            fail("swiglu_limit must be positive or null")
+
+    def clamped_swiglu(self) -> ClampedSwiglu | None:
+        """The routed experts' clamped SwiGLU, None where they compute silu(gate) * up."""
+        return None if self.swiglu_limit is None else ClampedSwiglu(self.swiglu_limit, self.swiglu_alpha)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers

@@ -16,7 +16,8 @@ from float32) are inverse up to the format's rounding, whose bound `error_bound`
     fp8     q [out, in] float8 e4m3 (finite, +-448); scale per 128 x 128 tile, [ceil(out/128), ceil(in/128)]
             float32 (DeepSeek-V3's `weight_scale_inv`), or per output channel, [out] float32: w = q * scale
 
-An expert's tensors name their codec (`codec_of`): the weights' dtype, int4's group size in the packed shape,
+A biased expert (ModelConfig.expert_bias) adds gate_bias [I], up_bias [I] and down_bias [H] float32 after them
+in every format (`expert_bias_tensors`). An expert's tensors name their codec (`codec_of`): the weights' dtype, int4's group size in the packed shape,
 whether zero points or tiles of scales are there. Why round to nearest: docs/EXPERT_FORMATS.md.
 """
 
@@ -31,6 +32,7 @@ import numpy as np
 from .config import FP8_SCALES, ModelConfig
 
 MATRICES = ("gate", "up", "down")
+EXPERT_BIASES = ("gate_bias", "up_bias", "down_bias")  # float32, the same in every format
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = 448.0  # e4m3's largest finite value
 FP8_BLOCK = 128  # rows and columns of one fp8 scale tile
@@ -93,11 +95,13 @@ class ExpertCodec(ABC):
         return {name + suffix: array for suffix, array in self.quantize(weight).items()}
 
     def dequantize_expert(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """An expert's stored tensors -> gate [I, H], up [I, H], down [H, I] float32."""
+        """An expert's stored tensors -> gate [I, H], up [I, H], down [H, I] float32, and its biases as stored."""
         inter, hidden = tensors["gate"].shape[0], tensors["down"].shape[0]
         widths = {"gate": hidden, "up": hidden, "down": inter}
-        return {m: self.dequantize({k[len(m):]: v for k, v in tensors.items() if k == m or k.startswith(m + "_")},
-                                   widths[m]) for m in MATRICES}
+        matrices = {m: self.dequantize({k[len(m):]: v for k, v in tensors.items()
+                                        if (k == m or k.startswith(m + "_")) and k not in EXPERT_BIASES}, widths[m])
+                    for m in MATRICES}
+        return matrices | {name: tensors[name] for name in EXPERT_BIASES if name in tensors}
 
 
 @dataclass(frozen=True)
@@ -264,6 +268,11 @@ class Fp8Codec(ExpertCodec):
         # steps of 2**-9 (half: 2**-10), both in units of the scale
         scale = self._per_element(self._stored_scale(weight), weight.shape)
         return (np.abs(weight) * 2.0**-4 + scale * 2.0**-10) * (1 + 1e-6)
+
+
+def expert_bias_tensors(hidden: int, inter: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of a biased expert's biases, after its codec's tensors in the block."""
+    return [("gate_bias", "float32", (inter,)), ("up_bias", "float32", (inter,)), ("down_bias", "float32", (hidden,))]
 
 
 def expert_codec(config: ModelConfig) -> ExpertCodec:

@@ -181,7 +181,9 @@ def test_gpu_backend_names_each_option_alone():
     check_features(plain, CupyBackend)
     for change, words in ((dict(rotary_dim=config.head_dim), None), (dict(routed_scaling_factor=2.0),
                           "routed_scaling_factor"), (dict(router_scoring="sigmoid"), "sigmoid routing"),
-                          (dict(router_bias=True), "router bias"), (dict(attention_sinks=True), "attention sinks")):
+                          (dict(router_bias=True), "router bias"), (dict(attention_sinks=True), "attention sinks"),
+                          (dict(expert_bias=True), "expert biases"),
+                          (dict(swiglu_limit=7.0), r"clamped SwiGLU \(swiglu_limit\)")):
         if words is None:
             check_features(dataclasses.replace(plain, **change), CupyBackend)  # a rotary_dim of the whole head
             continue

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..config import EXPERT_DTYPES
+from ..config import EXPERT_DTYPES, ClampedSwiglu
 from ..memory import MemoryInfo, host_memory
 
 if TYPE_CHECKING:
@@ -178,10 +178,11 @@ class Backend(ABC):
 
     @abstractmethod
     def routed_experts(self, x: Array, weights: Array, expert_ids: Array, layer: int,
-                       store: ExpertStore) -> Array:
+                       store: ExpertStore, swiglu: ClampedSwiglu | None = None) -> Array:
         """x [T, H], weights/expert_ids [T, k] -> [T, H]: sum over each token's experts of weight * expert(x).
 
-        expert(x) = down @ (silu(gate @ x) * (up @ x)), with the expert's tensors from `store.expert(layer, e)`.
+        expert(x) = down @ (silu(gate @ x) * (up @ x)), with the expert's tensors from `store.expert(layer, e)`;
+        its biases added to the three products where it has them, and `swiglu`'s activation in place of silu.
         """
 
     # ---- output -------------------------------------------------------------------------------------------

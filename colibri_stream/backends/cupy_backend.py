@@ -94,6 +94,8 @@ class CupyBackend(Backend):
             ("routed_scaling_factor", config.routed_scaling_factor != 1.0),
             ("router bias", config.router_bias),
             ("attention sinks", config.attention_sinks),
+            ("expert biases", config.expert_bias),
+            ("clamped SwiGLU (swiglu_limit)", config.swiglu_limit is not None),
             ("partial rotary (rotary_dim)",
              config.attention == "gqa" and config.rotary_dim not in (None, config.head_dim)),
             ("Multi-head Latent Attention", config.attention == "mla")) if used]
@@ -459,7 +461,9 @@ class CupyBackend(Backend):
         device (DeviceExpertStore), inside whatever wraps it (a routing recorder)."""
         return store.on_device(lambda inner: DeviceExpertStore.upload(inner, config.moe_layers, config.num_experts))
 
-    def routed_experts(self, x, weights, expert_ids, layer, store: ExpertStore):
+    def routed_experts(self, x, weights, expert_ids, layer, store: ExpertStore, swiglu=None):
+        if swiglu is not None:
+            raise ValueError("the cupy backend has no clamped SwiGLU (missing_features)")
         return routed_experts(self, x, weights, expert_ids, layer, store)
 
     # ---- output -------------------------------------------------------------------------------------------

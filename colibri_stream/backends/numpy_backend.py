@@ -289,11 +289,11 @@ class NumpyBackend(Backend):
             weights = weights * np.float32(scaling)
         return weights.astype(np.float32), expert_ids.astype(np.int64)
 
-    def routed_experts(self, x, weights, expert_ids, layer, store: ExpertStore):
+    def routed_experts(self, x, weights, expert_ids, layer, store: ExpertStore, swiglu=None):
         out = np.zeros_like(x)  # [T, H]
         for expert in np.unique(expert_ids):
             tokens, slots = np.nonzero(expert_ids == expert)  # which tokens chose it, at which of their k slots
-            y = self.experts.run(x[tokens], store.expert(layer, int(expert)))  # [n, H]
+            y = self.experts.run(x[tokens], store.expert(layer, int(expert)), swiglu=swiglu)  # [n, H]
             out[tokens] += y * weights[tokens, slots][:, None]  # a token picks an expert once: no repeated rows
         return out
 

@@ -18,6 +18,7 @@ import time
 import ml_dtypes
 import numpy as np
 
+from ..config import ClampedSwiglu
 from ..expert_codecs import ExpertCodec, codec_of, dequantize_expert
 from .cpu_grouped import grouped_expert_kernel, kernel_arguments
 from .jit import CHUNKS_PER_THREAD, FASTMATH, numba
@@ -63,10 +64,24 @@ def expert_bytes(tensors: dict[str, np.ndarray], first: int, last: int) -> int:
     return int(round(share * (sum(t.nbytes for t in tensors.values()) - whole))) + whole
 
 
-def numpy_expert(x: np.ndarray, tensors: dict[str, np.ndarray]) -> np.ndarray:
-    """The reference: dequantise the three matrices to float32, multiply with NumPy.  x [n, H] -> [n, H]"""
-    weights = dequantize_expert(tensors)  # gate, up [I, H], down [H, I]
-    return silu_mul(x @ weights["gate"].T, x @ weights["up"].T) @ weights["down"].T
+def clamped_swiglu(gate: np.ndarray, up: np.ndarray, limit: float, alpha: float) -> np.ndarray:
+    """gpt-oss's activation: g * sigmoid(alpha g) * (u + 1), g = gate clamped above at limit, u = up clamped to
+    +-limit; elementwise in float32."""
+    gate = np.minimum(gate, np.float32(limit))
+    up = np.clip(up, -np.float32(limit), np.float32(limit))
+    return gate / (1.0 + np.exp(-np.float32(alpha) * gate)) * (up + 1.0)
+
+
+def numpy_expert(x: np.ndarray, tensors: dict[str, np.ndarray], swiglu: ClampedSwiglu | None = None) -> np.ndarray:
+    """The reference: dequantise the three matrices to float32, multiply with NumPy, adding the expert's biases
+    where it has them.  x [n, H] -> [n, H]"""
+    weights = dequantize_expert(tensors)  # gate, up [I, H], down [H, I]; gate_bias, up_bias [I], down_bias [H]
+    gate, up = x @ weights["gate"].T, x @ weights["up"].T  # [n, I] each
+    if "gate_bias" in weights:
+        gate, up = gate + weights["gate_bias"], up + weights["up_bias"]
+    hidden = silu_mul(gate, up) if swiglu is None else clamped_swiglu(gate, up, swiglu.limit, swiglu.alpha)
+    y = hidden @ weights["down"].T  # [n, H]
+    return y + weights["down_bias"] if "down_bias" in weights else y
 
 
 if numba is not None:
@@ -300,15 +315,22 @@ class CpuExpertExecutor:
     def library(self) -> str:
         return "numba" if self.kernel is not None else "numpy"
 
-    def run(self, x: np.ndarray, tensors: dict[str, np.ndarray], rows: tuple[int, int] | None = None) -> np.ndarray:
+    def run(self, x: np.ndarray, tensors: dict[str, np.ndarray], rows: tuple[int, int] | None = None,
+            swiglu: ClampedSwiglu | None = None) -> np.ndarray:
         """x [n, H] float32 -> down(silu(gate x) * up x) [n, H] float32, for one expert's tensors
         (gate [I, H], up [I, H], down [H, I], plus *_scale float32 rows for int8). rows (first, last): only the
         part over intermediate rows first .. last - 1 (gate and up rows, down columns); the parts over a
-        partition of 0 .. I sum to the whole."""
+        partition of 0 .. I sum to the whole. Experts with biases or `swiglu` (gpt-oss's clamped SwiGLU) take
+        the NumPy reference, whole (no rows)."""
         start = time.perf_counter()
         first, last = rows or (0, tensors["gate"].shape[0])
         nbytes = expert_bytes(tensors, first, last)
-        y = self._compute(x, tensors, first, last, nbytes)
+        if swiglu is not None or "down_bias" in tensors:
+            if rows is not None:
+                raise ValueError("experts with biases or a clamped SwiGLU are computed whole, not by rows")
+            y = numpy_expert(x, tensors, swiglu)
+        else:
+            y = self._compute(x, tensors, first, last, nbytes)
         self.record(1, time.perf_counter() - start, nbytes)
         return y
 

@@ -132,6 +132,7 @@ class MoETransformer:
         cos, sin = cos_sin_table(config.rope, config.rotary_dim or config.head_dim, self.max_positions)
         self.rope_cos, self.rope_sin = backend.upload(cos), backend.upload(sin)  # [P, R/2] each (R rotated dims)
         self.attention_scale = config.softmax_scale or config.head_dim**-0.5
+        self.swiglu = config.clamped_swiglu()  # the routed experts' activation when not silu(gate) * up
         self.timer = StepTimer()  # the engine's step timer; the forward's phases report to it
         self.store.timer = self.timer  # expert reads report to it too
 
@@ -241,7 +242,7 @@ class MoETransformer:
                                           cfg.routed_scaling_factor, layer.router_bias)  # [T, k] each
         with t.device_phase("experts"):
             self.store.begin_layer(index, x, expert_ids, weights)  # a tiered store loads, prefetches, places
-            out = b.routed_experts(x, weights, expert_ids, index, self.store)  # [T, H]
+            out = b.routed_experts(x, weights, expert_ids, index, self.store, self.swiglu)  # [T, H]
             if layer.shared_expert is not None:
                 shared = self._gated_mlp(layer.shared_expert, x)  # [T, H]
                 if layer.shared_expert_gate is not None:
