@@ -1,8 +1,8 @@
 """The supported Hugging Face architectures: config.json translated to ModelConfig, and the tensor name maps.
 
 The translation follows the transformers 5 config classes (MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig,
-OlmoeConfig, Glm4MoeConfig, MiniMaxM2Config) and their modeling code: a key absent from config.json takes the class
-default, every option that changes the computation becomes a ModelConfig field or is refused with
+OlmoeConfig, Glm4MoeConfig, MiniMaxM2Config, DeepseekV3Config, GptOssConfig) and their modeling code: a key
+absent from config.json takes the class default, every option that changes the computation becomes a ModelConfig field or is refused with
 UnsupportedModelError, and training-only options (dropout, router jitter and auxiliary loss, initializer range,
 use_cache, ...) are ignored.
 """
@@ -24,6 +24,7 @@ _CAUSAL_LM_CLASSES = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # Hugging Face model types Colibri knows of and refuses, with what they compute that it does not.
 _REFUSED = {"deepseek_v32": "the sparse attention indexer of DeepSeek-V3.2",
@@ -83,7 +84,17 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6, num_experts_per_tok=8, num_local_experts=256, rope_theta=5e6, bos_token_id=200034,
         eos_token_id=200020, pad_token_id=None,
     ),
+    "gpt_oss": dict(
+        _COMMON_DEFAULTS, vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+        num_local_experts=128, head_dim=64, num_attention_heads=64, num_key_value_heads=8, sliding_window=128,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, num_experts_per_tok=4, swiglu_alpha=1.702,
+        swiglu_limit=7.0, attention_bias=True, layer_types=None, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None,
+    ),
 }
+# gpt-oss's rope when config.json gives none (GptOssConfig's default)
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
 # The default share of each head that GLM-4.5 rotates (Glm4MoeConfig sets it when config.json does not).
 _GLM_PARTIAL_ROTARY_FACTOR = 0.5
 
@@ -95,11 +106,11 @@ _REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attenti
 _EXPERT_WIDTH_KEY = {"mixtral": "intermediate_size", "olmoe": "intermediate_size",
                      "qwen2_moe": "moe_intermediate_size", "qwen3_moe": "moe_intermediate_size",
                      "glm4_moe": "moe_intermediate_size", "minimax_m2": "intermediate_size",
-                     "deepseek_v3": "moe_intermediate_size"}
+                     "deepseek_v3": "moe_intermediate_size", "gpt_oss": "intermediate_size"}
 # The keys that may give the routed-expert count (transformers aliases them), the config class's own name first.
 _EXPERT_COUNT_KEYS = {"mixtral": ("num_local_experts", "num_experts"), "glm4_moe": ("n_routed_experts",
                       "num_local_experts"), "minimax_m2": ("num_local_experts", "num_experts"),
-                      "deepseek_v3": ("n_routed_experts", "num_local_experts")}
+                      "deepseek_v3": ("n_routed_experts", "num_local_experts"), "gpt_oss": ("num_local_experts",)}
 _DEFAULT_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
 
 
@@ -176,6 +187,8 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
     if missing:
         raise _invalid(f"{', '.join(missing)} missing: Colibri does not guess a model's shape "
                        "from transformers' defaults")
+    if arch == "gpt_oss" and not (raw.get("rope_scaling") or raw.get("rope_parameters")):
+        raw = dict(raw, rope_parameters=_GPT_OSS_ROPE)
     cfg = {**_DEFAULTS[arch], **raw}
 
     if cfg["hidden_act"] not in ("silu", "swish"):
@@ -230,6 +243,18 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
                       qk_norm="full", qkv_bias=bias, o_bias=bias,
                       clip_qkv=None if clip is None else _number(clip, "clip_qkv"),
                       sliding_windows=(None,) * num_layers)
+    elif arch == "gpt_oss":
+        bias = _bool(cfg["attention_bias"], "attention_bias")
+        layer_types = cfg["layer_types"] or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                             for i in range(num_layers)]  # as GptOssConfig fills them in
+        window = cfg["sliding_window"]
+        fields.update(moe_intermediate_size=_int(cfg["intermediate_size"], "intermediate_size"),
+                      moe_layers=tuple(range(num_layers)), norm_topk_prob=True, qkv_bias=bias, o_bias=bias,
+                      attention_sinks=True, router_bias=True, expert_bias=True,
+                      swiglu_limit=_number(cfg["swiglu_limit"], "swiglu_limit"),
+                      swiglu_alpha=_number(cfg["swiglu_alpha"], "swiglu_alpha"),
+                      sliding_windows=_windows_of_layer_types(layer_types, num_layers, window,
+                                                              "sliding_window is null"))
     elif arch in ("glm4_moe", "minimax_m2", "deepseek_v3"):
         fields.update(_sigmoid_routed(arch, cfg, num_layers, tensor_names))
         if arch == "deepseek_v3":
@@ -368,6 +393,16 @@ def _qwen2_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ..
         max_window_layers = _int(cfg["max_window_layers"], "max_window_layers", minimum=0)
         sliding = [use_sliding and (i + 1) % 2 == 1 and i < max_window_layers for i in range(num_layers)]
         layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    # Qwen2MoeConfig sets sliding_window to 0 unless use_sliding_window: such a layer would see nothing.
+    window = cfg["sliding_window"] if use_sliding else None
+    return _windows_of_layer_types(layer_types, num_layers, window,
+                                   "sliding_window is null" if use_sliding else "use_sliding_window is false")
+
+
+def _windows_of_layer_types(layer_types: Any, num_layers: int, window: Any,
+                            no_window_reason: str) -> tuple[int | None, ...]:
+    """Per-layer windows: `window` for each sliding_attention layer (refused with `no_window_reason` when None),
+    None for the full-attention ones."""
     if not isinstance(layer_types, list) or len(layer_types) != num_layers:
         raise _invalid(f"layer_types must list one type per layer ({num_layers})")
     windows: list[int | None] = []
@@ -375,12 +410,10 @@ def _qwen2_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ..
         if kind in ("full_attention", "attention"):
             windows.append(None)
         elif kind == "sliding_attention":
-            # Qwen2MoeConfig sets sliding_window to 0 unless use_sliding_window: such a layer would see nothing.
-            if not use_sliding or cfg["sliding_window"] is None:
-                reason = "sliding_window is null" if use_sliding else "use_sliding_window is false"
-                raise _unsupported(f"layer_types makes layer {layer} sliding_attention but {reason}, "
+            if window is None:
+                raise _unsupported(f"layer_types makes layer {layer} sliding_attention but {no_window_reason}, "
                                    "leaving it no window")
-            windows.append(_window(cfg["sliding_window"], "sliding_window"))
+            windows.append(_window(window, "sliding_window"))
         else:
             raise _unsupported(f"layer type {kind!r} (layer {layer}) is not supported "
                                "(full_attention, sliding_attention)")
@@ -490,7 +523,9 @@ _LAYER_TENSORS = {
     "kv_b_proj": ("self_attn.kv_b_proj.weight",),
     "k_norm": ("self_attn.k_norm.weight",),
     "post_attention_norm": ("post_attention_layernorm.weight",),
-    "router": ("mlp.gate.weight", "block_sparse_moe.gate.weight"),
+    "router": ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight"),
+    "router_bias": ("mlp.router.bias",),
+    "sinks": ("self_attn.sinks",),
     "score_correction_bias": ("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias",
                               "block_sparse_moe.e_score_correction_bias"),
     "shared_expert.gate_proj": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_experts.gate_proj.weight"),
@@ -524,12 +559,18 @@ class ExpertNames:
 
     Per-expert: `gate`, `up`, `down` are name patterns with an `{e}` field. Fused: `gate` names gate_up_proj
     [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up), `up` is the same tensor, `down` names down_proj [E, H, I].
+    Interleaved (gpt-oss, fused too): gate_up_proj is [E, H, 2I] with gate in the even columns and up in the odd
+    ones, down_proj [E, I, H], and `gate_up_bias` [E, 2I] (interleaved alike) and `down_bias` [E, H] name the
+    biases.
     """
 
     fused: bool
     gate: str
     up: str
     down: str
+    interleaved: bool = False
+    gate_up_bias: str = ""
+    down_bias: str = ""
 
 
 def hf_expert_names(layer: int, tensor_names: Collection[str]) -> ExpertNames:
@@ -541,6 +582,9 @@ def hf_expert_names(layer: int, tensor_names: Collection[str]) -> ExpertNames:
             if pattern.format(e=0, p=gate) in tensor_names:
                 return ExpertNames(False, *(pattern.replace("{p}", p) for p in (gate, up, down)))
         gate_up = f"{base}.{prefix}.experts.gate_up_proj"
+        if gate_up + "_bias" in tensor_names:
+            return ExpertNames(True, gate_up, gate_up, f"{base}.{prefix}.experts.down_proj", True,
+                               gate_up + "_bias", f"{base}.{prefix}.experts.down_proj_bias")
         if gate_up in tensor_names:
             return ExpertNames(True, gate_up, gate_up, f"{base}.{prefix}.experts.down_proj")
     raise CheckpointError(f"the checkpoint holds no experts for layer {layer} (looked for "

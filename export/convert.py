@@ -28,7 +28,7 @@ from ..checkpoint import (CONFIG_FILE, NUMPY_DTYPES, TOKENIZER_FILES, DenseFileW
 from ..config import ModelConfig
 from ..config import FP8_SCALES, INT4_GROUP_SIZES
 from ..errors import CheckpointError, ColibriError, UnsupportedModelError
-from ..expert_codecs import ExpertCodec, expert_codec
+from ..expert_codecs import EXPERT_BIASES, ExpertCodec, expert_codec
 from .architectures import (IGNORED_SUFFIXES, hf_dense_candidates, hf_expert_names, multi_token_prediction_layers,
                             translate_config)
 from .hf_checkpoint import SOURCE_DTYPES, HFCheckpoint
@@ -46,7 +46,8 @@ class Source:
     """Rows `row0 : row0 + shape[0]` of checkpoint tensor `name` indexed by `lead`.
 
     A whole tensor has lead () and row0 0; one expert of a fused [E, 2I, H] gate_up_proj has lead (e,) and row0
-    0 (gate) or I (up).
+    0 (gate) or I (up). `transposed` reads the rows of tensor[lead].T, `step` every step-th row from row0: gpt-oss's
+    gate is gate_up_proj[e].T (gate_up_proj [E, H, 2I]) from row 0 in steps of 2, its up the same from row 1.
     """
 
     name: str
@@ -54,6 +55,8 @@ class Source:
     lead: tuple[int, ...] = ()
     row0: int = 0
     stored: tuple[str, ...] = ()  # the tensors of a weight the checkpoint stores quantized (none: plain)
+    step: int = 1
+    transposed: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -76,7 +79,7 @@ class ExportPlan:
 
     config: ModelConfig
     dense: dict[str, Source]  # our dense tensor name -> source, in dense_tensor_specs order
-    experts: dict[int, list[dict[str, Source]]]  # MoE layer -> per expert {"gate", "up", "down"}
+    experts: dict[int, list[dict[str, Source]]]  # MoE layer -> per expert {"gate", "up", "down"} (and biases)
     source_bytes: int  # bytes read from the checkpoint in all
     quantization: QuantizedSource | None = None  # the reader of the checkpoint's quantized weights
 
@@ -124,6 +127,16 @@ def plan_export(checkpoint: HFCheckpoint, config: ModelConfig, quantization: Qua
     experts: dict[int, list[dict[str, Source]]] = {}
     for layer in config.moe_layers:
         layout = hf_expert_names(layer, names)
+        if layout.interleaved:
+            gate_up, down = checked(layout.gate, (e, h, 2 * i)), checked(layout.down, (e, i, h))
+            gate_up_bias, down_bias = checked(layout.gate_up_bias, (e, 2 * i)), checked(layout.down_bias, (e, h))
+            experts[layer] = [dict(gate=Source(gate_up, (i, h), (x,), 0, step=2, transposed=True),
+                                   up=Source(gate_up, (i, h), (x,), 1, step=2, transposed=True),
+                                   down=Source(down, (h, i), (x,), transposed=True),
+                                   gate_bias=Source(gate_up_bias, (i,), (x,), 0, step=2),
+                                   up_bias=Source(gate_up_bias, (i,), (x,), 1, step=2),
+                                   down_bias=Source(down_bias, (h,), (x,))) for x in range(e)]
+            continue
         if layout.fused:
             gate_up, down = checked(layout.gate, (e, 2 * i, h)), checked(layout.down, (e, h, i))
             experts[layer] = [dict(gate=Source(gate_up, (i, h), (x,), 0), up=Source(gate_up, (i, h), (x,), i),
@@ -140,7 +153,8 @@ def plan_export(checkpoint: HFCheckpoint, config: ModelConfig, quantization: Qua
                 tensors[part] = Source(checked(name, shape), shape, stored=imported.get(name, ()))
             experts[layer].append(tensors)
     if quantization:
-        plain = [s.name for parts in experts.values() for expert in parts for s in expert.values() if not s.quantized]
+        plain = [s.name for parts in experts.values() for expert in parts for part, s in expert.items()
+                 if part not in EXPERT_BIASES and not s.quantized]
         if plain:
             raise UnsupportedModelError(f"the checkpoint stores {len(plain)} routed expert matrices unquantized "
                                         f"(first: {plain[0]}); Colibri imports {quantization.description} "
@@ -211,6 +225,13 @@ class _Reader:
         return parts
 
     def _rows(self, source: Source) -> Iterator[tuple[int, int, np.ndarray]]:
+        if source.transposed or source.step != 1:  # read whole (one expert's matrix), then its rows picked
+            whole = self.checkpoint.read(source.name, source.lead)
+            whole = whole.T if source.transposed else whole
+            rows = whole[source.row0: source.row0 + source.step * source.shape[0]: source.step]
+            self.bar.update(rows.nbytes)
+            yield 0, source.shape[0], rows
+            return
         for start, stop in source.chunks():
             rows = self.checkpoint.read(source.name, source.index(start, stop))  # [stop - start, ...] stored dtype
             self.bar.update(rows.nbytes)
@@ -250,7 +271,9 @@ def _write_weights(plan: ExportPlan, checkpoint: HFCheckpoint, out: Path, progre
                 for expert, parts in enumerate(sources):
                     tensors: dict[str, np.ndarray] = {}
                     for part, source in parts.items():
-                        if source.quantized:  # the checkpoint's own values in the same codec
+                        if part in EXPERT_BIASES:
+                            tensors[part] = reader.converted(source, "float32")
+                        elif source.quantized:  # the checkpoint's own values in the same codec
                             tensors.update({part + suffix: a for suffix, a in reader.imported(source).items()})
                         elif quantized:
                             tensors.update(reader.quantized(source, part, codec))

@@ -63,6 +63,12 @@ def hf_config(arch: str, **overrides):
                    q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=20,
                    rope_interleave=True, num_key_value_heads=4)
         cls = transformers.DeepseekV3Config
+    elif arch == "gpt_oss":
+        # swiglu_limit below the spread of the experts' products, so both clamps act; a window shorter than the
+        # prompt; YaRN as GptOssConfig sets it
+        cfg = dict(common, intermediate_size=32, num_local_experts=8, head_dim=16, sliding_window=6,
+                   swiglu_limit=0.5, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        cls = transformers.GptOssConfig
     else:
         raise ValueError(f"unknown architecture {arch}")
     cfg.update(overrides)
@@ -87,6 +93,8 @@ def save_random_model(config, folder: str | Path, seed: int = 0, max_shard_size:
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))  # norms away from 1 so a missing norm shows
             elif name.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
+            elif name.endswith("sinks"):  # gpt-oss's per-head logits: of the attention scores' size
+                param.copy_(torch.randn_like(param))
             else:
                 param.copy_(config.initializer_range * torch.randn_like(param))
         for name, buffer in model.named_buffers():
