@@ -474,5 +474,5 @@ def test_cli_export_reports_broken_checkpoints_in_one_line(hf_copy, tmp_path):
     assert completed.returncode == 1 and "Traceback" not in completed.stderr
     assert completed.stderr == ("error: model_type 'deepseek_v32' needs the sparse attention indexer of "
                                 "DeepSeek-V3.2, which Colibri does not run; Colibri exports mixtral, qwen2_moe, "
-                                "qwen3_moe, olmoe, glm4_moe, minimax_m2, deepseek_v3\n")
+                                "qwen3_moe, olmoe, glm4_moe, minimax_m2, deepseek_v3, gpt_oss\n")
     assert not (tmp_path / "out").exists()
