@@ -59,6 +59,12 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
+def decode_room(decode_tokens: int, batches: list[int], contexts: list[int]) -> int:
+    """Tokens a request may generate: its decode steps, plus one for each prefill step of the largest case (a
+    request prefilled first decodes while the others prefill), plus a margin."""
+    return decode_tokens + -(-max(batches) * max(contexts) // PREFILL_BUDGET) + 8
+
+
 def run_requests(core, prompts: list[list[int]], decode_tokens: int, room: int, tag: str) -> tuple[float, float]:
     """(seconds until every prompt has its first token, decode tok/s of the next decode_tokens - 1 steps).
 
@@ -92,8 +98,7 @@ def colibri_cases(folder: Path, config, kv_dtype: str, contexts: list[int], batc
 
     from colibri_stream.engine import EngineCore
 
-    # room for the tokens an early request decodes while the others prefill (at most one a step)
-    room = decode_tokens + -(-max(batches) * max(contexts) // PREFILL_BUDGET) + 8
+    room = decode_room(decode_tokens, batches, contexts)
     longest = max(contexts) + room
     blocks = max(batches) * (-(-longest // 16) + 1) + 64
     options = dict(device="cuda", max_seq_len=longest, num_kv_blocks=blocks, max_batch_size=max(batches),
@@ -221,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         config = ModelFolder(folder).config
         # contexts past the model's positions (Mixtral's 32768 less the decoded tokens) are cut to fit, for both
         # engines alike; each record names the context it ran
-        room = args.decode_tokens + -(-max(args.batches) * max(args.contexts) // PREFILL_BUDGET) + 8
+        room = decode_room(args.decode_tokens, args.batches, args.contexts)
         contexts = sorted({min(c, config.max_position_embeddings - room) for c in args.contexts})
         gguf = folder.with_suffix(".gguf")
         if args.batched_bench and not gguf.is_file():

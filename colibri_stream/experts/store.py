@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..checkpoint import ExpertFile
-from ..timing import StepTimer
 from ..expert_codecs import dequantize_expert
+from ..timing import StepTimer
 
 if TYPE_CHECKING:
     from .stats import ExpertStats
