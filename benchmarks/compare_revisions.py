@@ -3,7 +3,8 @@
 The current tree and a baseline tree (`--baseline-tree`: a folder holding an older revision's `colibri_stream/`,
 `kernels/` and `benchmarks/`, as `git archive REV colibri_stream kernels benchmarks | tar -x -C DIR` writes it;
 its kernels/ is copied into its package so that it compiles its own, `own_kernels`) each run their own `benchmarks/decode.py` (Colibri only) and `benchmarks/offload.py` (Colibri's default mode, host
-RAM tier, `--fractions` of the experts on the GPU), `--rounds` times, alternating, each run in a fresh process whose
+RAM tier, `--fractions` of the experts on the GPU, each tree's model in a folder of its own, written by that
+tree), `--rounds` times, alternating, each run in a fresh process whose
 `PYTHONPATH` is that tree. The medians of each revision's runs are compared: `ratio` = current / baseline.
 Records (`bench: "compare_revisions"`) go to `--out`; the Markdown table is printed.
 
@@ -83,8 +84,11 @@ def main(argv: list[str] | None = None) -> int:
                 order = ("current", "baseline") if round_ % 2 == 0 else ("baseline", "current")
                 for label in order:
                     out = Path(tmp) / f"{label}_{script}_{round_}.json"
+                    tree_args = script_args.split()
+                    if script == "offload.py":  # each tree writes its model in its own format
+                        tree_args += ["--folder", str(Path(tmp) / f"{label}-offload-model")]
                     try:
-                        records = run_tree(trees[label], script, script_args.split(), out, args.timeout)
+                        records = run_tree(trees[label], script, tree_args, out, args.timeout)
                     except Exception as error:  # one failed run is reported; the others go on
                         errors.append(f"round {round_} {label} {script}: {error}")
                         print(errors[-1], flush=True)

@@ -225,8 +225,8 @@ class Colibri:
         counts = []
         route = self.backend.route
 
-        def counting_route(x, router, top_k, renormalize):
-            weights, ids = route(x, router, top_k, renormalize)
+        def counting_route(*args, **kwargs):
+            weights, ids = route(*args, **kwargs)
             counts.append(int(self.cp.unique(ids).size))
             return weights, ids
 
