@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One session on a GPU machine: install, GPU tests, benchmarks; logs and JSON results under $OUT.
 #   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests dense kernels decode engine cpu timeline llama offload" benchmarks/gpu_session.sh
-# (other stages: attention, long_context, compare, serving, exit)
+# (other stages: attention, moe_prefill, long_context, compare, serving, exit)
 # (llama_build before other stages: llama.cpp builds in the background while they run, and stage llama waits for it)
 # (STAGES="" only installs: what a command that runs a script of its own needs first).
 # Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first. Each stage has its own time
@@ -119,6 +119,10 @@ for stage in $STAGES; do
       echo "== decode attention alone: splits swept against the KV bytes"
       bench "${ATTENTION_TIMEOUT:-240}" attention.log 40 benchmarks/decode_attention.py \
         --out "$OUT/decode_attention_h200.json" ${ATTENTION_ARGS:-} ;;
+    moe_prefill)
+      echo "== routed experts of a prefill chunk: per-expert GEMMs against moe_mma"
+      bench "${MOE_PREFILL_TIMEOUT:-240}" moe_prefill.log 30 benchmarks/moe_prefill.py --out "$OUT/moe_prefill_h200.json" \
+        ${MOE_PREFILL_ARGS:-} ;;
     long_context)
       # needs LLAMA_SRC and llama.cpp built (stage llama_build first: this stage waits for it)
       echo "== long context against llama.cpp"

@@ -20,7 +20,7 @@ cupy = pytest.importorskip("cupy", reason="CuPy is not installed (GPU tests need
 if not cupy.cuda.is_available():
     pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
 
-from colibri_stream.backends import cupy_backend, cupy_flash_attention, cupy_moe  # noqa: E402
+from colibri_stream.backends import cupy_backend, cupy_expert_gemm, cupy_flash_attention, cupy_moe  # noqa: E402
 from colibri_stream.backends.cupy_backend import CupyBackend  # noqa: E402
 from colibri_stream.backends.cupy_launch import launch, smallest_tile, storage_type, to_device_storage  # noqa: E402
 from colibri_stream.backends.cupy_moe import DeviceExpertStore, on_tensor_cores  # noqa: E402
@@ -29,6 +29,7 @@ from colibri_stream.backends.tuning import (  # noqa: E402
     CAPTURED_CUBLAS_MIN_ROWS,
     CAPTURED_CUBLAS_MIN_TOKENS,
     DENSE_MMA_MIN_TOKENS,
+    EXPERT_GEMM_MIN_PAIRS,
     LINEAR_MMA_ROWS,
     LINEAR_MMA_TILES,
     MMA_DOWN_ROWS,
@@ -762,25 +763,53 @@ def slotted_experts(rng, num_experts: int, hidden: int, inter: int, dtype: str):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("tensor_cores", [True, False])
-def test_routed_experts_in_slot_arena(dtype, tensor_cores, monkeypatch):
+@pytest.mark.parametrize("path", ["cuda_cores", "tensor_cores", "expert_gemms"])
+@pytest.mark.parametrize("hidden,inter", [(256, 192), (136, 200)])  # up's rows right after gate's, or 256-aligned
+def test_routed_experts_in_slot_arena(dtype, path, hidden, inter, monkeypatch):
     rng = np.random.default_rng(11)
-    num_experts, top_k, hidden, inter, tokens = 16, 4, 256, 192, 24
+    num_experts, top_k, tokens = 16, 4, 24
     tensors, _arena, passes, tables = slotted_experts(rng, num_experts, hidden, inter, dtype)
     x, weights, ids = random_routing(rng, tokens, num_experts, top_k, hidden)
     computed = (tables[0] >= 0) | (tables[1] >= 0)  # [E]
     assert not computed[ids].all() and computed[ids].any()
-    if not tensor_cores:
+    if path == "cuda_cores":
         monkeypatch.setattr(cupy_moe, "MMA_MIN_TOKENS", 1 << 30)
+    if path == "expert_gemms":
+        monkeypatch.setattr(cupy_expert_gemm, "EXPERT_GEMM_MIN_PAIRS", 1)
     launched = launched_kernels(monkeypatch)
     poison()
     ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5,
                               SlotPasses(passes, num_experts))
-    assert any("_mma<" in name for name in launched) == tensor_cores
+    assert any("_mma<" in name for name in launched) == (path == "tensor_cores")
+    assert any(name.startswith("moe_down") for name in launched) == (path != "expert_gemms")
     # experts in no slot add nothing: the reference sees their route weights as zero
     store = DictExpertStore({(5, e): t for e, t in enumerate(tensors)})
     reference = REF.routed_experts(x, np.where(computed[ids], weights, 0).astype(np.float32), ids, 5, store)
-    check(ours, reference, MMA_TOLERANCE if tensor_cores else 1e-5)
+    check(ours, reference, 1e-5 if path == "cuda_cores" else MMA_TOLERANCE)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [
+    (512, 8, 2, 128, 256),  # 128 pairs per expert: the threshold
+    (700, 4, 2, 136, 200),  # partial tiles in every dimension
+    (1024, 8, 2, 4096, 1792),  # Mixtral's hidden size, an eighth of its intermediate size
+])
+def test_prefill_sized_groups_run_as_expert_gemms(dtype, tokens, experts, top_k, hidden, inter, monkeypatch):
+    """From EXPERT_GEMM_MIN_PAIRS pairs per expert, an eager step multiplies each expert's group on cuBLAS: no MoE
+    kernel but the routing's and the sum's, the NumPy reference's result."""
+    assert tokens * top_k >= EXPERT_GEMM_MIN_PAIRS * experts
+    store, device_store = experts_on_device(experts, hidden, inter, dtype)
+    x, weights, ids = random_routing(np.random.default_rng(tokens + hidden), tokens, experts, top_k, hidden)
+    launched = launched_kernels(monkeypatch)
+    poison()
+    ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
+    assert launched == ["moe_align", "moe_sum"], launched
+    check(ours, REF.routed_experts(x, weights, ids, 5, store), MMA_TOLERANCE)
+    launched.clear()
+    monkeypatch.setattr(cupy_expert_gemm, "EXPERT_GEMM_MIN_PAIRS", 1 << 30)  # the same step on moe_mma.cu
+    mma = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
+    assert any(name.startswith("moe_down_mma<") for name in launched)
+    check(ours, cupy.asnumpy(mma), MMA_TOLERANCE)
 
 
 def expert_mlp(x: np.ndarray, tensors: dict[str, np.ndarray]) -> np.ndarray:

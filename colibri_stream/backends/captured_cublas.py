@@ -40,14 +40,15 @@ def _library() -> ctypes.CDLL:
 
 def gemm_ex(handle: int, stream: int, transa: int, transb: int, m: int, n: int, k: int, a: int, a_type: int,
             lda: int, b: int, b_type: int, ldb: int, c: int, c_type: int, ldc: int, compute_type: int,
-            algorithm: int) -> None:
-    """C = A op B (alpha 1, beta 0, host pointer mode) on `stream`, as cublasGemmEx; device pointers as ints."""
+            algorithm: int, accumulate: bool = False) -> None:
+    """C = A op B, or C += A op B with `accumulate` (alpha 1, beta 0 or 1, host pointer mode) on `stream`, as
+    cublasGemmEx; device pointers as ints."""
     library = _library()
-    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    one, beta = ctypes.c_float(1.0), ctypes.c_float(1.0 if accumulate else 0.0)
     _check(library.cublasSetStream_v2(handle, stream), "cublasSetStream")
     _check(library.cublasSetPointerMode_v2(handle, 0), "cublasSetPointerMode")  # 0: host
     _check(library.cublasGemmEx(handle, transa, transb, m, n, k, ctypes.byref(one), a, a_type, lda, b, b_type, ldb,
-                                ctypes.byref(zero), c, c_type, ldc, compute_type, algorithm), "cublasGemmEx")
+                                ctypes.byref(beta), c, c_type, ldc, compute_type, algorithm), "cublasGemmEx")
 
 
 def _check(status: int, call: str) -> None:

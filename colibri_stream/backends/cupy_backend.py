@@ -30,6 +30,7 @@ from ..config import QK_NORMS, ModelConfig
 from ..experts.store import ExpertStore
 from ..memory import MemoryInfo
 from .base import Array, Backend
+from .cublas_gemm import split_halves, weight_product
 from .cupy_flash_attention import (DECODE_THREADS, FLASH_FILE, FLASH_THREADS, FlashTileCache, flash_attention_launch,
                                    takes_flash_attention, takes_flash_decode)
 from .cupy_launch import (NULL, FAMILIES, ceil_div, check_row_width, launch, smallest_tile, storage_type,
@@ -271,35 +272,16 @@ class CupyBackend(Backend):
         return outs
 
     def _gemm(self, x: Array, weight: Array) -> Array:
-        """x [T, In] @ weight [Out, In]^T through cuBLAS, float32 accumulation and output.  # [T, Out]"""
+        """x [T, In] @ weight [Out, In]^T through cuBLAS, float32 accumulation and output: bf16/fp16 weights
+        multiply x's two halves (cublas_gemm.py) as one GEMM of 2T rows.  # [T, Out]"""
         t, n_in = x.shape
         n_out = weight.shape[0]
         if weight.dtype == np.float32:
             return self.cp.matmul(x, weight.T)
-        from cupy.cuda import runtime
-        from cupy_backends.cuda.libs import cublas
-
-        w = storage_type(weight)
-        halves = self.cp.empty((2 * t, n_in), weight.dtype)  # [2T, In]: x rounded, then the rounding error
-        launch("linear.cu", f"to_storage_split<{w}>", (ceil_div(x.size, 256),), 256, (x, halves, np.int64(x.size)),
-                weight_type=w)
+        halves = split_halves(x, weight)  # [2T, In]
         both = self.cp.empty((2 * t, n_out), np.float32)  # [2T, Out]
-        code = runtime.CUDA_R_16BF if weight.dtype == np.uint16 else runtime.CUDA_R_16F
-        handle = self.cp.cuda.device.get_cublas_handle()
-        # Column-major view: both^T [Out, 2T] = weight [Out, In] (row-major, so transposed) times halves^T [In, 2T].
-        shape = (cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, 2 * t, n_in)
-        if self.cp.cuda.get_current_stream().is_capturing():  # CuPy's wrappers refuse; cuBLAS records into it
-            from .captured_cublas import gemm_ex
-
-            gemm_ex(handle, self.cp.cuda.get_current_stream().ptr, *shape, weight.data.ptr, code, n_in,
-                    halves.data.ptr, code, n_in, both.data.ptr, runtime.CUDA_R_32F, n_out,
-                    cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
-        else:
-            one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
-            cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-            cublas.gemmEx(handle, *shape, one.ctypes.data, weight.data.ptr, code, n_in, halves.data.ptr, code, n_in,
-                          zero.ctypes.data, both.data.ptr, runtime.CUDA_R_32F, n_out,
-                          cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+        weight_product(both.data.ptr, n_out, weight.data.ptr, n_in, weight.dtype, n_out, n_in, halves.data.ptr, n_in,
+                       2 * t, accumulate=False)
         return self.cp.add(both[:t], both[t:])
 
     def silu_mul(self, gate: Array, up: Array) -> Array:

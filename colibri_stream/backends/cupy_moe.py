@@ -1,8 +1,9 @@
 """Routed experts on the GPU: the MoE kernels over a store's device experts, and the store of resident experts.
 
 `routed_experts` sorts a step's (token, expert) pairs into groups per expert on the device (moe_align), launches
-moe_gate_up and moe_down (or their tensor-core forms, moe_mma.cu) once per pass the store yields
-(experts/device.py), and sums each token's experts (moe_sum). `DeviceExpertStore` holds every expert resident,
+moe_gate_up and moe_down (or their tensor-core forms, moe_mma.cu; or, for prefill-sized groups, cuBLAS GEMMs per
+expert, cupy_expert_gemm.py) once per pass the store yields (experts/device.py), and sums each token's experts
+(moe_sum). `DeviceExpertStore` holds every expert resident,
 stacked per MoE layer: one pass, no host work, so a decode step can be captured in a CUDA graph.
 """
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from ..experts.device import DeviceExperts, LayerExperts
 from ..experts.store import ExpertStore
+from .cupy_expert_gemm import GroupedTokens, expert_gemms, takes_expert_gemms
 from .cupy_launch import Array, ceil_div, check_row_width, launch, smallest_tile, storage_type, to_device_storage
 from .tuning import (MMA_DOWN_ROWS, MMA_GATE_UP_ROWS, MMA_MIN_TOKENS, MMA_THREADS, MMA_TILES, MOE_DOWN_ROW_BYTES,
                      MOE_ROWS_PER_WARP, MOE_TILES, MOE_UP_ROW_BYTES, MOE_WARPS)
@@ -63,8 +65,15 @@ def routed_experts(backend, x: Array, weights: Array, expert_ids: Array, layer: 
     groups = min(num_experts, pairs)
     tile = smallest_tile(t, MOE_TILES)  # a group holds at most T pairs
     routing = (group_expert, group_start, sorted_pairs, num_groups)
-    act = y = None
+    act = y = grouped = None
     for experts in device.passes(layer):
+        if takes_expert_gemms(experts, pairs, num_experts):
+            if grouped is None:  # the tokens in group order, for every launch of the layer
+                grouped = GroupedTokens.gather(x, routing, top_k, experts.gate)
+            if y is None:
+                y = (cp.empty if device.resident else cp.zeros)((pairs, h), np.float32)  # [P, H]
+            expert_gemms(grouped, experts, route_weights, y, device.resident, backend.silu_mul)
+            continue
         i = experts.gate.shape[1]  # a cut expert's GPU part (experts/cut_layout.py) has fewer rows than the others
         if act is None or act.shape[1] != i:
             check_row_width(h, experts.gate, "experts (hidden size)")

@@ -1,0 +1,61 @@
+"""Weight products on cuBLAS tensor cores with float32 activations: the split into halves, and one GEMM call.
+
+The backend keeps activations in float32 and weights in bf16/fp16. To multiply them on tensor cores, the
+activations are split into a high and a low part of the weight's type (x = hi + lo to about 16 significant bits,
+`split_halves`), and both parts are multiplied by the weight with float32 accumulation: as one GEMM of twice the
+rows (dense projections, cupy_backend) or as two GEMMs into the same output, the second adding to the first
+(routed experts per expert, cupy_expert_gemm).
+
+`weight_product` is that GEMM on raw pointers, so a caller can multiply a slice of rows by one expert's matrix in
+place. Inside a CUDA-graph capture it calls cuBLAS through ctypes (captured_cublas.py), since CuPy's wrappers
+refuse to run there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .cupy_launch import Array, ceil_div, launch, storage_type
+
+
+def split_halves(x: Array, like: Array) -> Array:
+    """x float32 [T, In] as [2T, In] of `like`'s dtype (bf16 bits or fp16): rows 0..T-1 x rounded, rows T..2T-1
+    the rounding error x - hi, rounded."""
+    import cupy
+
+    t, n_in = x.shape
+    w = storage_type(like)
+    halves = cupy.empty((2 * t, n_in), like.dtype)  # [2T, In]
+    launch("linear.cu", f"to_storage_split<{w}>", (ceil_div(x.size, 256),), 256, (x, halves, np.int64(x.size)),
+           weight_type=w)
+    return halves
+
+
+def weight_product(out: int, out_stride: int, weight: int, weight_stride: int, weight_dtype, n_out: int, n_in: int,
+                   inputs: int, input_stride: int, rows: int, accumulate: bool) -> None:
+    """out[r, :n_out] (+)= inputs[r, :n_in] . weight[:n_out, :n_in]^T for r < rows, in float32 on the current
+    stream: `out` float32, `weight` and `inputs` of `weight_dtype` (uint16 bf16 bits or float16), all row-major
+    device pointers with row strides in elements; `accumulate` adds to out (beta 1) instead of overwriting it."""
+    import cupy
+    from cupy.cuda import runtime
+    from cupy_backends.cuda.libs import cublas
+
+    if rows == 0 or n_out == 0:
+        return
+    code = runtime.CUDA_R_16BF if np.dtype(weight_dtype) == np.uint16 else runtime.CUDA_R_16F
+    handle = cupy.cuda.device.get_cublas_handle()
+    # Column-major view: out^T [n_out, rows] = weight [n_out, n_in] (row-major, so transposed) times inputs^T.
+    shape = (cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, rows, n_in)
+    operands = (weight, code, weight_stride, inputs, code, input_stride)
+    stream = cupy.cuda.get_current_stream()
+    if stream.is_capturing():
+        from .captured_cublas import gemm_ex
+
+        gemm_ex(handle, stream.ptr, *shape, *operands, out, runtime.CUDA_R_32F, out_stride,
+                cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT, accumulate)
+        return
+    one, beta = np.ones(1, np.float32), np.full(1, 1.0 if accumulate else 0.0, np.float32)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    a, a_type, lda, b, b_type, ldb = operands
+    cublas.gemmEx(handle, *shape, one.ctypes.data, a, a_type, lda, b, b_type, ldb, beta.ctypes.data, out,
+                  runtime.CUDA_R_32F, out_stride, cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
