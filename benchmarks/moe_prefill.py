@@ -4,13 +4,13 @@
 
 One MoE layer of random bf16 experts of the published shapes (Mixtral-8x7B: 8 experts, top 2, H 4096, I 14336;
 Qwen3-30B-A3B: 128, top 8, 2048, 768), steps of T tokens routed uniformly at random (top-k distinct experts per
-token), each step through `routed_experts` on both paths: EXPERT_GEMM_MIN_PAIRS set to 1 (every step on the
+token), each step through `routed_experts` on both paths: EXPERT_GEMM_MIN_WORK set to 1 (every step on the
 GEMMs) or out of reach (every step on moe_mma.cu). The figure is the median wall time of a step (the GEMM path
 synchronises once to read the group sizes, so the wall time is what a prefill step pays), as TFLOP/s of the
 useful work (2 * 3 * H * I per pair; the activations' two halves double what the tensor cores do). Ceiling: one
 cuBLAS GEMM of the same shape as all of a step's gate and up products together (P rows, one expert's [2I, H]
 matrix, both halves), timed in the same run, as TFLOP/s of useful work. The two paths' outputs are compared
-(relative error). The crossover in pairs per expert is what EXPERT_GEMM_MIN_PAIRS should be.
+(relative error). The crossover, as pairs per expert times H times I, is what EXPERT_GEMM_MIN_WORK should be.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def run_shape(cp, backend, name: str, tokens_list: list[int]) -> list[dict]:
         pairs = tokens * top_k
         useful = 2.0 * 3 * h * i * pairs
         outputs, seconds = {}, {}
-        for path, threshold in (("moe_mma", 1 << 30), ("expert_gemms", 1)):
-            with constants_set([cupy_expert_gemm], EXPERT_GEMM_MIN_PAIRS=threshold):
+        for path, threshold in (("moe_mma", 1 << 62), ("expert_gemms", 1)):
+            with constants_set([cupy_expert_gemm], EXPERT_GEMM_MIN_WORK=threshold):
                 seconds[path] = median_seconds(cp, lambda: backend.routed_experts(x, weights, ids, 0, store))
                 outputs[path] = backend.routed_experts(x, weights, ids, 0, store)
         error = float(cp.linalg.norm(outputs["expert_gemms"] - outputs["moe_mma"]) / cp.linalg.norm(outputs["moe_mma"]))

@@ -20,7 +20,8 @@ cupy = pytest.importorskip("cupy", reason="CuPy is not installed (GPU tests need
 if not cupy.cuda.is_available():
     pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
 
-from colibri_stream.backends import cupy_backend, cupy_expert_gemm, cupy_flash_attention, cupy_moe  # noqa: E402
+from colibri_stream.backends import (cublas_gemm, cupy_backend, cupy_expert_gemm, cupy_flash_attention,  # noqa: E402
+                                     cupy_moe)
 from colibri_stream.backends.cupy_backend import CupyBackend  # noqa: E402
 from colibri_stream.backends.cupy_launch import launch, smallest_tile, storage_type, to_device_storage  # noqa: E402
 from colibri_stream.backends.cupy_moe import DeviceExpertStore, on_tensor_cores  # noqa: E402
@@ -29,7 +30,7 @@ from colibri_stream.backends.tuning import (  # noqa: E402
     CAPTURED_CUBLAS_MIN_ROWS,
     CAPTURED_CUBLAS_MIN_TOKENS,
     DENSE_MMA_MIN_TOKENS,
-    EXPERT_GEMM_MIN_PAIRS,
+    EXPERT_GEMM_MIN_WORK,
     LINEAR_MMA_ROWS,
     LINEAR_MMA_TILES,
     MMA_DOWN_ROWS,
@@ -646,8 +647,8 @@ def launched_kernels(monkeypatch) -> list[str]:
         names.append(expression)
         return launch(file, expression, *args, **kwargs)
 
-    monkeypatch.setattr(cupy_backend, "launch", record)
-    monkeypatch.setattr(cupy_moe, "launch", record)
+    for module in (cupy_backend, cupy_moe, cublas_gemm):
+        monkeypatch.setattr(module, "launch", record)
     return names
 
 
@@ -775,7 +776,7 @@ def test_routed_experts_in_slot_arena(dtype, path, hidden, inter, monkeypatch):
     if path == "cuda_cores":
         monkeypatch.setattr(cupy_moe, "MMA_MIN_TOKENS", 1 << 30)
     if path == "expert_gemms":
-        monkeypatch.setattr(cupy_expert_gemm, "EXPERT_GEMM_MIN_PAIRS", 1)
+        monkeypatch.setattr(cupy_expert_gemm, "EXPERT_GEMM_MIN_WORK", 1)
     launched = launched_kernels(monkeypatch)
     poison()
     ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5,
@@ -788,25 +789,55 @@ def test_routed_experts_in_slot_arena(dtype, path, hidden, inter, monkeypatch):
     check(ours, reference, 1e-5 if path == "cuda_cores" else MMA_TOLERANCE)
 
 
+def test_expert_gemm_dispatch_rule():
+    """Per-expert GEMMs once one expert's gate product at the average group size is EXPERT_GEMM_MIN_WORK: a
+    Mixtral-shaped layer from a few dozen pairs per expert, a Qwen3-MoE-shaped one (128 small experts) not at
+    2048-token chunks; never for int8 or float32 experts, nor inside a capture."""
+    def experts(e, i, h, dtype=np.uint16, scales=False):
+        gate = cupy.zeros((e, 1, 1), dtype)  # only the dtype is read; the shape is set below
+        gate = cupy.lib.stride_tricks.as_strided(gate, (e, i, h), (0, 0, 0))
+        scale = cupy.zeros((e, i), np.float32) if scales else None
+        return LayerExperts(gate, gate, gate, scale, scale, None)
+
+    mixtral, qwen3 = experts(8, 14336, 4096), experts(128, 768, 2048)
+    assert EXPERT_GEMM_MIN_WORK == 1 << 31
+    assert cupy_expert_gemm.takes_expert_gemms(mixtral, 2048 * 2, 8)
+    assert cupy_expert_gemm.takes_expert_gemms(mixtral, 40 * 8, 8)
+    assert not cupy_expert_gemm.takes_expert_gemms(mixtral, 32 * 8, 8)
+    assert not cupy_expert_gemm.takes_expert_gemms(qwen3, 2048 * 8, 128)
+    assert cupy_expert_gemm.takes_expert_gemms(qwen3, 1400 * 128, 128)
+    assert not cupy_expert_gemm.takes_expert_gemms(experts(8, 14336, 4096, np.float32), 4096, 8)
+    assert not cupy_expert_gemm.takes_expert_gemms(experts(8, 14336, 4096, np.int8, scales=True), 4096, 8)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            assert not cupy_expert_gemm.takes_expert_gemms(mixtral, 4096, 8)
+        finally:
+            stream.end_capture()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [
-    (512, 8, 2, 128, 256),  # 128 pairs per expert: the threshold
-    (700, 4, 2, 136, 200),  # partial tiles in every dimension
-    (1024, 8, 2, 4096, 1792),  # Mixtral's hidden size, an eighth of its intermediate size
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,threshold", [
+    (512, 8, 2, 128, 256, 1),  # the rule lowered: small shapes, 128 pairs per expert
+    (700, 4, 2, 136, 200, 1),  # partial tiles in every dimension
+    (2048, 8, 2, 4096, 1792, EXPERT_GEMM_MIN_WORK),  # Mixtral's hidden size, an eighth of its intermediate size
 ])
-def test_prefill_sized_groups_run_as_expert_gemms(dtype, tokens, experts, top_k, hidden, inter, monkeypatch):
-    """From EXPERT_GEMM_MIN_PAIRS pairs per expert, an eager step multiplies each expert's group on cuBLAS: no MoE
-    kernel but the routing's and the sum's, the NumPy reference's result."""
-    assert tokens * top_k >= EXPERT_GEMM_MIN_PAIRS * experts
+def test_prefill_sized_groups_run_as_expert_gemms(dtype, tokens, experts, top_k, hidden, inter, threshold,
+                                                  monkeypatch):
+    """An eager step whose groups are large enough multiplies each expert's group on cuBLAS: no MoE kernel but the
+    routing's, the two splits into halves and the sum; the NumPy reference's result, and moe_mma.cu's."""
+    monkeypatch.setattr(cupy_expert_gemm, "EXPERT_GEMM_MIN_WORK", threshold)
     store, device_store = experts_on_device(experts, hidden, inter, dtype)
     x, weights, ids = random_routing(np.random.default_rng(tokens + hidden), tokens, experts, top_k, hidden)
     launched = launched_kernels(monkeypatch)
     poison()
     ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
-    assert launched == ["moe_align", "moe_sum"], launched
+    w = "__nv_bfloat16" if dtype == "bfloat16" else "__half"
+    assert launched == ["moe_align", f"to_storage_split<{w}>", f"to_storage_split<{w}>", "moe_sum"], launched
     check(ours, REF.routed_experts(x, weights, ids, 5, store), MMA_TOLERANCE)
     launched.clear()
-    monkeypatch.setattr(cupy_expert_gemm, "EXPERT_GEMM_MIN_PAIRS", 1 << 30)  # the same step on moe_mma.cu
+    monkeypatch.setattr(cupy_expert_gemm, "EXPERT_GEMM_MIN_WORK", 1 << 62)  # the same step on moe_mma.cu
     mma = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
     assert any(name.startswith("moe_down_mma<") for name in launched)
     check(ours, cupy.asnumpy(mma), MMA_TOLERANCE)

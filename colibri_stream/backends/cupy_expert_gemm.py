@@ -2,7 +2,8 @@
 
 moe_mma.cu reads each weight once per 32 pairs of its expert's group, which suits decode and short chunks. A
 prefill chunk of a model with few, large experts (Mixtral: 8 experts, a 2048-token chunk gives ~512 pairs each)
-makes groups of hundreds of pairs, where a tiled GEMM reuses every weight across the whole group. Here the step's
+makes groups of hundreds of pairs, where a tiled GEMM reuses every weight across the whole group. Each GEMM is
+one host call, so models of many small experts stay on moe_mma.cu (`takes_expert_gemms`). Here the step's
 tokens are gathered in group order (moe_align's sorted pairs), split into bf16/fp16 halves (cublas_gemm.py), and
 each expert's group is multiplied by its matrices in place: gate and up (one GEMM when up's rows follow gate's in
 memory), SiLU-mul, then down; each pair's row is scaled by its route weight and scattered back to pair order.
@@ -20,16 +21,18 @@ import numpy as np
 from ..experts.device import LayerExperts
 from .cublas_gemm import split_halves, weight_product
 from .cupy_launch import Array
-from .tuning import EXPERT_GEMM_MIN_PAIRS
+from .tuning import EXPERT_GEMM_MIN_WORK
 
 
 def takes_expert_gemms(experts: LayerExperts, pairs: int, num_experts: int) -> bool:
     """Whether a step's routed experts run as per-expert cuBLAS GEMMs: bf16/fp16 experts without scales, outside
-    a graph capture, when the step's pairs average EXPERT_GEMM_MIN_PAIRS per expert or more."""
+    a graph capture, when one expert's gate product at the average group size (pairs / E groups of an [I, H]
+    matrix) is EXPERT_GEMM_MIN_WORK multiply-adds or more."""
     import cupy
 
+    _, i, h = experts.gate.shape
     return (np.dtype(experts.gate.dtype) in (np.dtype(np.uint16), np.dtype(np.float16))
-            and experts.gate_scale is None and pairs >= EXPERT_GEMM_MIN_PAIRS * num_experts
+            and experts.gate_scale is None and pairs * i * h >= EXPERT_GEMM_MIN_WORK * num_experts
             and not cupy.cuda.get_current_stream().is_capturing())
 
 

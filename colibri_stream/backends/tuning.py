@@ -32,9 +32,11 @@ MMA_TILES = (1, 2, 4)  # moe_gate_up_mma / moe_down_mma instantiations: n-tiles 
 MMA_THREADS = 128  # = MMA_WARPS * 32 in moe_mma.cu (and linear_mma.cu)
 MMA_GATE_UP_ROWS = 64  # gate (and up) rows per block of moe_gate_up_mma: 4 warps x 16
 MMA_DOWN_ROWS = 128  # down rows per block of moe_down_mma: 4 warps x 32
-# from this many (token, expert) pairs per expert on average, an eager step's bf16/fp16 routed experts run as
-# cuBLAS GEMMs per expert (cupy_expert_gemm.py): prefill chunks of models with few large experts
-EXPERT_GEMM_MIN_PAIRS = 128
+# An eager step's bf16/fp16 routed experts run as cuBLAS GEMMs per expert (cupy_expert_gemm.py) when one expert's
+# gate product at the step's average group size (pairs / E * H * I multiply-adds) is at least this much work: each
+# GEMM costs a fixed host call, so many small experts (Qwen3-MoE's 128) stay on moe_mma.cu, few large ones
+# (Mixtral's 8) take the GEMMs from a few dozen pairs each (benchmarks/moe_prefill.py measures the crossover).
+EXPERT_GEMM_MIN_WORK = 1 << 31
 
 # ---- attention (attention.cu, attention_prologue.cu) -----------------------------------------------------------
 ATTENTION_WARPS = 16  # = ATTN_WARPS in attention.cu
