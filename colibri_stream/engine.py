@@ -47,6 +47,7 @@ class EngineStats:
     num_steps_launched_ahead: int  # of them, launched before the step before was read (async scheduling)
     num_preemptions: int
     num_generated_tokens: int
+    num_aborted: int  # sequences finished by an abort (the client left or cancelled, or shutdown)
     last_step_time: float  # seconds the last step took
     last_step_tokens: int  # tokens the last step computed (prefill chunks and decodes)
 
@@ -110,6 +111,7 @@ class EngineCore:
         self._num_steps = 0
         self._num_steps_launched_ahead = 0
         self._num_generated_tokens = 0
+        self._num_aborted = 0
         self._last_step_time = 0.0
         self._last_step_tokens = 0
         self._closed = False
@@ -231,6 +233,7 @@ class EngineCore:
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Finish every sequence of `request_id` and free its blocks; returns their final outputs."""
         seqs = self._requests.pop(request_id, {})
+        self._num_aborted += len(seqs)
         self.scheduler.finish([seq.request.seq_id for seq in seqs.values()], RequestStatus.FINISHED_ABORTED)
         return [_request_output(seq.request, "", []) for seq in seqs.values()]
 
@@ -266,6 +269,7 @@ class EngineCore:
             num_steps_launched_ahead=self._num_steps_launched_ahead,
             num_preemptions=self.scheduler.num_preemptions,
             num_generated_tokens=self._num_generated_tokens,
+            num_aborted=self._num_aborted,
             last_step_time=self._last_step_time,
             last_step_tokens=self._last_step_tokens,
         )

@@ -63,6 +63,8 @@ class EngineCollector(Collector):
                                   value=stats.num_preemptions)
         yield CounterMetricFamily("colibri_engine_generated_tokens", "Tokens the engine has sampled",
                                   value=stats.num_generated_tokens)
+        yield CounterMetricFamily("colibri_engine_aborted_sequences", "Sequences aborted before they finished (the "
+                                  "client left or cancelled, or the server shut down)", value=stats.num_aborted)
         prefill = CounterMetricFamily("colibri_prefill_tokens", "Tokens of admitted sequences (prompts; after a "
                                       "preemption the output so far too) by whether the prefix cache served them or "
                                       "the model computed them", labels=["source"])

@@ -17,9 +17,10 @@ import numpy as np
 from .model import ForwardBatch, MoETransformer, PagedKVCache
 from .batch import flat_batch
 from .errors import ColibriError
+from .exact_softmax import uniform_bits
 from .request import Logprob, SamplingParams, SeqId
 from .sampling import (NON_FINITE_LOGITS, HostLogits, LogitSource, Sampler, SamplingState, TokenLogprobs,
-                       argmax_only, drawn_over_vocabulary, token_logprobs, uniform_bits)
+                       argmax_only, drawn_over_vocabulary, token_logprobs)
 from .scheduler import ScheduledSeq, SchedulerOutput
 from .structured import Constraints
 

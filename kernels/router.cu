@@ -11,8 +11,8 @@
 //   dynamic shared memory: E floats.
 //
 // route_split<W, TT>: few tokens, the router's rows spread over the GPU (at T = 1 one block reading every row
-//   gets about 32 GB/s); each block computes one expert's logits for a tile of TT tokens, the last block of a tile
-//   to finish selects for the tile's tokens.
+//   would use one multiprocessor's share of the bandwidth); each block computes one expert's logits for a tile
+//   of TT tokens, the last block of a tile to finish selects for the tile's tokens.
 //   logits   float32 [T, E] scratch: written by every block, read by the tile's last one
 //   counters uint32 [>= ceil(T / TT)]: zero before the launch, left zero after it (the last block of tile j counts
 //            blocks in counters[j], then resets it), so one array serves every launch on a stream, graphs included

@@ -12,7 +12,7 @@
 // top_candidates: of each listed row, the `count` largest logits divided by the row's temperature (float32,
 //   rounded to nearest), largest first, equal values by lower id first (-0 equals +0), and the row's exp sum:
 //   the sum over the row of floor(exp(x - max) * 2^bits), x the scaled logits, exp from + and * alone
-//   (fixed_exp), 0 where x - max < cutoff. Every output is exact: colibri_stream/sampling.py computes the same
+//   (fixed_exp), 0 where x - max < cutoff. Every output is exact: colibri_stream/exact_softmax.py computes the same
 //   bits with NumPy (top_sorted, exp_sums, fixed_point).
 //   logits float32 [N, V] contiguous; rows int32 [R] (the rows of logits to read); temperature float32 [R];
 //   ids int32 [R, count]; values float32 [R, count]; sums uint64 [R]. 1 <= count <= min(V, MAX_CANDIDATES),

@@ -224,7 +224,7 @@ def test_a_step_report_crosses_the_pipe_whole():
                           time_to_first_token=0.02)
     outputs = [first, first.merge(RequestOutput("a", 0, "!", [3], True, "stop", 3, 5, 2,
                                                 inter_token_latencies=[0.01]))]
-    stats = EngineStats(*range(11), 0.5, 7)
+    stats = EngineStats(*range(12), 0.5, 7)
     report = StepReport(outputs, stats, 4, acks=[3],
                         failed={"b": InvalidParameterError("bad top_k", "top_k"), "c": PromptTooLongError(9, 4, 10)},
                         step_failure=StepFailure({"d"}, EngineStepError("device lost")))

@@ -11,12 +11,19 @@ import pytest
 
 from colibri_stream.backends.kernels import kernel_dir
 from colibri_stream.request import SamplingParams
-from colibri_stream.sampling import (
+from colibri_stream.exact_softmax import (
     EXP_CHUNK,
     EXP_TAYLOR,
     LN2_HI,
     LN2_LO,
     LOG2E,
+    exp_sums,
+    fixed_exp,
+    fixed_point,
+    log_normaliser,
+    top_sorted,
+)
+from colibri_stream.sampling import (
     TOP_P_CANDIDATES,
     WALK_HEAD,
     HostLogits,
@@ -25,12 +32,7 @@ from colibri_stream.sampling import (
     SamplingState,
     apply_penalties,
     drawn_over_vocabulary,
-    exp_sums,
-    fixed_exp,
-    fixed_point,
-    log_normaliser,
     token_logprobs,
-    top_sorted,
 )
 
 SAMPLER = Sampler()

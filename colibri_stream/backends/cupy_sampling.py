@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..sampling import Candidates, LogitSource, fixed_point, log_normaliser, uniform_bits
+from ..exact_softmax import fixed_point, log_normaliser, uniform_bits
+from ..sampling import Candidates, LogitSource
 from .base import Array, Backend
 from .cupy_launch import NULL, launch
 
