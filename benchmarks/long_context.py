@@ -19,6 +19,11 @@ For each shape (`--shapes SHAPE:LAYERS`, random bf16 weights of the published di
                          of B sequences of C tokens at the dtype's size) over the device-to-device copy
                          bandwidth measured in this run (bytes read plus written, as decode.py counts it)
 
+With `--phases`, the engine's step timer is on during each case (timing.py's phases: attention, routing,
+experts, sample ...) and the record adds `prefill_phase_seconds`: each phase's seconds summed over the steps
+that computed prompt tokens, beside their wall time (`prefill_step_seconds`); a diagnostic run, since the timer's
+events add a little to each step.
+
 A case whose predicted Colibri prefill (from the same shape's batch-1 rate) exceeds `--max-case-seconds` is
 recorded as skipped. Records (`bench: "long_context"`) go to `--out`; the Markdown table is printed.
 
@@ -65,6 +70,24 @@ def decode_room(decode_tokens: int, batches: list[int], contexts: list[int]) -> 
     return decode_tokens + -(-max(batches) * max(contexts) // PREFILL_BUDGET) + 8
 
 
+class PrefillPhases:
+    """A step sink summing the phases of the steps that computed more tokens than the batch decodes (prefill)."""
+
+    def __init__(self):
+        self.batch = 0
+        self.seconds: dict[str, float] = {}
+        self.step_seconds = 0.0
+
+    def start(self, batch: int) -> None:
+        self.batch, self.seconds, self.step_seconds = batch, {}, 0.0
+
+    def __call__(self, record) -> None:
+        if record.args.get("tokens", 0) > self.batch:
+            self.step_seconds += record.duration
+            for name, seconds in record.phase_seconds().items():
+                self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+
 def run_requests(core, prompts: list[list[int]], decode_tokens: int, room: int, tag: str) -> tuple[float, float]:
     """(seconds until every prompt has its first token, decode tok/s of the next decode_tokens - 1 steps).
 
@@ -92,8 +115,9 @@ def run_requests(core, prompts: list[list[int]], decode_tokens: int, room: int, 
 
 
 def colibri_cases(folder: Path, config, kv_dtype: str, contexts: list[int], batches: list[int],
-                  decode_tokens: int, max_case_seconds: float) -> list[dict]:
-    """Colibri's records of one shape and KV dtype: one engine sized for the largest case, every case on it."""
+                  decode_tokens: int, max_case_seconds: float, phases: bool = False) -> list[dict]:
+    """Colibri's records of one shape and KV dtype: one engine sized for the largest case, every case on it
+    (with `phases`, each case's prefill phases too)."""
     import cupy
 
     from colibri_stream.engine import EngineCore
@@ -118,6 +142,9 @@ def colibri_cases(folder: Path, config, kv_dtype: str, contexts: list[int], batc
     try:
         for batch in sorted(set(batches)):  # every batch's decode graph captured before any timing
             run_requests(core, prompts(batch, WARM_UP_TOKENS), 4, room, f"warm{batch}")
+        sink = PrefillPhases()
+        if phases:
+            core.timer.add_sink(sink)
         prefill_rate = None  # batch-1 prefill tok/s of the context run last: predicts the larger batches
         for context in contexts:
             for batch in batches:
@@ -127,6 +154,7 @@ def colibri_cases(folder: Path, config, kv_dtype: str, contexts: list[int], batc
                                                  f"> --max-case-seconds {max_case_seconds:.0f}")
                     records.append(record)
                     continue
+                sink.start(batch)
                 try:
                     prefill_s, decode_rate = run_requests(core, prompts(batch, context), decode_tokens, room,
                                                           f"c{context}b{batch}")
@@ -137,6 +165,10 @@ def colibri_cases(folder: Path, config, kv_dtype: str, contexts: list[int], batc
                     continue
                 record.update(ttft_s=prefill_s, colibri_prefill_tok_s=batch * context / prefill_s,
                               colibri_decode_tok_s=decode_rate)
+                if phases:
+                    record.update(prefill_phase_seconds=sink.seconds, prefill_step_seconds=sink.step_seconds)
+                    log(f"  prefill steps {sink.step_seconds:.2f} s: " + ", ".join(
+                        f"{name} {seconds:.2f}" for name, seconds in sorted(sink.seconds.items())))
                 if batch == 1:
                     prefill_rate = record["colibri_prefill_tok_s"]
                 log(f"colibri {kv_dtype} context {context} batch {batch}: prefill "
@@ -206,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folder-root", default="/tmp/colibri-long-context")
     parser.add_argument("--keep-models", action="store_true", help="keep each shape's files after its runs")
     parser.add_argument("--max-case-seconds", type=float, default=60.0)
+    parser.add_argument("--phases", action="store_true", help="record each case's prefill phases (step timer on)")
     parser.add_argument("--llama-timeout", type=float, default=300.0)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "long_context.json"))
     args = parser.parse_args(argv)
@@ -237,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             os.sync()
         for kv_dtype in args.kv_dtypes:
             cases = colibri_cases(folder, config, kv_dtype, contexts, args.batches, args.decode_tokens,
-                                  args.max_case_seconds)
+                                  args.max_case_seconds, args.phases)
             llama = (llama_cases(args.batched_bench, gguf, kv_dtype, contexts, args.batches,
                                  args.decode_tokens, args.llama_timeout) if args.batched_bench else {})
             for case in cases:
