@@ -652,6 +652,17 @@ def launched_kernels(monkeypatch) -> list[str]:
     return names
 
 
+def routed_step(monkeypatch, dtype: str, tokens: int, experts: int, top_k: int, hidden: int, inter: int):
+    """One step of random routing over experts_on_device's experts into a poisoned pool, its launches recorded:
+    (the host store, (x, weights, ids), the kernels launched, the output)."""
+    store, device_store = experts_on_device(experts, hidden, inter, dtype)
+    x, weights, ids = random_routing(np.random.default_rng(tokens + hidden), tokens, experts, top_k, hidden)
+    launched = launched_kernels(monkeypatch)
+    poison()
+    ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
+    return store, (x, weights, ids), launched, ours
+
+
 def test_tensor_core_dispatch_rule():
     bf16, fp16 = np.zeros((2, 8), np.uint16), np.zeros((2, 8), np.float16)
     assert MMA_MIN_TOKENS == 8
@@ -670,11 +681,7 @@ def test_tensor_core_dispatch_rule():
     (8, 2, 4096, 1792),  # Mixtral's hidden size, an eighth of its intermediate size
 ])
 def test_routedon_tensor_cores(dtype, tokens, experts, top_k, hidden, inter, monkeypatch):
-    store, device_store = experts_on_device(experts, hidden, inter, dtype)
-    x, weights, ids = random_routing(np.random.default_rng(tokens + hidden), tokens, experts, top_k, hidden)
-    launched = launched_kernels(monkeypatch)
-    poison()
-    ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
+    store, (x, weights, ids), launched, ours = routed_step(monkeypatch, dtype, tokens, experts, top_k, hidden, inter)
     w = "__nv_bfloat16" if dtype == "bfloat16" else "__half"
     n_tiles = smallest_tile(-(-tokens // 8), MMA_TILES)
     assert f"moe_gate_up_mma<{w}, {n_tiles}>" in launched and f"moe_down_mma<{w}, {n_tiles}>" in launched
@@ -828,17 +835,14 @@ def test_prefill_sized_groups_run_as_expert_gemms(dtype, tokens, experts, top_k,
     """An eager step whose groups are large enough multiplies each expert's group on cuBLAS: no MoE kernel but the
     routing's, the two splits into halves and the sum; the NumPy reference's result, and moe_mma.cu's."""
     monkeypatch.setattr(cupy_expert_gemm, "EXPERT_GEMM_MIN_WORK", threshold)
-    store, device_store = experts_on_device(experts, hidden, inter, dtype)
-    x, weights, ids = random_routing(np.random.default_rng(tokens + hidden), tokens, experts, top_k, hidden)
-    launched = launched_kernels(monkeypatch)
-    poison()
-    ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
+    store, (x, weights, ids), launched, ours = routed_step(monkeypatch, dtype, tokens, experts, top_k, hidden, inter)
     w = "__nv_bfloat16" if dtype == "bfloat16" else "__half"
     assert launched == ["moe_align", f"to_storage_split<{w}>", f"to_storage_split<{w}>", "moe_sum"], launched
     check(ours, REF.routed_experts(x, weights, ids, 5, store), MMA_TOLERANCE)
     launched.clear()
     monkeypatch.setattr(cupy_expert_gemm, "EXPERT_GEMM_MIN_WORK", 1 << 62)  # the same step on moe_mma.cu
-    mma = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
+    mma = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5,
+                             experts_on_device(experts, hidden, inter, dtype)[1])
     assert any(name.startswith("moe_down_mma<") for name in launched)
     check(ours, cupy.asnumpy(mma), MMA_TOLERANCE)
 
