@@ -14,10 +14,10 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("hf_dir", help="folder with config.json and *.safetensors")
     p.add_argument("out_dir", help="model folder to write")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="storage dtype (default bf16)")
-    p.add_argument("--quantize", choices=("int8", "int4", "fp8"), default=None,
+    p.add_argument("--quantize", choices=("int8", "int4", "fp8", "mxfp4"), default=None,
                    help="quantize the routed experts, rounded to nearest: int8 (a scale per output channel), int4 "
-                        "(a scale per group of input channels), fp8 (e4m3); a pre-quantized checkpoint keeps its "
-                        "experts' format and refuses it")
+                        "(a scale per group of input channels), fp8 (e4m3), mxfp4 (e2m1, a power-of-two scale per "
+                        "32 input channels); a pre-quantized checkpoint keeps its experts' format and refuses it")
     p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,
                    help="int4: input channels per scale (default 128)")
     p.add_argument("--int4-zero-point", action="store_true", help="int4: asymmetric, a zero point per group")

@@ -18,8 +18,9 @@ from .field_types import type_error
 FORMAT_VERSION = 1
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "gpt_oss")
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")
-EXPERT_DTYPES = STORAGE_DTYPES + ("int8", "int4", "fp8")  # expert_codecs.py: one codec each
+EXPERT_DTYPES = STORAGE_DTYPES + ("int8", "int4", "fp8", "mxfp4")  # expert_codecs.py: one codec each
 INT4_GROUP_SIZES = (32, 64, 128)  # int4: input channels per scale
+MXFP4_BLOCK = 32  # mxfp4: input channels per shared exponent (OCP Microscaling), which must divide H and I
 FP8_SCALES = ("block", "channel")  # fp8: a scale per 128 x 128 tile, or per output channel
 EXPERT_FORMAT_FIELDS = {"int4": ("expert_group_size", "expert_zero_point"), "fp8": ("expert_scales",)}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -242,6 +243,10 @@ class ModelConfig:
             fail(f"fp8 experts need expert_scales {' or '.join(FP8_SCALES)}, got {self.expert_scales!r}")
         if not fp8 and self.expert_scales:
             fail(f"expert_scales is fp8's; experts are {self.expert_dtype}")
+        if self.expert_dtype == "mxfp4" and (self.hidden_size % MXFP4_BLOCK
+                                             or self.moe_intermediate_size % MXFP4_BLOCK):
+            fail(f"mxfp4 experts need hidden_size and moe_intermediate_size multiples of {MXFP4_BLOCK}, got "
+                 f"{self.hidden_size} and {self.moe_intermediate_size}")
         if self.rms_norm_eps <= 0:
             fail("rms_norm_eps must be positive")
         if self.clip_qkv is not None and self.clip_qkv <= 0:

@@ -15,10 +15,14 @@ from float32) are inverse up to the format's rounding, whose bound `error_bound`
             one group of its own length (rounded up to even).
     fp8     q [out, in] float8 e4m3 (finite, +-448); scale per 128 x 128 tile, [ceil(out/128), ceil(in/128)]
             float32 (DeepSeek-V3's `weight_scale_inv`), or per output channel, [out] float32: w = q * scale
+    mxfp4   q [out, in/32, 16] uint8, two e2m1 codes a byte (the even input channel in the low nibble, as int4), and
+            scale [out, in/32] uint8, an e8m0 exponent per 32 input channels (OCP Microscaling MXFP4, gpt-oss's
+            experts): w = E2M1[q] * 2**(scale - 127); `in` must be a multiple of 32
 
 A biased expert (ModelConfig.expert_bias) adds gate_bias [I], up_bias [I] and down_bias [H] float32 after them
-in every format (`expert_bias_tensors`). An expert's tensors name their codec (`codec_of`): the weights' dtype, int4's group size in the packed shape,
-whether zero points or tiles of scales are there. Why round to nearest: docs/EXPERT_FORMATS.md.
+in every format (`expert_bias_tensors`). An expert's tensors name their codec (`codec_of`): the weights' dtype,
+int4's group size in the packed shape, whether zero points or tiles of scales are there, and the scales' dtype
+(int4's float32, mxfp4's uint8 exponents). Why round to nearest: docs/EXPERT_FORMATS.md.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from .config import FP8_SCALES, ModelConfig
+from .config import FP8_SCALES, MXFP4_BLOCK, ModelConfig
 
 MATRICES = ("gate", "up", "down")
 EXPERT_BIASES = ("gate_bias", "up_bias", "down_bias")  # float32, the same in every format
@@ -38,7 +42,23 @@ FP8_MAX = 448.0  # e4m3's largest finite value
 FP8_BLOCK = 128  # rows and columns of one fp8 scale tile
 INT4_SYMMETRIC_ZERO = 8  # the code of 0.0 in a symmetric int4 group (codes 0 .. 15 stand for -8 .. 7)
 INT8_MAX = 127
+# mxfp4's element values by code: bit 3 the sign, bits 0-2 an e2m1 magnitude (2 exponent bits, 1 mantissa bit)
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+E2M1_EMAX = 2  # the exponent of e2m1's largest magnitude, 6 = 1.5 * 2**2
+E8M0_BIAS = 127  # an mxfp4 scale byte s stands for 2**(s - 127)
+E8M0_NAN = 255  # the scale byte the spec reserves for NaN
+_E2M1_MIDPOINTS = (E2M1[1:8] + E2M1[:7]).astype(np.float64) / 2  # [7] between neighbouring magnitudes
 _PLAIN = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """uint8 codes 0..15 [..., 2n] -> [..., n], two a byte, the even one in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    """Bytes of two 4-bit codes [..., n] -> the codes uint8 [..., 2n], each byte's low nibble first."""
+    return np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
 
 
 def _safe_scale(amax: np.ndarray, levels: float) -> np.ndarray:
@@ -197,14 +217,14 @@ class Int4Codec(ExpertCodec):
         scale, zero = self._scale_zero(groups)
         zero = np.broadcast_to(zero, scale.shape)
         codes = np.clip(np.rint(groups / scale[..., None]) + zero[..., None], 0, 15).astype(np.uint8)
-        parts = {"": codes[..., 0::2] | (codes[..., 1::2] << 4), "_scale": scale}
+        parts = {"": pack_nibbles(codes), "_scale": scale}
         if self.zero_point:
             parts["_zero"] = zero.astype(np.uint8)
         return parts
 
     def dequantize(self, parts, inp):
         packed = parts[""]  # [out, groups, g/2]
-        codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:2], -1)  # [out, groups, g]
+        codes = unpack_nibbles(packed)  # [out, groups, g]
         zero = parts["_zero"][..., None] if self.zero_point else INT4_SYMMETRIC_ZERO
         values = (codes.astype(np.float32) - zero) * parts["_scale"][..., None]
         return values.reshape(packed.shape[0], -1)[:, :inp]
@@ -270,6 +290,64 @@ class Fp8Codec(ExpertCodec):
         return (np.abs(weight) * 2.0**-4 + scale * 2.0**-10) * (1 + 1e-6)
 
 
+@dataclass(frozen=True)
+class Mxfp4Codec(ExpertCodec):
+    """OCP Microscaling MXFP4: e2m1 values, two a byte, times a power of two shared by each 32 input channels and
+    stored as an e8m0 exponent byte (gpt-oss's experts). No compiled CPU kernel: the executor dequantizes."""
+
+    name = "mxfp4"
+    cpu_kernel = None
+    sliceable = False
+
+    def describe(self):
+        return f"mxfp4 (e2m1, an e8m0 scale per {MXFP4_BLOCK} input channels)"
+
+    def matrix_tensors(self, out, inp):
+        if inp % MXFP4_BLOCK:
+            raise ValueError(f"mxfp4 stores rows of a multiple of {MXFP4_BLOCK} input channels; this matrix has {inp}")
+        blocks = inp // MXFP4_BLOCK
+        return [("", "uint8", (out, blocks, MXFP4_BLOCK // 2)), ("_scale", "uint8", (out, blocks))]
+
+    def _exponents(self, weight: np.ndarray) -> np.ndarray:
+        """Each block's shared exponent e (w = e2m1 value * 2**e) as the OCP spec chooses it: floor(log2(amax))
+        - 2, which puts the block's largest magnitude in e2m1's top binade [4, 8) (above 6 it saturates),
+        clamped to e8m0's -127 .. 127 (-127 for an all-zero block).  # [out, in/32] int64"""
+        self.matrix_tensors(*weight.shape)  # refuses a width that is not a multiple of 32
+        amax = np.max(np.abs(weight.reshape(weight.shape[0], -1, MXFP4_BLOCK)), axis=2)
+        _, exponent = np.frexp(amax)  # amax = m * 2**exponent with m in [0.5, 1): floor(log2(amax)) = exponent - 1
+        exponent = np.where(amax > 0, exponent.astype(np.int64) - 1 - E2M1_EMAX, -E8M0_BIAS)
+        return np.clip(exponent, -E8M0_BIAS, E8M0_BIAS)
+
+    def quantize(self, weight):
+        exponent = self._exponents(weight)
+        # in units of the block's 2**e, exactly (float64, a power of two)
+        scaled = weight.reshape(*exponent.shape, MXFP4_BLOCK) * np.ldexp(1.0, -exponent)[..., None]  # [out, in/32, 32]
+        magnitude = np.abs(scaled)
+        # the nearest magnitude's code, the lower one at a tie, 7 (6) past the last midpoint: saturated
+        code = np.searchsorted(_E2M1_MIDPOINTS, magnitude, side="left")
+        tie = magnitude == _E2M1_MIDPOINTS[np.minimum(code, len(_E2M1_MIDPOINTS) - 1)]
+        code = code + (tie & (code % 2 == 1))  # ties to the even code
+        codes = (code | np.where(scaled < 0, 8, 0)).astype(np.uint8)
+        return {"": pack_nibbles(codes), "_scale": (exponent + E8M0_BIAS).astype(np.uint8)}
+
+    def dequantize(self, parts, inp):
+        scale = parts["_scale"]  # [out, in/32]
+        # exact in float32 down to 2**-128 (0.5 * 2**-127, a subnormal); beyond float32's range (exponents 126 and
+        # 127 with the larger magnitudes) inf, and the NaN scale's blocks NaN
+        with np.errstate(over="ignore"):
+            values = np.ldexp(E2M1[unpack_nibbles(parts[""])], scale[..., None].astype(np.int32) - E8M0_BIAS)
+        values[scale == E8M0_NAN] = np.nan
+        return values.reshape(scale.shape[0], -1)
+
+    def error_bound(self, weight):
+        unit = np.ldexp(1.0, self._exponents(weight))[..., None]  # 2**e [out, in/32, 1]
+        magnitude = np.abs(weight.reshape(*unit.shape[:2], MXFP4_BLOCK)) / unit
+        # half of e2m1's spacing at each magnitude (0.5 below 2, 1 below 4, 2 from 4 to 6), past 6 the saturation
+        half_step = np.where(magnitude < 2, 0.25, np.where(magnitude < 4, 0.5, 1.0))
+        bound = np.where(magnitude > 6, magnitude - 6, half_step) * unit * (1 + 1e-6)
+        return bound.reshape(weight.shape).astype(np.float32)
+
+
 def expert_bias_tensors(hidden: int, inter: int) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, shape) of a biased expert's biases, after its codec's tensors in the block."""
     return [("gate_bias", "float32", (inter,)), ("up_bias", "float32", (inter,)), ("down_bias", "float32", (hidden,))]
@@ -284,12 +362,16 @@ def expert_codec(config: ModelConfig) -> ExpertCodec:
         return Fp8Codec(config.expert_scales)
     if name == "int8":
         return Int8Codec()
+    if name == "mxfp4":
+        return Mxfp4Codec()
     return PlainCodec(name)
 
 
 def codec_of(tensors: dict[str, np.ndarray]) -> ExpertCodec:
     """The codec whose tensors `tensors` are (an expert as ExpertFile.unpack gives it, or widened to float32)."""
     gate = tensors["gate"]
+    if gate.dtype == np.uint8 and gate.ndim == 3 and tensors["gate_scale"].dtype == np.uint8:
+        return Mxfp4Codec()  # e8m0 exponents; int4's packed codes of groups of 32 have the same shape, float32 scales
     if gate.dtype == np.uint8 and gate.ndim == 3:
         # gate's group width as its packed shape records it (the whole row where H is below the group size);
         # dequantizing and the kernels read each matrix's own width from its shape

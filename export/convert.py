@@ -36,7 +36,7 @@ from .quantized_source import QuantizedSource
 from .quantized_sources import quantized_source
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-QUANTIZE = ("int8", "int4", "fp8")  # --quantize: the routed experts' codec (expert_codecs.py)
+QUANTIZE = ("int8", "int4", "fp8", "mxfp4")  # --quantize: the routed experts' codec (expert_codecs.py)
 _CHUNK_BYTES = 16 << 20  # float32 bytes of the rows read and converted at once
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,9 @@ class Source:
 
     A whole tensor has lead () and row0 0; one expert of a fused [E, 2I, H] gate_up_proj has lead (e,) and row0
     0 (gate) or I (up). `transposed` reads the rows of tensor[lead].T, `step` every step-th row from row0: gpt-oss's
-    gate is gate_up_proj[e].T (gate_up_proj [E, H, 2I]) from row 0 in steps of 2, its up the same from row 1.
+    gate is gate_up_proj[e].T (gate_up_proj [E, H, 2I]) from row 0 in steps of 2, its up the same from row 1. A
+    quantized stack is read one expert's rows at a time by the format's reader, rows of [out, in] as its format
+    stores them (gpt-oss's MXFP4 gate_up_proj: [E, 2I, H], so not transposed).
     """
 
     name: str
@@ -60,8 +62,14 @@ class Source:
 
     @property
     def quantized(self) -> bool:
-        """Whether the source is a quantized weight, read whole by the checkpoint's format reader."""
+        """Whether the source is a quantized weight, read by the checkpoint's format reader (a matrix whole, a
+        stack one expert's rows)."""
         return bool(self.stored)
+
+    @property
+    def rows(self) -> slice:
+        """The rows read, of tensor[lead] (of its transpose when `transposed`)."""
+        return slice(self.row0, self.row0 + self.step * self.shape[0], self.step)
 
     def chunks(self) -> Iterator[tuple[int, int]]:
         """Row ranges [a, b) of at most _CHUNK_BYTES as float32."""
@@ -88,9 +96,10 @@ def plan_export(checkpoint: HFCheckpoint, config: ModelConfig, quantization: Qua
                 skipped_layers: range = range(0)) -> ExportPlan:
     """Map every native tensor to its checkpoint source, checking names, dtypes and shapes; reads headers only.
 
-    With `quantization`, a weight it stores quantized is named `<module>.weight` as in any checkpoint, and stands
-    for the format's tensors; every routed expert must be one (config's expert format is the checkpoint's). The
-    tensors of `skipped_layers` (multi-token-prediction modules after the decoder's layers) are left out.
+    With `quantization`, a weight it stores quantized is named as in an unquantized checkpoint (`<module>.weight`,
+    or a fused stack's name), and stands for the format's tensors; every routed expert must be one (config's expert
+    format is the checkpoint's). The tensors of `skipped_layers` (multi-token-prediction modules after the
+    decoder's layers) are left out.
     """
     used: set[str] = set()
     imported = quantization.weights(checkpoint.tensors) if quantization else {}  # weight -> its stored tensors
@@ -98,7 +107,7 @@ def plan_export(checkpoint: HFCheckpoint, config: ModelConfig, quantization: Qua
 
     def checked(name: str, shape: tuple[int, ...]) -> str:
         if name in imported:
-            if len(shape) != 2:
+            if len(shape) != 2 and not (len(shape) == 3 and quantization.stacked):
                 raise UnsupportedModelError(f"{name} is quantized with {len(shape)} dimensions; Colibri imports "
                                             "quantized matrices [out, in] (one per expert)")
             quantization.check(checkpoint.tensors, name, shape)
@@ -109,7 +118,7 @@ def plan_export(checkpoint: HFCheckpoint, config: ModelConfig, quantization: Qua
             raise UnsupportedModelError(f"{name} is stored as {info.dtype}; Colibri exports plain weights from BF16, "
                                         "F16 or F32, and quantized ones in the formats of config.json's "
                                         "quantization_config that it imports (fp8 block-scaled, compressed-tensors "
-                                        "pack-quantized int4)")
+                                        "pack-quantized int4, gpt-oss MXFP4)")
         if info.shape != shape:
             raise CheckpointError(f"{name} has shape {list(info.shape)}, config.json implies {list(shape)}")
         used.add(name)
@@ -125,22 +134,34 @@ def plan_export(checkpoint: HFCheckpoint, config: ModelConfig, quantization: Qua
 
     h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
     experts: dict[int, list[dict[str, Source]]] = {}
+
+    def interleaved_stack(name: str, out: int, inp: int) -> tuple[str, tuple[str, ...]]:
+        """gpt-oss's stack `name` checked, and its stored tensors: a plain one is [E, in, out] (gate_up_proj
+        [E, H, 2I], read transposed), a quantized one [E, out, in] as MXFP4 stores it."""
+        stored = imported.get(name, ())
+        return checked(name, (e, out, inp) if stored else (e, inp, out)), stored
+
     for layer in config.moe_layers:
         layout = hf_expert_names(layer, names)
-        if layout.interleaved:
-            gate_up, down = checked(layout.gate, (e, h, 2 * i)), checked(layout.down, (e, i, h))
+        if layout.interleaved:  # gate in the even outputs of gate_up, up in the odd ones
+            (gate_up, gate_up_stored), (down, down_stored) = (interleaved_stack(layout.gate, 2 * i, h),
+                                                              interleaved_stack(layout.down, h, i))
             gate_up_bias, down_bias = checked(layout.gate_up_bias, (e, 2 * i)), checked(layout.down_bias, (e, h))
-            experts[layer] = [dict(gate=Source(gate_up, (i, h), (x,), 0, step=2, transposed=True),
-                                   up=Source(gate_up, (i, h), (x,), 1, step=2, transposed=True),
-                                   down=Source(down, (h, i), (x,), transposed=True),
+            experts[layer] = [dict(gate=Source(gate_up, (i, h), (x,), 0, gate_up_stored, step=2,
+                                               transposed=not gate_up_stored),
+                                   up=Source(gate_up, (i, h), (x,), 1, gate_up_stored, step=2,
+                                             transposed=not gate_up_stored),
+                                   down=Source(down, (h, i), (x,), stored=down_stored, transposed=not down_stored),
                                    gate_bias=Source(gate_up_bias, (i,), (x,), 0, step=2),
                                    up_bias=Source(gate_up_bias, (i,), (x,), 1, step=2),
                                    down_bias=Source(down_bias, (h,), (x,))) for x in range(e)]
             continue
         if layout.fused:
             gate_up, down = checked(layout.gate, (e, 2 * i, h)), checked(layout.down, (e, h, i))
-            experts[layer] = [dict(gate=Source(gate_up, (i, h), (x,), 0), up=Source(gate_up, (i, h), (x,), i),
-                                   down=Source(down, (h, i), (x,))) for x in range(e)]
+            gate_up_stored, down_stored = imported.get(gate_up, ()), imported.get(down, ())
+            experts[layer] = [dict(gate=Source(gate_up, (i, h), (x,), 0, gate_up_stored),
+                                   up=Source(gate_up, (i, h), (x,), i, gate_up_stored),
+                                   down=Source(down, (h, i), (x,), stored=down_stored)) for x in range(e)]
             continue
         experts[layer] = []
         for x in range(e):
@@ -220,6 +241,10 @@ class _Reader:
 
     def imported(self, source: Source) -> dict[str, np.ndarray]:
         """A quantized source as the format's codec tensors by suffix, its values and scales as stored."""
+        if source.lead:  # one expert's rows of a stack: the bytes of those rows
+            parts = self.quantization.read_expert(self.checkpoint, source.name, *source.lead, source.rows)
+            self.bar.update(sum(part.nbytes for part in parts.values()))
+            return parts
         parts = self.quantization.read(self.checkpoint, source.name, source.shape)
         self.bar.update(sum(self.checkpoint.tensors[name].nbytes for name in source.stored))
         return parts
@@ -228,7 +253,7 @@ class _Reader:
         if source.transposed or source.step != 1:  # read whole (one expert's matrix), then its rows picked
             whole = self.checkpoint.read(source.name, source.lead)
             whole = whole.T if source.transposed else whole
-            rows = whole[source.row0: source.row0 + source.step * source.shape[0]: source.step]
+            rows = whole[source.rows]
             self.bar.update(rows.nbytes)
             yield 0, source.shape[0], rows
             return
@@ -335,9 +360,10 @@ def export_model(hf_dir: str | Path, out_dir: str | Path, dtype: str = "bf16", q
     dtype: "bf16", "fp16" or "fp32", the storage dtype of every tensor; quantize: None, or the routed experts'
     format, rounded to nearest (expert_codecs.py): "int8" (symmetric, per output channel), "int4" (a scale per
     `group_size` input channels, 32, 64 or 128 (default); with `zero_point` asymmetric), "fp8" (e4m3; `fp8_scales`
-    "block": per 128 x 128 tile (default), "channel": per output channel). A non-empty `out_dir` is refused unless
-    `force`. A pre-quantized checkpoint (export/quantized_sources.py) keeps its experts' format and is refused with
-    `quantize`. config.json is written last, and a failed export leaves no config.json behind.
+    "block": per 128 x 128 tile (default), "channel": per output channel), "mxfp4" (e2m1, a power of two per 32
+    input channels). A non-empty `out_dir` is refused unless `force`. A pre-quantized checkpoint
+    (export/quantized_sources.py) keeps its experts' format and is refused with `quantize`. config.json is written
+    last, and a failed export leaves no config.json behind.
     """
     if dtype not in DTYPE_NAMES:
         raise ColibriError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")

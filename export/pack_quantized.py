@@ -25,7 +25,7 @@ import numpy as np
 
 from ..config import INT4_GROUP_SIZES
 from ..errors import CheckpointError, UnsupportedModelError
-from ..expert_codecs import Int4Codec
+from ..expert_codecs import Int4Codec, pack_nibbles
 from .hf_checkpoint import HFCheckpoint, TensorInfo
 from .quantized_source import QuantizedSource, expect_tensor
 
@@ -115,7 +115,7 @@ class PackQuantizedSource(QuantizedSource):
             raise CheckpointError(f"{weight}{SHAPE} says {list(stored)}, the model implies {list(shape)}")
         codes = unpack_int32_codes(checkpoint.read(weight + PACKED))[:, :inp]  # [out, in] q + 8
         grouped = codes.reshape(out, inp // self.group_size, self.group_size)  # [out, groups, g]
-        parts = {"": grouped[..., 0::2] | (grouped[..., 1::2] << 4),  # [out, groups, g / 2]
+        parts = {"": pack_nibbles(grouped),  # [out, groups, g / 2]
                  "_scale": checkpoint.read(weight + SCALE).astype(np.float32)}  # [out, groups]
         if not np.isfinite(parts["_scale"]).all():
             raise CheckpointError(f"{weight}{SCALE} holds non-finite scales: the checkpoint is corrupt")

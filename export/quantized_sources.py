@@ -6,12 +6,14 @@ from typing import Any
 
 from ..errors import CheckpointError, UnsupportedModelError
 from .fp8_blocks import Fp8BlockSource
+from .mxfp4_experts import Mxfp4ExpertSource
 from .pack_quantized import PackQuantizedSource
 from .quantized_source import QuantizedSource
 
-READERS = {"fp8": Fp8BlockSource, "compressed-tensors": PackQuantizedSource}
+READERS = {"fp8": Fp8BlockSource, "compressed-tensors": PackQuantizedSource, "mxfp4": Mxfp4ExpertSource}
 IMPORTED = ("fp8 e4m3 with 128x128 block scales (quant_method fp8), "
-            "compressed-tensors pack-quantized int4 (quant_method compressed-tensors)")
+            "compressed-tensors pack-quantized int4 (quant_method compressed-tensors), "
+            "gpt-oss's MXFP4 experts (quant_method mxfp4)")
 
 
 def quantized_source(raw: dict[str, Any]) -> QuantizedSource | None:

@@ -1,16 +1,19 @@
 """Tiny pre-quantized Hugging Face checkpoints in the published formats, built from a random Qwen3-MoE model (FP8
-also from a DeepSeek-V3 one, as DeepSeek ships it).
+also from a DeepSeek-V3 one, as DeepSeek ships it; MXFP4 from a gpt-oss one, as OpenAI ships it).
 
-Each writes per-expert tensors (`model.layers.L.mlp.experts.E.gate_proj.weight`, as the published FP8 and
-compressed-tensors checkpoints name them) and returns the float32 state dict that the stored values dequantize to,
-in the layout of the transformers model (fused experts), so a float model loaded with it is the reference.
+The FP8 and compressed-tensors ones write per-expert tensors (`model.layers.L.mlp.experts.E.gate_proj.weight`, as
+the published checkpoints name them) and return the float32 state dict that the stored values dequantize to, in the
+layout of the transformers model (fused experts), so a float model loaded with it is the reference. The MXFP4 one
+writes gpt-oss's fused `*_blocks` / `*_scales` stacks.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -135,3 +138,49 @@ def build_pack_quantized_checkpoint(folder: Path, group_size: int = 32, symmetri
                                 quantization_status="compressed", ignore=["lm_head", "re:.*mlp.gate$"])
     _write(folder, stored, config.model_dump(mode="json"))
     return fused(dequantized, state), stored
+
+
+MXFP4_STACKS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def build_mxfp4_checkpoint(folder: Path, seed: int = 0, arch: str = "gpt_oss", **overrides) -> dict[str, torch.Tensor]:
+    """A gpt-oss checkpoint as openai/gpt-oss-20b ships it: each layer's expert stacks as MXFP4 (random codes, and
+    exponents 2**-7 .. 2**-4 that keep the weights near the model's spread), everything else bfloat16; another
+    `arch` has its fused stacks (gate_up_proj [E, 2I, H]) stored so. Returns the stored tensors."""
+    model = build_hf_model(arch, folder, seed, **overrides)
+    rng = np.random.default_rng(seed)
+    stored = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith(MXFP4_STACKS):  # stored [E, out, in / 32, 16]
+            # gpt-oss's plain stacks are [E, in, out] (gate_up_proj [E, H, 2I]), the others' [E, out, in]
+            experts, inp, out = tensor.shape if arch == "gpt_oss" else (tensor.shape[0], *tensor.shape[:0:-1])
+            stored[name + "_blocks"] = torch.from_numpy(rng.integers(0, 256, (experts, out, inp // 32, 16), np.uint8))
+            stored[name + "_scales"] = torch.from_numpy(rng.integers(120, 124, (experts, out, inp // 32), np.uint8))
+        else:
+            stored[name] = tensor.to(torch.bfloat16)
+    _write(folder, stored, {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"})
+    return stored
+
+
+def write_dequantized_mxfp4(stored: dict[str, torch.Tensor], like: Path, folder: Path) -> dict[str, torch.Tensor]:
+    """The MXFP4 checkpoint `stored` (config.json from `like`) as transformers dequantizes it
+    (convert_moe_packed_tensors), saved unquantized in bfloat16 (exact: e2m1 values times powers of two) to
+    `folder`. Returns its float32 state dict."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    state = {}
+    for name, tensor in stored.items():
+        if name.endswith("_blocks"):
+            base = name[: -len("_blocks")]
+            state[base] = convert_moe_packed_tensors(tensor, stored[base + "_scales"], dtype=torch.float32)
+        elif not name.endswith("_scales"):
+            state[name] = tensor.float()
+    folder.mkdir(parents=True)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    config = json.loads((like / "config.json").read_text())
+    del config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    if (like / "generation_config.json").is_file():
+        shutil.copyfile(like / "generation_config.json", folder / "generation_config.json")
+    return state

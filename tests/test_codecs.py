@@ -19,8 +19,8 @@ from colibri_stream.checkpoint import (NUMPY_DTYPES, ModelFolder, default_model_
                                        write_config)
 from colibri_stream.cli import main
 from colibri_stream.errors import CheckpointError, ColibriError, UnsupportedModelError
-from colibri_stream.expert_codecs import (FP8_BLOCK, Fp8Codec, Int4Codec, Int8Codec, PlainCodec, codec_of,
-                                           dequantize_expert)
+from colibri_stream.expert_codecs import (FP8_BLOCK, Fp8Codec, Int4Codec, Int8Codec, Mxfp4Codec, PlainCodec,
+                                           codec_of, dequantize_expert)
 from colibri_stream.experts.cpu_executor import CpuExpertExecutor, numba, numpy_expert
 from colibri_stream.loader import check_expert_format
 from colibri_stream.plan import make_plan
@@ -71,6 +71,102 @@ def test_fp8_block_scales_are_deepseeks_weight_scale_inv():
     q = parts[""].astype(np.float32)
     expected = q * np.repeat(np.repeat(parts["_scale"], FP8_BLOCK, 0), FP8_BLOCK, 1)[:300, :200]
     np.testing.assert_array_equal(Fp8Codec("block").dequantize(parts, 200), expected)  # w = fp8 value * scale
+
+
+MXFP4_SHAPES = [(64, 256), (5, 32), (130, 96)]
+# OCP MXFP4's element values by code, as the spec (and transformers' FP4_VALUES) lists them
+E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def mxfp4_cases(rng: np.random.Generator, shape: tuple[int, int]) -> dict[str, np.ndarray]:
+    """Weights that reach each part of mxfp4's rounding: ordinary ones, outliers (one block's largest value far above
+    its others), all-zero rows, values below e8m0's smallest exponent, and values exactly halfway between codes."""
+    plain = random_matrix(rng, shape)
+    outliers = plain.copy()
+    outliers[rng.integers(0, shape[0], 4), rng.integers(0, shape[1], 4)] = [40.0, -300.0, 1e-3, 7e4]
+    zeros = plain.copy()
+    zeros[::2] = 0
+    tiny = plain * np.float32(2.0**-126)  # amax below 2**-124: floor(log2(amax)) - 2 clamps at e8m0's -127
+    halfway = np.resize(np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -7.0] * 3 + [4.0], np.float32), shape)
+    return dict(plain=plain, outliers=outliers, zeros=zeros, tiny=tiny, halfway=halfway)
+
+
+@pytest.mark.parametrize("shape", MXFP4_SHAPES)
+def test_mxfp4_round_trips_within_its_rounding_bound(shape):
+    codec = Mxfp4Codec()
+    for case, weight in mxfp4_cases(np.random.default_rng(shape[0]), shape).items():
+        parts = codec.quantize(weight)
+        assert {k: (v.dtype, v.shape) for k, v in parts.items()} == {
+            suffix: (NUMPY_DTYPES[dtype], shape) for suffix, dtype, shape in codec.matrix_tensors(*shape)}
+        error = np.abs(codec.dequantize(parts, shape[1]) - weight)
+        bound = codec.error_bound(weight)
+        assert np.all(error <= bound), (case, float(np.max(error - bound)))
+        assert np.max(error / np.where(bound > 0, bound, 1)) > 0.5, case  # the bound is not loose everywhere
+    zeros = mxfp4_cases(np.random.default_rng(0), shape)["zeros"]
+    assert not np.any(codec.dequantize(codec.quantize(zeros), shape[1])[::2])  # an all-zero block stays zero
+
+
+def test_mxfp4_rounds_halfway_to_the_even_code_and_saturates():
+    codec = Mxfp4Codec()
+    # a block whose largest magnitude is 7 has exponent floor(log2 7) - 2 = 0: the values are e2m1's own
+    row = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.75, -5.0, 6.5, 0.3] + [0.0] * 20, np.float32)
+    parts = codec.quantize(row[None])
+    assert parts["_scale"].tolist() == [[127]]
+    assert codec.dequantize(parts, 32)[0, :12].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -1.0, -4.0,
+                                                             6.0, 0.5]
+    parts = codec.quantize(np.full((1, 32), 0.1, np.float32))  # floor(log2 0.1) - 2 = -6: 0.1 / 2**-6 = 6.4 -> 6
+    assert parts["_scale"].tolist() == [[121]] and codec.dequantize(parts, 32)[0, 0] == 6 * 2.0**-6
+
+
+def test_mxfp4_dequantizes_hand_built_bytes_to_the_e2m1_values():
+    codes = np.concatenate([np.arange(16), np.arange(16)[::-1]]).astype(np.uint8)  # [32] one block
+    packed = np.array([codes[2 * j] | codes[2 * j + 1] << 4 for j in range(16)], np.uint8)  # even channel low
+    scales = np.array([[127 + 3], [0], [127 - 10]], np.uint8)  # 2**3, 2**-127 (float32 subnormals), 2**-10
+    values = Mxfp4Codec().dequantize({"": np.tile(packed, (3, 1, 1)), "_scale": scales}, 32)  # [3, 32]
+    e2m1 = np.array(E2M1_VALUES, np.float64)[codes]
+    for row, exponent in enumerate((3, -127, -10)):
+        np.testing.assert_array_equal(values[row], e2m1 * 2.0**exponent)
+        assert np.signbit(values[row]).tolist() == (codes >= 8).tolist()  # bit 3 the sign, -0.0 included
+    assert values.dtype == np.float32
+    nan = Mxfp4Codec().dequantize({"": packed[None, None], "_scale": np.array([[255]], np.uint8)}, 32)
+    assert np.isnan(nan).all()  # e8m0's NaN scale
+
+
+def test_codec_of_tells_int4_groups_of_32_from_mxfp4():
+    rng = np.random.default_rng(0)
+    int4, mxfp4 = expert(Int4Codec(32, False), 64, 32, rng), expert(Mxfp4Codec(), 64, 32, rng)
+    assert int4["gate"].shape == mxfp4["gate"].shape == (32, 2, 16)  # the same packed codes
+    assert codec_of(int4) == Int4Codec(32, False) and codec_of(mxfp4) == Mxfp4Codec()
+    widths = {"gate": 64, "up": 64, "down": 32}
+    for part, weight in dequantize_expert(mxfp4).items():
+        np.testing.assert_array_equal(weight, Mxfp4Codec().dequantize({"": mxfp4[part],
+                                                                        "_scale": mxfp4[part + "_scale"]},
+                                                                       widths[part]))
+
+
+def test_mxfp4_refuses_widths_that_are_not_multiples_of_32():
+    codec = Mxfp4Codec()
+    for call in (lambda: codec.matrix_tensors(4, 48), lambda: codec.quantize(np.ones((4, 48), np.float32))):
+        with pytest.raises(ValueError, match="multiple of 32 input channels; this matrix has 48"):
+            call()
+    with pytest.raises(CheckpointError, match="mxfp4 experts need hidden_size and moe_intermediate_size multiples "
+                                              "of 32, got 256 and 48"):
+        _config(expert_dtype="mxfp4", moe_intermediate_size=48)
+
+
+def test_the_cpu_executor_computes_mxfp4_experts_as_the_numpy_reference():
+    rng = np.random.default_rng(1)
+    codec = Mxfp4Codec()
+    tensors = expert(codec, 96, 64, rng)
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    executor = CpuExpertExecutor(num_threads=2, min_kernel_bytes=0)
+    assert not executor.computes(codec, tensors["gate"].dtype, 1 << 30)  # no kernel: NumPy on the dequantized
+    weights = dequantize_expert(tensors)
+    gate = x @ weights["gate"].T
+    want = (gate / (1 + np.exp(-gate)) * (x @ weights["up"].T)) @ weights["down"].T
+    np.testing.assert_allclose(executor.run(x, tensors), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    part = executor.run(x, tensors, rows=(0, 21)) + executor.run(x, tensors, rows=(21, 64))  # a cut expert's parts
+    np.testing.assert_allclose(part, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
 def _config(**changes):
@@ -130,8 +226,9 @@ def test_config_refuses_parameters_of_another_format():
             _config(**changes)
 
 
-def test_the_gpu_backend_refuses_int4_and_fp8_experts_in_one_line():
-    for changes in (dict(expert_dtype="int4", expert_group_size=64), dict(expert_dtype="fp8", expert_scales="block")):
+def test_the_gpu_backend_refuses_int4_fp8_and_mxfp4_experts_in_one_line():
+    for changes in (dict(expert_dtype="int4", expert_group_size=64), dict(expert_dtype="fp8", expert_scales="block"),
+                    dict(expert_dtype="mxfp4")):
         with pytest.raises(UnsupportedModelError) as info:
             check_expert_format(_config(**changes), CupyBackend)
         message = str(info.value)
@@ -151,7 +248,8 @@ from tiny_models import build_hf_model  # noqa: E402
 
 FORMATS = {"int4-g32-zero": ["--quantize", "int4", "--group-size", "32", "--int4-zero-point"],
            "int4-g128": ["--quantize", "int4"], "fp8-block": ["--quantize", "fp8"],
-           "fp8-channel": ["--quantize", "fp8", "--fp8-scales", "channel"], "fp32": ["--dtype", "fp32"]}
+           "fp8-channel": ["--quantize", "fp8", "--fp8-scales", "channel"], "mxfp4": ["--quantize", "mxfp4"],
+           "fp32": ["--dtype", "fp32"]}
 
 
 @pytest.fixture(scope="module")
@@ -179,13 +277,16 @@ def test_the_header_records_the_format_and_its_parameters(exports):
     assert headers["fp8-block"]["params"] == {"scales": "block", "block": [128, 128]}
     assert headers["fp8-channel"]["params"] == {"scales": "channel"}
     assert "params" not in headers["fp32"]  # unparameterized formats keep the header older files have
+    assert headers["mxfp4"]["dtype"] == "mxfp4" and "params" not in headers["mxfp4"]  # blocks of 32, always
+    assert [(t["name"], t["dtype"], t["shape"]) for t in headers["mxfp4"]["tensors"]][::3] == [
+        ("gate", "uint8", [32, 2, 16]), ("gate_scale", "uint8", [32, 2])]  # qwen3_moe's I 32, H 64
     config = read_config(exports["int4-g32-zero"])
     assert (config.expert_dtype, config.expert_group_size, config.expert_zero_point) == ("int4", 32, True)
 
 
 def test_exported_experts_are_the_source_within_the_formats_bound(exports):
     reference = ModelFolder(exports["fp32"])  # the float32 source as it is
-    for name in ("int4-g32-zero", "int4-g128", "fp8-block", "fp8-channel"):
+    for name in ("int4-g32-zero", "int4-g128", "fp8-block", "fp8-channel", "mxfp4"):
         folder = ModelFolder(exports[name], verify=True)
         for layer in folder.config.moe_layers:
             for e in range(folder.config.num_experts):
@@ -202,7 +303,7 @@ def test_the_numpy_backend_computes_stored_experts_as_their_dequantized_weights(
     from colibri_stream.loader import load_model
 
     rng = np.random.default_rng(0)
-    for name in ("int4-g32-zero", "int4-g128", "fp8-block", "fp8-channel"):
+    for name in ("int4-g32-zero", "int4-g128", "fp8-block", "fp8-channel", "mxfp4"):
         folder = ModelFolder(exports[name])
         config = folder.config
         backend = NumpyBackend(CpuExpertExecutor(num_threads=2, min_kernel_bytes=0))  # the kernels, tiny or not

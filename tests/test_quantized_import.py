@@ -1,12 +1,16 @@
 """Importing pre-quantized checkpoints: FP8 block-scaled (DeepSeek-V3 / Qwen3-FP8) and compressed-tensors
-pack-quantized int4, built by tests/quantized_checkpoints.py from tiny random Qwen3-MoE models.
+pack-quantized int4, built by tests/quantized_checkpoints.py from tiny random Qwen3-MoE models, and gpt-oss's MXFP4
+experts, from a tiny random gpt-oss.
 
 What must hold: the routed experts in experts.bin are the checkpoint's own values and scales (fp8: the same bytes;
-int4: the same codes, dequantizing to what compressed-tensors decompresses), quantized dense weights are
-dequantized, and the exported model computes what a float32 transformers model loaded with the dequantized weights
-computes: logits within 1e-4 of the largest reference logit (float32 dense export, float32 KV cache: the weights
-are the same numbers, only the order of operations differs) and the same 32 greedy tokens. Everything else in a
-quantization_config is refused in one line naming what is imported.
+int4: the same codes, dequantizing to what compressed-tensors decompresses; mxfp4: the same blocks and exponents,
+gate from gate_up's even rows and up from its odd ones, dequantizing to what transformers dequantizes), quantized
+dense weights are dequantized, and the exported model computes what a float32 transformers model loaded with the
+dequantized weights computes: logits within 1e-4 of the largest reference logit (float32 dense export, float32 KV
+cache: the weights are the same numbers, only the order of operations differs) and the same 32 greedy tokens. The
+MXFP4 export also computes exactly what the export of its dequantized bf16 checkpoint computes (the same float32
+weights on the NumPy backend). Everything else in a quantization_config is refused in one line naming what is
+imported.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from colibri_stream.expert_codecs import dequantize_expert  # noqa: E402
 from colibri_stream.export import export_model  # noqa: E402
 from colibri_stream.export.quantized_sources import quantized_source  # noqa: E402
 from colibri_stream.loader import load_model  # noqa: E402
-from quantized_checkpoints import (build_fp8_checkpoint, build_pack_quantized_checkpoint,  # noqa: E402
-                                   compressed_tensors_scheme)
+from quantized_checkpoints import (build_fp8_checkpoint, build_mxfp4_checkpoint,  # noqa: E402
+                                   build_pack_quantized_checkpoint, compressed_tensors_scheme,
+                                   write_dequantized_mxfp4)
 from test_parity import (NEW_TOKENS, colibri_greedy, colibri_logits, prompt_ids, reference_greedy,  # noqa: E402
                          reference_logits, relative_error)
 from tiny_models import hf_config  # noqa: E402
@@ -168,6 +173,142 @@ def test_int4_export_generates_like_the_decompressed_reference(int4_checkpoint):
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# gpt-oss MXFP4
+# ------------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tmp_path_factory):
+    """(root, stored tensors, transformers' dequantized float32 state): root holds the MXFP4 checkpoint `hf`, its
+    dequantized bf16 checkpoint `bf16`, and their float32-dense exports `out` and `ref`."""
+    root = tmp_path_factory.mktemp("mxfp4")
+    stored = build_mxfp4_checkpoint(root / "hf", seed=2)
+    state = write_dequantized_mxfp4(stored, root / "hf", root / "bf16")
+    export_model(root / "hf", root / "out", dtype="fp32", progress=False)
+    export_model(root / "bf16", root / "ref", dtype="fp32", progress=False)
+    return root, stored, state
+
+
+def test_mxfp4_experts_keep_the_checkpoints_blocks_and_scales(mxfp4_checkpoint):
+    root, stored, state = mxfp4_checkpoint
+    folder = ModelFolder(root / "out", verify=True)
+    config = folder.config
+    assert config.expert_dtype == "mxfp4" and config.expert_bias
+    for layer in config.moe_layers:
+        base = f"model.layers.{layer}.mlp.experts."
+        gate_up = (stored[base + "gate_up_proj_blocks"].numpy(), stored[base + "gate_up_proj_scales"].numpy())
+        down = (stored[base + "down_proj_blocks"].numpy(), stored[base + "down_proj_scales"].numpy())
+        gate_up_bias, down_bias = (stored[base + name].float().numpy() for name in ("gate_up_proj_bias",
+                                                                                   "down_proj_bias"))
+        for expert in range(config.num_experts):
+            ours = folder.experts.tensors(layer, expert)
+            for part, (blocks, scales), rows in (("gate", gate_up, slice(0, None, 2)),
+                                                 ("up", gate_up, slice(1, None, 2)), ("down", down, slice(None))):
+                np.testing.assert_array_equal(ours[part], blocks[expert, rows])
+                np.testing.assert_array_equal(ours[part + "_scale"], scales[expert, rows])
+            weights = dequantize_expert(ours)
+            fused = state[base + "gate_up_proj"][expert].numpy()  # [H, 2I], as transformers dequantizes it
+            np.testing.assert_array_equal(weights["gate"], fused[:, 0::2].T)
+            np.testing.assert_array_equal(weights["up"], fused[:, 1::2].T)
+            np.testing.assert_array_equal(weights["down"], state[base + "down_proj"][expert].numpy().T)
+            np.testing.assert_array_equal(weights["gate_bias"], gate_up_bias[expert, 0::2])
+            np.testing.assert_array_equal(weights["up_bias"], gate_up_bias[expert, 1::2])
+            np.testing.assert_array_equal(weights["down_bias"], down_bias[expert])
+    folder.experts.close()
+
+
+def test_mxfp4_export_computes_what_its_dequantized_checkpoint_does(mxfp4_checkpoint):
+    import transformers
+
+    root, _, _ = mxfp4_checkpoint
+    model, dequantized = load_model(root / "out", verify=True), load_model(root / "ref")
+    assert dequantized.config.expert_dtype == "float32"
+    ids = prompt_ids()
+    logits = colibri_logits(model, ids)
+    np.testing.assert_array_equal(logits, colibri_logits(dequantized, ids))  # the same float32 weights
+    assert colibri_greedy(model, ids, NEW_TOKENS) == colibri_greedy(dequantized, ids, NEW_TOKENS)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(root / "bf16", dtype=torch.float32).eval()
+    assert relative_error(logits, reference_logits(reference, ids)) < 1e-4
+
+
+@pytest.fixture
+def mxfp4_copy(mxfp4_checkpoint, tmp_path):
+    shutil.copytree(mxfp4_checkpoint[0] / "hf", tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def test_damaged_mxfp4_checkpoints_name_the_tensor(mxfp4_checkpoint, mxfp4_copy, tmp_path):
+    stored = mxfp4_checkpoint[1]
+    name = "model.layers.1.mlp.experts.gate_up_proj"  # blocks [8, 64, 2, 16], scales [8, 64, 2]
+
+    def nan_scale(tensors):
+        scales = stored[name + "_scales"].clone()
+        scales[3, 5, 1] = 255  # e8m0's NaN, in expert 3's up
+        tensors[name + "_scales"] = scales
+
+    edit_tensors(mxfp4_copy, nan_scale)
+    message = error_of(mxfp4_copy, tmp_path / "a", CheckpointError)
+    assert f"{name}_scales[3]" in message and "255" in message and "corrupt" in message
+    edit_tensors(mxfp4_copy, lambda t: t.update({name + "_scales": stored[name + "_scales"][..., :1].clone()}))
+    message = error_of(mxfp4_copy, tmp_path / "b", CheckpointError)
+    assert f"{name}_scales has shape [8, 64, 1]" in message and "[8, 64, 2]" in message
+    edit_tensors(mxfp4_copy, lambda t: t.update({name + "_scales": stored[name + "_scales"].to(torch.int8)}))
+    message = error_of(mxfp4_copy, tmp_path / "c", CheckpointError)
+    assert f"{name}_scales is stored as I8" in message and "U8" in message
+    edit_tensors(mxfp4_copy, lambda t: t.update({name + "_scales": stored[name + "_scales"],
+                                                 name + "_blocks": stored[name + "_blocks"][..., :8].clone()}))
+    message = error_of(mxfp4_copy, tmp_path / "d", CheckpointError)
+    assert f"{name}_blocks has shape [8, 64, 2, 8]" in message and "[8, 64, 2, 16]" in message
+    edit_tensors(mxfp4_copy, lambda t: (t.update({name + "_blocks": stored[name + "_blocks"]}),
+                                        t.pop(name + "_scales")))
+    assert f"{name}_scales is missing" in error_of(mxfp4_copy, tmp_path / "e", CheckpointError)
+    edit_tensors(mxfp4_copy, lambda t: t.update({name + "_scales": stored[name + "_scales"]}))
+    export_model(mxfp4_copy, tmp_path / "f", progress=False)  # whole again: exports
+
+
+def test_mxfp4_stacks_in_the_fused_layout_are_read_by_rows(tmp_path):
+    stored = build_mxfp4_checkpoint(tmp_path / "hf", arch="qwen3_moe")  # gate_up [E, 2I, H]: gate the first I rows
+    export_model(tmp_path / "hf", tmp_path / "out", progress=False)
+    folder = ModelFolder(tmp_path / "out", verify=True)
+    inter = folder.config.moe_intermediate_size
+    for layer in folder.config.moe_layers:
+        base = f"model.layers.{layer}.mlp.experts."
+        for expert in range(folder.config.num_experts):
+            ours = folder.experts.tensors(layer, expert)
+            for part, stack, rows in (("gate", "gate_up_proj", slice(0, inter)),
+                                      ("up", "gate_up_proj", slice(inter, None)), ("down", "down_proj", slice(None))):
+                np.testing.assert_array_equal(ours[part], stored[base + stack + "_blocks"][expert, rows].numpy())
+                np.testing.assert_array_equal(ours[part + "_scale"],
+                                              stored[base + stack + "_scales"][expert, rows].numpy())
+    folder.experts.close()
+
+
+def test_an_mxfp4_dense_weight_is_dequantized(mxfp4_copy, tmp_path):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    name = "model.layers.0.self_attn.o_proj.weight"  # [64, 64]: stored as blocks [64, 2, 16], scales [64, 2]
+    rng = np.random.default_rng(0)
+    blocks = torch.from_numpy(rng.integers(0, 256, (64, 2, 16), np.uint8))
+    scales = torch.from_numpy(rng.integers(120, 124, (64, 2), np.uint8))
+    edit_tensors(mxfp4_copy, lambda t: (t.pop(name), t.update({name + "_blocks": blocks, name + "_scales": scales})))
+    export_model(mxfp4_copy, tmp_path / "out", dtype="fp32", progress=False)
+    expected = convert_moe_packed_tensors(blocks[None], scales[None], dtype=torch.float32)[0].T  # [out, in]
+    np.testing.assert_array_equal(ModelFolder(tmp_path / "out").dense.get("layers.0.o_proj"), expected.numpy())
+
+
+def test_unknown_mxfp4_options_are_refused(mxfp4_copy, tmp_path):
+    config_path = mxfp4_copy / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"]["group_size"] = 32
+    config_path.write_text(json.dumps(config))
+    message = error_of(mxfp4_copy, tmp_path / "a", UnsupportedModelError)
+    assert "quantization_config group_size 32 is not supported" in message and "mxfp4" in message
+    del config["quantization_config"]["group_size"]
+    config_path.write_text(json.dumps(config))
+    message = error_of(mxfp4_copy, tmp_path / "b", quantize="int4")
+    assert "already quantized" in message and "MXFP4" in message
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # Refusals and damaged checkpoints
 # ------------------------------------------------------------------------------------------------------------------
 
@@ -187,7 +328,7 @@ REFUSED = [
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}, "'awq'"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "'gptq'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
-    ({"quant_method": "mxfp4"}, "'mxfp4'"),
+    ({"quant_method": "mxfp4", "block_size": 16}, "block_size 16"),
     (dict(FP8, weight_block_size=[64, 64]), "weight_block_size [64, 64]"),
     (dict(FP8, activation_scheme="static"), "activation_scheme 'static'"),
     (dict(FP8, fmt="e5m2"), "fmt 'e5m2'"),
@@ -219,6 +360,8 @@ def test_supported_configs_are_read():
     assert quantized_source({"quantization_config": dict(FP8, fmt="float8_e4m3fn")}).codec.name == "fp8"
     source = quantized_source({"quantization_config": packed(symmetric=False, group_size=64, actorder="weight")})
     assert source.expert_format() == dict(expert_dtype="int4", expert_group_size=64, expert_zero_point=True)
+    source = quantized_source({"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}})
+    assert source.expert_format() == dict(expert_dtype="mxfp4") and source.codec.name == "mxfp4"
 
 
 def error_of(hf_dir: Path, out: Path, kind=ColibriError, **kwargs) -> str:

@@ -21,6 +21,16 @@ A model's chat template shows it how to call tools; the server reads the syntax 
       </function>
       </tool_call>
 
+- GLM-4.5's blocks (its template shows `<arg_key>`): `<tool_call>get_weather` then `<arg_key>city</arg_key>`
+  `<arg_value>Paris</arg_value>` pairs, `</tool_call>`; values typed as Qwen3-Coder's.
+
+- MiniMax-M2's `<minimax:tool_call>` blocks of `<invoke name="get_weather"><parameter name="city">Paris
+  </parameter></invoke>` elements (several calls a block); values typed as Qwen3-Coder's.
+
+- DeepSeek-V3's special tokens: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather`,
+  a fenced ```json block of the arguments, `<｜tool▁call▁end｜>` per call, `<｜tool▁calls▁end｜>` (R1 the same;
+  V3.1 writes the name before the separator and the bare JSON after it).
+
 - Mistral's `[TOOL_CALLS]` followed by a JSON array of calls (or one call), as Mixtral-8x22B-Instruct's
   template asks for: `[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]`. The tag is a
   special token that detokenization would drop, so such requests keep special tokens in their text
@@ -34,7 +44,9 @@ While streaming (`stream_reader`), Hermes blocks are read as vLLM's hermes parse
 text outside the blocks goes out as content as it comes, and a block that opens with one of the tools' names and
 an arguments object goes out as a call at once, its name first, then its arguments' text piece by piece as the
 model writes it. The other syntaxes hold the text from the opening tag to the end (`HeldCalls`), then send it as
-tool_calls (or, if it is not well-formed calls, as content).
+tool_calls (or, if it is not well-formed calls, as content). The tags of the syntaxes that mark
+`keeps_special_tokens` are special tokens of their models' tokenizers, so such requests keep special tokens in their
+text.
 """
 
 from __future__ import annotations
@@ -108,19 +120,145 @@ class QwenXmlToolSyntax(HermesToolSyntax):
         if function is None or function.group(1).strip() not in tools:
             return None
         name, body = function.group(1).strip(), function.group(2)
-        properties = tools[name].get("properties") if isinstance(tools[name], dict) else None
-        properties = properties if isinstance(properties, dict) else {}  # parameter -> its schema
-        arguments, end = {}, 0
+        pairs, end = [], 0
         for parameter in self._parameter.finditer(body):
             if body[end:parameter.start()].strip():  # text between the parameters
                 return None
-            value = parameter.group(2).removeprefix("\n").removesuffix("\n")
-            key = parameter.group(1).strip()
-            arguments[key] = _typed(value, properties.get(key))
+            pairs.append((parameter.group(1).strip(), parameter.group(2).removeprefix("\n").removesuffix("\n")))
             end = parameter.end()
         if body[end:].strip():
             return None
-        return _call({"name": name, "arguments": arguments}, tools)
+        return _call({"name": name, "arguments": _typed_arguments(pairs, tools[name])}, tools)
+
+
+class GlmToolSyntax(HermesToolSyntax):
+    """GLM-4.5's blocks: `<tool_call>NAME` then `<arg_key>KEY</arg_key><arg_value>value</arg_value>` pairs (whitespace
+    between them), `</tool_call>`; each value raw text typed by the parameter's schema as Qwen3-Coder's are."""
+
+    name = "glm45"
+    template_marker = "<arg_key>"
+    keeps_special_tokens = True  # GLM-4.5's tokenizer holds its tool tags as special tokens
+    _pair = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    def stream_reader(self, tools: Mapping[str, Any]) -> HeldCalls:
+        return HeldCalls(self, tools)
+
+    def _parse_block(self, block: str, tools: Mapping[str, Any]) -> dict | None:
+        first = block.find("<arg_key>")
+        name = (block if first < 0 else block[:first]).strip()
+        if name not in tools:
+            return None
+        pairs = [(key.strip(), value) for key, value in self._pair.findall(block)]
+        if first >= 0 and self._pair.sub("", block[first:]).strip():  # text between or after the pairs
+            return None
+        return _call({"name": name, "arguments": _typed_arguments(pairs, tools[name])}, tools)
+
+
+class MiniMaxToolSyntax(HermesToolSyntax):
+    """MiniMax-M2's blocks: `<minimax:tool_call>` holding one or more `<invoke name="NAME">` elements of
+    `<parameter name="KEY">value</parameter>` (values typed by the parameter's schema), `</minimax:tool_call>`."""
+
+    name = "minimax_m2"
+    opening = "<minimax:tool_call>"
+    closing = "</minimax:tool_call>"
+    template_marker = "<minimax:tool_call>"
+    keeps_special_tokens = True  # MiniMax-M2's tokenizer holds its tool tags as special tokens
+    _block = re.compile(r"<minimax:tool_call>(.*?)</minimax:tool_call>|<minimax:tool_call>(.*)\Z", re.DOTALL)
+    _invoke = re.compile(r'<invoke\s+name="([^"]*)"\s*>(.*?)</invoke>', re.DOTALL)
+    _parameter = re.compile(r'<parameter\s+name="([^"]*)"\s*>(.*?)</parameter>', re.DOTALL)
+
+    def stream_reader(self, tools: Mapping[str, Any]) -> HeldCalls:
+        return HeldCalls(self, tools)
+
+    def split(self, text: str, tools: Mapping[str, Any]) -> tuple[str, list[dict]] | None:
+        """As Hermes' split, each block holding one or more calls."""
+        start = text.find(self.opening)
+        if start < 0:
+            return None
+        calls, end = [], start
+        for match in self._block.finditer(text, start):
+            block = self._parse_invokes(match.group(1) if match.group(1) is not None else match.group(2), tools)
+            if block is None or text[end:match.start()].strip():
+                return None
+            calls += block
+            end = match.end()
+        if text[end:].strip():
+            return None
+        return text[:start], calls
+
+    def _parse_invokes(self, block: str, tools: Mapping[str, Any]) -> list[dict] | None:
+        """The calls of one block; None if it holds none, text outside its invokes, or a call that is not one of
+        `tools`."""
+        calls = []
+        for name, body in self._invoke.findall(block):
+            if name not in tools or self._parameter.sub("", body).strip():
+                return None
+            pairs = [(key, value.removeprefix("\n").removesuffix("\n")) for key, value in self._parameter.findall(body)]
+            calls.append(_call({"name": name, "arguments": _typed_arguments(pairs, tools[name])}, tools))
+        if not calls or self._invoke.sub("", block).strip():
+            return None
+        return calls
+
+
+class DeepSeekToolSyntax:
+    """DeepSeek-V3's tool-call special tokens, after optional text: `<｜tool▁calls▁begin｜>`, then per call
+    `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and its arguments as a fenced JSON block (V3, R1; "```json",
+    the object, "```") or `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>` and the JSON object (V3.1), then
+    `<｜tool▁call▁end｜>`; `<｜tool▁calls▁end｜>` last (the reply may stop before it)."""
+
+    name = "deepseek_v3"
+    opening = "<｜tool▁calls▁begin｜>"
+    closing = "<｜tool▁calls▁end｜>"
+    template_marker = "<｜tool▁calls▁begin｜>"
+    keeps_special_tokens = True
+    _call_block = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
+    _fenced = re.compile(r"([^\n]*)\n```json\n(.*)\n```\s*\Z", re.DOTALL)
+
+    def stream_reader(self, tools: Mapping[str, Any]) -> HeldCalls:
+        return HeldCalls(self, tools)
+
+    def split(self, text: str, tools: Mapping[str, Any]) -> tuple[str, list[dict]] | None:
+        """(the text before the calls, the calls as a message's tool_calls) of a whole text; None where it holds no
+        opening token, a call that is not one of `tools` with an object of arguments, or other text among the
+        calls or after them."""
+        start = text.find(self.opening)
+        if start < 0:
+            return None
+        body = text[start + len(self.opening):]
+        closed = body.find(self.closing)
+        if closed >= 0:
+            if body[closed + len(self.closing):].strip():
+                return None
+            body = body[:closed]
+        calls, end = [], 0
+        for match in self._call_block.finditer(body):
+            call = self._parse_call(match.group(1), tools)
+            if call is None or body[end:match.start()].strip():
+                return None
+            calls.append(call)
+            end = match.end()
+        if not calls or body[end:].strip():
+            return None
+        return text[:start], calls
+
+    def _parse_call(self, inner: str, tools: Mapping[str, Any]) -> dict | None:
+        head, separator, rest = inner.partition("<｜tool▁sep｜>")
+        if not separator:
+            return None
+        fenced = self._fenced.match(rest) if head.strip() == "function" else None
+        name, arguments = (fenced.group(1), fenced.group(2)) if fenced else (head, rest)
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            return None
+        return _call({"name": name.strip(), "arguments": value}, tools)
+
+
+def _typed_arguments(pairs: list[tuple[str, str]], schema: Any) -> dict:
+    """Raw (key, value) pairs as arguments, each value typed by its parameter's schema in `schema` (`_typed`)."""
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    properties = properties if isinstance(properties, dict) else {}  # parameter -> its schema
+    return {key: _typed(value, properties.get(key)) for key, value in pairs}
 
 
 def _typed(value: str, schema: Any) -> Any:
@@ -197,8 +335,11 @@ class NoToolSyntax:
 
 
 NO_TOOL_SYNTAX = NoToolSyntax()
-ToolSyntax = HermesToolSyntax | MistralToolSyntax | NoToolSyntax  # (QwenXmlToolSyntax is a HermesToolSyntax)
-SYNTAXES = (QwenXmlToolSyntax(), HermesToolSyntax(), MistralToolSyntax())  # the most specific marker first
+# (QwenXmlToolSyntax, GlmToolSyntax and MiniMaxToolSyntax are HermesToolSyntax)
+ToolSyntax = HermesToolSyntax | DeepSeekToolSyntax | MistralToolSyntax | NoToolSyntax
+# the most specific marker first: GLM-4.5's and Qwen3-Coder's templates show "<tool_call>" too
+SYNTAXES = (QwenXmlToolSyntax(), GlmToolSyntax(), MiniMaxToolSyntax(), DeepSeekToolSyntax(), HermesToolSyntax(),
+            MistralToolSyntax())
 
 
 def tool_syntax_of(chat_templates: Mapping[str, str]) -> ToolSyntax | None:
@@ -382,7 +523,7 @@ def _json_string(literal: str) -> str | None:
 
 
 class HeldCalls:
-    """One streamed choice's text in a syntax read only once whole (Qwen3-Coder's XML, Mistral's, none): `feed`
+    """One streamed choice's text in a syntax read only once whole (every syntax but Hermes'): `feed`
     and `finish` return (content to send now, tool_calls deltas). The text from the syntax's opening tag on is held
     (`HeldText`); at the end it goes out as calls where it reads as calls, else as content."""
 
