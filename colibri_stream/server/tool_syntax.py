@@ -83,14 +83,20 @@ class HermesToolSyntax:
             return None
         calls, end = [], start
         for match in self._block.finditer(text, start):
-            call = self._parse_block(match.group(1) if match.group(1) is not None else match.group(2), tools)
-            if call is None or text[end:match.start()].strip():  # a bad block, or text between blocks
+            block = self._parse_calls(match.group(1) if match.group(1) is not None else match.group(2), tools)
+            if block is None or text[end:match.start()].strip():  # a bad block, or text between blocks
                 return None
-            calls.append(call)
+            calls += block
             end = match.end()
         if text[end:].strip():  # text after the calls
             return None
         return text[:start], calls
+
+    def _parse_calls(self, block: str, tools: Mapping[str, Any]) -> list[dict] | None:
+        """The calls of one block (one call a block, except where a syntax holds several); None if it is not
+        calls of `tools`."""
+        call = self._parse_block(block, tools)
+        return None if call is None else [call]
 
     def _parse_block(self, block: str, tools: Mapping[str, Any]) -> dict | None:
         """A tool_calls entry from one block's JSON {"name", "arguments"}; None if it is not a call of `tools`."""
@@ -170,23 +176,7 @@ class MiniMaxToolSyntax(HermesToolSyntax):
     def stream_reader(self, tools: Mapping[str, Any]) -> HeldCalls:
         return HeldCalls(self, tools)
 
-    def split(self, text: str, tools: Mapping[str, Any]) -> tuple[str, list[dict]] | None:
-        """As Hermes' split, each block holding one or more calls."""
-        start = text.find(self.opening)
-        if start < 0:
-            return None
-        calls, end = [], start
-        for match in self._block.finditer(text, start):
-            block = self._parse_invokes(match.group(1) if match.group(1) is not None else match.group(2), tools)
-            if block is None or text[end:match.start()].strip():
-                return None
-            calls += block
-            end = match.end()
-        if text[end:].strip():
-            return None
-        return text[:start], calls
-
-    def _parse_invokes(self, block: str, tools: Mapping[str, Any]) -> list[dict] | None:
+    def _parse_calls(self, block: str, tools: Mapping[str, Any]) -> list[dict] | None:
         """The calls of one block; None if it holds none, text outside its invokes, or a call that is not one of
         `tools`."""
         calls = []
