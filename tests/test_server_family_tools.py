@@ -1,7 +1,8 @@
 """tool_choice "auto" in the syntaxes of GLM-4.5, MiniMax-M2 and DeepSeek-V3 (server/tool_syntax.py), with
-DeepSeek-R1's reasoning before its calls: each on the real server through the official openai client (the tiny
-model steered by a structured_outputs regex, a chat template of our own that teaches the syntax), streamed and
-not, and each parser's rules on their own."""
+DeepSeek-R1's reasoning before its calls: each on the real server through the official openai client, serving a
+tiny random model of its own family (exported from transformers, on the NumPy backend) with a chat template of our
+own that teaches the syntax, the reply steered by a structured_outputs regex; streamed and not; and each parser's
+rules on their own."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import shutil
 
 import openai
 import pytest
-from conftest import model_with_template
+from conftest import MAX_POSITIONS, TOKENIZER_VOCAB_SIZE, model_with_template, write_tokenizer
 from test_server import API_KEY, LiveServer
 from test_server_auto_tools import HERMES_TEMPLATE, regex, streamed
+from tiny_models import build_hf_model
 
 from colibri_stream.server.tool_syntax import (DeepSeekToolSyntax, GlmToolSyntax, HermesToolSyntax,
                                                MiniMaxToolSyntax, QwenXmlToolSyntax, tool_syntax_of)
@@ -40,20 +42,29 @@ DEEPSEEK_TEMPLATE = HERMES_TEMPLATE.replace("For each call return", "Think in <t
                                             "<｜tool▁calls▁begin｜>, or return")
 DEEPSEEK_CALL = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
                  '{"city": "Paris", "days": 3, "metric": true}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
-CASES = {"glm45": (GLM_TEMPLATE, GLM_CALL, ""), "minimax_m2": (MINIMAX_TEMPLATE, MINIMAX_CALL, ""),
-         "deepseek_v3": (DEEPSEEK_TEMPLATE, DEEPSEEK_CALL, "<think>Rain likely.</think>\n\n")}
+# syntax -> (the family whose tiny model serves it, its template, its call, the reasoning before it)
+CASES = {"glm45": ("glm4_moe", GLM_TEMPLATE, GLM_CALL, ""),
+         "minimax_m2": ("minimax_m2", MINIMAX_TEMPLATE, MINIMAX_CALL, ""),
+         "deepseek_v3": ("deepseek_v3", DEEPSEEK_TEMPLATE, DEEPSEEK_CALL, "<think>Rain likely.</think>\n\n")}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def family(request, tiny_model_dir, tmp_path_factory):
-    """(the syntax's name, an openai client of the tiny model served with its template, the reply to steer to)."""
-    template, call, thinking = CASES[request.param]
-    folder = model_with_template(tiny_model_dir, tmp_path_factory.mktemp(request.param) / "model", template)
+def family(request, tmp_path_factory):
+    """(the syntax's name, an openai client of its family's tiny model served with its template, the reply to
+    steer to)."""
+    from colibri_stream.export import export_model
+
+    arch, template, call, thinking = CASES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    build_hf_model(arch, root / "hf", vocab_size=TOKENIZER_VOCAB_SIZE, max_position_embeddings=MAX_POSITIONS)
+    export_model(root / "hf", root / "exported", dtype="fp32", progress=False)
+    write_tokenizer(root / "exported")
+    folder = model_with_template(root / "exported", root / "model", template)
     live = LiveServer(folder, dict(max_batch_size=2, max_seq_len=1024), api_key=API_KEY, served_model_name="tiny")
     yield request.param, openai.OpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60), \
         thinking + "Checking.\n" + call
     live.close()
-    shutil.rmtree(folder)
+    shutil.rmtree(root)
 
 
 def test_calls_come_back_as_tool_calls(family):
