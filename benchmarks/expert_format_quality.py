@@ -51,6 +51,7 @@ FORMATS = {
     "int4-g128-zero": dict(expert_dtype="int4", expert_group_size=128, expert_zero_point=True),
     "fp8-block": dict(expert_dtype="fp8", expert_scales="block"),
     "fp8-channel": dict(expert_dtype="fp8", expert_scales="channel"),
+    "mxfp4": dict(expert_dtype="mxfp4"),
 }
 
 
