@@ -293,10 +293,10 @@ class Fp8Codec(ExpertCodec):
 @dataclass(frozen=True)
 class Mxfp4Codec(ExpertCodec):
     """OCP Microscaling MXFP4: e2m1 values, two a byte, times a power of two shared by each 32 input channels and
-    stored as an e8m0 exponent byte (gpt-oss's experts). No compiled CPU kernel: the executor dequantizes."""
+    stored as an e8m0 exponent byte (gpt-oss's experts). On the CPU, cpu_grouped.py's kernel decodes it."""
 
     name = "mxfp4"
-    cpu_kernel = None
+    cpu_kernel = "grouped"
     sliceable = False
 
     def describe(self):

@@ -154,21 +154,6 @@ def test_mxfp4_refuses_widths_that_are_not_multiples_of_32():
         _config(expert_dtype="mxfp4", moe_intermediate_size=48)
 
 
-def test_the_cpu_executor_computes_mxfp4_experts_as_the_numpy_reference():
-    rng = np.random.default_rng(1)
-    codec = Mxfp4Codec()
-    tensors = expert(codec, 96, 64, rng)
-    x = rng.standard_normal((5, 96)).astype(np.float32)
-    executor = CpuExpertExecutor(num_threads=2, min_kernel_bytes=0)
-    assert not executor.computes(codec, tensors["gate"].dtype, 1 << 30)  # no kernel: NumPy on the dequantized
-    weights = dequantize_expert(tensors)
-    gate = x @ weights["gate"].T
-    want = (gate / (1 + np.exp(-gate)) * (x @ weights["up"].T)) @ weights["down"].T
-    np.testing.assert_allclose(executor.run(x, tensors), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
-    part = executor.run(x, tensors, rows=(0, 21)) + executor.run(x, tensors, rows=(21, 64))  # a cut expert's parts
-    np.testing.assert_allclose(part, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
-
-
 def _config(**changes):
     return dataclasses.replace(read_config(default_model_path()), **changes)
 
@@ -180,9 +165,13 @@ def expert(codec, hidden: int, inter: int, rng: np.random.Generator) -> dict[str
     return tensors
 
 
+GROUPED_CASES = ([(codec, *shape) for codec in CODECS[3:] for shape in [(256, 64, 1), (130, 77, 5), (300, 200, 9)]]
+                 + [(Mxfp4Codec(), *shape) for shape in [(256, 64, 1), (96, 160, 5), (320, 224, 9)]])  # widths of 32s
+
+
 @pytest.mark.skipif(numba is None, reason="numba is not installed (the `cpu` extra)")
-@pytest.mark.parametrize("codec", CODECS[3:], ids=lambda c: c.describe())
-@pytest.mark.parametrize("hidden,inter,tokens", [(256, 64, 1), (130, 77, 5), (300, 200, 9)])
+@pytest.mark.parametrize("codec,hidden,inter,tokens", GROUPED_CASES,
+                         ids=[f"{c.describe()}-{h}x{i}-{t}" for c, h, i, t in GROUPED_CASES])
 def test_the_grouped_kernel_matches_the_numpy_reference(codec, hidden, inter, tokens):
     rng = np.random.default_rng(hidden + tokens)
     tensors = expert(codec, hidden, inter, rng)

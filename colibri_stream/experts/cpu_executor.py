@@ -5,9 +5,9 @@ numba installed (the `cpu` extra) it runs one compiled kernel over a pool of thr
 contiguous range of weight rows, 6 at a time, and multiplies them with 4 tokens at a time in registers (24 float32
 accumulators; a single token with short rows: one row at a time), widening each weight to float32 inside the
 multiply-add loop (bf16: the bits shifted into a float32; int8: a cast, the row scale applied to the dot product).
-int4 and fp8 experts take cpu_grouped.grouped_expert_kernel, which decodes one weight row at a time. The weights
-are read once, straight from their storage, and no float32 copy of them is made. Without numba, or for fp16 and
-mxfp4 experts (no kernel of theirs yet), it dequantises to float32 and multiplies with NumPy. Measurements and the
+int4, fp8 and mxfp4 experts take cpu_grouped.grouped_expert_kernel, which decodes one weight row at a time. The
+weights are read once, straight from their storage, and no float32 copy of them is made. Without numba, or for fp16
+experts, it dequantises to float32 and multiplies with NumPy. Measurements and the
 choice: docs/CPU_EXPERTS.md.
 """
 

@@ -1,24 +1,29 @@
-"""The CPU expert kernel for the formats with scales per group or tile (int4, fp8; expert_codecs.py).
+"""The CPU expert kernel for the formats with scales per group or tile (int4, fp8, mxfp4; expert_codecs.py).
 
 `grouped_expert_kernel` computes down(silu(gate x) * up x) straight from the stored bytes: each thread takes a
 range of weight rows; for each row it decodes the row into a float32 buffer of one row (L1-resident: int4 codes
-minus the group's zero point, low nibbles to the buffer's first half and high nibbles to its second; fp8 bytes by
-shifting their bits into a float32's; times the scale of the group or tile), then multiplies it with the tokens,
+minus the group's zero point, low nibbles to the buffer's first half and high nibbles to its second; mxfp4 codes
+the same way, each nibble's e2m1 value from a table; fp8 bytes by shifting their bits into a float32's; times the
+scale of the group or tile, mxfp4's e8m0 exponent byte as its power of two), then multiplies it with the tokens,
 four at a time, laid out as the buffer is (`_paired`). Each weight byte is read once per call, and no float32 copy
 of the expert is made. Every matrix is passed as a 2D uint8 view of its bytes, [out, stored bytes per row], with
-its scales as [scale rows, scale columns] float32 and zero points as [out, groups] uint8 ([0, 0]: none). A weight
-(o, c) takes scale[o // rows_per_scale, c // cols_per_scale]: int4 1 x group width, fp8 tiles 128 x 128, fp8
-channels 1 x (any width; CHANNEL_COLUMNS).
+its scales as [scale rows, scale columns] float32 (mxfp4: uint8 exponents) and zero points as [out, groups] uint8 ([0, 0]: none). A weight
+(o, c) takes scale[o // rows_per_scale, c // cols_per_scale]: int4 1 x group width, mxfp4 1 x 32, fp8 tiles
+128 x 128, fp8 channels 1 x (any width; CHANNEL_COLUMNS).
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from ..expert_codecs import FP8_BLOCK, INT4_SYMMETRIC_ZERO, ExpertCodec, Fp8Codec, Int4Codec
+from ..config import MXFP4_BLOCK
+from ..expert_codecs import (E2M1, E8M0_BIAS, FP8_BLOCK, INT4_SYMMETRIC_ZERO, ExpertCodec, Fp8Codec, Int4Codec,
+                             Mxfp4Codec)
 from .jit import CHUNKS_PER_THREAD, FASTMATH, jit, numba
 
-INT4, FP8_CODES = 0, 1  # `kind`: how a row's bytes hold its values
+INT4, FP8_CODES, MXFP4 = 0, 1, 2  # `kind`: how a row's bytes hold its values
 CHANNEL_COLUMNS = 1 << 30  # cols_per_scale of a per-row scale: every column of a row shares it
 
 
@@ -29,6 +34,8 @@ def kernel_arguments(codec: ExpertCodec, tensors: dict[str, np.ndarray]) -> tupl
         kind = INT4
     elif isinstance(codec, Fp8Codec):
         kind = FP8_CODES
+    elif isinstance(codec, Mxfp4Codec):
+        kind = MXFP4
     else:
         raise ValueError(f"the grouped CPU kernel does not compute {codec.describe()} experts")
     arguments: list = [kind]
@@ -39,6 +46,8 @@ def kernel_arguments(codec: ExpertCodec, tensors: dict[str, np.ndarray]) -> tupl
         data = weight.reshape(rows, -1).view(np.uint8)  # [out, bytes per row]
         if kind == INT4:  # [out, groups, width / 2]: a scale per group of `width` columns
             per_scale = (1, 2 * weight.shape[2])
+        elif kind == MXFP4:  # [out, in / 32, 16]: an exponent per 32 columns
+            per_scale = (1, MXFP4_BLOCK)
         elif scale.ndim == 2:
             per_scale = (FP8_BLOCK, FP8_BLOCK)
         else:
@@ -97,10 +106,23 @@ FP8_BIAS = np.float32(2.0**120)  # 2**(127 - 7): float32's exponent bias less e4
 @jit(inline="always", fastmath=FASTMATH)
 def _decode_row(kind, w, scale, zero, rows_per_scale, cols_per_scale, o, c0, c1, buf):
     """Weight row o over columns c0 .. c1 - 1 as float32 in buf, laid out as `_paired` lays out the tokens:
-    fp8: buf[c - c0]; int4: the bytes j0 = c0 // 2 .. ceil(c1 / 2) - 1, low nibbles (even columns) in
+    fp8: buf[c - c0]; int4 and mxfp4: the bytes j0 = c0 // 2 .. ceil(c1 / 2) - 1, low nibbles (even columns) in
     buf[j - j0], high nibbles (odd columns) in buf[nb + j - j0] (nb bytes): two contiguous stores per byte."""
     scale_row = o // rows_per_scale
     row = w[o]  # [bytes per row] uint8
+    if kind == MXFP4:
+        j0, j1 = c0 >> 1, (c1 + 1) >> 1
+        nb, per_block = j1 - j0, cols_per_scale >> 1
+        for block in range(j0 // per_block, (j1 - 1) // per_block + 1):
+            a, b = max(j0, block * per_block), min(j1, (block + 1) * per_block)
+            # 2**(byte - 127), exact in float32 (2**-127 a subnormal); the NaN byte never reaches a kernel
+            s = np.float32(math.ldexp(1.0, int(scale[scale_row, block]) - E8M0_BIAS))
+            values, low, high = row[a:b], buf[a - j0:], buf[nb + a - j0:]
+            for j in range(np.uint64(0), np.uint64(b - a)):
+                byte = values[j]
+                low[j] = E2M1[byte & 15] * s
+                high[j] = E2M1[byte >> 4] * s
+        return
     if kind == INT4:
         j0, j1 = c0 >> 1, (c1 + 1) >> 1
         nb, per_group = j1 - j0, cols_per_scale >> 1  # bytes decoded, bytes per group
@@ -125,9 +147,9 @@ def _decode_row(kind, w, scale, zero, rows_per_scale, cols_per_scale, o, c0, c1,
 @jit(inline="always")
 def _paired(kind, x, c0, c1):
     """The tokens x [n, c1 - c0] (column 0 is column c0 of the weights) in the layout `_decode_row` gives the
-    weights: fp8: x itself; int4: [n, 2 nb], the even columns of bytes c0 // 2 .. then the odd ones, zero where a
-    byte's nibble lies outside c0 .. c1 - 1."""
-    if kind != INT4:
+    weights: fp8: x itself; int4 and mxfp4: [n, 2 nb], the even columns of bytes c0 // 2 .. then the odd ones,
+    zero where a byte's nibble lies outside c0 .. c1 - 1."""
+    if kind == FP8_CODES:
         return x
     j0, j1 = c0 >> 1, (c1 + 1) >> 1
     nb = j1 - j0
@@ -187,7 +209,7 @@ def grouped_expert_kernel(kind, gate, gate_scale, gate_zero, gate_rows, gate_col
     n, width = x.shape
     hidden = y.shape[1]
     rows = last - first
-    xs = _paired(kind, x, 0, width)  # [n, H], or int4's [n, 2 ceil(H / 2)]
+    xs = _paired(kind, x, 0, width)  # [n, H], or int4's and mxfp4's [n, 2 ceil(H / 2)]
     chunks = max(1, min(rows, threads * CHUNKS_PER_THREAD))
     for chunk in numba.prange(chunks):
         g = np.empty(xs.shape[1], np.float32)  # one decoded gate row
@@ -202,7 +224,7 @@ def grouped_expert_kernel(kind, gate, gate_scale, gate_zero, gate_rows, gate_col
             for t in range(n):
                 gv = gx[t, 0]
                 h[t, o - first] = gv / (np.float32(1.0) + np.exp(-gv)) * ux[t, 0]
-    hs = _paired(kind, h, first, last)  # [n, last - first], or int4's pairs
+    hs = _paired(kind, h, first, last)  # [n, last - first], or int4's and mxfp4's pairs
     chunks = max(1, min(hidden, threads * CHUNKS_PER_THREAD))
     for chunk in numba.prange(chunks):
         d = np.empty(hs.shape[1], np.float32)  # one decoded down row's columns first .. last - 1
