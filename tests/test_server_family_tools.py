@@ -1,4 +1,4 @@
-"""tool_choice "auto" in the syntaxes of GLM-4.5, MiniMax-M2 and DeepSeek-V3 (server/tool_syntax.py), with
+"""tool_choice "auto" in the syntaxes of GLM-4.5, MiniMax-M2, DeepSeek-V3 and Kimi K2 (server/tool_syntax.py), with
 DeepSeek-R1's reasoning before its calls: each on the real server through the official openai client, serving a
 tiny random model of its own family (exported from transformers, on the NumPy backend) with a chat template of our
 own that teaches the syntax, the reply steered by a structured_outputs regex; streamed and not; and each parser's
@@ -16,7 +16,7 @@ from test_server import API_KEY, LiveServer
 from test_server_auto_tools import HERMES_TEMPLATE, regex, streamed
 from tiny_models import build_hf_model
 
-from colibri_stream.server.tool_syntax import (DeepSeekToolSyntax, GlmToolSyntax, HermesToolSyntax,
+from colibri_stream.server.tool_syntax import (DeepSeekToolSyntax, GlmToolSyntax, HermesToolSyntax, KimiToolSyntax,
                                                MiniMaxToolSyntax, QwenXmlToolSyntax, tool_syntax_of)
 
 pytest.importorskip("llguidance")
@@ -42,10 +42,14 @@ DEEPSEEK_TEMPLATE = HERMES_TEMPLATE.replace("For each call return", "Think in <t
                                             "<｜tool▁calls▁begin｜>, or return")
 DEEPSEEK_CALL = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
                  '{"city": "Paris", "days": 3, "metric": true}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+KIMI_TEMPLATE = HERMES_TEMPLATE.replace("For each call return", "Call <|tool_calls_section_begin|>, or return")
+KIMI_CALL = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+             '{"city": "Paris", "days": 3, "metric": true}<|tool_call_end|><|tool_calls_section_end|>')
 # syntax -> (the family whose tiny model serves it, its template, its call, the reasoning before it)
 CASES = {"glm45": ("glm4_moe", GLM_TEMPLATE, GLM_CALL, ""),
          "minimax_m2": ("minimax_m2", MINIMAX_TEMPLATE, MINIMAX_CALL, ""),
-         "deepseek_v3": ("deepseek_v3", DEEPSEEK_TEMPLATE, DEEPSEEK_CALL, "<think>Rain likely.</think>\n\n")}
+         "deepseek_v3": ("deepseek_v3", DEEPSEEK_TEMPLATE, DEEPSEEK_CALL, "<think>Rain likely.</think>\n\n"),
+         "kimi_k2": ("deepseek_v3", KIMI_TEMPLATE, KIMI_CALL, "")}  # Kimi K2 is DeepSeek-V3's architecture
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -103,6 +107,7 @@ def test_the_template_marker_picks_the_syntax():
     assert isinstance(tool_syntax_of({"default": GLM_TEMPLATE}), GlmToolSyntax)
     assert isinstance(tool_syntax_of({"default": MINIMAX_TEMPLATE}), MiniMaxToolSyntax)
     assert isinstance(tool_syntax_of({"default": DEEPSEEK_TEMPLATE}), DeepSeekToolSyntax)
+    assert isinstance(tool_syntax_of({"default": KIMI_TEMPLATE}), KimiToolSyntax)
     hermes = tool_syntax_of({"default": HERMES_TEMPLATE})
     assert type(hermes) is HermesToolSyntax and not isinstance(hermes, QwenXmlToolSyntax)
 
@@ -139,7 +144,8 @@ def test_minimax_split(text, expected):
     assert arguments_of(MiniMaxToolSyntax().split(text, SCHEMAS)) == expected
 
 
-@pytest.mark.parametrize(("text", "expected"), [
+# (syntax, the text after "Checking.\n", the arguments of its calls or None: it stays content)
+TOKEN_CASES = [(DeepSeekToolSyntax(), text, expected) for text, expected in [
     (DEEPSEEK_CALL, [ARGUMENTS]),
     (DEEPSEEK_CALL.removesuffix("<｜tool▁calls▁end｜>"), [ARGUMENTS]),  # stopped before the last token
     ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜>'
@@ -151,9 +157,24 @@ def test_minimax_split(text, expected):
     ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather {}<｜tool▁call▁end｜>', None),  # no separator
     (DEEPSEEK_CALL + " after", None),
     ("<｜tool▁calls▁begin｜><｜tool▁calls▁end｜>", None),
-])
-def test_deepseek_split(text, expected):
-    split = DeepSeekToolSyntax().split("Checking.\n" + text, SCHEMAS)
+    ]] + [(KimiToolSyntax(), text, expected) for text, expected in [
+    (KIMI_CALL, [ARGUMENTS]),
+    (KIMI_CALL.removesuffix("<|tool_calls_section_end|>"), [ARGUMENTS]),  # stopped before the last token
+    ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+     '{"city": "Oslo"}<|tool_call_end|><|tool_call_begin|>functions.ping:1<|tool_call_argument_begin|>{}'
+     '<|tool_call_end|><|tool_calls_section_end|>', [{"city": "Oslo"}, {}]),
+    ('<|tool_calls_section_begin|><|tool_call_begin|>functions.nope:0<|tool_call_argument_begin|>{}'
+     '<|tool_call_end|>', None),  # not a tool of the request
+    ('<|tool_calls_section_begin|><|tool_call_begin|>functions.ping:0<|tool_call_argument_begin|>{broken'
+     '<|tool_call_end|>', None),
+    (KIMI_CALL + " after", None),
+    ("<|tool_calls_section_begin|><|tool_calls_section_end|>", None),
+    ]]
+
+
+@pytest.mark.parametrize(("syntax", "text", "expected"), TOKEN_CASES)
+def test_special_token_split(syntax, text, expected):
+    split = syntax.split("Checking.\n" + text, SCHEMAS)
     assert arguments_of(split) == expected
     if split is not None:
         assert split[0] == "Checking.\n"

@@ -31,6 +31,9 @@ A model's chat template shows it how to call tools; the server reads the syntax 
   a fenced ```json block of the arguments, `<｜tool▁call▁end｜>` per call, `<｜tool▁calls▁end｜>` (R1 the same;
   V3.1 writes the name before the separator and the bare JSON after it).
 
+- Kimi K2's special tokens: `<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0`
+  `<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>` per call, `<|tool_calls_section_end|>`.
+
 - Mistral's `[TOOL_CALLS]` followed by a JSON array of calls (or one call), as Mixtral-8x22B-Instruct's
   template asks for: `[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]`. The tag is a
   special token that detokenization would drop, so such requests keep special tokens in their text
@@ -211,15 +214,9 @@ class DeepSeekToolSyntax:
         """(the text before the calls, the calls as a message's tool_calls) of a whole text; None where it holds no
         opening token, a call that is not one of `tools` with an object of arguments, or other text among the
         calls or after them."""
-        start = text.find(self.opening)
-        if start < 0:
+        body = _section(text, self.opening, self.closing)
+        if body is None:
             return None
-        body = text[start + len(self.opening):]
-        closed = body.find(self.closing)
-        if closed >= 0:
-            if body[closed + len(self.closing):].strip():
-                return None
-            body = body[:closed]
         calls, end = [], 0
         for match in self._call_block.finditer(body):
             call = self._parse_call(match.group(1), tools)
@@ -229,7 +226,7 @@ class DeepSeekToolSyntax:
             end = match.end()
         if not calls or body[end:].strip():
             return None
-        return text[:start], calls
+        return text[:text.find(self.opening)], calls
 
     def _parse_call(self, inner: str, tools: Mapping[str, Any]) -> dict | None:
         head, separator, rest = inner.partition("<｜tool▁sep｜>")
@@ -242,6 +239,46 @@ class DeepSeekToolSyntax:
         except ValueError:
             return None
         return _call({"name": name.strip(), "arguments": value}, tools)
+
+
+class KimiToolSyntax(DeepSeekToolSyntax):
+    """Kimi K2's tool-call special tokens, after optional text: `<|tool_calls_section_begin|>`, then per call
+    `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>` and the JSON object of its arguments,
+    `<|tool_call_end|>`; `<|tool_calls_section_end|>` last (the reply may stop before it). The call id's form
+    (`functions.NAME:INDEX`) is the model's; the calls get ids of our own, as every syntax's do."""
+
+    name = "kimi_k2"
+    opening = "<|tool_calls_section_begin|>"
+    closing = "<|tool_calls_section_end|>"
+    template_marker = "<|tool_calls_section_begin|>"
+    _call_block = re.compile(r"<\|tool_call_begin\|>(.*?)<\|tool_call_end\|>", re.DOTALL)
+    _call_id = re.compile(r"\s*(?:functions\.)?([^\s:]+)(?::\d+)?\s*\Z")
+
+    def _parse_call(self, inner: str, tools: Mapping[str, Any]) -> dict | None:
+        call_id, separator, arguments = inner.partition("<|tool_call_argument_begin|>")
+        name = self._call_id.match(call_id)
+        if not separator or name is None:
+            return None
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            return None
+        return _call({"name": name.group(1), "arguments": value}, tools)
+
+
+def _section(text: str, opening: str, closing: str) -> str | None:
+    """The text between `opening` and `closing` (or the end, where the reply stopped before it); None where the
+    text holds no opening, or something other than whitespace follows the closing."""
+    start = text.find(opening)
+    if start < 0:
+        return None
+    body = text[start + len(opening):]
+    closed = body.find(closing)
+    if closed >= 0:
+        if body[closed + len(closing):].strip():
+            return None
+        body = body[:closed]
+    return body
 
 
 def _typed_arguments(pairs: list[tuple[str, str]], schema: Any) -> dict:
@@ -325,11 +362,11 @@ class NoToolSyntax:
 
 
 NO_TOOL_SYNTAX = NoToolSyntax()
-# (QwenXmlToolSyntax, GlmToolSyntax and MiniMaxToolSyntax are HermesToolSyntax)
+# (QwenXmlToolSyntax, GlmToolSyntax and MiniMaxToolSyntax are HermesToolSyntax; KimiToolSyntax a DeepSeekToolSyntax)
 ToolSyntax = HermesToolSyntax | DeepSeekToolSyntax | MistralToolSyntax | NoToolSyntax
 # the most specific marker first: GLM-4.5's and Qwen3-Coder's templates show "<tool_call>" too
-SYNTAXES = (QwenXmlToolSyntax(), GlmToolSyntax(), MiniMaxToolSyntax(), DeepSeekToolSyntax(), HermesToolSyntax(),
-            MistralToolSyntax())
+SYNTAXES = (QwenXmlToolSyntax(), GlmToolSyntax(), MiniMaxToolSyntax(), DeepSeekToolSyntax(), KimiToolSyntax(),
+            HermesToolSyntax(), MistralToolSyntax())
 
 
 def tool_syntax_of(chat_templates: Mapping[str, str]) -> ToolSyntax | None:
