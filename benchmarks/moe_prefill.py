@@ -95,7 +95,8 @@ def run_shape(cp, backend, name: str, tokens_list: list[int]) -> list[dict]:
                   "ceiling_tflops": useful / ceiling_s / 1e12,
                   "speedup": seconds["moe_mma"] / seconds["expert_gemms"],
                   "relative_error": error}
-        print(f"{name:14s} T={tokens:5d} pairs/expert={pairs / num_experts:7.1f}  moe_mma {record['moe_mma_tflops']:6.1f}"
+        print(f"{name:14s} T={tokens:5d} pairs/expert={pairs / num_experts:7.1f}"
+              f"  moe_mma {record['moe_mma_tflops']:6.1f}"
               f"  gemms {record['expert_gemms_tflops']:6.1f}  ceiling {record['ceiling_tflops']:6.1f} TFLOP/s"
               f"  x{record['speedup']:.2f}  err {error:.1e}", flush=True)
         records.append(record)

@@ -7,9 +7,9 @@ the same way, each nibble's e2m1 value from a table; fp8 bytes by shifting their
 scale of the group or tile, mxfp4's e8m0 exponent byte as its power of two), then multiplies it with the tokens,
 four at a time, laid out as the buffer is (`_paired`). Each weight byte is read once per call, and no float32 copy
 of the expert is made. Every matrix is passed as a 2D uint8 view of its bytes, [out, stored bytes per row], with
-its scales as [scale rows, scale columns] float32 (mxfp4: uint8 exponents) and zero points as [out, groups] uint8 ([0, 0]: none). A weight
-(o, c) takes scale[o // rows_per_scale, c // cols_per_scale]: int4 1 x group width, mxfp4 1 x 32, fp8 tiles
-128 x 128, fp8 channels 1 x (any width; CHANNEL_COLUMNS).
+its scales as [scale rows, scale columns] float32 (mxfp4: uint8 exponents) and zero points as [out, groups] uint8
+([0, 0]: none). A weight (o, c) takes scale[o // rows_per_scale, c // cols_per_scale]: int4 1 x group width,
+mxfp4 1 x 32, fp8 tiles 128 x 128, fp8 channels 1 x (any width; CHANNEL_COLUMNS).
 """
 
 from __future__ import annotations

@@ -109,9 +109,35 @@ def _logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")  # the OpenAI API's reasoning efforts
+
+
+def reasoning_effort(value: object, param: str) -> str | None:
+    """A request's reasoning effort (chat's reasoning_effort, Responses' reasoning.effort), checked; None: not
+    asked. It reaches the chat template as its variable `reasoning_effort`, as vLLM passes it: gpt-oss's template
+    writes it into the system message, templates that do not read it ignore it."""
+    if value is None or value in REASONING_EFFORTS:
+        return value
+    raise bad_request(f"{param} must be one of {', '.join(REASONING_EFFORTS)}, got {value!r:.40}", param=param)
+
+
+def with_reasoning_effort(kwargs: dict | None, effort: str | None) -> dict | None:
+    """Template keyword arguments `kwargs` (None: none) with the reasoning effort added, unless the request's
+    chat_template_kwargs set the variable itself."""
+    if effort is None:
+        return kwargs
+    return {"reasoning_effort": effort, "add_generation_prompt": True, **(kwargs or {})}
+
+
 def template_kwargs(fields: Fields) -> dict | None:
     """vLLM's chat_template_kwargs (variables the chat template reads, such as Qwen3's enable_thinking) and
-    add_generation_prompt, as keyword arguments of the template."""
+    add_generation_prompt, as keyword arguments of the template; chat's reasoning_effort as the variable of that
+    name (`with_reasoning_effort`)."""
+    effort = reasoning_effort(fields.body.get("reasoning_effort"), "reasoning_effort")
+    return with_reasoning_effort(_template_kwargs(fields), effort)
+
+
+def _template_kwargs(fields: Fields) -> dict | None:
     kwargs = dict(fields.get("chat_template_kwargs", (dict,), "an object", {}))
     for key in kwargs:
         if not key.isidentifier() or key in RESERVED_VARIABLES:

@@ -15,8 +15,9 @@ response.reasoning_text.delta events), and reasoning items in `input` go back to
 assistant turn's reasoning.
 Responses are not stored: `previous_response_id` is refused, and `store` is accepted and changes nothing (as where
 a server keeps no state). As in chat, what this server does not do is a 400 naming the field rather than something
-silently dropped: tools other than functions, images and files, reasoning settings,
-logprobs (`top_logprobs`, `include`), truncation "auto".
+silently dropped: tools other than functions, images and files, reasoning settings other than `effort` (which
+reaches the chat template as `reasoning_effort`, as chat's field does), logprobs (`top_logprobs`, `include`),
+truncation "auto".
 Its replies are render_responses.py's.
 """
 
@@ -27,7 +28,7 @@ from typing import Any
 from .chat_messages import chat_messages
 from .fields import Fields, bad_request, body_object, json_type, unsupported
 from .generate_request import GenerateRequest
-from .params import generation_grammar, output_grammar, sampling_params
+from .params import generation_grammar, output_grammar, reasoning_effort, sampling_params, with_reasoning_effort
 from .tool_syntax import ToolSyntax
 from .tools import AutoCalls, ForcedCall, tool_use, with_call_tokens
 
@@ -62,8 +63,9 @@ def parse_response(body: Any, tool_syntax: ToolSyntax | None = None, split_reaso
     return GenerateRequest(chat=True, model=fields.string("model"), prompts=(messages,), params=params,
                            stream=stream, prompt_param="input", forced_call=call,
                            auto_calls=use if isinstance(use, AutoCalls) else None,
-                           split_reasoning=split_reasoning and call is None,
-                           grammar_param=grammar_param)
+                           split_reasoning=split_reasoning and call is None, grammar_param=grammar_param,
+                           template_kwargs=with_reasoning_effort(None, reasoning_effort(
+                               fields.get("reasoning", (dict,), "an object", {}).get("effort"), "reasoning.effort")))
 
 
 def _chat_tools(tools: list | None) -> list | None:
@@ -97,8 +99,9 @@ def _reject_unsupported(fields: Fields) -> None:
     if body.get("conversation") is not None:
         raise unsupported("conversation is not supported: this server does not store conversations", "conversation")
     reasoning = fields.get("reasoning", (dict,), "an object", {})
-    if any(value is not None for value in reasoning.values()):  # {"effort": null, ...} asks nothing
-        raise unsupported("reasoning settings are not supported by this server", "reasoning")
+    if any(value is not None for key, value in reasoning.items() if key != "effort"):  # null asks nothing
+        raise unsupported("reasoning settings other than effort are not supported by this server (reasoning "
+                          "summaries: the reasoning comes back whole)", "reasoning")
     if body.get("prompt") is not None:
         raise unsupported("prompt is not supported by this server", "prompt")
     if fields.integer("top_logprobs"):
