@@ -29,6 +29,7 @@ class GenerateRequest:
     truncate_prompt_tokens: int | None = None  # vLLM's: keep each prompt's last this many tokens (-1: the context)
     template_kwargs: dict | None = None  # chat, vLLM's: the chat template's variables and add_generation_prompt
     split_reasoning: bool = False  # chat: the reply's <think> text goes to reasoning_content (reasoning.py)
+    harmony: bool = False  # chat: the model writes harmony (gpt-oss): its reply is read by channel (harmony.py)
     grammar_param: str | None = None  # the field whose grammar params.grammar is (named in the engine's refusals)
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs: the prompt tokens' logprobs go in the answer
 

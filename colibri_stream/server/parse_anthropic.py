@@ -27,6 +27,7 @@ from ..errors import APIError
 from .chat_messages import chat_messages
 from .fields import Fields, bad_request, body_object, json_type, unsupported
 from .generate_request import GenerateRequest
+from .harmony import HarmonyToolSyntax
 from .params import generation_grammar, output_grammar, sampling_params
 from .tokenize import TokenizeRequest
 from .tool_syntax import ToolSyntax
@@ -62,9 +63,9 @@ def parse_messages(body: Any, tool_syntax: ToolSyntax | None = None, split_reaso
     grammar, grammar_param = generation_grammar(call, asked)
     return GenerateRequest(
         chat=True, model=fields.string("model"), prompts=(messages,), stream=fields.boolean("stream"),
-        params=with_call_tokens(use, _sampling(body, max_tokens, grammar)), prompt_param="messages",
+        params=with_call_tokens(use, _sampling(body, max_tokens, grammar), tool_syntax), prompt_param="messages",
         forced_call=call, auto_calls=use if isinstance(use, AutoCalls) else None, template_kwargs=kwargs,
-        split_reasoning=split_reasoning and call is None,
+        split_reasoning=split_reasoning and call is None, harmony=isinstance(tool_syntax, HarmonyToolSyntax),
         grammar_param=grammar_param)
 
 

@@ -38,6 +38,7 @@ from .chat_messages import chat_messages
 from .fields import Fields, bad_request, body_object, is_int, unsupported
 from .fill_in_middle import fim_prompt
 from .generate_request import GenerateRequest
+from .harmony import HarmonyToolSyntax
 from .params import generation_grammar, output_grammar, sampling_params, template_kwargs
 from .tool_syntax import ToolSyntax
 from .tools import AutoCalls, ForcedCall, tool_use, with_call_tokens
@@ -189,9 +190,10 @@ def parse_chat(body: Any, tool_syntax: ToolSyntax | None = None, split_reasoning
     return GenerateRequest(
         chat=True, model=model, prompts=(chat_messages(body.get("messages")),),
         params=with_call_tokens(use, sampling_params(fields, max_tokens, name, (top_logprobs or 0) if logprobs
-                                                     else None, n, grammar)),
+                                                     else None, n, grammar), tool_syntax),
         stream=stream, logprobs=logprobs, forced_call=call, auto_calls=use if isinstance(use, AutoCalls) else None,
         template_kwargs=template_kwargs(fields), split_reasoning=split_reasoning and call is None,
+        harmony=isinstance(tool_syntax, HarmonyToolSyntax),
         grammar_param=grammar_param,
         **_common_options(fields, stream),
     )

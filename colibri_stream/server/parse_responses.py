@@ -28,6 +28,7 @@ from typing import Any
 from .chat_messages import chat_messages
 from .fields import Fields, bad_request, body_object, json_type, unsupported
 from .generate_request import GenerateRequest
+from .harmony import HarmonyToolSyntax
 from .params import generation_grammar, output_grammar, reasoning_effort, sampling_params, with_reasoning_effort
 from .tool_syntax import ToolSyntax
 from .tools import AutoCalls, ForcedCall, tool_use, with_call_tokens
@@ -59,11 +60,12 @@ def parse_response(body: Any, tool_syntax: ToolSyntax | None = None, split_reaso
     call = use if isinstance(use, ForcedCall) else None
     grammar, grammar_param = generation_grammar(call, asked)
     params = with_call_tokens(use, sampling_params(fields, fields.integer("max_output_tokens"), "max_output_tokens",
-                                                   None, 1, grammar))
+                                                   None, 1, grammar), tool_syntax)
     return GenerateRequest(chat=True, model=fields.string("model"), prompts=(messages,), params=params,
                            stream=stream, prompt_param="input", forced_call=call,
                            auto_calls=use if isinstance(use, AutoCalls) else None,
                            split_reasoning=split_reasoning and call is None, grammar_param=grammar_param,
+                           harmony=isinstance(tool_syntax, HarmonyToolSyntax),
                            template_kwargs=with_reasoning_effort(None, reasoning_effort(
                                fields.get("reasoning", (dict,), "an object", {}).get("effort"), "reasoning.effort")))
 

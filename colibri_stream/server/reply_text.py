@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .generate_request import GenerateRequest
+from .harmony import HarmonyStream
 from .reasoning import ThinkingStream
 from .tool_syntax import HeldCalls, StreamedCalls
 from .tools import tool_calls
@@ -48,7 +49,9 @@ class ReplyText:
     def __init__(self, request: GenerateRequest, thinking_started: bool = False, calls_whole: bool = False):
         self._forced = request.forced_call
         self._auto = request.auto_calls
-        self._thinking = ThinkingStream(thinking_started) if request.split_reasoning else None
+        self._thinking: ThinkingStream | HarmonyStream | None = None
+        if request.split_reasoning:
+            self._thinking = HarmonyStream() if request.harmony else ThinkingStream(thinking_started)
         self._content: list[str] = []  # the content pieces so far (the reply outside its reasoning)
         self._reader: StreamedCalls | HeldCalls | None = None  # streaming "auto": the calls read so far
         if self._auto is not None and request.stream:

@@ -17,6 +17,7 @@ from aiohttp import web
 from ..errors import APIError
 from ..metrics import ServerMetrics
 from .fill_in_middle import fim_tokens_of
+from .harmony import HARMONY_TOOL_SYNTAX, HarmonyToolSyntax, harmony_in
 from .reasoning import reasoning_tags_in
 from .tool_syntax import ToolSyntax, tool_syntax_of
 
@@ -66,9 +67,10 @@ class ServerState:
         return getattr(self.engine.tokenizer, "chat_templates", {})
 
     @functools.cached_property
-    def tool_syntax(self) -> ToolSyntax | None:
-        """The tool-call syntax the model's chat template teaches, which tool_choice "auto" reads; None: none."""
-        return tool_syntax_of(self.chat_templates)
+    def tool_syntax(self) -> ToolSyntax | HarmonyToolSyntax | None:
+        """The tool-call syntax the model's chat template teaches, which tool_choice "auto" reads (harmony's for a
+        gpt-oss template: it also tells the parsers to read replies by channel); None: none."""
+        return HARMONY_TOOL_SYNTAX if harmony_in(self.chat_templates) else tool_syntax_of(self.chat_templates)
 
     @functools.cached_property
     def fim_tokens(self) -> tuple[str, str, str] | None:
@@ -77,8 +79,9 @@ class ServerState:
 
     @functools.cached_property
     def split_reasoning(self) -> bool:
-        """Whether chat replies' <think> text goes to reasoning_content (the option, and a template with the tags)."""
-        return self.reasoning_parser and reasoning_tags_in(self.chat_templates)
+        """Whether chat replies' reasoning goes to reasoning_content (the option, and a template with the <think>
+        tags or harmony's channels)."""
+        return self.reasoning_parser and (reasoning_tags_in(self.chat_templates) or harmony_in(self.chat_templates))
 
     @functools.cached_property
     def token_piece(self) -> Callable[[int], tuple[str, bytes]]:

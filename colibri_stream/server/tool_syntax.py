@@ -57,7 +57,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .text_tags import held_prefix
@@ -107,7 +107,7 @@ class HermesToolSyntax:
             call = json.loads(block)
         except ValueError:
             return None
-        return _call(call, tools)
+        return tool_call_entry(call, tools)
 
 
 class QwenXmlToolSyntax(HermesToolSyntax):
@@ -137,7 +137,7 @@ class QwenXmlToolSyntax(HermesToolSyntax):
             end = parameter.end()
         if body[end:].strip():
             return None
-        return _call({"name": name, "arguments": _typed_arguments(pairs, tools[name])}, tools)
+        return tool_call_entry({"name": name, "arguments": _typed_arguments(pairs, tools[name])}, tools)
 
 
 class GlmToolSyntax(HermesToolSyntax):
@@ -160,7 +160,7 @@ class GlmToolSyntax(HermesToolSyntax):
         pairs = [(key.strip(), value) for key, value in self._pair.findall(block)]
         if first >= 0 and self._pair.sub("", block[first:]).strip():  # text between or after the pairs
             return None
-        return _call({"name": name, "arguments": _typed_arguments(pairs, tools[name])}, tools)
+        return tool_call_entry({"name": name, "arguments": _typed_arguments(pairs, tools[name])}, tools)
 
 
 class MiniMaxToolSyntax(HermesToolSyntax):
@@ -187,7 +187,7 @@ class MiniMaxToolSyntax(HermesToolSyntax):
             if name not in tools or self._parameter.sub("", body).strip():
                 return None
             pairs = [(key, value.removeprefix("\n").removesuffix("\n")) for key, value in self._parameter.findall(body)]
-            calls.append(_call({"name": name, "arguments": _typed_arguments(pairs, tools[name])}, tools))
+            calls.append(tool_call_entry({"name": name, "arguments": _typed_arguments(pairs, tools[name])}, tools))
         if not calls or self._invoke.sub("", block).strip():
             return None
         return calls
@@ -215,18 +215,9 @@ class DeepSeekToolSyntax:
         opening token, a call that is not one of `tools` with an object of arguments, or other text among the
         calls or after them."""
         body = _section(text, self.opening, self.closing)
-        if body is None:
-            return None
-        calls, end = [], 0
-        for match in self._call_block.finditer(body):
-            call = self._parse_call(match.group(1), tools)
-            if call is None or body[end:match.start()].strip():
-                return None
-            calls.append(call)
-            end = match.end()
-        if not calls or body[end:].strip():
-            return None
-        return text[:text.find(self.opening)], calls
+        calls = None if body is None else calls_in(body, self._call_block,
+                                                   lambda match: self._parse_call(match.group(1), tools))
+        return None if calls is None else (text[:text.find(self.opening)], calls)
 
     def _parse_call(self, inner: str, tools: Mapping[str, Any]) -> dict | None:
         head, separator, rest = inner.partition("<｜tool▁sep｜>")
@@ -238,7 +229,7 @@ class DeepSeekToolSyntax:
             value = json.loads(arguments)
         except ValueError:
             return None
-        return _call({"name": name.strip(), "arguments": value}, tools)
+        return tool_call_entry({"name": name.strip(), "arguments": value}, tools)
 
 
 class KimiToolSyntax(DeepSeekToolSyntax):
@@ -263,7 +254,22 @@ class KimiToolSyntax(DeepSeekToolSyntax):
             value = json.loads(arguments)
         except ValueError:
             return None
-        return _call({"name": name.group(1), "arguments": value}, tools)
+        return tool_call_entry({"name": name.group(1), "arguments": value}, tools)
+
+
+def calls_in(body: str, block: re.Pattern, parse: Callable[[re.Match], dict | None]) -> list[dict] | None:
+    """The calls `parse` reads from each match of `block` in `body`, with only whitespace between and after them;
+    None where one does not read as a call, other text is there, or there is none."""
+    calls, end = [], 0
+    for match in block.finditer(body):
+        call = parse(match)
+        if call is None or body[end:match.start()].strip():
+            return None
+        calls.append(call)
+        end = match.end()
+    if not calls or body[end:].strip():
+        return None
+    return calls
 
 
 def _section(text: str, opening: str, closing: str) -> str | None:
@@ -328,13 +334,13 @@ class MistralToolSyntax:
         except ValueError:
             return None
         items = document if isinstance(document, list) else [document]
-        calls = [_call(item, tools) for item in items]
+        calls = [tool_call_entry(item, tools) for item in items]
         if not calls or None in calls:
             return None
         return text[:start], calls
 
 
-def _call(call: object, tools: Mapping[str, Any]) -> dict | None:
+def tool_call_entry(call: object, tools: Mapping[str, Any]) -> dict | None:
     """A tool_calls entry from a decoded {"name", "arguments"} object; None if it is not a call of `tools`."""
     if not isinstance(call, dict) or call.get("name") not in tools:
         return None

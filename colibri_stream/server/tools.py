@@ -24,6 +24,7 @@ from typing import Any
 from ..errors import InvalidParameterError
 from ..request import SamplingParams
 from ..structured import json_schema_grammar
+from .harmony import HarmonyToolSyntax
 from .tool_syntax import NO_TOOL_SYNTAX, ToolSyntax
 
 ANY_OBJECT = {"type": "object"}  # the parameters of a function that declares none
@@ -51,9 +52,11 @@ class AutoCalls:
     syntax: ToolSyntax
 
 
-def with_call_tokens(use: ForcedCall | AutoCalls | None, params: SamplingParams) -> SamplingParams:
-    """`params`, keeping special tokens in the text where "auto" calls open with one (Mistral's [TOOL_CALLS])."""
-    if isinstance(use, AutoCalls) and use.syntax.keeps_special_tokens:
+def with_call_tokens(use: ForcedCall | AutoCalls | None, params: SamplingParams,
+                     syntax: ToolSyntax | HarmonyToolSyntax | None = None) -> SamplingParams:
+    """`params`, keeping special tokens in the text where "auto" calls open with one (Mistral's [TOOL_CALLS]), and
+    in every reply of a harmony model (`syntax`, the model's: its channels are special tokens)."""
+    if (isinstance(use, AutoCalls) and use.syntax.keeps_special_tokens) or isinstance(syntax, HarmonyToolSyntax):
         return dataclasses.replace(params, skip_special_tokens=False)
     return params
 
