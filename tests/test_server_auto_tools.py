@@ -30,7 +30,8 @@ from conftest import model_with_template
 from test_server import API_KEY, LiveServer, request
 
 from colibri_stream.server.state import STATE
-from colibri_stream.server.tool_syntax import HeldText, HermesToolSyntax
+from colibri_stream.server.tool_streams import HeldText
+from colibri_stream.server.tool_syntax import HermesToolSyntax
 
 pytest.importorskip("llguidance")
 HERMES_TEMPLATE = (

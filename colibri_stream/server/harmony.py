@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .text_tags import held_prefix
-from .tool_syntax import HeldCalls, calls_in, tool_call_entry
+from .tool_streams import HeldCalls
+from .tool_syntax import calls_in, tool_call_entry
 
 CHANNEL, MESSAGE, END, START = "<|channel|>", "<|message|>", "<|end|>", "<|start|>"
 ENDINGS = (END, "<|return|>", "<|call|>")  # what ends a message's body (the last two only as written out)

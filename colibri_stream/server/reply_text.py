@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from .generate_request import GenerateRequest
 from .harmony import HarmonyStream
 from .reasoning import ThinkingStream
-from .tool_syntax import HeldCalls, StreamedCalls
+from .tool_streams import HeldCalls, StreamedCalls
 from .tools import tool_calls
 
 

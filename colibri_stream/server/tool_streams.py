@@ -1,0 +1,269 @@
+"""Tool calls read from a reply while it streams, for tool_choice "auto" (the syntaxes are tool_syntax.py's):
+`StreamedCalls` lets Hermes blocks out as calls as they are written, `HeldCalls` holds the text of a syntax read
+only once whole (`HeldText`) and sends its calls at the end. Both return (content to send now, tool_calls
+deltas) from `feed` and `finish`."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from .text_tags import held_prefix
+
+
+class WholeSyntax(Protocol):
+    """What HeldCalls asks of a syntax (tool_syntax.py's): the tag that opens its calls (None: nothing does) and
+    its reading of a whole text."""
+
+    opening: str | None
+
+    def split(self, text: str, tools: Mapping[str, Any]) -> tuple[str, list[dict]] | None: ...
+
+
+class BlockSyntax(Protocol):
+    """What StreamedCalls asks of a syntax of blocks (Hermes'): its tags and the reading of one block."""
+
+    opening: str
+    closing: str
+
+    def _parse_block(self, block: str, tools: Mapping[str, Any]) -> dict | None: ...
+
+
+def _call_delta(index: int, call: dict) -> dict:
+    """A whole tool_calls entry as a stream delta's."""
+    return dict(call, index=index)
+
+
+def _merged(deltas: list[dict]) -> list[dict]:
+    """Stream deltas with each run of pieces of one call's arguments joined into one (a call's first delta, its
+    name's, stays apart)."""
+    out: list[dict] = []
+    for delta in deltas:
+        if out and out[-1]["index"] == delta["index"] and _is_piece(out[-1]) and _is_piece(delta):
+            out[-1] = {"index": delta["index"],
+                       "function": {"arguments": out[-1]["function"]["arguments"] + delta["function"]["arguments"]}}
+        else:
+            out.append(delta)
+    return out
+
+
+def _is_piece(delta: dict) -> bool:
+    """Whether a stream delta is a piece of a call's arguments (not a call's first delta)."""
+    return "id" not in delta
+
+
+class StreamedCalls:
+    """One streamed choice's text in Hermes blocks, read as vLLM's hermes parser streams it: `feed` and `finish`
+    return (content to send now, tool_calls deltas).
+
+    Text outside the blocks goes out as content as it comes, holding back only an end that may begin the opening
+    tag, and whitespace after a call (dropped where another block or the end follows). A block that opens with
+    `{"name": <one of the tools>, "arguments": {` goes out as a call at once: its id, type and name, then its
+    arguments object's text piece by piece as the model writes it, up to the brace that closes it (the rest of
+    the block, up to its closing tag, is syntax). Any other block is held until its closing tag (or the end of the
+    text) and goes out then, whole: as a call where it reads as one (`HermesToolSyntax._parse_block`), else as
+    content. What went out as a call stays one: a reply that breaks the syntax later (text after the calls, a
+    call cut short) is not taken back, as vLLM streams it; the non-streamed answer, read once whole, keeps such
+    text as content (`HermesToolSyntax.split`)."""
+
+    _head = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{')
+
+    def __init__(self, syntax: BlockSyntax, tools: Mapping[str, Any]):
+        self._syntax = syntax
+        self._tools = tools
+        self._state = "text"  # text | block (a block's start, or a held block) | arguments | tail (after them)
+        self._buffer = ""  # the text read but not sent: an end that may begin a tag, a block, a block's tail
+        self._after_call = False  # in "text": only whitespace since the last call
+        self._depth = 0  # in "arguments": brackets open
+        self._in_string = self._escaped = False  # in "arguments": inside a JSON string, after its backslash
+        self.calls = 0  # calls sent so far
+        self.whole = True  # every call sent was closed (its arguments object ended)
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        content: list[str] = []
+        deltas: list[dict] = []
+        while text:
+            text = getattr(self, "_read_" + self._state)(text, content, deltas)
+        return "".join(content), _merged(deltas)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """What is left once the text is whole."""
+        rest, self._buffer = self._buffer, ""
+        if self._state == "text":
+            return ("" if self._after_call and not rest.strip() else rest), []
+        if self._state == "block":  # the last block may lack its closing tag, as in `split`
+            return self._held_block(rest)
+        if self._state == "arguments":  # cut short
+            self.whole = False
+            return "", []
+        leftover = re.sub(r"\A\s*\}?\s*", "", rest)  # "tail": the end of the call object and its closing tag
+        return leftover, []
+
+    def _read_text(self, text: str, content: list[str], deltas: list[dict]) -> str:
+        pending = self._buffer + text
+        start = pending.find(self._syntax.opening)
+        before = pending if start < 0 else pending[:start]
+        keep = held_prefix(before, self._syntax.opening) if start < 0 else 0
+        out = before[:len(before) - keep]
+        if self._after_call and not out.strip():  # whitespace after a call: held until something follows it
+            self._buffer = before
+        else:
+            content.append(out)
+            self._after_call = False
+            self._buffer = before[len(out):]
+        if start < 0:
+            return ""
+        self._state, self._buffer, self._after_call = "block", "", False
+        return pending[start + len(self._syntax.opening):]
+
+    def _read_block(self, text: str, content: list[str], deltas: list[dict]) -> str:
+        searched = max(0, len(self._buffer) - len(self._syntax.closing) + 1)  # (the buffer holds no closing tag)
+        pending = self._buffer + text
+        end = pending.find(self._syntax.closing, searched)
+        block = pending if end < 0 else pending[:end]
+        head = self._head.match(block)
+        name = _json_string(head.group(1)) if head is not None else None
+        if name in self._tools:
+            self._state, self._buffer = "arguments", ""
+            self._depth, self._in_string, self._escaped = 0, False, False
+            deltas.append({"index": self.calls, "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                           "function": {"name": name, "arguments": ""}})
+            self.calls += 1
+            return pending[head.end() - 1:]  # from the arguments' opening brace
+        if end < 0:  # a start that may still become a call's, or a block held until it closes
+            self._buffer = pending
+            return ""
+        more_content, calls = self._held_block(block, closed=True)
+        content.append(more_content)
+        deltas += calls
+        self._state, self._buffer = "text", ""
+        return pending[end + len(self._syntax.closing):]
+
+    def _held_block(self, block: str, closed: bool = False) -> tuple[str, list[dict]]:
+        """A block that did not open as a streamed call, once it is whole (`closed`: by its closing tag, else by
+        the end of the text): a call, or content (with its tags)."""
+        call = self._syntax._parse_block(block, self._tools)
+        if call is None:
+            return self._syntax.opening + block + (self._syntax.closing if closed else ""), []
+        self._after_call = True
+        self.calls += 1
+        return "", [_call_delta(self.calls - 1, call)]
+
+    def _read_arguments(self, text: str, content: list[str], deltas: list[dict]) -> str:
+        """The arguments object's text, sent as it comes, up to the brace that closes it (a `<` outside a string,
+        which JSON cannot hold, ends it too: the model went on to a tag)."""
+        end = None
+        for i, char in enumerate(text):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    end = i + 1
+                    break
+            elif char == "<":
+                self.whole = False
+                end = i
+                break
+        piece = text if end is None else text[:end]
+        if piece:
+            deltas.append({"index": self.calls - 1, "function": {"arguments": piece}})
+        if end is None:
+            return ""
+        self._state = "tail"
+        return text[end:]
+
+    def _read_tail(self, text: str, content: list[str], deltas: list[dict]) -> str:
+        """After a streamed call's arguments: the rest of its block, up to the closing tag, is syntax."""
+        searched = max(0, len(self._buffer) - len(self._syntax.closing) + 1)
+        pending = self._buffer + text
+        end = pending.find(self._syntax.closing, searched)
+        if end < 0:
+            self._buffer = pending
+            return ""
+        self._state, self._buffer, self._after_call = "text", "", True
+        return pending[end + len(self._syntax.closing):]
+
+
+def _json_string(literal: str) -> str | None:
+    """The value of a JSON string literal; None where it is not one."""
+    try:
+        return json.loads(literal)
+    except ValueError:
+        return None
+
+
+class HeldCalls:
+    """One streamed choice's text in a syntax read only once whole (every syntax but Hermes'): `feed`
+    and `finish` return (content to send now, tool_calls deltas). The text from the syntax's opening tag on is held
+    (`HeldText`); at the end it goes out as calls where it reads as calls, else as content."""
+
+    def __init__(self, syntax: WholeSyntax, tools: Mapping[str, Any]):
+        self._syntax = syntax
+        self._tools = tools
+        self._held = HeldText(syntax.opening)
+        self.calls = 0  # calls sent
+        self.whole = True  # (calls go out whole)
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        return self._held.feed(text), []
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """What is left once the text is whole: the calls (the text before them went out already), else the text
+        held back."""
+        split = self._syntax.split(self._held.text, self._tools)
+        if split is None:
+            return self._held.rest(), []
+        self.calls = len(split[1])
+        return "", [_call_delta(i, call) for i, call in enumerate(split[1])]
+
+
+class HeldText:
+    """One streamed choice's text under tool_choice "auto": what `feed` returns may go out as content now; the
+    text from the syntax's `opening` tag on (and any end of the text that could be the start of that tag) is held;
+    with no opening tag (None), nothing is. Each piece costs its own length (a long reply is not joined again at
+    every piece)."""
+
+    def __init__(self, opening: str | None):
+        self.opening = opening
+        self.parts: list[str] = []  # the whole text so far
+        self.sent = 0  # characters of it already sent as content
+        self.in_calls = False  # the opening tag has been seen
+        self._pending = ""  # the text after `sent`, before the tag is seen: an end that may begin it
+
+    def feed(self, text: str) -> str:
+        self.parts.append(text)
+        if self.in_calls:
+            return ""
+        if self.opening is None:
+            self.sent += len(text)
+            return text
+        pending = self._pending + text
+        start = pending.find(self.opening)
+        if start >= 0:
+            self.in_calls, end = True, start
+        else:
+            end = len(pending) - held_prefix(pending, self.opening)
+        self._pending = "" if self.in_calls else pending[end:]
+        self.sent += end
+        return pending[:end]
+
+    def rest(self) -> str:
+        """The text not sent yet."""
+        return self.text[self.sent:]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
