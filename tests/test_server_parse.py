@@ -95,7 +95,7 @@ RESPONSE_FIELDS = [
     ("tools", NOT_ARRAYS + [[5], [{"type": "web_search"}]]),
     ("tool_choice", [5, "banana"]),
     ("parallel_tool_calls", NOT_BOOLEANS),
-    ("reasoning", NOT_OBJECTS + [{"effort": "high"}]),
+    ("reasoning", NOT_OBJECTS + [{"effort": "extreme"}, {"summary": "auto"}]),
     ("include", NOT_ARRAYS + [["message.output_text.logprobs"]]),
     ("previous_response_id", ["resp_1"]),
     ("truncation", ["auto"]),
