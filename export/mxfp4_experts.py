@@ -43,6 +43,8 @@ class Mxfp4ExpertSource(QuantizedSource):
     stacked = True
 
     def __init__(self, quantization: dict):
+        # the last expert read of a stack, whole: its gate and its up are rows of the same bytes, read once
+        self._last: tuple[tuple[str, int], dict[str, np.ndarray]] | None = None
         for key, value in quantization.items():
             if key not in KEYS:
                 raise UnsupportedModelError(f"config.json: quantization_config {key} {value!r} is not supported "
@@ -68,8 +70,11 @@ class Mxfp4ExpertSource(QuantizedSource):
                                           "_scale": checkpoint.read(weight + SCALES)})
 
     def read_expert(self, checkpoint: HFCheckpoint, weight, expert, rows):
-        return _checked(f"{weight}{SCALES}[{expert}]", {"": checkpoint.read(weight + BLOCKS, (expert,))[rows],
-                                                        "_scale": checkpoint.read(weight + SCALES, (expert,))[rows]})
+        if self._last is None or self._last[0] != (weight, expert):
+            whole = _checked(f"{weight}{SCALES}[{expert}]", {"": checkpoint.read(weight + BLOCKS, (expert,)),
+                                                             "_scale": checkpoint.read(weight + SCALES, (expert,))})
+            self._last = ((weight, expert), whole)
+        return {suffix: part[rows] for suffix, part in self._last[1].items()}
 
 
 def _checked(scales: str, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -112,6 +112,7 @@ def feed(text: str, step: int | None) -> tuple[str, str, bool]:
     ("<|channel|>commentary<|message|>A preamble.<|end|><|start|>assistant<|channel|>final<|message|>Done.",
      ("", "A preamble.Done.", False)),
     ("No harmony at all.", ("", "No harmony at all.", False)),
+    ("<|channel|>final<|message|>Hi<|end|>stray words", ("", "Hi<|end|>stray words", False)),  # markup kept
     ("<|chan", ("", "<|chan", False)),
     ("<|message|>no channel", ("", "<|message|>no channel", False)),
 ])

@@ -109,7 +109,7 @@ def _group_products(out: Array, out_width: int, halves: Array, n_in: int, groups
     for matrix, rows, column in matrices:
         for slot, start, count in groups:
             weight = matrix.data.ptr + slot * matrix.strides[0]
-            target = out.data.ptr + (start * out_width + column) * 4
+            target = out.data.ptr + (start * out_width + column) * out.itemsize
             for half in (0, 1):
                 inputs = halves.data.ptr + (half * p + start) * n_in * item
                 weight_product(target, out_width, weight, row_stride, dtype, rows, n_in, inputs, n_in, count,

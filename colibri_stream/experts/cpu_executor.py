@@ -7,8 +7,7 @@ accumulators; a single token with short rows: one row at a time), widening each 
 multiply-add loop (bf16: the bits shifted into a float32; int8: a cast, the row scale applied to the dot product).
 int4, fp8 and mxfp4 experts take cpu_grouped.grouped_expert_kernel, which decodes one weight row at a time. The
 weights are read once, straight from their storage, and no float32 copy of them is made. Without numba, or for fp16
-experts, it dequantises to float32 and multiplies with NumPy. Measurements and the
-choice: docs/CPU_EXPERTS.md.
+experts, it dequantises to float32 and multiplies with NumPy. Measurements and the choice: docs/CPU_EXPERTS.md.
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ class HarmonyStream:
 
     def __init__(self):
         self._mode = "header"  # header | body | between | raw (the structure broke: the rest as written)
-        self._route = "content"  # where the current body goes: reasoning | content | call
+        self._route: str | None = "content"  # where the current body goes: reasoning | content | call
+        self._ending = ""  # the token that ended the last body (written back if what follows breaks the format)
         self._held = ""
         self.thought = False  # the reply has written an analysis message
         self.reasoning_tokens = 0  # tokens of the pieces fed while in an analysis body
@@ -71,8 +72,8 @@ class HarmonyStream:
                     held, self._mode = stripped[min(found):], "header"
                 elif START.startswith(stripped):
                     break
-                else:
-                    self._mode = "raw"
+                else:  # not a next message: the rest as written, from the token that ended the last one
+                    self._mode, held = "raw", self._ending + held
             elif self._mode == "header":  # held: the message's header so far
                 end = held.find(MESSAGE)
                 if end < 0:
@@ -89,8 +90,8 @@ class HarmonyStream:
             else:  # body
                 ends = [(held.find(e), e) for e in ENDINGS if held.find(e) >= 0]
                 if ends:
-                    at, ending = min(ends)
-                    piece, held = held[:at], held[at + len(ending):]
+                    at, self._ending = min(ends)
+                    piece, held = held[:at], held[at + len(self._ending):]
                     reasoning, content = self._add(piece, reasoning, content)
                     if self._route == "call":
                         content += "<|call|>"
