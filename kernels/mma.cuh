@@ -68,6 +68,67 @@ __device__ __forceinline__ void store_partial(float* target, float value, bool s
     }
 }
 
+// The slot holding expert e: slot_of[e] with a slot table (negative: not in a slot for this pass), else e.
+__device__ __forceinline__ long long mma_expert_slot(const int* slot_of, int e) {
+    return slot_of != nullptr ? slot_of[e] : e;
+}
+
+// The MoE kernels' outputs from a warp's accumulators (C fragments: acc[m][t][2h + c] is row quad + 8h of m-tile m,
+// pair 2q + c of n-tile t; pairs[t] is the pair of lane 4 * j's column j; n pairs in this pass), each row's value
+// times scale[m][h]. store_gate_up: m-tile 0 is gate and 1 is up, of the rows rows[h]; act[p, row] =
+// silu(gate) * up. store_down: rows[m][h]; y[p, row] = value * route_weights[p], added when `split`.
+template <int NT>
+__device__ __forceinline__ void store_gate_up(const float (&acc)[2][NT][4], const float (&scale)[2][2],
+                                              const int (&pairs)[NT], const int (&rows)[2], int n, int tiles,
+                                              float* __restrict__ act, int I) {
+    const int q = threadIdx.x % 4;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        if (t < tiles) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {  // accumulator columns 2q + c: pair of lane 4 * (2q + c)
+                const int p = __shfl_sync(FULL_MASK, pairs[t], 4 * (2 * q + c));
+                if (8 * t + 2 * q + c >= n) continue;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    if (rows[h] >= I) continue;
+                    const float gv = acc[0][t][2 * h + c] * scale[0][h];
+                    const float uv = acc[1][t][2 * h + c] * scale[1][h];
+                    act[static_cast<long long>(p) * I + rows[h]] = gv / (1.f + expf(-gv)) * uv;
+                }
+            }
+        }
+    }
+}
+
+template <int M, int NT>
+__device__ __forceinline__ void store_down(const float (&acc)[M][NT][4], const float (&scale)[M][2],
+                                           const int (&pairs)[NT], const int (&rows)[M][2], int n, int tiles,
+                                           const float* __restrict__ route_weights, float* __restrict__ y, int H,
+                                           bool split) {
+    const int q = threadIdx.x % 4;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        if (t < tiles) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int p = __shfl_sync(FULL_MASK, pairs[t], 4 * (2 * q + c));
+                if (8 * t + 2 * q + c >= n) continue;
+                const float weight = route_weights[p];
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        if (rows[m][h] >= H) continue;
+                        float* target = y + static_cast<long long>(p) * H + rows[m][h];
+                        store_partial(target, acc[m][t][2 * h + c] * scale[m][h] * weight, split);
+                    }
+                }
+            }
+        }
+    }
+}
+
 // This lane's 8 activations (columns col .. col + 7) of the row b: zeros where `in` is false (past the row's end).
 __device__ __forceinline__ void load_activations(const float* b, int col, bool in, float (&v)[8]) {
     if (in) {

@@ -39,11 +39,6 @@ constexpr int MMA_ROWS_UP = 16;             // gate rows (and the same up rows) 
 constexpr int MMA_ROWS_DOWN = 32;           // down rows per warp of moe_down_mma
 constexpr int MMA_TILES_M = 2;              // 16-row m-tiles per warp in both kernels (gate + up; 2 x 16 down rows)
 
-// The slot holding expert e: slot_of[e] with a slot table (negative: not in a slot for this pass), else e.
-__device__ __forceinline__ long long mma_expert_slot(const int* slot_of, int e) {
-    return slot_of != nullptr ? slot_of[e] : e;
-}
-
 template <typename W, int NT>
 __global__ void __launch_bounds__(MMA_WARPS * 32)
 moe_gate_up_mma(const float* __restrict__ x, const W* __restrict__ gate, const W* __restrict__ up,
@@ -56,7 +51,7 @@ moe_gate_up_mma(const float* __restrict__ x, const W* __restrict__ gate, const W
     if (g >= num_groups[0]) return;
     const long long slot = mma_expert_slot(slot_of, group_expert[g]);
     if (slot < 0) return;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, q = lane % 4;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4;
     const int row0 = (blockIdx.x * MMA_WARPS + warp) * MMA_ROWS_UP;
     if (row0 >= I) return;  // whole warps leave together; no block-wide barrier follows
     __shared__ WeightRing<MMA_TILES_M> ring;
@@ -85,23 +80,7 @@ moe_gate_up_mma(const float* __restrict__ x, const W* __restrict__ gate, const W
         }
         float acc[2][NT][4] = {};
         mma_rows<W, 2, NT>(a, b, tiles, H, ring, acc);
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-            if (t < tiles) {
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {  // accumulator columns 2q + c: pair of lane 4 * (2q + c)
-                    const int p = __shfl_sync(FULL_MASK, pairs[t], 4 * (2 * q + c));
-                    if (8 * t + 2 * q + c >= n) continue;
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        if (rows[h] >= I) continue;
-                        const float gv = acc[0][t][2 * h + c] * scale[0][h];
-                        const float uv = acc[1][t][2 * h + c] * scale[1][h];
-                        act[static_cast<long long>(p) * I + rows[h]] = gv / (1.f + expf(-gv)) * uv;
-                    }
-                }
-            }
-        }
+        store_gate_up<NT>(acc, scale, pairs, rows, n, tiles, act, I);
     }
 }
 
@@ -119,7 +98,7 @@ moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long lon
     if (g >= num_groups[0]) return;
     const long long slot = mma_expert_slot(slot_of, group_expert[g]);
     if (slot < 0) return;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, q = lane % 4;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4;
     const int row0 = (blockIdx.x * MMA_WARPS + warp) * MMA_ROWS_DOWN;
     if (row0 >= H) return;
     const int k0 = blockIdx.z * span;
@@ -152,26 +131,6 @@ moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long lon
         }
         float acc[M][NT][4] = {};
         mma_rows<W, M, NT>(a, b, tiles, cols, ring, acc);
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-            if (t < tiles) {
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int p = __shfl_sync(FULL_MASK, pairs[t], 4 * (2 * q + c));
-                    if (8 * t + 2 * q + c >= n) continue;
-                    const float weight = route_weights[p];
-#pragma unroll
-                    for (int m = 0; m < M; ++m) {
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            if (rows[m][h] >= H) continue;
-                            float* target = y + static_cast<long long>(p) * H + rows[m][h];
-                            const float value = acc[m][t][2 * h + c] * scale[m][h] * weight;
-                            store_partial(target, value, split);
-                        }
-                    }
-                }
-            }
-        }
+        store_down<M, NT>(acc, scale, pairs, rows, n, tiles, route_weights, y, H, split);
     }
 }

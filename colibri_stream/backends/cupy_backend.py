@@ -3,7 +3,7 @@
 Numerics: activations and every accumulation are float32; the KV cache is in its own dtype (bfloat16 by default,
 float16, fp8 e4m3 as uint8 bits, float32), rounded when written and widened when attention loads it. Weight
 matrices stay in their storage dtype (bfloat16, float16, float32; routed experts also int8 with per-row float32
-scales) and are widened in registers as they are loaded; vectors (norm weights, biases) are held as float32.
+scales, int4 and fp8 with group or tile scales) and are widened in registers as they are loaded; vectors (norm weights, biases) are held as float32.
 bfloat16 arrays are CuPy uint16 arrays of the same bits (CuPy has no bfloat16 arithmetic); `storage_type` names
 their CUDA type for the kernels.
 
@@ -36,6 +36,7 @@ from .cupy_flash_attention import (DECODE_THREADS, FLASH_FILE, FLASH_THREADS, Fl
 from .cupy_launch import (NULL, FAMILIES, ceil_div, check_row_width, launch, smallest_tile, storage_type,
                           to_device_storage)
 from .cupy_moe import DeviceExpertStore, routed_experts
+from .cupy_quant_moe import FP8_LANE_COLS
 from .kernels import get_kernel
 from .tuning import (ATTENTION_WARPS, CAPTURED_CUBLAS_ALL_MIN_TOKENS, CAPTURED_CUBLAS_MIN_ROWS,
                      CAPTURED_CUBLAS_MIN_TOKENS, DENSE_MMA_MIN_TOKENS, FLASH_DECODE_BLOCKS_PER_SM,
@@ -82,7 +83,8 @@ class CupyBackend(Backend):
     name = "cupy"
     device = "cuda"
     supports_graphs = True
-    expert_formats = ("bfloat16", "float16", "float32", "int8")  # kernels/moe*.cu widen these; not int4, fp8 yet
+    # kernels/moe.cu and moe_mma.cu widen the plain formats and int8, moe_quant.cu dequantizes int4 and fp8; not mxfp4
+    expert_formats = ("bfloat16", "float16", "float32", "int8", "int4", "fp8")
 
     @classmethod
     def missing_features(cls, config: ModelConfig) -> list[str]:
@@ -100,6 +102,11 @@ class CupyBackend(Backend):
             ("partial rotary (rotary_dim)",
              config.attention == "gqa" and config.rotary_dim not in (None, config.head_dim)),
             ("Multi-head Latent Attention", config.attention == "mla")) if used]
+        # moe_quant.cu reads 16 codes a lane: whole 32-column chunks of int4, 16-column rows of fp8
+        width = {"int4": 32, "fp8": FP8_LANE_COLS}.get(config.expert_dtype)
+        if width and (config.hidden_size % width or config.moe_intermediate_size % width):
+            missing.append(f"{config.expert_dtype} experts of hidden size {config.hidden_size} and intermediate size "
+                           f"{config.moe_intermediate_size} (multiples of {width} only)")
         return missing
 
     def __init__(self):

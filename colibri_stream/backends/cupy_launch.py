@@ -40,6 +40,9 @@ FAMILIES = {
                                                    for tt in MOE_TILES for r in MOE_ROWS_PER_WARP),
     "moe_mma.cu": lambda w: tuple(f"{k}<{w}, {nt}>" for k in ("moe_gate_up_mma", "moe_down_mma")
                                   for nt in MMA_TILES) if w in ("__nv_bfloat16", "__half") else (),
+    # w: the codes type (Int4Codes<16>, Int4Codes<8>, Int4Codes<4>, Fp8Codes; cupy_quant_moe.py)
+    "moe_quant.cu": lambda w: tuple(f"{k}<{w}, {nt}>" for k in ("moe_gate_up_quant", "moe_down_quant")
+                                    for nt in MMA_TILES),
     "linear_mma.cu": lambda w: tuple(f"linear_mma<{w}, {nt}>" for nt in LINEAR_MMA_TILES)
     if w in ("__nv_bfloat16", "__half") else (),
     # w: the KV cache's element type (float, __nv_bfloat16, __half, __nv_fp8_e4m3)

@@ -2,8 +2,8 @@
 
 `routed_experts` sorts a step's (token, expert) pairs into groups per expert on the device (moe_align), launches
 moe_gate_up and moe_down (or their tensor-core forms, moe_mma.cu; or, for prefill-sized groups, cuBLAS GEMMs per
-expert, cupy_expert_gemm.py) once per pass the store yields (experts/device.py), and sums each token's experts
-(moe_sum). `DeviceExpertStore` holds every expert resident, stacked per MoE layer: one pass, no host work, so a
+expert, cupy_expert_gemm.py; int4 and fp8 experts on moe_quant.cu, cupy_quant_moe.py) once per pass the store
+yields (experts/device.py), and sums each token's experts (moe_sum). `DeviceExpertStore` holds every expert resident, stacked per MoE layer: one pass, no host work, so a
 decode step can be captured in a CUDA graph.
 """
 
@@ -14,10 +14,12 @@ from collections.abc import Iterable
 import ml_dtypes
 import numpy as np
 
+from ..expert_codecs import MATRICES
 from ..experts.device import DeviceExperts, LayerExperts
 from ..experts.store import ExpertStore
 from .cupy_expert_gemm import GroupedTokens, expert_gemms, takes_expert_gemms
 from .cupy_launch import Array, ceil_div, check_row_width, launch, smallest_tile, storage_type, to_device_storage
+from .cupy_quant_moe import is_block_scaled, quant_experts
 from .tuning import (MMA_DOWN_ROWS, MMA_GATE_UP_ROWS, MMA_MIN_TOKENS, MMA_THREADS, MMA_TILES, MOE_DOWN_ROW_BYTES,
                      MOE_ROWS_PER_WARP, MOE_TILES, MOE_UP_ROW_BYTES, MOE_WARPS)
 
@@ -67,6 +69,14 @@ def routed_experts(backend, x: Array, weights: Array, expert_ids: Array, layer: 
     routing = (group_expert, group_start, sorted_pairs, num_groups)
     act = y = grouped = None
     for experts in device.passes(layer):
+        if is_block_scaled(experts):  # int4, fp8: moe_quant.cu, whose split down product adds into y
+            i = experts.gate.shape[1]
+            if act is None or act.shape[1] != i:
+                act = cp.empty((pairs, i), np.float32)  # [P, I]
+            if y is None:
+                y = cp.zeros((pairs, h), np.float32)  # [P, H]
+            quant_experts(experts, x, act, y, route_weights, routing, t, top_k, groups, backend.column_splits)
+            continue
         if takes_expert_gemms(experts, pairs, num_experts):
             if grouped is None:  # the tokens in group order, for every launch of the layer
                 grouped = GroupedTokens.gather(x, routing, top_k, experts.gate)
@@ -130,33 +140,16 @@ class DeviceExpertStore(DeviceExperts):
 
     @classmethod
     def upload(cls, store: ExpertStore, layers: Iterable[int], num_experts: int) -> DeviceExpertStore:
-        """Copy experts 0..num_experts-1 of each layer from `store` (host or device arrays) into stacked arrays."""
-        import cupy
-
+        """Copy experts 0..num_experts-1 of each layer from `store` (host or device arrays) into stacked arrays:
+        bf16/fp16/float32/int8 experts as gate and up rows of one [E, 2I, H] array (cuBLAS multiplies both at once,
+        cupy_expert_gemm.py), the block-scaled formats (int4, fp8) tensor by tensor as the block holds them."""
         stacked = {}
         for layer in layers:
-            w13 = w2 = s13 = s2 = None
-            for expert in range(num_experts):
-                tensors = store.expert(layer, expert)
-                gate, up, down = (to_device_storage(tensors[n]) for n in ("gate", "up", "down"))  # [I, H], [I, H], [H, I]
-                if w13 is None:
-                    i, h = gate.shape
-                    quantized = "gate_scale" in tensors
-                    w13 = cupy.empty((num_experts, 2 * i, h), gate.dtype)  # [E, 2I, H]: gate rows, then up rows
-                    w2 = cupy.empty((num_experts, h, i), gate.dtype)  # [E, H, I]
-                    s13 = cupy.empty((num_experts, 2 * i), np.float32) if quantized else None  # [E, 2I]
-                    s2 = cupy.empty((num_experts, h), np.float32) if quantized else None  # [E, H]
-                if not gate.dtype == up.dtype == down.dtype == w13.dtype:
-                    raise ValueError(f"expert ({layer}, {expert}) has tensors of another dtype than expert 0")
-                i = gate.shape[0]
-                w13[expert, :i] = gate
-                w13[expert, i:] = up
-                w2[expert] = down
-                if s13 is not None:
-                    s13[expert, :i] = cupy.asarray(tensors["gate_scale"], dtype=np.float32)
-                    s13[expert, i:] = cupy.asarray(tensors["up_scale"], dtype=np.float32)
-                    s2[expert] = cupy.asarray(tensors["down_scale"], dtype=np.float32)
-            stacked[layer] = LayerExperts.stacked(w13, w2, s13, s2)
+            first = store.expert(layer, 0)
+            if "gate_zero" in first or np.dtype(first["gate"].dtype) in _BLOCK_SCALED:
+                stacked[layer] = _stack_by_name(store, layer, num_experts)
+            else:
+                stacked[layer] = _stack_gate_up(store, layer, num_experts)
         return cls(stacked)
 
     def passes(self, layer: int) -> Iterable[LayerExperts]:
@@ -170,14 +163,60 @@ class DeviceExpertStore(DeviceExperts):
         """One expert's tensors copied back to the host, in the storage layout ExpertStore promises."""
         import cupy
 
-        arrays = self.layers[layer]
-
-        def host(array: Array) -> np.ndarray:
-            values = cupy.asnumpy(array)
-            return values.view(ml_dtypes.bfloat16) if values.dtype == np.uint16 else values
-
-        tensors = {"gate": host(arrays.gate[expert]), "up": host(arrays.up[expert]), "down": host(arrays.down[expert])}
-        if arrays.gate_scale is not None:
-            tensors.update(gate_scale=host(arrays.gate_scale[expert]), up_scale=host(arrays.up_scale[expert]),
-                           down_scale=host(arrays.down_scale[expert]))
+        tensors = {}
+        for name, array in self.layers[layer].named().items():
+            values = cupy.asnumpy(array[expert])
+            if values.dtype == np.uint16:
+                values = values.view(ml_dtypes.bfloat16)
+            elif name in MATRICES and array.ndim == 3 and values.dtype == np.uint8:  # fp8 codes [rows, cols]
+                values = values.view(ml_dtypes.float8_e4m3fn)
+            tensors[name] = values
         return tensors
+
+
+_BLOCK_SCALED = (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn))  # int4 / mxfp4 codes, fp8 codes
+
+
+def _stack_gate_up(store: ExpertStore, layer: int, num_experts: int) -> LayerExperts:
+    """A layer's experts as w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] and int8's per-row scales."""
+    import cupy
+
+    w13 = w2 = s13 = s2 = None
+    for expert in range(num_experts):
+        tensors = store.expert(layer, expert)
+        gate, up, down = (to_device_storage(tensors[n]) for n in MATRICES)  # [I, H], [I, H], [H, I]
+        if w13 is None:
+            i, h = gate.shape
+            quantized = "gate_scale" in tensors
+            w13 = cupy.empty((num_experts, 2 * i, h), gate.dtype)  # [E, 2I, H]: gate rows, then up rows
+            w2 = cupy.empty((num_experts, h, i), gate.dtype)  # [E, H, I]
+            s13 = cupy.empty((num_experts, 2 * i), np.float32) if quantized else None  # [E, 2I]
+            s2 = cupy.empty((num_experts, h), np.float32) if quantized else None  # [E, H]
+        if not gate.dtype == up.dtype == down.dtype == w13.dtype:
+            raise ValueError(f"expert ({layer}, {expert}) has tensors of another dtype than expert 0")
+        i = gate.shape[0]
+        w13[expert, :i] = gate
+        w13[expert, i:] = up
+        w2[expert] = down
+        if s13 is not None:
+            s13[expert, :i] = cupy.asarray(tensors["gate_scale"], dtype=np.float32)
+            s13[expert, i:] = cupy.asarray(tensors["up_scale"], dtype=np.float32)
+            s2[expert] = cupy.asarray(tensors["down_scale"], dtype=np.float32)
+    return LayerExperts.stacked(w13, w2, s13, s2)
+
+
+def _stack_by_name(store: ExpertStore, layer: int, num_experts: int) -> LayerExperts:
+    """A layer's experts as one [E, *shape] device array per block tensor (codes, scales, zero points)."""
+    import cupy
+
+    arrays = {}
+    for expert in range(num_experts):
+        for name, tensor in store.expert(layer, expert).items():
+            value = to_device_storage(tensor)
+            if name not in arrays:
+                arrays[name] = cupy.empty((num_experts, *value.shape), value.dtype)
+            if arrays[name].shape[1:] != value.shape or arrays[name].dtype != value.dtype:
+                raise ValueError(f"expert ({layer}, {expert}) has {name} {value.dtype}{list(value.shape)}, expert 0 "
+                                 f"{arrays[name].dtype}{list(arrays[name].shape[1:])}")
+            arrays[name][expert] = value
+    return LayerExperts.from_arrays(arrays, None)

@@ -16,8 +16,9 @@ import numpy as np
 from ..checkpoint import NUMPY_DTYPES, TensorSlot
 
 TENSOR_ALIGNMENT = 256  # bytes; each packed tensor starts on this boundary (the kernels read 16-byte vectors)
-# How each stored dtype is held in device arrays (bf16 as its uint16 bits, which the kernels reinterpret)
-DEVICE_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "int8": np.int8}
+# block tensor dtype -> the dtype of its device view (the kernels read bf16 as uint16 bits and fp8 e4m3 as bytes)
+DEVICE_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "int8": np.int8,
+                 "uint8": np.uint8, "float8_e4m3fn": np.uint8}
 
 
 def _align(offset: int) -> int:

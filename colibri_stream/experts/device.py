@@ -30,13 +30,16 @@ class LayerExperts:
     (negative: not computed by this launch). Rows are contiguous; gate and up share one stride per slot.
     """
 
-    gate: Array  # [S, I, H] storage dtype
+    gate: Array  # [S, I, H] storage dtype; int4: [S, I, groups, width / 2] uint8 (expert_codecs.py)
     up: Array  # [S, I, H]
     down: Array  # [S, H, I]
-    gate_scale: Array | None  # [S, I] float32 per-row scales (int8 experts), else None
-    up_scale: Array | None  # [S, I]
-    down_scale: Array | None  # [S, H]
+    gate_scale: Array | None  # float32 scales: int8 [S, I] per row; int4 [S, I, groups]; fp8 [S, tiles...] or [S, I]
+    up_scale: Array | None  # as gate_scale
+    down_scale: Array | None  # [S, H], [S, H, groups], ...
     slot_of: Array | None = None  # [E] int32
+    gate_zero: Array | None = None  # [S, I, groups] uint8 zero points of asymmetric int4 experts, else None
+    up_zero: Array | None = None
+    down_zero: Array | None = None
 
     @classmethod
     def stacked(cls, w13: Array, w2: Array, s13: Array | None, s2: Array | None) -> LayerExperts:
@@ -47,9 +50,16 @@ class LayerExperts:
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, Array], slot_of: Array | None) -> LayerExperts:
-        """From device arrays named as an expert block's tensors (gate, up, down and, for int8, their scales)."""
+        """From device arrays named as an expert block's tensors (gate, up, down and, for the quantized formats,
+        their scales and zero points), each with a leading slot axis."""
         return cls(arrays["gate"], arrays["up"], arrays["down"], arrays.get("gate_scale"), arrays.get("up_scale"),
-                   arrays.get("down_scale"), slot_of)
+                   arrays.get("down_scale"), slot_of, arrays.get("gate_zero"), arrays.get("up_zero"),
+                   arrays.get("down_zero"))
+
+    def named(self) -> dict[str, Array]:
+        """The arrays by block tensor name (those present), slot axis first."""
+        names = ("gate", "up", "down", "gate_scale", "up_scale", "down_scale", "gate_zero", "up_zero", "down_zero")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def kernel_args(self) -> tuple[tuple, tuple]:
         """(gate/up arguments, down arguments) of moe_gate_up and moe_down: pointers and strides per slot."""

@@ -42,6 +42,7 @@ import numpy as np
 
 from ..checkpoint import ExpertFile
 from ..errors import CheckpointError
+from ..expert_codecs import expert_codec
 from .block_sources import LOADER_THREADS, BlockSource, block_source
 from .cpu_dispatch import CpuDispatch
 from .cpu_executor import CpuExpertExecutor
@@ -294,10 +295,12 @@ class GpuTieredStore(DeviceExperts):
     def _place_misses(self, layer: int, ids: np.ndarray, misses: list[int]) -> tuple[list[int], Cut | None]:
         """(the misses the CPU computes whole this step, the one cut by its intermediate rows or None), from the
         planner: all whole ("all"), or the cost model's choice ("auto"). Only an expert in host memory is cut (the
-        CPU and the copy read the same pinned block)."""
+        CPU and the copy read the same pinned block), and only in a format whose intermediate rows are slices of its
+        tensors (ExpertCodec.sliceable: not int4, fp8 or mxfp4, whose scales group rows and columns)."""
         counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)
+        splittable = self.source.has_host_blocks and expert_codec(self.file.config).sliceable
         needs = [ExpertNeed(self.block_size, self._params, int(counts[e]), on_disk=not self.source.in_memory(layer, e),
-                            splittable=self.source.has_host_blocks) for e in misses]
+                            splittable=splittable) for e in misses]
         return place_misses(misses, needs, self.bandwidths, self.file.config.moe_intermediate_size,
                             every_miss=self.cpu_experts == "all")
 
