@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-bench and llama-batched-bench with CUDA: the same-machine baseline of benchmarks/offload.py
-# (--llama-bench) and benchmarks/llama_cpp.py.
+# Build llama.cpp's llama-bench, llama-batched-bench and llama-quantize with CUDA: the same-machine baseline of
+# benchmarks/offload.py (--llama-bench), benchmarks/llama_cpp.py and benchmarks/quantized.py.
 #
 # Usage: benchmarks/build_llama_cpp.sh SOURCE_DIR BUILD_DIR [CUDA_ARCHS]
 #   SOURCE_DIR  a llama.cpp source tree (a git clone, or vendor/llama.cpp of the llama-cpp-python sdist; the
 #               project does not ship it). Its gguf-py/ is what benchmarks/llama_cpp.py writes GGUF files with.
-#   BUILD_DIR   where to build; prints the folder of the two binaries on its last line. Reuses a finished build.
+#   BUILD_DIR   where to build; prints the folder of the three binaries on its last line. Reuses a finished build.
 #   CUDA_ARCHS  default 90 (H100/H200); one architecture keeps the build to a few minutes on 16 cores.
 #
 # Flags: CUDA graphs and flash attention on (llama.cpp's defaults), CPU code for this machine (GGML_NATIVE: the
@@ -15,7 +15,7 @@ set -euo pipefail
 src=$(realpath "$1")
 build=$(realpath -m "$2")
 archs=${3:-90}
-if [ -x "$build/bin/llama-bench" ] && [ -x "$build/bin/llama-batched-bench" ]; then
+if [ -x "$build/bin/llama-bench" ] && [ -x "$build/bin/llama-batched-bench" ] && [ -x "$build/bin/llama-quantize" ]; then
     echo "$build/bin"
     exit 0
 fi
@@ -50,5 +50,5 @@ print(os.path.dirname(os.path.dirname(libs[0])) if libs else "")')
         configure "${extra[@]}" -DGGML_CUDA_NO_VMM=ON || { tail -30 "$build/configure.log" >&2; exit 1; }
     fi
 fi
-cmake --build "$build" --target llama-bench llama-batched-bench -j "$(nproc)" > "$build/build.log" 2>&1 || { tail -40 "$build/build.log" >&2; exit 1; }
+cmake --build "$build" --target llama-bench llama-batched-bench llama-quantize -j "$(nproc)" > "$build/build.log" 2>&1 || { tail -40 "$build/build.log" >&2; exit 1; }
 echo "$build/bin"

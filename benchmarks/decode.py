@@ -117,15 +117,21 @@ def time_in_graph(cp, fn, calls: int = 32, replays: int = 5) -> float:
 
 
 class Colibri:
-    """A synthetic model on the CuPy backend with its KV cache, block tables and decode graph for one batch."""
+    """A model on the CuPy backend (every expert resident) with its KV cache, block tables and decode graph for one
+    batch; several may share one model, each set up for its own batch."""
 
-    def __init__(self, shape: str, layers: int):
-        from colibri_stream.synthetic import synthetic_model
-
-        self.model = synthetic_model(shape, num_layers=layers, device="cuda")
+    def __init__(self, model):
+        self.model = model
         self.config = self.model.config
         self.backend = self.model.backend
         self.cp = self.backend.cp
+
+    @classmethod
+    def synthetic(cls, shape: str, layers: int) -> Colibri:
+        """The random-weight model of `shape` with `layers` layers, drawn on the GPU."""
+        from colibri_stream.synthetic import synthetic_model
+
+        return cls(synthetic_model(shape, num_layers=layers, device="cuda"))
 
     def setup(self, batch: int) -> None:
         from colibri_stream.cuda_graph import DecodeGraph
@@ -148,6 +154,15 @@ class Colibri:
             context_lens=positions + 1, block_tables=self.tables,
             slot_mapping=self.tables[rows, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE,
             logits_indices=np.arange(b, dtype=np.int64))
+
+    def greedy_checks(self) -> tuple[list[np.ndarray], dict[str, bool]]:
+        """The eager step's greedy tokens over CHECK_STEPS steps, and whether the decode graph's (with and without
+        programmatic launch) and the steps launched ahead give the same tokens."""
+        _, eager = self.decode(CHECK_STEPS, graph=False)
+        runs = {"greedy_graph_matches_eager": self.decode(CHECK_STEPS)[1],
+                "greedy_graph_without_pdl_matches_eager": self.decode(CHECK_STEPS, self.graph_without_pdl)[1],
+                "greedy_ahead_matches_eager": self.decode_ahead(CHECK_STEPS)[1]}
+        return eager, {key: all(np.array_equal(a, b) for a, b in zip(eager, tokens)) for key, tokens in runs.items()}
 
     def decode(self, steps: int, graph=True) -> tuple[float, list[np.ndarray]]:
         """Seconds for `steps` greedy steps from position PROMPT on, and the tokens. `graph`: True for the decode
@@ -338,13 +353,17 @@ class Transformers:
         self.torch.cuda.empty_cache()
 
 
-def step_bytes(config, batch: int, distinct: float, context: int, kv_bytes: int) -> float:
-    """Bytes one decode step reads at least: dense weights, lm_head, the `distinct` experts a layer touches, the KV
+def step_bytes(config, batch: int, distinct: float, context: int, kv_bytes: int,
+               expert_bytes: float | None = None) -> float:
+    """Bytes one decode step reads at least: dense weights, lm_head, the `distinct` experts a layer touches at
+    `expert_bytes` each (default: three bf16 matrices; a quantized format's codes, scales and zero points), the KV
     cache of `batch` sequences of `context` tokens at `kv_bytes` an element."""
     h, d = config.hidden_size, config.head_dim
     attention = (2 * config.num_heads + 2 * config.num_kv_heads) * d * h * WEIGHT_BYTES
     router = config.num_experts * h * WEIGHT_BYTES
-    experts = distinct * 3 * h * config.moe_intermediate_size * WEIGHT_BYTES
+    if expert_bytes is None:
+        expert_bytes = 3 * h * config.moe_intermediate_size * WEIGHT_BYTES
+    experts = distinct * expert_bytes
     kv = 2 * batch * context * config.num_kv_heads * d * kv_bytes
     return config.num_layers * (attention + router + experts + kv) + config.vocab_size * h * WEIGHT_BYTES
 
@@ -370,13 +389,7 @@ def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None
               common: dict, variants: list[tuple[str, int]]) -> dict:
     """One batch size: the greedy check, interleaved timed runs, the roofline and (batch 1 and 16) the profile."""
     colibri.setup(batch)
-    _, eager_tokens = colibri.decode(CHECK_STEPS, graph=False)
-    _, graph_tokens = colibri.decode(CHECK_STEPS)
-    _, plain_tokens = colibri.decode(CHECK_STEPS, colibri.graph_without_pdl)
-    _, ahead_tokens = colibri.decode_ahead(CHECK_STEPS)
-    match = all(np.array_equal(a, b) for a, b in zip(eager_tokens, graph_tokens))
-    ahead_match = all(np.array_equal(a, b) for a, b in zip(eager_tokens, ahead_tokens))
-    plain_match = all(np.array_equal(a, b) for a, b in zip(eager_tokens, plain_tokens))
+    eager_tokens, matches = colibri.greedy_checks()
     distinct = colibri.distinct_experts()
     colibri.decode(2)  # warm-up
     baseline_error = build_error
@@ -404,13 +417,11 @@ def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None
     record = dict(common, bench="decode", batch=batch,
                   colibri_tok_s=statistics.median(ours), colibri_tok_s_runs=ours, colibri_eager_tok_s=eager,
                   colibri_sync_tok_s=statistics.median(sync), colibri_sync_tok_s_runs=sync,
-                  greedy_ahead_matches_eager=ahead_match,
                   programmatic_launch=colibri.graph.programmatic,
                   colibri_tok_s_without_pdl=statistics.median(plain), colibri_tok_s_without_pdl_runs=plain,
                   graph_replay_us=replay[0] * 1e6, graph_replay_us_without_pdl=replay[1] * 1e6,
                   variant_graph_replays=variant_replays,
                   synchronous_step_host_us=host,
-                  greedy_graph_without_pdl_matches_eager=plain_match,
                   transformers_tok_s=statistics.median(theirs) if theirs else None,
                   transformers_tok_s_runs=theirs,
                   transformers_impl=None if hf is None else f"eager attention, {hf.experts_implementation} experts",
@@ -418,7 +429,7 @@ def run_batch(colibri: Colibri, hf: Transformers | None, build_error: str | None
                   hbm_gbps_measured=bandwidth, bytes_per_step=nbytes, distinct_experts_per_layer=distinct,
                   mean_context=context, colibri_peak_gpu_gb=colibri.footprint() / 1e9,
                   transformers_peak_gpu_gb=hf.peak_bytes() / 1e9 if theirs else None,
-                  transformers_error=baseline_error, greedy_graph_matches_eager=match)
+                  transformers_error=baseline_error, **matches)
     if batch in (1, 16):
         record["op_profile"] = colibri.profile(batch, context, variants)
     shown = ("shape", "batch", "colibri_tok_s", "colibri_sync_tok_s", "colibri_tok_s_without_pdl", "graph_replay_us",
@@ -437,7 +448,7 @@ def run_shape(shape: str, layers: int, batches: list[int], bandwidth: float, com
     import cupy
 
     log(f"{shape}: building Colibri ({layers} layers)")
-    colibri = Colibri(shape, layers)
+    colibri = Colibri.synthetic(shape, layers)
     hf, build_error = None, None if baseline else "not run (--no-baseline)"
     if baseline:
         log(f"{shape}: building transformers")

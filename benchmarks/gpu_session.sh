@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One session on a GPU machine: install, GPU tests, benchmarks; logs and JSON results under $OUT.
 #   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests dense kernels decode engine cpu timeline llama offload" benchmarks/gpu_session.sh
-# (other stages: attention, moe_prefill, long_context, compare, serving, exit)
+# (other stages: attention, moe_prefill, long_context, quantized, compare, serving, exit)
 # (llama_build before other stages: llama.cpp builds in the background while they run, and stage llama waits for it)
 # (STAGES="" only installs: what a command that runs a script of its own needs first).
 # Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first. Each stage has its own time
 # limit so the next one runs even if one fails. OFFLOAD_ARGS / TIMELINE_ARGS / DECODE_ARGS / ENGINE_ARGS / CPU_ARGS / DENSE_ARGS
-# pass options to the benchmarks; the kernels stage profiles one step per kernel with Nsight Compute (KERNEL_SHAPES, KERNEL_BATCHES, KERNEL_CONTEXT).
+# / QUANT_ARGS pass options to the benchmarks; the kernels stage profiles one step per kernel with Nsight Compute (KERNEL_SHAPES, KERNEL_BATCHES, KERNEL_CONTEXT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/colibri-gpu}
@@ -130,6 +130,16 @@ for stage in $STAGES; do
       bench "${LONG_TIMEOUT:-540}" long_context.log 30 benchmarks/long_context.py --out "$OUT/long_context_h200.json" \
         --batched-bench "${LLAMA_BUILD:-/tmp/llama-build}/bin/llama-batched-bench" --gguf-py "$LLAMA_SRC/gguf-py" \
         ${LONG_ARGS:-} ;;
+    quantized)
+      # int4 and fp8 experts against llama.cpp's Q4_0 and Q8_0 of the same weights: decode and offload. Needs LLAMA_SRC
+      # (its gguf-py) and llama.cpp built in LLAMA_BUILD (stage llama_build first: this stage waits for it); without
+      # them Colibri runs alone and the records say why. The script stops starting cases 90 s before QUANT_TIMEOUT.
+      echo "== quantized experts against llama.cpp"
+      if [ -n "$llama_builder" ] && ! wait $llama_builder; then tail -20 "$OUT/llama_build.log"; fi
+      quant_limit=${QUANT_TIMEOUT:-570}
+      bench "$quant_limit" quantized.log 40 benchmarks/quantized.py --out "$OUT/quantized_h200.json" \
+        --llama-bin "${LLAMA_BUILD:-/tmp/llama-build}/bin" --gguf-py "${LLAMA_SRC:-/nonexistent}/gguf-py" \
+        --time-budget $((quant_limit - 90)) ${QUANT_ARGS:-} ;;
     compare)
       # BASELINE_TREE: an older revision's tree (git archive REV colibri_stream kernels benchmarks | tar -x -C DIR)
       echo "== this tree against $BASELINE_TREE"

@@ -1,16 +1,20 @@
 """llama.cpp on the same machine and the same weights: the baseline of the decode and offload benchmarks.
 
-Three jobs:
+Four jobs:
 - `write_gguf(folder, path, gguf_py)`: the native model folder `folder` (a Mixtral or Qwen3-MoE model, such as
   `write_synthetic_folder`'s) as a bf16 GGUF file of llama.cpp's `llama` or `qwen3moe` architecture: the same
   tensors (Mixtral's q and k rows permuted to llama.cpp's interleaved rotary layout, as its own converter does from
   Hugging Face checkpoints), norms and router in float32, and a placeholder SentencePiece vocabulary of the model's size (the benchmarks read no text).
   `gguf_py` is the gguf-py folder of the llama.cpp source tree (the `gguf` package that writes the format).
+- `quantize_gguf(binary, src, dst, llama_format, threads)`: llama-quantize of such a file to one of llama.cpp's
+  formats (Q4_0, Q4_K_M, Q8_0, ...); with `DENSE_BF16` among its options only the routed experts are quantized,
+  as in a Colibri folder with quantized experts.
 - `llama_bench(binary, gguf, n_cpu_moe, ...)`: llama-bench with the routed experts of `n_cpu_moe` layers on the CPU
   (`--n-cpu-moe`, the rest on the GPU): batch-1 decode after `depth` cached tokens, and prompt processing.
 - `batched_bench(binary, gguf, batches, ...)`: llama-batched-bench with the whole model on the GPU: decode of
   1, 16, 64 sequences at once after `context` prompt tokens each.
-Both binaries come from benchmarks/build_llama_cpp.sh. Flash attention on, CUDA graphs as llama.cpp builds them.
+The binaries come from benchmarks/build_llama_cpp.sh. Flash attention on, CUDA graphs as llama.cpp builds them.
+A GGUF file is written under a temporary name and renamed when whole, so a file found at its path is complete.
 
     python benchmarks/llama_cpp.py --folder /tmp/colibri-offload-model --gguf /tmp/colibri-offload-model.gguf \
         --gguf-py llama.cpp/gguf-py --llama-bench build/bin/llama-bench --batched-bench build/bin/llama-batched-bench \
@@ -50,6 +54,16 @@ def _placeholder_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
     tokens += [f"\u2581t{i}" for i in range(size - len(tokens))]
     types += [_NORMAL] * (size - len(types))
     return tokens, [0.0] * size, types
+
+
+# llama-quantize options that keep every tensor but the routed experts in bf16: attention (its 2-D weights; norms and
+# the router are never quantized), the token embedding and the output matrix.
+DENSE_BF16 = ("--tensor-type", "attn=bf16", "--token-embedding-type", "bf16", "--output-tensor-type", "bf16")
+
+
+def _partial(path: Path) -> Path:
+    """Where a GGUF file is written before it is renamed to `path`."""
+    return path.with_name(path.name + ".partial")
 
 
 # Our architectures llama.cpp has, as (its architecture name, q/k rows permuted to its interleaved rotary layout).
@@ -118,7 +132,8 @@ def write_gguf(folder_path: str | Path, gguf_path: str | Path, gguf_py: str | Pa
     head = "embed_tokens" if config.tie_word_embeddings else "lm_head"
     add("output.weight", (v, h), bf16, lambda: bits(dense.get(head)))
 
-    writer = gguf.GGUFWriter(str(gguf_path), arch)
+    gguf_path = Path(gguf_path)
+    writer = gguf.GGUFWriter(str(_partial(gguf_path)), arch)
     writer.add_name(f"colibri {Path(folder_path).name}")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(h)
@@ -157,7 +172,30 @@ def write_gguf(folder_path: str | Path, gguf_path: str | Path, gguf_py: str | Pa
             raise ValueError(f"{name}: made {array.shape}, planned {shape}")
         writer.write_tensor_data(array)
     writer.close()
-    return Path(gguf_path)
+    _partial(gguf_path).rename(gguf_path)
+    return gguf_path
+
+
+def quantize_gguf(binary: str | Path, src_gguf: str | Path, dst_gguf: str | Path, llama_format: str, threads: int,
+                  options: tuple[str, ...] = (), timeout: float = 900) -> dict:
+    """llama-quantize `src_gguf` (bf16) to `dst_gguf` in `llama_format` (Q4_0, Q4_K_M, Q8_0, ...) on `threads`
+    threads, with llama-quantize's `options` before the files (e.g. DENSE_BF16). Returns the command, its seconds
+    and the file's bytes; raises RuntimeError with the tail of its output when it fails."""
+    dst_gguf = Path(dst_gguf)
+    partial = _partial(dst_gguf)
+    command = [str(binary), *options, str(src_gguf), str(partial), llama_format, str(threads)]
+    begin = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as error:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama-quantize ran past {timeout:.0f} s: {' '.join(command)}") from error
+    if done.returncode != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama-quantize failed ({done.returncode}): {(done.stdout + done.stderr)[-800:]}")
+    partial.rename(dst_gguf)
+    return {"command": " ".join(command).replace(str(partial), str(dst_gguf)), "llama_format": llama_format,
+            "wall_s": time.perf_counter() - begin, "bytes": dst_gguf.stat().st_size}
 
 
 def llama_bench(binary: str | Path, gguf_path: str | Path, n_cpu_moe: int, threads: int, gen_tokens: int = 32,

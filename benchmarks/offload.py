@@ -271,23 +271,31 @@ def llama_cpp_baseline(args, records: list[dict]) -> None:
         write(args.out, records)
 
 
-def open_folder(path: str, shape: str, layers: int):
-    """(ModelFolder, PinnedExperts holding all its experts) of the random `shape` model at `path`, written there
-    first (`layers` layers) if it is not there yet."""
-    from colibri_stream.checkpoint import ModelFolder
-    from colibri_stream.experts.pinned import PinnedExperts
-    from colibri_stream.experts.tiers import BlockReader
+def ensure_folder(path: str | Path, shape: str, layers: int, **options) -> Path:
+    """`path`, where the random `shape` model (`layers` layers; `options`: write_synthetic_folder's expert format)
+    is written first unless a whole folder is there (its config.json, written last)."""
+    from colibri_stream.checkpoint import CONFIG_FILE
     from colibri_stream.synthetic import write_synthetic_folder
 
     path = Path(path)
-    if not (path / "experts.bin").is_file():
-        log(f"writing a random {shape} model with {layers} layers to {path}")
+    if not (path / CONFIG_FILE).is_file():
+        log(f"writing a random {shape} model with {layers} layers to {path}" + (f" {options}" if options else ""))
         begin = time.perf_counter()
-        write_synthetic_folder(path, shape, num_layers=layers)
+        write_synthetic_folder(path, shape, num_layers=layers, **options)
         written = time.perf_counter()
         os.sync()  # the kernel's write-back of tens of GB must not run beside the timed steps
         log(f"written in {written - begin:.0f} s, on the drive {time.perf_counter() - written:.0f} s later")
-    folder = ModelFolder(path)
+    return path
+
+
+def open_folder(path: str | Path, shape: str, layers: int, **options):
+    """(ModelFolder, PinnedExperts holding all its experts) of the random `shape` model at `path`, written there
+    first (`ensure_folder`) if it is not there yet."""
+    from colibri_stream.checkpoint import ModelFolder
+    from colibri_stream.experts.pinned import PinnedExperts
+    from colibri_stream.experts.tiers import BlockReader
+
+    folder = ModelFolder(ensure_folder(path, shape, layers, **options))
     return folder, PinnedExperts(folder.experts, BlockReader(folder.experts, use_kvikio=kvikio_available()))
 
 

@@ -9,6 +9,10 @@ so activations keep unit scale; the router is random too, so routing is close to
 `write_synthetic_folder(path, "mixtral-8x7b", num_layers=8)` writes the same kind of model as a native model folder
 (config.json, dense.safetensors, experts.bin; no tokenizer files), for benchmarks that read experts from disk.
 Both draw from one recipe (`dense_draws`, `expert_draws`: shape, std, seed and dtype of every tensor).
+`write_synthetic_folder(path, "mixtral-8x7b", 8, expert_dtype="int4")` writes the same model with quantized experts
+(int8, int4, fp8 or mxfp4, expert_codecs.py): each expert drawn as the bf16 folder's, then quantized from those bf16
+values, so the bf16 and the quantized folders of one shape and seed hold the same weights up to the format's
+rounding.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from .backends.base import Array, Backend
 from .checkpoint import (CONFIG_FILE, NUMPY_DTYPES, DenseFileWriter, ExpertFileWriter, dense_tensor_dtype,
                          dense_tensor_specs, expert_block_layout, write_config)
 from .config import ModelConfig, RopeConfig
+from .expert_codecs import FP8_BLOCK, ExpertCodec, PlainCodec, expert_codec
 from .experts.store import ExpertStore
 from .loader import select_backend
 from .model.transformer import MoETransformer
@@ -220,19 +225,61 @@ def _one_ahead(jobs: Iterable[Callable[[], dict]]) -> Iterator[dict]:
             yield pending.result()
 
 
+QUANTIZED_FROM = "bfloat16"  # quantized experts are drawn in this dtype (the bf16 folder's values), then quantized
+QUANTIZE_ROWS = 512  # rows of one quantizing task: a multiple of FP8_BLOCK, the most rows any codec's scale spans
+
+
+def with_expert_format(config: ModelConfig, expert_dtype: str, group_size: int = 128, zero_point: bool = False,
+                       scales: str = "block") -> ModelConfig:
+    """`config` with its routed experts stored as `expert_dtype`, with the parameters that format takes: int4's
+    `group_size` and `zero_point`, fp8's `scales` ("block" or "channel"); the other formats' fields cleared."""
+    int4, fp8 = expert_dtype == "int4", expert_dtype == "fp8"
+    return dataclasses.replace(config, expert_dtype=expert_dtype, expert_group_size=group_size if int4 else 0,
+                               expert_zero_point=zero_point if int4 else False, expert_scales=scales if fp8 else "")
+
+
+def quantize_expert(codec: ExpertCodec, matrices: dict[str, np.ndarray], pool: ThreadPoolExecutor,
+                    rows: int = QUANTIZE_ROWS) -> dict[str, np.ndarray]:
+    """An expert's gate, up and down (any float dtype) -> its block tensors by name in `codec`'s format, every matrix
+    quantized in chunks of `rows` rows on `pool`'s threads (NumPy releases the GIL in its array operations).
+
+    Equal to `codec.quantize_matrix` of each whole matrix: every codec's scales cover one row or one FP8_BLOCK-row
+    tile, so chunks of a multiple of FP8_BLOCK rows quantize independently and their tensors stack along rows."""
+    if rows % FP8_BLOCK:
+        raise ValueError(f"quantizing chunks must be a multiple of {FP8_BLOCK} rows, not {rows}")
+
+    def chunk(name: str, values: np.ndarray) -> dict[str, np.ndarray]:
+        return codec.quantize_matrix(name, values.astype(np.float32))  # [rows, in] -> its tensors of those rows
+
+    futures = {name: [pool.submit(chunk, name, matrix[start:start + rows]) for start in range(0, len(matrix), rows)]
+               for name, matrix in matrices.items()}
+    tensors = {}
+    for name, pending in futures.items():
+        parts = [future.result() for future in pending]
+        for key in parts[0]:
+            tensors[key] = parts[0][key] if len(parts) == 1 else np.concatenate([part[key] for part in parts])
+    return tensors
+
+
 def write_synthetic_folder(path: str | os.PathLike, shape: str | ModelConfig, num_layers: int | None = None,
-                           seed: int = 0, expert_dtype: str = "bfloat16", device: str = "auto") -> ModelConfig:
+                           seed: int = 0, expert_dtype: str = "bfloat16", device: str = "auto",
+                           group_size: int = 128, zero_point: bool = False, scales: str = "block") -> ModelConfig:
     """Write a native model folder (config.json, dense.safetensors, experts.bin, as `colibri export` writes them;
     no tokenizer files) of random weights: a named shape (SHAPES) with `num_layers` layers (None: all), or exactly
-    the given config; experts stored as `expert_dtype` (float32, bfloat16 or float16). Returns the config.
+    the given config; experts stored as `expert_dtype`: float32, bfloat16 or float16 as drawn, or quantized (int8,
+    int4 with groups of `group_size` input channels and, with `zero_point`, zero points, fp8 with `scales` "block"
+    or "channel", mxfp4: `with_expert_format`). Returns the config.
 
     Values follow `dense_draws` / `expert_draws` (the recipe of `synthetic_model`). With a GPU (device auto or
     cuda) every tensor is drawn on it, so the files hold `synthetic_model(device="cuda")`'s matrices exactly and
     writing is bound by the disk; on the CPU tensors come from `pooled_normal`. Dense tensors are all stored in
-    `config.dtype` (norm weights rounded to it). Tensors are made one at a time, the next expert while the
-    one before is written, so memory peaks at about two experts (plus the largest dense tensor). config.json is
-    written last: a folder whose writing failed does not open. Writing and CRC32 bound it on a GPU host (the draws
-    run on the GPU), the page cache's writeback on a small VM.
+    `config.dtype` (norm weights rounded to it). A quantized expert is drawn in bfloat16 (QUANTIZED_FROM: the bf16
+    folder's values, so both folders hold the same weights up to the format's rounding) and quantized by its codec
+    (round to nearest, expert_codecs.py) in row chunks on a pool of os.cpu_count() threads. Tensors are made one
+    expert at a time, the next expert (drawn, and quantized) while the one before is written, so memory peaks at
+    about two experts (plus the largest dense tensor). config.json is written last: a folder whose writing failed
+    does not open. Writing and CRC32 bound it on a GPU host (the draws run on the GPU), the page cache's writeback
+    on a small VM, and quantizing (all cores) a quantized folder.
     """
     if isinstance(shape, ModelConfig):
         if num_layers is not None:
@@ -240,8 +287,11 @@ def write_synthetic_folder(path: str | os.PathLike, shape: str | ModelConfig, nu
         config = shape
     else:
         config = shape_config(shape, num_layers)
-    config = dataclasses.replace(config, expert_dtype=expert_dtype)
-    expert_draws(config, 0, 0, seed)  # refuses an expert dtype that cannot be drawn
+    config = with_expert_format(config, expert_dtype, group_size, zero_point, scales)
+    codec = expert_codec(config)
+    quantized = not isinstance(codec, PlainCodec)
+    drawn = with_expert_format(config, QUANTIZED_FROM) if quantized else config  # the experts' draws
+    expert_draws(drawn, 0, 0, seed)  # refuses an expert dtype that cannot be drawn
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     draws = dense_draws(config, seed)
@@ -252,6 +302,7 @@ def write_synthetic_folder(path: str | os.PathLike, shape: str | ModelConfig, nu
         raise OSError(f"{folder}: {(dense_bytes + expert_bytes) / 1e9:.1f} GB needed, {free / 1e9:.1f} GB free")
     (folder / CONFIG_FILE).unlink(missing_ok=True)
     host = _HostDraws(device)
+    pool = ThreadPoolExecutor(os.cpu_count() or 1) if quantized else None
     try:
         dense = DenseFileWriter(folder / config.dense_file,
                                 {name: (d.shape, dense_tensor_dtype(name, config)) for name, d in draws.items()})
@@ -259,14 +310,19 @@ def write_synthetic_folder(path: str | os.PathLike, shape: str | ModelConfig, nu
             dense.write(name, host(draw, dense_tensor_dtype(name, config)))
         dense.close()
         experts = [(layer, expert) for layer in config.moe_layers for expert in range(config.num_experts)]
-        jobs = ((lambda layer=layer, expert=expert: {name: host(d) for name, d in
-                                                     expert_draws(config, layer, expert, seed).items()})
-                for layer, expert in experts)
+
+        def make(layer: int, expert: int) -> dict[str, np.ndarray]:
+            tensors = {name: host(d) for name, d in expert_draws(drawn, layer, expert, seed).items()}
+            return quantize_expert(codec, tensors, pool, QUANTIZE_ROWS) if quantized else tensors
+
+        jobs = ((lambda layer=layer, expert=expert: make(layer, expert)) for layer, expert in experts)
         with ExpertFileWriter(folder / config.experts_file, config) as writer:
             for (layer, expert), tensors in zip(experts, _one_ahead(jobs)):
                 writer.write_expert(layer, expert, tensors)
                 del tensors
     finally:
         host.release()
+        if pool is not None:
+            pool.shutdown()
     write_config(folder, config)
     return config

@@ -33,6 +33,7 @@ GPU_SCRIPTS = {
     "offload.py": ["--layers", "1", "--fractions", "0.5", "--batches", "1"],
     "offload_timeline.py": ["--layers", "1", "--steps", "1"],
     "prefill_attention.py": ["--contexts", "64", "--shapes", "mixtral-8x7b", "--short-chunks"],
+    "quantized.py": ["--shapes", "mixtral-8x7b:1", "--formats", "int4", "--batches", "1"],
     "step_kernels.py": ["--layers", "1"],
 }
 # Scripts with a test of their own below.

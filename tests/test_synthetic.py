@@ -10,6 +10,7 @@ import pytest
 from colibri_stream import synthetic
 from colibri_stream.backends.numpy_backend import NumpyBackend
 from colibri_stream.checkpoint import TOKENIZER_FILES, ModelFolder, dense_tensor_specs
+from colibri_stream.errors import CheckpointError
 from colibri_stream.batch import single_sequence_batch
 from colibri_stream.loader import load_model
 from colibri_stream.synthetic import (SHAPES, RandomDense, RandomExpertStore, WeightDraw, pooled_normal, shape_config,
@@ -114,7 +115,7 @@ def test_pooled_normal_is_seeded_and_not_a_repeated_pattern(monkeypatch):
 
 
 def test_write_refuses_what_it_cannot_draw(tmp_path):
-    with pytest.raises(ValueError, match="int8"):
-        write_synthetic_folder(tmp_path, tiny_config(), expert_dtype="int8", device="cpu")
+    with pytest.raises(CheckpointError, match="int3"):
+        write_synthetic_folder(tmp_path, tiny_config(), expert_dtype="int3", device="cpu")
     with pytest.raises(ValueError, match="num_layers"):
         write_synthetic_folder(tmp_path, tiny_config(), num_layers=1, device="cpu")

@@ -1,0 +1,620 @@
+"""Decode and offload with quantized routed experts (int4, fp8): Colibri against llama.cpp on the same weights
+quantized to llama.cpp's nearest format, same GPU, one run.
+
+For each shape (`--shapes SHAPE:LAYERS`: random weights of the published dimensions, fewer layers), one shape at a
+time (the 64 GB disk holds about one bf16 model folder and its GGUF copy), files under `--folder-root`:
+  1. the bf16 model folder (write_synthetic_folder), on which Colibri's own bf16 offload at 0 % runs first, batch 1
+     and prefill (the reference of the int4 offload; `--no-bf16-offload` skips it);
+  2. its bf16 GGUF (llama_cpp.write_gguf); the bf16 folder is deleted, then llama-quantize writes one GGUF per
+     llama format (int4: Q4_0, or `--llama-int4 Q4_K_M`; fp8 and int8: Q8_0) with every tensor but the routed
+     experts kept in bf16, as a Colibri folder keeps them (`--llama-dense quantized`: llama-quantize's own
+     choice for them), and the bf16 GGUF is deleted;
+  3. per format (`--formats`; int4: groups of `--group-size` input channels, symmetric unless `--zero-point`;
+     fp8: a scale per 128x128 tile), the Colibri folder of the same draws with quantized experts
+     (write_synthetic_folder(expert_dtype=...)), then its cases below.
+Files already there are reused (a folder with its config.json, a GGUF file: each written whole or not at all);
+without `--keep` a shape's files are deleted after its cases. Disk use is logged after every file.
+
+Decode (bench "decode") at `--batches`: Colibri with every expert resident on the GPU, timed as decode.py times
+colibri_tok_s (a captured CUDA graph per batch, each step launched before the host reads the previous step's ids,
+DECODE steps after PROMPT cached tokens of random keys and values), after checking the graph's greedy tokens (with
+and without programmatic launch, and launched ahead) against the eager step's; llama-batched-bench on the quantized
+GGUF (the whole model on the GPU, PROMPT prompt tokens a sequence, DECODE steps). The engines alternate round by
+round (`--repeats` rounds: Colibri at every batch, then llama.cpp at every batch); medians are reported. Roofline:
+the bytes one step must read (dense weights and lm_head in bf16, the distinct experts each layer's routing touched,
+measured, at the format's bytes: codes, scales and zero points; the bf16 KV cache: decode.py's step_bytes) over the
+device-to-device copy bandwidth measured in this run.
+
+Offload (bench "offload") at `--gpu-fractions` of each layer's experts in GPU slots, the others in pinned host
+memory and placed per step by the cost model (offload.py's colibri mode): batch-1 decode and one prefill of
+`--prefill` tokens (offload.py's decode and prefill, a fresh store each); llama-bench on the quantized GGUF with
+the routed experts of the layers not on the GPU computed on the CPU (--n-cpu-moe: every layer at 0 %, half of
+them at 50 %). Records at 0 % carry Colibri's bf16 figure of the same shape (vs_colibri_bf16).
+
+Records (bench, shape, layers, batch, expert_format, llama_format, colibri_tok_s, llama_tok_s, ratio, ...) go to
+`--out` after every case; a case that fails records its error and the run goes on. `--time-budget` seconds: cases
+that would start later are recorded as skipped. The Markdown table is printed at the end.
+
+    python benchmarks/quantized.py --llama-bin /tmp/llama-build/bin --gguf-py <llama.cpp>/gguf-py \
+        --out benchmarks/results/quantized_h200.json
+
+Cost on the H200 host (16 cores, one NVMe drive), Mixtral-8x7B shape with 8 layers, int4 and fp8: writing the
+files (23.7 GB bf16 folder, its GGUF, two llama-quantize runs, a 7 GB int4 and a 12.5 GB fp8 folder) about 3
+minutes, decode about 1.5 minutes a format, offload about 1 minute a format: about 8 minutes in all. The
+Qwen3-30B-A3B shape with 16 layers (`--shapes qwen3-30b-a3b:16`, 9.6 GB in bf16) adds about 4 minutes, so the
+two shapes are best run as two calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from conditions import machine as host_machine
+from conditions import require_gpu
+from decode import DECODE, PROMPT, Colibri, log, machine, measure_bandwidth, step_bytes
+
+from colibri_stream.config import GPU_SLOT_LAYOUTS
+
+DEFAULT_SHAPES = ("mixtral-8x7b:8",)
+FORMATS = ("int4", "fp8", "int8")
+LLAMA_INT4 = ("Q4_0", "Q4_K_M")
+LLAMA_8BIT = "Q8_0"  # llama.cpp's nearest format to fp8 and int8 experts
+LLAMA_BITS = {"Q4_0": 4.5, "Q4_K_M": 4.9, "Q8_0": 8.5}  # bits a quantized weight takes, for the disk check
+LLAMA_TOOLS = ("llama-quantize", "llama-batched-bench", "llama-bench")
+
+
+class Deadline:
+    """`seconds` from now (0: never): the run's time budget, after which no new case starts."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.start = seconds, time.monotonic()
+
+    def passed(self) -> bool:
+        return bool(self.seconds) and time.monotonic() - self.start > self.seconds
+
+    def skipped(self) -> str:
+        return f"skipped: past --time-budget {self.seconds:.0f} s"
+
+
+def attempt(what: str, fn, *args, **kwargs):
+    """(fn(*args, **kwargs), None), or (None, the error as text) when it raises: logged with its traceback."""
+    try:
+        return fn(*args, **kwargs), None
+    except Exception as error:  # one failed step is recorded; the run goes on
+        traceback.print_exc()
+        log(f"{what} failed: {error!r}")
+        return None, f"{type(error).__name__}: {error}"[:1500]
+
+
+def nbytes(path: Path) -> int:
+    """Bytes of a file, or of every file under a folder (0 if absent)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def log_disk(root: Path, what: str) -> None:
+    usage = shutil.disk_usage(root)
+    log(f"disk: {usage.used / 1e9:.1f} GB used, {usage.free / 1e9:.1f} GB free ({what})")
+
+
+def remove(path: Path, root: Path) -> None:
+    """Delete a file or folder, logging what it freed."""
+    size = nbytes(path)
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+    else:
+        return
+    log_disk(root, f"deleted {path.name}, {size / 1e9:.1f} GB")
+
+
+def require_free(root: Path, needed: float, what: str) -> None:
+    free = shutil.disk_usage(root).free
+    if needed > free:
+        raise OSError(f"{what} needs about {needed / 1e9:.1f} GB, {free / 1e9:.1f} GB free on {root}")
+
+
+def write_options(name: str, args) -> dict:
+    """write_synthetic_folder's expert format options for --formats `name`."""
+    if name == "int4":
+        return dict(expert_dtype="int4", group_size=args.group_size, zero_point=args.zero_point)
+    if name == "fp8":
+        return dict(expert_dtype="fp8", scales="block")
+    return dict(expert_dtype=name)
+
+
+def llama_format(name: str, args) -> str:
+    return args.llama_int4 if name == "int4" else LLAMA_8BIT
+
+
+class ShapeFiles:
+    """The paths of one shape's files under the folder root."""
+
+    def __init__(self, root: Path, shape: str, layers: int, llama_dense: str):
+        self.root, self.stem, self.llama_dense = root, f"{shape}-{layers}", llama_dense
+
+    @property
+    def bf16_folder(self) -> Path:
+        return self.root / f"{self.stem}-bf16"
+
+    @property
+    def bf16_gguf(self) -> Path:
+        return self.root / f"{self.stem}-bf16.gguf"
+
+    def gguf(self, fmt: str) -> Path:
+        return self.root / f"{self.stem}-{fmt}{'-dense-bf16' if self.llama_dense == 'bf16' else ''}.gguf"
+
+    def folder(self, options: dict) -> Path:
+        tag = options["expert_dtype"]
+        if tag == "int4":
+            tag += f"-g{options['group_size']}" + ("-zp" if options["zero_point"] else "")
+        return self.root / f"{self.stem}-{tag}"
+
+
+def expert_figures(config) -> dict:
+    """The expert format in words and its bytes: what a step reads of one expert (codes, scales, zero points) and
+    the aligned block that moves between tiers."""
+    from colibri_stream.checkpoint import expert_block_layout
+    from colibri_stream.expert_codecs import expert_codec
+
+    slots, block = expert_block_layout(config)
+    return {"expert_format": expert_codec(config).describe(), "expert_dtype": config.expert_dtype,
+            "expert_bytes": sum(slot.nbytes for slot in slots), "expert_block_bytes": block}
+
+
+def check_gpu_runs(config) -> None:
+    """Raise, in one line, when the CuPy backend has no kernels for the folder's experts or options."""
+    from colibri_stream.backends.cupy_backend import CupyBackend
+    from colibri_stream.loader import check_expert_format, check_features
+
+    check_expert_format(config, CupyBackend)
+    check_features(config, CupyBackend)
+
+
+def resident_model(folder):
+    """The folder's model on the CuPy backend with every expert on the GPU (offload.py's resident model)."""
+    from offload import make_model
+
+    check_gpu_runs(folder.config)
+    return make_model(folder, None, None, "colibri")
+
+
+def dispose(model) -> None:
+    """Stop the model's expert store and give its GPU memory back."""
+    from offload import release
+
+    attempt("closing the expert store", model.close)
+    release(model)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Files
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def write_bf16_gguf(args, files: ShapeFiles, shape: str, layers: int, prep: dict) -> None:
+    """The bf16 GGUF of the shape, from its bf16 folder (written first if missing)."""
+    from llama_cpp import write_gguf
+    from offload import ensure_folder
+
+    folder = ensure_folder(files.bf16_folder, shape, layers)
+    require_free(files.root, nbytes(folder), "the bf16 GGUF")
+    begin = time.perf_counter()
+    write_gguf(folder, files.bf16_gguf, args.gguf_py)
+    prep["bf16_gguf_s"] = time.perf_counter() - begin
+    log_disk(files.root, f"bf16 GGUF {nbytes(files.bf16_gguf) / 1e9:.1f} GB in {prep['bf16_gguf_s']:.0f} s")
+
+
+def quantize_one(args, files: ShapeFiles, fmt: str) -> dict:
+    """llama-quantize of the bf16 GGUF to `fmt` (every core), every tensor but the experts in bf16 unless
+    --llama-dense quantized."""
+    from llama_cpp import DENSE_BF16, quantize_gguf
+
+    require_free(files.root, nbytes(files.bf16_gguf) * LLAMA_BITS[fmt] / 16 + 2e9, f"llama-quantize {fmt}")
+    options = DENSE_BF16 if args.llama_dense == "bf16" else ()
+    done = quantize_gguf(Path(args.llama_bin) / "llama-quantize", files.bf16_gguf, files.gguf(fmt), fmt,
+                         os.cpu_count() or 1, options, timeout=args.llama_timeout)
+    log_disk(files.root, f"{fmt} GGUF {done['bytes'] / 1e9:.1f} GB in {done['wall_s']:.0f} s")
+    return done
+
+
+def llama_ggufs(args, files: ShapeFiles, shape: str, layers: int, formats: list[str], prep: dict) -> dict:
+    """llama format -> its quantized GGUF's path, or the error (text) that kept it from being made. Missing ones
+    are quantized from the bf16 GGUF (written first if missing); the bf16 folder is deleted once the bf16 GGUF
+    exists, the bf16 GGUF once the quantized ones do."""
+    result: dict = {fmt: files.gguf(fmt) for fmt in formats}
+    missing = [fmt for fmt, path in result.items() if not path.is_file()]
+    if missing and not files.bf16_gguf.is_file():
+        _, error = attempt("bf16 GGUF", write_bf16_gguf, args, files, shape, layers, prep)
+        if error is not None:
+            return result | {fmt: f"bf16 GGUF: {error}" for fmt in missing}
+    remove(files.bf16_folder, files.root)  # the GGUF holds its weights now; Colibri's folders are drawn anew
+    for fmt in missing:
+        done, error = attempt(f"llama-quantize {fmt}", quantize_one, args, files, fmt)
+        prep.setdefault("llama_quantize", {})[fmt] = done or {"error": error}
+        if error is not None:
+            result[fmt] = f"llama-quantize: {error}"
+    remove(files.bf16_gguf, files.root)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decode
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def colibri_decoders(model, batches: list[int], records: dict) -> dict:
+    """batch -> a Colibri set up for it (graphs captured, greedy checks and distinct experts in its record);
+    a batch that fails records its error."""
+    colibris = {}
+    for batch in batches:
+        colibri = Colibri(model)
+
+        def prepare(colibri=colibri, batch=batch):
+            colibri.setup(batch)
+            _, matches = colibri.greedy_checks()
+            records[batch].update(matches, distinct_experts_per_layer=colibri.distinct_experts(),
+                                  programmatic_launch=colibri.graph.programmatic,
+                                  kv_bytes=colibri.kv.keys[0].itemsize)
+            colibri.decode_ahead(2)  # warm-up
+
+        _, error = attempt(f"Colibri batch {batch} setup", prepare)
+        if error is None:
+            colibris[batch] = colibri
+        else:
+            records[batch]["colibri_error"] = error
+    return colibris
+
+
+def decode_cases(args, folder_path: Path, gguf, base: dict, bandwidth: float, deadline: Deadline) -> list[dict]:
+    """Decode records of one format: Colibri and llama.cpp alternating round by round at every batch."""
+    from llama_cpp import batched_bench
+
+    from colibri_stream.checkpoint import ModelFolder
+
+    folder = ModelFolder(folder_path)
+    config = folder.config
+    common = dict(base, bench="decode", **expert_figures(config), hbm_gbps_measured=bandwidth,
+                  prompt_tokens=PROMPT, decode_steps=DECODE, kv_cache="bf16, random values",
+                  timing="wall clock, each step launched before the previous step's ids are read (decode.py)")
+    records = {batch: dict(common, batch=batch, colibri_tok_s_runs=[], llama_tok_s_runs=[])
+               for batch in args.batches}
+    model, error = attempt("Colibri model", resident_model, folder)
+    colibris = {} if model is None else colibri_decoders(model, args.batches, records)
+    for record in records.values():
+        record.setdefault("colibri_error", error)
+    llama_error = gguf if isinstance(gguf, str) else None
+    for round_ in range(args.repeats):
+        if deadline.passed():
+            for record in records.values():
+                record["rounds_skipped"] = f"{args.repeats - round_} of {args.repeats}: {deadline.skipped()}"
+            break
+        for batch, colibri in list(colibris.items()):
+            seconds, error = attempt(f"Colibri batch {batch}", lambda c=colibri: c.decode_ahead(DECODE)[0])
+            if error is None:
+                records[batch]["colibri_tok_s_runs"].append(batch * DECODE / seconds)
+            else:
+                records[batch]["colibri_error"] = error
+                del colibris[batch]
+        if llama_error is None:
+            rows, llama_error = attempt("llama-batched-bench", batched_bench, Path(args.llama_bin) /
+                                        "llama-batched-bench", gguf, args.batches, context=PROMPT,
+                                        gen_tokens=DECODE, threads=args.threads, timeout=args.llama_timeout)
+            for batch, row in (rows or {}).items():
+                if batch in records:
+                    records[batch]["llama_tok_s_runs"].append(row["decode_tok_s"])
+                    records[batch]["llama_command"] = row["command"]
+        log(f"round {round_ + 1}: " + ", ".join(
+            f"b{b} Colibri {r['colibri_tok_s_runs'][-1:]} llama.cpp {r['llama_tok_s_runs'][-1:]}"
+            for b, r in records.items()))
+    for batch, record in records.items():
+        finish_decode(record, config, batch, bandwidth, llama_error)
+    for colibri in colibris.values():
+        colibri.release()
+    if model is not None:
+        dispose(model)
+    return list(records.values())
+
+
+def finish_decode(record: dict, config, batch: int, bandwidth: float, llama_error: str | None) -> None:
+    """Medians, the ratio and the roofline of one decode record."""
+    ours, theirs = record["colibri_tok_s_runs"], record["llama_tok_s_runs"]
+    record["colibri_tok_s"] = statistics.median(ours) if ours else None
+    record["llama_tok_s"] = statistics.median(theirs) if theirs else None
+    record["llama_error"] = None if theirs else llama_error
+    record["ratio"] = ratio(record["colibri_tok_s"], record["llama_tok_s"])
+    distinct = record.get("distinct_experts_per_layer")
+    if distinct is not None:
+        context = PROMPT + DECODE // 2
+        step = step_bytes(config, batch, distinct, context, record["kv_bytes"], record["expert_bytes"])
+        roofline = batch * bandwidth * 1e9 / step
+        record.update(bytes_per_step=step, mean_context=context, roofline_tok_s=roofline,
+                      roofline_fraction=ratio(record["colibri_tok_s"], roofline),
+                      llama_roofline_fraction=ratio(record["llama_tok_s"], roofline))
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Offload
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def colibri_offload(args, folder, pinned, fraction: float) -> dict:
+    """{1: batch-1 decode figures, "prefill": prefill figures} with `fraction` of each layer's experts in GPU
+    slots (offload.py's decode and prefill, each on a fresh store), or the error of each."""
+    from offload import decode, make_model, prefill
+
+    from colibri_stream.experts.slots import layer_slot_counts
+
+    config = folder.config
+    slots = round(fraction * config.num_experts)
+    counts = None if slots >= config.num_experts else layer_slot_counts(slots, len(config.moe_layers),
+                                                                        config.num_experts, args.slot_layout)
+    results = {}
+    for batch in (1, "prefill"):
+        def measure(batch=batch):
+            check_gpu_runs(config)
+            model = make_model(folder, counts, pinned, "colibri")
+            try:
+                return prefill(model, args.prefill) if batch == "prefill" else decode(model, 1, args.steps)
+            finally:
+                dispose(model)
+
+        figures, error = attempt(f"Colibri offload {fraction:.0%} {batch}", measure)
+        results[batch] = figures or {"error": error}
+    return results | {"gpu_slots": counts}
+
+
+def llama_offload(args, gguf, n_cpu_moe: int) -> tuple[dict | None, str | None]:
+    """llama-bench's batch-1 decode and prefill of `gguf` with the experts of `n_cpu_moe` layers on the CPU, and the
+    error (a `gguf` that is text is the reason it was not made)."""
+    from llama_cpp import llama_bench
+    from offload import PROMPT as OFFLOAD_PROMPT
+
+    if isinstance(gguf, str):
+        return None, gguf
+    return attempt(f"llama-bench --n-cpu-moe {n_cpu_moe}", llama_bench, Path(args.llama_bin) / "llama-bench", gguf,
+                   n_cpu_moe, args.threads, depth=OFFLOAD_PROMPT, prompt_tokens=args.prefill,
+                   timeout=args.llama_timeout)
+
+
+def offload_cases(args, folder_path: Path, gguf, base: dict, shape: str, layers: int, fractions: list[float],
+                  deadline: Deadline) -> list[dict]:
+    """Offload records of one folder at each GPU fraction: Colibri, then llama-bench on `gguf` (a path; text: why
+    there is none)."""
+    from offload import PROMPT as OFFLOAD_PROMPT
+    from offload import open_folder
+
+    from colibri_stream.checkpoint import ModelFolder
+
+    opened, pin_error = attempt("pinned experts", open_folder, folder_path, shape, layers)
+    folder, pinned = opened or (ModelFolder(folder_path), None)
+    common = dict(base, bench="offload", **expert_figures(folder.config), slot_layout=args.slot_layout,
+                  mode="colibri (cost model placement, no prefetch)", prompt_cached_tokens=OFFLOAD_PROMPT,
+                  decode_steps=args.steps, prefill_tokens=args.prefill)
+    records = []
+    for fraction in fractions:
+        pair = {batch: dict(common, batch=batch, gpu_fraction=fraction) for batch in (1, "prefill")}
+        if deadline.passed():
+            for record in pair.values():
+                record["colibri_error"] = record["llama_error"] = deadline.skipped()
+            records += pair.values()
+            continue
+        ours = ({1: {"error": pin_error}, "prefill": {"error": pin_error}, "gpu_slots": None} if pinned is None
+                else colibri_offload(args, folder, pinned, fraction))
+        n_cpu_moe = round(layers * (1 - fraction))
+        theirs, llama_error = llama_offload(args, gguf, n_cpu_moe)
+        for batch, record in pair.items():
+            figures = ours[batch]
+            which = "prefill_tok_s" if batch == "prefill" else "decode_tok_s"
+            record.update(gpu_slots=ours["gpu_slots"], colibri_tok_s=figures.get("tok_s"),
+                          colibri_error=figures.get("error"), colibri_figures=figures, llama_n_cpu_moe=n_cpu_moe,
+                          llama_tok_s=(theirs or {}).get(which), llama_error=llama_error, llama=theirs)
+            record["ratio"] = ratio(record["colibri_tok_s"], record["llama_tok_s"])
+            log(f"offload {record['expert_dtype']} {fraction:.0%} {batch}: Colibri {record['colibri_tok_s']} "
+                f"llama.cpp {record['llama_tok_s']}")
+        records += pair.values()
+    if pinned is not None:
+        import cupy
+
+        del pinned, opened
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+    return records
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def bf16_reference(args, files: ShapeFiles, base: dict, shape: str, layers: int, deadline: Deadline) -> list[dict]:
+    """Colibri's offload records of the bf16 folder at 0 % (no llama.cpp run), or one record of why not."""
+    from colibri_stream.checkpoint import CONFIG_FILE
+
+    if not (files.bf16_folder / CONFIG_FILE).is_file():
+        return [dict(base, bench="offload", expert_dtype="bfloat16", expert_format="bfloat16", gpu_fraction=0.0,
+                     colibri_error="no bf16 folder (its writing failed)")]
+    return offload_cases(args, files.bf16_folder, "not run for the bf16 reference", base, shape, layers, [0.0],
+                         deadline)
+
+
+def format_cases(args, files: ShapeFiles, name: str, gguf, keyed: dict, shape: str, layers: int, bandwidth: float,
+                 deadline: Deadline, bf16: dict) -> list[dict]:
+    """The decode and offload records of one format: its Colibri folder written if missing, its cases, the folder
+    deleted after them unless --keep."""
+    from offload import ensure_folder
+
+    options = write_options(name, args)
+    path = files.folder(options)
+    begin = time.perf_counter()
+    _, error = attempt(f"{name} folder", ensure_folder, path, shape, layers, **options)
+    keyed["preparation"].setdefault("colibri_folder_s", {})[name] = time.perf_counter() - begin
+    log_disk(files.root, f"{path.name} {nbytes(path) / 1e9:.1f} GB")
+    if error is not None:
+        return [dict(keyed, expert_dtype=options["expert_dtype"], colibri_error=error)]
+    records, error = attempt(f"{name} decode", decode_cases, args, path, gguf, keyed, bandwidth, deadline)
+    records = records or [dict(keyed, bench="decode", expert_dtype=options["expert_dtype"], error=error)]
+    offloaded, error = attempt(f"{name} offload", offload_cases, args, path, gguf, keyed, shape, layers,
+                               args.gpu_fractions, deadline)
+    for record in offloaded or [dict(keyed, bench="offload", expert_dtype=options["expert_dtype"], error=error)]:
+        if record.get("gpu_fraction") == 0 and bf16.get(record.get("batch")):
+            record["colibri_bf16_tok_s"] = bf16[record["batch"]]
+            record["vs_colibri_bf16"] = ratio(record.get("colibri_tok_s"), bf16[record["batch"]])
+        records.append(record)
+    if not args.keep:
+        remove(path, files.root)
+    return records
+
+
+def run_shape(args, spec: str, common: dict, bandwidth: float, deadline: Deadline, records: list[dict]) -> None:
+    """Every case of one SHAPE:LAYERS, its files made first (module docstring) and deleted after unless --keep."""
+    from offload import ensure_folder
+
+    shape, layers = spec.split(":")[0], int(spec.split(":")[1])
+    root = Path(args.folder_root)
+    root.mkdir(parents=True, exist_ok=True)
+    files = ShapeFiles(root, shape, layers, args.llama_dense)
+    prep: dict = {}  # seconds each file took to make
+    base = dict(common, shape=shape, layers=layers, llama_dense=args.llama_dense, preparation=prep)
+    llama_formats = sorted({llama_format(name, args) for name in args.formats})
+    log_disk(root, f"{shape} ({layers} layers)")
+    llama_needs_bf16 = bool(args.llama_bin) and not files.bf16_gguf.is_file() and not all(
+        files.gguf(fmt).is_file() for fmt in llama_formats)
+    if args.bf16_offload or llama_needs_bf16:
+        begin = time.perf_counter()
+        attempt("bf16 folder", ensure_folder, files.bf16_folder, shape, layers)
+        prep["bf16_folder_s"] = time.perf_counter() - begin
+        log_disk(root, f"bf16 folder {nbytes(files.bf16_folder) / 1e9:.1f} GB")
+    if args.bf16_offload:
+        reference, error = attempt("bf16 offload", bf16_reference, args, files, base, shape, layers, deadline)
+        records += reference or [dict(base, bench="offload", expert_dtype="bfloat16", error=error)]
+        write(args.out, records)
+    bf16 = {r["batch"]: r.get("colibri_tok_s") for r in records if r.get("shape") == shape
+            and r.get("expert_dtype") == "bfloat16" and r.get("gpu_fraction") == 0 and "batch" in r}
+    ggufs = (llama_ggufs(args, files, shape, layers, llama_formats, prep) if args.llama_bin
+             else {fmt: f"not run: {args.llama_missing}" for fmt in llama_formats})
+    remove(files.bf16_folder, root)
+    for name in args.formats:
+        fmt = llama_format(name, args)
+        keyed = dict(base, llama_format=fmt, llama_gguf=str(files.gguf(fmt)),
+                     llama_gguf_bytes=nbytes(files.gguf(fmt)) or None)
+        if deadline.passed():
+            records.append(dict(keyed, expert_dtype=name, error=deadline.skipped()))
+        else:
+            records += format_cases(args, files, name, ggufs[fmt], keyed, shape, layers, bandwidth, deadline, bf16)
+        write(args.out, records)
+    if not args.keep:
+        for fmt in llama_formats:
+            remove(files.gguf(fmt), root)
+
+
+def write(out: str, records: list[dict]) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(records, indent=1, default=str) + "\n")
+
+
+def table(records: list[dict]) -> str:
+    def cell(value, digits=1):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = ["| shape | bench | experts | llama.cpp | batch | GPU experts | Colibri tok/s | llama.cpp tok/s "
+             "| Colibri / llama.cpp | roofline tok/s | Colibri / roofline | Colibri / bf16 | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        errors = "; ".join(f"{k}: {str(r[k])[:60]}" for k in ("error", "colibri_error", "llama_error") if r.get(k))
+        fraction = r.get("gpu_fraction")
+        experts = r.get("expert_format") or r.get("expert_dtype")
+        lines.append(
+            f"| {r.get('shape')} ({r.get('layers')}) | {r.get('bench', '-')} | {experts} "
+            f"| {r.get('llama_format') or '-'} | {r.get('batch', '-')} "
+            f"| {'-' if fraction is None else f'{fraction:.0%}'} | {cell(r.get('colibri_tok_s'))} "
+            f"| {cell(r.get('llama_tok_s'))} | {cell(r.get('ratio'), 2)} | {cell(r.get('roofline_tok_s'), 0)} "
+            f"| {cell(r.get('roofline_fraction'), 2)} | {cell(r.get('vs_colibri_bf16'), 2)} | {errors} |")
+    return "\n".join(lines)
+
+
+def hbm_bandwidth() -> float:
+    """The GPU's device-to-device copy bandwidth in GB/s, bytes read plus written (decode.py's measure)."""
+    import cupy
+
+    return measure_bandwidth(cupy)
+
+
+def llama_missing(args) -> str | None:
+    """Why llama.cpp cannot run (no --llama-bin, a tool missing from it, no gguf-py), or None."""
+    if not args.llama_bin:
+        return "no --llama-bin"
+    missing = [tool for tool in LLAMA_TOOLS if not (Path(args.llama_bin) / tool).is_file()]
+    if missing:
+        return f"--llama-bin {args.llama_bin} lacks {', '.join(missing)} (benchmarks/build_llama_cpp.sh)"
+    if not (args.gguf_py and (Path(args.gguf_py) / "gguf").is_dir()):
+        return "no --gguf-py (the gguf-py folder of the llama.cpp source tree) to write the GGUF with"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES),
+                        help="SHAPE:LAYERS entries (mixtral-8x7b:8, qwen3-30b-a3b:16), run one after the other")
+    parser.add_argument("--formats", nargs="+", default=["int4", "fp8"], choices=FORMATS)
+    parser.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128), help="int4's group size")
+    parser.add_argument("--zero-point", action="store_true", help="int4 with zero points (asymmetric)")
+    parser.add_argument("--llama-int4", default="Q4_0", choices=LLAMA_INT4, help="llama.cpp's format for int4")
+    parser.add_argument("--llama-dense", default="bf16", choices=("bf16", "quantized"),
+                        help="llama.cpp's tensors other than the routed experts: bf16 as Colibri's, or quantized "
+                             "as llama-quantize chooses for the format")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    parser.add_argument("--repeats", type=int, default=3, help="decode rounds, the two engines alternating")
+    parser.add_argument("--gpu-fractions", nargs="+", type=float, default=[0.0, 0.5])
+    parser.add_argument("--slot-layout", default="spread", choices=GPU_SLOT_LAYOUTS)
+    parser.add_argument("--steps", type=int, default=8, help="timed offloaded decode steps")
+    parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the offloaded prefill")
+    parser.add_argument("--no-bf16-offload", dest="bf16_offload", action="store_false",
+                        help="skip Colibri's bf16 offload at 0 %% (the reference of the quantized offload)")
+    parser.add_argument("--llama-bin", help="folder of llama-quantize, llama-batched-bench and llama-bench "
+                        "(benchmarks/build_llama_cpp.sh); none: Colibri only")
+    parser.add_argument("--gguf-py", help="gguf-py folder of the llama.cpp source tree (writes the bf16 GGUF)")
+    parser.add_argument("--threads", type=int, default=16, help="llama.cpp's CPU threads")
+    parser.add_argument("--llama-timeout", type=float, default=300.0, help="seconds for one llama.cpp command")
+    parser.add_argument("--folder-root", default="/tmp/colibri-quantized")
+    parser.add_argument("--keep", action="store_true", help="keep each shape's quantized files for a later run "
+                        "(mind the disk: Mixtral's take about 40 GB)")
+    parser.add_argument("--time-budget", type=float, default=0.0,
+                        help="seconds after which no new case starts (recorded as skipped); 0: no limit")
+    parser.add_argument("--out", default="benchmarks/results/quantized_h200.json")
+    args = parser.parse_args(argv)
+    args.llama_missing = llama_missing(args)
+    if args.llama_missing:
+        log(f"llama.cpp not run: {args.llama_missing}")
+        args.llama_bin = None
+    require_gpu()
+    deadline = Deadline(args.time_budget)
+    bandwidth = hbm_bandwidth()
+    log(f"device-to-device copy: {bandwidth:.0f} GB/s")
+    common = dict(host_machine(), **machine(), command=" ".join(sys.argv), routing="random router (close to uniform)",
+                  llama_cpp=args.llama_missing or f"{args.llama_bin}, {args.threads} threads")
+    records: list[dict] = []
+    for spec in args.shapes:
+        _, error = attempt(spec, run_shape, args, spec, common, bandwidth, deadline, records)
+        if error is not None:
+            records.append(dict(common, shape=spec, error=error))
+        write(args.out, records)
+    print(table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
