@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One session on a GPU machine: install, GPU tests, benchmarks; logs and JSON results under $OUT.
 #   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests dense kernels decode engine cpu timeline llama offload" benchmarks/gpu_session.sh
-# (other stages: attention, moe_prefill, long_context, quantized, compare, serving, exit)
+# (other stages: attention, moe_prefill, moe_formats, quantized, long_context, quantized, compare, serving, exit)
 # (llama_build before other stages: llama.cpp builds in the background while they run, and stage llama waits for it)
 # (STAGES="" only installs: what a command that runs a script of its own needs first).
 # Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first. Each stage has its own time
@@ -130,6 +130,10 @@ for stage in $STAGES; do
       bench "${LONG_TIMEOUT:-540}" long_context.log 30 benchmarks/long_context.py --out "$OUT/long_context_h200.json" \
         --batched-bench "${LLAMA_BUILD:-/tmp/llama-build}/bin/llama-batched-bench" --gguf-py "$LLAMA_SRC/gguf-py" \
         ${LONG_ARGS:-} ;;
+    moe_formats)
+      echo "== routed experts per format: bf16, int4, fp8"
+      bench "${FORMATS_TIMEOUT:-180}" moe_formats.log 40 benchmarks/moe_formats.py --out "$OUT/moe_formats_h200.json" \
+        ${FORMATS_ARGS:-} ;;
     quantized)
       # int4 and fp8 experts against llama.cpp's Q4_0 and Q8_0 of the same weights: decode and offload. Needs LLAMA_SRC
       # (its gguf-py) and llama.cpp built in LLAMA_BUILD (stage llama_build first: this stage waits for it); without

@@ -30,6 +30,7 @@ GPU_SCRIPTS = {
     "host_pages.py": ["--blocks", "1", "--rounds", "1"],
     "long_context.py": ["--shapes", "mixtral-8x7b:1", "--contexts", "64", "--batches", "1", "--decode-tokens", "2"],
     "moe_prefill.py": ["--shapes", "mixtral-8x7b", "--tokens", "64"],
+    "moe_formats.py": ["--shapes", "qwen3-30b-a3b", "--tokens", "1"],
     "offload.py": ["--layers", "1", "--fractions", "0.5", "--batches", "1"],
     "offload_timeline.py": ["--layers", "1", "--steps", "1"],
     "prefill_attention.py": ["--contexts", "64", "--shapes", "mixtral-8x7b", "--short-chunks"],
