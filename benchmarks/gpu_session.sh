@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One session on a GPU machine: install, GPU tests, benchmarks; logs and JSON results under $OUT.
 #   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests dense kernels decode engine cpu timeline llama offload" benchmarks/gpu_session.sh
-# (other stages: attention, moe_prefill, moe_formats, quantized, long_context, quantized, compare, serving, exit)
+# (other stages: attention, moe_prefill, moe_formats, long_context, quantized, compare, serving, exit)
 # (llama_build before other stages: llama.cpp builds in the background while they run, and stage llama waits for it)
 # (STAGES="" only installs: what a command that runs a script of its own needs first).
 # Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first. Each stage has its own time
