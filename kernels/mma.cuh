@@ -73,6 +73,21 @@ __device__ __forceinline__ long long mma_expert_slot(const int* slot_of, int e) 
     return slot_of != nullptr ? slot_of[e] : e;
 }
 
+// The pairs this lane feeds to a pass of NT n-tiles from sorted position `base` (n pairs): pair quad of each tile,
+// the last pair repeated past n, and their activation rows: row pairs[t] / per_row of `rows` (rows of `width`
+// floats), from column `col`.
+template <int NT>
+__device__ __forceinline__ void tile_pairs(const int* __restrict__ sorted_pairs, int base, int n, const float* rows,
+                                           int width, int per_row, int col, int (&pairs)[NT],
+                                           const float* (&b)[NT]) {
+    const int quad = threadIdx.x % 32 / 4;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        pairs[t] = sorted_pairs[base + min(8 * t + quad, n - 1)];
+        b[t] = rows + static_cast<long long>(pairs[t] / per_row) * width + col;
+    }
+}
+
 // The MoE kernels' outputs from a warp's accumulators (C fragments: acc[m][t][2h + c] is row quad + 8h of m-tile m,
 // pair 2q + c of n-tile t; pairs[t] is the pair of lane 4 * j's column j; n pairs in this pass), each row's value
 // times scale[m][h]. store_gate_up: m-tile 0 is gate and 1 is up, of the rows rows[h]; act[p, row] =

@@ -71,13 +71,9 @@ moe_gate_up_mma(const float* __restrict__ x, const W* __restrict__ gate, const W
     for (int base = group_start[g]; base < end; base += 8 * NT) {
         const int n = min(8 * NT, end - base);
         const int tiles = (n + 7) / 8;
-        int pairs[NT];  // pair quad of each n-tile (the last pair repeated past n)
+        int pairs[NT];
         const float* b[NT];
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-            pairs[t] = sorted_pairs[base + min(8 * t + quad, n - 1)];
-            b[t] = x + static_cast<long long>(pairs[t] / top_k) * H;
-        }
+        tile_pairs<NT>(sorted_pairs, base, n, x, H, top_k, 0, pairs, b);
         float acc[2][NT][4] = {};
         mma_rows<W, 2, NT>(a, b, tiles, H, ring, acc);
         store_gate_up<NT>(acc, scale, pairs, rows, n, tiles, act, I);
@@ -124,11 +120,7 @@ moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long lon
         const int tiles = (n + 7) / 8;
         int pairs[NT];
         const float* b[NT];
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-            pairs[t] = sorted_pairs[base + min(8 * t + quad, n - 1)];
-            b[t] = act + static_cast<long long>(pairs[t]) * I + k0;
-        }
+        tile_pairs<NT>(sorted_pairs, base, n, act, I, 1, k0, pairs, b);
         float acc[M][NT][4] = {};
         mma_rows<W, M, NT>(a, b, tiles, cols, ring, acc);
         store_down<M, NT>(acc, scale, pairs, rows, n, tiles, route_weights, y, H, split);

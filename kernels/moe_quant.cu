@@ -286,11 +286,7 @@ moe_gate_up_quant(const float* __restrict__ x, const unsigned char* __restrict__
         const int tiles = (n + 7) / 8;
         int pairs[NT];
         const float* b[NT];
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-            pairs[t] = sorted_pairs[base + min(8 * t + quad, n - 1)];
-            b[t] = x + static_cast<long long>(pairs[t] / top_k) * H;
-        }
+        tile_pairs<NT>(sorted_pairs, base, n, x, H, top_k, 0, pairs, b);
         float acc[2][NT][4] = {};
         quant_rows<F, 2, NT>(a, b, tiles, 0, H, scales, ring, acc);
         const float unscaled[2][2] = {{1.f, 1.f}, {1.f, 1.f}};  // quant_rows applied the scales
@@ -340,11 +336,7 @@ moe_down_quant(const float* __restrict__ act, const unsigned char* __restrict__ 
         const int tiles = (n + 7) / 8;
         int pairs[NT];
         const float* b[NT];
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-            pairs[t] = sorted_pairs[base + min(8 * t + quad, n - 1)];
-            b[t] = act + static_cast<long long>(pairs[t]) * I + k0;
-        }
+        tile_pairs<NT>(sorted_pairs, base, n, act, I, 1, k0, pairs, b);
         float acc[M][NT][4] = {};
         quant_rows<F, M, NT>(a, b, tiles, k0, cols, scales, ring, acc);
         const float unscaled[M][2] = {{1.f, 1.f}, {1.f, 1.f}};
