@@ -172,6 +172,7 @@ def write_gguf(folder_path: str | Path, gguf_path: str | Path, gguf_py: str | Pa
             raise ValueError(f"{name}: made {array.shape}, planned {shape}")
         writer.write_tensor_data(array)
     writer.close()
+    folder.experts.close()
     _partial(gguf_path).rename(gguf_path)
     return gguf_path
 
@@ -230,16 +231,21 @@ def batched_bench(binary: str | Path, gguf_path: str | Path, batches: list[int],
     steps (speed_tg, as decode_tok_s) and of the prompts (speed_pp) by batch size. `cache_type`: the KV cache's
     element type for keys and values (-ctk/-ctv: f16 by default, q8_0, f32, ...)."""
     longest = max(batches) * (context + gen_tokens)
+    # Its rows go through llama.cpp's asynchronous log, which is not flushed at exit, so the last lines can be lost:
+    # a repeat of the smallest batch runs last, and only the first row of each batch size is kept.
+    sizes = [*batches, min(batches)]
     command = [str(binary), "-m", str(gguf_path), "-ngl", "99", "-fa", "on", "-t", str(threads),
                "-c", str(longest), "-b", "2048", "-ub", "512", "-npp", str(context), "-ntg", str(gen_tokens),
-               "-npl", ",".join(map(str, batches)), "--output-format", "jsonl"]
+               "-npl", ",".join(map(str, sizes)), "--output-format", "jsonl"]
     if cache_type is not None:
         command += ["-ctk", cache_type, "-ctv", cache_type]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"llama-batched-bench failed ({done.returncode}): {(done.stderr or done.stdout)[-800:]}")
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    return {row["pl"]: dict(row, decode_tok_s=row["speed_tg"], command=" ".join(command)) for row in rows}
+    figures: dict[int, dict] = {}
+    for row in (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")):
+        figures.setdefault(row["pl"], dict(row, decode_tok_s=row["speed_tg"], command=" ".join(command)))
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -296,7 +296,11 @@ def open_folder(path: str | Path, shape: str, layers: int, **options):
     from colibri_stream.experts.tiers import BlockReader
 
     folder = ModelFolder(ensure_folder(path, shape, layers, **options))
-    return folder, PinnedExperts(folder.experts, BlockReader(folder.experts, use_kvikio=kvikio_available()))
+    reader = BlockReader(folder.experts, use_kvikio=kvikio_available())
+    try:
+        return folder, PinnedExperts(folder.experts, reader)
+    finally:
+        reader.close()  # it only fills the pinned blocks; an open file would keep a deleted folder's disk space
 
 
 def run(args) -> list[dict]:

@@ -38,16 +38,17 @@ that would start later are recorded as skipped. The Markdown table is printed at
     python benchmarks/quantized.py --llama-bin /tmp/llama-build/bin --gguf-py <llama.cpp>/gguf-py \
         --out benchmarks/results/quantized_h200.json
 
-Cost on the H200 host (16 cores, one NVMe drive), Mixtral-8x7B shape with 8 layers, int4 and fp8: writing the
-files (23.7 GB bf16 folder, its GGUF, two llama-quantize runs, a 7 GB int4 and a 12.5 GB fp8 folder) about 3
-minutes, decode about 1.5 minutes a format, offload about 1 minute a format: about 8 minutes in all. The
-Qwen3-30B-A3B shape with 16 layers (`--shapes qwen3-30b-a3b:16`, 9.6 GB in bf16) adds about 4 minutes, so the
-two shapes are best run as two calls.
+Cost on the H200 host (16 cores, 64 GB disk), Mixtral-8x7B shape with 8 layers: the bf16 folder (23.7 GB) about
+30 s, Colibri's bf16 offload 45 s, the bf16 GGUF 30 s, each llama-quantize 15-20 s, each quantized folder 35-40 s
+(7.2 GB int4, 12.5 GB fp8), each format's decode 20 s and offload 40 s: about 6 minutes for int4 and fp8. The disk
+peaks at the bf16 folder and its GGUF (47 GB). The Qwen3-30B-A3B shape with 16 layers (`--shapes
+qwen3-30b-a3b:16`, 9.6 GB in bf16) is best run as a call of its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -107,7 +108,9 @@ def log_disk(root: Path, what: str) -> None:
 
 
 def remove(path: Path, root: Path) -> None:
-    """Delete a file or folder, logging what it freed."""
+    """Delete a file or folder, logging what it freed (models that went out of use collected first: a deleted
+    file's space comes back when nothing holds it open or mapped)."""
+    gc.collect()
     size = nbytes(path)
     if path.is_dir():
         shutil.rmtree(path)
@@ -323,6 +326,7 @@ def decode_cases(args, folder_path: Path, gguf, base: dict, bandwidth: float, de
         colibri.release()
     if model is not None:
         dispose(model)
+    folder.experts.close()
     return list(records.values())
 
 
@@ -427,10 +431,10 @@ def offload_cases(args, folder_path: Path, gguf, base: dict, shape: str, layers:
             log(f"offload {record['expert_dtype']} {fraction:.0%} {batch}: Colibri {record['colibri_tok_s']} "
                 f"llama.cpp {record['llama_tok_s']}")
         records += pair.values()
-    if pinned is not None:
-        import cupy
-
-        del pinned, opened
+    folder.experts.close()
+    del pinned, opened
+    cupy = sys.modules.get("cupy")  # loaded wherever pinned host memory was taken
+    if cupy is not None:
         cupy.get_default_pinned_memory_pool().free_all_blocks()
     return records
 

@@ -12,9 +12,11 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from colibri_stream import synthetic
+from colibri_stream.experts import pinned
 from colibri_stream.config import RopeConfig
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -37,7 +39,26 @@ def quantized(monkeypatch):
         raise RuntimeError("no GPU in this test")
 
     monkeypatch.setattr(module, "check_gpu_runs", no_gpu)
+    monkeypatch.setattr(pinned, "PinnedExperts", HostExperts)
     return module
+
+
+class HostExperts:
+    """PinnedExperts in plain host memory (no CuPy): every block read through the reader it is given."""
+
+    def __init__(self, expert_file, reader):
+        layers, experts = expert_file.config.moe_layers, expert_file.config.num_experts
+        self.arena = np.empty((len(layers) * experts, expert_file.block_size), np.uint8)  # [L*E, block_size]
+        for rank, layer in enumerate(layers):
+            for expert in range(experts):
+                reader.read_into(layer, expert, self.arena[rank * experts + expert])
+
+
+def held_deleted_files(root: Path) -> list[str]:
+    """Files under `root` deleted but still open or mapped by this process (their disk space not given back)."""
+    links = [os.readlink(fd) for fd in Path("/proc/self/fd").iterdir() if fd.is_symlink()]
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    return [name for name in links + maps if str(root) in name and "(deleted)" in name]
 
 
 def run(quantized, tmp_path, *extra) -> list[dict]:
@@ -48,6 +69,8 @@ def run(quantized, tmp_path, *extra) -> list[dict]:
                            "--out", str(out), *extra]) == 0
     if "--keep" not in extra:
         assert list(root.iterdir()) == []  # every file of the shape deleted after its cases
+        if Path("/proc/self/fd").is_dir():
+            assert held_deleted_files(root) == []  # and its disk space given back
     return json.loads(out.read_text())
 
 
