@@ -42,6 +42,9 @@ FP8_MAX = 448.0  # e4m3's largest finite value
 FP8_BLOCK = 128  # rows and columns of one fp8 scale tile
 INT4_SYMMETRIC_ZERO = 8  # the code of 0.0 in a symmetric int4 group (codes 0 .. 15 stand for -8 .. 7)
 INT8_MAX = 127
+# error_bound's margin over half a step: bf16 weights often lie exactly half a step between two codes, where the
+# float32 arithmetic of quantizing and dequantizing lands a few ulps past it (int8, int4 with zero points)
+BOUND_SLACK = 1 + 1e-5
 # mxfp4's element values by code: bit 3 the sign, bits 0-2 an e2m1 magnitude (2 exponent bits, 1 mantissa bit)
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 E2M1_EMAX = 2  # the exponent of e2m1's largest magnitude, 6 = 1.5 * 2**2
@@ -165,7 +168,7 @@ class Int8Codec(ExpertCodec):
 
     def error_bound(self, weight):
         scale = _safe_scale(np.max(np.abs(weight), axis=1), INT8_MAX)
-        return np.broadcast_to(scale[:, None] * 0.5 * (1 + 1e-6), weight.shape)
+        return np.broadcast_to(scale[:, None] * 0.5 * BOUND_SLACK, weight.shape)
 
 
 @dataclass(frozen=True)
@@ -232,7 +235,7 @@ class Int4Codec(ExpertCodec):
     def error_bound(self, weight):
         scale, _ = self._scale_zero(self._groups(weight))  # [out, groups]
         per_column = np.repeat(scale, self.group_width(weight.shape[1]), axis=1)[:, : weight.shape[1]]
-        return per_column * 0.5 * (1 + 1e-6)
+        return per_column * 0.5 * BOUND_SLACK
 
 
 @dataclass(frozen=True)
@@ -287,7 +290,7 @@ class Fp8Codec(ExpertCodec):
         # e4m3 keeps 4 significant bits (half an ulp: at most 2**-4 of the value) down to 2**-6; below, subnormal
         # steps of 2**-9 (half: 2**-10), both in units of the scale
         scale = self._per_element(self._stored_scale(weight), weight.shape)
-        return (np.abs(weight) * 2.0**-4 + scale * 2.0**-10) * (1 + 1e-6)
+        return (np.abs(weight) * 2.0**-4 + scale * 2.0**-10) * BOUND_SLACK
 
 
 @dataclass(frozen=True)
@@ -344,7 +347,7 @@ class Mxfp4Codec(ExpertCodec):
         magnitude = np.abs(weight.reshape(*unit.shape[:2], MXFP4_BLOCK)) / unit
         # half of e2m1's spacing at each magnitude (0.5 below 2, 1 below 4, 2 from 4 to 6), past 6 the saturation
         half_step = np.where(magnitude < 2, 0.25, np.where(magnitude < 4, 0.5, 1.0))
-        bound = np.where(magnitude > 6, magnitude - 6, half_step) * unit * (1 + 1e-6)
+        bound = np.where(magnitude > 6, magnitude - 6, half_step) * unit * BOUND_SLACK
         return bound.reshape(weight.shape).astype(np.float32)
 
 
