@@ -2,7 +2,7 @@
 commentary message to a function as a tool call. On the real server through the openai client, serving a tiny
 random gpt-oss model (exported from transformers, NumPy backend) with a chat template of our own that writes
 harmony messages, the reply steered by a structured_outputs regex; chat and Responses, streamed and not; a reply
-that breaks the format stays content. Then the stream's rules on their own, fed whole and a character at a time."""
+that breaks the format stays content; forced calls (tool_choice "required" or named) are tool calls. Then the stream's rules on their own, fed whole and a character at a time."""
 
 from __future__ import annotations
 
@@ -127,3 +127,25 @@ def test_the_calls_syntax_and_the_template_marker():
     assert HARMONY_TOOL_SYNTAX.split("to=functions.nope<|message|>{}<|call|>", {"get_weather": {}}) is None
     assert HARMONY_TOOL_SYNTAX.split("to=functions.get_weather<|message|>[1]<|call|>", {"get_weather": {}}) is None
     assert harmony_in({"default": HARMONY_TEMPLATE}) and not harmony_in({"default": "<|im_start|>"})
+
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}
+FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_calls_on_a_harmony_model_are_tool_calls(client, tool_choice):
+    """tool_choice "required" or a named function writes the call under its grammar, as on any model: the harmony
+    reader keeps the channel tokens out of that reply, and the call is a tool call, streamed and not (one call: the
+    random model would repeat calls until max_tokens)."""
+    fields = dict(model="tiny", messages=MESSAGES, max_tokens=100, temperature=0, tools=FORCED_TOOLS,
+                  tool_choice=tool_choice, parallel_tool_calls=False)
+    choice = client.chat.completions.create(**fields).choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content and extra(choice.message) is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) in ({"city": "Paris"}, {"city": "Rome"})
+    content, calls, reason = streamed(client.chat.completions.create(stream=True, **fields))
+    assert (content, reason) == ("", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [(call.function.name, call.function.arguments)]
