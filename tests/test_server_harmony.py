@@ -2,7 +2,8 @@
 commentary message to a function as a tool call. On the real server through the openai client, serving a tiny
 random gpt-oss model (exported from transformers, NumPy backend) with a chat template of our own that writes
 harmony messages, the reply steered by a structured_outputs regex; chat and Responses, streamed and not; a reply
-that breaks the format stays content; forced calls (tool_choice "required" or named) are tool calls. Then the stream's rules on their own, fed whole and a character at a time."""
+that breaks the format stays content; forced calls (tool_choice "required" or named) are tool calls. Then the
+stream's rules on their own, fed whole and a character at a time."""
 
 from __future__ import annotations
 
