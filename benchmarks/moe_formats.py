@@ -81,8 +81,10 @@ def run_shape(cp, backend, name: str, tokens_list: list[int], bandwidth: float) 
             ids = cp.argsort(scores, axis=2)[:, :, :top_k].astype(np.int32)  # [S, T, k] distinct experts
             weights = generator.random_sample((STEPS, tokens, top_k), dtype=np.float32)  # [S, T, k]
             distinct = float(np.mean([len(np.unique(cp.asnumpy(ids[s]))) for s in range(STEPS)]))
-            seconds = time_in_graph(cp, lambda s: backend.routed_experts(x[s], weights[s], ids[s], 0, store),
-                                    calls=STEPS, replays=5)
+            def step(s, x=x, weights=weights, ids=ids, store=store):
+                return backend.routed_experts(x[s], weights[s], ids[s], 0, store)
+
+            seconds = time_in_graph(cp, step, calls=STEPS, replays=5)
             ceiling_s = distinct * per_expert / (bandwidth * 1e9)
             record = {"shape": name, "format": fmt, "tokens": tokens, "experts": num_experts, "top_k": top_k,
                       "hidden": h, "intermediate": i, "bytes_per_expert": per_expert,

@@ -23,6 +23,7 @@ from .cupy_quant_moe import is_block_scaled, quant_experts
 from .tuning import (MMA_DOWN_ROWS, MMA_GATE_UP_ROWS, MMA_MIN_TOKENS, MMA_THREADS, MMA_TILES, MOE_DOWN_ROW_BYTES,
                      MOE_ROWS_PER_WARP, MOE_TILES, MOE_UP_ROW_BYTES, MOE_WARPS)
 
+
 def moe_rows_per_warp(row_bytes: int, budget: int) -> int:
     """Weight rows each warp of moe.cu takes: as many of MOE_ROWS_PER_WARP as hold `budget` bytes together."""
     return max([r for r in MOE_ROWS_PER_WARP if r == 1 or r * row_bytes <= budget])
