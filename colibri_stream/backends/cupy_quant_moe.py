@@ -22,6 +22,7 @@ FP8_TILE = 128  # rows and columns of an fp8 scale tile (expert_codecs.FP8_BLOCK
 INT4_CHUNKS = (128, 64, 32)  # = Int4Codes<B>::CHUNK for B = 16, 8, 4 in moe_quant.cu
 FP8_CHUNK = 64  # = Fp8Codes::CHUNK
 FP8_LANE_COLS = 16  # = Fp8Codes::LANE_COLS
+CODES_TYPES = tuple(f"Int4Codes<{chunk // 8}>" for chunk in INT4_CHUNKS) + ("Fp8Codes",)  # moe_quant.cu's F
 
 
 @dataclass(frozen=True)
