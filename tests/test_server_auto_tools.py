@@ -393,7 +393,7 @@ def test_earlier_reasoning_goes_back_in_the_input(client):
         {"role": "user", "content": "Weather?"}, reasoning.model_dump(exclude_none=True),
         call.model_dump(exclude_none=True), {"type": "function_call_output", "call_id": call.call_id, "output": "sun"}])
     assert answer.status in ("completed", "incomplete")
-    chat = client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+    chat = client.chat.completions.create(model="tiny", max_tokens=2, temperature=0, messages=[
         *MESSAGES, {"role": "assistant", "content": "Sunny.", "reasoning_content": "Look it up."},
         {"role": "user", "content": "And Rome?"}])
     assert chat.choices[0].finish_reason == "length"
