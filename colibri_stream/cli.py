@@ -201,7 +201,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="seconds a stream waits for a client that reads nothing before it is aborted (default 60; "
                         "0: wait for ever)")
     p.add_argument("--no-reasoning-parser", dest="reasoning_parser", action="store_false", default=None,
-                   help="leave a thinking model's <think> text in the content (default: reasoning_content)")
+                   help="leave a thinking model's <think> text in the content (default: reasoning_content); a "
+                        "harmony model's (gpt-oss) replies are read by channel all the same")
     p.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                    help="run the engine's steps on a thread of the server's process instead of a process of their "
                         "own (where the server's Python and the steps' share one GIL)")

@@ -150,3 +150,25 @@ def test_forced_calls_on_a_harmony_model_are_tool_calls(client, tool_choice):
     content, calls, reason = streamed(client.chat.completions.create(stream=True, **fields))
     assert (content, reason) == ("", "tool_calls")
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [(call.function.name, call.function.arguments)]
+
+
+def test_harmony_replies_are_read_by_channel_without_the_reasoning_parser(tmp_path):
+    """--no-reasoning-parser leaves <think> text in the content; a harmony reply is still read by channel (its
+    answer and its calls are messages of their own), so the answer is the content and the call a tool call."""
+    from colibri_stream.export import export_model
+
+    build_hf_model("gpt_oss", tmp_path / "hf", vocab_size=TOKENIZER_VOCAB_SIZE, max_position_embeddings=MAX_POSITIONS)
+    export_model(tmp_path / "hf", tmp_path / "exported", dtype="fp32", progress=False)
+    write_tokenizer(tmp_path / "exported")
+    folder = model_with_template(tmp_path / "exported", tmp_path / "model", HARMONY_TEMPLATE)
+    live = LiveServer(folder, dict(max_batch_size=2, max_seq_len=1024), api_key=API_KEY, served_model_name="tiny",
+                      reasoning_parser=False)
+    try:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        message = chat(client, ANSWER).choices[0].message
+        assert (extra(message), message.content) == ("The user greets me.", "Hello there!")
+        choice = chat(client, CALL, tools=TOOLS).choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    finally:
+        live.close()

@@ -79,9 +79,10 @@ class ServerState:
 
     @functools.cached_property
     def split_reasoning(self) -> bool:
-        """Whether chat replies' reasoning goes to reasoning_content (the option, and a template with the <think>
-        tags or harmony's channels)."""
-        return self.reasoning_parser and (reasoning_tags_in(self.chat_templates) or harmony_in(self.chat_templates))
+        """Whether chat replies' reasoning goes to reasoning_content: a template with the <think> tags unless the
+        option is off; harmony's channels always, since a harmony reply is read by channel or not at all (its
+        final answer and its tool calls are messages of their own)."""
+        return harmony_in(self.chat_templates) or (self.reasoning_parser and reasoning_tags_in(self.chat_templates))
 
     @functools.cached_property
     def token_piece(self) -> Callable[[int], tuple[str, bytes]]:
