@@ -36,6 +36,8 @@ import numpy as np
 from .config import FP8_SCALES, MXFP4_BLOCK, ModelConfig
 
 MATRICES = ("gate", "up", "down")
+# every weight tensor an expert block may hold, in block order: the matrices, their scales, their zero points
+WEIGHT_TENSORS = tuple(m + suffix for suffix in ("", "_scale", "_zero") for m in MATRICES)
 EXPERT_BIASES = ("gate_bias", "up_bias", "down_bias")  # float32, the same in every format
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = 448.0  # e4m3's largest finite value

@@ -3,7 +3,8 @@
 Numerics: activations and every accumulation are float32; the KV cache is in its own dtype (bfloat16 by default,
 float16, fp8 e4m3 as uint8 bits, float32), rounded when written and widened when attention loads it. Weight
 matrices stay in their storage dtype (bfloat16, float16, float32; routed experts also int8 with per-row float32
-scales, int4 and fp8 with group or tile scales) and are widened in registers as they are loaded; vectors (norm weights, biases) are held as float32.
+scales, int4 and fp8 with group or tile scales) and are widened in registers as they are loaded; vectors (norm
+weights, biases) are held as float32.
 bfloat16 arrays are CuPy uint16 arrays of the same bits (CuPy has no bfloat16 arithmetic); `storage_type` names
 their CUDA type for the kernels.
 

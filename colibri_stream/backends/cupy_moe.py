@@ -3,8 +3,8 @@
 `routed_experts` sorts a step's (token, expert) pairs into groups per expert on the device (moe_align), launches
 moe_gate_up and moe_down (or their tensor-core forms, moe_mma.cu; or, for prefill-sized groups, cuBLAS GEMMs per
 expert, cupy_expert_gemm.py; int4 and fp8 experts on moe_quant.cu, cupy_quant_moe.py) once per pass the store
-yields (experts/device.py), and sums each token's experts (moe_sum). `DeviceExpertStore` holds every expert resident, stacked per MoE layer: one pass, no host work, so a
-decode step can be captured in a CUDA graph.
+yields (experts/device.py), and sums each token's experts (moe_sum). `DeviceExpertStore` holds every expert
+resident, stacked per MoE layer: one pass, no host work, so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -147,10 +147,9 @@ class DeviceExpertStore(DeviceExperts):
         stacked = {}
         for layer in layers:
             first = store.expert(layer, 0)
-            if "gate_zero" in first or np.dtype(first["gate"].dtype) in _BLOCK_SCALED:
-                stacked[layer] = _stack_by_name(store, layer, num_experts)
-            else:
-                stacked[layer] = _stack_gate_up(store, layer, num_experts)
+            experts = (first if e == 0 else store.expert(layer, e) for e in range(num_experts))
+            block_scaled = "gate_zero" in first or np.dtype(first["gate"].dtype) in _BLOCK_SCALED
+            stacked[layer] = (_stack_by_name if block_scaled else _stack_gate_up)(experts, layer, num_experts)
         return cls(stacked)
 
     def passes(self, layer: int) -> Iterable[LayerExperts]:
@@ -178,13 +177,13 @@ class DeviceExpertStore(DeviceExperts):
 _BLOCK_SCALED = (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn))  # int4 / mxfp4 codes, fp8 codes
 
 
-def _stack_gate_up(store: ExpertStore, layer: int, num_experts: int) -> LayerExperts:
-    """A layer's experts as w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] and int8's per-row scales."""
+def _stack_gate_up(experts: Iterable[dict], layer: int, num_experts: int) -> LayerExperts:
+    """A layer's experts (each one's tensors, in expert order) as w13 [E, 2I, H] (gate rows, then up rows), w2
+    [E, H, I] and int8's per-row scales."""
     import cupy
 
     w13 = w2 = s13 = s2 = None
-    for expert in range(num_experts):
-        tensors = store.expert(layer, expert)
+    for expert, tensors in enumerate(experts):
         gate, up, down = (to_device_storage(tensors[n]) for n in MATRICES)  # [I, H], [I, H], [H, I]
         if w13 is None:
             i, h = gate.shape
@@ -206,13 +205,14 @@ def _stack_gate_up(store: ExpertStore, layer: int, num_experts: int) -> LayerExp
     return LayerExperts.stacked(w13, w2, s13, s2)
 
 
-def _stack_by_name(store: ExpertStore, layer: int, num_experts: int) -> LayerExperts:
-    """A layer's experts as one [E, *shape] device array per block tensor (codes, scales, zero points)."""
+def _stack_by_name(experts: Iterable[dict], layer: int, num_experts: int) -> LayerExperts:
+    """A layer's experts (each one's tensors, in expert order) as one [E, *shape] device array per block tensor
+    (codes, scales, zero points)."""
     import cupy
 
     arrays = {}
-    for expert in range(num_experts):
-        for name, tensor in store.expert(layer, expert).items():
+    for expert, tensors in enumerate(experts):
+        for name, tensor in tensors.items():
             value = to_device_storage(tensor)
             if name not in arrays:
                 arrays[name] = cupy.empty((num_experts, *value.shape), value.dtype)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..experts.device import NULL, LayerExperts
+from ..experts.device import LayerExperts, device_pointer, slot_stride
 from .cupy_launch import Array, ceil_div, launch, smallest_tile
 from .tuning import MMA_DOWN_ROWS, MMA_GATE_UP_ROWS, MMA_THREADS, MMA_TILES
 
@@ -69,15 +69,6 @@ def is_block_scaled(experts: LayerExperts) -> bool:
     return experts.gate.dtype == np.uint8 and experts.gate_scale is not None
 
 
-def _pointer(array: Array | None) -> np.uint64:
-    return NULL if array is None else np.uint64(array.data.ptr)
-
-
-def _stride(array: Array | None) -> np.int64:
-    """Elements from one slot to the next (0 for an absent array)."""
-    return np.int64(0 if array is None else array.strides[0] // array.itemsize)
-
-
 def quant_experts(experts: LayerExperts, x: Array, act: Array, y: Array, route_weights: Array, routing: tuple,
                   tokens: int, top_k: int, groups: int, column_splits) -> None:
     """moe_gate_up_quant then moe_down_quant over one launch's experts: act [P, I] from x [T, H], then y [P, H],
@@ -89,21 +80,21 @@ def quant_experts(experts: LayerExperts, x: Array, act: Array, y: Array, route_w
     down_layout = QuantMatrix.of(experts.down, experts.down_scale, i, "experts (intermediate size)")
     if experts.gate.strides != experts.up.strides or experts.gate_scale.strides != experts.up_scale.strides:
         raise ValueError("gate and up of a layer's experts must share their strides")
-    slot_of = _pointer(experts.slot_of)
+    slot_of = device_pointer(experts.slot_of)
     n_tiles = smallest_tile(ceil_div(tokens, 8), MMA_TILES)  # a group holds at most T pairs
-    gate_up = (x, _pointer(experts.gate), _pointer(experts.up), _stride(experts.gate), np.int64(up_layout.row_bytes),
-               _pointer(experts.gate_scale), _pointer(experts.up_scale), _stride(experts.gate_scale),
-               _pointer(experts.gate_zero), _pointer(experts.up_zero), _stride(experts.gate_zero),
-               *up_layout.scale_args(), slot_of, *routing, act, np.int32(h), np.int32(i), np.int32(top_k))
+    gate_up = (x, device_pointer(experts.gate), device_pointer(experts.up), slot_stride(experts.gate),
+               np.int64(up_layout.row_bytes), device_pointer(experts.gate_scale), device_pointer(experts.up_scale),
+               slot_stride(experts.gate_scale), device_pointer(experts.gate_zero), device_pointer(experts.up_zero),
+               slot_stride(experts.gate_zero), *up_layout.scale_args(), slot_of, *routing, act, np.int32(h),
+               np.int32(i), np.int32(top_k))
     launch("moe_quant.cu", f"moe_gate_up_quant<{up_layout.codes_type}, {n_tiles}>",
            (ceil_div(i, MMA_GATE_UP_ROWS), groups), MMA_THREADS, gate_up, weight_type=up_layout.codes_type)
     splits = column_splits(i, ceil_div(h, MMA_DOWN_ROWS) * groups)
     span = down_layout.chunk * ceil_div(i, down_layout.chunk * splits)
-    down = (act, _pointer(experts.down), _stride(experts.down), np.int64(down_layout.row_bytes),
-            _pointer(experts.down_scale), _stride(experts.down_scale), _pointer(experts.down_zero),
-            _stride(experts.down_zero), *down_layout.scale_args(), slot_of, route_weights, *routing, y, np.int32(h),
-            np.int32(i), np.int32(span))
+    down = (act, device_pointer(experts.down), slot_stride(experts.down), np.int64(down_layout.row_bytes),
+            device_pointer(experts.down_scale), slot_stride(experts.down_scale), device_pointer(experts.down_zero),
+            slot_stride(experts.down_zero), *down_layout.scale_args(), slot_of, route_weights, *routing, y,
+            np.int32(h), np.int32(i), np.int32(span))
     launch("moe_quant.cu", f"moe_down_quant<{down_layout.codes_type}, {n_tiles}>",
            (ceil_div(h, MMA_DOWN_ROWS), groups, ceil_div(i, span)), MMA_THREADS, down,
            weight_type=down_layout.codes_type)
-

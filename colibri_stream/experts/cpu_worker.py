@@ -25,7 +25,7 @@ import weakref
 
 import numpy as np
 
-from ..expert_codecs import codec_of
+from ..expert_codecs import WEIGHT_TENSORS, codec_of
 from .cpu_executor import KERNEL_DTYPES, CpuExpertExecutor, expert_bytes, expert_kernel, numba
 from .cpu_grouped import grouped_expert_kernel, kernel_arguments
 
@@ -39,8 +39,7 @@ FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129
 HEADER = 9  # job words: tokens, top_k, x, ids, weights, out addresses, flag address, flag value, experts
 ITEM = 4  # words per expert: block address, first row, last row, expert id
 # A block's tensors in the layout table: per name its offset in the block (-1: absent) and two dimensions
-WEIGHT_NAMES = ("gate", "up", "down", "gate_scale", "up_scale", "down_scale", "gate_zero", "up_zero", "down_zero")
-LAYOUT_WORDS = 3 * len(WEIGHT_NAMES)  # then I, H, and the grouped kernel's rows and columns per scale of each matrix
+LAYOUT_WORDS = 3 * len(WEIGHT_TENSORS)  # then I, H, and the grouped kernel's rows and columns per scale of each matrix
 # control words: the latest ticket handed over, the latest finished, stop, the job table's address, the latest
 # job's start and end (CLOCK_MONOTONIC ns)
 DOORBELL, DONE, STOP, JOBS, START_NS, END_NS = range(6)
@@ -328,7 +327,7 @@ class CpuLayerWorker:
             scaled = "gate_scale" in tensors
             key, make_compute = ("plain", dtype.str, scaled), lambda: _plain_compute(dtype, scaled)
         base, layout = block.ctypes.data, []
-        for name in WEIGHT_NAMES:
+        for name in WEIGHT_TENSORS:
             array = arrays.get(name)
             present = array is not None and array.size > 0
             layout += [array.ctypes.data - base, *array.shape, *([0] * (2 - array.ndim))] if present else [-1, 0, 0]

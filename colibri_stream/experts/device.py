@@ -15,10 +15,21 @@ from typing import Any
 
 import numpy as np
 
+from ..expert_codecs import WEIGHT_TENSORS
 from .store import ExpertStore
 
 Array = Any  # a device array (cupy.ndarray)
 NULL = np.uint64(0)  # a null pointer kernel argument
+
+
+def device_pointer(array: Array | None) -> np.uint64:
+    """A device array's address as a kernel argument (NULL for an absent array)."""
+    return NULL if array is None else np.uint64(array.data.ptr)
+
+
+def slot_stride(array: Array | None) -> np.int64:
+    """Elements from one slot of `array` to the next, as a kernel argument (0 for an absent array)."""
+    return np.int64(0 if array is None else array.strides[0] // array.itemsize)
 
 
 @dataclass
@@ -58,23 +69,18 @@ class LayerExperts:
 
     def named(self) -> dict[str, Array]:
         """The arrays by block tensor name (those present), slot axis first."""
-        names = ("gate", "up", "down", "gate_scale", "up_scale", "down_scale", "gate_zero", "up_zero", "down_zero")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        return {name: getattr(self, name) for name in WEIGHT_TENSORS if getattr(self, name) is not None}
 
     def kernel_args(self) -> tuple[tuple, tuple]:
         """(gate/up arguments, down arguments) of moe_gate_up and moe_down: pointers and strides per slot."""
-        def stride(array: Array | None) -> np.int64:
-            return np.int64(0 if array is None else array.strides[0] // array.itemsize)
-
-        def pointer(array: Array | None):
-            return NULL if array is None else np.uint64(array.data.ptr)
-
         if self.gate.strides != self.up.strides:
             raise ValueError("gate and up of a layer's experts must share their strides")
-        slot_of = pointer(self.slot_of)
-        gate_up = (pointer(self.gate), pointer(self.up), stride(self.gate), pointer(self.gate_scale),
-                   pointer(self.up_scale), stride(self.gate_scale), slot_of)
-        down = (pointer(self.down), stride(self.down), pointer(self.down_scale), stride(self.down_scale), slot_of)
+        slot_of = device_pointer(self.slot_of)
+        gate_up = (device_pointer(self.gate), device_pointer(self.up), slot_stride(self.gate),
+                   device_pointer(self.gate_scale), device_pointer(self.up_scale), slot_stride(self.gate_scale),
+                   slot_of)
+        down = (device_pointer(self.down), slot_stride(self.down), device_pointer(self.down_scale),
+                slot_stride(self.down_scale), slot_of)
         return gate_up, down
 
 

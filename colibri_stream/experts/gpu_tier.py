@@ -95,6 +95,7 @@ class GpuTieredStore(DeviceExperts):
         self.num_experts = config.num_experts
         self.block_size = expert_file.block_size
         self._params = 3 * config.hidden_size * config.moe_intermediate_size
+        self._sliceable = expert_codec(config).sliceable  # whether a miss may be cut by rows (_place_misses)
         self._layer_ids = list(config.moe_layers)
         self._rank = {layer: rank for rank, layer in enumerate(self._layer_ids)}
         counts = [slots] * len(self._layer_ids) if isinstance(slots, int) else list(slots)
@@ -298,7 +299,7 @@ class GpuTieredStore(DeviceExperts):
         CPU and the copy read the same pinned block), and only in a format whose intermediate rows are slices of its
         tensors (ExpertCodec.sliceable: not int4, fp8 or mxfp4, whose scales group rows and columns)."""
         counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)
-        splittable = self.source.has_host_blocks and expert_codec(self.file.config).sliceable
+        splittable = self.source.has_host_blocks and self._sliceable
         needs = [ExpertNeed(self.block_size, self._params, int(counts[e]), on_disk=not self.source.in_memory(layer, e),
                             splittable=splittable) for e in misses]
         return place_misses(misses, needs, self.bandwidths, self.file.config.moe_intermediate_size,
