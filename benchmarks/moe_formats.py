@@ -1,5 +1,5 @@
 """Routed experts of one MoE layer per expert format: bf16 (moe.cu / moe_mma.cu) against int4 and fp8
-(moe_quant.cu), as time per step and as a fraction of the bytes' ceiling.
+(moe_int4.cu, moe_fp8.cu), as time per step and as a fraction of the bytes' ceiling.
 
     python benchmarks/moe_formats.py --out benchmarks/results/moe_formats_h200.json
 

@@ -75,11 +75,10 @@ __device__ __forceinline__ long long mma_expert_slot(const int* slot_of, int e) 
 
 // The pairs this lane feeds to a pass of NT n-tiles from sorted position `base` (n pairs): pair quad of each tile,
 // the last pair repeated past n, and their activation rows: row pairs[t] / per_row of `rows` (rows of `width`
-// floats), from column `col`.
-template <int NT>
-__device__ __forceinline__ void tile_pairs(const int* __restrict__ sorted_pairs, int base, int n, const float* rows,
-                                           int width, int per_row, int col, int (&pairs)[NT],
-                                           const float* (&b)[NT]) {
+// elements), from column `col`.
+template <int NT, typename T>
+__device__ __forceinline__ void tile_pairs(const int* __restrict__ sorted_pairs, int base, int n, const T* rows,
+                                           int width, int per_row, int col, int (&pairs)[NT], const T* (&b)[NT]) {
     const int quad = threadIdx.x % 32 / 4;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {

@@ -1,12 +1,14 @@
-"""int4 and fp8 routed experts on the GPU (kernels/moe_quant.cu) against the NumPy reference (CUDA GPU).
+"""int4 and fp8 routed experts on the GPU (kernels/moe_int4.cu, moe_fp8.cu) against the NumPy reference (CUDA GPU).
 
 Both backends compute from the same stored codes and scales: NumPy dequantizes them to float32 (expert_codecs.py,
-the reference) and multiplies in float32; the kernels convert codes to bf16 exactly and multiply the activations'
-bf16 high and low parts on tensor cores, scaling each chunk's partial sums, so the results agree within the
-tensor-core tolerance of moe_mma.cu. Covered: int4 groups of 32, 64 and 128, symmetric and with zero points, fp8
-with tile and channel scales; 1 to 64 tokens (one to four n-tiles, one to many pairs per expert); rows that are not
-whole tiles, groups and scale tiles cut by the matrix edge, the down product split over column spans; resident
-stacks and GPU slots of exported tiny models, whose greedy tokens follow the NumPy backend's.
+the reference) and multiplies in float32. The int4 kernels multiply the codes with the activations' two int8 parts
+per chunk of columns (16 bits of each chunk's largest value) in integers, the fp8 kernels convert codes to bf16
+exactly and multiply the activations' bf16 high and low parts; either way the results agree within the
+tensor-core tolerance of moe_mma.cu. Covered: int4 groups of 32, 64 and 128, symmetric and with zero points, the
+warps of a block on rows of their own and sharing rows (small grids), fp8 with tile and channel scales; 1 to 64
+tokens (one to four n-tiles, one to many pairs per expert); rows that are not whole tiles, groups and scale tiles
+cut by the matrix edge, the down product split over column spans; resident stacks and GPU slots of exported tiny
+models, whose greedy tokens follow the NumPy backend's.
 """
 
 from __future__ import annotations
@@ -72,21 +74,42 @@ def test_quantized_experts_match_numpy(codec_name, tokens, experts, top_k, hidde
     launched = launched_kernels(monkeypatch)
     poison()
     ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
-    codes = QuantMatrix.of(device_store.layers[5].gate, device_store.layers[5].gate_scale, hidden, "gate").codes_type
-    assert any(name.startswith(f"moe_gate_up_quant<{codes}, ") for name in launched), launched
-    assert any(name.startswith("moe_down_quant<") for name in launched), launched
+    layout = QuantMatrix.of(device_store.layers[5].gate, device_store.layers[5].gate_scale, hidden, "gate")
+    if layout.format == "int4":
+        assert any(name.startswith(f"moe_gate_up_int4<{layout.lane_bytes}, ") for name in launched), launched
+        assert any(name.startswith("moe_down_int4<") for name in launched), launched
+    else:
+        assert any(name.startswith("moe_gate_up_fp8<") for name in launched), launched
+        assert any(name.startswith("moe_down_fp8<") for name in launched), launched
+    check(ours, REF.routed_experts(x, weights, ids, 5, store), MMA_TOLERANCE)
+
+
+@pytest.mark.parametrize("codec_name", ["int4-g128", "int4-g32-zero"])
+@pytest.mark.parametrize("sharing", [1, 4])
+def test_int4_gate_up_rows_owned_or_shared_by_warps(codec_name, sharing, monkeypatch):
+    """The block's warps on 64 rows of their own or on 16 rows shared over quarters of the columns give the same
+    products: the threshold is moved so that each shape takes the form under test."""
+    import colibri_stream.backends.cupy_quant_moe as quant_moe
+
+    monkeypatch.setattr(quant_moe, "INT4_SHARED_ROWS_BELOW_BLOCKS_PER_SM", 0 if sharing == 1 else 1 << 20)
+    store, device_store = quantized_experts(codec_name, 32, 2048, 768)
+    x, weights, ids = random_routing(np.random.default_rng(3), 5, 32, 8, 2048)
+    launched = launched_kernels(monkeypatch)
+    poison()
+    ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
+    assert any(name.startswith("moe_gate_up_int4<") and name.endswith(f", {sharing}>") for name in launched), launched
     check(ours, REF.routed_experts(x, weights, ids, 5, store), MMA_TOLERANCE)
 
 
 def test_int4_chunks_follow_the_group_width():
     """A group of 128 columns reads 16 bytes a lane, 64 eight and 32 four; a row shorter than its group is one
     group of its own width, read in the largest chunk that divides it."""
-    for name, hidden, codes in [("int4-g128", 256, "Int4Codes<16>"), ("int4-g64", 256, "Int4Codes<8>"),
-                                ("int4-g32-zero", 256, "Int4Codes<4>"), ("int4-g128", 96, "Int4Codes<4>"),
-                                ("int4-g128", 64, "Int4Codes<8>")]:
+    for name, hidden, lane_bytes in [("int4-g128", 256, 16), ("int4-g64", 256, 8), ("int4-g32-zero", 256, 4),
+                                     ("int4-g128", 96, 4), ("int4-g128", 64, 8)]:
         _, device_store = quantized_experts(name, 8, hidden, 160)
         layer = device_store.layers[5]
-        assert QuantMatrix.of(layer.gate, layer.gate_scale, hidden, "gate").codes_type == codes, (name, hidden)
+        layout = QuantMatrix.of(layer.gate, layer.gate_scale, hidden, "gate")
+        assert (layout.lane_bytes, layout.chunk) == (lane_bytes, 8 * lane_bytes), (name, hidden)
 
 
 @pytest.mark.parametrize("codec_name", ["int4-g32-zero", "fp8-block"])

@@ -20,7 +20,7 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
                             reason="CuPy is not installed (kernel compile checks need cupy-cuda12x/13x and NVRTC)")
 
 from colibri_stream.backends.cupy_launch import FAMILIES  # noqa: E402
-from colibri_stream.backends.cupy_quant_moe import CODES_TYPES  # noqa: E402
+from colibri_stream.backends.cupy_quant_moe import INT4_LANE_BYTES  # noqa: E402
 from colibri_stream.backends.kernels import COMPILE_OPTIONS, kernel_dir, kernel_source  # noqa: E402
 
 WEIGHT_TYPES = ("float", "__nv_bfloat16", "__half", "signed char", "__nv_fp8_e4m3")
@@ -75,9 +75,12 @@ def test_kernel_file_compiles(name):
     if name not in FAMILIES:
         _compile(name, ())
         return
-    if name == "moe_quant.cu":  # templated on the experts' codes type
-        for codes_type in CODES_TYPES:
-            _compile(name, FAMILIES[name](codes_type))
+    if name == "moe_int4.cu":  # templated on the bytes of codes a lane reads
+        for lane_bytes in INT4_LANE_BYTES:
+            _compile(name, FAMILIES[name](str(lane_bytes)))
+        return
+    if name == "moe_fp8.cu":
+        _compile(name, FAMILIES[name](None))
         return
     for weight_type in WEIGHT_TYPES:
         if weight_type == "signed char" and name != "moe.cu":

@@ -84,7 +84,8 @@ class CupyBackend(Backend):
     name = "cupy"
     device = "cuda"
     supports_graphs = True
-    # kernels/moe.cu and moe_mma.cu widen the plain formats and int8, moe_quant.cu dequantizes int4 and fp8; not mxfp4
+    # kernels/moe.cu and moe_mma.cu widen the plain formats and int8, moe_int4.cu and moe_fp8.cu take int4 and fp8;
+    # not mxfp4
     expert_formats = ("bfloat16", "float16", "float32", "int8", "int4", "fp8")
 
     @classmethod
@@ -103,7 +104,7 @@ class CupyBackend(Backend):
             ("partial rotary (rotary_dim)",
              config.attention == "gqa" and config.rotary_dim not in (None, config.head_dim)),
             ("Multi-head Latent Attention", config.attention == "mla")) if used]
-        # moe_quant.cu reads 16 codes a lane: whole 32-column chunks of int4, 16-column rows of fp8
+        # moe_int4.cu reads whole 32-column chunks of int4, moe_fp8.cu 16 codes a lane
         width = {"int4": 32, "fp8": FP8_LANE_COLS}.get(config.expert_dtype)
         if width and (config.hidden_size % width or config.moe_intermediate_size % width):
             missing.append(f"{config.expert_dtype} experts of hidden size {config.hidden_size} and intermediate size "

@@ -15,8 +15,8 @@ import numpy as np
 from .cupy_flash_attention import FLASH_FILE, flash_instantiations
 from .kernels import get_kernel
 from .launch import launch_programmatic, programmatic_active
-from .tuning import (GQA_GROUPS, GQA_MAX_LANE_FLOATS, LINEAR_MMA_TILES, MMA_TILES, MOE_ROWS_PER_WARP, MOE_TILES,
-                     TOKEN_TILES)
+from .tuning import (GQA_GROUPS, GQA_MAX_LANE_FLOATS, INT4_ROW_SHARING, LINEAR_MMA_TILES, MMA_TILES,
+                     MOE_ROWS_PER_WARP, MOE_TILES, TOKEN_TILES)
 
 Array = Any  # a cupy.ndarray
 NULL = np.uint64(0)  # a null pointer kernel argument
@@ -40,9 +40,12 @@ FAMILIES = {
                                                    for tt in MOE_TILES for r in MOE_ROWS_PER_WARP),
     "moe_mma.cu": lambda w: tuple(f"{k}<{w}, {nt}>" for k in ("moe_gate_up_mma", "moe_down_mma")
                                   for nt in MMA_TILES) if w in ("__nv_bfloat16", "__half") else (),
-    # w: the codes type (Int4Codes<16>, Int4Codes<8>, Int4Codes<4>, Fp8Codes; cupy_quant_moe.py)
-    "moe_quant.cu": lambda w: tuple(f"{k}<{w}, {nt}>" for k in ("moe_gate_up_quant", "moe_down_quant")
-                                    for nt in MMA_TILES),
+    # w: the bytes of codes a lane reads per chunk, B (16, 8 or 4; cupy_quant_moe.py)
+    "moe_int4.cu": lambda w: (f"quantize_activations<{w}>",
+                              *(f"moe_gate_up_int4<{w}, {nt}, {kw}>" for nt in MMA_TILES
+                                for kw in (1, INT4_ROW_SHARING)),
+                              *(f"moe_down_int4<{w}, {nt}>" for nt in MMA_TILES)),
+    "moe_fp8.cu": lambda w: tuple(f"{k}<{nt}>" for k in ("moe_gate_up_fp8", "moe_down_fp8") for nt in MMA_TILES),
     "linear_mma.cu": lambda w: tuple(f"linear_mma<{w}, {nt}>" for nt in LINEAR_MMA_TILES)
     if w in ("__nv_bfloat16", "__half") else (),
     # w: the KV cache's element type (float, __nv_bfloat16, __half, __nv_fp8_e4m3)

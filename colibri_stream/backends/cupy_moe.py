@@ -2,8 +2,8 @@
 
 `routed_experts` sorts a step's (token, expert) pairs into groups per expert on the device (moe_align), launches
 moe_gate_up and moe_down (or their tensor-core forms, moe_mma.cu; or, for prefill-sized groups, cuBLAS GEMMs per
-expert, cupy_expert_gemm.py; int4 and fp8 experts on moe_quant.cu, cupy_quant_moe.py) once per pass the store
-yields (experts/device.py), and sums each token's experts (moe_sum). `DeviceExpertStore` holds every expert
+expert, cupy_expert_gemm.py; int4 and fp8 experts on moe_int4.cu and moe_fp8.cu, cupy_quant_moe.py) once per
+pass the store yields (experts/device.py), and sums each token's experts (moe_sum). `DeviceExpertStore` holds every expert
 resident, stacked per MoE layer: one pass, no host work, so a decode step can be captured in a CUDA graph.
 """
 
@@ -70,13 +70,14 @@ def routed_experts(backend, x: Array, weights: Array, expert_ids: Array, layer: 
     routing = (group_expert, group_start, sorted_pairs, num_groups)
     act = y = grouped = None
     for experts in device.passes(layer):
-        if is_block_scaled(experts):  # int4, fp8: moe_quant.cu, whose split down product adds into y
+        if is_block_scaled(experts):  # int4, fp8: moe_int4.cu / moe_fp8.cu, whose split down product adds into y
             i = experts.gate.shape[1]
             if act is None or act.shape[1] != i:
                 act = cp.empty((pairs, i), np.float32)  # [P, I]
             if y is None:
                 y = cp.zeros((pairs, h), np.float32)  # [P, H]
-            quant_experts(experts, x, act, y, route_weights, routing, t, top_k, groups, backend.column_splits)
+            quant_experts(experts, x, act, y, route_weights, routing, t, top_k, groups, backend.column_splits,
+                          backend.multiprocessors)
             continue
         if takes_expert_gemms(experts, pairs, num_experts):
             if grouped is None:  # the tokens in group order, for every launch of the layer

@@ -32,6 +32,11 @@ MMA_TILES = (1, 2, 4)  # moe_gate_up_mma / moe_down_mma instantiations: n-tiles 
 MMA_THREADS = 128  # = MMA_WARPS * 32 in moe_mma.cu (and linear_mma.cu)
 MMA_GATE_UP_ROWS = 64  # gate (and up) rows per block of moe_gate_up_mma: 4 warps x 16
 MMA_DOWN_ROWS = 128  # down rows per block of moe_down_mma: 4 warps x 32
+# moe_gate_up_int4's KW instantiations: a block's 4 warps take 64 rows (1), or share 16, a quarter of the columns
+# each (4 = MMA_WARPS), when fewer blocks of 64 rows than this many per multiprocessor would run (Qwen3-MoE's
+# 768-row experts at batch 1: 96 blocks on 132 multiprocessors)
+INT4_ROW_SHARING = 4
+INT4_SHARED_ROWS_BELOW_BLOCKS_PER_SM = 2
 # An eager step's bf16/fp16 routed experts run as cuBLAS GEMMs per expert (cupy_expert_gemm.py) when one expert's
 # gate product at the step's average group size (pairs / E * H * I multiply-adds) is at least this much work: each
 # GEMM costs a fixed host call, so many small experts (Qwen3-MoE's 128) stay on moe_mma.cu, few large ones

@@ -1,0 +1,376 @@
+// Launch contract
+//
+// The routed-expert MLP of int4 experts on tensor cores, at every batch size: codes two a byte (the even column in
+// the low nibble) with a float32 scale (and, asymmetric, a uint8 zero point) per group of input channels, in
+// expert_codecs.py's layout (read in place from experts.bin's blocks in GPU slots, or from the stacked arrays of
+// resident experts). The same job, routing (moe.cu's moe_align groups), tiles of pairs (NT n-tiles of 8) and
+// outputs as moe_mma.cu's kernels.
+//
+// Numerics: the activations are first cut into chunks of CHUNK columns (quantize_activations): each chunk of a row
+// has a scale a = max |x| / 127 and two int8 parts, x = a * (hi + lo / 254) up to a / 508. The codes enter the
+// tensor cores as they are, unsigned 4-bit values q in bytes (a mask of the word: 8 codes in 3 instructions), on
+// mma.sync.m16n8k32 u8 x s8 into int32: per chunk Ih = sum q * hi and Il = sum q * lo, exactly. With the chunk's
+// C = 254 * sum hi + sum lo, the zero point z (8 when symmetric) and the weight scale s of the chunk's group,
+//   sum over the chunk of (q - z) * s * x  =  s * a / 254 * (254 * Ih + Il - z * C),
+// the integer part exact and one float32 product per chunk added into the accumulator. So the result is the dot
+// product with the dequantized weights w = (q - z) * s up to the activations' 16 bits per chunk's largest value.
+//
+// Fragments (PTX ISA, m16n8k32 with 8-bit operands, quad = lane / 4, q = lane % 4): A registers {row quad, k 4q ..
+// 4q+3}, {row quad + 8, k 4q ..}, {row quad, k 16+4q ..}, {row quad + 8, k 16+4q ..}; B {k 4q .. 4q+3}, {k 16+4q ..}
+// of column quad; C as m16n8k16's. Lane q holds, per chunk, B bytes of each of its rows: columns chunk * CHUNK +
+// q * 2B onward, word w of them columns +8w .. +8w+7. Masking the word gives nibbles 0, 2, 4, 6 (its columns 0, 2,
+// 4, 6) as the A register at k 4q .., and shifted by 4 nibbles 1, 3, 5, 7 at k 16+4q ..; quantize_activations
+// stores each 8 columns of hi and lo in the order 0, 2, 4, 6, 1, 3, 5, 7, so the B registers of word w are the
+// lane's words 2w and 2w + 1 of them, loaded as they lie.
+//
+// quantize_activations<B>: x float32 [rows, W] -> hi, lo int8 [rows, W] (each 8 columns permuted as above), scale
+//   float32 [rows, chunks], corr int32 [rows, chunks] (C above), chunks = ceil(W / CHUNK), CHUNK = 8 * B; columns
+//   past W count as zeros. W a multiple of 8. grid: (ceil(W / 1024), rows), block: 128 threads of 8 columns each.
+//
+// moe_gate_up_int4<B, NT, KW>: act[p, i] = silu(gate_e[i] . x[p / k]) * (up_e[i] . x[p / k]) for every pair p of e.
+//   x quantized (x_hi, x_lo [T, H], x_scale, x_corr [T, ceil(H / CHUNK)]); gate, up codes, w_stride, row_bytes;
+//   gate_scales, up_scales float32 at s_stride; gate_zeros, up_zeros uint8 at z_stride or null; col_block (the
+//   group width), scale_cols (groups a row); slot_of, routing as moe_gate_up; act float32 [P, I].
+//   grid: (ceil(I / (64 / KW)), G), block: MMA_THREADS; each warp 16 rows of gate and of up. KW = 1: the block's
+//   warps take 64 rows; KW = MMA_WARPS: they share 16 rows, each a quarter of the columns, and add their sums in
+//   shared memory (grids too small to keep every multiprocessor reading).
+//
+// moe_down_int4<B, NT>: y[p, h] = route_weight[p] * (down_e[h] . act[p]).
+//   act quantized (a_hi, a_lo [P, I], a_scale, a_corr [P, ceil(I / CHUNK)]); down codes, w_stride, row_bytes,
+//   down_scales at s_stride, down_zeros at z_stride or null, col_block, scale_cols; slot_of, route_weights, routing
+//   as moe_down; y float32 [P, H]; span. grid: (ceil(H / 128), G, ceil(I / span)), block: MMA_THREADS; each warp 32
+//   rows; split z adds the columns [z * span, min(I, (z + 1) * span)) as moe_down_mma does (span a multiple of
+//   CHUNK; several splits add with atomicAdd into a zeroed y).
+//
+// As in moe_mma.cu: G = min(E, P); blocks with g >= num_groups[0] exit; a group whose slot is negative is skipped.
+// Rows start row_bytes (= groups * width / 2, a multiple of B) apart; H and I multiples of 32; the group width a
+// multiple of CHUNK (B = 16, 8 or 4: CHUNK 128, 64 or 32, the largest that divides it).
+#include "quant.cuh"
+
+constexpr int QUANT_LO = 254;  // lo's unit: 1 / 254 of hi's (the residual of rounding, in [-1/2, 1/2], in int8)
+
+// x [rows, W] float32 to int8 high and low parts per chunk of 8 * B columns, with their scale and C.
+template <int B>
+__global__ void __launch_bounds__(128)
+quantize_activations(const float* __restrict__ x, int W, signed char* __restrict__ hi, signed char* __restrict__ lo,
+                     float* __restrict__ scale, int* __restrict__ corr) {
+    pdl_wait();
+    constexpr int LANES = B;  // threads of 8 columns per chunk (CHUNK = 8 * B)
+    const long long row = blockIdx.y;
+    const int col = (blockIdx.x * 128 + threadIdx.x) * 8;
+    const bool in = col < W;
+    float v[8];
+    if (in) {
+        load_floats<8>(x + row * W + col, v);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = 0.f;
+    }
+    float top = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) top = fmaxf(top, fabsf(v[j]));
+#pragma unroll
+    for (int offset = LANES / 2; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(FULL_MASK, top, offset));
+    const float inverse = top > 0.f ? 127.f / top : 0.f;
+    unsigned hi_words[2] = {0u, 0u}, lo_words[2] = {0u, 0u};  // columns 0, 2, 4, 6 then 1, 3, 5, 7
+    int sum = 0;  // 254 * sum hi + sum lo over this thread's columns
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float u = v[j] * inverse;  // in [-127, 127]
+        const float h = rintf(u);
+        const int l = __float2int_rn((u - h) * QUANT_LO);  // in [-127, 127]
+        const int hv = static_cast<int>(h);
+        sum += QUANT_LO * hv + l;
+        hi_words[j % 2] |= (static_cast<unsigned>(hv) & 0xffu) << (8 * (j / 2));
+        lo_words[j % 2] |= (static_cast<unsigned>(l) & 0xffu) << (8 * (j / 2));
+    }
+#pragma unroll
+    for (int offset = LANES / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_MASK, sum, offset);
+    if (!in) return;
+    *reinterpret_cast<uint2*>(hi + row * W + col) = make_uint2(hi_words[0], hi_words[1]);
+    *reinterpret_cast<uint2*>(lo + row * W + col) = make_uint2(lo_words[0], lo_words[1]);
+    if (threadIdx.x % LANES == 0) {
+        const int chunks = (W + 8 * B - 1) / (8 * B);
+        const int chunk = col / (8 * B);
+        scale[row * chunks + chunk] = top / 127.f;
+        corr[row * chunks + chunk] = sum;
+    }
+}
+
+// D (s32) += A (u8, 16 x 32) . B (s8, 32 x 8).
+__device__ __forceinline__ void mma_u8s8(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Where a lane finds what the n-tiles of a pass multiply: the B operand's rows (hi[t], lo[t]: the quantized
+// activation row of pair quad of tile t, from the pass's first column) and, for its accumulator columns 2q + c,
+// the activation rows' chunk scales and C (scale[t][c], corr[t][c]: entries from chunk 0 of the row).
+template <int NT>
+struct QuantTiles {
+    const signed char* hi[NT];
+    const signed char* lo[NT];
+    const float* scale[NT][2];
+    const int* corr[NT][2];
+};
+
+// The tiles of the pass at sorted position `base` (n pairs): pairs[t] as tile_pairs gives them, their quantized
+// rows pair / per_row of W columns (chunks entries of scale and corr a row), from column `col`.
+template <int NT>
+__device__ __forceinline__ QuantTiles<NT> quant_tiles(const int* __restrict__ sorted_pairs, int base, int n,
+                                                      const signed char* hi, const signed char* lo,
+                                                      const float* scale, const int* corr, int W, int chunks,
+                                                      int per_row, int col, int (&pairs)[NT]) {
+    QuantTiles<NT> tiles;
+    tile_pairs<NT>(sorted_pairs, base, n, hi, W, per_row, col, pairs, tiles.hi);
+    tile_pairs<NT>(sorted_pairs, base, n, lo, W, per_row, col, pairs, tiles.lo);
+    const int q = threadIdx.x % 4;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const long long row = __shfl_sync(FULL_MASK, pairs[t], 4 * (2 * q + c)) / per_row;
+            tiles.scale[t][c] = scale + row * chunks;
+            tiles.corr[t][c] = corr + row * chunks;
+        }
+    }
+    return tiles;
+}
+
+// This lane's 2B bytes of a quantized activation row at byte `col`: zeros where `in` is false.
+template <int B>
+__device__ __forceinline__ void load_quant_acts(const signed char* row, int col, bool in, unsigned (&v)[B / 2]) {
+    if constexpr (B >= 8) {
+#pragma unroll
+        for (int i = 0; i < B / 8; ++i) {
+            const uint4 word = in ? *reinterpret_cast<const uint4*>(row + col + 16 * i) : make_uint4(0, 0, 0, 0);
+            v[4 * i] = word.x; v[4 * i + 1] = word.y; v[4 * i + 2] = word.z; v[4 * i + 3] = word.w;
+        }
+    } else {
+        const uint2 word = in ? *reinterpret_cast<const uint2*>(row + col) : make_uint2(0, 0);
+        v[0] = word.x; v[1] = word.y;
+    }
+}
+
+// acc[m][t] = dequantized A_m [16 rows, cols] . B_t [8 activation rows, cols]^T over the columns k0 .. k0 + cols
+// of the matrix: a[m][h] the codes of row quad + 8h of m-tile m at column k0, `tiles` the pass's activation rows
+// from column k0 (chunk entries counted from column 0); scales[m][h], zeros[m][h] the row's groups (zeros null:
+// symmetric), col_block the group width.
+template <int B, int M, int NT>
+__device__ __forceinline__ void int4_rows(const unsigned char* const (&a)[M][2], const QuantTiles<NT>& tiles,
+                                          int n_tiles, int k0, int cols, const float* const (&scales)[M][2],
+                                          const unsigned char* const (&zeros)[M][2], int col_block,
+                                          WeightRing<M>& ring, float (&acc)[M][NT][4]) {
+    constexpr int CHUNK = 8 * B, LANE_COLS = 2 * B, WORDS = B / 4;
+    const int chunks = (cols + CHUNK - 1) / CHUNK;
+#pragma unroll
+    for (int s = 0; s < MMA_STAGES - 1; ++s) {
+        if (s < chunks) fetch_codes_chunk<B, LANE_COLS, M>(a, s, cols, ring);
+        copy_commit();  // one group per chunk, empty past the end, so wait_group counts chunks
+    }
+    const int lane_col = (threadIdx.x % 4) * LANE_COLS;
+    for (int i = 0; i < chunks; ++i) {
+        // The chunk's scales, zero points and activation chunk entries, loaded before the wait so their latency
+        // overlaps it.
+        const int group = (k0 + i * CHUNK) / col_block;
+        const int act_chunk = (k0 + i * CHUNK) / CHUNK;
+        float s[M][2];
+        int z[M][2];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                s[m][h] = scales[m][h][group] * (1.f / QUANT_LO);
+                z[m][h] = zeros[m][h] != nullptr ? zeros[m][h][group] : 8;
+            }
+        }
+        copy_wait<MMA_STAGES - 2>();  // chunk i has landed
+        uint4 w[M][2];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) w[m][h] = ring[i % MMA_STAGES][m][h][threadIdx.x];
+        }
+        if (i + MMA_STAGES - 1 < chunks) fetch_codes_chunk<B, LANE_COLS, M>(a, i + MMA_STAGES - 1, cols, ring);
+        copy_commit();
+        // The codes as A registers: even[m][h][w] nibbles 0, 2, 4, 6 of word w, odd[m][h][w] nibbles 1, 3, 5, 7.
+        unsigned even[M][2][WORDS], odd[M][2][WORDS];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                for (int k = 0; k < WORDS; ++k) {
+                    const unsigned word = reinterpret_cast<const unsigned*>(&w[m][h])[k];
+                    even[m][h][k] = word & 0x0F0F0F0Fu;
+                    odd[m][h][k] = (word >> 4) & 0x0F0F0F0Fu;
+                }
+            }
+        }
+        const int col = i * CHUNK + lane_col;
+        const bool in = col < cols;  // the lane's columns are all in or all out (cols a multiple of 32)
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t != 0 && t >= n_tiles) continue;  // the same for the whole warp; a pass has at least one pair
+            unsigned xh[B / 2], xl[B / 2];
+            load_quant_acts<B>(tiles.hi[t], col, in, xh);
+            load_quant_acts<B>(tiles.lo[t], col, in, xl);
+            float act_scale[2];
+            int c_sum[2];
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                act_scale[c] = tiles.scale[t][c][act_chunk];
+                c_sum[c] = tiles.corr[t][c][act_chunk];
+            }
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                int ih[4] = {0, 0, 0, 0}, il[4] = {0, 0, 0, 0};
+#pragma unroll
+                for (int k = 0; k < WORDS; ++k) {
+                    mma_u8s8(ih, even[m][0][k], even[m][1][k], odd[m][0][k], odd[m][1][k], xh[2 * k], xh[2 * k + 1]);
+                    mma_u8s8(il, even[m][0][k], even[m][1][k], odd[m][0][k], odd[m][1][k], xl[2 * k], xl[2 * k + 1]);
+                }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {  // row quad + 8 * (j / 2), accumulator column 2q + j % 2
+                    const int d = QUANT_LO * ih[j] + il[j] - z[m][j / 2] * c_sum[j % 2];
+                    acc[m][t][j] = fmaf(s[m][j / 2] * act_scale[j % 2], static_cast<float>(d), acc[m][t][j]);
+                }
+            }
+        }
+    }
+    copy_wait<0>();  // nothing in flight when the caller's next pass refills the ring
+}
+
+template <int B, int NT, int KW>
+__global__ void __launch_bounds__(MMA_THREADS)
+moe_gate_up_int4(const signed char* __restrict__ x_hi, const signed char* __restrict__ x_lo,
+                 const float* __restrict__ x_scale, const int* __restrict__ x_corr,
+                 const unsigned char* __restrict__ gate, const unsigned char* __restrict__ up, long long w_stride,
+                 long long row_bytes, const float* __restrict__ gate_scales, const float* __restrict__ up_scales,
+                 long long s_stride, const unsigned char* __restrict__ gate_zeros,
+                 const unsigned char* __restrict__ up_zeros, long long z_stride, int col_block, int scale_cols,
+                 const int* __restrict__ slot_of, const int* __restrict__ group_expert,
+                 const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
+                 const int* __restrict__ num_groups, float* __restrict__ act, int H, int I, int top_k) {
+    static_assert(KW == 1 || KW == MMA_WARPS, "a block's warps take rows of their own, or share 16");
+    constexpr int CHUNK = 8 * B, ROW_WARPS = MMA_WARPS / KW;
+    pdl_wait();
+    const int g = blockIdx.y;
+    if (g >= num_groups[0]) return;
+    const long long slot = mma_expert_slot(slot_of, group_expert[g]);
+    if (slot < 0) return;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4;
+    const int row0 = (blockIdx.x * ROW_WARPS + warp % ROW_WARPS) * 16;
+    if (row0 >= I) return;  // whole warps leave together (with KW > 1, the whole block): no barrier waits on them
+    const int chunks = (H + CHUNK - 1) / CHUNK;
+    const int part_span = CHUNK * ((chunks + KW - 1) / KW);  // columns of each warp's part (KW > 1)
+    const int k0 = (warp / ROW_WARPS) * part_span;
+    const int cols = max(0, min(part_span, H - k0));
+    __shared__ WeightRing<2> ring;
+    int rows[2];
+    const unsigned char* a[2][2];  // [gate, up][row quad, row quad + 8], clamped to a real row, at column k0
+    const float* scales[2][2];
+    const unsigned char* zeros[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        rows[h] = row0 + quad + 8 * h;
+        const int row = min(rows[h], I - 1);
+        a[0][h] = gate + slot * w_stride + row * row_bytes + k0 / 2;
+        a[1][h] = up + slot * w_stride + row * row_bytes + k0 / 2;
+        scales[0][h] = scale_row(gate_scales, slot, s_stride, row, 1, scale_cols);
+        scales[1][h] = scale_row(up_scales, slot, s_stride, row, 1, scale_cols);
+        zeros[0][h] = zero_row(gate_zeros, slot, z_stride, row, scale_cols);
+        zeros[1][h] = zero_row(up_zeros, slot, z_stride, row, scale_cols);
+    }
+    const int end = group_start[g + 1];
+    for (int base = group_start[g]; base < end; base += 8 * NT) {
+        const int n = min(8 * NT, end - base);
+        const int n_tiles = (n + 7) / 8;
+        int pairs[NT];
+        const QuantTiles<NT> tiles = quant_tiles<NT>(sorted_pairs, base, n, x_hi, x_lo, x_scale, x_corr, H, chunks,
+                                                     top_k, k0, pairs);
+        float acc[2][NT][4] = {};
+        int4_rows<B, 2, NT>(a, tiles, n_tiles, k0, cols, scales, zeros, col_block, ring, acc);
+        if constexpr (KW > 1) {
+            // The parts' sums through the ring's memory: warps 1 .. KW - 1 leave theirs, warp 0 adds them.
+            float* partial = reinterpret_cast<float*>(&ring);  // [KW - 1][2 * NT * 4][32]
+            constexpr int VALUES = 2 * NT * 4;
+            static_assert((KW - 1) * VALUES * 32 * sizeof(float) <= sizeof(WeightRing<2>), "the ring holds them");
+            __syncthreads();  // every warp is done with its ring slots
+            if (warp > 0) {
+#pragma unroll
+                for (int v = 0; v < VALUES; ++v) {
+                    partial[((warp - 1) * VALUES + v) * 32 + lane] = (&acc[0][0][0])[v];
+                }
+            }
+            __syncthreads();
+            if (warp == 0) {
+#pragma unroll
+                for (int other = 0; other < KW - 1; ++other) {
+#pragma unroll
+                    for (int v = 0; v < VALUES; ++v) (&acc[0][0][0])[v] += partial[(other * VALUES + v) * 32 + lane];
+                }
+            }
+            __syncthreads();  // warp 0 has read them before the next pass refills the ring
+            if (warp > 0) continue;
+        }
+        const float unscaled[2][2] = {{1.f, 1.f}, {1.f, 1.f}};  // int4_rows applied the scales
+        store_gate_up<NT>(acc, unscaled, pairs, rows, n, n_tiles, act, I);
+    }
+}
+
+template <int B, int NT>
+__global__ void __launch_bounds__(MMA_THREADS)
+moe_down_int4(const signed char* __restrict__ a_hi, const signed char* __restrict__ a_lo,
+              const float* __restrict__ a_scale, const int* __restrict__ a_corr,
+              const unsigned char* __restrict__ down, long long w_stride, long long row_bytes,
+              const float* __restrict__ down_scales, long long s_stride, const unsigned char* __restrict__ down_zeros,
+              long long z_stride, int col_block, int scale_cols, const int* __restrict__ slot_of,
+              const float* __restrict__ route_weights, const int* __restrict__ group_expert,
+              const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
+              const int* __restrict__ num_groups, float* __restrict__ y, int H, int I, int span) {
+    constexpr int M = 2;  // two 16-row m-tiles: 32 down rows per warp
+    constexpr int CHUNK = 8 * B;
+    pdl_wait();
+    const int g = blockIdx.y;
+    if (g >= num_groups[0]) return;
+    const long long slot = mma_expert_slot(slot_of, group_expert[g]);
+    if (slot < 0) return;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4;
+    const int row0 = (blockIdx.x * MMA_WARPS + warp) * 16 * M;
+    if (row0 >= H) return;
+    const int k0 = blockIdx.z * span;
+    const int cols = min(span, I - k0);
+    const int chunks = (I + CHUNK - 1) / CHUNK;
+    __shared__ WeightRing<M> ring;
+    int rows[M][2];
+    const unsigned char* a[M][2];
+    const float* scales[M][2];
+    const unsigned char* zeros[M][2];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            rows[m][h] = row0 + 16 * m + quad + 8 * h;
+            const int row = min(rows[m][h], H - 1);
+            a[m][h] = down + slot * w_stride + row * row_bytes + k0 / 2;
+            scales[m][h] = scale_row(down_scales, slot, s_stride, row, 1, scale_cols);
+            zeros[m][h] = zero_row(down_zeros, slot, z_stride, row, scale_cols);
+        }
+    }
+    const int end = group_start[g + 1];
+    for (int base = group_start[g]; base < end; base += 8 * NT) {
+        const int n = min(8 * NT, end - base);
+        const int n_tiles = (n + 7) / 8;
+        int pairs[NT];
+        const QuantTiles<NT> tiles = quant_tiles<NT>(sorted_pairs, base, n, a_hi, a_lo, a_scale, a_corr, I, chunks, 1,
+                                                     k0, pairs);
+        float acc[M][NT][4] = {};
+        int4_rows<B, M, NT>(a, tiles, n_tiles, k0, cols, scales, zeros, col_block, ring, acc);
+        const float unscaled[M][2] = {{1.f, 1.f}, {1.f, 1.f}};
+        store_down<M, NT>(acc, unscaled, pairs, rows, n, n_tiles, route_weights, y, H, gridDim.z > 1);
+    }
+}
