@@ -66,12 +66,12 @@ def expert_bytes(store) -> int:
     return sum(array[0].nbytes for array in store.layers[0].named().values())
 
 
-def run_shape(cp, backend, name: str, tokens_list: list[int], bandwidth: float) -> list[dict]:
+def run_shape(cp, backend, name: str, formats: list[str], tokens_list: list[int], bandwidth: float) -> list[dict]:
     from decode import time_in_graph
 
     num_experts, top_k, h, i = SHAPES[name]
     records = []
-    for fmt in FORMATS:
+    for fmt in formats:
         store = random_experts(cp, fmt, num_experts, h, i)
         per_expert = expert_bytes(store)
         for tokens in tokens_list:
@@ -102,6 +102,7 @@ def run_shape(cp, backend, name: str, tokens_list: list[int], bandwidth: float) 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     parser.add_argument("--out", help="JSON records")
     args = parser.parse_args(argv)
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device copy bandwidth {bandwidth:.0f} GB/s", flush=True)
     records = []
     for name in args.shapes:
-        records += run_shape(cp, backend, name, args.tokens, bandwidth)
+        records += run_shape(cp, backend, name, args.formats, args.tokens, bandwidth)
     if args.out:
         Path(args.out).write_text(json.dumps({"bench": "moe_formats", **machine(), "hbm_gbps_measured": bandwidth,
                                               "records": records}, indent=1) + "\n")

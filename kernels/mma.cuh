@@ -74,17 +74,24 @@ __device__ __forceinline__ long long mma_expert_slot(const int* slot_of, int e) 
 }
 
 // The pairs this lane feeds to a pass of NT n-tiles from sorted position `base` (n pairs): pair quad of each tile,
-// the last pair repeated past n, and their activation rows: row pairs[t] / per_row of `rows` (rows of `width`
-// elements), from column `col`.
-template <int NT, typename T>
-__device__ __forceinline__ void tile_pairs(const int* __restrict__ sorted_pairs, int base, int n, const T* rows,
-                                           int width, int per_row, int col, int (&pairs)[NT], const T* (&b)[NT]) {
+// the last pair repeated past n.
+template <int NT>
+__device__ __forceinline__ void tile_pair_ids(const int* __restrict__ sorted_pairs, int base, int n,
+                                              int (&pairs)[NT]) {
     const int quad = threadIdx.x % 32 / 4;
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-        pairs[t] = sorted_pairs[base + min(8 * t + quad, n - 1)];
-        b[t] = rows + static_cast<long long>(pairs[t] / per_row) * width + col;
-    }
+    for (int t = 0; t < NT; ++t) pairs[t] = sorted_pairs[base + min(8 * t + quad, n - 1)];
+}
+
+// tile_pair_ids, and the pairs' activation rows: row pairs[t] / per_row of `rows` (rows of `width` floats), from
+// column `col`.
+template <int NT>
+__device__ __forceinline__ void tile_pairs(const int* __restrict__ sorted_pairs, int base, int n, const float* rows,
+                                           int width, int per_row, int col, int (&pairs)[NT],
+                                           const float* (&b)[NT]) {
+    tile_pair_ids<NT>(sorted_pairs, base, n, pairs);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) b[t] = rows + static_cast<long long>(pairs[t] / per_row) * width + col;
 }
 
 // The MoE kernels' outputs from a warp's accumulators (C fragments: acc[m][t][2h + c] is row quad + 8h of m-tile m,

@@ -47,6 +47,9 @@
 // multiple of CHUNK (B = 16, 8 or 4: CHUNK 128, 64 or 32, the largest that divides it).
 #include "quant.cuh"
 
+// Blocks a multiprocessor holds at once: as many as the weight rings' shared memory allows (4 x 48 KiB), so the
+// registers of a thread are held to 128.
+constexpr int INT4_BLOCKS_PER_SM = 4;
 constexpr int QUANT_LO = 254;  // lo's unit: 1 / 254 of hi's (the residual of rounding, in [-1/2, 1/2], in int8)
 
 // x [rows, W] float32 to int8 high and low parts per chunk of 8 * B columns, with their scale and C.
@@ -106,38 +109,39 @@ __device__ __forceinline__ void mma_u8s8(int (&d)[4], unsigned a0, unsigned a1, 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Where a lane finds what the n-tiles of a pass multiply: the B operand's rows (hi[t], lo[t]: the quantized
-// activation row of pair quad of tile t, from the pass's first column) and, for its accumulator columns 2q + c,
-// the activation rows' chunk scales and C (scale[t][c], corr[t][c]: entries from chunk 0 of the row).
-template <int NT>
-struct QuantTiles {
-    const signed char* hi[NT];
-    const signed char* lo[NT];
-    const float* scale[NT][2];
-    const int* corr[NT][2];
+// A launch's activation rows as quantize_activations left them: hi, lo [rows, W], scale, corr [rows, chunks].
+struct QuantActs {
+    const signed char* hi;
+    const signed char* lo;
+    const float* scale;
+    const int* corr;
+    int W;
+    int chunks;
 };
 
-// The tiles of the pass at sorted position `base` (n pairs): pairs[t] as tile_pairs gives them, their quantized
-// rows pair / per_row of W columns (chunks entries of scale and corr a row), from column `col`.
+// The activation rows of a pass's n-tiles for this lane: b_row[t] the B operand's (pair quad of tile t), c_row[t][c]
+// its accumulator column 2q + c's (whose chunk scales and C it applies).
 template <int NT>
-__device__ __forceinline__ QuantTiles<NT> quant_tiles(const int* __restrict__ sorted_pairs, int base, int n,
-                                                      const signed char* hi, const signed char* lo,
-                                                      const float* scale, const int* corr, int W, int chunks,
-                                                      int per_row, int col, int (&pairs)[NT]) {
-    QuantTiles<NT> tiles;
-    tile_pairs<NT>(sorted_pairs, base, n, hi, W, per_row, col, pairs, tiles.hi);
-    tile_pairs<NT>(sorted_pairs, base, n, lo, W, per_row, col, pairs, tiles.lo);
+struct TileRows {
+    int b_row[NT];
+    int c_row[NT][2];
+};
+
+// The tiles of the pass at sorted position `base` (n pairs): pairs[t] as tile_pair_ids gives them, their activation
+// rows pair / per_row.
+template <int NT>
+__device__ __forceinline__ TileRows<NT> tile_rows(const int* __restrict__ sorted_pairs, int base, int n,
+                                                  int per_row, int (&pairs)[NT]) {
+    tile_pair_ids<NT>(sorted_pairs, base, n, pairs);
+    TileRows<NT> rows;
     const int q = threadIdx.x % 4;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
+        rows.b_row[t] = pairs[t] / per_row;
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const long long row = __shfl_sync(FULL_MASK, pairs[t], 4 * (2 * q + c)) / per_row;
-            tiles.scale[t][c] = scale + row * chunks;
-            tiles.corr[t][c] = corr + row * chunks;
-        }
+        for (int c = 0; c < 2; ++c) rows.c_row[t][c] = __shfl_sync(FULL_MASK, pairs[t], 4 * (2 * q + c)) / per_row;
     }
-    return tiles;
+    return rows;
 }
 
 // This lane's 2B bytes of a quantized activation row at byte `col`: zeros where `in` is false.
@@ -155,15 +159,25 @@ __device__ __forceinline__ void load_quant_acts(const signed char* row, int col,
     }
 }
 
+// Where a lane finds the groups of its rows: scales[m], zeros[m] (null: symmetric) the slot's arrays of m-tile
+// m's matrix, entry[m][h] the first entry of row quad + 8h (row * groups); the group at column c is entry c /
+// col_block past it.
+template <int M>
+struct GroupScales {
+    const float* scales[M];
+    const unsigned char* zeros[M];
+    int entry[M][2];
+    int col_block;
+};
+
 // acc[m][t] = dequantized A_m [16 rows, cols] . B_t [8 activation rows, cols]^T over the columns k0 .. k0 + cols
-// of the matrix: a[m][h] the codes of row quad + 8h of m-tile m at column k0, `tiles` the pass's activation rows
-// from column k0 (chunk entries counted from column 0); scales[m][h], zeros[m][h] the row's groups (zeros null:
-// symmetric), col_block the group width.
+// of the matrix: a[m][h] the codes of row quad + 8h of m-tile m at column k0, `tiles` the pass's activation rows of
+// `acts` (columns and chunk entries counted from column 0), `groups` the rows' scales and zero points.
 template <int B, int M, int NT>
-__device__ __forceinline__ void int4_rows(const unsigned char* const (&a)[M][2], const QuantTiles<NT>& tiles,
-                                          int n_tiles, int k0, int cols, const float* const (&scales)[M][2],
-                                          const unsigned char* const (&zeros)[M][2], int col_block,
-                                          WeightRing<M>& ring, float (&acc)[M][NT][4]) {
+__device__ __forceinline__ void int4_rows(const unsigned char* const (&a)[M][2], const QuantActs& acts,
+                                          const TileRows<NT>& tiles, int n_tiles, int k0, int cols,
+                                          const GroupScales<M>& groups, WeightRing<M>& ring,
+                                          float (&acc)[M][NT][4]) {
     constexpr int CHUNK = 8 * B, LANE_COLS = 2 * B, WORDS = B / 4;
     const int chunks = (cols + CHUNK - 1) / CHUNK;
 #pragma unroll
@@ -171,11 +185,11 @@ __device__ __forceinline__ void int4_rows(const unsigned char* const (&a)[M][2],
         if (s < chunks) fetch_codes_chunk<B, LANE_COLS, M>(a, s, cols, ring);
         copy_commit();  // one group per chunk, empty past the end, so wait_group counts chunks
     }
-    const int lane_col = (threadIdx.x % 4) * LANE_COLS;
+    const int lane_col = k0 + (threadIdx.x % 4) * LANE_COLS;
     for (int i = 0; i < chunks; ++i) {
         // The chunk's scales, zero points and activation chunk entries, loaded before the wait so their latency
         // overlaps it.
-        const int group = (k0 + i * CHUNK) / col_block;
+        const int group = (k0 + i * CHUNK) / groups.col_block;
         const int act_chunk = (k0 + i * CHUNK) / CHUNK;
         float s[M][2];
         int z[M][2];
@@ -183,8 +197,8 @@ __device__ __forceinline__ void int4_rows(const unsigned char* const (&a)[M][2],
         for (int m = 0; m < M; ++m) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                s[m][h] = scales[m][h][group] * (1.f / QUANT_LO);
-                z[m][h] = zeros[m][h] != nullptr ? zeros[m][h][group] : 8;
+                s[m][h] = groups.scales[m][groups.entry[m][h] + group] * (1.f / QUANT_LO);
+                z[m][h] = groups.zeros[m] != nullptr ? groups.zeros[m][groups.entry[m][h] + group] : 8;
             }
         }
         copy_wait<MMA_STAGES - 2>();  // chunk i has landed
@@ -196,42 +210,35 @@ __device__ __forceinline__ void int4_rows(const unsigned char* const (&a)[M][2],
         }
         if (i + MMA_STAGES - 1 < chunks) fetch_codes_chunk<B, LANE_COLS, M>(a, i + MMA_STAGES - 1, cols, ring);
         copy_commit();
-        // The codes as A registers: even[m][h][w] nibbles 0, 2, 4, 6 of word w, odd[m][h][w] nibbles 1, 3, 5, 7.
-        unsigned even[M][2][WORDS], odd[M][2][WORDS];
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-#pragma unroll
-                for (int k = 0; k < WORDS; ++k) {
-                    const unsigned word = reinterpret_cast<const unsigned*>(&w[m][h])[k];
-                    even[m][h][k] = word & 0x0F0F0F0Fu;
-                    odd[m][h][k] = (word >> 4) & 0x0F0F0F0Fu;
-                }
-            }
-        }
-        const int col = i * CHUNK + lane_col;
-        const bool in = col < cols;  // the lane's columns are all in or all out (cols a multiple of 32)
+        const int col = i * CHUNK + lane_col;  // the lane's first column in the matrix
+        const bool in = col < k0 + cols;  // the lane's columns are all in or all out (cols a multiple of 32)
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             if (t != 0 && t >= n_tiles) continue;  // the same for the whole warp; a pass has at least one pair
+            const long long b_row = static_cast<long long>(tiles.b_row[t]) * acts.W;
             unsigned xh[B / 2], xl[B / 2];
-            load_quant_acts<B>(tiles.hi[t], col, in, xh);
-            load_quant_acts<B>(tiles.lo[t], col, in, xl);
+            load_quant_acts<B>(acts.hi + b_row, col, in, xh);
+            load_quant_acts<B>(acts.lo + b_row, col, in, xl);
             float act_scale[2];
             int c_sum[2];
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-                act_scale[c] = tiles.scale[t][c][act_chunk];
-                c_sum[c] = tiles.corr[t][c][act_chunk];
+                const int entry = tiles.c_row[t][c] * acts.chunks + act_chunk;
+                act_scale[c] = acts.scale[entry];
+                c_sum[c] = acts.corr[entry];
             }
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 int ih[4] = {0, 0, 0, 0}, il[4] = {0, 0, 0, 0};
 #pragma unroll
                 for (int k = 0; k < WORDS; ++k) {
-                    mma_u8s8(ih, even[m][0][k], even[m][1][k], odd[m][0][k], odd[m][1][k], xh[2 * k], xh[2 * k + 1]);
-                    mma_u8s8(il, even[m][0][k], even[m][1][k], odd[m][0][k], odd[m][1][k], xl[2 * k], xl[2 * k + 1]);
+                    // A registers of word k: nibbles 0, 2, 4, 6 (k 4q ..) and 1, 3, 5, 7 (k 16 + 4q ..) of both rows
+                    const unsigned w0 = reinterpret_cast<const unsigned*>(&w[m][0])[k];
+                    const unsigned w1 = reinterpret_cast<const unsigned*>(&w[m][1])[k];
+                    const unsigned e0 = w0 & 0x0F0F0F0Fu, e1 = w1 & 0x0F0F0F0Fu;
+                    const unsigned o0 = (w0 >> 4) & 0x0F0F0F0Fu, o1 = (w1 >> 4) & 0x0F0F0F0Fu;
+                    mma_u8s8(ih, e0, e1, o0, o1, xh[2 * k], xh[2 * k + 1]);
+                    mma_u8s8(il, e0, e1, o0, o1, xl[2 * k], xl[2 * k + 1]);
                 }
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {  // row quad + 8 * (j / 2), accumulator column 2q + j % 2
@@ -245,7 +252,7 @@ __device__ __forceinline__ void int4_rows(const unsigned char* const (&a)[M][2],
 }
 
 template <int B, int NT, int KW>
-__global__ void __launch_bounds__(MMA_THREADS)
+__global__ void __launch_bounds__(MMA_THREADS, INT4_BLOCKS_PER_SM)
 moe_gate_up_int4(const signed char* __restrict__ x_hi, const signed char* __restrict__ x_lo,
                  const float* __restrict__ x_scale, const int* __restrict__ x_corr,
                  const unsigned char* __restrict__ gate, const unsigned char* __restrict__ up, long long w_stride,
@@ -265,35 +272,33 @@ moe_gate_up_int4(const signed char* __restrict__ x_hi, const signed char* __rest
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4;
     const int row0 = (blockIdx.x * ROW_WARPS + warp % ROW_WARPS) * 16;
     if (row0 >= I) return;  // whole warps leave together (with KW > 1, the whole block): no barrier waits on them
-    const int chunks = (H + CHUNK - 1) / CHUNK;
-    const int part_span = CHUNK * ((chunks + KW - 1) / KW);  // columns of each warp's part (KW > 1)
+    const QuantActs acts{x_hi, x_lo, x_scale, x_corr, H, (H + CHUNK - 1) / CHUNK};
+    const int part_span = CHUNK * ((acts.chunks + KW - 1) / KW);  // columns of each warp's part (KW > 1)
     const int k0 = (warp / ROW_WARPS) * part_span;
     const int cols = max(0, min(part_span, H - k0));
     __shared__ WeightRing<2> ring;
     int rows[2];
     const unsigned char* a[2][2];  // [gate, up][row quad, row quad + 8], clamped to a real row, at column k0
-    const float* scales[2][2];
-    const unsigned char* zeros[2][2];
+    GroupScales<2> groups{{gate_scales + slot * s_stride, up_scales + slot * s_stride},
+                          {gate_zeros != nullptr ? gate_zeros + slot * z_stride : nullptr,
+                           up_zeros != nullptr ? up_zeros + slot * z_stride : nullptr},
+                          {}, col_block};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         rows[h] = row0 + quad + 8 * h;
-        const int row = min(rows[h], I - 1);
+        const long long row = min(rows[h], I - 1);
         a[0][h] = gate + slot * w_stride + row * row_bytes + k0 / 2;
         a[1][h] = up + slot * w_stride + row * row_bytes + k0 / 2;
-        scales[0][h] = scale_row(gate_scales, slot, s_stride, row, 1, scale_cols);
-        scales[1][h] = scale_row(up_scales, slot, s_stride, row, 1, scale_cols);
-        zeros[0][h] = zero_row(gate_zeros, slot, z_stride, row, scale_cols);
-        zeros[1][h] = zero_row(up_zeros, slot, z_stride, row, scale_cols);
+        groups.entry[0][h] = groups.entry[1][h] = static_cast<int>(row) * scale_cols;
     }
     const int end = group_start[g + 1];
     for (int base = group_start[g]; base < end; base += 8 * NT) {
         const int n = min(8 * NT, end - base);
         const int n_tiles = (n + 7) / 8;
         int pairs[NT];
-        const QuantTiles<NT> tiles = quant_tiles<NT>(sorted_pairs, base, n, x_hi, x_lo, x_scale, x_corr, H, chunks,
-                                                     top_k, k0, pairs);
+        const TileRows<NT> tiles = tile_rows<NT>(sorted_pairs, base, n, top_k, pairs);
         float acc[2][NT][4] = {};
-        int4_rows<B, 2, NT>(a, tiles, n_tiles, k0, cols, scales, zeros, col_block, ring, acc);
+        int4_rows<B, 2, NT>(a, acts, tiles, n_tiles, k0, cols, groups, ring, acc);
         if constexpr (KW > 1) {
             // The parts' sums through the ring's memory: warps 1 .. KW - 1 leave theirs, warp 0 adds them.
             float* partial = reinterpret_cast<float*>(&ring);  // [KW - 1][2 * NT * 4][32]
@@ -323,7 +328,7 @@ moe_gate_up_int4(const signed char* __restrict__ x_hi, const signed char* __rest
 }
 
 template <int B, int NT>
-__global__ void __launch_bounds__(MMA_THREADS)
+__global__ void __launch_bounds__(MMA_THREADS, INT4_BLOCKS_PER_SM)
 moe_down_int4(const signed char* __restrict__ a_hi, const signed char* __restrict__ a_lo,
               const float* __restrict__ a_scale, const int* __restrict__ a_corr,
               const unsigned char* __restrict__ down, long long w_stride, long long row_bytes,
@@ -344,21 +349,21 @@ moe_down_int4(const signed char* __restrict__ a_hi, const signed char* __restric
     if (row0 >= H) return;
     const int k0 = blockIdx.z * span;
     const int cols = min(span, I - k0);
-    const int chunks = (I + CHUNK - 1) / CHUNK;
+    const QuantActs acts{a_hi, a_lo, a_scale, a_corr, I, (I + CHUNK - 1) / CHUNK};
     __shared__ WeightRing<M> ring;
     int rows[M][2];
     const unsigned char* a[M][2];
-    const float* scales[M][2];
-    const unsigned char* zeros[M][2];
+    const float* slot_scales = down_scales + slot * s_stride;
+    const unsigned char* slot_zeros = down_zeros != nullptr ? down_zeros + slot * z_stride : nullptr;
+    GroupScales<M> groups{{slot_scales, slot_scales}, {slot_zeros, slot_zeros}, {}, col_block};
 #pragma unroll
     for (int m = 0; m < M; ++m) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             rows[m][h] = row0 + 16 * m + quad + 8 * h;
-            const int row = min(rows[m][h], H - 1);
+            const long long row = min(rows[m][h], H - 1);
             a[m][h] = down + slot * w_stride + row * row_bytes + k0 / 2;
-            scales[m][h] = scale_row(down_scales, slot, s_stride, row, 1, scale_cols);
-            zeros[m][h] = zero_row(down_zeros, slot, z_stride, row, scale_cols);
+            groups.entry[m][h] = static_cast<int>(row) * scale_cols;
         }
     }
     const int end = group_start[g + 1];
@@ -366,10 +371,9 @@ moe_down_int4(const signed char* __restrict__ a_hi, const signed char* __restric
         const int n = min(8 * NT, end - base);
         const int n_tiles = (n + 7) / 8;
         int pairs[NT];
-        const QuantTiles<NT> tiles = quant_tiles<NT>(sorted_pairs, base, n, a_hi, a_lo, a_scale, a_corr, I, chunks, 1,
-                                                     k0, pairs);
+        const TileRows<NT> tiles = tile_rows<NT>(sorted_pairs, base, n, 1, pairs);
         float acc[M][NT][4] = {};
-        int4_rows<B, M, NT>(a, tiles, n_tiles, k0, cols, scales, zeros, col_block, ring, acc);
+        int4_rows<B, M, NT>(a, acts, tiles, n_tiles, k0, cols, groups, ring, acc);
         const float unscaled[M][2] = {{1.f, 1.f}, {1.f, 1.f}};
         store_down<M, NT>(acc, unscaled, pairs, rows, n, n_tiles, route_weights, y, H, gridDim.z > 1);
     }

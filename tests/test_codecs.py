@@ -22,6 +22,7 @@ from colibri_stream.errors import CheckpointError, ColibriError, UnsupportedMode
 from colibri_stream.expert_codecs import (FP8_BLOCK, Fp8Codec, Int4Codec, Int8Codec, Mxfp4Codec, PlainCodec,
                                            codec_of, dequantize_expert)
 from colibri_stream.experts.cpu_executor import CpuExpertExecutor, numba, numpy_expert
+from colibri_stream.experts.rates import cpu_expert_rates
 from colibri_stream.loader import check_expert_format
 from colibri_stream.plan import make_plan
 
@@ -187,6 +188,21 @@ def test_the_grouped_kernel_matches_the_numpy_reference(codec, hidden, inter, to
     weights = sum(t.nbytes for t in tensors.values())
     per_row = tensors["down_scale"].nbytes if tensors["down_scale"].ndim == 1 else 0  # each part reads them whole
     assert executor.stats.cpu_bytes_read == 2 * weights + per_row  # the stored bytes, not float32's
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+@pytest.mark.parametrize("codec", [Int4Codec(128, False), Mxfp4Codec(), Fp8Codec("block")], ids=lambda c: c.name)
+def test_cpu_rate_probes_feed_the_hidden_size_whatever_the_codes_shape(codec, use_kernel):
+    """The placement's probe of the CPU executor runs ones of the expert's hidden size (down's rows), not of its
+    codes' second dimension (int4's and mxfp4's groups); an input of another width is refused, not read past."""
+    if use_kernel and numba is None:
+        pytest.skip("numba is not installed (the `cpu` extra)")
+    tensors = expert(codec, 256, 128, np.random.default_rng(1))
+    executor = CpuExpertExecutor(num_threads=2, use_kernel=use_kernel, min_kernel_bytes=0)
+    read, flops = cpu_expert_rates(executor, tensors, 3 * 256 * 128)
+    assert read > 0 and flops > 0
+    with pytest.raises(ValueError, match="hidden size 256"):
+        executor.run(np.ones((1, 224), np.float32), tensors)
 
 
 def test_stored_bytes_per_expert_are_smaller_and_plan_counts_them():

@@ -322,6 +322,8 @@ class CpuExpertExecutor:
         part over intermediate rows first .. last - 1 (gate and up rows, down columns); the parts over a
         partition of 0 .. I sum to the whole. Experts with biases or `swiglu` (gpt-oss's clamped SwiGLU) take
         the NumPy reference, whole (no rows)."""
+        if x.ndim != 2 or x.shape[1] != tensors["down"].shape[0]:
+            raise ValueError(f"expert input of shape {x.shape} for an expert of hidden size {tensors['down'].shape[0]}")
         start = time.perf_counter()
         first, last = rows or (0, tensors["gate"].shape[0])
         nbytes = expert_bytes(tensors, first, last)

@@ -49,7 +49,7 @@ def cpu_expert_rates(executor: CpuExpertExecutor, tensors: dict[str, np.ndarray]
     """(bytes read per second at one token, FLOP per second at FLOP_PROBE_TOKENS) of `executor` on one expert's
     `tensors` of `params` weights: the best of five runs each, after one that compiles the kernel."""
     nbytes = sum(t.nbytes for t in tensors.values())
-    x = np.ones((FLOP_PROBE_TOKENS, tensors["gate"].shape[1]), np.float32)  # [n, H]
+    x = np.ones((FLOP_PROBE_TOKENS, tensors["down"].shape[0]), np.float32)  # [n, H]: down is [H, ...] in every format
     executor.run(x[:1], tensors)
 
     def fastest(tokens: int) -> float:  # the best of five: slow runs (a busy core) must not decide
@@ -70,7 +70,7 @@ def shared_rates(executor: CpuExpertExecutor, tensors: dict[str, np.ndarray], so
     one expert's `tensors` (a block's views) over and over until they end. Both read host RAM, so each is slower
     than alone; this is what a step that cuts an expert between them gets. The trial of the median CPU rate of
     `trials`: single trials vary widely from one to the next, and the placement goes on with what this gives."""
-    x = np.ones((1, tensors["gate"].shape[1]), np.float32)  # [1, H]
+    x = np.ones((1, tensors["down"].shape[0]), np.float32)  # [1, H]
     nbytes = sum(t.nbytes for t in tensors.values())
     results = []
     for _ in range(trials):
