@@ -185,22 +185,41 @@ __device__ __forceinline__ void int4_rows(const unsigned char* const (&a)[M][2],
         if (s < chunks) fetch_codes_chunk<B, LANE_COLS, M>(a, s, cols, ring);
         copy_commit();  // one group per chunk, empty past the end, so wait_group counts chunks
     }
-    const int lane_col = k0 + (threadIdx.x % 4) * LANE_COLS;
-    for (int i = 0; i < chunks; ++i) {
-        // The chunk's scales, zero points and activation chunk entries, loaded before the wait so their latency
-        // overlaps it.
-        const int group = (k0 + i * CHUNK) / groups.col_block;
-        const int act_chunk = (k0 + i * CHUNK) / CHUNK;
-        float s[M][2];
-        int z[M][2];
+    if (chunks == 0) return;
+    // The groups of the rows' columns k0 .. k0 + cols into the L2 as the codes start streaming: lane q of a quad
+    // asks for row q of its four (M = 2), so each chunk's scales and zero points are L2 hits, not DRAM reads.
+    const int first_group = k0 / groups.col_block, end_group = (k0 + cols - 1) / groups.col_block + 1;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if ((2 * m + h) % 4 != static_cast<int>(threadIdx.x % 4)) continue;
+            const int entry = groups.entry[m][h];
+            prefetch_l2_span(groups.scales[m] + entry + first_group, groups.scales[m] + entry + end_group);
+            if (groups.zeros[m] != nullptr) {
+                prefetch_l2_span(groups.zeros[m] + entry + first_group, groups.zeros[m] + entry + end_group);
+            }
+        }
+    }
+    // Each chunk's scales (over 254: lo's unit) and zero points, loaded a chunk ahead of their use.
+    float s[M][2], s_next[M][2];
+    int z[M][2], z_next[M][2];
+    const auto load_groups = [&](int chunk, float (&scale)[M][2], int (&zero)[M][2]) {
+        const int group = (k0 + chunk * CHUNK) / groups.col_block;
 #pragma unroll
         for (int m = 0; m < M; ++m) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                s[m][h] = groups.scales[m][groups.entry[m][h] + group] * (1.f / QUANT_LO);
-                z[m][h] = groups.zeros[m] != nullptr ? groups.zeros[m][groups.entry[m][h] + group] : 8;
+                scale[m][h] = groups.scales[m][groups.entry[m][h] + group] * (1.f / QUANT_LO);
+                zero[m][h] = groups.zeros[m] != nullptr ? groups.zeros[m][groups.entry[m][h] + group] : 8;
             }
         }
+    };
+    load_groups(0, s, z);
+    const int lane_col = k0 + (threadIdx.x % 4) * LANE_COLS;
+    for (int i = 0; i < chunks; ++i) {
+        if (i + 1 < chunks) load_groups(i + 1, s_next, z_next);
+        const int act_chunk = (k0 + i * CHUNK) / CHUNK;
         copy_wait<MMA_STAGES - 2>();  // chunk i has landed
         uint4 w[M][2];
 #pragma unroll
@@ -245,6 +264,14 @@ __device__ __forceinline__ void int4_rows(const unsigned char* const (&a)[M][2],
                     const int d = QUANT_LO * ih[j] + il[j] - z[m][j / 2] * c_sum[j % 2];
                     acc[m][t][j] = fmaf(s[m][j / 2] * act_scale[j % 2], static_cast<float>(d), acc[m][t][j]);
                 }
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                s[m][h] = s_next[m][h];
+                z[m][h] = z_next[m][h];
             }
         }
     }
