@@ -31,13 +31,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
 #endif
 }
 
-// prefetch_l2 of the bytes [begin, end), widened to whole 16-byte units.
-__device__ __forceinline__ void prefetch_l2_span(const void* begin, const void* end) {
-    const unsigned long long first = reinterpret_cast<unsigned long long>(begin) & ~15ull;
-    const unsigned long long last = (reinterpret_cast<unsigned long long>(end) + 15ull) & ~15ull;
-    if (last > first) prefetch_l2(reinterpret_cast<const void*>(first), static_cast<unsigned>(last - first));
-}
-
 // The splits a decode token's `keys` keys are cut into (attention.cu's paged_attention_gqa and merge,
 // flash_attention.cu's flash_decode): about split_keys keys each, at most max_splits (the launch's), at least 1.
 __device__ __forceinline__ int decode_splits(int keys, int split_keys, int max_splits) {

@@ -68,7 +68,7 @@ __device__ __forceinline__ void fp8_rows(const unsigned char* const (&a)[M][2], 
     const int chunks = (cols + FP8_CHUNK - 1) / FP8_CHUNK;
 #pragma unroll
     for (int s = 0; s < MMA_STAGES - 1; ++s) {
-        if (s < chunks) fetch_codes_chunk<16, FP8_LANE_COLS, M>(a, s, cols, ring);
+        if (s < chunks) fetch_codes_chunk<16, FP8_LANE_COLS, M>(a, s, s, cols, ring);
         copy_commit();  // one group per chunk, empty past the end, so wait_group counts chunks
     }
     const int lane_col = (threadIdx.x % 4) * FP8_LANE_COLS;
@@ -88,7 +88,10 @@ __device__ __forceinline__ void fp8_rows(const unsigned char* const (&a)[M][2], 
 #pragma unroll
             for (int h = 0; h < 2; ++h) w[m][h] = ring[i % MMA_STAGES][m][h][threadIdx.x];
         }
-        if (i + MMA_STAGES - 1 < chunks) fetch_codes_chunk<16, FP8_LANE_COLS, M>(a, i + MMA_STAGES - 1, cols, ring);
+        if (i + MMA_STAGES - 1 < chunks) {
+            fetch_codes_chunk<16, FP8_LANE_COLS, M>(a, i + MMA_STAGES - 1, (i + MMA_STAGES - 1) % MMA_STAGES, cols,
+                                                    ring);
+        }
         copy_commit();
         const int col = i * FP8_CHUNK + lane_col;
         const bool in = col < cols;  // the lane's columns are all in or all out (cols a multiple of 16)

@@ -7,11 +7,12 @@
 // outputs as moe_mma.cu's kernels.
 //
 // Numerics: the activations are first cut into chunks of CHUNK columns (quantize_activations): each chunk of a row
-// has a scale a = max |x| / 127 and two int8 parts, x = a * (hi + lo / 254) up to a / 508. The codes enter the
+// has a scale a = max |x| / 127 and two int8 parts, x = a * (hi + lo / 254) up to a / 508; the scale is stored as
+// a / 254 (lo's unit), so x = scale * (254 * hi + lo). The codes enter the
 // tensor cores as they are, unsigned 4-bit values q in bytes (a mask of the word: 8 codes in 3 instructions), on
 // mma.sync.m16n8k32 u8 x s8 into int32: per chunk Ih = sum q * hi and Il = sum q * lo, exactly. With the chunk's
 // C = 254 * sum hi + sum lo, the zero point z (8 when symmetric) and the weight scale s of the chunk's group,
-//   sum over the chunk of (q - z) * s * x  =  s * a / 254 * (254 * Ih + Il - z * C),
+//   sum over the chunk of (q - z) * s * x  =  s * scale * (254 * Ih + Il - z * C),
 // the integer part exact and one float32 product per chunk added into the accumulator. So the result is the dot
 // product with the dequantized weights w = (q - z) * s up to the activations' 16 bits per chunk's largest value.
 //
@@ -24,7 +25,7 @@
 // lane's words 2w and 2w + 1 of them, loaded as they lie.
 //
 // quantize_activations<B>: x float32 [rows, W] -> hi, lo int8 [rows, W] (each 8 columns permuted as above), scale
-//   float32 [rows, chunks], corr int32 [rows, chunks] (C above), chunks = ceil(W / CHUNK), CHUNK = 8 * B; columns
+//   float32 [rows, chunks] (a / 254), corr int32 [rows, chunks] (C above), chunks = ceil(W / CHUNK), CHUNK = 8 * B; columns
 //   past W count as zeros. W a multiple of 8. grid: (ceil(W / 1024), rows), block: 128 threads of 8 columns each.
 //
 // moe_gate_up_int4<B, NT, KW>: act[p, i] = silu(gate_e[i] . x[p / k]) * (up_e[i] . x[p / k]) for every pair p of e.
@@ -95,7 +96,7 @@ quantize_activations(const float* __restrict__ x, int W, signed char* __restrict
     if (threadIdx.x % LANES == 0) {
         const int chunks = (W + 8 * B - 1) / (8 * B);
         const int chunk = col / (8 * B);
-        scale[row * chunks + chunk] = top / 127.f;
+        scale[row * chunks + chunk] = top * (1.f / (127.f * QUANT_LO));  // lo's unit
         corr[row * chunks + chunk] = sum;
     }
 }
@@ -144,17 +145,17 @@ __device__ __forceinline__ TileRows<NT> tile_rows(const int* __restrict__ sorted
     return rows;
 }
 
-// This lane's 2B bytes of a quantized activation row at byte `col`: zeros where `in` is false.
+// This lane's 2B bytes of a quantized activation row from p: zeros where `in` is false.
 template <int B>
-__device__ __forceinline__ void load_quant_acts(const signed char* row, int col, bool in, unsigned (&v)[B / 2]) {
+__device__ __forceinline__ void load_quant_acts(const signed char* p, bool in, unsigned (&v)[B / 2]) {
     if constexpr (B >= 8) {
 #pragma unroll
         for (int i = 0; i < B / 8; ++i) {
-            const uint4 word = in ? *reinterpret_cast<const uint4*>(row + col + 16 * i) : make_uint4(0, 0, 0, 0);
+            const uint4 word = in ? *reinterpret_cast<const uint4*>(p + 16 * i) : make_uint4(0, 0, 0, 0);
             v[4 * i] = word.x; v[4 * i + 1] = word.y; v[4 * i + 2] = word.z; v[4 * i + 3] = word.w;
         }
     } else {
-        const uint2 word = in ? *reinterpret_cast<const uint2*>(row + col) : make_uint2(0, 0);
+        const uint2 word = in ? *reinterpret_cast<const uint2*>(p) : make_uint2(0, 0);
         v[0] = word.x; v[1] = word.y;
     }
 }
@@ -173,6 +174,10 @@ struct GroupScales {
 // acc[m][t] = dequantized A_m [16 rows, cols] . B_t [8 activation rows, cols]^T over the columns k0 .. k0 + cols
 // of the matrix: a[m][h] the codes of row quad + 8h of m-tile m at column k0, `tiles` the pass's activation rows of
 // `acts` (columns and chunk entries counted from column 0), `groups` the rows' scales and zero points.
+//
+// The loop keeps its indices as running counters (ring slots, the group and the chunks left in it, the lane's
+// offsets into the activations), so an iteration spends its instructions on the codes' masks, the mma and the
+// chunk's scaling, not on divisions and 64-bit address arithmetic.
 template <int B, int M, int NT>
 __device__ __forceinline__ void int4_rows(const unsigned char* const (&a)[M][2], const QuantActs& acts,
                                           const TileRows<NT>& tiles, int n_tiles, int k0, int cols,
@@ -180,71 +185,65 @@ __device__ __forceinline__ void int4_rows(const unsigned char* const (&a)[M][2],
                                           float (&acc)[M][NT][4]) {
     constexpr int CHUNK = 8 * B, LANE_COLS = 2 * B, WORDS = B / 4;
     const int chunks = (cols + CHUNK - 1) / CHUNK;
+    if (chunks == 0) return;
 #pragma unroll
     for (int s = 0; s < MMA_STAGES - 1; ++s) {
-        if (s < chunks) fetch_codes_chunk<B, LANE_COLS, M>(a, s, cols, ring);
+        if (s < chunks) fetch_codes_chunk<B, LANE_COLS, M>(a, s, s, cols, ring);
         copy_commit();  // one group per chunk, empty past the end, so wait_group counts chunks
     }
-    if (chunks == 0) return;
-    // The groups of the rows' columns k0 .. k0 + cols into the L2 as the codes start streaming: lane q of a quad
-    // asks for row q of its four (M = 2), so each chunk's scales and zero points are L2 hits, not DRAM reads.
-    const int first_group = k0 / groups.col_block, end_group = (k0 + cols - 1) / groups.col_block + 1;
+    const int lane_col = (threadIdx.x % 4) * LANE_COLS;  // the lane's first column in a chunk
+    const bool symmetric = groups.zeros[0] == nullptr;  // the same for every m-tile of a launch
+    const int chunks_per_group = groups.col_block / CHUNK;
+    int group = k0 / groups.col_block;
+    int group_left = chunks_per_group - (k0 / CHUNK) % chunks_per_group;  // chunks of `group` still to come
+    int act_entry[NT][2];  // the accumulator columns' activation rows at the current chunk
+    int act_col[NT];  // the B operand row at the lane's columns of the current chunk
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
+    for (int t = 0; t < NT; ++t) {
+        act_col[t] = tiles.b_row[t] * acts.W + k0 + lane_col;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            if ((2 * m + h) % 4 != static_cast<int>(threadIdx.x % 4)) continue;
-            const int entry = groups.entry[m][h];
-            prefetch_l2_span(groups.scales[m] + entry + first_group, groups.scales[m] + entry + end_group);
-            if (groups.zeros[m] != nullptr) {
-                prefetch_l2_span(groups.zeros[m] + entry + first_group, groups.zeros[m] + entry + end_group);
-            }
-        }
+        for (int c = 0; c < 2; ++c) act_entry[t][c] = tiles.c_row[t][c] * acts.chunks + k0 / CHUNK;
     }
-    // Each chunk's scales (over 254: lo's unit) and zero points, loaded a chunk ahead of their use.
-    float s[M][2], s_next[M][2];
-    int z[M][2], z_next[M][2];
-    const auto load_groups = [&](int chunk, float (&scale)[M][2], int (&zero)[M][2]) {
-        const int group = (k0 + chunk * CHUNK) / groups.col_block;
+    int read_slot = 0, fetch_slot = MMA_STAGES - 1;
+    for (int i = 0; i < chunks; ++i) {
+        // The chunk's scales (lo's unit: the activation scales carry the 1 / 254) and zero points, loaded before
+        // the wait so their latency overlaps it.
+        float s[M][2];
+        int z[M][2];
 #pragma unroll
         for (int m = 0; m < M; ++m) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                scale[m][h] = groups.scales[m][groups.entry[m][h] + group] * (1.f / QUANT_LO);
-                zero[m][h] = groups.zeros[m] != nullptr ? groups.zeros[m][groups.entry[m][h] + group] : 8;
+                s[m][h] = groups.scales[m][groups.entry[m][h] + group];
+                z[m][h] = symmetric ? 8 : groups.zeros[m][groups.entry[m][h] + group];
             }
         }
-    };
-    load_groups(0, s, z);
-    const int lane_col = k0 + (threadIdx.x % 4) * LANE_COLS;
-    for (int i = 0; i < chunks; ++i) {
-        if (i + 1 < chunks) load_groups(i + 1, s_next, z_next);
-        const int act_chunk = (k0 + i * CHUNK) / CHUNK;
         copy_wait<MMA_STAGES - 2>();  // chunk i has landed
         uint4 w[M][2];
 #pragma unroll
         for (int m = 0; m < M; ++m) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) w[m][h] = ring[i % MMA_STAGES][m][h][threadIdx.x];
+            for (int h = 0; h < 2; ++h) w[m][h] = ring[read_slot][m][h][threadIdx.x];
         }
-        if (i + MMA_STAGES - 1 < chunks) fetch_codes_chunk<B, LANE_COLS, M>(a, i + MMA_STAGES - 1, cols, ring);
+        if (i + MMA_STAGES - 1 < chunks) {
+            fetch_codes_chunk<B, LANE_COLS, M>(a, i + MMA_STAGES - 1, fetch_slot, cols, ring);
+        }
         copy_commit();
-        const int col = i * CHUNK + lane_col;  // the lane's first column in the matrix
-        const bool in = col < k0 + cols;  // the lane's columns are all in or all out (cols a multiple of 32)
+        read_slot = read_slot == MMA_STAGES - 1 ? 0 : read_slot + 1;
+        fetch_slot = fetch_slot == MMA_STAGES - 1 ? 0 : fetch_slot + 1;
+        const bool in = i * CHUNK + lane_col < cols;  // the lane's columns are all in or all out (cols: 32s)
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             if (t != 0 && t >= n_tiles) continue;  // the same for the whole warp; a pass has at least one pair
-            const long long b_row = static_cast<long long>(tiles.b_row[t]) * acts.W;
             unsigned xh[B / 2], xl[B / 2];
-            load_quant_acts<B>(acts.hi + b_row, col, in, xh);
-            load_quant_acts<B>(acts.lo + b_row, col, in, xl);
+            load_quant_acts<B>(acts.hi + act_col[t], in, xh);
+            load_quant_acts<B>(acts.lo + act_col[t], in, xl);
             float act_scale[2];
             int c_sum[2];
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-                const int entry = tiles.c_row[t][c] * acts.chunks + act_chunk;
-                act_scale[c] = acts.scale[entry];
-                c_sum[c] = acts.corr[entry];
+                act_scale[c] = acts.scale[act_entry[t][c]];
+                c_sum[c] = acts.corr[act_entry[t][c]];
             }
 #pragma unroll
             for (int m = 0; m < M; ++m) {
@@ -265,14 +264,13 @@ __device__ __forceinline__ void int4_rows(const unsigned char* const (&a)[M][2],
                     acc[m][t][j] = fmaf(s[m][j / 2] * act_scale[j % 2], static_cast<float>(d), acc[m][t][j]);
                 }
             }
+            act_col[t] += CHUNK;
+            act_entry[t][0] += 1;
+            act_entry[t][1] += 1;
         }
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                s[m][h] = s_next[m][h];
-                z[m][h] = z_next[m][h];
-            }
+        if (--group_left == 0) {
+            ++group;
+            group_left = chunks_per_group;
         }
     }
     copy_wait<0>();  // nothing in flight when the caller's next pass refills the ring

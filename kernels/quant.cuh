@@ -16,21 +16,19 @@ __device__ __forceinline__ void copy_async_bytes(uint4* dst, const void* src, bo
     }
 }
 
-// Start copying chunk `chunk` of this lane's weight rows (a[m][h]: the row's codes at its first column) into its
-// ring slot: a chunk is the quad's 4 lanes side by side, BYTES bytes (LANE_COLS columns) each; lanes whose columns
+// Start copying chunk `chunk` of this lane's weight rows (a[m][h]: the row's codes at its first column) into ring
+// slot `slot`: a chunk is the quad's 4 lanes side by side, BYTES bytes (LANE_COLS columns) each; lanes whose columns
 // start at or past `cols` copy nothing and get zeros.
 template <int BYTES, int LANE_COLS, int M>
-__device__ __forceinline__ void fetch_codes_chunk(const unsigned char* const (&a)[M][2], int chunk, int cols,
-                                                  WeightRing<M>& ring) {
+__device__ __forceinline__ void fetch_codes_chunk(const unsigned char* const (&a)[M][2], int chunk, int slot,
+                                                  int cols, WeightRing<M>& ring) {
     const int lane = chunk * 4 + threadIdx.x % 4;  // this lane's place among the row's lane-sized pieces
     const bool in = lane * LANE_COLS < cols;
+    const int offset = in ? lane * BYTES : 0;
 #pragma unroll
     for (int m = 0; m < M; ++m) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const unsigned char* src = in ? a[m][h] + static_cast<long long>(lane) * BYTES : a[m][h];
-            copy_async_bytes<BYTES>(&ring[chunk % MMA_STAGES][m][h][threadIdx.x], src, in);
-        }
+        for (int h = 0; h < 2; ++h) copy_async_bytes<BYTES>(&ring[slot][m][h][threadIdx.x], a[m][h] + offset, in);
     }
 }
 

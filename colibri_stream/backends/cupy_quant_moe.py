@@ -72,11 +72,11 @@ class QuantMatrix:
 @dataclass(frozen=True)
 class QuantizedRows:
     """Rows of float32 activations as moe_int4.cu multiplies them: per chunk of columns a scale and two int8
-    parts, x = scale * (hi + lo / 254), each 8 columns stored in the kernels' k order (quantize_activations)."""
+    parts, x = scale * (254 * hi + lo), each 8 columns stored in the kernels' k order (quantize_activations)."""
 
     hi: Array  # [rows, W] int8
     lo: Array  # [rows, W] int8
-    scale: Array  # [rows, chunks] float32
+    scale: Array  # [rows, chunks] float32: the chunk's largest |x| / (127 * 254)
     corr: Array  # [rows, chunks] int32: 254 * sum hi + sum lo
 
     @classmethod
