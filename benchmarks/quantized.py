@@ -270,6 +270,10 @@ def colibri_decoders(model, batches: list[int], records: dict) -> dict:
                                   programmatic_launch=colibri.graph.programmatic,
                                   kv_bytes=colibri.kv.keys[0].itemsize)
             colibri.decode_ahead(2)  # warm-up
+            # the device's time per step alone (graph replayed back to back) and the host's per synchronous step:
+            # which of the two bounds the wall-clock figure
+            records[batch].update(graph_replay_us=colibri.replay_seconds(colibri.graph) * 1e6,
+                                  host_step_us=colibri.host_phases())
 
         _, error = attempt(f"Colibri batch {batch} setup", prepare)
         if error is None:
