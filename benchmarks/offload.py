@@ -221,7 +221,8 @@ def store_figures(model, before, steps: int) -> dict:
             "prefetch_loads_per_step": (after.prefetch_loads - before.prefetch_loads) / steps,
             "prefetch_recall": after.prefetch_recall,
             "placement_host_read_gbps": rates.host_read / 1e9 if rates else None,
-            "placement_h2d_gbps": rates.h2d / 1e9 if rates else None}
+            "placement_h2d_gbps": rates.h2d / 1e9 if rates else None,
+            "placement_cpu_gflops": rates.cpu_flops / 1e9 if rates else None}
 
 
 def bound(batch: int, resident_step: float, miss_bytes: float, bandwidth_gbps: float) -> float:
