@@ -44,6 +44,12 @@
 constexpr int FP8_CHUNK = 64;      // columns per chunk: 4 lanes x 16 codes
 constexpr int FP8_LANE_COLS = 16;  // codes (bytes) a lane copies per chunk
 
+// The scales of matrix row `row` (clamped to a real row by the caller) of slot `slot`: its row block's entries.
+__device__ __forceinline__ const float* scale_row(const float* scales, long long slot, long long s_stride, int row,
+                                                  int row_block, int scale_cols) {
+    return scales + slot * s_stride + static_cast<long long>(row / row_block) * scale_cols;
+}
+
 // Columns 0, 1 and 2, 3 of a word of codes as bf16 pairs: e4m3 -> half (exact) -> bf16 (exact: 4 significant bits,
 // exponents in range).
 __device__ __forceinline__ void decode_fp8(unsigned word, unsigned (&a)[2]) {

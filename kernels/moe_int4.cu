@@ -25,8 +25,9 @@
 // lane's words 2w and 2w + 1 of them, loaded as they lie.
 //
 // quantize_activations<B>: x float32 [rows, W] -> hi, lo int8 [rows, W] (each 8 columns permuted as above), scale
-//   float32 [rows, chunks] (a / 254), corr int32 [rows, chunks] (C above), chunks = ceil(W / CHUNK), CHUNK = 8 * B; columns
-//   past W count as zeros. W a multiple of 8. grid: (ceil(W / 1024), rows), block: 128 threads of 8 columns each.
+//   float32 [rows, chunks] (a / 254), corr int32 [rows, chunks] (C above), chunks = ceil(W / CHUNK), CHUNK = 8 * B;
+//   columns past W count as zeros. W a multiple of 8. grid: (ceil(W / 1024), rows), block: 128 threads of 8
+//   columns each.
 //
 // moe_gate_up_int4<B, NT, KW>: act[p, i] = silu(gate_e[i] . x[p / k]) * (up_e[i] . x[p / k]) for every pair p of e.
 //   x quantized (x_hi, x_lo [T, H], x_scale, x_corr [T, ceil(H / CHUNK)]); gate, up codes, w_stride, row_bytes;

@@ -1,5 +1,5 @@
 // Building blocks of the quantized-expert kernels (moe_int4.cu, moe_fp8.cu): a lane's share of a chunk of codes
-// streamed into its slot of the weight ring (mma.cuh), and where a row's scales and zero points lie.
+// streamed into its slot of the weight ring (mma.cuh).
 #pragma once
 #include "mma.cuh"
 
@@ -30,16 +30,4 @@ __device__ __forceinline__ void fetch_codes_chunk(const unsigned char* const (&a
 #pragma unroll
         for (int h = 0; h < 2; ++h) copy_async_bytes<BYTES>(&ring[slot][m][h][threadIdx.x], a[m][h] + offset, in);
     }
-}
-
-// The scales of matrix row `row` (clamped to a real row by the caller) of slot `slot`: its row block's entries.
-__device__ __forceinline__ const float* scale_row(const float* scales, long long slot, long long s_stride, int row,
-                                                  int row_block, int scale_cols) {
-    return scales + slot * s_stride + static_cast<long long>(row / row_block) * scale_cols;
-}
-
-// The zero points of an int4 row (null when the matrix is symmetric).
-__device__ __forceinline__ const unsigned char* zero_row(const unsigned char* zeros, long long slot,
-                                                         long long z_stride, int row, int scale_cols) {
-    return zeros != nullptr ? zeros + slot * z_stride + static_cast<long long>(row) * scale_cols : nullptr;
 }

@@ -3,8 +3,8 @@
 `routed_experts` sorts a step's (token, expert) pairs into groups per expert on the device (moe_align), launches
 moe_gate_up and moe_down (or their tensor-core forms, moe_mma.cu; or, for prefill-sized groups, cuBLAS GEMMs per
 expert, cupy_expert_gemm.py; int4 and fp8 experts on moe_int4.cu and moe_fp8.cu, cupy_quant_moe.py) once per
-pass the store yields (experts/device.py), and sums each token's experts (moe_sum). `DeviceExpertStore` holds every expert
-resident, stacked per MoE layer: one pass, no host work, so a decode step can be captured in a CUDA graph.
+pass the store yields (experts/device.py), and sums each token's experts (moe_sum). `DeviceExpertStore` holds every
+expert resident, stacked per MoE layer: one pass, no host work, so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
