@@ -69,6 +69,7 @@ def routed_experts(backend, x: Array, weights: Array, expert_ids: Array, layer: 
     tile = smallest_tile(t, MOE_TILES)  # a group holds at most T pairs
     routing = (group_expert, group_start, sorted_pairs, num_groups)
     act = y = grouped = None
+    quantized_x = {}  # int4's cut of x (cupy_quant_moe.QuantizedRows by chunk width), made once for every launch
     for experts in device.passes(layer):
         if is_block_scaled(experts):  # int4, fp8: moe_int4.cu / moe_fp8.cu, whose split down product adds into y
             i = experts.gate.shape[1]
@@ -77,7 +78,7 @@ def routed_experts(backend, x: Array, weights: Array, expert_ids: Array, layer: 
             if y is None:
                 y = cp.zeros((pairs, h), np.float32)  # [P, H]
             quant_experts(experts, x, act, y, route_weights, routing, t, top_k, groups, backend.column_splits,
-                          backend.multiprocessors)
+                          backend.multiprocessors, quantized_x)
             continue
         if takes_expert_gemms(experts, pairs, num_experts):
             if grouped is None:  # the tokens in group order, for every launch of the layer

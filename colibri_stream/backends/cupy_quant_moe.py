@@ -104,11 +104,13 @@ def is_block_scaled(experts: LayerExperts) -> bool:
 
 
 def quant_experts(experts: LayerExperts, x: Array, act: Array, y: Array, route_weights: Array, routing: tuple,
-                  tokens: int, top_k: int, groups: int, column_splits, multiprocessors: int) -> None:
+                  tokens: int, top_k: int, groups: int, column_splits, multiprocessors: int,
+                  quantized_x: dict[int, QuantizedRows]) -> None:
     """The gate/up kernel then the down kernel over one launch's experts: act [P, I] from x [T, H], then y
     [P, H], added into (the caller zeroes it: the down product may be split over `column_splits(I, blocks)`
     column spans that add with atomics). `routing`: moe_align's (group_expert, group_start, sorted_pairs,
-    num_groups)."""
+    num_groups). `quantized_x`: int4's cut of x by chunk width, kept by the caller for the layer's later launches
+    (filled here on first use)."""
     h = x.shape[1]
     i = experts.gate.shape[1]
     up_layout = QuantMatrix.of(experts.gate, experts.gate_scale, h, "experts (hidden size)")
@@ -125,7 +127,9 @@ def quant_experts(experts: LayerExperts, x: Array, act: Array, y: Array, route_w
         # Too few blocks of 64 rows to keep every multiprocessor reading: each block's warps share 16 rows
         row_blocks = ceil_div(i, MMA_GATE_UP_ROWS) * groups
         sharing = INT4_ROW_SHARING if row_blocks < INT4_SHARED_ROWS_BELOW_BLOCKS_PER_SM * multiprocessors else 1
-        gate_up = (*QuantizedRows.of(x, up_layout.lane_bytes).args(), *gate_up, device_pointer(experts.gate_zero),
+        if up_layout.lane_bytes not in quantized_x:
+            quantized_x[up_layout.lane_bytes] = QuantizedRows.of(x, up_layout.lane_bytes)
+        gate_up = (*quantized_x[up_layout.lane_bytes].args(), *gate_up, device_pointer(experts.gate_zero),
                    device_pointer(experts.up_zero), slot_stride(experts.gate_zero))
         kernel = f"moe_gate_up_int4<{up_layout.lane_bytes}, {n_tiles}, {sharing}>"
         grid = (ceil_div(i, MMA_GATE_UP_ROWS // sharing), groups)
@@ -135,8 +139,7 @@ def quant_experts(experts: LayerExperts, x: Array, act: Array, y: Array, route_w
         grid = (ceil_div(i, MMA_GATE_UP_ROWS), groups)
     gate_up = (*gate_up, *up_layout.scale_args(), slot_of, *routing, act, np.int32(h), np.int32(i), np.int32(top_k))
     file = "moe_int4.cu" if int4 else "moe_fp8.cu"
-    weight_type = str(up_layout.lane_bytes) if int4 else None
-    launch(file, kernel, grid, MMA_THREADS, gate_up, weight_type=weight_type)
+    launch(file, kernel, grid, MMA_THREADS, gate_up, weight_type=str(up_layout.lane_bytes) if int4 else None)
     splits = column_splits(i, ceil_div(h, MMA_DOWN_ROWS) * groups)
     span = down_layout.chunk * ceil_div(i, down_layout.chunk * splits)
     down = (device_pointer(experts.down), slot_stride(experts.down), np.int64(down_layout.row_bytes),
