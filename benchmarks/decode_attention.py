@@ -12,7 +12,7 @@ graph and the graph's replays timed with CUDA events (median of the repetitions)
   gqa           paged_attention_gqa with backends/tuning.py as it is (flash_decode out of reach)
   default       the backend's choice with backends/tuning.py as it is (flash_decode for bf16 and fp16 caches)
   gqa sweep     paged_attention_gqa under every --gqa-blocks-per-sm x --gqa-max-splits x --gqa-split-keys
-  flash sweep   flash_decode under every --blocks-per-sm x --max-splits x --split-keys
+  flash sweep   flash_decode under every --blocks-per-sm x --max-splits x --split-keys x --stages
 
 Ceiling: the KV bytes of the B contexts (keys and values) over the device-to-device copy bandwidth measured in the
 same run (read plus written, as decode.py counts it). Each output is compared with the query_head kernel's on
@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks-per-sm", type=int, nargs="*", default=[2, 4, 8, 16])
     parser.add_argument("--max-splits", type=int, nargs="*", default=[32, 128, 512])
     parser.add_argument("--split-keys", type=int, nargs="*", default=[64, 256, 1024])
+    parser.add_argument("--stages", type=int, nargs="*", default=[2, 4], help="flash_decode ring slots per warp")
     args = parser.parse_args(argv)
     require_gpu()
     import cupy as cp
@@ -177,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     sweep = [("gqa sweep", dict(GQA_BLOCKS_PER_SM=b, GQA_MAX_SPLITS=s, GQA_SPLIT_KEYS=k, GQA_ONE_TOKEN_MAX_KEYS=0,
                                 FLASH_DECODE_MIN_KEYS=OUT_OF_REACH))
              for b, s, k in itertools.product(args.gqa_blocks_per_sm, args.gqa_max_splits, args.gqa_split_keys)]
-    sweep += [("flash sweep", dict(FLASH_DECODE_BLOCKS_PER_SM=b, FLASH_DECODE_MAX_SPLITS=s, FLASH_DECODE_SPLIT_KEYS=k))
-              for b, s, k in itertools.product(args.blocks_per_sm, args.max_splits, args.split_keys)]
+    sweep += [("flash sweep", dict(FLASH_DECODE_BLOCKS_PER_SM=b, FLASH_DECODE_MAX_SPLITS=s, FLASH_DECODE_SPLIT_KEYS=k,
+                                   FLASH_DECODE_STAGES=g))
+              for b, s, k, g in itertools.product(args.blocks_per_sm, args.max_splits, args.split_keys, args.stages)]
     print(f"copy bandwidth {bandwidth:.0f} GB/s; {len(sweep)} sweep points a case; microseconds:")
     print(f"{'shape':<15}{'kv':<5}{'context':>7}{'B':>4}{'qhead':>9}{'gqa':>9}{'default':>9}{'gqa best':>9}"
           f"{'flash':>9}{'of ceil':>8}{'GB/s':>7}{'max err':>9}  fastest")

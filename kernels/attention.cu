@@ -53,11 +53,14 @@
 //
 // paged_attention_merge: out[t, h] = sum_s acc_s exp(m_s - M) / sum_s l_s exp(m_s - M), M = max_s m_s over the
 //   token's S_t splits (empty splits weigh 0; S_t == 1: nothing to do, the GQA block wrote out). grid: (T, Q),
-//   block: 32 * DPL threads (>= D), no shared memory; max_splits = S, window and split_keys as the GQA launch's.
+//   block: 32 * DPL threads (>= D), static shared memory only; max_splits = S (at most MERGE_MAX_SPLITS), window
+//   and split_keys as the GQA launch's.
 #include "kv_types.cuh"
 
 constexpr int ATTN_WARPS = 16;
 constexpr int ATTN_UNROLL = 8;
+constexpr int MERGE_MAX_SPLITS = 1024;  // splits a merge takes at most
+constexpr int MERGE_UNROLL = 8;         // partials of a dim summed per round
 
 template <typename KV, int DPL>
 __global__ void __launch_bounds__(ATTN_WARPS * 32)
@@ -440,20 +443,35 @@ paged_attention_merge(const float* __restrict__ partial_acc, const float* __rest
                       float* __restrict__ out, const long long* __restrict__ positions, int head_dim,
                       int max_splits, int window, int split_keys) {
     pdl_wait();
+    __shared__ float weight_s[MERGE_MAX_SPLITS];  // exp(m_s - M) of each split, 0 for an empty one
     const int splits = decode_split(static_cast<int>(positions[blockIdx.x]), window, split_keys, 0, max_splits).splits;
     if (splits == 1) return;  // paged_attention_gqa wrote out
     const long long row = static_cast<long long>(blockIdx.x) * gridDim.y + blockIdx.y;  // t * Q + h
     const float* ml = partial_ml + row * max_splits * 2;
+    // The splits' (m, l) are read once, a split per thread, and reduced over the block.
     float top = neg_inf();
-    for (int s = 0; s < splits; ++s) top = fmaxf(top, ml[2 * s]);  // finite: split 0 holds key `first`
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) top = fmaxf(top, ml[2 * s]);
+    top = block_max(top);  // finite: split 0 holds key `first`
     float total = 0.f;
-    for (int s = 0; s < splits; ++s) total += ml[2 * s] == neg_inf() ? 0.f : ml[2 * s + 1] * expf(ml[2 * s] - top);
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+        const float m = ml[2 * s], weight = m == neg_inf() ? 0.f : expf(m - top);
+        weight_s[s] = weight;
+        total += ml[2 * s + 1] * weight;
+    }
+    total = block_sum(total);  // its barrier also publishes weight_s
+    // Each dim's partials: MERGE_UNROLL independent loads in flight, into as many sums.
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float a = 0.f;
-        for (int s = 0; s < splits; ++s) {
-            const float weight = ml[2 * s] == neg_inf() ? 0.f : expf(ml[2 * s] - top);
-            a = fmaf(partial_acc[(row * max_splits + s) * head_dim + d], weight, a);
+        const float* acc = partial_acc + row * max_splits * head_dim + d;
+        float a[MERGE_UNROLL] = {};
+        int s = 0;
+        for (; s + MERGE_UNROLL <= splits; s += MERGE_UNROLL) {
+#pragma unroll
+            for (int u = 0; u < MERGE_UNROLL; ++u) a[u] = fmaf(acc[(s + u) * head_dim], weight_s[s + u], a[u]);
         }
-        out[row * head_dim + d] = a / total;
+        for (; s < splits; ++s) a[0] = fmaf(acc[s * head_dim], weight_s[s], a[0]);
+        float sum = 0.f;
+#pragma unroll
+        for (int u = 0; u < MERGE_UNROLL; ++u) sum += a[u];
+        out[row * head_dim + d] = sum / total;
     }
 }

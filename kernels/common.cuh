@@ -165,23 +165,37 @@ __device__ __forceinline__ unsigned warp_min_u32(unsigned v) {
 #endif
 }
 
-// Sum of v over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
-// Uses 32 floats of static shared memory: a second call must come after a __syncthreads() that follows every
-// thread's use of the first call's result.
-__device__ __forceinline__ float block_sum(float v) {
+// op(v) over the whole block (blockDim.x a multiple of 32, at most 1024; op associative and commutative, identity
+// its neutral value); every thread gets the result. Uses 32 floats of static shared memory per Op: a second call
+// with the same Op must come after a __syncthreads() that follows every thread's use of the first call's result.
+template <typename Op>
+__device__ __forceinline__ float block_reduce(float v, float identity, Op op) {
     __shared__ float partial[32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    v = warp_sum(v);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = op(v, __shfl_xor_sync(FULL_MASK, v, offset));
     if (lane == 0) partial[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        v = lane < static_cast<int>(blockDim.x / 32) ? partial[lane] : 0.f;
-        v = warp_sum(v);
+        v = lane < static_cast<int>(blockDim.x / 32) ? partial[lane] : identity;
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) v = op(v, __shfl_xor_sync(FULL_MASK, v, offset));
         if (lane == 0) partial[0] = v;
     }
     __syncthreads();
     return partial[0];
 }
+
+struct AddOp {
+    __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+struct MaxOp {
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// Sum (max) of v over the whole block: block_reduce's rules.
+__device__ __forceinline__ float block_sum(float v) { return block_reduce(v, 0.f, AddOp()); }
+__device__ __forceinline__ float block_max(float v) { return block_reduce(v, neg_inf(), MaxOp()); }
 
 // Dot products of R weight rows (length `cols`, storage W) with TT activation rows of float32, accumulated per
 // thread: acc[r][j] += sum over this thread's columns of w_r[c] * x_j[c]. The thread takes the 16-byte chunks at

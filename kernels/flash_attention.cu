@@ -14,9 +14,15 @@
 //   Token t of sequence b at position p, head h, reads KV head h / (Q / K) at cached positions j <= p, and only
 //   j > p - window when window > 0; scores are scaled by `scale`.
 //   D: 64, 96 or 128 (a multiple of 16, at most 128: the accumulators of 16 rows x D fit in registers).
-//   grid: (N, K), block: FLASH_THREADS, static shared memory only: 2 * FLASH_ROWS * (D + 8) * 2 bytes (34 KiB at
-//   D = 128) plus the rows' positions. ptxas (sm_90): SPLIT bounded for 2 blocks a multiprocessor, up to 249
-//   registers, no spills; without SPLIT for 3, up to 168 registers, 24-40 bytes spilled at D = 96 and 128.
+//   grid: (N, K), block: FLASH_THREADS, dynamic shared memory: the tiles' rows of D + 8 bf16, FLASH_STAGES * 2 * 64
+//   of them for a bf16 cache (68 KiB at D = 128; the launch raises the kernel's limit), else 2 * FLASH_ROWS (34
+//   KiB), plus the rows' positions in static shared memory. ptxas (sm_90): SPLIT bounded for 2 blocks a
+//   multiprocessor, up to 249 registers, no spills; without SPLIT for 3, up to 168 registers, 24-40 bytes spilled
+//   at D = 96 and 128.
+// Tiles: a bf16 cache's keys and values are mma operands as stored, so its tiles are copied with cp.async into a
+//   ring of FLASH_STAGES slots (PIPELINED): the next tile streams in while the block multiplies this one. Other
+//   caches are converted on the way (split into bf16 parts), so each tile is loaded through registers and stored
+//   before the block multiplies it.
 //
 // Rows: the query rows of sequence b for KV head k are its (token, group head) pairs, token-major: row i is token
 // query_start[b] + i / group, query head k * group + i % group (group = Q / K), so one tile of keys and values in
@@ -52,6 +58,7 @@ constexpr int FLASH_ROWS = 64;   // query rows per block
 constexpr int FLASH_WARPS = FLASH_ROWS / 16;
 constexpr int FLASH_THREADS = FLASH_WARPS * 32;
 constexpr int FLASH_PAD = 8;     // bf16 of padding per shared row (16 bytes)
+constexpr int FLASH_STAGES = 2;  // ring slots of key and value tiles of a bf16 cache (PIPELINED)
 
 // Two floats as pairs of T (bf16 or fp16): hi their rounding, lo the rounding of what hi leaves (a + b = hi + lo
 // to ~16 bits).
@@ -193,17 +200,16 @@ flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, c
     constexpr int DTILES = D / 8;             // n-tiles of the output
     constexpr int NTILES = KEYS / 8;          // n-tiles of S
     static_assert((SPLIT_KV ? 4 : 2) * KEYS == 2 * FLASH_ROWS, "the key tiles fill the queries' shared rows");
-    // First the queries' high and low parts [2][FLASH_ROWS][STRIDE], then the tiles [k hi, v hi, k lo, v lo]
-    // [KEYS][STRIDE] each (the low parts only with SPLIT_KV).
-    __shared__ __align__(16) __nv_bfloat16 shared_rows[2 * FLASH_ROWS * STRIDE];
+    // First the queries' high and low parts [2][FLASH_ROWS][STRIDE]; then, over them, the tiles: with PIPELINED
+    // FLASH_STAGES slots of [k, v][KEYS][STRIDE], else one set [k hi, v hi, k lo, v lo][KEYS][STRIDE] (the low
+    // parts only with SPLIT_KV).
+    constexpr bool PIPELINED = Bf16x8<KV>::EXACT;
+    extern __shared__ __align__(16) unsigned char flash_shared[];
+    __nv_bfloat16* const shared_rows = reinterpret_cast<__nv_bfloat16*>(flash_shared);
     __shared__ int row_pos_s[FLASH_ROWS];  // position of each row's token, -1 for padding rows
     __nv_bfloat16* const q_hi = shared_rows;
     __nv_bfloat16* const q_lo = shared_rows + FLASH_ROWS * STRIDE;
-    __nv_bfloat16* const k_hi = shared_rows;
-    __nv_bfloat16* const v_hi = shared_rows + KEYS * STRIDE;
     constexpr int LO_AT = SPLIT_KV ? 2 * KEYS * STRIDE : 0;  // the low parts' tiles (none without SPLIT_KV)
-    __nv_bfloat16* const k_lo = shared_rows + LO_AT;
-    __nv_bfloat16* const v_lo = shared_rows + LO_AT + (SPLIT_KV ? KEYS * STRIDE : 0);
     pdl_wait();
 
     const int seq = tiles[2 * blockIdx.x], row0 = tiles[2 * blockIdx.x + 1];
@@ -263,11 +269,42 @@ flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, c
     // The 8 x 8 matrix whose row this lane addresses in ldmatrix: keys + 8 (bit 0), dims + 8 (bit 1).
     const int matrix = lane / 8;
     const int value_at = ((matrix & 1) * 8 + lane % 8) * STRIDE + (matrix >> 1) * 8;
-    for (int tile0 = key_lo / KEYS * KEYS; tile0 < key_hi; tile0 += KEYS) {
-        stage_tile<KV, D, KEYS, SPLIT_KV>(key_cache, table, tile0, key_lo, key_hi, block_size, num_kv_heads, kv,
-                                          k_hi, k_lo);
-        stage_tile<KV, D, KEYS, SPLIT_KV>(value_cache, table, tile0, key_lo, key_hi, block_size, num_kv_heads, kv,
-                                          v_hi, v_lo);
+    // PIPELINED: copy the tile of keys and values from tile0 into ring slot `slot` with cp.async (keys outside
+    // [key_lo, key_hi) zero-filled, never read); one commit group either way.
+    auto fetch = [&](int tile0, int slot) {
+        if (tile0 < key_hi) {
+            __nv_bfloat16* const k_slot = shared_rows + slot * 2 * KEYS * STRIDE;
+#pragma unroll
+            for (int u = 0; u < KEYS * CHUNKS / FLASH_THREADS; ++u) {
+                const int i = threadIdx.x + u * FLASH_THREADS, row = i / CHUNKS, d = (i % CHUNKS) * 8;
+                const int j = tile0 + row;
+                const bool in = j >= key_lo && j < key_hi;
+                const int key = in ? j : key_lo;  // a valid address; nothing is read where !in
+                const long long at = ((table[key / block_size] * block_size + key % block_size) * num_kv_heads + kv)
+                                     * D + d;
+                copy_async(reinterpret_cast<uint4*>(&k_slot[row * STRIDE + d]), key_cache + at, in);
+                copy_async(reinterpret_cast<uint4*>(&k_slot[(KEYS + row) * STRIDE + d]), value_cache + at, in);
+            }
+        }
+        copy_commit();
+    };
+    const int first_tile = key_lo / KEYS * KEYS;
+    if constexpr (PIPELINED) fetch(first_tile, 0);
+    for (int i = 0, tile0 = first_tile; tile0 < key_hi; ++i, tile0 += KEYS) {
+        __nv_bfloat16* k_hi = shared_rows;
+        if constexpr (PIPELINED) {
+            fetch(tile0 + KEYS, (i + 1) % FLASH_STAGES);  // the next tile streams in while this one is used
+            copy_wait<FLASH_STAGES - 1>();
+            k_hi = shared_rows + i % FLASH_STAGES * 2 * KEYS * STRIDE;
+        } else {
+            stage_tile<KV, D, KEYS, SPLIT_KV>(key_cache, table, tile0, key_lo, key_hi, block_size, num_kv_heads, kv,
+                                              k_hi, shared_rows + LO_AT);
+            stage_tile<KV, D, KEYS, SPLIT_KV>(value_cache, table, tile0, key_lo, key_hi, block_size, num_kv_heads,
+                                              kv, k_hi + KEYS * STRIDE, shared_rows + LO_AT + KEYS * STRIDE);
+        }
+        const __nv_bfloat16* const v_hi = k_hi + KEYS * STRIDE;
+        const __nv_bfloat16* const k_lo = shared_rows + LO_AT;  // read only with SPLIT_KV
+        const __nv_bfloat16* const v_lo = k_lo + KEYS * STRIDE;
         __syncthreads();
 
         // S = Q K^T: q_hi k_hi, + q_lo k_hi with SPLIT, + q_hi k_lo with SPLIT_KV (q_lo k_lo is below 2^-16).
@@ -337,6 +374,7 @@ flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, c
         }
         __syncthreads();  // every warp is done with this tile before the next one is staged
     }
+    copy_wait<0>();
 
     const float row_sum[2] = {quad_sum(l[0]), quad_sum(l[1])};  // the whole warp shuffles, padding rows too
 #pragma unroll
@@ -366,18 +404,20 @@ flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, c
 //   D: 64, 96 or 128. The query group (Q / K heads of one KV head, at most 16) forms the 16 rows of one m-tile;
 //   rows past the group are zero queries, never written. q is split into high and low parts of KV (about 16
 //   significant bits) and so are the probabilities, as flash_attention's SPLIT does: within about 1e-5 of float32.
-//   grid: (T, K, S), block: DECODE_THREADS, static shared memory: DECODE_WARPS * DECODE_STAGES key and value tiles of
-//   DECODE_KEYS rows of D + 8 elements (34 KiB at D = 128), reused for the warps' merge.
+//   STAGES: ring slots per warp (at least 2).
+//   grid: (T, K, S), block: DECODE_THREADS, dynamic shared memory: DECODE_WARPS * STAGES key and value tiles of
+//   DECODE_KEYS rows of D + 8 elements (17 KiB per stage at D = 128; above 48 KiB the launch raises the kernel's
+//   limit), reused for the warps' merge.
 //   Warp w of a block takes the split's tiles of DECODE_KEYS keys w, w + DECODE_WARPS, ...; its lanes copy each tile
-//   into the warp's own ring of DECODE_STAGES slots with cp.async (keys past hi zero-filled, never read), so
-//   DECODE_STAGES - 1 tiles stream in while one is used, and no block barrier is needed until the merge.
+//   into the warp's own ring of STAGES slots with cp.async (keys past hi zero-filled, never read), so STAGES - 1
+//   tiles and their block-table reads are in flight while one is used, and no block barrier is needed until the
+//   merge.
 //   k_scale is folded into `scale` by the backend; v_scale multiplies the outputs.
 constexpr int DECODE_WARPS = 2;
 constexpr int DECODE_THREADS = DECODE_WARPS * 32;
 constexpr int DECODE_KEYS = 16;   // keys per tile: two n-tiles of S, one k-step of P V
-constexpr int DECODE_STAGES = 2;  // tiles per warp in shared memory
 
-template <typename KV, int D>
+template <typename KV, int D, int STAGES>
 __global__ void __launch_bounds__(DECODE_THREADS, 4)
 flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, const KV* __restrict__ value_cache,
              const long long* __restrict__ block_tables, const long long* __restrict__ query_start,
@@ -392,10 +432,11 @@ flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, cons
     constexpr int TILE = DECODE_KEYS * STRIDE;
     constexpr int COPIES = DECODE_KEYS * CHUNKS / 32;  // 16-byte copies per lane per key (or value) tile
     static_assert(DECODE_KEYS * CHUNKS % 32 == 0, "a tile's chunks spread evenly over the lanes");
-    static_assert(DECODE_STAGES * 2 * TILE * 2 >= 16 * D * 4, "a warp's ring holds its 16 x D float accumulators");
+    static_assert(STAGES >= 2 && STAGES * 2 * TILE * 2 >= 16 * D * 4, "a warp's ring holds its 16 x D float accumulators");
     using M = Mma<KV>;
     // [warp][stage][keys, values][DECODE_KEYS rows of STRIDE]: the bits of KV elements
-    __shared__ __align__(16) __nv_bfloat16 ring_s[DECODE_WARPS][DECODE_STAGES][2][TILE];
+    extern __shared__ __align__(16) unsigned char decode_shared[];
+    auto ring_s = reinterpret_cast<__nv_bfloat16 (*)[STAGES][2][TILE]>(decode_shared);
     __shared__ float m_s[DECODE_WARPS][16], l_s[DECODE_WARPS][16];
     pdl_wait();
 
@@ -448,7 +489,7 @@ flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, cons
         copy_commit();
     };
 #pragma unroll
-    for (int s = 0; s < DECODE_STAGES - 1; ++s) fetch(warp + s * DECODE_WARPS, s);
+    for (int s = 0; s < STAGES - 1; ++s) fetch(warp + s * DECODE_WARPS, s);
 
     const float scale_log2 = scale * 1.4426950408889634f;
     float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};  // rows r, r + 8: running max (log2 units), lane sum
@@ -456,13 +497,15 @@ flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, cons
     const int matrix = lane / 8;  // the 8 x 8 matrix whose row this lane addresses in ldmatrix
     const int value_at = ((matrix & 1) * 8 + lane % 8) * STRIDE + (matrix >> 1) * 8;
     for (int i = 0, tile = warp; tile < tiles; ++i, tile += DECODE_WARPS) {
-        fetch(tile + (DECODE_STAGES - 1) * DECODE_WARPS, (i + DECODE_STAGES - 1) % DECODE_STAGES);
-        copy_wait<DECODE_STAGES - 1>();  // this tile's group is complete (the later ones may still run)
-        __syncwarp();                    // ... and every lane's copies are visible to the warp
-        const __nv_bfloat16* keys = ring_s[warp][i % DECODE_STAGES][0];
-        const __nv_bfloat16* values = ring_s[warp][i % DECODE_STAGES][1];
+        fetch(tile + (STAGES - 1) * DECODE_WARPS, (i + STAGES - 1) % STAGES);
+        copy_wait<STAGES - 1>();  // this tile's group is complete (the later ones may still run)
+        __syncwarp();             // ... and every lane's copies are visible to the warp
+        const __nv_bfloat16* keys = ring_s[warp][i % STAGES][0];
+        const __nv_bfloat16* values = ring_s[warp][i % STAGES][1];
 
-        float s[2][4] = {};  // scores of rows r (0, 1) and r + 8 (2, 3), keys 8n + 2c (+1) of the tile
+        // scores of rows r (0, 1) and r + 8 (2, 3), keys 8n + 2c (+1) of the tile: the high parts' products and the
+        // low parts' in accumulators of their own (four independent mma chains), added after
+        float s[2][4] = {}, s_lo[2][4] = {};
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
             const int at = (n * 8 + r) * STRIDE + 2 * c;
@@ -470,7 +513,7 @@ flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, cons
             for (int k = 0; k < KSTEPS; ++k) {
                 const unsigned b0 = shared_pair(&keys[at + k * 16]), b1 = shared_pair(&keys[at + k * 16 + 8]);
                 M::mma(s[n], qa[k][0], qa[k][1], qa[k][2], qa[k][3], b0, b1);
-                M::mma(s[n], ql[k][0], ql[k][1], ql[k][2], ql[k][3], b0, b1);
+                M::mma(s_lo[n], ql[k][0], ql[k][1], ql[k][2], ql[k][3], b0, b1);
             }
         }
         const int key0 = lo + DECODE_KEYS * tile;
@@ -479,7 +522,7 @@ flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, cons
         for (int n = 0; n < 2; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                s[n][e] = key0 + n * 8 + 2 * c + (e & 1) < hi ? s[n][e] * scale_log2 : neg_inf();
+                s[n][e] = key0 + n * 8 + 2 * c + (e & 1) < hi ? (s[n][e] + s_lo[n][e]) * scale_log2 : neg_inf();
                 tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
             }
         }

@@ -26,6 +26,7 @@ from colibri_stream.backends.cupy_flash_attention import (  # noqa: E402
     FLASH_MIN_TOKENS,
     FLASH_THREADS,
     FlashTileCache,
+    decode_expression,
     flash_attention_launch,
 )
 from colibri_stream.batch import single_sequence_batch  # noqa: E402
@@ -63,7 +64,8 @@ def run_flash(query, key_cache, value_cache, batch, device_batch, scale, window)
     kv_type = storage_type(key_cache)
     flash = flash_attention_launch(cupy, FlashTileCache(), query, key_cache, value_cache, batch, device_batch,
                                    kv_type, scale, window)
-    launch(FLASH_FILE, flash.expression, flash.grid, FLASH_THREADS, flash.args, weight_type=kv_type)
+    launch(FLASH_FILE, flash.expression, flash.grid, FLASH_THREADS, flash.args, shared_mem=flash.shared_mem,
+           weight_type=kv_type)
     return flash.out
 
 
@@ -164,17 +166,21 @@ DECODE_CONTEXTS = (1, 5, 16, 17, 40, 143, 600, 2100)  # one decode token per seq
 @pytest.mark.parametrize("heads,kv_heads", [(32, 4), (32, 8), (8, 8), (16, 1), (12, 4)])
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("splits", ["default", "many", "one"])
+@pytest.mark.parametrize("splits", ["default", "many", "deep", "one"])
 def test_flash_decode_matches_the_reference(head_dim, heads, kv_heads, window, kv_dtype, splits, monkeypatch):
     """Decode launches (T == B, decided from shapes: batch None) of bf16 and fp16 caches take flash_decode, with the
-    context split over blocks and merged ("many": a split every 8 keys, up to 64; "one": no split, the kernel
-    writes out) or as the defaults split it; against float32 attention over the cache's values."""
-    from colibri_stream.backends import cupy_backend
+    context split over blocks and merged ("many": a split every 8 keys, up to 64; "deep": a split every 4 keys, up
+    to 512, more than a merge block's threads, and rings of 4 tiles a warp, past 48 KiB of shared memory; "one": no
+    split, the kernel writes out) or as the defaults split it; against float32 attention over the cache's values."""
+    from colibri_stream.backends import cupy_backend, tuning
 
-    if splits == "many":
-        for name, value in (("FLASH_DECODE_SPLIT_KEYS", 8), ("FLASH_DECODE_MAX_SPLITS", 64),
+    if splits in ("many", "deep"):
+        many = splits == "many"
+        for name, value in (("FLASH_DECODE_SPLIT_KEYS", 8 if many else 4), ("FLASH_DECODE_MAX_SPLITS", 64 if many else 512),
                             ("FLASH_DECODE_BLOCKS_PER_SM", 64)):
             monkeypatch.setattr(cupy_backend, name, value)
+        if not many:
+            monkeypatch.setattr(tuning, "FLASH_DECODE_STAGES", 4)
     elif splits == "one":
         monkeypatch.setattr(cupy_backend, "FLASH_DECODE_MAX_SPLITS", 1)
     rng = np.random.default_rng(head_dim * heads + kv_heads)
@@ -186,7 +192,7 @@ def test_flash_decode_matches_the_reference(head_dim, heads, kv_heads, window, k
     poison()
     ours = GPU.paged_attention(cupy.asarray(query), gpu_keys, gpu_values, None, device_batch, scale, window)
     kv_type = {"bfloat16": "__nv_bfloat16", "float16": "__half"}[kv_dtype]
-    assert launched == [f"flash_decode<{kv_type}, {head_dim}>"] + ([] if splits == "one" else ["paged_attention_merge"])
+    assert launched == [decode_expression(kv_type, head_dim)] + ([] if splits == "one" else ["paged_attention_merge"])
     check_flash(ours, query, keys, values, batch, scale, window, split=True)
 
 

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.gpu  # in the GPU lane (`pytest -m gpu`), though compil
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
                             reason="CuPy is not installed (kernel compile checks need cupy-cuda12x/13x and NVRTC)")
 
+from colibri_stream.backends.cupy_flash_attention import FLASH_FILE  # noqa: E402
 from colibri_stream.backends.cupy_launch import FAMILIES  # noqa: E402
 from colibri_stream.backends.cupy_quant_moe import INT4_LANE_BYTES  # noqa: E402
 from colibri_stream.backends.kernels import COMPILE_OPTIONS, kernel_dir, kernel_source  # noqa: E402
@@ -88,3 +89,15 @@ def test_kernel_file_compiles(name):
         if weight_type == "__nv_fp8_e4m3" and name not in KV_FILES:
             continue  # fp8 is a KV cache type only
         _compile(name, FAMILIES[name](weight_type))
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+def test_flash_decode_compiles_with_deeper_rings(stages, monkeypatch):
+    """flash_decode's ring depth is a tuning constant (benchmarks/decode_attention.py sweeps it): other depths
+    than the default compile too."""
+    from colibri_stream.backends import tuning
+
+    monkeypatch.setattr(tuning, "FLASH_DECODE_STAGES", stages)
+    expressions = FAMILIES[FLASH_FILE]("__nv_bfloat16")
+    assert f"flash_decode<__nv_bfloat16, 128, {stages}>" in expressions
+    _compile(FLASH_FILE, expressions)

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..config import EXPERT_DTYPES, ClampedSwiglu
 from ..memory import MemoryInfo, host_memory
+from ..timing import HOST_CLOCK, Clock
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -31,7 +32,8 @@ class Backend(ABC):
 
     What callers may rely on is said by capabilities, never by the backend's name: `device` (where its arrays live,
     "cpu" or "cuda": the expert tiers are built for it), `supports_graphs` (a decode step can be captured as a
-    CUDA graph, cuda_graph.py), `logit_source` (how the sampler reads a forward's logits), `synchronize`,
+    CUDA graph, cuda_graph.py), `logit_source` (how the sampler reads a forward's logits), `synchronize`, `clock`
+    (where the step timer reads the model's phases),
     `expert_formats` (the routed-expert formats it computes, config.EXPERT_DTYPES's names) and `missing_features`
     (the model options it does not run).
     """
@@ -52,6 +54,10 @@ class Backend(ABC):
 
     def synchronize(self) -> None:
         """Wait until the device finished the work queued so far (a host backend computes as it is called)."""
+
+    def clock(self) -> Clock:
+        """The clock the model's phases are timed on: the host's, where operations compute as they are called."""
+        return HOST_CLOCK
 
     # ---- memory -------------------------------------------------------------------------------------------
     @abstractmethod

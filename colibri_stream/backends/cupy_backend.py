@@ -30,9 +30,12 @@ import numpy as np
 from ..config import QK_NORMS, ModelConfig
 from ..experts.store import ExpertStore
 from ..memory import MemoryInfo
+from ..timing import Clock
 from .base import Array, Backend
+from .cuda_clock import CudaEventClock
 from .cublas_gemm import split_halves, weight_product
-from .cupy_flash_attention import (DECODE_THREADS, FLASH_FILE, FLASH_THREADS, FlashTileCache, flash_attention_launch,
+from .cupy_flash_attention import (DECODE_THREADS, FLASH_FILE, FLASH_THREADS, FlashTileCache, decode_expression,
+                                   decode_shared_bytes, flash_attention_launch,
                                    takes_flash_attention, takes_flash_decode)
 from .cupy_launch import (NULL, FAMILIES, ceil_div, check_row_width, launch, smallest_tile, storage_type,
                           to_device_storage)
@@ -45,7 +48,7 @@ from .tuning import (ATTENTION_WARPS, CAPTURED_CUBLAS_ALL_MIN_TOKENS, CAPTURED_C
                      GQA_GROUPS,
                      GQA_MAX_LANE_FLOATS, GQA_MAX_SPLITS, GQA_SPLIT_KEYS, GQA_MIN_TOKENS,
                      GQA_ONE_TOKEN_MAX_KEYS, GQA_WARPS,
-                     LINEAR_MMA_BLOCKS_PER_SM,
+                     LINEAR_MMA_BLOCKS_PER_SM, MERGE_MAX_SPLITS,
                      LINEAR_MMA_MIN_SPAN, LINEAR_MMA_ROWS, LINEAR_MMA_TILES, LINEAR_ROWS_PER_BLOCK, MMA_THREADS,
                      PROLOGUE_WARPS, ROUTER_SPLIT_TOKENS, ROUTER_TILE, ROUTER_WARPS, SMALL_BATCH, TOKEN_TILES)
 
@@ -124,6 +127,7 @@ class CupyBackend(Backend):
         # resets what it counted)
         self._route_counters = cupy.zeros(ROUTER_SPLIT_TOKENS, np.uint32)
         self._flash_tiles = FlashTileCache()
+        self._clock: CudaEventClock | None = None  # made on first use
 
     def logit_source(self, logits: Array) -> LogitSource:
         from .cupy_sampling import DeviceLogits
@@ -132,6 +136,12 @@ class CupyBackend(Backend):
 
     def synchronize(self) -> None:
         self.cp.cuda.get_current_stream().synchronize()
+
+    def clock(self) -> Clock:
+        """CUDA events on the current stream (cuda_clock.py): phases are the GPU's time, not the host's."""
+        if self._clock is None:
+            self._clock = CudaEventClock(self.cp)
+        return self._clock
 
     # ---- memory -------------------------------------------------------------------------------------------
     def prepare_weight(self, host) -> Array:
@@ -346,7 +356,8 @@ class CupyBackend(Backend):
             kv_type = storage_type(key_cache)
             flash = flash_attention_launch(self.cp, self._flash_tiles, query, key_cache, value_cache, batch,
                                            device_batch, kv_type, scale, sliding_window)
-            launch(FLASH_FILE, flash.expression, flash.grid, FLASH_THREADS, flash.args, weight_type=kv_type)
+            launch(FLASH_FILE, flash.expression, flash.grid, FLASH_THREADS, flash.args, shared_mem=flash.shared_mem,
+                   weight_type=kv_type)
             return flash.out
         t, num_heads, head_dim = query.shape
         block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -370,12 +381,13 @@ class CupyBackend(Backend):
         if takes_flash_decode(query, key_cache, value_cache, tables, FLASH_DECODE_MIN_KEYS):
             split = self._decode_splits(query, num_kv_heads, capacity, FLASH_DECODE_MAX_SPLITS,
                                         FLASH_DECODE_BLOCKS_PER_SM, FLASH_DECODE_SPLIT_KEYS)
-            launch(FLASH_FILE, f"flash_decode<{kv_type}, {head_dim}>", (t, num_kv_heads, split.splits),
+            launch(FLASH_FILE, decode_expression(kv_type, head_dim), (t, num_kv_heads, split.splits),
                    DECODE_THREADS,
                    (query, key_cache, value_cache, tables, device_batch["query_start"], device_batch["positions"],
                     out, split.acc, split.ml, np.int32(tables.shape[0]), np.int32(num_heads), np.int32(num_kv_heads),
                     np.int32(block_size), np.int32(tables.shape[1]), np.float32(scale * kv_scales[0]), window,
-                    np.float32(kv_scales[1]), np.int32(split.split_keys)), weight_type=kv_type)
+                    np.float32(kv_scales[1]), np.int32(split.split_keys)), shared_mem=decode_shared_bytes(head_dim),
+                   weight_type=kv_type)
             self._merge_splits(split, out, device_batch, per_lane, window, kv_type)
             return out
         if (t == tables.shape[0] and enough_tokens and num_heads % num_kv_heads == 0 and padded is not None
@@ -396,10 +408,12 @@ class CupyBackend(Backend):
     def _decode_splits(self, query, num_kv_heads: int, capacity: int, max_splits: int, blocks_per_sm: int,
                        split_keys: int) -> DecodeSplits:
         """The splits of a decode launch (paged_attention_gqa, flash_decode) from shapes only: enough blocks per
-        (token, KV head) to make about blocks_per_sm a multiprocessor, at most max_splits, at most one per
+        (token, KV head) to make about blocks_per_sm a multiprocessor, at most max_splits (and the merge's
+        MERGE_MAX_SPLITS), at most one per
         split_keys keys of the tables' full width; each token uses as many as its own context fills."""
         t, num_heads, head_dim = query.shape
-        splits = max(1, min(max_splits, blocks_per_sm * self.multiprocessors // max(t * num_kv_heads, 1),
+        splits = max(1, min(max_splits, MERGE_MAX_SPLITS,
+                            blocks_per_sm * self.multiprocessors // max(t * num_kv_heads, 1),
                             ceil_div(capacity, split_keys)))
         if splits == 1:
             return DecodeSplits(1, split_keys, NULL, NULL)

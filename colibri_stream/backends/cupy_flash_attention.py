@@ -23,12 +23,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import tuning
+
 if TYPE_CHECKING:
     from ..batch import ForwardBatch
 
 FLASH_FILE = "flash_attention.cu"
 FLASH_ROWS = 64  # FLASH_ROWS in flash_attention.cu: query rows per block
 FLASH_THREADS = 128  # FLASH_THREADS in flash_attention.cu
+FLASH_PAD = 8  # FLASH_PAD in flash_attention.cu: elements of padding per shared row
+FLASH_STAGES = 2  # FLASH_STAGES in flash_attention.cu: ring slots of a bf16 cache's key and value tiles
 FLASH_HEAD_DIMS = (64, 96, 128)  # flash_attention instantiations: head dims
 FLASH_KV_TYPES = ("float", "__nv_bfloat16", "__half")  # ... and KV cache element types
 FLASH_KV_DTYPES = (np.dtype(np.float32), np.dtype(np.uint16), np.dtype(np.float16))  # the same as device dtypes
@@ -36,7 +40,9 @@ FLASH_MIN_TOKENS = 32  # a step takes the flash kernel when one of its sequences
 FLASH_SPLIT = True  # products of high and low bf16 parts (float32-close), else of bf16 operands only
 
 
-DECODE_THREADS = 64  # DECODE_THREADS in flash_attention.cu: threads per block of flash_decode
+DECODE_WARPS = 2  # DECODE_WARPS in flash_attention.cu: warps per block of flash_decode
+DECODE_THREADS = 32 * DECODE_WARPS
+DECODE_KEYS = 16  # DECODE_KEYS in flash_attention.cu: keys per tile of flash_decode
 DECODE_KV_TYPES = ("__nv_bfloat16", "__half")  # flash_decode instantiations: KV cache element types (mma operands)
 DECODE_KV_DTYPES = (np.dtype(np.uint16), np.dtype(np.float16))  # the same as device dtypes
 DECODE_MAX_GROUP = 16  # query heads per KV head at most: the rows of one m-tile
@@ -47,8 +53,20 @@ def flash_instantiations(kv_type: str | None) -> tuple[str, ...]:
     if kv_type not in FLASH_KV_TYPES:
         return ()
     prefill = tuple(f"flash_attention<{kv_type}, {d}, {split}>" for d in FLASH_HEAD_DIMS for split in ("true", "false"))
-    decode = tuple(f"flash_decode<{kv_type}, {d}>" for d in FLASH_HEAD_DIMS) if kv_type in DECODE_KV_TYPES else ()
+    decode = tuple(decode_expression(kv_type, d) for d in FLASH_HEAD_DIMS) if kv_type in DECODE_KV_TYPES else ()
     return prefill + decode
+
+
+def decode_expression(kv_type: str, head_dim: int) -> str:
+    """The flash_decode instantiation of a cache type and head dim, with tuning's FLASH_DECODE_STAGES (read at
+    each call, so a benchmark that sets it compiles and launches the same instantiation)."""
+    return f"flash_decode<{kv_type}, {head_dim}, {tuning.FLASH_DECODE_STAGES}>"
+
+
+def decode_shared_bytes(head_dim: int) -> int:
+    """flash_decode's dynamic shared memory: each warp's ring of FLASH_DECODE_STAGES key and value tiles of
+    DECODE_KEYS bf16/fp16 rows of head_dim + FLASH_PAD elements."""
+    return DECODE_WARPS * tuning.FLASH_DECODE_STAGES * 2 * DECODE_KEYS * (head_dim + FLASH_PAD) * 2
 
 
 def takes_flash_decode(query, key_cache, value_cache, tables, min_keys: int) -> bool:
@@ -105,6 +123,7 @@ class FlashLaunch:
     expression: str
     grid: tuple[int, int]
     args: tuple
+    shared_mem: int  # bytes of dynamic shared memory
     out: object  # float32 [T, Q, D] device array
 
 
@@ -134,4 +153,11 @@ def flash_attention_launch(cp, tile_cache: FlashTileCache, query, key_cache, val
             np.int32(num_heads), np.int32(num_kv_heads), np.int32(block_size), np.int32(tables.shape[1]),
             np.float32(scale), np.int32(sliding_window or 0))
     expression = f"flash_attention<{kv_type}, {head_dim}, {'true' if FLASH_SPLIT else 'false'}>"
-    return FlashLaunch(expression, (tiles.shape[0], num_kv_heads), args, out)
+    return FlashLaunch(expression, (tiles.shape[0], num_kv_heads), args, flash_shared_bytes(kv_type, head_dim), out)
+
+
+def flash_shared_bytes(kv_type: str, head_dim: int) -> int:
+    """flash_attention's dynamic shared memory: bf16 rows of head_dim + FLASH_PAD, a ring of FLASH_STAGES tiles of
+    64 keys and values for a bf16 cache, else the block's FLASH_ROWS queries' two parts (the tiles reuse them)."""
+    rows = FLASH_STAGES * 2 * 64 if kv_type == "__nv_bfloat16" else 2 * FLASH_ROWS
+    return rows * (head_dim + FLASH_PAD) * 2

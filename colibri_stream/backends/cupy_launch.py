@@ -20,6 +20,7 @@ from .tuning import (GQA_GROUPS, GQA_MAX_LANE_FLOATS, INT4_ROW_SHARING, LINEAR_M
 
 Array = Any  # a cupy.ndarray
 NULL = np.uint64(0)  # a null pointer kernel argument
+DEFAULT_SHARED_LIMIT = 48 << 10  # dynamic shared memory a kernel may take without raising its limit
 
 CTYPES = {
     np.dtype(np.float32): "float",
@@ -92,10 +93,25 @@ def launch(file: str, expression: str, grid: tuple[int, ...], block: int, args: 
         return
     family = FAMILIES[file](weight_type) if file in FAMILIES else ()
     kernel = get_kernel(file, expression, family)
+    if shared_mem > DEFAULT_SHARED_LIMIT:
+        allow_shared_memory(kernel, shared_mem)
     if programmatic_active():  # a decode graph's capture (launch.py)
         launch_programmatic(kernel, grid, (block,), args, shared_mem)
     else:
         kernel(grid, (block,), args, shared_mem=shared_mem)
+
+
+_shared_limits: dict[int, int] = {}  # CUDA function pointer -> the dynamic shared memory it is allowed
+
+
+def allow_shared_memory(kernel, nbytes: int) -> None:
+    """Raise a CuPy RawKernel's dynamic shared memory limit to at least `nbytes` (once per kernel and size; the GPU
+    refuses more than its opt-in maximum at launch)."""
+    function = kernel.kernel.ptr
+    if _shared_limits.get(function, 0) >= nbytes:
+        return
+    kernel.max_dynamic_shared_size_bytes = nbytes
+    _shared_limits[function] = nbytes
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -58,9 +58,11 @@ GQA_ONE_TOKEN_MAX_KEYS = 2048  # ... unless its tables hold more keys: one block
 # flash_decode (flash_attention.cu) takes a decode launch of a bf16 / fp16 cache whose tables hold at least this
 # many keys; its splits as paged_attention_gqa's, with constants of its own
 FLASH_DECODE_MIN_KEYS = 0
-FLASH_DECODE_MAX_SPLITS = 32
+FLASH_DECODE_MAX_SPLITS = 128
 FLASH_DECODE_BLOCKS_PER_SM = 4
 FLASH_DECODE_SPLIT_KEYS = 64
+FLASH_DECODE_STAGES = 2  # key and value tiles in flight per warp of flash_decode, plus the one in use: its ring slots
+MERGE_MAX_SPLITS = 1024  # = MERGE_MAX_SPLITS in attention.cu: the splits paged_attention_merge takes at most
 PROLOGUE_WARPS = 4  # warps per block of qk_norm_rope_write (attention_prologue.cu) without a full-width qk norm
 
 # ---- routing (router.cu) ---------------------------------------------------------------------------------------

@@ -133,7 +133,7 @@ class MoETransformer:
         self.rope_cos, self.rope_sin = backend.upload(cos), backend.upload(sin)  # [P, R/2] each (R rotated dims)
         self.attention_scale = config.softmax_scale or config.head_dim**-0.5
         self.swiglu = config.clamped_swiglu()  # the routed experts' activation when not silu(gate) * up
-        self.timer = StepTimer()  # the engine's step timer; the forward's phases report to it
+        self.timer = StepTimer(backend.clock())  # the engine's step timer; the forward's phases report to it
         self.store.timer = self.timer  # expert reads report to it too
 
     def _latent_weights(self, dense: DenseFile, p: str) -> LatentAttentionWeights:
