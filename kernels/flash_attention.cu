@@ -52,6 +52,7 @@
 // transposed, gives lane l the pair {keys 2c, 2c+1; dim r}, which is b0 (keys 0-7 of the k-step) or b1 (keys 8-15).
 // Shared rows are padded to D + 8 bf16, so the 8 rows a fragment read or an ldmatrix phase touches start 16 bytes
 // apart modulo 128: no bank conflicts.
+#include "kv_types.cuh"
 #include "mma.cuh"
 
 constexpr int FLASH_ROWS = 64;   // query rows per block
@@ -394,16 +395,18 @@ flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, c
 }
 
 // ---- decode -------------------------------------------------------------------------------------------------------
-// flash_decode<KV, D>: one query token per sequence (T == B; token t is sequence t unless query_start says otherwise)
-// over the paged cache on tensor cores, flash-decoding style: the same attention and the same splits as
+// flash_decode<KV, D, STAGES>: one query token per sequence (T == B; token t is sequence t unless query_start says
+// otherwise) over the paged cache on tensor cores, flash-decoding style: the same attention and the same splits as
 // attention.cu's paged_attention_gqa (split z of the token's S_t = decode_splits(n, split_keys, S) takes keys
 // [lo, hi) of its n, idle splits return at once), and the same outputs: out where S_t == 1, else the unnormalised
 // partials partial_acc [T, Q, S, D] / partial_ml [T, Q, S, 2] (m in natural-log units) that attention.cu's
 // paged_attention_merge combines.
-//   KV: __nv_bfloat16 or __half (the mma operand type: keys and values are used as stored, exactly).
+//   KV: __nv_bfloat16 or __half, used as stored as the mma operands, exactly; or __nv_fp8_e4m3, whose tiles are
+//   copied as bytes into the back of their ring slot and widened in place to __half (exact) before use.
 //   D: 64, 96 or 128. The query group (Q / K heads of one KV head, at most 16) forms the 16 rows of one m-tile;
-//   rows past the group are zero queries, never written. q is split into high and low parts of KV (about 16
-//   significant bits) and so are the probabilities, as flash_attention's SPLIT does: within about 1e-5 of float32.
+//   rows past the group are zero queries, never written. q is split into high and low parts of the operand type
+//   (about 16 significant bits) and so are the probabilities, as flash_attention's SPLIT does: within about 1e-5 of
+//   float32.
 //   STAGES: ring slots per warp (at least 2).
 //   grid: (T, K, S), block: DECODE_THREADS, dynamic shared memory: DECODE_WARPS * STAGES key and value tiles of
 //   DECODE_KEYS rows of D + 8 elements (17 KiB per stage at D = 128; above 48 KiB the launch raises the kernel's
@@ -417,6 +420,46 @@ constexpr int DECODE_WARPS = 2;
 constexpr int DECODE_THREADS = DECODE_WARPS * 32;
 constexpr int DECODE_KEYS = 16;   // keys per tile: two n-tiles of S, one k-step of P V
 
+// The mma operand type of a decode cache's elements: themselves for the 16-bit types, __half for fp8 e4m3.
+template <typename KV> struct DecodeOperand { using type = KV; };
+template <> struct DecodeOperand<__nv_fp8_e4m3> { using type = __half; };
+
+// Lane `lane`'s share of widening one fp8 tile of DECODE_KEYS rows of D in place: the bytes at `raw` ([rows][D],
+// the back of the slot) become __half rows of `stride` at `rows` (the front). Every lane reads its bytes before any
+// lane writes (the two overlap).
+template <int D>
+__device__ __forceinline__ void widen_fp8_tile(__nv_bfloat16* rows, const unsigned char* raw, int stride, int lane) {
+    constexpr int CHUNKS = DECODE_KEYS * D / 16;  // 16-byte chunks of the tile, 16 elements each
+    constexpr int PER_LANE = (CHUNKS + 31) / 32;
+    uint4 bytes[PER_LANE];
+#pragma unroll
+    for (int u = 0; u < PER_LANE; ++u) {
+        const int i = lane + 32 * u;
+        if (i < CHUNKS) bytes[u] = *reinterpret_cast<const uint4*>(raw + 16 * i);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int u = 0; u < PER_LANE; ++u) {
+        const int i = lane + 32 * u;
+        if (i >= CHUNKS) continue;
+        const int row = i / (D / 16), d = (i % (D / 16)) * 16;
+        const unsigned words[4] = {bytes[u].x, bytes[u].y, bytes[u].z, bytes[u].w};
+        unsigned halves[8];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {  // four e4m3 codes a word, two at a time to __half2
+            const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(words[w] & 0xffffu),
+                                                              __NV_E4M3);
+            const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(words[w] >> 16),
+                                                              __NV_E4M3);
+            halves[2 * w] = static_cast<unsigned>(lo.x) | static_cast<unsigned>(lo.y) << 16;
+            halves[2 * w + 1] = static_cast<unsigned>(hi.x) | static_cast<unsigned>(hi.y) << 16;
+        }
+        uint4* out = reinterpret_cast<uint4*>(&rows[row * stride + d]);
+        out[0] = make_uint4(halves[0], halves[1], halves[2], halves[3]);
+        out[1] = make_uint4(halves[4], halves[5], halves[6], halves[7]);
+    }
+}
+
 template <typename KV, int D, int STAGES>
 __global__ void __launch_bounds__(DECODE_THREADS, 4)
 flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, const KV* __restrict__ value_cache,
@@ -426,14 +469,19 @@ flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, cons
              int max_blocks, float scale, int window, float v_scale, int split_keys) {
     static_assert(D % 16 == 0 && D <= 128, "D is a multiple of 16 up to 128");
     constexpr int STRIDE = D + FLASH_PAD;  // elements per shared row
-    constexpr int CHUNKS = D / 8;          // 16-byte chunks per row
     constexpr int KSTEPS = D / 16;         // k-steps of S = Q K^T
     constexpr int DTILES = D / 8;          // n-tiles of the output
     constexpr int TILE = DECODE_KEYS * STRIDE;
-    constexpr int COPIES = DECODE_KEYS * CHUNKS / 32;  // 16-byte copies per lane per key (or value) tile
-    static_assert(DECODE_KEYS * CHUNKS % 32 == 0, "a tile's chunks spread evenly over the lanes");
-    static_assert(STAGES >= 2 && STAGES * 2 * TILE * 2 >= 16 * D * 4, "a warp's ring holds its 16 x D float accumulators");
-    using M = Mma<KV>;
+    constexpr bool WIDEN = sizeof(KV) == 1;              // fp8: tiles copied as bytes, widened before use
+    constexpr int ELEMENTS = 16 / sizeof(KV);            // cache elements per 16-byte copy
+    constexpr int ROW_COPIES = D / ELEMENTS;             // 16-byte copies per cached row
+    constexpr int COPIES = DECODE_KEYS * ROW_COPIES / 32;  // ... per lane per key (or value) tile
+    constexpr int RAW_AT = 2 * TILE - DECODE_KEYS * D;   // bytes into a slot tile where an fp8 tile's bytes land
+    static_assert(DECODE_KEYS * ROW_COPIES % 32 == 0, "a tile's chunks spread evenly over the lanes");
+    static_assert(STAGES >= 2 && STAGES * 2 * TILE * 2 >= 16 * D * 4,
+                  "a warp's ring holds its 16 x D float accumulators");
+    using Op = typename DecodeOperand<KV>::type;
+    using M = Mma<Op>;
     // [warp][stage][keys, values][DECODE_KEYS rows of STRIDE]: the bits of KV elements
     extern __shared__ __align__(16) unsigned char decode_shared[];
     auto ring_s = reinterpret_cast<__nv_bfloat16 (*)[STAGES][2][TILE]>(decode_shared);
@@ -463,10 +511,10 @@ flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, cons
             const float2 a2 = in_a ? *reinterpret_cast<const float2*>(row_a + d + 8) : zero;
             const float2 b0 = in_b ? *reinterpret_cast<const float2*>(row_b + d) : zero;
             const float2 b2 = in_b ? *reinterpret_cast<const float2*>(row_b + d + 8) : zero;
-            split_pair_as<KV>(a0.x, a0.y, qa[k][0], ql[k][0]);
-            split_pair_as<KV>(b0.x, b0.y, qa[k][1], ql[k][1]);
-            split_pair_as<KV>(a2.x, a2.y, qa[k][2], ql[k][2]);
-            split_pair_as<KV>(b2.x, b2.y, qa[k][3], ql[k][3]);
+            split_pair_as<Op>(a0.x, a0.y, qa[k][0], ql[k][0]);
+            split_pair_as<Op>(b0.x, b0.y, qa[k][1], ql[k][1]);
+            split_pair_as<Op>(a2.x, a2.y, qa[k][2], ql[k][2]);
+            split_pair_as<Op>(b2.x, b2.y, qa[k][3], ql[k][3]);
         }
     }
 
@@ -476,14 +524,18 @@ flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, cons
         if (tile < tiles) {
 #pragma unroll
             for (int u = 0; u < COPIES; ++u) {
-                const int i = lane + 32 * u, row = i / CHUNKS, d = (i % CHUNKS) * 8;
+                const int i = lane + 32 * u, row = i / ROW_COPIES, d = (i % ROW_COPIES) * ELEMENTS;
                 const int j = lo + DECODE_KEYS * tile + row;
                 const bool in = j < hi;
                 const int key = in ? j : lo;  // a valid address; nothing is read where !in
                 const long long at = ((table[key / block_size] * block_size + key % block_size) * num_kv_heads + kv)
                                      * D + d;
-                copy_async(reinterpret_cast<uint4*>(&ring_s[warp][slot][0][row * STRIDE + d]), key_cache + at, in);
-                copy_async(reinterpret_cast<uint4*>(&ring_s[warp][slot][1][row * STRIDE + d]), value_cache + at, in);
+#pragma unroll
+                for (int part = 0; part < 2; ++part) {  // keys, values
+                    unsigned char* target = reinterpret_cast<unsigned char*>(ring_s[warp][slot][part]);
+                    target += WIDEN ? RAW_AT + row * D + d : 2 * (row * STRIDE + d);
+                    copy_async(reinterpret_cast<uint4*>(target), (part == 0 ? key_cache : value_cache) + at, in);
+                }
             }
         }
         copy_commit();
@@ -502,6 +554,14 @@ flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, cons
         __syncwarp();             // ... and every lane's copies are visible to the warp
         const __nv_bfloat16* keys = ring_s[warp][i % STAGES][0];
         const __nv_bfloat16* values = ring_s[warp][i % STAGES][1];
+        if constexpr (WIDEN) {
+#pragma unroll
+            for (int part = 0; part < 2; ++part) {
+                __nv_bfloat16* rows = ring_s[warp][i % STAGES][part];
+                widen_fp8_tile<D>(rows, reinterpret_cast<const unsigned char*>(rows) + RAW_AT, STRIDE, lane);
+            }
+            __syncwarp();  // the widened rows are visible to the warp
+        }
 
         // scores of rows r (0, 1) and r + 8 (2, 3), keys 8n + 2c (+1) of the tile: the high parts' products and the
         // low parts' in accumulators of their own (four independent mma chains), added after
@@ -538,10 +598,10 @@ flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, cons
         }
         // O += P V over the tile's 16 keys: p_hi v + p_lo v.
         unsigned ph[4], pl[4];
-        split_pair_as<KV>(s[0][0], s[0][1], ph[0], pl[0]);
-        split_pair_as<KV>(s[0][2], s[0][3], ph[1], pl[1]);
-        split_pair_as<KV>(s[1][0], s[1][1], ph[2], pl[2]);
-        split_pair_as<KV>(s[1][2], s[1][3], ph[3], pl[3]);
+        split_pair_as<Op>(s[0][0], s[0][1], ph[0], pl[0]);
+        split_pair_as<Op>(s[0][2], s[0][3], ph[1], pl[1]);
+        split_pair_as<Op>(s[1][0], s[1][1], ph[2], pl[2]);
+        split_pair_as<Op>(s[1][2], s[1][3], ph[3], pl[3]);
 #pragma unroll
         for (int n = 0; n < DTILES / 2; ++n) {  // dims 16n .. 16n + 15: output n-tiles 2n, 2n + 1
             unsigned bv[4];

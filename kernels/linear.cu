@@ -22,7 +22,8 @@
 //   hi_lo[n + i] = W(x[i] - hi_lo[i]); x float32 [n], hi_lo W [2n]. Lets cuBLAS multiply float32 activations with
 //   bf16/fp16 weights on tensor cores as one GEMM of twice the rows.
 //   grid.x: ceil(n / 256), block: 256.
-#include "common.cuh"
+// kv_types.cuh: to_storage also rounds to fp8 e4m3 (a KV cache filled from float32)
+#include "kv_types.cuh"
 
 constexpr int LINEAR_WARPS = 4;
 constexpr int LINEAR_ROWS = 2;

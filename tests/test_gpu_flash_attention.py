@@ -31,7 +31,8 @@ from colibri_stream.backends.cupy_flash_attention import (  # noqa: E402
 )
 from colibri_stream.batch import single_sequence_batch  # noqa: E402
 from colibri_stream.synthetic import synthetic_model  # noqa: E402
-from test_gpu_kernels import GPU, REF, attention_batch, check, kv_cache_pair, launched_kernels, poison  # noqa: E402
+from test_gpu_kernels import (GPU, KV_CTYPES, KV_SCALES, REF, attention_batch, check, kv_cache_pair,  # noqa: E402
+                              launched_kernels, poison)
 from test_parity import relative_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -165,19 +166,20 @@ DECODE_CONTEXTS = (1, 5, 16, 17, 40, 143, 600, 2100)  # one decode token per seq
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(32, 4), (32, 8), (8, 8), (16, 1), (12, 4)])
 @pytest.mark.parametrize("window", [None, 40])
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16", "float8_e4m3"])
 @pytest.mark.parametrize("splits", ["default", "many", "deep", "one"])
 def test_flash_decode_matches_the_reference(head_dim, heads, kv_heads, window, kv_dtype, splits, monkeypatch):
-    """Decode launches (T == B, decided from shapes: batch None) of bf16 and fp16 caches take flash_decode, with the
-    context split over blocks and merged ("many": a split every 8 keys, up to 64; "deep": a split every 4 keys, up
-    to 512, more than a merge block's threads, and rings of 4 tiles a warp, past 48 KiB of shared memory; "one": no
-    split, the kernel writes out) or as the defaults split it; against float32 attention over the cache's values."""
+    """Decode launches (T == B, decided from shapes: batch None) of bf16, fp16 and fp8 caches (fp8 with key and
+    value scales other than 1) take flash_decode, with the context split over blocks and merged ("many": a split
+    every 8 keys, up to 64; "deep": a split every 4 keys, up to 512, more than a merge block's threads, and rings
+    of 4 tiles a warp, past 48 KiB of shared memory; "one": no split, the kernel writes out) or as the defaults
+    split it; against float32 attention over the cache's values."""
     from colibri_stream.backends import cupy_backend, tuning
 
     if splits in ("many", "deep"):
         many = splits == "many"
-        for name, value in (("FLASH_DECODE_SPLIT_KEYS", 8 if many else 4), ("FLASH_DECODE_MAX_SPLITS", 64 if many else 512),
-                            ("FLASH_DECODE_BLOCKS_PER_SM", 64)):
+        for name, value in (("FLASH_DECODE_SPLIT_KEYS", 8 if many else 4),
+                            ("FLASH_DECODE_MAX_SPLITS", 64 if many else 512), ("FLASH_DECODE_BLOCKS_PER_SM", 64)):
             monkeypatch.setattr(cupy_backend, name, value)
         if not many:
             monkeypatch.setattr(tuning, "FLASH_DECODE_STAGES", 4)
@@ -190,10 +192,12 @@ def test_flash_decode_matches_the_reference(head_dim, heads, kv_heads, window, k
     scale = head_dim**-0.5
     launched = launched_kernels(monkeypatch)
     poison()
-    ours = GPU.paged_attention(cupy.asarray(query), gpu_keys, gpu_values, None, device_batch, scale, window)
-    kv_type = {"bfloat16": "__nv_bfloat16", "float16": "__half"}[kv_dtype]
-    assert launched == [decode_expression(kv_type, head_dim)] + ([] if splits == "one" else ["paged_attention_merge"])
-    check_flash(ours, query, keys, values, batch, scale, window, split=True)
+    scales = KV_SCALES[kv_dtype]
+    ours = GPU.paged_attention(cupy.asarray(query), gpu_keys, gpu_values, None, device_batch, scale, window, scales)
+    assert launched == [decode_expression(KV_CTYPES[kv_dtype], head_dim)] + (
+        [] if splits == "one" else ["paged_attention_merge"])
+    check(ours, REF.paged_attention(query, keys.astype(np.float32), values.astype(np.float32), batch, {}, scale, window,
+                                    scales), SPLIT_TOLERANCE)
 
 
 def test_a_captured_flash_decode_serves_every_context_length():

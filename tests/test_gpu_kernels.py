@@ -348,7 +348,7 @@ def test_paged_attention_decode(head_dim, heads, kv_heads, window, split, kv_dty
     """One token per sequence (T == B): paged_attention_gqa, a block per (token, KV head) for the whole query group
     (12 / 4: a group of 3 padded to 4), the context split over blocks and merged by paged_attention_merge (split;
     splits of the short contexts are empty) or in one block each. The backend decides from shapes only, so the
-    batch passed is None (as in decode.py's profile). bf16 and fp16 caches would take flash_decode
+    batch passed is None (as in decode.py's profile). bf16, fp16 and fp8 caches would take flash_decode
     (tests/test_gpu_flash_attention.py): its threshold is raised past the tables here."""
     monkeypatch.setattr(cupy_backend, "FLASH_DECODE_MIN_KEYS", 1 << 40)
     rng = np.random.default_rng(head_dim + heads + kv_heads)

@@ -25,7 +25,8 @@ from colibri_stream.backends.cupy_quant_moe import INT4_LANE_BYTES  # noqa: E402
 from colibri_stream.backends.kernels import COMPILE_OPTIONS, kernel_dir, kernel_source  # noqa: E402
 
 WEIGHT_TYPES = ("float", "__nv_bfloat16", "__half", "signed char", "__nv_fp8_e4m3")
-KV_FILES = ("attention.cu", "attention_prologue.cu")  # templated on the KV cache's element type
+# templated on the KV cache's element type (linear.cu: its to_storage fills a cache from float32)
+KV_FILES = ("attention.cu", "attention_prologue.cu", "flash_attention.cu", "linear.cu")
 ARCH = "compute_90"  # the H200
 
 

@@ -171,7 +171,8 @@ class CupyBackend(Backend):
         return self.from_float32(values, dtype)
 
     def from_float32(self, values: Array, dtype: str) -> Array:
-        """float32 device values rounded to a storage dtype (float32, bfloat16 as uint16 bits, float16)."""
+        """float32 device values rounded to a storage dtype (float32, bfloat16 as uint16 bits, float16, fp8 e4m3 as
+        uint8 bits: to nearest even, saturated)."""
         if dtype == "float32":
             return values
         out = self.cp.empty(values.shape, DEVICE_DTYPES[dtype])
@@ -336,8 +337,8 @@ class CupyBackend(Backend):
 
     def paged_attention(self, query, key_cache, value_cache, batch: ForwardBatch, device_batch, scale,
                         sliding_window, kv_scales=(1.0, 1.0), sinks=None):
-        """One query token per sequence (T == B) over a bf16 or fp16 cache: flash_decode (flash_attention.cu, tensor
-        cores; cupy_flash_attention.takes_flash_decode), the context split over blocks as below.
+        """One query token per sequence (T == B) over a bf16, fp16 or fp8 cache: flash_decode (flash_attention.cu,
+        tensor cores; cupy_flash_attention.takes_flash_decode), the context split over blocks as below.
         Other decode launches with at least GQA_MIN_TOKENS tokens, or one token whose tables hold more
         than GQA_ONE_TOKEN_MAX_KEYS keys (T == B, decided from shapes only: inside a captured graph `batch` holds
         shapes, and decode.py's profile passes None): paged_attention_gqa, a

@@ -8,9 +8,9 @@ float32 operand as a high and a low bf16 part (as the backend's projections do),
 1e-5 of float32 attention; without it, bf16 operands alone (about 1e-3, up to 3x fewer products). docs/PREFILL_ATTENTION.md gives the choice of
 our own kernel over FlashInfer and cuDNN.
 
-flash_decode, the same file's decode kernel, takes decode launches (one token per sequence) of bf16 and fp16 caches
-(`takes_flash_decode`): the query group of a KV head as the rows of one m-tile, the context split over blocks as
-attention.cu's paged_attention_gqa splits it, and that file's merge.
+flash_decode, the same file's decode kernel, takes decode launches (one token per sequence) of bf16, fp16 and fp8
+caches (`takes_flash_decode`): the query group of a KV head as the rows of one m-tile, the context split over
+blocks as attention.cu's paged_attention_gqa splits it, and that file's merge.
 
 The tile list is built on the host from the batch's query_start (a prefill step is never captured in a CUDA graph,
 so the batch holds real values there) and uploaded when it changes: the layers of a step share one.
@@ -43,16 +43,16 @@ FLASH_SPLIT = True  # products of high and low bf16 parts (float32-close), else 
 DECODE_WARPS = 2  # DECODE_WARPS in flash_attention.cu: warps per block of flash_decode
 DECODE_THREADS = 32 * DECODE_WARPS
 DECODE_KEYS = 16  # DECODE_KEYS in flash_attention.cu: keys per tile of flash_decode
-DECODE_KV_TYPES = ("__nv_bfloat16", "__half")  # flash_decode instantiations: KV cache element types (mma operands)
-DECODE_KV_DTYPES = (np.dtype(np.uint16), np.dtype(np.float16))  # the same as device dtypes
+# flash_decode instantiations: KV cache element types (the 16-bit ones are its mma operands, fp8 is widened to fp16)
+DECODE_KV_TYPES = ("__nv_bfloat16", "__half", "__nv_fp8_e4m3")
+DECODE_KV_DTYPES = (np.dtype(np.uint16), np.dtype(np.float16), np.dtype(np.uint8))  # the same as device dtypes
 DECODE_MAX_GROUP = 16  # query heads per KV head at most: the rows of one m-tile
 
 
 def flash_instantiations(kv_type: str | None) -> tuple[str, ...]:
     """The flash_attention.cu instantiations compiled together for a KV cache of CUDA type `kv_type`."""
-    if kv_type not in FLASH_KV_TYPES:
-        return ()
-    prefill = tuple(f"flash_attention<{kv_type}, {d}, {split}>" for d in FLASH_HEAD_DIMS for split in ("true", "false"))
+    prefill = tuple(f"flash_attention<{kv_type}, {d}, {split}>" for d in FLASH_HEAD_DIMS for split in ("true", "false")
+                    ) if kv_type in FLASH_KV_TYPES else ()
     decode = tuple(decode_expression(kv_type, d) for d in FLASH_HEAD_DIMS) if kv_type in DECODE_KV_TYPES else ()
     return prefill + decode
 
@@ -71,8 +71,9 @@ def decode_shared_bytes(head_dim: int) -> int:
 
 def takes_flash_decode(query, key_cache, value_cache, tables, min_keys: int) -> bool:
     """Whether a decode launch (one query token per sequence: T == B, from shapes only, as a captured graph sees
-    them) runs on flash_decode: a bf16 or fp16 cache, a head dim the kernel is built for, whole query groups of at
-    most DECODE_MAX_GROUP heads, contiguous 16-byte aligned arrays, and tables holding at least `min_keys` keys."""
+    them) runs on flash_decode: a bf16, fp16 or fp8 cache, a head dim the kernel is built for, whole query groups of
+    at most DECODE_MAX_GROUP heads, contiguous 16-byte aligned arrays, and tables holding at least `min_keys`
+    keys."""
     t, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     if t != tables.shape[0] or head_dim not in FLASH_HEAD_DIMS or num_heads % num_kv_heads:

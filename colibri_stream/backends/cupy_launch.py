@@ -32,8 +32,9 @@ CTYPES = {
 
 # The instantiations compiled together with a kernel of each templated file, for weight type w.
 FAMILIES = {
-    "linear.cu": lambda w: (*(f"linear_rows<{w}, {tt}>" for tt in TOKEN_TILES), f"to_storage<{w}>",
-                            f"to_storage_split<{w}>"),
+    # w __nv_fp8_e4m3 (a KV cache filled from float32): to_storage only
+    "linear.cu": lambda w: (f"to_storage<{w}>",) if w == "__nv_fp8_e4m3" else (
+        *(f"linear_rows<{w}, {tt}>" for tt in TOKEN_TILES), f"to_storage<{w}>", f"to_storage_split<{w}>"),
     "embedding.cu": lambda w: (f"embedding<{w}>",),
     "router.cu": lambda w: (f"route_topk<{w}>", *(f"route_split<{w}, {tt}>" for tt in TOKEN_TILES)),
     # w None: moe_align and moe_sum only
