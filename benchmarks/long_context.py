@@ -50,8 +50,11 @@ from serving_gpu import model_folder
 DEFAULT_SHAPES = ("mixtral-8x7b:8", "qwen3-30b-a3b:16")
 LLAMA_KV_TYPES = {"bf16": "f16", "fp16": "f16", "fp8": "q8_0", "fp32": "f32"}
 KV_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}  # bytes a cached key or value element takes
-WARM_UP_TOKENS = 256  # prompt tokens of the warm-up requests (kernels compiled, each batch's decode graph captured)
 PREFILL_BUDGET = 2048  # the engine's default token budget a step: prefill steps of B * C prompt tokens
+# prompt tokens of each warm-up request (at most the longest context): kernels compiled, each batch's decode graph captured, and a whole prefill
+# chunk run, so its transients are in the memory pool and its GEMMs' kernels loaded before anything is timed (as in
+# a server that has answered a few prompts)
+WARM_UP_TOKENS = PREFILL_BUDGET
 FIRST_PROMPT_ID = 16  # prompt ids are drawn from [FIRST_PROMPT_ID, vocab), past small vocabularies' special tokens
 
 
@@ -141,7 +144,7 @@ def colibri_cases(folder: Path, config, kv_dtype: str, contexts: list[int], batc
     records = []
     try:
         for batch in sorted(set(batches)):  # every batch's decode graph captured before any timing
-            run_requests(core, prompts(batch, WARM_UP_TOKENS), 4, room, f"warm{batch}")
+            run_requests(core, prompts(batch, min(WARM_UP_TOKENS, max(contexts))), 4, room, f"warm{batch}")
         sink = PrefillPhases()
         if phases:
             core.timer.add_sink(sink)

@@ -228,24 +228,32 @@ def _group_sums(xs, c0, c1, cols_per_scale):
 
 
 @jit(inline="always", fastmath=FASTMATH)
-def _int4_dot(w, scale, zero, o, c0, c1, cols_per_scale, xs, t, sums):
-    """Weight row o of int4 codes over columns c0 .. c1 - 1 times the paired token xs[t], without decoding the row:
-    per group, scale * (sum of codes times the token - zero point * the token's group sum, sums[t])."""
+def _int4_dots(wa, sa, za, oa, wb, sb, zb, ob, c0, c1, cols_per_scale, xs, t, sums):
+    """Weight row oa of wa and row ob of wb (int4 codes over columns c0 .. c1 - 1, groups of cols_per_scale
+    columns in both) times the paired token xs[t], without decoding the rows: per group, scale * (sum of codes
+    times the token - zero point * the token's group sum, sums[t]). Both rows in one pass, so each element of the
+    token is loaded once for two rows."""
     j0, j1 = c0 >> 1, (c1 + 1) >> 1
     nb, per_group = j1 - j0, cols_per_scale >> 1
     first = j0 // per_group
-    row, x = w[o], xs[t]
-    total = np.float32(0.0)
+    row_a, row_b, x = wa[oa], wb[ob], xs[t]
+    total_a, total_b = np.float32(0.0), np.float32(0.0)
     for group in range(first, (j1 - 1) // per_group + 1):
         a, b = max(j0, group * per_group), min(j1, (group + 1) * per_group)
-        z = np.float32(zero[o, group]) if zero.shape[0] else np.float32(INT4_SYMMETRIC_ZERO)
-        values, low, high = row[a:b], x[a - j0:], x[nb + a - j0:]
-        acc = np.float32(0.0)
+        symmetric = np.float32(INT4_SYMMETRIC_ZERO)
+        z_a = np.float32(za[oa, group]) if za.shape[0] else symmetric
+        z_b = np.float32(zb[ob, group]) if zb.shape[0] else symmetric
+        values_a, values_b, low, high = row_a[a:b], row_b[a:b], x[a - j0:], x[nb + a - j0:]
+        acc_a, acc_b = np.float32(0.0), np.float32(0.0)
         for j in range(np.uint64(0), np.uint64(b - a)):
-            byte = values[j]
-            acc += _low_nibble(byte) * low[j] + _high_nibble(byte) * high[j]
-        total += scale[o, group] * (acc - z * sums[t, group - first])
-    return total
+            x_low, x_high = low[j], high[j]
+            byte_a, byte_b = values_a[j], values_b[j]
+            acc_a += _low_nibble(byte_a) * x_low + _high_nibble(byte_a) * x_high
+            acc_b += _low_nibble(byte_b) * x_low + _high_nibble(byte_b) * x_high
+        group_sum = sums[t, group - first]
+        total_a += sa[oa, group] * (acc_a - z_a * group_sum)
+        total_b += sb[ob, group] * (acc_b - z_b * group_sum)
+    return total_a, total_b
 
 
 @jit(parallel=True, fastmath=FASTMATH, nogil=True)
@@ -299,13 +307,23 @@ def _int4_few_tokens(gate, gate_scale, gate_zero, gate_cols, up, up_scale, up_ze
     for chunk in numba.prange(chunks):
         for o in range(first + chunk * rows // chunks, first + (chunk + 1) * rows // chunks):
             for t in range(n):
-                gv = _int4_dot(gate, gate_scale, gate_zero, o, 0, width, gate_cols, xs, t, gate_sums)
-                uv = _int4_dot(up, up_scale, up_zero, o, 0, width, up_cols, xs, t, up_sums)
+                if up_cols == gate_cols:  # gate and up rows o in one pass over the token
+                    gv, uv = _int4_dots(gate, gate_scale, gate_zero, o, up, up_scale, up_zero, o, 0, width, gate_cols,
+                                        xs, t, gate_sums)
+                else:
+                    gv = _int4_dots(gate, gate_scale, gate_zero, o, gate, gate_scale, gate_zero, o, 0, width,
+                                    gate_cols, xs, t, gate_sums)[0]
+                    uv = _int4_dots(up, up_scale, up_zero, o, up, up_scale, up_zero, o, 0, width, up_cols, xs, t,
+                                    up_sums)[0]
                 h[t, o - first] = gv / (np.float32(1.0) + np.exp(-gv)) * uv
     hs = _paired(INT4, h, first, last)  # [n, 2 ceil(...)]: the intermediate rows in int4's pairs
     down_sums = _group_sums(hs, first, last, down_cols)
-    chunks = max(1, min(hidden, threads * CHUNKS_PER_THREAD))
+    pairs = (hidden + 1) // 2  # down rows two at a time (the last one with itself when hidden is odd)
+    chunks = max(1, min(pairs, threads * CHUNKS_PER_THREAD))
     for chunk in numba.prange(chunks):
-        for o in range(chunk * hidden // chunks, (chunk + 1) * hidden // chunks):
+        for p in range(chunk * pairs // chunks, (chunk + 1) * pairs // chunks):
+            o = 2 * p
+            o2 = min(o + 1, hidden - 1)
             for t in range(n):
-                y[t, o] = _int4_dot(down, down_scale, down_zero, o, first, last, down_cols, hs, t, down_sums)
+                y[t, o], y[t, o2] = _int4_dots(down, down_scale, down_zero, o, down, down_scale, down_zero, o2, first,
+                                               last, down_cols, hs, t, down_sums)
