@@ -8,8 +8,11 @@ import pytest
 from colibri_stream.checkpoint import expert_block_layout
 from colibri_stream.config import ClampedSwiglu, ModelConfig
 from colibri_stream.errors import CheckpointError
-from colibri_stream.expert_codecs import EXPERT_BIASES, Int8Codec, dequantize_expert
+from colibri_stream.expert_codecs import (EXPERT_BIASES, Fp8Codec, Int4Codec, Int8Codec, Mxfp4Codec, PlainCodec,
+                                          dequantize_expert)
+from colibri_stream.experts import cpu_executor
 from colibri_stream.experts.cpu_executor import CpuExpertExecutor, numpy_expert
+from colibri_stream.experts.jit import numba
 
 torch = pytest.importorskip("torch")
 gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
@@ -73,6 +76,36 @@ def test_biases_survive_dequantizing_and_refuse_row_parts():
     x = rng.standard_normal((2, HIDDEN), dtype=np.float32)
     with pytest.raises(ValueError, match="computed whole"):
         CpuExpertExecutor().run(x, stored, rows=(0, 6))
+
+
+KERNEL_CODECS = [PlainCodec("float32"), PlainCodec("bfloat16"), Int8Codec(), Int4Codec(32, False), Int4Codec(64, True),
+                 Fp8Codec("block"), Fp8Codec("channel"), Mxfp4Codec()]
+
+
+@pytest.mark.skipif(numba is None, reason="numba is not installed (the `cpu` extra)")
+@pytest.mark.parametrize("tokens", [1, 3, 6])  # int4's one-token path; the decoded rows' 1- and 4-token dots
+@pytest.mark.parametrize("codec", KERNEL_CODECS, ids=lambda c: c.describe())
+def test_the_kernels_add_biases_and_clamp_as_the_reference(codec, tokens, monkeypatch):
+    """Each CPU kernel (plain and grouped) on a biased expert under gpt-oss's clamped SwiGLU and under silu gives
+    the NumPy reference's result on the same stored weights (the executor may not fall back to that reference)."""
+    rng = np.random.default_rng(tokens)
+    hidden, inter = 64, 96
+    stored = {}
+    for name, shape, std in (("gate", (inter, hidden), 0.5), ("up", (inter, hidden), 0.5), ("down", (hidden, inter), 0.2)):
+        stored |= codec.quantize_matrix(name, rng.normal(0.0, std, shape).astype(np.float32))
+    stored |= {"gate_bias": rng.normal(0.0, 1.0, inter).astype(np.float32),
+               "up_bias": rng.normal(0.0, 1.0, inter).astype(np.float32),
+               "down_bias": rng.normal(0.0, 0.5, hidden).astype(np.float32)}
+    x = rng.normal(0.0, 1.0, (tokens, hidden)).astype(np.float32)
+    executor = CpuExpertExecutor(num_threads=2, min_kernel_bytes=0)
+    assert executor.computes(codec, stored["gate"].dtype, 0)
+    monkeypatch.setattr(cpu_executor, "numpy_expert", None)  # a fallback to the reference would raise
+    for swiglu in (ClampedSwiglu(1.5, 1.702), None):
+        want = numpy_expert(x, stored, swiglu)
+        np.testing.assert_allclose(executor.run(x, stored, swiglu=swiglu), want, rtol=1e-5,
+                                   atol=1e-5 * np.abs(want).max())
+    clamped = numpy_expert(x, stored, ClampedSwiglu(1.5, 1.702))
+    assert np.abs(clamped - numpy_expert(x, stored, ClampedSwiglu(1e9, 1.702))).max() > 1e-2  # the clamp acted
 
 
 def config(**fields) -> ModelConfig:

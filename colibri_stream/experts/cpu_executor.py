@@ -6,8 +6,9 @@ contiguous range of weight rows, 6 at a time, and multiplies them with 4 tokens 
 accumulators; a single token with short rows: one row at a time), widening each weight to float32 inside the
 multiply-add loop (bf16: the bits shifted into a float32; int8: a cast, the row scale applied to the dot product).
 int4, fp8 and mxfp4 experts take cpu_grouped.grouped_expert_kernel, which decodes one weight row at a time. The
-weights are read once, straight from their storage, and no float32 copy of them is made. Without numba, or for fp16
-experts, it dequantises to float32 and multiplies with NumPy. Measurements and the choice: docs/CPU_EXPERTS.md.
+weights are read once, straight from their storage, and no float32 copy of them is made. Both kernels add the gate
+and up biases of experts that have them before the activation (silu, or gpt-oss's clamped SwiGLU: jit.gated), the
+down bias after. Without numba, or for fp16 experts, it dequantises to float32 and multiplies with NumPy. Measurements and the choice: docs/CPU_EXPERTS.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 from ..config import ClampedSwiglu
 from ..expert_codecs import ExpertCodec, codec_of, dequantize_expert
 from .cpu_grouped import grouped_expert_kernel, kernel_arguments
-from .jit import CHUNKS_PER_THREAD, FASTMATH, numba
+from .jit import CHUNKS_PER_THREAD, FASTMATH, activation_of, gated, numba
 from .jit import jit as _jit
 from .stats import ComputeStats
 
@@ -238,10 +239,12 @@ def _dots(w, o, rows, lo, hi, x, out):
 
 
 @_jit(parallel=True, fastmath=FASTMATH, nogil=True)
-def expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, x, first, last, h, y, threads):
-    """The expert's part over intermediate rows first .. last - 1 (all of it: 0 .. I), on `threads` threads.
-    gate, up [I, H], down [H, I] (uint16 bf16 bits, int8 or float32); scales [rows] float32 or [0];
-    x [n, H] float32 in; h [n, last - first] float32 scratch; y [n, H] float32 out."""
+def expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, gate_bias, up_bias, activation, x, first, last,
+                  h, y, threads):
+    """The expert's part over intermediate rows first .. last - 1 (all of it: 0 .. I), on `threads` threads, without
+    the down projection's bias. gate, up [I, H], down [H, I] (uint16 bf16 bits, int8 or float32); scales [rows]
+    float32 or [0]; gate_bias, up_bias [I] float32 or [0]; activation: jit.SILU or another (limit, alpha,
+    up_shift); x [n, H] float32 in; h [n, last - first] float32 scratch; y [n, H] float32 out."""
     hidden = down.shape[0]
     width = x.shape[1]
     # Column bounds go to _dots as uint64: with a signed index numba checks for negative (wrap-around) indices in
@@ -266,9 +269,10 @@ def expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, x, first, la
                 for r in range(rows):
                     gs = gate_scale[o + r] if gate_scale.shape[0] else np.float32(1.0)
                     us = up_scale[o + r] if up_scale.shape[0] else np.float32(1.0)
+                    gb = gate_bias[o + r] if gate_bias.shape[0] else np.float32(0.0)
+                    ub = up_bias[o + r] if up_bias.shape[0] else np.float32(0.0)
                     for t in range(n):
-                        gv = g[t, r] * gs
-                        h[t, o - first + r] = gv / (np.float32(1.0) + np.exp(-gv)) * (u[t, r] * us)
+                        h[t, o - first + r] = gated(g[t, r] * gs + gb, u[t, r] * us + ub, activation)
             c = _claim(claimed_gate_up)
     tiles = (hidden + ROWS - 1) // ROWS
     chunks = min(tiles, threads * CHUNKS_PER_THREAD)
@@ -320,19 +324,16 @@ class CpuExpertExecutor:
         """x [n, H] float32 -> down(silu(gate x) * up x) [n, H] float32, for one expert's tensors
         (gate [I, H], up [I, H], down [H, I], plus *_scale float32 rows for int8). rows (first, last): only the
         part over intermediate rows first .. last - 1 (gate and up rows, down columns); the parts over a
-        partition of 0 .. I sum to the whole. Experts with biases or `swiglu` (gpt-oss's clamped SwiGLU) take
-        the NumPy reference, whole (no rows)."""
+        partition of 0 .. I sum to the whole. Experts with biases (gate_bias, up_bias [I], down_bias [H] float32)
+        or `swiglu` (gpt-oss's clamped SwiGLU in place of silu(gate) * up) are computed whole (no rows)."""
         if x.ndim != 2 or x.shape[1] != tensors["down"].shape[0]:
             raise ValueError(f"expert input of shape {x.shape} for an expert of hidden size {tensors['down'].shape[0]}")
+        if rows is not None and (swiglu is not None or "down_bias" in tensors):
+            raise ValueError("experts with biases or a clamped SwiGLU are computed whole, not by rows")
         start = time.perf_counter()
         first, last = rows or (0, tensors["gate"].shape[0])
         nbytes = expert_bytes(tensors, first, last)
-        if swiglu is not None or "down_bias" in tensors:
-            if rows is not None:
-                raise ValueError("experts with biases or a clamped SwiGLU are computed whole, not by rows")
-            y = numpy_expert(x, tensors, swiglu)
-        else:
-            y = self._compute(x, tensors, first, last, nbytes)
+        y = self._compute(x, tensors, first, last, nbytes, swiglu)
         self.record(1, time.perf_counter() - start, nbytes)
         return y
 
@@ -342,26 +343,29 @@ class CpuExpertExecutor:
         self.stats.cpu_seconds += seconds
         self.stats.cpu_bytes_read += nbytes
 
-    def _compute(self, x: np.ndarray, tensors: dict[str, np.ndarray], first: int, last: int,
-                 nbytes: int) -> np.ndarray:
+    def _compute(self, x: np.ndarray, tensors: dict[str, np.ndarray], first: int, last: int, nbytes: int,
+                 swiglu: ClampedSwiglu | None) -> np.ndarray:
         codec = codec_of(tensors)
         if not self.computes(codec, tensors["gate"].dtype, nbytes):
             whole = (first, last) == (0, tensors["gate"].shape[0])
-            return numpy_expert(x, tensors if whole else intermediate_rows(tensors, first, last))
+            return numpy_expert(x, tensors if whole else intermediate_rows(tensors, first, last), swiglu)
         x = np.ascontiguousarray(x, dtype=np.float32)
         h = np.empty((x.shape[0], last - first), np.float32)  # [n, last - first]
         y = np.empty_like(x)  # [n, H]
         numba.set_num_threads(self.num_threads)
+        none = np.empty(0, np.float32)  # no scales or biases
+        gating = tensors.get("gate_bias", none), tensors.get("up_bias", none), activation_of(swiglu)
         if codec.cpu_kernel == "grouped":
-            grouped_expert_kernel(*kernel_arguments(codec, tensors), x, first, first + h.shape[1], h, y,
+            grouped_expert_kernel(*kernel_arguments(codec, tensors), *gating, x, first, first + h.shape[1], h, y,
                                   self.num_threads)
-            return y
-        gate, up, down = tensors["gate"], tensors["up"], tensors["down"]
-        if gate.dtype == KERNEL_DTYPES[0]:  # bf16: the kernel reads the bits
-            gate, up, down = gate.view(np.uint16), up.view(np.uint16), down.view(np.uint16)
-        no_scale = np.empty(0, np.float32)
-        self.kernel(gate, up, down, tensors.get("gate_scale", no_scale), tensors.get("up_scale", no_scale),
-                    tensors.get("down_scale", no_scale), x, first, first + h.shape[1], h, y, self.num_threads)
+        else:
+            gate, up, down = tensors["gate"], tensors["up"], tensors["down"]
+            if gate.dtype == KERNEL_DTYPES[0]:  # bf16: the kernel reads the bits
+                gate, up, down = gate.view(np.uint16), up.view(np.uint16), down.view(np.uint16)
+            self.kernel(gate, up, down, tensors.get("gate_scale", none), tensors.get("up_scale", none),
+                        tensors.get("down_scale", none), *gating, x, first, first + h.shape[1], h, y, self.num_threads)
+        if "down_bias" in tensors:  # whole experts only (run): added once
+            y += tensors["down_bias"]
         return y
 
     def computes(self, codec: ExpertCodec, dtype: np.dtype, nbytes: int) -> bool:

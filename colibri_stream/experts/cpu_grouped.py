@@ -6,7 +6,7 @@ minus the group's zero point, low nibbles to the buffer's first half and high ni
 the same way, each nibble's e2m1 value from a table; fp8 bytes by shifting their bits into a float32's; times the
 scale of the group or tile, mxfp4's e8m0 exponent byte as its power of two), then multiplies it with the tokens,
 four at a time, laid out as the buffer is (`_paired`). One int4 token (decode) skips the buffer: each row's codes
-multiply the token as they are, per group (`_int4_dot`). Each weight byte is read once per call, and no float32
+multiply the token as they are, per group, two rows a pass (`_int4_dots`). Each weight byte is read once per call, and no float32
 copy of the expert is made. Every matrix is passed as a 2D uint8 view of its bytes, [out, stored bytes per row], with
 its scales as [scale rows, scale columns] float32 (mxfp4: uint8 exponents) and zero points as [out, groups] uint8
 ([0, 0]: none). A weight (o, c) takes scale[o // rows_per_scale, c // cols_per_scale]: int4 1 x group width,
@@ -22,7 +22,7 @@ import numpy as np
 from ..config import MXFP4_BLOCK
 from ..expert_codecs import (E2M1, E8M0_BIAS, FP8_BLOCK, INT4_SYMMETRIC_ZERO, ExpertCodec, Fp8Codec, Int4Codec,
                              Mxfp4Codec)
-from .jit import CHUNKS_PER_THREAD, FASTMATH, jit, numba
+from .jit import CHUNKS_PER_THREAD, FASTMATH, gated, jit, numba
 
 INT4, FP8_CODES, MXFP4 = 0, 1, 2  # `kind`: how a row's bytes hold its values
 CHANNEL_COLUMNS = 1 << 30  # cols_per_scale of a per-row scale: every column of a row shares it
@@ -258,16 +258,18 @@ def _int4_dots(wa, sa, za, oa, wb, sb, zb, ob, c0, c1, cols_per_scale, xs, t, su
 
 @jit(parallel=True, fastmath=FASTMATH, nogil=True)
 def grouped_expert_kernel(kind, gate, gate_scale, gate_zero, gate_rows, gate_cols, up, up_scale, up_zero, up_rows,
-                          up_cols, down, down_scale, down_zero, down_rows, down_cols, x, first, last, h, y, threads):
-    """The expert's part over intermediate rows first .. last - 1 (all of it: 0 .. I) on `threads` threads.
-    x [n, H] float32 in; h [n, last - first] float32 scratch; y [n, H] float32 out."""
+                          up_cols, down, down_scale, down_zero, down_rows, down_cols, gate_bias, up_bias, activation, x,
+                          first, last, h, y, threads):
+    """The expert's part over intermediate rows first .. last - 1 (all of it: 0 .. I) on `threads` threads, without
+    the down projection's bias. gate_bias, up_bias [I] float32 or [0]; activation: jit.SILU or another (limit,
+    alpha, up_shift); x [n, H] float32 in; h [n, last - first] float32 scratch; y [n, H] float32 out."""
     n, width = x.shape
     hidden = y.shape[1]
     rows = last - first
     xs = _paired(kind, x, 0, width)  # [n, H], or int4's and mxfp4's [n, 2 ceil(H / 2)]
     if kind == INT4 and n < DIRECT_INT4_TOKENS:  # decode-sized: rows times the tokens straight from their codes
         _int4_few_tokens(gate, gate_scale, gate_zero, gate_cols, up, up_scale, up_zero, up_cols, down, down_scale,
-                        down_zero, down_cols, xs, width, first, last, h, y, threads)
+                         down_zero, down_cols, gate_bias, up_bias, activation, xs, width, first, last, h, y, threads)
         return
     chunks = max(1, min(rows, threads * CHUNKS_PER_THREAD))
     for chunk in numba.prange(chunks):
@@ -280,9 +282,10 @@ def grouped_expert_kernel(kind, gate, gate_scale, gate_zero, gate_rows, gate_col
             _decode_row(kind, up, up_scale, up_zero, up_rows, up_cols, o, 0, width, u)
             _dots(g, xs, xs.shape[1], gx, 0)
             _dots(u, xs, xs.shape[1], ux, 0)
+            gb = gate_bias[o] if gate_bias.shape[0] else np.float32(0.0)
+            ub = up_bias[o] if up_bias.shape[0] else np.float32(0.0)
             for t in range(n):
-                gv = gx[t, 0]
-                h[t, o - first] = gv / (np.float32(1.0) + np.exp(-gv)) * ux[t, 0]
+                h[t, o - first] = gated(gx[t, 0] + gb, ux[t, 0] + ub, activation)
     hs = _paired(kind, h, first, last)  # [n, last - first], or int4's and mxfp4's pairs
     chunks = max(1, min(hidden, threads * CHUNKS_PER_THREAD))
     for chunk in numba.prange(chunks):
@@ -294,9 +297,9 @@ def grouped_expert_kernel(kind, gate, gate_scale, gate_zero, gate_rows, gate_col
 
 @jit(inline="always", fastmath=FASTMATH)
 def _int4_few_tokens(gate, gate_scale, gate_zero, gate_cols, up, up_scale, up_zero, up_cols, down, down_scale,
-                     down_zero, down_cols, xs, width, first, last, h, y, threads):
+                     down_zero, down_cols, gate_bias, up_bias, activation, xs, width, first, last, h, y, threads):
     """grouped_expert_kernel for int4 experts and fewer than DIRECT_INT4_TOKENS paired tokens xs [n, 2 ceil(H /
-    2)] (H = width): each row times each token straight from its codes (_int4_dot), the row's bytes in L1 after
+    2)] (H = width): each row times each token straight from its codes (_int4_dots), the row's bytes in L1 after
     the first token."""
     n = xs.shape[0]
     hidden = y.shape[1]
@@ -315,7 +318,9 @@ def _int4_few_tokens(gate, gate_scale, gate_zero, gate_cols, up, up_scale, up_ze
                                     gate_cols, xs, t, gate_sums)[0]
                     uv = _int4_dots(up, up_scale, up_zero, o, up, up_scale, up_zero, o, 0, width, up_cols, xs, t,
                                     up_sums)[0]
-                h[t, o - first] = gv / (np.float32(1.0) + np.exp(-gv)) * uv
+                gb = gate_bias[o] if gate_bias.shape[0] else np.float32(0.0)
+                ub = up_bias[o] if up_bias.shape[0] else np.float32(0.0)
+                h[t, o - first] = gated(gv + gb, uv + ub, activation)
     hs = _paired(INT4, h, first, last)  # [n, 2 ceil(...)]: the intermediate rows in int4's pairs
     down_sums = _group_sums(hs, first, last, down_cols)
     pairs = (hidden + 1) // 2  # down rows two at a time (the last one with itself when hidden is odd)

@@ -25,9 +25,10 @@ import weakref
 
 import numpy as np
 
-from ..expert_codecs import WEIGHT_TENSORS, codec_of
+from ..expert_codecs import EXPERT_BIASES, WEIGHT_TENSORS, codec_of
 from .cpu_executor import KERNEL_DTYPES, CpuExpertExecutor, expert_bytes, expert_kernel, numba
 from .cpu_grouped import grouped_expert_kernel, kernel_arguments
+from .jit import SILU
 
 SPIN_SECONDS = 0.005  # the worker spins this long after a job before it sleeps (a decode step's layers are closer)
 WAIT_SPINS = 2000  # `wait` checks this often (or for CpuLayerWorker.wait_spin_seconds) before it sleeps
@@ -167,7 +168,9 @@ def _plain_compute(dtype: np.dtype, scaled: bool):
             down_scale = numba.carray(_pointer(block + layout[15]), (layout[16],), np.float32)  # [H]
         else:
             gate_scale = up_scale = down_scale = np.empty(0, np.float32)
-        expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, rows, first, last, h, y, threads)
+        no_bias = np.empty(0, np.float32)
+        expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, no_bias, no_bias, SILU, rows, first, last, h, y,
+                      threads)
 
     return compute
 
@@ -190,9 +193,10 @@ def _grouped_compute(kind: int, zeroed: bool):
             down_zero = numba.carray(_pointer(block + layout[24]), (layout[25], layout[26]), np.uint8)
         else:
             gate_zero = up_zero = down_zero = np.zeros((0, 0), np.uint8)
+        no_bias = np.empty(0, np.float32)
         grouped_expert_kernel(kind, gate, gate_scale, gate_zero, layout[at], layout[at + 1], up, up_scale, up_zero,
                               layout[at + 2], layout[at + 3], down, down_scale, down_zero, layout[at + 4],
-                              layout[at + 5], rows, first, last, h, y, threads)
+                              layout[at + 5], no_bias, no_bias, SILU, rows, first, last, h, y, threads)
 
     return compute
 
@@ -313,6 +317,8 @@ class CpuLayerWorker:
         if numba is None or codec.cpu_kernel is None or (codec.cpu_kernel == "plain"
                                                          and tensors["gate"].dtype not in KERNEL_DTYPES):
             raise ValueError("the CPU expert kernel does not serve these experts (numba is missing or their format)")
+        if any(name in tensors for name in EXPERT_BIASES):
+            raise ValueError("the CPU layer worker does not compute experts with biases")
         inter, hidden = tensors["gate"].shape[0], tensors["down"].shape[0]
         if codec.cpu_kernel == "grouped":
             arguments = kernel_arguments(codec, tensors)  # kind, then (bytes, scale, zero, rows, cols) per matrix
@@ -350,9 +356,9 @@ class CpuLayerWorker:
     @staticmethod
     def serves(executor: CpuExpertExecutor | None, tensors: dict[str, np.ndarray]) -> bool:
         """Whether a worker over `executor`'s kernel computes experts like `tensors`: the kernel is there (numba),
-        takes their dtype, and the executor would use it for their size (min_kernel_bytes)."""
-        return executor is not None and executor.computes(codec_of(tensors), tensors["gate"].dtype,
-                                                          sum(t.nbytes for t in tensors.values()))
+        takes their dtype, the executor would use it for their size (min_kernel_bytes), and they have no biases."""
+        return (executor is not None and not any(name in tensors for name in EXPERT_BIASES)
+                and executor.computes(codec_of(tensors), tensors["gate"].dtype, sum(t.nbytes for t in tensors.values())))
 
     def submit(self, items: list[tuple[int, int, int, int]], ids: np.ndarray, x: np.ndarray, weights: np.ndarray,
                out: np.ndarray, flag_address: int = 0, flag_value: int = 0) -> int:
