@@ -1,4 +1,5 @@
-"""Perplexity of the shipped model with its routed experts in each expert format, on its held-out split.
+"""Perplexity of the shipped model with its routed experts in each expert format, or its KV cache in each element
+type, on its held-out split.
 
 The shipped model's experts are int8 (exported from a bf16 checkpoint that is not in the repository), so every other
 format is quantized from the dequantized int8 experts (codecs.dequantize_expert, then the format's round-to-nearest
@@ -11,8 +12,13 @@ Tokens: `--corpus` is the test.jsonl of export/default_model_provenance/build_co
 build; the record keeps its sha256), tokenized with the model's tokenizer. Without it, the 4 held-out windows of
 benchmarks/data/default_model/traces_test.npz (1024 tokens each, the last 1023 predicted).
 
+`--kv-dtypes fp32 bf16 fp16 fp8` runs the shipped int8 experts with the KV cache in each element type instead
+(fp32 the reference; fp8 is e4m3 with scales of 1.0, docs/KV_CACHE.md).
+
 Usage: python benchmarks/expert_format_quality.py [--corpus .data/default_model/corpus/test.jsonl]
            [--max-windows N] [--formats int8 int4-g64 ...] [--out benchmarks/data/default_model/expert_formats.json]
+       python benchmarks/expert_format_quality.py --corpus ... --kv-dtypes fp32 bf16 fp16 fp8
+           [--out benchmarks/data/default_model/kv_cache_quality.json]
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ sys.path.insert(0, str(ROOT / "export" / "default_model_provenance"))
 from train_tokenizer import encode_split, read_documents, token_byte_lengths  # noqa: E402
 
 TRACES = ROOT / "benchmarks" / "data" / "default_model" / "traces_test.npz"
+KV_DTYPES = ("fp32", "bf16", "fp16", "fp8")
 SEQ = 1024  # tokens predicted per window (the model's max positions)
 BLOCK_SIZE = 16
 # Each format as config.json's expert fields; "int8" is the folder as shipped
@@ -91,11 +98,11 @@ def held_out_windows(model: Path, corpus: Path | None, max_windows: int) -> tupl
     return (windows[:max_windows] if max_windows else windows), source
 
 
-def window_nll(model, window: np.ndarray) -> float:
-    """Summed negative log-likelihood of window[1:] given the tokens before it, float32 KV cache."""
+def window_nll(model, window: np.ndarray, kv_dtype: str) -> float:
+    """Summed negative log-likelihood of window[1:] given the tokens before it, the KV cache in `kv_dtype`."""
     ids = window[:-1]
     blocks = -(-len(ids) // BLOCK_SIZE)
-    kv = model.allocate_kv_cache(blocks, BLOCK_SIZE, "fp32")
+    kv = model.allocate_kv_cache(blocks, BLOCK_SIZE, kv_dtype)
     batch = single_sequence_batch(ids, 0, np.arange(blocks), BLOCK_SIZE)
     batch.logits_indices = np.arange(len(ids))
     logits = model.forward(batch, kv).astype(np.float64)  # [S, V]
@@ -104,11 +111,11 @@ def window_nll(model, window: np.ndarray) -> float:
     return float(-log_probs[np.arange(len(ids)), window[1:]].sum())
 
 
-def evaluate(folder: Path, windows: np.ndarray, token_bytes: np.ndarray) -> dict:
+def evaluate(folder: Path, windows: np.ndarray, token_bytes: np.ndarray, kv_dtype: str = "fp32") -> dict:
     model = load_model(str(folder), device="cpu")
     slots, block_bytes = expert_block_layout(ModelFolder(folder).config)
     start = time.perf_counter()
-    nll = sum(window_nll(model, w) for w in windows)
+    nll = sum(window_nll(model, w, kv_dtype) for w in windows)
     count = windows[:, 1:].size
     return {"tokens": count, "nll": nll / count, "perplexity": math.exp(nll / count),
             "bits_per_byte": nll / math.log(2) / int(token_bytes[windows[:, 1:]].sum()),
@@ -122,8 +129,12 @@ def main() -> None:
     parser.add_argument("--corpus", type=Path, default=None, help="build_corpus.py's test.jsonl")
     parser.add_argument("--max-windows", type=int, default=0, help="0: every window")
     parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    parser.add_argument("--kv-dtypes", nargs="+", choices=KV_DTYPES, default=None,
+                        help="compare KV cache element types (fp32 first, the reference) instead of expert formats")
     parser.add_argument("--out", type=Path, default=None, help="JSON record (default: print only)")
     args = parser.parse_args()
+    if args.kv_dtypes is not None and args.kv_dtypes[0] != "fp32":
+        parser.error("--kv-dtypes starts with fp32, the reference")
 
     source = ModelFolder(args.model)
     if source.config.expert_dtype != "int8" or "int8" not in args.formats:
@@ -137,6 +148,18 @@ def main() -> None:
               "window_tokens": int(windows.shape[1]), **origin,
               "source_of_formats": "the stored int8 experts, dequantized, then quantized (round to nearest)",
               "formats": {}}
+    if args.kv_dtypes is not None:
+        record["bench"], record["kv_dtypes"] = "kv_cache_quality", {}
+        record["source_of_formats"] = "the shipped folder (int8 experts); only the KV cache's element type changes"
+        del record["formats"]
+        for kv_dtype in args.kv_dtypes:
+            result = record["kv_dtypes"][kv_dtype] = evaluate(args.model, windows, token_bytes, kv_dtype)
+            print(kv_dtype, json.dumps(result), flush=True)
+        reference = record["kv_dtypes"]["fp32"]
+        for result in record["kv_dtypes"].values():
+            result["perplexity_vs_fp32"] = result["perplexity"] / reference["perplexity"] - 1
+        write_record(record, args.out)
+        return
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.formats:
             folder = args.model if name == "int8" else recode_folder(source, Path(scratch) / name, FORMATS[name])
@@ -148,9 +171,13 @@ def main() -> None:
     reference = record["formats"]["int8"]
     for result in record["formats"].values():
         result["perplexity_vs_int8"] = result["perplexity"] / reference["perplexity"] - 1
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=2) + "\n")
+    write_record(record, args.out)
+
+
+def write_record(record: dict, out: Path | None) -> None:
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

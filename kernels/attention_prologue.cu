@@ -10,7 +10,9 @@
 //   q_weight   float32 [D] (norm 1), [Q*D] (norm 2), unused (may be null) for norm 0; k_weight: [D], [K*D]
 //   eps        RMSNorm epsilon: x / sqrt(mean(x^2) + eps) * weight
 //   clip       > 0: q, k, v clamped to [-clip, clip] (after a full norm, before a per-head one); 0: no clamp
-//   cos, sin   float32 [P, D/2] tables; positions int64 [T], each below P
+//   cos, sin   float32 [P, R/2] tables for the first R = 2 * rot_half dimensions of each head (rot_half <= D/2:
+//              pairs i, i + R/2 rotated for i < R/2, dimensions R .. D - 1 as they are); positions int64 [T], each
+//              below P
 //   slots      int64 [T]; a negative slot stores nothing (padding rows of a captured batch), q is still written
 //   q_out      float32 [T, Q, D] (not aliasing q)
 //   key_cache, value_cache KV [num_blocks, block_size, K, D]: slot s owns the K*D elements at s * K * D; KV is
@@ -33,7 +35,8 @@ qk_norm_rope_write(const float* __restrict__ q, const float* __restrict__ k, con
                    const float* __restrict__ cos, const float* __restrict__ sin,
                    const long long* __restrict__ positions, const long long* __restrict__ slots,
                    float* __restrict__ q_out, KV* __restrict__ key_cache, KV* __restrict__ value_cache,
-                   int Q, int K, int half, int norm, float eps, float clip, float k_scale, float v_scale) {
+                   int Q, int K, int half, int rot_half, int norm, float eps, float clip, float k_scale,
+                   float v_scale) {
     pdl_wait();
     const long long t = blockIdx.x;
     const int D = 2 * half;
@@ -85,28 +88,22 @@ qk_norm_rope_write(const float* __restrict__ q, const float* __restrict__ k, con
             scale = is_q ? q_inv : k_inv;
             weight += head * D;
         }
-        for (int i = lane; i < half; i += 32) {
-            float x1 = src[i], x2 = src[i + half];
-            if (norm == 2) {
-                x1 = clamp_to(x1 * scale * weight[i], clip);
-                x2 = clamp_to(x2 * scale * weight[i + half], clip);
-            } else {
-                x1 = clamp_to(x1, clip);
-                x2 = clamp_to(x2, clip);
-                if (norm == 1) {
-                    x1 = x1 * scale * weight[i];
-                    x2 = x2 * scale * weight[i + half];
-                }
-            }
-            const float c = cos[p * half + i], s = sin[p * half + i];
-            const float y1 = x1 * c - x2 * s, y2 = x2 * c + x1 * s;
-            if (is_q) {
-                q_dst[i] = y1;
-                q_dst[i + half] = y2;
-            } else {
-                k_dst[i] = from_float<KV>(y1 / k_scale);
-                k_dst[i + half] = from_float<KV>(y2 / k_scale);
-            }
+        // element i of the head after its norm and clamp, in the model's order
+        const auto normed = [&](int i) {
+            if (norm == 2) return clamp_to(src[i] * scale * weight[i], clip);
+            const float x = clamp_to(src[i], clip);
+            return norm == 1 ? x * scale * weight[i] : x;
+        };
+        const auto store = [&](int i, float y) {
+            if (is_q) q_dst[i] = y;
+            else k_dst[i] = from_float<KV>(y / k_scale);
+        };
+        for (int i = lane; i < rot_half; i += 32) {
+            const float x1 = normed(i), x2 = normed(i + rot_half);
+            const float c = cos[p * rot_half + i], s = sin[p * rot_half + i];
+            store(i, x1 * c - x2 * s);
+            store(i + rot_half, x2 * c + x1 * s);
         }
+        for (int i = 2 * rot_half + lane; i < D; i += 32) store(i, normed(i));  // past the rotated dimensions
     }
 }

@@ -1,10 +1,17 @@
 // Launch contract
 //
-// Both kernels: router logits in float32, softmax over all experts, the top k and optional renormalisation.
+// Both kernels: router logits in float32, scores over all experts, the top k by their choice values, the chosen
+// scores as weights (as NumpyBackend.route):
 //   x       float32 [T, H] contiguous; router W [E, H] (W: float, __nv_bfloat16, __half), H a multiple of Vec<W>::N
-//   weights float32 [T, k]: the k largest softmax probabilities, largest first (ties: lower expert id first),
-//           divided by their sum when renormalize != 0
+//   scoring 0: softmax of the logits, 1: sigmoid of each; logit_bias float32 [E] added to the logits first (null:
+//           none)
+//   choice_bias float32 [E] added to the scores to choose experts only (null: none); n_group > 1 (at most 32,
+//           dividing E): only experts of the topk_group best groups of E / n_group consecutive experts are chosen
+//           before the others, a group ranked by the sum of its two largest choice values (ties: lower group first)
+//   weights float32 [T, k]: the chosen experts' scores, largest choice first (ties: lower expert id first),
+//           divided by their sum when renormalize != 0, then times scaling
 //   ids     int32 [T, k]: their expert ids
+//   E at most 1024.
 //
 // route_topk<W>: one block per token (for many tokens: each block reads the whole router, mostly from L2).
 //   grid.x: T, block: 1024 threads (32 warps: one expert logit per warp at a time, then warp 0 selects),
@@ -130,10 +137,131 @@ __device__ __forceinline__ void softmax_topk(float* probs, int E, int k, int ren
     }
 }
 
+// What a route launch does beyond a softmax top-k of the logits (the launch contract's options).
+struct Routing {
+    int scoring;  // 0: softmax, 1: sigmoid
+    const float* logit_bias;  // [E] or null
+    const float* choice_bias;  // [E] or null
+    int n_group, topk_group;
+    float scaling;
+    int renormalize;
+
+    __device__ bool plain_softmax() const {
+        return scoring == 0 && logit_bias == nullptr && choice_bias == nullptr && n_group <= 1 && scaling == 1.f;
+    }
+    __device__ float choice(const float* scores, int e) const {
+        return choice_bias == nullptr ? scores[e] : scores[e] + choice_bias[e];
+    }
+};
+
+// Any float as an unsigned key ordered like it (-inf above 0, which marks nothing to choose).
+__device__ __forceinline__ unsigned order_key(float v) {
+    const unsigned bits = __float_as_uint(v);
+    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// The top k of E logits in scores (shared memory, overwritten with the scores) under `routing`, into weights[0..k)
+// and ids[0..k) (written by lane 0). Called by all 32 lanes of one warp; lane l holds experts l, l + 32, ...
+// (bit i of `taken`: expert l + 32 i chosen), and lane g ranks group g.
+__device__ void scored_topk(float* scores, int E, int k, const Routing& routing, float* weights, int* ids) {
+    const int lane = threadIdx.x % 32;
+    if (routing.scoring == 0) {
+        float top = neg_inf();
+        for (int e = lane; e < E; e += 32) {
+            if (routing.logit_bias != nullptr) scores[e] += routing.logit_bias[e];
+            top = fmaxf(top, scores[e]);
+        }
+        top = warp_max(top);
+        float total = 0.f;
+        for (int e = lane; e < E; e += 32) {
+            const float p = expf(scores[e] - top);
+            scores[e] = p;
+            total += p;
+        }
+        total = warp_sum(total);
+        for (int e = lane; e < E; e += 32) scores[e] /= total;
+    } else {
+        for (int e = lane; e < E; e += 32) {
+            const float logit = routing.logit_bias == nullptr ? scores[e] : scores[e] + routing.logit_bias[e];
+            scores[e] = 1.f / (1.f + expf(-logit));
+        }
+    }
+    __syncwarp();  // below, lanes read each other's scores
+
+    const int group_size = routing.n_group > 1 ? E / routing.n_group : E;
+    unsigned kept = 0xFFFFFFFFu;  // bit g: experts of group g may be chosen first
+    if (routing.n_group > 1) {
+        unsigned key = 0u;
+        if (lane < routing.n_group) {
+            float first = neg_inf(), second = neg_inf();
+            for (int e = lane * group_size; e < (lane + 1) * group_size; ++e) {
+                const float c = routing.choice(scores, e);
+                if (c > first) {
+                    second = first;
+                    first = c;
+                } else if (c > second) {
+                    second = c;
+                }
+            }
+            key = order_key(group_size > 1 ? second + first : first);
+        }
+        kept = 0u;
+        for (int j = 0; j < routing.topk_group; ++j) {
+            const unsigned best = warp_max_u32(key);
+            if (best == 0u) break;
+            const unsigned group = warp_min_u32(key == best ? static_cast<unsigned>(lane) : 32u);
+            kept |= 1u << group;
+            if (lane == static_cast<int>(group)) key = 0u;
+        }
+    }
+
+    unsigned taken = 0u;
+    float picked = 0.f;
+    for (int j = 0; j < k; ++j) {
+        unsigned best = 0u;
+        int best_e = E;
+        for (int i = 0, e = lane; e < E; ++i, e += 32) {
+            if ((taken >> i) & 1u) continue;
+            const bool first_groups = (kept >> (e / group_size)) & 1u;
+            const unsigned key = order_key(first_groups ? routing.choice(scores, e) : neg_inf());
+            if (key > best) {  // strictly: a lane's lower expert id wins its ties
+                best = key;
+                best_e = e;
+            }
+        }
+        const unsigned top = warp_max_u32(best);
+        const int chosen = static_cast<int>(warp_min_u32(best == top ? static_cast<unsigned>(best_e) : E));
+        if (lane == (chosen & 31)) taken |= 1u << (chosen / 32);
+        const float w = scores[chosen];
+        if (lane == 0) {
+            weights[j] = w;
+            ids[j] = chosen;
+        }
+        picked += w;
+    }
+    if (lane == 0) {
+        for (int j = 0; j < k; ++j) {
+            const float w = routing.renormalize ? weights[j] / picked : weights[j];
+            weights[j] = w * routing.scaling;
+        }
+    }
+    __syncwarp();  // every lane has read the scores before the caller reuses them
+}
+
+// The top k of the E logits in probs (shared memory) under `routing`: softmax_topk where it is a plain softmax top-k,
+// else scored_topk.
+__device__ __forceinline__ void select_topk(float* probs, int E, int k, const Routing& routing, float* weights,
+                                            int* ids) {
+    if (routing.plain_softmax()) softmax_topk(probs, E, k, routing.renormalize, weights, ids);
+    else scored_topk(probs, E, k, routing, weights, ids);
+}
+
 template <typename W>
 __global__ void __launch_bounds__(1024)
 route_topk(const float* __restrict__ x, const W* __restrict__ router, float* __restrict__ weights,
-           int* __restrict__ ids, int H, int E, int k, int renormalize) {
+           int* __restrict__ ids, int H, int E, int k, int renormalize, int scoring, const float* logit_bias,
+           const float* choice_bias, int n_group, int topk_group, float scaling) {
+    const Routing routing{scoring, logit_bias, choice_bias, n_group, topk_group, scaling, renormalize};
     pdl_wait();
     extern __shared__ float probs[];  // [E]
     const int t = blockIdx.x;
@@ -147,14 +275,16 @@ route_topk(const float* __restrict__ x, const W* __restrict__ router, float* __r
         if (lane == 0) probs[e] = logit;
     }
     __syncthreads();
-    if (warp == 0) softmax_topk(probs, E, k, renormalize, weights + t * k, ids + t * k);
+    if (warp == 0) select_topk(probs, E, k, routing, weights + t * k, ids + t * k);
 }
 
 template <typename W, int TT>
 __global__ void __launch_bounds__(ROUTER_WARPS * 32)
 route_split(const float* __restrict__ x, const W* __restrict__ router, float* __restrict__ weights,
-            int* __restrict__ ids, int H, int E, int k, int renormalize, float* __restrict__ logits,
+            int* __restrict__ ids, int H, int E, int k, int renormalize, int scoring, const float* logit_bias,
+            const float* choice_bias, int n_group, int topk_group, float scaling, float* __restrict__ logits,
             unsigned int* __restrict__ counters, int T) {
+    const Routing routing{scoring, logit_bias, choice_bias, n_group, topk_group, scaling, renormalize};
     extern __shared__ float probs[];  // [ROUTER_WARPS, E]: one token's logits per warp (the selecting block)
     __shared__ float partial[ROUTER_WARPS][TT];
     __shared__ bool last;
@@ -191,7 +321,7 @@ route_split(const float* __restrict__ x, const W* __restrict__ router, float* __
     for (int j = warp; j < n; j += ROUTER_WARPS) {
         const long long t = t0 + j;
         for (int i = lane; i < E; i += 32) mine[i] = __ldcg(logits + t * E + i);  // from L2: other blocks wrote it
-        softmax_topk(mine, E, k, renormalize, weights + t * k, ids + t * k);
+        select_topk(mine, E, k, routing, weights + t * k, ids + t * k);
     }
     if (threadIdx.x == 0) counters[tile] = 0;
 }

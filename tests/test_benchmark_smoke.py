@@ -157,6 +157,17 @@ def test_expert_format_quality(tmp_path):
     assert formats["int4-g128"]["perplexity"] != formats["int8"]["perplexity"]  # the experts really changed
 
 
+def test_kv_cache_quality(tmp_path):
+    out = tmp_path / "kv_cache_quality.json"
+    succeeded(run_script("expert_format_quality.py", "--max-windows", "1", "--kv-dtypes", "fp32", "fp8", "--out", out))
+    record = json.loads(out.read_text())
+    kv = record["kv_dtypes"]
+    assert record["bench"] == "kv_cache_quality" and set(kv) == {"fp32", "fp8"}
+    assert kv["fp32"]["perplexity_vs_fp32"] == 0 and kv["fp8"]["perplexity"] != kv["fp32"]["perplexity"]
+    refused = run_script("expert_format_quality.py", "--kv-dtypes", "fp8")
+    assert refused.returncode == 2 and "starts with fp32" in refused.stderr
+
+
 def test_policy_eval(tmp_path):
     out = tmp_path / "policy_eval.json"
     succeeded(run_script("policy_eval.py", "--decode-tokens", "2", "--window-tokens", "16", "--out", out))

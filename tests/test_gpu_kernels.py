@@ -440,13 +440,15 @@ def test_a_single_decode_token_of_a_long_context_is_split_over_the_gpu(monkeypat
     check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, 0.1, None))
 
 
-def check_route(x: np.ndarray, router: np.ndarray, top_k: int, renormalize: bool, monkeypatch) -> None:
-    """GPU.route against REF.route (same ids, weights within 1e-5), on the kernel the token count selects; the
-    split kernel's block counters are left zero."""
+def check_route(x: np.ndarray, router: np.ndarray, top_k: int, renormalize: bool, monkeypatch, **routing) -> None:
+    """GPU.route against REF.route (same ids, weights within 1e-5), on the kernel the token count selects, with
+    the routing options of Backend.route (`routing`: scoring, correction_bias and router_bias as host arrays,
+    n_group, topk_group, scaling); the split kernel's block counters are left zero."""
     launched = launched_kernels(monkeypatch)
     poison()
-    weights, ids = GPU.route(cupy.asarray(x), GPU.prepare_weight(router), top_k, renormalize)
-    ref_weights, ref_ids = REF.route(x, REF.prepare_weight(router), top_k, renormalize)
+    on_gpu = {name: GPU.prepare_weight(value) if name.endswith("bias") else value for name, value in routing.items()}
+    weights, ids = GPU.route(cupy.asarray(x), GPU.prepare_weight(router), top_k, renormalize, **on_gpu)
+    ref_weights, ref_ids = REF.route(x, REF.prepare_weight(router), top_k, renormalize, **routing)
     split = x.shape[0] <= ROUTER_SPLIT_TOKENS
     assert launched[0].startswith("route_split<" if split else "route_topk<")
     assert np.array_equal(cupy.asnumpy(ids), ref_ids)
@@ -463,6 +465,39 @@ def test_route(dtype, tokens, experts, top_k, hidden, renormalize, monkeypatch):
     rng = np.random.default_rng(experts + top_k + tokens)
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     check_route(x, weight(rng, (experts, hidden), dtype), top_k, renormalize, monkeypatch)
+
+
+ROUTINGS = {  # Backend.route's options, the experts they take, and top-k
+    "glm45": (dict(scoring="sigmoid", correction_bias=True, scaling=2.5), 160, 8),
+    "deepseek_v3": (dict(scoring="sigmoid", correction_bias=True, n_group=8, topk_group=4, scaling=2.5), 256, 8),
+    "minimax_m2": (dict(scoring="sigmoid", correction_bias=True), 256, 8),
+    "kimi_k2": (dict(scoring="sigmoid", correction_bias=True, scaling=2.827), 384, 8),
+    "groups_of_one": (dict(scoring="sigmoid", n_group=16, topk_group=5), 16, 4),
+    "gpt_oss": (dict(router_bias=True), 32, 4),
+    "softmax_groups": (dict(correction_bias=True, n_group=4, topk_group=2), 64, 6),
+    "sigmoid_plain": (dict(scoring="sigmoid"), 8, 2),
+}
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 9, ROUTER_SPLIT_TOKENS, ROUTER_SPLIT_TOKENS + 7])
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("case", sorted(ROUTINGS))
+def test_route_with_scoring_biases_groups_and_scaling(case, tokens, renormalize, monkeypatch):
+    """Sigmoid scores, a correction bias that only chooses (spread like the scores, so it changes the choice),
+    group-limited top-k, a router bias and scaling, as DeepSeek-V3, GLM-4.5, MiniMax-M2, Kimi K2 and gpt-oss
+    route: both kernels against the NumPy reference."""
+    options, experts, top_k = ROUTINGS[case]
+    rng = np.random.default_rng(experts * 7 + tokens)
+    routing = {name: rng.normal(0.0, 0.3, experts).astype(np.float32) if value is True else value
+               for name, value in options.items()}
+    x = rng.standard_normal((tokens, 512)).astype(np.float32)
+    router = weight(rng, (experts, 512), "bfloat16")
+    check_route(x, router, top_k, renormalize, monkeypatch, **routing)
+    if "correction_bias" in routing and tokens > 1:  # the bias changes some choice: a kernel ignoring it would fail
+        unbiased = {name: value for name, value in routing.items() if name != "correction_bias"}
+        routed = (REF.route(x, REF.prepare_weight(router), top_k, renormalize, **chosen)[1]
+                  for chosen in (routing, unbiased))
+        assert not np.array_equal(*routed)
 
 
 @pytest.mark.parametrize("router_tile", [1, 4, 8])
@@ -523,13 +558,16 @@ def test_route_replayed_in_a_cuda_graph(tokens):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 24), (32, 4, 128), (16, 16, 64), (12, 1, 256)])
 @pytest.mark.parametrize("tokens", [1, 7])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_qk_norm_rope_write(qk_norm, clip, heads, kv_heads, head_dim, tokens, kv_dtype):
+@pytest.mark.parametrize("rotated", [1.0, 0.5, 0.25])  # the share of each head's dimensions rotated (rotary_dim)
+def test_qk_norm_rope_write(qk_norm, clip, heads, kv_heads, head_dim, tokens, kv_dtype, rotated):
     """The fused prologue against the NumPy composition: rotated q, k and v in their cache slots (padding slot -1
-    stores nothing), every other cache row untouched. Keys in a 16-bit or fp8 cache: within one rounding step
-    (KV_ROUNDING) of NumPy's, whose float32 keys differ from the kernel's in their last bits; values, only clamped
-    and divided by a power of two, the same bits."""
+    stores nothing), every other cache row untouched; a partial rotary (GLM-4.5, MiniMax-M2) rotates the first
+    rotary_dim dimensions of each head and leaves the rest normed only. Keys in a 16-bit or fp8 cache: within one
+    rounding step (KV_ROUNDING) of NumPy's, whose float32 keys differ from the kernel's in their last bits; values,
+    only clamped and divided by a power of two, the same bits."""
     rng = np.random.default_rng(heads * head_dim + tokens)
-    cos, sin = cos_sin_table(RopeConfig(theta=1e6), head_dim, 4096)
+    rotary_dim = 2 * max(1, int(head_dim * rotated) // 2)
+    cos, sin = cos_sin_table(RopeConfig(theta=1e6), rotary_dim, 4096)
     q = rng.standard_normal((tokens, heads * head_dim)).astype(np.float32)
     k, v = rng.standard_normal((2, tokens, kv_heads * head_dim)).astype(np.float32)
     q_norm = k_norm = None

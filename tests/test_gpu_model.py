@@ -25,14 +25,14 @@ from colibri_stream.batch import ForwardBatch  # noqa: E402
 from colibri_stream.request import SamplingParams  # noqa: E402
 from colibri_stream.synthetic import synthetic_model  # noqa: E402
 from test_parity import NEW_TOKENS, colibri_greedy, colibri_logits, prompt_ids, relative_error  # noqa: E402
-from tiny_models import ARCHITECTURES, VOCAB_SIZE, build_hf_model  # noqa: E402
+from tiny_models import GPU_ARCHITECTURES, VOCAB_SIZE, build_hf_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 KV_TOLERANCES = {"fp32": 1e-4, "bf16": 2**-8}  # logits, relative to the largest, by KV cache dtype
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
+@pytest.fixture(scope="module", params=GPU_ARCHITECTURES)
 def tiny_hf(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"hf_{request.param}")
     build_hf_model(request.param, folder)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # what every backend runs
-SIGMOID_ROUTED = ("glm4_moe", "minimax_m2", "deepseek_v3")  # the NumPy backend only (CupyBackend.missing_features)
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # softmax-routed, whole-head rotary
+SIGMOID_ROUTED = ("glm4_moe", "minimax_m2", "deepseek_v3")
 ALL_ARCHITECTURES = ARCHITECTURES + SIGMOID_ROUTED
+# what the GPU backend runs too (deepseek_v3's latent attention is CupyBackend.missing_features)
+GPU_ARCHITECTURES = ARCHITECTURES + ("glm4_moe", "minimax_m2")
 VOCAB_SIZE = 256
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..config import QK_NORMS, ModelConfig
+from ..config import QK_NORMS, ROUTER_SCORINGS, ModelConfig
 from ..experts.store import ExpertStore
 from ..memory import MemoryInfo
 from ..timing import Clock
@@ -50,7 +50,8 @@ from .tuning import (ATTENTION_WARPS, CAPTURED_CUBLAS_ALL_MIN_TOKENS, CAPTURED_C
                      GQA_ONE_TOKEN_MAX_KEYS, GQA_WARPS,
                      LINEAR_MMA_BLOCKS_PER_SM, MERGE_MAX_SPLITS,
                      LINEAR_MMA_MIN_SPAN, LINEAR_MMA_ROWS, LINEAR_MMA_TILES, LINEAR_ROWS_PER_BLOCK, MMA_THREADS,
-                     PROLOGUE_WARPS, ROUTER_SPLIT_TOKENS, ROUTER_TILE, ROUTER_WARPS, SMALL_BATCH, TOKEN_TILES)
+                     PROLOGUE_WARPS, ROUTER_MAX_EXPERTS, ROUTER_MAX_GROUPS, ROUTER_SPLIT_TOKENS, ROUTER_TILE,
+                     ROUTER_WARPS, SMALL_BATCH, TOKEN_TILES)
 
 if TYPE_CHECKING:
     from ..batch import ForwardBatch
@@ -93,19 +94,17 @@ class CupyBackend(Backend):
 
     @classmethod
     def missing_features(cls, config: ModelConfig) -> list[str]:
-        """kernels/router.cu is a softmax top-k of unbiased logits, the attention prologue rotates whole heads,
-        and the kernels attend over K heads of keys and values (no latent rows, no sink logits)."""
-        missing = [f"{config.router_scoring} routing"] if config.router_scoring != "softmax" else []
+        """kernels/router.cu selects among at most ROUTER_MAX_EXPERTS experts (groups: ROUTER_MAX_GROUPS), the
+        attention kernels attend over K heads of keys and values (no latent rows, no sink logits), and the MoE
+        kernels compute silu(gate) * up of unbiased experts."""
+        missing = [f"{config.router_scoring} routing"] if config.router_scoring not in ROUTER_SCORINGS else []
         missing += [name for name, used in (
-            ("score correction bias", config.score_correction_bias),
-            ("group-limited routing (n_group)", config.n_group > 1),
-            ("routed_scaling_factor", config.routed_scaling_factor != 1.0),
-            ("router bias", config.router_bias),
+            (f"more than {ROUTER_MAX_EXPERTS} routed experts", config.num_experts > ROUTER_MAX_EXPERTS),
+            (f"group-limited routing over more than {ROUTER_MAX_GROUPS} groups (n_group)",
+             config.n_group > ROUTER_MAX_GROUPS),
             ("attention sinks", config.attention_sinks),
             ("expert biases", config.expert_bias),
             ("clamped SwiGLU (swiglu_limit)", config.swiglu_limit is not None),
-            ("partial rotary (rotary_dim)",
-             config.attention == "gqa" and config.rotary_dim not in (None, config.head_dim)),
             ("Multi-head Latent Attention", config.attention == "mla")) if used]
         # moe_int4.cu reads whole 32-column chunks of int4, moe_fp8.cu 16 codes a lane
         width = {"int4": 32, "fp8": FP8_LANE_COLS}.get(config.expert_dtype)
@@ -328,7 +327,8 @@ class CupyBackend(Backend):
             warps, groups = PROLOGUE_WARPS, ceil_div(heads, PROLOGUE_WARPS)
         args = (q, k, v, NULL if q_norm is None else q_norm, NULL if k_norm is None else k_norm, cos, sin, positions,
                 slot_mapping, out, key_cache, value_cache, np.int32(num_heads), np.int32(num_kv_heads),
-                np.int32(head_dim // 2), np.int32(QK_NORMS.index(qk_norm)), np.float32(eps), np.float32(clip or 0),
+                np.int32(head_dim // 2), np.int32(cos.shape[1]), np.int32(QK_NORMS.index(qk_norm)), np.float32(eps),
+                np.float32(clip or 0),
                 np.float32(kv_scales[0]), np.float32(kv_scales[1]))
         kv_type = storage_type(key_cache)
         launch("attention_prologue.cu", f"qk_norm_rope_write<{kv_type}>", (t, groups), 32 * warps, args,
@@ -434,14 +434,11 @@ class CupyBackend(Backend):
     # ---- mixture of experts -------------------------------------------------------------------------------
     def route(self, x, router, top_k, renormalize, scoring="softmax", correction_bias=None, n_group=1,
               topk_group=1, scaling=1.0, router_bias=None):
-        """Softmax routing only (`missing_features`). Up to ROUTER_SPLIT_TOKENS tokens: route_split, a block per
-        (expert, token tile) and the selection in each tile's last block (a batch-1 step reads the router on many
-        SMs instead of one); more tokens: route_topk, a block per token, each reading the whole router (mostly
-        from L2)."""
-        if (scoring != "softmax" or correction_bias is not None or n_group != 1 or scaling != 1.0
-                or router_bias is not None):
-            raise ValueError("the cupy backend routes by softmax top-k only (no sigmoid scores, correction bias, "
-                             "groups, scaling or router bias)")
+        """Up to ROUTER_SPLIT_TOKENS tokens: route_split, a block per (expert, token tile) and the selection in
+        each tile's last block (a batch-1 step reads the router on many SMs instead of one); more tokens:
+        route_topk, a block per token, each reading the whole router (mostly from L2). Either selects as
+        router.cu's launch contract says (at most ROUTER_MAX_EXPERTS experts and ROUTER_MAX_GROUPS groups,
+        `missing_features`)."""
         x = self.cp.ascontiguousarray(x)
         t, h = x.shape
         num_experts = router.shape[0]
@@ -450,7 +447,9 @@ class CupyBackend(Backend):
         expert_ids = self.cp.empty((t, top_k), np.int32)  # [T, k]
         w = storage_type(router)
         selection = (weights, expert_ids, np.int32(h), np.int32(num_experts), np.int32(top_k),
-                     np.int32(bool(renormalize)))
+                     np.int32(bool(renormalize)), np.int32(ROUTER_SCORINGS.index(scoring)),
+                     NULL if router_bias is None else router_bias, NULL if correction_bias is None else correction_bias,
+                     np.int32(n_group), np.int32(topk_group), np.float32(scaling))
         if t <= ROUTER_SPLIT_TOKENS:
             tile = smallest_tile(min(t, ROUTER_TILE), TOKEN_TILES)
             logits = self.cp.empty((t, num_experts), np.float32)  # [T, E]

@@ -71,3 +71,6 @@ ROUTER_SPLIT_TOKENS = 64  # up to this many tokens, route_split spreads the rout
 # of them select in one round
 ROUTER_TILE = 4
 ROUTER_WARPS = 4  # = ROUTER_WARPS in router.cu
+# router.cu's selection marks a lane's chosen experts in one 32-bit word and the best groups in another
+ROUTER_MAX_EXPERTS = 32 * 32
+ROUTER_MAX_GROUPS = 32
