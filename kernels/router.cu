@@ -88,6 +88,23 @@ __device__ __forceinline__ void softmax_topk_registers(const float* probs, int E
     }
 }
 
+// Softmax of the E values in v (shared memory), in place: called by all 32 lanes of one warp, lane l touching only
+// v[l], v[l + 32], ...
+__device__ __forceinline__ void warp_softmax(float* v, int E) {
+    const int lane = threadIdx.x % 32;
+    float top = neg_inf();
+    for (int e = lane; e < E; e += 32) top = fmaxf(top, v[e]);
+    top = warp_max(top);
+    float total = 0.f;
+    for (int e = lane; e < E; e += 32) {
+        const float p = expf(v[e] - top);
+        v[e] = p;
+        total += p;
+    }
+    total = warp_sum(total);
+    for (int e = lane; e < E; e += 32) v[e] /= total;
+}
+
 // Softmax over the E logits in probs (shared memory), then the k largest probabilities into weights[0..k) and their
 // expert ids into ids[0..k) (written by lane 0; ties: lower expert id first), divided by their sum when
 // renormalize != 0. Called by all 32 lanes of one warp; each lane only touches experts lane, lane + 32, ..., so no
@@ -100,17 +117,7 @@ __device__ __forceinline__ void softmax_topk(float* probs, int E, int k, int ren
         return;
     }
     const int lane = threadIdx.x % 32;
-    float top = neg_inf();
-    for (int e = lane; e < E; e += 32) top = fmaxf(top, probs[e]);
-    top = warp_max(top);
-    float total = 0.f;
-    for (int e = lane; e < E; e += 32) {
-        const float p = expf(probs[e] - top);
-        probs[e] = p;
-        total += p;
-    }
-    total = warp_sum(total);
-    for (int e = lane; e < E; e += 32) probs[e] /= total;
+    warp_softmax(probs, E);
 
     float picked = 0.f;
     for (int j = 0; j < k; ++j) {
@@ -166,20 +173,10 @@ __device__ __forceinline__ unsigned order_key(float v) {
 __device__ void scored_topk(float* scores, int E, int k, const Routing& routing, float* weights, int* ids) {
     const int lane = threadIdx.x % 32;
     if (routing.scoring == 0) {
-        float top = neg_inf();
-        for (int e = lane; e < E; e += 32) {
-            if (routing.logit_bias != nullptr) scores[e] += routing.logit_bias[e];
-            top = fmaxf(top, scores[e]);
+        if (routing.logit_bias != nullptr) {
+            for (int e = lane; e < E; e += 32) scores[e] += routing.logit_bias[e];
         }
-        top = warp_max(top);
-        float total = 0.f;
-        for (int e = lane; e < E; e += 32) {
-            const float p = expf(scores[e] - top);
-            scores[e] = p;
-            total += p;
-        }
-        total = warp_sum(total);
-        for (int e = lane; e < E; e += 32) scores[e] /= total;
+        warp_softmax(scores, E);
     } else {
         for (int e = lane; e < E; e += 32) {
             const float logit = routing.logit_bias == nullptr ? scores[e] : scores[e] + routing.logit_bias[e];
