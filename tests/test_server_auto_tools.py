@@ -107,7 +107,8 @@ def streamed(chunks) -> tuple[str, dict[int, dict], str | None]:
 
 def call_deltas(chunks) -> list[tuple[Any, int]]:
     """(each tool_calls delta of a stream, the index of its chunk)."""
-    return [(call, i) for i, chunk in enumerate(chunks) if chunk.choices for call in chunk.choices[0].delta.tool_calls or ()]
+    return [(call, i) for i, chunk in enumerate(chunks) if chunk.choices
+            for call in chunk.choices[0].delta.tool_calls or ()]
 
 
 def test_a_call_in_the_templates_syntax_comes_back_as_tool_calls(client):

@@ -122,7 +122,8 @@ def test_mistral_split(text, expected):
 
 
 @pytest.mark.parametrize("text", [
-    'Hi [TOOL_CALLS] [{"name": "clock", "arguments": {"zone": "U]T}C"}, "id": "a1"}, {"arguments": {}, "name": "weather"}]',
+    'Hi [TOOL_CALLS] [{"name": "clock", "arguments": {"zone": "U]T}C"}, "id": "a1"},'
+    ' {"arguments": {}, "name": "weather"}]',
     '[TOOL_CALLS] {"name": "weather", "arguments": {"city": "Paris"}}',
     '[TOOL_CALLS] [{"name": "unknown", "arguments": {}}]',
 ])
