@@ -29,7 +29,7 @@ class WholeSyntax(Protocol):
 
 
 class BlockSyntax(Protocol):
-    """What StreamedCalls asks of a syntax of blocks (Hermes'): its tags and the reading of one block."""
+    """What StreamedCalls asks of a syntax of blocks (Hermes', Qwen3-Coder's): its tags and the reading of one block."""
 
     opening: str
     closing: str
@@ -435,9 +435,10 @@ def _json_string(literal: str) -> str | None:
 
 
 class HeldCalls:
-    """One streamed choice's text in a syntax read only once whole (every syntax but Hermes'): `feed`
-    and `finish` return (content to send now, tool_calls deltas). The text from the syntax's opening tag on is held
-    (`HeldText`); at the end it goes out as calls where it reads as calls, else as content."""
+    """One streamed choice's text in a syntax read only once whole (GLM-4.5's, MiniMax-M2's, DeepSeek-V3's, Kimi
+    K2's, harmony's; any syntax where the calls go out whole): `feed` and `finish` return (content to send now,
+    tool_calls deltas). The text from the syntax's opening tag on is held (`HeldText`); at the end it goes out as
+    calls where it reads as calls, else as content."""
 
     def __init__(self, syntax: WholeSyntax, tools: Mapping[str, Any]):
         self._syntax = syntax
