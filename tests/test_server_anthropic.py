@@ -471,3 +471,17 @@ def test_no_value_of_any_field_is_a_500(server):
         message = [{"role": "user", "content": [value]}, {"role": "assistant", "content": [value]}, *MESSAGES]
         status, reply = post(server, dict(BODY, messages=message))
         assert status in (200, 400), (value, reply)
+
+
+def test_anthropic_clients_list_models_in_anthropic_shape(client, server):
+    """Anthropic's clients (they send anthropic-version) get its Models API's page and ModelInfo; OpenAI's the list
+    they know."""
+    page = client.models.list()
+    assert [(m.id, m.type, m.display_name) for m in page.data] == [(MODEL, "model", MODEL)]
+    assert page.has_more is False and page.first_id == page.last_id == MODEL
+    assert page.data[0].created_at.tzinfo is not None
+    one = client.models.retrieve(MODEL)
+    assert (one.id, one.type, one.created_at) == (MODEL, "model", page.data[0].created_at)
+    status, _, raw = request(server, "GET", "/v1/models")
+    listed = orjson.loads(raw)
+    assert status == 200 and listed["object"] == "list" and listed["data"][0]["object"] == "model"

@@ -20,6 +20,7 @@ import asyncio
 import json
 import shutil
 import time
+from typing import Any
 
 import aiohttp
 
@@ -104,6 +105,12 @@ def streamed(chunks) -> tuple[str, dict[int, dict], str | None]:
     return content, calls, reason
 
 
+def call_deltas(chunks) -> list[tuple[Any, int]]:
+    """(each tool_calls delta of a stream, the index of its chunk)."""
+    return [(call, i) for i, chunk in enumerate(chunks) if chunk.choices
+            for call in chunk.choices[0].delta.tool_calls or ()]
+
+
 def test_a_call_in_the_templates_syntax_comes_back_as_tool_calls(client):
     answer = ask(client, "Let me look.\n" + CALL)
     choice = answer.choices[0]
@@ -169,8 +176,7 @@ def test_streamed_arguments_arrive_in_pieces_after_the_name(client):
     """vLLM's streaming: the call's id and name first, then its arguments' text in pieces as the model writes it,
     then the end; the pieces make the arguments the non-streamed answer has."""
     chunks = list(ask(client, "Let me look.\n" + CALL + "\n" + SECOND, stream=True))
-    pieces = [(call, i) for i, chunk in enumerate(chunks) if chunk.choices
-              for call in chunk.choices[0].delta.tool_calls or ()]
+    pieces = call_deltas(chunks)
     first = [call for call, _ in pieces if call.index == 0]
     assert first[0].id.startswith("call_") and first[0].function.name == "weather"
     assert first[0].function.arguments == "" and all(call.function.name is None for call in first[1:])

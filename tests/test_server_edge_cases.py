@@ -115,6 +115,12 @@ def test_malformed_bodies_are_400(server, path, stream, name):
                    headers={"Content-Type": "application/json"})
 
 
+@pytest.mark.parametrize(("data", "named"), [(b"null", "null"), (b"[]", "an array"), (b"true", "a boolean")])
+def test_a_body_that_is_not_an_object_is_named_in_json_terms(server, data, named):
+    error = assert_refused(server, CHAT, None, 400, data=data, headers={"Content-Type": "application/json"})
+    assert error["message"] == f"the request body must be a JSON object, got {named}"
+
+
 @pytest.mark.parametrize("encoding", ["gzip", "deflate"])
 def test_body_that_does_not_decode_is_400(server, encoding):
     data = orjson.dumps(body_for(COMPLETIONS, False))

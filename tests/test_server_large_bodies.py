@@ -1,6 +1,8 @@
-"""A large request body is read as JSON and parsed off the event loop: a chat of 70 000 messages (2.1 MB, the
+"""A large request body is read as JSON and parsed off the event loop: a chat of 25 000 messages (0.8 MB, the
 parse of which takes as long as its JSON reading and more) holds the server's loop up for less than its whole
-parse does, and gets the same answer as a small body does."""
+parse does, and gets the same answer as a small body does. A body of more JSON values than the server reads at
+once (read_body.MAX_JSON_WEIGHT) is a 413 before it is read, on every route that reads JSON, so it holds the
+loop up for no longer than counting its bytes takes."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ import time
 
 import orjson
 import pytest
-from test_server import CHAT, post
+from test_server import CHAT, post, request
 
 from colibri_stream.server.parse_openai import parse_chat
+from colibri_stream.server.read_body import CONTAINER_WEIGHT, MAX_JSON_WEIGHT
 
-LARGE_CHAT = {"messages": [{"role": "user", "content": "a"}] * 70_000, "max_tokens": 1}  # 2.1 MB of JSON
+LARGE_CHAT = {"messages": [{"role": "user", "content": "a"}] * 25_000, "max_tokens": 1}  # 0.8 MB of JSON
 ATTEMPTS = 3  # a busy machine pauses at random: the measurement is tried up to this many times
 
 
@@ -62,3 +65,42 @@ def test_a_large_body_gets_the_answer_a_small_one_does(tiny_server):
     assert status == 400 and reply["error"]["param"] == "messages[20000].role", reply
     status, reply = post(tiny_server, CHAT, {"messages": messages[-1:], "max_tokens": 1})
     assert status == 400 and reply["error"]["param"] == "messages[0].role", reply
+
+
+def _arrays(count: int) -> bytes:
+    """A chat body whose field the server ignores holds `count` empty arrays."""
+    return b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 1, "x": [' + b"[]," * (count - 1) + b"[]]}"
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/messages", "/tokenize"])
+def test_a_body_of_too_many_json_values_is_a_413_before_it_is_read(tiny_server, path):
+    """4 MB of empty arrays: reading them would hold the GIL, and so every other stream, for the whole reading."""
+    raw = _arrays(1_300_000)
+    start = time.perf_counter()
+    orjson.loads(raw)
+    reading = time.perf_counter() - start
+    seen = []
+    for _ in range(ATTEMPTS):
+        stop = threading.Event()
+        pause = asyncio.run_coroutine_threadsafe(_longest_pause(stop), tiny_server.loop)
+        status, _, body = request(tiny_server, "POST", path, data=raw, headers={"Content-Type": "application/json"})
+        stop.set()
+        reply = orjson.loads(body)
+        assert status == 413 and "too many JSON values" in reply["error"]["message"], reply
+        # Anthropic's error shape on the Messages API, OpenAI's elsewhere
+        kind = reply["error"]["type"] if path == "/v1/messages" else reply["error"]["code"]
+        assert kind == "request_too_large", reply
+        longest = pause.result(10)
+        if longest < reading / 2:
+            break
+        seen.append((longest, reading))
+    else:
+        pytest.fail(f"(the loop's longest pause, reading the JSON) in s: {seen}")
+    status, reply = post(tiny_server, CHAT, {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1})
+    assert status == 200, reply
+
+
+def test_a_body_within_the_json_values_limit_is_read(tiny_server):
+    status, reply = post(tiny_server, CHAT, None, data=_arrays(MAX_JSON_WEIGHT // CONTAINER_WEIGHT - 10),
+                         headers={"Content-Type": "application/json"})
+    assert status == 200, reply

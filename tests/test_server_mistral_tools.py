@@ -18,7 +18,7 @@ import openai
 import pytest
 from conftest import SPECIAL_TOKENS, linked_model, write_tokenizer
 from test_server import API_KEY, LiveServer
-from test_server_auto_tools import streamed
+from test_server_auto_tools import call_deltas, streamed
 
 from colibri_stream.server.tool_syntax import MistralToolSyntax
 
@@ -74,10 +74,31 @@ def test_the_special_token_and_its_calls_come_back_as_tool_calls(client):
     assert [calls[i]["name"] for i in sorted(calls)] == ["weather", "clock"]
 
 
+def test_streamed_calls_send_each_name_first_then_its_arguments_in_pieces(client):
+    """As vLLM's mistral parser streams: each call's id and name as soon as its object names it, then its
+    arguments' text in pieces as the model writes it; the pieces make the arguments the non-streamed answer has."""
+    lark = written("Let me check.", None, ' [{"name": "weather", "arguments": {"city": "Paris", "days": [1, 2, 3]}},'
+                                          ' {"name": "clock", "arguments": {}}]')
+    chunks = list(ask(client, lark, stream=True))
+    deltas = call_deltas(chunks)
+    first = [call for call, _ in deltas if call.index == 0]
+    assert first[0].id.startswith("call_") and first[0].function.name == "weather"
+    assert first[0].function.arguments == "" and all(call.function.name is None for call in first[1:])
+    assert len(first) > 3  # the arguments came in pieces, not in one delta
+    assert json.loads("".join(call.function.arguments for call in first)) == {"city": "Paris", "days": [1, 2, 3]}
+    second = [call for call, _ in deltas if call.index == 1]
+    assert second[0].function.name == "clock" and "".join(call.function.arguments for call in second) == "{}"
+    assert deltas[0][1] < deltas[-1][1]  # the first call went out before the reply ended
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == "Let me check."
+
+
 @pytest.mark.parametrize("pieces", [
     ("Just words.",),
     (None, " not JSON"),
     (None, ' [{"name": "unknown", "arguments": {}}]'),
+    (None, ' []'),
+    (None, ' [{"name": "clock", "arguments": 5}]'),
 ])
 def test_text_that_is_not_calls_stays_content_without_special_tokens_leaking_in(client, pieces):
     text = "".join("[TOOL_CALLS]" if p is None else p for p in pieces)  # the tag's text, kept for such requests
@@ -98,3 +119,25 @@ def test_text_that_is_not_calls_stays_content_without_special_tokens_leaking_in(
 def test_mistral_split(text, expected):
     split = MistralToolSyntax().split(text, {"clock": {"type": "object"}})
     assert (None if split is None else (split[0], [c["function"]["name"] for c in split[1]])) == expected
+
+
+@pytest.mark.parametrize("text", [
+    'Hi [TOOL_CALLS] [{"name": "clock", "arguments": {"zone": "U]T}C"}, "id": "a1"},'
+    ' {"arguments": {}, "name": "weather"}]',
+    '[TOOL_CALLS] {"name": "weather", "arguments": {"city": "Paris"}}',
+    '[TOOL_CALLS] [{"name": "unknown", "arguments": {}}]',
+])
+def test_a_stream_read_a_character_at_a_time_reads_as_one_piece(text):
+    """Where the model's tokens cut the text does not change what the stream sends."""
+    def read(pieces):
+        reader = MistralToolSyntax().stream_reader({"clock": {}, "weather": {}})
+        outs = [reader.feed(piece) for piece in pieces] + [reader.finish()]
+        content = "".join(content for content, _ in outs)
+        calls: dict[int, str] = {}  # index -> name and arguments
+        for _, deltas in outs:
+            for delta in deltas:
+                function = delta["function"]
+                calls[delta["index"]] = calls.get(delta["index"], "") + function.get("name", "") + function["arguments"]
+        return content, calls
+
+    assert read(list(text)) == read([text])

@@ -11,7 +11,7 @@ import openai
 import pytest
 from conftest import model_with_template
 from test_server import API_KEY, LiveServer
-from test_server_auto_tools import HERMES_TEMPLATE, regex, streamed
+from test_server_auto_tools import HERMES_TEMPLATE, call_deltas, regex, streamed
 
 from colibri_stream.server.tool_syntax import QwenXmlToolSyntax, tool_syntax_of
 
@@ -38,17 +38,37 @@ def client(tiny_model_dir, tmp_path_factory):
     shutil.rmtree(folder)
 
 
-def test_xml_calls_come_back_with_typed_arguments(client):
-    def ask(stream: bool):
-        return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Find experts"}],
-                                              tools=TOOLS, max_tokens=500, temperature=0, stream=stream,
-                                              extra_body=regex("Looking.\n" + CALL))
+def ask(client, text: str, stream: bool = False):
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Find experts"}],
+                                          tools=TOOLS, max_tokens=500, temperature=0, stream=stream,
+                                          extra_body=regex(text))
 
-    choice = ask(False).choices[0]
+
+def test_xml_calls_come_back_with_typed_arguments(client):
+    choice = ask(client, "Looking.\n" + CALL).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Looking.\n"
     assert json.loads(choice.message.tool_calls[0].function.arguments) == ARGUMENTS
-    content, calls, reason = streamed(ask(True))
+    content, calls, reason = streamed(ask(client, "Looking.\n" + CALL, stream=True))
     assert (content, reason, json.loads(calls[0]["arguments"])) == ("Looking.\n", "tool_calls", ARGUMENTS)
+
+
+def test_streamed_xml_calls_send_the_name_first_then_a_parameter_at_a_time(client):
+    """As vLLM's qwen3_coder parser streams: the call's id and name once `<function=...>` is written, then its
+    arguments as JSON, a piece as each parameter closes and the closing brace at `</function>`; the pieces make
+    the arguments the non-streamed answer has."""
+    text = "Looking.\n" + CALL + "\n<tool_call>\n<function=search>\n</function>\n</tool_call>"
+    chunks = list(ask(client, text, stream=True))
+    deltas = call_deltas(chunks)
+    first = [call for call, _ in deltas if call.index == 0]
+    assert first[0].id.startswith("call_") and first[0].function.name == "search"
+    assert first[0].function.arguments == "" and all(call.function.name is None for call in first[1:])
+    assert len(first) > 3  # the parameters came one by one, not in one delta
+    assert json.loads("".join(call.function.arguments for call in first)) == ARGUMENTS
+    assert "".join(call.function.arguments for call in first) == json.dumps(ARGUMENTS)
+    second = [call for call, _ in deltas if call.index == 1]
+    assert second[0].function.name == "search" and "".join(c.function.arguments for c in second) == "{}"
+    assert deltas[0][1] < deltas[-1][1]  # the first call went out before the reply ended
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_the_template_marker_picks_the_xml_syntax():

@@ -30,6 +30,7 @@ from ..timing import ChromeTraceWriter
 from .error_replies import error_response
 from .generate import chat_completions, completions, messages, responses
 from .read_body import expect_continue, too_large
+from .render_anthropic import VERSION_HEADER, model_info
 from .state import (DEFAULT_KEEPALIVE_SECONDS, DEFAULT_MAX_BODY_BYTES, DEFAULT_SEND_TIMEOUT_SECONDS, STATE, ServerState,
                     check_model, count_request, json_response)
 from .tokenizer_routes import count_message_tokens, detokenize, tokenize, tokenizer_info
@@ -210,16 +211,26 @@ async def _cors_headers(request: web.Request, response: web.StreamResponse) -> N
 # ------------------------------------------------------------------------------------------------- small routes
 
 async def list_models(request: web.Request) -> web.Response:
-    return json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+    """GET /v1/models: OpenAI's list, or Anthropic's page of models for Anthropic's clients (they send
+    anthropic-version)."""
+    state = request.app[STATE]
+    if VERSION_HEADER in request.headers:
+        return json_response({"data": [_model_card(request, state)], "has_more": False,
+                              "first_id": state.model_name, "last_id": state.model_name})
+    return json_response({"object": "list", "data": [_model_card(request, state)]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     check_model(state, request.match_info["model"])
-    return json_response(_model_card(state))
+    return json_response(_model_card(request, state))
 
 
-def _model_card(state: ServerState) -> dict:
+def _model_card(request: web.Request, state: ServerState) -> dict:
+    """The served model as OpenAI's (with vLLM's max_model_len) or, asked by Anthropic's clients, Anthropic's API
+    describes a model."""
+    if VERSION_HEADER in request.headers:
+        return model_info(state.model_name, state.created)
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "colibri",
             "max_model_len": state.engine.max_seq_len}
 

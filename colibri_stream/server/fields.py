@@ -64,6 +64,9 @@ def is_int(value: Any) -> bool:
 
 
 def json_type(value: Any) -> str:
+    """What a decoded JSON value is, in JSON's words ("a string", "null")."""
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, (int, float)):

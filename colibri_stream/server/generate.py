@@ -19,7 +19,7 @@ from .generations import Generations
 from .parse_anthropic import parse_messages, switches_thinking
 from .parse_openai import parse_chat, parse_completion
 from .parse_responses import parse_response
-from .read_body import json_body, read_body
+from .read_body import LARGE_BODY_BYTES, json_body, read_body
 from .render_anthropic import MessagesEventStream, MessagesResponder, is_messages_path
 from .render_openai import Responder
 from .render_responses import ResponsesResponder
@@ -28,7 +28,6 @@ from .state import STATE, ServerState, check_model, json_response, on_worker
 
 log = logging.getLogger(__name__)
 
-LARGE_BODY_BYTES = 256 << 10  # bodies over this size are read as JSON and parsed on a worker thread
 # Fields from which a request's parse builds a grammar (llguidance: 0.2 s for a 3000-property schema, 0.9 s for 50000
 # choices), so the parse runs on a worker thread
 GRAMMAR_FIELDS = ("response_format", "text", "tools", "structured_outputs", "guided_json", "guided_regex",
@@ -103,7 +102,7 @@ async def _parse(request: web.Request, parse: Callable[[Any], GenerateRequest]) 
     thousands of chat messages), or one from which the parse builds a grammar (a schema, a regex, thousands of
     choices can take a second)."""
     raw = await read_body(request)
-    if len(raw) > LARGE_BODY_BYTES:
+    if len(raw) > LARGE_BODY_BYTES:  # read as JSON and parsed on a worker thread
         return await on_worker(lambda: parse(json_body(raw)))
     body = json_body(raw)
     if isinstance(body, dict) and any(body.get(name) for name in GRAMMAR_FIELDS):

@@ -1,5 +1,5 @@
 """Reading a request's body as JSON: its size limit (also announced with `Expect: 100-continue`), its
-Content-Encoding, and the 400 of a body that is not JSON."""
+Content-Encoding, the limit on the JSON values it holds, and the 400 of a body that is not JSON."""
 
 from __future__ import annotations
 
@@ -11,9 +11,14 @@ from aiohttp import web
 from ..errors import APIError
 from .error_replies import error_response
 from .fields import bad_request
-from .state import STATE, ServerState, count_request
+from .state import STATE, ServerState, count_request, on_worker
 
 READABLE_ENCODINGS = ("identity", "gzip", "deflate")  # request bodies aiohttp decodes without extra packages
+LARGE_BODY_BYTES = 256 << 10  # bodies over this size are read as JSON on a worker thread
+# The most a body's JSON may weigh (`json_weight`): orjson holds the GIL while it builds the values, so every other
+# request and stream of the server waits for the whole reading
+MAX_JSON_WEIGHT = 300_000
+CONTAINER_WEIGHT = 6  # an array or an object (which the garbage collector tracks too) weighs as much as 6 strings
 
 
 def too_large(state: ServerState) -> APIError:
@@ -43,8 +48,11 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
 
 
 async def read_json(request: web.Request) -> Any:
-    """The body as JSON (`read_body`, `json_body`)."""
-    return json_body(await read_body(request))
+    """The body as JSON (`read_body`, `json_body`; a large one read on a worker thread)."""
+    raw = await read_body(request)
+    if len(raw) > LARGE_BODY_BYTES:
+        return await on_worker(lambda: json_body(raw))
+    return json_body(raw)
 
 
 async def read_body(request: web.Request) -> bytes:
@@ -68,11 +76,26 @@ async def read_body(request: web.Request) -> bytes:
 
 
 def json_body(raw: bytes) -> Any:
-    """A body's bytes as JSON; a 400 where they are not JSON."""
+    """A body's bytes as JSON; a 413 where they hold more values than the server reads at once
+    (`MAX_JSON_WEIGHT`), a 400 where they are not JSON."""
+    if len(raw) * CONTAINER_WEIGHT > MAX_JSON_WEIGHT:  # (a smaller body cannot weigh more)
+        containers, strings = json_weight(raw)
+        if containers * CONTAINER_WEIGHT + strings > MAX_JSON_WEIGHT:
+            raise APIError(413, f"the request body holds too many JSON values to read: {containers} arrays and "
+                                f"objects and {strings} strings (an array or object counts as {CONTAINER_WEIGHT} "
+                                f"strings; the server reads at most {MAX_JSON_WEIGHT})", code="request_too_large")
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+def json_weight(raw: bytes) -> tuple[int, int]:
+    """(arrays and objects, strings) a JSON text holds at most: its opening brackets and half its quotes, counted
+    whether they are syntax or characters inside a string."""
+    containers = raw.count(b"[") + raw.count(b"{")
+    strings = raw.count(b'"') // 2
+    return containers, strings
 
 
 def unreadable_encoding(encoding: str | None) -> APIError:

@@ -7,8 +7,8 @@ stop_sequence (naming the stop_sequence) or end_turn. A stream sends Anthropic's
 content_block_start, content_block_delta (thinking_delta, text_delta, input_json_delta) and content_block_stop,
 then message_delta (stop_reason, usage) and message_stop. A block opens with its first text; an "auto" call's
 tool_use block opens as the model writes the call, its input following in input_json_delta pieces (as
-tool_syntax's stream reader lets them out: Hermes calls piece by piece, the other syntaxes' whole once the text
-is), and what went out as a call stays one, as chat streams it; a forced call's block comes at the end, once its
+tool_syntax's stream reader lets them out: Hermes, Qwen3-Coder and Mistral calls piece by piece, the other
+syntaxes' whole once the text is), and what went out as a call stays one, as chat streams it; a forced call's block comes at the end, once its
 text is whole. An error after the stream has opened goes out as an `error` event.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import datetime, timezone
 from typing import Any
 
 from ..errors import APIError
@@ -28,6 +29,15 @@ MESSAGES_PATH = "/v1/messages"
 # Anthropic's error type for an HTTP status; other 4xx are invalid_request_error, other 5xx api_error
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+VERSION_HEADER = "anthropic-version"  # sent by Anthropic's clients with every request
+
+
+def model_info(model_id: str, created: int) -> dict:
+    """A model as Anthropic's Models API lists it (`ModelInfo`), `created` in seconds since the epoch."""
+    created_at = datetime.fromtimestamp(created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"type": "model", "id": model_id, "display_name": model_id, "created_at": created_at}
 
 
 def is_messages_path(path: str) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from .generate_request import GenerateRequest
 from .harmony import HarmonyStream
 from .reasoning import ThinkingStream
-from .tool_streams import HeldCalls, StreamedCalls
+from .tool_streams import HeldCalls, StreamedCalls, StreamedListCalls
 from .tools import tool_calls
 
 
@@ -53,7 +53,8 @@ class ReplyText:
         if request.split_reasoning:
             self._thinking = HarmonyStream() if request.harmony else ThinkingStream(thinking_started)
         self._content: list[str] = []  # the content pieces so far (the reply outside its reasoning)
-        self._reader: StreamedCalls | HeldCalls | None = None  # streaming "auto": the calls read so far
+        # streaming "auto": the calls read so far
+        self._reader: StreamedCalls | StreamedListCalls | HeldCalls | None = None
         if self._auto is not None and request.stream:
             self._reader = (HeldCalls(self._auto.syntax, self._auto.schemas) if calls_whole
                             else self._auto.syntax.stream_reader(self._auto.schemas))

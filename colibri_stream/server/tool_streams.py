@@ -1,7 +1,8 @@
-"""Tool calls read from a reply while it streams, for tool_choice "auto" (the syntaxes are tool_syntax.py's):
-`StreamedCalls` lets Hermes blocks out as calls as they are written, `HeldCalls` holds the text of a syntax read
-only once whole (`HeldText`) and sends its calls at the end. Both return (content to send now, tool_calls
-deltas) from `feed` and `finish`."""
+"""Tool calls read from a reply while it streams, for tool_choice "auto" (the syntaxes are tool_syntax.py's), as
+vLLM's parsers stream them: a call's id and name first, then its arguments' text in pieces. `StreamedCalls` reads
+Hermes blocks, `StreamedXmlCalls` Qwen3-Coder's XML in the same blocks, `StreamedListCalls` Mistral's JSON array
+after its tag; `HeldCalls` holds the text of a syntax read only once whole (`HeldText`) and sends its calls at the
+end. Each returns (content to send now, tool_calls deltas) from `feed` and `finish`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from .text_tags import held_prefix
+from .tool_values import json_call, parameter_schema, typed_value
+
+# The start of a call written as JSON, up to the brace that opens its arguments: {"name": "...", "arguments": {
+JSON_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{')
 
 
 class WholeSyntax(Protocol):
@@ -24,7 +29,7 @@ class WholeSyntax(Protocol):
 
 
 class BlockSyntax(Protocol):
-    """What StreamedCalls asks of a syntax of blocks (Hermes'): its tags and the reading of one block."""
+    """What StreamedCalls asks of a syntax of blocks (Hermes', Qwen3-Coder's): its tags and the reading of one block."""
 
     opening: str
     closing: str
@@ -35,6 +40,51 @@ class BlockSyntax(Protocol):
 def _call_delta(index: int, call: dict) -> dict:
     """A whole tool_calls entry as a stream delta's."""
     return dict(call, index=index)
+
+
+def _call_header(index: int, name: str) -> dict:
+    """A streamed call's first delta: its id, type and name (its arguments follow in pieces)."""
+    return {"index": index, "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": ""}}
+
+
+def _arguments_piece(index: int, text: str) -> dict:
+    """A delta of the next piece of call `index`'s arguments."""
+    return {"index": index, "function": {"arguments": text}}
+
+
+class JsonScan:
+    """Where a JSON value that opens with a bracket ends, read piece by piece: the brackets open outside strings
+    (`depth`), and whether the scan is inside a string."""
+
+    def __init__(self, depth: int = 0):
+        self.depth = depth
+        self._in_string = self._escaped = False
+        self.stopped = False  # `end` stopped at one of its `stops` rather than at the closing bracket
+
+    def end(self, text: str, stops: str = "") -> int | None:
+        """The index in `text` just past the bracket that brings the depth back to 0, or that of the first of
+        `stops` met outside a string (`stopped` then set); None where the value goes on after `text`."""
+        for i, char in enumerate(text):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+            elif char in stops:
+                self.stopped = True
+                return i
+        return None
 
 
 def _merged(deltas: list[dict]) -> list[dict]:
@@ -69,7 +119,7 @@ class StreamedCalls:
     call cut short) is not taken back, as vLLM streams it; the non-streamed answer, read once whole, keeps such
     text as content (`HermesToolSyntax.split`)."""
 
-    _head = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{')
+    _head = JSON_CALL_HEAD  # how a block that is a call starts (`_call_name` reads the name in it)
 
     def __init__(self, syntax: BlockSyntax, tools: Mapping[str, Any]):
         self._syntax = syntax
@@ -77,8 +127,7 @@ class StreamedCalls:
         self._state = "text"  # text | block (a block's start, or a held block) | arguments | tail (after them)
         self._buffer = ""  # the text read but not sent: an end that may begin a tag, a block, a block's tail
         self._after_call = False  # in "text": only whitespace since the last call
-        self._depth = 0  # in "arguments": brackets open
-        self._in_string = self._escaped = False  # in "arguments": inside a JSON string, after its backslash
+        self._scan = JsonScan()  # in "arguments": where the arguments object ends
         self.calls = 0  # calls sent so far
         self.whole = True  # every call sent was closed (its arguments object ended)
 
@@ -96,7 +145,7 @@ class StreamedCalls:
             return ("" if self._after_call and not rest.strip() else rest), []
         if self._state == "block":  # the last block may lack its closing tag, as in `split`
             return self._held_block(rest)
-        if self._state == "arguments":  # cut short
+        if self._state != "tail":  # cut short inside a call's arguments
             self.whole = False
             return "", []
         leftover = re.sub(r"\A\s*\}?\s*", "", rest)  # "tail": the end of the call object and its closing tag
@@ -125,14 +174,12 @@ class StreamedCalls:
         end = pending.find(self._syntax.closing, searched)
         block = pending if end < 0 else pending[:end]
         head = self._head.match(block)
-        name = _json_string(head.group(1)) if head is not None else None
+        name = self._call_name(head) if head is not None else None
         if name in self._tools:
-            self._state, self._buffer = "arguments", ""
-            self._depth, self._in_string, self._escaped = 0, False, False
-            deltas.append({"index": self.calls, "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                           "function": {"name": name, "arguments": ""}})
+            self._buffer = ""
+            deltas.append(_call_header(self.calls, name))
             self.calls += 1
-            return pending[head.end() - 1:]  # from the arguments' opening brace
+            return self._start_arguments(pending, head)
         if end < 0:  # a start that may still become a call's, or a block held until it closes
             self._buffer = pending
             return ""
@@ -141,6 +188,15 @@ class StreamedCalls:
         deltas += calls
         self._state, self._buffer = "text", ""
         return pending[end + len(self._syntax.closing):]
+
+    def _call_name(self, head: re.Match) -> str | None:
+        """The tool's name in a block's head (`_head`'s match)."""
+        return _json_string(head.group(1))
+
+    def _start_arguments(self, pending: str, head: re.Match) -> str:
+        """Begin reading a streamed call's arguments after its head; the text left to read."""
+        self._state, self._scan = "arguments", JsonScan()
+        return pending[head.end() - 1:]  # from the arguments' opening brace
 
     def _held_block(self, block: str, closed: bool = False) -> tuple[str, list[dict]]:
         """A block that did not open as a streamed call, once it is whole (`closed`: by its closing tag, else by
@@ -155,31 +211,11 @@ class StreamedCalls:
     def _read_arguments(self, text: str, content: list[str], deltas: list[dict]) -> str:
         """The arguments object's text, sent as it comes, up to the brace that closes it (a `<` outside a string,
         which JSON cannot hold, ends it too: the model went on to a tag)."""
-        end = None
-        for i, char in enumerate(text):
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif char == "\\":
-                    self._escaped = True
-                elif char == '"':
-                    self._in_string = False
-            elif char == '"':
-                self._in_string = True
-            elif char in "{[":
-                self._depth += 1
-            elif char in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    end = i + 1
-                    break
-            elif char == "<":
-                self.whole = False
-                end = i
-                break
+        end = self._scan.end(text, stops="<")
+        self.whole = self.whole and not self._scan.stopped
         piece = text if end is None else text[:end]
         if piece:
-            deltas.append({"index": self.calls - 1, "function": {"arguments": piece}})
+            deltas.append(_arguments_piece(self.calls - 1, piece))
         if end is None:
             return ""
         self._state = "tail"
@@ -197,6 +233,198 @@ class StreamedCalls:
         return pending[end + len(self._syntax.closing):]
 
 
+class StreamedXmlCalls(StreamedCalls):
+    """One streamed choice's text in Qwen3-Coder's blocks (`<tool_call><function=NAME><parameter=KEY>value
+    </parameter>...</function></tool_call>`), read as vLLM's qwen3_coder parser streams it: text outside the blocks
+    as `StreamedCalls` sends it; a block that opens with `<function=` and one of the tools' names goes out as a call
+    at once, its id, type and name, then its arguments as JSON a parameter at a time, as each closes: `{"KEY":
+    value`, then `, "KEY": value`, each raw value typed by the tool's parameter schema as the non-streamed answer
+    types it (`QwenXmlToolSyntax`), then `}` at `</function>` (or at the block's closing tag, where the model left
+    `</function>` out). Text between the parameters is syntax; a reply cut before `</function>` leaves the call
+    not whole."""
+
+    _head = re.compile(r"\s*<function=([^>\n]+)>")
+    _parameter_open = re.compile(r"\s*<parameter=([^>\n]+)>")
+    _parameter_close = "</parameter>"
+    _function_close = "</function>"
+
+    def __init__(self, syntax: BlockSyntax, tools: Mapping[str, Any]):
+        super().__init__(syntax, tools)
+        self._schema: Any = None  # in "parameters": the parameters schema of the call being read
+        self._keys = 0  # in "parameters": the parameters sent so far
+
+    def _call_name(self, head: re.Match) -> str | None:
+        return head.group(1).strip()
+
+    def _start_arguments(self, pending: str, head: re.Match) -> str:
+        self._state, self._schema, self._keys = "parameters", self._tools[self._call_name(head)], 0
+        return pending[head.end():]
+
+    def _read_parameters(self, text: str, content: list[str], deltas: list[dict]) -> str:
+        """The call's parameters, each sent once its closing tag is written, up to `</function>`."""
+        searched = len(self._buffer)  # (the buffer holds no whole parameter)
+        pending = self._buffer + text
+        while True:
+            opening = self._parameter_open.match(pending)
+            if opening is None:
+                break
+            close = pending.find(self._parameter_close, max(opening.end(), searched - len(self._parameter_close) + 1))
+            if close < 0:
+                self._buffer = pending
+                return ""
+            key = opening.group(1).strip()
+            raw = pending[opening.end():close].removeprefix("\n").removesuffix("\n")
+            value = typed_value(raw, parameter_schema(self._schema, key))
+            piece = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
+            deltas.append(_arguments_piece(self.calls - 1, ("{" if self._keys == 0 else ", ") + piece))
+            self._keys += 1
+            pending, searched = pending[close + len(self._parameter_close):], 0
+        for closing in (self._function_close, self._syntax.closing):
+            at = pending.find(closing)
+            if at >= 0:
+                deltas.append(_arguments_piece(self.calls - 1, "{}" if self._keys == 0 else "}"))
+                self._buffer = ""
+                if closing == self._syntax.closing:
+                    self._state, self._after_call = "text", True
+                else:
+                    self._state = "tail"
+                return pending[at + len(closing):]
+        self._buffer = pending
+        return ""
+
+
+class StreamedListCalls:
+    """One streamed choice's text in Mistral's syntax (`[TOOL_CALLS]` then a JSON array of {"name", "arguments"}
+    objects, or one object), read as vLLM's mistral parser streams it: `feed` and `finish` return (content to send
+    now, tool_calls deltas).
+
+    The text before the tag goes out as content as it comes (`HeldText`). After it, each object of the array that
+    opens with `{"name": <one of the tools>, "arguments": {` goes out as a call at once: its id, type and name,
+    then its arguments object's text piece by piece as the model writes it (the rest of the object, such as an
+    "id" the model wrote, is syntax). An object that opens otherwise is read whole and goes out as a call where it
+    is one. Where the text after the tag stops being such an array, the rest is content: with no call sent yet,
+    the whole text from the tag on (as the non-streamed answer has it); after calls, the rest alone (a call once
+    sent is not taken back). Whitespace after the array is dropped."""
+
+    def __init__(self, syntax: WholeSyntax, tools: Mapping[str, Any]):
+        self._syntax = syntax
+        self._tools = tools
+        self._before = HeldText(syntax.opening)  # the text up to the tag
+        # text | open (after the tag) | next (an object or the array's end) | object (its start, or held whole) |
+        # arguments | tail (the rest of the object) | between (a comma or the array's end) | after | content
+        self._state = "text"
+        self._since_tag: list[str] = []  # the text after the tag
+        self._buffer = ""  # in "object": the object read so far; in "after" and "content": the text held
+        self._array = True  # the calls are an array (else one object)
+        self._scan = JsonScan()  # where the object, its arguments or its tail ends
+        self.calls = 0  # calls sent so far
+        self.whole = True  # every call sent was closed (its arguments object ended)
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        content: list[str] = []
+        deltas: list[dict] = []
+        if self._state == "text":
+            content.append(self._before.feed(text))
+            if not self._before.in_calls:
+                return "".join(content), []
+            text, self._state = self._before.rest()[len(self._syntax.opening):], "open"
+        self._since_tag.append(text)
+        while text:
+            text = getattr(self, "_read_" + self._state)(text, deltas)
+        return "".join(content), _merged(deltas)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """What is left once the text is whole."""
+        if self._state == "text":
+            return self._before.rest(), []
+        if self.calls == 0:  # nothing went out as a call: the text from the tag on is content
+            return self._syntax.opening + "".join(self._since_tag), []
+        if self._state in ("arguments", "tail"):  # cut short inside a call
+            self.whole = False
+            return "", []
+        rest = self._buffer if self._state in ("object", "content") or self._buffer.strip() else ""
+        return rest, []
+
+    def _read_open(self, text: str, deltas: list[dict]) -> str:
+        rest = text.lstrip()
+        if rest[:1] == "[":
+            return self._go("next", rest[1:])
+        if rest[:1] == "{":
+            self._array = False
+            return self._go("next", rest)
+        return self._go("content", rest) if rest else ""
+
+    def _read_next(self, text: str, deltas: list[dict]) -> str:
+        rest = text.lstrip()
+        if rest[:1] == "{":
+            self._buffer, self._scan = "", JsonScan()
+            return self._go("object", rest)
+        if rest[:1] == "]" and self._array:
+            return self._go("after", rest[1:])
+        return self._go("content", rest) if rest else ""
+
+    def _read_object(self, text: str, deltas: list[dict]) -> str:
+        read = len(self._buffer)
+        pending = self._buffer + text
+        head = JSON_CALL_HEAD.match(pending)
+        name = _json_string(head.group(1)) if head is not None else None
+        if name in self._tools:
+            deltas.append(_call_header(self.calls, name))
+            self.calls += 1
+            self._buffer, self._scan = "", JsonScan()
+            return self._go("arguments", pending[head.end() - 1:])  # from the arguments' opening brace
+        end = self._scan.end(text)
+        if end is None:
+            self._buffer = pending
+            return ""
+        call = json_call(pending[:read + end], self._tools)
+        if call is None:
+            self._buffer = ""
+            return self._go("content", pending)
+        deltas.append(_call_delta(self.calls, call))
+        self.calls += 1
+        self._buffer = ""
+        return self._go("between" if self._array else "after", pending[read + end:])
+
+    def _read_arguments(self, text: str, deltas: list[dict]) -> str:
+        end = self._scan.end(text)
+        piece = text if end is None else text[:end]
+        if piece:
+            deltas.append(_arguments_piece(self.calls - 1, piece))
+        if end is None:
+            return ""
+        self._scan = JsonScan(depth=1)  # inside the call's object
+        return self._go("tail", text[end:])
+
+    def _read_tail(self, text: str, deltas: list[dict]) -> str:
+        end = self._scan.end(text)
+        if end is None:
+            return ""
+        return self._go("between" if self._array else "after", text[end:])
+
+    def _read_between(self, text: str, deltas: list[dict]) -> str:
+        rest = text.lstrip()
+        if rest[:1] == ",":
+            return self._go("next", rest[1:])
+        if rest[:1] == "]":
+            return self._go("after", rest[1:])
+        return self._go("content", rest) if rest else ""
+
+    def _read_after(self, text: str, deltas: list[dict]) -> str:
+        """After the calls: held, and sent at the end where it is more than whitespace."""
+        self._buffer += text
+        return ""
+
+    def _read_content(self, text: str, deltas: list[dict]) -> str:
+        """Text that is not calls: held, and sent at the end."""
+        self._buffer += text
+        return ""
+
+    def _go(self, state: str, text: str) -> str:
+        self._state = state
+        return text
+
+
 def _json_string(literal: str) -> str | None:
     """The value of a JSON string literal; None where it is not one."""
     try:
@@ -205,10 +433,12 @@ def _json_string(literal: str) -> str | None:
         return None
 
 
+
 class HeldCalls:
-    """One streamed choice's text in a syntax read only once whole (every syntax but Hermes'): `feed`
-    and `finish` return (content to send now, tool_calls deltas). The text from the syntax's opening tag on is held
-    (`HeldText`); at the end it goes out as calls where it reads as calls, else as content."""
+    """One streamed choice's text in a syntax read only once whole (GLM-4.5's, MiniMax-M2's, DeepSeek-V3's, Kimi
+    K2's, harmony's; any syntax where the calls go out whole): `feed` and `finish` return (content to send now,
+    tool_calls deltas). The text from the syntax's opening tag on is held (`HeldText`); at the end it goes out as
+    calls where it reads as calls, else as content."""
 
     def __init__(self, syntax: WholeSyntax, tools: Mapping[str, Any]):
         self._syntax = syntax

@@ -46,8 +46,11 @@ with an object of arguments, or that has text between or after them, stays text:
 While streaming (`stream_reader`), Hermes blocks are read as vLLM's hermes parser streams them (`StreamedCalls`):
 text outside the blocks goes out as content as it comes, and a block that opens with one of the tools' names and
 an arguments object goes out as a call at once, its name first, then its arguments' text piece by piece as the
-model writes it. The other syntaxes hold the text from the opening tag to the end (`HeldCalls`), then send it as
-tool_calls (or, if it is not well-formed calls, as content). The tags of the syntaxes that mark
+model writes it. Qwen3-Coder's XML blocks are streamed as vLLM's qwen3_coder parser does (`StreamedXmlCalls`: the
+name first, then the arguments as JSON a parameter at a time), and so is Mistral's array of calls after its tag
+(`StreamedListCalls`: each call's name, then its arguments' text in pieces). The other syntaxes hold the text from
+the opening tag to the end (`HeldCalls`), then send it as tool_calls (or, if it is not well-formed calls, as
+content). The tags of the syntaxes that mark
 `keeps_special_tokens` are special tokens of their models' tokenizers, so such requests keep special tokens in their
 text.
 """
@@ -56,11 +59,11 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .tool_streams import HeldCalls, StreamedCalls
+from .tool_streams import HeldCalls, StreamedCalls, StreamedListCalls, StreamedXmlCalls
+from .tool_values import json_call, tool_call_entry, typed_arguments
 
 
 class HermesToolSyntax:
@@ -73,7 +76,7 @@ class HermesToolSyntax:
     keeps_special_tokens = False
     _block = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 
-    def stream_reader(self, tools: Mapping[str, Any]) -> StreamedCalls | HeldCalls:
+    def stream_reader(self, tools: Mapping[str, Any]) -> StreamedCalls:
         """The reader of one streamed choice's text (`tools`: name -> parameters schema)."""
         return StreamedCalls(self, tools)
 
@@ -103,11 +106,7 @@ class HermesToolSyntax:
 
     def _parse_block(self, block: str, tools: Mapping[str, Any]) -> dict | None:
         """A tool_calls entry from one block's JSON {"name", "arguments"}; None if it is not a call of `tools`."""
-        try:
-            call = json.loads(block)
-        except ValueError:
-            return None
-        return tool_call_entry(call, tools)
+        return json_call(block, tools)
 
 
 class QwenXmlToolSyntax(HermesToolSyntax):
@@ -118,11 +117,11 @@ class QwenXmlToolSyntax(HermesToolSyntax):
 
     name = "qwen3_xml"
     template_marker = "<function="
-
-    def stream_reader(self, tools: Mapping[str, Any]) -> HeldCalls:
-        return HeldCalls(self, tools)
     _function = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*\Z", re.DOTALL)
     _parameter = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+    def stream_reader(self, tools: Mapping[str, Any]) -> StreamedXmlCalls:
+        return StreamedXmlCalls(self, tools)
 
     def _parse_block(self, block: str, tools: Mapping[str, Any]) -> dict | None:
         function = self._function.match(block)
@@ -137,7 +136,7 @@ class QwenXmlToolSyntax(HermesToolSyntax):
             end = parameter.end()
         if body[end:].strip():
             return None
-        return tool_call_entry({"name": name, "arguments": _typed_arguments(pairs, tools[name])}, tools)
+        return tool_call_entry({"name": name, "arguments": typed_arguments(pairs, tools[name])}, tools)
 
 
 class GlmToolSyntax(HermesToolSyntax):
@@ -160,7 +159,7 @@ class GlmToolSyntax(HermesToolSyntax):
         pairs = [(key.strip(), value) for key, value in self._pair.findall(block)]
         if first >= 0 and self._pair.sub("", block[first:]).strip():  # text between or after the pairs
             return None
-        return tool_call_entry({"name": name, "arguments": _typed_arguments(pairs, tools[name])}, tools)
+        return tool_call_entry({"name": name, "arguments": typed_arguments(pairs, tools[name])}, tools)
 
 
 class MiniMaxToolSyntax(HermesToolSyntax):
@@ -187,7 +186,7 @@ class MiniMaxToolSyntax(HermesToolSyntax):
             if name not in tools or self._parameter.sub("", body).strip():
                 return None
             pairs = [(key, value.removeprefix("\n").removesuffix("\n")) for key, value in self._parameter.findall(body)]
-            calls.append(tool_call_entry({"name": name, "arguments": _typed_arguments(pairs, tools[name])}, tools))
+            calls.append(tool_call_entry({"name": name, "arguments": typed_arguments(pairs, tools[name])}, tools))
         if not calls or self._invoke.sub("", block).strip():
             return None
         return calls
@@ -287,30 +286,6 @@ def _section(text: str, opening: str, closing: str) -> str | None:
     return body
 
 
-def _typed_arguments(pairs: list[tuple[str, str]], schema: Any) -> dict:
-    """Raw (key, value) pairs as arguments, each value typed by its parameter's schema in `schema` (`_typed`)."""
-    properties = schema.get("properties") if isinstance(schema, dict) else None
-    properties = properties if isinstance(properties, dict) else {}  # parameter -> its schema
-    return {key: _typed(value, properties.get(key)) for key, value in pairs}
-
-
-def _typed(value: str, schema: Any) -> Any:
-    """A raw parameter value as its schema's type asks (the string where it does not read as that type)."""
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    kinds = kind if isinstance(kind, list) else [kind]
-    if not any(k in ("integer", "number", "boolean", "null", "object", "array") for k in kinds):
-        return value
-    try:
-        typed = json.loads(value)
-    except ValueError:
-        return value
-    matches = {"integer": isinstance(typed, int) and not isinstance(typed, bool),
-               "number": isinstance(typed, (int, float)) and not isinstance(typed, bool),
-               "boolean": isinstance(typed, bool), "null": typed is None, "object": isinstance(typed, dict),
-               "array": isinstance(typed, list)}
-    return typed if any(matches.get(k, False) for k in kinds) else value
-
-
 class MistralToolSyntax:
     """`[TOOL_CALLS]` then a JSON array of {"name", "arguments"} objects (or one object)."""
 
@@ -319,9 +294,9 @@ class MistralToolSyntax:
     template_marker = "[TOOL_CALLS]"
     keeps_special_tokens = True
 
-    def stream_reader(self, tools: Mapping[str, Any]) -> HeldCalls:
+    def stream_reader(self, tools: Mapping[str, Any]) -> StreamedListCalls:
         """The reader of one streamed choice's text (`tools`: name -> parameters schema)."""
-        return HeldCalls(self, tools)
+        return StreamedListCalls(self, tools)
 
     def split(self, text: str, tools: Mapping[str, Any]) -> tuple[str, list[dict]] | None:
         """(the text before the calls, the calls as a message's tool_calls) of a whole text; None where it holds no
@@ -338,17 +313,6 @@ class MistralToolSyntax:
         if not calls or None in calls:
             return None
         return text[:start], calls
-
-
-def tool_call_entry(call: object, tools: Mapping[str, Any]) -> dict | None:
-    """A tool_calls entry from a decoded {"name", "arguments"} object; None if it is not a call of `tools`."""
-    if not isinstance(call, dict) or call.get("name") not in tools:
-        return None
-    arguments = call.get("arguments", call.get("parameters", {}))
-    if not isinstance(arguments, dict):
-        return None
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
 class NoToolSyntax:
