@@ -35,6 +35,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from conditions import machine
 
 from colibri_stream.batch import single_sequence_batch
 from colibri_stream.loader import load_model
@@ -67,15 +68,15 @@ def gguf_writer():
     return module
 
 
-def llama_class(bindings: str | None):
-    """llama-cpp-python's `Llama`, from the folder `bindings` (or the installed package), with this folder (whose
-    llama_cpp.py would shadow the package) off the import path."""
+def llama_bindings(folder: str | None):
+    """llama-cpp-python's package, from `folder` (or the installed one), with this folder (whose llama_cpp.py
+    would shadow the package) off the import path."""
     sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != HERE]
-    if bindings:
-        sys.path.insert(0, str(Path(bindings).resolve()))
-    from llama_cpp import Llama
+    if folder:
+        sys.path.insert(0, str(Path(folder).resolve()))
+    import llama_cpp
 
-    return Llama
+    return llama_cpp
 
 
 def tiny_config(family: str):
@@ -141,6 +142,12 @@ def agreeing_prefix(a: list[int], b: list[int]) -> int:
     return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def summary(record: dict) -> dict:
+    """A record's agreement figures, without the token lists."""
+    return dict(family=record["family"], **{matrices: {key: value for key, value in record[matrices].items()
+                                                       if key != "llama_tokens"} for matrices in ("bf16", "f32")})
+
+
 def compare(family: str, folder: Path, writer, llama_type, gguf_py: Path, prompt_len: int, steps: int,
             threads: int) -> dict:
     """One family's record: Colibri against llama.cpp (`llama_type`) on the bf16 GGUF file and on the float32 one,
@@ -182,14 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="JSON records")
     args = parser.parse_args(argv)
     os.environ["LLAMA_CPP_LIB_PATH"] = str(Path(args.llama_lib).resolve())
-    writer, llama_type = gguf_writer(), llama_class(args.llama_cpp_python)
+    writer, bindings = gguf_writer(), llama_bindings(args.llama_cpp_python)
+    common = dict(machine(), bench="llama_cpp_parity", llama_cpp_python=bindings.__version__,
+                  llama_lib=str(Path(args.llama_lib).resolve()))
     records = []
     with tempfile.TemporaryDirectory(prefix="colibri-llama-parity-") as scratch:
         for family in args.families:
-            record = compare(family, Path(scratch) / family, writer, llama_type, Path(args.gguf_py),
+            record = compare(family, Path(scratch) / family, writer, bindings.Llama, Path(args.gguf_py),
                              args.prompt_tokens, args.tokens, args.threads)
-            records.append(record)
-            print(json.dumps({key: record[key] for key in ("family", "bf16", "f32")}), flush=True)
+            records.append(dict(common, **record))
+            print(json.dumps(summary(record)), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
     return 0
