@@ -63,8 +63,11 @@ def _placeholder_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
 
 
 # llama-quantize options that keep every tensor but the routed experts in bf16: attention (its 2-D weights; norms and
-# the router are never quantized), the token embedding and the output matrix.
-DENSE_BF16 = ("--tensor-type", "attn=bf16", "--token-embedding-type", "bf16", "--output-tensor-type", "bf16")
+# the router are never quantized), shared experts (ffn_*_shexp), dense MLPs (ffn_gate.weight, ...: not the routed
+# ffn_gate_exps), the token embedding and the output matrix. Each --tensor-type is a regular expression searched in
+# the tensor names; one that matches nothing (no shared expert) changes nothing.
+DENSE_BF16 = ("--tensor-type", "attn=bf16", "--tensor-type", "shexp=bf16", "--tensor-type",
+              r"ffn_(gate|up|down)\.weight=bf16", "--token-embedding-type", "bf16", "--output-tensor-type", "bf16")
 
 
 def _partial(path: Path) -> Path:
@@ -82,6 +85,7 @@ class GgufArchitecture:
     qk_norms: tuple[str, ...]  # the qk_norm values it reads (full: one weight over all heads' q, and k)
     mlp_norm: str  # its name for the norm before the MLP
     qkv_bias: bool = False  # reads q, k and v biases
+    weights_norm_key: bool = False  # reads expert_weights_norm (else it renormalises the top-k weights always)
     shared_expert: bool = False  # reads an ungated shared expert (expert_shared_count routed widths)
     leading_dense_layers: bool = False  # reads dense MLPs in the first layers (leading_dense_block_count)
     nextn_layers: bool = False  # reads nextn_predict_layers (multi-token prediction layers: 0 written, none held)
@@ -93,7 +97,8 @@ ARCHITECTURES = {
     "mixtral": GgufArchitecture("llama", True, "softmax", ("none",), "ffn_norm"),
     "qwen3_moe": GgufArchitecture("qwen3moe", False, "softmax", ("per_head",), "ffn_norm"),
     "glm4_moe": GgufArchitecture("glm4moe", False, "sigmoid", ("none", "per_head"), "post_attention_norm",
-                                 qkv_bias=True, shared_expert=True, leading_dense_layers=True, nextn_layers=True),
+                                 qkv_bias=True, weights_norm_key=True, shared_expert=True, leading_dense_layers=True,
+                                 nextn_layers=True),
     "minimax_m2": GgufArchitecture("minimax-m2", False, "sigmoid", ("full",), "ffn_norm"),
 }
 
@@ -101,21 +106,20 @@ ARCHITECTURES = {
 def unwritable(config, arch: GgufArchitecture) -> list[str]:
     """What of `config` (a ModelConfig) llama.cpp's `arch` would not compute as Colibri does; empty if nothing."""
     first_moe = config.moe_layers[0] if config.moe_layers else config.num_layers
+    shared = config.shared_expert_intermediate_size
     checks = {
         f"router_scoring {config.router_scoring} (llama.cpp's {arch.name} computes {arch.scoring})":
             config.router_scoring != arch.scoring,
         f"qk_norm {config.qk_norm}": config.qk_norm not in arch.qk_norms,
         "q/k/v biases": config.qkv_bias and not arch.qkv_bias,
-        "a shared expert": bool(config.shared_expert_intermediate_size) and not arch.shared_expert,
-        "a gated shared expert, or one not a whole number of routed widths": bool(
-            config.shared_expert_intermediate_size) and (config.shared_expert_gate or
-                                                         config.shared_expert_intermediate_size
-                                                         % config.moe_intermediate_size != 0),
+        "a shared expert": bool(shared) and not arch.shared_expert,
+        "a gated shared expert, or one not a whole number of routed widths": bool(shared) and (
+            config.shared_expert_gate or shared % config.moe_intermediate_size != 0),
         "dense layers other than the leading ones": config.moe_layers != tuple(range(first_moe, config.num_layers)),
         "leading dense layers": first_moe > 0 and not arch.leading_dense_layers,
-        "a score correction bias, routed_scaling_factor or unnormalised top-k weights": arch.scoring == "softmax" and (
-            config.score_correction_bias or config.routed_scaling_factor != 1.0 or not config.norm_topk_prob),
-        "unnormalised top-k weights": arch.name == "minimax-m2" and not config.norm_topk_prob,
+        "a score correction bias or routed_scaling_factor": arch.scoring == "softmax" and (
+            config.score_correction_bias or config.routed_scaling_factor != 1.0),
+        "unnormalised top-k weights": not config.norm_topk_prob and not arch.weights_norm_key,
         "partial rotary": arch.interleaved_rotary and config.rotary_dim not in (None, config.head_dim),
         "an o bias, attention sinks, clip_qkv, latent attention, sliding windows, interleaved or scaled rope": (
             config.o_bias or config.attention_sinks or config.clip_qkv is not None or config.attention != "gqa"
@@ -232,6 +236,7 @@ def _write_metadata(writer, config, arch: GgufArchitecture, name: str, gguf, mat
     if arch.scoring == "sigmoid":
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_expert_weights_scale(config.routed_scaling_factor)
+    if arch.weights_norm_key:
         writer.add_expert_weights_norm(config.norm_topk_prob)
     if arch.shared_expert:
         writer.add_expert_shared_count(config.shared_expert_intermediate_size // config.moe_intermediate_size)

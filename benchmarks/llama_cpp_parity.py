@@ -74,8 +74,10 @@ def llama_bindings(folder: str | None):
     sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != HERE]
     if folder:
         sys.path.insert(0, str(Path(folder).resolve()))
-    import llama_cpp
-
+    try:
+        import llama_cpp
+    except ImportError as error:
+        sys.exit(f"llama_cpp_parity.py needs llama-cpp-python's bindings (--llama-cpp-python): {error}")
     return llama_cpp
 
 
@@ -188,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", help="JSON records")
     args = parser.parse_args(argv)
+    if not (Path(args.gguf_py) / "gguf").is_dir():
+        sys.exit(f"llama_cpp_parity.py needs llama.cpp's gguf-py folder: {args.gguf_py} holds no gguf package")
+    if not list(Path(args.llama_lib).glob("libllama.*")):
+        sys.exit(f"llama_cpp_parity.py needs a CPU build of libllama: {args.llama_lib} holds none")
     os.environ["LLAMA_CPP_LIB_PATH"] = str(Path(args.llama_lib).resolve())
     writer, bindings = gguf_writer(), llama_bindings(args.llama_cpp_python)
     common = dict(machine(), bench="llama_cpp_parity", llama_cpp_python=bindings.__version__,

@@ -116,12 +116,13 @@ def test_minimax_m2_tensors_and_keys(benchmarks, tmp_path):
     assert found["blk.0.ffn_norm.weight"] == ((config.hidden_size,), "F32")
     assert found["blk.2.exp_probs_b.bias"] == ((config.num_experts,), "F32")
     assert not [name for name in found if "shexp" in name or ".bias" in name and "exp_probs_b" not in name]
-    keys = {"minimax-m2.expert_gating_func": SIGMOID, "minimax-m2.expert_weights_norm": True,
+    keys = {"minimax-m2.expert_gating_func": SIGMOID,
             "minimax-m2.rope.dimension_count": config.rotary_dim,
             "minimax-m2.feed_forward_length": config.moe_intermediate_size,
             "minimax-m2.expert_count": config.num_experts, "minimax-m2.expert_used_count": config.top_k}
     assert {key: value(reader, key) for key in keys} == keys
-    assert not [key for key in reader.fields if "shared" in key or "leading_dense" in key or "nextn" in key]
+    assert not [key for key in reader.fields
+                if "shared" in key or "leading_dense" in key or "nextn" in key or "weights_norm" in key]
 
 
 @needs_gguf_py
@@ -148,9 +149,11 @@ def test_options_llama_cpp_would_compute_otherwise_are_refused(benchmarks):
         "dense layers other than the leading ones"]
     assert writer.unwritable(dataclasses.replace(glm, router_scoring="softmax"), arch) == [
         "router_scoring softmax (llama.cpp's glm4moe computes sigmoid)"]
-    minimax = parity.tiny_config("minimax_m2")
-    assert writer.unwritable(dataclasses.replace(minimax, qk_norm="per_head"), writer.ARCHITECTURES["minimax_m2"]) == [
-        "qk_norm per_head"]
+    minimax, minimax_arch = parity.tiny_config("minimax_m2"), writer.ARCHITECTURES["minimax_m2"]
+    assert writer.unwritable(dataclasses.replace(minimax, qk_norm="per_head"), minimax_arch) == ["qk_norm per_head"]
+    assert writer.unwritable(dataclasses.replace(minimax, norm_topk_prob=False), minimax_arch) == [
+        "unnormalised top-k weights"]
+    assert writer.unwritable(dataclasses.replace(glm, norm_topk_prob=False), arch) == []
     mixtral = parity.tiny_config("mixtral")
     assert writer.unwritable(dataclasses.replace(mixtral, rotary_dim=16), writer.ARCHITECTURES["mixtral"]) == [
         "partial rotary"]
