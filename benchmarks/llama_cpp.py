@@ -141,13 +141,11 @@ def _tensor_plan(folder, config, arch: GgufArchitecture, gguf,
     matrix_type = f32 if matrices == "f32" else gguf.GGMLQuantizationType.BF16
     dense = folder.dense
 
-    def matrix(array: np.ndarray) -> np.ndarray:  # a bf16 matrix as the file stores it
-        if matrices == "f32":
-            return np.ascontiguousarray(array.astype(np.float32))
-        return np.ascontiguousarray(array).view(np.uint16)
-
     def float32(array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array.astype(np.float32))
+
+    def matrix(array: np.ndarray) -> np.ndarray:  # a bf16 matrix as the file stores it
+        return float32(array) if matrices == "f32" else np.ascontiguousarray(array).view(np.uint16)
 
     def rotary(array: np.ndarray, heads: int) -> np.ndarray:
         return matrix(_rotary_rows(array, heads) if arch.interleaved_rotary else array)
