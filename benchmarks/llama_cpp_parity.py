@@ -17,7 +17,8 @@ llama.cpp runs through llama-cpp-python's bindings (`Llama`, `--llama-cpp-python
 folder of an unpacked llama-cpp-python sdist, which also holds the llama.cpp tree) over a CPU build of that tree's
 libllama (`--llama-lib`: its folder of libllama.so and the ggml libraries, as
 `cmake -B build -DGGML_CUDA=OFF -DBUILD_SHARED_LIBS=ON && cmake --build build --target llama-simple` leaves in
-build/bin). The bindings must be of the same llama.cpp version as the library.
+build/bin). The bindings must be of the same llama.cpp version as the library; their package imports diskcache
+(`pip install diskcache` where llama-cpp-python itself is not installed).
 
     python benchmarks/llama_cpp_parity.py --gguf-py SDIST/vendor/llama.cpp/gguf-py --llama-cpp-python SDIST \
         --llama-lib build/bin --out benchmarks/results/llama_cpp_parity_cpu.json
