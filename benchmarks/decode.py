@@ -355,17 +355,21 @@ class Transformers:
 
 def step_bytes(config, batch: int, distinct: float, context: int, kv_bytes: int,
                expert_bytes: float | None = None) -> float:
-    """Bytes one decode step reads at least: dense weights, lm_head, the `distinct` experts a layer touches at
+    """Bytes one decode step reads at least: dense weights (attention; the dense MLPs of the layers that are not
+    MoE; each MoE layer's router and shared expert), lm_head, the `distinct` routed experts a MoE layer touches at
     `expert_bytes` each (default: three bf16 matrices; a quantized format's codes, scales and zero points), the KV
     cache of `batch` sequences of `context` tokens at `kv_bytes` an element."""
     h, d = config.hidden_size, config.head_dim
     attention = (2 * config.num_heads + 2 * config.num_kv_heads) * d * h * WEIGHT_BYTES
     router = config.num_experts * h * WEIGHT_BYTES
+    shared_expert = 3 * h * config.shared_expert_intermediate_size * WEIGHT_BYTES
+    dense_mlp = 3 * h * config.intermediate_size * WEIGHT_BYTES
     if expert_bytes is None:
         expert_bytes = 3 * h * config.moe_intermediate_size * WEIGHT_BYTES
-    experts = distinct * expert_bytes
     kv = 2 * batch * context * config.num_kv_heads * d * kv_bytes
-    return config.num_layers * (attention + router + experts + kv) + config.vocab_size * h * WEIGHT_BYTES
+    moe_layers = len(config.moe_layers)
+    return (config.num_layers * (attention + kv) + moe_layers * (router + shared_expert + distinct * expert_bytes)
+            + (config.num_layers - moe_layers) * dense_mlp + config.vocab_size * h * WEIGHT_BYTES)
 
 
 def machine() -> dict:

@@ -1,11 +1,16 @@
 """llama.cpp on the same machine and the same weights: the baseline of the decode and offload benchmarks.
 
 Four jobs:
-- `write_gguf(folder, path, gguf_py)`: the native model folder `folder` (a Mixtral or Qwen3-MoE model, such as
-  `write_synthetic_folder`'s) as a bf16 GGUF file of llama.cpp's `llama` or `qwen3moe` architecture: the same
-  tensors (Mixtral's q and k rows permuted to llama.cpp's interleaved rotary layout, as its own converter does from
-  Hugging Face checkpoints), norms and router in float32, and a placeholder SentencePiece vocabulary of the model's size (the benchmarks read no text).
+- `write_gguf(folder, path, gguf_py)`: the native model folder `folder` (a Mixtral, Qwen3-MoE, GLM-4.5 or
+  MiniMax-M2 model, such as `write_synthetic_folder`'s) as a bf16 GGUF file of llama.cpp's `llama`, `qwen3moe`,
+  `glm4moe` or `minimax-m2` architecture (ARCHITECTURES): the same tensors (Mixtral's q and k rows permuted to
+  llama.cpp's interleaved rotary layout, as its own converter does from Hugging Face checkpoints; the others use
+  the rotate-half layout as it is), norms, biases, the router and its score correction bias in float32, the routing
+  options as llama.cpp's keys (gating function, weights scale and norm, shared experts, leading dense layers, no
+  multi-token-prediction layers), and a placeholder SentencePiece vocabulary of the model's size (the benchmarks
+  read no text). A model option the architecture would not compute as Colibri does is refused (`unwritable`).
   `gguf_py` is the gguf-py folder of the llama.cpp source tree (the `gguf` package that writes the format).
+  benchmarks/llama_cpp_parity.py checks on the CPU that llama.cpp computes from these files what Colibri computes.
 - `quantize_gguf(binary, src, dst, llama_format, threads)`: llama-quantize of such a file to one of llama.cpp's
   formats (Q4_0, Q4_K_M, Q8_0, ...); with `DENSE_BF16` among its options only the routed experts are quantized,
   as in a Colibri folder with quantized experts.
@@ -24,6 +29,7 @@ A GGUF file is written under a temporary name and renamed when whole, so a file 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -57,8 +63,11 @@ def _placeholder_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
 
 
 # llama-quantize options that keep every tensor but the routed experts in bf16: attention (its 2-D weights; norms and
-# the router are never quantized), the token embedding and the output matrix.
-DENSE_BF16 = ("--tensor-type", "attn=bf16", "--token-embedding-type", "bf16", "--output-tensor-type", "bf16")
+# the router are never quantized), shared experts (ffn_*_shexp), dense MLPs (ffn_gate.weight, ...: not the routed
+# ffn_gate_exps), the token embedding and the output matrix. Each --tensor-type is a regular expression searched in
+# the tensor names; one that matches nothing (no shared expert) changes nothing.
+DENSE_BF16 = ("--tensor-type", "attn=bf16", "--tensor-type", "shexp=bf16", "--tensor-type",
+              r"ffn_(gate|up|down)\.weight=bf16", "--token-embedding-type", "bf16", "--output-tensor-type", "bf16")
 
 
 def _partial(path: Path) -> Path:
@@ -66,92 +75,176 @@ def _partial(path: Path) -> Path:
     return path.with_name(path.name + ".partial")
 
 
-# Our architectures llama.cpp has, as (its architecture name, q/k rows permuted to its interleaved rotary layout).
-_ARCHITECTURES = {"mixtral": ("llama", True), "qwen3_moe": ("qwen3moe", False)}
+@dataclasses.dataclass(frozen=True)
+class GgufArchitecture:
+    """How one of our families is written for llama.cpp."""
+
+    name: str  # llama.cpp's architecture (general.architecture)
+    interleaved_rotary: bool  # q and k rows permuted to llama.cpp's interleaved rotary layout (its rope type NORM)
+    scoring: str  # the router_scoring it computes (softmax, or sigmoid with a score correction bias)
+    qk_norms: tuple[str, ...]  # the qk_norm values it reads (full: one weight over all heads' q, and k)
+    mlp_norm: str  # its name for the norm before the MLP
+    qkv_bias: bool = False  # reads q, k and v biases
+    weights_norm_key: bool = False  # reads expert_weights_norm (else it renormalises the top-k weights always)
+    shared_expert: bool = False  # reads an ungated shared expert (expert_shared_count routed widths)
+    leading_dense_layers: bool = False  # reads dense MLPs in the first layers (leading_dense_block_count)
+    nextn_layers: bool = False  # reads nextn_predict_layers (multi-token prediction layers: 0 written, none held)
 
 
-def write_gguf(folder_path: str | Path, gguf_path: str | Path, gguf_py: str | Path) -> Path:
-    """Write the native model folder at `folder_path` as a bf16 GGUF file for llama.cpp (module docstring)."""
-    sys.path.insert(0, str(gguf_py))
-    import gguf
+# Our architectures llama.cpp has. Partial rotary (rotary_dim) is llama.cpp's rope_dimension_count; the NEOX rope
+# type of qwen3moe, glm4moe and minimax-m2 rotates pairs (i, i + R/2) of the first R dimensions, as Colibri does.
+ARCHITECTURES = {
+    "mixtral": GgufArchitecture("llama", True, "softmax", ("none",), "ffn_norm"),
+    "qwen3_moe": GgufArchitecture("qwen3moe", False, "softmax", ("per_head",), "ffn_norm"),
+    "glm4_moe": GgufArchitecture("glm4moe", False, "sigmoid", ("none", "per_head"), "post_attention_norm",
+                                 qkv_bias=True, weights_norm_key=True, shared_expert=True, leading_dense_layers=True,
+                                 nextn_layers=True),
+    "minimax_m2": GgufArchitecture("minimax-m2", False, "sigmoid", ("full",), "ffn_norm"),
+}
 
-    from colibri_stream.checkpoint import ModelFolder
 
-    folder = ModelFolder(folder_path)
-    config = folder.config
-    if config.architecture not in _ARCHITECTURES:
-        raise ValueError(f"write_gguf writes {' and '.join(_ARCHITECTURES)} models, not {config.architecture!r}")
-    arch, interleave = _ARCHITECTURES[config.architecture]
-    if (config.qkv_bias or config.o_bias or config.shared_expert_intermediate_size
-            or set(config.moe_layers) != set(range(config.num_layers))
-            or config.qk_norm != ("per_head" if arch == "qwen3moe" else "none")):
-        raise ValueError(f"write_gguf writes {config.architecture} models of the published layout only")
-    if config.expert_dtype != "bfloat16" or config.dtype != "bfloat16":
-        raise ValueError("write_gguf writes bf16 models only")
-    bf16, f32 = gguf.GGMLQuantizationType.BF16, gguf.GGMLQuantizationType.F32
+def unwritable(config, arch: GgufArchitecture) -> list[str]:
+    """What of `config` (a ModelConfig) llama.cpp's `arch` would not compute as Colibri does; empty if nothing."""
+    first_moe = config.moe_layers[0] if config.moe_layers else config.num_layers
+    shared = config.shared_expert_intermediate_size
+    checks = {
+        f"router_scoring {config.router_scoring} (llama.cpp's {arch.name} computes {arch.scoring})":
+            config.router_scoring != arch.scoring,
+        f"qk_norm {config.qk_norm}": config.qk_norm not in arch.qk_norms,
+        "q/k/v biases": config.qkv_bias and not arch.qkv_bias,
+        "a shared expert": bool(shared) and not arch.shared_expert,
+        "a gated shared expert, or one not a whole number of routed widths": bool(shared) and (
+            config.shared_expert_gate or shared % config.moe_intermediate_size != 0),
+        "dense layers other than the leading ones": config.moe_layers != tuple(range(first_moe, config.num_layers)),
+        "leading dense layers": first_moe > 0 and not arch.leading_dense_layers,
+        "a score correction bias or routed_scaling_factor": arch.scoring == "softmax" and (
+            config.score_correction_bias or config.routed_scaling_factor != 1.0),
+        "unnormalised top-k weights": not config.norm_topk_prob and not arch.weights_norm_key,
+        "partial rotary": arch.interleaved_rotary and config.rotary_dim not in (None, config.head_dim),
+        "an o bias, attention sinks, clip_qkv, latent attention, sliding windows, interleaved or scaled rope": (
+            config.o_bias or config.attention_sinks or config.clip_qkv is not None or config.attention != "gqa"
+            or any(w is not None for w in config.sliding_windows) or config.rope_interleave
+            or config.rope.type != "default"),
+        "a router bias, expert biases or a clamped SwiGLU": (config.router_bias or config.expert_bias
+                                                              or config.swiglu_limit is not None),
+        "weights other than bf16": config.expert_dtype != "bfloat16" or config.dtype != "bfloat16",
+    }
+    return [what for what, refused in checks.items() if refused]
+
+
+def _tensor_plan(folder, config, arch: GgufArchitecture, gguf,
+                 matrices: str) -> dict[str, tuple[tuple[int, ...], object, object]]:
+    """name -> (numpy shape, GGML type, function making the array) of every tensor of the GGUF file, in file order:
+    matrices bf16 (as their uint16 bits) or, with `matrices` "f32", widened to float32; norms, biases and the
+    router float32."""
+    f32 = gguf.GGMLQuantizationType.F32
+    matrix_type = f32 if matrices == "f32" else gguf.GGMLQuantizationType.BF16
     dense = folder.dense
-
-    def bits(array: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(array).view(np.uint16)
 
     def float32(array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array.astype(np.float32))
 
+    def matrix(array: np.ndarray) -> np.ndarray:  # a bf16 matrix as the file stores it
+        return float32(array) if matrices == "f32" else np.ascontiguousarray(array).view(np.uint16)
+
     def rotary(array: np.ndarray, heads: int) -> np.ndarray:
-        return bits(_rotary_rows(array, heads) if interleave else array)
+        return matrix(_rotary_rows(array, heads) if arch.interleaved_rotary else array)
 
-    def experts(layer: int, part: str) -> np.ndarray:  # [E, rows, cols] uint16, one part of every expert
-        return np.stack([bits(folder.experts.tensors(layer, e)[part]) for e in range(config.num_experts)])
+    def experts(layer: int, part: str) -> np.ndarray:  # [E, rows, cols], one part of every expert
+        return np.stack([matrix(folder.experts.tensors(layer, e)[part]) for e in range(config.num_experts)])
 
-    # name -> (numpy shape, raw type, function producing the array), in file order
+    def correction_bias(p: str) -> np.ndarray:  # llama.cpp needs one: zeros choose by score, as Colibri without one
+        if config.score_correction_bias:
+            return float32(dense.get(p + "score_correction_bias"))
+        return np.zeros(config.num_experts, np.float32)
+
     plan: dict[str, tuple[tuple[int, ...], object, object]] = {}
 
-    def add(name, shape, kind, make):
-        plan[name] = (tuple(shape), kind, make)
+    def add_matrix(name, shape, make):  # a bf16 matrix (or stack of experts' matrices)
+        plan[name] = (tuple(shape), matrix_type, make)
+
+    def add_float32(name, shape, make):  # a norm weight, a bias or the router
+        plan[name] = (tuple(shape), f32, make)
+
+    def dense_matrix(name: str):
+        return lambda: matrix(dense.get(name))
+
+    def dense_float32(name: str):
+        return lambda: float32(dense.get(name))
 
     h, v, d = config.hidden_size, config.vocab_size, config.head_dim
     q_rows, kv_rows = config.num_heads * d, config.num_kv_heads * d
-    e, i = config.num_experts, config.moe_intermediate_size
-    add("token_embd.weight", (v, h), bf16, lambda: bits(dense.get("embed_tokens")))
+    e, i, s = config.num_experts, config.moe_intermediate_size, config.shared_expert_intermediate_size
+    qk_norm_widths = {"per_head": (d, d), "full": (q_rows, kv_rows)}.get(config.qk_norm)
+    add_matrix("token_embd.weight", (v, h), dense_matrix("embed_tokens"))
     for layer in range(config.num_layers):
         p, b = f"layers.{layer}.", f"blk.{layer}."
-        add(b + "attn_norm.weight", (h,), f32, lambda p=p: float32(dense.get(p + "input_norm")))
-        add(b + "attn_q.weight", (q_rows, h), bf16, lambda p=p: rotary(dense.get(p + "q_proj"), config.num_heads))
-        add(b + "attn_k.weight", (kv_rows, h), bf16, lambda p=p: rotary(dense.get(p + "k_proj"), config.num_kv_heads))
-        add(b + "attn_v.weight", (kv_rows, h), bf16, lambda p=p: bits(dense.get(p + "v_proj")))
-        add(b + "attn_output.weight", (h, q_rows), bf16, lambda p=p: bits(dense.get(p + "o_proj")))
-        if config.qk_norm == "per_head":
-            add(b + "attn_q_norm.weight", (d,), f32, lambda p=p: float32(dense.get(p + "q_norm")))
-            add(b + "attn_k_norm.weight", (d,), f32, lambda p=p: float32(dense.get(p + "k_norm")))
-        add(b + "ffn_norm.weight", (h,), f32, lambda p=p: float32(dense.get(p + "post_attention_norm")))
-        add(b + "ffn_gate_inp.weight", (e, h), f32, lambda p=p: float32(dense.get(p + "router")))
-        add(b + "ffn_gate_exps.weight", (e, i, h), bf16, lambda layer=layer: experts(layer, "gate"))
-        add(b + "ffn_up_exps.weight", (e, i, h), bf16, lambda layer=layer: experts(layer, "up"))
-        add(b + "ffn_down_exps.weight", (e, h, i), bf16, lambda layer=layer: experts(layer, "down"))
-    add("output_norm.weight", (h,), f32, lambda: float32(dense.get("norm")))
-    head = "embed_tokens" if config.tie_word_embeddings else "lm_head"
-    add("output.weight", (v, h), bf16, lambda: bits(dense.get(head)))
+        add_float32(b + "attn_norm.weight", (h,), dense_float32(p + "input_norm"))
+        add_matrix(b + "attn_q.weight", (q_rows, h), lambda p=p: rotary(dense.get(p + "q_proj"), config.num_heads))
+        add_matrix(b + "attn_k.weight", (kv_rows, h), lambda p=p: rotary(dense.get(p + "k_proj"), config.num_kv_heads))
+        add_matrix(b + "attn_v.weight", (kv_rows, h), dense_matrix(p + "v_proj"))
+        if config.qkv_bias:
+            for part, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+                add_float32(b + f"attn_{part}.bias", (rows,), dense_float32(f"{p}{part}_bias"))
+        add_matrix(b + "attn_output.weight", (h, q_rows), dense_matrix(p + "o_proj"))
+        if qk_norm_widths:
+            add_float32(b + "attn_q_norm.weight", (qk_norm_widths[0],), dense_float32(p + "q_norm"))
+            add_float32(b + "attn_k_norm.weight", (qk_norm_widths[1],), dense_float32(p + "k_norm"))
+        add_float32(b + arch.mlp_norm + ".weight", (h,), dense_float32(p + "post_attention_norm"))
+        if not config.is_moe_layer(layer):
+            w = config.intermediate_size
+            for part, shape in (("gate", (w, h)), ("up", (w, h)), ("down", (h, w))):
+                add_matrix(b + f"ffn_{part}.weight", shape, dense_matrix(f"{p}mlp.{part}_proj"))
+            continue
+        add_float32(b + "ffn_gate_inp.weight", (e, h), dense_float32(p + "router"))
+        if arch.scoring == "sigmoid":
+            add_float32(b + "exp_probs_b.bias", (e,), lambda p=p: correction_bias(p))
+        for part, shape in (("gate", (e, i, h)), ("up", (e, i, h)), ("down", (e, h, i))):
+            add_matrix(b + f"ffn_{part}_exps.weight", shape, lambda layer=layer, part=part: experts(layer, part))
+        if s:
+            for part, shape in (("gate", (s, h)), ("up", (s, h)), ("down", (h, s))):
+                add_matrix(b + f"ffn_{part}_shexp.weight", shape, dense_matrix(f"{p}shared_expert.{part}_proj"))
+    add_float32("output_norm.weight", (h,), dense_float32("norm"))
+    add_matrix("output.weight", (v, h), dense_matrix("embed_tokens" if config.tie_word_embeddings else "lm_head"))
+    return plan
 
-    gguf_path = Path(gguf_path)
-    writer = gguf.GGUFWriter(str(_partial(gguf_path)), arch)
-    writer.add_name(f"colibri {Path(folder_path).name}")
+
+def _write_metadata(writer, config, arch: GgufArchitecture, name: str, gguf, matrices: str) -> None:
+    """The key-value metadata of the model: dimensions, attention, rotary, routing, the placeholder vocabulary."""
+    dense_first = config.moe_layers[0] if config.moe_layers else config.num_layers
+    writer.add_name(name)
     writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(h)
+    writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_layers)
-    writer.add_feed_forward_length(i)
-    writer.add_expert_feed_forward_length(i)
-    writer.add_rope_dimension_count(d)
+    # The dense MLPs' width where there are some; minimax-m2 and the others size their experts by it
+    writer.add_feed_forward_length(config.intermediate_size if dense_first else config.moe_intermediate_size)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_rope_dimension_count(config.rotary_dim or config.head_dim)
     writer.add_head_count(config.num_heads)
     writer.add_head_count_kv(config.num_kv_heads)
-    writer.add_key_length(d)
-    writer.add_value_length(d)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope.theta)
-    writer.add_expert_count(e)
+    writer.add_expert_count(config.num_experts)
     writer.add_expert_used_count(config.top_k)
-    writer.add_vocab_size(v)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
-    tokens, scores, types = _placeholder_vocab(v)
+    if config.n_group > 1:
+        writer.add_expert_group_count(config.n_group)
+        writer.add_expert_group_used_count(config.topk_group)
+    if arch.scoring == "sigmoid":
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(config.routed_scaling_factor)
+    if arch.weights_norm_key:
+        writer.add_expert_weights_norm(config.norm_topk_prob)
+    if arch.shared_expert:
+        writer.add_expert_shared_count(config.shared_expert_intermediate_size // config.moe_intermediate_size)
+    if arch.leading_dense_layers:
+        writer.add_leading_dense_block_count(dense_first)
+    if arch.nextn_layers:
+        writer.add_nextn_predict_layers(0)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if matrices == "f32" else gguf.LlamaFileType.MOSTLY_BF16)
+    tokens, scores, types = _placeholder_vocab(config.vocab_size)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -159,10 +252,35 @@ def write_gguf(folder_path: str | Path, gguf_path: str | Path, gguf_py: str | Pa
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
+
+
+def write_gguf(folder_path: str | Path, gguf_path: str | Path, gguf_py: str | Path, matrices: str = "bf16") -> Path:
+    """Write the native model folder at `folder_path` as a GGUF file for llama.cpp (module docstring); `matrices`
+    "f32" widens the bf16 matrices to float32 (the same values, computed in float32 by llama.cpp's CPU backend)."""
+    if matrices not in ("bf16", "f32"):
+        raise ValueError(f"matrices are written bf16 or f32, not {matrices!r}")
+    sys.path.insert(0, str(gguf_py))
+    import gguf
+
+    from colibri_stream.checkpoint import ModelFolder
+
+    folder = ModelFolder(folder_path)
+    config = folder.config
+    if config.architecture not in ARCHITECTURES:
+        raise ValueError(f"write_gguf writes {', '.join(ARCHITECTURES)} models, not {config.architecture!r}")
+    arch = ARCHITECTURES[config.architecture]
+    refused = unwritable(config, arch)
+    if refused:
+        raise ValueError(f"llama.cpp's {arch.name} does not compute this {config.architecture} model's "
+                         f"{'; '.join(refused)}")
+    plan = _tensor_plan(folder, config, arch, gguf, matrices)
+    gguf_path = Path(gguf_path)
+    writer = gguf.GGUFWriter(str(_partial(gguf_path)), arch.name)
+    _write_metadata(writer, config, arch, f"colibri {Path(folder_path).name}", gguf, matrices)
     for name, (shape, kind, _) in plan.items():
-        itemsize = 4 if kind == f32 else 2
-        writer.add_tensor_info(name, shape, np.dtype(np.float32 if kind == f32 else np.uint16),
-                               int(np.prod(shape)) * itemsize, raw_dtype=kind)
+        f32 = kind == gguf.GGMLQuantizationType.F32
+        writer.add_tensor_info(name, shape, np.dtype(np.float32 if f32 else np.uint16),
+                               int(np.prod(shape)) * (4 if f32 else 2), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -254,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     from colibri_stream.synthetic import write_synthetic_folder
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--folder", required=True, help="native model folder (Mixtral or Qwen3-MoE, bf16); "
+    parser.add_argument("--folder", required=True, help="native model folder (Mixtral, Qwen3-MoE, GLM-4.5 "
+                        "or MiniMax-M2, bf16); "
                         "a random one of --shape and --layers is written there if it is missing")
     parser.add_argument("--shape", default="mixtral-8x7b")
     parser.add_argument("--layers", type=int, default=8)

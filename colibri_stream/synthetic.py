@@ -50,18 +50,31 @@ SHAPES: dict[str, dict] = {
                         num_kv_heads=16, head_dim=128, num_experts=64, top_k=8, moe_intermediate_size=1024,
                         norm_topk_prob=False, qk_norm="full", rope=RopeConfig(theta=10000.0), rms_norm_eps=1e-5,
                         max_position_embeddings=4096),
+    "glm-4.5-air": dict(architecture="glm4_moe", vocab_size=151552, hidden_size=4096, num_layers=46, num_heads=96,
+                        num_kv_heads=8, head_dim=128, num_experts=128, top_k=8, moe_intermediate_size=1408,
+                        first_dense_layers=1, intermediate_size=10944, shared_expert_intermediate_size=1408,
+                        router_scoring="sigmoid", score_correction_bias=True, n_group=1, topk_group=1,
+                        routed_scaling_factor=1.0, norm_topk_prob=True, qkv_bias=True, rotary_dim=64,
+                        rope=RopeConfig(theta=1e6), rms_norm_eps=1e-5, max_position_embeddings=131072),
+    "minimax-m2": dict(architecture="minimax_m2", vocab_size=200064, hidden_size=3072, num_layers=62, num_heads=48,
+                       num_kv_heads=8, head_dim=128, num_experts=256, top_k=8, moe_intermediate_size=1536,
+                       router_scoring="sigmoid", score_correction_bias=True, norm_topk_prob=True, qk_norm="full",
+                       rotary_dim=64, rope=RopeConfig(theta=5e6), rms_norm_eps=1e-6,
+                       max_position_embeddings=196608),
 }
 
 
 def shape_config(name: str, num_layers: int | None = None, dtype: str = "bfloat16") -> ModelConfig:
-    """The ModelConfig of a named shape (SHAPES), every layer MoE, optionally with fewer layers."""
+    """The ModelConfig of a named shape (SHAPES), optionally with fewer layers: every layer MoE but the shape's
+    `first_dense_layers` leading ones (GLM-4.5's first_k_dense_replace), which are dense MLPs."""
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}: one of {', '.join(SHAPES)}")
     fields = dict(SHAPES[name])
-    layers = num_layers or fields.pop("num_layers")
+    layers = num_layers or fields["num_layers"]
     fields["num_layers"] = layers
-    return ModelConfig(**fields, moe_layers=tuple(range(layers)), sliding_windows=(None,) * layers, dtype=dtype,
-                       expert_dtype=dtype)
+    first_moe = min(fields.pop("first_dense_layers", 0), layers)
+    return ModelConfig(**fields, moe_layers=tuple(range(first_moe, layers)), sliding_windows=(None,) * layers,
+                       dtype=dtype, expert_dtype=dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,15 +89,29 @@ class WeightDraw:
     shift: float = 0.0
 
 
+# Spread of a synthetic router's score correction bias: half the spread of its sigmoid scores (about 0.2 for the
+# unit-scale logits of a random router), so the bias changes which experts are chosen for many tokens.
+CORRECTION_BIAS_STD = 0.1
+
+
+def _vector_std(name: str) -> float:
+    """The spread of a 1-D dense tensor's draw: norm weights 0.1 (about 1), correction biases CORRECTION_BIAS_STD,
+    other biases 0.02."""
+    if name.endswith("norm"):
+        return 0.1
+    return CORRECTION_BIAS_STD if name.endswith("score_correction_bias") else 0.02
+
+
 def dense_draws(config: ModelConfig, seed: int = 0) -> dict[str, WeightDraw]:
-    """The draw of every dense tensor (`dense_tensor_specs` order). Norm weights are 1 + N(0, 0.1) and biases
-    N(0, 0.02), both float32; the embedding is N(0, 1), other matrices N(0, 1/fan_in), in `config.dtype`."""
+    """The draw of every dense tensor (`dense_tensor_specs` order). Norm weights are 1 + N(0, 0.1), a router's
+    score correction bias N(0, CORRECTION_BIAS_STD) and other biases N(0, 0.02), all float32; the embedding is
+    N(0, 1), other matrices N(0, 1/fan_in), in `config.dtype`."""
     draws = {}
     for order, (name, shape) in enumerate(dense_tensor_specs(config).items()):
         tensor_seed = seed * 1_000_003 + order
         if len(shape) == 1:
-            norm = name.endswith("norm")
-            draws[name] = WeightDraw(shape, 0.1 if norm else 0.02, tensor_seed, "float32", 1.0 if norm else 0.0)
+            shift = 1.0 if name.endswith("norm") else 0.0
+            draws[name] = WeightDraw(shape, _vector_std(name), tensor_seed, "float32", shift)
         else:
             std = 1.0 if name == "embed_tokens" else shape[1] ** -0.5
             draws[name] = WeightDraw(shape, std, tensor_seed, config.dtype)

@@ -39,7 +39,7 @@ GPU_SCRIPTS = {
 }
 # Scripts with a test of their own below.
 CPU_SCRIPTS = {"cpu_expert_kernels.py", "exit_stress.py", "expert_format_quality.py", "export_peak_rss.py",
-               "llama_cpp.py", "offload_accelerate.py", "policy_eval.py", "prefix_cache_ttft.py", "sampling_host.py",
+               "llama_cpp.py", "llama_cpp_parity.py", "offload_accelerate.py", "policy_eval.py", "prefix_cache_ttft.py", "sampling_host.py",
                "serving_cpu.py", "serving_gpu.py", "step_kernels_table.py", "timing_overhead.py"}
 
 
@@ -121,6 +121,15 @@ def test_export_peak_rss(tmp_path):
     assert record["checkpoint"]["layers"] == 1 and record["checkpoint"]["bytes"] > 0
     assert [run["mode"] for run in record["runs"]] == ["bf16"] and record["runs"][0]["peak_rss_bytes"] > 0
     assert {path.name for path in tmp_path.iterdir()} == {"export_peak_rss.json"}  # its checkpoint removed
+
+
+def test_llama_cpp_parity_needs_gguf_py_and_a_libllama_build(tmp_path):
+    """Without llama.cpp's gguf-py, or without a libllama build, the comparison stops before writing a model."""
+    done = run_script("llama_cpp_parity.py", "--gguf-py", tmp_path / "no-gguf-py", "--llama-lib", tmp_path)
+    assert done.returncode != 0 and "needs llama.cpp's gguf-py folder" in done.stderr
+    (tmp_path / "gguf-py" / "gguf").mkdir(parents=True)
+    done = run_script("llama_cpp_parity.py", "--gguf-py", tmp_path / "gguf-py", "--llama-lib", tmp_path)
+    assert done.returncode != 0 and "needs a CPU build of libllama" in done.stderr
 
 
 def test_llama_cpp_needs_the_gguf_writer_of_a_llama_cpp_tree(tmp_path):

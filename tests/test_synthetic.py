@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,17 +13,48 @@ from colibri_stream import synthetic
 from colibri_stream.backends.numpy_backend import NumpyBackend
 from colibri_stream.checkpoint import TOKENIZER_FILES, ModelFolder, dense_tensor_specs
 from colibri_stream.errors import CheckpointError
+from colibri_stream.export.architectures import translate_config
 from colibri_stream.batch import single_sequence_batch
 from colibri_stream.loader import load_model
-from colibri_stream.synthetic import (SHAPES, RandomDense, RandomExpertStore, WeightDraw, pooled_normal, shape_config,
-                                      synthetic_model, write_synthetic_folder)
+from colibri_stream.synthetic import (CORRECTION_BIAS_STD, SHAPES, RandomDense, RandomExpertStore, WeightDraw,
+                                      dense_draws, pooled_normal, shape_config, synthetic_model,
+                                      write_synthetic_folder)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_named_shapes_are_valid_configs(name):
     config = shape_config(name, num_layers=3)
-    assert config.num_layers == 3 and config.moe_layers == (0, 1, 2)
+    assert config.num_layers == 3 and config.moe_layers == tuple(range(SHAPES[name].get("first_dense_layers", 0), 3))
     assert shape_config(name).num_layers == SHAPES[name]["num_layers"]
+
+
+# Each named shape and the stored published config.json it is taken from (tests/data/hf_configs): MiniMax-M2.5
+# keeps MiniMax-M2's architecture and dimensions.
+PUBLISHED = {"mixtral-8x7b": "mixtral-8x7b-v0.1", "qwen3-30b-a3b": "qwen3-30b-a3b", "olmoe-1b-7b": "olmoe-1b-7b",
+             "glm-4.5-air": "glm-4.5-air", "minimax-m2": "minimax-m2.5-bf16"}
+# The router tensors that tell the exporter a published checkpoint has score correction biases.
+CORRECTION_BIASES = {"model.layers.1.mlp.gate.e_score_correction_bias",
+                     "model.layers.0.block_sparse_moe.e_score_correction_bias"}
+
+
+def test_every_shape_names_its_published_config():
+    assert set(PUBLISHED) == set(SHAPES)
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_shape_is_what_its_published_config_translates_to(name):
+    """Every field the exporter derives from the published config.json, but the special tokens (a synthetic model
+    has no tokenizer)."""
+    raw = json.loads((Path(__file__).parent / "data" / "hf_configs" / f"{PUBLISHED[name]}.json").read_text())
+    published = translate_config(raw, {}, CORRECTION_BIASES, "bfloat16", "bfloat16")
+    published = dataclasses.replace(published, bos_token_id=None, eos_token_ids=(), pad_token_id=None)
+    assert shape_config(name) == published
+
+
+def test_correction_biases_are_drawn_wide_enough_to_change_the_choice():
+    draws = dense_draws(shape_config("glm-4.5-air", num_layers=2))
+    assert draws["layers.1.score_correction_bias"].std == CORRECTION_BIAS_STD
+    assert draws["layers.1.q_bias"].std == 0.02 and draws["layers.1.input_norm"].shift == 1.0
 
 
 def test_unknown_shape_is_refused():

@@ -1,0 +1,215 @@
+"""llama.cpp computes the same model as Colibri from the GGUF file `llama_cpp.write_gguf` writes: a check on the CPU.
+
+For each family (Mixtral, Qwen3-MoE, GLM-4.5, MiniMax-M2, and GLM-4.5 with per-head qk-norm, expert groups and a
+routed scaling factor) a tiny model of its published shape's options (`TINY`: small widths, a few layers, GLM's
+leading dense layer kept) is written with random weights (`write_synthetic_folder`, bf16, non-zero score
+correction biases), then as a GGUF file, twice: matrices in bf16 (what the benchmarks run: llama.cpp's CPU matrix
+products then round each activation to bf16 too) and widened to float32 (the same values: llama.cpp's products in
+float32, so what is left of a difference is the model, not llama.cpp's bf16 arithmetic). Both engines then run the
+same random prompt with a float32 KV cache, and the record holds:
+- greedy tokens: Colibri's NumPy backend and llama.cpp each generate `--tokens` tokens from the prompt; the tokens
+  that agree before the first difference;
+- logits: llama.cpp's logits at every position of the prompt and Colibri's tokens (so both see the same sequence),
+  against Colibri's: the largest difference relative to Colibri's largest logit, and the share of positions where
+  the two argmaxes agree.
+
+llama.cpp runs through llama-cpp-python's bindings (`Llama`, `--llama-cpp-python`: an installed package, or the
+folder of an unpacked llama-cpp-python sdist, which also holds the llama.cpp tree) over a CPU build of that tree's
+libllama (`--llama-lib`: its folder of libllama.so and the ggml libraries, as
+`cmake -B build -DGGML_CUDA=OFF -DBUILD_SHARED_LIBS=ON && cmake --build build --target llama-simple` leaves in
+build/bin). The bindings must be of the same llama.cpp version as the library; their package imports diskcache
+(`pip install diskcache` where llama-cpp-python itself is not installed).
+
+    python benchmarks/llama_cpp_parity.py --gguf-py SDIST/vendor/llama.cpp/gguf-py --llama-cpp-python SDIST \
+        --llama-lib build/bin --out benchmarks/results/llama_cpp_parity_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from conditions import machine
+
+from colibri_stream.batch import single_sequence_batch
+from colibri_stream.loader import load_model
+from colibri_stream.synthetic import shape_config, write_synthetic_folder
+
+# A tiny model of each family: the named shape's options, these sizes (a leading dense layer and two MoE layers
+# for GLM-4.5), and for "glm4_moe-grouped" the GLM options GLM-4.5-Air leaves off.
+_SMALL = dict(vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32)
+TINY = {
+    "mixtral": ("mixtral-8x7b", 2, dict(_SMALL, num_experts=8, top_k=2, moe_intermediate_size=96)),
+    "qwen3_moe": ("qwen3-30b-a3b", 2, dict(_SMALL, num_experts=16, top_k=4, moe_intermediate_size=64)),
+    "glm4_moe": ("glm-4.5-air", 3, dict(_SMALL, num_experts=16, top_k=4, moe_intermediate_size=64,
+                                         shared_expert_intermediate_size=64, intermediate_size=192, rotary_dim=16)),
+    "glm4_moe-grouped": ("glm-4.5-air", 3, dict(_SMALL, num_experts=16, top_k=4, moe_intermediate_size=64,
+                                                 shared_expert_intermediate_size=128, intermediate_size=192,
+                                                 rotary_dim=16, qk_norm="per_head", n_group=4, topk_group=2,
+                                                 routed_scaling_factor=2.5)),
+    "minimax_m2": ("minimax-m2", 3, dict(_SMALL, num_experts=16, top_k=4, moe_intermediate_size=64, rotary_dim=16)),
+}
+BLOCK_SIZE = 16  # Colibri's KV blocks
+HERE = Path(__file__).resolve().parent
+
+
+def gguf_writer():
+    """benchmarks/llama_cpp.py, loaded by path under another name: `llama_cpp` is the bindings' package here."""
+    spec = importlib.util.spec_from_file_location("colibri_llama_cpp_benchmark", HERE / "llama_cpp.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def llama_bindings(folder: str | None):
+    """llama-cpp-python's package, from `folder` (or the installed one), with this folder (whose llama_cpp.py
+    would shadow the package) off the import path."""
+    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != HERE]
+    if folder:
+        sys.path.insert(0, str(Path(folder).resolve()))
+    try:
+        import llama_cpp
+    except ImportError as error:
+        sys.exit(f"llama_cpp_parity.py needs llama-cpp-python's bindings (--llama-cpp-python): {error}")
+    return llama_cpp
+
+
+def tiny_config(family: str):
+    """The ModelConfig of `family`'s tiny model (TINY)."""
+    shape, layers, sizes = TINY[family]
+    return dataclasses.replace(shape_config(shape, layers), **sizes)
+
+
+def colibri_logits(model, ids: list[int]) -> np.ndarray:
+    """Colibri's logits [S, V] at every position of `ids`, float32 KV cache."""
+    blocks = -(-len(ids) // BLOCK_SIZE)
+    kv = model.allocate_kv_cache(blocks, BLOCK_SIZE, "fp32")
+    batch = single_sequence_batch(np.array(ids), 0, np.arange(blocks), BLOCK_SIZE)
+    batch.logits_indices = np.arange(len(ids))
+    return np.asarray(model.forward(batch, kv))
+
+
+def colibri_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """Colibri's `steps` greedy tokens after `prompt`: a prefill, then one token at a time through the KV cache."""
+    blocks = -(-(len(prompt) + steps) // BLOCK_SIZE)
+    table = np.arange(blocks)
+    kv = model.allocate_kv_cache(blocks, BLOCK_SIZE, "fp32")
+    logits = model.forward(single_sequence_batch(np.array(prompt), 0, table, BLOCK_SIZE), kv)
+    out: list[int] = []
+    for step in range(steps):
+        out.append(int(np.asarray(logits)[-1].argmax()))
+        if step + 1 < steps:
+            batch = single_sequence_batch(np.array(out[-1:]), len(prompt) + step, table, BLOCK_SIZE)
+            logits = model.forward(batch, kv)
+    return out
+
+
+def open_llama(llama_type, gguf_path: Path, context: int, threads: int):
+    """A `llama_type` (llama-cpp-python's Llama) over the GGUF file: logits of every position kept, KV cache float32,
+    no flash attention."""
+    f32 = 0  # GGML_TYPE_F32
+    return llama_type(model_path=str(gguf_path), n_ctx=context, n_batch=context, n_ubatch=context, logits_all=True,
+                 n_threads=threads, n_threads_batch=threads, type_k=f32, type_v=f32, flash_attn=False,
+                 verbose=False)
+
+
+def llama_logits(llama, ids: list[int]) -> np.ndarray:
+    """llama.cpp's logits [S, V] at every position of `ids`, from an empty cache."""
+    llama.reset()
+    llama.eval(ids)
+    return np.array(llama.scores[:len(ids)], dtype=np.float32)
+
+
+def llama_greedy(llama, prompt: list[int], steps: int) -> list[int]:
+    """llama.cpp's `steps` greedy tokens after `prompt`: a prefill, then one token at a time."""
+    llama.reset()
+    llama.eval(prompt)
+    out: list[int] = []
+    for step in range(steps):
+        out.append(int(np.argmax(llama.scores[llama.n_tokens - 1])))
+        if step + 1 < steps:
+            llama.eval(out[-1:])
+    return out
+
+
+def agreeing_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def summary(record: dict) -> dict:
+    """A record's agreement figures, without the token lists."""
+    return dict(family=record["family"], **{matrices: {key: value for key, value in record[matrices].items()
+                                                       if key != "llama_tokens"} for matrices in ("bf16", "f32")})
+
+
+def compare(family: str, folder: Path, writer, llama_type, gguf_py: Path, prompt_len: int, steps: int,
+            threads: int) -> dict:
+    """One family's record: Colibri against llama.cpp (`llama_type`) on the bf16 GGUF file and on the float32 one,
+    both written by `writer` (benchmarks/llama_cpp.py)."""
+    config = tiny_config(family)
+    write_synthetic_folder(folder, config, device="cpu")
+    model = load_model(str(folder), device="cpu")
+    prompt = [int(t) for t in np.random.default_rng(7).integers(3, config.vocab_size, prompt_len)]
+    ours = colibri_greedy(model, prompt, steps)
+    sequence = prompt + ours
+    reference = colibri_logits(model, sequence)
+    record = dict(family=family, layers=config.num_layers, moe_layers=list(config.moe_layers),
+                  prompt_tokens=prompt_len, generated_tokens=steps, colibri_tokens=ours)
+    for matrices in ("bf16", "f32"):
+        gguf_path = folder.with_name(f"{folder.name}-{matrices}.gguf")
+        writer.write_gguf(folder, gguf_path, gguf_py, matrices=matrices)
+        llama = open_llama(llama_type, gguf_path, len(sequence) + 1, threads)
+        theirs = llama_greedy(llama, prompt, steps)
+        logits = llama_logits(llama, sequence)
+        del llama
+        gguf_path.unlink()
+        record[matrices] = dict(
+            llama_tokens=theirs, tokens_agreeing=agreeing_prefix(ours, theirs),
+            logits_max_relative_difference=float(np.abs(logits - reference).max() / np.abs(reference).max()),
+            argmax_agreement=float(np.mean(logits.argmax(-1) == reference.argmax(-1))))
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf-py", required=True, help="gguf-py folder of the llama.cpp source tree")
+    parser.add_argument("--llama-lib", required=True, help="folder of a CPU build's libllama.so and libggml*.so")
+    parser.add_argument("--llama-cpp-python", help="folder holding llama-cpp-python's llama_cpp package (an "
+                        "unpacked sdist); default: the installed package")
+    parser.add_argument("--families", nargs="+", default=list(TINY), choices=list(TINY))
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=24, help="greedy tokens generated by each engine")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", help="JSON records")
+    args = parser.parse_args(argv)
+    if not (Path(args.gguf_py) / "gguf").is_dir():
+        sys.exit(f"llama_cpp_parity.py needs llama.cpp's gguf-py folder: {args.gguf_py} holds no gguf package")
+    if not list(Path(args.llama_lib).glob("libllama.*")):
+        sys.exit(f"llama_cpp_parity.py needs a CPU build of libllama: {args.llama_lib} holds none")
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(Path(args.llama_lib).resolve())
+    writer, bindings = gguf_writer(), llama_bindings(args.llama_cpp_python)
+    common = dict(machine(), bench="llama_cpp_parity", llama_cpp_python=bindings.__version__,
+                  llama_lib=str(Path(args.llama_lib).resolve()))
+    records = []
+    with tempfile.TemporaryDirectory(prefix="colibri-llama-parity-") as scratch:
+        for family in args.families:
+            record = compare(family, Path(scratch) / family, writer, bindings.Llama, Path(args.gguf_py),
+                             args.prompt_tokens, args.tokens, args.threads)
+            records.append(dict(common, **record))
+            print(json.dumps(summary(record)), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
