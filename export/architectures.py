@@ -95,6 +95,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 # gpt-oss's rope when config.json gives none (GptOssConfig's default)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+# DeepSeek-V3's config.json names its routing, which DeepseekV3Config does not read: transformers always routes
+# by noaux_tc over sigmoid scores with a MoE block in every layer from first_k_dense_replace on, so another value
+# (which the authors' own modeling code would follow) is refused.
+_DEEPSEEK_ROUTING = dict(topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1)
 # The default share of each head that GLM-4.5 rotates (Glm4MoeConfig sets it when config.json does not).
 _GLM_PARTIAL_ROTARY_FACTOR = 0.5
 
@@ -309,10 +313,8 @@ def _sigmoid_routed(arch: str, cfg: dict[str, Any], num_layers: int,
     biases); MiniMax-M2 renormalises always and has RMSNorm over the whole q and k projections."""
     fields: dict[str, Any] = dict(router_scoring="sigmoid", sliding_windows=(None,) * num_layers)
     if arch == "minimax_m2":
-        for key, computed in (("scoring_func", "sigmoid"), ("use_qk_norm", True), ("qk_norm_type", "per_layer"),
-                              ("shared_intermediate_size", 0)):
-            if cfg.get(key, computed) != computed:
-                raise _unsupported(f"{key} {cfg[key]!r} is not supported (MiniMax-M2 computes {computed!r})")
+        _refuse_other_values(cfg, dict(scoring_func="sigmoid", use_qk_norm=True, qk_norm_type="per_layer",
+                                       shared_intermediate_size=0), "MiniMax-M2")
         if any(kind != 1 for kind in cfg.get("attn_type_list") or []):
             raise _unsupported("attn_type_list names linear-attention layers (type 0); Colibri runs full "
                                "attention (type 1) only")
@@ -326,6 +328,8 @@ def _sigmoid_routed(arch: str, cfg: dict[str, Any], num_layers: int,
         moe_layers = tuple(range(dense_first, num_layers))
         n_group = _int(cfg["n_group"], "n_group")
         topk_group = _int(cfg["topk_group"], "topk_group")
+        if arch == "deepseek_v3":
+            _refuse_other_values(cfg, _DEEPSEEK_ROUTING, "transformers' DeepSeek-V3")
         if arch == "glm4_moe":
             fields.update(qk_norm="per_head" if _bool(cfg["use_qk_norm"], "use_qk_norm") else "none",
                           qkv_bias=_bool(cfg["attention_bias"], "attention_bias"))
@@ -341,6 +345,14 @@ def _sigmoid_routed(arch: str, cfg: dict[str, Any], num_layers: int,
     fields["score_correction_bias"] = bool(moe_layers) and any(
         f"model.layers.{moe_layers[0]}.{name}" in tensor_names for name in bias_names)
     return fields
+
+
+def _refuse_other_values(cfg: dict[str, Any], computed: dict[str, Any], model: str) -> None:
+    """UnsupportedModelError for the first key of `computed` that config.json sets to another value than the one
+    `model` computes with (whatever the key says)."""
+    for key, value in computed.items():
+        if cfg.get(key, value) != value:
+            raise _unsupported(f"{key} {cfg[key]!r} is not supported ({model} computes {value!r})")
 
 
 def _latent_attention(cfg: dict[str, Any], rope: RopeConfig) -> dict[str, Any]:
