@@ -152,6 +152,34 @@ def test_sharded_input_gives_the_same_files_as_a_single_file(tmp_path):
         assert (tmp_path / "out_single" / file).read_bytes() == (tmp_path / "out_sharded" / file).read_bytes(), file
 
 
+HALF_CHECKPOINTS = [("qwen3_moe", torch.bfloat16, "torch_dtype", None), ("glm4_moe", torch.float16, "dtype", None),
+                    ("deepseek_v3", torch.bfloat16, "dtype", "200KB"), ("mixtral", torch.float16, "torch_dtype", None)]
+
+
+@pytest.mark.parametrize("arch,dtype,key,shard", HALF_CHECKPOINTS,
+                         ids=[f"{a}-{str(d).split('.')[1]}-{k}-{'sharded' if s else 'single'}"
+                              for a, d, k, s in HALF_CHECKPOINTS])
+def test_half_precision_checkpoints_export_what_transformers_loads(arch, dtype, key, shard, tmp_path):
+    """bf16 and fp16 checkpoints (one file or shards) as transformers saves them: each tensor's dtype is read from
+    its safetensors header, so config.json's dtype key (`dtype` since transformers 5, `torch_dtype` before) and its
+    value change nothing. A float32 export holds the stored values widened: transformers' float32 logits of the same
+    checkpoint."""
+    import transformers
+
+    hf_model = build_hf_model(arch, tmp_path / "hf32", seed=6).to(dtype)
+    hf_model.save_pretrained(tmp_path / "hf", **({"max_shard_size": shard} if shard else {}))
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    raw.pop("dtype", None)
+    raw.pop("torch_dtype", None)
+    raw[key] = "float32"  # a stale value: the headers decide
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(raw))
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file() == bool(shard)
+    export_model(tmp_path / "hf", tmp_path / "model", dtype="fp32", progress=False)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = prompt_ids(seed=7)
+    assert relative_error(colibri_logits(load_model(tmp_path / "model"), ids), reference_logits(reference, ids)) < 1e-4
+
+
 def test_fused_expert_layout_exports_the_same_experts(hf_tiny, tmp_path):
     arch, hf_dir, state = hf_tiny
     fused = tmp_path / "fused"
