@@ -183,9 +183,10 @@ def test_gpu_backend_names_each_option_alone():
                           "routed_scaling_factor"), (dict(router_scoring="sigmoid"), "sigmoid routing"),
                           (dict(router_bias=True), "router bias"), (dict(attention_sinks=True), "attention sinks"),
                           (dict(expert_bias=True), "expert biases"),
-                          (dict(swiglu_limit=7.0), r"clamped SwiGLU \(swiglu_limit\)")):
+                          (dict(swiglu_limit=7.0), r"clamped SwiGLU \(swiglu_limit\)"),
+                          (dict(head_dim=256), None), (dict(head_dim=288), "head_dim 288")):
         if words is None:
-            check_features(dataclasses.replace(plain, **change), CupyBackend)  # a rotary_dim of the whole head
+            check_features(dataclasses.replace(plain, **change), CupyBackend)  # whole-head rotary, head_dim 256
             continue
         with pytest.raises(UnsupportedModelError, match=words):
             check_features(dataclasses.replace(plain, **change), CupyBackend)
