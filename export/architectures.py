@@ -89,7 +89,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         num_local_experts=128, head_dim=64, num_attention_heads=64, num_key_value_heads=8, sliding_window=128,
         max_position_embeddings=131072, rms_norm_eps=1e-5, num_experts_per_tok=4, swiglu_alpha=1.702,
         swiglu_limit=7.0, attention_bias=True, layer_types=None, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None,
+        pad_token_id=None, rope_theta=150000.0,
     ),
 }
 # gpt-oss's rope when config.json gives none (GptOssConfig's default)

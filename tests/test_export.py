@@ -251,6 +251,19 @@ def test_legacy_v4_rope_keys_and_yarn_defaults():
     assert (rope.type, rope.original_max_position_embeddings, rope.high_freq_factor) == ("llama3", 64, 4.0)
 
 
+@pytest.mark.parametrize("arch", ALL_ARCHITECTURES + ("gpt_oss",))
+def test_rope_theta_left_out_is_the_config_class_default(arch):
+    """A rope_scaling without rope_theta, and none at the top level: transformers takes its config class's
+    default_theta (150000 for gpt-oss, 5e6 for MiniMax-M2, 1e6 for Mixtral, 1e4 for the others)."""
+    from tiny_models import hf_config
+
+    raw = raw_config(arch, rope_parameters="<drop>", rope_theta="<drop>",
+                     rope_scaling={"rope_type": "linear", "factor": 2.0})
+    rope = translate(raw).rope
+    reference = type(hf_config(arch)).from_dict(raw).rope_parameters  # (fills in raw's rope_scaling in place)
+    assert (rope.type, rope.theta, rope.factor) == ("linear", reference["rope_theta"], 2.0)
+
+
 def test_sliding_windows_per_architecture():
     assert translate(raw_config("mixtral", sliding_window=16)).sliding_windows == (16, 16, 16)
     assert translate(raw_config("qwen3_moe", sliding_window=16)).sliding_windows == (None,) * 3
