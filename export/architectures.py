@@ -191,7 +191,7 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
     if missing:
         raise _invalid(f"{', '.join(missing)} missing: Colibri does not guess a model's shape "
                        "from transformers' defaults")
-    if arch == "gpt_oss" and not (raw.get("rope_scaling") or raw.get("rope_parameters")):
+    if arch == "gpt_oss" and not _rope_parameters(raw):
         raw = dict(raw, rope_parameters=_GPT_OSS_ROPE)
     cfg = {**_DEFAULTS[arch], **raw}
 
@@ -262,7 +262,7 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
     elif arch in ("glm4_moe", "minimax_m2", "deepseek_v3"):
         fields.update(_sigmoid_routed(arch, cfg, num_layers, tensor_names))
         if arch == "deepseek_v3":
-            fields.update(_latent_attention(cfg, fields["rope"]))
+            fields.update(_latent_attention(cfg, fields["rope"], _rope_parameters(raw)))
     else:
         fields.update(_qwen_mlp(cfg, num_layers))
         if arch == "qwen2_moe":
@@ -355,9 +355,10 @@ def _refuse_other_values(cfg: dict[str, Any], computed: dict[str, Any], model: s
             raise _unsupported(f"{key} {cfg[key]!r} is not supported ({model} computes {value!r})")
 
 
-def _latent_attention(cfg: dict[str, Any], rope: RopeConfig) -> dict[str, Any]:
+def _latent_attention(cfg: dict[str, Any], rope: RopeConfig, rope_parameters: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek-V3's Multi-head Latent Attention: query and key heads of qk_nope_head_dim + qk_rope_head_dim (the
-    rope part last), the latent, and YaRN's mscale_all_dim on the softmax scale (squared, as DeepSeek applies it)."""
+    rope part last), the latent, and mscale_all_dim on the softmax scale (squared, as DeepSeek applies it): the rope
+    parameters' own, under every rope type but the default (transformers' yarn_apply_mscale), YaRN's or not."""
     if _bool(cfg["attention_bias"], "attention_bias"):
         raise _unsupported("attention_bias is not supported with Multi-head Latent Attention")
     if cfg["rms_norm_eps"] != 1e-6:
@@ -366,8 +367,9 @@ def _latent_attention(cfg: dict[str, Any], rope: RopeConfig) -> dict[str, Any]:
     nope = _int(cfg["qk_nope_head_dim"], "qk_nope_head_dim")
     rope_dim = _int(cfg["qk_rope_head_dim"], "qk_rope_head_dim")
     scale = (nope + rope_dim) ** -0.5
-    if rope.type != "default" and rope.mscale_all_dim:
-        scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+    mscale_all_dim = rope_parameters.get("mscale_all_dim")
+    if rope.type != "default" and mscale_all_dim:
+        scale *= yarn_mscale(rope.factor, _number(mscale_all_dim, "mscale_all_dim")) ** 2
     q_rank = cfg["q_lora_rank"]
     return dict(attention="mla", head_dim=nope + rope_dim, rotary_dim=rope_dim,
                 num_kv_heads=_int(cfg["num_attention_heads"], "num_attention_heads"),
@@ -432,9 +434,15 @@ def _windows_of_layer_types(layer_types: Any, num_layers: int, window: Any,
     return tuple(windows)
 
 
+def _rope_parameters(raw: dict[str, Any]) -> Any:
+    """config.json's rope parameters: the legacy rope_scaling where it has one (transformers prefers it), else v5's
+    rope_parameters; {} for neither."""
+    return raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+
+
 def _rope(raw: dict[str, Any], cfg: dict[str, Any]) -> RopeConfig:
     """RopeConfig from v5 rope_parameters or legacy rope_theta + rope_scaling, as transformers standardises them."""
-    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    params = _rope_parameters(raw)
     if not isinstance(params, dict):
         raise _invalid(f"rope parameters must be an object, got {params!r}")
     if any(isinstance(value, dict) for value in params.values()):
@@ -477,7 +485,7 @@ def _rope(raw: dict[str, Any], cfg: dict[str, Any]) -> RopeConfig:
 def _rotary_dim(raw: dict[str, Any], arch: str, head_dim: int) -> int | None:
     """The leading dimensions of each head that rotary embedding rotates (None: all), from partial_rotary_factor
     (in the rope parameters or at the top level), MiniMax-M2's rotary_dim, or GLM-4.5's default."""
-    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    params = _rope_parameters(raw)
     factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if factor is None and arch == "minimax_m2" and raw.get("rotary_dim") is not None:
         factor = _int(raw["rotary_dim"], "rotary_dim") / head_dim

@@ -167,6 +167,9 @@ VARIANTS = [
                                          "mscale_all_dim": 1.0, "beta_fast": 1.0, "beta_slow": 1.0,
                                          "original_max_position_embeddings": 64}}),  # Kimi K2's YaRN
     ("deepseek_v3", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}),
+    # mscale_all_dim scales the softmax under any rope type but the default, not YaRN's alone
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 8.0,
+                                         "mscale_all_dim": 1.0}}),
 ]
 
 
