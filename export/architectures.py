@@ -99,6 +99,9 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 # by noaux_tc over sigmoid scores with a MoE block in every layer from first_k_dense_replace on, so another value
 # (which the authors' own modeling code would follow) is refused.
 _DEEPSEEK_ROUTING = dict(topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1)
+# The epsilon of DeepSeek-V3's q_a_layernorm and kv_a_layernorm: transformers (and DeepSeek's own code) build them
+# without the config's rms_norm_eps, so they keep DeepseekV3RMSNorm's default.
+_LATENT_NORM_EPS = 1e-6
 # The default share of each head that GLM-4.5 rotates (Glm4MoeConfig sets it when config.json does not).
 _GLM_PARTIAL_ROTARY_FACTOR = 0.5
 
@@ -361,9 +364,6 @@ def _latent_attention(cfg: dict[str, Any], rope: RopeConfig, rope_parameters: di
     parameters' own, under every rope type but the default (transformers' yarn_apply_mscale), YaRN's or not."""
     if _bool(cfg["attention_bias"], "attention_bias"):
         raise _unsupported("attention_bias is not supported with Multi-head Latent Attention")
-    if cfg["rms_norm_eps"] != 1e-6:
-        raise _unsupported(f"rms_norm_eps {cfg['rms_norm_eps']} is not supported for DeepSeek-V3: transformers "
-                           "normalises the latents with 1e-6 whatever it says, Colibri with rms_norm_eps")
     nope = _int(cfg["qk_nope_head_dim"], "qk_nope_head_dim")
     rope_dim = _int(cfg["qk_rope_head_dim"], "qk_rope_head_dim")
     scale = (nope + rope_dim) ** -0.5
@@ -376,7 +376,8 @@ def _latent_attention(cfg: dict[str, Any], rope: RopeConfig, rope_parameters: di
                 q_lora_rank=0 if q_rank is None else _int(q_rank, "q_lora_rank"),
                 kv_lora_rank=_int(cfg["kv_lora_rank"], "kv_lora_rank"),
                 v_head_dim=_int(cfg["v_head_dim"], "v_head_dim"),
-                rope_interleave=_bool(cfg["rope_interleave"], "rope_interleave"), softmax_scale=scale)
+                rope_interleave=_bool(cfg["rope_interleave"], "rope_interleave"), softmax_scale=scale,
+                latent_norm_eps=_LATENT_NORM_EPS)
 
 
 def multi_token_prediction_layers(raw: dict[str, Any]) -> range:

@@ -163,6 +163,7 @@ VARIANTS = [
     ("minimax_m2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e6, "factor": 4.0,
                                         "original_max_position_embeddings": 128, "partial_rotary_factor": 0.5}}),
     ("deepseek_v3", {"tie_word_embeddings": True, "v_head_dim": 12, "n_shared_experts": 0}),
+    ("deepseek_v3", {"rms_norm_eps": 1e-2}),  # the decoder's norms; the latents' keep 1e-6, as transformers does
     ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e4, "factor": 32.0, "mscale": 1.0,
                                          "mscale_all_dim": 1.0, "beta_fast": 1.0, "beta_slow": 1.0,
                                          "original_max_position_embeddings": 64}}),  # Kimi K2's YaRN
