@@ -260,6 +260,7 @@ PARITY = [
     ("qwen2-57b-a14b", {"use_sliding_window": True, "sliding_window": 5, "mlp_only_layers": [1]}),
     ("glm-4.5-air", {}),
     ("glm-4.5-air", {"use_qk_norm": True, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5}),
+    ("glm-4.5-air", {"use_qk_norm": True, "routed_scaling_factor": 2.5}),  # GLM-4.5's and GLM-4.6's options
     ("minimax-m2.5-bf16", {}),
     ("deepseek-v3", {"first_k_dense_replace": 1}),  # one dense layer, two MoE
     ("deepseek-v3", {"first_k_dense_replace": 1, "q_lora_rank": None, "rope_scaling": None}),
