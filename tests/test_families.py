@@ -58,6 +58,7 @@ def test_cli_export_inspect_generate_match_transformers(arch, tmp_path):
         assert "Multi-head Latent Attention: 4 heads, query/key 12 + 8 rope dims, value 20" in shown.stdout
         assert "q LoRA rank 24; cached per token: latent 16 + rope key 8" in shown.stdout
         assert "interleaved pairs" in shown.stdout and "softmax scale 0.223607" in shown.stdout
+        assert "RMSNorm eps 1e-06 (latents 1e-06)" in shown.stdout
 
     done = run_cli("generate", "--model", str(tmp_path / "model"), "--device", "cpu", "--prompt", "Hello world",
                    "--max-tokens", "10", "--ignore-eos", "--json")
