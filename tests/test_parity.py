@@ -155,6 +155,10 @@ VARIANTS = [
     ("qwen2_moe", {"tie_word_embeddings": True, "head_dim": 24}),
     ("qwen2_moe", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0}}),
     ("qwen3_moe", {"tie_word_embeddings": True, "rms_norm_eps": 1e-5, "norm_topk_prob": False}),
+    # Qwen3's published max_window_layers, and a layer_types key, which Qwen3MoeConfig does not read: the window
+    # is every layer's
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1,
+                   "layer_types": ["full_attention", "sliding_attention", "full_attention"]}),
     ("olmoe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "truncate": False,
                                    "original_max_position_embeddings": 64}, "num_key_value_heads": None}),  # None: as many as query heads
     ("glm4_moe", {"head_dim": 24, "rms_norm_eps": 1e-6}),  # head_dim above hidden / heads (16), 12 rotated
