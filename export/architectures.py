@@ -360,8 +360,8 @@ def _refuse_other_values(cfg: dict[str, Any], computed: dict[str, Any], model: s
 
 def _latent_attention(cfg: dict[str, Any], rope: RopeConfig, rope_parameters: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek-V3's Multi-head Latent Attention: query and key heads of qk_nope_head_dim + qk_rope_head_dim (the
-    rope part last), the latent, and mscale_all_dim on the softmax scale (squared, as DeepSeek applies it): the rope
-    parameters' own, under every rope type but the default (transformers' yarn_apply_mscale), YaRN's or not."""
+    rope part last), the latent, and the softmax scale's mscale_all_dim correction (squared, as DeepSeek applies
+    it) under any rope type but the default, as transformers' yarn_apply_mscale applies it."""
     if _bool(cfg["attention_bias"], "attention_bias"):
         raise _unsupported("attention_bias is not supported with Multi-head Latent Attention")
     nope = _int(cfg["qk_nope_head_dim"], "qk_nope_head_dim")

@@ -96,7 +96,7 @@ class CupyBackend(Backend):
     def missing_features(cls, config: ModelConfig) -> list[str]:
         """kernels/router.cu is a softmax top-k of unbiased logits, the attention prologue rotates whole heads,
         and the kernels attend over K heads of keys and values (no latent rows, no sink logits) of at most
-        MAX_HEAD_DIM dimensions (a lane of attention.cu holds 8 of a head's 32 * 8)."""
+        MAX_HEAD_DIM dimensions."""
         missing = [f"{config.router_scoring} routing"] if config.router_scoring != "softmax" else []
         missing += [name for name, used in (
             ("score correction bias", config.score_correction_bias),
