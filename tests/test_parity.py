@@ -163,6 +163,9 @@ VARIANTS = [
                                    "original_max_position_embeddings": 64}, "num_key_value_heads": None}),  # None: as many as query heads
     ("glm4_moe", {"head_dim": 24, "rms_norm_eps": 1e-6}),  # head_dim above hidden / heads (16), 12 rotated
     ("glm4_moe", {"n_shared_experts": 0, "tie_word_embeddings": True}),  # transformers builds a zero-width one
+    ("glm4_moe", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                      "partial_rotary_factor": 0.5}}),  # Llama 3's bands over the rotated half
     ("minimax_m2", {"router_jitter_noise": 0.5, "tie_word_embeddings": True}),
     ("minimax_m2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e6, "factor": 4.0,
                                         "original_max_position_embeddings": 128, "partial_rotary_factor": 0.5}}),
