@@ -125,6 +125,7 @@ class ModelConfig:
     q_lora_rank: int = 0  # mla: width of the query's low-rank path (q_a_proj, q_a_norm, q_b_proj); 0: one q_proj
     kv_lora_rank: int = 0  # mla: width R of the latent, expanded to each head's keys and values by kv_b_proj
     v_head_dim: int = 0  # mla: width of each head's value
+    latent_norm_eps: float = 1e-6  # mla: RMSNorm epsilon of q_a_norm and kv_a_norm (the other norms: rms_norm_eps)
     softmax_scale: float | None = None  # attention logits' scale; None: head_dim ** -0.5
     attention_sinks: bool = False  # a learned logit per query head and layer in the softmax denominator
     sliding_windows: tuple[int | None, ...] = ()  # per layer: window in tokens, None for full attention
@@ -247,8 +248,8 @@ class ModelConfig:
                                              or self.moe_intermediate_size % MXFP4_BLOCK):
             fail(f"mxfp4 experts need hidden_size and moe_intermediate_size multiples of {MXFP4_BLOCK}, got "
                  f"{self.hidden_size} and {self.moe_intermediate_size}")
-        if self.rms_norm_eps <= 0:
-            fail("rms_norm_eps must be positive")
+        if self.rms_norm_eps <= 0 or self.latent_norm_eps <= 0:
+            fail("rms_norm_eps and latent_norm_eps must be positive")
         if self.clip_qkv is not None and self.clip_qkv <= 0:
             fail("clip_qkv must be positive or null")
         if self.swiglu_limit is not None and self.swiglu_limit <= 0:

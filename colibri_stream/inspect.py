@@ -123,7 +123,8 @@ def _summary(path: Path, config: ModelConfig) -> str:
         ("rope", _rope(config)),
         ("routed experts", _routing(config)),
         ("shared expert", shared),
-        ("norms", f"RMSNorm eps {config.rms_norm_eps:g}; embeddings "
+        ("norms", f"RMSNorm eps {config.rms_norm_eps:g}"
+                  + (f" (latents {config.latent_norm_eps:g})" if config.attention == "mla" else "") + "; embeddings "
                   + ("tied to lm_head" if config.tie_word_embeddings else "separate from lm_head")),
         ("max positions", str(config.max_position_embeddings)),
         ("dtypes", f"dense {config.dtype}, routed experts {expert_codec(config).describe()}"),

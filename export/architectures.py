@@ -89,12 +89,19 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         num_local_experts=128, head_dim=64, num_attention_heads=64, num_key_value_heads=8, sliding_window=128,
         max_position_embeddings=131072, rms_norm_eps=1e-5, num_experts_per_tok=4, swiglu_alpha=1.702,
         swiglu_limit=7.0, attention_bias=True, layer_types=None, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None,
+        pad_token_id=None, rope_theta=150000.0,
     ),
 }
 # gpt-oss's rope when config.json gives none (GptOssConfig's default)
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+# DeepSeek-V3's config.json names its routing, which DeepseekV3Config does not read: transformers always routes
+# by noaux_tc over sigmoid scores with a MoE block in every layer from first_k_dense_replace on, so another value
+# (which the authors' own modeling code would follow) is refused.
+_DEEPSEEK_ROUTING = dict(topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1)
+# The epsilon of DeepSeek-V3's q_a_layernorm and kv_a_layernorm: transformers (and DeepSeek's own code) build them
+# without the config's rms_norm_eps, so they keep DeepseekV3RMSNorm's default.
+_LATENT_NORM_EPS = 1e-6
 # The default share of each head that GLM-4.5 rotates (Glm4MoeConfig sets it when config.json does not).
 _GLM_PARTIAL_ROTARY_FACTOR = 0.5
 
@@ -187,7 +194,7 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
     if missing:
         raise _invalid(f"{', '.join(missing)} missing: Colibri does not guess a model's shape "
                        "from transformers' defaults")
-    if arch == "gpt_oss" and not (raw.get("rope_scaling") or raw.get("rope_parameters")):
+    if arch == "gpt_oss" and not _rope_parameters(raw):
         raw = dict(raw, rope_parameters=_GPT_OSS_ROPE)
     cfg = {**_DEFAULTS[arch], **raw}
 
@@ -258,7 +265,7 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
     elif arch in ("glm4_moe", "minimax_m2", "deepseek_v3"):
         fields.update(_sigmoid_routed(arch, cfg, num_layers, tensor_names))
         if arch == "deepseek_v3":
-            fields.update(_latent_attention(cfg, fields["rope"]))
+            fields.update(_latent_attention(cfg, fields["rope"], _rope_parameters(raw)))
     else:
         fields.update(_qwen_mlp(cfg, num_layers))
         if arch == "qwen2_moe":
@@ -309,10 +316,8 @@ def _sigmoid_routed(arch: str, cfg: dict[str, Any], num_layers: int,
     biases); MiniMax-M2 renormalises always and has RMSNorm over the whole q and k projections."""
     fields: dict[str, Any] = dict(router_scoring="sigmoid", sliding_windows=(None,) * num_layers)
     if arch == "minimax_m2":
-        for key, computed in (("scoring_func", "sigmoid"), ("use_qk_norm", True), ("qk_norm_type", "per_layer"),
-                              ("shared_intermediate_size", 0)):
-            if cfg.get(key, computed) != computed:
-                raise _unsupported(f"{key} {cfg[key]!r} is not supported (MiniMax-M2 computes {computed!r})")
+        _refuse_other_values(cfg, dict(scoring_func="sigmoid", use_qk_norm=True, qk_norm_type="per_layer",
+                                       shared_intermediate_size=0), "MiniMax-M2")
         if any(kind != 1 for kind in cfg.get("attn_type_list") or []):
             raise _unsupported("attn_type_list names linear-attention layers (type 0); Colibri runs full "
                                "attention (type 1) only")
@@ -326,6 +331,8 @@ def _sigmoid_routed(arch: str, cfg: dict[str, Any], num_layers: int,
         moe_layers = tuple(range(dense_first, num_layers))
         n_group = _int(cfg["n_group"], "n_group")
         topk_group = _int(cfg["topk_group"], "topk_group")
+        if arch == "deepseek_v3":
+            _refuse_other_values(cfg, _DEEPSEEK_ROUTING, "transformers' DeepSeek-V3")
         if arch == "glm4_moe":
             fields.update(qk_norm="per_head" if _bool(cfg["use_qk_norm"], "use_qk_norm") else "none",
                           qkv_bias=_bool(cfg["attention_bias"], "attention_bias"))
@@ -343,26 +350,34 @@ def _sigmoid_routed(arch: str, cfg: dict[str, Any], num_layers: int,
     return fields
 
 
-def _latent_attention(cfg: dict[str, Any], rope: RopeConfig) -> dict[str, Any]:
+def _refuse_other_values(cfg: dict[str, Any], computed: dict[str, Any], model: str) -> None:
+    """UnsupportedModelError for the first key of `computed` that config.json sets to another value than the one
+    `model` computes with (whatever the key says)."""
+    for key, value in computed.items():
+        if cfg.get(key, value) != value:
+            raise _unsupported(f"{key} {cfg[key]!r} is not supported ({model} computes {value!r})")
+
+
+def _latent_attention(cfg: dict[str, Any], rope: RopeConfig, rope_parameters: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek-V3's Multi-head Latent Attention: query and key heads of qk_nope_head_dim + qk_rope_head_dim (the
-    rope part last), the latent, and YaRN's mscale_all_dim on the softmax scale (squared, as DeepSeek applies it)."""
+    rope part last), the latent, and the softmax scale's mscale_all_dim correction (squared, as DeepSeek applies
+    it) under any rope type but the default, as transformers' yarn_apply_mscale applies it."""
     if _bool(cfg["attention_bias"], "attention_bias"):
         raise _unsupported("attention_bias is not supported with Multi-head Latent Attention")
-    if cfg["rms_norm_eps"] != 1e-6:
-        raise _unsupported(f"rms_norm_eps {cfg['rms_norm_eps']} is not supported for DeepSeek-V3: transformers "
-                           "normalises the latents with 1e-6 whatever it says, Colibri with rms_norm_eps")
     nope = _int(cfg["qk_nope_head_dim"], "qk_nope_head_dim")
     rope_dim = _int(cfg["qk_rope_head_dim"], "qk_rope_head_dim")
     scale = (nope + rope_dim) ** -0.5
-    if rope.type != "default" and rope.mscale_all_dim:
-        scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+    mscale_all_dim = rope_parameters.get("mscale_all_dim")
+    if rope.type != "default" and mscale_all_dim:
+        scale *= yarn_mscale(rope.factor, _number(mscale_all_dim, "mscale_all_dim")) ** 2
     q_rank = cfg["q_lora_rank"]
     return dict(attention="mla", head_dim=nope + rope_dim, rotary_dim=rope_dim,
                 num_kv_heads=_int(cfg["num_attention_heads"], "num_attention_heads"),
                 q_lora_rank=0 if q_rank is None else _int(q_rank, "q_lora_rank"),
                 kv_lora_rank=_int(cfg["kv_lora_rank"], "kv_lora_rank"),
                 v_head_dim=_int(cfg["v_head_dim"], "v_head_dim"),
-                rope_interleave=_bool(cfg["rope_interleave"], "rope_interleave"), softmax_scale=scale)
+                rope_interleave=_bool(cfg["rope_interleave"], "rope_interleave"), softmax_scale=scale,
+                latent_norm_eps=_LATENT_NORM_EPS)
 
 
 def multi_token_prediction_layers(raw: dict[str, Any]) -> range:
@@ -420,9 +435,15 @@ def _windows_of_layer_types(layer_types: Any, num_layers: int, window: Any,
     return tuple(windows)
 
 
+def _rope_parameters(raw: dict[str, Any]) -> Any:
+    """config.json's rope parameters: the legacy rope_scaling where it has one (transformers prefers it), else v5's
+    rope_parameters; {} for neither."""
+    return raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+
+
 def _rope(raw: dict[str, Any], cfg: dict[str, Any]) -> RopeConfig:
     """RopeConfig from v5 rope_parameters or legacy rope_theta + rope_scaling, as transformers standardises them."""
-    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    params = _rope_parameters(raw)
     if not isinstance(params, dict):
         raise _invalid(f"rope parameters must be an object, got {params!r}")
     if any(isinstance(value, dict) for value in params.values()):
@@ -465,7 +486,7 @@ def _rope(raw: dict[str, Any], cfg: dict[str, Any]) -> RopeConfig:
 def _rotary_dim(raw: dict[str, Any], arch: str, head_dim: int) -> int | None:
     """The leading dimensions of each head that rotary embedding rotates (None: all), from partial_rotary_factor
     (in the rope parameters or at the top level), MiniMax-M2's rotary_dim, or GLM-4.5's default."""
-    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    params = _rope_parameters(raw)
     factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if factor is None and arch == "minimax_m2" and raw.get("rotary_dim") is not None:
         factor = _int(raw["rotary_dim"], "rotary_dim") / head_dim

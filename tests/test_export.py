@@ -152,6 +152,34 @@ def test_sharded_input_gives_the_same_files_as_a_single_file(tmp_path):
         assert (tmp_path / "out_single" / file).read_bytes() == (tmp_path / "out_sharded" / file).read_bytes(), file
 
 
+HALF_CHECKPOINTS = [("qwen3_moe", torch.bfloat16, "torch_dtype", None), ("glm4_moe", torch.float16, "dtype", None),
+                    ("deepseek_v3", torch.bfloat16, "dtype", "200KB"), ("mixtral", torch.float16, "torch_dtype", None)]
+
+
+@pytest.mark.parametrize("arch,dtype,key,shard", HALF_CHECKPOINTS,
+                         ids=[f"{a}-{str(d).split('.')[1]}-{k}-{'sharded' if s else 'single'}"
+                              for a, d, k, s in HALF_CHECKPOINTS])
+def test_half_precision_checkpoints_export_what_transformers_loads(arch, dtype, key, shard, tmp_path):
+    """bf16 and fp16 checkpoints (one file or shards) as transformers saves them: each tensor's dtype is read from
+    its safetensors header, so config.json's dtype key (`dtype` since transformers 5, `torch_dtype` before) and its
+    value change nothing. A float32 export holds the stored values widened: transformers' float32 logits of the same
+    checkpoint."""
+    import transformers
+
+    hf_model = build_hf_model(arch, tmp_path / "hf32", seed=6).to(dtype)
+    hf_model.save_pretrained(tmp_path / "hf", **({"max_shard_size": shard} if shard else {}))
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    raw.pop("dtype", None)
+    raw.pop("torch_dtype", None)
+    raw[key] = "float32"  # a stale value: the headers decide
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(raw))
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file() == bool(shard)
+    export_model(tmp_path / "hf", tmp_path / "model", dtype="fp32", progress=False)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = prompt_ids(seed=7)
+    assert relative_error(colibri_logits(load_model(tmp_path / "model"), ids), reference_logits(reference, ids)) < 1e-4
+
+
 def test_fused_expert_layout_exports_the_same_experts(hf_tiny, tmp_path):
     arch, hf_dir, state = hf_tiny
     fused = tmp_path / "fused"
@@ -221,6 +249,19 @@ def test_legacy_v4_rope_keys_and_yarn_defaults():
                      original_max_position_embeddings=64)
     rope = translate(raw).rope
     assert (rope.type, rope.original_max_position_embeddings, rope.high_freq_factor) == ("llama3", 64, 4.0)
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHITECTURES + ("gpt_oss",))
+def test_rope_theta_left_out_is_the_config_class_default(arch):
+    """A rope_scaling without rope_theta, and none at the top level: transformers takes its config class's
+    default_theta (150000 for gpt-oss, 5e6 for MiniMax-M2, 1e6 for Mixtral, 1e4 for the others)."""
+    from tiny_models import hf_config
+
+    raw = raw_config(arch, rope_parameters="<drop>", rope_theta="<drop>",
+                     rope_scaling={"rope_type": "linear", "factor": 2.0})
+    rope = translate(raw).rope
+    reference = type(hf_config(arch)).from_dict(raw).rope_parameters  # (fills in raw's rope_scaling in place)
+    assert (rope.type, rope.theta, rope.factor) == ("linear", reference["rope_theta"], 2.0)
 
 
 def test_sliding_windows_per_architecture():

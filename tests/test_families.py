@@ -58,6 +58,7 @@ def test_cli_export_inspect_generate_match_transformers(arch, tmp_path):
         assert "Multi-head Latent Attention: 4 heads, query/key 12 + 8 rope dims, value 20" in shown.stdout
         assert "q LoRA rank 24; cached per token: latent 16 + rope key 8" in shown.stdout
         assert "interleaved pairs" in shown.stdout and "softmax scale 0.223607" in shown.stdout
+        assert "RMSNorm eps 1e-06 (latents 1e-06)" in shown.stdout
 
     done = run_cli("generate", "--model", str(tmp_path / "model"), "--device", "cpu", "--prompt", "Hello world",
                    "--max-tokens", "10", "--ignore-eos", "--json")
@@ -182,12 +183,14 @@ def test_gpu_backend_names_each_option_alone():
                                 topk_group=1, routed_scaling_factor=1.0, rotary_dim=None)
     check_features(plain, CupyBackend)
     for change in (dict(rotary_dim=config.head_dim // 2), dict(routed_scaling_factor=2.0),
-                   dict(router_scoring="sigmoid"), dict(router_bias=True), dict(n_group=4, topk_group=2)):
+                   dict(router_scoring="sigmoid"), dict(router_bias=True), dict(n_group=4, topk_group=2),
+                   dict(head_dim=256)):
         check_features(dataclasses.replace(plain, **change), CupyBackend)  # router.cu and the prologue take these
     for change, words in ((dict(attention_sinks=True), "attention sinks"), (dict(expert_bias=True), "expert biases"),
                           (dict(swiglu_limit=7.0), r"clamped SwiGLU \(swiglu_limit\)"),
                           (dict(num_experts=2048, n_group=64, topk_group=2),
-                           "more than 1024 routed experts, group-limited routing over more than 32 groups")):
+                           "more than 1024 routed experts, group-limited routing over more than 32 groups"),
+                          (dict(head_dim=288), "head_dim 288")):
         with pytest.raises(UnsupportedModelError, match=words):
             check_features(dataclasses.replace(plain, **change), CupyBackend)
 
@@ -201,8 +204,10 @@ def test_gpu_backend_runs_the_other_families_as_before(arch):
     ("mixtral", dict(model_type="deepseek_v32", architectures=None), ["deepseek_v32", "indexer", "deepseek_v3"]),
     ("mixtral", dict(model_type="glm_moe_dsa", architectures=None), ["glm_moe_dsa", "indexer", "minimax_m2"]),
     ("deepseek_v3", dict(attention_bias=True), ["attention_bias", "Latent"]),
-    ("deepseek_v3", dict(rms_norm_eps=1e-5), ["rms_norm_eps 1e-05", "1e-6"]),
     ("minimax_m2", dict(scoring_func="softmax"), ["scoring_func", "sigmoid"]),
+    ("deepseek_v3", dict(topk_method="greedy"), ["topk_method 'greedy'", "noaux_tc"]),
+    ("deepseek_v3", dict(scoring_func="softmax"), ["scoring_func 'softmax'", "sigmoid"]),
+    ("deepseek_v3", dict(moe_layer_freq=2), ["moe_layer_freq 2", "computes 1"]),
     ("minimax_m2", dict(use_qk_norm=False), ["use_qk_norm"]),
     ("minimax_m2", dict(qk_norm_type="per_head"), ["qk_norm_type", "per_layer"]),
     ("minimax_m2", dict(shared_intermediate_size=64), ["shared_intermediate_size"]),

@@ -26,16 +26,20 @@ VARIANTS = [
     {"num_experts_per_tok": 4, "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]},
     {"layer_types": ["full_attention"] * 3, "attention_bias": False},
     {"layer_types": None},  # GptOssConfig's default: sliding at even layers
+    {"tie_word_embeddings": True, "rms_norm_eps": 1e-3, "swiglu_limit": 2.0, "swiglu_alpha": 1.0},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}},  # no YaRN
 ]
 
 
-@pytest.mark.parametrize("overrides", VARIANTS, ids=["default", "top4", "full-nobias", "default-layer-types"])
+@pytest.mark.parametrize("overrides", VARIANTS, ids=["default", "top4", "full-nobias", "default-layer-types",
+                                                     "tied-eps-swiglu", "default-rope"])
 def test_gpt_oss_matches_transformers(overrides, tmp_path):
     hf_model = build_hf_model("gpt_oss", tmp_path / "hf", seed=3, **overrides)
     export_model(tmp_path / "hf", tmp_path / "model", dtype="fp32", progress=False)
     model = load_model(tmp_path / "model")
     config = model.config
-    assert config.attention_sinks and config.router_bias and config.expert_bias and config.swiglu_limit == 0.5
+    assert config.attention_sinks and config.router_bias and config.expert_bias
+    assert (config.swiglu_limit, config.swiglu_alpha) == (hf_model.config.swiglu_limit, hf_model.config.swiglu_alpha)
     expected_windows = tuple(6 if kind == "sliding_attention" else None for kind in hf_model.config.layer_types)
     assert config.sliding_windows == expected_windows
     ids = prompt_ids(seed=5)

@@ -145,6 +145,39 @@ VARIANTS = [
     ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                          "original_max_position_embeddings": 128, "mscale": 0.8,
                                          "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
+    # Options every family reads: the norms' epsilon, tied embeddings, rope variants beside those above
+    ("mixtral", {"rms_norm_eps": 1e-3}),
+    ("mixtral", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0, "beta_fast": 16.0,
+                                     "original_max_position_embeddings": 64, "attention_factor": 1.3},
+                 "head_dim": 16}),  # transformers' YaRN needs head_dim given (MixtralConfig's None fails it)
+    ("mixtral", {"router_jitter_noise": 0.5}),  # training only: transformers adds no noise in eval mode
+    ("qwen2_moe", {"qkv_bias": False, "norm_topk_prob": True}),
+    ("qwen2_moe", {"tie_word_embeddings": True, "head_dim": 24}),
+    ("qwen2_moe", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0}}),
+    ("qwen3_moe", {"tie_word_embeddings": True, "rms_norm_eps": 1e-5, "norm_topk_prob": False}),
+    # Qwen3's published max_window_layers, and a layer_types key, which Qwen3MoeConfig does not read: the window
+    # is every layer's
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1,
+                   "layer_types": ["full_attention", "sliding_attention", "full_attention"]}),
+    ("olmoe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "truncate": False,
+                                   "original_max_position_embeddings": 64}, "num_key_value_heads": None}),  # None: as many as query heads
+    ("glm4_moe", {"head_dim": 24, "rms_norm_eps": 1e-6}),  # head_dim above hidden / heads (16), 12 rotated
+    ("glm4_moe", {"n_shared_experts": 0, "tie_word_embeddings": True}),  # transformers builds a zero-width one
+    ("glm4_moe", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                      "partial_rotary_factor": 0.5}}),  # Llama 3's bands over the rotated half
+    ("minimax_m2", {"router_jitter_noise": 0.5, "tie_word_embeddings": True}),
+    ("minimax_m2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e6, "factor": 4.0,
+                                        "original_max_position_embeddings": 128, "partial_rotary_factor": 0.5}}),
+    ("deepseek_v3", {"tie_word_embeddings": True, "v_head_dim": 12, "n_shared_experts": 0}),
+    ("deepseek_v3", {"rms_norm_eps": 1e-2}),  # the decoder's norms; the latents' keep 1e-6, as transformers does
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e4, "factor": 32.0, "mscale": 1.0,
+                                         "mscale_all_dim": 1.0, "beta_fast": 1.0, "beta_slow": 1.0,
+                                         "original_max_position_embeddings": 64}}),  # Kimi K2's YaRN
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}),
+    # mscale_all_dim scales the softmax under any rope type but the default, not YaRN's alone
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 8.0,
+                                         "mscale_all_dim": 1.0}}),
 ]
 
 

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from colibri_stream.config import RopeConfig  # noqa: E402
 from colibri_stream.errors import UnsupportedModelError  # noqa: E402
 from colibri_stream.export import export_model  # noqa: E402
-from colibri_stream.export.architectures import translate_config  # noqa: E402
+from colibri_stream.export.architectures import detect_architecture, translate_config  # noqa: E402
 from colibri_stream.export.quantized_sources import quantized_source  # noqa: E402
 from colibri_stream.loader import load_model  # noqa: E402
 from test_parity import colibri_greedy, colibri_logits, prompt_ids, reference_greedy, reference_logits  # noqa: E402
@@ -102,6 +102,27 @@ EXPECTED = {
         o_bias=False, sliding_windows=window(62), rotary_dim=64, rope=RopeConfig(theta=5e6), rms_norm_eps=1e-6,
         tie_word_embeddings=False, max_position_embeddings=196608, bos_token_id=200034, eos_token_ids=(200020,),
         pad_token_id=None),
+    "gpt-oss-120b": dict(
+        architecture="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=36, num_heads=64, num_kv_heads=8,
+        head_dim=64, num_experts=128, top_k=4, moe_intermediate_size=2880, moe_layers=tuple(range(36)),
+        intermediate_size=0, norm_topk_prob=True, shared_expert_intermediate_size=0, router_scoring="softmax",
+        router_bias=True, attention_sinks=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702,
+        qk_norm="none", qkv_bias=True, o_bias=True, sliding_windows=(128, None) * 18, rotary_dim=None,
+        rope=RopeConfig(type="yarn", theta=150000.0, factor=32.0, original_max_position_embeddings=4096,
+                        beta_fast=32.0, beta_slow=1.0, truncate=False),
+        rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072, bos_token_id=None,
+        eos_token_ids=(200002,), pad_token_id=199999),
+    "kimi-k2-instruct": dict(
+        architecture="deepseek_v3", vocab_size=163840, hidden_size=7168, num_layers=61, num_heads=64,
+        num_kv_heads=64, head_dim=192, rotary_dim=64, attention="mla", q_lora_rank=1536, kv_lora_rank=512,
+        v_head_dim=128, rope_interleave=True, num_experts=384, top_k=8, moe_intermediate_size=2048,
+        moe_layers=tuple(range(1, 61)), intermediate_size=18432, shared_expert_intermediate_size=2048,
+        router_scoring="sigmoid", score_correction_bias=True, n_group=1, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=2.827,
+        rope=RopeConfig(type="yarn", theta=50000.0, factor=32.0, original_max_position_embeddings=4096,
+                        beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        softmax_scale=pytest.approx(192**-0.5 * (0.1 * math.log(32) + 1) ** 2, rel=1e-12),
+        rms_norm_eps=1e-6, max_position_embeddings=131072, bos_token_id=163584, eos_token_ids=(163585,)),
 }
 # The tensors that tell the exporter a router has a correction bias (as the published checkpoints have).
 BIASES = {"model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.0.block_sparse_moe.e_score_correction_bias"}
@@ -201,6 +222,8 @@ def shrunk(raw: dict) -> dict:
         out["shared_expert_intermediate_size"] = 32
     if "rotary_dim" in raw:  # MiniMax-M2: the same share of the smaller head
         out["rotary_dim"] = raw["rotary_dim"] * out["head_dim"] // raw["head_dim"]
+    if "layer_types" in raw:  # gpt-oss: the first layers' kinds
+        out["layer_types"] = raw["layer_types"][:layers]
     if "attn_type_list" in raw:
         out["attn_type_list"] = raw["attn_type_list"][:layers]
     if "max_window_layers" in raw:
@@ -216,7 +239,7 @@ def build_shrunk(raw: dict, folder: Path, seed: int = 0):
     `raw` itself."""
     import transformers
 
-    config = transformers.AutoConfig.for_model(raw["model_type"]).__class__.from_dict(raw)
+    config = transformers.AutoConfig.for_model(detect_architecture(raw)).__class__.from_dict(raw)
     model = save_random_model(config, folder, seed)
     (folder / "config.json").write_text(json.dumps(raw, indent=2))
     return model
@@ -237,9 +260,13 @@ PARITY = [
     ("qwen2-57b-a14b", {"use_sliding_window": True, "sliding_window": 5, "mlp_only_layers": [1]}),
     ("glm-4.5-air", {}),
     ("glm-4.5-air", {"use_qk_norm": True, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5}),
+    ("glm-4.5-air", {"use_qk_norm": True, "routed_scaling_factor": 2.5}),  # GLM-4.5's and GLM-4.6's options
     ("minimax-m2.5-bf16", {}),
     ("deepseek-v3", {"first_k_dense_replace": 1}),  # one dense layer, two MoE
     ("deepseek-v3", {"first_k_dense_replace": 1, "q_lora_rank": None, "rope_scaling": None}),
+    ("kimi-k2-instruct", {}),  # model_type kimi_k2: DeepSeek-V3's architecture, one group, Kimi's YaRN
+    ("gpt-oss-120b", {}),
+    ("gpt-oss-120b", {"sliding_window": 6}),  # a window shorter than the prompt
 ]
 
 

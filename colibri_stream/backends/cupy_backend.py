@@ -68,6 +68,7 @@ class DecodeSplits:
     ml: Any  # float32 [T, Q, S, 2]
 
 
+MAX_HEAD_DIM = 256  # paged_attention's widest head: 32 lanes of 8 elements
 DEVICE_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16,
                  "float8_e4m3": np.uint8}  # storage dtypes on the device
 
@@ -95,8 +96,8 @@ class CupyBackend(Backend):
     @classmethod
     def missing_features(cls, config: ModelConfig) -> list[str]:
         """kernels/router.cu selects among at most ROUTER_MAX_EXPERTS experts (groups: ROUTER_MAX_GROUPS), the
-        attention kernels attend over K heads of keys and values (no latent rows, no sink logits), and the MoE
-        kernels compute silu(gate) * up of unbiased experts."""
+        attention kernels attend over K heads of keys and values (no latent rows, no sink logits) of at most
+        MAX_HEAD_DIM dimensions, and the MoE kernels compute silu(gate) * up of unbiased experts."""
         missing = [f"{config.router_scoring} routing"] if config.router_scoring not in ROUTER_SCORINGS else []
         missing += [name for name, used in (
             (f"more than {ROUTER_MAX_EXPERTS} routed experts", config.num_experts > ROUTER_MAX_EXPERTS),
@@ -105,7 +106,9 @@ class CupyBackend(Backend):
             ("attention sinks", config.attention_sinks),
             ("expert biases", config.expert_bias),
             ("clamped SwiGLU (swiglu_limit)", config.swiglu_limit is not None),
-            ("Multi-head Latent Attention", config.attention == "mla")) if used]
+            ("Multi-head Latent Attention", config.attention == "mla"),
+            (f"head_dim {config.head_dim} (the attention kernels take at most {MAX_HEAD_DIM})",
+             config.head_dim > MAX_HEAD_DIM)) if used]
         # moe_int4.cu reads whole 32-column chunks of int4, moe_fp8.cu 16 codes a lane
         width = {"int4": 32, "fp8": FP8_LANE_COLS}.get(config.expert_dtype)
         if width and (config.hidden_size % width or config.moe_intermediate_size % width):
@@ -365,7 +368,7 @@ class CupyBackend(Backend):
         tables = device_batch["block_tables"]  # [B, max_blocks] int64
         per_lane = next((d for d in (1, 2, 4, 8) if 32 * d >= head_dim), None)
         if per_lane is None:
-            raise ValueError(f"head_dim {head_dim} is above the attention kernel's 256")
+            raise ValueError(f"head_dim {head_dim} is above the attention kernel's {MAX_HEAD_DIM}")
         out = self.cp.empty_like(query)  # [T, Q, D]
         common = (query, key_cache, value_cache, tables, device_batch["query_start"], device_batch["positions"], out)
         sizes = (np.int32(tables.shape[0]), np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim),

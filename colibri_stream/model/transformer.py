@@ -218,10 +218,10 @@ class MoETransformer:
         if lat.q_a_proj is None:
             q = b.linear(x, layer.q_proj)  # [T, Q*D]
         else:
-            q = b.linear(b.rms_norm(b.linear(x, lat.q_a_proj), lat.q_a_norm, cfg.rms_norm_eps), lat.q_b_proj)
+            q = b.linear(b.rms_norm(b.linear(x, lat.q_a_proj), lat.q_a_norm, cfg.latent_norm_eps), lat.q_b_proj)
         q = q.reshape(t, heads, cfg.head_dim)  # [T, Q, D]
         compressed = b.linear(x, lat.kv_a_proj)  # [T, R + r]
-        latent = b.rms_norm(compressed[:, :rank], lat.kv_a_norm, cfg.rms_norm_eps)  # [T, R]
+        latent = b.rms_norm(compressed[:, :rank], lat.kv_a_norm, cfg.latent_norm_eps)  # [T, R]
         cache, scale = kv_cache.keys[index], kv_cache.k_scales[index]
         query = b.latent_rope_write(b.per_head_linear(q[..., :nope], lat.k_up), q[..., nope:], latent,
                                     compressed[:, rank:], self.rope_cos, self.rope_sin, device_batch["positions"],
