@@ -148,7 +148,8 @@ class ReplicaSet:
     @classmethod
     def from_pretrained(cls, path: str | None = None, data_parallel: int = 2, engine_process: bool = True,
                         **options: Any) -> ReplicaSet:
-        """Load `data_parallel` replicas of a model folder, each in an engine process (engine_process=False is
+        """Load `data_parallel` replicas of a model folder (blocking: call it outside a running event loop, as
+        `run_server` does), each in an engine process (engine_process=False is
         refused: replicas in one process would share its GIL and device). Raises ConfigError for a bad count or
         more replicas than GPUs, and what loading raised (the replicas that loaded are closed)."""
         if not engine_process:

@@ -33,15 +33,15 @@ class ReplicaServer(LiveServer):
     """A real server on loopback over a ReplicaSet of `replicas` engine processes."""
 
     def __init__(self, model_dir: Path, replicas: int):
-        self._replicas = replicas
+        # loaded before the event loop runs, as run_server loads it (loading blocks)
+        self._engine = load_engine(data_parallel=replicas, path=str(model_dir), engine_process=True, **OPTIONS)
         super().__init__(model_dir, OPTIONS)
 
     def _start(self, model_dir: Path, engine_options: dict, app_options: dict, serve_options: dict):
-        return self._start_replicas(model_dir, engine_options, self._replicas)
+        return self._serve(self._engine)
 
     @staticmethod
-    async def _start_replicas(model_dir: Path, engine_options: dict, replicas: int) -> tuple:
-        engine = load_engine(data_parallel=replicas, path=str(model_dir), engine_process=True, **engine_options)
+    async def _serve(engine: ReplicaSet) -> tuple:
         app = create_app(engine)
         return (app, *await serve(app, "127.0.0.1", 0))
 
@@ -105,6 +105,8 @@ def test_a_bad_count_of_replicas_is_refused():
         replica_environments(2, "auto", None, ["GPU-abc"])
     with pytest.raises(ConfigError, match="engine processes"):
         ReplicaSet.from_pretrained(None, data_parallel=2, engine_process=False)
+    with pytest.raises(ConfigError, match="max_batch_size"):  # the options are checked before any replica loads
+        ReplicaSet.from_pretrained(None, data_parallel=2, device="cpu", max_batch_size=0)
 
 
 def test_each_replica_sees_one_gpu_or_a_share_of_the_cores():
