@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -32,7 +33,7 @@ from .engine import EngineStats
 from .errors import ConfigError, InvalidParameterError
 from .experts.stats import ExpertStats
 from .request import RequestOutput, SamplingParams
-from .timing import StepSink
+from .timing import StepRecord, StepSink
 
 logger = logging.getLogger(__name__)
 
@@ -267,9 +268,16 @@ class ReplicaSet:
         return [replica.stats() for replica in self.replicas]
 
     def add_step_sink(self, sink: StepSink) -> None:
-        """Hand every replica's StepRecords to `sink`, on each replica's reader thread."""
+        """Hand every replica's StepRecords to `sink`, on the replicas' reader threads one record at a time (a
+        sink expects one engine's thread: the step histograms count without a lock)."""
+        lock = threading.Lock()
+
+        def one_at_a_time(record: StepRecord) -> None:
+            with lock:
+                sink(record)
+
         for replica in self.replicas:
-            replica.add_step_sink(sink)
+            replica.add_step_sink(one_at_a_time)
 
     def store_stats(self) -> ExpertStats | None:
         """None: each replica's expert store counts for itself, and those counters are not merged."""
