@@ -159,6 +159,7 @@ def test_concurrent_requests_land_on_both_replicas(pair):
         thread.join()
     assert [reply.usage.completion_tokens for reply in replies] == [200, 200]
     assert [after - b for after, b in zip(pair.generated(), before)] == [200, 200]
+    assert pair.engine.stats().num_generated_tokens == sum(pair.generated())  # the server's figure sums them
 
 
 def test_a_resent_prompt_goes_back_to_the_replica_that_cached_its_prefix(pair):
