@@ -206,6 +206,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                    help="run the engine's steps on a thread of the server's process instead of a process of their "
                         "own (where the server's Python and the steps' share one GIL)")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                   help="N engine replicas behind this server, each in its own process: on cuda one GPU each, on "
+                        "the CPU a share of the cores each (default 1; docs/MULTI_GPU.md)")
     _add_trace_argument(p)
     p.set_defaults(run=_run_serve)
 
@@ -222,7 +225,8 @@ def _run_serve(args: argparse.Namespace) -> None:
                                            "trace_file", "reasoning_parser") if getattr(args, n) is not None}
     if given.get("send_timeout", 1) <= 0:
         given["send_timeout"] = None
-    engine = dict(path=args.model, engine_process=args.engine_process, **_engine_options(args))
+    engine = dict(path=args.model, engine_process=args.engine_process, data_parallel=args.data_parallel,
+                  **_engine_options(args))
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key, cors_origins=tuple(args.cors_origin),
                served_model_name=args.served_model_name, **given)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -84,14 +85,15 @@ class EngineProcess:
     `__init__` spawns it and returns once the model loaded (`ready`), or raises what loading raised. `start_loop`
     runs the loop and a reader thread that hands each message to `deliver` (after passing its step records to
     the sinks); `send` queues a command; `close` ends the child and joins it. path and options: those of
-    `EngineCore.from_pretrained`.
+    `EngineCore.from_pretrained`; env: environment variables set in the child before it loads anything (a data-parallel
+    replica's CUDA_VISIBLE_DEVICES).
     """
 
-    def __init__(self, path: str | None, options: dict[str, Any]):
+    def __init__(self, path: str | None, options: dict[str, Any], env: dict[str, str] | None = None):
         context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         commands_in, self._commands = context.Pipe(duplex=False)
         self._events, events_out = context.Pipe(duplex=False)
-        self._process = context.Process(target=_child_main, args=(path, options, commands_in, events_out,
+        self._process = context.Process(target=_child_main, args=(path, options, env or {}, commands_in, events_out,
                                                                    logging.getLogger().getEffectiveLevel()),
                                         name="colibri-engine", daemon=True)
         self._process.start()
@@ -202,8 +204,9 @@ def _exit_status(code: int | None) -> str:
 
 # ---- the child ---------------------------------------------------------------------------------------------------
 
-def _child_main(path: str | None, options: dict[str, Any], commands: Connection, events: Connection,
-                log_level: int) -> None:
+def _child_main(path: str | None, options: dict[str, Any], env: dict[str, str], commands: Connection,
+                events: Connection, log_level: int) -> None:
+    os.environ.update(env)  # before the engine's imports, which read CUDA_VISIBLE_DEVICES and the thread counts
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -41,7 +41,37 @@ class EngineCollector(Collector):
         self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._engine.stats()
+        per_replica = getattr(self._engine, "replica_stats", None)  # data-parallel replicas (`replicas.py`)
+        if per_replica is None:
+            yield from self._families(self._engine.stats(), [], [])
+            return
+        health = GaugeMetricFamily("colibri_replica_healthy", "Whether a data-parallel replica is healthy (1) or "
+                                   "not (0: its process died, or its last step failed)", labels=["replica"])
+        for index, healthy in enumerate(self._engine.replica_health()):
+            health.add_metric([str(index)], float(healthy))
+        yield health
+        families: dict[str, Metric] = {}
+        for index, stats in enumerate(per_replica()):
+            for family in self._families(stats, ["replica"], [str(index)]):
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        yield from families.values()
+
+    @staticmethod
+    def _families(stats: Any, labels: list[str], values: list[str]) -> Iterator[Metric]:
+        """One engine's families, its samples labelled `labels` = `values` (none for a single engine)."""
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
         gauges = {
             "colibri_num_requests_waiting": ("Sequences waiting to be scheduled (queue depth)", stats.num_waiting),
             "colibri_num_requests_running": ("Sequences scheduled in the running batch", stats.num_running),
@@ -54,22 +84,20 @@ class EngineCollector(Collector):
             "colibri_last_step_tokens": ("Tokens the engine's last step computed", stats.last_step_tokens),
         }
         for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
-        yield CounterMetricFamily("colibri_engine_steps", "Engine steps run", value=stats.num_steps)
-        yield CounterMetricFamily("colibri_engine_steps_launched_ahead", "Engine steps launched before the tokens "
-                                  "of the step before were read (async scheduling)",
-                                  value=stats.num_steps_launched_ahead)
-        yield CounterMetricFamily("colibri_engine_preemptions", "Sequences preempted for lack of KV blocks",
-                                  value=stats.num_preemptions)
-        yield CounterMetricFamily("colibri_engine_generated_tokens", "Tokens the engine has sampled",
-                                  value=stats.num_generated_tokens)
-        yield CounterMetricFamily("colibri_engine_aborted_sequences", "Sequences aborted before they finished (the "
-                                  "client left or cancelled, or the server shut down)", value=stats.num_aborted)
+            yield gauge(name, doc, value)
+        yield counter("colibri_engine_steps", "Engine steps run", stats.num_steps)
+        yield counter("colibri_engine_steps_launched_ahead", "Engine steps launched before the tokens of the step "
+                      "before were read (async scheduling)", stats.num_steps_launched_ahead)
+        yield counter("colibri_engine_preemptions", "Sequences preempted for lack of KV blocks",
+                      stats.num_preemptions)
+        yield counter("colibri_engine_generated_tokens", "Tokens the engine has sampled", stats.num_generated_tokens)
+        yield counter("colibri_engine_aborted_sequences", "Sequences aborted before they finished (the client left "
+                      "or cancelled, or the server shut down)", stats.num_aborted)
         prefill = CounterMetricFamily("colibri_prefill_tokens", "Tokens of admitted sequences (prompts; after a "
                                       "preemption the output so far too) by whether the prefix cache served them or "
-                                      "the model computed them", labels=["source"])
-        prefill.add_metric(["cached"], stats.prefix_cache_hit_tokens)
-        prefill.add_metric(["computed"], stats.prefill_computed_tokens)
+                                      "the model computed them", labels=["source", *labels])
+        prefill.add_metric(["cached", *values], stats.prefix_cache_hit_tokens)
+        prefill.add_metric(["computed", *values], stats.prefill_computed_tokens)
         yield prefill
 
 

@@ -133,17 +133,19 @@ def run_server(engine_config: dict[str, Any], host: str = "127.0.0.1", port: int
                send_timeout: float | None = DEFAULT_SEND_TIMEOUT_SECONDS, reasoning_parser: bool = True) -> None:
     """Load the engine and serve until SIGTERM or SIGINT (blocking; on uvloop when it is installed).
 
-    engine_config: the keyword arguments of AsyncEngine.from_pretrained, the model folder as "path". The first
+    engine_config: the keyword arguments of AsyncEngine.from_pretrained, the model folder as "path", and
+    data_parallel (replicas.load_engine: that many engine replicas behind this server, default 1). The first
     signal drains (running requests finish, new ones get 503, up to drain_timeout seconds, then the rest are
     aborted); a second one stops at once. Raises RequestsAbortedError (`colibri serve` exits non-zero) when it
     stopped with requests still running.
     """
-    from ..async_engine import AsyncEngine, run
+    from ..async_engine import run
+    from ..replicas import load_engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if api_key is None and not _is_loopback(host):
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
-    engine = AsyncEngine.from_pretrained(**engine_config)
+    engine = load_engine(**engine_config)
     app = create_app(engine, api_key=api_key, served_model_name=served_model_name, cors_origins=cors_origins,
                      max_body_bytes=max_body_bytes, keepalive_interval=keepalive_interval, trace_file=trace_file,
                      send_timeout=send_timeout, reasoning_parser=reasoning_parser)
