@@ -366,6 +366,12 @@ def batched_bench(binary: str | Path, gguf_path: str | Path, batches: list[int],
     return figures
 
 
+def require_gguf_py(folder: str | Path, script: str) -> None:
+    """Exit with one line unless `folder` is llama.cpp's gguf-py folder (it holds the gguf package)."""
+    if not (Path(folder) / "gguf").is_dir():
+        sys.exit(f"{script} needs llama.cpp's gguf-py folder: {folder} holds no gguf package")
+
+
 def main(argv: list[str] | None = None) -> int:
     from decode import machine
 
@@ -387,8 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=16)
     parser.add_argument("--out", help="JSON records of the runs")
     args = parser.parse_args(argv)
-    if not (Path(args.gguf_py) / "gguf").is_dir():
-        sys.exit(f"llama_cpp.py needs llama.cpp's gguf-py folder: {args.gguf_py} holds no gguf package")
+    require_gguf_py(args.gguf_py, "llama_cpp.py")
     if not (Path(args.folder) / "experts.bin").is_file():
         write_synthetic_folder(args.folder, args.shape, num_layers=args.layers)
     if not Path(args.gguf).is_file():

@@ -191,12 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", help="JSON records")
     args = parser.parse_args(argv)
-    if not (Path(args.gguf_py) / "gguf").is_dir():
-        sys.exit(f"llama_cpp_parity.py needs llama.cpp's gguf-py folder: {args.gguf_py} holds no gguf package")
+    writer = gguf_writer()
+    writer.require_gguf_py(args.gguf_py, "llama_cpp_parity.py")
     if not list(Path(args.llama_lib).glob("libllama.*")):
         sys.exit(f"llama_cpp_parity.py needs a CPU build of libllama: {args.llama_lib} holds none")
     os.environ["LLAMA_CPP_LIB_PATH"] = str(Path(args.llama_lib).resolve())
-    writer, bindings = gguf_writer(), llama_bindings(args.llama_cpp_python)
+    bindings = llama_bindings(args.llama_cpp_python)
     common = dict(machine(), bench="llama_cpp_parity", llama_cpp_python=bindings.__version__,
                   llama_lib=str(Path(args.llama_lib).resolve()))
     records = []
