@@ -2,11 +2,12 @@
 # One session on a GPU machine: install, GPU tests, benchmarks; logs and JSON results under $OUT.
 #   COLIBRI_COMMIT=<hash> OUT=<dir> STAGES="tests dense kernels decode engine cpu timeline llama offload" benchmarks/gpu_session.sh
 # (other stages: attention, moe_prefill, moe_formats, long_context, quantized, compare, serving, exit)
-# (llama_build before other stages: llama.cpp builds in the background while they run, and stage llama waits for it)
+# (llama_build before other stages: llama.cpp builds in the background while they run, and stage llama waits for it;
+#  llama_pack after them brings the build back for LLAMA_PREBUILT in a later call)
 # (STAGES="" only installs: what a command that runs a script of its own needs first).
 # Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first. Each stage has its own time
 # limit so the next one runs even if one fails. OFFLOAD_ARGS / TIMELINE_ARGS / DECODE_ARGS / ENGINE_ARGS / CPU_ARGS / DENSE_ARGS
-# / QUANT_ARGS pass options to the benchmarks; the kernels stage profiles one step per kernel with Nsight Compute (KERNEL_SHAPES, KERNEL_BATCHES, KERNEL_CONTEXT).
+# / QUANT_ARGS pass options to the benchmarks; the kernels stage profiles one step per kernel with Nsight Compute (KERNEL_CASES: SHAPE:BATCH:CONTEXT entries).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/colibri-gpu}
@@ -37,13 +38,25 @@ for stage in $STAGES; do
       # (tests, writing the models) run meanwhile
       echo "== llama.cpp: build started in the background"
       build_start=$(date +%s)
+      if [ -n "${LLAMA_PREBUILT:-}" ]; then  # parts written by stage llama_pack in an earlier call
+        mkdir -p "${LLAMA_BUILD:-/tmp/llama-build}"
+        cat "$LLAMA_PREBUILT"/llama-bin.tar.xz.part-* | xz -d | tar -C "${LLAMA_BUILD:-/tmp/llama-build}" -xf -
+      fi
       benchmarks/build_llama_cpp.sh "$LLAMA_SRC" "${LLAMA_BUILD:-/tmp/llama-build}" > "$OUT/llama_build.log" 2>&1 &
       llama_builder=$! ;;
+    llama_pack)
+      # the finished llama.cpp build as xz parts under $OUT (15 MiB each, the size a call brings back), so a later
+      # call can carry them instead of building: LLAMA_PREBUILT=<folder of the parts> before stage llama_build
+      if [ -n "$llama_builder" ] && ! wait $llama_builder; then tail -20 "$OUT/llama_build.log"; continue; fi
+      tar -C "${LLAMA_BUILD:-/tmp/llama-build}" -cf - bin | xz -T0 -6 | split -b 15M - "$OUT/llama-bin.tar.xz.part-"
+      llama_builder=""
+      ls -la "$OUT"/llama-bin.tar.xz.part-* ;;
     tests)
       echo "== GPU tests"
-      # every test marked gpu (the README's GPU test command); TEST_FILES narrows it to some files
+      # every test marked gpu (the README's GPU test command); TEST_FILES narrows it to some files, TEST_SELECT to
+      # the tests a -k expression selects
       timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q --maxfail=25 --continue-on-collection-errors -p no:cacheprovider \
-        --junitxml="$OUT/pytest_gpu.xml" ${TEST_FILES:-tests/} 2>&1 | tee "$OUT/pytest_gpu.log" \
+        --junitxml="$OUT/pytest_gpu.xml" ${TEST_FILES:-tests/} ${TEST_SELECT:+-k "$TEST_SELECT"} 2>&1 | tee "$OUT/pytest_gpu.log" \
         | grep -v "^\.*\s*\[" | tail -60 ;;
     decode)
       echo "== decode benchmark"
@@ -58,15 +71,15 @@ for stage in $STAGES; do
         ${DENSE_ARGS:-} ;;
     kernels)
       echo "== one decode step per kernel (Nsight Compute)"
-      for shape in ${KERNEL_SHAPES:-qwen3-30b-a3b mixtral-8x7b}; do
-        for batch in ${KERNEL_BATCHES:-1}; do
-          timeout "${KERNEL_TIMEOUT:-120}" ncu --profile-from-start off --clock-control none --csv \
-            --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size \
-            python3 benchmarks/step_kernels.py --shape "$shape" --batch "$batch" --layers 2 --context "${KERNEL_CONTEXT:-144}" \
-            > "$OUT/ncu_${shape}_b${batch}.csv" 2> "$OUT/ncu_${shape}_b${batch}.err"
-          python3 benchmarks/step_kernels_table.py "$OUT/ncu_${shape}_b${batch}.csv" | tee "$OUT/kernels_${shape}_b${batch}.md" \
-            | tail -16
-        done
+      for case in ${KERNEL_CASES:-qwen3-30b-a3b:1:144 mixtral-8x7b:1:144}; do
+        IFS=: read -r shape batch context <<< "$case"
+        name="${shape}_b${batch}_c${context}"
+        timeout "${KERNEL_TIMEOUT:-120}" ncu --profile-from-start off --clock-control none --csv \
+          --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size \
+          python3 benchmarks/step_kernels.py --shape "$shape" --batch "$batch" --layers 2 --context "$context" \
+          > "$OUT/ncu_$name.csv" 2> "$OUT/ncu_$name.err"
+        echo "-- $shape, batch $batch, context $context"
+        python3 benchmarks/step_kernels_table.py "$OUT/ncu_$name.csv" | tee "$OUT/kernels_$name.md" | tail -16
       done ;;
     cpu)
       echo "== CPU expert executor kernels"
