@@ -139,7 +139,12 @@ for stage in $STAGES; do
     long_context)
       # needs LLAMA_SRC and llama.cpp built (stage llama_build first: this stage waits for it)
       echo "== long context against llama.cpp"
-      if [ -n "$llama_builder" ] && ! wait $llama_builder; then tail -20 "$OUT/llama_build.log"; continue; fi
+      if [ -n "$llama_builder" ]; then  # the models are written while llama.cpp builds, then timed after it
+        timeout "${LONG_TIMEOUT:-540}" python3 benchmarks/long_context.py --write-only --gguf-py "$LLAMA_SRC/gguf-py" \
+          --keep-models ${LONG_ARGS:-} 2>&1 | tail -3
+        if ! wait $llama_builder; then tail -20 "$OUT/llama_build.log"; continue; fi
+        llama_builder=""
+      fi
       bench "${LONG_TIMEOUT:-540}" long_context.log 30 benchmarks/long_context.py --out "$OUT/long_context_h200.json" \
         --batched-bench "${LLAMA_BUILD:-/tmp/llama-build}/bin/llama-batched-bench" --gguf-py "$LLAMA_SRC/gguf-py" \
         ${LONG_ARGS:-} ;;

@@ -2,7 +2,9 @@
 
 For each shape (`--shapes SHAPE:LAYERS`, random bf16 weights of the published dimensions, written once under
 `--folder-root` with a word-level tokenizer, and as GGUF beside it for llama.cpp), each KV cache dtype
-(`--kv-dtypes`), each context C (`--contexts`) and batch B (`--batches`):
+(`--kv-dtypes`), each of Colibri's matmul precisions (`--matmul-precisions`: high, the default, and medium, bf16
+activations into tensor-core products as llama.cpp computes them; llama.cpp runs once), each context C
+(`--contexts`) and batch B (`--batches`):
 
   colibri_prefill_tok_s  B requests of C random prompt tokens each added to `EngineCore` at once (chunked prefill
                          with the engine's default token budget, as `colibri serve` runs it): B * C over the wall
@@ -51,9 +53,9 @@ DEFAULT_SHAPES = ("mixtral-8x7b:8", "qwen3-30b-a3b:16")
 LLAMA_KV_TYPES = {"bf16": "f16", "fp16": "f16", "fp8": "q8_0", "fp32": "f32"}
 KV_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}  # bytes a cached key or value element takes
 PREFILL_BUDGET = 2048  # the engine's default token budget a step: prefill steps of B * C prompt tokens
-# prompt tokens of each warm-up request (at most the longest context): kernels compiled, each batch's decode graph captured, and a whole prefill
-# chunk run, so its transients are in the memory pool and its GEMMs' kernels loaded before anything is timed (as in
-# a server that has answered a few prompts)
+# prompt tokens of each warm-up request (at most the longest context): kernels compiled, each batch's decode graph
+# captured, and a whole prefill chunk run, so its transients are in the memory pool and its GEMMs' kernels loaded
+# before anything is timed (as in a server that has answered a few prompts)
 WARM_UP_TOKENS = PREFILL_BUDGET
 FIRST_PROMPT_ID = 16  # prompt ids are drawn from [FIRST_PROMPT_ID, vocab), past small vocabularies' special tokens
 
@@ -117,10 +119,10 @@ def run_requests(core, prompts: list[list[int]], decode_tokens: int, room: int, 
     return prefilled_at - begin, tokens / decode_s
 
 
-def colibri_cases(folder: Path, config, kv_dtype: str, contexts: list[int], batches: list[int],
+def colibri_cases(folder: Path, config, kv_dtype: str, precision: str, contexts: list[int], batches: list[int],
                   decode_tokens: int, max_case_seconds: float, phases: bool = False) -> list[dict]:
-    """Colibri's records of one shape and KV dtype: one engine sized for the largest case, every case on it
-    (with `phases`, each case's prefill phases too)."""
+    """Colibri's records of one shape, KV dtype and matmul precision: one engine sized for the largest case, every
+    case on it (with `phases`, each case's prefill phases too)."""
     import cupy
 
     from colibri_stream.engine import EngineCore
@@ -130,12 +132,14 @@ def colibri_cases(folder: Path, config, kv_dtype: str, contexts: list[int], batc
     blocks = max(batches) * (-(-longest // 16) + 1) + 64
     options = dict(device="cuda", max_seq_len=longest, num_kv_blocks=blocks, max_batch_size=max(batches),
                    kv_cache_dtype=kv_dtype)
+    if precision != "high":  # the default, which revisions without the option compute
+        options["matmul_precision"] = precision
     try:
         core = EngineCore.from_pretrained(str(folder), **options)
     except Exception as error:  # an option this revision lacks, or a cache that does not fit
-        log(f"colibri {kv_dtype}: {error}")
-        return [dict(context=c, batch=b, colibri_error=f"{type(error).__name__}: {error}")
-                for c in contexts for b in batches]
+        log(f"colibri {kv_dtype} {precision}: {error}")
+        return [dict(context=c, batch=b, matmul_precision=precision,
+                     colibri_error=f"{type(error).__name__}: {error}") for c in contexts for b in batches]
     rng = np.random.default_rng(0)
 
     def prompts(count: int, length: int) -> list[list[int]]:
@@ -151,7 +155,7 @@ def colibri_cases(folder: Path, config, kv_dtype: str, contexts: list[int], batc
         prefill_rate = None  # batch-1 prefill tok/s of the context run last: predicts the larger batches
         for context in contexts:
             for batch in batches:
-                record = dict(context=context, batch=batch, colibri_options=options)
+                record = dict(context=context, batch=batch, matmul_precision=precision, colibri_options=options)
                 if prefill_rate and batch * context / prefill_rate > max_case_seconds:
                     record["colibri_skipped"] = (f"predicted prefill {batch * context / prefill_rate:.0f} s "
                                                  f"> --max-case-seconds {max_case_seconds:.0f}")
@@ -174,7 +178,7 @@ def colibri_cases(folder: Path, config, kv_dtype: str, contexts: list[int], batc
                         f"{name} {seconds:.2f}" for name, seconds in sorted(sink.seconds.items())))
                 if batch == 1:
                     prefill_rate = record["colibri_prefill_tok_s"]
-                log(f"colibri {kv_dtype} context {context} batch {batch}: prefill "
+                log(f"colibri {kv_dtype} {precision} context {context} batch {batch}: prefill "
                     f"{record['colibri_prefill_tok_s']:.0f} tok/s, decode {record['colibri_decode_tok_s']:.0f} tok/s")
                 records.append(record)
     finally:
@@ -215,11 +219,12 @@ def table(records: list[dict]) -> str:
     def cell(value, digits=0):
         return "-" if value is None else f"{value:.{digits}f}"
 
-    lines = ["| shape | kv | context | batch | prefill tok/s Colibri / llama.cpp | x | decode tok/s Colibri / "
-             "llama.cpp | x | decode / roofline | TTFT s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | kv | precision | context | batch | prefill tok/s Colibri / llama.cpp | x | decode tok/s "
+             "Colibri / llama.cpp | x | decode / roofline | TTFT s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         lines.append(
-            f"| {r['shape']} ({r['layers']}) | {r['kv_dtype']} | {r['context']} | {r['batch']} | "
+            f"| {r['shape']} ({r['layers']}) | {r['kv_dtype']} | {r['matmul_precision']} | {r['context']} | "
+            f"{r['batch']} | "
             f"{cell(r.get('colibri_prefill_tok_s'))} / {cell(r.get('llama_prefill_tok_s'))} | "
             f"{cell(ratio(r.get('colibri_prefill_tok_s'), r.get('llama_prefill_tok_s')), 2)} | "
             f"{cell(r.get('colibri_decode_tok_s'))} / {cell(r.get('llama_decode_tok_s'))} | "
@@ -235,11 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", nargs="+", type=int, default=[1024, 8192, 32768])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--kv-dtypes", nargs="+", default=["bf16", "fp8"], choices=sorted(KV_BYTES))
+    parser.add_argument("--matmul-precisions", nargs="+", default=["high"], choices=["high", "medium"])
     parser.add_argument("--decode-tokens", type=int, default=33, help="tokens per request, the first included")
     parser.add_argument("--batched-bench", help="llama-batched-bench binary (none: Colibri only)")
     parser.add_argument("--gguf-py", help="gguf-py folder of the llama.cpp source tree (writes the GGUF files)")
     parser.add_argument("--folder-root", default="/tmp/colibri-long-context")
     parser.add_argument("--keep-models", action="store_true", help="keep each shape's files after its runs")
+    parser.add_argument("--write-only", action="store_true",
+                        help="write each shape's folder and GGUF (with --gguf-py) and stop: a later run times them")
     parser.add_argument("--max-case-seconds", type=float, default=60.0)
     parser.add_argument("--phases", action="store_true", help="record each case's prefill phases (step timer on)")
     parser.add_argument("--llama-timeout", type=float, default=300.0)
@@ -265,15 +273,18 @@ def main(argv: list[str] | None = None) -> int:
         room = decode_room(args.decode_tokens, args.batches, args.contexts)
         contexts = sorted({min(c, config.max_position_embeddings - room) for c in args.contexts})
         gguf = folder.with_suffix(".gguf")
-        if args.batched_bench and not gguf.is_file():
+        if (args.batched_bench or args.write_only and args.gguf_py) and not gguf.is_file():
             from llama_cpp import write_gguf
 
             log(f"writing {gguf}")
             write_gguf(folder, gguf, args.gguf_py)
             os.sync()
+        if args.write_only:
+            continue
         for kv_dtype in args.kv_dtypes:
-            cases = colibri_cases(folder, config, kv_dtype, contexts, args.batches, args.decode_tokens,
-                                  args.max_case_seconds, args.phases)
+            cases = [case for precision in args.matmul_precisions
+                     for case in colibri_cases(folder, config, kv_dtype, precision, contexts, args.batches,
+                                               args.decode_tokens, args.max_case_seconds, args.phases)]
             llama = (llama_cases(args.batched_bench, gguf, kv_dtype, contexts, args.batches,
                                  args.decode_tokens, args.llama_timeout) if args.batched_bench else {})
             for case in cases:

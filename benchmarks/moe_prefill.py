@@ -54,7 +54,7 @@ def random_bf16(cp, shape: tuple[int, ...], std: float, seed: int):
 
 def run_shape(cp, backend, name: str, tokens_list: list[int]) -> list[dict]:
     from colibri_stream.backends import cupy_expert_gemm
-    from colibri_stream.backends.cublas_gemm import split_halves, weight_product
+    from colibri_stream.backends.cublas_gemm import activation_parts, weight_product
     from colibri_stream.backends.cupy_moe import DeviceExpertStore
     from colibri_stream.experts.device import LayerExperts
 
@@ -77,7 +77,7 @@ def run_shape(cp, backend, name: str, tokens_list: list[int]) -> list[dict]:
                 seconds[path] = median_seconds(cp, lambda: backend.routed_experts(x, weights, ids, 0, store))
                 outputs[path] = backend.routed_experts(x, weights, ids, 0, store)
         error = float(cp.linalg.norm(outputs["expert_gemms"] - outputs["moe_mma"]) / cp.linalg.norm(outputs["moe_mma"]))
-        halves = split_halves(x[cp.arange(pairs) // top_k], w13)  # [2P, H]
+        halves = activation_parts(x[cp.arange(pairs) // top_k], w13, 2)  # [2P, H]
         out = cp.empty((pairs, 2 * i), np.float32)  # [P, 2I]
 
         def one_gemm():

@@ -98,7 +98,7 @@ def relative_error(ours: list, reference: list, cp) -> float:
     return (num / den) ** 0.5
 
 
-# (kernel, KV cache dtype, FLASH_SPLIT), paged_attention first for each cache dtype: the flash kernel with products
+# (kernel, KV cache dtype, split), paged_attention first for each cache dtype: the flash kernel with products
 # of high and low bf16 parts (the backend's choice, float32-close) and with bf16 operands only ("bf16 products")
 KERNELS = tuple((kernel, kv_dtype, split) for kv_dtype in ("bfloat16", "float32")
                 for kernel, split in (("paged_attention", False), ("flash_attention", True), ("flash_attention", False)))
@@ -125,8 +125,10 @@ def measure(cp, backend, conditions: dict, shape: str, context: int, chunk: int,
         try:
             prompt = Prompt(cp, heads, kv_heads, head_dim, context, chunk, kv_dtype, first)
             # paged_attention: a FLASH_MIN_TOKENS past any chunk
-            with constants_set((cupy_flash_attention,), FLASH_SPLIT=split,
-                               FLASH_MIN_TOKENS=1 << 62 if kernel == "paged_attention" else 2):
+            # split or not: the backend's matmul precision high or medium
+            baseline = kernel == "paged_attention"
+            with constants_set((cupy_flash_attention,), FLASH_MIN_TOKENS=1 << 62 if baseline else 2), \
+                    constants_set((backend,), activation_parts=2 if split else 1):
                 outputs = prompt.run(backend)  # compiles and warms up
                 us = time_us(cp, lambda: prompt.run(backend))
             if kernel == "paged_attention":

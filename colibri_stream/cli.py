@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import KV_CACHE_DTYPES
+from .config import KV_CACHE_DTYPES, MATMUL_PRECISIONS
 from .errors import ColibriError
 
 
@@ -72,6 +72,10 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                    help="share of the GPU's memory the engine may use; the KV cache gets what the weights, expert "
                         "slots and activations leave of it (default 0.9)")
+    p.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default=None,
+                   help="GPU tensor-core products (prefill, large batches): high (default: float32 activations as "
+                        "two bf16/fp16 parts, within about 1e-5 of float32) or medium (one part, as engines with "
+                        "bf16 activations compute: about 1e-3, half the tensor cores' work)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
                    help="launch every GPU step eagerly instead of replaying captured decode graphs (slower; for "
                         "debugging and comparisons)")
@@ -133,7 +137,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     """The engine keyword arguments that were given on the command line."""
     names = ("device", "verify", "cuda_graphs", "async_scheduling", "max_seq_len", "max_batch_size",
              "max_num_batched_tokens", "block_size", "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching",
-             "kv_cache_dtype", "gpu_memory_utilization",
+             "kv_cache_dtype", "gpu_memory_utilization", "matmul_precision",
              "max_queue", "gpu_memory_limit", "l2_cache_size", "eviction_policy", "prefetch", "prefetch_lookahead",
              "usage_file", "routing_trace", "cpu_experts", "gpu_slot_layout", "cpu_threads")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}

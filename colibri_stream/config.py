@@ -361,6 +361,7 @@ class CacheConfig:
 
 
 EVICTION_POLICIES = ("lru", "lfu", "pinned")
+MATMUL_PRECISIONS = ("high", "medium")  # EngineConfig.matmul_precision
 CPU_EXPERT_MODES = ("auto", "off", "all")
 GPU_SLOT_LAYOUTS = ("spread", "layers")  # experts/slots.py: layer_slot_counts
 
@@ -416,6 +417,10 @@ class EngineConfig:
     device: str = "auto"  # cpu | auto (a GPU when one is usable); checked by the model loader
     verify: bool = False  # check the checkpoint's checksums when loading
     cuda_graphs: bool = True  # decode steps as CUDA graphs where they can be (off: every step launched eagerly)
+    # GPU products on tensor cores (cuBLAS projections, prefill's expert GEMMs and attention): high takes float32
+    # activations as two bf16/fp16 parts (about 1e-5 of float32), medium as one (about 1e-3, half the work); the
+    # NumPy backend computes float32 either way (backends/cublas_gemm.py)
+    matmul_precision: str = "high"
     # Decode steps (greedy rows, draws over the whole vocabulary) scheduled and launched one step ahead of reading
     # their tokens (scheduler.schedule_next).
     # None: where decode steps are CUDA graphs (the GPU then never waits for the host between steps). True on the
@@ -428,6 +433,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs must be a boolean, got {self.cuda_graphs!r}")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ConfigError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, "
+                              f"got {self.matmul_precision!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ConfigError(f"async_scheduling must be a boolean or None, got {self.async_scheduling!r}")
 
@@ -436,7 +444,7 @@ class EngineConfig:
         """Build from flat options (`max_batch_size=8, block_size=32, device="cpu"`); unknown ones are errors."""
         groups = {sub: {f.name for f in dataclasses.fields(sub)}
                   for sub in (SchedulerConfig, CacheConfig, ExpertStoreConfig)}
-        own = {"device", "verify", "cuda_graphs", "async_scheduling"}
+        own = {"device", "verify", "cuda_graphs", "async_scheduling", "matmul_precision"}
         unknown = sorted(set(options) - own - set().union(*groups.values()))
         if unknown:
             raise ConfigError(f"unknown engine options {unknown}")

@@ -122,7 +122,7 @@ class EngineCore:
         EngineConfig.from_options' flat keys."""
         config = EngineConfig.from_options(str(default_model_path()) if path is None else str(path), **options)
         model = load_model(config.model, device=config.device, verify=config.verify, experts=config.experts,
-                           max_positions=config.scheduler.max_seq_len)
+                           max_positions=config.scheduler.max_seq_len, matmul_precision=config.matmul_precision)
         return cls(model, Tokenizer.from_folder(config.model), config)
 
     def encode_prompt(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True,

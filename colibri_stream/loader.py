@@ -16,9 +16,9 @@ from .model.transformer import MoETransformer
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def select_backend(device: str, cpu_threads: int | None = None) -> Backend:
+def select_backend(device: str, cpu_threads: int | None = None, matmul_precision: str = "high") -> Backend:
     """The backend for `device`: cpu (NumPy, its routed experts on `cpu_threads` threads; None: every core), cuda
-    (CuPy), or auto (CuPy when it finds a GPU, else NumPy)."""
+    (CuPy at `matmul_precision`, EngineConfig's), or auto (CuPy when it finds a GPU, else NumPy)."""
     from .backends.cupy_backend import cuda_available
 
     if device not in DEVICES:
@@ -28,7 +28,7 @@ def select_backend(device: str, cpu_threads: int | None = None) -> Backend:
             raise ColibriError("no CUDA GPU is usable (CuPy is missing or finds no device); use --device cpu")
         from .backends.cupy_backend import CupyBackend
 
-        return CupyBackend()
+        return CupyBackend(matmul_precision)
     from .backends.numpy_backend import NumpyBackend
     from .experts.cpu_executor import CpuExpertExecutor
 
@@ -52,13 +52,14 @@ def check_features(config: ModelConfig, backend: Backend | type[Backend]) -> Non
 
 
 def load_model(path: str, device: str = "cpu", verify: bool = False,
-               experts: ExpertStoreConfig | None = None, max_positions: int | None = None) -> MoETransformer:
+               experts: ExpertStoreConfig | None = None, max_positions: int | None = None,
+               matmul_precision: str = "high") -> MoETransformer:
     """Open a native model folder and load it on `device`; `verify` checks every checksum first; `experts` sets
     the expert tiers (default: every expert resident); `max_positions`: the longest sequence it will run (default:
-    the model's max_position_embeddings)."""
+    the model's max_position_embeddings); `matmul_precision`: EngineConfig's (the GPU's tensor-core products)."""
     folder = ModelFolder(path, verify=verify)
     experts = experts or ExpertStoreConfig()
-    backend = select_backend(device, experts.cpu_threads)
+    backend = select_backend(device, experts.cpu_threads, matmul_precision)
     check_expert_format(folder.config, backend)
     check_features(folder.config, backend)
     store = open_expert_store(folder, experts, backend.device)

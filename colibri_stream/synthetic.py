@@ -162,11 +162,11 @@ class RandomExpertStore(ExpertStore):
 
 
 def synthetic_model(shape: str | ModelConfig, num_layers: int | None = None, device: str = "auto",
-                    seed: int = 0) -> MoETransformer:
-    """A random-weight model on `device` (auto, cpu, cuda): a named shape with `num_layers` layers (None: all of
-    them), or exactly the given config."""
+                    seed: int = 0, matmul_precision: str = "high") -> MoETransformer:
+    """A random-weight model on `device` (auto, cpu, cuda; on the GPU at `matmul_precision`, EngineConfig's): a
+    named shape with `num_layers` layers (None: all of them), or exactly the given config."""
     config = shape if isinstance(shape, ModelConfig) else shape_config(shape, num_layers)
-    backend = select_backend(device)
+    backend = select_backend(device, matmul_precision=matmul_precision)
     return MoETransformer(config, RandomDense(config, backend, seed), RandomExpertStore(config, backend, seed),
                           backend)
 

@@ -53,14 +53,16 @@
 //
 // paged_attention_merge: out[t, h] = sum_s acc_s exp(m_s - M) / sum_s l_s exp(m_s - M), M = max_s m_s over the
 //   token's S_t splits (empty splits weigh 0; S_t == 1: nothing to do, the GQA block wrote out). grid: (T, Q),
-//   block: 32 * DPL threads (>= D), static shared memory only; max_splits = S (at most MERGE_MAX_SPLITS), window
-//   and split_keys as the GQA launch's.
+//   block: MERGE_WARPS * 32 threads, static shared memory only; D at most MERGE_MAX_DIM; max_splits = S (at most
+//   MERGE_MAX_SPLITS), window and split_keys as the GQA launch's. Warp w sums the splits w, w + MERGE_WARPS, ...
+//   (lane l dims l, l + 32, ...: each load of a warp is one row segment), the warps' sums are added in shared memory.
 #include "kv_types.cuh"
 
 constexpr int ATTN_WARPS = 16;
 constexpr int ATTN_UNROLL = 8;
 constexpr int MERGE_MAX_SPLITS = 1024;  // splits a merge takes at most
-constexpr int MERGE_UNROLL = 8;         // partials of a dim summed per round
+constexpr int MERGE_WARPS = 8;          // warps of a merge block, each summing every MERGE_WARPS-th split
+constexpr int MERGE_MAX_DIM = 256;      // head dims a merge takes at most: 8 per lane
 
 template <typename KV, int DPL>
 __global__ void __launch_bounds__(ATTN_WARPS * 32)
@@ -438,12 +440,14 @@ paged_attention_gqa(const float* __restrict__ q, const KV* __restrict__ key_cach
     }
 }
 
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(MERGE_WARPS * 32)
 paged_attention_merge(const float* __restrict__ partial_acc, const float* __restrict__ partial_ml,
                       float* __restrict__ out, const long long* __restrict__ positions, int head_dim,
                       int max_splits, int window, int split_keys) {
     pdl_wait();
+    constexpr int DIMS_PER_LANE = MERGE_MAX_DIM / 32;
     __shared__ float weight_s[MERGE_MAX_SPLITS];  // exp(m_s - M) of each split, 0 for an empty one
+    __shared__ float sum_s[MERGE_WARPS][MERGE_MAX_DIM];  // each warp's weighted sum of its splits' partials
     const int splits = decode_split(static_cast<int>(positions[blockIdx.x]), window, split_keys, 0, max_splits).splits;
     if (splits == 1) return;  // paged_attention_gqa wrote out
     const long long row = static_cast<long long>(blockIdx.x) * gridDim.y + blockIdx.y;  // t * Q + h
@@ -459,19 +463,27 @@ paged_attention_merge(const float* __restrict__ partial_acc, const float* __rest
         total += ml[2 * s + 1] * weight;
     }
     total = block_sum(total);  // its barrier also publishes weight_s
-    // Each dim's partials: MERGE_UNROLL independent loads in flight, into as many sums.
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        const float* acc = partial_acc + row * max_splits * head_dim + d;
-        float a[MERGE_UNROLL] = {};
-        int s = 0;
-        for (; s + MERGE_UNROLL <= splits; s += MERGE_UNROLL) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const float* acc = partial_acc + row * max_splits * head_dim;  // [S, D]
+    float a[DIMS_PER_LANE] = {};  // dims lane + 32 j
+#pragma unroll 4
+    for (int s = warp; s < splits; s += MERGE_WARPS) {
+        const float weight = weight_s[s];
 #pragma unroll
-            for (int u = 0; u < MERGE_UNROLL; ++u) a[u] = fmaf(acc[(s + u) * head_dim], weight_s[s + u], a[u]);
+        for (int j = 0; j < DIMS_PER_LANE; ++j) {
+            const int d = lane + 32 * j;
+            if (d < head_dim) a[j] = fmaf(acc[s * head_dim + d], weight, a[j]);
         }
-        for (; s < splits; ++s) a[0] = fmaf(acc[s * head_dim], weight_s[s], a[0]);
+    }
+#pragma unroll
+    for (int j = 0; j < DIMS_PER_LANE; ++j) {
+        if (lane + 32 * j < head_dim) sum_s[warp][lane + 32 * j] = a[j];
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float sum = 0.f;
 #pragma unroll
-        for (int u = 0; u < MERGE_UNROLL; ++u) sum += a[u];
+        for (int w = 0; w < MERGE_WARPS; ++w) sum += sum_s[w][d];
         out[row * head_dim + d] = sum / total;
     }
 }

@@ -3,7 +3,7 @@
 Random queries, keys and values over a paged cache whose blocks are scattered; several sequences in one launch,
 each a chunk over a cached prefix. The reference attends over the values the cache stores (its dtype's rounding of
 the random float32 values). Bounds on ||ours - ref|| / ||ref||: with the split into high and low bf16 parts
-(FLASH_SPLIT, the backend's choice) the kernel is float32 attention to about 16 significant bits per operand:
+(matmul precision high, the backend's default) the kernel is float32 attention to about 16 significant bits per operand:
 SPLIT_TOLERANCE. With bf16 operands alone the reference takes q, k and v rounded to bf16 too, and the
 probabilities' rounding (8 significant bits, errors of random sign averaged over the keys) gives a few 1e-3:
 BF16_TOLERANCE. A misplaced fragment, mask or tile gives errors of order 1.
@@ -60,11 +60,11 @@ def random_case(rng, seqs, heads: int, kv_heads: int, head_dim: int, kv_dtype: s
     return batch, device_batch, kv_cache_pair(caches[0], kv_dtype), kv_cache_pair(caches[1], kv_dtype), query
 
 
-def run_flash(query, key_cache, value_cache, batch, device_batch, scale, window):
+def run_flash(query, key_cache, value_cache, batch, device_batch, scale, window, split=True):
     """One launch of flash_attention.cu, whatever the dispatch rule would pick."""
     kv_type = storage_type(key_cache)
     flash = flash_attention_launch(cupy, FlashTileCache(), query, key_cache, value_cache, batch, device_batch,
-                                   kv_type, scale, window)
+                                   kv_type, scale, window, split)
     launch(FLASH_FILE, flash.expression, flash.grid, FLASH_THREADS, flash.args, shared_mem=flash.shared_mem,
            weight_type=kv_type)
     return flash.out
@@ -86,8 +86,7 @@ def check_flash(ours, query, key_cache, value_cache, batch, scale, window, split
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("chunk", [1, 17, 128])
-def test_flash_attention_matches_the_reference(chunk, group, head_dim, window, kv_dtype, split, monkeypatch):
-    monkeypatch.setattr(cupy_flash_attention, "FLASH_SPLIT", split)
+def test_flash_attention_matches_the_reference(chunk, group, head_dim, window, kv_dtype, split):
     rng = np.random.default_rng(chunk * 1000 + group * 100 + head_dim + (window or 0))
     seqs = [(context, min(chunk, context)) for context in CONTEXTS]
     kv_heads = 2
@@ -95,7 +94,7 @@ def test_flash_attention_matches_the_reference(chunk, group, head_dim, window, k
         rng, seqs, group * kv_heads, kv_heads, head_dim, kv_dtype)
     scale = head_dim**-0.5
     poison()
-    ours = run_flash(cupy.asarray(query), gpu_keys, gpu_values, batch, device_batch, scale, window)
+    ours = run_flash(cupy.asarray(query), gpu_keys, gpu_values, batch, device_batch, scale, window, split)
     check_flash(ours, query, key_cache, value_cache, batch, scale, window, split)
 
 

@@ -5,7 +5,9 @@ Tolerances: both backends compute in float32 from the same stored weights (proje
 tokens go through cuBLAS with the activations split into bf16 high and low parts, about 16 significant bits), so
 fp32, bf16 and int8 exports give logits within 1e-4 (relative to the largest logit) and the same 32 greedy tokens,
 with a float32 KV cache. With a bf16 cache (the default) keys computed a few float32 ulps apart can round to
-neighbouring bf16 values: logits within KV_BF16_TOLERANCE (one bf16 rounding step, 2^-8) of each other.
+neighbouring bf16 values: logits within KV_BF16_TOLERANCE (one bf16 rounding step, 2^-8) of each other. At matmul
+precision "medium" those projections (and prefill attention, and large experts' GEMMs) take one bf16 part of each
+activation, about 8 significant bits: logits within MEDIUM_TOLERANCE.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tiny_models import GPU_ARCHITECTURES, VOCAB_SIZE, build_hf_model  # noqa: E
 pytestmark = pytest.mark.gpu
 
 KV_TOLERANCES = {"fp32": 1e-4, "bf16": 2**-8}  # logits, relative to the largest, by KV cache dtype
+MEDIUM_TOLERANCE = 5e-2  # logits at matmul precision medium, relative to the largest
 
 
 @pytest.fixture(scope="module", params=GPU_ARCHITECTURES)
@@ -55,14 +58,29 @@ def test_cupy_matches_numpy(tiny_hf, dtype, kv_dtype, tmp_path):
         assert colibri_greedy(gpu, ids, NEW_TOKENS) == colibri_greedy(cpu, ids, NEW_TOKENS), arch
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
-def test_long_prompt(tiny_hf, kv_dtype, tmp_path):
+@pytest.mark.parametrize("kv_dtype,precision", [("fp32", "high"), ("bf16", "high"), ("bf16", "medium")])
+def test_long_prompt(tiny_hf, kv_dtype, precision, tmp_path):
     arch, hf_dir = tiny_hf
     export_model(hf_dir, tmp_path / "model", dtype="bf16", progress=False)
-    cpu, gpu = load_model(tmp_path / "model", device="cpu"), load_model(tmp_path / "model", device="cuda")
+    cpu = load_model(tmp_path / "model", device="cpu")
+    gpu = load_model(tmp_path / "model", device="cuda", matmul_precision=precision)
     ids = np.random.default_rng(4).integers(3, VOCAB_SIZE, 100)
     error = relative_error(colibri_logits(gpu, ids, kv_dtype), colibri_logits(cpu, ids, kv_dtype))
-    assert error < KV_TOLERANCES[kv_dtype], arch
+    assert error < (KV_TOLERANCES[kv_dtype] if precision == "high" else MEDIUM_TOLERANCE), arch
+
+
+def test_medium_precision_takes_one_part_on_every_tensor_core_path():
+    """A 512-token prefill of a Mixtral-shaped layer runs its projections on cuBLAS, its experts as per-expert GEMMs
+    and its attention on flash_attention: at medium precision its logits stay within MEDIUM_TOLERANCE of high's,
+    and are not the same numbers (every one of those paths rounds its activations once instead of splitting)."""
+    ids = np.random.default_rng(5).integers(3, 32000, 512)
+    logits = {}
+    for precision in ("high", "medium"):
+        model = synthetic_model("mixtral-8x7b", num_layers=1, device="cuda", matmul_precision=precision)
+        logits[precision] = colibri_logits(model, ids, "bf16")
+        del model
+    error = relative_error(logits["medium"], logits["high"])
+    assert 1e-6 < error < MEDIUM_TOLERANCE
 
 
 def decode_batch(tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray, block_size: int) -> ForwardBatch:

@@ -166,3 +166,18 @@ def test_engine_options_take_cuda_graphs_as_a_boolean_and_the_cli_turns_it_off()
     assert EngineConfig.from_options("m", prefetch=True).experts.prefetch
     with pytest.raises(ConfigError, match="prefetch must be a boolean"):
         EngineConfig.from_options("m", prefetch="yes")
+
+
+def test_matmul_precision_is_high_by_default_and_the_cli_sets_medium():
+    from colibri_stream.cli import _engine_options, build_parser
+    from colibri_stream.config import EngineConfig
+    from colibri_stream.loader import select_backend
+
+    assert EngineConfig.from_options("m").matmul_precision == "high"
+    options = _engine_options(build_parser().parse_args(["serve", "--matmul-precision", "medium"]))
+    assert EngineConfig.from_options("m", **options).matmul_precision == "medium"
+    with pytest.raises(ConfigError, match="matmul_precision must be one of high, medium, got 'low'"):
+        EngineConfig.from_options("m", matmul_precision="low")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--matmul-precision", "highest"])
+    assert select_backend("cpu", matmul_precision="medium").name == "numpy"  # float32 at either precision

@@ -1,10 +1,11 @@
-"""Weight products on cuBLAS tensor cores with float32 activations: the split into halves, and one GEMM call.
+"""Weight products on cuBLAS tensor cores with float32 activations: the activations' parts, and one GEMM call.
 
 The backend keeps activations in float32 and weights in bf16/fp16. To multiply them on tensor cores, the
-activations are split into a high and a low part of the weight's type (x = hi + lo to about 16 significant bits,
-`split_halves`), and both parts are multiplied by the weight with float32 accumulation: as one GEMM of twice the
-rows (dense projections, cupy_backend) or as two GEMMs into the same output, the second adding to the first
-(routed experts per expert, cupy_expert_gemm).
+activations are cut into parts of the weight's type (`activation_parts`): at matmul precision "high" (the
+default) a high and a low part (x = hi + lo to about 16 significant bits), at "medium" one part (x rounded, about 8
+bits for bf16, what engines that keep bf16 activations compute). Every part is multiplied by the weight with
+float32 accumulation: as one GEMM of the parts' rows (dense projections, cupy_backend) or as one GEMM per part
+into the same output, each after the first adding to it (routed experts per expert, cupy_expert_gemm).
 
 `weight_product` is that GEMM on raw pointers, so a caller can multiply a slice of rows by one expert's matrix in
 place. Inside a CUDA-graph capture it calls cuBLAS through ctypes (captured_cublas.py), since CuPy's wrappers
@@ -18,17 +19,22 @@ import numpy as np
 from .cupy_launch import Array, ceil_div, launch, storage_type
 
 
-def split_halves(x: Array, like: Array) -> Array:
-    """x float32 [T, In] as [2T, In] of `like`'s dtype (bf16 bits or fp16): rows 0..T-1 x rounded, rows T..2T-1
-    the rounding error x - hi, rounded."""
+# by matmul precision (EngineConfig.matmul_precision): the parts of float32 activations in tensor-core products
+ACTIVATION_PARTS = {"high": 2, "medium": 1}
+
+
+def activation_parts(x: Array, like: Array, parts: int) -> Array:
+    """x float32 [T, In] (contiguous) as [parts * T, In] of `like`'s dtype (bf16 bits or fp16): rows 0..T-1 x
+    rounded; with two parts, rows T..2T-1 the rounding error x - hi, rounded."""
     import cupy
 
     t, n_in = x.shape
     w = storage_type(like)
-    halves = cupy.empty((2 * t, n_in), like.dtype)  # [2T, In]
-    launch("linear.cu", f"to_storage_split<{w}>", (ceil_div(x.size, 256),), 256, (x, halves, np.int64(x.size)),
+    out = cupy.empty((parts * t, n_in), like.dtype)  # [parts * T, In]
+    kernel = {1: "to_storage", 2: "to_storage_split"}[parts]
+    launch("linear.cu", f"{kernel}<{w}>", (ceil_div(x.size, 256),), 256, (x, out, np.int64(x.size)),
            weight_type=w)
-    return halves
+    return out
 
 
 def weight_product(out: int, out_stride: int, weight: int, weight_stride: int, weight_dtype, n_out: int, n_in: int,

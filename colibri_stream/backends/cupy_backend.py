@@ -11,10 +11,13 @@ their CUDA type for the kernels.
 Dense projections of up to SMALL_BATCH tokens run on our GEMV kernel (linear.cu), which reads each weight once for
 all the tokens; larger ones go to cuBLAS on tensor cores: float32 activations are split into a bf16 (or fp16) high
 and low part (x = hi + lo to about 16 significant bits) multiplied as one GEMM of twice the rows, so the result
-stays within about 1e-5 of float32 while each weight is still read once. CuPy refuses cuBLAS calls while a stream
-captures a CUDA graph, so inside a capture bf16/fp16 projections of DENSE_MMA_MIN_TOKENS tokens or more run on our
-tensor-core kernel (linear_mma.cu: the same hi/lo split, the columns split over enough blocks to fill the GPU),
-except lm_head-sized ones, which call cuBLAS through ctypes (captured_cublas.py), and the others on linear_rows.
+stays within about 1e-5 of float32 while each weight is still read once. At matmul precision "medium" the
+products on cuBLAS (dense projections, the per-expert GEMMs of prefill) and prefill attention take one bf16 (or
+fp16) part instead, half the tensor cores' work, at about 1e-3 of float32 (cublas_gemm.py).
+CuPy refuses cuBLAS calls while a stream captures a CUDA graph, so inside a capture bf16/fp16 projections of
+DENSE_MMA_MIN_TOKENS tokens or more run on our tensor-core kernel (linear_mma.cu: the hi/lo split at either
+precision, the columns split over enough blocks to fill the GPU), except lm_head-sized ones, which call cuBLAS
+through ctypes (captured_cublas.py), and the others on linear_rows.
 Routed experts are held per layer as stacked device arrays (cupy_moe.DeviceExpertStore), and the MoE kernels read the
 routing from device memory, so a decode step needs no host synchronisation and can be captured in a CUDA graph
 (cuda_graph.py).
@@ -33,7 +36,7 @@ from ..memory import MemoryInfo
 from ..timing import Clock
 from .base import Array, Backend
 from .cuda_clock import CudaEventClock
-from .cublas_gemm import split_halves, weight_product
+from .cublas_gemm import ACTIVATION_PARTS, activation_parts, weight_product
 from .cupy_flash_attention import (DECODE_THREADS, FLASH_FILE, FLASH_THREADS, FlashTileCache, decode_expression,
                                    decode_shared_bytes, flash_attention_launch,
                                    takes_flash_attention, takes_flash_decode)
@@ -48,7 +51,7 @@ from .tuning import (ATTENTION_WARPS, CAPTURED_CUBLAS_ALL_MIN_TOKENS, CAPTURED_C
                      GQA_GROUPS,
                      GQA_MAX_LANE_FLOATS, GQA_MAX_SPLITS, GQA_SPLIT_KEYS, GQA_MIN_TOKENS,
                      GQA_ONE_TOKEN_MAX_KEYS, GQA_WARPS,
-                     LINEAR_MMA_BLOCKS_PER_SM, MERGE_MAX_SPLITS,
+                     LINEAR_MMA_BLOCKS_PER_SM, MERGE_MAX_SPLITS, MERGE_THREADS,
                      LINEAR_MMA_MIN_SPAN, LINEAR_MMA_ROWS, LINEAR_MMA_TILES, LINEAR_ROWS_PER_BLOCK, MMA_THREADS,
                      PROLOGUE_WARPS, ROUTER_MAX_EXPERTS, ROUTER_MAX_GROUPS, ROUTER_SPLIT_TOKENS, ROUTER_TILE,
                      ROUTER_WARPS, SMALL_BATCH, TOKEN_TILES)
@@ -116,10 +119,15 @@ class CupyBackend(Backend):
                            f"{config.moe_intermediate_size} (multiples of {width} only)")
         return missing
 
-    def __init__(self):
+    def __init__(self, matmul_precision: str = "high"):
         import cupy
 
+        if matmul_precision not in ACTIVATION_PARTS:
+            raise ValueError(f"matmul_precision must be one of {', '.join(ACTIVATION_PARTS)}, "
+                             f"got {matmul_precision!r}")
         self.cp = cupy
+        # parts of the float32 activations in tensor-core products on cuBLAS and flash_attention (cublas_gemm.py)
+        self.activation_parts = ACTIVATION_PARTS[matmul_precision]
         self._silu_mul = cupy.ElementwiseKernel("float32 g, float32 u", "float32 y", "y = g / (1.0f + expf(-g)) * u",
                                                 "colibri_silu_mul")
         self._sigmoid = cupy.ElementwiseKernel("float32 x", "float32 y", "y = 1.0f / (1.0f + expf(-x))",
@@ -295,16 +303,16 @@ class CupyBackend(Backend):
 
     def _gemm(self, x: Array, weight: Array) -> Array:
         """x [T, In] @ weight [Out, In]^T through cuBLAS, float32 accumulation and output: bf16/fp16 weights
-        multiply x's two halves (cublas_gemm.py) as one GEMM of 2T rows.  # [T, Out]"""
+        multiply x's N parts (cublas_gemm.py) as one GEMM of N * T rows, whose row blocks are summed.  # [T, Out]"""
         t, n_in = x.shape
         n_out = weight.shape[0]
         if weight.dtype == np.float32:
             return self.cp.matmul(x, weight.T)
-        halves = split_halves(x, weight)  # [2T, In]
-        both = self.cp.empty((2 * t, n_out), np.float32)  # [2T, Out]
-        weight_product(both.data.ptr, n_out, weight.data.ptr, n_in, weight.dtype, n_out, n_in, halves.data.ptr, n_in,
-                       2 * t, accumulate=False)
-        return self.cp.add(both[:t], both[t:])
+        parts = activation_parts(x, weight, self.activation_parts)  # [N * T, In]
+        products = self.cp.empty((parts.shape[0], n_out), np.float32)  # [N * T, Out]
+        weight_product(products.data.ptr, n_out, weight.data.ptr, n_in, weight.dtype, n_out, n_in, parts.data.ptr,
+                       n_in, parts.shape[0], accumulate=False)
+        return products if self.activation_parts == 1 else self.cp.add(products[:t], products[t:])
 
     def silu_mul(self, gate: Array, up: Array) -> Array:
         return self._silu_mul(gate, up)
@@ -359,7 +367,7 @@ class CupyBackend(Backend):
         if kv_scales == (1.0, 1.0) and takes_flash_attention(query, key_cache, value_cache, batch):
             kv_type = storage_type(key_cache)
             flash = flash_attention_launch(self.cp, self._flash_tiles, query, key_cache, value_cache, batch,
-                                           device_batch, kv_type, scale, sliding_window)
+                                           device_batch, kv_type, scale, sliding_window, self.activation_parts == 2)
             launch(FLASH_FILE, flash.expression, flash.grid, FLASH_THREADS, flash.args, shared_mem=flash.shared_mem,
                    weight_type=kv_type)
             return flash.out
@@ -392,7 +400,7 @@ class CupyBackend(Backend):
                     np.int32(block_size), np.int32(tables.shape[1]), np.float32(scale * kv_scales[0]), window,
                     np.float32(kv_scales[1]), np.int32(split.split_keys)), shared_mem=decode_shared_bytes(head_dim),
                    weight_type=kv_type)
-            self._merge_splits(split, out, device_batch, per_lane, window, kv_type)
+            self._merge_splits(split, out, device_batch, window, kv_type)
             return out
         if (t == tables.shape[0] and enough_tokens and num_heads % num_kv_heads == 0 and padded is not None
                 and padded * per_lane <= GQA_MAX_LANE_FLOATS and head_dim % vector == 0
@@ -403,7 +411,7 @@ class CupyBackend(Backend):
                    (t, num_kv_heads, split.splits), 32 * GQA_WARPS,
                    (*common, split.acc, split.ml, *sizes, np.int32(split.split_keys)),
                    shared_mem=GQA_WARPS * padded * head_dim * 4, weight_type=kv_type)
-            self._merge_splits(split, out, device_batch, per_lane, window, kv_type)
+            self._merge_splits(split, out, device_batch, window, kv_type)
             return out
         launch("attention.cu", f"paged_attention<{kv_type}, {per_lane}>", (t, num_heads), 32 * ATTENTION_WARPS,
                (*common, *sizes), shared_mem=ATTENTION_WARPS * head_dim * 4, weight_type=kv_type)
@@ -425,12 +433,12 @@ class CupyBackend(Backend):
                             self.cp.empty((t, num_heads, splits, head_dim), np.float32),  # [T, Q, S, D]
                             self.cp.empty((t, num_heads, splits, 2), np.float32))  # [T, Q, S, (m, l)]
 
-    def _merge_splits(self, split: DecodeSplits, out, device_batch, per_lane: int, window, kv_type: str) -> None:
+    def _merge_splits(self, split: DecodeSplits, out, device_batch, window, kv_type: str) -> None:
         """paged_attention_merge over a split decode launch's partials (nothing for one split)."""
         if split.splits == 1:
             return
         t, num_heads, head_dim = out.shape
-        launch("attention.cu", "paged_attention_merge", (t, num_heads), 32 * per_lane,
+        launch("attention.cu", "paged_attention_merge", (t, num_heads), MERGE_THREADS,
                (split.acc, split.ml, out, device_batch["positions"], np.int32(head_dim), np.int32(split.splits),
                 window, np.int32(split.split_keys)), weight_type=kv_type)
 

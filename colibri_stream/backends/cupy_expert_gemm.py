@@ -4,7 +4,7 @@ moe_mma.cu reads each weight once per 32 pairs of its expert's group, which suit
 prefill chunk of a model with few, large experts (Mixtral: 8 experts, a 2048-token chunk gives ~512 pairs each)
 makes groups of hundreds of pairs, where a tiled GEMM reuses every weight across the whole group. Each GEMM is
 one host call, so models of many small experts stay on moe_mma.cu (`takes_expert_gemms`). Here the step's
-tokens are gathered in group order (moe_align's sorted pairs), split into bf16/fp16 halves (cublas_gemm.py), and
+tokens are gathered in group order (moe_align's sorted pairs), cut into bf16/fp16 parts (cublas_gemm.py), and
 each expert's group is multiplied by its matrices in place: gate and up (one GEMM when up's rows follow gate's in
 memory), SiLU-mul, then down; each pair's row is scaled by its route weight and scattered back to pair order.
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..experts.device import LayerExperts
-from .cublas_gemm import split_halves, weight_product
+from .cublas_gemm import activation_parts, weight_product
 from .cupy_launch import Array
 from .tuning import EXPERT_GEMM_MIN_WORK
 
@@ -43,10 +43,11 @@ class GroupedTokens:
     group_expert: np.ndarray  # [G] int64: the expert of each group
     group_start: np.ndarray  # [G+1] int64: group g holds sorted positions group_start[g] .. group_start[g+1]-1
     sorted_pairs: Array  # [P] int32 (device): the pair at each sorted position
-    halves: Array  # [2P, H] bf16/fp16 (device): the pairs' tokens in sorted order, high parts then low parts
+    parts: Array  # [N * P, H] bf16/fp16 (device): the pairs' tokens in sorted order, each of N parts in turn
+    num_parts: int  # N: 2 (high parts, then low parts) or 1 (cublas_gemm.activation_parts)
 
     @classmethod
-    def gather(cls, x: Array, routing: tuple, top_k: int, like: Array) -> GroupedTokens:
+    def gather(cls, x: Array, routing: tuple, top_k: int, like: Array, num_parts: int) -> GroupedTokens:
         """From moe_align's device outputs (group_expert, group_start, sorted_pairs, num_groups) and x [T, H]."""
         import cupy
 
@@ -55,7 +56,7 @@ class GroupedTokens:
         groups, num_experts = int(host[0]), group_expert.shape[0]
         tokens = cupy.take(x, sorted_pairs // top_k, axis=0)  # [P, H] float32
         return cls(host[1:1 + groups], host[1 + num_experts:2 + num_experts + groups], sorted_pairs,
-                   split_halves(tokens, like))
+                   activation_parts(tokens, like, num_parts), num_parts)
 
     @property
     def pairs(self) -> int:
@@ -86,13 +87,13 @@ def expert_gemms(grouped: GroupedTokens, experts: LayerExperts, route_weights: A
     fused = up.strides == gate.strides and up.data.ptr == gate.data.ptr + i * gate.strides[1]
     matrices = [(gate, 2 * i, 0)] if fused else [(gate, i, 0), (up, i, i)]  # (matrix, rows, first output column)
     gate_up = cupy.empty((p, 2 * i), np.float32)  # [P, 2I] in sorted order: gate, then up
-    _group_products(gate_up, 2 * i, grouped.halves, h, groups, matrices, gate_rows, gate.dtype)
+    _group_products(gate_up, 2 * i, grouped.parts, grouped.num_parts, h, groups, matrices, gate_rows, gate.dtype)
     act = silu_mul(gate_up[:, :i], gate_up[:, i:])  # [P, I]
     del gate_up
-    act_halves = split_halves(act, gate)  # [2P, I]
+    act_parts = activation_parts(act, gate, grouped.num_parts)  # [N * P, I]
     del act
     out = (cupy.empty if resident else cupy.zeros)((p, h), np.float32)  # [P, H] in sorted order
-    _group_products(out, h, act_halves, i, groups, [(down, h, 0)], down_rows, down.dtype)
+    _group_products(out, h, act_parts, grouped.num_parts, i, groups, [(down, h, 0)], down_rows, down.dtype)
     weighted = out * route_weights[grouped.sorted_pairs][:, None]  # [P, H]
     if resident:
         y[grouped.sorted_pairs] = weighted
@@ -100,17 +101,18 @@ def expert_gemms(grouped: GroupedTokens, experts: LayerExperts, route_weights: A
         y[grouped.sorted_pairs] += weighted
 
 
-def _group_products(out: Array, out_width: int, halves: Array, n_in: int, groups: list[tuple[int, int, int]],
-                    matrices: list[tuple[Array, int, int]], row_stride: int, dtype) -> None:
-    """out[s:s+n, c:c+rows] = (hi + lo)[s:s+n] . matrix[slot]^T for each group (slot, s, n) and each matrix
-    (matrix by slot, rows, c): the high parts' product, then the low parts' added to it."""
-    p = halves.shape[0] // 2
-    item = halves.itemsize
+def _group_products(out: Array, out_width: int, parts: Array, num_parts: int, n_in: int,
+                    groups: list[tuple[int, int, int]], matrices: list[tuple[Array, int, int]], row_stride: int,
+                    dtype) -> None:
+    """out[s:s+n, c:c+rows] = (sum of the parts)[s:s+n] . matrix[slot]^T for each group (slot, s, n) and each
+    matrix (matrix by slot, rows, c): the first part's product, then each other part's added to it."""
+    p = parts.shape[0] // num_parts
+    item = parts.itemsize
     for matrix, rows, column in matrices:
         for slot, start, count in groups:
             weight = matrix.data.ptr + slot * matrix.strides[0]
             target = out.data.ptr + (start * out_width + column) * out.itemsize
-            for half in (0, 1):
-                inputs = halves.data.ptr + (half * p + start) * n_in * item
+            for part in range(num_parts):
+                inputs = parts.data.ptr + (part * p + start) * n_in * item
                 weight_product(target, out_width, weight, row_stride, dtype, rows, n_in, inputs, n_in, count,
-                               accumulate=half == 1)
+                               accumulate=part > 0)

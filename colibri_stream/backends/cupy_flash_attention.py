@@ -3,9 +3,10 @@
 flash_attention.cu computes the attention of prefill chunks over the paged KV cache in tiles of FLASH_ROWS query
 rows ((token, group head) pairs of one KV head) by tiles of keys on mma.sync (bf16 operands, float32
 accumulation); attention.cu's paged_attention (float32 on CUDA cores, a block per (token, query head)) keeps decode
-steps, short chunks and head dims the flash kernel is not built for. With FLASH_SPLIT the products take each
-float32 operand as a high and a low bf16 part (as the backend's projections do), so the result is within about
-1e-5 of float32 attention; without it, bf16 operands alone (about 1e-3, up to 3x fewer products). docs/PREFILL_ATTENTION.md gives the choice of
+steps, short chunks and head dims the flash kernel is not built for. Split (the backend's matmul precision "high"),
+the products take each float32 operand as a high and a low bf16 part (as the backend's projections do), so the
+result is within about 1e-5 of float32 attention; unsplit ("medium"), bf16 operands alone (about 1e-3, up to 3x
+fewer products). docs/PREFILL_ATTENTION.md gives the choice of
 our own kernel over FlashInfer and cuDNN.
 
 flash_decode, the same file's decode kernel, takes decode launches (one token per sequence) of bf16, fp16 and fp8
@@ -37,7 +38,6 @@ FLASH_HEAD_DIMS = (64, 96, 128)  # flash_attention instantiations: head dims
 FLASH_KV_TYPES = ("float", "__nv_bfloat16", "__half")  # ... and KV cache element types
 FLASH_KV_DTYPES = (np.dtype(np.float32), np.dtype(np.uint16), np.dtype(np.float16))  # the same as device dtypes
 FLASH_MIN_TOKENS = 32  # a step takes the flash kernel when one of its sequences computes this many tokens or more
-FLASH_SPLIT = True  # products of high and low bf16 parts (float32-close), else of bf16 operands only
 
 
 DECODE_WARPS = 2  # DECODE_WARPS in flash_attention.cu: warps per block of flash_decode
@@ -143,8 +143,10 @@ class FlashTileCache:
 
 
 def flash_attention_launch(cp, tile_cache: FlashTileCache, query, key_cache, value_cache, batch: ForwardBatch,
-                           device_batch, kv_type: str, scale: float, sliding_window: int | None) -> FlashLaunch:
-    """The launch of flash_attention<kv_type, D, FLASH_SPLIT> over a step that takes_flash_attention accepted."""
+                           device_batch, kv_type: str, scale: float, sliding_window: int | None,
+                           split: bool) -> FlashLaunch:
+    """The launch of flash_attention<kv_type, D, split> over a step that takes_flash_attention accepted (split:
+    products of high and low bf16 parts, float32-close; else of bf16 operands only)."""
     t, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     tables = device_batch["block_tables"]  # [B, max_blocks] int64
@@ -153,7 +155,7 @@ def flash_attention_launch(cp, tile_cache: FlashTileCache, query, key_cache, val
     args = (query, key_cache, value_cache, tables, device_batch["query_start"], device_batch["positions"], tiles, out,
             np.int32(num_heads), np.int32(num_kv_heads), np.int32(block_size), np.int32(tables.shape[1]),
             np.float32(scale), np.int32(sliding_window or 0))
-    expression = f"flash_attention<{kv_type}, {head_dim}, {'true' if FLASH_SPLIT else 'false'}>"
+    expression = f"flash_attention<{kv_type}, {head_dim}, {'true' if split else 'false'}>"
     return FlashLaunch(expression, (tiles.shape[0], num_kv_heads), args, flash_shared_bytes(kv_type, head_dim), out)
 
 

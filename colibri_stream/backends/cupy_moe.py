@@ -82,7 +82,7 @@ def routed_experts(backend, x: Array, weights: Array, expert_ids: Array, layer: 
             continue
         if takes_expert_gemms(experts, pairs, num_experts):
             if grouped is None:  # the tokens in group order, for every launch of the layer
-                grouped = GroupedTokens.gather(x, routing, top_k, experts.gate)
+                grouped = GroupedTokens.gather(x, routing, top_k, experts.gate, backend.activation_parts)
             if y is None:
                 y = (cp.empty if device.resident else cp.zeros)((pairs, h), np.float32)  # [P, H]
             expert_gemms(grouped, experts, route_weights, y, device.resident, backend.silu_mul)

@@ -63,6 +63,7 @@ FLASH_DECODE_BLOCKS_PER_SM = 4
 FLASH_DECODE_SPLIT_KEYS = 64
 FLASH_DECODE_STAGES = 2  # key and value tiles in flight per warp of flash_decode, plus the one in use: its ring slots
 MERGE_MAX_SPLITS = 1024  # = MERGE_MAX_SPLITS in attention.cu: the splits paged_attention_merge takes at most
+MERGE_THREADS = 256  # = MERGE_WARPS * 32 in attention.cu: threads of a paged_attention_merge block
 PROLOGUE_WARPS = 4  # warps per block of qk_norm_rope_write (attention_prologue.cu) without a full-width qk norm
 
 # ---- routing (router.cu) ---------------------------------------------------------------------------------------
