@@ -7,7 +7,9 @@ fp32, bf16 and int8 exports give logits within 1e-4 (relative to the largest log
 with a float32 KV cache. With a bf16 cache (the default) keys computed a few float32 ulps apart can round to
 neighbouring bf16 values: logits within KV_BF16_TOLERANCE (one bf16 rounding step, 2^-8) of each other. At matmul
 precision "medium" those projections (and prefill attention, and large experts' GEMMs) take one bf16 part of each
-activation, about 8 significant bits: logits within MEDIUM_TOLERANCE.
+activation, about 8 significant bits: the logits' error norm within MEDIUM_TOLERANCE of theirs (the largest single
+error reaches about 0.1 of the largest logit on the tiny qk-norm models, as NumPy with bf16-rounded inputs to its
+projections gives too).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tiny_models import GPU_ARCHITECTURES, VOCAB_SIZE, build_hf_model  # noqa: E
 pytestmark = pytest.mark.gpu
 
 KV_TOLERANCES = {"fp32": 1e-4, "bf16": 2**-8}  # logits, relative to the largest, by KV cache dtype
-MEDIUM_TOLERANCE = 5e-2  # logits at matmul precision medium, relative to the largest
+MEDIUM_TOLERANCE = 5e-2  # ||logits - reference|| / ||reference|| at matmul precision medium
 
 
 @pytest.fixture(scope="module", params=GPU_ARCHITECTURES)
@@ -65,22 +67,29 @@ def test_long_prompt(tiny_hf, kv_dtype, precision, tmp_path):
     cpu = load_model(tmp_path / "model", device="cpu")
     gpu = load_model(tmp_path / "model", device="cuda", matmul_precision=precision)
     ids = np.random.default_rng(4).integers(3, VOCAB_SIZE, 100)
-    error = relative_error(colibri_logits(gpu, ids, kv_dtype), colibri_logits(cpu, ids, kv_dtype))
-    assert error < (KV_TOLERANCES[kv_dtype] if precision == "high" else MEDIUM_TOLERANCE), arch
+    ours, reference = colibri_logits(gpu, ids, kv_dtype), colibri_logits(cpu, ids, kv_dtype)
+    if precision == "high":
+        assert relative_error(ours, reference) < KV_TOLERANCES[kv_dtype], arch
+    else:
+        assert norm_error(ours, reference) < MEDIUM_TOLERANCE, arch
+
+
+def norm_error(ours: np.ndarray, reference: np.ndarray) -> float:
+    return float(np.linalg.norm(ours - reference) / np.linalg.norm(reference))
 
 
 def test_medium_precision_takes_one_part_on_every_tensor_core_path():
     """A 512-token prefill of a Mixtral-shaped layer runs its projections on cuBLAS, its experts as per-expert GEMMs
-    and its attention on flash_attention: at medium precision its logits stay within MEDIUM_TOLERANCE of high's,
-    and are not the same numbers (every one of those paths rounds its activations once instead of splitting)."""
+    and its attention on flash_attention: at medium precision its logits stay within MEDIUM_TOLERANCE of high's
+    (error norm), and are not the same numbers (every one of those paths rounds its activations once instead of
+    splitting them)."""
     ids = np.random.default_rng(5).integers(3, 32000, 512)
     logits = {}
     for precision in ("high", "medium"):
         model = synthetic_model("mixtral-8x7b", num_layers=1, device="cuda", matmul_precision=precision)
         logits[precision] = colibri_logits(model, ids, "bf16")
         del model
-    error = relative_error(logits["medium"], logits["high"])
-    assert 1e-6 < error < MEDIUM_TOLERANCE
+    assert 1e-5 < norm_error(logits["medium"], logits["high"]) < MEDIUM_TOLERANCE
 
 
 def decode_batch(tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray, block_size: int) -> ForwardBatch:
