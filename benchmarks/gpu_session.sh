@@ -14,6 +14,10 @@ OUT=${OUT:-/tmp/colibri-gpu}
 STAGES=${STAGES-tests decode offload}  # unset: these three; empty: install only
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+if [ -z "${COLIBRI_COMMIT:-}" ]; then  # a copied tree's .git can name an older commit than the files it holds
+  echo "COLIBRI_COMMIT is not set: records will name $(git rev-parse --short HEAD 2>/dev/null || echo 'no commit')," \
+       "this tree's git HEAD, which a device copy may not have moved with its files" >&2
+fi
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
