@@ -13,7 +13,7 @@ import openai
 import pytest
 from conftest import MAX_POSITIONS, TOKENIZER_VOCAB_SIZE, model_with_template, write_tokenizer
 from test_server import API_KEY, LiveServer
-from test_server_auto_tools import HERMES_TEMPLATE, regex, streamed
+from test_server_auto_tools import HERMES_TEMPLATE, call_deltas, regex, streamed
 from tiny_models import build_hf_model
 
 from colibri_stream.server.tool_syntax import (DeepSeekToolSyntax, GlmToolSyntax, HermesToolSyntax, KimiToolSyntax,
@@ -87,9 +87,14 @@ def test_calls_come_back_as_tool_calls(family):
     thinking = getattr(choice.message, "reasoning_content", None) or (choice.message.model_extra or {}).get(
         "reasoning_content")
     assert thinking == ("Rain likely." if name == "deepseek_v3" else None)
-    content, calls, reason = streamed(ask(True))
+    chunks = list(ask(True))
+    content, calls, reason = streamed(chunks)
     assert (content, reason) == ("Checking.\n", "tool_calls")
     assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == ARGUMENTS
+    if name in ("glm45", "minimax_m2"):  # streamed as vLLM's parsers do: the name, then a parameter at a time
+        deltas = call_deltas(chunks)
+        assert deltas[0][0].function.name == "get_weather" and deltas[0][0].function.arguments == ""
+        assert len(deltas) == 1 + len(ARGUMENTS) + 1 and deltas[0][1] < deltas[-1][1]
 
 
 def test_a_malformed_call_stays_content(family):

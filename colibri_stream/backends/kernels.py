@@ -1,7 +1,8 @@
 """Run-time compilation of kernels/*.cu with CuPy (NVRTC), memoised per (file, template instantiations, arch).
 
-The sources ship inside the wheel as the package `colibri_stream._kernels` (the repository's `kernels/` folder);
-in a checkout without an install they are read from that folder directly. `#include "x.cuh"` lines of our own
+The sources ship inside the wheel as the folder `colibri_stream/_kernels` (the repository's `kernels/`, package data
+with no `__init__.py`, so that the repository root on `sys.path` does not shadow the `kernels` distribution that
+transformers imports); in a checkout they are read from `kernels/` directly. `#include "x.cuh"` lines of our own
 headers are inlined before compiling, so CuPy's on-disk cache (keyed on the source text) never serves a binary
 built from an older header.
 """
@@ -9,7 +10,6 @@ built from an older header.
 from __future__ import annotations
 
 import functools
-import importlib.resources
 import re
 from pathlib import Path
 
@@ -23,7 +23,7 @@ def kernel_dir() -> Path:
     source = Path(__file__).resolve().parents[2]
     if (source / "pyproject.toml").is_file() and (source / "kernels" / "common.cuh").is_file():
         return source / "kernels"
-    return Path(str(importlib.resources.files("colibri_stream._kernels")))
+    return Path(__file__).resolve().parents[1] / "_kernels"
 
 
 @functools.lru_cache(maxsize=None)

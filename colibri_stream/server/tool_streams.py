@@ -1,8 +1,8 @@
 """Tool calls read from a reply while it streams, for tool_choice "auto" (the syntaxes are tool_syntax.py's), as
 vLLM's parsers stream them: a call's id and name first, then its arguments' text in pieces. `StreamedCalls` reads
-Hermes blocks, `StreamedXmlCalls` Qwen3-Coder's XML in the same blocks, `StreamedListCalls` Mistral's JSON array
-after its tag; `HeldCalls` holds the text of a syntax read only once whole (`HeldText`) and sends its calls at the
-end. Each returns (content to send now, tool_calls deltas) from `feed` and `finish`."""
+Hermes blocks (and is the base of tool_streams_xml.py's readers of XML-like blocks), `StreamedListCalls` Mistral's
+JSON array after its tag; `HeldCalls` holds the text of a syntax read only once whole (`HeldText`) and sends its
+calls at the end. Each returns (content to send now, tool_calls deltas) from `feed` and `finish`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from .text_tags import held_prefix
-from .tool_values import json_call, parameter_schema, typed_value
+from .tool_values import json_call
 
 # The start of a call written as JSON, up to the brace that opens its arguments: {"name": "...", "arguments": {
 JSON_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{')
@@ -29,12 +29,13 @@ class WholeSyntax(Protocol):
 
 
 class BlockSyntax(Protocol):
-    """What StreamedCalls asks of a syntax of blocks (Hermes', Qwen3-Coder's): its tags and the reading of one block."""
+    """What StreamedCalls asks of a syntax of blocks (Hermes', Qwen3-Coder's, GLM-4.5's, MiniMax-M2's): its tags and
+    the reading of one block's calls."""
 
     opening: str
     closing: str
 
-    def _parse_block(self, block: str, tools: Mapping[str, Any]) -> dict | None: ...
+    def _parse_calls(self, block: str, tools: Mapping[str, Any]) -> list[dict] | None: ...
 
 
 def _call_delta(index: int, call: dict) -> dict:
@@ -42,13 +43,13 @@ def _call_delta(index: int, call: dict) -> dict:
     return dict(call, index=index)
 
 
-def _call_header(index: int, name: str) -> dict:
+def call_header(index: int, name: str) -> dict:
     """A streamed call's first delta: its id, type and name (its arguments follow in pieces)."""
     return {"index": index, "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
             "function": {"name": name, "arguments": ""}}
 
 
-def _arguments_piece(index: int, text: str) -> dict:
+def arguments_piece(index: int, text: str) -> dict:
     """A delta of the next piece of call `index`'s arguments."""
     return {"index": index, "function": {"arguments": text}}
 
@@ -114,7 +115,7 @@ class StreamedCalls:
     `{"name": <one of the tools>, "arguments": {` goes out as a call at once: its id, type and name, then its
     arguments object's text piece by piece as the model writes it, up to the brace that closes it (the rest of
     the block, up to its closing tag, is syntax). Any other block is held until its closing tag (or the end of the
-    text) and goes out then, whole: as a call where it reads as one (`HermesToolSyntax._parse_block`), else as
+    text) and goes out then, whole: as calls where it reads as such (`HermesToolSyntax._parse_calls`), else as
     content. What went out as a call stays one: a reply that breaks the syntax later (text after the calls, a
     call cut short) is not taken back, as vLLM streams it; the non-streamed answer, read once whole, keeps such
     text as content (`HermesToolSyntax.split`)."""
@@ -177,7 +178,7 @@ class StreamedCalls:
         name = self._call_name(head) if head is not None else None
         if name in self._tools:
             self._buffer = ""
-            deltas.append(_call_header(self.calls, name))
+            deltas.append(call_header(self.calls, name))
             self.calls += 1
             return self._start_arguments(pending, head)
         if end < 0:  # a start that may still become a call's, or a block held until it closes
@@ -200,13 +201,13 @@ class StreamedCalls:
 
     def _held_block(self, block: str, closed: bool = False) -> tuple[str, list[dict]]:
         """A block that did not open as a streamed call, once it is whole (`closed`: by its closing tag, else by
-        the end of the text): a call, or content (with its tags)."""
-        call = self._syntax._parse_block(block, self._tools)
-        if call is None:
+        the end of the text): its calls, or content (with its tags)."""
+        calls = self._syntax._parse_calls(block, self._tools)
+        if calls is None:
             return self._syntax.opening + block + (self._syntax.closing if closed else ""), []
         self._after_call = True
-        self.calls += 1
-        return "", [_call_delta(self.calls - 1, call)]
+        self.calls += len(calls)
+        return "", [_call_delta(self.calls - len(calls) + i, call) for i, call in enumerate(calls)]
 
     def _read_arguments(self, text: str, content: list[str], deltas: list[dict]) -> str:
         """The arguments object's text, sent as it comes, up to the brace that closes it (a `<` outside a string,
@@ -215,7 +216,7 @@ class StreamedCalls:
         self.whole = self.whole and not self._scan.stopped
         piece = text if end is None else text[:end]
         if piece:
-            deltas.append(_arguments_piece(self.calls - 1, piece))
+            deltas.append(arguments_piece(self.calls - 1, piece))
         if end is None:
             return ""
         self._state = "tail"
@@ -231,66 +232,6 @@ class StreamedCalls:
             return ""
         self._state, self._buffer, self._after_call = "text", "", True
         return pending[end + len(self._syntax.closing):]
-
-
-class StreamedXmlCalls(StreamedCalls):
-    """One streamed choice's text in Qwen3-Coder's blocks (`<tool_call><function=NAME><parameter=KEY>value
-    </parameter>...</function></tool_call>`), read as vLLM's qwen3_coder parser streams it: text outside the blocks
-    as `StreamedCalls` sends it; a block that opens with `<function=` and one of the tools' names goes out as a call
-    at once, its id, type and name, then its arguments as JSON a parameter at a time, as each closes: `{"KEY":
-    value`, then `, "KEY": value`, each raw value typed by the tool's parameter schema as the non-streamed answer
-    types it (`QwenXmlToolSyntax`), then `}` at `</function>` (or at the block's closing tag, where the model left
-    `</function>` out). Text between the parameters is syntax; a reply cut before `</function>` leaves the call
-    not whole."""
-
-    _head = re.compile(r"\s*<function=([^>\n]+)>")
-    _parameter_open = re.compile(r"\s*<parameter=([^>\n]+)>")
-    _parameter_close = "</parameter>"
-    _function_close = "</function>"
-
-    def __init__(self, syntax: BlockSyntax, tools: Mapping[str, Any]):
-        super().__init__(syntax, tools)
-        self._schema: Any = None  # in "parameters": the parameters schema of the call being read
-        self._keys = 0  # in "parameters": the parameters sent so far
-
-    def _call_name(self, head: re.Match) -> str | None:
-        return head.group(1).strip()
-
-    def _start_arguments(self, pending: str, head: re.Match) -> str:
-        self._state, self._schema, self._keys = "parameters", self._tools[self._call_name(head)], 0
-        return pending[head.end():]
-
-    def _read_parameters(self, text: str, content: list[str], deltas: list[dict]) -> str:
-        """The call's parameters, each sent once its closing tag is written, up to `</function>`."""
-        searched = len(self._buffer)  # (the buffer holds no whole parameter)
-        pending = self._buffer + text
-        while True:
-            opening = self._parameter_open.match(pending)
-            if opening is None:
-                break
-            close = pending.find(self._parameter_close, max(opening.end(), searched - len(self._parameter_close) + 1))
-            if close < 0:
-                self._buffer = pending
-                return ""
-            key = opening.group(1).strip()
-            raw = pending[opening.end():close].removeprefix("\n").removesuffix("\n")
-            value = typed_value(raw, parameter_schema(self._schema, key))
-            piece = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
-            deltas.append(_arguments_piece(self.calls - 1, ("{" if self._keys == 0 else ", ") + piece))
-            self._keys += 1
-            pending, searched = pending[close + len(self._parameter_close):], 0
-        for closing in (self._function_close, self._syntax.closing):
-            at = pending.find(closing)
-            if at >= 0:
-                deltas.append(_arguments_piece(self.calls - 1, "{}" if self._keys == 0 else "}"))
-                self._buffer = ""
-                if closing == self._syntax.closing:
-                    self._state, self._after_call = "text", True
-                else:
-                    self._state = "tail"
-                return pending[at + len(closing):]
-        self._buffer = pending
-        return ""
 
 
 class StreamedListCalls:
@@ -369,7 +310,7 @@ class StreamedListCalls:
         head = JSON_CALL_HEAD.match(pending)
         name = _json_string(head.group(1)) if head is not None else None
         if name in self._tools:
-            deltas.append(_call_header(self.calls, name))
+            deltas.append(call_header(self.calls, name))
             self.calls += 1
             self._buffer, self._scan = "", JsonScan()
             return self._go("arguments", pending[head.end() - 1:])  # from the arguments' opening brace
@@ -390,7 +331,7 @@ class StreamedListCalls:
         end = self._scan.end(text)
         piece = text if end is None else text[:end]
         if piece:
-            deltas.append(_arguments_piece(self.calls - 1, piece))
+            deltas.append(arguments_piece(self.calls - 1, piece))
         if end is None:
             return ""
         self._scan = JsonScan(depth=1)  # inside the call's object

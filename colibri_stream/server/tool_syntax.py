@@ -46,11 +46,11 @@ with an object of arguments, or that has text between or after them, stays text:
 While streaming (`stream_reader`), Hermes blocks are read as vLLM's hermes parser streams them (`StreamedCalls`):
 text outside the blocks goes out as content as it comes, and a block that opens with one of the tools' names and
 an arguments object goes out as a call at once, its name first, then its arguments' text piece by piece as the
-model writes it. Qwen3-Coder's XML blocks are streamed as vLLM's qwen3_coder parser does (`StreamedXmlCalls`: the
-name first, then the arguments as JSON a parameter at a time), and so is Mistral's array of calls after its tag
-(`StreamedListCalls`: each call's name, then its arguments' text in pieces). The other syntaxes hold the text from
-the opening tag to the end (`HeldCalls`), then send it as tool_calls (or, if it is not well-formed calls, as
-content). The tags of the syntaxes that mark
+model writes it. Qwen3-Coder's, GLM-4.5's and MiniMax-M2's blocks are streamed as vLLM's parsers of those models
+do (tool_streams_xml.py: the name first, then the arguments as JSON a parameter at a time), and so is Mistral's
+array of calls after its tag (`StreamedListCalls`: each call's name, then its arguments' text in pieces). The other
+syntaxes (DeepSeek-V3's, Kimi K2's) hold the text from the opening tag to the end (`HeldCalls`), then send it as
+tool_calls (or, if it is not well-formed calls, as content). The tags of the syntaxes that mark
 `keeps_special_tokens` are special tokens of their models' tokenizers, so such requests keep special tokens in their
 text.
 """
@@ -62,7 +62,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .tool_streams import HeldCalls, StreamedCalls, StreamedListCalls, StreamedXmlCalls
+from .tool_streams import HeldCalls, StreamedCalls, StreamedListCalls
+from .tool_streams_xml import StreamedGlmCalls, StreamedInvokeCalls, StreamedXmlCalls
 from .tool_values import json_call, tool_call_entry, typed_arguments
 
 
@@ -148,8 +149,8 @@ class GlmToolSyntax(HermesToolSyntax):
     keeps_special_tokens = True  # GLM-4.5's tokenizer holds its tool tags as special tokens
     _pair = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
-    def stream_reader(self, tools: Mapping[str, Any]) -> HeldCalls:
-        return HeldCalls(self, tools)
+    def stream_reader(self, tools: Mapping[str, Any]) -> StreamedGlmCalls:
+        return StreamedGlmCalls(self, tools)
 
     def _parse_block(self, block: str, tools: Mapping[str, Any]) -> dict | None:
         first = block.find("<arg_key>")
@@ -175,8 +176,8 @@ class MiniMaxToolSyntax(HermesToolSyntax):
     _invoke = re.compile(r'<invoke\s+name="([^"]*)"\s*>(.*?)</invoke>', re.DOTALL)
     _parameter = re.compile(r'<parameter\s+name="([^"]*)"\s*>(.*?)</parameter>', re.DOTALL)
 
-    def stream_reader(self, tools: Mapping[str, Any]) -> HeldCalls:
-        return HeldCalls(self, tools)
+    def stream_reader(self, tools: Mapping[str, Any]) -> StreamedInvokeCalls:
+        return StreamedInvokeCalls(self, tools)
 
     def _parse_calls(self, block: str, tools: Mapping[str, Any]) -> list[dict] | None:
         """The calls of one block; None if it holds none, text outside its invokes, or a call that is not one of
