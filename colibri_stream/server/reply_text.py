@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from .generate_request import GenerateRequest
 from .harmony import HarmonyStream
 from .reasoning import ThinkingStream
-from .tool_streams import HeldCalls, StreamedCalls, StreamedListCalls
+from .tool_streams import CallReader, HeldCalls
 from .tools import tool_calls
 
 
@@ -54,7 +54,7 @@ class ReplyText:
             self._thinking = HarmonyStream() if request.harmony else ThinkingStream(thinking_started)
         self._content: list[str] = []  # the content pieces so far (the reply outside its reasoning)
         # streaming "auto": the calls read so far
-        self._reader: StreamedCalls | StreamedListCalls | HeldCalls | None = None
+        self._reader: CallReader | None = None
         if self._auto is not None and request.stream:
             self._reader = (HeldCalls(self._auto.syntax, self._auto.schemas) if calls_whole
                             else self._auto.syntax.stream_reader(self._auto.schemas))

@@ -28,6 +28,18 @@ class WholeSyntax(Protocol):
     def split(self, text: str, tools: Mapping[str, Any]) -> tuple[str, list[dict]] | None: ...
 
 
+class CallReader(Protocol):
+    """What a streamed choice's reader of tool calls does (each reader of this module, tool_streams_xml.py and
+    tool_streams_section.py): `feed` and `finish` give (content to send now, tool_calls deltas)."""
+
+    calls: int  # calls sent so far
+    whole: bool  # every call sent was closed
+
+    def feed(self, text: str) -> tuple[str, list[dict]]: ...
+
+    def finish(self) -> tuple[str, list[dict]]: ...
+
+
 class BlockSyntax(Protocol):
     """What StreamedCalls asks of a syntax of blocks (Hermes', Qwen3-Coder's, GLM-4.5's, MiniMax-M2's): its tags and
     the reading of one block's calls."""
@@ -376,9 +388,8 @@ def _json_string(literal: str) -> str | None:
 
 
 class HeldCalls:
-    """One streamed choice's text in a syntax read only once whole (GLM-4.5's, MiniMax-M2's, DeepSeek-V3's, Kimi
-    K2's, harmony's; any syntax where the calls go out whole): `feed` and `finish` return (content to send now,
-    tool_calls deltas). The text from the syntax's opening tag on is held (`HeldText`); at the end it goes out as
+    """One streamed choice's text in a syntax read only once whole (harmony's; any syntax where the calls go out
+    whole, as the Responses API sends them): `feed` and `finish` return (content to send now, tool_calls deltas). The text from the syntax's opening tag on is held (`HeldText`); at the end it goes out as
     calls where it reads as calls, else as content."""
 
     def __init__(self, syntax: WholeSyntax, tools: Mapping[str, Any]):

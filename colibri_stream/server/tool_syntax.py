@@ -48,9 +48,10 @@ text outside the blocks goes out as content as it comes, and a block that opens 
 an arguments object goes out as a call at once, its name first, then its arguments' text piece by piece as the
 model writes it. Qwen3-Coder's, GLM-4.5's and MiniMax-M2's blocks are streamed as vLLM's parsers of those models
 do (tool_streams_xml.py: the name first, then the arguments as JSON a parameter at a time), and so is Mistral's
-array of calls after its tag (`StreamedListCalls`: each call's name, then its arguments' text in pieces). The other
-syntaxes (DeepSeek-V3's, Kimi K2's) hold the text from the opening tag to the end (`HeldCalls`), then send it as
-tool_calls (or, if it is not well-formed calls, as content). The tags of the syntaxes that mark
+array of calls after its tag (`StreamedListCalls`: each call's name, then its arguments' text in pieces), and
+DeepSeek-V3's and Kimi K2's sections of calls (tool_streams_section.py: the same). A syntax read only once whole
+(harmony's) holds the text from the opening tag to the end (`HeldCalls`), then sends it as tool_calls (or, if it
+is not well-formed calls, as content). The tags of the syntaxes that mark
 `keeps_special_tokens` are special tokens of their models' tokenizers, so such requests keep special tokens in their
 text.
 """
@@ -63,6 +64,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .tool_streams import HeldCalls, StreamedCalls, StreamedListCalls
+from .tool_streams_section import StreamedSectionCalls
 from .tool_streams_xml import StreamedGlmCalls, StreamedInvokeCalls, StreamedXmlCalls
 from .tool_values import json_call, tool_call_entry, typed_arguments
 
@@ -204,11 +206,17 @@ class DeepSeekToolSyntax:
     closing = "<｜tool▁calls▁end｜>"
     template_marker = "<｜tool▁calls▁begin｜>"
     keeps_special_tokens = True
+    call_opening = "<｜tool▁call▁begin｜>"
+    call_closing = "<｜tool▁call▁end｜>"
+    # a call's head up to its arguments: V3's `function<｜tool▁sep｜>NAME` and the fence's opening, or V3.1's
+    # `NAME<｜tool▁sep｜>` (never read off V3's `function<｜tool▁sep｜>` while its name is still being written)
+    call_head = re.compile(r"\s*(?:function<｜tool▁sep｜>(?=[^\n<]*\n)|(?!function<｜tool▁sep｜>))"
+                           r"(?P<name>[^\n<]*?)(?:\n```json\n|<｜tool▁sep｜>)")
     _call_block = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
     _fenced = re.compile(r"([^\n]*)\n```json\n(.*)\n```\s*\Z", re.DOTALL)
 
-    def stream_reader(self, tools: Mapping[str, Any]) -> HeldCalls:
-        return HeldCalls(self, tools)
+    def stream_reader(self, tools: Mapping[str, Any]) -> StreamedSectionCalls:
+        return StreamedSectionCalls(self, tools)
 
     def split(self, text: str, tools: Mapping[str, Any]) -> tuple[str, list[dict]] | None:
         """(the text before the calls, the calls as a message's tool_calls) of a whole text; None where it holds no
@@ -242,6 +250,9 @@ class KimiToolSyntax(DeepSeekToolSyntax):
     opening = "<|tool_calls_section_begin|>"
     closing = "<|tool_calls_section_end|>"
     template_marker = "<|tool_calls_section_begin|>"
+    call_opening = "<|tool_call_begin|>"
+    call_closing = "<|tool_call_end|>"
+    call_head = re.compile(r"\s*(?:functions\.)?(?P<name>[^\s:<]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>")
     _call_block = re.compile(r"<\|tool_call_begin\|>(.*?)<\|tool_call_end\|>", re.DOTALL)
     _call_id = re.compile(r"\s*(?:functions\.)?([^\s:]+)(?::\d+)?\s*\Z")
 
