@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_tool_streams_xml import ARGUMENTS, TOOLS, calls_of, read
+from test_tool_streams_xml import ARGUMENTS, TOOLS, calls_of, check_streamed_as_split, read
 
 from colibri_stream.server.tool_syntax import DeepSeekToolSyntax, KimiToolSyntax
 
@@ -30,14 +30,7 @@ REPLIES = {"deepseek_v3": (DEEPSEEK, DEEPSEEK_V3), "deepseek_v3.1": (DEEPSEEK, D
 @pytest.mark.parametrize("name", sorted(REPLIES))
 def test_streamed_calls_equal_the_non_streamed_answer(name, size):
     syntax, calls_text = REPLIES[name]
-    text = "Checking.\n" + calls_text + "\n"
-    content, feeds = read(syntax, text, size)
-    before, whole = syntax.split(text, TOOLS)
-    assert content == before == "Checking.\n"
-    calls = calls_of(feeds)
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
-        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole]
-    assert [json.loads(c["arguments"]) for c in calls.values()] == [ARGUMENTS, {}]
+    check_streamed_as_split(syntax, "Checking.\n" + calls_text + "\n", size)
 
 
 @pytest.mark.parametrize("name", sorted(REPLIES))

@@ -57,10 +57,9 @@ def calls_of(feeds: list[list[dict]]) -> dict[int, dict]:
     return calls
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 7, 16, 1000])
-@pytest.mark.parametrize("name", sorted(REPLIES))
-def test_streamed_calls_equal_the_non_streamed_answer(name, size):
-    syntax, text = REPLIES[name]
+def check_streamed_as_split(syntax, text: str, size: int) -> None:
+    """`text` ("Checking.\n", then a get_weather call of ARGUMENTS and a ping call) streamed `size` characters at a
+    time gives the content and the calls of `syntax.split`."""
     content, feeds = read(syntax, text, size)
     before, whole = syntax.split(text, TOOLS)
     assert content == before == "Checking.\n"
@@ -68,6 +67,12 @@ def test_streamed_calls_equal_the_non_streamed_answer(name, size):
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
         (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole]
     assert [json.loads(c["arguments"]) for c in calls.values()] == [ARGUMENTS, {}]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 16, 1000])
+@pytest.mark.parametrize("name", sorted(REPLIES))
+def test_streamed_calls_equal_the_non_streamed_answer(name, size):
+    check_streamed_as_split(*REPLIES[name], size)
 
 
 @pytest.mark.parametrize("name", sorted(REPLIES))

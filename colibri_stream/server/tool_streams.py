@@ -100,6 +100,36 @@ class JsonScan:
         return None
 
 
+def closing_in(buffer: str, text: str, closing: str) -> tuple[str, int]:
+    """(buffer + text, where `closing` starts in it or -1): searched only from where it can start, the buffer
+    holding none of it whole."""
+    pending = buffer + text
+    return pending, pending.find(closing, max(0, len(buffer) - len(closing) + 1))
+
+
+class JsonArguments:
+    """The reading of a streamed call's arguments written as a JSON object (Hermes blocks, DeepSeek-V3's and Kimi
+    K2's sections): its text sent as it comes, up to the brace that closes it (a `<` outside a string, which JSON
+    cannot hold, ends it too: the model went on to a tag), then state "tail". For readers that hold `_scan`,
+    `_state`, `calls` and `whole`."""
+
+    _scan: JsonScan
+    _state: str
+    calls: int
+    whole: bool
+
+    def _read_arguments(self, text: str, content: list[str], deltas: list[dict]) -> str:
+        end = self._scan.end(text, stops="<")
+        self.whole = self.whole and not self._scan.stopped
+        piece = text if end is None else text[:end]
+        if piece:
+            deltas.append(arguments_piece(self.calls - 1, piece))
+        if end is None:
+            return ""
+        self._state = "tail"
+        return text[end:]
+
+
 def _merged(deltas: list[dict]) -> list[dict]:
     """Stream deltas with each run of pieces of one call's arguments joined into one (a call's first delta, its
     name's, stays apart)."""
@@ -118,7 +148,7 @@ def _is_piece(delta: dict) -> bool:
     return "id" not in delta
 
 
-class StreamedCalls:
+class StreamedCalls(JsonArguments):
     """One streamed choice's text in Hermes blocks, read as vLLM's hermes parser streams it: `feed` and `finish`
     return (content to send now, tool_calls deltas).
 
@@ -182,9 +212,7 @@ class StreamedCalls:
         return pending[start + len(self._syntax.opening):]
 
     def _read_block(self, text: str, content: list[str], deltas: list[dict]) -> str:
-        searched = max(0, len(self._buffer) - len(self._syntax.closing) + 1)  # (the buffer holds no closing tag)
-        pending = self._buffer + text
-        end = pending.find(self._syntax.closing, searched)
+        pending, end = closing_in(self._buffer, text, self._syntax.closing)
         block = pending if end < 0 else pending[:end]
         head = self._head.match(block)
         name = self._call_name(head) if head is not None else None
@@ -221,24 +249,9 @@ class StreamedCalls:
         self.calls += len(calls)
         return "", [_call_delta(self.calls - len(calls) + i, call) for i, call in enumerate(calls)]
 
-    def _read_arguments(self, text: str, content: list[str], deltas: list[dict]) -> str:
-        """The arguments object's text, sent as it comes, up to the brace that closes it (a `<` outside a string,
-        which JSON cannot hold, ends it too: the model went on to a tag)."""
-        end = self._scan.end(text, stops="<")
-        self.whole = self.whole and not self._scan.stopped
-        piece = text if end is None else text[:end]
-        if piece:
-            deltas.append(arguments_piece(self.calls - 1, piece))
-        if end is None:
-            return ""
-        self._state = "tail"
-        return text[end:]
-
     def _read_tail(self, text: str, content: list[str], deltas: list[dict]) -> str:
         """After a streamed call's arguments: the rest of its block, up to the closing tag, is syntax."""
-        searched = max(0, len(self._buffer) - len(self._syntax.closing) + 1)
-        pending = self._buffer + text
-        end = pending.find(self._syntax.closing, searched)
+        pending, end = closing_in(self._buffer, text, self._syntax.closing)
         if end < 0:
             self._buffer = pending
             return ""
@@ -246,7 +259,47 @@ class StreamedCalls:
         return pending[end + len(self._syntax.closing):]
 
 
-class StreamedListCalls:
+class CallsAfterTag:
+    """A reader whose calls follow one opening tag (Mistral's `[TOOL_CALLS]`, DeepSeek-V3's and Kimi K2's sections):
+    the text before the tag goes out as content as it comes (`_before`, a `HeldText`); from the tag on each piece is
+    kept in `_since_tag` and read by the `_read_<state>` method of the reader's state, from `first_state` on."""
+
+    def __init__(self, syntax: WholeSyntax, tools: Mapping[str, Any], first_state: str):
+        self._syntax = syntax
+        self._tools = tools
+        self._before = HeldText(syntax.opening)  # the text up to the tag
+        self._state = "text"
+        self._first_state = first_state
+        self._since_tag: list[str] = []  # the text after the tag
+        self._buffer = ""  # the text read but not yet placed (what each state holds: the reader's)
+        self._scan = JsonScan()  # where the JSON value being read ends
+        self.calls = 0  # calls sent so far
+        self.whole = True  # every call sent was closed (its arguments object ended)
+
+    def _unsent(self) -> tuple[str, list[dict]] | None:
+        """`finish`'s answer while no call went out: the text before the tag, or (after it) the whole text from the
+        tag on as content, as the non-streamed answer has it; None once calls went out."""
+        if self._state == "text":
+            return self._before.rest(), []
+        if self.calls == 0:
+            return self._syntax.opening + "".join(self._since_tag), []
+        return None
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        content: list[str] = []
+        deltas: list[dict] = []
+        if self._state == "text":
+            content.append(self._before.feed(text))
+            if not self._before.in_calls:
+                return "".join(content), []
+            text, self._state = self._before.rest()[len(self._syntax.opening):], self._first_state
+        self._since_tag.append(text)
+        while text:
+            text = getattr(self, "_read_" + self._state)(text, content, deltas)
+        return "".join(content), _merged(deltas)
+
+
+class StreamedListCalls(CallsAfterTag):
     """One streamed choice's text in Mistral's syntax (`[TOOL_CALLS]` then a JSON array of {"name", "arguments"}
     objects, or one object), read as vLLM's mistral parser streams it: `feed` and `finish` return (content to send
     now, tool_calls deltas).
@@ -259,46 +312,25 @@ class StreamedListCalls:
     the whole text from the tag on (as the non-streamed answer has it); after calls, the rest alone (a call once
     sent is not taken back). Whitespace after the array is dropped."""
 
-    def __init__(self, syntax: WholeSyntax, tools: Mapping[str, Any]):
-        self._syntax = syntax
-        self._tools = tools
-        self._before = HeldText(syntax.opening)  # the text up to the tag
-        # text | open (after the tag) | next (an object or the array's end) | object (its start, or held whole) |
-        # arguments | tail (the rest of the object) | between (a comma or the array's end) | after | content
-        self._state = "text"
-        self._since_tag: list[str] = []  # the text after the tag
-        self._buffer = ""  # in "object": the object read so far; in "after" and "content": the text held
-        self._array = True  # the calls are an array (else one object)
-        self._scan = JsonScan()  # where the object, its arguments or its tail ends
-        self.calls = 0  # calls sent so far
-        self.whole = True  # every call sent was closed (its arguments object ended)
+    # states: text | open (after the tag) | next (an object or the array's end) | object (its start, or held whole) |
+    # arguments | tail (the rest of the object) | between (a comma or the array's end) | after | content; the
+    # buffer holds, in "object", the object read so far, in "after" and "content" the text held
 
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        content: list[str] = []
-        deltas: list[dict] = []
-        if self._state == "text":
-            content.append(self._before.feed(text))
-            if not self._before.in_calls:
-                return "".join(content), []
-            text, self._state = self._before.rest()[len(self._syntax.opening):], "open"
-        self._since_tag.append(text)
-        while text:
-            text = getattr(self, "_read_" + self._state)(text, deltas)
-        return "".join(content), _merged(deltas)
+    def __init__(self, syntax: WholeSyntax, tools: Mapping[str, Any]):
+        super().__init__(syntax, tools, "open")
+        self._array = True  # the calls are an array (else one object)
 
     def finish(self) -> tuple[str, list[dict]]:
         """What is left once the text is whole."""
-        if self._state == "text":
-            return self._before.rest(), []
-        if self.calls == 0:  # nothing went out as a call: the text from the tag on is content
-            return self._syntax.opening + "".join(self._since_tag), []
+        if (unsent := self._unsent()) is not None:
+            return unsent
         if self._state in ("arguments", "tail"):  # cut short inside a call
             self.whole = False
             return "", []
         rest = self._buffer if self._state in ("object", "content") or self._buffer.strip() else ""
         return rest, []
 
-    def _read_open(self, text: str, deltas: list[dict]) -> str:
+    def _read_open(self, text: str, content: list[str], deltas: list[dict]) -> str:
         rest = text.lstrip()
         if rest[:1] == "[":
             return self._go("next", rest[1:])
@@ -307,7 +339,7 @@ class StreamedListCalls:
             return self._go("next", rest)
         return self._go("content", rest) if rest else ""
 
-    def _read_next(self, text: str, deltas: list[dict]) -> str:
+    def _read_next(self, text: str, content: list[str], deltas: list[dict]) -> str:
         rest = text.lstrip()
         if rest[:1] == "{":
             self._buffer, self._scan = "", JsonScan()
@@ -316,7 +348,7 @@ class StreamedListCalls:
             return self._go("after", rest[1:])
         return self._go("content", rest) if rest else ""
 
-    def _read_object(self, text: str, deltas: list[dict]) -> str:
+    def _read_object(self, text: str, content: list[str], deltas: list[dict]) -> str:
         read = len(self._buffer)
         pending = self._buffer + text
         head = JSON_CALL_HEAD.match(pending)
@@ -339,7 +371,7 @@ class StreamedListCalls:
         self._buffer = ""
         return self._go("between" if self._array else "after", pending[read + end:])
 
-    def _read_arguments(self, text: str, deltas: list[dict]) -> str:
+    def _read_arguments(self, text: str, content: list[str], deltas: list[dict]) -> str:
         end = self._scan.end(text)
         piece = text if end is None else text[:end]
         if piece:
@@ -349,13 +381,13 @@ class StreamedListCalls:
         self._scan = JsonScan(depth=1)  # inside the call's object
         return self._go("tail", text[end:])
 
-    def _read_tail(self, text: str, deltas: list[dict]) -> str:
+    def _read_tail(self, text: str, content: list[str], deltas: list[dict]) -> str:
         end = self._scan.end(text)
         if end is None:
             return ""
         return self._go("between" if self._array else "after", text[end:])
 
-    def _read_between(self, text: str, deltas: list[dict]) -> str:
+    def _read_between(self, text: str, content: list[str], deltas: list[dict]) -> str:
         rest = text.lstrip()
         if rest[:1] == ",":
             return self._go("next", rest[1:])
@@ -363,12 +395,12 @@ class StreamedListCalls:
             return self._go("after", rest[1:])
         return self._go("content", rest) if rest else ""
 
-    def _read_after(self, text: str, deltas: list[dict]) -> str:
+    def _read_after(self, text: str, content: list[str], deltas: list[dict]) -> str:
         """After the calls: held, and sent at the end where it is more than whitespace."""
         self._buffer += text
         return ""
 
-    def _read_content(self, text: str, deltas: list[dict]) -> str:
+    def _read_content(self, text: str, content: list[str], deltas: list[dict]) -> str:
         """Text that is not calls: held, and sent at the end."""
         self._buffer += text
         return ""

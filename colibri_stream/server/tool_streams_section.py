@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from .text_tags import held_prefix
-from .tool_streams import HeldText, JsonScan, arguments_piece, call_header
+from .tool_streams import CallsAfterTag, JsonArguments, JsonScan, call_header
 
 
 class SectionSyntax(Protocol):
@@ -36,42 +36,20 @@ class SectionSyntax(Protocol):
     call_head: re.Pattern
 
 
-class StreamedSectionCalls:
+class StreamedSectionCalls(CallsAfterTag, JsonArguments):
     """One streamed choice's text in a section of calls (the module's docstring gives the deltas): `feed` and
     `finish` return (content to send now, tool_calls deltas)."""
 
-    def __init__(self, syntax: SectionSyntax, tools: Mapping[str, Any]):
-        self._syntax = syntax
-        self._tools = tools
-        self._before = HeldText(syntax.opening)  # the text up to the section
-        # text | section (between calls) | head (a call's head) | arguments | tail (after them, up to the call's end
-        # token) | after (the section closed) | content
-        self._state = "text"
-        self._since_opening: list[str] = []  # the text after the section's opening token
-        self._buffer = ""  # the text read but not yet placed
-        self._scan = JsonScan()  # in "arguments": where the arguments object ends
-        self.calls = 0  # calls sent so far
-        self.whole = True  # every call sent was closed (its arguments object ended)
+    # states: text | section (between calls) | head (a call's head) | arguments | tail (after them, up to the
+    # call's end token) | after (the section closed) | content
 
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        content: list[str] = []
-        deltas: list[dict] = []
-        if self._state == "text":
-            content.append(self._before.feed(text))
-            if not self._before.in_calls:
-                return "".join(content), []
-            text, self._state = self._before.rest()[len(self._syntax.opening):], "section"
-        self._since_opening.append(text)
-        while text:
-            text = getattr(self, "_read_" + self._state)(text, content, deltas)
-        return "".join(content), deltas
+    def __init__(self, syntax: SectionSyntax, tools: Mapping[str, Any]):
+        super().__init__(syntax, tools, "section")
 
     def finish(self) -> tuple[str, list[dict]]:
         """What is left once the text is whole."""
-        if self._state == "text":
-            return self._before.rest(), []
-        if self.calls == 0:  # nothing went out as a call: the text from the section on is content
-            return self._syntax.opening + "".join(self._since_opening), []
+        if (unsent := self._unsent()) is not None:
+            return unsent
         rest, self._buffer = self._buffer, ""
         if self._state == "arguments":  # cut short inside a call
             self.whole = False
@@ -115,19 +93,6 @@ class StreamedSectionCalls:
         self.calls += 1
         self._state, self._scan = "arguments", JsonScan()
         return rest
-
-    def _read_arguments(self, text: str, content: list[str], deltas: list[dict]) -> str:
-        """The arguments object's text, sent as it comes, up to the brace that closes it (a `<` outside a string,
-        which JSON cannot hold, ends it too: the model went on to a token)."""
-        end = self._scan.end(text, stops="<")
-        self.whole = self.whole and not self._scan.stopped
-        piece = text if end is None else text[:end]
-        if piece:
-            deltas.append(arguments_piece(self.calls - 1, piece))
-        if end is None:
-            return ""
-        self._state = "tail"
-        return text[end:]
 
     def _read_tail(self, text: str, content: list[str], deltas: list[dict]) -> str:
         """After a call's arguments, up to its end token (a fence's closing backticks are syntax)."""

@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .tool_streams import BlockSyntax, StreamedCalls, arguments_piece, call_header
+from .tool_streams import BlockSyntax, StreamedCalls, arguments_piece, call_header, closing_in
 from .tool_values import parameter_schema, typed_value
 
 
@@ -138,9 +138,7 @@ class StreamedInvokeCalls(StreamedXmlCalls):
 
     def _read_foreign(self, text: str, content: list[str], deltas: list[dict]) -> str:
         """The rest of a block after an element that is not a call: content, up to and with the closing tag."""
-        searched = max(0, len(self._buffer) - len(self._syntax.closing) + 1)
-        pending = self._buffer + text
-        end = pending.find(self._syntax.closing, searched)
+        pending, end = closing_in(self._buffer, text, self._syntax.closing)
         if end < 0:
             self._buffer = pending
             return ""
