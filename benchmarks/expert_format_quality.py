@@ -13,12 +13,15 @@ build; the record keeps its sha256), tokenized with the model's tokenizer. Witho
 benchmarks/data/default_model/traces_test.npz (1024 tokens each, the last 1023 predicted).
 
 `--kv-dtypes fp32 bf16 fp16 fp8` runs the shipped int8 experts with the KV cache in each element type instead
-(fp32 the reference; fp8 is e4m3 with scales of 1.0, docs/KV_CACHE.md).
+(fp32 the reference; fp8 is e4m3 with scales of 1.0, docs/KV_CACHE.md). `--matmul-precisions high medium` runs the
+shipped folder on the GPU (bf16 KV cache) at each matmul precision instead (high the reference; medium takes one
+bf16 part of the activations in the tensor-core products of prefill, docs/PREFILL_ATTENTION.md).
 
 Usage: python benchmarks/expert_format_quality.py [--corpus .data/default_model/corpus/test.jsonl]
            [--max-windows N] [--formats int8 int4-g64 ...] [--out benchmarks/data/default_model/expert_formats.json]
        python benchmarks/expert_format_quality.py --corpus ... --kv-dtypes fp32 bf16 fp16 fp8
            [--out benchmarks/data/default_model/kv_cache_quality.json]
+       python benchmarks/expert_format_quality.py --corpus ... --matmul-precisions high medium   (a GPU)
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from colibri_stream.checkpoint import (TOKENIZER_FILES, ExpertFileWriter, ModelF
                                        expert_block_layout, write_config)
 from colibri_stream.expert_codecs import dequantize_expert, expert_codec
 from colibri_stream.loader import load_model
+from conditions import require_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "export" / "default_model_provenance"))
@@ -111,8 +115,9 @@ def window_nll(model, window: np.ndarray, kv_dtype: str) -> float:
     return float(-log_probs[np.arange(len(ids)), window[1:]].sum())
 
 
-def evaluate(folder: Path, windows: np.ndarray, token_bytes: np.ndarray, kv_dtype: str = "fp32") -> dict:
-    model = load_model(str(folder), device="cpu")
+def evaluate(folder: Path, windows: np.ndarray, token_bytes: np.ndarray, kv_dtype: str = "fp32",
+             device: str = "cpu", matmul_precision: str = "high") -> dict:
+    model = load_model(str(folder), device=device, matmul_precision=matmul_precision)
     slots, block_bytes = expert_block_layout(ModelFolder(folder).config)
     start = time.perf_counter()
     nll = sum(window_nll(model, w, kv_dtype) for w in windows)
@@ -131,10 +136,14 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     parser.add_argument("--kv-dtypes", nargs="+", choices=KV_DTYPES, default=None,
                         help="compare KV cache element types (fp32 first, the reference) instead of expert formats")
+    parser.add_argument("--matmul-precisions", nargs="+", choices=("high", "medium"), default=None,
+                        help="compare the GPU's matmul precisions (high first, the reference) instead")
     parser.add_argument("--out", type=Path, default=None, help="JSON record (default: print only)")
     args = parser.parse_args()
     if args.kv_dtypes is not None and args.kv_dtypes[0] != "fp32":
         parser.error("--kv-dtypes starts with fp32, the reference")
+    if args.matmul_precisions is not None and args.matmul_precisions[0] != "high":
+        parser.error("--matmul-precisions starts with high, the reference")
 
     source = ModelFolder(args.model)
     if source.config.expert_dtype != "int8" or "int8" not in args.formats:
@@ -149,29 +158,46 @@ def main() -> None:
               "source_of_formats": "the stored int8 experts, dequantized, then quantized (round to nearest)",
               "formats": {}}
     if args.kv_dtypes is not None:
-        record["bench"], record["kv_dtypes"] = "kv_cache_quality", {}
+        record["bench"] = "kv_cache_quality"
         record["source_of_formats"] = "the shipped folder (int8 experts); only the KV cache's element type changes"
         del record["formats"]
-        for kv_dtype in args.kv_dtypes:
-            result = record["kv_dtypes"][kv_dtype] = evaluate(args.model, windows, token_bytes, kv_dtype)
-            print(kv_dtype, json.dumps(result), flush=True)
-        reference = record["kv_dtypes"]["fp32"]
-        for result in record["kv_dtypes"].values():
-            result["perplexity_vs_fp32"] = result["perplexity"] / reference["perplexity"] - 1
-        write_record(record, args.out)
-        return
-    with tempfile.TemporaryDirectory() as scratch:
-        for name in args.formats:
-            folder = args.model if name == "int8" else recode_folder(source, Path(scratch) / name, FORMATS[name])
-            result = record["formats"][name] = {"codec": expert_codec(ModelFolder(folder).config).describe(),
-                                                **evaluate(folder, windows, token_bytes)}
-            print(name, json.dumps(result), flush=True)
-            if name != "int8":
-                shutil.rmtree(folder)
-    reference = record["formats"]["int8"]
-    for result in record["formats"].values():
-        result["perplexity_vs_int8"] = result["perplexity"] / reference["perplexity"] - 1
+        compare(record, "kv_dtypes", args.kv_dtypes, lambda kv: evaluate(args.model, windows, token_bytes, kv))
+    elif args.matmul_precisions is not None:
+        require_gpu()
+        record["bench"] = "matmul_precision_quality"
+        record["source_of_formats"] = ("the shipped folder (int8 experts) on the GPU, KV cache bf16; only the matmul "
+                                       "precision changes")
+        del record["formats"]
+        compare(record, "matmul_precisions", args.matmul_precisions,
+                lambda precision: evaluate(args.model, windows, token_bytes, "bf16", "cuda", precision))
+    else:
+        with tempfile.TemporaryDirectory() as scratch:
+            formats = ["int8"] + [name for name in args.formats if name != "int8"]  # the reference first
+            compare(record, "formats", formats, lambda name: recoded_result(source, args.model, Path(scratch),
+                                                                                  name, windows, token_bytes))
     write_record(record, args.out)
+
+
+def recoded_result(source: ModelFolder, model: Path, scratch: Path, name: str, windows: np.ndarray,
+                   token_bytes: np.ndarray) -> dict:
+    """The result of the expert format `name` (int8: the shipped folder), in a folder under `scratch` removed after."""
+    folder = model if name == "int8" else recode_folder(source, scratch / name, FORMATS[name])
+    result = {"codec": expert_codec(ModelFolder(folder).config).describe(), **evaluate(folder, windows, token_bytes)}
+    if name != "int8":
+        shutil.rmtree(folder)
+    return result
+
+
+def compare(record: dict, key: str, names: list[str], run) -> None:
+    """record[key][name] = run(name) for each name (printed as it comes), each with its perplexity relative to the
+    first name's (`perplexity_vs_<first>`)."""
+    record[key] = {}
+    for name in names:
+        result = record[key][name] = run(name)
+        print(name, json.dumps(result), flush=True)
+    reference = record[key][names[0]]
+    for result in record[key].values():
+        result[f"perplexity_vs_{names[0]}"] = result["perplexity"] / reference["perplexity"] - 1
 
 
 def write_record(record: dict, out: Path | None) -> None:

@@ -177,6 +177,14 @@ def test_kv_cache_quality(tmp_path):
     assert refused.returncode == 2 and "starts with fp32" in refused.stderr
 
 
+def test_matmul_precision_quality_wants_high_first_and_a_gpu():
+    refused = run_script("expert_format_quality.py", "--matmul-precisions", "medium")
+    assert refused.returncode == 2 and "starts with high" in refused.stderr
+    if importlib.util.find_spec("cupy") is None:
+        no_gpu = run_script("expert_format_quality.py", "--max-windows", "1", "--matmul-precisions", "high", "medium")
+        assert no_gpu.returncode != 0 and "needs a GPU" in no_gpu.stderr
+
+
 def test_policy_eval(tmp_path):
     out = tmp_path / "policy_eval.json"
     succeeded(run_script("policy_eval.py", "--decode-tokens", "2", "--window-tokens", "16", "--out", out))
