@@ -62,8 +62,8 @@ class DecodeGraph:
         import cupy
         import cupyx
 
-        if not model.backend.supports_graphs:
-            raise ValueError(f"the {model.backend.name} backend does not capture CUDA graphs")
+        if not model.backend.captures(model.config):
+            raise ValueError(f"the {model.backend.name} backend does not capture CUDA graphs of this model")
         self.model, self.kv_cache = model, kv_cache
         self.batch_size, self.max_blocks = batch_size, max_blocks
         self.feedback = cupy.zeros((batch_size,), np.int64) if feedback is None else feedback  # [F >= B] argmaxes
@@ -222,7 +222,7 @@ class DecodeGraphs:
 
     @staticmethod
     def usable(model: MoETransformer) -> bool:
-        return model.backend.supports_graphs and model.store.capturable
+        return model.backend.captures(model.config) and model.store.capturable
 
     def fits(self, batch: ForwardBatch) -> bool:
         return (batch.num_seqs <= self.sizes[-1] and batch.block_tables.shape[1] <= self.max_blocks

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from colibri_stream.backends.numpy_backend import NumpyBackend
+from colibri_stream.backends.sequence_attention import attention_per_sequence
 from colibri_stream.batch import ForwardBatch, single_sequence_batch
 from colibri_stream.config import ModelConfig, RopeConfig
 from colibri_stream.checkpoint import dense_tensor_specs
@@ -92,7 +93,8 @@ def test_decode_with_sinks_matches_one_sequence_at_a_time():
     query = rng.standard_normal((3, num_heads, head_dim), dtype=np.float32)
     sinks = np.array([3.0, -1.0, 0.5, 8.0], np.float32)
     batched = B.paged_attention(query, key_cache, value_cache, batch, {}, 0.3, None, sinks=sinks)
-    one_by_one = B._attention_per_sequence(query, key_cache, value_cache, batch, 0.3, None, sinks=sinks)
+    one_by_one = attention_per_sequence(np, lambda rows, scale: rows, query, key_cache, value_cache, batch, 0.3, None,
+                                        sinks=sinks)
     np.testing.assert_allclose(batched, one_by_one, rtol=1e-5, atol=1e-6)
 
 

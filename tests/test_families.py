@@ -160,13 +160,12 @@ def translated(arch: str, **changes):
                                       "model.layers.0.mlp.e_score_correction_bias"}, "bfloat16", "bfloat16")
 
 
-def test_gpu_backend_refuses_latent_attention_in_one_line():
+def test_gpu_backend_runs_latent_attention_without_graphs():
+    """Latent attention takes cupy_latent.py's eager path: loaded, never captured in CUDA graphs."""
     config = translated("deepseek_v3")
-    with pytest.raises(UnsupportedModelError) as info:
-        check_features(config, CupyBackend)
-    assert str(info.value) == ("the cupy backend does not run Multi-head Latent Attention yet (deepseek_v3); run "
-                               "this model with --device cpu")
-    check_features(config, NumpyBackend)  # the reference runs every option
+    check_features(config, CupyBackend)
+    assert CupyBackend.attends_by_sequence(config) and not CupyBackend.attends_by_sequence(translated("glm4_moe"))
+    check_features(config, NumpyBackend)
 
 
 @pytest.mark.parametrize("arch", ["glm4_moe", "minimax_m2"])
@@ -186,7 +185,8 @@ def test_gpu_backend_names_each_option_alone():
                    dict(router_scoring="sigmoid"), dict(router_bias=True), dict(n_group=4, topk_group=2),
                    dict(head_dim=256)):
         check_features(dataclasses.replace(plain, **change), CupyBackend)  # router.cu and the prologue take these
-    for change, words in ((dict(attention_sinks=True), "attention sinks"), (dict(expert_bias=True), "expert biases"),
+    check_features(dataclasses.replace(plain, attention_sinks=True), CupyBackend)  # cupy_latent.py's path
+    for change, words in ((dict(expert_bias=True), "expert biases"),
                           (dict(swiglu_limit=7.0), r"clamped SwiGLU \(swiglu_limit\)"),
                           (dict(num_experts=2048, n_group=64, topk_group=2),
                            "more than 1024 routed experts, group-limited routing over more than 32 groups"),

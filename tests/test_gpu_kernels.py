@@ -339,6 +339,34 @@ def test_paged_attention(head_dim, window, block_size, kv_dtype, monkeypatch):
     check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, scale, window, scales))
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,sinks", [(8, 2, 64, True), (16, 1, 24, True), (8, 1, 576, False),
+                                                           (4, 1, 280, True)])
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_attention_by_sequence_takes_sinks_and_latent_rows(heads, kv_heads, head_dim, sinks, window, kv_dtype,
+                                                           monkeypatch):
+    """Sink logits, and rows wider than the kernels' heads (latent attention's kv_lora_rank + rope width: 576 for
+    DeepSeek-V3), take cupy_latent.py's path of CuPy operations, no kernel of ours: the NumPy attention's result,
+    decode tokens and chunks alike, over every KV dtype."""
+    rng = np.random.default_rng(head_dim + heads)
+    block_size = 16
+    seqs = [(1, 1), (37, 37), (100, 1), (64, 5)]
+    num_blocks = sum(-(-c // block_size) for c, _ in seqs) + 3
+    batch = attention_batch(rng, seqs, block_size, num_blocks)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    key_cache, gpu_keys = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
+    value_cache, gpu_values = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
+    query = rng.standard_normal((batch.num_tokens, heads, head_dim)).astype(np.float32)
+    head_sinks = rng.standard_normal(heads).astype(np.float32) * 2 if sinks else None
+    device_batch = {name: cupy.asarray(getattr(batch, name)) for name in ("block_tables", "query_start", "positions")}
+    launched = launched_kernels(monkeypatch)
+    scales, scale = KV_SCALES[kv_dtype], head_dim**-0.5
+    ours = GPU.paged_attention(cupy.asarray(query), gpu_keys, gpu_values, batch, device_batch, scale, window, scales,
+                               None if head_sinks is None else cupy.asarray(head_sinks))
+    assert launched == []
+    check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, scale, window, scales, head_sinks))
+
+
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(32, 4), (32, 8), (8, 8), (16, 1), (12, 4)])
 @pytest.mark.parametrize("window", [None, 16])

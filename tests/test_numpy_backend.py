@@ -11,6 +11,7 @@ import pytest
 from colibri_stream.backends.numpy_backend import NumpyBackend
 from colibri_stream.config import RopeConfig
 from colibri_stream.batch import ForwardBatch
+from colibri_stream.backends.sequence_attention import attention_per_sequence
 from colibri_stream.model.rope import cos_sin_table
 
 B = NumpyBackend()
@@ -101,7 +102,8 @@ def test_decode_attention_matches_one_sequence_at_a_time(window, heads):
     key_cache[0] = value_cache[0] = np.nan  # block 0: no sequence's, but every padded table entry's
     query = rng.standard_normal((seqs, num_heads, head_dim)).astype(np.float32)
     batched = B.paged_attention(query, key_cache, value_cache, batch, {}, 0.25, window)
-    one_by_one = B._attention_per_sequence(query, key_cache, value_cache, batch, 0.25, window)
+    one_by_one = attention_per_sequence(np, lambda rows, scale: rows, query, key_cache, value_cache, batch, 0.25,
+                                        window)
     assert np.isfinite(batched).all()
     np.testing.assert_allclose(batched, one_by_one, rtol=1e-5, atol=1e-6)
 

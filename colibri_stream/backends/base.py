@@ -32,7 +32,7 @@ class Backend(ABC):
 
     What callers may rely on is said by capabilities, never by the backend's name: `device` (where its arrays live,
     "cpu" or "cuda": the expert tiers are built for it), `supports_graphs` (a decode step can be captured as a
-    CUDA graph, cuda_graph.py), `logit_source` (how the sampler reads a forward's logits), `synchronize`, `clock`
+    CUDA graph, cuda_graph.py) and `captures` (a given model's can), `logit_source` (how the sampler reads a forward's logits), `synchronize`, `clock`
     (where the step timer reads the model's phases),
     `expert_formats` (the routed-expert formats it computes, config.EXPERT_DTYPES's names) and `missing_features`
     (the model options it does not run).
@@ -47,6 +47,10 @@ class Backend(ABC):
     def missing_features(cls, config: ModelConfig) -> list[str]:
         """What `config` computes that this backend does not run, one phrase each; empty when it runs the model."""
         return []
+
+    def captures(self, config: ModelConfig) -> bool:
+        """Whether decode steps of a model of `config` can be captured as CUDA graphs on this backend."""
+        return self.supports_graphs
 
     @abstractmethod
     def logit_source(self, logits: Array) -> LogitSource:

@@ -40,11 +40,13 @@ from .cublas_gemm import ACTIVATION_PARTS, activation_parts, weight_product
 from .cupy_flash_attention import (DECODE_THREADS, FLASH_FILE, FLASH_THREADS, FlashTileCache, decode_expression,
                                    decode_shared_bytes, flash_attention_launch,
                                    takes_flash_attention, takes_flash_decode)
+from .cupy_latent import KvRows, latent_rope_write, per_head_linear
 from .cupy_launch import (NULL, FAMILIES, ceil_div, check_row_width, launch, smallest_tile, storage_type,
                           to_device_storage)
 from .cupy_moe import DeviceExpertStore, routed_experts
 from .cupy_quant_moe import FP8_LANE_COLS
 from .kernels import get_kernel
+from .sequence_attention import attention_per_sequence
 from .tuning import (ATTENTION_WARPS, CAPTURED_CUBLAS_ALL_MIN_TOKENS, CAPTURED_CUBLAS_MIN_ROWS,
                      CAPTURED_CUBLAS_MIN_TOKENS, DENSE_MMA_MIN_TOKENS, FLASH_DECODE_BLOCKS_PER_SM,
                      FLASH_DECODE_MAX_SPLITS, FLASH_DECODE_MIN_KEYS, FLASH_DECODE_SPLIT_KEYS, GQA_BLOCKS_PER_SM,
@@ -99,17 +101,15 @@ class CupyBackend(Backend):
     @classmethod
     def missing_features(cls, config: ModelConfig) -> list[str]:
         """kernels/router.cu selects among at most ROUTER_MAX_EXPERTS experts (groups: ROUTER_MAX_GROUPS), the
-        attention kernels attend over K heads of keys and values (no latent rows, no sink logits) of at most
-        MAX_HEAD_DIM dimensions, and the MoE kernels compute silu(gate) * up of unbiased experts."""
+        attention prologue takes heads of at most MAX_HEAD_DIM dimensions (latent attention's rows and sink logits
+        take cupy_latent.py's path), and the MoE kernels compute silu(gate) * up of unbiased experts."""
         missing = [f"{config.router_scoring} routing"] if config.router_scoring not in ROUTER_SCORINGS else []
         missing += [name for name, used in (
             (f"more than {ROUTER_MAX_EXPERTS} routed experts", config.num_experts > ROUTER_MAX_EXPERTS),
             (f"group-limited routing over more than {ROUTER_MAX_GROUPS} groups (n_group)",
              config.n_group > ROUTER_MAX_GROUPS),
-            ("attention sinks", config.attention_sinks),
             ("expert biases", config.expert_bias),
             ("clamped SwiGLU (swiglu_limit)", config.swiglu_limit is not None),
-            ("Multi-head Latent Attention", config.attention == "mla"),
             (f"head_dim {config.head_dim} (the attention kernels take at most {MAX_HEAD_DIM})",
              config.head_dim > MAX_HEAD_DIM)) if used]
         # moe_int4.cu reads whole 32-column chunks of int4, moe_fp8.cu 16 codes a lane
@@ -118,6 +118,15 @@ class CupyBackend(Backend):
             missing.append(f"{config.expert_dtype} experts of hidden size {config.hidden_size} and intermediate size "
                            f"{config.moe_intermediate_size} (multiples of {width} only)")
         return missing
+
+    @classmethod
+    def attends_by_sequence(cls, config: ModelConfig) -> bool:
+        """Whether the model's attention takes cupy_latent.py's path of CuPy operations, one sequence at a time
+        (latent attention, sink logits): its steps are not captured in CUDA graphs."""
+        return config.attention == "mla" or config.attention_sinks
+
+    def captures(self, config: ModelConfig) -> bool:
+        return not self.attends_by_sequence(config)
 
     def __init__(self, matmul_precision: str = "high"):
         import cupy
@@ -137,6 +146,7 @@ class CupyBackend(Backend):
         # resets what it counted)
         self._route_counters = cupy.zeros(ROUTER_SPLIT_TOKENS, np.uint32)
         self._flash_tiles = FlashTileCache()
+        self._kv_rows = KvRows(cupy)  # cache rows widened for cupy_latent.py's path
         self._clock: CudaEventClock | None = None  # made on first use
 
     def logit_source(self, logits: Array) -> LogitSource:
@@ -321,6 +331,14 @@ class CupyBackend(Backend):
         return self._sigmoid(x)
 
     # ---- attention ----------------------------------------------------------------------------------------
+    def latent_rope_write(self, q_latent, q_rope, latent, k_rope, cos, sin, positions, interleaved, cache,
+                          slot_mapping, scale=1.0):
+        return latent_rope_write(self, q_latent, q_rope, latent, k_rope, cos, sin, positions, interleaved, cache,
+                                 slot_mapping, scale)
+
+    def per_head_linear(self, x, weight):
+        return per_head_linear(self.cp, self._kv_rows, x, weight)
+
     def qk_norm_rope_write(self, q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, positions, key_cache,
                            value_cache, slot_mapping, kv_scales=(1.0, 1.0)):
         """One launch of qk_norm_rope_write: a warp per head (q, k and v heads). Without a full-width norm the
@@ -361,8 +379,9 @@ class CupyBackend(Backend):
         Otherwise (short chunks, or head layouts or caches the other kernels do not take): paged_attention, a block
         per (token, query head). k_scale is folded into the score scale; the kernels multiply their outputs by
         v_scale."""
-        if sinks is not None:
-            raise ValueError("the cupy backend has no attention sinks (missing_features)")
+        if sinks is not None or query.shape[2] > MAX_HEAD_DIM:  # cupy_latent.py's path (attends_by_sequence)
+            return attention_per_sequence(self.cp, self._kv_rows.widen, query, key_cache, value_cache, batch, scale,
+                                          sliding_window, kv_scales, sinks)
         query = self.cp.ascontiguousarray(query)
         if kv_scales == (1.0, 1.0) and takes_flash_attention(query, key_cache, value_cache, batch):
             kv_type = storage_type(key_cache)

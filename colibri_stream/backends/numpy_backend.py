@@ -21,6 +21,8 @@ from ..experts.cpu_executor import CpuExpertExecutor, silu_mul
 from ..experts.store import ExpertStore, Float32ExpertStore, MappedExpertStore
 from ..sampling import HostLogits
 from .base import Backend
+from .rotary import rotate
+from .sequence_attention import attention_per_sequence, softmax_with_sinks
 
 if TYPE_CHECKING:
     from ..batch import ForwardBatch
@@ -59,19 +61,6 @@ def _best_groups_only(choice: np.ndarray, n_group: int, topk_group: int) -> np.n
     kept = np.zeros((t, n_group), dtype=bool)  # [T, G]
     np.put_along_axis(kept, best, True, axis=-1)
     return np.where(np.repeat(kept, e // n_group, axis=-1), choice, np.float32(-np.inf))
-
-
-def _softmax_with_sinks(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
-    """softmax over the last axis of scores [..., S] (-inf where masked); `sinks` (broadcast to [..., 1]) add
-    each head's logit to the denominator only, so the probabilities of a row sum to less than 1."""
-    peak = scores.max(axis=-1, keepdims=True)  # [..., 1]
-    if sinks is not None:
-        peak = np.maximum(peak, sinks)
-    probs = np.exp(scores - peak)
-    total = probs.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        total = total + np.exp(sinks - peak)
-    return probs / total
 
 
 def _write_rows(cache: np.ndarray, rows: np.ndarray, slot_mapping: np.ndarray, scale: float) -> None:
@@ -146,17 +135,8 @@ class NumpyBackend(Backend):
     # ---- attention ----------------------------------------------------------------------------------------
     def rotary(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray,
                interleaved: bool = False) -> np.ndarray:
-        """x [T, heads, D], cos/sin tables [P, R/2], positions [T] -> x with its first R dimensions rotated ("rotate
-        half" pairing within them: i with i + R/2) and the other D - R as they were. `interleaved` pairs 2i with
-        2i + 1 instead, and lays the rotated pairs out as the rotate-half form does (first elements, then seconds),
-        as transformers' interleaved rotary does: queries and keys alike, so their products are the same."""
-        half = cos.shape[1]
-        c, s = cos[positions][:, None, :], sin[positions][:, None, :]  # [T, 1, R/2]
-        if interleaved:
-            x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]  # [T, heads, R/2] each
-        else:
-            x1, x2 = x[..., :half], x[..., half:2 * half]  # [T, heads, R/2] each
-        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * half:]], axis=-1)
+        """x [T, heads, D] with its first R dimensions rotated (rotary.rotate)."""
+        return rotate(np, x, cos, sin, positions, interleaved)
 
     def write_kv(self, key_cache, value_cache, key, value, slot_mapping, kv_scales=(1.0, 1.0)) -> None:
         """Store key/value [T, K, D] into the paged caches [num_blocks, block_size, K, D] at the slots [T]; a
@@ -202,8 +182,8 @@ class NumpyBackend(Backend):
         if batch.num_seqs and batch.num_tokens == batch.num_seqs:  # a decode step: one query token per sequence
             return self._decode_attention(query, key_cache, value_cache, batch, scale, sliding_window, kv_scales,
                                           sinks)
-        return self._attention_per_sequence(query, key_cache, value_cache, batch, scale, sliding_window, kv_scales,
-                                            sinks)
+        return attention_per_sequence(np, _widened, query, key_cache, value_cache, batch, scale, sliding_window,
+                                      kv_scales, sinks)
 
     def _decode_attention(self, query, key_cache, value_cache, batch: ForwardBatch, scale, sliding_window,
                           kv_scales=(1.0, 1.0), sinks=None):
@@ -227,42 +207,9 @@ class NumpyBackend(Backend):
         scores = np.matmul(q, keys.transpose(0, 2, 3, 1)) * np.float32(scale)  # [B, K, G, S]
         scores = np.where(visible[:, None, None, :], scores, -np.inf)
         sinks = None if sinks is None else sinks.reshape(1, num_kv_heads, num_heads // num_kv_heads, 1)
-        probs = _softmax_with_sinks(scores, sinks)  # [B, K, G, S]
+        probs = softmax_with_sinks(np, scores, sinks)  # [B, K, G, S]
         attended = np.matmul(probs, values.transpose(0, 2, 1, 3))  # [B, K, G, D]
         return attended.reshape(seqs, num_heads, head_dim)
-
-    def _attention_per_sequence(self, query, key_cache, value_cache, batch: ForwardBatch, scale, sliding_window,
-                                kv_scales=(1.0, 1.0), sinks=None):
-        """Any number of query tokens per sequence (prefill chunks), one sequence at a time."""
-        num_heads, head_dim = query.shape[1], query.shape[2]
-        num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-        group = num_heads // num_kv_heads
-        head_sinks = None if sinks is None else sinks.reshape(num_kv_heads, group, 1, 1)
-        out = np.empty_like(query)  # [T, Q, D]
-        for b in range(batch.num_seqs):
-            start, end = int(batch.query_start[b]), int(batch.query_start[b + 1])
-            context = int(batch.context_lens[b])
-            blocks = batch.block_tables[b, : -(-context // block_size)]
-            keys = _widened(key_cache[blocks], kv_scales[0]).reshape(-1, num_kv_heads, head_dim)[:context]  # [S, K, D]
-            values = _widened(value_cache[blocks], kv_scales[1]).reshape(-1, num_kv_heads, head_dim)[:context]
-            t = end - start
-            # Batched matmuls over the KV heads (BLAS; einsum was 1.5x slower at one query token, 7-10x at 64):
-            # a KV head's G query heads and t tokens are the rows of one product.
-            q = query[start:end].reshape(t, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)  # [K, G, t, D]
-            scores = np.matmul(q.reshape(num_kv_heads, group * t, head_dim), keys.transpose(1, 2, 0))  # [K, G*t, S]
-            scores = scores.reshape(num_kv_heads, group, t, context) * np.float32(scale)  # [K, G, t, S]
-            q_pos = batch.positions[start:end][:, None]  # [t, 1]
-            k_pos = np.arange(context)[None, :]  # [1, S]
-            visible = k_pos <= q_pos  # [t, S]
-            if sliding_window is not None:
-                visible &= k_pos > q_pos - sliding_window
-            scores = np.where(visible, scores, -np.inf)
-            probs = _softmax_with_sinks(scores, head_sinks)  # [K, G, t, S]
-            attended = np.matmul(probs.reshape(num_kv_heads, group * t, context), values.transpose(1, 0, 2))
-            # [K, G*t, D] -> [t, K, G, D]
-            out[start:end] = attended.reshape(num_kv_heads, group, t, head_dim).transpose(2, 0, 1, 3).reshape(
-                t, num_heads, head_dim)
-        return out
 
     # ---- mixture of experts -------------------------------------------------------------------------------
     def route(self, x, router, top_k, renormalize, scoring="softmax", correction_bias=None, n_group=1,
