@@ -311,6 +311,20 @@ def attention_batch(rng, seqs: list[tuple[int, int]], block_size: int, num_block
         logits_indices=query_start[1:] - 1)
 
 
+def attention_case(rng, seqs: list[tuple[int, int]], block_size: int, heads: int, kv_heads: int, head_dim: int,
+                   kv_dtype: str) -> tuple:
+    """(batch, (host keys, device keys), (host values, device values), query [T, Q, D] on the host, the device
+    batch) of random caches of `kv_dtype` over `attention_batch`'s sequences."""
+    num_blocks = sum(-(-c // block_size) for c, _ in seqs) + 3
+    batch = attention_batch(rng, seqs, block_size, num_blocks)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    keys = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
+    values = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
+    query = rng.standard_normal((batch.num_tokens, heads, head_dim)).astype(np.float32)
+    device_batch = {name: cupy.asarray(getattr(batch, name)) for name in ("block_tables", "query_start", "positions")}
+    return batch, keys, values, query, device_batch
+
+
 @pytest.mark.parametrize("head_dim", [24, 64, 128])
 @pytest.mark.parametrize("window", [None, 16])
 @pytest.mark.parametrize("block_size", [8, 16])
@@ -322,15 +336,9 @@ def test_paged_attention(head_dim, window, block_size, kv_dtype, monkeypatch):
     monkeypatch.setattr(cupy_flash_attention, "FLASH_MIN_TOKENS", 1 << 30)
     rng = np.random.default_rng(head_dim + block_size)
     seqs = [(1, 1), (37, 37), (100, 1), (64, 5), (200, 1)]
-    num_blocks = sum(-(-c // block_size) for c, _ in seqs) + 3
-    batch = attention_batch(rng, seqs, block_size, num_blocks)
-    heads, kv_heads = 8, 2
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache, gpu_keys = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
-    value_cache, gpu_values = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
-    query = rng.standard_normal((batch.num_tokens, heads, head_dim)).astype(np.float32)
+    batch, (key_cache, gpu_keys), (value_cache, gpu_values), query, device_batch = attention_case(
+        rng, seqs, block_size, 8, 2, head_dim, kv_dtype)
     scale = head_dim**-0.5
-    device_batch = {name: cupy.asarray(getattr(batch, name)) for name in ("block_tables", "query_start", "positions")}
     launched = launched_kernels(monkeypatch)
     poison()
     scales = KV_SCALES[kv_dtype]
@@ -351,14 +359,9 @@ def test_attention_by_sequence_takes_sinks_and_latent_rows(heads, kv_heads, head
     rng = np.random.default_rng(head_dim + heads)
     block_size = 16
     seqs = [(1, 1), (37, 37), (100, 1), (64, 5)]
-    num_blocks = sum(-(-c // block_size) for c, _ in seqs) + 3
-    batch = attention_batch(rng, seqs, block_size, num_blocks)
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache, gpu_keys = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
-    value_cache, gpu_values = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
-    query = rng.standard_normal((batch.num_tokens, heads, head_dim)).astype(np.float32)
+    batch, (key_cache, gpu_keys), (value_cache, gpu_values), query, device_batch = attention_case(
+        rng, seqs, block_size, heads, kv_heads, head_dim, kv_dtype)
     head_sinks = rng.standard_normal(heads).astype(np.float32) * 2 if sinks else None
-    device_batch = {name: cupy.asarray(getattr(batch, name)) for name in ("block_tables", "query_start", "positions")}
     launched = launched_kernels(monkeypatch)
     scales, scale = KV_SCALES[kv_dtype], head_dim**-0.5
     ours = GPU.paged_attention(cupy.asarray(query), gpu_keys, gpu_values, batch, device_batch, scale, window, scales,
@@ -382,14 +385,9 @@ def test_paged_attention_decode(head_dim, heads, kv_heads, window, split, kv_dty
     rng = np.random.default_rng(head_dim + heads + kv_heads)
     block_size = 16
     seqs = [(p + 1, 1) for p in (0, 36, 143, 200, 511)]
-    num_blocks = sum(-(-c // block_size) for c, _ in seqs) + 3
-    batch = attention_batch(rng, seqs, block_size, num_blocks)
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache, gpu_keys = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
-    value_cache, gpu_values = kv_cache_pair(rng.standard_normal(shape).astype(np.float32), kv_dtype)
-    query = rng.standard_normal((batch.num_tokens, heads, head_dim)).astype(np.float32)
+    batch, (key_cache, gpu_keys), (value_cache, gpu_values), query, device_batch = attention_case(
+        rng, seqs, block_size, heads, kv_heads, head_dim, kv_dtype)
     scale = head_dim**-0.5
-    device_batch = {name: cupy.asarray(getattr(batch, name)) for name in ("block_tables", "query_start", "positions")}
     if not split:
         monkeypatch.setattr(cupy_backend, "GQA_MAX_SPLITS", 1)
     launched = launched_kernels(monkeypatch)
