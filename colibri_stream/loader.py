@@ -51,6 +51,15 @@ def check_features(config: ModelConfig, backend: Backend | type[Backend]) -> Non
                                     f"({config.architecture}); run this model with --device cpu")
 
 
+def check_expert_slots(config: ModelConfig, backend: Backend, experts: ExpertStoreConfig) -> None:
+    """UnsupportedModelError, one line, for GPU expert slots under experts the GPU computes one at a time (biases,
+    the clamped SwiGLU: every expert resident, cupy_biased_experts.py)."""
+    if (backend.device == "cuda" and experts.gpu_memory_limit is not None
+            and (config.expert_bias or config.swiglu_limit is not None)):
+        raise UnsupportedModelError(f"{config.architecture}'s experts with biases run on the GPU only with every "
+                                    f"expert resident: drop --gpu-memory-limit, or run with --device cpu")
+
+
 def load_model(path: str, device: str = "cpu", verify: bool = False,
                experts: ExpertStoreConfig | None = None, max_positions: int | None = None,
                matmul_precision: str = "high") -> MoETransformer:
@@ -62,5 +71,6 @@ def load_model(path: str, device: str = "cpu", verify: bool = False,
     backend = select_backend(device, experts.cpu_threads, matmul_precision)
     check_expert_format(folder.config, backend)
     check_features(folder.config, backend)
+    check_expert_slots(folder.config, backend, experts)
     store = open_expert_store(folder, experts, backend.device)
     return MoETransformer(folder.config, folder.dense, store, backend, max_positions)

@@ -185,9 +185,9 @@ def test_gpu_backend_names_each_option_alone():
                    dict(router_scoring="sigmoid"), dict(router_bias=True), dict(n_group=4, topk_group=2),
                    dict(head_dim=256)):
         check_features(dataclasses.replace(plain, **change), CupyBackend)  # router.cu and the prologue take these
-    check_features(dataclasses.replace(plain, attention_sinks=True), CupyBackend)  # cupy_latent.py's path
-    for change, words in ((dict(expert_bias=True), "expert biases"),
-                          (dict(swiglu_limit=7.0), r"clamped SwiGLU \(swiglu_limit\)"),
+    for change in (dict(attention_sinks=True), dict(expert_bias=True), dict(swiglu_limit=7.0)):
+        check_features(dataclasses.replace(plain, **change), CupyBackend)  # cupy_latent.py, cupy_biased_experts.py
+    for change, words in ((dict(expert_bias=True, expert_dtype="int8"), "biased or clamped-SwiGLU experts stored as int8"),
                           (dict(num_experts=2048, n_group=64, topk_group=2),
                            "more than 1024 routed experts, group-limited routing over more than 32 groups"),
                           (dict(head_dim=288), "head_dim 288")):

@@ -7,6 +7,9 @@ and a bf16 checkpoint as transformers saves one.
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -16,7 +19,8 @@ from colibri_stream.checkpoint import read_config  # noqa: E402
 from colibri_stream.errors import UnsupportedModelError  # noqa: E402
 from colibri_stream.export import export_model  # noqa: E402
 from colibri_stream.export.hf_checkpoint import HFCheckpoint  # noqa: E402
-from colibri_stream.loader import check_features, load_model  # noqa: E402
+from colibri_stream.config import ExpertStoreConfig  # noqa: E402
+from colibri_stream.loader import check_expert_slots, check_features, load_model  # noqa: E402
 from test_parity import colibri_greedy, colibri_logits, prompt_ids, reference_greedy, reference_logits  # noqa: E402
 from test_parity import relative_error  # noqa: E402
 from tiny_models import build_hf_model  # noqa: E402
@@ -61,14 +65,19 @@ def test_gpt_oss_from_a_bf16_checkpoint(tmp_path):
     assert colibri_greedy(model, ids, 8) == reference_greedy(reference, ids, 8)
 
 
-def test_gpu_backend_refuses_gpt_oss_in_one_line(tmp_path):
+def test_gpu_backend_takes_gpt_oss_in_bf16_and_refuses_the_rest_in_one_line(tmp_path):
+    """Sinks, biases and the clamped SwiGLU run on the GPU (cupy_latent.py, cupy_biased_experts.py) for experts
+    stored in bf16; int8 experts, and GPU expert slots, are refused in one line each."""
     build_hf_model("gpt_oss", tmp_path / "hf", seed=3)
     export_model(tmp_path / "hf", tmp_path / "model", dtype="bf16", progress=False)
     config = read_config(tmp_path / "model")
-    with pytest.raises(UnsupportedModelError) as info:
-        check_features(config, CupyBackend)
-    message = str(info.value)
-    assert "\n" not in message
-    for words in ("expert biases", "clamped SwiGLU"):
-        assert words in message
-    assert "router bias" not in message and "sinks" not in message  # router.cu adds it; cupy_latent.py's path
+    check_features(config, CupyBackend)
+    assert not CupyBackend.captures(config)  # every step eager
+    with pytest.raises(UnsupportedModelError, match=r"^[^\n]*stored as int8 \(bfloat16, float16 or float32 only\)"):
+        check_features(dataclasses.replace(config, expert_dtype="int8"), CupyBackend)
+    cuda = SimpleNamespace(device="cuda")
+    with pytest.raises(UnsupportedModelError, match=r"^gpt_oss's experts with biases run on the GPU only with every "
+                                                    r"expert resident: drop --gpu-memory-limit, or run with --device cpu$"):
+        check_expert_slots(config, cuda, ExpertStoreConfig(gpu_memory_limit=1 << 30))
+    check_expert_slots(config, cuda, ExpertStoreConfig())
+    check_expert_slots(config, SimpleNamespace(device="cpu"), ExpertStoreConfig(gpu_memory_limit=1 << 30))

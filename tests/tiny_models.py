@@ -13,8 +13,8 @@ from pathlib import Path
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # softmax-routed, whole-head rotary
 SIGMOID_ROUTED = ("glm4_moe", "minimax_m2", "deepseek_v3")
 ALL_ARCHITECTURES = ARCHITECTURES + SIGMOID_ROUTED
-# what the GPU backend runs too (gpt_oss's expert biases and clamped SwiGLU are CupyBackend.missing_features)
-GPU_ARCHITECTURES = ARCHITECTURES + ("glm4_moe", "minimax_m2", "deepseek_v3")
+# what the GPU backend runs too (deepseek_v3's latent attention and gpt_oss's sinks and biased experts eagerly)
+GPU_ARCHITECTURES = ARCHITECTURES + ("glm4_moe", "minimax_m2", "deepseek_v3", "gpt_oss")
 VOCAB_SIZE = 256
 
 

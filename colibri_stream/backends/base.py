@@ -48,9 +48,10 @@ class Backend(ABC):
         """What `config` computes that this backend does not run, one phrase each; empty when it runs the model."""
         return []
 
-    def captures(self, config: ModelConfig) -> bool:
+    @classmethod
+    def captures(cls, config: ModelConfig) -> bool:
         """Whether decode steps of a model of `config` can be captured as CUDA graphs on this backend."""
-        return self.supports_graphs
+        return cls.supports_graphs
 
     @abstractmethod
     def logit_source(self, logits: Array) -> LogitSource:

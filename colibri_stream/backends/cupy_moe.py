@@ -181,10 +181,10 @@ _BLOCK_SCALED = (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn))  # int4 
 
 def _stack_gate_up(experts: Iterable[dict], layer: int, num_experts: int) -> LayerExperts:
     """A layer's experts (each one's tensors, in expert order) as w13 [E, 2I, H] (gate rows, then up rows), w2
-    [E, H, I] and int8's per-row scales."""
+    [E, H, I], int8's per-row scales and biased experts' biases."""
     import cupy
 
-    w13 = w2 = s13 = s2 = None
+    w13 = w2 = s13 = s2 = b13 = b2 = None
     for expert, tensors in enumerate(experts):
         gate, up, down = (to_device_storage(tensors[n]) for n in MATRICES)  # [I, H], [I, H], [H, I]
         if w13 is None:
@@ -194,6 +194,9 @@ def _stack_gate_up(experts: Iterable[dict], layer: int, num_experts: int) -> Lay
             w2 = cupy.empty((num_experts, h, i), gate.dtype)  # [E, H, I]
             s13 = cupy.empty((num_experts, 2 * i), np.float32) if quantized else None  # [E, 2I]
             s2 = cupy.empty((num_experts, h), np.float32) if quantized else None  # [E, H]
+            biased = "down_bias" in tensors
+            b13 = cupy.empty((num_experts, 2 * i), np.float32) if biased else None  # [E, 2I]: gate's, then up's
+            b2 = cupy.empty((num_experts, h), np.float32) if biased else None  # [E, H]
         if not gate.dtype == up.dtype == down.dtype == w13.dtype:
             raise ValueError(f"expert ({layer}, {expert}) has tensors of another dtype than expert 0")
         i = gate.shape[0]
@@ -204,7 +207,11 @@ def _stack_gate_up(experts: Iterable[dict], layer: int, num_experts: int) -> Lay
             s13[expert, :i] = cupy.asarray(tensors["gate_scale"], dtype=np.float32)
             s13[expert, i:] = cupy.asarray(tensors["up_scale"], dtype=np.float32)
             s2[expert] = cupy.asarray(tensors["down_scale"], dtype=np.float32)
-    return LayerExperts.stacked(w13, w2, s13, s2)
+        if b13 is not None:
+            b13[expert, :i] = cupy.asarray(tensors["gate_bias"], dtype=np.float32)
+            b13[expert, i:] = cupy.asarray(tensors["up_bias"], dtype=np.float32)
+            b2[expert] = cupy.asarray(tensors["down_bias"], dtype=np.float32)
+    return LayerExperts.stacked(w13, w2, s13, s2, b13, b2)
 
 
 def _stack_by_name(experts: Iterable[dict], layer: int, num_experts: int) -> LayerExperts:

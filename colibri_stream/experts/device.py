@@ -18,6 +18,8 @@ import numpy as np
 from ..expert_codecs import WEIGHT_TENSORS
 from .store import ExpertStore
 
+BIASES = ("gate_bias", "up_bias", "down_bias")  # a biased expert's tensors beside its matrices
+
 Array = Any  # a device array (cupy.ndarray)
 NULL = np.uint64(0)  # a null pointer kernel argument
 
@@ -51,13 +53,19 @@ class LayerExperts:
     gate_zero: Array | None = None  # [S, I, groups] uint8 zero points of asymmetric int4 experts, else None
     up_zero: Array | None = None
     down_zero: Array | None = None
+    gate_bias: Array | None = None  # [S, I] float32 (gpt-oss's biased experts), else None
+    up_bias: Array | None = None  # [S, I]
+    down_bias: Array | None = None  # [S, H]
 
     @classmethod
-    def stacked(cls, w13: Array, w2: Array, s13: Array | None, s2: Array | None) -> LayerExperts:
-        """Views of stacked arrays w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], s13 [E, 2I], s2 [E, H]."""
+    def stacked(cls, w13: Array, w2: Array, s13: Array | None, s2: Array | None, b13: Array | None = None,
+                b2: Array | None = None) -> LayerExperts:
+        """Views of stacked arrays w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], s13 [E, 2I], s2 [E, H],
+        and the biases b13 [E, 2I] (gate's, then up's), b2 [E, H] where the experts have them."""
         i = w2.shape[2]
         return cls(w13[:, :i], w13[:, i:], w2, None if s13 is None else s13[:, :i],
-                   None if s13 is None else s13[:, i:], s2)
+                   None if s13 is None else s13[:, i:], s2, gate_bias=None if b13 is None else b13[:, :i],
+                   up_bias=None if b13 is None else b13[:, i:], down_bias=b2)
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, Array], slot_of: Array | None) -> LayerExperts:
@@ -69,7 +77,7 @@ class LayerExperts:
 
     def named(self) -> dict[str, Array]:
         """The arrays by block tensor name (those present), slot axis first."""
-        return {name: getattr(self, name) for name in WEIGHT_TENSORS if getattr(self, name) is not None}
+        return {name: getattr(self, name) for name in (*WEIGHT_TENSORS, *BIASES) if getattr(self, name) is not None}
 
     def kernel_args(self) -> tuple[tuple, tuple]:
         """(gate/up arguments, down arguments) of moe_gate_up and moe_down: pointers and strides per slot."""
