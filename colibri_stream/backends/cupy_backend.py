@@ -385,7 +385,9 @@ class CupyBackend(Backend):
         Otherwise (short chunks, or head layouts or caches the other kernels do not take): paged_attention, a block
         per (token, query head). k_scale is folded into the score scale; the kernels multiply their outputs by
         v_scale."""
-        if sinks is not None or query.shape[2] > MAX_HEAD_DIM:  # cupy_latent.py's path (attends_by_sequence)
+        # cupy_latent.py's path (attends_by_sequence): sink logits, and latent attention's rows (one cache as keys
+        # and values)
+        if sinks is not None or key_cache is value_cache or query.shape[2] > MAX_HEAD_DIM:
             return attention_per_sequence(self.cp, self._kv_rows.widen, query, key_cache, value_cache, batch, scale,
                                           sliding_window, kv_scales, sinks)
         query = self.cp.ascontiguousarray(query)
