@@ -47,7 +47,7 @@ from .cupy_launch import (NULL, FAMILIES, ceil_div, check_row_width, launch, sma
 from .cupy_moe import DeviceExpertStore, routed_experts
 from .cupy_quant_moe import FP8_LANE_COLS
 from .kernels import get_kernel
-from .sequence_attention import attention_per_sequence
+from .sequence_attention import paged_attention_rows
 from .tuning import (ATTENTION_WARPS, CAPTURED_CUBLAS_ALL_MIN_TOKENS, CAPTURED_CUBLAS_MIN_ROWS,
                      CAPTURED_CUBLAS_MIN_TOKENS, DENSE_MMA_MIN_TOKENS, FLASH_DECODE_BLOCKS_PER_SM,
                      FLASH_DECODE_MAX_SPLITS, FLASH_DECODE_MIN_KEYS, FLASH_DECODE_SPLIT_KEYS, GQA_BLOCKS_PER_SM,
@@ -388,8 +388,8 @@ class CupyBackend(Backend):
         # cupy_latent.py's path (attends_by_sequence): sink logits, and latent attention's rows (one cache as keys
         # and values)
         if sinks is not None or key_cache is value_cache or query.shape[2] > MAX_HEAD_DIM:
-            return attention_per_sequence(self.cp, self._kv_rows.widen, query, key_cache, value_cache, batch, scale,
-                                          sliding_window, kv_scales, sinks)
+            return paged_attention_rows(self.cp, self._kv_rows.widen, query, key_cache, value_cache, batch, scale,
+                                        sliding_window, kv_scales, sinks)
         query = self.cp.ascontiguousarray(query)
         if kv_scales == (1.0, 1.0) and takes_flash_attention(query, key_cache, value_cache, batch):
             kv_type = storage_type(key_cache)

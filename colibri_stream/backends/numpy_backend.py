@@ -22,7 +22,7 @@ from ..experts.store import ExpertStore, Float32ExpertStore, MappedExpertStore
 from ..sampling import HostLogits
 from .base import Backend
 from .rotary import rotate
-from .sequence_attention import attention_per_sequence, softmax_with_sinks
+from .sequence_attention import paged_attention_rows
 
 if TYPE_CHECKING:
     from ..batch import ForwardBatch
@@ -179,37 +179,8 @@ class NumpyBackend(Backend):
 
     def paged_attention(self, query, key_cache, value_cache, batch: ForwardBatch, device_batch, scale,
                         sliding_window, kv_scales=(1.0, 1.0), sinks=None):
-        if batch.num_seqs and batch.num_tokens == batch.num_seqs:  # a decode step: one query token per sequence
-            return self._decode_attention(query, key_cache, value_cache, batch, scale, sliding_window, kv_scales,
-                                          sinks)
-        return attention_per_sequence(np, _widened, query, key_cache, value_cache, batch, scale, sliding_window,
-                                      kv_scales, sinks)
-
-    def _decode_attention(self, query, key_cache, value_cache, batch: ForwardBatch, scale, sliding_window,
-                          kv_scales=(1.0, 1.0), sinks=None):
-        """One query token per sequence: every sequence in one batched product, keys padded to the longest
-        context and masked (one product instead of a loop over sequences)."""
-        seqs, num_heads, head_dim = query.shape
-        num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-        longest = int(batch.context_lens.max())
-        blocks = batch.block_tables[:, : -(-longest // block_size)]  # [B, n]
-        k_scale, v_scale = kv_scales
-        keys = _widened(key_cache[blocks], k_scale).reshape(seqs, -1, num_kv_heads, head_dim)[:, :longest]
-        values = _widened(value_cache[blocks], v_scale).reshape(seqs, -1, num_kv_heads, head_dim)[:, :longest]
-        # keys, values: [B, S, K, D]
-        k_pos = np.arange(longest)[None, :]  # [1, S]
-        q_pos = batch.positions[:, None]  # [B, 1]
-        visible = (k_pos <= q_pos) & (k_pos < batch.context_lens[:, None])  # [B, S]
-        if sliding_window is not None:
-            visible &= k_pos > q_pos - sliding_window
-        values[~visible] = 0  # padding positions hold other sequences' values (a zero weight times them is 0)
-        q = query.reshape(seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, K, G, D]
-        scores = np.matmul(q, keys.transpose(0, 2, 3, 1)) * np.float32(scale)  # [B, K, G, S]
-        scores = np.where(visible[:, None, None, :], scores, -np.inf)
-        sinks = None if sinks is None else sinks.reshape(1, num_kv_heads, num_heads // num_kv_heads, 1)
-        probs = softmax_with_sinks(np, scores, sinks)  # [B, K, G, S]
-        attended = np.matmul(probs, values.transpose(0, 2, 1, 3))  # [B, K, G, D]
-        return attended.reshape(seqs, num_heads, head_dim)
+        return paged_attention_rows(np, _widened, query, key_cache, value_cache, batch, scale, sliding_window,
+                                    kv_scales, sinks)
 
     # ---- mixture of experts -------------------------------------------------------------------------------
     def route(self, x, router, top_k, renormalize, scoring="softmax", correction_bias=None, n_group=1,

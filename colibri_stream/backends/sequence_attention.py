@@ -1,8 +1,10 @@
-"""Attention over a paged KV cache one sequence at a time, written once for any array module (`xp`: NumPy or CuPy):
-the NumPy backend's path for prefill chunks, and the CuPy backend's for what its kernels do not take (latent
-attention's rows of kv_lora_rank + rope width, sink logits). Float32 throughout; the cache's rows are widened by the
-caller's `widen(rows, scale)`. The batch's host arrays (query_start, context_lens, positions, block_tables) decide
-the loop, so a step through here is never captured in a CUDA graph."""
+"""Attention over a paged KV cache from array operations, written once for any array module (`xp`: NumPy or CuPy):
+the NumPy backend's attention, and the CuPy backend's for what its kernels do not take (latent attention's rows of
+kv_lora_rank + rope width, sink logits). A decode step (one query token per sequence) is one batched product over
+every sequence, keys padded to the longest context and masked; other steps go one sequence at a time. Float32
+throughout; the cache's rows are widened by the caller's `widen(rows, scale)`. The batch's host arrays
+(query_start, context_lens, positions, block_tables) shape the products, so a step through here is never captured
+in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -24,6 +26,46 @@ def softmax_with_sinks(xp: Any, scores: Any, sinks: Any | None) -> Any:
     if sinks is not None:
         total = total + xp.exp(sinks - peak)
     return probs / total
+
+
+def paged_attention_rows(xp: Any, widen: Callable[[Any, float], Any], query: Any, key_cache: Any, value_cache: Any,
+                         batch: ForwardBatch, scale: float, sliding_window: int | None,
+                         kv_scales: tuple[float, float] = (1.0, 1.0), sinks: Any | None = None) -> Any:
+    """`Backend.paged_attention` from array operations: decode steps batched (`decode_attention`), the others
+    `attention_per_sequence`.  # query [T, Q, D] -> [T, Q, D]"""
+    if batch.num_seqs and batch.num_tokens == batch.num_seqs:  # a decode step: one query token per sequence
+        return decode_attention(xp, widen, query, key_cache, value_cache, batch, scale, sliding_window, kv_scales,
+                                sinks)
+    return attention_per_sequence(xp, widen, query, key_cache, value_cache, batch, scale, sliding_window, kv_scales,
+                                  sinks)
+
+
+def decode_attention(xp: Any, widen: Callable[[Any, float], Any], query: Any, key_cache: Any, value_cache: Any,
+                     batch: ForwardBatch, scale: float, sliding_window: int | None,
+                     kv_scales: tuple[float, float] = (1.0, 1.0), sinks: Any | None = None) -> Any:
+    """One query token per sequence (query [B, Q, D]): every sequence in one batched product, keys padded to the
+    longest context and masked (one product instead of a loop over sequences).  # -> [B, Q, D]"""
+    seqs, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    longest = int(batch.context_lens.max())
+    blocks = xp.asarray(batch.block_tables[:, : -(-longest // block_size)])  # [B, n]
+    k_scale, v_scale = kv_scales
+    keys = widen(key_cache[blocks], k_scale).reshape(seqs, -1, num_kv_heads, head_dim)[:, :longest]
+    values = widen(value_cache[blocks], v_scale).reshape(seqs, -1, num_kv_heads, head_dim)[:, :longest]
+    # keys, values: [B, S, K, D]
+    k_pos = xp.arange(longest)[None, :]  # [1, S]
+    q_pos = xp.asarray(batch.positions)[:, None]  # [B, 1]
+    visible = (k_pos <= q_pos) & (k_pos < xp.asarray(batch.context_lens)[:, None])  # [B, S]
+    if sliding_window is not None:
+        visible &= k_pos > q_pos - sliding_window
+    values[~visible] = 0  # padding positions hold other sequences' values (a zero weight times them is 0)
+    q = query.reshape(seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, K, G, D]
+    scores = xp.matmul(q, keys.transpose(0, 2, 3, 1)) * np.float32(scale)  # [B, K, G, S]
+    scores = xp.where(visible[:, None, None, :], scores, np.float32(-np.inf))
+    sinks = None if sinks is None else sinks.reshape(1, num_kv_heads, num_heads // num_kv_heads, 1)
+    probs = softmax_with_sinks(xp, scores, sinks)  # [B, K, G, S]
+    attended = xp.matmul(probs, values.transpose(0, 2, 1, 3))  # [B, K, G, D]
+    return attended.reshape(seqs, num_heads, head_dim)
 
 
 def attention_per_sequence(xp: Any, widen: Callable[[Any, float], Any], query: Any, key_cache: Any, value_cache: Any,
