@@ -17,7 +17,11 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize", choices=("int8", "int4", "fp8", "mxfp4"), default=None,
                    help="quantize the routed experts, rounded to nearest: int8 (a scale per output channel), int4 "
                         "(a scale per group of input channels), fp8 (e4m3), mxfp4 (e2m1, a power-of-two scale per "
-                        "32 input channels); a pre-quantized checkpoint keeps its experts' format and refuses it")
+                        "32 input channels); a pre-quantized checkpoint keeps its experts' format and refuses it "
+                        "unless --dequantize")
+    p.add_argument("--dequantize", action="store_true",
+                   help="a pre-quantized checkpoint (fp8, int4, gpt-oss MXFP4): its routed experts dequantized and "
+                        "stored in --dtype (or re-quantized by --quantize) instead of kept in its format")
     p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,
                    help="int4: input channels per scale (default 128)")
     p.add_argument("--int4-zero-point", action="store_true", help="int4: asymmetric, a zero point per group")
@@ -35,7 +39,7 @@ def _run_export(args: argparse.Namespace) -> None:
 
     config = export_model(args.hf_dir, args.out_dir, dtype=args.dtype, quantize=args.quantize, force=args.force,
                           progress=not args.quiet, group_size=args.group_size, zero_point=args.int4_zero_point,
-                          fp8_scales=args.fp8_scales)
+                          fp8_scales=args.fp8_scales, dequantize=args.dequantize)
     print(f"wrote {args.out_dir}: {config.architecture}, {config.num_layers} layers, "
           f"{config.num_experts} experts (top-{config.top_k}), experts in {expert_codec(config).describe()}")
 

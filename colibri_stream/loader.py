@@ -41,7 +41,7 @@ def check_expert_format(config: ModelConfig, backend: Backend | type[Backend]) -
         raise UnsupportedModelError(
             f"the {backend.name} backend does not run {config.expert_dtype} experts (it runs "
             f"{', '.join(backend.expert_formats)}); run this model with --device cpu, or export it with another "
-            f"--quantize")
+            f"--quantize (a pre-quantized checkpoint with --dequantize)")
 
 
 def check_features(config: ModelConfig, backend: Backend | type[Backend]) -> None:

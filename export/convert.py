@@ -278,7 +278,8 @@ class _Reader:
         return codec.quantize_matrix(part, self.converted(source, "float32"))
 
 
-def _write_weights(plan: ExportPlan, checkpoint: HFCheckpoint, out: Path, progress: bool) -> None:
+def _write_weights(plan: ExportPlan, checkpoint: HFCheckpoint, out: Path, progress: bool,
+                   keep_quantized: bool = True) -> None:
     config = plan.config
     with tqdm(total=plan.source_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="export",
               file=sys.stderr, disable=not progress) as bar:
@@ -298,7 +299,7 @@ def _write_weights(plan: ExportPlan, checkpoint: HFCheckpoint, out: Path, progre
                     for part, source in parts.items():
                         if part in EXPERT_BIASES:
                             tensors[part] = reader.converted(source, "float32")
-                        elif source.quantized:  # the checkpoint's own values in the same codec
+                        elif source.quantized and keep_quantized:  # the checkpoint's values in its codec
                             tensors.update({part + suffix: a for suffix, a in reader.imported(source).items()})
                         elif quantized:
                             tensors.update(reader.quantized(source, part, codec))
@@ -354,7 +355,7 @@ def expert_format(quantize: str | None, group_size: int | None, zero_point: bool
 
 def export_model(hf_dir: str | Path, out_dir: str | Path, dtype: str = "bf16", quantize: str | None = None,
                  force: bool = False, progress: bool = True, group_size: int | None = None, zero_point: bool = False,
-                 fp8_scales: str | None = None) -> ModelConfig:
+                 fp8_scales: str | None = None, dequantize: bool = False) -> ModelConfig:
     """Convert a Hugging Face MoE checkpoint into a native model folder and return its config.
 
     dtype: "bf16", "fp16" or "fp32", the storage dtype of every tensor; quantize: None, or the routed experts'
@@ -362,18 +363,23 @@ def export_model(hf_dir: str | Path, out_dir: str | Path, dtype: str = "bf16", q
     `group_size` input channels, 32, 64 or 128 (default); with `zero_point` asymmetric), "fp8" (e4m3; `fp8_scales`
     "block": per 128 x 128 tile (default), "channel": per output channel), "mxfp4" (e2m1, a power of two per 32
     input channels). A non-empty `out_dir` is refused unless `force`. A pre-quantized checkpoint
-    (export/quantized_sources.py) keeps its experts' format and is refused with `quantize`. config.json is written
-    last, and a failed export leaves no config.json behind.
+    (export/quantized_sources.py) keeps its experts' format and is refused with `quantize`, unless `dequantize`:
+    then its experts are dequantized and stored in `dtype` (or re-quantized by `quantize`), as a checkpoint of
+    those values would export (`dequantize` is refused for a checkpoint that is not quantized). config.json is
+    written last, and a failed export leaves no config.json behind.
     """
     if dtype not in DTYPE_NAMES:
         raise ColibriError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
     formats = expert_format(quantize, group_size, zero_point, fp8_scales)
     checkpoint = HFCheckpoint(hf_dir)
     quantization = quantized_source(checkpoint.config)
-    if quantization is not None:
+    if dequantize and quantization is None:
+        raise ColibriError("--dequantize is an option of pre-quantized checkpoints; this one is not quantized")
+    if quantization is not None and not dequantize:
         if formats:
             raise ColibriError(f"the checkpoint is already quantized ({quantization.description}); export it "
-                               "without --quantize and its options (its experts keep their format)")
+                               "without --quantize and its options (its experts keep their format), or with "
+                               "--dequantize")
         formats = quantization.expert_format()
     storage = DTYPE_NAMES[dtype]
     config = translate_config(checkpoint.config, checkpoint.generation_config, checkpoint.tensors.keys(),
@@ -385,7 +391,7 @@ def export_model(hf_dir: str | Path, out_dir: str | Path, dtype: str = "bf16", q
     out = Path(out_dir)
     created = _prepare_output(out, checkpoint.folder, config, force, dense_bytes + expert_bytes)
     try:
-        _write_weights(plan, checkpoint, out, progress)
+        _write_weights(plan, checkpoint, out, progress, keep_quantized=not dequantize)
         for name in TOKENIZER_FILES:
             if (checkpoint.folder / name).is_file():
                 shutil.copyfile(checkpoint.folder / name, out / name)

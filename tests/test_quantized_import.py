@@ -230,6 +230,31 @@ def test_mxfp4_export_computes_what_its_dequantized_checkpoint_does(mxfp4_checkp
     assert relative_error(logits, reference_logits(reference, ids)) < 1e-4
 
 
+def test_mxfp4_experts_dequantized_at_export_compute_what_the_kept_ones_do(mxfp4_checkpoint, tmp_path):
+    """--dequantize stores the checkpoint's experts as the values its MXFP4 codes stand for (exactly: e2m1 times a
+    power of two is a bf16 and a float32), or re-quantizes them; a checkpoint that is not quantized refuses it."""
+    root, _, _ = mxfp4_checkpoint
+    kept = load_model(root / "out")
+    ids = prompt_ids()
+    for dtype, expert_dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
+        config = export_model(root / "hf", tmp_path / dtype, dtype=dtype, dequantize=True, progress=False)
+        assert config.expert_dtype == expert_dtype and config.expert_bias
+        folders = ModelFolder(tmp_path / dtype, verify=True), ModelFolder(root / "out")
+        for layer in config.moe_layers:
+            ours, theirs = (dequantize_expert(f.experts.tensors(layer, 1)) for f in folders)
+            for name in ("gate", "up", "down", "gate_bias", "down_bias"):
+                np.testing.assert_array_equal(ours[name].astype(np.float32), theirs[name].astype(np.float32))
+        for folder in folders:
+            folder.experts.close()
+    np.testing.assert_array_equal(colibri_logits(load_model(tmp_path / "fp32"), ids), colibri_logits(kept, ids))
+    requantized = export_model(root / "hf", tmp_path / "int8", dtype="fp32", quantize="int8", dequantize=True,
+                               progress=False)
+    assert requantized.expert_dtype == "int8"
+    assert "or with --dequantize" in error_of(root / "hf", tmp_path / "refused", quantize="int8")
+    assert "--dequantize is an option of pre-quantized checkpoints" in error_of(root / "bf16", tmp_path / "plain",
+                                                                                dequantize=True)
+
+
 @pytest.fixture
 def mxfp4_copy(mxfp4_checkpoint, tmp_path):
     shutil.copytree(mxfp4_checkpoint[0] / "hf", tmp_path / "hf")
