@@ -18,6 +18,7 @@ rounding.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
@@ -61,6 +62,17 @@ SHAPES: dict[str, dict] = {
                        router_scoring="sigmoid", score_correction_bias=True, norm_topk_prob=True, qk_norm="full",
                        rotary_dim=64, rope=RopeConfig(theta=5e6), rms_norm_eps=1e-6,
                        max_position_embeddings=196608),
+    # (Kimi K2 is this architecture with 384 experts, 64 heads, n_group 1)
+    "deepseek-v3": dict(architecture="deepseek_v3", vocab_size=129280, hidden_size=7168, num_layers=61,
+                        num_heads=128, num_kv_heads=128, head_dim=192, num_experts=256, top_k=8,
+                        moe_intermediate_size=2048, first_dense_layers=3, intermediate_size=18432,
+                        shared_expert_intermediate_size=2048, router_scoring="sigmoid", score_correction_bias=True,
+                        n_group=8, topk_group=4, routed_scaling_factor=2.5, attention="mla", q_lora_rank=1536,
+                        kv_lora_rank=512, v_head_dim=128, rotary_dim=64, rope_interleave=True,
+                        softmax_scale=192**-0.5 * (0.1 * math.log(40.0) + 1.0) ** 2,  # YaRN's mscale_all_dim, squared
+                        rope=RopeConfig(type="yarn", theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                                        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+                        max_position_embeddings=163840),
 }
 
 

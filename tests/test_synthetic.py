@@ -31,9 +31,10 @@ def test_named_shapes_are_valid_configs(name):
 # Each named shape and the stored published config.json it is taken from (tests/data/hf_configs): MiniMax-M2.5
 # keeps MiniMax-M2's architecture and dimensions.
 PUBLISHED = {"mixtral-8x7b": "mixtral-8x7b-v0.1", "qwen3-30b-a3b": "qwen3-30b-a3b", "olmoe-1b-7b": "olmoe-1b-7b",
-             "glm-4.5-air": "glm-4.5-air", "minimax-m2": "minimax-m2.5-bf16"}
+             "glm-4.5-air": "glm-4.5-air", "minimax-m2": "minimax-m2.5-bf16", "deepseek-v3": "deepseek-v3"}
 # The router tensors that tell the exporter a published checkpoint has score correction biases.
 CORRECTION_BIASES = {"model.layers.1.mlp.gate.e_score_correction_bias",
+                     "model.layers.3.mlp.gate.e_score_correction_bias",
                      "model.layers.0.block_sparse_moe.e_score_correction_bias"}
 
 
