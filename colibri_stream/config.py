@@ -259,6 +259,10 @@ class ModelConfig:
         """The routed experts' clamped SwiGLU, None where they compute silu(gate) * up."""
         return None if self.swiglu_limit is None else ClampedSwiglu(self.swiglu_limit, self.swiglu_alpha)
 
+    def plain_experts(self) -> bool:
+        """Whether the routed experts compute silu(gate) * up without biases (gpt-oss's do not)."""
+        return not self.expert_bias and self.swiglu_limit is None
+
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
 

@@ -54,8 +54,7 @@ def check_features(config: ModelConfig, backend: Backend | type[Backend]) -> Non
 def check_expert_slots(config: ModelConfig, backend: Backend, experts: ExpertStoreConfig) -> None:
     """UnsupportedModelError, one line, for GPU expert slots under experts the GPU computes one at a time (biases,
     the clamped SwiGLU: every expert resident, cupy_biased_experts.py)."""
-    if (backend.device == "cuda" and experts.gpu_memory_limit is not None
-            and (config.expert_bias or config.swiglu_limit is not None)):
+    if backend.device == "cuda" and experts.gpu_memory_limit is not None and not config.plain_experts():
         raise UnsupportedModelError(f"{config.architecture}'s experts with biases run on the GPU only with every "
                                     f"expert resident: drop --gpu-memory-limit, or run with --device cpu")
 

@@ -32,8 +32,8 @@ class Backend(ABC):
 
     What callers may rely on is said by capabilities, never by the backend's name: `device` (where its arrays live,
     "cpu" or "cuda": the expert tiers are built for it), `supports_graphs` (a decode step can be captured as a
-    CUDA graph, cuda_graph.py) and `captures` (a given model's can), `logit_source` (how the sampler reads a forward's logits), `synchronize`, `clock`
-    (where the step timer reads the model's phases),
+    CUDA graph, cuda_graph.py) and `captures` (a given model's can), `logit_source` (how the sampler reads a
+    forward's logits), `synchronize`, `clock` (where the step timer reads the model's phases),
     `expert_formats` (the routed-expert formats it computes, config.EXPERT_DTYPES's names) and `missing_features`
     (the model options it does not run).
     """

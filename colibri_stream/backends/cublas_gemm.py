@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..config import MATMUL_PRECISIONS
 from .cupy_launch import Array, ceil_div, launch, storage_type
 
 
 # by matmul precision (EngineConfig.matmul_precision): the parts of float32 activations in tensor-core products
-ACTIVATION_PARTS = {"high": 2, "medium": 1}
+ACTIVATION_PARTS = dict(zip(MATMUL_PRECISIONS, (2, 1)))
 
 
 def activation_parts(x: Array, like: Array, parts: int) -> Array:

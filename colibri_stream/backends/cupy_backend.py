@@ -106,7 +106,7 @@ class CupyBackend(Backend):
         take cupy_latent.py's path), and experts with biases or the clamped SwiGLU go one at a time through the
         dense projections (cupy_biased_experts.py), which take bf16, fp16 and float32 matrices."""
         missing = [f"{config.router_scoring} routing"] if config.router_scoring not in ROUTER_SCORINGS else []
-        one_by_one = config.expert_bias or config.swiglu_limit is not None  # cupy_biased_experts.py
+        one_by_one = not config.plain_experts()  # cupy_biased_experts.py
         missing += [name for name, used in (
             (f"more than {ROUTER_MAX_EXPERTS} routed experts", config.num_experts > ROUTER_MAX_EXPERTS),
             (f"group-limited routing over more than {ROUTER_MAX_GROUPS} groups (n_group)",
@@ -132,7 +132,7 @@ class CupyBackend(Backend):
     def captures(cls, config: ModelConfig) -> bool:
         """Not where attention goes a sequence at a time or experts one at a time: those read the batch on the
         host."""
-        return not (cls.attends_by_sequence(config) or config.expert_bias or config.swiglu_limit is not None)
+        return not cls.attends_by_sequence(config) and config.plain_experts()
 
     def __init__(self, matmul_precision: str = "high"):
         import cupy

@@ -6,8 +6,7 @@ accumulation); attention.cu's paged_attention (float32 on CUDA cores, a block pe
 steps, short chunks and head dims the flash kernel is not built for. Split (the backend's matmul precision "high"),
 the products take each float32 operand as a high and a low bf16 part (as the backend's projections do), so the
 result is within about 1e-5 of float32 attention; unsplit ("medium"), bf16 operands alone (about 1e-3, up to 3x
-fewer products). docs/PREFILL_ATTENTION.md gives the choice of
-our own kernel over FlashInfer and cuDNN.
+fewer products). docs/PREFILL_ATTENTION.md gives the choice of our own kernel over FlashInfer and cuDNN.
 
 flash_decode, the same file's decode kernel, takes decode launches (one token per sequence) of bf16, fp16 and fp8
 caches (`takes_flash_decode`): the query group of a KV head as the rows of one m-tile, the context split over

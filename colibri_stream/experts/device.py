@@ -15,10 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..expert_codecs import WEIGHT_TENSORS
+from ..expert_codecs import EXPERT_BIASES, WEIGHT_TENSORS
 from .store import ExpertStore
-
-BIASES = ("gate_bias", "up_bias", "down_bias")  # a biased expert's tensors beside its matrices
 
 Array = Any  # a device array (cupy.ndarray)
 NULL = np.uint64(0)  # a null pointer kernel argument
@@ -77,7 +75,7 @@ class LayerExperts:
 
     def named(self) -> dict[str, Array]:
         """The arrays by block tensor name (those present), slot axis first."""
-        return {name: getattr(self, name) for name in (*WEIGHT_TENSORS, *BIASES) if getattr(self, name) is not None}
+        return {name: getattr(self, name) for name in (*WEIGHT_TENSORS, *EXPERT_BIASES) if getattr(self, name) is not None}
 
     def kernel_args(self) -> tuple[tuple, tuple]:
         """(gate/up arguments, down arguments) of moe_gate_up and moe_down: pointers and strides per slot."""
