@@ -18,6 +18,8 @@ word-level tokenizer of its vocabulary; any other entry is a model folder's path
                  offline_ttft_p50_ms and offline_itl_p99_ms are the same figures for the engine's outputs
   server_loop_cpu_us_per_token  CPU time of the server's main thread (its event loop: HTTP, rendering, SSE
                  writes) during the timed run, per output token (Linux; None elsewhere)
+  served_launched_ahead_fraction, offline_launched_ahead_fraction  the share of steps launched before the step
+                 before was read (async scheduling): the others leave the device idle while the host works
   served_step_interval_ms, offline_step_interval_ms  the run's wall time over the engine steps it took: where the
                  server's work holds the GIL while the step thread waits for it, the served steps stretch
 
@@ -136,12 +138,13 @@ async def drive_engine(engine, prompts: list[list[int]], concurrency: int, outpu
                 last = now
                 tokens[0] += len(out.token_ids)
 
-    steps = engine.stats().num_steps
+    before = engine.stats()
     start = time.perf_counter()
     await asyncio.gather(*(one(ids) for ids in prompts))
     duration = time.perf_counter() - start
     return {"tokens": tokens[0], "duration_s": duration, "tok_s": tokens[0] / duration,
-            "steps": engine.stats().num_steps - steps,
+            "steps": engine.stats().num_steps - before.num_steps,
+            "steps_launched_ahead": engine.stats().num_steps_launched_ahead - before.num_steps_launched_ahead,
             "ttft_p50_ms": percentile_ms(ttfts, 50), "itl_p99_ms": percentile_ms(gaps, 99)}
 
 
@@ -354,6 +357,10 @@ def model_records(name: str, args: argparse.Namespace, conditions: dict, log_dir
             # wall time per engine step: the served figure grows when the server's work delays the step thread
             "served_step_interval_ms": step_interval_ms(report["duration_s"], served_steps(report)),
             "offline_step_interval_ms": step_interval_ms(engine["duration_s"], engine["steps"]),
+            # shares of the steps launched before the step before was read: a step that is not (a prompt's chunk
+            # in it) leaves the device idle while the host samples, detokenizes and schedules
+            "served_launched_ahead_fraction": launched_ahead_fraction(report["server"]),
+            "offline_launched_ahead_fraction": engine["steps_launched_ahead"] / max(engine["steps"], 1),
             "served_busy_fraction": report["server"]["busy_fraction"] if report["server"] else None,
             "switch_interval_s": sys.getswitchinterval() if args.switch_interval is None else args.switch_interval,
             "client_cpu_fraction": report["client_cpu_s"] / report["duration_s"],
@@ -368,6 +375,11 @@ def model_records(name: str, args: argparse.Namespace, conditions: dict, log_dir
 def served_steps(report: dict) -> int | None:
     """The steps the server ran during a bench run (from its /metrics), or None without them."""
     return report["server"]["steps"] if report["server"] else None
+
+
+def launched_ahead_fraction(server: dict | None) -> float | None:
+    """The share of the server's steps in the run launched ahead, or None without its /metrics."""
+    return server["steps_launched_ahead"] / server["steps"] if server else None
 
 
 def step_interval_ms(duration: float, steps: int | None) -> float | None:
@@ -385,13 +397,19 @@ def gpu_name() -> str | None:
 
 def markdown(records: list[dict]) -> str:
     lines = ["| model | streams | offline tok/s | served tok/s | served / offline | TTFT p50 ms | ITL p99 ms | "
-             "server event loop, CPU us / token |", "|---|---|---|---|---|---|---|---|"]
+             "server event loop, CPU us / token | steps launched ahead, served / offline |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         itl = "-" if r["itl_p99_ms"] is None else f"{r['itl_p99_ms']:.1f}"
         loop = r["server_loop_cpu_us_per_token"]
         lines.append(f"| {r['model']} | {r['concurrency']} | {r['offline_tok_s']:.0f} | {r['served_tok_s']:.0f} | "
-                     f"{r['ratio']:.0%} | {r['ttft_p50_ms']:.1f} | {itl} | {'-' if loop is None else f'{loop:.1f}'} |")
+                     f"{r['ratio']:.0%} | {r['ttft_p50_ms']:.1f} | {itl} | {'-' if loop is None else f'{loop:.1f}'} | "
+                     f"{share(r['served_launched_ahead_fraction'])} / {share(r['offline_launched_ahead_fraction'])} |")
     return "\n".join(lines)
+
+
+def share(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:.0%}"
 
 
 def log(message: str) -> None:

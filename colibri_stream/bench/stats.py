@@ -84,11 +84,14 @@ def step_breakdown(before: str | None, after: str | None, duration: float) -> di
     totals["step"] = end[("colibri_step_seconds_sum", "")] - start.get(("colibri_step_seconds_sum", ""), 0.0)
     generated = (end.get(("colibri_engine_generated_tokens_total", ""), 0.0)
                  - start.get(("colibri_engine_generated_tokens_total", ""), 0.0))
+    ahead = (end.get(("colibri_engine_steps_launched_ahead_total", ""), 0.0)
+             - start.get(("colibri_engine_steps_launched_ahead_total", ""), 0.0))
     return {
         "steps": int(steps),
         "busy_fraction": totals["step"] / duration,  # of the run's wall time spent in steps
         "generated_tokens": int(generated),
         "tokens_per_step": generated / steps,
+        "steps_launched_ahead": int(ahead),  # launched before the step before was read (async scheduling)
         "phases": [dict(entry, ms_per_step=seconds / steps * 1e3, share=seconds / totals["step"])
                    for entry, seconds in _phase_tree(totals)],
     }
@@ -97,7 +100,7 @@ def step_breakdown(before: str | None, after: str | None, duration: float) -> di
 def _step_samples(text: str) -> dict[tuple[str, str], float]:
     """(sample name, phase label) -> value for the samples a step breakdown reads."""
     wanted = {"colibri_step_seconds_sum", "colibri_step_seconds_count", "colibri_step_phase_seconds_sum",
-              "colibri_engine_generated_tokens_total"}
+              "colibri_engine_generated_tokens_total", "colibri_engine_steps_launched_ahead_total"}
     return {(s.name, s.labels.get("phase", "")): s.value for family in text_string_to_metric_families(text)
             for s in family.samples if s.name in wanted}
 
