@@ -12,7 +12,8 @@ a failed model step is an api_error (an error event in a stream); tool_use and t
 blocks go back to the template as chat's tool_calls and tool messages; thinking reaches the template's
 enable_thinking and the <think> text comes back as a thinking block; count_tokens counts what a message uses; the
 streamed events come in Anthropic's order with their names; the key works as x-api-key and as Bearer; every
-error on these routes is in Anthropic's shape with its status.
+error on these routes is in Anthropic's shape with its status; what Anthropic refuses (a temperature above 1, empty
+content, a tool_result that answers no call of the turn before) is a 400 in Anthropic's words.
 """
 
 from __future__ import annotations
@@ -408,6 +409,66 @@ def test_a_bad_field_is_a_400_in_anthropics_shape_naming_it(server, fields, name
     body = {k: v for k, v in {**BODY, **fields}.items() if v is not None}
     status, reply = post(server, body)
     assert status == 400 and named in anthropic_error(reply, "invalid_request_error"), (fields, reply)
+
+
+CALLED = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "weather",
+                                           "input": {"city": "Paris"}}]}
+NON_EMPTY = "all messages must have non-empty content except for the optional final assistant message"
+UNANSWERED = ("unexpected `tool_use_id` found in `tool_result` blocks: toolu_2. Each `tool_result` block must have "
+              "a corresponding `tool_use` block in the previous message.")
+
+
+def result(tool_use_id: str) -> dict:
+    """A user message holding the tool_result of the call `tool_use_id`."""
+    return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use_id, "content": "Sunny"}]}
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"temperature": 5}, "temperature must be between 0 and 1, got 5"),
+    ({"temperature": -0.1}, "temperature must be between 0 and 1, got -0.1"),
+    ({"temperature": 1.01}, "temperature must be between 0 and 1, got 1.01"),
+    ({"messages": [{"role": "user", "content": ""}]}, "messages[0]: " + NON_EMPTY),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0]: " + NON_EMPTY),
+    ({"messages": [*MESSAGES, {"role": "assistant", "content": ""}, *MESSAGES]}, "messages[1]: " + NON_EMPTY),
+    ({"messages": [*MESSAGES, {"role": "assistant", "content": []}, *MESSAGES]}, "messages[1]: " + NON_EMPTY),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": ""}]}]},
+     "messages[0].content[1]: text content blocks must be non-empty"),
+    ({"messages": [*MESSAGES, {"role": "assistant", "content": [{"type": "text", "text": ""}]}, *MESSAGES]},
+     "messages[1].content[0]: text content blocks must be non-empty"),
+    ({"messages": [*MESSAGES, CALLED, result("toolu_2")]}, "messages[2].content[0]: " + UNANSWERED),
+    ({"messages": [result("toolu_2")]}, "messages[0].content[0]: " + UNANSWERED),  # no assistant turn before it
+    # toolu_2 was called two turns before: the assistant turn just before it called nothing
+    ({"messages": [*MESSAGES, {**CALLED, "content": [{**CALLED["content"][0], "id": "toolu_2"}]}, result("toolu_2"),
+                   {"role": "assistant", "content": "Sunny."}, result("toolu_2")]},
+     "messages[4].content[0]: " + UNANSWERED),
+])
+def test_what_anthropic_refuses_is_a_400_with_anthropics_message(server, client, fields, message):
+    body = {**BODY, **fields}
+    status, reply = post(server, body)
+    assert status == 400 and anthropic_error(reply, "invalid_request_error") == message, reply
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(model=MODEL, max_tokens=4, messages=body["messages"],
+                               extra_body={k: v for k, v in fields.items() if k != "messages"})
+    assert refused.value.body["error"] == {"type": "invalid_request_error", "message": message}
+    if "messages" in fields:  # count_tokens reads the same conversation
+        status, reply = post(server, {"model": MODEL, "messages": body["messages"]},
+                             path="/v1/messages/count_tokens")
+        assert status == 400 and anthropic_error(reply, "invalid_request_error") == message, reply
+
+
+def test_what_anthropic_accepts_next_to_its_refusals_is_accepted(server):
+    """Temperatures 0 and 1; a tool_result answering a call of the assistant turn before its own where either turn
+    is several messages (Anthropic combines consecutive messages of one role); an empty final assistant message
+    passes the non-empty rule, as with Anthropic, and is refused as any last assistant message is (prefill)."""
+    for temperature in (0, 0.5, 1):
+        assert post(server, dict(BODY, temperature=temperature))[0] == 200
+    combined = [*MESSAGES, CALLED, {"role": "assistant", "content": "Let me look."},
+                {"role": "user", "content": "Well?"}, result("toolu_1")]
+    status, reply = post(server, dict(BODY, messages=combined))
+    assert status == 200, reply
+    for empty in ("", []):
+        status, reply = post(server, dict(BODY, messages=[*MESSAGES, {"role": "assistant", "content": empty}]))
+        assert status == 400 and "(prefill) is not supported" in anthropic_error(reply, "invalid_request_error")
 
 
 def test_every_error_on_these_routes_is_in_anthropics_shape(server, client):

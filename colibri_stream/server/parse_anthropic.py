@@ -11,8 +11,10 @@ template's `enable_thinking` where the template reads that variable (Qwen3), and
 back as a thinking block (server/reasoning.py); the budget is checked (a positive integer below max_tokens) but
 not enforced: thinking and answer share max_tokens. `output_config.format` ({"type": "json_schema", "schema"})
 constrains the text as chat's response_format does. `metadata` is accepted and changes nothing; the vLLM
-extensions chat reads (`structured_outputs`, `seed`, `min_p`, ...) are read here too. What this server does not do
-is a 400 rather than something silently dropped: images and documents, server tools, a last assistant message
+extensions chat reads (`structured_outputs`, `seed`, `min_p`, ...) are read here too. A 400 as Anthropic answers
+it: a temperature outside [0, 1], a message with empty content (but a final assistant one), an empty text block, a
+tool_result whose tool_use_id names no tool_use of the assistant turn before it. What this server does not do is a
+400 rather than something silently dropped: images and documents, server tools, a last assistant message
 (prefill), thinking with a forced tool call (as Anthropic), `display: "omitted"`, `output_config.effort`.
 Errors on these routes are Anthropic's {"type": "error", "error": {"type", "message"}} (render_anthropic.py); the
 key may come as `x-api-key` (app.py). The replies and their stream are render_anthropic.py's.
@@ -21,6 +23,7 @@ key may come as `x-api-key` (app.py). The replies and their stream are render_an
 from __future__ import annotations
 
 import json
+from itertools import groupby
 from typing import Any
 
 from ..errors import APIError
@@ -97,13 +100,21 @@ def _conversation(fields: Fields, tool_syntax: ToolSyntax | None, thinking_switc
 def _sampling(body: dict, max_tokens: int, grammar: str | None) -> Any:
     """The SamplingParams of a body: Anthropic's temperature, top_p, top_k, stop_sequences (and chat's vLLM
     extensions)."""
-    stops = body.get("stop_sequences")
+    fields = Fields({**body, "stop": body.get("stop_sequences")})
+    _check_temperature(fields)
     try:
-        return sampling_params(Fields({**body, "stop": stops}), max_tokens, "max_tokens", None, 1, grammar)
+        return sampling_params(fields, max_tokens, "max_tokens", None, 1, grammar)
     except APIError as e:
         if e.param != "stop":
             raise
         raise bad_request(e.message.replace("stop", "stop_sequences", 1), param="stop_sequences") from None
+
+
+def _check_temperature(fields: Fields) -> None:
+    """Refuse a temperature outside Anthropic's range [0, 1] (chat's, as vLLM's, reaches 100)."""
+    temperature = fields.number("temperature", 1.0)
+    if not 0 <= temperature <= 1:
+        raise bad_request(f"temperature must be between 0 and 1, got {temperature:g}", param="temperature")
 
 
 def _system(system: Any) -> list[dict]:
@@ -130,39 +141,80 @@ def _text_part(block: dict, param: str) -> dict:
     return {"type": "text", "text": block["text"]}
 
 
+def _message_text(block: dict, param: str) -> dict:
+    """A message's text block (`param`: its field) as a chat text part; its text may not be empty, as Anthropic
+    refuses it."""
+    part = _text_part(block, param)
+    if not part["text"]:
+        raise bad_request(f"{param}: text content blocks must be non-empty", param=f"{param}.text")
+    return part
+
+
 def _turns(messages: Any) -> list[dict]:
     """Anthropic's user and assistant turns as chat messages: a user turn's tool_result blocks each a tool message
     (in their place among its text), an assistant turn's tool_use blocks its tool_calls and its thinking its
     reasoning_content."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty array of message objects", param="messages")
-    out = []
+    out, contents = [], []
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise bad_request(f'{param} must be {{"role": "user" | "assistant", "content": ...}}', param=param)
-        content = message.get("content")
-        if isinstance(content, str):
-            blocks = [{"type": "text", "text": content}]
-        elif isinstance(content, list) and all(isinstance(block, dict) for block in content):
-            blocks = content
-        else:
-            raise bad_request(f"{param}.content must be a string or an array of content blocks, got "
-                              f"{json_type(content)}", param=f"{param}.content")
+        blocks = _content_blocks(message, param, final=i == len(messages) - 1)
         out += (_assistant_turn if message["role"] == "assistant" else _user_turn)(blocks, f"{param}.content")
+        contents.append((message["role"], blocks))
+    _check_tool_results(contents)
     if messages[-1]["role"] == "assistant":
         raise unsupported("a last assistant message (prefill) is not supported by this server: the model answers "
                           "in a turn of its own", f"messages[{len(messages) - 1}]")
     return out
 
 
+def _content_blocks(message: dict, param: str, final: bool) -> list[dict]:
+    """A message's content (`param`: the message's field) as content blocks, a string as one text block. Empty
+    content is refused as Anthropic refuses it: in every message but a final assistant one."""
+    content = message.get("content")
+    if isinstance(content, str):
+        blocks = [{"type": "text", "text": content}] if content else []
+    elif isinstance(content, list) and all(isinstance(block, dict) for block in content):
+        blocks = content
+    else:
+        raise bad_request(f"{param}.content must be a string or an array of content blocks, got "
+                          f"{json_type(content)}", param=f"{param}.content")
+    if not blocks and not (final and message["role"] == "assistant"):
+        raise bad_request(f"{param}: all messages must have non-empty content except for the optional final "
+                          "assistant message", param=f"{param}.content")
+    return blocks
+
+
+def _check_tool_results(contents: list[tuple[str, list[dict]]]) -> None:
+    """Refuse a tool_result block whose tool_use_id names no tool_use block of the assistant turn just before its
+    own, as Anthropic does. `contents`: each message's role and content blocks, already checked; consecutive
+    messages of one role are one turn, as Anthropic combines them."""
+    calls: set[str] = set()  # the tool_use ids of the last assistant turn
+    for role, group in groupby(enumerate(contents), key=lambda item: item[1][0]):
+        blocks = [(i, j, block) for i, (_, content) in group for j, block in enumerate(content)]
+        if role == "assistant":
+            calls = {block["id"] for _, _, block in blocks if block.get("type") == "tool_use"}
+            continue
+        for i, j, block in blocks:
+            if block.get("type") == "tool_result" and block["tool_use_id"] not in calls:
+                raise bad_request(f"messages[{i}].content[{j}]: unexpected `tool_use_id` found in `tool_result` "
+                                  f"blocks: {block['tool_use_id'][:80]}. Each `tool_result` block must have a "
+                                  "corresponding `tool_use` block in the previous message.",
+                                  param=f"messages[{i}].content[{j}].tool_use_id")
+
+
 def _user_turn(blocks: list[dict], param: str) -> list[dict]:
+    """A user message's blocks (`param`: their array's field) as chat messages: each tool_result a tool message, the
+    text blocks between them user messages."""
     out: list[dict] = []
     texts: list[dict] = []  # text blocks since the last tool result
     for j, block in enumerate(blocks):
         kind = block.get("type")
         if kind == "text":
-            texts.append(_text_part(block, f"{param}[{j}]"))
+            texts.append(_message_text(block, f"{param}[{j}]"))
         elif kind == "tool_result":
             if texts:
                 out.append({"role": "user", "content": texts})
@@ -173,7 +225,7 @@ def _user_turn(blocks: list[dict], param: str) -> list[dict]:
                         "content": _result_content(block.get("content"), f"{param}[{j}].content")})
         else:
             raise _unsupported_block(kind, f"{param}[{j}]", "text and tool_result")
-    return out + ([{"role": "user", "content": texts}] if texts or not out else [])
+    return out + ([{"role": "user", "content": texts}] if texts else [])
 
 
 def _result_content(content: Any, param: str) -> str | list[dict]:
@@ -193,7 +245,7 @@ def _assistant_turn(blocks: list[dict], param: str) -> list[dict]:
     for j, block in enumerate(blocks):
         kind, where = block.get("type"), f"{param}[{j}]"
         if kind == "text":
-            texts.append(_text_part(block, where))
+            texts.append(_message_text(block, where))
         elif kind == "tool_use":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
                     or not isinstance(block.get("input"), dict):
