@@ -1,14 +1,17 @@
 """llama.cpp on the same machine and the same weights: the baseline of the decode and offload benchmarks.
 
 Four jobs:
-- `write_gguf(folder, path, gguf_py)`: the native model folder `folder` (a Mixtral, Qwen3-MoE, GLM-4.5 or
-  MiniMax-M2 model, such as `write_synthetic_folder`'s) as a bf16 GGUF file of llama.cpp's `llama`, `qwen3moe`,
-  `glm4moe` or `minimax-m2` architecture (ARCHITECTURES): the same tensors (Mixtral's q and k rows permuted to
-  llama.cpp's interleaved rotary layout, as its own converter does from Hugging Face checkpoints; the others use
-  the rotate-half layout as it is), norms, biases, the router and its score correction bias in float32, the routing
-  options as llama.cpp's keys (gating function, weights scale and norm, shared experts, leading dense layers, no
-  multi-token-prediction layers), and a placeholder SentencePiece vocabulary of the model's size (the benchmarks
-  read no text). A model option the architecture would not compute as Colibri does is refused (`unwritable`).
+- `write_gguf(folder, path, gguf_py)`: the native model folder `folder` (a Mixtral, Qwen3-MoE, GLM-4.5,
+  MiniMax-M2 or DeepSeek-V3 / Kimi K2 model, such as `write_synthetic_folder`'s) as a bf16 GGUF file of llama.cpp's
+  `llama`, `qwen3moe`, `glm4moe`, `minimax-m2` or `deepseek2` architecture (ARCHITECTURES): the same tensors
+  (Mixtral's q and k rows permuted to llama.cpp's interleaved rotary layout, as its own converter does from Hugging
+  Face checkpoints; qwen3moe, glm4moe and minimax-m2 use the rotate-half layout as it is; DeepSeek-V3's latent
+  attention with kv_b_proj split per head into the key and value up-projections, as llama.cpp's converter splits
+  it), norms, biases, the router and its score correction bias in float32, the routing options as llama.cpp's keys
+  (gating function, weights scale and norm, expert groups, shared experts, leading dense layers, no
+  multi-token-prediction layers), YaRN's keys for latent attention, and a placeholder SentencePiece vocabulary of
+  the model's size (the benchmarks read no text). A model option the architecture would not compute as Colibri
+  does is refused (`unwritable`).
   `gguf_py` is the gguf-py folder of the llama.cpp source tree (the `gguf` package that writes the format).
   benchmarks/llama_cpp_parity.py checks on the CPU that llama.cpp computes from these files what Colibri computes.
 - `quantize_gguf(binary, src, dst, llama_format, threads)`: llama-quantize of such a file to one of llama.cpp's
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 import time
@@ -80,7 +84,8 @@ class GgufArchitecture:
     """How one of our families is written for llama.cpp."""
 
     name: str  # llama.cpp's architecture (general.architecture)
-    interleaved_rotary: bool  # q and k rows permuted to llama.cpp's interleaved rotary layout (its rope type NORM)
+    interleaved_rotary: bool  # llama.cpp rotates pairs (2i, 2i + 1) (its rope type NORM): rotate-half q and k rows
+    # are permuted to that layout (latent attention: the rope part, where Colibri's rotary is not interleaved already)
     scoring: str  # the router_scoring it computes (softmax, or sigmoid with a score correction bias)
     qk_norms: tuple[str, ...]  # the qk_norm values it reads (full: one weight over all heads' q, and k)
     mlp_norm: str  # its name for the norm before the MLP
@@ -89,10 +94,12 @@ class GgufArchitecture:
     shared_expert: bool = False  # reads an ungated shared expert (expert_shared_count routed widths)
     leading_dense_layers: bool = False  # reads dense MLPs in the first layers (leading_dense_block_count)
     nextn_layers: bool = False  # reads nextn_predict_layers (multi-token prediction layers: 0 written, none held)
+    latent_attention: bool = False  # computes Multi-Head Latent Attention (attention "mla"), not q, k and v heads
 
 
 # Our architectures llama.cpp has. Partial rotary (rotary_dim) is llama.cpp's rope_dimension_count; the NEOX rope
 # type of qwen3moe, glm4moe and minimax-m2 rotates pairs (i, i + R/2) of the first R dimensions, as Colibri does.
+# deepseek2 (DeepSeek-V2/V3, Kimi K2) rotates the last rotary_dim dimensions of each latent-attention head (NORM).
 ARCHITECTURES = {
     "mixtral": GgufArchitecture("llama", True, "softmax", ("none",), "ffn_norm"),
     "qwen3_moe": GgufArchitecture("qwen3moe", False, "softmax", ("per_head",), "ffn_norm"),
@@ -100,6 +107,9 @@ ARCHITECTURES = {
                                  qkv_bias=True, weights_norm_key=True, shared_expert=True, leading_dense_layers=True,
                                  nextn_layers=True),
     "minimax_m2": GgufArchitecture("minimax-m2", False, "sigmoid", ("full",), "ffn_norm"),
+    "deepseek_v3": GgufArchitecture("deepseek2", True, "sigmoid", ("none",), "ffn_norm", weights_norm_key=True,
+                                    shared_expert=True, leading_dense_layers=True, nextn_layers=True,
+                                    latent_attention=True),
 }
 
 
@@ -120,16 +130,121 @@ def unwritable(config, arch: GgufArchitecture) -> list[str]:
         "a score correction bias or routed_scaling_factor": arch.scoring == "softmax" and (
             config.score_correction_bias or config.routed_scaling_factor != 1.0),
         "unnormalised top-k weights": not config.norm_topk_prob and not arch.weights_norm_key,
-        "partial rotary": arch.interleaved_rotary and config.rotary_dim not in (None, config.head_dim),
-        "an o bias, attention sinks, clip_qkv, latent attention, sliding windows, interleaved or scaled rope": (
-            config.o_bias or config.attention_sinks or config.clip_qkv is not None or config.attention != "gqa"
-            or any(w is not None for w in config.sliding_windows) or config.rope_interleave
-            or config.rope.type != "default"),
+        "partial rotary": (arch.interleaved_rotary and not arch.latent_attention
+                           and config.rotary_dim not in (None, config.head_dim)),
+        f"{config.attention} attention (llama.cpp's {arch.name} computes {'mla' if arch.latent_attention else 'gqa'})":
+            (config.attention == "mla") != arch.latent_attention,
+        "an o bias, attention sinks, clip_qkv or sliding windows": (
+            config.o_bias or config.attention_sinks or config.clip_qkv is not None
+            or any(w is not None for w in config.sliding_windows)),
+        "interleaved or scaled rope": not arch.latent_attention and (config.rope_interleave
+                                                                     or config.rope.type != "default"),
         "a router bias, expert biases or a clamped SwiGLU": (config.router_bias or config.expert_bias
                                                               or config.swiglu_limit is not None),
         "weights other than bf16": config.expert_dtype != "bfloat16" or config.dtype != "bfloat16",
     }
+    if arch.latent_attention and config.attention == "mla":
+        checks.update(_latent_unwritable(config))
     return [what for what, refused in checks.items() if refused]
+
+
+def _latent_unwritable(config) -> dict[str, bool]:
+    """unwritable's checks of a latent-attention model for llama.cpp's deepseek2: description -> refused."""
+    rope = config.rope
+    rotary_factor, softmax_scale = _latent_scales(config)
+    ours = (_colibri_rotary_factor(config), config.softmax_scale or config.head_dim**-0.5)
+    return {
+        "latent norms of another epsilon than rms_norm_eps (llama.cpp's deepseek2 has one for every norm)":
+            config.latent_norm_eps != config.rms_norm_eps,
+        "MoE layers without a shared expert (llama.cpp's deepseek2 needs one)":
+            bool(config.moe_layers) and not config.shared_expert_intermediate_size,
+        # deepseek2 takes 26 or 27 layers (48 of a 128256-token vocabulary) for a Lite model: no q_lora_rank read
+        "a q LoRA in 26 or 27 layers (llama.cpp's deepseek2 reads those as DeepSeek-V2-Lite, without one)":
+            bool(config.q_lora_rank) and (config.num_layers in (26, 27)
+                                          or (config.num_layers, config.vocab_size) == (48, 128256)),
+        f"rope type {rope.type} (llama.cpp's deepseek2 is written with default or yarn)":
+            rope.type not in ("default", "yarn"),
+        "YaRN without truncate (llama.cpp rounds the correction range to whole dimensions)":
+            rope.type == "yarn" and not rope.truncate,
+        "YaRN's rotary magnitude or a softmax scale other than llama.cpp's (mscale equal to mscale_all_dim, "
+        "softmax scale head_dim^-0.5 times yarn_mscale(factor, mscale_all_dim)^2)":
+            rope.type in ("default", "yarn") and not all(
+                math.isclose(a, b, rel_tol=1e-6) for a, b in zip((rotary_factor, softmax_scale), ours)),
+    }
+
+
+def _colibri_rotary_factor(config) -> float:
+    """The factor Colibri's rotary tables scale cos and sin by (YaRN's attention factor; 1 otherwise)."""
+    from colibri_stream.model.rope import inverse_frequencies
+
+    return inverse_frequencies(config.rope, config.rotary_dim or config.head_dim)[1]
+
+
+def _latent_scales(config) -> tuple[float, float]:
+    """(the factor on cos and sin, the softmax scale) llama.cpp's deepseek2 derives from the keys written for
+    `config` (default or YaRN rope): with yarn_log_multiplier (mscale_all_dim, m) it takes YaRN's mscale to be m
+    too, so cos and sin are unscaled and the softmax scale is yarn_mscale(factor, m)^2 / sqrt(head_dim); without it
+    cos and sin carry yarn_mscale(factor, 1) and the softmax scale its square over sqrt(head_dim)."""
+    from colibri_stream.model.rope import yarn_mscale
+
+    if config.rope.type != "yarn":
+        return 1.0, config.head_dim**-0.5
+    factor, log_mul = config.rope.factor, config.rope.mscale_all_dim or 0.0
+    magnitude = 1.0 + 0.1 * math.log(factor)  # what ggml's YaRN rotary multiplies cos and sin by
+    attn_factor = (1.0 if log_mul else yarn_mscale(factor)) / magnitude  # llama_context's yarn_attn_factor
+    rotary_factor = attn_factor * magnitude
+    return rotary_factor, (rotary_factor * (1.0 + 0.1 * log_mul * math.log(factor)))**2 * config.head_dim**-0.5
+
+
+def _rope_part_interleaved(weight: np.ndarray, blocks: int, rope: int) -> np.ndarray:
+    """Rows of `blocks` equal blocks (heads), each ending in a rotate-half rope part of `rope` rows, with that part
+    in llama.cpp's interleaved layout (`_rotary_rows`: rows (i, i + rope/2) become (2i, 2i + 1)); the other rows of
+    each block as they are."""
+    rows, cols = weight.shape
+    width = rows // blocks
+    grouped = weight.reshape(blocks, width, cols)
+    part = _rotary_rows(grouped[:, width - rope:].reshape(blocks * rope, cols), blocks)
+    return np.concatenate([grouped[:, :width - rope], part.reshape(blocks, rope, cols)], axis=1).reshape(rows, cols)
+
+
+def _latent_attention_tensors(dense, config, arch: GgufArchitecture, p: str,
+                              b: str) -> dict[str, tuple[tuple[int, ...], bool, object]]:
+    """Multi-head Latent Attention's tensors of the layer of prefixes `p` (ours) and `b` (llama.cpp's), as
+    llama.cpp's deepseek2 reads them: name -> (numpy shape, whether a matrix (else a float32 norm), function making
+    the array from Colibri's). kv_b_proj is split per head into attn_k_b [Q, R, N] (the key rows, transposed: a
+    head's query without rotary -> its query over the latent, Colibri's k_up) and attn_v_b [Q, Dv, R] (the value
+    rows, Colibri's v_up). Where Colibri's rotary pairs (i, i + r/2), the rope rows of each query head and the rope
+    key's rows of kv_a_proj are permuted to llama.cpp's interleaved pairs."""
+    h, heads, d = config.hidden_size, config.num_heads, config.head_dim
+    rank, rope, dv, q_rank = config.kv_lora_rank, config.rotary_dim, config.v_head_dim, config.q_lora_rank
+    nope = d - rope
+    permute = arch.interleaved_rotary and not config.rope_interleave
+
+    def with_rope_rows(name: str, blocks: int):  # a projection whose blocks end in rope rows
+        def make() -> np.ndarray:
+            weight = dense.get(p + name)
+            return _rope_part_interleaved(weight, blocks, rope) if permute else weight
+        return make
+
+    def kv_b(rows: slice, transpose: bool):  # one part of each head's kv_b_proj rows: [Q, rows, R] or [Q, R, rows]
+        def make() -> np.ndarray:
+            part = dense.get(p + "kv_b_proj").reshape(heads, nope + dv, rank)[:, rows]
+            return part.transpose(0, 2, 1) if transpose else part
+        return make
+
+    tensors: dict[str, tuple[tuple[int, ...], bool, object]] = {}
+    if q_rank:
+        tensors[b + "attn_q_a.weight"] = ((q_rank, h), True, lambda: dense.get(p + "q_a_proj"))
+        tensors[b + "attn_q_a_norm.weight"] = ((q_rank,), False, lambda: dense.get(p + "q_a_norm"))
+        tensors[b + "attn_q_b.weight"] = ((heads * d, q_rank), True, with_rope_rows("q_b_proj", heads))
+    else:
+        tensors[b + "attn_q.weight"] = ((heads * d, h), True, with_rope_rows("q_proj", heads))
+    tensors[b + "attn_kv_a_mqa.weight"] = ((rank + rope, h), True, with_rope_rows("kv_a_proj", 1))
+    tensors[b + "attn_kv_a_norm.weight"] = ((rank,), False, lambda: dense.get(p + "kv_a_norm"))
+    tensors[b + "attn_k_b.weight"] = ((heads, rank, nope), True, kv_b(slice(0, nope), True))
+    tensors[b + "attn_v_b.weight"] = ((heads, dv, rank), True, kv_b(slice(nope, nope + dv), False))
+    tensors[b + "attn_output.weight"] = ((h, heads * dv), True, lambda: dense.get(p + "o_proj"))
+    return tensors
 
 
 def _tensor_plan(folder, config, arch: GgufArchitecture, gguf,
@@ -180,16 +295,25 @@ def _tensor_plan(folder, config, arch: GgufArchitecture, gguf,
     for layer in range(config.num_layers):
         p, b = f"layers.{layer}.", f"blk.{layer}."
         add_float32(b + "attn_norm.weight", (h,), dense_float32(p + "input_norm"))
-        add_matrix(b + "attn_q.weight", (q_rows, h), lambda p=p: rotary(dense.get(p + "q_proj"), config.num_heads))
-        add_matrix(b + "attn_k.weight", (kv_rows, h), lambda p=p: rotary(dense.get(p + "k_proj"), config.num_kv_heads))
-        add_matrix(b + "attn_v.weight", (kv_rows, h), dense_matrix(p + "v_proj"))
-        if config.qkv_bias:
-            for part, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
-                add_float32(b + f"attn_{part}.bias", (rows,), dense_float32(f"{p}{part}_bias"))
-        add_matrix(b + "attn_output.weight", (h, q_rows), dense_matrix(p + "o_proj"))
-        if qk_norm_widths:
-            add_float32(b + "attn_q_norm.weight", (qk_norm_widths[0],), dense_float32(p + "q_norm"))
-            add_float32(b + "attn_k_norm.weight", (qk_norm_widths[1],), dense_float32(p + "k_norm"))
+        if config.attention == "mla":
+            for name, (shape, is_matrix, make) in _latent_attention_tensors(dense, config, arch, p, b).items():
+                if is_matrix:
+                    add_matrix(name, shape, lambda make=make: matrix(make()))
+                else:
+                    add_float32(name, shape, lambda make=make: float32(make()))
+        else:
+            add_matrix(b + "attn_q.weight", (q_rows, h),
+                       lambda p=p: rotary(dense.get(p + "q_proj"), config.num_heads))
+            add_matrix(b + "attn_k.weight", (kv_rows, h),
+                       lambda p=p: rotary(dense.get(p + "k_proj"), config.num_kv_heads))
+            add_matrix(b + "attn_v.weight", (kv_rows, h), dense_matrix(p + "v_proj"))
+            if config.qkv_bias:
+                for part, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+                    add_float32(b + f"attn_{part}.bias", (rows,), dense_float32(f"{p}{part}_bias"))
+            add_matrix(b + "attn_output.weight", (h, q_rows), dense_matrix(p + "o_proj"))
+            if qk_norm_widths:
+                add_float32(b + "attn_q_norm.weight", (qk_norm_widths[0],), dense_float32(p + "q_norm"))
+                add_float32(b + "attn_k_norm.weight", (qk_norm_widths[1],), dense_float32(p + "k_norm"))
         add_float32(b + arch.mlp_norm + ".weight", (h,), dense_float32(p + "post_attention_norm"))
         if not config.is_moe_layer(layer):
             w = config.intermediate_size
@@ -209,6 +333,33 @@ def _tensor_plan(folder, config, arch: GgufArchitecture, gguf,
     return plan
 
 
+def _write_latent_metadata(writer, config, gguf) -> None:
+    """Latent attention's keys as llama.cpp's deepseek2 reads them: attention absorbed into one cached KV head of
+    width R + r (keys) and R (values), the heads' own widths (key_length_mla, value_length_mla), the LoRA ranks
+    (q_lora_rank 0: one attn_q), the rope part's width, and YaRN's keys (its mscale_all_dim as
+    yarn_log_multiplier, times 0.1 as deepseek2 reads it)."""
+    rank, rope = config.kv_lora_rank, config.rotary_dim
+    writer.add_rope_dimension_count(rope)
+    writer.add_head_count_kv(1)
+    writer.add_key_length(rank + rope)
+    writer.add_value_length(rank)
+    writer.add_key_length_mla(config.head_dim)
+    writer.add_value_length_mla(config.v_head_dim)
+    writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_kv_lora_rank(rank)
+    scaling = config.rope
+    if scaling.type != "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        return
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(scaling.factor)
+    writer.add_rope_scaling_orig_ctx_len(scaling.original_max_position_embeddings)
+    writer.add_rope_scaling_yarn_beta_fast(scaling.beta_fast or 32.0)  # Colibri's defaults where unset
+    writer.add_rope_scaling_yarn_beta_slow(scaling.beta_slow or 1.0)
+    if scaling.mscale_all_dim:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * scaling.mscale_all_dim)
+
+
 def _write_metadata(writer, config, arch: GgufArchitecture, name: str, gguf, matrices: str) -> None:
     """The key-value metadata of the model: dimensions, attention, rotary, routing, the placeholder vocabulary."""
     dense_first = config.moe_layers[0] if config.moe_layers else config.num_layers
@@ -219,11 +370,14 @@ def _write_metadata(writer, config, arch: GgufArchitecture, name: str, gguf, mat
     # The dense MLPs' width where there are some; minimax-m2 and the others size their experts by it
     writer.add_feed_forward_length(config.intermediate_size if dense_first else config.moe_intermediate_size)
     writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    writer.add_rope_dimension_count(config.rotary_dim or config.head_dim)
     writer.add_head_count(config.num_heads)
-    writer.add_head_count_kv(config.num_kv_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    if config.attention == "mla":
+        _write_latent_metadata(writer, config, gguf)
+    else:
+        writer.add_rope_dimension_count(config.rotary_dim or config.head_dim)
+        writer.add_head_count_kv(config.num_kv_heads)
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope.theta)
     writer.add_expert_count(config.num_experts)
@@ -378,8 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     from colibri_stream.synthetic import write_synthetic_folder
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--folder", required=True, help="native model folder (Mixtral, Qwen3-MoE, GLM-4.5 "
-                        "or MiniMax-M2, bf16); "
+    parser.add_argument("--folder", required=True, help="native model folder (Mixtral, Qwen3-MoE, GLM-4.5, "
+                        "MiniMax-M2 or DeepSeek-V3, bf16); "
                         "a random one of --shape and --layers is written there if it is missing")
     parser.add_argument("--shape", default="mixtral-8x7b")
     parser.add_argument("--layers", type=int, default=8)

@@ -1,12 +1,13 @@
 """llama.cpp computes the same model as Colibri from the GGUF file `llama_cpp.write_gguf` writes: a check on the CPU.
 
-For each family (Mixtral, Qwen3-MoE, GLM-4.5, MiniMax-M2, and GLM-4.5 with per-head qk-norm, expert groups and a
-routed scaling factor) a tiny model of its published shape's options (`TINY`: small widths, a few layers, GLM's
-leading dense layer kept) is written with random weights (`write_synthetic_folder`, bf16, non-zero score
-correction biases), then as a GGUF file, twice: matrices in bf16 (what the benchmarks run: llama.cpp's CPU matrix
-products then round each activation to bf16 too) and widened to float32 (the same values: llama.cpp's products in
-float32, so what is left of a difference is the model, not llama.cpp's bf16 arithmetic). Both engines then run the
-same random prompt with a float32 KV cache, and the record holds:
+For each family (Mixtral, Qwen3-MoE, GLM-4.5, MiniMax-M2, GLM-4.5 with per-head qk-norm, expert groups and a
+routed scaling factor, and DeepSeek-V3's latent attention) a tiny model of its published shape's options (`TINY`:
+small widths, a few layers, one leading dense layer for GLM and DeepSeek) is written with random weights
+(`write_synthetic_folder`, bf16, non-zero score correction biases), then as a GGUF file, twice: matrices in bf16
+(what the benchmarks run: llama.cpp's CPU matrix products then round each activation to bf16 too) and widened to
+float32 (the same values: llama.cpp's products in float32, so what is left of a difference is the model, not
+llama.cpp's bf16 arithmetic). Both engines then run the same random prompt with a float32 KV cache, and the
+record holds:
 - greedy tokens: Colibri's NumPy backend and llama.cpp each generate `--tokens` tokens from the prompt; the tokens
   that agree before the first difference;
 - logits: llama.cpp's logits at every position of the prompt and Colibri's tokens (so both see the same sequence),
@@ -30,6 +31,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import sys
 import tempfile
@@ -43,7 +45,9 @@ from colibri_stream.loader import load_model
 from colibri_stream.synthetic import shape_config, write_synthetic_folder
 
 # A tiny model of each family: the named shape's options, these sizes (a leading dense layer and two MoE layers
-# for GLM-4.5), and for "glm4_moe-grouped" the GLM options GLM-4.5-Air leaves off.
+# for GLM-4.5 and DeepSeek-V3), and for "glm4_moe-grouped" the GLM options GLM-4.5-Air leaves off. DeepSeek-V3
+# keeps its q LoRA, expert groups (4 of which 2 chosen), shared expert, scaling, interleaved rotary and YaRN
+# (factor 40 over 4096 positions, mscale_all_dim 1), its softmax scale recomputed for the tiny head.
 _SMALL = dict(vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32)
 TINY = {
     "mixtral": ("mixtral-8x7b", 2, dict(_SMALL, num_experts=8, top_k=2, moe_intermediate_size=96)),
@@ -55,6 +59,12 @@ TINY = {
                                                  rotary_dim=16, qk_norm="per_head", n_group=4, topk_group=2,
                                                  routed_scaling_factor=2.5)),
     "minimax_m2": ("minimax-m2", 3, dict(_SMALL, num_experts=16, top_k=4, moe_intermediate_size=64, rotary_dim=16)),
+    "deepseek_v3": ("deepseek-v3", 3, dict(_SMALL, num_kv_heads=4, head_dim=48, rotary_dim=16, v_head_dim=32,
+                                           q_lora_rank=96, kv_lora_rank=64, num_experts=16, top_k=4, n_group=4,
+                                           topk_group=2, moe_intermediate_size=64,
+                                           shared_expert_intermediate_size=64, intermediate_size=192,
+                                           moe_layers=(1, 2),
+                                           softmax_scale=48**-0.5 * (0.1 * math.log(40.0) + 1.0) ** 2)),
 }
 BLOCK_SIZE = 16  # Colibri's KV blocks
 HERE = Path(__file__).resolve().parent
@@ -114,11 +124,12 @@ def colibri_greedy(model, prompt: list[int], steps: int) -> list[int]:
 
 def open_llama(llama_type, gguf_path: Path, context: int, threads: int):
     """A `llama_type` (llama-cpp-python's Llama) over the GGUF file: logits of every position kept, KV cache float32,
-    no flash attention."""
+    no flash attention, YaRN's betas and attention factor from the file (-1, llama.cpp's own defaults: the bindings
+    would otherwise set 32, 1 and 1)."""
     f32 = 0  # GGML_TYPE_F32
     return llama_type(model_path=str(gguf_path), n_ctx=context, n_batch=context, n_ubatch=context, logits_all=True,
                  n_threads=threads, n_threads_batch=threads, type_k=f32, type_v=f32, flash_attn=False,
-                 verbose=False)
+                 yarn_beta_fast=-1.0, yarn_beta_slow=-1.0, yarn_attn_factor=-1.0, verbose=False)
 
 
 def llama_logits(llama, ids: list[int]) -> np.ndarray:

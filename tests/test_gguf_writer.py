@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import os
 import sys
 from pathlib import Path
@@ -15,8 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from colibri_stream.backends.rotary import rotate
 from colibri_stream.checkpoint import ModelFolder
-from colibri_stream.synthetic import write_synthetic_folder
+from colibri_stream.config import RopeConfig
+from colibri_stream.model.rope import cos_sin_table
+from colibri_stream.synthetic import shape_config, write_synthetic_folder
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 GGUF_PY = os.environ.get("COLIBRI_GGUF_PY")
@@ -157,3 +161,138 @@ def test_options_llama_cpp_would_compute_otherwise_are_refused(benchmarks):
     mixtral = parity.tiny_config("mixtral")
     assert writer.unwritable(dataclasses.replace(mixtral, rotary_dim=16), writer.ARCHITECTURES["mixtral"]) == [
         "partial rotary"]
+
+
+@needs_gguf_py
+def test_deepseek2_tensors_and_keys(benchmarks, tmp_path):
+    """DeepSeek-V3: latent attention as deepseek2 reads it (q LoRA, kv_a_mqa with the rope key, kv_b_proj split per
+    head into attn_k_b transposed and attn_v_b, one cached KV head), YaRN's keys, groups, shared expert, layer 0
+    dense; rows as Colibri holds them (its rotary already interleaved)."""
+    folder, reader = written(benchmarks, "deepseek_v3", tmp_path / "deepseek")
+    config = folder.config
+    found = tensors(reader)
+    assert value(reader, "general.architecture") == "deepseek2"
+    h, heads, d, rope = config.hidden_size, config.num_heads, config.head_dim, config.rotary_dim
+    rank, q_rank, dv, nope = config.kv_lora_rank, config.q_lora_rank, config.v_head_dim, d - rope
+    assert found["blk.1.attn_q_a.weight"] == ((q_rank, h), "BF16")
+    assert found["blk.1.attn_q_a_norm.weight"] == ((q_rank,), "F32")
+    assert found["blk.1.attn_q_b.weight"] == ((heads * d, q_rank), "BF16")
+    assert found["blk.1.attn_kv_a_mqa.weight"] == ((rank + rope, h), "BF16")
+    assert found["blk.1.attn_kv_a_norm.weight"] == ((rank,), "F32")
+    assert found["blk.1.attn_k_b.weight"] == ((heads, rank, nope), "BF16")
+    assert found["blk.1.attn_v_b.weight"] == ((heads, dv, rank), "BF16")
+    assert found["blk.1.attn_output.weight"] == ((h, heads * dv), "BF16")
+    assert found["blk.0.ffn_gate.weight"] == ((config.intermediate_size, h), "BF16")
+    assert found["blk.1.ffn_norm.weight"] == ((h,), "F32")
+    assert found["blk.2.exp_probs_b.bias"] == ((config.num_experts,), "F32")
+    assert not [name for name in found if name.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight"))]
+    kv_b = folder.dense.get("layers.1.kv_b_proj").view(np.uint16).reshape(heads, nope + dv, rank)
+    assert np.array_equal(data(reader, "blk.1.attn_k_b.weight").reshape(heads, rank, nope),
+                          kv_b[:, :nope].transpose(0, 2, 1))
+    assert np.array_equal(data(reader, "blk.1.attn_v_b.weight").reshape(heads, dv, rank), kv_b[:, nope:])
+    assert np.array_equal(data(reader, "blk.1.attn_q_b.weight"), folder.dense.get("layers.1.q_b_proj").view(np.uint16))
+    keys = {"deepseek2.attention.head_count": heads, "deepseek2.attention.head_count_kv": 1,
+            "deepseek2.attention.key_length": rank + rope, "deepseek2.attention.value_length": rank,
+            "deepseek2.attention.key_length_mla": d, "deepseek2.attention.value_length_mla": dv,
+            "deepseek2.attention.q_lora_rank": q_rank, "deepseek2.attention.kv_lora_rank": rank,
+            "deepseek2.rope.dimension_count": rope, "deepseek2.rope.scaling.type": "yarn",
+            "deepseek2.rope.scaling.original_context_length": 4096, "deepseek2.expert_group_count": 4,
+            "deepseek2.expert_group_used_count": 2, "deepseek2.expert_shared_count": 1,
+            "deepseek2.leading_dense_block_count": 1, "deepseek2.expert_gating_func": SIGMOID,
+            "deepseek2.expert_weights_norm": True, "deepseek2.nextn_predict_layers": 0,
+            "deepseek2.feed_forward_length": config.intermediate_size,
+            "deepseek2.expert_feed_forward_length": config.moe_intermediate_size}
+    assert {key: value(reader, key) for key in keys} == keys
+    floats = {"deepseek2.rope.scaling.factor": 40.0, "deepseek2.rope.scaling.yarn_beta_fast": 32.0,
+              "deepseek2.rope.scaling.yarn_beta_slow": 1.0, "deepseek2.rope.scaling.yarn_log_multiplier": 0.1,
+              "deepseek2.expert_weights_scale": 2.5, "deepseek2.attention.layer_norm_rms_epsilon": 1e-6}
+    assert {key: value(reader, key) for key in floats} == pytest.approx(floats)
+
+
+@needs_gguf_py
+def test_deepseek2_without_q_lora_rope_rows_interleaved(benchmarks, tmp_path):
+    """No q LoRA: one attn_q (q_lora_rank 0); Colibri's rotate-half rotary: each head's rope rows of q and the rope
+    key's rows of kv_a_proj permuted to llama.cpp's interleaved pairs; no YaRN: no scaling keys but the type."""
+    writer, parity = benchmarks
+    config = dataclasses.replace(parity.tiny_config("deepseek_v3"), q_lora_rank=0, rope_interleave=False,
+                                 rope=RopeConfig(theta=10000.0), softmax_scale=None)
+    folder = tmp_path / "deepseek"
+    write_synthetic_folder(folder, config, device="cpu")
+    import gguf
+
+    reader = gguf.GGUFReader(str(writer.write_gguf(folder, folder.with_suffix(".gguf"), GGUF_PY)))
+    found, dense = tensors(reader), ModelFolder(folder).dense
+    heads, d, rope = config.num_heads, config.head_dim, config.rotary_dim
+    assert found["blk.1.attn_q.weight"] == ((heads * d, config.hidden_size), "BF16")
+    assert not [name for name in found if "attn_q_a" in name or "attn_q_b" in name]
+    assert value(reader, "deepseek2.attention.q_lora_rank") == 0
+    assert value(reader, "deepseek2.rope.scaling.type") == "none"
+    assert "deepseek2.rope.scaling.yarn_log_multiplier" not in reader.fields
+    q = dense.get("layers.1.q_proj").view(np.uint16).reshape(heads, d, -1)
+    expected = np.concatenate([q[:, :d - rope], writer._rotary_rows(q[:, d - rope:].reshape(heads * rope, -1), heads)
+                               .reshape(heads, rope, -1)], axis=1)
+    assert np.array_equal(data(reader, "blk.1.attn_q.weight").reshape(heads, d, -1), expected)
+    kv_a = dense.get("layers.1.kv_a_proj").view(np.uint16)
+    written_kv_a = data(reader, "blk.1.attn_kv_a_mqa.weight")
+    assert np.array_equal(written_kv_a[:config.kv_lora_rank], kv_a[:config.kv_lora_rank])
+    assert np.array_equal(written_kv_a[config.kv_lora_rank:], writer._rotary_rows(kv_a[config.kv_lora_rank:], 1))
+
+
+def test_rope_rows_interleaved_keep_rotated_products(benchmarks):
+    """Rope rows permuted by the writer and rotated in interleaved pairs give the query-key products that the rows
+    as Colibri holds them give rotated in rotate-half pairs (so llama.cpp's NORM rope computes Colibri's scores)."""
+    writer, _ = benchmarks
+    rng = np.random.default_rng(0)
+    heads, nope, rope, cols, positions = 3, 4, 8, 5, np.array([0, 3, 17])
+    weight = rng.standard_normal((heads * (nope + rope), cols))
+    x = rng.standard_normal((len(positions), cols))
+    cos, sin = cos_sin_table(RopeConfig(theta=10000.0), rope, 32)
+
+    def rotated_products(w: np.ndarray, interleaved: bool) -> np.ndarray:  # [T, T, heads]: rope parts' products
+        part = (x @ w.T).reshape(len(positions), heads, nope + rope)[..., nope:]
+        turned = rotate(np, part, cos, sin, positions, interleaved)
+        return np.einsum("thd,shd->tsh", turned, turned)
+
+    permuted = writer._rope_part_interleaved(weight, heads, rope)
+    assert np.array_equal(permuted.reshape(heads, nope + rope, cols)[:, :nope],
+                          weight.reshape(heads, nope + rope, cols)[:, :nope])
+    assert np.allclose(rotated_products(permuted, True), rotated_products(weight, False), atol=1e-10)
+    assert not np.allclose(rotated_products(weight, True), rotated_products(weight, False), atol=1e-3)
+
+
+def test_deepseek2_refusals(benchmarks):
+    """What llama.cpp's deepseek2 would compute otherwise: one line each; the published shapes pass."""
+    writer, parity = benchmarks
+    arch = writer.ARCHITECTURES["deepseek_v3"]
+    tiny = parity.tiny_config("deepseek_v3")
+    assert writer.unwritable(tiny, arch) == []
+    assert writer.unwritable(shape_config("deepseek-v3", 5), arch) == []
+    kimi = dataclasses.replace(shape_config("deepseek-v3", 5), num_experts=384, num_heads=64, num_kv_heads=64,
+                               n_group=1, topk_group=1)
+    assert writer.unwritable(kimi, arch) == []
+    # DeepSeek-V2's YaRN (mscale = mscale_all_dim = 0.707): cos and sin unscaled, the softmax scale squared mscale
+    v2_rope = dataclasses.replace(tiny.rope, mscale=0.707, mscale_all_dim=0.707)
+    v2_scale = 48**-0.5 * (0.1 * 0.707 * math.log(40.0) + 1.0) ** 2
+    assert writer.unwritable(dataclasses.replace(tiny, rope=v2_rope, softmax_scale=v2_scale), arch) == []
+    yarn_scales = ("YaRN's rotary magnitude or a softmax scale other than llama.cpp's (mscale equal to "
+                   "mscale_all_dim, softmax scale head_dim^-0.5 times yarn_mscale(factor, mscale_all_dim)^2)")
+    assert writer.unwritable(dataclasses.replace(tiny, rope=dataclasses.replace(tiny.rope, mscale=0.5)), arch) == [
+        yarn_scales]
+    assert writer.unwritable(dataclasses.replace(tiny, softmax_scale=48**-0.5), arch) == [yarn_scales]
+    assert writer.unwritable(dataclasses.replace(tiny, latent_norm_eps=1e-5), arch) == [
+        "latent norms of another epsilon than rms_norm_eps (llama.cpp's deepseek2 has one for every norm)"]
+    assert writer.unwritable(dataclasses.replace(tiny, shared_expert_intermediate_size=0), arch) == [
+        "MoE layers without a shared expert (llama.cpp's deepseek2 needs one)"]
+    assert writer.unwritable(dataclasses.replace(tiny, rope=dataclasses.replace(tiny.rope, truncate=False)), arch) == [
+        "YaRN without truncate (llama.cpp rounds the correction range to whole dimensions)"]
+    linear = RopeConfig(type="linear", theta=10000.0, factor=4.0)
+    assert writer.unwritable(dataclasses.replace(tiny, rope=linear, softmax_scale=None), arch) == [
+        "rope type linear (llama.cpp's deepseek2 is written with default or yarn)"]
+    lite = shape_config("deepseek-v3", 27)
+    assert writer.unwritable(lite, arch) == [
+        "a q LoRA in 26 or 27 layers (llama.cpp's deepseek2 reads those as DeepSeek-V2-Lite, without one)"]
+    assert writer.unwritable(dataclasses.replace(lite, q_lora_rank=0), arch) == []
+    assert "gqa attention (llama.cpp's deepseek2 computes mla)" in writer.unwritable(
+        parity.tiny_config("glm4_moe"), arch)
+    assert writer.unwritable(tiny, writer.ARCHITECTURES["glm4_moe"]) == [
+        "mla attention (llama.cpp's glm4moe computes gqa)", "interleaved or scaled rope"]
