@@ -259,6 +259,35 @@ class DecodeGraphs:
         return graph.launch(_padded(batch, graph.batch_size), padded(feed_rows, -1), batch.num_seqs,
                             padded(temperature, 0.0), padded(draws, 0))
 
+    def launch_eager(self, batch: ForwardBatch, feed_rows: np.ndarray, temperature: np.ndarray,
+                     draws: np.ndarray) -> PendingIds:
+        """Enqueue a step no graph holds (prompt chunks beside decode tokens, or a batch past the buckets) on the
+        graphs' stream, launch by launch, without waiting for the steps before it: `feed_rows` [T] int64 names,
+        where >= 0, the row of the previous launched step's tokens that is that token of the batch. The step's
+        tokens, one per logits row, are the argmax or, where `temperature` [N] float32 is above 0, a draw with the
+        uniform `draws` [N] uint64 (as DecodeGraph.run's), and go to `feedback` as a graph's do. Its work must
+        not wait for the host (Backend.max_tokens_in_stream_order); its arrays come from the stream's pool, so a
+        later step on the stream reuses them only once it is done."""
+        import cupy
+        import cupyx
+
+        backend, n = self.model.backend, batch.logits_indices.shape[0]
+        if n > self.feedback.shape[0]:
+            raise ValueError(f"{n} sampled rows exceed the feedback buffer's {self.feedback.shape[0]}")
+        with self.stream:
+            inputs = self.model.upload_batch(batch)  # asynchronous copies through pinned staging, in stream order
+            backend.feed_tokens(inputs["token_ids"], backend.upload(feed_rows), self.feedback)
+            logits = self.model.forward_device(batch, inputs, self.kv_cache)  # [N, V]
+            ids = backend.greedy(logits, out=self.feedback[:n])  # [N]
+            draw_on_device(logits, cupy.arange(n, dtype=np.int32), backend.upload(temperature), backend.upload(draws),
+                           ids)
+            host = cupyx.empty_pinned((n,), np.int64)  # [N] kept by the PendingIds until its copy is read
+            cupy.cuda.runtime.memcpyAsync(host.ctypes.data, ids.data.ptr, n * 8, cupy.cuda.runtime.memcpyDeviceToHost,
+                                          self.stream.ptr)
+            event = cupy.cuda.Event(disable_timing=True)
+            event.record(self.stream)
+        return PendingIds(host, event, n)
+
     def synchronize(self) -> None:
         """Wait until every launched step finished."""
         self.stream.synchronize()

@@ -214,7 +214,8 @@ class EngineCore:
 
     def _run_step(self) -> tuple[SchedulerOutput, RunnerOutput]:
         """Compute a step and return it with its tokens: the step launched ahead by the call before, else a step
-        scheduled now. A launched decode step's successor is scheduled and launched before its tokens are read."""
+        scheduled now. A launched step's successor (its decodes, and the prompts admitted beside them) is scheduled
+        and launched before its tokens are read."""
         launched = self._launched
         if launched is None:
             with self.timer.phase("schedule"):
@@ -223,7 +224,7 @@ class EngineCore:
             if launched is None:
                 return scheduled, self.runner.execute(scheduled)
         with self.timer.phase("schedule"):
-            following = self.scheduler.schedule_next(launched.step)
+            following = self.scheduler.schedule_next(launched.step, self.runner.launches, self.runner.max_tokens_ahead)
         self._launched = None if following is None else self.runner.launch(following)
         if following is not None and self._launched is None:
             raise RuntimeError("a decode step scheduled ahead could not be launched")

@@ -1,10 +1,11 @@
 """One model step: a SchedulerOutput becomes a ForwardBatch, the model computes logits, the sampler picks tokens.
 
-`execute` runs a step and returns its tokens. `launch` and `collect` split a decode step whose tokens need nothing
-but the logits (greedy) and a uniform (draws over the whole vocabulary) in two, so the engine can schedule and
-launch the next step before it reads this one's tokens (scheduler.schedule_next): on the GPU the step is a decode
-graph whose tokens stay on the device, where the next step takes them from (cuda_graph.py); on the host `launch`
-computes the step at once and keeps its tokens for the next.
+`execute` runs a step and returns its tokens. `launch` and `collect` split a step whose tokens need nothing but
+the logits (greedy) and a uniform (draws over the whole vocabulary) in two, so the engine can schedule and launch
+the next step before it reads this one's tokens (scheduler.schedule_next): on the GPU the step is a decode graph,
+or a step of prompt chunks beside decode tokens queued launch by launch on the graphs' stream, and its tokens stay
+on the device, where the next step takes them from (cuda_graph.py); on the host `launch` computes the step at once
+and keeps its tokens for the next.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .model import ForwardBatch, MoETransformer, PagedKVCache
 from .batch import flat_batch
 from .errors import ColibriError
 from .exact_softmax import uniform_bits
-from .request import Logprob, SamplingParams, SeqId
+from .request import Logprob, Request, SamplingParams, SeqId
 from .sampling import (NON_FINITE_LOGITS, HostLogits, LogitSource, Sampler, SamplingState, TokenLogprobs,
                        argmax_only, drawn_over_vocabulary, token_logprobs)
 from .scheduler import ScheduledSeq, SchedulerOutput
@@ -41,12 +42,13 @@ class RunnerOutput:
 
 @dataclass
 class LaunchedStep:
-    """A decode step launched ahead of its tokens: `ids()` waits for them.  # [N] int64"""
+    """A step launched ahead of its tokens: `ids()` waits for them, one per sampling sequence.  # [N] int64"""
 
     step: SchedulerOutput
-    states: list[SamplingState]  # of the step's sequences, in order
+    rows: list[int]  # [N] the scheduled index of each sampling sequence
+    states: list[SamplingState]  # [N] their sampling states
     ids: Callable[[], np.ndarray]
-    failures: dict[int, str] = field(default_factory=dict)  # as RunnerOutput's (host launches; every row samples)
+    failures: dict[int, str] = field(default_factory=dict)  # as RunnerOutput's (host launches)
 
 
 def build_batch(seqs: list[ScheduledSeq], block_size: int) -> ForwardBatch:
@@ -114,35 +116,56 @@ class ModelRunner:
         return RunnerOutput(token_ids, [_logprob(token, lp) for token, lp in zip(token_ids, sampled.logprobs)],
                             prompt, failures)
 
-    def launch(self, step: SchedulerOutput) -> LaunchedStep | None:
-        """Start `step` without waiting for its tokens, when it can run so: every sequence decodes one token that
-        needs nothing but its logits and, for a sampled one, its uniform (greedy, or a draw over the whole
-        vocabulary: no top-k, top-p, min-p, logprobs, penalties or bias), and on the GPU the step fits a decode
-        graph. None otherwise (`execute` it). Sequences with a `feed_row` take their token from the previous
-        launched step's tokens; a step scheduled that way (`schedule_next` after a launched step) is always
-        launched. A sampled sequence's uniform is drawn here, one a step as `execute` draws it."""
-        seqs, vocab = step.seqs, self.model.config.vocab_size
-        if not seqs or not all(s.sample and len(s.token_ids) == 1 and (argmax_only(s.request.params)
-                                                                      or drawn_over_vocabulary(s.request.params, vocab))
-                               for s in seqs):
+    def launches(self, request: Request) -> bool:
+        """Whether a launched step can compute `request`'s sequence: its token needs nothing but the logits
+        (greedy) or a uniform (a draw over the whole vocabulary: no top-k, top-p, min-p, logprobs, penalties or
+        bias), and no logits of its prompt are wanted."""
+        params = request.params
+        return request.prompt_logprobs is None and (
+            argmax_only(params) or drawn_over_vocabulary(params, self.model.config.vocab_size))
+
+    @property
+    def max_tokens_ahead(self) -> int | None:
+        """The most tokens a step launched on the device may hold (the larger ones wait for the host between
+        layers); None where there is no such bound."""
+        if self.graphs is None:
             return None
+        return self.model.backend.max_tokens_in_stream_order(self.model.config)
+
+    def launch(self, step: SchedulerOutput) -> LaunchedStep | None:
+        """Start `step` without waiting for its tokens, when it can run so: every sequence is one `launches`
+        takes, its prompt chunk or its one decode token, and on the GPU the step is a decode graph's or, eagerly
+        on the graphs' stream, at most `max_tokens_ahead` tokens. None otherwise (`execute` it). Sequences with a
+        `feed_row` take their token from the previous launched step's tokens; a step scheduled that way
+        (`schedule_next` after a launched step) is always launched. A sampled sequence's uniform is drawn here,
+        one a step as `execute` draws it."""
+        seqs = step.seqs
+        rows = [index for index, seq in enumerate(seqs) if seq.sample]  # [N] the scheduled index of each row
+        if not rows or not all(self.launches(seq.request) for seq in seqs):
+            return None
+        limit = self.max_tokens_ahead
+        if self.model.backend.supports_graphs and (
+                self.graphs is None or (limit is not None and step.num_batched_tokens > limit)):
+            return None  # its tokens would go through the host, or its layers wait for the host
         for seq_id in step.finished_seq_ids:
             self._states.pop(seq_id, None)
         timer = self.model.timer
         with timer.phase("prepare"):
             batch = build_batch(seqs, self.kv_cache.block_size)
-            feed_rows = np.array([s.feed_row for s in seqs], dtype=np.int64)  # [N]
-        graphed = self.graphs is not None and self.graphs.fits(batch)
-        if self.model.backend.supports_graphs and not graphed:  # its tokens would go through the host
-            return None
-        states = [self._state(s) for s in seqs]
-        failures: dict[int, str] = {}  # the host's sampler reports them; a decode graph's tokens stay on the device
-        if graphed:
+            feed_rows = np.concatenate([np.full(len(s.token_ids), s.feed_row, np.int64) for s in seqs])  # [T]
+        states = [self._state(seqs[index]) for index in rows]
+        failures: dict[int, str] = {}  # the host's sampler reports them; a device step's tokens stay on the device
+        if self.graphs is not None:
             sampled = [not argmax_only(state.params) for state in states]  # [N]
             temperature = np.array([state.params.temperature if s else 0.0 for state, s in zip(states, sampled)],
                                    dtype=np.float32)  # [N]
-            uniform = np.array([state.generator.random() if s else 0.0 for state, s in zip(states, sampled)])  # [N]
-            ids = self.graphs.launch(batch, feed_rows, temperature, uniform_bits(uniform)).wait
+            draws = uniform_bits(np.array([state.generator.random() if s else 0.0
+                                           for state, s in zip(states, sampled)]))  # [N]
+            if self.graphs.fits(batch):
+                ids = self.graphs.launch(batch, feed_rows, temperature, draws).wait
+            else:
+                with timer.phase("forward"), timer.paused_device():  # its device marks would wait for it
+                    ids = self.graphs.launch_eager(batch, feed_rows, temperature, draws).wait
         else:
             fed = feed_rows >= 0
             batch.token_ids[fed] = self._host_feedback[feed_rows[fed]]
@@ -151,14 +174,15 @@ class ModelRunner:
             with timer.phase("sample"):
                 sampled = self.sampler.sample_from(HostLogits(logits), states)
             tokens = self._host_feedback = sampled.token_ids  # [N]; a failed row's -1 embeds as any token would
-            ids, failures = tokens.copy, sampled.failures
-        return LaunchedStep(step, states, ids, failures)
+            ids = tokens.copy
+            failures = {rows[row]: reason for row, reason in sampled.failures.items()}
+        return LaunchedStep(step, rows, states, ids, failures)
 
     def collect(self, launched: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step's tokens."""
         with self.model.timer.phase("forward"):
             token_ids = launched.ids().tolist()
-        for index, (state, token) in enumerate(zip(launched.states, token_ids)):
+        for index, state, token in zip(launched.rows, launched.states, token_ids):
             if index not in launched.failures:
                 state.output_token_ids.append(token)
         return RunnerOutput(token_ids, [None] * len(token_ids), failures=dict(launched.failures))

@@ -6,11 +6,12 @@ is left of the budget is computed in chunks over several steps. Only the most re
 can still be in its prompt (a waiting one is admitted only when the running ones got all the tokens they asked
 for), so decodes come first in every step and are never starved by a long prompt.
 
-Scheduling one step ahead (`schedule_next`): while a decode step is still on the device, the next one is
-scheduled as if every sequence of it goes on, each taking the token the running step samples for it
-(`ScheduledSeq.feed_row`). A sequence that the running step finishes (eos, a stop string) or that is aborted
-meanwhile wastes its row of the next step, whose token for it is dropped (`update_from_output`). Anything else
-(a request to admit, a block to free by preemption) waits for a step scheduled with every token known.
+Scheduling one step ahead (`schedule_next`): while a step whose every sequence samples is still on the device,
+the next one is scheduled as if every sequence of it goes on, each taking the token the running step samples for
+it (`ScheduledSeq.feed_row`), and waiting sequences the runner can take ahead are admitted beside them, their
+prompts known. A sequence that the running step finishes (eos, a stop string) or that is aborted meanwhile wastes
+its row of the next step, whose token for it is dropped (`update_from_output`). Anything else (a prompt going on
+in chunks, a block to free by preemption) waits for a step scheduled with every token known.
 
 When a sequence needs a KV block and none is free, the most recently admitted running sequence is preempted: its
 blocks are freed and it goes back to the front of the waiting queue, keeping the tokens it generated, which are
@@ -22,7 +23,7 @@ This module is the only place where a request's status, tokens and `num_computed
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .config import SchedulerConfig
@@ -131,10 +132,21 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size and not preempted:
+        if not preempted:
+            budget = self._admit(budget, scheduled)
+        finished, self._finished_seq_ids = self._finished_seq_ids, []
+        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted, finished)
+
+    def _admit(self, budget: int, scheduled: list[ScheduledSeq],
+               admissible: Callable[[Request], bool] | None = None) -> int:
+        """Admit waiting sequences in order while the budget, the batch size and the KV cache allow (and each is
+        `admissible`), appending their first chunks to `scheduled`; returns the budget left."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             request = self.waiting[0]
             if self._sibling_computing_prompt(request):
                 break  # admitted once the sibling's prompt blocks are cached, it computes only the rest
+            if admissible is not None and not admissible(request):
+                break
             # never the last token (it needs logits), nor any prompt token whose logprob is still wanted
             prefix = (CachedPrefix() if self._wants_prompt_logits(request)
                       else self.kv.find_cached_prefix(request.token_ids))
@@ -152,34 +164,39 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+        return budget
 
-        finished, self._finished_seq_ids = self._finished_seq_ids, []
-        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted, finished)
-
-    def schedule_next(self, running: SchedulerOutput) -> SchedulerOutput | None:
+    def schedule_next(self, running: SchedulerOutput, admissible: Callable[[Request], bool] | None = None,
+                      max_tokens: int | None = None) -> SchedulerOutput | None:
         """The step after `running`, scheduled before its tokens are known: one token for every running sequence,
-        the one `running` samples for it (`feed_row`). None when that is not the step `schedule()` would give once
-        they are known: `running` is not a decode step of every running sequence, a waiting request could be
-        admitted, the budget is short, or a KV block is missing (preemption waits for known tokens)."""
+        the one `running` samples for it (`feed_row`), then the first chunks of waiting sequences that are
+        `admissible` (none without it), in at most `max_tokens` tokens in all (the token budget when None). None
+        when that is not the step `schedule()` would give once they are known: a running sequence does not sample
+        in `running` (its prompt goes on in chunks), the waiting sequence next in line is not admissible, the
+        budget is short, or a KV block is missing (preemption waits for known tokens)."""
         decoding = {seq.request.seq_id: row for row, seq in enumerate(s for s in running.seqs if s.sample)}
-        if (len(self.running) > self.config.max_num_batched_tokens
-                or (self.waiting and len(self.running) < self.config.max_batch_size)
-                or any(len(seq.token_ids) != 1 or not seq.sample for seq in running.seqs)
-                or any(r.seq_id not in decoding for r in self.running)):
+        computing = {seq.request.seq_id: len(seq.token_ids) for seq in running.seqs}  # tokens `running` computes
+        budget = self.config.max_num_batched_tokens if max_tokens is None else min(
+            max_tokens, self.config.max_num_batched_tokens)
+        if (len(self.running) > budget or any(r.seq_id not in decoding for r in self.running)
+                or (self.waiting and len(self.running) < self.config.max_batch_size
+                    and (admissible is None or not admissible(self.waiting[0])))):
             return None
         seqs = []
         for request in self.running:
             if request.num_output_tokens + 1 >= request.max_tokens:
                 continue  # the running step's token is its last
-            position = request.num_computed_tokens + 1  # the running step computes the one before
+            position = request.num_computed_tokens + computing[request.seq_id]  # the running step computes those
             if self.kv.allocate_slots(request.seq_id, position + 1) is None:
                 return None
             seqs.append(ScheduledSeq(request, [FED_TOKEN], position, list(self.kv.block_ids(request.seq_id)), True,
                                      decoding[request.seq_id]))
+        if admissible is not None:
+            self._admit(budget - len(seqs), seqs, admissible)
         if not seqs:
             return None
         finished, self._finished_seq_ids = self._finished_seq_ids, []
-        return SchedulerOutput(seqs, len(seqs), [], finished)
+        return SchedulerOutput(seqs, sum(len(seq.token_ids) for seq in seqs), [], finished)
 
     def update_from_output(self, output: SchedulerOutput, sampled: list[int]) -> list[SeqUpdate]:
         """Advance the scheduled sequences; `sampled` holds one token per sequence with `sample` set, in order.

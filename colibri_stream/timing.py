@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -158,6 +158,7 @@ class StepTimer:
     def __init__(self, device_clock: Clock = HOST_CLOCK):
         self.enabled = False
         self._device = device_clock
+        self._device_paused = False  # inside paused_device()
         self._sinks: list[StepSink] = []
         self._host_phases: dict[str, _Phase] = {}
         self._device_phases: dict[str, _Phase] = {}
@@ -179,9 +180,19 @@ class StepTimer:
 
     def device_phase(self, name: str) -> Any:
         """A context manager timing `name` on the backend's clock (a no-op while disabled)."""
-        if not self.enabled:
+        if not self.enabled or self._device_paused:
             return _NO_PHASE
         return self._device_phases.get(name) or self._new_phase(self._device_phases, name, self._device)
+
+    @contextmanager
+    def paused_device(self) -> Iterator[None]:
+        """Leave the device phases opened inside untimed: work launched ahead of the step that reads it, whose
+        markers the step's end would wait for."""
+        device, self._device_paused = self._device_paused, True
+        try:
+            yield
+        finally:
+            self._device_paused = device
 
     def annotate(self, **args: Any) -> None:
         """Attach figures (tokens, sequences) to the running step's record."""

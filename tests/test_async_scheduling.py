@@ -155,21 +155,22 @@ def test_preemption_and_chunked_prefill_with_steps_launched_ahead(tiny_model_dir
     assert ahead.scheduler.num_preemptions > 0 and counter.count > 0
 
 
-def test_schedule_next_feeds_each_sequence_its_row_and_declines_admissions(tiny_model_dir, prompts):
+def test_schedule_next_feeds_each_sequence_its_row_and_admits_beside_them(tiny_model_dir, prompts):
     core = EngineCore.from_pretrained(str(tiny_model_dir), **ROOMY, async_scheduling=False)
     scheduler = core.scheduler
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     for i in range(3):
         scheduler.add_request(Request(f"r{i}", prompts[i], params, frozenset()))
     prefill = scheduler.schedule()
-    assert scheduler.schedule_next(prefill) is None  # prompts are not one token each
+    first = scheduler.schedule_next(prefill)  # the prompts' whole chunks sample: their first decodes follow
+    assert [s.feed_row for s in first.seqs] == [0, 1, 2]
+    assert [s.start_position for s in first.seqs] == [len(p) for p in prompts[:3]]
     scheduler.update_from_output(prefill, [7, 8, 9])
-    decode = scheduler.schedule()
-    ahead = scheduler.schedule_next(decode)
+    ahead = scheduler.schedule_next(first)
     assert [s.feed_row for s in ahead.seqs] == [0, 1, 2]
     assert [s.token_ids for s in ahead.seqs] == [[FED_TOKEN]] * 3
     assert [s.start_position for s in ahead.seqs] == [len(p) + 1 for p in prompts[:3]]
-    updates = scheduler.update_from_output(decode, [1, 2, 3])
+    updates = scheduler.update_from_output(first, [1, 2, 3])
     assert [u.new_token_ids for u in updates] == [[1], [2], [3]]
     # max_tokens 3: the step launched ahead makes the third token, so nothing follows it
     assert scheduler.schedule_next(ahead) is None
@@ -177,11 +178,37 @@ def test_schedule_next_feeds_each_sequence_its_row_and_declines_admissions(tiny_
     assert not scheduler.has_unfinished()
     outputs = [s.request.token_ids[len(p):] for s, p in zip(prefill.seqs, prompts)]
     assert outputs == [[7, 1, 4], [8, 2, 5], [9, 3, 6]]
-    scheduler.add_request(Request("a", prompts[0], params, frozenset()))
+
+    longer = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    scheduler.add_request(Request("a", prompts[0], longer, frozenset()))
     scheduler.update_from_output(scheduler.schedule(), [1])
     decode = scheduler.schedule()
-    scheduler.add_request(Request("b", prompts[1], params, frozenset()))
-    assert scheduler.schedule_next(decode) is None  # "b" is to be admitted: the next step waits for "a"'s token
+    scheduler.add_request(Request("b", prompts[1], longer, frozenset()))
+    assert scheduler.schedule_next(decode) is None  # "b" is to be admitted, and nothing says it may go ahead
+    assert scheduler.schedule_next(decode, lambda request: request.request_id != "b") is None  # nor this
+    mixed = scheduler.schedule_next(decode, lambda request: True)  # "a"'s fed token, then "b"'s prompt
+    assert [(s.request.request_id, s.feed_row, len(s.token_ids), s.sample) for s in mixed.seqs] == \
+           [("a", 0, 1, True), ("b", -1, len(prompts[1]), True)]
+    assert mixed.num_batched_tokens == 1 + len(prompts[1]) and not scheduler.waiting
+    scheduler.update_from_output(decode, [2])
+    following = scheduler.schedule_next(mixed, lambda request: True)  # both decode, "b" from its prompt's end
+    assert [(s.feed_row, s.start_position) for s in following.seqs] == [(0, len(prompts[0]) + 2),
+                                                                        (1, len(prompts[1]))]
+
+
+def test_schedule_next_takes_a_prompt_chunk_within_its_token_bound(tiny_model_dir, prompts):
+    """A prompt longer than the bound left by the decodes is admitted as a first chunk; the step after it, its
+    prompt going on, waits for known tokens."""
+    core = EngineCore.from_pretrained(str(tiny_model_dir), **ROOMY, async_scheduling=False)
+    scheduler = core.scheduler
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    scheduler.add_request(Request("a", prompts[1], params, frozenset()))
+    step = scheduler.schedule()
+    scheduler.add_request(Request("b", prompts[0], params, frozenset()))
+    mixed = scheduler.schedule_next(step, lambda request: True, max_tokens=5)
+    assert [(s.request.request_id, len(s.token_ids), s.sample) for s in mixed.seqs] == [("a", 1, True),
+                                                                                          ("b", 4, False)]
+    assert scheduler.schedule_next(mixed, lambda request: True) is None
 
 
 def test_async_scheduling_option_is_checked(tiny_model_dir):
@@ -246,3 +273,6 @@ def test_random_workloads_match_synchronous_steps(tiny_model_dir, prompts, seed)
 
     assert run(ahead) == run(sync)
     assert counter.count > 0
+    # requests joined the batch in steps launched ahead, their prompts beside fed decode tokens
+    assert any(len(s.token_ids) > 1 for step in counter.steps for s in step.seqs)
+    assert any(s.feed_row >= 0 for step in counter.steps for s in step.seqs)

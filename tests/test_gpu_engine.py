@@ -109,6 +109,40 @@ def test_steps_launched_ahead_give_the_synchronous_tokens(tiny_model_dir):
     assert len(ahead.engine.runner.graphs._graphs) >= 3  # buckets 8, 4, 2 or 1 captured between launches
 
 
+def test_requests_joining_a_running_batch_are_launched_ahead_with_it(tiny_model_dir):
+    """Requests added while others decode are admitted in steps launched ahead (their prompts computed eagerly on
+    the graphs' stream beside decode tokens fed from the step before, cuda_graph.DecodeGraphs.launch_eager), and
+    every request gets the tokens of synchronous steps: greedy and seeded draws, prompts of several lengths."""
+    ahead = LLM(str(tiny_model_dir), device="cuda")
+    launches = []
+    launch = ahead.engine.runner.launch
+    ahead.engine.runner.launch = lambda step: launches.append((step, launch(step))) or launches[-1][1]
+    sync = LLM(str(tiny_model_dir), device="cuda", async_scheduling=False)
+    texts = PROMPTS + ["streaming tokens one by one!", "Hello world", "A longer prompt of several words " * 4]
+    arrivals = [(2 * i, texts[i % len(texts)],
+                 SamplingParams(max_tokens=6 + 3 * i, temperature=0.7 if i % 3 == 2 else 0, seed=i, ignore_eos=True))
+                for i in range(9)]
+
+    def run(llm):
+        outputs, step = {}, 0  # request id -> [token ids, text]
+        while llm.engine.has_unfinished() or step <= arrivals[-1][0]:
+            for at, (when, text, params) in enumerate(arrivals):
+                if when == step:
+                    llm.engine.add_request(str(at), llm.engine.encode_prompt(text), params)
+            for out in llm.engine.step():
+                entry = outputs.setdefault(out.request_id, [[], ""])
+                entry[0] += out.token_ids
+                entry[1] += out.text
+            step += 1
+        assert llm.engine.kv.num_used_blocks == 0
+        return outputs
+
+    assert run(ahead) == run(sync)
+    mixed = [step for step, launched in launches if launched is not None
+             and any(len(s.token_ids) > 1 for s in step.seqs) and any(s.feed_row >= 0 for s in step.seqs)]
+    assert len(mixed) >= 3
+
+
 def test_a_step_takes_its_tokens_from_the_step_before_on_the_device(tiny_model_dir):
     """DecodeGraphs.launch with feed rows: five sequences, then three of them in another order (a smaller
     bucket), each step launched before the previous one's ids are read, give the ids of synchronous steps."""

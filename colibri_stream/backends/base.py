@@ -53,6 +53,11 @@ class Backend(ABC):
         """Whether decode steps of a model of `config` can be captured as CUDA graphs on this backend."""
         return cls.supports_graphs
 
+    def max_tokens_in_stream_order(self, config: ModelConfig) -> int | None:
+        """The most tokens a step of a `config` model may hold for its work to be queued on the device without the
+        host waiting inside it (a step launched ahead of the one before it being read); None: no bound."""
+        return None
+
     @abstractmethod
     def logit_source(self, logits: Array) -> LogitSource:
         """A forward's logits [N, V] float32, left where they are, as the sampler reads them."""

@@ -41,6 +41,7 @@ from .cupy_flash_attention import (DECODE_THREADS, FLASH_FILE, FLASH_THREADS, Fl
                                    decode_shared_bytes, flash_attention_launch,
                                    takes_flash_attention, takes_flash_decode)
 from .cupy_biased_experts import experts_one_by_one
+from .cupy_expert_gemm import min_gemm_pairs
 from .cupy_latent import KvRows, latent_rope_write, per_head_linear
 from .cupy_launch import (NULL, FAMILIES, ceil_div, check_row_width, launch, smallest_tile, storage_type,
                           to_device_storage)
@@ -154,6 +155,11 @@ class CupyBackend(Backend):
         self._flash_tiles = FlashTileCache()
         self._kv_rows = KvRows(cupy)  # cache rows widened for cupy_latent.py's path
         self._clock: CudaEventClock | None = None  # made on first use
+
+    def max_tokens_in_stream_order(self, config: ModelConfig) -> int | None:
+        """Below the steps whose routed experts go to per-expert GEMMs (cupy_expert_gemm.py), which copy each
+        layer's group sizes to the host."""
+        return (min_gemm_pairs(config.moe_intermediate_size, config.hidden_size, config.num_experts) - 1) // config.top_k
 
     def logit_source(self, logits: Array) -> LogitSource:
         from .cupy_sampling import DeviceLogits

@@ -32,8 +32,14 @@ def takes_expert_gemms(experts: LayerExperts, pairs: int, num_experts: int) -> b
 
     _, i, h = experts.gate.shape
     return (np.dtype(experts.gate.dtype) in (np.dtype(np.uint16), np.dtype(np.float16))
-            and experts.gate_scale is None and pairs * i * h >= EXPERT_GEMM_MIN_WORK * num_experts
+            and experts.gate_scale is None and pairs >= min_gemm_pairs(i, h, num_experts)
             and not cupy.cuda.get_current_stream().is_capturing())
+
+
+def min_gemm_pairs(rows: int, cols: int, num_experts: int) -> int:
+    """The fewest (token, expert) pairs of a step for which its experts' [rows, cols] gate products go to cuBLAS:
+    one expert's product at the average group size (pairs / num_experts) is EXPERT_GEMM_MIN_WORK multiply-adds."""
+    return -(-EXPERT_GEMM_MIN_WORK * num_experts // (rows * cols))
 
 
 @dataclass
