@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -335,11 +336,13 @@ def model_records(name: str, args: argparse.Namespace, conditions: dict, log_dir
                "num_kv_blocks": blocks}
     runs = [(c, *prompt_sets(config.vocab_size, c, args.rounds, args.input_len)) for c in args.concurrency]
     log(f"{name}: offline")
-    offline = measure_offline(path, options, runs, args.output_len, args.switch_interval,
-                              args.timeout * (1 + 2 * len(args.concurrency)))
+    with step_loop_profile(args.profile, f"offline_{name}"):
+        offline = measure_offline(path, options, runs, args.output_len, args.switch_interval,
+                                  args.timeout * (1 + 2 * len(args.concurrency)))
     log(f"{name}: served")
-    served, server_command = measure_served(path, options, runs, args.output_len, args.switch_interval,
-                                            args.timeout, log_dir, args.engine_process)
+    with step_loop_profile(args.profile, f"served_{name}"):
+        served, server_command = measure_served(path, options, runs, args.output_len, args.switch_interval,
+                                                args.timeout, log_dir, args.engine_process)
     records = []
     for concurrency, _, timed in runs:
         engine, report = offline[concurrency], served[concurrency]
@@ -375,6 +378,30 @@ def model_records(name: str, args: argparse.Namespace, conditions: dict, log_dir
 def served_steps(report: dict) -> int | None:
     """The steps the server ran during a bench run (from its /metrics), or None without them."""
     return report["server"]["steps"] if report["server"] else None
+
+
+@contextlib.contextmanager
+def step_loop_profile(folder: str | None, name: str):
+    """With `folder`, the step loops of the processes started inside (the offline worker, the server's engine
+    process) run under cProfile (COLIBRI_STEP_LOOP_PROFILE) and write FOLDER/NAME.prof, whose busiest functions
+    are printed at the end; nothing without it."""
+    if folder is None:
+        yield
+        return
+    from colibri_stream.timing import PROFILE_ENV
+
+    path = Path(folder) / f"{name}.prof"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.environ[PROFILE_ENV] = str(path)
+    try:
+        yield
+    finally:
+        del os.environ[PROFILE_ENV]
+    if path.exists():
+        import pstats
+
+        print(f"-- step loop of {name}: the functions of most own time")
+        pstats.Stats(str(path)).sort_stats("tottime").print_stats(18)
 
 
 def launched_ahead_fraction(server: dict | None) -> float | None:
@@ -437,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                         help="serve with the engine's steps on a thread of the server's process (colibri serve "
                              "--no-engine-process) instead of its default, a process of their own")
+    parser.add_argument("--profile", metavar="FOLDER", default=None,
+                        help="run the offline and served step loops under cProfile, write FOLDER/{offline,served}_"
+                             "MODEL.prof and print each one's busiest functions")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     if min(args.concurrency) < 1 or args.rounds < 1 or args.output_len < 2 or args.input_len < 1:

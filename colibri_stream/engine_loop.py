@@ -9,6 +9,7 @@ output of the step in it, never one message per token), and a `LoopEnded` last.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import ColibriError, RequestsFailedError, describe
 from .experts.stats import ExpertStats
 from .request import RequestOutput, SamplingParams
-from .timing import StepRecord
+from .timing import PROFILE_ENV, StepRecord, profiled
 
 if TYPE_CHECKING:
     from .engine import EngineCore, EngineStats
@@ -108,10 +109,12 @@ def run_step_loop(core: EngineCore, receive: Callable[[bool], list[Command]],
     receive(block) returns the commands waiting, waiting for at least one when `block` (the engine is idle).
     A request that fails alone is reported in `failed`, a failed step in `step_failure`, and the loop goes on;
     only an error outside a step (a bug in the loop) ends it early, with that error in LoopEnded. An exception
-    that is not an `Exception` (the other side of a pipe gone) leaves without publishing."""
+    that is not an `Exception` (the other side of a pipe gone) leaves without publishing. With the environment
+    variable COLIBRI_STEP_LOOP_PROFILE naming a file, the loop runs under cProfile and writes its stats there."""
     error = None
     try:
-        _loop(core, receive, publish)
+        with profiled(os.environ.get(PROFILE_ENV)):
+            _loop(core, receive, publish)
     except Exception as exc:  # the engine is unusable: every waiting consumer learns why
         logger.exception("engine step loop failed")
         error = exc

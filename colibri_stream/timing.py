@@ -123,6 +123,25 @@ def _received_record(index: int, closed: list[tuple[str, str, int, float, float]
 
 
 StepSink = Callable[[StepRecord], None]
+PROFILE_ENV = "COLIBRI_STEP_LOOP_PROFILE"  # a file path: the step loop runs under cProfile, its stats written there
+
+
+@contextmanager
+def profiled(path: str | None) -> Iterator[None]:
+    """Run the body under cProfile (the calling thread's) and write its stats to `path` (pstats' format) at the
+    end; nothing without a path."""
+    if not path:
+        yield
+        return
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        profile.dump_stats(path)
 _NO_PHASE = nullcontext()
 
 
