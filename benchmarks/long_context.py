@@ -2,8 +2,8 @@
 
 For each shape (`--shapes SHAPE:LAYERS`, random bf16 weights of the published dimensions, written once under
 `--folder-root` with a word-level tokenizer, and as GGUF beside it for llama.cpp), each KV cache dtype
-(`--kv-dtypes`), each of Colibri's matmul precisions (`--matmul-precisions`: high, the default, and medium, bf16
-activations into tensor-core products as llama.cpp computes them; llama.cpp runs once), each context C
+(`--kv-dtypes`), each of Colibri's matmul precisions (`--matmul-precisions`: medium, the engine's default, bf16
+activations into tensor-core products as llama.cpp computes them, and high, two bf16 parts; llama.cpp runs once), each context C
 (`--contexts`) and batch B (`--batches`):
 
   colibri_prefill_tok_s  B requests of C random prompt tokens each added to `EngineCore` at once (chunked prefill
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", nargs="+", type=int, default=[1024, 8192, 32768])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--kv-dtypes", nargs="+", default=["bf16", "fp8"], choices=sorted(KV_BYTES))
-    parser.add_argument("--matmul-precisions", nargs="+", default=["high"], choices=["high", "medium"])
+    parser.add_argument("--matmul-precisions", nargs="+", default=["medium"], choices=["high", "medium"])
     parser.add_argument("--decode-tokens", type=int, default=33, help="tokens per request, the first included")
     parser.add_argument("--batched-bench", help="llama-batched-bench binary (none: Colibri only)")
     parser.add_argument("--gguf-py", help="gguf-py folder of the llama.cpp source tree (writes the GGUF files)")

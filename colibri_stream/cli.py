@@ -77,9 +77,9 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of the GPU's memory the engine may use; the KV cache gets what the weights, expert "
                         "slots and activations leave of it (default 0.9)")
     p.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default=None,
-                   help="GPU tensor-core products (prefill, large batches): high (default: float32 activations as "
-                        "two bf16/fp16 parts, within about 1e-5 of float32) or medium (one part, as engines with "
-                        "bf16 activations compute: about 1e-3, half the tensor cores' work)")
+                   help="GPU tensor-core products (prefill, large batches): medium (default: float32 activations "
+                        "as one bf16/fp16 part, as engines with bf16 activations compute: about 1e-3) or high (two "
+                        "parts, within about 1e-5 of float32, twice the tensor cores' work)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
                    help="launch every GPU step eagerly instead of replaying captured decode graphs (slower; for "
                         "debugging and comparisons)")

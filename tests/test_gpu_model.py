@@ -191,5 +191,5 @@ def test_engine_generates_the_same_text_on_the_gpu(tiny_model_dir):
     params = SamplingParams(max_tokens=16, temperature=0)
     prompts = ["Hello world", "The quick brown fox"]
     cpu = LLM(str(tiny_model_dir), device="cpu").generate(prompts, params)
-    gpu = LLM(str(tiny_model_dir), device="auto").generate(prompts, params)
+    gpu = LLM(str(tiny_model_dir), device="auto", matmul_precision="high").generate(prompts, params)
     assert [r.token_ids for r in gpu] == [r.token_ids for r in cpu]

@@ -310,7 +310,7 @@ def test_server_on_gpu_slots_answers_like_the_resident_gpu_server(tiny_model_dir
     tiered = {"gpu_memory_limit": gpu_budget(tiny_model_dir, 1), "cpu_experts": "off"}
     results = {}
     for name, options in {"resident": {"cuda_graphs": False}, "tiered": tiered}.items():
-        live = LiveServer(tiny_model_dir, {"max_batch_size": 4, "device": "cuda", **options})
+        live = LiveServer(tiny_model_dir, {"max_batch_size": 4, "device": "cuda", "matmul_precision": "high", **options})
         try:
             results[name] = answers(live, prompts)
             _, _, metrics = request(live, "GET", "/metrics", key=None)

@@ -168,14 +168,14 @@ def test_engine_options_take_cuda_graphs_as_a_boolean_and_the_cli_turns_it_off()
         EngineConfig.from_options("m", prefetch="yes")
 
 
-def test_matmul_precision_is_high_by_default_and_the_cli_sets_medium():
+def test_matmul_precision_is_medium_by_default_and_the_cli_sets_high():
     from colibri_stream.cli import _engine_options, build_parser
     from colibri_stream.config import EngineConfig
     from colibri_stream.loader import select_backend
 
-    assert EngineConfig.from_options("m").matmul_precision == "high"
-    options = _engine_options(build_parser().parse_args(["serve", "--matmul-precision", "medium"]))
-    assert EngineConfig.from_options("m", **options).matmul_precision == "medium"
+    assert EngineConfig.from_options("m").matmul_precision == "medium"
+    options = _engine_options(build_parser().parse_args(["serve", "--matmul-precision", "high"]))
+    assert EngineConfig.from_options("m", **options).matmul_precision == "high"
     with pytest.raises(ConfigError, match="matmul_precision must be one of high, medium, got 'low'"):
         EngineConfig.from_options("m", matmul_precision="low")
     with pytest.raises(SystemExit):
