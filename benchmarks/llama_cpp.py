@@ -2,16 +2,19 @@
 
 Four jobs:
 - `write_gguf(folder, path, gguf_py)`: the native model folder `folder` (a Mixtral, Qwen3-MoE, GLM-4.5,
-  MiniMax-M2 or DeepSeek-V3 / Kimi K2 model, such as `write_synthetic_folder`'s) as a bf16 GGUF file of llama.cpp's
-  `llama`, `qwen3moe`, `glm4moe`, `minimax-m2` or `deepseek2` architecture (ARCHITECTURES): the same tensors
-  (Mixtral's q and k rows permuted to llama.cpp's interleaved rotary layout, as its own converter does from Hugging
-  Face checkpoints; qwen3moe, glm4moe and minimax-m2 use the rotate-half layout as it is; DeepSeek-V3's latent
-  attention with kv_b_proj split per head into the key and value up-projections, as llama.cpp's converter splits
-  it), norms, biases, the router and its score correction bias in float32, the routing options as llama.cpp's keys
-  (gating function, weights scale and norm, expert groups, shared experts, leading dense layers, no
-  multi-token-prediction layers), YaRN's keys for latent attention, and a placeholder SentencePiece vocabulary of
-  the model's size (the benchmarks read no text). A model option the architecture would not compute as Colibri
-  does is refused (`unwritable`).
+  MiniMax-M2, DeepSeek-V3 / Kimi K2 or gpt-oss model, such as `write_synthetic_folder`'s) as a bf16 GGUF file of
+  llama.cpp's `llama`, `qwen3moe`, `glm4moe`, `minimax-m2`, `deepseek2` or `gpt-oss` architecture (ARCHITECTURES):
+  the same tensors (Mixtral's q and k rows permuted to llama.cpp's interleaved rotary layout, as its own converter
+  does from Hugging Face checkpoints; qwen3moe, glm4moe, minimax-m2 and gpt-oss use the rotate-half layout as it
+  is; DeepSeek-V3's latent attention with kv_b_proj split per head into the key and value up-projections, as
+  llama.cpp's converter splits it; gpt-oss's experts as separate gate, up and down stacks, which Colibri's expert
+  blocks hold already, with their biases stacked beside them), norms, biases, attention sinks, the router and its
+  score correction bias in float32, the routing options as llama.cpp's keys (gating function, weights scale and
+  norm, expert groups, shared experts, leading dense layers, no multi-token-prediction layers), YaRN's keys
+  (latent attention, gpt-oss), gpt-oss's sliding window and its per-layer pattern, and a placeholder SentencePiece
+  vocabulary of the model's size (the benchmarks read no text). A model option the architecture would not compute
+  as Colibri does is refused (`unwritable`): gpt-oss's published YaRN (`truncate: false`) among them, since
+  llama.cpp always rounds YaRN's correction range to whole dimensions.
   `gguf_py` is the gguf-py folder of the llama.cpp source tree (the `gguf` package that writes the format).
   benchmarks/llama_cpp_parity.py checks on the CPU that llama.cpp computes from these files what Colibri computes.
 - `quantize_gguf(binary, src, dst, llama_format, threads)`: llama-quantize of such a file to one of llama.cpp's
@@ -95,13 +98,21 @@ class GgufArchitecture:
     leading_dense_layers: bool = False  # reads dense MLPs in the first layers (leading_dense_block_count)
     nextn_layers: bool = False  # reads nextn_predict_layers (multi-token prediction layers: 0 written, none held)
     latent_attention: bool = False  # computes Multi-Head Latent Attention (attention "mla"), not q, k and v heads
+    partial_rotary: bool = True  # rotates fewer dimensions than the head (rope_dimension_count)
+    yarn: bool = False  # is written with default or YaRN rope, YaRN's keys included
+    sinks: bool = False  # reads attention sinks, an o bias (required) and one sliding window over a layer pattern
+    swiglu_oai: tuple[float, float] | None = None  # its experts' clamped SwiGLU (alpha, limit), fixed in llama.cpp,
+    # with a router bias and gate, up and down biases (all required)
 
 
 # Our architectures llama.cpp has. Partial rotary (rotary_dim) is llama.cpp's rope_dimension_count; the NEOX rope
 # type of qwen3moe, glm4moe and minimax-m2 rotates pairs (i, i + R/2) of the first R dimensions, as Colibri does.
 # deepseek2 (DeepSeek-V2/V3, Kimi K2) rotates the last rotary_dim dimensions of each latent-attention head (NORM).
+# gpt-oss rotates whole heads (NEOX; its rope_dimension_count is the head width), routes by a softmax over the
+# top-k biased router logits (Colibri's softmax renormalised over the chosen k) and computes its experts'
+# (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), with alpha 1.702 and limit 7.
 ARCHITECTURES = {
-    "mixtral": GgufArchitecture("llama", True, "softmax", ("none",), "ffn_norm"),
+    "mixtral": GgufArchitecture("llama", True, "softmax", ("none",), "ffn_norm", partial_rotary=False),
     "qwen3_moe": GgufArchitecture("qwen3moe", False, "softmax", ("per_head",), "ffn_norm"),
     "glm4_moe": GgufArchitecture("glm4moe", False, "sigmoid", ("none", "per_head"), "post_attention_norm",
                                  qkv_bias=True, weights_norm_key=True, shared_expert=True, leading_dense_layers=True,
@@ -109,7 +120,9 @@ ARCHITECTURES = {
     "minimax_m2": GgufArchitecture("minimax-m2", False, "sigmoid", ("full",), "ffn_norm"),
     "deepseek_v3": GgufArchitecture("deepseek2", True, "sigmoid", ("none",), "ffn_norm", weights_norm_key=True,
                                     shared_expert=True, leading_dense_layers=True, nextn_layers=True,
-                                    latent_attention=True),
+                                    latent_attention=True, yarn=True),
+    "gpt_oss": GgufArchitecture("gpt-oss", False, "softmax", ("none",), "post_attention_norm", qkv_bias=True,
+                                partial_rotary=False, yarn=True, sinks=True, swiglu_oai=(1.702, 7.0)),
 }
 
 
@@ -130,22 +143,53 @@ def unwritable(config, arch: GgufArchitecture) -> list[str]:
         "a score correction bias or routed_scaling_factor": arch.scoring == "softmax" and (
             config.score_correction_bias or config.routed_scaling_factor != 1.0),
         "unnormalised top-k weights": not config.norm_topk_prob and not arch.weights_norm_key,
-        "partial rotary": (arch.interleaved_rotary and not arch.latent_attention
-                           and config.rotary_dim not in (None, config.head_dim)),
+        "partial rotary": not arch.partial_rotary and config.rotary_dim not in (None, config.head_dim),
         f"{config.attention} attention (llama.cpp's {arch.name} computes {'mla' if arch.latent_attention else 'gqa'})":
             (config.attention == "mla") != arch.latent_attention,
-        "an o bias, attention sinks, clip_qkv or sliding windows": (
-            config.o_bias or config.attention_sinks or config.clip_qkv is not None
-            or any(w is not None for w in config.sliding_windows)),
-        "interleaved or scaled rope": not arch.latent_attention and (config.rope_interleave
-                                                                     or config.rope.type != "default"),
-        "a router bias, expert biases or a clamped SwiGLU": (config.router_bias or config.expert_bias
-                                                              or config.swiglu_limit is not None),
+        "a softmax scale other than head_dim^-0.5": config.attention == "gqa" and not math.isclose(
+            config.softmax_scale or config.head_dim**-0.5, config.head_dim**-0.5, rel_tol=1e-6),
+        "clip_qkv": config.clip_qkv is not None,
+        "an o bias, attention sinks or sliding windows": not arch.sinks and (
+            config.o_bias or config.attention_sinks or any(w is not None for w in config.sliding_windows)),
+        "interleaved or scaled rope": not arch.yarn and (config.rope_interleave or config.rope.type != "default"),
+        "a router bias, expert biases or a clamped SwiGLU": not arch.swiglu_oai and (
+            config.router_bias or config.expert_bias or config.swiglu_limit is not None),
         "weights other than bf16": config.expert_dtype != "bfloat16" or config.dtype != "bfloat16",
     }
+    if arch.yarn:
+        checks.update(_rope_unwritable(config, arch))
+    if arch.sinks:
+        checks.update(_gpt_oss_unwritable(config, arch))
     if arch.latent_attention and config.attention == "mla":
         checks.update(_latent_unwritable(config))
     return [what for what, refused in checks.items() if refused]
+
+
+def _rope_unwritable(config, arch: GgufArchitecture) -> dict[str, bool]:
+    """unwritable's checks of the rope of an architecture written with default or YaRN rope (`arch.yarn`):
+    description -> refused."""
+    rope = config.rope
+    return {
+        f"rope type {rope.type} (llama.cpp's {arch.name} is written with default or yarn)":
+            rope.type not in ("default", "yarn"),
+        "YaRN without truncate (llama.cpp rounds the correction range to whole dimensions)":
+            rope.type == "yarn" and not rope.truncate,
+    }
+
+
+def _gpt_oss_unwritable(config, arch: GgufArchitecture) -> dict[str, bool]:
+    """unwritable's checks of a model for llama.cpp's gpt-oss (attention sinks, windows, biased clamped-SwiGLU
+    experts): description -> refused. Biases the model lacks are written as zeros."""
+    alpha, limit = arch.swiglu_oai
+    widths = {w for w in config.sliding_windows if w is not None}
+    return {
+        f"no attention sinks (llama.cpp's {arch.name} reads them in every layer)": not config.attention_sinks,
+        f"no sliding-window layer (llama.cpp's {arch.name} needs one)": not widths,
+        "sliding windows of more than one width": len(widths) > 1,
+        f"experts other than the clamped SwiGLU llama.cpp's {arch.name} computes (alpha {alpha}, limit {limit:g})":
+            (config.swiglu_alpha, config.swiglu_limit) != (alpha, limit),
+        f"expert groups (llama.cpp's {arch.name} would rank them by router logits)": config.n_group > 1,
+    }
 
 
 def _latent_unwritable(config) -> dict[str, bool]:
@@ -162,10 +206,6 @@ def _latent_unwritable(config) -> dict[str, bool]:
         "a q LoRA in 26 or 27 layers (llama.cpp's deepseek2 reads those as DeepSeek-V2-Lite, without one)":
             bool(config.q_lora_rank) and (config.num_layers in (26, 27)
                                           or (config.num_layers, config.vocab_size) == (48, 128256)),
-        f"rope type {rope.type} (llama.cpp's deepseek2 is written with default or yarn)":
-            rope.type not in ("default", "yarn"),
-        "YaRN without truncate (llama.cpp rounds the correction range to whole dimensions)":
-            rope.type == "yarn" and not rope.truncate,
         "YaRN's rotary magnitude or a softmax scale other than llama.cpp's (mscale equal to mscale_all_dim, "
         "softmax scale head_dim^-0.5 times yarn_mscale(factor, mscale_all_dim)^2)":
             rope.type in ("default", "yarn") and not all(
@@ -247,11 +287,49 @@ def _latent_attention_tensors(dense, config, arch: GgufArchitecture, p: str,
     return tensors
 
 
+def _zeros_unless(source, name: str, shape: tuple[int, ...]):
+    """A function making the float32 tensor `name` of `source` (a DenseFile), or zeros of `shape` where the model
+    has none (a bias llama.cpp requires: zeros add nothing)."""
+    def make() -> np.ndarray:
+        if name in source.names:
+            return np.ascontiguousarray(source.get(name).astype(np.float32))
+        return np.zeros(shape, np.float32)
+    return make
+
+
+def _sink_tensors(dense, config, p: str, b: str) -> dict[str, tuple[tuple[int, ...], object]]:
+    """The float32 tensors llama.cpp's gpt-oss adds to the attention of the layer of prefixes `p` (ours) and `b`
+    (llama.cpp's): name -> (numpy shape, function making it): the o bias (zeros without one) and each query
+    head's sink logit."""
+    h, heads = config.hidden_size, config.num_heads
+    return {b + "attn_output.bias": ((h,), _zeros_unless(dense, p + "o_bias", (h,))),
+            b + "attn_sinks.weight": ((heads,), _zeros_unless(dense, p + "sinks", (heads,)))}
+
+
+def _expert_bias_tensors(folder, config, layer: int, p: str, b: str) -> dict[str, tuple[tuple[int, ...], object]]:
+    """The biases of a gpt-oss MoE layer as llama.cpp reads them, float32 (zeros where the model has none): the
+    router's [E] and the routed experts' gate [E, I], up [E, I] and down [E, H], stacked in expert order from
+    each expert's block; name -> (numpy shape, function making it)."""
+    e, i, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
+
+    def experts(part: str, width: int):
+        def make() -> np.ndarray:
+            if not config.expert_bias:
+                return np.zeros((e, width), np.float32)
+            return np.stack([folder.experts.tensors(layer, x)[part + "_bias"] for x in range(e)]).astype(np.float32)
+        return make
+
+    tensors = {b + "ffn_gate_inp.bias": ((e,), _zeros_unless(folder.dense, p + "router_bias", (e,)))}
+    for part, width in (("gate", i), ("up", i), ("down", h)):
+        tensors[b + f"ffn_{part}_exps.bias"] = ((e, width), experts(part, width))
+    return tensors
+
+
 def _tensor_plan(folder, config, arch: GgufArchitecture, gguf,
                  matrices: str) -> dict[str, tuple[tuple[int, ...], object, object]]:
     """name -> (numpy shape, GGML type, function making the array) of every tensor of the GGUF file, in file order:
-    matrices bf16 (as their uint16 bits) or, with `matrices` "f32", widened to float32; norms, biases and the
-    router float32."""
+    matrices bf16 (as their uint16 bits) or, with `matrices` "f32", widened to float32; norms, biases, sinks and
+    the router float32."""
     f32 = gguf.GGMLQuantizationType.F32
     matrix_type = f32 if matrices == "f32" else gguf.GGMLQuantizationType.BF16
     dense = folder.dense
@@ -311,6 +389,8 @@ def _tensor_plan(folder, config, arch: GgufArchitecture, gguf,
                 for part, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
                     add_float32(b + f"attn_{part}.bias", (rows,), dense_float32(f"{p}{part}_bias"))
             add_matrix(b + "attn_output.weight", (h, q_rows), dense_matrix(p + "o_proj"))
+            for name, (shape, make) in (_sink_tensors(dense, config, p, b) if arch.sinks else {}).items():
+                add_float32(name, shape, make)
             if qk_norm_widths:
                 add_float32(b + "attn_q_norm.weight", (qk_norm_widths[0],), dense_float32(p + "q_norm"))
                 add_float32(b + "attn_k_norm.weight", (qk_norm_widths[1],), dense_float32(p + "k_norm"))
@@ -325,6 +405,9 @@ def _tensor_plan(folder, config, arch: GgufArchitecture, gguf,
             add_float32(b + "exp_probs_b.bias", (e,), lambda p=p: correction_bias(p))
         for part, shape in (("gate", (e, i, h)), ("up", (e, i, h)), ("down", (e, h, i))):
             add_matrix(b + f"ffn_{part}_exps.weight", shape, lambda layer=layer, part=part: experts(layer, part))
+        for name, (shape, make) in (_expert_bias_tensors(folder, config, layer, p, b) if arch.swiglu_oai
+                                    else {}).items():
+            add_float32(name, shape, make)
         if s:
             for part, shape in (("gate", (s, h)), ("up", (s, h)), ("down", (h, s))):
                 add_matrix(b + f"ffn_{part}_shexp.weight", shape, dense_matrix(f"{p}shared_expert.{part}_proj"))
@@ -348,16 +431,36 @@ def _write_latent_metadata(writer, config, gguf) -> None:
     writer.add_q_lora_rank(config.q_lora_rank)
     writer.add_kv_lora_rank(rank)
     scaling = config.rope
-    if scaling.type != "yarn":
+    _write_rope_scaling(writer, scaling, gguf)
+    if scaling.type == "yarn" and scaling.mscale_all_dim:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * scaling.mscale_all_dim)
+
+
+def _write_rope_scaling(writer, rope, gguf) -> None:
+    """The rope scaling keys of default (type none) or YaRN rope: its factor, original context and betas."""
+    if rope.type != "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
         return
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(scaling.factor)
-    writer.add_rope_scaling_orig_ctx_len(scaling.original_max_position_embeddings)
-    writer.add_rope_scaling_yarn_beta_fast(scaling.beta_fast or 32.0)  # Colibri's defaults where unset
-    writer.add_rope_scaling_yarn_beta_slow(scaling.beta_slow or 1.0)
-    if scaling.mscale_all_dim:
-        writer.add_rope_scaling_yarn_log_mul(0.1 * scaling.mscale_all_dim)
+    writer.add_rope_scaling_factor(rope.factor)
+    writer.add_rope_scaling_orig_ctx_len(rope.original_max_position_embeddings)
+    writer.add_rope_scaling_yarn_beta_fast(rope.beta_fast or 32.0)  # Colibri's defaults where unset
+    writer.add_rope_scaling_yarn_beta_slow(rope.beta_slow or 1.0)
+
+
+def _write_gpt_oss_metadata(writer, config, gguf) -> None:
+    """gpt-oss's own keys: the sliding window and which layers use it (one flag per layer), and the rope scaling.
+    llama.cpp scales YaRN's cos and sin by yarn_mscale(factor) times rope.scaling.attn_factor, so that key carries
+    Colibri's factor over yarn_mscale(factor) where they differ (an attention_factor or mscale of the model's)."""
+    from colibri_stream.model.rope import yarn_mscale
+
+    writer.add_sliding_window(next(w for w in config.sliding_windows if w is not None))  # unwritable: one width
+    writer.add_sliding_window_pattern([w is not None for w in config.sliding_windows])
+    _write_rope_scaling(writer, config.rope, gguf)
+    if config.rope.type == "yarn":
+        attn_factor = _colibri_rotary_factor(config) / yarn_mscale(config.rope.factor)
+        if not math.isclose(attn_factor, 1.0, rel_tol=1e-7):
+            writer.add_rope_scaling_attn_factors(attn_factor)
 
 
 def _write_metadata(writer, config, arch: GgufArchitecture, name: str, gguf, matrices: str) -> None:
@@ -394,6 +497,8 @@ def _write_metadata(writer, config, arch: GgufArchitecture, name: str, gguf, mat
         writer.add_expert_shared_count(config.shared_expert_intermediate_size // config.moe_intermediate_size)
     if arch.leading_dense_layers:
         writer.add_leading_dense_block_count(dense_first)
+    if arch.sinks:
+        _write_gpt_oss_metadata(writer, config, gguf)
     if arch.nextn_layers:
         writer.add_nextn_predict_layers(0)
     writer.add_vocab_size(config.vocab_size)
@@ -533,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", required=True, help="native model folder (Mixtral, Qwen3-MoE, GLM-4.5, "
-                        "MiniMax-M2 or DeepSeek-V3, bf16); "
+                        "MiniMax-M2, DeepSeek-V3 or gpt-oss, bf16); "
                         "a random one of --shape and --layers is written there if it is missing")
     parser.add_argument("--shape", default="mixtral-8x7b")
     parser.add_argument("--layers", type=int, default=8)

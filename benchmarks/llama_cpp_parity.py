@@ -1,9 +1,10 @@
 """llama.cpp computes the same model as Colibri from the GGUF file `llama_cpp.write_gguf` writes: a check on the CPU.
 
 For each family (Mixtral, Qwen3-MoE, GLM-4.5, MiniMax-M2, GLM-4.5 with per-head qk-norm, expert groups and a
-routed scaling factor, and DeepSeek-V3's latent attention) a tiny model of its published shape's options (`TINY`:
-small widths, a few layers, one leading dense layer for GLM and DeepSeek) is written with random weights
-(`write_synthetic_folder`, bf16, non-zero score correction biases), then as a GGUF file, twice: matrices in bf16
+routed scaling factor, DeepSeek-V3's latent attention, and gpt-oss's sinks, windows and biased clamped-SwiGLU
+experts) a tiny model of its published shape's options (`TINY`: small widths, a few layers, one leading dense layer
+for GLM and DeepSeek) is written with random weights (`write_tiny_folder`: `write_synthetic_folder`, bf16, non-zero
+score correction biases; gpt-oss's expert biases added), then as a GGUF file, twice: matrices in bf16
 (what the benchmarks run: llama.cpp's CPU matrix products then round each activation to bf16 too) and widened to
 float32 (the same values: llama.cpp's products in float32, so what is left of a difference is the model, not
 llama.cpp's bf16 arithmetic). Both engines then run the same random prompt with a float32 KV cache, and the
@@ -41,13 +42,17 @@ import numpy as np
 from conditions import machine
 
 from colibri_stream.batch import single_sequence_batch
+from colibri_stream.checkpoint import ExpertFile, ExpertFileWriter, write_config
 from colibri_stream.loader import load_model
-from colibri_stream.synthetic import shape_config, write_synthetic_folder
+from colibri_stream.synthetic import SHAPES, shape_config, write_synthetic_folder
 
 # A tiny model of each family: the named shape's options, these sizes (a leading dense layer and two MoE layers
 # for GLM-4.5 and DeepSeek-V3), and for "glm4_moe-grouped" the GLM options GLM-4.5-Air leaves off. DeepSeek-V3
 # keeps its q LoRA, expert groups (4 of which 2 chosen), shared expert, scaling, interleaved rotary and YaRN
-# (factor 40 over 4096 positions, mscale_all_dim 1), its softmax scale recomputed for the tiny head.
+# (factor 40 over 4096 positions, mscale_all_dim 1), its softmax scale recomputed for the tiny head. gpt-oss keeps
+# its sinks, q/k/v/o and router biases, biased experts and clamped SwiGLU, its alternating sliding / full layers
+# with a window of 8 (shorter than the prompt), and YaRN (factor 32 over 4096 positions) with truncate on: llama.cpp
+# always rounds YaRN's correction range, which the published configs' truncate false does not (unwritable).
 _SMALL = dict(vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32)
 TINY = {
     "mixtral": ("mixtral-8x7b", 2, dict(_SMALL, num_experts=8, top_k=2, moe_intermediate_size=96)),
@@ -65,7 +70,11 @@ TINY = {
                                            shared_expert_intermediate_size=64, intermediate_size=192,
                                            moe_layers=(1, 2),
                                            softmax_scale=48**-0.5 * (0.1 * math.log(40.0) + 1.0) ** 2)),
+    "gpt_oss": ("gpt-oss-20b", 4, dict(_SMALL, num_experts=16, top_k=4, moe_intermediate_size=64,
+                                       sliding_windows=(8, None, 8, None),
+                                       rope=dataclasses.replace(SHAPES["gpt-oss-20b"]["rope"], truncate=True))),
 }
+EXPERT_BIAS_STD = 0.1  # spread of the tiny gpt-oss experts' biases (write_tiny_folder)
 BLOCK_SIZE = 16  # Colibri's KV blocks
 HERE = Path(__file__).resolve().parent
 
@@ -96,6 +105,30 @@ def tiny_config(family: str):
     """The ModelConfig of `family`'s tiny model (TINY)."""
     shape, layers, sizes = TINY[family]
     return dataclasses.replace(shape_config(shape, layers), **sizes)
+
+
+def write_tiny_folder(folder: Path, config) -> None:
+    """`config`'s model folder as `write_synthetic_folder` writes it (on the CPU), but for biased routed experts
+    (gpt-oss), which it does not draw: the folder is written without them, then experts.bin again with the same
+    matrices and N(0, EXPERT_BIAS_STD) float32 biases seeded by layer and expert, and config.json with them."""
+    plain = dataclasses.replace(config, expert_bias=False)
+    write_synthetic_folder(folder, plain, device="cpu")
+    if not config.expert_bias:
+        return
+    source = ExpertFile(folder / config.experts_file, plain)
+    partial = folder / (config.experts_file + ".partial")
+    widths = {"gate_bias": config.moe_intermediate_size, "up_bias": config.moe_intermediate_size,
+              "down_bias": config.hidden_size}
+    with ExpertFileWriter(partial, config) as writer:
+        for layer in config.moe_layers:
+            for expert in range(config.num_experts):
+                rng = np.random.default_rng([layer, expert])
+                biases = {name: (rng.standard_normal(width) * EXPERT_BIAS_STD).astype(np.float32)
+                          for name, width in widths.items()}
+                writer.write_expert(layer, expert, {**source.tensors(layer, expert), **biases})
+    source.close()
+    partial.replace(folder / config.experts_file)
+    write_config(folder, config)
 
 
 def colibri_logits(model, ids: list[int]) -> np.ndarray:
@@ -167,7 +200,7 @@ def compare(family: str, folder: Path, writer, llama_type, gguf_py: Path, prompt
     """One family's record: Colibri against llama.cpp (`llama_type`) on the bf16 GGUF file and on the float32 one,
     both written by `writer` (benchmarks/llama_cpp.py)."""
     config = tiny_config(family)
-    write_synthetic_folder(folder, config, device="cpu")
+    write_tiny_folder(folder, config)
     model = load_model(str(folder), device="cpu")
     prompt = [int(t) for t in np.random.default_rng(7).integers(3, config.vocab_size, prompt_len)]
     ours = colibri_greedy(model, prompt, steps)

@@ -73,19 +73,41 @@ SHAPES: dict[str, dict] = {
                         rope=RopeConfig(type="yarn", theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
                                         beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
                         max_position_embeddings=163840),
+    # gpt-oss: sliding windows of 128 tokens at even layers (window_pattern, repeated), full attention at odd ones
+    "gpt-oss-20b": dict(architecture="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64,
+                        num_kv_heads=8, head_dim=64, num_experts=32, top_k=4, moe_intermediate_size=2880,
+                        norm_topk_prob=True, router_bias=True, expert_bias=True, swiglu_limit=7.0,
+                        swiglu_alpha=1.702, qkv_bias=True, o_bias=True, attention_sinks=True,
+                        window_pattern=(128, None),
+                        rope=RopeConfig(type="yarn", theta=150000.0, factor=32.0,
+                                        original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                                        truncate=False),
+                        rms_norm_eps=1e-5, max_position_embeddings=131072),
+    "gpt-oss-120b": dict(architecture="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=36, num_heads=64,
+                         num_kv_heads=8, head_dim=64, num_experts=128, top_k=4, moe_intermediate_size=2880,
+                         norm_topk_prob=True, router_bias=True, expert_bias=True, swiglu_limit=7.0,
+                         swiglu_alpha=1.702, qkv_bias=True, o_bias=True, attention_sinks=True,
+                         window_pattern=(128, None),
+                         rope=RopeConfig(type="yarn", theta=150000.0, factor=32.0,
+                                         original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                                         truncate=False),
+                         rms_norm_eps=1e-5, max_position_embeddings=131072),
 }
 
 
 def shape_config(name: str, num_layers: int | None = None, dtype: str = "bfloat16") -> ModelConfig:
     """The ModelConfig of a named shape (SHAPES), optionally with fewer layers: every layer MoE but the shape's
-    `first_dense_layers` leading ones (GLM-4.5's first_k_dense_replace), which are dense MLPs."""
+    `first_dense_layers` leading ones (GLM-4.5's first_k_dense_replace), which are dense MLPs; each layer's attention
+    window from the shape's `window_pattern` repeated over the layers (None: full attention; the default)."""
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}: one of {', '.join(SHAPES)}")
     fields = dict(SHAPES[name])
     layers = num_layers or fields["num_layers"]
     fields["num_layers"] = layers
     first_moe = min(fields.pop("first_dense_layers", 0), layers)
-    return ModelConfig(**fields, moe_layers=tuple(range(first_moe, layers)), sliding_windows=(None,) * layers,
+    pattern = fields.pop("window_pattern", (None,))
+    return ModelConfig(**fields, moe_layers=tuple(range(first_moe, layers)),
+                       sliding_windows=tuple(pattern[layer % len(pattern)] for layer in range(layers)),
                        dtype=dtype, expert_dtype=dtype)
 
 

@@ -1,7 +1,8 @@
 """benchmarks/llama_cpp.py's write_gguf: what it writes for each architecture, read back with gguf-py's reader.
 
 The tiny models are benchmarks/llama_cpp_parity.py's (the ones llama.cpp is compared with there). The file checks
-need llama.cpp's gguf-py (COLIBRI_GGUF_PY: its folder in a llama.cpp tree); the refusals need nothing.
+need llama.cpp's gguf-py (COLIBRI_GGUF_PY: its folder in a llama.cpp tree); the refusals, and gpt-oss's MoE block
+recomputed from the planned tensors as llama.cpp's graph computes it, need nothing.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import importlib
 import math
 import os
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,8 @@ import pytest
 from colibri_stream.backends.rotary import rotate
 from colibri_stream.checkpoint import ModelFolder
 from colibri_stream.config import RopeConfig
-from colibri_stream.model.rope import cos_sin_table
+from colibri_stream.loader import load_model
+from colibri_stream.model.rope import cos_sin_table, yarn_mscale
 from colibri_stream.synthetic import shape_config, write_synthetic_folder
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -42,7 +45,7 @@ def benchmarks():
 def written(benchmarks, family: str, folder: Path, matrices: str = "bf16"):
     """The tiny `family` model's folder (random weights) and its GGUF file, opened with gguf-py's reader."""
     writer, parity = benchmarks
-    write_synthetic_folder(folder, parity.tiny_config(family), device="cpu")
+    parity.write_tiny_folder(folder, parity.tiny_config(family))
     path = writer.write_gguf(folder, folder.with_suffix(".gguf"), GGUF_PY, matrices=matrices)
     import gguf
 
@@ -296,3 +299,150 @@ def test_deepseek2_refusals(benchmarks):
         parity.tiny_config("glm4_moe"), arch)
     assert writer.unwritable(tiny, writer.ARCHITECTURES["glm4_moe"]) == [
         "mla attention (llama.cpp's glm4moe computes gqa)", "interleaved or scaled rope"]
+
+
+@needs_gguf_py
+def test_gpt_oss_tensors_and_keys(benchmarks, tmp_path):
+    """gpt-oss: q/k/v/o biases, each head's sink, the post-attention norm, the router with its bias, separate gate,
+    up and down expert stacks with their biases beside them (stacked from each expert's block), rows as Colibri
+    holds them (NEOX rotary over the whole head); the window, its per-layer pattern and YaRN's keys."""
+    folder, reader = written(benchmarks, "gpt_oss", tmp_path / "gpt-oss")
+    config = folder.config
+    found = tensors(reader)
+    assert value(reader, "general.architecture") == "gpt-oss"
+    h, e, i, d = config.hidden_size, config.num_experts, config.moe_intermediate_size, config.head_dim
+    heads, kv_rows = config.num_heads, config.num_kv_heads * d
+    assert found["blk.1.attn_k.bias"] == ((kv_rows,), "F32") and found["blk.1.attn_output.bias"] == ((h,), "F32")
+    assert found["blk.1.attn_sinks.weight"] == ((heads,), "F32")
+    assert found["blk.1.post_attention_norm.weight"] == ((h,), "F32") and "blk.1.ffn_norm.weight" not in found
+    assert found["blk.1.ffn_gate_inp.weight"] == ((e, h), "F32") and found["blk.1.ffn_gate_inp.bias"] == ((e,), "F32")
+    assert found["blk.1.ffn_gate_exps.weight"] == ((e, i, h), "BF16")
+    assert found["blk.1.ffn_down_exps.weight"] == ((e, h, i), "BF16")
+    assert found["blk.1.ffn_up_exps.bias"] == ((e, i), "F32") and found["blk.1.ffn_down_exps.bias"] == ((e, h), "F32")
+    assert not [name for name in found if "exp_probs_b" in name or "shexp" in name or "q_norm" in name]
+    dense = folder.dense
+    sinks = dense.get("layers.1.sinks").astype(np.float32)
+    assert np.abs(sinks).max() > 0 and np.array_equal(data(reader, "blk.1.attn_sinks.weight"), sinks)
+    assert np.array_equal(data(reader, "blk.2.attn_output.bias"), dense.get("layers.2.o_bias").astype(np.float32))
+    assert np.array_equal(data(reader, "blk.2.ffn_gate_inp.bias"), dense.get("layers.2.router_bias").astype(np.float32))
+    assert np.array_equal(data(reader, "blk.2.attn_q.weight"), dense.get("layers.2.q_proj").view(np.uint16))
+    expert = folder.experts.tensors(3, 5)
+    assert np.array_equal(data(reader, "blk.3.ffn_up_exps.weight").reshape(e, i, h)[5], expert["up"].view(np.uint16))
+    assert np.array_equal(data(reader, "blk.3.ffn_gate_exps.bias").reshape(e, i)[5], expert["gate_bias"])
+    assert np.array_equal(data(reader, "blk.3.ffn_down_exps.bias").reshape(e, h)[5], expert["down_bias"])
+    assert np.abs(expert["up_bias"]).max() > 0
+    keys = {"gpt-oss.attention.sliding_window": 8, "gpt-oss.expert_feed_forward_length": i,
+            "gpt-oss.rope.dimension_count": d, "gpt-oss.attention.key_length": d,
+            "gpt-oss.attention.head_count_kv": config.num_kv_heads, "gpt-oss.expert_count": e,
+            "gpt-oss.expert_used_count": config.top_k, "gpt-oss.rope.scaling.type": "yarn",
+            "gpt-oss.rope.scaling.original_context_length": 4096}
+    assert {key: value(reader, key) for key in keys} == keys
+    assert list(value(reader, "gpt-oss.attention.sliding_window_pattern")) == [True, False, True, False]
+    floats = {"gpt-oss.rope.scaling.factor": 32.0, "gpt-oss.rope.scaling.yarn_beta_fast": 32.0,
+              "gpt-oss.rope.scaling.yarn_beta_slow": 1.0, "gpt-oss.rope.freq_base": 150000.0}
+    assert {key: value(reader, key) for key in floats} == pytest.approx(floats)
+    assert not [key for key in reader.fields
+                if "attn_factor" in key or "gating_func" in key or "shared" in key or "weights_norm" in key]
+
+
+@needs_gguf_py
+def test_gpt_oss_biases_it_lacks_are_zeros_and_attention_factor(benchmarks, tmp_path):
+    """Without q/k/v/o, router or expert biases: no q/k/v biases, zeros for those llama.cpp requires; a YaRN
+    attention_factor of the model's as rope.scaling.attn_factor over yarn_mscale(factor) (llama.cpp's own); a
+    pattern of windows other than alternating, written layer by layer."""
+    writer, parity = benchmarks
+    tiny = parity.tiny_config("gpt_oss")
+    config = dataclasses.replace(tiny, qkv_bias=False, o_bias=False, router_bias=False, expert_bias=False,
+                                 sliding_windows=(None, 8, 8, None),
+                                 rope=dataclasses.replace(tiny.rope, attention_factor=1.7))
+    folder = tmp_path / "gpt-oss"
+    parity.write_tiny_folder(folder, config)
+    import gguf
+
+    reader = gguf.GGUFReader(str(writer.write_gguf(folder, folder.with_suffix(".gguf"), GGUF_PY)))
+    found = tensors(reader)
+    assert not [name for name in found if name.endswith(("attn_q.bias", "attn_k.bias", "attn_v.bias"))]
+    for name in ("blk.0.attn_output.bias", "blk.0.ffn_gate_inp.bias", "blk.0.ffn_gate_exps.bias",
+                 "blk.3.ffn_down_exps.bias"):
+        assert found[name][1] == "F32" and not np.any(data(reader, name))
+    assert list(value(reader, "gpt-oss.attention.sliding_window_pattern")) == [False, True, True, False]
+    assert value(reader, "gpt-oss.rope.scaling.attn_factor") == pytest.approx(1.7 / yarn_mscale(32.0))
+
+
+def test_gpt_oss_refusals(benchmarks):
+    """What llama.cpp's gpt-oss would compute otherwise: one line each. The published shapes' YaRN without
+    truncate is refused; with truncate they pass."""
+    writer, parity = benchmarks
+    arch = writer.ARCHITECTURES["gpt_oss"]
+    tiny = parity.tiny_config("gpt_oss")
+    assert writer.unwritable(tiny, arch) == []
+    untruncated = ["YaRN without truncate (llama.cpp rounds the correction range to whole dimensions)"]
+    for name in ("gpt-oss-20b", "gpt-oss-120b"):
+        published = shape_config(name, 4)
+        assert (published.swiglu_alpha, published.swiglu_limit) == arch.swiglu_oai
+        assert writer.unwritable(published, arch) == untruncated
+        truncated = dataclasses.replace(published.rope, truncate=True)
+        assert writer.unwritable(dataclasses.replace(published, rope=truncated), arch) == []
+
+    def refused(**changes) -> list[str]:
+        return writer.unwritable(dataclasses.replace(tiny, **changes), arch)
+
+    experts = "experts other than the clamped SwiGLU llama.cpp's gpt-oss computes (alpha 1.702, limit 7)"
+    assert refused(swiglu_limit=6.0) == [experts]
+    assert refused(swiglu_alpha=1.5) == [experts]
+    assert refused(swiglu_limit=None) == [experts]
+    assert refused(attention_sinks=False) == ["no attention sinks (llama.cpp's gpt-oss reads them in every layer)"]
+    assert refused(sliding_windows=(None,) * 4) == ["no sliding-window layer (llama.cpp's gpt-oss needs one)"]
+    assert refused(sliding_windows=(8, None, 16, None)) == ["sliding windows of more than one width"]
+    assert refused(n_group=2, topk_group=2) == [
+        "expert groups (llama.cpp's gpt-oss would rank them by router logits)"]
+    assert refused(norm_topk_prob=False) == ["unnormalised top-k weights"]
+    assert refused(rotary_dim=16) == ["partial rotary"]
+    assert refused(softmax_scale=0.2) == ["a softmax scale other than head_dim^-0.5"]
+    assert refused(clip_qkv=8.0) == ["clip_qkv"]
+    assert refused(rope=RopeConfig(type="linear", theta=150000.0, factor=4.0)) == [
+        "rope type linear (llama.cpp's gpt-oss is written with default or yarn)"]
+    assert refused(rope=RopeConfig(theta=150000.0)) == []
+    assert writer.unwritable(tiny, writer.ARCHITECTURES["qwen3_moe"]) == [
+        "qk_norm none", "q/k/v biases", "an o bias, attention sinks or sliding windows", "interleaved or scaled rope",
+        "a router bias, expert biases or a clamped SwiGLU"]
+
+
+def test_gpt_oss_moe_as_llama_cpp_computes_it_from_the_planned_tensors(benchmarks, tmp_path):
+    """llama.cpp's gpt-oss MoE block (its graph's steps redone in NumPy: router logits plus bias, the top-k,
+    a softmax over those k, gate and up with their biases, gpt-oss's clamped SwiGLU with (up + 1), down plus its
+    bias, the weighted sum) on the tensors write_gguf plans (f32 matrices) equals Colibri's MoE block, with inputs
+    large enough for the clamp at 7 to bite."""
+    writer, parity = benchmarks
+    config = parity.tiny_config("gpt_oss")
+    parity.write_tiny_folder(tmp_path / "gpt-oss", config)
+    folder = ModelFolder(tmp_path / "gpt-oss")
+    types_stub = types.SimpleNamespace(GGMLQuantizationType=types.SimpleNamespace(F32="F32", BF16="BF16"))
+    plan = writer._tensor_plan(folder, config, writer.ARCHITECTURES["gpt_oss"], types_stub, "f32")
+
+    def tensor(name: str) -> np.ndarray:
+        shape, _, make = plan[name]
+        return make().reshape(shape)
+
+    layer, (alpha, limit) = 2, writer.ARCHITECTURES["gpt_oss"].swiglu_oai
+    x = np.random.default_rng(3).standard_normal((6, config.hidden_size)).astype(np.float32) * 4
+    b = f"blk.{layer}."
+    logits = x @ tensor(b + "ffn_gate_inp.weight").T + tensor(b + "ffn_gate_inp.bias")  # [T, E]
+    chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :config.top_k]  # [T, k]
+    weights = np.exp(np.take_along_axis(logits, chosen, -1))
+    weights /= weights.sum(-1, keepdims=True)  # [T, k]
+    stacks = {part: tensor(b + f"ffn_{part}_exps.weight") for part in ("gate", "up", "down")}
+    biases = {part: tensor(b + f"ffn_{part}_exps.bias") for part in ("gate", "up", "down")}
+    expected = np.zeros_like(x)
+    clamped = 0
+    for t in range(len(x)):
+        for e, w in zip(chosen[t], weights[t]):
+            gate = np.minimum(stacks["gate"][e] @ x[t] + biases["gate"][e], limit)
+            up = np.clip(stacks["up"][e] @ x[t] + biases["up"][e], -limit, limit)
+            clamped += int(np.sum(gate == limit))
+            hidden = gate / (1 + np.exp(-alpha * gate)) * (up + 1)
+            expected[t] += w * (stacks["down"][e] @ hidden + biases["down"][e])
+    assert clamped > 0
+    model = load_model(str(tmp_path / "gpt-oss"), device="cpu")
+    ours = np.asarray(model._mlp(layer, model.layers[layer], x))
+    assert np.allclose(ours, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())

@@ -29,9 +29,13 @@ def test_named_shapes_are_valid_configs(name):
 
 
 # Each named shape and the stored published config.json it is taken from (tests/data/hf_configs): MiniMax-M2.5
-# keeps MiniMax-M2's architecture and dimensions.
+# keeps MiniMax-M2's architecture and dimensions; gpt-oss-20b's is gpt-oss-120b's with its own sizes (SIZES).
 PUBLISHED = {"mixtral-8x7b": "mixtral-8x7b-v0.1", "qwen3-30b-a3b": "qwen3-30b-a3b", "olmoe-1b-7b": "olmoe-1b-7b",
-             "glm-4.5-air": "glm-4.5-air", "minimax-m2": "minimax-m2.5-bf16", "deepseek-v3": "deepseek-v3"}
+             "glm-4.5-air": "glm-4.5-air", "minimax-m2": "minimax-m2.5-bf16", "deepseek-v3": "deepseek-v3",
+             "gpt-oss-20b": "gpt-oss-120b", "gpt-oss-120b": "gpt-oss-120b"}
+# Where a shape's published config.json differs from the stored file it names: openai/gpt-oss-20b has 24 layers
+# (their layer_types the first 24 of gpt-oss-120b's) and 32 experts.
+SIZES = {"gpt-oss-20b": dict(num_hidden_layers=24, num_local_experts=32)}
 # The router tensors that tell the exporter a published checkpoint has score correction biases.
 CORRECTION_BIASES = {"model.layers.1.mlp.gate.e_score_correction_bias",
                      "model.layers.3.mlp.gate.e_score_correction_bias",
@@ -47,9 +51,24 @@ def test_shape_is_what_its_published_config_translates_to(name):
     """Every field the exporter derives from the published config.json, but the special tokens (a synthetic model
     has no tokenizer)."""
     raw = json.loads((Path(__file__).parent / "data" / "hf_configs" / f"{PUBLISHED[name]}.json").read_text())
+    raw.update(SIZES.get(name, {}))
+    if "layer_types" in raw:
+        raw["layer_types"] = raw["layer_types"][:raw["num_hidden_layers"]]
     published = translate_config(raw, {}, CORRECTION_BIASES, "bfloat16", "bfloat16")
     published = dataclasses.replace(published, bos_token_id=None, eos_token_ids=(), pad_token_id=None)
     assert shape_config(name) == published
+
+
+@pytest.mark.parametrize("name, sizes", [("gpt-oss-120b", {}), ("gpt-oss-20b", SIZES["gpt-oss-20b"])])
+def test_gpt_oss_shapes_are_transformers_defaults(name, sizes):
+    """transformers' GptOssConfig defaults are gpt-oss-120b's published values (its layer_types filled in as
+    sliding at even layers, YaRN factor 32 over 4096 positions without truncation); with 24 layers and 32 experts,
+    gpt-oss-20b's. Both translate to the shapes, windows and all."""
+    transformers = pytest.importorskip("transformers")
+    raw = transformers.GptOssConfig(**sizes).to_dict()
+    assert shape_config(name) == translate_config(raw, {}, set(), "bfloat16", "bfloat16")
+    config = shape_config(name, num_layers=3)
+    assert config.sliding_windows == (128, None, 128) and config.rope.truncate is False
 
 
 def test_correction_biases_are_drawn_wide_enough_to_change_the_choice():
