@@ -20,6 +20,8 @@ word-level tokenizer of its vocabulary; any other entry is a model folder's path
                  writes) during the timed run, per output token (Linux; None elsewhere)
   served_launched_ahead_fraction, offline_launched_ahead_fraction  the share of steps launched before the step
                  before was read (async scheduling): the others leave the device idle while the host works
+  served_engine_cpu_us_per_step, offline_cpu_us_per_step  CPU time per engine step of the served engine process
+                 (every thread; without --no-engine-process) and of the offline process (step thread and consumers)
   served_step_interval_ms, offline_step_interval_ms  the run's wall time over the engine steps it took: where the
                  server's work holds the GIL while the step thread waits for it, the served steps stretch
 
@@ -139,11 +141,12 @@ async def drive_engine(engine, prompts: list[list[int]], concurrency: int, outpu
                 last = now
                 tokens[0] += len(out.token_ids)
 
-    before = engine.stats()
+    before, cpu = engine.stats(), time.process_time()
     start = time.perf_counter()
     await asyncio.gather(*(one(ids) for ids in prompts))
     duration = time.perf_counter() - start
     return {"tokens": tokens[0], "duration_s": duration, "tok_s": tokens[0] / duration,
+            "cpu_s": time.process_time() - cpu,
             "steps": engine.stats().num_steps - before.num_steps,
             "steps_launched_ahead": engine.stats().num_steps_launched_ahead - before.num_steps_launched_ahead,
             "ttft_p50_ms": percentile_ms(ttfts, 50), "itl_p99_ms": percentile_ms(gaps, 99)}
@@ -263,20 +266,36 @@ def loop_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+def children_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds the child processes of `pid` have run, every thread (the server's engine process); None off
+    Linux."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        total = 0.0
+        for child in children:
+            fields = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    except OSError:
+        return None
+    return total
+
+
 def bench_once(url: str, prompts: list[list[int]], concurrency: int, output_len: int, timeout: float,
                server_pid: int) -> dict:
-    """One `colibri bench` run of the prompts (token ids, /v1/completions); its report, with the client's CPU time
-    and the server's event-loop CPU time added. Raises unless every request got all its tokens."""
+    """One `colibri bench` run of the prompts (token ids, /v1/completions); its report, with the client's CPU time,
+    the server's event-loop CPU time and its engine process's CPU time added. Raises unless every request got
+    all its tokens."""
     from colibri_stream.bench import BenchConfig, build_report, run_benchmark
 
     config = BenchConfig(url=url, prompts=tuple(prompts), num_requests=len(prompts), output_len=output_len,
                          endpoint="completions", concurrency=concurrency, ignore_eos=True, temperature=0.0,
                          timeout=timeout)
-    cpu, loop_cpu = time.process_time(), loop_cpu_seconds(server_pid)
+    cpu, loop_cpu, engine_cpu = time.process_time(), loop_cpu_seconds(server_pid), children_cpu_seconds(server_pid)
     report = build_report(asyncio.run(run_benchmark(config, progress=False)))
     report["client_cpu_s"] = time.process_time() - cpu
-    loop_after = loop_cpu_seconds(server_pid)
+    loop_after, engine_after = loop_cpu_seconds(server_pid), children_cpu_seconds(server_pid)
     report["server_loop_cpu_s"] = None if loop_cpu is None or loop_after is None else loop_after - loop_cpu
+    report["engine_cpu_s"] = None if engine_cpu is None or engine_after is None else engine_after - engine_cpu
     expected = len(prompts) * output_len
     if report["failed"] or report["output_tokens"] != expected:
         raise BenchmarkError(f"concurrency {concurrency}: {report['failed']} requests failed ({report['errors']}), "
@@ -364,6 +383,10 @@ def model_records(name: str, args: argparse.Namespace, conditions: dict, log_dir
             # in it) leaves the device idle while the host samples, detokenizes and schedules
             "served_launched_ahead_fraction": launched_ahead_fraction(report["server"]),
             "offline_launched_ahead_fraction": engine["steps_launched_ahead"] / max(engine["steps"], 1),
+            # CPU time per step: the served engine process's (all its threads), and the offline process's (its
+            # step thread and its consumers); more per step served than offline for the same work is a slower core
+            "served_engine_cpu_us_per_step": per_step_us(report["engine_cpu_s"], served_steps(report)),
+            "offline_cpu_us_per_step": per_step_us(engine["cpu_s"], engine["steps"]),
             "served_busy_fraction": report["server"]["busy_fraction"] if report["server"] else None,
             "switch_interval_s": sys.getswitchinterval() if args.switch_interval is None else args.switch_interval,
             "client_cpu_fraction": report["client_cpu_s"] / report["duration_s"],
@@ -407,6 +430,10 @@ def step_loop_profile(folder: str | None, name: str):
 def launched_ahead_fraction(server: dict | None) -> float | None:
     """The share of the server's steps in the run launched ahead, or None without its /metrics."""
     return server["steps_launched_ahead"] / server["steps"] if server else None
+
+
+def per_step_us(seconds: float | None, steps: int | None) -> float | None:
+    return 1e6 * seconds / steps if seconds is not None and steps else None
 
 
 def step_interval_ms(duration: float, steps: int | None) -> float | None:
