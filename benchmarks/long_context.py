@@ -26,11 +26,21 @@ experts, sample ...) and the record adds `prefill_phase_seconds`: each phase's s
 that computed prompt tokens, beside their wall time (`prefill_step_seconds`); a diagnostic run, since the timer's
 events add a little to each step.
 
+A shape whose published rope llama.cpp does not compute (gpt-oss: YaRN with truncate off, which
+`llama_cpp.write_gguf` refuses, since llama.cpp always rounds YaRN's correction range to whole dimensions) is
+written with truncate on (`needs_yarn_truncate`, `shape_folder`), and both engines run that model: it moves a few
+rotary frequencies, not any cost.
+
 A case whose predicted Colibri prefill (from the same shape's batch-1 rate) exceeds `--max-case-seconds` is
 recorded as skipped. Records (`bench: "long_context"`) go to `--out`; the Markdown table is printed.
 
     python benchmarks/long_context.py --batched-bench /tmp/llama-build/bin/llama-batched-bench \
         --gguf-py <llama.cpp>/gguf-py --out benchmarks/results/long_context_h200.json
+
+`--write-only` writes each shape's folder and GGUF and stops (no GPU needed: drawn on the GPU where CuPy finds
+one, else on the CPU), for a later run to time:
+
+    python benchmarks/long_context.py --shapes gpt-oss-20b:4 --write-only --gguf-py <llama.cpp>/gguf-py
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ from pathlib import Path
 import numpy as np
 from conditions import machine as host_machine
 from conditions import require_gpu
-from serving_gpu import model_folder
+from serving_gpu import model_folder, word_tokenizer_files
 
 DEFAULT_SHAPES = ("mixtral-8x7b:8", "qwen3-30b-a3b:16")
 LLAMA_KV_TYPES = {"bf16": "f16", "fp16": "f16", "fp8": "q8_0", "fp32": "f32"}
@@ -62,6 +72,77 @@ FIRST_PROMPT_ID = 16  # prompt ids are drawn from [FIRST_PROMPT_ID, vocab), past
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def needs_yarn_truncate(shape: str) -> bool:
+    """Whether `shape` (a SHAPES name) has YaRN with truncate off (gpt-oss's published rope), which llama.cpp does
+    not compute: the benchmark's model of such a shape has truncate on."""
+    from colibri_stream.synthetic import SHAPES
+
+    rope = SHAPES[shape]["rope"] if shape in SHAPES else None
+    return rope is not None and rope.type == "yarn" and not rope.truncate
+
+
+def benchmark_config(shape: str, layers: int):
+    """The ModelConfig of the model of a `--shapes` entry: the shape's with `layers` layers, YaRN's truncate on
+    where it `needs_yarn_truncate`."""
+    from colibri_stream.synthetic import shape_config
+
+    return shape_config(shape, layers, yarn_truncate=True if needs_yarn_truncate(shape) else None)
+
+
+def shape_folder(shape: str, layers: int, root: Path, device: str) -> tuple[Path, str]:
+    """(folder, description) of the model of a `--shapes` entry, written under `root` if absent (drawn on
+    `device`, with a word-level tokenizer): serving_gpu.model_folder's, but for a shape that `needs_yarn_truncate`,
+    whose folder has YaRN's truncate on and a name of its own."""
+    from colibri_stream.checkpoint import CONFIG_FILE
+    from colibri_stream.synthetic import write_synthetic_folder
+
+    if not needs_yarn_truncate(shape):
+        return model_folder(shape, layers, root, device)
+    folder = root / f"{shape}-{layers}-layers-yarn-truncate"
+    if not (folder / CONFIG_FILE).is_file() or not (folder / "tokenizer.json").is_file():
+        log(f"writing a random {shape} model of {layers} layers (YaRN truncate on) to {folder}")
+        config = write_synthetic_folder(folder, benchmark_config(shape, layers), device=device)
+        word_tokenizer_files(folder, config.vocab_size)
+        os.sync()  # the page cache's write-back must not run beside the timed runs
+    return folder, (f"{shape} shape with YaRN's truncate on (as llama.cpp computes it), {layers} layers, random "
+                    f"bf16 weights, word-level tokenizer")
+
+
+def gguf_beside(folder: Path, gguf_py: str | None) -> Path:
+    """The GGUF file of a model folder (its name with .gguf added, beside it), written from the folder with
+    llama.cpp's gguf-py (`gguf_py`) if absent."""
+    gguf = folder.parent / (folder.name + ".gguf")
+    if not gguf.is_file():
+        from llama_cpp import write_gguf
+
+        if gguf_py is None:
+            sys.exit(f"{gguf} is absent: --gguf-py (llama.cpp's gguf-py folder) writes it")
+
+        log(f"writing {gguf}")
+        write_gguf(folder, gguf, gguf_py)
+        os.sync()
+    return gguf
+
+
+def parse_shape(spec: str) -> tuple[str, int]:
+    """A `--shapes` entry SHAPE:LAYERS -> (shape, layers)."""
+    shape, layers = spec.split(":")
+    return shape, int(layers)
+
+
+def write_only(shapes: list[str], root: Path, gguf_py: str | None) -> int:
+    """--write-only: each shape's folder and, with `gguf_py`, its GGUF, drawn on the GPU where CuPy finds one, else
+    on the CPU; nothing is timed or removed."""
+    from colibri_stream.backends.cupy_backend import cuda_available
+
+    device = "cuda" if cuda_available() else "cpu"
+    for spec in shapes:
+        folder, _ = shape_folder(*parse_shape(spec), root, device)
+        if gguf_py:
+            gguf_beside(folder, gguf_py)
+    return 0
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
@@ -247,12 +328,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folder-root", default="/tmp/colibri-long-context")
     parser.add_argument("--keep-models", action="store_true", help="keep each shape's files after its runs")
     parser.add_argument("--write-only", action="store_true",
-                        help="write each shape's folder and GGUF (with --gguf-py) and stop: a later run times them")
+                        help="write each shape's folder and GGUF (with --gguf-py) and stop: a later run times them "
+                             "(no GPU needed)")
     parser.add_argument("--max-case-seconds", type=float, default=60.0)
     parser.add_argument("--phases", action="store_true", help="record each case's prefill phases (step timer on)")
     parser.add_argument("--llama-timeout", type=float, default=300.0)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "long_context.json"))
     args = parser.parse_args(argv)
+    if args.write_only:
+        return write_only(args.shapes, Path(args.folder_root), args.gguf_py)
     require_gpu()
     import cupy
 
@@ -263,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(host_machine(), **gpu_machine(), bench="long_context", bandwidth_gb_s=bandwidth)
     records: list[dict] = []
     for spec in args.shapes:
-        shape, layers = spec.split(":")[0], int(spec.split(":")[1])
-        folder, description = model_folder(shape, layers, Path(args.folder_root), "cuda")
+        shape, layers = parse_shape(spec)
+        folder, description = shape_folder(shape, layers, Path(args.folder_root), "cuda")
         from colibri_stream.checkpoint import ModelFolder
 
         config = ModelFolder(folder).config
@@ -272,15 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         # engines alike; each record names the context it ran
         room = decode_room(args.decode_tokens, args.batches, args.contexts)
         contexts = sorted({min(c, config.max_position_embeddings - room) for c in args.contexts})
-        gguf = folder.with_suffix(".gguf")
-        if (args.batched_bench or args.write_only and args.gguf_py) and not gguf.is_file():
-            from llama_cpp import write_gguf
-
-            log(f"writing {gguf}")
-            write_gguf(folder, gguf, args.gguf_py)
-            os.sync()
-        if args.write_only:
-            continue
+        gguf = gguf_beside(folder, args.gguf_py) if args.batched_bench else None
         for kv_dtype in args.kv_dtypes:
             cases = [case for precision in args.matmul_precisions
                      for case in colibri_cases(folder, config, kv_dtype, precision, contexts, args.batches,
@@ -297,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
         if not args.keep_models:
             shutil.rmtree(folder, ignore_errors=True)
-            gguf.unlink(missing_ok=True)
+            if gguf is not None:
+                gguf.unlink(missing_ok=True)
     print(table(records))
     return 0
 

@@ -8,7 +8,8 @@ so activations keep unit scale; the router is random too, so routing is close to
 
 `write_synthetic_folder(path, "mixtral-8x7b", num_layers=8)` writes the same kind of model as a native model folder
 (config.json, dense.safetensors, experts.bin; no tokenizer files), for benchmarks that read experts from disk.
-Both draw from one recipe (`dense_draws`, `expert_draws`: shape, std, seed and dtype of every tensor).
+Both draw from one recipe (`dense_draws`, `expert_draws`: shape, std, seed and dtype of every tensor), biases,
+attention sinks and biased experts' biases (gpt-oss) included: small random values, never zeros.
 `write_synthetic_folder(path, "mixtral-8x7b", 8, expert_dtype="int4")` writes the same model with quantized experts
 (int8, int4, fp8 or mxfp4, expert_codecs.py): each expert drawn as the bf16 folder's, then quantized from those bf16
 values, so the bf16 and the quantized folders of one shape and seed hold the same weights up to the format's
@@ -32,7 +33,7 @@ from .backends.base import Array, Backend
 from .checkpoint import (CONFIG_FILE, NUMPY_DTYPES, DenseFileWriter, ExpertFileWriter, dense_tensor_dtype,
                          dense_tensor_specs, expert_block_layout, write_config)
 from .config import ModelConfig, RopeConfig
-from .expert_codecs import FP8_BLOCK, ExpertCodec, PlainCodec, expert_codec
+from .expert_codecs import EXPERT_BIASES, FP8_BLOCK, ExpertCodec, PlainCodec, expert_codec
 from .experts.store import ExpertStore
 from .loader import select_backend
 from .model.transformer import MoETransformer
@@ -95,13 +96,20 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def shape_config(name: str, num_layers: int | None = None, dtype: str = "bfloat16") -> ModelConfig:
+def shape_config(name: str, num_layers: int | None = None, dtype: str = "bfloat16",
+                 yarn_truncate: bool | None = None) -> ModelConfig:
     """The ModelConfig of a named shape (SHAPES), optionally with fewer layers: every layer MoE but the shape's
     `first_dense_layers` leading ones (GLM-4.5's first_k_dense_replace), which are dense MLPs; each layer's attention
-    window from the shape's `window_pattern` repeated over the layers (None: full attention; the default)."""
+    window from the shape's `window_pattern` repeated over the layers (None: full attention; the default).
+
+    `yarn_truncate` sets a YaRN shape's `truncate` (None: the shape's own): True gives gpt-oss the rounded
+    correction range llama.cpp computes (its published config has truncate false), for the llama.cpp comparison;
+    a few rotary frequencies move, the work is the same."""
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}: one of {', '.join(SHAPES)}")
     fields = dict(SHAPES[name])
+    if yarn_truncate is not None:
+        fields["rope"] = _with_yarn_truncate(name, fields["rope"], yarn_truncate)
     layers = num_layers or fields["num_layers"]
     fields["num_layers"] = layers
     first_moe = min(fields.pop("first_dense_layers", 0), layers)
@@ -109,6 +117,13 @@ def shape_config(name: str, num_layers: int | None = None, dtype: str = "bfloat1
     return ModelConfig(**fields, moe_layers=tuple(range(first_moe, layers)),
                        sliding_windows=tuple(pattern[layer % len(pattern)] for layer in range(layers)),
                        dtype=dtype, expert_dtype=dtype)
+
+
+def _with_yarn_truncate(name: str, rope: RopeConfig, truncate: bool) -> RopeConfig:
+    """`rope` (shape `name`'s) with YaRN's `truncate` set; a shape of another rope has no such option."""
+    if rope.type != "yarn":
+        raise ValueError(f"shape {name!r} has {rope.type} rope, not yarn: yarn_truncate does not apply")
+    return dataclasses.replace(rope, truncate=truncate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,20 +141,25 @@ class WeightDraw:
 # Spread of a synthetic router's score correction bias: half the spread of its sigmoid scores (about 0.2 for the
 # unit-scale logits of a random router), so the bias changes which experts are chosen for many tokens.
 CORRECTION_BIAS_STD = 0.1
+# Spread of every bias but the correction bias, attention sinks and routed experts' biases included (float32).
+BIAS_STD = 0.02
+# Added to the seeds of a biased expert's gate, up and down matrices: the seeds of its biases, apart from every
+# matrix's seed (of any layer, expert and model seed below about 5e9), and below 2**63 (CuPy's seeds are 64-bit).
+EXPERT_BIAS_SEEDS = 1 << 60
 
 
 def _vector_std(name: str) -> float:
     """The spread of a 1-D dense tensor's draw: norm weights 0.1 (about 1), correction biases CORRECTION_BIAS_STD,
-    other biases 0.02."""
+    other biases and attention sinks BIAS_STD."""
     if name.endswith("norm"):
         return 0.1
-    return CORRECTION_BIAS_STD if name.endswith("score_correction_bias") else 0.02
+    return CORRECTION_BIAS_STD if name.endswith("score_correction_bias") else BIAS_STD
 
 
 def dense_draws(config: ModelConfig, seed: int = 0) -> dict[str, WeightDraw]:
     """The draw of every dense tensor (`dense_tensor_specs` order). Norm weights are 1 + N(0, 0.1), a router's
-    score correction bias N(0, CORRECTION_BIAS_STD) and other biases N(0, 0.02), all float32; the embedding is
-    N(0, 1), other matrices N(0, 1/fan_in), in `config.dtype`."""
+    score correction bias N(0, CORRECTION_BIAS_STD), other biases (q/k/v, o, the router's) and attention sinks
+    N(0, BIAS_STD), all float32; the embedding is N(0, 1), other matrices N(0, 1/fan_in), in `config.dtype`."""
     draws = {}
     for order, (name, shape) in enumerate(dense_tensor_specs(config).items()):
         tensor_seed = seed * 1_000_003 + order
@@ -153,15 +173,28 @@ def dense_draws(config: ModelConfig, seed: int = 0) -> dict[str, WeightDraw]:
 
 
 def expert_draws(config: ModelConfig, layer: int, expert: int, seed: int = 0) -> dict[str, WeightDraw]:
-    """The draws of one routed expert's gate [I, H], up [I, H] and down [H, I] (N(0, 1/fan_in), expert_dtype)."""
+    """The draws of one routed expert's gate [I, H], up [I, H] and down [H, I] (N(0, 1/fan_in), expert_dtype), then,
+    for biased experts (config.expert_bias: gpt-oss), its gate_bias [I], up_bias [I] and down_bias [H]
+    (`expert_bias_draws`)."""
     if config.expert_dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"synthetic experts are float32, bfloat16 or float16, not {config.expert_dtype}")
     h, i = config.hidden_size, config.moe_intermediate_size
     tensor_seed = ((seed * 1009 + layer) * 65_537 + expert) * 3 + 7_000_000_007
     dtype = config.expert_dtype
-    return {"gate": WeightDraw((i, h), h**-0.5, tensor_seed, dtype),
-            "up": WeightDraw((i, h), h**-0.5, tensor_seed + 1, dtype),
-            "down": WeightDraw((h, i), i**-0.5, tensor_seed + 2, dtype)}
+    draws = {"gate": WeightDraw((i, h), h**-0.5, tensor_seed, dtype),
+             "up": WeightDraw((i, h), h**-0.5, tensor_seed + 1, dtype),
+             "down": WeightDraw((h, i), i**-0.5, tensor_seed + 2, dtype)}
+    if config.expert_bias:
+        draws.update(expert_bias_draws(h, i, tensor_seed + EXPERT_BIAS_SEEDS))
+    return draws
+
+
+def expert_bias_draws(hidden: int, inter: int, first_seed: int) -> dict[str, WeightDraw]:
+    """The draws of a biased expert's biases, N(0, BIAS_STD) float32 (as the expert block stores them): gate_bias
+    [I], up_bias [I] and down_bias [H], seeded `first_seed`, + 1 and + 2 (EXPERT_BIASES order)."""
+    widths = {"gate_bias": inter, "up_bias": inter, "down_bias": hidden}
+    return {name: WeightDraw((widths[name],), BIAS_STD, first_seed + order, "float32")
+            for order, name in enumerate(EXPERT_BIASES)}
 
 
 def draw_on(backend: Backend, draw: WeightDraw) -> Array:
@@ -322,6 +355,15 @@ def quantize_expert(codec: ExpertCodec, matrices: dict[str, np.ndarray], pool: T
     return tensors
 
 
+def quantize_matrices(codec: ExpertCodec, tensors: dict[str, np.ndarray],
+                      pool: ThreadPoolExecutor) -> dict[str, np.ndarray]:
+    """An expert's drawn tensors in `codec`'s format: its gate, up and down quantized (`quantize_expert`, chunks of
+    QUANTIZE_ROWS rows), its biases (if any) as drawn, float32 in every format."""
+    biases = {name: tensors[name] for name in EXPERT_BIASES if name in tensors}
+    matrices = {name: array for name, array in tensors.items() if name not in biases}
+    return {**quantize_expert(codec, matrices, pool, QUANTIZE_ROWS), **biases}
+
+
 def write_synthetic_folder(path: str | os.PathLike, shape: str | ModelConfig, num_layers: int | None = None,
                            seed: int = 0, expert_dtype: str = "bfloat16", device: str = "auto",
                            group_size: int = 128, zero_point: bool = False, scales: str = "block") -> ModelConfig:
@@ -331,16 +373,17 @@ def write_synthetic_folder(path: str | os.PathLike, shape: str | ModelConfig, nu
     int4 with groups of `group_size` input channels and, with `zero_point`, zero points, fp8 with `scales` "block"
     or "channel", mxfp4: `with_expert_format`). Returns the config.
 
-    Values follow `dense_draws` / `expert_draws` (the recipe of `synthetic_model`). With a GPU (device auto or
-    cuda) every tensor is drawn on it, so the files hold `synthetic_model(device="cuda")`'s matrices exactly and
-    writing is bound by the disk; on the CPU tensors come from `pooled_normal`. Dense tensors are all stored in
-    `config.dtype` (norm weights rounded to it). A quantized expert is drawn in bfloat16 (QUANTIZED_FROM: the bf16
-    folder's values, so both folders hold the same weights up to the format's rounding) and quantized by its codec
-    (round to nearest, expert_codecs.py) in row chunks on a pool of os.cpu_count() threads. Tensors are made one
-    expert at a time, the next expert (drawn, and quantized) while the one before is written, so memory peaks at
-    about two experts (plus the largest dense tensor). config.json is written last: a folder whose writing failed
-    does not open. Writing and CRC32 bound it on a GPU host (the draws run on the GPU), the page cache's writeback
-    on a small VM, and quantizing (all cores) a quantized folder.
+    Values follow `dense_draws` / `expert_draws` (the recipe of `synthetic_model`), biased experts' biases (gpt-oss)
+    included. With a GPU (device auto or cuda) every tensor is drawn on it, so the files hold
+    `synthetic_model(device="cuda")`'s matrices exactly and writing is bound by the disk; on the CPU tensors come
+    from `pooled_normal`. Dense tensors are all stored in `config.dtype` (norm weights rounded to it). A quantized
+    expert is drawn in bfloat16 (QUANTIZED_FROM: the bf16 folder's values, so both folders hold the same weights up
+    to the format's rounding) and quantized by its codec (round to nearest, expert_codecs.py) in row chunks on a
+    pool of os.cpu_count() threads, its biases kept float32 as drawn. Tensors are made one expert at a time, the
+    next expert (drawn, and quantized) while the one before is written, so memory peaks at about two experts (plus
+    the largest dense tensor). config.json is written last: a folder whose writing failed does not open. Writing and
+    CRC32 bound it on a GPU host (the draws run on the GPU), the page cache's writeback on a small VM, and quantizing
+    (all cores) a quantized folder.
     """
     if isinstance(shape, ModelConfig):
         if num_layers is not None:
@@ -374,7 +417,7 @@ def write_synthetic_folder(path: str | os.PathLike, shape: str | ModelConfig, nu
 
         def make(layer: int, expert: int) -> dict[str, np.ndarray]:
             tensors = {name: host(d) for name, d in expert_draws(drawn, layer, expert, seed).items()}
-            return quantize_expert(codec, tensors, pool, QUANTIZE_ROWS) if quantized else tensors
+            return quantize_matrices(codec, tensors, pool) if quantized else tensors
 
         jobs = ((lambda layer=layer, expert=expert: make(layer, expert)) for layer, expert in experts)
         with ExpertFileWriter(folder / config.experts_file, config) as writer:

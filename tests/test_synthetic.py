@@ -1,9 +1,13 @@
-"""Synthetic random-weight models (the benchmarks' models) build through the normal loading path on the CPU."""
+"""Synthetic random-weight models (the benchmarks' models) build through the normal loading path on the CPU; gpt-oss
+with its biases, and with the YaRN llama.cpp computes where benchmarks/long_context.py compares with it."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,13 +16,16 @@ import pytest
 from colibri_stream import synthetic
 from colibri_stream.backends.numpy_backend import NumpyBackend
 from colibri_stream.checkpoint import TOKENIZER_FILES, ModelFolder, dense_tensor_specs
+from colibri_stream.config import ModelConfig
 from colibri_stream.errors import CheckpointError
 from colibri_stream.export.architectures import translate_config
 from colibri_stream.batch import single_sequence_batch
 from colibri_stream.loader import load_model
-from colibri_stream.synthetic import (CORRECTION_BIAS_STD, SHAPES, RandomDense, RandomExpertStore, WeightDraw,
-                                      dense_draws, pooled_normal, shape_config, synthetic_model,
-                                      write_synthetic_folder)
+from colibri_stream.synthetic import (BIAS_STD, CORRECTION_BIAS_STD, SHAPES, RandomDense, RandomExpertStore,
+                                      WeightDraw, dense_draws, expert_draws, pooled_normal, shape_config,
+                                      synthetic_model, write_synthetic_folder)
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -172,3 +179,187 @@ def test_write_refuses_what_it_cannot_draw(tmp_path):
         write_synthetic_folder(tmp_path, tiny_config(), expert_dtype="int3", device="cpu")
     with pytest.raises(ValueError, match="num_layers"):
         write_synthetic_folder(tmp_path, tiny_config(), num_layers=1, device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fixed draws of the shapes without biased experts, and gpt-oss's biases
+# ---------------------------------------------------------------------------------------------------------------
+
+def small(name: str, layers: int = 2) -> ModelConfig:
+    """A named shape at tiny widths (tiny_config's), its options kept."""
+    return dataclasses.replace(shape_config(name, layers), vocab_size=300, hidden_size=64, num_heads=4,
+                               num_kv_heads=2, head_dim=16, num_experts=8, top_k=2, moe_intermediate_size=32,
+                               max_position_embeddings=128)
+
+
+def hashed(digest, name: str, array) -> None:
+    digest.update(name.encode())
+    digest.update(np.ascontiguousarray(array).tobytes())
+
+
+def folder_digest(path: Path) -> str:
+    """SHA-256 of every tensor of a model folder by name, as stored: dense ones in file order, then each expert's."""
+    folder = ModelFolder(path, verify=True)
+    digest = hashlib.sha256()
+    for name in folder.dense.names:
+        hashed(digest, name, folder.dense.get(name))
+    for layer in folder.config.moe_layers:
+        for expert in range(folder.config.num_experts):
+            for name, array in sorted(folder.experts.tensors(layer, expert).items()):
+                hashed(digest, name, array)
+    return digest.hexdigest()
+
+
+def memory_digest(config) -> str:
+    """SHA-256 of every tensor `synthetic_model`'s dense source and expert store draw on the NumPy backend."""
+    backend, digest = NumpyBackend(), hashlib.sha256()
+    dense = RandomDense(config, backend)
+    for name in dense.names:
+        hashed(digest, name, dense.get(name))
+    store = RandomExpertStore(config, backend)
+    for layer in config.moe_layers:
+        for expert in range(config.num_experts):
+            for name, array in sorted(store.expert(layer, expert).items()):
+                hashed(digest, name, array)
+    return digest.hexdigest()
+
+
+# Digests of the tensors the recipe drew before gpt-oss's expert biases were drawn (the code of commit 6ea6f44,
+# NumPy 2.4's Generator): the shapes without biased experts keep every value. "pooled" writes with a pool of 1024
+# values in windows of 64 (every expert matrix pooled).
+FIXED_DIGESTS = {
+    ("mixtral-8x7b", "folder", 0): "0409358f4b65a9fd5fe46c6925c0e742f733abbacc256be49d9ba64e53aa19c8",
+    ("qwen3-30b-a3b", "folder", 3): "542744771fa156f6578980256a96421fa7e33a62717ba160279d2f4b7251594d",
+    ("mixtral-8x7b", "pooled", 0): "083ef2047be8509edaad9d978e6ba95d1cf725cb577cdb47bd32a9c5dfc854e5",
+    ("mixtral-8x7b", "memory", 0): "ec00332ceb1c6cc8993aa0f9eb3e11be430ab8f5c37fb3069b0469322108b9e6",
+    ("qwen3-30b-a3b", "memory", 0): "b2e7af693ba39907a5672a2eb2f25f3538826db2f0ee9cfe5857c902e13d81b2",
+}
+
+
+@pytest.mark.parametrize("name, where, seed", list(FIXED_DIGESTS))
+def test_shapes_without_biased_experts_draw_what_they_drew(name, where, seed, tmp_path, monkeypatch):
+    config = small(name)
+    if where == "memory":
+        assert memory_digest(config) == FIXED_DIGESTS[name, where, seed]
+        return
+    if where == "pooled":
+        monkeypatch.setattr(synthetic, "POOL_VALUES", 1024)
+        monkeypatch.setattr(synthetic, "POOL_WINDOW", 64)
+    write_synthetic_folder(tmp_path, config, seed=seed, device="cpu")
+    assert folder_digest(tmp_path) == FIXED_DIGESTS[name, where, seed]
+
+
+def gpt_oss_config():
+    """A tiny gpt-oss (gpt-oss-20b's options: biases, sinks, biased clamped-SwiGLU experts), a window of 8."""
+    return dataclasses.replace(small("gpt-oss-20b"), sliding_windows=(8, None))
+
+
+def test_gpt_oss_experts_draw_small_float32_biases_seeded_apart_from_their_matrices():
+    config = gpt_oss_config()
+    draws = expert_draws(config, 1, 3, seed=2)
+    assert list(draws) == ["gate", "up", "down", "gate_bias", "up_bias", "down_bias"]
+    biases = {name: draws[name] for name in ("gate_bias", "up_bias", "down_bias")}
+    assert [d.shape for d in biases.values()] == [(32,), (32,), (64,)]
+    assert all(d.dtype == "float32" and d.std == BIAS_STD and d.shift == 0.0 for d in biases.values())
+    seeds = {d.seed for layer in (0, 1) for expert in range(8) for seed in (0, 2)
+             for d in expert_draws(config, layer, expert, seed).values()}
+    assert len(seeds) == 2 * 8 * 2 * 6  # every tensor of every expert, layer and seed its own stream
+    assert max(seeds) < 2**63  # CuPy takes 64-bit seeds
+    plain = expert_draws(dataclasses.replace(config, expert_bias=False), 1, 3, seed=2)
+    assert plain == {name: draws[name] for name in ("gate", "up", "down")}  # the matrices of any expert_bias
+
+
+def test_gpt_oss_folder_holds_the_drawn_biases_and_runs(tmp_path):
+    config = gpt_oss_config()
+    write_synthetic_folder(tmp_path, config, device="cpu")
+    folder = ModelFolder(tmp_path, verify=True)
+    assert folder.config == config
+    store = RandomExpertStore(config, NumpyBackend())
+    biases = []
+    for layer, expert in ((0, 0), (1, 5)):
+        stored, drawn = folder.experts.tensors(layer, expert), store.expert(layer, expert)
+        assert sorted(stored) == sorted(drawn)
+        assert all(np.array_equal(stored[n].view(np.uint8), drawn[n].view(np.uint8)) for n in drawn)
+        biases += [stored[n] for n in ("gate_bias", "up_bias", "down_bias")]
+    values = np.concatenate(biases)
+    assert values.dtype == np.float32 and np.count_nonzero(values) == values.size  # never zeros
+    assert values.std() == pytest.approx(BIAS_STD, rel=0.2)
+    assert not np.array_equal(biases[0], biases[3])  # another expert, other biases
+    for name in ("layers.0.sinks", "layers.0.q_bias", "layers.0.k_bias", "layers.0.v_bias", "layers.0.o_bias",
+                 "layers.1.router_bias"):
+        dense = folder.dense.get(name).astype(np.float32)
+        assert np.count_nonzero(dense) == dense.size and np.abs(dense).max() < 5 * BIAS_STD, name
+    model = load_model(str(tmp_path), device="cpu")
+    ids = np.arange(3, 13)  # longer than the window of 8
+    logits = model.forward(single_sequence_batch(ids, 0, np.arange(4), 8), model.allocate_kv_cache(4, 8))
+    assert logits.shape == (1, 300) and np.isfinite(logits).all() and logits.std() > 0.1
+
+
+def test_gpt_oss_synthetic_model_draws_the_biases_of_its_folder(tmp_path):
+    """The in-memory model (biased expert store) computes what the folder of the same seed computes."""
+    config = gpt_oss_config()
+    write_synthetic_folder(tmp_path, config, seed=1, device="cpu")
+    ids = np.arange(5, 15)
+
+    def logits(model):
+        return model.forward(single_sequence_batch(ids, 0, np.arange(4), 8), model.allocate_kv_cache(4, 8))
+
+    ours = logits(synthetic_model(config, device="cpu", seed=1))
+    assert np.isfinite(ours).all() and ours.std() > 0.1
+    # the folder rounds norm weights and 1-D biases to bf16 (dense_tensor_dtype): close, not equal
+    assert np.allclose(ours, logits(load_model(str(tmp_path), device="cpu")), atol=0.05 * np.abs(ours).max())
+
+
+@pytest.mark.parametrize("expert_dtype", ["int8", "mxfp4"])
+def test_quantized_gpt_oss_folder_keeps_the_float32_biases(expert_dtype, tmp_path):
+    config = gpt_oss_config()
+    write_synthetic_folder(tmp_path / "bf16", config, device="cpu")
+    write_synthetic_folder(tmp_path / expert_dtype, config, expert_dtype=expert_dtype, device="cpu")
+    plain = ModelFolder(tmp_path / "bf16").experts.tensors(1, 6)
+    quantized = ModelFolder(tmp_path / expert_dtype, verify=True).experts.tensors(1, 6)
+    for name in ("gate_bias", "up_bias", "down_bias"):
+        assert quantized[name].dtype == np.float32 and np.array_equal(quantized[name], plain[name])
+    model = load_model(str(tmp_path / expert_dtype), device="cpu")
+    logits = model.forward(single_sequence_batch(np.arange(3, 9), 0, np.arange(4), 8), model.allocate_kv_cache(4, 8))
+    assert np.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "gpt-oss-120b"])
+def test_yarn_truncate_is_set_for_llama_cpp_and_nothing_else(name):
+    published = shape_config(name, 3)
+    truncated = shape_config(name, 3, yarn_truncate=True)
+    assert published.rope.truncate is False and truncated.rope.truncate is True
+    assert dataclasses.replace(truncated, rope=published.rope) == published
+    assert shape_config(name, 3, yarn_truncate=None) == published
+
+
+def test_yarn_truncate_needs_a_yarn_shape():
+    assert shape_config("deepseek-v3", 4, yarn_truncate=True) == shape_config("deepseek-v3", 4)  # truncates already
+    with pytest.raises(ValueError, match="not yarn"):
+        shape_config("mixtral-8x7b", 2, yarn_truncate=True)
+
+
+@pytest.fixture(scope="module")
+def benchmark_modules():
+    """(benchmarks/long_context.py, benchmarks/llama_cpp.py) imported (neither needs a GPU or llama.cpp here)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("long_context"), importlib.import_module("llama_cpp")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_long_context_writes_what_llama_cpp_computes(benchmark_modules):
+    """Every shape of an architecture llama.cpp has is written by long_context.py as a model llama.cpp computes as
+    Colibri does: gpt-oss with YaRN's truncate on, the others as published."""
+    long_context, llama_cpp = benchmark_modules
+    assert [name for name in SHAPES if long_context.needs_yarn_truncate(name)] == ["gpt-oss-20b", "gpt-oss-120b"]
+    for name in SHAPES:
+        config = long_context.benchmark_config(name, 2)
+        arch = llama_cpp.ARCHITECTURES.get(config.architecture)
+        if arch is not None:
+            assert llama_cpp.unwritable(config, arch) == [], name
+        if not long_context.needs_yarn_truncate(name):
+            assert config == shape_config(name, 2)
+    assert llama_cpp.unwritable(shape_config("gpt-oss-20b", 2), llama_cpp.ARCHITECTURES["gpt_oss"]) == [
+        "YaRN without truncate (llama.cpp rounds the correction range to whole dimensions)"]
