@@ -227,7 +227,7 @@ class EngineCore:
             following = self.scheduler.schedule_next(launched.step, self.runner.launches, self.runner.max_tokens_ahead)
         self._launched = None if following is None else self.runner.launch(following)
         if following is not None and self._launched is None:
-            raise RuntimeError("a decode step scheduled ahead could not be launched")
+            raise RuntimeError("a step scheduled ahead could not be launched")
         self._num_steps_launched_ahead += following is not None
         return launched.step, self.runner.collect(launched)
 

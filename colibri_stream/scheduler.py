@@ -191,7 +191,7 @@ class Scheduler:
                 return None
             seqs.append(ScheduledSeq(request, [FED_TOKEN], position, list(self.kv.block_ids(request.seq_id)), True,
                                      decoding[request.seq_id]))
-        if admissible is not None:
+        if admissible is not None and seqs:  # a step launched ahead samples a token the next one feeds on
             self._admit(budget - len(seqs), seqs, admissible)
         if not seqs:
             return None

@@ -196,6 +196,20 @@ def test_schedule_next_feeds_each_sequence_its_row_and_admits_beside_them(tiny_m
                                                                         (1, len(prompts[1]))]
 
 
+def test_schedule_next_admits_nothing_beside_no_decode(tiny_model_dir, prompts):
+    """When every running sequence's token from the running step is its last, nothing decodes next: a waiting
+    prompt is left for `schedule()` (a step of prompt chunks alone may sample nothing, and a launched step must)."""
+    core = EngineCore.from_pretrained(str(tiny_model_dir), **ROOMY, async_scheduling=False)
+    scheduler = core.scheduler
+    scheduler.add_request(Request("a", prompts[1], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                                  frozenset()))
+    scheduler.update_from_output(scheduler.schedule(), [1])
+    decode = scheduler.schedule()  # "a"'s second token, its last
+    scheduler.add_request(Request("b", prompts[0], SamplingParams(max_tokens=8, temperature=0.0), frozenset()))
+    assert scheduler.schedule_next(decode, lambda request: True, max_tokens=4) is None
+    assert [r.request_id for r in scheduler.waiting] == ["b"] and scheduler.kv.block_ids(scheduler.waiting[0].seq_id) == []
+
+
 def test_schedule_next_takes_a_prompt_chunk_within_its_token_bound(tiny_model_dir, prompts):
     """A prompt longer than the bound left by the decodes is admitted as a first chunk; the step after it, its
     prompt going on, waits for known tokens."""
