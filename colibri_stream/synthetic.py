@@ -39,6 +39,15 @@ from .loader import select_backend
 from .model.transformer import MoETransformer
 
 # Dimensions of published checkpoints (their config.json), as ModelConfig fields.
+
+_GPT_OSS = dict(architecture="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64,
+                num_kv_heads=8, head_dim=64, num_experts=32, top_k=4, moe_intermediate_size=2880,
+                norm_topk_prob=True, router_bias=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702,
+                qkv_bias=True, o_bias=True, attention_sinks=True, window_pattern=(128, None),
+                rope=RopeConfig(type="yarn", theta=150000.0, factor=32.0, original_max_position_embeddings=4096,
+                                beta_fast=32.0, beta_slow=1.0, truncate=False),
+                rms_norm_eps=1e-5, max_position_embeddings=131072)  # gpt-oss-20b; 120b differs in layers and experts
+
 SHAPES: dict[str, dict] = {
     "mixtral-8x7b": dict(architecture="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
                          num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, moe_intermediate_size=14336,
@@ -75,24 +84,8 @@ SHAPES: dict[str, dict] = {
                                         beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
                         max_position_embeddings=163840),
     # gpt-oss: sliding windows of 128 tokens at even layers (window_pattern, repeated), full attention at odd ones
-    "gpt-oss-20b": dict(architecture="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64,
-                        num_kv_heads=8, head_dim=64, num_experts=32, top_k=4, moe_intermediate_size=2880,
-                        norm_topk_prob=True, router_bias=True, expert_bias=True, swiglu_limit=7.0,
-                        swiglu_alpha=1.702, qkv_bias=True, o_bias=True, attention_sinks=True,
-                        window_pattern=(128, None),
-                        rope=RopeConfig(type="yarn", theta=150000.0, factor=32.0,
-                                        original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
-                                        truncate=False),
-                        rms_norm_eps=1e-5, max_position_embeddings=131072),
-    "gpt-oss-120b": dict(architecture="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=36, num_heads=64,
-                         num_kv_heads=8, head_dim=64, num_experts=128, top_k=4, moe_intermediate_size=2880,
-                         norm_topk_prob=True, router_bias=True, expert_bias=True, swiglu_limit=7.0,
-                         swiglu_alpha=1.702, qkv_bias=True, o_bias=True, attention_sinks=True,
-                         window_pattern=(128, None),
-                         rope=RopeConfig(type="yarn", theta=150000.0, factor=32.0,
-                                         original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
-                                         truncate=False),
-                         rms_norm_eps=1e-5, max_position_embeddings=131072),
+    "gpt-oss-20b": _GPT_OSS,
+    "gpt-oss-120b": dict(_GPT_OSS, num_layers=36, num_experts=128),
 }
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -93,3 +96,17 @@ def tiny_server(tiny_model_dir: Path):
                       served_model_name="tiny")
     yield live
     live.close()
+
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@contextmanager
+def imported_benchmarks(*names: str):
+    """The scripts `names` of benchmarks/ imported as modules, in order (they import one another by plain name,
+    so the folder is on sys.path while the body runs)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield tuple(importlib.import_module(name) for name in names)
+    finally:
+        sys.path.remove(str(BENCHMARKS))

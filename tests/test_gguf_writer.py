@@ -8,15 +8,14 @@ recomputed from the planned tensors as llama.cpp's graph computes it, need nothi
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import os
-import sys
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import imported_benchmarks
 
 from colibri_stream.backends.rotary import rotate
 from colibri_stream.checkpoint import ModelFolder
@@ -25,7 +24,6 @@ from colibri_stream.loader import load_model
 from colibri_stream.model.rope import cos_sin_table, yarn_mscale
 from colibri_stream.synthetic import shape_config, write_synthetic_folder
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 GGUF_PY = os.environ.get("COLIBRI_GGUF_PY")
 needs_gguf_py = pytest.mark.skipif(not GGUF_PY or not (Path(GGUF_PY) / "gguf").is_dir(),
                                    reason="COLIBRI_GGUF_PY names no gguf-py folder of a llama.cpp tree")
@@ -35,11 +33,8 @@ SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 @pytest.fixture(scope="module")
 def benchmarks():
     """(benchmarks/llama_cpp.py, benchmarks/llama_cpp_parity.py) imported."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("llama_cpp"), importlib.import_module("llama_cpp_parity")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with imported_benchmarks("llama_cpp", "llama_cpp_parity") as modules:
+        yield modules
 
 
 def written(benchmarks, family: str, folder: Path, matrices: str = "bf16"):

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import imported_benchmarks
 
 from colibri_stream import synthetic
 from colibri_stream.backends.numpy_backend import NumpyBackend
@@ -25,7 +24,6 @@ from colibri_stream.synthetic import (BIAS_STD, CORRECTION_BIAS_STD, SHAPES, Ran
                                       WeightDraw, dense_draws, expert_draws, pooled_normal, shape_config,
                                       synthetic_model, write_synthetic_folder)
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -342,11 +340,8 @@ def test_yarn_truncate_needs_a_yarn_shape():
 @pytest.fixture(scope="module")
 def benchmark_modules():
     """(benchmarks/long_context.py, benchmarks/llama_cpp.py) imported (neither needs a GPU or llama.cpp here)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("long_context"), importlib.import_module("llama_cpp")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with imported_benchmarks("long_context", "llama_cpp") as modules:
+        yield modules
 
 
 def test_long_context_writes_what_llama_cpp_computes(benchmark_modules):
