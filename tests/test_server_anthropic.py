@@ -435,6 +435,8 @@ def result(tool_use_id: str) -> dict:
      "messages[0].content[1]: text content blocks must be non-empty"),
     ({"messages": [*MESSAGES, {"role": "assistant", "content": [{"type": "text", "text": ""}]}, *MESSAGES]},
      "messages[1].content[0]: text content blocks must be non-empty"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": " \n\t"}]}]},
+     "messages[0].content[0]: text content blocks must contain non-whitespace text"),
     ({"messages": [*MESSAGES, CALLED, result("toolu_2")]}, "messages[2].content[0]: " + UNANSWERED),
     ({"messages": [result("toolu_2")]}, "messages[0].content[0]: " + UNANSWERED),  # no assistant turn before it
     # toolu_2 was called two turns before: the assistant turn just before it called nothing

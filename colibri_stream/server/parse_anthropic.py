@@ -142,11 +142,13 @@ def _text_part(block: dict, param: str) -> dict:
 
 
 def _message_text(block: dict, param: str) -> dict:
-    """A message's text block (`param`: its field) as a chat text part; its text may not be empty, as Anthropic
-    refuses it."""
+    """A message's text block (`param`: its field) as a chat text part; its text may not be empty or whitespace
+    alone, as Anthropic refuses both."""
     part = _text_part(block, param)
     if not part["text"]:
         raise bad_request(f"{param}: text content blocks must be non-empty", param=f"{param}.text")
+    if part["text"].isspace():
+        raise bad_request(f"{param}: text content blocks must contain non-whitespace text", param=f"{param}.text")
     return part
 
 
