@@ -34,8 +34,9 @@ class Backend(ABC):
     "cpu" or "cuda": the expert tiers are built for it), `supports_graphs` (a decode step can be captured as a
     CUDA graph, cuda_graph.py) and `captures` (a given model's can), `logit_source` (how the sampler reads a
     forward's logits), `synchronize`, `clock` (where the step timer reads the model's phases),
-    `expert_formats` (the routed-expert formats it computes, config.EXPERT_DTYPES's names) and `missing_features`
-    (the model options it does not run).
+    `expert_formats` (the routed-expert formats it computes, config.EXPERT_DTYPES's names), `missing_features`
+    (the model options it does not run) and `max_tokens_in_stream_order` (the largest step it queues on the device
+    without the host waiting inside it).
     """
 
     name: str  # for logs and reports
