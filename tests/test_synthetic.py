@@ -358,3 +358,107 @@ def test_long_context_writes_what_llama_cpp_computes(benchmark_modules):
             assert config == shape_config(name, 2)
     assert llama_cpp.unwritable(shape_config("gpt-oss-20b", 2), llama_cpp.ARCHITECTURES["gpt_oss"]) == [
         "YaRN without truncate (llama.cpp rounds the correction range to whole dimensions)"]
+
+
+def test_long_context_shape_entries_name_their_dense_layers(benchmark_modules):
+    """SHAPE:LAYERS:DENSE gives that many leading dense layers, the rest MoE, in a folder of its own name; the
+    entries without DENSE keep the shape's own split and serving_gpu's folder name."""
+    long_context, _ = benchmark_modules
+    assert long_context.parse_shape("deepseek-v3:3:1") == ("deepseek-v3", 3, 1)
+    assert long_context.parse_shape("mixtral-8x7b:8") == ("mixtral-8x7b", 8, None)
+    config = long_context.benchmark_config("deepseek-v3", 3, 1)
+    assert config.moe_layers == (1, 2) and long_context.layer_split(config) == "3 layers (1 dense + 2 MoE)"
+    assert dataclasses.replace(config, moe_layers=()) == shape_config("deepseek-v3", 3)
+    assert long_context.benchmark_config("deepseek-v3", 3).moe_layers == ()
+    root = Path("/models")
+    assert long_context.folder_path("deepseek-v3", 3, 1, root) == root / "deepseek-v3-3-layers-1-dense"
+    assert long_context.folder_path("qwen3-30b-a3b", 16, None, root) == root / "qwen3-30b-a3b-16-layers"
+    with pytest.raises(ValueError, match="no dense MLP width"):
+        long_context.benchmark_config("mixtral-8x7b", 2, 1)
+
+
+def test_long_context_predicts_the_bytes_it_writes(benchmark_modules, tmp_path):
+    """folder_bytes is the written folder's size up to its allowances; a DeepSeek-V3 layer of routed experts is
+    22.5 GB in the folder and in the GGUF file alike; a cached token is 576 values a layer in both engines."""
+    long_context, _ = benchmark_modules
+    config = dataclasses.replace(long_context.benchmark_config("deepseek-v3", 2, 1), vocab_size=512,
+                                 hidden_size=128, num_heads=4, num_kv_heads=4, head_dim=48, rotary_dim=16,
+                                 v_head_dim=32, q_lora_rank=96, kv_lora_rank=64, num_experts=16, top_k=4, n_group=4,
+                                 topk_group=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                                 intermediate_size=192)
+    folder = tmp_path / "tiny"
+    write_synthetic_folder(folder, config, device="cpu")
+    synthetic_word_tokenizer(folder, config.vocab_size)
+    written = long_context.file_bytes(folder)
+    predicted = long_context.folder_bytes(config)
+    assert written <= predicted <= written + long_context.FILE_ALLOWANCE + 24 * config.vocab_size
+    big = long_context.benchmark_config("deepseek-v3", 3, 1)
+    one_more_moe = long_context.benchmark_config("deepseek-v3", 4, 1)
+    for size in (long_context.folder_bytes, long_context.gguf_bytes):
+        assert size(one_more_moe) - size(big) == pytest.approx(256 * 3 * 7168 * 2048 * 2 + 0.4e9, rel=0.01)
+    assert long_context.colibri_kv_bytes_per_token(big, "bf16") == 3 * 576 * 2
+    assert long_context.llama_kv_bytes_per_token(big, "f16") == 3 * 576 * 2
+    assert long_context.llama_kv_bytes_per_token(big, "q8_0") == 3 * 18 * 34  # blocks of 32 values in 34 bytes
+    assert long_context.colibri_kv_bytes_per_token(big, "fp8") == 3 * 576
+    mixtral = long_context.benchmark_config("mixtral-8x7b", 2)
+    assert long_context.llama_kv_bytes_per_token(mixtral, "f16") == 2 * 2 * 8 * 128 * 2  # keys and values
+    assert long_context.colibri_kv_bytes_per_token(mixtral, "bf16") == 2 * 2 * 8 * 128 * 2
+
+
+def synthetic_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """The word-level tokenizer files long_context.py writes beside a synthetic folder."""
+    with imported_benchmarks("serving_gpu") as (serving_gpu,):
+        serving_gpu.word_tokenizer_files(folder, vocab_size)
+
+
+class FakeDisks:
+    """shutil.disk_usage and long_context.filesystem over named filesystems: a path's filesystem is its first
+    component (/disk, /shm), its free bytes given."""
+
+    def __init__(self, free: dict[str, int]):
+        self.free = free
+
+    def filesystem(self, path: Path) -> tuple[int, Path]:
+        root = Path("/", path.parts[1])
+        return list(self.free).index(str(root)), root
+
+    def disk_usage(self, path):
+        return type("usage", (), {"free": self.free[str(path)]})()
+
+
+@pytest.fixture
+def fake_disks(benchmark_modules, monkeypatch):
+    """Two filesystems of 60 GB (/disk) and 55 GB (/shm) free for long_context's room checks."""
+    long_context, _ = benchmark_modules
+    disks = FakeDisks({"/disk": 60 * 10**9, "/shm": 55 * 10**9})
+    monkeypatch.setattr(long_context, "filesystem", disks.filesystem)
+    monkeypatch.setattr(long_context.shutil, "disk_usage", disks.disk_usage)
+    return long_context
+
+
+def test_long_context_refuses_files_that_would_not_fit(fake_disks):
+    """DeepSeek-V3 of 1 dense + 2 MoE layers (51 GB a file): both on one 60 GB disk are refused before anything
+    is written, in one line naming what lands where; the GGUF file on another filesystem fits; a file written
+    already takes no room; 1 dense + 3 MoE layers (74 GB) fits nowhere."""
+    long_context = fake_disks
+    disk, shm = Path("/disk/models"), Path("/shm/models")
+
+    def refusal(spec: str, gguf_root: Path | None, kept: bool = False) -> str | None:
+        return long_context.plan_files([spec], disk, gguf_root, with_gguf=True, kept=kept)
+
+    line = refusal("deepseek-v3:3:1", None)
+    assert line.startswith("refused") and "\n" not in line
+    assert "/disk has 60.0 GB free, 101.8 GB to write" in line
+    assert refusal("deepseek-v3:3:1", shm) is None
+    assert "/disk has 60.0 GB free, 73.9 GB" in refusal("deepseek-v3:4:1", shm)
+    files = long_context.shape_files("deepseek-v3:3:1", disk, None, with_gguf=True)
+    assert [f.what for f in files] == ["folder", "GGUF"] and not any(f.present for f in files)
+    assert files[1].path == disk / "deepseek-v3-3-layers-1-dense.gguf"
+    present = [dataclasses.replace(files[0], present=True), files[1]]
+    assert long_context.room_refusal(present) is None
+    # shapes run one after another fit alone; kept, they are summed
+    both = ["mixtral-8x7b:8", "qwen3-30b-a3b:16"]  # 47.5 and 42.4 GB, folder and GGUF
+    assert long_context.plan_files(both, disk, None, True, kept=False) is None
+    assert "89.9 GB to write" in long_context.plan_files(both, disk, None, True, kept=True)
+    # without llama.cpp only the folder counts
+    assert long_context.plan_files(["deepseek-v3:3:1"], disk, None, with_gguf=False, kept=False) is None
