@@ -134,25 +134,27 @@ class ModelRunner:
 
     def launch(self, step: SchedulerOutput) -> LaunchedStep | None:
         """Start `step` without waiting for its tokens, when it can run so: every sequence is one `launches`
-        takes, its prompt chunk or its one decode token, and on the GPU the step is a decode graph's or, eagerly
-        on the graphs' stream, at most `max_tokens_ahead` tokens. None otherwise (`execute` it). Sequences with a
-        `feed_row` take their token from the previous launched step's tokens; a step scheduled that way
-        (`schedule_next` after a launched step) is always launched. A sampled sequence's uniform is drawn here,
-        one a step as `execute` draws it."""
+        takes, its prompt chunk or its one decode token, and on the GPU the step fits a decode graph or, launched
+        eagerly on the graphs' stream, holds at most `max_tokens_ahead` tokens. None otherwise (`execute` it).
+        Sequences with a `feed_row` take their token from the previous launched step's tokens; a step scheduled
+        that way (`schedule_next` after a launched step) is always launched. A sampled sequence's uniform is
+        drawn here, one a step as `execute` draws it."""
         seqs = step.seqs
         rows = [index for index, seq in enumerate(seqs) if seq.sample]  # [N] the scheduled index of each row
         if not rows or not all(self.launches(seq.request) for seq in seqs):
             return None
-        limit = self.max_tokens_ahead
-        if self.model.backend.supports_graphs and (
-                self.graphs is None or (limit is not None and step.num_batched_tokens > limit)):
-            return None  # its tokens would go through the host, or its layers wait for the host
-        for seq_id in step.finished_seq_ids:
-            self._states.pop(seq_id, None)
+        if self.model.backend.supports_graphs and self.graphs is None:
+            return None  # its tokens would go through the host
         timer = self.model.timer
         with timer.phase("prepare"):
             batch = build_batch(seqs, self.kv_cache.block_size)
             feed_rows = np.concatenate([np.full(len(s.token_ids), s.feed_row, np.int64) for s in seqs])  # [T]
+        graphed = self.graphs is not None and self.graphs.fits(batch)
+        limit = self.max_tokens_ahead
+        if self.graphs is not None and not graphed and limit is not None and batch.num_tokens > limit:
+            return None  # launched eagerly, its layers would wait for the host
+        for seq_id in step.finished_seq_ids:
+            self._states.pop(seq_id, None)
         states = [self._state(seqs[index]) for index in rows]
         failures: dict[int, str] = {}  # the host's sampler reports them; a device step's tokens stay on the device
         if self.graphs is not None:
@@ -161,7 +163,7 @@ class ModelRunner:
                                    dtype=np.float32)  # [N]
             draws = uniform_bits(np.array([state.generator.random() if s else 0.0
                                            for state, s in zip(states, sampled)]))  # [N]
-            if self.graphs.fits(batch):
+            if graphed:
                 ids = self.graphs.launch(batch, feed_rows, temperature, draws).wait
             else:
                 with timer.phase("forward"), timer.paused_device():  # its device marks would wait for it

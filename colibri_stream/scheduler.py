@@ -170,17 +170,17 @@ class Scheduler:
                       max_tokens: int | None = None) -> SchedulerOutput | None:
         """The step after `running`, scheduled before its tokens are known: one token for every running sequence,
         the one `running` samples for it (`feed_row`), then the first chunks of waiting sequences that are
-        `admissible` (none without it), in at most `max_tokens` tokens in all (the token budget when None). None
-        when that is not the step `schedule()` would give once they are known: a running sequence does not sample
-        in `running` (its prompt goes on in chunks), the waiting sequence next in line is not admissible, the
+        `admissible` (none without it), while the step holds at most `max_tokens` tokens in all (the token budget
+        when None; the decode tokens alone are bounded by the budget). None when that is not the step `schedule()`
+        would give once they are known: a running sequence does not sample in `running` (its prompt goes on in
+        chunks), the waiting sequence next in line is not admissible or finds no room within `max_tokens`, the
         budget is short, or a KV block is missing (preemption waits for known tokens)."""
         decoding = {seq.request.seq_id: row for row, seq in enumerate(s for s in running.seqs if s.sample)}
         computing = {seq.request.seq_id: len(seq.token_ids) for seq in running.seqs}  # tokens `running` computes
-        budget = self.config.max_num_batched_tokens if max_tokens is None else min(
-            max_tokens, self.config.max_num_batched_tokens)
+        budget = self.config.max_num_batched_tokens
+        admitting = bool(self.waiting) and len(self.running) < self.config.max_batch_size
         if (len(self.running) > budget or any(r.seq_id not in decoding for r in self.running)
-                or (self.waiting and len(self.running) < self.config.max_batch_size
-                    and (admissible is None or not admissible(self.waiting[0])))):
+                or (admitting and (admissible is None or not admissible(self.waiting[0])))):
             return None
         seqs = []
         for request in self.running:
@@ -191,8 +191,11 @@ class Scheduler:
                 return None
             seqs.append(ScheduledSeq(request, [FED_TOKEN], position, list(self.kv.block_ids(request.seq_id)), True,
                                      decoding[request.seq_id]))
-        if admissible is not None and seqs:  # a step launched ahead samples a token the next one feeds on
-            self._admit(budget - len(seqs), seqs, admissible)
+        if admitting and seqs:  # a step launched ahead samples a token the next one feeds on
+            room = budget if max_tokens is None else min(budget, max_tokens)
+            if room <= len(seqs) < budget:
+                return None  # schedule() admits the waiting prompt, a step ahead has no room for it
+            self._admit(room - len(seqs), seqs, admissible)
         if not seqs:
             return None
         finished, self._finished_seq_ids = self._finished_seq_ids, []

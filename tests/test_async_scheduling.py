@@ -210,6 +210,25 @@ def test_schedule_next_admits_nothing_beside_no_decode(tiny_model_dir, prompts):
     assert [r.request_id for r in scheduler.waiting] == ["b"] and scheduler.kv.block_ids(scheduler.waiting[0].seq_id) == []
 
 
+def test_schedule_next_bounds_admissions_not_decodes(tiny_model_dir, prompts):
+    """The token bound of a step launched ahead limits what it admits, not its decode tokens: more running
+    sequences than the bound still decode ahead; a waiting prompt the bound leaves no room for, while the budget
+    does, is left to `schedule()` (a None), never starved behind steps ahead."""
+    core = EngineCore.from_pretrained(str(tiny_model_dir), **ROOMY, async_scheduling=False)
+    scheduler = core.scheduler
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        scheduler.add_request(Request(f"r{i}", prompts[i], params, frozenset()))
+    scheduler.update_from_output(scheduler.schedule(), [1, 2, 3])
+    decode = scheduler.schedule()
+    ahead = scheduler.schedule_next(decode, lambda request: True, max_tokens=2)
+    assert [s.feed_row for s in ahead.seqs] == [0, 1, 2]  # three decodes over a bound of two
+    scheduler.add_request(Request("w", prompts[3], params, frozenset()))
+    assert scheduler.schedule_next(ahead, lambda request: True, max_tokens=2) is None
+    assert [r.request_id for r in scheduler.waiting] == ["w"]
+    assert scheduler.schedule_next(ahead, lambda request: True, max_tokens=5).seqs[-1].request.request_id == "w"
+
+
 def test_schedule_next_takes_a_prompt_chunk_within_its_token_bound(tiny_model_dir, prompts):
     """A prompt longer than the bound left by the decodes is admitted as a first chunk; the step after it, its
     prompt going on, waits for known tokens."""
