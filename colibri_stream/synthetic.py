@@ -39,7 +39,6 @@ from .loader import select_backend
 from .model.transformer import MoETransformer
 
 # Dimensions of published checkpoints (their config.json), as ModelConfig fields.
-
 _GPT_OSS = dict(architecture="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64,
                 num_kv_heads=8, head_dim=64, num_experts=32, top_k=4, moe_intermediate_size=2880,
                 norm_topk_prob=True, router_bias=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702,

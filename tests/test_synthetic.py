@@ -222,9 +222,9 @@ def memory_digest(config) -> str:
     return digest.hexdigest()
 
 
-# Digests of the tensors the recipe drew before gpt-oss's expert biases were drawn (the code of commit 6ea6f44,
-# NumPy 2.4's Generator): the shapes without biased experts keep every value. "pooled" writes with a pool of 1024
-# values in windows of 64 (every expert matrix pooled).
+# Digests of the tensors the recipe draws for shapes without biased experts (NumPy 2.4's Generator): drawing
+# gpt-oss's expert biases changes none of their values. "pooled" writes with a pool of 1024 values in windows of 64
+# (every expert matrix pooled).
 FIXED_DIGESTS = {
     ("mixtral-8x7b", "folder", 0): "0409358f4b65a9fd5fe46c6925c0e742f733abbacc256be49d9ba64e53aa19c8",
     ("qwen3-30b-a3b", "folder", 3): "542744771fa156f6578980256a96421fa7e33a62717ba160279d2f4b7251594d",
