@@ -4,7 +4,7 @@
 #
 # Usage: benchmarks/build_llama_cpp.sh SOURCE_DIR BUILD_DIR [CUDA_ARCHS]
 #   SOURCE_DIR  a llama.cpp source tree (a git clone, or vendor/llama.cpp of the llama-cpp-python sdist; the
-#               project does not ship it). Its gguf-py/ is what benchmarks/llama_cpp.py writes GGUF files with.
+#               project does not ship it). Its gguf-py/ is what benchmarks/gguf_writer.py writes GGUF files with.
 #   BUILD_DIR   where to build; prints the folder of the three binaries on its last line. Reuses a finished build.
 #   CUDA_ARCHS  default 90 (H100/H200); one architecture keeps the build to a few minutes on 16 cores.
 #

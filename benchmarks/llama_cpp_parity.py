@@ -1,4 +1,4 @@
-"""llama.cpp computes the same model as Colibri from the GGUF file `llama_cpp.write_gguf` writes: a check on the CPU.
+"""llama.cpp computes the same model as Colibri from the GGUF file `gguf_writer.write_gguf` writes: a check on the CPU.
 
 For each family (Mixtral, Qwen3-MoE, GLM-4.5, MiniMax-M2, GLM-4.5 with per-head qk-norm, expert groups and a
 routed scaling factor, DeepSeek-V3's latent attention, and gpt-oss's sinks, windows and biased clamped-SwiGLU
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -40,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 from conditions import machine
+from gguf_writer import require_gguf_py, write_gguf
 
 from colibri_stream.batch import single_sequence_batch
 from colibri_stream.checkpoint import ExpertFile, ExpertFileWriter, write_config
@@ -77,15 +77,6 @@ TINY = {
 EXPERT_BIAS_STD = 0.1  # spread of the tiny gpt-oss experts' biases (write_tiny_folder)
 BLOCK_SIZE = 16  # Colibri's KV blocks
 HERE = Path(__file__).resolve().parent
-
-
-def gguf_writer():
-    """benchmarks/llama_cpp.py, loaded by path under another name: `llama_cpp` is the bindings' package here."""
-    spec = importlib.util.spec_from_file_location("colibri_llama_cpp_benchmark", HERE / "llama_cpp.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def llama_bindings(folder: str | None):
@@ -195,10 +186,9 @@ def summary(record: dict) -> dict:
                                                        if key != "llama_tokens"} for matrices in ("bf16", "f32")})
 
 
-def compare(family: str, folder: Path, writer, llama_type, gguf_py: Path, prompt_len: int, steps: int,
-            threads: int) -> dict:
+def compare(family: str, folder: Path, llama_type, gguf_py: Path, prompt_len: int, steps: int, threads: int) -> dict:
     """One family's record: Colibri against llama.cpp (`llama_type`) on the bf16 GGUF file and on the float32 one,
-    both written by `writer` (benchmarks/llama_cpp.py)."""
+    both written by `write_gguf` (benchmarks/gguf_writer.py)."""
     config = tiny_config(family)
     write_tiny_folder(folder, config)
     model = load_model(str(folder), device="cpu")
@@ -210,7 +200,7 @@ def compare(family: str, folder: Path, writer, llama_type, gguf_py: Path, prompt
                   prompt_tokens=prompt_len, generated_tokens=steps, colibri_tokens=ours)
     for matrices in ("bf16", "f32"):
         gguf_path = folder.with_name(f"{folder.name}-{matrices}.gguf")
-        writer.write_gguf(folder, gguf_path, gguf_py, matrices=matrices)
+        write_gguf(folder, gguf_path, gguf_py, matrices=matrices)
         llama = open_llama(llama_type, gguf_path, len(sequence) + 1, threads)
         theirs = llama_greedy(llama, prompt, steps)
         logits = llama_logits(llama, sequence)
@@ -235,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", help="JSON records")
     args = parser.parse_args(argv)
-    writer = gguf_writer()
-    writer.require_gguf_py(args.gguf_py, "llama_cpp_parity.py")
+    require_gguf_py(args.gguf_py, "llama_cpp_parity.py")
     if not list(Path(args.llama_lib).glob("libllama.*")):
         sys.exit(f"llama_cpp_parity.py needs a CPU build of libllama: {args.llama_lib} holds none")
     os.environ["LLAMA_CPP_LIB_PATH"] = str(Path(args.llama_lib).resolve())
@@ -246,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     with tempfile.TemporaryDirectory(prefix="colibri-llama-parity-") as scratch:
         for family in args.families:
-            record = compare(family, Path(scratch) / family, writer, bindings.Llama, Path(args.gguf_py),
+            record = compare(family, Path(scratch) / family, bindings.Llama, Path(args.gguf_py),
                              args.prompt_tokens, args.tokens, args.threads)
             records.append(dict(common, **record))
             print(json.dumps(summary(record)), flush=True)

@@ -27,7 +27,7 @@ that computed prompt tokens, beside their wall time (`prefill_step_seconds`); a 
 events add a little to each step.
 
 A shape whose published rope llama.cpp does not compute (gpt-oss: YaRN with truncate off, which
-`llama_cpp.write_gguf` refuses, since llama.cpp always rounds YaRN's correction range to whole dimensions) is
+`gguf_writer.write_gguf` refuses, since llama.cpp always rounds YaRN's correction range to whole dimensions) is
 written with truncate on (`needs_yarn_truncate`, `shape_folder`), and both engines run that model: it moves a few
 rotary frequencies, not any cost.
 
@@ -174,7 +174,7 @@ def gguf_beside(folder: Path, gguf_py: str | None, gguf_root: Path | None = None
     with llama.cpp's gguf-py (`gguf_py`) if absent."""
     gguf = gguf_path(folder, gguf_root)
     if not gguf.is_file():
-        from llama_cpp import write_gguf
+        from gguf_writer import write_gguf
 
         if gguf_py is None:
             sys.exit(f"{gguf} is absent: --gguf-py (llama.cpp's gguf-py folder) writes it")
@@ -218,7 +218,7 @@ def folder_bytes(config) -> int:
 
 
 def gguf_bytes(config) -> int:
-    """Bytes of the bf16 GGUF file `llama_cpp.write_gguf` writes of `config`: every dense matrix bf16, every vector
+    """Bytes of the bf16 GGUF file `gguf_writer.write_gguf` writes of `config`: every dense matrix bf16, every vector
     and the router float32 (a sigmoid router's correction bias too, zeros where the model has none), each MoE
     layer's experts stacked (bf16 matrices, float32 biases where the model has them), and the placeholder
     vocabulary. A few tensors llama.cpp adds as zeros (gpt-oss's absent biases) are left out: kilobytes."""

@@ -17,7 +17,7 @@ Decode at `--batches` (greedy, after WARMUP steps, `--steps` timed steps, host s
 phases recorded by the model's StepTimer: phase_ms_per_step), prefill of one `--prefill`-token prompt.
 
 llama.cpp (`--llama-bench`, a binary of benchmarks/build_llama_cpp.sh): llama-bench on the same weights as GGUF
-(benchmarks/llama_cpp.py writes it next to the folder) with the routed experts of the layers not on the GPU on the
+(benchmarks/gguf_writer.py writes it next to the folder) with the routed experts of the layers not on the GPU on the
 CPU (`--n-cpu-moe`), batch-1 decode and prefill, after Colibri's runs; without it, the earlier figures below.
 
 Bounds: per step, the GPU misses the run measured (bytes) cannot arrive faster than the pinned copy bandwidth
@@ -310,7 +310,7 @@ def run(args) -> list[dict]:
     folder, pinned = open_folder(args.folder, args.shape, args.layers)
     config = folder.config
     if args.llama_bench and not Path(args.gguf).is_file():
-        from llama_cpp import write_gguf
+        from gguf_writer import write_gguf
 
         log(f"writing {args.gguf} for llama.cpp")
         write_gguf(args.folder, args.gguf, args.gguf_py)

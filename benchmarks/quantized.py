@@ -5,7 +5,7 @@ For each shape (`--shapes SHAPE:LAYERS`: random weights of the published dimensi
 time (the 64 GB disk holds about one bf16 model folder and its GGUF copy), files under `--folder-root`:
   1. the bf16 model folder (write_synthetic_folder), on which Colibri's own bf16 offload at 0 % runs first, batch 1
      and prefill (the reference of the int4 offload; `--no-bf16-offload` skips it);
-  2. its bf16 GGUF (llama_cpp.write_gguf); the bf16 folder is deleted, then llama-quantize writes one GGUF per
+  2. its bf16 GGUF (gguf_writer.write_gguf); the bf16 folder is deleted, then llama-quantize writes one GGUF per
      llama format (int4: Q4_0, or `--llama-int4 Q4_K_M`; fp8 and int8: Q8_0) with every tensor but the routed
      experts kept in bf16, as a Colibri folder keeps them (`--llama-dense quantized`: llama-quantize's own
      choice for them), and the bf16 GGUF is deleted;
@@ -207,7 +207,7 @@ def dispose(model) -> None:
 
 def write_bf16_gguf(args, files: ShapeFiles, shape: str, layers: int, prep: dict) -> None:
     """The bf16 GGUF of the shape, from its bf16 folder (written first if missing)."""
-    from llama_cpp import write_gguf
+    from gguf_writer import write_gguf
     from offload import ensure_folder
 
     folder = ensure_folder(files.bf16_folder, shape, layers)

@@ -1,4 +1,4 @@
-"""benchmarks/llama_cpp.py's write_gguf: what it writes for each architecture, read back with gguf-py's reader.
+"""benchmarks/gguf_writer.py's write_gguf: what it writes for each architecture, read back with gguf-py's reader.
 
 The tiny models are benchmarks/llama_cpp_parity.py's (the ones llama.cpp is compared with there). The file checks
 need llama.cpp's gguf-py (COLIBRI_GGUF_PY: its folder in a llama.cpp tree); the refusals, and gpt-oss's MoE block
@@ -32,8 +32,8 @@ SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
 @pytest.fixture(scope="module")
 def benchmarks():
-    """(benchmarks/llama_cpp.py, benchmarks/llama_cpp_parity.py) imported."""
-    with imported_benchmarks("llama_cpp", "llama_cpp_parity") as modules:
+    """(benchmarks/gguf_writer.py, benchmarks/llama_cpp_parity.py) imported."""
+    with imported_benchmarks("gguf_writer", "llama_cpp_parity") as modules:
         yield modules
 
 

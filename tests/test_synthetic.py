@@ -339,24 +339,24 @@ def test_yarn_truncate_needs_a_yarn_shape():
 
 @pytest.fixture(scope="module")
 def benchmark_modules():
-    """(benchmarks/long_context.py, benchmarks/llama_cpp.py) imported (neither needs a GPU or llama.cpp here)."""
-    with imported_benchmarks("long_context", "llama_cpp") as modules:
+    """(benchmarks/long_context.py, benchmarks/gguf_writer.py) imported (neither needs a GPU or llama.cpp here)."""
+    with imported_benchmarks("long_context", "gguf_writer") as modules:
         yield modules
 
 
 def test_long_context_writes_what_llama_cpp_computes(benchmark_modules):
     """Every shape of an architecture llama.cpp has is written by long_context.py as a model llama.cpp computes as
     Colibri does: gpt-oss with YaRN's truncate on, the others as published."""
-    long_context, llama_cpp = benchmark_modules
+    long_context, gguf_writer = benchmark_modules
     assert [name for name in SHAPES if long_context.needs_yarn_truncate(name)] == ["gpt-oss-20b", "gpt-oss-120b"]
     for name in SHAPES:
         config = long_context.benchmark_config(name, 2)
-        arch = llama_cpp.ARCHITECTURES.get(config.architecture)
+        arch = gguf_writer.ARCHITECTURES.get(config.architecture)
         if arch is not None:
-            assert llama_cpp.unwritable(config, arch) == [], name
+            assert gguf_writer.unwritable(config, arch) == [], name
         if not long_context.needs_yarn_truncate(name):
             assert config == shape_config(name, 2)
-    assert llama_cpp.unwritable(shape_config("gpt-oss-20b", 2), llama_cpp.ARCHITECTURES["gpt_oss"]) == [
+    assert gguf_writer.unwritable(shape_config("gpt-oss-20b", 2), gguf_writer.ARCHITECTURES["gpt_oss"]) == [
         "YaRN without truncate (llama.cpp rounds the correction range to whole dimensions)"]
 
 
