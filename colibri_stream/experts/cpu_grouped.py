@@ -6,7 +6,8 @@ minus the group's zero point, low nibbles to the buffer's first half and high ni
 the same way, each nibble's e2m1 value from a table; fp8 bytes by shifting their bits into a float32's; times the
 scale of the group or tile, mxfp4's e8m0 exponent byte as its power of two), then multiplies it with the tokens,
 four at a time, laid out as the buffer is (`_paired`). One int4 token (decode) skips the buffer: each row's codes
-multiply the token as they are, per group, two rows a pass (`_int4_dots`). Each weight byte is read once per call, and no float32
+multiply the token as they are, per group, two rows a pass (`_int4_dots`; whole groups in vector code of our own,
+`_int4_pair_groups`). Each weight byte is read once per call, and no float32
 copy of the expert is made. Every matrix is passed as a 2D uint8 view of its bytes, [out, stored bytes per row], with
 its scales as [scale rows, scale columns] float32 (mxfp4: uint8 exponents) and zero points as [out, groups] uint8
 ([0, 0]: none). A weight (o, c) takes scale[o // rows_per_scale, c // cols_per_scale]: int4 1 x group width,
@@ -31,6 +32,9 @@ CHANNEL_COLUMNS = 1 << 30  # cols_per_scale of a per-row scale: every column of 
 # time. An ad-hoc timing of CpuExpertExecutor.run on a Mixtral-shaped expert (two threads): 1 token 12 ms against
 # 20 ms decoded; 2 tokens 31 ms straight from the codes against 29-35 ms decoded, so only a single token takes it.
 DIRECT_INT4_TOKENS = 2
+# Bytes of int4 codes one step of _int4_pair_groups' vector code takes (32 weights: two vectors of 16 float32 lanes,
+# one AVX-512 register each; two AVX2 registers or four NEON ones where the CPU has narrower vectors).
+VECTOR_BYTES = 16
 
 
 def kernel_arguments(codec: ExpertCodec, tensors: dict[str, np.ndarray]) -> tuple:
@@ -58,14 +62,18 @@ def kernel_arguments(codec: ExpertCodec, tensors: dict[str, np.ndarray]) -> tupl
             per_scale = (FP8_BLOCK, FP8_BLOCK)
         else:
             per_scale, scale = (1, CHANNEL_COLUMNS), scale.reshape(rows, 1)
-        arguments += [data, scale, tensors.get(name + "_zero", no_zero), *per_scale]
+        zero = tensors.get(name + "_zero", no_zero)
+        arguments += [np.ascontiguousarray(data), np.ascontiguousarray(scale), np.ascontiguousarray(zero), *per_scale]
     return tuple(arguments)
 
 
 if numba is not None:
     from llvmlite import ir
     from numba import types
+    from numba.core import cgutils
     from numba.extending import intrinsic
+
+    _REASSOC = ("reassoc", "contract")  # FASTMATH's flags on the vector code's float operations
 
     @intrinsic
     def _fp8_bits(typingctx, byte):
@@ -103,6 +111,110 @@ if numba is not None:
         return nibble
 
     _low_nibble, _high_nibble = _nibble(False), _nibble(True)
+
+    def _vector_sum(builder, vector, lanes):
+        """The sum of a float vector's `lanes` elements, halving it lane by lane."""
+        i32 = ir.IntType(32)
+        while lanes > 1:
+            half = lanes // 2
+            low = builder.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(i32, half), list(range(half))))
+            high = builder.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(i32, half),
+                                                                      list(range(half, lanes))))
+            vector, lanes = builder.fadd(low, high, flags=_REASSOC), half
+        return builder.extract_element(vector, ir.Constant(i32, 0))
+
+    def _zero_points(context, builder, zeros_type, zeros, row):
+        """(pointer, step) to zero point (row, g) of a [rows, groups] uint8 array: pointer + g * step. An array of
+        no rows (symmetric codes) gives a byte holding INT4_SYMMETRIC_ZERO and step 0, so the loop over groups
+        loads without a branch."""
+        i8 = ir.IntType(8)
+        array = context.make_array(zeros_type)(context, builder, zeros)
+        rows, groups = cgutils.unpack_tuple(builder, array.shape, 2)
+        symmetric = cgutils.alloca_once_value(builder, ir.Constant(i8, INT4_SYMMETRIC_ZERO))
+        has_zeros = builder.icmp_signed(">", rows, ir.Constant(rows.type, 0))
+        row_start = builder.gep(array.data, [builder.mul(row, groups)])
+        pointer = builder.select(has_zeros, row_start, builder.bitcast(symmetric, row_start.type))
+        return pointer, builder.select(has_zeros, ir.Constant(groups.type, 1), ir.Constant(groups.type, 0))
+
+    @intrinsic
+    def _int4_pair_groups(typingctx, row_a, row_b, scales_a, scales_b, zeros_a, index_a, zeros_b, index_b,
+                          group_sums, x_even, x_odd, first_group, groups, group_bytes, x_byte, sums_group):
+        """For rows a and b (uint8 arrays of int4 codes, each byte an even column in its low nibble and the next
+        in its high one): the sum over groups g = first_group .. first_group + groups - 1 of scales[g] * (the sum
+        over the group's bytes j (row bytes g * group_bytes ..) of low(j) * x_even[j - x_byte] + high(j) *
+        x_odd[j - x_byte], less the zero point times group_sums[g - sums_group]). Zero points: row index_a of
+        zeros_a ([rows, groups] uint8; no rows: INT4_SYMMETRIC_ZERO). Written as vector code of VECTOR_BYTES bytes
+        a step so that each row's sum stays in one vector of float32 lanes across its groups (a group's sum is
+        scaled lane by lane, and the lanes are added once at the end), where LLVM's own vectorisation of the loop
+        adds the lanes at the end of every group. group_bytes: a multiple of VECTOR_BYTES. The arrays are
+        C-contiguous; rows, scales, sums and x one-dimensional; scales of any dtype are read as float32 (the
+        kernel is compiled for every format's scales, though only int4's reach this code)."""
+        vectors = (row_a, row_b, scales_a, scales_b, group_sums, x_even, x_odd)
+        expected = (types.uint8, types.uint8, None, None, types.float32, types.float32, types.float32)
+        if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == (d or a.dtype)
+                   for a, d in zip(vectors, expected)):
+            return None
+        if not all(isinstance(z, types.Array) and z.ndim == 2 and z.layout == "C" and z.dtype == types.uint8
+                   for z in (zeros_a, zeros_b)):
+            return None
+        signature = types.UniTuple(types.float32, 2)(
+            row_a, row_b, scales_a, scales_b, zeros_a, types.int64, zeros_b, types.int64, group_sums, x_even, x_odd,
+            types.int64, types.int64, types.int64, types.int64, types.int64)
+
+        def codegen(context, builder, sig, args):
+            i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+            lanes = VECTOR_BYTES
+            byte_vector, float_vector = ir.VectorType(ir.IntType(8), lanes), ir.VectorType(f32, lanes)
+
+            def data(k):
+                return context.make_array(sig.args[k])(context, builder, args[k]).data
+
+            code_a, code_b, scale_a, scale_b, sums, even, odd = (data(k) for k in (0, 1, 2, 3, 8, 9, 10))
+            first, count, step_bytes, x_first, sums_first = args[11:16]
+            zeros = ir.Constant(float_vector, [0.0] * lanes)
+            low_mask, four = ir.Constant(byte_vector, [15] * lanes), ir.Constant(byte_vector, [4] * lanes)
+            broadcast = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
+            totals = [cgutils.alloca_once_value(builder, zeros) for _ in range(2)]
+            steps = builder.udiv(step_bytes, ir.Constant(i64, lanes))
+            zero_points = [_zero_points(context, builder, sig.args[k], args[k], args[k + 1]) for k in (4, 6)]
+
+            def load(pointer, offset, vector_type, align):
+                return builder.load(builder.bitcast(builder.gep(pointer, [offset]), vector_type.as_pointer()),
+                                    align=align)
+
+            with cgutils.for_range(builder, count) as group_loop:
+                group = builder.add(first, group_loop.index)
+                sums_v = [cgutils.alloca_once_value(builder, zeros) for _ in range(2)]
+                start = builder.mul(group, step_bytes)
+                with cgutils.for_range(builder, steps) as step_loop:
+                    byte = builder.add(start, builder.mul(step_loop.index, ir.Constant(i64, lanes)))
+                    x_at = builder.sub(byte, x_first)
+                    x_low, x_high = load(even, x_at, float_vector, 4), load(odd, x_at, float_vector, 4)
+                    for codes, total in zip((code_a, code_b), sums_v):
+                        packed = load(codes, byte, byte_vector, 1)
+                        low = builder.uitofp(builder.and_(packed, low_mask), float_vector)
+                        high = builder.uitofp(builder.lshr(packed, four), float_vector)
+                        value = builder.fadd(builder.load(total), builder.fmul(low, x_low, flags=_REASSOC),
+                                             flags=_REASSOC)
+                        value = builder.fadd(value, builder.fmul(high, x_high, flags=_REASSOC), flags=_REASSOC)
+                        builder.store(value, total)
+                # the zero point's share, z * the token's group sum, off lane 0 of the group's vector
+                group_sum = builder.load(builder.gep(sums, [builder.sub(group, sums_first)]))
+                for scales, scales_type, total, codes_sum, (zero_at, zero_step) in zip(
+                        (scale_a, scale_b), sig.args[2:4], totals, sums_v, zero_points):
+                    zero = builder.uitofp(builder.load(builder.gep(zero_at, [builder.mul(group, zero_step)])), f32)
+                    shift = builder.insert_element(zeros, builder.fmul(zero, group_sum), ir.Constant(i32, 0))
+                    scale = context.cast(builder, builder.load(builder.gep(scales, [group])), scales_type.dtype,
+                                         types.float32)
+                    scale = builder.shuffle_vector(builder.insert_element(zeros, scale, ir.Constant(i32, 0)), zeros,
+                                                   broadcast)
+                    scaled = builder.fmul(builder.fsub(builder.load(codes_sum), shift, flags=_REASSOC), scale,
+                                          flags=_REASSOC)
+                    builder.store(builder.fadd(builder.load(total), scaled, flags=_REASSOC), total)
+            results = [_vector_sum(builder, builder.load(total), lanes) for total in totals]
+            return context.make_tuple(builder, sig.return_type, results)
+
+        return signature, codegen
 
 FP8_BIAS = np.float32(2.0**120)  # 2**(127 - 7): float32's exponent bias less e4m3's
 
@@ -232,17 +344,26 @@ def _int4_dots(wa, sa, za, oa, wb, sb, zb, ob, c0, c1, cols_per_scale, xs, t, su
     """Weight row oa of wa and row ob of wb (int4 codes over columns c0 .. c1 - 1, groups of cols_per_scale
     columns in both) times the paired token xs[t], without decoding the rows: per group, scale * (sum of codes
     times the token - zero point * the token's group sum, sums[t]). Both rows in one pass, so each element of the
-    token is loaded once for two rows."""
+    token is loaded once for two rows. The groups that lie whole in the range take the vector code
+    (_int4_pair_groups) where their bytes are whole vector steps; the others, a scalar loop."""
     j0, j1 = c0 >> 1, (c1 + 1) >> 1
     nb, per_group = j1 - j0, cols_per_scale >> 1
     first = j0 // per_group
+    whole_first, whole_end = (j0 + per_group - 1) // per_group, j1 // per_group  # groups inside j0 .. j1 - 1
+    vector = numba is not None and per_group % VECTOR_BYTES == 0 and whole_end > whole_first
     row_a, row_b, x = wa[oa], wb[ob], xs[t]
     total_a, total_b = np.float32(0.0), np.float32(0.0)
+    if vector:
+        total_a, total_b = _int4_pair_groups(row_a, row_b, sa[oa], sb[ob], za, oa, zb, ob, sums[t], x[:nb], x[nb:],
+                                             whole_first, whole_end - whole_first, per_group, j0, first)
     for group in range(first, (j1 - 1) // per_group + 1):
-        a, b = max(j0, group * per_group), min(j1, (group + 1) * per_group)
+        if vector and whole_first <= group < whole_end:  # in the totals already
+            continue
         symmetric = np.float32(INT4_SYMMETRIC_ZERO)
         z_a = np.float32(za[oa, group]) if za.shape[0] else symmetric
         z_b = np.float32(zb[ob, group]) if zb.shape[0] else symmetric
+        group_sum = sums[t, group - first]
+        a, b = max(j0, group * per_group), min(j1, (group + 1) * per_group)
         values_a, values_b, low, high = row_a[a:b], row_b[a:b], x[a - j0:], x[nb + a - j0:]
         acc_a, acc_b = np.float32(0.0), np.float32(0.0)
         for j in range(np.uint64(0), np.uint64(b - a)):
@@ -250,7 +371,6 @@ def _int4_dots(wa, sa, za, oa, wb, sb, zb, ob, c0, c1, cols_per_scale, xs, t, su
             byte_a, byte_b = values_a[j], values_b[j]
             acc_a += _low_nibble(byte_a) * x_low + _high_nibble(byte_a) * x_high
             acc_b += _low_nibble(byte_b) * x_low + _high_nibble(byte_b) * x_high
-        group_sum = sums[t, group - first]
         total_a += sa[oa, group] * (acc_a - z_a * group_sum)
         total_b += sb[ob, group] * (acc_b - z_b * group_sum)
     return total_a, total_b
