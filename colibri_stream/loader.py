@@ -52,8 +52,8 @@ def check_features(config: ModelConfig, backend: Backend | type[Backend]) -> Non
 
 
 def check_expert_slots(config: ModelConfig, backend: Backend, experts: ExpertStoreConfig) -> None:
-    """UnsupportedModelError, one line, for GPU expert slots under experts the GPU computes one at a time (biases,
-    the clamped SwiGLU: every expert resident, cupy_biased_experts.py)."""
+    """UnsupportedModelError, one line, for GPU expert slots under experts with biases or the clamped SwiGLU: the
+    tiers' CPU layer worker (experts/cpu_worker.py), which computes a step's misses, does not compute them."""
     if backend.device == "cuda" and experts.gpu_memory_limit is not None and not config.plain_experts():
         raise UnsupportedModelError(f"{config.architecture}'s experts with biases run on the GPU only with every "
                                     f"expert resident: drop --gpu-memory-limit, or run with --device cpu")

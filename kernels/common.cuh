@@ -11,6 +11,28 @@
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// A routed expert's gated activation (experts/jit.py's `gated`): the gate and up biases of the expert's slot added
+// (null: none), the gate clamped above at limit and up to +-limit, then gate * sigmoid(alpha * gate) * (up +
+// up_shift). silu(gate) * up is limit = inf, alpha = 1, up_shift = 0; gpt-oss's clamped SwiGLU is (swiglu_limit,
+// swiglu_alpha, 1). The MoE kernels take it as six arguments: gate_bias, up_bias (float32 [slots, I] at bias_stride,
+// or null), bias_stride, limit, alpha, up_shift.
+struct GatedActivation {
+    const float* gate_bias;
+    const float* up_bias;
+    long long bias_stride;
+    float limit, alpha, up_shift;
+
+    __device__ __forceinline__ float operator()(long long slot, int row, float gate, float up) const {
+        if (gate_bias != nullptr) {
+            gate += gate_bias[slot * bias_stride + row];
+            up += up_bias[slot * bias_stride + row];
+        }
+        gate = fminf(gate, limit);
+        up = fmaxf(fminf(up, limit), -limit);
+        return gate / (1.f + expf(-alpha * gate)) * (up + up_shift);
+    }
+};
+
 // Programmatic dependent launch (colibri_stream/backends/launch.py): inside a captured decode step a kernel may be
 // launched while the kernel before it still runs. pdl_wait() returns once that kernel has completed and its writes
 // are visible, then lets the next kernel launch; every kernel calls it, in every thread, before it reads anything an

@@ -96,11 +96,13 @@ __device__ __forceinline__ void tile_pairs(const int* __restrict__ sorted_pairs,
 
 // The MoE kernels' outputs from a warp's accumulators (C fragments: acc[m][t][2h + c] is row quad + 8h of m-tile m,
 // pair 2q + c of n-tile t; pairs[t] is the pair of lane 4 * j's column j; n pairs in this pass), each row's value
-// times scale[m][h]. store_gate_up: m-tile 0 is gate and 1 is up, of the rows rows[h]; act[p, row] =
-// silu(gate) * up. store_down: rows[m][h]; y[p, row] = value * route_weights[p], added when `split`.
+// times scale[m][h]. store_gate_up: m-tile 0 is gate and 1 is up, of the rows rows[h] of slot `slot`; act[p, row] =
+// activation(gate, up) (common.cuh). store_down: rows[m][h]; y[p, row] = (value + bias[row]) * route_weights[p],
+// bias the slot's down bias row (null: none), added when `split` (the caller passes the bias to one split only).
 template <int NT>
 __device__ __forceinline__ void store_gate_up(const float (&acc)[2][NT][4], const float (&scale)[2][2],
                                               const int (&pairs)[NT], const int (&rows)[2], int n, int tiles,
+                                              const GatedActivation& activation, long long slot,
                                               float* __restrict__ act, int I) {
     const int q = threadIdx.x % 4;
 #pragma unroll
@@ -115,7 +117,7 @@ __device__ __forceinline__ void store_gate_up(const float (&acc)[2][NT][4], cons
                     if (rows[h] >= I) continue;
                     const float gv = acc[0][t][2 * h + c] * scale[0][h];
                     const float uv = acc[1][t][2 * h + c] * scale[1][h];
-                    act[static_cast<long long>(p) * I + rows[h]] = gv / (1.f + expf(-gv)) * uv;
+                    act[static_cast<long long>(p) * I + rows[h]] = activation(slot, rows[h], gv, uv);
                 }
             }
         }
@@ -125,8 +127,8 @@ __device__ __forceinline__ void store_gate_up(const float (&acc)[2][NT][4], cons
 template <int M, int NT>
 __device__ __forceinline__ void store_down(const float (&acc)[M][NT][4], const float (&scale)[M][2],
                                            const int (&pairs)[NT], const int (&rows)[M][2], int n, int tiles,
-                                           const float* __restrict__ route_weights, float* __restrict__ y, int H,
-                                           bool split) {
+                                           const float* __restrict__ bias, const float* __restrict__ route_weights,
+                                           float* __restrict__ y, int H, bool split) {
     const int q = threadIdx.x % 4;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
@@ -142,7 +144,8 @@ __device__ __forceinline__ void store_down(const float (&acc)[M][NT][4], const f
                     for (int h = 0; h < 2; ++h) {
                         if (rows[m][h] >= H) continue;
                         float* target = y + static_cast<long long>(p) * H + rows[m][h];
-                        store_partial(target, acc[m][t][2 * h + c] * scale[m][h] * weight, split);
+                        const float b = bias != nullptr ? bias[rows[m][h]] : 0.f;
+                        store_partial(target, (acc[m][t][2 * h + c] * scale[m][h] + b) * weight, split);
                     }
                 }
             }

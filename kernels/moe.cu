@@ -18,14 +18,17 @@
 // A group whose slot is negative is skipped: its pairs' outputs are left as they are (another pass or the CPU
 // fills them), so the caller zeroes y first when it skips any.
 //
-// moe_gate_up<W, TT, R>: act[p, i] = silu(gate_e[i] . x[p / k]) * (up_e[i] . x[p / k]) for every pair p of expert e.
+// moe_gate_up<W, TT, R>: act[p, i] = activation(gate_e[i] . x[p / k], up_e[i] . x[p / k]) for every pair p of expert e
+//   (common.cuh's GatedActivation: biases, then silu(gate) * up or the clamped SwiGLU).
 //   x float32 [T, H]; gate, up W [slots, I, H] at stride w_stride; gate_scale, up_scale float32 [slots, I] at
-//   stride s_stride (int8 weights) or null; slot_of int32 [E] or null; act float32 [P, I].
+//   stride s_stride (int8 weights) or null; the activation's six arguments; slot_of int32 [E] or null; act float32
+//   [P, I].
 //   grid: (ceil(I / (MOE_WARPS * R)), G), block: MOE_WARPS * 32 threads; each warp R rows of gate and of up.
 //
-// moe_down<W, TT, R>: y[p, h] = route_weight[p] * (down_e[h] . act[p]).
+// moe_down<W, TT, R>: y[p, h] = route_weight[p] * (down_e[h] . act[p] + down_bias_e[h]).
 //   act float32 [P, I]; down W [slots, H, I] at stride w_stride; down_scale float32 [slots, H] at stride s_stride
-//   or null; slot_of as above; route_weights float32 [P]; y float32 [P, H].
+//   or null; down_bias float32 [slots, H] at stride b_stride or null (no bias); slot_of as above; route_weights
+//   float32 [P]; y float32 [P, H].
 //   grid: (ceil(H / (MOE_WARPS * R)), G), block: MOE_WARPS * 32 threads; each warp R rows.
 //
 // R (1, 2, 4): rows per warp. A warp reads each activation chunk once for its R rows, and short rows (Qwen3's 768
@@ -95,10 +98,12 @@ template <typename W, int TT, int R>
 __global__ void __launch_bounds__(MOE_WARPS * 32)
 moe_gate_up(const float* __restrict__ x, const W* __restrict__ gate, const W* __restrict__ up, long long w_stride,
             const float* __restrict__ gate_scales, const float* __restrict__ up_scales, long long s_stride,
-            const int* __restrict__ slot_of, const int* __restrict__ group_expert,
+            const float* __restrict__ gate_bias, const float* __restrict__ up_bias, long long b_stride, float limit,
+            float alpha, float up_shift, const int* __restrict__ slot_of, const int* __restrict__ group_expert,
             const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
             const int* __restrict__ num_groups, float* __restrict__ act, int H, int I, int top_k) {
     pdl_wait();
+    const GatedActivation activation{gate_bias, up_bias, b_stride, limit, alpha, up_shift};
     const int g = blockIdx.y;
     // Loaded together, so their latencies overlap (g < E: in bounds even past the last group).
     const int groups = num_groups[0], expert = group_expert[g], begin = group_start[g], end = group_start[g + 1];
@@ -138,7 +143,7 @@ moe_gate_up(const float* __restrict__ x, const W* __restrict__ gate, const W* __
                     const float up_value = warp_sum(acc[R + r][j]) * up_scale[r];
                     if (lane == 0 && row0 + r < I) {
                         act[static_cast<long long>(pairs[j]) * I + row0 + r] =
-                            gate_value / (1.f + expf(-gate_value)) * up_value;
+                            activation(slot, row0 + r, gate_value, up_value);
                     }
                 }
             }
@@ -149,7 +154,8 @@ moe_gate_up(const float* __restrict__ x, const W* __restrict__ gate, const W* __
 template <typename W, int TT, int R>
 __global__ void __launch_bounds__(MOE_WARPS * 32)
 moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_stride,
-         const float* __restrict__ down_scales, long long s_stride, const int* __restrict__ slot_of,
+         const float* __restrict__ down_scales, long long s_stride, const float* __restrict__ down_bias,
+         long long b_stride, const int* __restrict__ slot_of,
          const float* __restrict__ route_weights, const int* __restrict__ group_expert,
          const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
          const int* __restrict__ num_groups, float* __restrict__ y, int H, int I) {
@@ -164,12 +170,13 @@ moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_
     const int row0 = (blockIdx.x * MOE_WARPS + warp) * R;
     if (row0 >= H) return;
     const W* rows[R];  // rows row0 .. row0 + R - 1 of down (the last real row past H)
-    float scale[R];
+    float scale[R], bias[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const long long row = min(row0 + r, H - 1);
         rows[r] = down + slot * w_stride + row * I;
         scale[r] = down_scales != nullptr ? down_scales[slot * s_stride + row] : 1.f;
+        bias[r] = down_bias != nullptr ? down_bias[slot * b_stride + row] : 0.f;
     }
     for (int base = begin; base < end; base += TT) {
         const int n = min(TT, end - base);
@@ -190,7 +197,7 @@ moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_
                 for (int r = 0; r < R; ++r) {
                     const float s = warp_sum(acc[r][j]);
                     if (lane == 0 && row0 + r < H) {
-                        y[static_cast<long long>(pairs[j]) * H + row0 + r] = s * scale[r] * weight;
+                        y[static_cast<long long>(pairs[j]) * H + row0 + r] = (s * scale[r] + bias[r]) * weight;
                     }
                 }
             }

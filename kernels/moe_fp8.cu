@@ -24,16 +24,16 @@
 // Rows: row r of a matrix starts r * row_bytes (= cols, a multiple of 16) bytes past its slot's codes; slots are
 // w_stride bytes apart.
 //
-// moe_gate_up_fp8<NT>: act[p, i] = silu(gate_e[i] . x[p / k]) * (up_e[i] . x[p / k]) for every pair p of e.
+// moe_gate_up_fp8<NT>: act[p, i] = activation(gate_e[i] . x[p / k], up_e[i] . x[p / k]) for every pair p of e.
 //   x float32 [T, H]; gate, up codes; w_stride, row_bytes; gate_scales, up_scales float32 at s_stride; row_block,
-//   col_block, scale_cols; slot_of, routing as moe_gate_up; act float32 [P, I]. grid: (ceil(I / 64), G), block:
-//   MMA_THREADS; each warp 16 rows of gate and of up.
+//   col_block, scale_cols; the activation's six arguments, slot_of, routing as moe_gate_up; act float32 [P, I].
+//   grid: (ceil(I / 64), G), block: MMA_THREADS; each warp 16 rows of gate and of up.
 //
-// moe_down_fp8<NT>: y[p, h] = route_weight[p] * (down_e[h] . act[p]).
-//   act float32 [P, I]; down codes, w_stride, row_bytes, down_scales at s_stride, row_block, col_block,
-//   scale_cols; slot_of, route_weights, routing as moe_down; y float32 [P, H]; span. grid: (ceil(H / 128), G,
-//   ceil(I / span)), block: MMA_THREADS; each warp 32 rows; split z adds the columns [z * span, min(I, (z + 1) *
-//   span)) as moe_down_mma does (span a multiple of FP8_CHUNK; several splits add with atomicAdd into a zeroed y).
+// moe_down_fp8<NT>: y[p, h] = route_weight[p] * (down_e[h] . act[p] + down_bias_e[h]).
+//   act float32 [P, I]; down codes, w_stride, row_bytes, down_scales at s_stride, row_block, col_block, scale_cols;
+//   down_bias, b_stride, slot_of, route_weights, routing as moe_down; y float32 [P, H]; span. grid: (ceil(H / 128), G,
+//   ceil(I / span)), block: MMA_THREADS; each warp 32 rows; split z adds the columns [z * span, min(I, (z + 1) * span))
+//   as moe_down_mma does (span a multiple of FP8_CHUNK; several splits add with atomicAdd into a zeroed y).
 //
 // As in moe_mma.cu: G = min(E, P); blocks with g >= num_groups[0] exit; a group whose slot is negative is skipped.
 // H and I multiples of 16.
@@ -153,11 +153,14 @@ __global__ void __launch_bounds__(MMA_THREADS)
 moe_gate_up_fp8(const float* __restrict__ x, const unsigned char* __restrict__ gate,
                 const unsigned char* __restrict__ up, long long w_stride, long long row_bytes,
                 const float* __restrict__ gate_scales, const float* __restrict__ up_scales, long long s_stride,
-                int row_block, int col_block, int scale_cols, const int* __restrict__ slot_of,
+                int row_block, int col_block, int scale_cols, const float* __restrict__ gate_bias,
+                const float* __restrict__ up_bias, long long b_stride, float limit, float alpha, float up_shift,
+                const int* __restrict__ slot_of,
                 const int* __restrict__ group_expert, const int* __restrict__ group_start,
                 const int* __restrict__ sorted_pairs, const int* __restrict__ num_groups, float* __restrict__ act,
                 int H, int I, int top_k) {
     pdl_wait();
+    const GatedActivation activation{gate_bias, up_bias, b_stride, limit, alpha, up_shift};
     const int g = blockIdx.y;
     if (g >= num_groups[0]) return;
     const long long slot = mma_expert_slot(slot_of, group_expert[g]);
@@ -188,7 +191,7 @@ moe_gate_up_fp8(const float* __restrict__ x, const unsigned char* __restrict__ g
         float acc[2][NT][4] = {};
         fp8_rows<2, NT>(a, b, tiles, 0, H, scales, col_block, ring, acc);
         const float unscaled[2][2] = {{1.f, 1.f}, {1.f, 1.f}};  // fp8_rows applied the scales
-        store_gate_up<NT>(acc, unscaled, pairs, rows, n, tiles, act, I);
+        store_gate_up<NT>(acc, unscaled, pairs, rows, n, tiles, activation, slot, act, I);
     }
 }
 
@@ -196,7 +199,8 @@ template <int NT>
 __global__ void __launch_bounds__(MMA_THREADS)
 moe_down_fp8(const float* __restrict__ act, const unsigned char* __restrict__ down, long long w_stride,
              long long row_bytes, const float* __restrict__ down_scales, long long s_stride, int row_block,
-             int col_block, int scale_cols, const int* __restrict__ slot_of, const float* __restrict__ route_weights,
+             int col_block, int scale_cols, const float* __restrict__ down_bias, long long b_stride,
+             const int* __restrict__ slot_of, const float* __restrict__ route_weights,
              const int* __restrict__ group_expert, const int* __restrict__ group_start,
              const int* __restrict__ sorted_pairs, const int* __restrict__ num_groups, float* __restrict__ y, int H,
              int I, int span) {
@@ -206,6 +210,8 @@ moe_down_fp8(const float* __restrict__ act, const unsigned char* __restrict__ do
     if (g >= num_groups[0]) return;
     const long long slot = mma_expert_slot(slot_of, group_expert[g]);
     if (slot < 0) return;
+    // the down bias, added by the first column split alone (the others add their partial products)
+    const float* bias = down_bias != nullptr && blockIdx.z == 0 ? down_bias + slot * b_stride : nullptr;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4;
     const int row0 = (blockIdx.x * MMA_WARPS + warp) * 16 * M;
     if (row0 >= H) return;
@@ -235,6 +241,6 @@ moe_down_fp8(const float* __restrict__ act, const unsigned char* __restrict__ do
         float acc[M][NT][4] = {};
         fp8_rows<M, NT>(a, b, tiles, k0, cols, scales, col_block, ring, acc);
         const float unscaled[M][2] = {{1.f, 1.f}, {1.f, 1.f}};
-        store_down<M, NT>(acc, unscaled, pairs, rows, n, tiles, route_weights, y, H, gridDim.z > 1);
+        store_down<M, NT>(acc, unscaled, pairs, rows, n, tiles, bias, route_weights, y, H, gridDim.z > 1);
     }
 }

@@ -29,20 +29,21 @@
 //   columns past W count as zeros. W a multiple of 8. grid: (ceil(W / 1024), rows), block: 128 threads of 8
 //   columns each.
 //
-// moe_gate_up_int4<B, NT, KW>: act[p, i] = silu(gate_e[i] . x[p / k]) * (up_e[i] . x[p / k]) for every pair p of e.
+// moe_gate_up_int4<B, NT, KW>: act[p, i] = activation(gate_e[i] . x[p / k], up_e[i] . x[p / k]) for every pair p of e.
 //   x quantized (x_hi, x_lo [T, H], x_scale, x_corr [T, ceil(H / CHUNK)]); gate, up codes, w_stride, row_bytes;
 //   gate_scales, up_scales float32 at s_stride; gate_zeros, up_zeros uint8 at z_stride or null; col_block (the
-//   group width), scale_cols (groups a row); slot_of, routing as moe_gate_up; act float32 [P, I].
+//   group width), scale_cols (groups a row); the activation's six arguments, slot_of, routing as moe_gate_up; act
+//   float32 [P, I].
 //   grid: (ceil(I / (64 / KW)), G), block: MMA_THREADS; each warp 16 rows of gate and of up. KW = 1: the block's
 //   warps take 64 rows; KW = MMA_WARPS: they share 16 rows, each a quarter of the columns, and add their sums in
 //   shared memory (grids too small to keep every multiprocessor reading).
 //
-// moe_down_int4<B, NT>: y[p, h] = route_weight[p] * (down_e[h] . act[p]).
+// moe_down_int4<B, NT>: y[p, h] = route_weight[p] * (down_e[h] . act[p] + down_bias_e[h]).
 //   act quantized (a_hi, a_lo [P, I], a_scale, a_corr [P, ceil(I / CHUNK)]); down codes, w_stride, row_bytes,
-//   down_scales at s_stride, down_zeros at z_stride or null, col_block, scale_cols; slot_of, route_weights, routing
-//   as moe_down; y float32 [P, H]; span. grid: (ceil(H / 128), G, ceil(I / span)), block: MMA_THREADS; each warp 32
-//   rows; split z adds the columns [z * span, min(I, (z + 1) * span)) as moe_down_mma does (span a multiple of
-//   CHUNK; several splits add with atomicAdd into a zeroed y).
+//   down_scales at s_stride, down_zeros at z_stride or null, col_block, scale_cols; down_bias, b_stride, slot_of,
+//   route_weights, routing as moe_down; y float32 [P, H]; span. grid: (ceil(H / 128), G, ceil(I / span)), block:
+//   MMA_THREADS; each warp 32 rows; split z adds the columns [z * span, min(I, (z + 1) * span)) as moe_down_mma does
+//   (span a multiple of CHUNK; several splits add with atomicAdd into a zeroed y).
 //
 // As in moe_mma.cu: G = min(E, P); blocks with g >= num_groups[0] exit; a group whose slot is negative is skipped.
 // Rows start row_bytes (= groups * width / 2, a multiple of B) apart; H and I multiples of 32; the group width a
@@ -285,12 +286,15 @@ moe_gate_up_int4(const signed char* __restrict__ x_hi, const signed char* __rest
                  long long row_bytes, const float* __restrict__ gate_scales, const float* __restrict__ up_scales,
                  long long s_stride, const unsigned char* __restrict__ gate_zeros,
                  const unsigned char* __restrict__ up_zeros, long long z_stride, int col_block, int scale_cols,
-                 const int* __restrict__ slot_of, const int* __restrict__ group_expert,
+                 const float* __restrict__ gate_bias, const float* __restrict__ up_bias, long long b_stride,
+                 float limit, float alpha, float up_shift, const int* __restrict__ slot_of,
+                 const int* __restrict__ group_expert,
                  const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
                  const int* __restrict__ num_groups, float* __restrict__ act, int H, int I, int top_k) {
     static_assert(KW == 1 || KW == MMA_WARPS, "a block's warps take rows of their own, or share 16");
     constexpr int CHUNK = 8 * B, ROW_WARPS = MMA_WARPS / KW;
     pdl_wait();
+    const GatedActivation activation{gate_bias, up_bias, b_stride, limit, alpha, up_shift};
     const int g = blockIdx.y;
     if (g >= num_groups[0]) return;
     const long long slot = mma_expert_slot(slot_of, group_expert[g]);
@@ -349,7 +353,7 @@ moe_gate_up_int4(const signed char* __restrict__ x_hi, const signed char* __rest
             if (warp > 0) continue;
         }
         const float unscaled[2][2] = {{1.f, 1.f}, {1.f, 1.f}};  // int4_rows applied the scales
-        store_gate_up<NT>(acc, unscaled, pairs, rows, n, n_tiles, act, I);
+        store_gate_up<NT>(acc, unscaled, pairs, rows, n, n_tiles, activation, slot, act, I);
     }
 }
 
@@ -359,7 +363,8 @@ moe_down_int4(const signed char* __restrict__ a_hi, const signed char* __restric
               const float* __restrict__ a_scale, const int* __restrict__ a_corr,
               const unsigned char* __restrict__ down, long long w_stride, long long row_bytes,
               const float* __restrict__ down_scales, long long s_stride, const unsigned char* __restrict__ down_zeros,
-              long long z_stride, int col_block, int scale_cols, const int* __restrict__ slot_of,
+              long long z_stride, int col_block, int scale_cols, const float* __restrict__ down_bias,
+              long long b_stride, const int* __restrict__ slot_of,
               const float* __restrict__ route_weights, const int* __restrict__ group_expert,
               const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
               const int* __restrict__ num_groups, float* __restrict__ y, int H, int I, int span) {
@@ -370,6 +375,8 @@ moe_down_int4(const signed char* __restrict__ a_hi, const signed char* __restric
     if (g >= num_groups[0]) return;
     const long long slot = mma_expert_slot(slot_of, group_expert[g]);
     if (slot < 0) return;
+    // the down bias, added by the first column split alone (the others add their partial products)
+    const float* bias = down_bias != nullptr && blockIdx.z == 0 ? down_bias + slot * b_stride : nullptr;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4;
     const int row0 = (blockIdx.x * MMA_WARPS + warp) * 16 * M;
     if (row0 >= H) return;
@@ -401,6 +408,6 @@ moe_down_int4(const signed char* __restrict__ a_hi, const signed char* __restric
         float acc[M][NT][4] = {};
         int4_rows<B, M, NT>(a, acts, tiles, n_tiles, k0, cols, groups, ring, acc);
         const float unscaled[M][2] = {{1.f, 1.f}, {1.f, 1.f}};
-        store_down<M, NT>(acc, unscaled, pairs, rows, n, n_tiles, route_weights, y, H, gridDim.z > 1);
+        store_down<M, NT>(acc, unscaled, pairs, rows, n, n_tiles, bias, route_weights, y, H, gridDim.z > 1);
     }
 }

@@ -20,11 +20,11 @@
 // contiguous columns feed two k16 steps), which leaves the dot products unchanged and keeps every load 16 bytes
 // wide. Shared memory: MMA_STAGES * 4 * 16 bytes per thread, 48 KiB per block (static).
 //
-// moe_gate_up_mma<W, NT>: act[p, i] = silu(gate_e[i] . x[p / k]) * (up_e[i] . x[p / k]) for every pair p of expert e.
+// moe_gate_up_mma<W, NT>: act[p, i] = activation(gate_e[i] . x[p / k], up_e[i] . x[p / k]) for every pair p of e.
 //   Arguments as moe_gate_up. grid: (ceil(I / (16 * MMA_WARPS)), G), block: MMA_WARPS * 32 threads; each warp 16
-//   rows of gate and the same 16 rows of up (both in registers before SiLU-mul).
+//   rows of gate and the same 16 rows of up (both in registers before the activation).
 //
-// moe_down_mma<W, NT>: y[p, h] = route_weight[p] * (down_e[h] . act[p]).
+// moe_down_mma<W, NT>: y[p, h] = route_weight[p] * (down_e[h] . act[p] + down_bias_e[h]).
 //   Arguments as moe_down, then span. grid: (ceil(H / (32 * MMA_WARPS)), G, splits), block: MMA_WARPS * 32 threads;
 //   each warp 32 rows. Split z covers the columns [z * span, min(I, (z + 1) * span)), span a multiple of 32 and
 //   splits = ceil(I / span): with one split y is written; with several (when H's row blocks and the groups alone
@@ -43,10 +43,13 @@ template <typename W, int NT>
 __global__ void __launch_bounds__(MMA_WARPS * 32)
 moe_gate_up_mma(const float* __restrict__ x, const W* __restrict__ gate, const W* __restrict__ up,
                 long long w_stride, const float* __restrict__ gate_scales, const float* __restrict__ up_scales,
-                long long s_stride, const int* __restrict__ slot_of, const int* __restrict__ group_expert,
+                long long s_stride, const float* __restrict__ gate_bias, const float* __restrict__ up_bias,
+                long long b_stride, float limit, float alpha, float up_shift, const int* __restrict__ slot_of,
+                const int* __restrict__ group_expert,
                 const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
                 const int* __restrict__ num_groups, float* __restrict__ act, int H, int I, int top_k) {
     pdl_wait();
+    const GatedActivation activation{gate_bias, up_bias, b_stride, limit, alpha, up_shift};
     const int g = blockIdx.y;
     if (g >= num_groups[0]) return;
     const long long slot = mma_expert_slot(slot_of, group_expert[g]);
@@ -76,14 +79,15 @@ moe_gate_up_mma(const float* __restrict__ x, const W* __restrict__ gate, const W
         tile_pairs<NT>(sorted_pairs, base, n, x, H, top_k, 0, pairs, b);
         float acc[2][NT][4] = {};
         mma_rows<W, 2, NT>(a, b, tiles, H, ring, acc);
-        store_gate_up<NT>(acc, scale, pairs, rows, n, tiles, act, I);
+        store_gate_up<NT>(acc, scale, pairs, rows, n, tiles, activation, slot, act, I);
     }
 }
 
 template <typename W, int NT>
 __global__ void __launch_bounds__(MMA_WARPS * 32)
 moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long long w_stride,
-             const float* __restrict__ down_scales, long long s_stride, const int* __restrict__ slot_of,
+             const float* __restrict__ down_scales, long long s_stride, const float* __restrict__ down_bias,
+             long long b_stride, const int* __restrict__ slot_of,
              const float* __restrict__ route_weights, const int* __restrict__ group_expert,
              const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
              const int* __restrict__ num_groups, float* __restrict__ y, int H, int I, int span) {
@@ -94,6 +98,8 @@ moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long lon
     if (g >= num_groups[0]) return;
     const long long slot = mma_expert_slot(slot_of, group_expert[g]);
     if (slot < 0) return;
+    // the down bias, added by the first column split alone (the others add their partial products)
+    const float* bias = down_bias != nullptr && blockIdx.z == 0 ? down_bias + slot * b_stride : nullptr;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4;
     const int row0 = (blockIdx.x * MMA_WARPS + warp) * MMA_ROWS_DOWN;
     if (row0 >= H) return;
@@ -123,6 +129,6 @@ moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long lon
         tile_pairs<NT>(sorted_pairs, base, n, act, I, 1, k0, pairs, b);
         float acc[M][NT][4] = {};
         mma_rows<W, M, NT>(a, b, tiles, cols, ring, acc);
-        store_down<M, NT>(acc, scale, pairs, rows, n, tiles, route_weights, y, H, split);
+        store_down<M, NT>(acc, scale, pairs, rows, n, tiles, bias, route_weights, y, H, split);
     }
 }

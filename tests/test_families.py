@@ -186,9 +186,9 @@ def test_gpu_backend_names_each_option_alone():
                    dict(head_dim=256)):
         check_features(dataclasses.replace(plain, **change), CupyBackend)  # router.cu and the prologue take these
     for change in (dict(attention_sinks=True), dict(expert_bias=True), dict(swiglu_limit=7.0)):
-        check_features(dataclasses.replace(plain, **change), CupyBackend)  # cupy_latent.py, cupy_biased_experts.py
-    for change, words in ((dict(expert_bias=True, expert_dtype="int8"), "biased or clamped-SwiGLU experts stored as int8"),
-                          (dict(num_experts=2048, n_group=64, topk_group=2),
+        check_features(dataclasses.replace(plain, **change), CupyBackend)  # cupy_latent.py; the MoE kernels
+    check_features(dataclasses.replace(plain, expert_bias=True, swiglu_limit=7.0, expert_dtype="int8"), CupyBackend)
+    for change, words in ((dict(num_experts=2048, n_group=64, topk_group=2),
                            "more than 1024 routed experts, group-limited routing over more than 32 groups"),
                           (dict(head_dim=288), "head_dim 288")):
         with pytest.raises(UnsupportedModelError, match=words):

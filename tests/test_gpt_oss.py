@@ -65,16 +65,17 @@ def test_gpt_oss_from_a_bf16_checkpoint(tmp_path):
     assert colibri_greedy(model, ids, 8) == reference_greedy(reference, ids, 8)
 
 
-def test_gpu_backend_takes_gpt_oss_in_bf16_and_refuses_the_rest_in_one_line(tmp_path):
-    """Sinks, biases and the clamped SwiGLU run on the GPU (cupy_latent.py, cupy_biased_experts.py) for experts
-    stored in bf16; int8 experts, and GPU expert slots, are refused in one line each."""
+def test_gpu_backend_takes_gpt_oss_and_refuses_expert_slots_in_one_line(tmp_path):
+    """Sinks run on the GPU (cupy_latent.py), biases and the clamped SwiGLU inside the MoE kernels in every expert
+    format; GPU expert slots are refused in one line."""
     build_hf_model("gpt_oss", tmp_path / "hf", seed=3)
     export_model(tmp_path / "hf", tmp_path / "model", dtype="bf16", progress=False)
     config = read_config(tmp_path / "model")
     check_features(config, CupyBackend)
-    assert not CupyBackend.captures(config)  # every step eager
-    with pytest.raises(UnsupportedModelError, match=r"^[^\n]*stored as int8 \(bfloat16, float16 or float32 only\)"):
-        check_features(dataclasses.replace(config, expert_dtype="int8"), CupyBackend)
+    for quantized in (dict(expert_dtype="int8"), dict(expert_dtype="int4", expert_group_size=32),
+                      dict(expert_dtype="fp8", expert_scales="block")):
+        check_features(dataclasses.replace(config, **quantized), CupyBackend)
+    assert not CupyBackend.captures(config)  # sinks: attention a sequence at a time, every step eager
     cuda = SimpleNamespace(device="cuda")
     with pytest.raises(UnsupportedModelError, match=r"^gpt_oss's experts with biases run on the GPU only with every "
                                                     r"expert resident: drop --gpu-memory-limit, or run with --device cpu$"):

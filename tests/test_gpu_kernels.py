@@ -24,7 +24,7 @@ from colibri_stream.backends import (cublas_gemm, cupy_backend, cupy_expert_gemm
                                      cupy_moe, cupy_quant_moe)
 from colibri_stream.backends.cupy_backend import CupyBackend  # noqa: E402
 from colibri_stream.backends.cupy_launch import launch, smallest_tile, storage_type, to_device_storage  # noqa: E402
-from colibri_stream.backends.cupy_moe import DeviceExpertStore, on_tensor_cores  # noqa: E402
+from colibri_stream.backends.cupy_moe import DeviceExpertStore, activation_args, on_tensor_cores  # noqa: E402
 from colibri_stream.backends.tuning import (  # noqa: E402
     CAPTURED_CUBLAS_ALL_MIN_TOKENS,
     CAPTURED_CUBLAS_MIN_ROWS,
@@ -44,7 +44,8 @@ from colibri_stream.backends.tuning import (  # noqa: E402
     TOKEN_TILES,
 )
 from colibri_stream.backends.numpy_backend import NumpyBackend  # noqa: E402
-from colibri_stream.config import RopeConfig  # noqa: E402
+from colibri_stream.config import ClampedSwiglu, RopeConfig  # noqa: E402
+from colibri_stream.expert_codecs import MATRICES, Fp8Codec, Int4Codec  # noqa: E402
 from colibri_stream.experts.device import DeviceExperts, LayerExperts  # noqa: E402
 from colibri_stream.experts.store import ExpertStore  # noqa: E402
 from colibri_stream.batch import ForwardBatch  # noqa: E402
@@ -727,6 +728,58 @@ def routed_step(monkeypatch, dtype: str, tokens: int, experts: int, top_k: int, 
     return store, (x, weights, ids), launched, ours
 
 
+SWIGLU = ClampedSwiglu(limit=0.5, alpha=1.702)  # a limit the random products cross: both clamps act
+
+
+def biased(store: DictExpertStore, rng, hidden: int, inter: int) -> DictExpertStore:
+    """The store's experts with gate, up and down biases drawn as gpt-oss's (float32, never zero)."""
+    return DictExpertStore({key: {**tensors, "gate_bias": rng.normal(0, 0.3, inter).astype(np.float32),
+                                  "up_bias": rng.normal(0, 0.3, inter).astype(np.float32),
+                                  "down_bias": rng.normal(0, 0.3, hidden).astype(np.float32)}
+                            for key, tensors in store.tensors.items()})
+
+
+@pytest.mark.parametrize("swiglu", [None, SWIGLU], ids=["silu", "clamped"])
+@pytest.mark.parametrize("dtype,tokens,path", [
+    ("float32", 1, "moe_down<"), ("bfloat16", 2, "moe_down<"), ("int8", 5, "moe_down<"),
+    ("bfloat16", 64, "moe_down_mma<"), ("float16", 512, "expert_gemms"),
+    ("int4", 1, "moe_down_int4<"), ("int4", 33, "moe_down_int4<"), ("fp8", 8, "moe_down_fp8<")])
+def test_biased_experts_and_the_clamped_swiglu_in_every_moe_kernel(dtype, tokens, path, swiglu, monkeypatch):
+    """gpt-oss's experts (biases, the clamped SwiGLU) on each MoE path against the NumPy reference: moe.cu,
+    moe_mma.cu, the per-expert GEMMs, moe_int4.cu and moe_fp8.cu (their down product split over column spans,
+    whose first alone adds the bias)."""
+    experts, top_k, hidden, inter = 8, 2, 256, 128
+    rng = np.random.default_rng(tokens * 7 + len(dtype))
+    if dtype in ("int4", "fp8"):
+        codec = Int4Codec(64, True) if dtype == "int4" else Fp8Codec("block")
+        plain = DictExpertStore({(5, e): {k: v for name, shape in zip(MATRICES, ((inter, hidden), (inter, hidden),
+                                                                               (hidden, inter)))
+                                          for k, v in codec.quantize_matrix(
+                                              name, rng.standard_normal(shape, dtype=np.float32)
+                                              / np.float32(np.sqrt(shape[1]))).items()}
+                                 for e in range(experts)})
+    else:
+        plain = random_experts(rng, experts, hidden, inter, dtype)
+    store = biased(plain, rng, hidden, inter)
+    if path == "expert_gemms":
+        monkeypatch.setattr(cupy_expert_gemm, "EXPERT_GEMM_MIN_WORK", 1)
+    device_store = DeviceExpertStore.upload(store, [5], experts)
+    assert device_store.layers[5].down_bias is not None
+    x, weights, ids = random_routing(rng, tokens, experts, top_k, hidden)
+    launched = launched_kernels(monkeypatch)
+    poison()
+    ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store, swiglu)
+    if path == "expert_gemms":
+        assert not any(name.startswith("moe_down") for name in launched), launched
+    else:
+        assert any(name.startswith(path) for name in launched), launched
+    reference = REF.routed_experts(x, weights, ids, 5, store, swiglu)
+    tolerance = 1e-5 if dtype == "float32" or (dtype == "int8" and tokens < MMA_MIN_TOKENS) else MMA_TOLERANCE
+    check(ours, reference, tolerance)
+    unbiased = REF.routed_experts(x, weights, ids, 5, plain, swiglu)
+    assert np.linalg.norm(reference - unbiased) > 10 * tolerance * np.linalg.norm(reference)  # the biases count
+
+
 def test_tensor_core_dispatch_rule():
     bf16, fp16 = np.zeros((2, 8), np.uint16), np.zeros((2, 8), np.float16)
     assert MMA_MIN_TOKENS == 8
@@ -938,7 +991,7 @@ def test_mma_kernels_leave_pairs_of_skipped_experts_untouched(dtype):
     routing = (group_expert, group_start, sorted_pairs, num_groups)
     act = cupy.full((pairs, inter), np.nan, np.float32)
     y = cupy.full((pairs, hidden), np.nan, np.float32)
-    gate_up_args, down_args = experts.kernel_args()
+    gate_up_args, down_args = experts.kernel_args(activation_args(None))
     groups = min(num_experts, pairs)
     n_tiles = smallest_tile(-(-tokens // 8), MMA_TILES)
     launch("moe_mma.cu", f"moe_gate_up_mma<{w}, {n_tiles}>", (-(-inter // MMA_GATE_UP_ROWS), groups), MMA_THREADS,

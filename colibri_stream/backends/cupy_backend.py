@@ -40,7 +40,6 @@ from .cublas_gemm import ACTIVATION_PARTS, activation_parts, weight_product
 from .cupy_flash_attention import (DECODE_THREADS, FLASH_FILE, FLASH_THREADS, FlashTileCache, decode_expression,
                                    decode_shared_bytes, flash_attention_launch,
                                    takes_flash_attention, takes_flash_decode)
-from .cupy_biased_experts import experts_one_by_one
 from .cupy_expert_gemm import min_gemm_pairs
 from .cupy_latent import KvRows, latent_rope_write, per_head_linear
 from .cupy_launch import (NULL, FAMILIES, ceil_div, check_row_width, launch, smallest_tile, storage_type,
@@ -104,16 +103,13 @@ class CupyBackend(Backend):
     def missing_features(cls, config: ModelConfig) -> list[str]:
         """kernels/router.cu selects among at most ROUTER_MAX_EXPERTS experts (groups: ROUTER_MAX_GROUPS), the
         attention prologue takes heads of at most MAX_HEAD_DIM dimensions (latent attention's rows and sink logits
-        take cupy_latent.py's path), and experts with biases or the clamped SwiGLU go one at a time through the
-        dense projections (cupy_biased_experts.py), which take bf16, fp16 and float32 matrices."""
+        take cupy_latent.py's path); the MoE kernels add experts' biases and apply the clamped SwiGLU in every
+        expert format."""
         missing = [f"{config.router_scoring} routing"] if config.router_scoring not in ROUTER_SCORINGS else []
-        one_by_one = not config.plain_experts()  # cupy_biased_experts.py
         missing += [name for name, used in (
             (f"more than {ROUTER_MAX_EXPERTS} routed experts", config.num_experts > ROUTER_MAX_EXPERTS),
             (f"group-limited routing over more than {ROUTER_MAX_GROUPS} groups (n_group)",
              config.n_group > ROUTER_MAX_GROUPS),
-            (f"biased or clamped-SwiGLU experts stored as {config.expert_dtype} (bfloat16, float16 or float32 only)",
-             one_by_one and config.expert_dtype not in ("bfloat16", "float16", "float32")),
             (f"head_dim {config.head_dim} (the attention kernels take at most {MAX_HEAD_DIM})",
              config.head_dim > MAX_HEAD_DIM)) if used]
         # moe_int4.cu reads whole 32-column chunks of int4, moe_fp8.cu 16 codes a lane
@@ -131,9 +127,8 @@ class CupyBackend(Backend):
 
     @classmethod
     def captures(cls, config: ModelConfig) -> bool:
-        """Not where attention goes a sequence at a time or experts one at a time: those read the batch on the
-        host."""
-        return not cls.attends_by_sequence(config) and config.plain_experts()
+        """Not where attention goes a sequence at a time: that reads the batch on the host."""
+        return not cls.attends_by_sequence(config)
 
     def __init__(self, matmul_precision: str = "high"):
         import cupy
@@ -511,15 +506,8 @@ class CupyBackend(Backend):
         return store.on_device(lambda inner: DeviceExpertStore.upload(inner, config.moe_layers, config.num_experts))
 
     def routed_experts(self, x, weights, expert_ids, layer, store: ExpertStore, swiglu=None):
-        """The MoE kernels (cupy_moe.py); experts with biases or a clamped SwiGLU one at a time through the dense
-        projections (cupy_biased_experts.py, every expert resident: one pass)."""
-        device = store.device_experts()
-        stacked = device.layers[layer] if isinstance(device, DeviceExpertStore) else None  # every expert resident
-        if swiglu is not None or (stacked is not None and stacked.down_bias is not None):
-            if stacked is None:  # (loader.py refuses GPU expert slots for such models)
-                raise ValueError("experts with biases or a clamped SwiGLU run on the GPU with every expert resident")
-            return experts_one_by_one(self, x, weights, expert_ids, stacked, swiglu)
-        return routed_experts(self, x, weights, expert_ids, layer, store)
+        """The MoE kernels (cupy_moe.py), biases and the clamped SwiGLU included."""
+        return routed_experts(self, x, weights, expert_ids, layer, store, swiglu)
 
     # ---- output -------------------------------------------------------------------------------------------
     def gather_rows(self, x: Array, rows: Array) -> Array:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import ClampedSwiglu
+from ..experts.cpu_executor import clamped_swiglu
 from ..experts.device import LayerExperts
 from .cublas_gemm import activation_parts, weight_product
 from .cupy_launch import Array
@@ -70,11 +72,12 @@ class GroupedTokens:
 
 
 def expert_gemms(grouped: GroupedTokens, experts: LayerExperts, route_weights: Array, y: Array, resident: bool,
-                 silu_mul) -> None:
+                 silu_mul, swiglu: ClampedSwiglu | None = None) -> None:
     """y[p] = route_weight[p] * expert_e(x[p / k]) for every pair p of a group whose expert this launch computes
     (`experts.slot_of`, or every expert when it has no table); with `resident` false the other rows of y keep
     their values (several launches add into a zeroed y). `silu_mul(gate, up)` is the backend's elementwise
-    kernel.  # y [P, H] float32"""
+    kernel, the activation unless `swiglu` gives gpt-oss's clamped SwiGLU; experts with biases add each group's
+    expert's biases to its products.  # y [P, H] float32"""
     import cupy
 
     gate, up, down = experts.gate, experts.up, experts.down  # [S, I, H], [S, I, H], [S, H, I]
@@ -94,17 +97,31 @@ def expert_gemms(grouped: GroupedTokens, experts: LayerExperts, route_weights: A
     matrices = [(gate, 2 * i, 0)] if fused else [(gate, i, 0), (up, i, i)]  # (matrix, rows, first output column)
     gate_up = cupy.empty((p, 2 * i), np.float32)  # [P, 2I] in sorted order: gate, then up
     _group_products(gate_up, 2 * i, grouped.parts, grouped.num_parts, h, groups, matrices, gate_rows, gate.dtype)
-    act = silu_mul(gate_up[:, :i], gate_up[:, i:])  # [P, I]
+    if experts.gate_bias is not None:
+        _add_group_biases(gate_up[:, :i], experts.gate_bias, groups)
+        _add_group_biases(gate_up[:, i:], experts.up_bias, groups)
+    if swiglu is None:
+        act = silu_mul(gate_up[:, :i], gate_up[:, i:])  # [P, I]
+    else:
+        act = clamped_swiglu(gate_up[:, :i], gate_up[:, i:], swiglu.limit, swiglu.alpha)  # [P, I]
     del gate_up
     act_parts = activation_parts(act, gate, grouped.num_parts)  # [N * P, I]
     del act
     out = (cupy.empty if resident else cupy.zeros)((p, h), np.float32)  # [P, H] in sorted order
     _group_products(out, h, act_parts, grouped.num_parts, i, groups, [(down, h, 0)], down_rows, down.dtype)
+    if experts.down_bias is not None:
+        _add_group_biases(out, experts.down_bias, groups)
     weighted = out * route_weights[grouped.sorted_pairs][:, None]  # [P, H]
     if resident:
         y[grouped.sorted_pairs] = weighted
     else:
         y[grouped.sorted_pairs] += weighted
+
+
+def _add_group_biases(rows: Array, bias: Array, groups: list[tuple[int, int, int]]) -> None:
+    """rows[s:s+n] += bias[slot] for each group (slot, s, n).  # rows [P, C] in sorted order, bias [S, C]"""
+    for slot, start, count in groups:
+        rows[start:start + count] += bias[slot]
 
 
 def _group_products(out: Array, out_width: int, parts: Array, num_parts: int, n_in: int,

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import ml_dtypes
 import numpy as np
 
+from ..config import ClampedSwiglu
 from ..expert_codecs import MATRICES
 from ..experts.device import DeviceExperts, LayerExperts
 from ..experts.store import ExpertStore
@@ -42,11 +43,20 @@ def on_tensor_cores(weight: Array, tokens: int) -> bool:
     return tokens >= MMA_MIN_TOKENS and np.dtype(weight.dtype) in (np.dtype(np.uint16), np.dtype(np.float16))
 
 
-def routed_experts(backend, x: Array, weights: Array, expert_ids: Array, layer: int, store: ExpertStore) -> Array:
+def activation_args(swiglu: ClampedSwiglu | None) -> tuple:
+    """(limit, alpha, up_shift) of common.cuh's GatedActivation: silu(gate) * up, or gpt-oss's clamped SwiGLU."""
+    if swiglu is None:
+        return np.float32(np.inf), np.float32(1.0), np.float32(0.0)
+    return np.float32(swiglu.limit), np.float32(swiglu.alpha), np.float32(1.0)
+
+
+def routed_experts(backend, x: Array, weights: Array, expert_ids: Array, layer: int, store: ExpertStore,
+                   swiglu: ClampedSwiglu | None = None) -> Array:
     """The MoE kernels once per launch the store's device experts ask for (`passes(layer)`: one when every
     expert is resident; with GPU slots, one per group of experts that fit the layer's slots), then the sum over
     each token's experts, plus what `finish_layer` returns (experts the store computed on the CPU meanwhile).
-    `backend` is the CupyBackend (its CuPy module and column splits).  # x [T, H] -> [T, H]"""
+    Experts' biases (where they have them) and the activation (`swiglu`, else silu(gate) * up) are applied inside
+    the kernels. `backend` is the CupyBackend (its CuPy module and column splits).  # x [T, H] -> [T, H]"""
     device = store.device_experts()
     if device is None:
         raise TypeError("the CuPy backend computes routed experts from a device store (prepare_experts)")
@@ -69,6 +79,7 @@ def routed_experts(backend, x: Array, weights: Array, expert_ids: Array, layer: 
     tile = smallest_tile(t, MOE_TILES)  # a group holds at most T pairs
     routing = (group_expert, group_start, sorted_pairs, num_groups)
     act = y = grouped = None
+    activation = activation_args(swiglu)
     quantized_x = {}  # int4's cut of x (cupy_quant_moe.QuantizedRows by chunk width), made once for every launch
     for experts in device.passes(layer):
         if is_block_scaled(experts):  # int4, fp8: moe_int4.cu / moe_fp8.cu, whose split down product adds into y
@@ -78,14 +89,14 @@ def routed_experts(backend, x: Array, weights: Array, expert_ids: Array, layer: 
             if y is None:
                 y = cp.zeros((pairs, h), np.float32)  # [P, H]
             quant_experts(experts, x, act, y, route_weights, routing, t, top_k, groups, backend.column_splits,
-                          backend.multiprocessors, quantized_x)
+                          backend.multiprocessors, quantized_x, activation)
             continue
         if takes_expert_gemms(experts, pairs, num_experts):
             if grouped is None:  # the tokens in group order, for every launch of the layer
                 grouped = GroupedTokens.gather(x, routing, top_k, experts.gate, backend.activation_parts)
             if y is None:
                 y = (cp.empty if device.resident else cp.zeros)((pairs, h), np.float32)  # [P, H]
-            expert_gemms(grouped, experts, route_weights, y, device.resident, backend.silu_mul)
+            expert_gemms(grouped, experts, route_weights, y, device.resident, backend.silu_mul, swiglu)
             continue
         i = experts.gate.shape[1]  # a cut expert's GPU part (experts/cut_layout.py) has fewer rows than the others
         if act is None or act.shape[1] != i:
@@ -101,7 +112,7 @@ def routed_experts(backend, x: Array, weights: Array, expert_ids: Array, layer: 
             # spans add into it
             y = (cp.empty if device.resident and splits == 1 else cp.zeros)((pairs, h), np.float32)
         w = storage_type(experts.gate)
-        gate_up_args, down_args = experts.kernel_args()
+        gate_up_args, down_args = experts.kernel_args(activation)
         gate_up = (x, *gate_up_args, *routing, act, np.int32(h), np.int32(i), np.int32(top_k))
         down = (act, *down_args, route_weights, *routing, y, np.int32(h), np.int32(i))
         if mma:

@@ -105,12 +105,13 @@ def is_block_scaled(experts: LayerExperts) -> bool:
 
 def quant_experts(experts: LayerExperts, x: Array, act: Array, y: Array, route_weights: Array, routing: tuple,
                   tokens: int, top_k: int, groups: int, column_splits, multiprocessors: int,
-                  quantized_x: dict[int, QuantizedRows]) -> None:
+                  quantized_x: dict[int, QuantizedRows], activation: tuple) -> None:
     """The gate/up kernel then the down kernel over one launch's experts: act [P, I] from x [T, H], then y
     [P, H], added into (the caller zeroes it: the down product may be split over `column_splits(I, blocks)`
     column spans that add with atomics). `routing`: moe_align's (group_expert, group_start, sorted_pairs,
     num_groups). `quantized_x`: int4's cut of x by chunk width, kept by the caller for the layer's later launches
-    (filled here on first use)."""
+    (filled here on first use). `activation`: (limit, alpha, up_shift) of common.cuh's GatedActivation, applied with
+    the experts' biases (where they have them)."""
     h = x.shape[1]
     i = experts.gate.shape[1]
     up_layout = QuantMatrix.of(experts.gate, experts.gate_scale, h, "experts (hidden size)")
@@ -137,7 +138,8 @@ def quant_experts(experts: LayerExperts, x: Array, act: Array, y: Array, route_w
         gate_up = (x, *gate_up)
         kernel = f"moe_gate_up_fp8<{n_tiles}>"
         grid = (ceil_div(i, MMA_GATE_UP_ROWS), groups)
-    gate_up = (*gate_up, *up_layout.scale_args(), slot_of, *routing, act, np.int32(h), np.int32(i), np.int32(top_k))
+    gate_up = (*gate_up, *up_layout.scale_args(), *experts.gate_up_bias_args(), *activation, slot_of, *routing, act,
+               np.int32(h), np.int32(i), np.int32(top_k))
     file = "moe_int4.cu" if int4 else "moe_fp8.cu"
     launch(file, kernel, grid, MMA_THREADS, gate_up, weight_type=str(up_layout.lane_bytes) if int4 else None)
     splits = column_splits(i, ceil_div(h, MMA_DOWN_ROWS) * groups)
@@ -151,7 +153,7 @@ def quant_experts(experts: LayerExperts, x: Array, act: Array, y: Array, route_w
     else:
         down = (act, *down)
         kernel = f"moe_down_fp8<{n_tiles}>"
-    down = (*down, *down_layout.scale_args(), slot_of, route_weights, *routing, y, np.int32(h), np.int32(i),
-            np.int32(span))
+    down = (*down, *down_layout.scale_args(), *experts.down_bias_args(), slot_of, route_weights, *routing, y,
+            np.int32(h), np.int32(i), np.int32(span))
     launch(file, kernel, (ceil_div(h, MMA_DOWN_ROWS), groups, ceil_div(i, span)), MMA_THREADS, down,
            weight_type=str(down_layout.lane_bytes) if int4 else None)

@@ -68,26 +68,38 @@ class LayerExperts:
     @classmethod
     def from_arrays(cls, arrays: dict[str, Array], slot_of: Array | None) -> LayerExperts:
         """From device arrays named as an expert block's tensors (gate, up, down and, for the quantized formats,
-        their scales and zero points), each with a leading slot axis."""
+        their scales and zero points; biased experts' biases), each with a leading slot axis."""
         return cls(arrays["gate"], arrays["up"], arrays["down"], arrays.get("gate_scale"), arrays.get("up_scale"),
                    arrays.get("down_scale"), slot_of, arrays.get("gate_zero"), arrays.get("up_zero"),
-                   arrays.get("down_zero"))
+                   arrays.get("down_zero"), arrays.get("gate_bias"), arrays.get("up_bias"), arrays.get("down_bias"))
 
     def named(self) -> dict[str, Array]:
         """The arrays by block tensor name (those present), slot axis first."""
         return {name: getattr(self, name) for name in (*WEIGHT_TENSORS, *EXPERT_BIASES) if getattr(self, name) is not None}
 
-    def kernel_args(self) -> tuple[tuple, tuple]:
-        """(gate/up arguments, down arguments) of moe_gate_up and moe_down: pointers and strides per slot."""
+    def kernel_args(self, activation: tuple) -> tuple[tuple, tuple]:
+        """(gate/up arguments, down arguments) of moe_gate_up and moe_down: pointers and strides per slot, the
+        biases (null where the experts have none) and `activation` (limit, alpha, up_shift: common.cuh's
+        GatedActivation)."""
         if self.gate.strides != self.up.strides:
             raise ValueError("gate and up of a layer's experts must share their strides")
         slot_of = device_pointer(self.slot_of)
         gate_up = (device_pointer(self.gate), device_pointer(self.up), slot_stride(self.gate),
                    device_pointer(self.gate_scale), device_pointer(self.up_scale), slot_stride(self.gate_scale),
-                   slot_of)
+                   *self.gate_up_bias_args(), *activation, slot_of)
         down = (device_pointer(self.down), slot_stride(self.down), device_pointer(self.down_scale),
-                slot_stride(self.down_scale), slot_of)
+                slot_stride(self.down_scale), *self.down_bias_args(), slot_of)
         return gate_up, down
+
+    def gate_up_bias_args(self) -> tuple:
+        """gate_bias, up_bias, their slot stride: the MoE kernels' bias arguments (nulls without biases)."""
+        if self.gate_bias is not None and (self.gate_bias.strides != self.up_bias.strides):
+            raise ValueError("gate and up biases of a layer's experts must share their strides")
+        return device_pointer(self.gate_bias), device_pointer(self.up_bias), slot_stride(self.gate_bias)
+
+    def down_bias_args(self) -> tuple:
+        """down_bias and its slot stride (null and 0 without biases)."""
+        return device_pointer(self.down_bias), slot_stride(self.down_bias)
 
 
 class DeviceExperts(ExpertStore):
