@@ -16,6 +16,8 @@
 //   positions    int64 [T]
 //   Token t of sequence b at position p, head h, reads KV head h / (Q / K) at cached positions j <= p, and only
 //   j > p - window when window > 0; scores are scaled by `scale`.
+//   sinks        float32 [Q] or null: head h's sink logit (gpt-oss), one more term exp(sinks[h] - M) of the softmax's
+//                denominator whose value is zero (every kernel of this file and flash_attention.cu takes it)
 //   grid: (T, Q), block: ATTN_WARPS * 32 threads, dynamic shared memory: ATTN_WARPS * D floats.
 //   DPL = ceil(D / 32) rounded up to 1, 2, 4 or 8 (D <= 256): head dims per lane. Each warp takes ATTN_UNROLL
 //   keys per step, so several loads are in flight.
@@ -51,11 +53,12 @@
 //   and paged_attention_merge combines them: same math, one more launch. The backend picks S from shapes only
 //   (a captured graph replays it for every context length): enough blocks to fill the GPU, capped.
 //
-// paged_attention_merge: out[t, h] = sum_s acc_s exp(m_s - M) / sum_s l_s exp(m_s - M), M = max_s m_s over the
-//   token's S_t splits (empty splits weigh 0; S_t == 1: nothing to do, the GQA block wrote out). grid: (T, Q),
-//   block: MERGE_WARPS * 32 threads, static shared memory only; D at most MERGE_MAX_DIM; max_splits = S (at most
-//   MERGE_MAX_SPLITS), window and split_keys as the GQA launch's. Warp w sums the splits w, w + MERGE_WARPS, ...
-//   (lane l dims l, l + 32, ...: each load of a warp is one row segment), the warps' sums are added in shared memory.
+// paged_attention_merge: out[t, h] = sum_s acc_s exp(m_s - M) / (sum_s l_s exp(m_s - M) + exp(sinks[h] - M)) (no sink
+//   term where sinks is null), M = max_s m_s over the token's S_t splits (empty splits weigh 0; S_t == 1: nothing to
+//   do, the GQA block wrote out). grid: (T, Q), block: MERGE_WARPS * 32 threads, static shared memory only; D at most
+//   MERGE_MAX_DIM; max_splits = S (at most MERGE_MAX_SPLITS), window and split_keys as the GQA launch's, sinks as
+//   paged_attention's. Warp w sums the splits w, w + MERGE_WARPS, ... (lane l dims l, l + 32, ...: each load of a warp
+//   is one row segment), the warps' sums are added in shared memory.
 #include "kv_types.cuh"
 
 constexpr int ATTN_WARPS = 16;
@@ -70,7 +73,8 @@ paged_attention(const float* __restrict__ q, const KV* __restrict__ key_cache,
                 const KV* __restrict__ value_cache, const long long* __restrict__ block_tables,
                 const long long* __restrict__ query_start, const long long* __restrict__ positions,
                 float* __restrict__ out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                int block_size, int max_blocks, float scale, int window, float v_scale) {
+                int block_size, int max_blocks, float scale, int window, float v_scale,
+                const float* __restrict__ sinks) {
     pdl_wait();
     extern __shared__ float merged[];  // [ATTN_WARPS, head_dim]
     __shared__ float warp_max_s[ATTN_WARPS], warp_sum_s[ATTN_WARPS];
@@ -160,7 +164,7 @@ paged_attention(const float* __restrict__ q, const KV* __restrict__ key_cache,
     float total_max = neg_inf();
 #pragma unroll
     for (int w = 0; w < ATTN_WARPS; ++w) total_max = fmaxf(total_max, warp_max_s[w]);
-    float total = 0.f;
+    float total = sinks != nullptr ? expf(sinks[h] - total_max) : 0.f;
 #pragma unroll
     for (int w = 0; w < ATTN_WARPS; ++w) total += warp_sum_s[w] * expf(warp_max_s[w] - total_max);
     float* out_row = out + (static_cast<long long>(t) * num_heads + h) * head_dim;
@@ -284,7 +288,7 @@ paged_attention_gqa(const float* __restrict__ q, const KV* __restrict__ key_cach
                     const long long* __restrict__ query_start, const long long* __restrict__ positions,
                     float* __restrict__ out, float* __restrict__ partial_acc, float* __restrict__ partial_ml,
                     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
-                    float scale, int window, float v_scale, int split_keys) {
+                    float scale, int window, float v_scale, const float* __restrict__ sinks, int split_keys) {
     pdl_wait();
     constexpr int VW = DPL < 4 ? DPL : 4;  // elements per vector load
     constexpr int NV = DPL / VW;           // vector loads per row and lane
@@ -430,8 +434,9 @@ paged_attention_gqa(const float* __restrict__ q, const KV* __restrict__ key_cach
         for (int w = 0; w < GQA_WARPS; ++w) a = fmaf(merged[(w * G + g) * head_dim + d], weight_s[w][g], a);
         a *= v_scale;
         const long long row = static_cast<long long>(t) * num_heads + kv * group + g;  // [T, Q]
-        if (splits == 1) {
-            out[row * head_dim + d] = a / total_s[g];  // key `first` is this block's: total_s[g] >= 1
+        if (splits == 1) {  // key `first` is this block's: total_s[g] >= 1
+            const float sink = sinks != nullptr ? expf(sinks[kv * group + g] - total_max_s[g]) : 0.f;
+            out[row * head_dim + d] = a / (total_s[g] + sink);
         } else {
             const long long part = row * gridDim.z + split;  // [T, Q, S]
             partial_acc[part * head_dim + d] = a;
@@ -443,7 +448,7 @@ paged_attention_gqa(const float* __restrict__ q, const KV* __restrict__ key_cach
 __global__ void __launch_bounds__(MERGE_WARPS * 32)
 paged_attention_merge(const float* __restrict__ partial_acc, const float* __restrict__ partial_ml,
                       float* __restrict__ out, const long long* __restrict__ positions, int head_dim,
-                      int max_splits, int window, int split_keys) {
+                      int max_splits, int window, int split_keys, const float* __restrict__ sinks) {
     pdl_wait();
     constexpr int DIMS_PER_LANE = MERGE_MAX_DIM / 32;
     __shared__ float weight_s[MERGE_MAX_SPLITS];  // exp(m_s - M) of each split, 0 for an empty one
@@ -463,6 +468,7 @@ paged_attention_merge(const float* __restrict__ partial_acc, const float* __rest
         total += ml[2 * s + 1] * weight;
     }
     total = block_sum(total);  // its barrier also publishes weight_s
+    if (sinks != nullptr) total += expf(sinks[blockIdx.y] - top);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const float* acc = partial_acc + row * max_splits * head_dim;  // [S, D]
     float a[DIMS_PER_LANE] = {};  // dims lane + 32 j

@@ -13,6 +13,7 @@
 //                them longest key range first, so the blocks with most work start first
 //   Token t of sequence b at position p, head h, reads KV head h / (Q / K) at cached positions j <= p, and only
 //   j > p - window when window > 0; scores are scaled by `scale`.
+//   sinks        float32 [Q] or null: sink logits, as attention.cu's kernels take them (flash_decode too)
 //   D: 64, 96 or 128 (a multiple of 16, at most 128: the accumulators of 16 rows x D fit in registers).
 //   grid: (N, K), block: FLASH_THREADS, dynamic shared memory: the tiles' rows of D + 8 bf16, FLASH_STAGES * 2 * 64
 //   of them for a bf16 cache (68 KiB at D = 128; the launch raises the kernel's limit), else 2 * FLASH_ROWS (34
@@ -55,6 +56,7 @@
 #include "kv_types.cuh"
 #include "mma.cuh"
 
+constexpr float LOG2_E = 1.4426950408889634f;  // scores in base-2 units: times scale * LOG2_E
 constexpr int FLASH_ROWS = 64;   // query rows per block
 constexpr int FLASH_WARPS = FLASH_ROWS / 16;
 constexpr int FLASH_THREADS = FLASH_WARPS * 32;
@@ -191,7 +193,8 @@ __global__ void __launch_bounds__(FLASH_THREADS, SPLIT ? 2 : 3)
 flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, const KV* __restrict__ value_cache,
                 const long long* __restrict__ block_tables, const long long* __restrict__ query_start,
                 const long long* __restrict__ positions, const int* __restrict__ tiles, float* __restrict__ out,
-                int num_heads, int num_kv_heads, int block_size, int max_blocks, float scale, int window) {
+                int num_heads, int num_kv_heads, int block_size, int max_blocks, float scale, int window,
+                const float* __restrict__ sinks) {
     static_assert(D % 16 == 0 && D <= 128, "D is a multiple of 16 up to 128");
     constexpr bool SPLIT_KV = SPLIT && !Bf16x8<KV>::EXACT;  // keys and values in high and low parts too
     constexpr int KEYS = SPLIT_KV ? 32 : 64;  // keys per tile
@@ -261,7 +264,7 @@ flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, c
     const int first_pos = row_pos_s[0], last_pos = row_pos_s[min(rows, FLASH_ROWS) - 1];
     const int key_lo = window > 0 ? max(0, first_pos - window + 1) : 0;  // the block's keys [key_lo, key_hi)
     const int key_hi = last_pos + 1;
-    const float scale_log2 = scale * 1.4426950408889634f;
+    const float scale_log2 = scale * LOG2_E;
     __syncthreads();  // every warp holds its queries before the key tiles overwrite them
 
     using M = Mma<__nv_bfloat16>;
@@ -382,10 +385,12 @@ flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, c
     for (int h = 0; h < 2; ++h) {
         const int row = h == 0 ? row_a : row_b;
         if (row >= rows) continue;
-        const float inverse = 1.f / row_sum[h];  // > 0: a row always sees its own position's key
         const int pair = row0 + row;
         const long long t = start + pair / group;
-        float* out_row = out + (t * num_heads + kv * group + pair % group) * D;
+        const int head = kv * group + pair % group;
+        const float sink = sinks != nullptr ? exp2f(sinks[head] * LOG2_E - m[h]) : 0.f;  // m[h]: the row's max
+        const float inverse = 1.f / (row_sum[h] + sink);  // > 0: a row always sees its own position's key
+        float* out_row = out + (t * num_heads + head) * D;
 #pragma unroll
         for (int n = 0; n < DTILES; ++n) {
             *reinterpret_cast<float2*>(out_row + n * 8 + 2 * c) =
@@ -466,7 +471,8 @@ flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, cons
              const long long* __restrict__ block_tables, const long long* __restrict__ query_start,
              const long long* __restrict__ positions, float* __restrict__ out, float* __restrict__ partial_acc,
              float* __restrict__ partial_ml, int num_seqs, int num_heads, int num_kv_heads, int block_size,
-             int max_blocks, float scale, int window, float v_scale, int split_keys) {
+             int max_blocks, float scale, int window, float v_scale, const float* __restrict__ sinks,
+             int split_keys) {
     static_assert(D % 16 == 0 && D <= 128, "D is a multiple of 16 up to 128");
     constexpr int STRIDE = D + FLASH_PAD;  // elements per shared row
     constexpr int KSTEPS = D / 16;         // k-steps of S = Q K^T
@@ -543,7 +549,7 @@ flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, cons
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) fetch(warp + s * DECODE_WARPS, s);
 
-    const float scale_log2 = scale * 1.4426950408889634f;
+    const float scale_log2 = scale * LOG2_E;
     float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};  // rows r, r + 8: running max (log2 units), lane sum
     float o[DTILES][4] = {};
     const int matrix = lane / 8;  // the 8 x 8 matrix whose row this lane addresses in ldmatrix
@@ -642,8 +648,9 @@ flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, cons
         }
         a *= v_scale;
         const long long row = static_cast<long long>(t) * num_heads + kv * group + g;  // [T, Q]
-        if (splits == 1) {
-            out[row * D + d] = a / total;  // key `first` is this block's: total >= 1
+        if (splits == 1) {  // key `first` is this block's: total >= 1
+            const float sink = sinks != nullptr ? exp2f(sinks[kv * group + g] * LOG2_E - top) : 0.f;
+            out[row * D + d] = a / (total + sink);
         } else {
             const long long part = row * gridDim.z + split;  // [T, Q, S]
             partial_acc[part * D + d] = a;

@@ -66,8 +66,8 @@ def test_gpt_oss_from_a_bf16_checkpoint(tmp_path):
 
 
 def test_gpu_backend_takes_gpt_oss_and_refuses_expert_slots_in_one_line(tmp_path):
-    """Sinks run on the GPU (cupy_latent.py), biases and the clamped SwiGLU inside the MoE kernels in every expert
-    format; GPU expert slots are refused in one line."""
+    """Sinks run inside the attention kernels, biases and the clamped SwiGLU inside the MoE kernels in every expert
+    format, so decode steps are captured; GPU expert slots are refused in one line."""
     build_hf_model("gpt_oss", tmp_path / "hf", seed=3)
     export_model(tmp_path / "hf", tmp_path / "model", dtype="bf16", progress=False)
     config = read_config(tmp_path / "model")
@@ -75,7 +75,7 @@ def test_gpu_backend_takes_gpt_oss_and_refuses_expert_slots_in_one_line(tmp_path
     for quantized in (dict(expert_dtype="int8"), dict(expert_dtype="int4", expert_group_size=32),
                       dict(expert_dtype="fp8", expert_scales="block")):
         check_features(dataclasses.replace(config, **quantized), CupyBackend)
-    assert not CupyBackend.captures(config)  # sinks: attention a sequence at a time, every step eager
+    assert CupyBackend.captures(config)  # sinks in the attention kernels: decode steps captured in CUDA graphs
     cuda = SimpleNamespace(device="cuda")
     with pytest.raises(UnsupportedModelError, match=r"^gpt_oss's experts with biases run on the GPU only with every "
                                                     r"expert resident: drop --gpu-memory-limit, or run with --device cpu$"):

@@ -20,7 +20,7 @@ if not cupy.cuda.is_available():
     pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
 
 from colibri_stream.backends import cupy_flash_attention  # noqa: E402
-from colibri_stream.backends.cupy_launch import launch, storage_type  # noqa: E402
+from colibri_stream.backends.cupy_launch import NULL, launch, storage_type  # noqa: E402
 from colibri_stream.backends.cupy_flash_attention import (  # noqa: E402
     FLASH_FILE,
     FLASH_MIN_TOKENS,
@@ -64,7 +64,7 @@ def run_flash(query, key_cache, value_cache, batch, device_batch, scale, window,
     """One launch of flash_attention.cu, whatever the dispatch rule would pick."""
     kv_type = storage_type(key_cache)
     flash = flash_attention_launch(cupy, FlashTileCache(), query, key_cache, value_cache, batch, device_batch,
-                                   kv_type, scale, window, split)
+                                   kv_type, scale, window, split, NULL)
     launch(FLASH_FILE, flash.expression, flash.grid, FLASH_THREADS, flash.args, shared_mem=flash.shared_mem,
            weight_type=kv_type)
     return flash.out

@@ -348,15 +348,13 @@ def test_paged_attention(head_dim, window, block_size, kv_dtype, monkeypatch):
     check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, scale, window, scales))
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,sinks", [(8, 2, 64, True), (16, 1, 24, True), (8, 1, 576, False),
-                                                           (4, 1, 280, True)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,sinks", [(8, 1, 576, False), (4, 1, 280, True)])
 @pytest.mark.parametrize("window", [None, 16])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_attention_by_sequence_takes_sinks_and_latent_rows(heads, kv_heads, head_dim, sinks, window, kv_dtype,
-                                                           monkeypatch):
-    """Sink logits, and rows wider than the kernels' heads (latent attention's kv_lora_rank + rope width: 576 for
-    DeepSeek-V3), take cupy_latent.py's path of CuPy operations, no kernel of ours: the NumPy attention's result,
-    decode tokens and chunks alike, over every KV dtype."""
+def test_attention_by_sequence_takes_latent_rows(heads, kv_heads, head_dim, sinks, window, kv_dtype, monkeypatch):
+    """Rows wider than the kernels' heads (latent attention's kv_lora_rank + rope width: 576 for DeepSeek-V3), with
+    or without sink logits, take cupy_latent.py's path of CuPy operations, no kernel of ours: the NumPy attention's
+    result, decode tokens and chunks alike, over every KV dtype."""
     rng = np.random.default_rng(head_dim + heads)
     block_size = 16
     seqs = [(1, 1), (37, 37), (100, 1), (64, 5)]
@@ -369,6 +367,43 @@ def test_attention_by_sequence_takes_sinks_and_latent_rows(heads, kv_heads, head
                                None if head_sinks is None else cupy.asarray(head_sinks))
     assert launched == []
     check(ours, REF.paged_attention(query, key_cache, value_cache, batch, {}, scale, window, scales, head_sinks))
+
+
+SINK_KERNELS = {  # path: (the kernels it launches, decode tokens or chunks)
+    "paged_attention": (["paged_attention<__nv_bfloat16, 2>"], False),
+    "gqa": (["paged_attention_gqa<__nv_bfloat16, 2, 4>"], True),
+    "gqa_split": (["paged_attention_gqa<__nv_bfloat16, 2, 4>", "paged_attention_merge"], True),
+    "flash_decode": (["flash_decode<__nv_bfloat16, 64, 2>", "paged_attention_merge"], True),
+    "flash_attention": (["flash_attention<__nv_bfloat16, 64, true>"], False),
+}
+
+
+@pytest.mark.parametrize("path", list(SINK_KERNELS))
+@pytest.mark.parametrize("window", [None, 16])
+def test_sink_logits_in_every_attention_kernel(path, window, monkeypatch):
+    """gpt-oss's sink logits (one more term of each head's softmax, whose value is zero) in each attention kernel
+    and in the merge of split decode partials, against the NumPy attention; one head's sink far above its scores
+    (its output near zero) and one far below."""
+    monkeypatch.setattr(cupy_flash_attention, "FLASH_MIN_TOKENS", 16 if path == "flash_attention" else 1 << 30)
+    monkeypatch.setattr(cupy_backend, "FLASH_DECODE_MIN_KEYS", 1 if path == "flash_decode" else 1 << 40)
+    if path == "gqa":
+        monkeypatch.setattr(cupy_backend, "GQA_MAX_SPLITS", 1)
+    kernels, decode = SINK_KERNELS[path]
+    rng = np.random.default_rng(len(path) + (window or 0))
+    seqs = [(p + 1, 1) for p in (0, 36, 143, 511)] if decode else [(1, 1), (37, 37), (100, 1), (64, 40)]
+    batch, (key_cache, gpu_keys), (value_cache, gpu_values), query, device_batch = attention_case(
+        rng, seqs, 16, 8, 2, 64, "bfloat16")
+    sinks = (rng.standard_normal(8) * 2).astype(np.float32)
+    sinks[3], sinks[5] = 30.0, -30.0
+    launched = launched_kernels(monkeypatch)
+    poison()
+    ours = GPU.paged_attention(cupy.asarray(query), gpu_keys, gpu_values, batch, device_batch, 0.125, window,
+                               (1.0, 1.0), cupy.asarray(sinks))
+    assert [name for name in launched if not name.startswith("to_storage")] == kernels, launched
+    reference = REF.paged_attention(query, key_cache, value_cache, batch, {}, 0.125, window, (1.0, 1.0), sinks)
+    check(ours, reference, 1e-5 if path.startswith(("paged", "gqa")) else MMA_TOLERANCE)
+    without = REF.paged_attention(query, key_cache, value_cache, batch, {}, 0.125, window, (1.0, 1.0), None)
+    assert np.linalg.norm(reference - without) > 0.1 * np.linalg.norm(reference)  # the sinks count
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])

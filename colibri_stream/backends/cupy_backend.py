@@ -122,8 +122,8 @@ class CupyBackend(Backend):
     @classmethod
     def attends_by_sequence(cls, config: ModelConfig) -> bool:
         """Whether the model's attention takes cupy_latent.py's path of CuPy operations, one sequence at a time
-        (latent attention, sink logits)."""
-        return config.attention == "mla" or config.attention_sinks
+        (latent attention)."""
+        return config.attention == "mla"
 
     @classmethod
     def captures(cls, config: ModelConfig) -> bool:
@@ -149,6 +149,7 @@ class CupyBackend(Backend):
         self._route_counters = cupy.zeros(ROUTER_SPLIT_TOKENS, np.uint32)
         self._flash_tiles = FlashTileCache()
         self._kv_rows = KvRows(cupy)  # cache rows widened for cupy_latent.py's path
+        self._float32_sinks: dict[int, Array] = {}  # a layer's sink logits as the kernels read them, by address
         self._clock: CudaEventClock | None = None  # made on first use
 
     def max_tokens_in_stream_order(self, config: ModelConfig) -> int | None:
@@ -386,16 +387,17 @@ class CupyBackend(Backend):
         Otherwise (short chunks, or head layouts or caches the other kernels do not take): paged_attention, a block
         per (token, query head). k_scale is folded into the score scale; the kernels multiply their outputs by
         v_scale."""
-        # cupy_latent.py's path (attends_by_sequence): sink logits, and latent attention's rows (one cache as keys
-        # and values)
-        if sinks is not None or key_cache is value_cache or query.shape[2] > MAX_HEAD_DIM:
+        # cupy_latent.py's path (attends_by_sequence): latent attention's rows (one cache as keys and values)
+        if key_cache is value_cache or query.shape[2] > MAX_HEAD_DIM:
             return paged_attention_rows(self.cp, self._kv_rows.widen, query, key_cache, value_cache, batch, scale,
                                         sliding_window, kv_scales, sinks)
         query = self.cp.ascontiguousarray(query)
+        sink_logits = self._sink_logits(sinks, query.shape[1])
         if kv_scales == (1.0, 1.0) and takes_flash_attention(query, key_cache, value_cache, batch):
             kv_type = storage_type(key_cache)
             flash = flash_attention_launch(self.cp, self._flash_tiles, query, key_cache, value_cache, batch,
-                                           device_batch, kv_type, scale, sliding_window, self.activation_parts == 2)
+                                           device_batch, kv_type, scale, sliding_window, self.activation_parts == 2,
+                                           sink_logits)
             launch(FLASH_FILE, flash.expression, flash.grid, FLASH_THREADS, flash.args, shared_mem=flash.shared_mem,
                    weight_type=kv_type)
             return flash.out
@@ -426,9 +428,9 @@ class CupyBackend(Backend):
                    (query, key_cache, value_cache, tables, device_batch["query_start"], device_batch["positions"],
                     out, split.acc, split.ml, np.int32(tables.shape[0]), np.int32(num_heads), np.int32(num_kv_heads),
                     np.int32(block_size), np.int32(tables.shape[1]), np.float32(scale * kv_scales[0]), window,
-                    np.float32(kv_scales[1]), np.int32(split.split_keys)), shared_mem=decode_shared_bytes(head_dim),
-                   weight_type=kv_type)
-            self._merge_splits(split, out, device_batch, window, kv_type)
+                    np.float32(kv_scales[1]), sink_logits, np.int32(split.split_keys)),
+                   shared_mem=decode_shared_bytes(head_dim), weight_type=kv_type)
+            self._merge_splits(split, out, device_batch, window, kv_type, sink_logits)
             return out
         if (t == tables.shape[0] and enough_tokens and num_heads % num_kv_heads == 0 and padded is not None
                 and padded * per_lane <= GQA_MAX_LANE_FLOATS and head_dim % vector == 0
@@ -437,13 +439,25 @@ class CupyBackend(Backend):
                                         GQA_SPLIT_KEYS)
             launch("attention.cu", f"paged_attention_gqa<{kv_type}, {per_lane}, {padded}>",
                    (t, num_kv_heads, split.splits), 32 * GQA_WARPS,
-                   (*common, split.acc, split.ml, *sizes, np.int32(split.split_keys)),
+                   (*common, split.acc, split.ml, *sizes, sink_logits, np.int32(split.split_keys)),
                    shared_mem=GQA_WARPS * padded * head_dim * 4, weight_type=kv_type)
-            self._merge_splits(split, out, device_batch, window, kv_type)
+            self._merge_splits(split, out, device_batch, window, kv_type, sink_logits)
             return out
         launch("attention.cu", f"paged_attention<{kv_type}, {per_lane}>", (t, num_heads), 32 * ATTENTION_WARPS,
-               (*common, *sizes), shared_mem=ATTENTION_WARPS * head_dim * 4, weight_type=kv_type)
+               (*common, *sizes, sink_logits), shared_mem=ATTENTION_WARPS * head_dim * 4, weight_type=kv_type)
         return out
+
+    def _sink_logits(self, sinks: Array | None, num_heads: int):
+        """The kernels' `sinks` argument: a layer's sink logits [Q] as a float32 device array's address (NULL
+        without). A copy in float32 is made once per layer's array and kept, so a captured graph's launches read
+        memory that lives as long as the model."""
+        if sinks is None:
+            return NULL
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sink logits of shape {sinks.shape} for {num_heads} query heads")
+        if sinks.dtype != np.float32 or not sinks.flags.c_contiguous:
+            sinks = self._float32_sinks.setdefault(sinks.data.ptr, self.cp.ascontiguousarray(sinks, np.float32))
+        return sinks
 
     def _decode_splits(self, query, num_kv_heads: int, capacity: int, max_splits: int, blocks_per_sm: int,
                        split_keys: int) -> DecodeSplits:
@@ -461,14 +475,14 @@ class CupyBackend(Backend):
                             self.cp.empty((t, num_heads, splits, head_dim), np.float32),  # [T, Q, S, D]
                             self.cp.empty((t, num_heads, splits, 2), np.float32))  # [T, Q, S, (m, l)]
 
-    def _merge_splits(self, split: DecodeSplits, out, device_batch, window, kv_type: str) -> None:
+    def _merge_splits(self, split: DecodeSplits, out, device_batch, window, kv_type: str, sink_logits) -> None:
         """paged_attention_merge over a split decode launch's partials (nothing for one split)."""
         if split.splits == 1:
             return
         t, num_heads, head_dim = out.shape
         launch("attention.cu", "paged_attention_merge", (t, num_heads), MERGE_THREADS,
                (split.acc, split.ml, out, device_batch["positions"], np.int32(head_dim), np.int32(split.splits),
-                window, np.int32(split.split_keys)), weight_type=kv_type)
+                window, np.int32(split.split_keys), sink_logits), weight_type=kv_type)
 
     # ---- mixture of experts -------------------------------------------------------------------------------
     def route(self, x, router, top_k, renormalize, scoring="softmax", correction_bias=None, n_group=1,

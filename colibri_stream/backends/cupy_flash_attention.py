@@ -143,9 +143,10 @@ class FlashTileCache:
 
 def flash_attention_launch(cp, tile_cache: FlashTileCache, query, key_cache, value_cache, batch: ForwardBatch,
                            device_batch, kv_type: str, scale: float, sliding_window: int | None,
-                           split: bool) -> FlashLaunch:
+                           split: bool, sink_logits) -> FlashLaunch:
     """The launch of flash_attention<kv_type, D, split> over a step that takes_flash_attention accepted (split:
-    products of high and low bf16 parts, float32-close; else of bf16 operands only)."""
+    products of high and low bf16 parts, float32-close; else of bf16 operands only); sink_logits: a float32 [Q]
+    device array or NULL."""
     t, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     tables = device_batch["block_tables"]  # [B, max_blocks] int64
@@ -153,7 +154,7 @@ def flash_attention_launch(cp, tile_cache: FlashTileCache, query, key_cache, val
     out = cp.empty((t, num_heads, head_dim), np.float32)  # [T, Q, D]
     args = (query, key_cache, value_cache, tables, device_batch["query_start"], device_batch["positions"], tiles, out,
             np.int32(num_heads), np.int32(num_kv_heads), np.int32(block_size), np.int32(tables.shape[1]),
-            np.float32(scale), np.int32(sliding_window or 0))
+            np.float32(scale), np.int32(sliding_window or 0), sink_logits)
     expression = f"flash_attention<{kv_type}, {head_dim}, {'true' if split else 'false'}>"
     return FlashLaunch(expression, (tiles.shape[0], num_kv_heads), args, flash_shared_bytes(kv_type, head_dim), out)
 
