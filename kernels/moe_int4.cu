@@ -112,6 +112,77 @@ __device__ __forceinline__ void mma_u8s8(int (&d)[4], unsigned a0, unsigned a1, 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// D (s32) += A (s8, 16 x 32) . B (s8, 32 x 8).
+__device__ __forceinline__ void mma_s8s8(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// prmt.b32 in its default mode: byte n of the result is byte (c >> 4n) & 7 of {b, a}, or, where bit 3 of that
+// selector is set, that byte's sign bit copied over all 8 bits.
+__device__ __forceinline__ unsigned permute_bytes(unsigned a, unsigned b, unsigned c) {
+    unsigned d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// How a format's 4-bit codes enter the tensor cores. `operands` turns a lane's word of codes of row quad (w0) and
+// row quad + 8 (w1) (8 columns each, the even column in the low nibble) into the A registers of k 4q .. (columns
+// 0, 2, 4, 6 of the word) and k 16 + 4q .. (columns 1, 3, 5, 7), and `mma` multiplies them with the activations'
+// int8 parts; `scale` is a group's scale in float32, SYMMETRIC_ZERO the zero point of codes without zero points.
+//
+// int4: unsigned codes q, taken as they are (a mask of the word), u8 x s8 products; float32 scales.
+struct Int4Codes {
+    using Scale = float;
+    static constexpr int SYMMETRIC_ZERO = 8;
+    __device__ __forceinline__ static float scale(Scale s) { return s; }
+    __device__ __forceinline__ static void operands(unsigned w0, unsigned w1, unsigned (&a)[4]) {
+        a[0] = w0 & 0x0F0F0F0Fu;
+        a[1] = w1 & 0x0F0F0F0Fu;
+        a[2] = (w0 >> 4) & 0x0F0F0F0Fu;
+        a[3] = (w1 >> 4) & 0x0F0F0F0Fu;
+    }
+    __device__ __forceinline__ static void mma(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+        mma_u8s8(d, a[0], a[1], a[2], a[3], b0, b1);
+    }
+};
+
+// mxfp4 (OCP microscaling, gpt-oss's experts): e2m1 codes (sign, two exponent bits, one mantissa bit) as twice
+// their value, integers in [-12, 12], looked up by byte permutes; s8 x s8 products; an e8m0 exponent byte E per 32
+// columns, whose scale 2^(E - 127) is halved for the doubled values.
+struct Mxfp4Codes {
+    using Scale = unsigned char;
+    static constexpr int SYMMETRIC_ZERO = 0;
+    __device__ __forceinline__ static float scale(Scale e) {  // 2^(e - 128), subnormal below e = 2
+        return __uint_as_float(e >= 2 ? static_cast<unsigned>(e - 1) << 23 : 0x00400000u >> (1 - e));
+    }
+    // The doubled values of the 4 codes in the low 16 bits of `codes` (nibble n: column n), byte n each.
+    __device__ __forceinline__ static unsigned values4(unsigned codes) {
+        constexpr unsigned POSITIVE_LOW = 0x03020100u, POSITIVE_HIGH = 0x0C080604u;  // 0, 1, 2, 3 | 4, 6, 8, 12
+        constexpr unsigned NEGATIVE_LOW = 0xFDFEFF00u, NEGATIVE_HIGH = 0xF4F8FAFCu;  // their negatives
+        const unsigned index = codes & 0x7777u;
+        const unsigned positive = permute_bytes(POSITIVE_LOW, POSITIVE_HIGH, index);
+        const unsigned negative = permute_bytes(NEGATIVE_LOW, NEGATIVE_HIGH, index);
+        const unsigned sign = permute_bytes(0x80808080u, 0x80808080u, codes) & 0x7F7F7F7Fu;  // 0x7F where negative
+        const unsigned negated = sign | (sign << 1);  // 0xFF where negative
+        return (positive & ~negated) | (negative & negated);
+    }
+    __device__ __forceinline__ static void operands(unsigned w0, unsigned w1, unsigned (&a)[4]) {
+        const unsigned low0 = values4(w0), high0 = values4(w0 >> 16);  // columns 0-3, 4-7 of row quad
+        const unsigned low1 = values4(w1), high1 = values4(w1 >> 16);
+        a[0] = permute_bytes(low0, high0, 0x6420u);  // columns 0, 2, 4, 6
+        a[1] = permute_bytes(low1, high1, 0x6420u);
+        a[2] = permute_bytes(low0, high0, 0x7531u);  // columns 1, 3, 5, 7
+        a[3] = permute_bytes(low1, high1, 0x7531u);
+    }
+    __device__ __forceinline__ static void mma(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+        mma_s8s8(d, a[0], a[1], a[2], a[3], b0, b1);
+    }
+};
+
 // A launch's activation rows as quantize_activations left them: hi, lo [rows, W], scale, corr [rows, chunks].
 struct QuantActs {
     const signed char* hi;
@@ -165,9 +236,9 @@ __device__ __forceinline__ void load_quant_acts(const signed char* p, bool in, u
 // Where a lane finds the groups of its rows: scales[m], zeros[m] (null: symmetric) the slot's arrays of m-tile
 // m's matrix, entry[m][h] the first entry of row quad + 8h (row * groups); the group at column c is entry c /
 // col_block past it.
-template <int M>
+template <int M, typename Scale>
 struct GroupScales {
-    const float* scales[M];
+    const Scale* scales[M];
     const unsigned char* zeros[M];
     int entry[M][2];
     int col_block;
@@ -180,10 +251,10 @@ struct GroupScales {
 // The loop keeps its indices as running counters (ring slots, the group and the chunks left in it, the lane's
 // offsets into the activations), so an iteration spends its instructions on the codes' masks, the mma and the
 // chunk's scaling, not on divisions and 64-bit address arithmetic.
-template <int B, int M, int NT>
+template <typename Codes, int B, int M, int NT>
 __device__ __forceinline__ void int4_rows(const unsigned char* const (&a)[M][2], const QuantActs& acts,
                                           const TileRows<NT>& tiles, int n_tiles, int k0, int cols,
-                                          const GroupScales<M>& groups, WeightRing<M>& ring,
+                                          const GroupScales<M, typename Codes::Scale>& groups, WeightRing<M>& ring,
                                           float (&acc)[M][NT][4]) {
     constexpr int CHUNK = 8 * B, LANE_COLS = 2 * B, WORDS = B / 4;
     const int chunks = (cols + CHUNK - 1) / CHUNK;
@@ -216,8 +287,8 @@ __device__ __forceinline__ void int4_rows(const unsigned char* const (&a)[M][2],
         for (int m = 0; m < M; ++m) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                s[m][h] = groups.scales[m][groups.entry[m][h] + group];
-                z[m][h] = symmetric ? 8 : groups.zeros[m][groups.entry[m][h] + group];
+                s[m][h] = Codes::scale(groups.scales[m][groups.entry[m][h] + group]);
+                z[m][h] = symmetric ? Codes::SYMMETRIC_ZERO : groups.zeros[m][groups.entry[m][h] + group];
             }
         }
         copy_wait<MMA_STAGES - 2>();  // chunk i has landed
@@ -252,13 +323,12 @@ __device__ __forceinline__ void int4_rows(const unsigned char* const (&a)[M][2],
                 int ih[4] = {0, 0, 0, 0}, il[4] = {0, 0, 0, 0};
 #pragma unroll
                 for (int k = 0; k < WORDS; ++k) {
-                    // A registers of word k: nibbles 0, 2, 4, 6 (k 4q ..) and 1, 3, 5, 7 (k 16 + 4q ..) of both rows
-                    const unsigned w0 = reinterpret_cast<const unsigned*>(&w[m][0])[k];
-                    const unsigned w1 = reinterpret_cast<const unsigned*>(&w[m][1])[k];
-                    const unsigned e0 = w0 & 0x0F0F0F0Fu, e1 = w1 & 0x0F0F0F0Fu;
-                    const unsigned o0 = (w0 >> 4) & 0x0F0F0F0Fu, o1 = (w1 >> 4) & 0x0F0F0F0Fu;
-                    mma_u8s8(ih, e0, e1, o0, o1, xh[2 * k], xh[2 * k + 1]);
-                    mma_u8s8(il, e0, e1, o0, o1, xl[2 * k], xl[2 * k + 1]);
+                    // A registers of word k: columns 0, 2, 4, 6 (k 4q ..) and 1, 3, 5, 7 (k 16 + 4q ..) of both rows
+                    unsigned operands[4];
+                    Codes::operands(reinterpret_cast<const unsigned*>(&w[m][0])[k],
+                                    reinterpret_cast<const unsigned*>(&w[m][1])[k], operands);
+                    Codes::mma(ih, operands, xh[2 * k], xh[2 * k + 1]);
+                    Codes::mma(il, operands, xl[2 * k], xl[2 * k + 1]);
                 }
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {  // row quad + 8 * (j / 2), accumulator column 2q + j % 2
@@ -278,13 +348,14 @@ __device__ __forceinline__ void int4_rows(const unsigned char* const (&a)[M][2],
     copy_wait<0>();  // nothing in flight when the caller's next pass refills the ring
 }
 
-template <int B, int NT, int KW>
+template <int B, int NT, int KW, typename Codes = Int4Codes>
 __global__ void __launch_bounds__(MMA_THREADS, INT4_BLOCKS_PER_SM)
 moe_gate_up_int4(const signed char* __restrict__ x_hi, const signed char* __restrict__ x_lo,
                  const float* __restrict__ x_scale, const int* __restrict__ x_corr,
                  const unsigned char* __restrict__ gate, const unsigned char* __restrict__ up, long long w_stride,
-                 long long row_bytes, const float* __restrict__ gate_scales, const float* __restrict__ up_scales,
-                 long long s_stride, const unsigned char* __restrict__ gate_zeros,
+                 long long row_bytes, const typename Codes::Scale* __restrict__ gate_scales,
+                 const typename Codes::Scale* __restrict__ up_scales, long long s_stride,
+                 const unsigned char* __restrict__ gate_zeros,
                  const unsigned char* __restrict__ up_zeros, long long z_stride, int col_block, int scale_cols,
                  const float* __restrict__ gate_bias, const float* __restrict__ up_bias, long long b_stride,
                  float limit, float alpha, float up_shift, const int* __restrict__ slot_of,
@@ -309,7 +380,7 @@ moe_gate_up_int4(const signed char* __restrict__ x_hi, const signed char* __rest
     __shared__ WeightRing<2> ring;
     int rows[2];
     const unsigned char* a[2][2];  // [gate, up][row quad, row quad + 8], clamped to a real row, at column k0
-    GroupScales<2> groups{{gate_scales + slot * s_stride, up_scales + slot * s_stride},
+    GroupScales<2, typename Codes::Scale> groups{{gate_scales + slot * s_stride, up_scales + slot * s_stride},
                           {gate_zeros != nullptr ? gate_zeros + slot * z_stride : nullptr,
                            up_zeros != nullptr ? up_zeros + slot * z_stride : nullptr},
                           {}, col_block};
@@ -328,7 +399,7 @@ moe_gate_up_int4(const signed char* __restrict__ x_hi, const signed char* __rest
         int pairs[NT];
         const TileRows<NT> tiles = tile_rows<NT>(sorted_pairs, base, n, top_k, pairs);
         float acc[2][NT][4] = {};
-        int4_rows<B, 2, NT>(a, acts, tiles, n_tiles, k0, cols, groups, ring, acc);
+        int4_rows<Codes, B, 2, NT>(a, acts, tiles, n_tiles, k0, cols, groups, ring, acc);
         if constexpr (KW > 1) {
             // The parts' sums through the ring's memory: warps 1 .. KW - 1 leave theirs, warp 0 adds them.
             float* partial = reinterpret_cast<float*>(&ring);  // [KW - 1][2 * NT * 4][32]
@@ -357,12 +428,13 @@ moe_gate_up_int4(const signed char* __restrict__ x_hi, const signed char* __rest
     }
 }
 
-template <int B, int NT>
+template <int B, int NT, typename Codes = Int4Codes>
 __global__ void __launch_bounds__(MMA_THREADS, INT4_BLOCKS_PER_SM)
 moe_down_int4(const signed char* __restrict__ a_hi, const signed char* __restrict__ a_lo,
               const float* __restrict__ a_scale, const int* __restrict__ a_corr,
               const unsigned char* __restrict__ down, long long w_stride, long long row_bytes,
-              const float* __restrict__ down_scales, long long s_stride, const unsigned char* __restrict__ down_zeros,
+              const typename Codes::Scale* __restrict__ down_scales, long long s_stride,
+              const unsigned char* __restrict__ down_zeros,
               long long z_stride, int col_block, int scale_cols, const float* __restrict__ down_bias,
               long long b_stride, const int* __restrict__ slot_of,
               const float* __restrict__ route_weights, const int* __restrict__ group_expert,
@@ -386,9 +458,9 @@ moe_down_int4(const signed char* __restrict__ a_hi, const signed char* __restric
     __shared__ WeightRing<M> ring;
     int rows[M][2];
     const unsigned char* a[M][2];
-    const float* slot_scales = down_scales + slot * s_stride;
+    const typename Codes::Scale* slot_scales = down_scales + slot * s_stride;
     const unsigned char* slot_zeros = down_zeros != nullptr ? down_zeros + slot * z_stride : nullptr;
-    GroupScales<M> groups{{slot_scales, slot_scales}, {slot_zeros, slot_zeros}, {}, col_block};
+    GroupScales<M, typename Codes::Scale> groups{{slot_scales, slot_scales}, {slot_zeros, slot_zeros}, {}, col_block};
 #pragma unroll
     for (int m = 0; m < M; ++m) {
 #pragma unroll
@@ -406,7 +478,7 @@ moe_down_int4(const signed char* __restrict__ a_hi, const signed char* __restric
         int pairs[NT];
         const TileRows<NT> tiles = tile_rows<NT>(sorted_pairs, base, n, 1, pairs);
         float acc[M][NT][4] = {};
-        int4_rows<B, M, NT>(a, acts, tiles, n_tiles, k0, cols, groups, ring, acc);
+        int4_rows<Codes, B, M, NT>(a, acts, tiles, n_tiles, k0, cols, groups, ring, acc);
         const float unscaled[M][2] = {{1.f, 1.f}, {1.f, 1.f}};
         store_down<M, NT>(acc, unscaled, pairs, rows, n, n_tiles, bias, route_weights, y, H, gridDim.z > 1);
     }

@@ -31,14 +31,15 @@ from tiny_models import build_hf_model  # noqa: E402
 from colibri_stream.backends.cupy_moe import DeviceExpertStore  # noqa: E402
 from colibri_stream.backends.cupy_quant_moe import QuantMatrix  # noqa: E402
 from colibri_stream.config import ExpertStoreConfig  # noqa: E402
-from colibri_stream.expert_codecs import MATRICES, Fp8Codec, Int4Codec  # noqa: E402
+from colibri_stream.expert_codecs import MATRICES, Fp8Codec, Int4Codec, Mxfp4Codec  # noqa: E402
 from colibri_stream.experts.gpu_tier import GpuTieredStore  # noqa: E402
 from colibri_stream.loader import load_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 CODECS = {"int4-g32-zero": Int4Codec(32, True), "int4-g64": Int4Codec(64, False), "int4-g128": Int4Codec(128, False),
-          "int4-g128-zero": Int4Codec(128, True), "fp8-block": Fp8Codec("block"), "fp8-channel": Fp8Codec("channel")}
+          "int4-g128-zero": Int4Codec(128, True), "fp8-block": Fp8Codec("block"), "fp8-channel": Fp8Codec("channel"),
+          "mxfp4": Mxfp4Codec()}
 SHAPES = [
     (8, 2, 256, 128),
     (16, 4, 160, 224),  # rows not whole 128-row tiles, the last int4 group and fp8 tile cut by the matrix edge
@@ -75,9 +76,12 @@ def test_quantized_experts_match_numpy(codec_name, tokens, experts, top_k, hidde
     poison()
     ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
     layout = QuantMatrix.of(device_store.layers[5].gate, device_store.layers[5].gate_scale, hidden, "gate")
-    if layout.format == "int4":
-        assert any(name.startswith(f"moe_gate_up_int4<{layout.lane_bytes}, ") for name in launched), launched
-        assert any(name.startswith("moe_down_int4<") for name in launched), launched
+    if layout.format in ("int4", "mxfp4"):
+        policy = ", Mxfp4Codes>" if layout.format == "mxfp4" else ">"
+        assert layout.format == codec_name[:len(layout.format)]
+        assert any(name.startswith(f"moe_gate_up_int4<{layout.lane_bytes}, ") and name.endswith(policy)
+                   for name in launched), launched
+        assert any(name.startswith("moe_down_int4<") and name.endswith(policy) for name in launched), launched
     else:
         assert any(name.startswith("moe_gate_up_fp8<") for name in launched), launched
         assert any(name.startswith("moe_down_fp8<") for name in launched), launched
@@ -112,7 +116,7 @@ def test_int4_chunks_follow_the_group_width():
         assert (layout.lane_bytes, layout.chunk) == (lane_bytes, 8 * lane_bytes), (name, hidden)
 
 
-@pytest.mark.parametrize("codec_name", ["int4-g32-zero", "fp8-block"])
+@pytest.mark.parametrize("codec_name", ["int4-g32-zero", "fp8-block", "mxfp4"])
 def test_resident_quantized_experts_read_back_as_stored(codec_name):
     store, device_store = quantized_experts(codec_name, 8, 256, 128)
     stored = device_store.expert(5, 3)
@@ -132,7 +136,8 @@ def test_rows_the_kernels_cannot_read_are_refused_in_one_line():
 
 
 EXPORTS = {"int4-g128": dict(quantize="int4"), "int4-g32-zero": dict(quantize="int4", group_size=32, zero_point=True),
-           "fp8-block": dict(quantize="fp8"), "fp8-channel": dict(quantize="fp8", fp8_scales="channel")}
+           "fp8-block": dict(quantize="fp8"), "fp8-channel": dict(quantize="fp8", fp8_scales="channel"),
+           "mxfp4": dict(quantize="mxfp4")}
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])

@@ -95,9 +95,8 @@ class CupyBackend(Backend):
     name = "cupy"
     device = "cuda"
     supports_graphs = True
-    # kernels/moe.cu and moe_mma.cu widen the plain formats and int8, moe_int4.cu and moe_fp8.cu take int4 and fp8;
-    # not mxfp4
-    expert_formats = ("bfloat16", "float16", "float32", "int8", "int4", "fp8")
+    # kernels/moe.cu and moe_mma.cu widen the plain formats and int8, moe_int4.cu takes int4 and mxfp4, moe_fp8.cu fp8
+    expert_formats = ("bfloat16", "float16", "float32", "int8", "int4", "mxfp4", "fp8")
 
     @classmethod
     def missing_features(cls, config: ModelConfig) -> list[str]:
@@ -112,8 +111,8 @@ class CupyBackend(Backend):
              config.n_group > ROUTER_MAX_GROUPS),
             (f"head_dim {config.head_dim} (the attention kernels take at most {MAX_HEAD_DIM})",
              config.head_dim > MAX_HEAD_DIM)) if used]
-        # moe_int4.cu reads whole 32-column chunks of int4, moe_fp8.cu 16 codes a lane
-        width = {"int4": 32, "fp8": FP8_LANE_COLS}.get(config.expert_dtype)
+        # moe_int4.cu reads whole 32-column chunks of int4 and mxfp4, moe_fp8.cu 16 codes a lane
+        width = {"int4": 32, "mxfp4": 32, "fp8": FP8_LANE_COLS}.get(config.expert_dtype)
         if width and (config.hidden_size % width or config.moe_intermediate_size % width):
             missing.append(f"{config.expert_dtype} experts of hidden size {config.hidden_size} and intermediate size "
                            f"{config.moe_intermediate_size} (multiples of {width} only)")

@@ -42,11 +42,14 @@ FAMILIES = {
                                                    for tt in MOE_TILES for r in MOE_ROWS_PER_WARP),
     "moe_mma.cu": lambda w: tuple(f"{k}<{w}, {nt}>" for k in ("moe_gate_up_mma", "moe_down_mma")
                                   for nt in MMA_TILES) if w in ("__nv_bfloat16", "__half") else (),
-    # w: the bytes of codes a lane reads per chunk, B (16, 8 or 4; cupy_quant_moe.py)
-    "moe_int4.cu": lambda w: (f"quantize_activations<{w}>",
-                              *(f"moe_gate_up_int4<{w}, {nt}, {kw}>" for nt in MMA_TILES
+    # w: the bytes of codes a lane reads per chunk of int4, B (16, 8 or 4; cupy_quant_moe.py), or "mxfp4" (groups
+    # of 32: B = 4, the Mxfp4Codes policy)
+    "moe_int4.cu": lambda w: (*(f"moe_gate_up_int4<4, {nt}, {kw}, Mxfp4Codes>" for nt in MMA_TILES
                                 for kw in (1, INT4_ROW_SHARING)),
-                              *(f"moe_down_int4<{w}, {nt}>" for nt in MMA_TILES)),
+                              *(f"moe_down_int4<4, {nt}, Mxfp4Codes>" for nt in MMA_TILES)) if w == "mxfp4" else (
+        f"quantize_activations<{w}>", *(f"moe_gate_up_int4<{w}, {nt}, {kw}>" for nt in MMA_TILES
+                                        for kw in (1, INT4_ROW_SHARING)),
+        *(f"moe_down_int4<{w}, {nt}>" for nt in MMA_TILES)),
     "moe_fp8.cu": lambda w: tuple(f"{k}<{nt}>" for k in ("moe_gate_up_fp8", "moe_down_fp8") for nt in MMA_TILES),
     "linear_mma.cu": lambda w: tuple(f"linear_mma<{w}, {nt}>" for nt in LINEAR_MMA_TILES)
     if w in ("__nv_bfloat16", "__half") else (),

@@ -1,12 +1,13 @@
-"""Routed experts stored as int4 or fp8 on the GPU: how kernels/moe_int4.cu and moe_fp8.cu address their codes
-and scales, and their launches.
+"""Routed experts stored as int4, mxfp4 or fp8 on the GPU: how kernels/moe_int4.cu and moe_fp8.cu address their
+codes and scales, and their launches.
 
 A launch's experts (experts/device.py's LayerExperts, resident stacks or GPU slots in experts.bin's layout) hold
-each matrix as codes plus float32 scales (and, asymmetric int4, uint8 zero points), as expert_codecs.py lays them
-out. `QuantMatrix` reads that layout off the arrays' shapes: the format, its chunk of columns, the bytes of a row,
-and where a row's scale for a column lies. The kernels dequantize on tensor cores at every batch size, so the same
-launches serve decode and prefill. int4 multiplies int8 parts of the activations (`QuantizedRows`, cut once per
-launch for all its blocks); fp8 multiplies their bf16 parts, split in registers.
+each matrix as codes plus float32 scales (asymmetric int4: and uint8 zero points; mxfp4: uint8 exponents instead),
+as expert_codecs.py lays them out. `QuantMatrix` reads that layout off the arrays' shapes: the format, its chunk of
+columns, the bytes of a row, and where a row's scale for a column lies. The kernels dequantize on tensor cores at
+every batch size, so the same launches serve decode and prefill. int4 and mxfp4 (moe_int4.cu's two codes policies)
+multiply int8 parts of the activations (`QuantizedRows`, cut once per launch for all its blocks); fp8 multiplies
+their bf16 parts, split in registers.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ QUANTIZE_COLUMNS = 1024  # columns per block of quantize_activations (128 thread
 class QuantMatrix:
     """One kind of matrix (gate and up, or down) of a launch's quantized experts as the kernels read it."""
 
-    format: str  # "int4" or "fp8"
-    lane_bytes: int  # int4: moe_int4.cu's B (16, 8 or 4); fp8: 16
+    format: str  # "int4", "mxfp4" or "fp8"
+    lane_bytes: int  # int4 and mxfp4: moe_int4.cu's B (16, 8 or 4); fp8: 16
     chunk: int  # columns per chunk
     row_bytes: int  # bytes of codes per row
     row_block: int  # scale of row r, column c: entry (r / row_block) * scale_cols + c / col_block of the slot's
@@ -41,21 +42,24 @@ class QuantMatrix:
 
     @classmethod
     def of(cls, codes: Array, scale: Array, cols: int, what: str) -> QuantMatrix:
-        """The layout of codes [S, rows, ...] uint8 with scales [S, ...] float32 of matrices of `cols` columns:
-        int4 codes [S, rows, groups, width / 2] with scales [S, rows, groups]; fp8 codes [S, rows, cols] with
-        scales [S, ceil(rows / 128), ceil(cols / 128)] (tiles) or [S, rows] (channels). Shapes the kernels cannot
-        read (rows or groups that are not whole chunks of their loads) are refused, naming `what`."""
-        if codes.dtype != np.uint8 or scale.dtype != np.float32:
-            raise ValueError(f"{what}: quantized experts are uint8 codes with float32 scales, got {codes.dtype} "
-                             f"codes and {scale.dtype} scales")
-        if codes.ndim == 4:  # int4
+        """The layout of codes [S, rows, ...] uint8 with scales [S, ...] of matrices of `cols` columns: int4
+        codes [S, rows, groups, width / 2] with float32 scales [S, rows, groups]; mxfp4 codes [S, rows, cols / 32,
+        16] with uint8 exponents [S, rows, cols / 32]; fp8 codes [S, rows, cols] with float32 scales [S, ceil(rows
+        / 128), ceil(cols / 128)] (tiles) or [S, rows] (channels). Shapes the kernels cannot read (rows or groups
+        that are not whole chunks of their loads) are refused, naming `what`."""
+        scale_types = (np.float32, np.uint8) if codes.ndim == 4 else (np.float32,)
+        if codes.dtype != np.uint8 or scale.dtype not in scale_types:
+            raise ValueError(f"{what}: quantized experts are uint8 codes with float32 scales (mxfp4: uint8 "
+                             f"exponents), got {codes.dtype} codes and {scale.dtype} scales")
+        if codes.ndim == 4:  # int4, mxfp4
+            four_bit = "mxfp4" if scale.dtype == np.uint8 else "int4"
             groups, width = codes.shape[2], 2 * codes.shape[3]
             lane_bytes = next((b for b in INT4_LANE_BYTES if width % (8 * b) == 0), None)
             if lane_bytes is None or cols % 32:
-                raise ValueError(f"{what}: int4 rows of {cols} columns in groups of {width} are not whole 32-column "
-                                 "chunks (the GPU kernels read 8 codes a lane at a time); run this model with "
-                                 "--device cpu")
-            return cls("int4", lane_bytes, 8 * lane_bytes, groups * width // 2, 1, width, groups)
+                raise ValueError(f"{what}: {four_bit} rows of {cols} columns in groups of {width} are not whole "
+                                 "32-column chunks (the GPU kernels read 8 codes a lane at a time); run this model "
+                                 "with --device cpu")
+            return cls(four_bit, lane_bytes, 8 * lane_bytes, groups * width // 2, 1, width, groups)
         if cols % FP8_LANE_COLS:
             raise ValueError(f"{what}: fp8 rows of {cols} columns are not a multiple of {FP8_LANE_COLS} (the GPU "
                              "kernels read 16 codes at a time); run this model with --device cpu")
@@ -64,7 +68,7 @@ class QuantMatrix:
         return cls("fp8", FP8_LANE_COLS, FP8_CHUNK, cols, 1, max(cols, 1), 1)  # a scale per output channel
 
     def scale_args(self) -> tuple:
-        if self.format == "int4":  # one row per scale row
+        if self.format in ("int4", "mxfp4"):  # one row per scale row
             return np.int32(self.col_block), np.int32(self.scale_cols)
         return np.int32(self.row_block), np.int32(self.col_block), np.int32(self.scale_cols)
 
@@ -118,7 +122,9 @@ def quant_experts(experts: LayerExperts, x: Array, act: Array, y: Array, route_w
     down_layout = QuantMatrix.of(experts.down, experts.down_scale, i, "experts (intermediate size)")
     if experts.gate.strides != experts.up.strides or experts.gate_scale.strides != experts.up_scale.strides:
         raise ValueError("gate and up of a layer's experts must share their strides")
-    int4 = up_layout.format == "int4"
+    int4 = up_layout.format in ("int4", "mxfp4")  # moe_int4.cu, its codes policy per format
+    codes = ", Mxfp4Codes" if up_layout.format == "mxfp4" else ""
+    weight_type = ("mxfp4" if codes else str(up_layout.lane_bytes)) if int4 else None
     slot_of = device_pointer(experts.slot_of)
     n_tiles = smallest_tile(ceil_div(tokens, 8), MMA_TILES)  # a group holds at most T pairs
     gate_up = (device_pointer(experts.gate), device_pointer(experts.up), slot_stride(experts.gate),
@@ -132,7 +138,7 @@ def quant_experts(experts: LayerExperts, x: Array, act: Array, y: Array, route_w
             quantized_x[up_layout.lane_bytes] = QuantizedRows.of(x, up_layout.lane_bytes)
         gate_up = (*quantized_x[up_layout.lane_bytes].args(), *gate_up, device_pointer(experts.gate_zero),
                    device_pointer(experts.up_zero), slot_stride(experts.gate_zero))
-        kernel = f"moe_gate_up_int4<{up_layout.lane_bytes}, {n_tiles}, {sharing}>"
+        kernel = f"moe_gate_up_int4<{up_layout.lane_bytes}, {n_tiles}, {sharing}{codes}>"
         grid = (ceil_div(i, MMA_GATE_UP_ROWS // sharing), groups)
     else:
         gate_up = (x, *gate_up)
@@ -141,7 +147,7 @@ def quant_experts(experts: LayerExperts, x: Array, act: Array, y: Array, route_w
     gate_up = (*gate_up, *up_layout.scale_args(), *experts.gate_up_bias_args(), *activation, slot_of, *routing, act,
                np.int32(h), np.int32(i), np.int32(top_k))
     file = "moe_int4.cu" if int4 else "moe_fp8.cu"
-    launch(file, kernel, grid, MMA_THREADS, gate_up, weight_type=str(up_layout.lane_bytes) if int4 else None)
+    launch(file, kernel, grid, MMA_THREADS, gate_up, weight_type=weight_type)
     splits = column_splits(i, ceil_div(h, MMA_DOWN_ROWS) * groups)
     span = down_layout.chunk * ceil_div(i, down_layout.chunk * splits)
     down = (device_pointer(experts.down), slot_stride(experts.down), np.int64(down_layout.row_bytes),
@@ -149,11 +155,11 @@ def quant_experts(experts: LayerExperts, x: Array, act: Array, y: Array, route_w
     if int4:
         down = (*QuantizedRows.of(act, down_layout.lane_bytes).args(), *down, device_pointer(experts.down_zero),
                 slot_stride(experts.down_zero))
-        kernel = f"moe_down_int4<{down_layout.lane_bytes}, {n_tiles}>"
+        kernel = f"moe_down_int4<{down_layout.lane_bytes}, {n_tiles}{codes}>"
     else:
         down = (act, *down)
         kernel = f"moe_down_fp8<{n_tiles}>"
     down = (*down, *down_layout.scale_args(), *experts.down_bias_args(), slot_of, route_weights, *routing, y,
             np.int32(h), np.int32(i), np.int32(span))
     launch(file, kernel, (ceil_div(h, MMA_DOWN_ROWS), groups, ceil_div(i, span)), MMA_THREADS, down,
-           weight_type=str(down_layout.lane_bytes) if int4 else None)
+           weight_type=weight_type)
