@@ -110,7 +110,7 @@ def tool_use(tools: Any, tool_choice: Any, error, parallel: bool = True,
     else:
         function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
         named = function.get("name") if isinstance(function, dict) else None
-        if tool_choice.get("type") != "function" or named not in schemas:
+        if tool_choice.get("type") != "function" or not isinstance(named, str) or named not in schemas:
             raise error(f'tool_choice must be "none", "required" or {{"type": "function", "function": {{"name": '
                         f'<one of {sorted(schemas)}>}}}}, got {tool_choice!r:.120}', "tool_choice")
         schema = schemas[named]
