@@ -3,10 +3,10 @@ and Messages APIs build from their own fields)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from .fields import bad_request, json_type, unsupported
+from .json_depth import json_text
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
               "tool": "tool"}  # -> template role
@@ -65,9 +65,9 @@ def _history_calls(calls: Any, param: str) -> list[dict]:
             raise bad_request(f'{param}[{j}] must be {{"id": ..., "type": "function", "function": {{"name": ..., '
                               f'"arguments": "<JSON>"}}}}', param=f"{param}[{j}]")
         try:
-            parsed = json.loads(arguments)
-        except ValueError:  # not JSON, or a number past Python's 4300 digits
-            raise bad_request(f"{param}[{j}].function.arguments must be a JSON text",
+            parsed = json_text(arguments)
+        except ValueError as e:  # not JSON, nested too deep, or a number past Python's 4300 digits
+            raise bad_request(f"{param}[{j}].function.arguments must be a JSON text: {e}",
                               param=f"{param}[{j}].function.arguments") from None
         out.append({"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": parsed}})
     return out

@@ -18,11 +18,11 @@ content: nothing is lost and nothing raises.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from .json_depth import json_text
 from .text_tags import held_prefix
 from .tool_streams import HeldCalls
 from .tool_syntax import calls_in, tool_call_entry
@@ -169,7 +169,7 @@ class HarmonyToolSyntax:
 def _read_call(match: re.Match, tools: Mapping[str, Any]) -> dict | None:
     """A tool_calls entry from a call's (name, arguments' JSON) match; None if it is not a call of `tools`."""
     try:
-        arguments = json.loads(match.group(2))
+        arguments = json_text(match.group(2))
     except ValueError:
         return None
     return tool_call_entry({"name": match.group(1), "arguments": arguments}, tools)

@@ -1,5 +1,6 @@
 """Reading a request's body as JSON: its size limit (also announced with `Expect: 100-continue`), its
-Content-Encoding, the limit on the JSON values it holds, and the 400 of a body that is not JSON."""
+Content-Encoding, the limits on the JSON values it holds and on their nesting, and the 400 of a body that is not
+JSON."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from aiohttp import web
 from ..errors import APIError
 from .error_replies import error_response
 from .fields import bad_request
+from .json_depth import MAX_JSON_DEPTH
 from .state import STATE, ServerState, count_request, on_worker
 
 READABLE_ENCODINGS = ("identity", "gzip", "deflate")  # request bodies aiohttp decodes without extra packages
@@ -19,6 +21,8 @@ LARGE_BODY_BYTES = 256 << 10  # bodies over this size are read as JSON on a work
 # request and stream of the server waits for the whole reading
 MAX_JSON_WEIGHT = 300_000
 CONTAINER_WEIGHT = 6  # an array or an object (which the garbage collector tracks too) weighs as much as 6 strings
+ORJSON_DEPTH = 1024  # the deepest nesting orjson reads
+_DEPTH_PADDING = (b"[" * (ORJSON_DEPTH - MAX_JSON_DEPTH), b"]" * (ORJSON_DEPTH - MAX_JSON_DEPTH))
 
 
 def too_large(state: ServerState) -> APIError:
@@ -77,17 +81,36 @@ async def read_body(request: web.Request) -> bytes:
 
 def json_body(raw: bytes) -> Any:
     """A body's bytes as JSON; a 413 where they hold more values than the server reads at once
-    (`MAX_JSON_WEIGHT`), a 400 where they are not JSON."""
+    (`MAX_JSON_WEIGHT`), a 400 where they are not JSON or nest deeper than MAX_JSON_DEPTH (json_depth.py)."""
     if len(raw) * CONTAINER_WEIGHT > MAX_JSON_WEIGHT:  # (a smaller body cannot weigh more)
         containers, strings = json_weight(raw)
         if containers * CONTAINER_WEIGHT + strings > MAX_JSON_WEIGHT:
             raise APIError(413, f"the request body holds too many JSON values to read: {containers} arrays and "
                                 f"objects and {strings} strings (an array or object counts as {CONTAINER_WEIGHT} "
                                 f"strings; the server reads at most {MAX_JSON_WEIGHT})", code="request_too_large")
-    try:
-        return orjson.loads(raw)
+    read, value = _shallow_json(raw)
+    if read:
+        return value
+    try:  # read alone: the error, with its positions, of a body that is not JSON
+        orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+    raise bad_request(f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep")
+
+
+def _shallow_json(raw: bytes) -> tuple[bool, Any]:
+    """(True, the value) of a JSON text nested at most MAX_JSON_DEPTH levels deep, else (False, None). The text is
+    read inside ORJSON_DEPTH - MAX_JSON_DEPTH arrays, so that orjson's own depth limit refuses a deeper one in the
+    one pass that reads it."""
+    try:
+        value = orjson.loads(_DEPTH_PADDING[0] + raw + _DEPTH_PADDING[1])
+    except orjson.JSONDecodeError:
+        return False, None
+    for _ in range(len(_DEPTH_PADDING[0])):
+        if not (isinstance(value, list) and len(value) == 1):  # more than one value: "1, 2" or "1]], [[2"
+            return False, None
+        value = value[0]
+    return True, value
 
 
 def json_weight(raw: bytes) -> tuple[int, int]:

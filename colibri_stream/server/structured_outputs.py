@@ -11,11 +11,11 @@ as json.dumps writes it. `structural_tag` is refused.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ..structured import choice_grammar, json_schema_grammar, lark_grammar, regex_grammar
 from ..errors import InvalidParameterError
+from .json_depth import json_text
 
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
@@ -58,7 +58,7 @@ def _grammar(name: str, kind: str, value: Any) -> str:
     if kind == "json":
         if isinstance(value, str):  # vLLM takes the schema as JSON text too
             try:
-                value = json.loads(value)
+                value = json_text(value)
             except ValueError:
                 raise InvalidParameterError(f"{name} must be a JSON schema (an object, or its JSON text)",
                                             name) from None

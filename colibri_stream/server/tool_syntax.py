@@ -58,11 +58,11 @@ text.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .json_depth import json_text
 from .tool_streams import HeldCalls, StreamedCalls, StreamedListCalls
 from .tool_streams_section import StreamedSectionCalls
 from .tool_streams_xml import StreamedGlmCalls, StreamedInvokeCalls, StreamedXmlCalls
@@ -234,7 +234,7 @@ class DeepSeekToolSyntax:
         fenced = self._fenced.match(rest) if head.strip() == "function" else None
         name, arguments = (fenced.group(1), fenced.group(2)) if fenced else (head, rest)
         try:
-            value = json.loads(arguments)
+            value = json_text(arguments)
         except ValueError:
             return None
         return tool_call_entry({"name": name.strip(), "arguments": value}, tools)
@@ -262,7 +262,7 @@ class KimiToolSyntax(DeepSeekToolSyntax):
         if not separator or name is None:
             return None
         try:
-            value = json.loads(arguments)
+            value = json_text(arguments)
         except ValueError:
             return None
         return tool_call_entry({"name": name.group(1), "arguments": value}, tools)
@@ -317,7 +317,7 @@ class MistralToolSyntax:
         if start < 0:
             return None
         try:
-            document = json.loads(text[start + len(self.opening):])
+            document = json_text(text[start + len(self.opening):])
         except ValueError:
             return None
         items = document if isinstance(document, list) else [document]

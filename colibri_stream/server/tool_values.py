@@ -9,6 +9,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from .json_depth import json_text
+
 
 def tool_call_entry(call: object, tools: Mapping[str, Any]) -> dict | None:
     """A tool_calls entry from a decoded {"name", "arguments"} object; None if it is not a call of `tools`."""
@@ -25,7 +27,7 @@ def json_call(text: str, tools: Mapping[str, Any]) -> dict | None:
     """A tool_calls entry from the text of a JSON {"name", "arguments"} object; None if it is not a call of
     `tools`."""
     try:
-        call = json.loads(text)
+        call = json_text(text)
     except ValueError:
         return None
     return tool_call_entry(call, tools)
@@ -50,7 +52,7 @@ def typed_value(value: str, schema: Any) -> Any:
     if not any(k in ("integer", "number", "boolean", "null", "object", "array") for k in kinds):
         return value
     try:
-        typed = json.loads(value)
+        typed = json_text(value)
     except ValueError:
         return value
     matches = {"integer": isinstance(typed, int) and not isinstance(typed, bool),

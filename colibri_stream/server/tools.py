@@ -25,6 +25,7 @@ from ..errors import InvalidParameterError
 from ..request import SamplingParams
 from ..structured import json_schema_grammar
 from .harmony import HarmonyToolSyntax
+from .json_depth import json_text
 from .tool_syntax import NO_TOOL_SYNTAX, ToolSyntax
 
 ANY_OBJECT = {"type": "object"}  # the parameters of a function that declares none
@@ -125,7 +126,7 @@ def tool_calls(call: ForcedCall, text: str) -> list[dict] | None:
     """The message's tool_calls from the text written under `call`'s grammar; None if it is not a whole document
     (cut by max_tokens)."""
     try:
-        document = json.loads(text)
+        document = json_text(text)
     except ValueError:  # cut by max_tokens (or a number past Python's 4300 digits)
         return None
     pairs = [(call.named, document)] if call.named is not None else [(c["name"], c["parameters"]) for c in document]
