@@ -5,6 +5,9 @@ biases); every refusal is the API's error body, and a good request is answered a
 
 from __future__ import annotations
 
+import json
+
+import anthropic
 import openai
 import orjson
 import pytest
@@ -12,6 +15,7 @@ from test_server import API_KEY, CHAT, COMPLETIONS, LiveServer, _error, post, re
 
 from colibri_stream.checkpoint import default_model_path
 from colibri_stream.server.json_depth import MAX_JSON_DEPTH
+from colibri_stream.server.render_openai import Responder
 
 MODEL = "default_model"
 DOUBLE_BRACKET = 3452  # the default model's token "[["
@@ -136,3 +140,36 @@ def test_a_forced_call_nested_past_the_recursion_limit_is_answered(server, clien
     choice = reply.choices[0]
     assert choice.finish_reason == "length" and not choice.message.tool_calls
     assert choice.message.content.count("[") > 1000
+
+
+# ------------------------------------------------------------------------------------------------------- streams
+
+def test_a_fault_after_the_200_ends_the_stream_with_an_error_event(server, monkeypatch):
+    """An exception while a stream renders (after its 200 was sent) became a second HTTP response written into the
+    chunked body: the client read a broken stream. It travels in the stream as the API's error now."""
+    def fail(self, output, prompt_index=0):
+        raise RuntimeError("renderer fault")
+
+    monkeypatch.setattr(Responder, "events", fail)
+    status, _, raw = request(server, "POST", CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                    "stream": True})
+    assert status == 200
+    assert raw.endswith(b"data: [DONE]\n\n")
+    errors = [json.loads(line[len(b"data: "):]) for line in raw.split(b"\n") if line.startswith(b"data: {")]
+    assert _error(errors[-1])["type"] == "server_error"
+    monkeypatch.undo()
+    assert_serving(server)
+
+
+def test_an_anthropic_stream_fault_is_an_error_event(server, monkeypatch):
+    from colibri_stream.server.render_anthropic import MessagesResponder
+
+    def fail(self, output, prompt_index=0):
+        raise RuntimeError("renderer fault")
+
+    monkeypatch.setattr(MessagesResponder, "events", fail)
+    client = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        with client.messages.stream(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}]) as stream:
+            stream.get_final_message()
+    assert "internal server error" in str(caught.value)

@@ -128,6 +128,12 @@ async def _stream(request: web.Request, state: ServerState,
                     await stream.send(event)
         except ColibriError as e:  # after the 200, an error travels in the stream
             await stream.send(api_error_body(engine_error(e, responder.request), request.path))
+        except ConnectionResetError:
+            raise
+        except Exception:  # a fault of the server's own (rendering): in the stream too, not as a second response
+            log.exception("error while streaming %s", responder.id)
+            await stream.send(api_error_body(APIError(500, "internal server error", type="server_error"),
+                                             request.path))
         else:
             for event in responder.closing():
                 await stream.send(event)
