@@ -1,19 +1,51 @@
-"""Decode and offload with quantized routed experts (int4, fp8): Colibri against llama.cpp on the same weights
-quantized to llama.cpp's nearest format, same GPU, one run.
+"""Decode and offload with quantized routed experts (int4, fp8, mxfp4): Colibri against llama.cpp, same GPU, one run.
+Both engines hold the same weights, llama.cpp's quantized to its nearest format.
 
 For each shape (`--shapes SHAPE:LAYERS`: random weights of the published dimensions, fewer layers), one shape at a
 time (the 64 GB disk holds about one bf16 model folder and its GGUF copy), files under `--folder-root`:
-  1. the bf16 model folder (write_synthetic_folder), on which Colibri's own bf16 offload at 0 % runs first, batch 1
-     and prefill (the reference of the int4 offload; `--no-bf16-offload` skips it);
+  1. the bf16 model folder (write_synthetic_folder of `ensure_shape_folder`'s model), on which Colibri's own bf16
+     offload at 0 % runs first, batch 1 and prefill (the reference of the quantized offload; `--no-bf16-offload`
+     skips it, and it runs only where offload cases do);
   2. its bf16 GGUF (gguf_writer.write_gguf); the bf16 folder is deleted, then llama-quantize writes one GGUF per
-     llama format (int4: Q4_0, or `--llama-int4 Q4_K_M`; fp8 and int8: Q8_0) with every tensor but the routed
-     experts kept in bf16, as a Colibri folder keeps them (`--llama-dense quantized`: llama-quantize's own
-     choice for them), and the bf16 GGUF is deleted;
+     llama format (int4: Q4_0, or `--llama-int4 Q4_K_M`; fp8 and int8: Q8_0; mxfp4: MXFP4_MOE) with every tensor
+     but the routed experts kept in bf16, as a Colibri folder keeps them (`--llama-dense quantized`:
+     llama-quantize's own choice for them), and the bf16 GGUF is deleted. Before the bf16 folder is written for
+     it, the folder and GGUF are predicted (long_context.py's folder_bytes, gguf_bytes): where both would not fit
+     the free space at once, no llama.cpp file is made (its records say why) and Colibri's cases run alone;
   3. per format (`--formats`; int4: groups of `--group-size` input channels, symmetric unless `--zero-point`;
-     fp8: a scale per 128x128 tile), the Colibri folder of the same draws with quantized experts
-     (write_synthetic_folder(expert_dtype=...)), then its cases below.
+     fp8: a scale per 128x128 tile; mxfp4: e2m1 codes with an e8m0 exponent per 32 input channels), the Colibri
+     folder of the same draws with quantized experts (write_synthetic_folder(expert_dtype=...)), then its cases
+     below.
 Files already there are reused (a folder with its config.json, a GGUF file: each written whole or not at all);
 without `--keep` a shape's files are deleted after its cases. Disk use is logged after every file.
+
+mxfp4 against MXFP4_MOE: llama.cpp's MXFP4 is the same format (OCP Microscaling: 32 e2m1 values and one e8m0
+exponent, 17 bytes a block, 4.25 bits a weight), each engine quantizing the same bf16 draws with its own rounding
+(Colibri: expert_codecs.py; llama-quantize: ggml's MXFP4 quantizer). llama-quantize's MXFP4_MOE ftype makes the
+expert stacks (3-D tensors) MXFP4 and every other quantizable tensor Q8_0; the `--tensor-type`,
+`--token-embedding-type` and `--output-tensor-type` options `--llama-dense bf16` passes (llama_cpp.DENSE_BF16) are
+applied before that choice (llama_tensor_get_type in src/llama-quant.cpp of llama-cpp-python 0.3.36's llama.cpp:
+an override is taken for any quantized default type, and MXFP4_MOE's is MXFP4), so they still keep attention, the
+token embedding and the output matrix in bf16, and only the experts are MXFP4, as in Colibri's mxfp4 folder. The
+router (ffn_gate_inp), norms, biases and attention sinks are never quantized (float32 as written). Checked with that
+tree's llama_model_quantize (a CPU libllama) on a tiny gpt-oss GGUF of this script: with the overrides, experts MXFP4
+and attention, embedding and output BF16; without them (`--llama-dense quantized`), those Q8_0.
+
+gpt-oss (`gpt-oss-20b`, `gpt-oss-120b`): llama.cpp always computes YaRN with truncate on, and gguf_writer refuses
+the published truncate off, so the shape's model is long_context.py's `benchmark_config` (`needs_yarn_truncate`:
+truncate on; a few rotary frequencies move, not any cost) for every file of the shape: the bf16 folder, its GGUF
+and the quantized folders hold the same draws of one model (files named SHAPE-LAYERS-yarn-truncate-...; records
+carry `yarn_truncate`). Its experts (biases, clamped SwiGLU) take no GPU expert slots (loader.check_expert_slots:
+the tiers' CPU worker does not compute them), so its offload cases are one record per format with the reason
+(`skipped`), and Colibri's bf16 offload is not run. A decode-only run: `--gpu-fractions` with no value. Disk: each
+gpt-oss-20b layer is 1.65 GB of bf16 in the folder and again in the GGUF, the embedding and lm_head 2.3 GB in each,
+so the peak (bf16 folder + bf16 GGUF) is 50.8 GB at 14 layers, 57.4 GB at 16 and 83.7 GB at 24, past the disk; the
+mxfp4 folder and the MXFP4_MOE GGUF are 9.0 GB each at 14 layers. The roofline counts every layer's KV cache at
+the whole context (its sliding-window layers read at most 128 tokens: a little less than counted).
+
+    python benchmarks/quantized.py --shapes gpt-oss-20b:14 --formats mxfp4 --batches 1 16 64 --gpu-fractions \
+        --no-bf16-offload --llama-bin /tmp/llama-build/bin --gguf-py <llama.cpp>/gguf-py \
+        --out benchmarks/results/quantized_h200_gpt_oss.json
 
 Decode (bench "decode") at `--batches`: Colibri with every expert resident on the GPU, timed as decode.py times
 colibri_tok_s (a captured CUDA graph per batch, each step launched before the host reads the previous step's ids,
@@ -29,7 +61,8 @@ Offload (bench "offload") at `--gpu-fractions` of each layer's experts in GPU sl
 memory and placed per step by the cost model (offload.py's colibri mode): batch-1 decode and one prefill of
 `--prefill` tokens (offload.py's decode and prefill, a fresh store each); llama-bench on the quantized GGUF with
 the routed experts of the layers not on the GPU computed on the CPU (--n-cpu-moe: every layer at 0 %, half of
-them at 50 %). Records at 0 % carry Colibri's bf16 figure of the same shape (vs_colibri_bf16).
+them at 50 %). Records at 0 % carry Colibri's bf16 figure of the same shape (vs_colibri_bf16). No fraction given:
+no offload case and no record of one.
 
 Records (bench, shape, layers, batch, expert_format, llama_format, colibri_tok_s, llama_tok_s, ratio, ...) go to
 `--out` after every case; a case that fails records its error and the run goes on. `--time-budget` seconds: cases
@@ -42,7 +75,7 @@ Cost on the H200 host (16 cores, 64 GB disk), Mixtral-8x7B shape with 8 layers: 
 30 s, Colibri's bf16 offload 45 s, the bf16 GGUF 30 s, each llama-quantize 15-20 s, each quantized folder 35-40 s
 (7.2 GB int4, 12.5 GB fp8), each format's decode 20 s and offload 40 s: about 6 minutes for int4 and fp8. The disk
 peaks at the bf16 folder and its GGUF (47 GB). The Qwen3-30B-A3B shape with 16 layers (`--shapes
-qwen3-30b-a3b:16`, 9.6 GB in bf16) is best run as a call of its own.
+qwen3-30b-a3b:16`, 9.6 GB in bf16) is best run as a call of its own. gpt-oss-20b's costs are not measured yet.
 """
 
 from __future__ import annotations
@@ -61,14 +94,19 @@ from pathlib import Path
 from conditions import machine as host_machine
 from conditions import require_gpu
 from decode import DECODE, PROMPT, Colibri, log, machine, measure_bandwidth, step_bytes
+from long_context import benchmark_config, folder_bytes, gguf_bytes, needs_yarn_truncate
 
 from colibri_stream.config import GPU_SLOT_LAYOUTS
 
 DEFAULT_SHAPES = ("mixtral-8x7b:8",)
-FORMATS = ("int4", "fp8", "int8")
+FORMATS = ("int4", "fp8", "int8", "mxfp4")
 LLAMA_INT4 = ("Q4_0", "Q4_K_M")
 LLAMA_8BIT = "Q8_0"  # llama.cpp's nearest format to fp8 and int8 experts
-LLAMA_BITS = {"Q4_0": 4.5, "Q4_K_M": 4.9, "Q8_0": 8.5}  # bits a quantized weight takes, for the disk check
+# llama-quantize's ftype for mxfp4 experts: the experts (3-D tensors) MXFP4, 17 bytes a block of 32 (an e8m0
+# exponent and 32 e2m1 codes), as Colibri's mxfp4; every other tensor Q8_0 unless --tensor-type keeps it
+LLAMA_MXFP4 = "MXFP4_MOE"
+# bits a quantized weight takes, for the disk check
+LLAMA_BITS = {"Q4_0": 4.5, "Q4_K_M": 4.9, "Q8_0": 8.5, LLAMA_MXFP4: 4.25}
 LLAMA_TOOLS = ("llama-quantize", "llama-batched-bench", "llama-bench")
 
 
@@ -137,14 +175,19 @@ def write_options(name: str, args) -> dict:
 
 
 def llama_format(name: str, args) -> str:
-    return args.llama_int4 if name == "int4" else LLAMA_8BIT
+    """llama.cpp's format of the GGUF that --formats `name` is compared with."""
+    if name == "int4":
+        return args.llama_int4
+    return LLAMA_MXFP4 if name == "mxfp4" else LLAMA_8BIT
 
 
 class ShapeFiles:
-    """The paths of one shape's files under the folder root."""
+    """The paths of one shape's files under the folder root (SHAPE-LAYERS-..., with -yarn-truncate for a shape
+    that `needs_yarn_truncate`: its model is not the published config's, so no file of the other is reused)."""
 
     def __init__(self, root: Path, shape: str, layers: int, llama_dense: str):
-        self.root, self.stem, self.llama_dense = root, f"{shape}-{layers}", llama_dense
+        self.root, self.llama_dense = root, llama_dense
+        self.stem = f"{shape}-{layers}" + ("-yarn-truncate" if needs_yarn_truncate(shape) else "")
 
     @property
     def bf16_folder(self) -> Path:
@@ -205,12 +248,70 @@ def dispose(model) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def ensure_shape_folder(path: Path, shape: str, layers: int, **options) -> Path:
+    """`path`, where the benchmark's random model of `shape` with `layers` layers is written first (experts in the
+    format of `options`: write_synthetic_folder's) unless a whole folder is there (its config.json, written last).
+    The model is long_context.py's `benchmark_config`: the shape's, with YaRN's truncate on where the shape
+    `needs_yarn_truncate` (gpt-oss), so the bf16 folder, its GGUF and every quantized folder hold the same draws of
+    one model that llama.cpp computes too."""
+    from colibri_stream.checkpoint import CONFIG_FILE
+    from colibri_stream.synthetic import write_synthetic_folder
+
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file():
+        yarn = ", YaRN's truncate on" if needs_yarn_truncate(shape) else ""
+        log(f"writing a random {shape} model with {layers} layers{yarn} to {path}" + (f" {options}" if options else ""))
+        begin = time.perf_counter()
+        write_synthetic_folder(path, benchmark_config(shape, layers), **options)
+        written = time.perf_counter()
+        os.sync()  # the kernel's write-back of tens of GB must not run beside the timed steps
+        log(f"written in {written - begin:.0f} s, on the drive {time.perf_counter() - written:.0f} s later")
+    return path
+
+
+def offload_refusal(config) -> str | None:
+    """Why no offload case can run on a model of `config` (None: they can): experts with biases or gpt-oss's
+    clamped SwiGLU run on the GPU only with every expert resident (colibri_stream.loader.check_expert_slots: the
+    tiers' CPU layer worker, which computes a step's misses, does not compute them)."""
+    if config.plain_experts():
+        return None
+    return (f"{config.architecture}'s experts (biases, clamped SwiGLU) take no GPU expert slots "
+            f"(loader.check_expert_slots): no offload case")
+
+
+def expert_matrix_bytes(config) -> int:
+    """Bytes of the routed experts' gate, up and down matrices in bf16, every MoE layer."""
+    return len(config.moe_layers) * config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size * 2
+
+
+def quantized_gguf_bytes(bf16_bytes: int, config, fmt: str, llama_dense: str) -> float:
+    """About the bytes of llama-quantize's `fmt` GGUF of a bf16 GGUF of `bf16_bytes`: the routed experts at
+    LLAMA_BITS[fmt], the rest bf16 (`llama_dense` bf16) or at most Q8_0's bits (quantized: Q8_0 under MXFP4_MOE, the
+    format or a k-quant otherwise)."""
+    experts = expert_matrix_bytes(config)
+    rest_bits = 16 if llama_dense == "bf16" else max(LLAMA_BITS[fmt], LLAMA_BITS[LLAMA_8BIT])
+    return experts * LLAMA_BITS[fmt] / 16 + max(bf16_bytes - experts, 0) * rest_bits / 16
+
+
+def bf16_pair_refusal(files: ShapeFiles, config) -> str | None:
+    """Why the bf16 folder and its bf16 GGUF of a model of `config` (both on disk at once: the run's peak) do not fit
+    the free space under the folder root (None: they do), from long_context.py's predictions of their bytes (what
+    of the folder is written already counted as written)."""
+    folder, gguf, free = folder_bytes(config), gguf_bytes(config), shutil.disk_usage(files.root).free
+    need = max(folder - nbytes(files.bf16_folder), 0) + gguf
+    log(f"predicted: bf16 folder {folder / 1e9:.1f} GB + bf16 GGUF {gguf / 1e9:.1f} GB; {need / 1e9:.1f} GB to "
+        f"write, {free / 1e9:.1f} GB free")
+    if need <= free:
+        return None
+    return (f"the bf16 folder and GGUF need about {need / 1e9:.1f} GB more at once, {free / 1e9:.1f} GB free on "
+            f"{files.root}: fewer layers")
+
+
 def write_bf16_gguf(args, files: ShapeFiles, shape: str, layers: int, prep: dict) -> None:
     """The bf16 GGUF of the shape, from its bf16 folder (written first if missing)."""
     from gguf_writer import write_gguf
-    from offload import ensure_folder
 
-    folder = ensure_folder(files.bf16_folder, shape, layers)
+    folder = ensure_shape_folder(files.bf16_folder, shape, layers)
     require_free(files.root, nbytes(folder), "the bf16 GGUF")
     begin = time.perf_counter()
     write_gguf(folder, files.bf16_gguf, args.gguf_py)
@@ -218,12 +319,13 @@ def write_bf16_gguf(args, files: ShapeFiles, shape: str, layers: int, prep: dict
     log_disk(files.root, f"bf16 GGUF {nbytes(files.bf16_gguf) / 1e9:.1f} GB in {prep['bf16_gguf_s']:.0f} s")
 
 
-def quantize_one(args, files: ShapeFiles, fmt: str) -> dict:
-    """llama-quantize of the bf16 GGUF to `fmt` (every core), every tensor but the experts in bf16 unless
-    --llama-dense quantized."""
+def quantize_one(args, files: ShapeFiles, config, fmt: str) -> dict:
+    """llama-quantize of the bf16 GGUF (of a model of `config`) to `fmt` (every core), every tensor but the experts
+    in bf16 unless --llama-dense quantized."""
     from llama_cpp import DENSE_BF16, quantize_gguf
 
-    require_free(files.root, nbytes(files.bf16_gguf) * LLAMA_BITS[fmt] / 16 + 2e9, f"llama-quantize {fmt}")
+    estimate = quantized_gguf_bytes(nbytes(files.bf16_gguf), config, fmt, args.llama_dense)
+    require_free(files.root, estimate + 2e9, f"llama-quantize {fmt}")
     options = DENSE_BF16 if args.llama_dense == "bf16" else ()
     done = quantize_gguf(Path(args.llama_bin) / "llama-quantize", files.bf16_gguf, files.gguf(fmt), fmt,
                          os.cpu_count() or 1, options, timeout=args.llama_timeout)
@@ -243,7 +345,8 @@ def llama_ggufs(args, files: ShapeFiles, shape: str, layers: int, formats: list[
             return result | {fmt: f"bf16 GGUF: {error}" for fmt in missing}
     remove(files.bf16_folder, files.root)  # the GGUF holds its weights now; Colibri's folders are drawn anew
     for fmt in missing:
-        done, error = attempt(f"llama-quantize {fmt}", quantize_one, args, files, fmt)
+        done, error = attempt(f"llama-quantize {fmt}", quantize_one, args, files, benchmark_config(shape, layers),
+                              fmt)
         prep.setdefault("llama_quantize", {})[fmt] = done or {"error": error}
         if error is not None:
             result[fmt] = f"llama-quantize: {error}"
@@ -461,23 +564,29 @@ def bf16_reference(args, files: ShapeFiles, base: dict, shape: str, layers: int,
 
 def format_cases(args, files: ShapeFiles, name: str, gguf, keyed: dict, shape: str, layers: int, bandwidth: float,
                  deadline: Deadline, bf16: dict) -> list[dict]:
-    """The decode and offload records of one format: its Colibri folder written if missing, its cases, the folder
+    """The decode and offload records of one format: its Colibri folder written if missing, its cases (offload: at
+    each of --gpu-fractions, none without them; one skipped record where the experts take no GPU slots), the folder
     deleted after them unless --keep."""
-    from offload import ensure_folder
-
     options = write_options(name, args)
     path = files.folder(options)
     begin = time.perf_counter()
-    _, error = attempt(f"{name} folder", ensure_folder, path, shape, layers, **options)
+    _, error = attempt(f"{name} folder", ensure_shape_folder, path, shape, layers, **options)
     keyed["preparation"].setdefault("colibri_folder_s", {})[name] = time.perf_counter() - begin
     log_disk(files.root, f"{path.name} {nbytes(path) / 1e9:.1f} GB")
     if error is not None:
         return [dict(keyed, expert_dtype=options["expert_dtype"], colibri_error=error)]
     records, error = attempt(f"{name} decode", decode_cases, args, path, gguf, keyed, bandwidth, deadline)
     records = records or [dict(keyed, bench="decode", expert_dtype=options["expert_dtype"], error=error)]
-    offloaded, error = attempt(f"{name} offload", offload_cases, args, path, gguf, keyed, shape, layers,
-                               args.gpu_fractions, deadline)
-    for record in offloaded or [dict(keyed, bench="offload", expert_dtype=options["expert_dtype"], error=error)]:
+    refusal = offload_refusal(benchmark_config(shape, layers))
+    if not args.gpu_fractions:
+        offloaded = []
+    elif refusal is not None:
+        offloaded = [dict(keyed, bench="offload", expert_dtype=options["expert_dtype"], skipped=refusal)]
+    else:
+        offloaded, error = attempt(f"{name} offload", offload_cases, args, path, gguf, keyed, shape, layers,
+                                   args.gpu_fractions, deadline)
+        offloaded = offloaded or [dict(keyed, bench="offload", expert_dtype=options["expert_dtype"], error=error)]
+    for record in offloaded:
         if record.get("gpu_fraction") == 0 and bf16.get(record.get("batch")):
             record["colibri_bf16_tok_s"] = bf16[record["batch"]]
             record["vs_colibri_bf16"] = ratio(record.get("colibri_tok_s"), bf16[record["batch"]])
@@ -488,32 +597,45 @@ def format_cases(args, files: ShapeFiles, name: str, gguf, keyed: dict, shape: s
 
 
 def run_shape(args, spec: str, common: dict, bandwidth: float, deadline: Deadline, records: list[dict]) -> None:
-    """Every case of one SHAPE:LAYERS, its files made first (module docstring) and deleted after unless --keep."""
-    from offload import ensure_folder
-
+    """Every case of one SHAPE:LAYERS, its files made first (module docstring) and deleted after unless --keep.
+    Colibri's bf16 offload runs only where offload cases do (--gpu-fractions given, experts that take GPU slots);
+    llama.cpp's files are not made when the bf16 folder and GGUF would not fit the disk together."""
     shape, layers = spec.split(":")[0], int(spec.split(":")[1])
     root = Path(args.folder_root)
     root.mkdir(parents=True, exist_ok=True)
     files = ShapeFiles(root, shape, layers, args.llama_dense)
+    config = benchmark_config(shape, layers)
     prep: dict = {}  # seconds each file took to make
-    base = dict(common, shape=shape, layers=layers, llama_dense=args.llama_dense, preparation=prep)
+    base = dict(common, shape=shape, layers=layers, llama_dense=args.llama_dense, preparation=prep,
+                yarn_truncate=config.rope.truncate if config.rope.type == "yarn" else None)
     llama_formats = sorted({llama_format(name, args) for name in args.formats})
     log_disk(root, f"{shape} ({layers} layers)")
     llama_needs_bf16 = bool(args.llama_bin) and not files.bf16_gguf.is_file() and not all(
         files.gguf(fmt).is_file() for fmt in llama_formats)
-    if args.bf16_offload or llama_needs_bf16:
+    too_big = bf16_pair_refusal(files, config) if llama_needs_bf16 else None
+    refusal = offload_refusal(config)
+    bf16_offload = args.bf16_offload and bool(args.gpu_fractions) and refusal is None
+    if bf16_offload or (llama_needs_bf16 and too_big is None):
         begin = time.perf_counter()
-        attempt("bf16 folder", ensure_folder, files.bf16_folder, shape, layers)
+        attempt("bf16 folder", ensure_shape_folder, files.bf16_folder, shape, layers)
         prep["bf16_folder_s"] = time.perf_counter() - begin
         log_disk(root, f"bf16 folder {nbytes(files.bf16_folder) / 1e9:.1f} GB")
-    if args.bf16_offload:
+    if bf16_offload:
         reference, error = attempt("bf16 offload", bf16_reference, args, files, base, shape, layers, deadline)
         records += reference or [dict(base, bench="offload", expert_dtype="bfloat16", error=error)]
         write(args.out, records)
+    elif args.bf16_offload and args.gpu_fractions:
+        records.append(dict(base, bench="offload", expert_dtype="bfloat16", expert_format="bfloat16",
+                            skipped=refusal))
+        write(args.out, records)
     bf16 = {r["batch"]: r.get("colibri_tok_s") for r in records if r.get("shape") == shape
             and r.get("expert_dtype") == "bfloat16" and r.get("gpu_fraction") == 0 and "batch" in r}
-    ggufs = (llama_ggufs(args, files, shape, layers, llama_formats, prep) if args.llama_bin
-             else {fmt: f"not run: {args.llama_missing}" for fmt in llama_formats})
+    if too_big is not None:
+        ggufs = {fmt: f"not run: {too_big}" for fmt in llama_formats}
+    elif args.llama_bin:
+        ggufs = llama_ggufs(args, files, shape, layers, llama_formats, prep)
+    else:
+        ggufs = {fmt: f"not run: {args.llama_missing}" for fmt in llama_formats}
     remove(files.bf16_folder, root)
     for name in args.formats:
         fmt = llama_format(name, args)
@@ -542,7 +664,8 @@ def table(records: list[dict]) -> str:
              "| Colibri / llama.cpp | roofline tok/s | Colibri / roofline | Colibri / bf16 | errors |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        errors = "; ".join(f"{k}: {str(r[k])[:60]}" for k in ("error", "colibri_error", "llama_error") if r.get(k))
+        errors = "; ".join(f"{k}: {str(r[k])[:60]}" for k in ("error", "colibri_error", "llama_error", "skipped")
+                           if r.get(k))
         fraction = r.get("gpu_fraction")
         experts = r.get("expert_format") or r.get("expert_dtype")
         lines.append(
@@ -576,7 +699,8 @@ def llama_missing(args) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES),
-                        help="SHAPE:LAYERS entries (mixtral-8x7b:8, qwen3-30b-a3b:16), run one after the other")
+                        help="SHAPE:LAYERS entries (mixtral-8x7b:8, qwen3-30b-a3b:16, gpt-oss-20b:14), run one "
+                             "after the other")
     parser.add_argument("--formats", nargs="+", default=["int4", "fp8"], choices=FORMATS)
     parser.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128), help="int4's group size")
     parser.add_argument("--zero-point", action="store_true", help="int4 with zero points (asymmetric)")
@@ -586,12 +710,15 @@ def main(argv: list[str] | None = None) -> int:
                              "as llama-quantize chooses for the format")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--repeats", type=int, default=3, help="decode rounds, the two engines alternating")
-    parser.add_argument("--gpu-fractions", nargs="+", type=float, default=[0.0, 0.5])
+    parser.add_argument("--gpu-fractions", nargs="*", type=float, default=[0.0, 0.5],
+                        help="fractions of each layer's experts in GPU slots, an offload case each; none (the "
+                             "option without values): decode only")
     parser.add_argument("--slot-layout", default="spread", choices=GPU_SLOT_LAYOUTS)
     parser.add_argument("--steps", type=int, default=8, help="timed offloaded decode steps")
     parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the offloaded prefill")
     parser.add_argument("--no-bf16-offload", dest="bf16_offload", action="store_false",
-                        help="skip Colibri's bf16 offload at 0 %% (the reference of the quantized offload)")
+                        help="skip Colibri's bf16 offload at 0 %% (the reference of the quantized offload; never "
+                             "run without --gpu-fractions)")
     parser.add_argument("--llama-bin", help="folder of llama-quantize, llama-batched-bench and llama-bench "
                         "(benchmarks/build_llama_cpp.sh); none: Colibri only")
     parser.add_argument("--gguf-py", help="gguf-py folder of the llama.cpp source tree (writes the bf16 GGUF)")

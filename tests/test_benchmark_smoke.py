@@ -91,6 +91,22 @@ def test_gpu_scripts_stop_with_a_message_when_no_gpu_is_visible(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_quantized_gpt_oss_mxfp4_command_stops_at_the_gpu_check(tmp_path):
+    """quantized.py's command for gpt-oss-20b's mxfp4 experts against llama.cpp's MXFP4_MOE, decode only
+    (--gpu-fractions without values), parses and stops at the GPU check with no device visible, before writing
+    anything; --help names the format and the optional fractions."""
+    out, files = tmp_path / "quantized.json", tmp_path / "files"
+    done = run_script("quantized.py", "--shapes", "gpt-oss-20b:14", "--formats", "mxfp4", "--batches", 1, 16, 64,
+                      "--gpu-fractions", "--no-bf16-offload", "--llama-bin", tmp_path / "bin", "--gguf-py",
+                      tmp_path / "gguf-py", "--folder-root", files, "--out", out,
+                      env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert done.returncode != 0 and "quantized.py needs a GPU: " in done.stderr, done.stderr[-2000:]
+    assert not out.exists() and not files.exists()
+    shown = run_script("quantized.py", "--help")
+    succeeded(shown)
+    assert "mxfp4" in shown.stdout and "--gpu-fractions [GPU_FRACTIONS ...]" in shown.stdout
+
+
 def test_cpu_expert_kernels(tmp_path):
     out = tmp_path / "cpu_expert_kernels.json"
     succeeded(run_script("cpu_expert_kernels.py", "--shapes", "qwen3-30b-a3b", "--dtypes", "bf16", "--tokens", "1",

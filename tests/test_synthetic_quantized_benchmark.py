@@ -2,27 +2,43 @@
 and the quantized GGUFs (when llama.cpp's tools are given), the quantized Colibri folders, one record per case with
 the Colibri side failing as it does without a GPU (its error recorded, the run going on), every file deleted at the
 end. With COLIBRI_LLAMA_BIN (a folder of llama-quantize, llama-batched-bench and llama-bench, a CPU build of
-benchmarks/build_llama_cpp.sh's targets serves) and COLIBRI_GGUF_PY (llama.cpp's gguf-py), llama.cpp runs too."""
+benchmarks/build_llama_cpp.sh's targets serves) and COLIBRI_GGUF_PY (llama.cpp's gguf-py), llama.cpp runs too.
+
+mxfp4 on a tiny gpt-oss-like shape: its folders written with YaRN's truncate on (long_context.py's
+benchmark_config, as llama.cpp computes it), offload cases skipped with their reason (its experts take no GPU
+slots), llama-quantize asked for MXFP4_MOE with the bf16 overrides (a stand-in llama-quantize that copies its input,
+when COLIBRI_GGUF_PY writes the bf16 GGUF), and decode-only runs (--gpu-fractions without values)."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import os
+import shutil
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from colibri_stream import synthetic
-from colibri_stream.experts import pinned
+from colibri_stream.checkpoint import ModelFolder
 from colibri_stream.config import RopeConfig
+from colibri_stream.experts import pinned
+from colibri_stream.loader import load_model
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 TINY = dict(architecture="mixtral", vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
             head_dim=32, num_experts=4, top_k=2, moe_intermediate_size=256, norm_topk_prob=True,
             rope=RopeConfig(theta=1e6), rms_norm_eps=1e-5, max_position_embeddings=4096)
+# gpt-oss-20b's options (biased clamped-SwiGLU experts, sinks, windows, YaRN with truncate off) at tiny dimensions
+# (multiples of mxfp4's 32-channel blocks)
+TINY_GPT_OSS = dict(synthetic.SHAPES["gpt-oss-20b"], vocab_size=512, hidden_size=128, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=32, num_experts=4, top_k=2, moe_intermediate_size=128)
+GGUF_PY = os.environ.get("COLIBRI_GGUF_PY")
+needs_gguf_py = pytest.mark.skipif(not GGUF_PY or not (Path(GGUF_PY) / "gguf").is_dir(),
+                                   reason="COLIBRI_GGUF_PY names no gguf-py folder of a llama.cpp tree")
 
 
 @pytest.fixture
@@ -31,6 +47,7 @@ def quantized(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     module = importlib.import_module("quantized")
     monkeypatch.setitem(synthetic.SHAPES, "tiny-mixtral", TINY)
+    monkeypatch.setitem(synthetic.SHAPES, "tiny-gpt-oss", TINY_GPT_OSS)
     monkeypatch.setattr(module, "require_gpu", lambda: None)
     monkeypatch.setattr(module, "hbm_bandwidth", lambda: 1000.0)
     monkeypatch.setattr(module, "machine", lambda: {"gpu": "none (test)"})
@@ -130,3 +147,139 @@ def test_kept_files_are_reused(quantized, tmp_path):
     assert {path.name: path.stat().st_mtime_ns for path in (tmp_path / "files").iterdir()} == kept
     assert [(r["bench"], r["expert_dtype"]) for r in records] == [("decode", "int4")] * 2 + [("offload", "int4")] * 4
     assert "colibri_folder_s" in records[0]["preparation"] and "bf16_folder_s" not in records[0]["preparation"]
+
+
+def test_decode_only_runs_no_offload_case(quantized, tmp_path, monkeypatch):
+    """--gpu-fractions without values: decode records only, no expert pinned, no bf16 folder written (neither the
+    bf16 offload, which has no case to be the reference of, nor llama.cpp needs it); --no-bf16-offload beside it
+    changes nothing."""
+    import offload
+
+    def no_pinning(*args, **kwargs):
+        raise AssertionError("an offload case ran")
+
+    monkeypatch.setattr(offload, "open_folder", no_pinning)
+    for extra in (["--gpu-fractions"], ["--gpu-fractions", "--no-bf16-offload"]):
+        records = run(quantized, tmp_path, *extra)
+        assert [(r["bench"], r["expert_dtype"], r["batch"]) for r in records] == [
+            ("decode", "int4", 1), ("decode", "int4", 4), ("decode", "fp8", 1), ("decode", "fp8", 4)]
+        assert "bf16_folder_s" not in records[0]["preparation"]
+
+
+def run_gpt_oss(quantized, tmp_path, *extra) -> list[dict]:
+    out = tmp_path / "quantized.json"
+    assert quantized.main(["--shapes", "tiny-gpt-oss:2", "--formats", "mxfp4", "--batches", "1", "4", "--repeats",
+                           "1", "--folder-root", str(tmp_path / "files"), "--out", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_mxfp4_of_a_gpt_oss_shape(quantized, tmp_path):
+    """gpt-oss with mxfp4 experts: decode records against MXFP4_MOE, the offload cases (and Colibri's bf16 offload)
+    recorded as skipped with their reason, the kept folder a model load_model opens on the CPU, with mxfp4 experts
+    and YaRN's truncate on (the model llama.cpp computes), named for it."""
+    records = run_gpt_oss(quantized, tmp_path, "--keep")
+    assert [(r["bench"], r["expert_dtype"], r.get("batch")) for r in records] == [
+        ("offload", "bfloat16", None), ("decode", "mxfp4", 1), ("decode", "mxfp4", 4), ("offload", "mxfp4", None)]
+    for r in records:
+        assert r["shape"] == "tiny-gpt-oss" and r["yarn_truncate"] is True
+    assert [r["llama_format"] for r in records[1:]] == ["MXFP4_MOE"] * 3
+    assert all("no --llama-bin" in r["llama_error"] for r in records[1:3])
+    for r in (records[0], records[3]):
+        assert "check_expert_slots" in r["skipped"] and r.get("colibri_tok_s") is None
+    decode = records[1]
+    assert decode["expert_format"].startswith("mxfp4")
+    assert decode["colibri_error"] == "RuntimeError: no GPU in this test"
+    # codes (two a byte) and an exponent byte per 32 input channels of gate, up and down, and the float32 biases
+    h, i = TINY_GPT_OSS["hidden_size"], TINY_GPT_OSS["moe_intermediate_size"]
+    assert decode["expert_bytes"] == 3 * h * i // 2 + 3 * h * i // 32 + 4 * (2 * i + h)
+    assert "skipped: gpt_oss's experts" in quantized.table(records)
+    # only the mxfp4 folder was written: the bf16 one serves the bf16 offload and llama.cpp, neither of which ran
+    kept = tmp_path / "files" / "tiny-gpt-oss-2-yarn-truncate-mxfp4"
+    assert [path.name for path in (tmp_path / "files").iterdir()] == [kept.name]
+    model = load_model(str(kept), device="cpu")
+    config = model.config
+    assert config.expert_dtype == "mxfp4" and config.expert_bias and config.sliding_windows == (128, None)
+    assert config.rope.type == "yarn" and config.rope.truncate
+    assert config == synthetic.with_expert_format(quantized.benchmark_config("tiny-gpt-oss", 2), "mxfp4")
+    assert not synthetic.shape_config("tiny-gpt-oss", 2).rope.truncate  # the published shape's, which it is not
+
+
+def test_the_bf16_folder_of_a_gpt_oss_shape_is_what_the_gguf_writer_writes(quantized, tmp_path):
+    """The bf16 folder quantized.py writes of a gpt-oss shape is refused by nothing in gguf_writer (the published
+    YaRN without truncate is); with COLIBRI_GGUF_PY its GGUF is written too."""
+    import gguf_writer
+
+    folder = quantized.ensure_shape_folder(tmp_path / "bf16", "tiny-gpt-oss", 2)
+    config = ModelFolder(folder).config
+    arch = gguf_writer.ARCHITECTURES[config.architecture]
+    assert config.rope.truncate and gguf_writer.unwritable(config, arch) == []
+    assert any("YaRN without truncate" in what
+               for what in gguf_writer.unwritable(synthetic.shape_config("tiny-gpt-oss", 2), arch))
+    if GGUF_PY and (Path(GGUF_PY) / "gguf").is_dir():
+        path = gguf_writer.write_gguf(folder, tmp_path / "bf16.gguf", GGUF_PY)
+        assert path.stat().st_size > 0
+
+
+def fake_llama_bin(folder: Path) -> Path:
+    """llama.cpp's three tools as stand-ins: llama-quantize copies its input GGUF to its output (its command line
+    logged), the two benches fail as they would without a GPU."""
+    folder.mkdir(parents=True)
+    (folder / "llama-quantize").write_text(
+        f"#!{sys.executable}\nimport shutil, sys\nshutil.copyfile(sys.argv[-4], sys.argv[-3])\n")
+    for tool in ("llama-batched-bench", "llama-bench"):
+        (folder / tool).write_text("#!/bin/sh\necho 'no GPU in this test' >&2\nexit 1\n")
+    for tool in folder.iterdir():
+        tool.chmod(0o755)
+    return folder
+
+
+@needs_gguf_py
+def test_mxfp4_gguf_is_quantized_as_mxfp4_moe_with_the_bf16_overrides(quantized, tmp_path):
+    """With llama.cpp's tools (stand-ins) and gguf-py: the bf16 folder of the gpt-oss shape (YaRN truncate on) and
+    its GGUF are written, llama-quantize is asked for MXFP4_MOE with the overrides that keep every other tensor bf16,
+    the benches' failures are recorded, and every file is deleted at the end."""
+    llama_bin = fake_llama_bin(tmp_path / "bin")
+    records = run_gpt_oss(quantized, tmp_path, "--gpu-fractions", "--llama-bin", str(llama_bin), "--gguf-py",
+                          GGUF_PY)
+    assert [(r["bench"], r["batch"]) for r in records] == [("decode", 1), ("decode", 4)]
+    prep = records[0]["preparation"]
+    assert prep["bf16_folder_s"] > 0 and prep["bf16_gguf_s"] > 0
+    command = prep["llama_quantize"]["MXFP4_MOE"]["command"]
+    assert " MXFP4_MOE " in command and "--tensor-type attn=bf16" in command
+    assert "--token-embedding-type bf16 --output-tensor-type bf16" in command
+    assert "tiny-gpt-oss-2-yarn-truncate-bf16.gguf" in command
+    for r in records:
+        assert r["llama_gguf"].endswith("tiny-gpt-oss-2-yarn-truncate-MXFP4_MOE-dense-bf16.gguf")
+        assert r["llama_gguf_bytes"] > 0 and "llama-batched-bench failed" in r["llama_error"]
+    assert list((tmp_path / "files").iterdir()) == []
+
+
+def test_llama_files_are_not_made_where_the_bf16_pair_does_not_fit(quantized, tmp_path, monkeypatch):
+    """A bf16 folder and GGUF predicted past the free space: no bf16 folder is written and llama.cpp's records say
+    why; Colibri's cases run."""
+    (tmp_path / "gguf-py" / "gguf").mkdir(parents=True)
+    monkeypatch.setattr(quantized, "folder_bytes", lambda config: 10**15)
+    llama_bin = fake_llama_bin(tmp_path / "bin")
+    records = run_gpt_oss(quantized, tmp_path, "--gpu-fractions", "--llama-bin", str(llama_bin), "--gguf-py",
+                          str(tmp_path / "gguf-py"))
+    assert [(r["bench"], r["batch"]) for r in records] == [("decode", 1), ("decode", 4)]
+    for r in records:
+        assert r["llama_error"].startswith("not run: the bf16 folder and GGUF need about 1000000.0 GB more")
+    assert "bf16_folder_s" not in records[0]["preparation"]
+
+
+def test_disk_predictions_of_gpt_oss_20b(quantized, tmp_path, monkeypatch):
+    """gpt-oss-20b's bf16 folder and GGUF at once: 83.7 GB at 24 layers, past a 64 GB disk; 50.8 GB at 14 layers.
+    Its MXFP4_MOE GGUF with bf16 dense tensors: about 13.8 GB at 24 layers."""
+    usage = types.SimpleNamespace(free=60e9, used=0.0)
+    monkeypatch.setattr(quantized, "shutil", types.SimpleNamespace(disk_usage=lambda root: usage,
+                                                                   rmtree=shutil.rmtree))
+    config = quantized.benchmark_config("gpt-oss-20b", 24)
+    assert config.rope.truncate
+    refusal = quantized.bf16_pair_refusal(quantized.ShapeFiles(tmp_path, "gpt-oss-20b", 24, "bf16"), config)
+    assert refusal.startswith("the bf16 folder and GGUF need about 83.7 GB more at once, 60.0 GB free")
+    small = quantized.benchmark_config("gpt-oss-20b", 14)
+    assert quantized.bf16_pair_refusal(quantized.ShapeFiles(tmp_path, "gpt-oss-20b", 14, "bf16"), small) is None
+    bf16 = quantized.gguf_bytes(config)
+    assert quantized.quantized_gguf_bytes(bf16, config, "MXFP4_MOE", "bf16") == pytest.approx(13.8e9, rel=0.01)
+    assert quantized.LLAMA_BITS["MXFP4_MOE"] == 4.25
