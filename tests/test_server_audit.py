@@ -173,3 +173,21 @@ def test_an_anthropic_stream_fault_is_an_error_event(server, monkeypatch):
         with client.messages.stream(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}]) as stream:
             stream.get_final_message()
     assert "internal server error" in str(caught.value)
+
+
+# ------------------------------------------------------------------------------------------------- min_tokens
+
+def test_min_tokens_the_output_format_cannot_reach_is_a_400(server, client):
+    """min_tokens past what a grammar (or stop_token_ids over the whole vocabulary) lets the model write left no
+    token to draw: the request failed as a 500 "generation failed". It is the request's own contradiction: a 400 on
+    min_tokens, and an invalid_request_error in a stream."""
+    for extra in ({"guided_choice": ["a"]}, {"stop_token_ids": list(range(8192))}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=10, extra_body={"min_tokens": 5, **extra})
+        assert caught.value.body["param"] == "min_tokens"
+    status, _, raw = request(server, "POST", COMPLETIONS, {"prompt": "x", "max_tokens": 10, "min_tokens": 5,
+                                                           "guided_choice": ["a"], "stream": True})
+    assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
+    errors = [json.loads(line[len(b"data: "):]) for line in raw.split(b"\n") if line.startswith(b'data: {"error"')]
+    assert _error(errors[0])["type"] == "invalid_request_error" and errors[0]["error"]["param"] == "min_tokens"
+    assert_serving(server)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ..errors import (APIError, EngineStoppedError, InvalidParameterError, PromptRefused, PromptTooLongError,
-                      QueueFullError)
+from ..errors import (APIError, EngineStepError, EngineStoppedError, InvalidParameterError, PromptRefused,
+                      PromptTooLongError, QueueFullError)
+from ..sampling import NO_TOKEN_ALLOWED
 from ..tokenizer import ChatTemplateError
 from .fields import bad_request
 from .generate_request import GenerateRequest
@@ -42,6 +43,9 @@ def engine_error(error: BaseException, req: GenerateRequest) -> APIError:
     if isinstance(error, QueueFullError):
         return APIError(429, f"the server is busy: {error}", type="rate_limit_error", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(error, EngineStepError) and str(error) == NO_TOKEN_ALLOWED:  # the request's own constraints
+        return bad_request(f"{prompt}{error} (min_tokens asks for more tokens than the output format or "
+                           f"stop_token_ids let the model write)", param="min_tokens")
     if isinstance(error, EngineStoppedError):
         return APIError(503, f"the engine is not accepting requests: {error}", type="server_error",
                         code="shutting_down")
