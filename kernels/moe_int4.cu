@@ -103,23 +103,22 @@ quantize_activations(const float* __restrict__ x, int W, signed char* __restrict
     }
 }
 
-// D (s32) += A (u8, 16 x 32) . B (s8, 32 x 8).
-__device__ __forceinline__ void mma_u8s8(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+// D (s32) += A (16 x 32: u8, or s8 where SIGNED) . B (s8, 32 x 8).
+#define MMA_M16N8K32(A_TYPE)                                                                                   \
+    asm("mma.sync.aligned.m16n8k32.row.col.s32." A_TYPE ".s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, " \
+        "{%0, %1, %2, %3};"                                                                                    \
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])                                                       \
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
+template <bool SIGNED>
+__device__ __forceinline__ void mma_8bit(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                          unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    if constexpr (SIGNED) {
+        MMA_M16N8K32("s8");
+    } else {
+        MMA_M16N8K32("u8");
+    }
 }
-
-// D (s32) += A (s8, 16 x 32) . B (s8, 32 x 8).
-__device__ __forceinline__ void mma_s8s8(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+#undef MMA_M16N8K32
 
 // prmt.b32 in its default mode: byte n of the result is byte (c >> 4n) & 7 of {b, a}, or, where bit 3 of that
 // selector is set, that byte's sign bit copied over all 8 bits.
@@ -146,7 +145,7 @@ struct Int4Codes {
         a[3] = (w1 >> 4) & 0x0F0F0F0Fu;
     }
     __device__ __forceinline__ static void mma(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-        mma_u8s8(d, a[0], a[1], a[2], a[3], b0, b1);
+        mma_8bit<false>(d, a[0], a[1], a[2], a[3], b0, b1);
     }
 };
 
@@ -179,7 +178,7 @@ struct Mxfp4Codes {
         a[3] = permute_bytes(low1, high1, 0x7531u);
     }
     __device__ __forceinline__ static void mma(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-        mma_s8s8(d, a[0], a[1], a[2], a[3], b0, b1);
+        mma_8bit<true>(d, a[0], a[1], a[2], a[3], b0, b1);
     }
 };
 
