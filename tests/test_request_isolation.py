@@ -100,8 +100,8 @@ def assert_healthy(live: LiveServer) -> None:
 
 def test_a_grammar_that_leaves_no_token_ends_its_request_alone(live):
     """guided_choice ["yes"] with min_tokens 6: after "yes" the grammar allows only the end of sequence, which
-    min_tokens bans, so nothing can be drawn: that request fails, in JSON (500) and in its open stream (an error
-    event), while the two running streams go on to their own outputs."""
+    min_tokens bans, so nothing can be drawn: that request fails, in JSON (a 400: the request contradicts itself)
+    and in its open stream (an error event), while the two running streams go on to their own outputs."""
     alone = live.call(alone_outputs(live), timeout=300)
     hostile_body = dict(model=MODEL, prompt="Answer:", max_tokens=12, extra_body={"guided_choice": ["yes"],
                                                                                  "min_tokens": 6})
@@ -115,7 +115,7 @@ def test_a_grammar_that_leaves_no_token_ends_its_request_alone(live):
 
     texts, (error, in_stream), overlapped = live.call(batch_with(live, hostile), timeout=300)
     assert overlapped and texts == alone
-    assert error.status_code == 500 and "no token is allowed next" in error.message
+    assert error.status_code == 400 and "no token is allowed next" in error.message
     assert "no token is allowed next" in in_stream.message
     assert_healthy(live)
 

@@ -150,3 +150,24 @@ def test_a_forced_function_call_is_a_function_call_item_and_its_output_goes_back
         {"type": "function_call", "call_id": item.call_id, "name": item.name, "arguments": item.arguments},
         {"type": "function_call_output", "call_id": item.call_id, "output": "sunny"}])
     assert answer.output[0].type == "message"
+
+
+def test_the_response_object_repeats_the_requests_settings(client):
+    """instructions, tools, tool_choice, text.format, metadata, parallel_tool_calls and reasoning.effort come back
+    as the request gave them (they were the defaults whatever the request said), streamed or not; store stays
+    false (nothing is stored)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    text_format = {"type": "json_schema", "name": "place", "schema": schema}
+    asked = dict(model=MODEL, instructions="Answer in JSON.", input="Where?", max_output_tokens=24, temperature=0,
+                 tools=[TOOL], tool_choice="none", parallel_tool_calls=False, metadata={"run": "7"},
+                 text={"format": text_format})
+    for response in (client.responses.create(**asked),
+                     [e for e in client.responses.create(**asked, stream=True)][-1].response):
+        assert response.instructions == "Answer in JSON." and response.metadata == {"run": "7"}
+        assert response.tool_choice == "none" and response.parallel_tool_calls is False
+        assert [tool.name for tool in response.tools] == [TOOL["name"]]
+        assert response.text.format.type == "json_schema" and response.text.format.name == "place"
+        assert response.store is False
+    plain = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, reasoning={"effort": "low"})
+    assert plain.instructions is None and plain.tools == [] and plain.tool_choice == "none"
+    assert plain.reasoning.effort == "low" and plain.text.format.type == "text"

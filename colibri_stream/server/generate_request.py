@@ -32,6 +32,7 @@ class GenerateRequest:
     harmony: bool = False  # chat: the model writes harmony (gpt-oss): its reply is read by channel (harmony.py)
     grammar_param: str | None = None  # the field whose grammar params.grammar is (named in the engine's refusals)
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs: the prompt tokens' logprobs go in the answer
+    settings: dict | None = None  # Responses: the request's settings its response object repeats (instructions, ...)
 
     @property
     def template_tools(self) -> list[dict] | None:

@@ -46,7 +46,7 @@ def parse_response(body: Any, tool_syntax: ToolSyntax | None = None, split_reaso
     _reject_unsupported(fields)
     fields.string("user")  # accepted for compatibility; only the types are checked
     fields.boolean("store", True)
-    fields.get("metadata", (dict,), "an object")
+    metadata = fields.get("metadata", (dict,), "an object", {})
     messages = chat_messages(_input_messages(body.get("input")), "input")
     instructions = fields.string("instructions")
     if instructions:
@@ -54,20 +54,27 @@ def parse_response(body: Any, tool_syntax: ToolSyntax | None = None, split_reaso
     stream = fields.boolean("stream")
     text = fields.get("text", (dict,), "an object", {})
     asked = output_grammar(body, text.get("format"), "text.format")
-    tools = _chat_tools(fields.get("tools", (list,), "an array"))
-    use = tool_use(tools, _chat_tool_choice(body.get("tool_choice")), bad_request,
-                   fields.boolean("parallel_tool_calls", True), tool_syntax)
+    given_tools = fields.get("tools", (list,), "an array")
+    tools = _chat_tools(given_tools)
+    parallel = fields.boolean("parallel_tool_calls", True)
+    use = tool_use(tools, _chat_tool_choice(body.get("tool_choice")), bad_request, parallel, tool_syntax)
     call = use if isinstance(use, ForcedCall) else None
     grammar, grammar_param = generation_grammar(call, asked)
     params = with_call_tokens(use, sampling_params(fields, fields.integer("max_output_tokens"), "max_output_tokens",
                                                    None, 1, grammar), tool_syntax)
+    effort = reasoning_effort(fields.get("reasoning", (dict,), "an object", {}).get("effort"), "reasoning.effort")
+    # what the response object repeats of the request, as the API answers it (tools and tool_choice as given;
+    # `store` stays false: nothing is stored)
+    settings = {"instructions": instructions, "metadata": metadata, "parallel_tool_calls": parallel,
+                "reasoning": {"effort": effort, "summary": None},
+                "text": {"format": text.get("format") or {"type": "text"}}, "tools": given_tools or [],
+                "tool_choice": body.get("tool_choice", "auto" if given_tools else "none")}
     return GenerateRequest(chat=True, model=fields.string("model"), prompts=(messages,), params=params,
                            stream=stream, prompt_param="input", forced_call=call,
                            auto_calls=use if isinstance(use, AutoCalls) else None,
                            split_reasoning=split_reasoning and call is None, grammar_param=grammar_param,
                            harmony=isinstance(tool_syntax, HarmonyToolSyntax),
-                           template_kwargs=with_reasoning_effort(None, reasoning_effort(
-                               fields.get("reasoning", (dict,), "an object", {}).get("effort"), "reasoning.effort")))
+                           template_kwargs=with_reasoning_effort(None, effort), settings=settings)
 
 
 def _chat_tools(tools: list | None) -> list | None:
