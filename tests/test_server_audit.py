@@ -11,7 +11,7 @@ import anthropic
 import openai
 import orjson
 import pytest
-from test_server import API_KEY, CHAT, COMPLETIONS, LiveServer, _error, post, request
+from test_server import API_KEY, CHAT, COMPLETIONS, LiveServer, _error, client, post, request  # noqa: F401
 
 from colibri_stream.checkpoint import default_model_path
 from colibri_stream.server.json_depth import MAX_JSON_DEPTH
@@ -26,11 +26,6 @@ def server():
     live = LiveServer(default_model_path(), dict(max_batch_size=8, max_seq_len=1024, max_queue=64), api_key=API_KEY)
     yield live
     live.close()
-
-
-@pytest.fixture
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 def assert_serving(server: LiveServer) -> None:
