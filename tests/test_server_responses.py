@@ -169,5 +169,5 @@ def test_the_response_object_repeats_the_requests_settings(client):
         assert response.text.format.type == "json_schema" and response.text.format.name == "place"
         assert response.store is False
     plain = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, reasoning={"effort": "low"})
-    assert plain.instructions is None and plain.tools == [] and plain.tool_choice == "none"
+    assert plain.instructions is None and plain.tools == [] and plain.tool_choice == "auto"  # the API's default
     assert plain.reasoning.effort == "low" and plain.text.format.type == "text"

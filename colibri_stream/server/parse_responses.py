@@ -68,7 +68,7 @@ def parse_response(body: Any, tool_syntax: ToolSyntax | None = None, split_reaso
     settings = {"instructions": instructions, "metadata": metadata, "parallel_tool_calls": parallel,
                 "reasoning": {"effort": effort, "summary": None},
                 "text": {"format": text.get("format") or {"type": "text"}}, "tools": given_tools or [],
-                "tool_choice": body.get("tool_choice", "auto" if given_tools else "none")}
+                "tool_choice": body.get("tool_choice", "auto")}
     return GenerateRequest(chat=True, model=fields.string("model"), prompts=(messages,), params=params,
                            stream=stream, prompt_param="input", forced_call=call,
                            auto_calls=use if isinstance(use, AutoCalls) else None,

@@ -185,7 +185,7 @@ class ResponsesResponder:
             "instructions": None, "max_output_tokens": params.max_tokens, "model": self.model, "output": output,
             "parallel_tool_calls": True, "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
             "store": False, "temperature": params.temperature, "text": {"format": {"type": "text"}},
-            "tool_choice": "none", "tools": [], "top_p": params.top_p, "truncation": "disabled", "metadata": {},
+            "tool_choice": "auto", "tools": [], "top_p": params.top_p, "truncation": "disabled", "metadata": {},
             **(self.request.settings or {}),  # the request's own settings, where it gave them
             "usage": self._usage() if done else None,
         }
