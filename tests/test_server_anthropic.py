@@ -253,6 +253,19 @@ def test_tool_use_and_tool_result_go_back_as_chats_tool_calls_and_tool_messages(
         {"type": "text", "text": "And tomorrow?"}]}]
     assert client.messages.count_tokens(model=MODEL, messages=as_blocks, tools=ANTHROPIC_TOOLS).input_tokens == \
         counted.input_tokens
+    # a failed call: the tool message the template shows starts "Error: " (chat's form of the same message)
+    failed = [*history[:2], {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "no such city", "is_error": True},
+        {"type": "text", "text": "And tomorrow?"}]}]
+    chat_failed = [*chat_history[:2], {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: no such city"},
+                   chat_history[-1]]
+    chat = chat_client.chat.completions.create(model=MODEL, max_tokens=1, messages=chat_failed, tools=TOOLS,
+                                               extra_body=regex("S"))
+    assert client.messages.count_tokens(model=MODEL, messages=failed, tools=ANTHROPIC_TOOLS).input_tokens == \
+        chat.usage.prompt_tokens
+    with pytest.raises(anthropic.BadRequestError, match="is_error must be a boolean"):
+        client.messages.count_tokens(model=MODEL, messages=[*history[:2], {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "x", "is_error": "yes"}]}])
 
 
 def test_a_model_whose_template_teaches_no_tool_syntax_answers_in_text(tiny_server):

@@ -2,8 +2,8 @@
 the `anthropic` SDK, over the same engine requests as chat completions.
 
 `system` (a string or text blocks) and `messages` (user and assistant turns whose content is a string or blocks:
-text, tool_use, tool_result, an earlier reply's thinking) become chat messages under the model's template;
-`max_tokens` (required, as Anthropic), `temperature`, `top_p`, `top_k` and `stop_sequences` are the sampling;
+text, tool_use, tool_result (its text after "Error: " where `is_error`), an earlier reply's thinking) become chat
+messages under the model's template; `max_tokens` (required, as Anthropic), `temperature`, `top_p`, `top_k` and `stop_sequences` are the sampling;
 `tools` ({name, description, input_schema}) and `tool_choice` ({"type": "auto" | "any" | "tool" | "none"}) are
 chat's tools and tool_choice ("auto", "required", a named function, "none"; server/tools.py, tool_syntax.py);
 `thinking` ({"type": "enabled", "budget_tokens"} | {"type": "adaptive"} | {"type": "disabled"}) sets the
@@ -38,6 +38,7 @@ from .tools import AutoCalls, ForcedCall, tool_use, with_call_tokens
 
 THINKING_SWITCH = "enable_thinking"  # the template variable that turns a model's thinking on and off (Qwen3)
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Anthropic's tool_choice type -> chat's
+ERROR_MARK = "Error: "  # before the text of a tool_result marked is_error
 
 
 def switches_thinking(chat_templates: dict[str, str]) -> bool:
@@ -223,8 +224,12 @@ def _user_turn(blocks: list[dict], param: str) -> list[dict]:
                 texts = []
             if not isinstance(block.get("tool_use_id"), str):
                 raise bad_request(f"{param}[{j}].tool_use_id must be a string", param=f"{param}[{j}].tool_use_id")
+            failed = block.get("is_error", False)
+            if not isinstance(failed, bool):
+                raise bad_request(f"{param}[{j}].is_error must be a boolean", param=f"{param}[{j}].is_error")
+            content = _result_content(block.get("content"), f"{param}[{j}].content")
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                        "content": _result_content(block.get("content"), f"{param}[{j}].content")})
+                        "content": _failed_result(content) if failed else content})
         else:
             raise _unsupported_block(kind, f"{param}[{j}]", "text and tool_result")
     return out + ([{"role": "user", "content": texts}] if texts else [])
@@ -240,6 +245,14 @@ def _result_content(content: Any, param: str) -> str | list[dict]:
         if block.get("type") != "text":
             raise _unsupported_block(block.get("type"), f"{param}[{j}]", "text")
     return _text_parts(content, param)
+
+
+def _failed_result(content: str | list[dict]) -> str | list[dict]:
+    """A tool_result marked is_error as the tool message the template shows: its text after "Error: " (chat
+    templates have no field for a failed call, so the model reads the mark as text)."""
+    if isinstance(content, str):
+        return ERROR_MARK + content
+    return [{"type": "text", "text": ERROR_MARK}, *content]
 
 
 def _assistant_turn(blocks: list[dict], param: str) -> list[dict]:
