@@ -148,7 +148,6 @@ class CupyBackend(Backend):
         self._route_counters = cupy.zeros(ROUTER_SPLIT_TOKENS, np.uint32)
         self._flash_tiles = FlashTileCache()
         self._kv_rows = KvRows(cupy)  # cache rows widened for cupy_latent.py's path
-        self._float32_sinks: dict[int, Array] = {}  # a layer's sink logits as the kernels read them, by address
         self._clock: CudaEventClock | None = None  # made on first use
 
     def max_tokens_in_stream_order(self, config: ModelConfig) -> int | None:
@@ -446,16 +445,15 @@ class CupyBackend(Backend):
                (*common, *sizes, sink_logits), shared_mem=ATTENTION_WARPS * head_dim * 4, weight_type=kv_type)
         return out
 
-    def _sink_logits(self, sinks: Array | None, num_heads: int):
-        """The kernels' `sinks` argument: a layer's sink logits [Q] as a float32 device array's address (NULL
-        without). A copy in float32 is made once per layer's array and kept, so a captured graph's launches read
-        memory that lives as long as the model."""
+    @staticmethod
+    def _sink_logits(sinks: Array | None, num_heads: int):
+        """The kernels' `sinks` argument: a layer's sink logits, float32 [Q] as `prepare_weight` holds every vector
+        weight (the kernels read the array itself, so a captured graph reads the model's own memory), or NULL."""
         if sinks is None:
             return NULL
-        if sinks.shape != (num_heads,):
-            raise ValueError(f"sink logits of shape {sinks.shape} for {num_heads} query heads")
-        if sinks.dtype != np.float32 or not sinks.flags.c_contiguous:
-            sinks = self._float32_sinks.setdefault(sinks.data.ptr, self.cp.ascontiguousarray(sinks, np.float32))
+        if sinks.shape != (num_heads,) or sinks.dtype != np.float32 or not sinks.flags.c_contiguous:
+            raise ValueError(f"sink logits must be contiguous float32 [{num_heads}], got {sinks.dtype} "
+                             f"{list(sinks.shape)}")
         return sinks
 
     def _decode_splits(self, query, num_kv_heads: int, capacity: int, max_splits: int, blocks_per_sm: int,
