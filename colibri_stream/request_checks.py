@@ -70,8 +70,6 @@ class RequestChecks:
         vocab = self.model_config.vocab_size
         if any(token_id >= vocab for token_id, _ in params.logit_bias):
             raise InvalidParameterError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
-        if not all(0 <= token_id < vocab for token_id in params.stop_token_ids):
-            raise InvalidParameterError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
         if params.grammar is not None:
             self.constraints.check(params.grammar)
         check_length(len(prompt_token_ids), params.max_tokens, self.max_seq_len)
