@@ -73,7 +73,7 @@ if numba is not None:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    _REASSOC = ("reassoc", "contract")  # FASTMATH's flags on the vector code's float operations
+    _REASSOC = tuple(sorted(FASTMATH))  # the flags of the vector code's float operations
 
     @intrinsic
     def _fp8_bits(typingctx, byte):

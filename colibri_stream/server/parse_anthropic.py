@@ -3,7 +3,8 @@ the `anthropic` SDK, over the same engine requests as chat completions.
 
 `system` (a string or text blocks) and `messages` (user and assistant turns whose content is a string or blocks:
 text, tool_use, tool_result (its text after "Error: " where `is_error`), an earlier reply's thinking) become chat
-messages under the model's template; `max_tokens` (required, as Anthropic), `temperature`, `top_p`, `top_k` and `stop_sequences` are the sampling;
+messages under the model's template; `max_tokens` (required, as Anthropic), `temperature`, `top_p`, `top_k` and
+`stop_sequences` are the sampling;
 `tools` ({name, description, input_schema}) and `tool_choice` ({"type": "auto" | "any" | "tool" | "none"}) are
 chat's tools and tool_choice ("auto", "required", a named function, "none"; server/tools.py, tool_syntax.py);
 `thinking` ({"type": "enabled", "budget_tokens"} | {"type": "adaptive"} | {"type": "disabled"}) sets the
