@@ -129,7 +129,7 @@ def test_a_forced_call_nested_past_the_recursion_limit_is_answered(server, clien
     schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}, "required": ["a"],
               "$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=520,
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=520, temperature=0,
         tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}],
         tool_choice={"type": "function", "function": {"name": "f"}}, logit_bias={str(DOUBLE_BRACKET): 100})
     choice = reply.choices[0]
