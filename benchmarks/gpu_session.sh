@@ -161,7 +161,12 @@ for stage in $STAGES; do
       # (its gguf-py) and llama.cpp built in LLAMA_BUILD (stage llama_build first: this stage waits for it); without
       # them Colibri runs alone and the records say why. The script stops starting cases 90 s before QUANT_TIMEOUT.
       echo "== quantized experts against llama.cpp"
-      if [ -n "$llama_builder" ] && ! wait $llama_builder; then tail -20 "$OUT/llama_build.log"; fi
+      if [ -n "$llama_builder" ]; then  # the files are written while llama.cpp builds, then timed after it
+        timeout "${QUANT_TIMEOUT:-570}" python3 benchmarks/quantized.py --prepare-only \
+          --gguf-py "${LLAMA_SRC:-/nonexistent}/gguf-py" ${QUANT_ARGS:-} 2>&1 | tee "$OUT/quantized_prepare.log" | tail -4
+        wait $llama_builder || tail -20 "$OUT/llama_build.log"
+        llama_builder=""
+      fi
       quant_limit=${QUANT_TIMEOUT:-570}
       bench "$quant_limit" quantized.log 40 benchmarks/quantized.py --out "$OUT/quantized_h200.json" \
         --llama-bin "${LLAMA_BUILD:-/tmp/llama-build}/bin" --gguf-py "${LLAMA_SRC:-/nonexistent}/gguf-py" \

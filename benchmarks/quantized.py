@@ -651,6 +651,37 @@ def run_shape(args, spec: str, common: dict, bandwidth: float, deadline: Deadlin
             remove(files.gguf(fmt), root)
 
 
+def prepare_shape(args, spec: str) -> None:
+    """--prepare-only: the files a later run with the same options times, written without llama.cpp's binaries (so
+    while they build): the bf16 GGUF with its bf16 folder (kept for the bf16 offload) where both fit the disk, then
+    Colibri's folder of each format where it fits after them (a quantized folder's bytes taken as those of the
+    llama.cpp GGUF of its nearest format). Nothing is timed or deleted; what did not fit is written by the later run
+    after it has freed the space."""
+    shape, layers = spec.split(":")[0], int(spec.split(":")[1])
+    root = Path(args.folder_root)
+    root.mkdir(parents=True, exist_ok=True)
+    files, config = ShapeFiles(root, shape, layers, args.llama_dense), benchmark_config(shape, layers)
+    log_disk(root, f"{shape} ({layers} layers), preparing")
+    if args.gguf_py and not files.bf16_gguf.is_file():
+        too_big = bf16_pair_refusal(files, config)
+        if too_big is None:
+            attempt("bf16 GGUF", write_bf16_gguf, args, files, shape, layers, {})
+        else:
+            log(f"no bf16 GGUF prepared: {too_big}")
+    for name in args.formats:
+        options = write_options(name, args)
+        estimate = quantized_gguf_bytes(folder_bytes(config), config, llama_format(name, args), "bf16")
+        attempt(f"{name} folder", ensure_folder_if_free, files.folder(options), estimate, shape, layers, options)
+        log_disk(root, f"{name} folder")
+
+
+def ensure_folder_if_free(path: Path, estimate: float, shape: str, layers: int, options: dict) -> None:
+    """ensure_shape_folder, refused (OSError) where `estimate` bytes and 2 GB to spare are not free."""
+    if not (path / "config.json").is_file():
+        require_free(path.parent, estimate + 2e9, f"{path.name}")
+    ensure_shape_folder(path, shape, layers, **options)
+
+
 def write(out: str, records: list[dict]) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(records, indent=1, default=str) + "\n")
@@ -729,8 +760,15 @@ def main(argv: list[str] | None = None) -> int:
                         "(mind the disk: Mixtral's take about 40 GB)")
     parser.add_argument("--time-budget", type=float, default=0.0,
                         help="seconds after which no new case starts (recorded as skipped); 0: no limit")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="write each shape's files (prepare_shape) and keep them; nothing timed, no GPU or "
+                             "llama.cpp binaries needed: run while llama.cpp builds, then the same options again")
     parser.add_argument("--out", default="benchmarks/results/quantized_h200.json")
     args = parser.parse_args(argv)
+    if args.prepare_only:
+        for spec in args.shapes:
+            attempt(f"preparing {spec}", prepare_shape, args, spec)
+        return 0
     args.llama_missing = llama_missing(args)
     if args.llama_missing:
         log(f"llama.cpp not run: {args.llama_missing}")
