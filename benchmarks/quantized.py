@@ -35,9 +35,8 @@ gpt-oss (`gpt-oss-20b`, `gpt-oss-120b`): llama.cpp always computes YaRN with tru
 the published truncate off, so the shape's model is long_context.py's `benchmark_config` (`needs_yarn_truncate`:
 truncate on; a few rotary frequencies move, not any cost) for every file of the shape: the bf16 folder, its GGUF
 and the quantized folders hold the same draws of one model (files named SHAPE-LAYERS-yarn-truncate-...; records
-carry `yarn_truncate`). Its experts (biases, clamped SwiGLU) take no GPU expert slots (loader.check_expert_slots:
-the tiers' CPU worker does not compute them), so its offload cases are one record per format with the reason
-(`skipped`), and Colibri's bf16 offload is not run. A decode-only run: `--gpu-fractions` with no value. Disk: each
+carry `yarn_truncate`). Its experts (biases, clamped SwiGLU) offload as any others: in GPU slots, the misses copied
+or computed by the tiers' CPU worker with their biases. A decode-only run: `--gpu-fractions` with no value. Disk: each
 gpt-oss-20b layer is 1.65 GB of bf16 in the folder and again in the GGUF, the embedding and lm_head 2.3 GB in each,
 so the peak (bf16 folder + bf16 GGUF) is 50.8 GB at 14 layers, 57.4 GB at 16 and 83.7 GB at 24, past the disk; the
 mxfp4 folder and the MXFP4_MOE GGUF are 9.0 GB each at 14 layers. The roofline counts every layer's KV cache at
@@ -267,16 +266,6 @@ def ensure_shape_folder(path: Path, shape: str, layers: int, **options) -> Path:
         os.sync()  # the kernel's write-back of tens of GB must not run beside the timed steps
         log(f"written in {written - begin:.0f} s, on the drive {time.perf_counter() - written:.0f} s later")
     return path
-
-
-def offload_refusal(config) -> str | None:
-    """Why no offload case can run on a model of `config` (None: they can): experts with biases or gpt-oss's
-    clamped SwiGLU run on the GPU only with every expert resident (colibri_stream.loader.check_expert_slots: the
-    tiers' CPU layer worker, which computes a step's misses, does not compute them)."""
-    if config.plain_experts():
-        return None
-    return (f"{config.architecture}'s experts (biases, clamped SwiGLU) take no GPU expert slots "
-            f"(loader.check_expert_slots): no offload case")
 
 
 def expert_matrix_bytes(config) -> int:
@@ -565,8 +554,7 @@ def bf16_reference(args, files: ShapeFiles, base: dict, shape: str, layers: int,
 def format_cases(args, files: ShapeFiles, name: str, gguf, keyed: dict, shape: str, layers: int, bandwidth: float,
                  deadline: Deadline, bf16: dict) -> list[dict]:
     """The decode and offload records of one format: its Colibri folder written if missing, its cases (offload: at
-    each of --gpu-fractions, none without them; one skipped record where the experts take no GPU slots), the folder
-    deleted after them unless --keep."""
+    each of --gpu-fractions, none without them), the folder deleted after them unless --keep."""
     options = write_options(name, args)
     path = files.folder(options)
     begin = time.perf_counter()
@@ -577,11 +565,8 @@ def format_cases(args, files: ShapeFiles, name: str, gguf, keyed: dict, shape: s
         return [dict(keyed, expert_dtype=options["expert_dtype"], colibri_error=error)]
     records, error = attempt(f"{name} decode", decode_cases, args, path, gguf, keyed, bandwidth, deadline)
     records = records or [dict(keyed, bench="decode", expert_dtype=options["expert_dtype"], error=error)]
-    refusal = offload_refusal(benchmark_config(shape, layers))
     if not args.gpu_fractions:
         offloaded = []
-    elif refusal is not None:
-        offloaded = [dict(keyed, bench="offload", expert_dtype=options["expert_dtype"], skipped=refusal)]
     else:
         offloaded, error = attempt(f"{name} offload", offload_cases, args, path, gguf, keyed, shape, layers,
                                    args.gpu_fractions, deadline)
@@ -598,7 +583,7 @@ def format_cases(args, files: ShapeFiles, name: str, gguf, keyed: dict, shape: s
 
 def run_shape(args, spec: str, common: dict, bandwidth: float, deadline: Deadline, records: list[dict]) -> None:
     """Every case of one SHAPE:LAYERS, its files made first (module docstring) and deleted after unless --keep.
-    Colibri's bf16 offload runs only where offload cases do (--gpu-fractions given, experts that take GPU slots);
+    Colibri's bf16 offload runs only where offload cases do (--gpu-fractions given);
     llama.cpp's files are not made when the bf16 folder and GGUF would not fit the disk together."""
     shape, layers = spec.split(":")[0], int(spec.split(":")[1])
     root = Path(args.folder_root)
@@ -613,8 +598,7 @@ def run_shape(args, spec: str, common: dict, bandwidth: float, deadline: Deadlin
     llama_needs_bf16 = bool(args.llama_bin) and not files.bf16_gguf.is_file() and not all(
         files.gguf(fmt).is_file() for fmt in llama_formats)
     too_big = bf16_pair_refusal(files, config) if llama_needs_bf16 else None
-    refusal = offload_refusal(config)
-    bf16_offload = args.bf16_offload and bool(args.gpu_fractions) and refusal is None
+    bf16_offload = args.bf16_offload and bool(args.gpu_fractions)
     if bf16_offload or (llama_needs_bf16 and too_big is None):
         begin = time.perf_counter()
         attempt("bf16 folder", ensure_shape_folder, files.bf16_folder, shape, layers)
@@ -623,10 +607,6 @@ def run_shape(args, spec: str, common: dict, bandwidth: float, deadline: Deadlin
     if bf16_offload:
         reference, error = attempt("bf16 offload", bf16_reference, args, files, base, shape, layers, deadline)
         records += reference or [dict(base, bench="offload", expert_dtype="bfloat16", error=error)]
-        write(args.out, records)
-    elif args.bf16_offload and args.gpu_fractions:
-        records.append(dict(base, bench="offload", expert_dtype="bfloat16", expert_format="bfloat16",
-                            skipped=refusal))
         write(args.out, records)
     bf16 = {r["batch"]: r.get("colibri_tok_s") for r in records if r.get("shape") == shape
             and r.get("expert_dtype") == "bfloat16" and r.get("gpu_fraction") == 0 and "batch" in r}

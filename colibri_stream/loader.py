@@ -51,14 +51,6 @@ def check_features(config: ModelConfig, backend: Backend | type[Backend]) -> Non
                                     f"({config.architecture}); run this model with --device cpu")
 
 
-def check_expert_slots(config: ModelConfig, backend: Backend, experts: ExpertStoreConfig) -> None:
-    """UnsupportedModelError, one line, for GPU expert slots under experts with biases or the clamped SwiGLU: the
-    tiers' CPU layer worker (experts/cpu_worker.py), which computes a step's misses, does not compute them."""
-    if backend.device == "cuda" and experts.gpu_memory_limit is not None and not config.plain_experts():
-        raise UnsupportedModelError(f"{config.architecture}'s experts with biases run on the GPU only with every "
-                                    f"expert resident: drop --gpu-memory-limit, or run with --device cpu")
-
-
 def load_model(path: str, device: str = "cpu", verify: bool = False,
                experts: ExpertStoreConfig | None = None, max_positions: int | None = None,
                matmul_precision: str = "high") -> MoETransformer:
@@ -70,6 +62,5 @@ def load_model(path: str, device: str = "cpu", verify: bool = False,
     backend = select_backend(device, experts.cpu_threads, matmul_precision)
     check_expert_format(folder.config, backend)
     check_features(folder.config, backend)
-    check_expert_slots(folder.config, backend, experts)
     store = open_expert_store(folder, experts, backend.device)
     return MoETransformer(folder.config, folder.dense, store, backend, max_positions)

@@ -1,8 +1,7 @@
 """The CPU expert worker (experts/cpu_worker.py): one compiled call per layer, handed over without the GIL.
 
 Its weighted sums match the NumPy reference for bf16, int8, float32, int4 and fp8 experts, whole and by row
-ranges; it
-raises the flag word after writing the sum; it sleeps when idle and wakes for the next job; a failing job still
+ranges, and for gpt-oss's experts (biases and the clamped SwiGLU) in bf16, int4 and mxfp4; it raises the flag word after writing the sum; it sleeps when idle and wakes for the next job; a failing job still
 ends (the flag is raised, `wait` raises).
 """
 
@@ -16,11 +15,13 @@ import numpy as np
 import pytest
 
 from colibri_stream.experts import cpu_worker
-from colibri_stream.expert_codecs import Fp8Codec, Int4Codec
+from colibri_stream.config import ClampedSwiglu
+from colibri_stream.expert_codecs import Fp8Codec, Int4Codec, Mxfp4Codec, PlainCodec, expert_bias_tensors
 from colibri_stream.experts.cpu_executor import intermediate_rows, numpy_expert
+from colibri_stream.experts.jit import activation_of
 
 pytestmark = pytest.mark.skipif(cpu_worker.numba is None, reason="numba is not installed (the `cpu` extra)")
-HIDDEN, INTER, EXPERTS, TOP_K = 48, 40, 4, 2
+HIDDEN, INTER, EXPERTS, TOP_K = 64, 96, 4, 2  # multiples of mxfp4's 32-channel blocks
 CODECS = {"int4-g32": Int4Codec(32, False), "int4-g64-zero": Int4Codec(64, True), "fp8-block": Fp8Codec("block"),
           "fp8-channel": Fp8Codec("channel")}
 
@@ -55,9 +56,10 @@ def expert_blocks(dtype: str, rng: np.random.Generator) -> tuple[np.ndarray, lis
     return blocks, views
 
 
-def codec_blocks(codec, rng: np.random.Generator) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
-    """Blocks of random experts quantized by `codec`, its tensors 256-byte aligned as in experts.bin."""
-    layout = codec.expert_tensors(HIDDEN, INTER)
+def codec_blocks(codec, rng: np.random.Generator, biased: bool = False) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
+    """Blocks of random experts quantized by `codec`, its tensors 256-byte aligned as in experts.bin; `biased`:
+    with float32 gate, up and down biases after them (gpt-oss's experts)."""
+    layout = codec.expert_tensors(HIDDEN, INTER) + (expert_bias_tensors(HIDDEN, INTER) if biased else [])
     sizes = [-(-int(np.prod(shape)) * np.dtype(stored(kind)).itemsize // 256) * 256 for _, kind, shape in layout]
     blocks = np.zeros((EXPERTS, sum(sizes)), np.uint8)
     views = []
@@ -65,6 +67,8 @@ def codec_blocks(codec, rng: np.random.Generator) -> tuple[np.ndarray, list[dict
         values = {}
         for name, shape in (("gate", (INTER, HIDDEN)), ("up", (INTER, HIDDEN)), ("down", (HIDDEN, INTER))):
             values.update(codec.quantize_matrix(name, (rng.standard_normal(shape) * 0.2).astype(np.float32)))
+        values.update({name: rng.standard_normal(shape).astype(np.float32)
+                       for name, _, shape in expert_bias_tensors(HIDDEN, INTER)})
         tensors, offset = {}, 0
         for (name, kind, shape), size in zip(layout, sizes):
             view = block[offset: offset + int(np.prod(shape)) * np.dtype(stored(kind)).itemsize]
@@ -81,13 +85,14 @@ def stored(kind: str) -> np.dtype:
     return NUMPY_DTYPES[kind]
 
 
-def reference(x, ids, weights, views, items) -> np.ndarray:
-    """sum over items (expert, rows) of the expert's part over those rows, weighted, for the tokens routed to it."""
+def reference(x, ids, weights, views, items, swiglu=None) -> np.ndarray:
+    """sum over items (expert, rows) of the expert's part over those rows, weighted, for the tokens routed to it
+    (whole experts only where `swiglu` or biases are given)."""
     out = np.zeros_like(x)
     for expert, (first, last) in items:
-        part = intermediate_rows(views[expert], first, last)
+        part = views[expert] if (first, last) == (0, INTER) else intermediate_rows(views[expert], first, last)
         tokens, which = np.nonzero(ids == expert)
-        out[tokens] += numpy_expert(x[tokens], part) * weights[tokens, which][:, None]
+        out[tokens] += numpy_expert(x[tokens], part, swiglu) * weights[tokens, which][:, None]
     return out
 
 
@@ -126,6 +131,35 @@ def test_a_layer_job_matches_the_numpy_reference_and_raises_the_flag(dtype, toke
         assert_sums_match(out, want)
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("codec", [PlainCodec("bfloat16"), Int4Codec(32, False), Mxfp4Codec()],
+                         ids=["bf16", "int4", "mxfp4"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_biased_experts_with_the_clamped_swiglu_match_the_reference(codec, tokens):
+    """gpt-oss's experts: the gate and up biases before the clamped SwiGLU, the down bias added once per expert; a
+    limit low enough that the clamps bite. The same blocks under silu (a worker without the activation) differ."""
+    rng = np.random.default_rng(10 + tokens)
+    blocks, views = codec_blocks(codec, rng, biased=True)
+    swiglu = ClampedSwiglu(limit=0.5, alpha=1.702)
+    x, ids, weights = routing(rng, tokens)
+    x *= 4.0  # products past the limit
+    items = [(e, (0, INTER)) for e in sorted(set(ids.reshape(-1).tolist()))]
+    want = reference(x, ids, weights, views, items, swiglu)
+    sums = {}
+    for name, activation in (("swiglu", activation_of(swiglu)), ("silu", activation_of(None))):
+        worker = cpu_worker.CpuLayerWorker(views[0], blocks[0], threads=2, activation=activation)
+        try:
+            out = np.full_like(x, np.nan)
+            worker.wait(worker.submit(job_items(blocks, items), ids, x, weights, out))
+            sums[name] = out
+        finally:
+            worker.close()
+    assert_sums_match(sums["swiglu"], want)
+    assert not np.allclose(sums["silu"], want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    bias_free = reference(x, ids, weights, [{k: v for k, v in view.items() if "bias" not in k} for view in views],
+                          items, swiglu)
+    assert not np.allclose(bias_free, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())  # the biases count
 
 
 def test_jobs_after_an_idle_sleep_a_grown_table_and_an_unwaited_job():

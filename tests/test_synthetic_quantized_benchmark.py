@@ -5,8 +5,7 @@ end. With COLIBRI_LLAMA_BIN (a folder of llama-quantize, llama-batched-bench and
 benchmarks/build_llama_cpp.sh's targets serves) and COLIBRI_GGUF_PY (llama.cpp's gguf-py), llama.cpp runs too.
 
 mxfp4 on a tiny gpt-oss-like shape: its folders written with YaRN's truncate on (long_context.py's
-benchmark_config, as llama.cpp computes it), offload cases skipped with their reason (its experts take no GPU
-slots), llama-quantize asked for MXFP4_MOE with the bf16 overrides (a stand-in llama-quantize that copies its input,
+benchmark_config, as llama.cpp computes it), offload cases (and the bf16 offload) as any shape's, llama-quantize asked for MXFP4_MOE with the bf16 overrides (a stand-in llama-quantize that copies its input,
 when COLIBRI_GGUF_PY writes the bf16 GGUF), and decode-only runs (--gpu-fractions without values)."""
 
 from __future__ import annotations
@@ -174,26 +173,28 @@ def run_gpt_oss(quantized, tmp_path, *extra) -> list[dict]:
 
 
 def test_mxfp4_of_a_gpt_oss_shape(quantized, tmp_path):
-    """gpt-oss with mxfp4 experts: decode records against MXFP4_MOE, the offload cases (and Colibri's bf16 offload)
-    recorded as skipped with their reason, the kept folder a model load_model opens on the CPU, with mxfp4 experts
-    and YaRN's truncate on (the model llama.cpp computes), named for it."""
-    records = run_gpt_oss(quantized, tmp_path, "--keep")
-    assert [(r["bench"], r["expert_dtype"], r.get("batch")) for r in records] == [
-        ("offload", "bfloat16", None), ("decode", "mxfp4", 1), ("decode", "mxfp4", 4), ("offload", "mxfp4", None)]
+    """gpt-oss with mxfp4 experts: decode records against MXFP4_MOE, the offload cases and Colibri's bf16 offload
+    as for any shape (its biased experts take GPU slots, their misses computed by the CPU worker), the kept folder a
+    model load_model opens on the CPU, with mxfp4 experts and YaRN's truncate on (the model llama.cpp computes),
+    named for it."""
+    records = run_gpt_oss(quantized, tmp_path, "--keep", "--prefill", "16", "--steps", "2")
+    assert [(r["bench"], r["expert_dtype"], r.get("gpu_fraction"), r.get("batch")) for r in records] == [
+        ("offload", "bfloat16", 0.0, 1), ("offload", "bfloat16", 0.0, "prefill"),
+        ("decode", "mxfp4", None, 1), ("decode", "mxfp4", None, 4),
+        ("offload", "mxfp4", 0.0, 1), ("offload", "mxfp4", 0.0, "prefill"),
+        ("offload", "mxfp4", 0.5, 1), ("offload", "mxfp4", 0.5, "prefill")]
     for r in records:
         assert r["shape"] == "tiny-gpt-oss" and r["yarn_truncate"] is True
-    assert [r["llama_format"] for r in records[1:]] == ["MXFP4_MOE"] * 3
-    assert all("no --llama-bin" in r["llama_error"] for r in records[1:3])
-    for r in (records[0], records[3]):
-        assert "check_expert_slots" in r["skipped"] and r.get("colibri_tok_s") is None
-    decode = records[1]
+        assert r["colibri_error"] and r["colibri_tok_s"] is None and not r.get("skipped")
+    assert [r["llama_format"] for r in records[2:]] == ["MXFP4_MOE"] * 6
+    assert all("no --llama-bin" in r["llama_error"] for r in records[2:])
+    decode = records[2]
     assert decode["expert_format"].startswith("mxfp4")
     assert decode["colibri_error"] == "RuntimeError: no GPU in this test"
     # codes (two a byte) and an exponent byte per 32 input channels of gate, up and down, and the float32 biases
     h, i = TINY_GPT_OSS["hidden_size"], TINY_GPT_OSS["moe_intermediate_size"]
     assert decode["expert_bytes"] == 3 * h * i // 2 + 3 * h * i // 32 + 4 * (2 * i + h)
-    assert "skipped: gpt_oss's experts" in quantized.table(records)
-    # only the mxfp4 folder was written: the bf16 one serves the bf16 offload and llama.cpp, neither of which ran
+    # only the mxfp4 folder is kept: the bf16 one (the bf16 offload's, and llama.cpp's source) never is
     kept = tmp_path / "files" / "tiny-gpt-oss-2-yarn-truncate-mxfp4"
     assert [path.name for path in (tmp_path / "files").iterdir()] == [kept.name]
     model = load_model(str(kept), device="cpu")

@@ -20,6 +20,7 @@ from ..checkpoint import ExpertFile
 from .block_sources import BlockSource
 from .cpu_executor import CpuExpertExecutor
 from .cpu_worker import CpuLayerWorker
+from .jit import activation_of
 from .handoff import HostFlag
 from .pinned import pinned_empty
 from .step_plan import CpuJob, LayerPlan
@@ -34,6 +35,7 @@ class CpuDispatch:
     def __init__(self, expert_file: ExpertFile, source: BlockSource, executor: CpuExpertExecutor, stream,
                  layout_layer: int):
         self.file, self.source, self.executor = expert_file, source, executor
+        self.swiglu = expert_file.config.clamped_swiglu()  # the experts' activation when not silu(gate) * up
         self.flag = HostFlag.create(stream)
         self.worker = self._make_worker(layout_layer)  # the CPU's part in one compiled call a layer, where it serves
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="colibri-cpu-experts")  # runs the executor
@@ -51,7 +53,7 @@ class CpuDispatch:
             return None
         logger.info("CPU experts: one compiled call per layer on %d threads (CpuLayerWorker)",
                     self.executor.num_threads)
-        return CpuLayerWorker(tensors, block, self.executor.num_threads)
+        return CpuLayerWorker(tensors, block, self.executor.num_threads, activation_of(self.swiglu))
 
     def start(self, plan: LayerPlan) -> CpuJob | None:
         """Hand the plan's CPU work over (None: it has none), so it is computed while the step thread queues the
@@ -125,7 +127,7 @@ class CpuDispatch:
                 try:
                     tensors, rows_x = self.file.unpack(block), x[tokens]
                     entered.set()
-                    y = self.executor.run(rows_x, tensors, rows)  # [n, H]
+                    y = self.executor.run(rows_x, tensors, rows, self.swiglu)  # [n, H]
                 finally:
                     release(None)
                 out[tokens] += y * weights[tokens, which][:, None]  # a token routes to an expert at most once

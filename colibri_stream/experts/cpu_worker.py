@@ -5,8 +5,9 @@ Through a Python thread pool that hand-off would wake a thread and pass it the G
 executor's kernel, every layer (benchmarks/offload_timeline.py times both). Here the thread waits inside a compiled
 loop that holds no GIL: it spins on a doorbell word, reads the job from a table of
 int64 words (the addresses of the layer's tokens, routing, output and of each expert's pinned block, and the row
-range the CPU computes), runs the executor's kernel (cpu_executor.expert_kernel) for each expert over the tokens
-routed to it, adds the result times the routing weight into the output, then raises the CUDA stream's flag
+range the CPU computes), runs the executor's kernel (cpu_executor.expert_kernel, or cpu_grouped's for the formats
+with group scales) for each expert over the tokens routed to it, with the experts' biases and gated activation
+where they have them (gpt-oss), adds the result times the routing weight into the output, then raises the CUDA stream's flag
 (handoff.HostFlag) and the done word, waking the thread that waits for it (a futex on Linux). After SPIN_SECONDS
 with no job it leaves the loop and sleeps on a threading.Event, so an idle server does not keep a core busy.
 
@@ -27,7 +28,7 @@ import numpy as np
 
 from ..expert_codecs import EXPERT_BIASES, WEIGHT_TENSORS, codec_of
 from .cpu_executor import KERNEL_DTYPES, CpuExpertExecutor, expert_bytes, expert_kernel, numba
-from .cpu_grouped import grouped_expert_kernel, kernel_arguments
+from .cpu_grouped import MXFP4, grouped_expert_kernel, kernel_arguments
 from .jit import SILU
 
 SPIN_SECONDS = 0.005  # the worker spins this long after a job before it sleeps (a decode step's layers are closer)
@@ -41,6 +42,7 @@ HEADER = 9  # job words: tokens, top_k, x, ids, weights, out addresses, flag add
 ITEM = 4  # words per expert: block address, first row, last row, expert id
 # A block's tensors in the layout table: per name its offset in the block (-1: absent) and two dimensions
 LAYOUT_WORDS = 3 * len(WEIGHT_TENSORS)  # then I, H, and the grouped kernel's rows and columns per scale of each matrix
+BIAS_WORDS = LAYOUT_WORDS + 8  # then the offsets of gate_bias, up_bias, down_bias (-1: the experts have none)
 # control words: the latest ticket handed over, the latest finished, stop, the job table's address, the latest
 # job's start and end (CLOCK_MONOTONIC ns)
 DOORBELL, DONE, STOP, JOBS, START_NS, END_NS = range(6)
@@ -150,6 +152,25 @@ if numba is not None:
             else:
                 _usleep(WAIT_SLEEP_US)
 
+    @numba.njit(nogil=True)
+    def _biases(block, layout, inter):
+        """The block's gate and up biases ([I] float32 each), or empty arrays for experts without them."""
+        if layout[BIAS_WORDS] < 0:
+            return np.empty(0, np.float32), np.empty(0, np.float32)
+        return (numba.carray(_pointer(block + layout[BIAS_WORDS]), (inter,), np.float32),
+                numba.carray(_pointer(block + layout[BIAS_WORDS + 1]), (inter,), np.float32))
+
+    @numba.njit(nogil=True)
+    def _add_down_bias(block, layout, first, y):
+        """y [n, H] += the block's down bias where the experts have one and this part holds intermediate row 0 (the
+        part that adds it once: experts with biases are never cut, so it is the whole expert)."""
+        if layout[BIAS_WORDS + 2] < 0 or first != 0:
+            return
+        down_bias = numba.carray(_pointer(block + layout[BIAS_WORDS + 2]), (y.shape[1],), np.float32)  # [H]
+        for r in range(y.shape[0]):
+            for c in range(y.shape[1]):
+                y[r, c] += down_bias[c]
+
 
 _servers: dict = {}
 
@@ -158,7 +179,7 @@ def _plain_compute(dtype: np.dtype, scaled: bool):
     """The worker's call of cpu_executor.expert_kernel on one block of `dtype` weights (with int8's row scales
     when `scaled`)."""
     @numba.njit(nogil=True)
-    def compute(block, layout, rows, first, last, h, y, threads):
+    def compute(block, layout, activation, rows, first, last, h, y, threads):
         gate = numba.carray(_pointer(block + layout[0]), (layout[1], layout[2]), dtype)  # [I, H]
         up = numba.carray(_pointer(block + layout[3]), (layout[4], layout[5]), dtype)  # [I, H]
         down = numba.carray(_pointer(block + layout[6]), (layout[7], layout[8]), dtype)  # [H, I]
@@ -168,35 +189,39 @@ def _plain_compute(dtype: np.dtype, scaled: bool):
             down_scale = numba.carray(_pointer(block + layout[15]), (layout[16],), np.float32)  # [H]
         else:
             gate_scale = up_scale = down_scale = np.empty(0, np.float32)
-        no_bias = np.empty(0, np.float32)
-        expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, no_bias, no_bias, SILU, rows, first, last, h, y,
-                      threads)
+        gate_bias, up_bias = _biases(block, layout, layout[1])
+        expert_kernel(gate, up, down, gate_scale, up_scale, down_scale, gate_bias, up_bias, activation, rows, first,
+                      last, h, y, threads)
+        _add_down_bias(block, layout, first, y)
 
     return compute
 
 
 def _grouped_compute(kind: int, zeroed: bool):
-    """The worker's call of cpu_grouped.grouped_expert_kernel on one int4 or fp8 block (`kind`; with zero points
-    when `zeroed`)."""
+    """The worker's call of cpu_grouped.grouped_expert_kernel on one int4, fp8 or mxfp4 block (`kind`; with zero
+    points when `zeroed`). Scales are float32, mxfp4's e8m0 exponent bytes."""
+    scale_dtype = np.uint8 if kind == MXFP4 else np.float32
+
     @numba.njit(nogil=True)
-    def compute(block, layout, rows, first, last, h, y, threads):
+    def compute(block, layout, activation, rows, first, last, h, y, threads):
         at = LAYOUT_WORDS + 2
         gate = numba.carray(_pointer(block + layout[0]), (layout[1], layout[2]), np.uint8)  # [I, bytes per row]
         up = numba.carray(_pointer(block + layout[3]), (layout[4], layout[5]), np.uint8)  # [I, bytes per row]
         down = numba.carray(_pointer(block + layout[6]), (layout[7], layout[8]), np.uint8)  # [H, bytes per row]
-        gate_scale = numba.carray(_pointer(block + layout[9]), (layout[10], layout[11]), np.float32)
-        up_scale = numba.carray(_pointer(block + layout[12]), (layout[13], layout[14]), np.float32)
-        down_scale = numba.carray(_pointer(block + layout[15]), (layout[16], layout[17]), np.float32)
+        gate_scale = numba.carray(_pointer(block + layout[9]), (layout[10], layout[11]), scale_dtype)
+        up_scale = numba.carray(_pointer(block + layout[12]), (layout[13], layout[14]), scale_dtype)
+        down_scale = numba.carray(_pointer(block + layout[15]), (layout[16], layout[17]), scale_dtype)
         if zeroed:
             gate_zero = numba.carray(_pointer(block + layout[18]), (layout[19], layout[20]), np.uint8)
             up_zero = numba.carray(_pointer(block + layout[21]), (layout[22], layout[23]), np.uint8)
             down_zero = numba.carray(_pointer(block + layout[24]), (layout[25], layout[26]), np.uint8)
         else:
             gate_zero = up_zero = down_zero = np.zeros((0, 0), np.uint8)
-        no_bias = np.empty(0, np.float32)
+        gate_bias, up_bias = _biases(block, layout, layout[LAYOUT_WORDS])
         grouped_expert_kernel(kind, gate, gate_scale, gate_zero, layout[at], layout[at + 1], up, up_scale, up_zero,
                               layout[at + 2], layout[at + 3], down, down_scale, down_zero, layout[at + 4],
-                              layout[at + 5], no_bias, no_bias, SILU, rows, first, last, h, y, threads)
+                              layout[at + 5], gate_bias, up_bias, activation, rows, first, last, h, y, threads)
+        _add_down_bias(block, layout, first, y)
 
     return compute
 
@@ -209,9 +234,11 @@ def _server(key: tuple, make_compute):
     compute = make_compute()
 
     @numba.njit(nogil=True)
-    def serve(control: int, layout: np.ndarray, spin_ns: int, threads: int) -> None:
-        """Run jobs until STOP is set or no job came for spin_ns. layout: see LAYOUT_WORDS."""
+    def serve(control: int, layout: np.ndarray, gating: np.ndarray, spin_ns: int, threads: int) -> None:
+        """Run jobs until STOP is set or no job came for spin_ns. layout: see LAYOUT_WORDS; gating [3] float32: the
+        experts' activation (jit.SILU's form: limit, alpha, up_shift)."""
         hidden = layout[LAYOUT_WORDS + 1]
+        activation = (gating[0], gating[1], gating[2])
         numba.set_num_threads(threads)
         idle_since = _now_ns()
         while True:
@@ -247,7 +274,7 @@ def _server(key: tuple, make_compute):
                     rows[r] = x[routed[r]]
                 h = np.empty((n, last - first), np.float32)  # [n, last - first]
                 y = np.empty((n, hidden), np.float32)  # [n, H]
-                compute(block, layout, rows, first, last, h, y, threads)
+                compute(block, layout, activation, rows, first, last, h, y, threads)
                 for r in range(n):
                     for c in range(hidden):
                         out[routed[r], c] += y[r, c] * scale[r]
@@ -266,8 +293,8 @@ class _Shared:
     """What a CpuLayerWorker and its thread share: the thread holds this, not the worker, so a worker nobody uses
     any more is collected and its finalizer stops the thread."""
 
-    def __init__(self, serve, layout: np.ndarray, threads: int):
-        self.serve, self.layout, self.threads = serve, layout, threads
+    def __init__(self, serve, layout: np.ndarray, gating: np.ndarray, threads: int):
+        self.serve, self.layout, self.gating, self.threads = serve, layout, gating, threads
         self.control = np.zeros(8, np.int64)
         self.jobs = np.zeros(HEADER, np.int64)  # the latest job table (grown as needed)
         self.error: Exception | None = None
@@ -291,7 +318,7 @@ def _run(shared: _Shared) -> None:
         shared.serving = True
         shared.entered.set()
         try:
-            shared.serve(control.ctypes.data, shared.layout, spin_ns, shared.threads)
+            shared.serve(control.ctypes.data, shared.layout, shared.gating, spin_ns, shared.threads)
         except Exception as error:  # the job ends anyway: nobody may wait for it forever
             shared.error = error
             jobs = shared.jobs
@@ -307,18 +334,17 @@ class CpuLayerWorker:
     """One host thread computing a layer's CPU experts per `submit`, in one compiled call; see the module docstring.
 
     tensors: one expert's tensors as `ExpertFile.unpack` gives them from `block` (their offsets in a block and
-    shapes are the same for every block). threads: the kernel's threads. `expert_bytes`: the weight bytes of one
+    shapes are the same for every block; biases where the experts have them). threads: the kernel's threads.
+    activation: the experts' gated activation (jit.SILU, or jit.activation_of a clamped SwiGLU). `expert_bytes`: the weight bytes of one
     expert. `wait` returns a job's seconds; counting them is the caller's. The thread stops with `close` or when
     the worker is collected.
     """
 
-    def __init__(self, tensors: dict[str, np.ndarray], block: np.ndarray, threads: int):
+    def __init__(self, tensors: dict[str, np.ndarray], block: np.ndarray, threads: int, activation: tuple = SILU):
         codec = codec_of(tensors)
         if numba is None or codec.cpu_kernel is None or (codec.cpu_kernel == "plain"
                                                          and tensors["gate"].dtype not in KERNEL_DTYPES):
             raise ValueError("the CPU expert kernel does not serve these experts (numba is missing or their format)")
-        if any(name in tensors for name in EXPERT_BIASES):
-            raise ValueError("the CPU layer worker does not compute experts with biases")
         inter, hidden = tensors["gate"].shape[0], tensors["down"].shape[0]
         if codec.cpu_kernel == "grouped":
             arguments = kernel_arguments(codec, tensors)  # kind, then (bytes, scale, zero, rows, cols) per matrix
@@ -337,14 +363,16 @@ class CpuLayerWorker:
             array = arrays.get(name)
             present = array is not None and array.size > 0
             layout += [array.ctypes.data - base, *array.shape, *([0] * (2 - array.ndim))] if present else [-1, 0, 0]
+        biases = [tensors[name].ctypes.data - base if name in tensors else -1 for name in EXPERT_BIASES]
         self.threads = threads
         # How long `wait` spins before it sleeps (0: WAIT_SPINS checks): through a whole job where its threads leave
         # the waiter a core, as `threads_beside_gpu` does: a spinning waiter sees the job's end sooner than one woken
         # by the futex (benchmarks/offload_timeline.py --waiters spin sleep).
         self.wait_spin_seconds = WAIT_SPIN_SECONDS if threads < numba.config.NUMBA_NUM_THREADS else 0.0
         self.expert_bytes = expert_bytes(tensors, 0, inter)
-        self._shared = _Shared(_server(key, make_compute), np.array([*layout, inter, hidden, *per_scale], np.int64),
-                               threads)
+        self._shared = _Shared(_server(key, make_compute),
+                               np.array([*layout, inter, hidden, *per_scale, *biases], np.int64),
+                               np.array(activation, np.float32), threads)
         self._ticket = 0
         self._held: tuple = ()  # what the job not yet waited for reads: kept alive until `wait`
         self._thread = threading.Thread(target=_run, args=(self._shared,), name="colibri-cpu-experts", daemon=True)
@@ -356,9 +384,9 @@ class CpuLayerWorker:
     @staticmethod
     def serves(executor: CpuExpertExecutor | None, tensors: dict[str, np.ndarray]) -> bool:
         """Whether a worker over `executor`'s kernel computes experts like `tensors`: the kernel is there (numba),
-        takes their dtype, the executor would use it for their size (min_kernel_bytes), and they have no biases."""
-        return (executor is not None and not any(name in tensors for name in EXPERT_BIASES)
-                and executor.computes(codec_of(tensors), tensors["gate"].dtype, sum(t.nbytes for t in tensors.values())))
+        takes their dtype, and the executor would use it for their size (min_kernel_bytes)."""
+        return executor is not None and executor.computes(codec_of(tensors), tensors["gate"].dtype,
+                                                          sum(t.nbytes for t in tensors.values()))
 
     def submit(self, items: list[tuple[int, int, int, int]], ids: np.ndarray, x: np.ndarray, weights: np.ndarray,
                out: np.ndarray, flag_address: int = 0, flag_value: int = 0) -> int:

@@ -95,7 +95,8 @@ class GpuTieredStore(DeviceExperts):
         self.num_experts = config.num_experts
         self.block_size = expert_file.block_size
         self._params = 3 * config.hidden_size * config.moe_intermediate_size
-        self._sliceable = expert_codec(config).sliceable  # whether a miss may be cut by rows (_place_misses)
+        # whether a miss may be cut by rows (_place_misses): not where each part would need the down bias once
+        self._sliceable = expert_codec(config).sliceable and config.plain_experts()
         self._layer_ids = list(config.moe_layers)
         self._rank = {layer: rank for rank, layer in enumerate(self._layer_ids)}
         counts = [slots] * len(self._layer_ids) if isinstance(slots, int) else list(slots)
