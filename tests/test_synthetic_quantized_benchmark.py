@@ -148,6 +148,25 @@ def test_kept_files_are_reused(quantized, tmp_path):
     assert "colibri_folder_s" in records[0]["preparation"] and "bf16_folder_s" not in records[0]["preparation"]
 
 
+def test_prepared_files_are_what_the_timed_run_uses(quantized, tmp_path):
+    """--prepare-only (while llama.cpp builds): each format's Colibri folder written and kept, nothing timed, no
+    record; with COLIBRI_GGUF_PY the bf16 GGUF and its bf16 folder too. The run after it reuses them and deletes
+    them at its end."""
+    root = tmp_path / "files"
+    gguf_py = ["--gguf-py", GGUF_PY] if GGUF_PY and (Path(GGUF_PY) / "gguf").is_dir() else []
+    assert quantized.main(["--prepare-only", "--shapes", "tiny-mixtral:2", "--formats", "int4", "fp8",
+                           "--folder-root", str(root), "--out", str(tmp_path / "none.json"), *gguf_py]) == 0
+    assert not (tmp_path / "none.json").exists()
+    prepared = {path.name: path.stat().st_mtime_ns for path in root.iterdir()}
+    bf16 = {"tiny-mixtral-2-bf16", "tiny-mixtral-2-bf16.gguf"} if gguf_py else set()
+    assert set(prepared) == {"tiny-mixtral-2-int4-g128", "tiny-mixtral-2-fp8"} | bf16
+    records = run(quantized, tmp_path, "--keep", "--no-bf16-offload", "--gpu-fractions")
+    kept = {path.name: path.stat().st_mtime_ns for path in root.iterdir()}
+    # the Colibri folders untouched; the bf16 GGUF, which no llama.cpp run asked for here, left as it was
+    assert kept == {name: prepared[name] for name in prepared if name != "tiny-mixtral-2-bf16"}
+    assert [(r["bench"], r["expert_dtype"]) for r in records] == [("decode", "int4")] * 2 + [("decode", "fp8")] * 2
+
+
 def test_decode_only_runs_no_offload_case(quantized, tmp_path, monkeypatch):
     """--gpu-fractions without values: decode records only, no expert pinned, no bf16 folder written (neither the
     bf16 offload, which has no case to be the reference of, nor llama.cpp needs it); --no-bf16-offload beside it
