@@ -14,6 +14,10 @@ sliding window and its per-layer pattern, and a placeholder SentencePiece vocabu
 benchmarks read no text). A model option the architecture would not compute as Colibri does is refused
 (`unwritable`): gpt-oss's published YaRN (`truncate: false`) among them, since llama.cpp always rounds YaRN's
 correction range to whole dimensions. `matrices="f32"` widens the bf16 matrices to float32 (the same values).
+Experts are read as the folder stores them: bf16 ones as the other matrices; mxfp4 ones (gpt-oss as it ships) as
+GGML's MXFP4, the same e2m1 codes and e8m0 exponents (OCP Microscaling) regrouped into ggml's 17-byte blocks
+(`_ggml_mxfp4`), so llama.cpp computes the very weights Colibri does with no bf16 copy and no llama-quantize; other
+expert formats are refused.
 `gguf_py` is the gguf-py folder of the llama.cpp source tree (the `gguf` package that writes the format;
 `require_gguf_py` stops a script that has none).
 benchmarks/llama_cpp_parity.py checks on the CPU that llama.cpp computes from these files what Colibri computes.
@@ -24,6 +28,7 @@ is complete.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from pathlib import Path
@@ -41,6 +46,18 @@ def _rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     rows, cols = weight.shape  # [heads * d, H], and so is the result
     d = rows // heads
     return weight.reshape(heads, 2, d // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _ggml_mxfp4(codes: np.ndarray, exponents: np.ndarray) -> np.ndarray:
+    """A Colibri mxfp4 matrix as GGML MXFP4 rows: codes [out, in / 32, 16] uint8 (two e2m1 codes a byte, the even
+    column in the low nibble) and exponents [out, in / 32] uint8 e8m0 -> [out, in / 32 * 17] uint8, each block its
+    exponent byte and then 16 bytes whose low nibbles hold columns 0..15 and high nibbles 16..31 (block_mxfp4)."""
+    from colibri_stream.expert_codecs import pack_nibbles, unpack_nibbles
+
+    columns = unpack_nibbles(codes)  # [out, in / 32, 32] codes in column order
+    halves = np.stack([columns[..., :16], columns[..., 16:]], axis=-1)  # [out, in / 32, 16, 2]: (j, j + 16)
+    blocks = np.concatenate([exponents[..., None], pack_nibbles(halves.reshape(*codes.shape[:2], 32))], axis=-1)
+    return np.ascontiguousarray(blocks.reshape(codes.shape[0], -1))
 
 
 def _placeholder_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
@@ -131,7 +148,8 @@ def unwritable(config, arch: GgufArchitecture) -> list[str]:
         "interleaved or scaled rope": not arch.yarn and (config.rope_interleave or config.rope.type != "default"),
         "a router bias, expert biases or a clamped SwiGLU": not arch.swiglu_oai and (
             config.router_bias or config.expert_bias or config.swiglu_limit is not None),
-        "weights other than bf16": config.expert_dtype != "bfloat16" or config.dtype != "bfloat16",
+        "weights other than bf16, or experts other than bf16 or mxfp4": config.dtype != "bfloat16"
+            or config.expert_dtype not in ("bfloat16", "mxfp4"),
     }
     if arch.yarn:
         checks.update(_rope_unwritable(config, arch))
@@ -305,10 +323,11 @@ def _expert_bias_tensors(folder, config, layer: int, p: str, b: str) -> dict[str
 def _tensor_plan(folder, config, arch: GgufArchitecture, gguf,
                  matrices: str) -> dict[str, tuple[tuple[int, ...], object, object]]:
     """name -> (numpy shape, GGML type, function making the array) of every tensor of the GGUF file, in file order:
-    matrices bf16 (as their uint16 bits) or, with `matrices` "f32", widened to float32; norms, biases, sinks and
-    the router float32."""
+    matrices bf16 (as their uint16 bits) or, with `matrices` "f32", widened to float32; mxfp4 experts as GGML
+    MXFP4 (their bytes: shape [E, rows, blocks * 17]); norms, biases, sinks and the router float32."""
     f32 = gguf.GGMLQuantizationType.F32
     matrix_type = f32 if matrices == "f32" else gguf.GGMLQuantizationType.BF16
+    mxfp4 = config.expert_dtype == "mxfp4"
     dense = folder.dense
 
     def float32(array: np.ndarray) -> np.ndarray:
@@ -320,8 +339,11 @@ def _tensor_plan(folder, config, arch: GgufArchitecture, gguf,
     def rotary(array: np.ndarray, heads: int) -> np.ndarray:
         return matrix(_rotary_rows(array, heads) if arch.interleaved_rotary else array)
 
-    def experts(layer: int, part: str) -> np.ndarray:  # [E, rows, cols], one part of every expert
-        return np.stack([matrix(folder.experts.tensors(layer, e)[part]) for e in range(config.num_experts)])
+    def experts(layer: int, part: str) -> np.ndarray:  # [E, rows, cols] (mxfp4: [E, rows, blocks * 17] bytes)
+        blocks = [folder.experts.tensors(layer, e) for e in range(config.num_experts)]
+        if mxfp4:
+            return np.stack([_ggml_mxfp4(block[part], block[part + "_scale"]) for block in blocks])
+        return np.stack([matrix(block[part]) for block in blocks])
 
     def correction_bias(p: str) -> np.ndarray:  # llama.cpp needs one: zeros choose by score, as Colibri without one
         if config.score_correction_bias:
@@ -381,7 +403,12 @@ def _tensor_plan(folder, config, arch: GgufArchitecture, gguf,
         if arch.scoring == "sigmoid":
             add_float32(b + "exp_probs_b.bias", (e,), lambda p=p: correction_bias(p))
         for part, shape in (("gate", (e, i, h)), ("up", (e, i, h)), ("down", (e, h, i))):
-            add_matrix(b + f"ffn_{part}_exps.weight", shape, lambda layer=layer, part=part: experts(layer, part))
+            make = functools.partial(experts, layer, part)
+            if mxfp4:
+                plan[b + f"ffn_{part}_exps.weight"] = ((*shape[:2], shape[2] // 32 * 17),
+                                                       gguf.GGMLQuantizationType.MXFP4, make)
+            else:
+                add_matrix(b + f"ffn_{part}_exps.weight", shape, make)
         for name, (shape, make) in (_expert_bias_tensors(folder, config, layer, p, b) if arch.swiglu_oai
                                     else {}).items():
             add_float32(name, shape, make)
@@ -513,10 +540,11 @@ def write_gguf(folder_path: str | Path, gguf_path: str | Path, gguf_py: str | Pa
     gguf_path = Path(gguf_path)
     writer = gguf.GGUFWriter(str(partial_path(gguf_path)), arch.name)
     _write_metadata(writer, config, arch, f"colibri {Path(folder_path).name}", gguf, matrices)
+    stored = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.BF16: np.uint16,
+              gguf.GGMLQuantizationType.MXFP4: np.uint8}  # each type's array dtype (MXFP4: its bytes)
     for name, (shape, kind, _) in plan.items():
-        f32 = kind == gguf.GGMLQuantizationType.F32
-        writer.add_tensor_info(name, shape, np.dtype(np.float32 if f32 else np.uint16),
-                               int(np.prod(shape)) * (4 if f32 else 2), raw_dtype=kind)
+        dtype = np.dtype(stored[kind])
+        writer.add_tensor_info(name, shape, dtype, int(np.prod(shape)) * dtype.itemsize, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()

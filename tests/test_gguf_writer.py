@@ -441,3 +441,34 @@ def test_gpt_oss_moe_as_llama_cpp_computes_it_from_the_planned_tensors(benchmark
     model = load_model(str(tmp_path / "gpt-oss"), device="cpu")
     ours = np.asarray(model._mlp(layer, model.layers[layer], x))
     assert np.allclose(ours, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+@needs_gguf_py
+def test_mxfp4_experts_are_written_as_ggml_mxfp4_with_the_same_values(tmp_path):
+    """A gpt-oss folder with mxfp4 experts: its expert stacks are GGML MXFP4 (17 bytes a block of 32), which gguf-py's
+    own dequantizer reads back as exactly the values Colibri's codec decodes from the folder; the other matrices
+    bf16. A folder of another quantized expert format is refused."""
+    from colibri_stream.expert_codecs import dequantize_expert
+
+    with imported_benchmarks("gguf_writer") as (writer,):
+        config = dataclasses.replace(shape_config("gpt-oss-20b", 2), vocab_size=512, hidden_size=64, num_heads=4,
+                                     num_kv_heads=2, head_dim=16, num_experts=4, top_k=2, moe_intermediate_size=96)
+        config = dataclasses.replace(config, rope=dataclasses.replace(config.rope, truncate=True))  # llama.cpp's YaRN
+        write_synthetic_folder(tmp_path / "mxfp4", config, expert_dtype="mxfp4")
+        path = writer.write_gguf(tmp_path / "mxfp4", tmp_path / "mxfp4.gguf", GGUF_PY)
+        import gguf  # on the path write_gguf put it on
+        from gguf.quants import dequantize
+
+        reader = gguf.GGUFReader(str(path))
+        folder = ModelFolder(tmp_path / "mxfp4")
+        for part, (rows, cols) in (("gate", (96, 64)), ("down", (64, 96))):
+            tensor = next(t for t in reader.tensors if t.name == f"blk.1.ffn_{part}_exps.weight")
+            assert tensor.tensor_type == gguf.GGMLQuantizationType.MXFP4
+            values = dequantize(np.asarray(tensor.data), gguf.GGMLQuantizationType.MXFP4).reshape(4, rows, cols)
+            for expert in range(4):
+                want = dequantize_expert(folder.experts.tensors(1, expert))[part]
+                assert np.abs(want).max() > 0 and np.array_equal(values[expert], want)
+        assert tensors(reader)["blk.1.attn_q.weight"][1] == "BF16"
+        write_synthetic_folder(tmp_path / "int4", config, expert_dtype="int4", group_size=32)
+        with pytest.raises(ValueError, match="experts other than bf16 or mxfp4"):
+            writer.write_gguf(tmp_path / "int4", tmp_path / "int4.gguf", GGUF_PY)
