@@ -6,8 +6,8 @@ time (the 64 GB disk holds about one bf16 model folder and its GGUF copy), files
   1. the bf16 model folder (write_synthetic_folder of `ensure_shape_folder`'s model), on which Colibri's own bf16
      offload at 0 % runs first, batch 1 and prefill (the reference of the quantized offload; `--no-bf16-offload`
      skips it, and it runs only where offload cases do);
-  2. its bf16 GGUF (gguf_writer.write_gguf); the bf16 folder is deleted, then llama-quantize writes one GGUF per
-     llama format (int4: Q4_0, or `--llama-int4 Q4_K_M`; fp8 and int8: Q8_0; mxfp4: MXFP4_MOE) with every tensor
+  2. its bf16 GGUF (gguf_writer.write_gguf; not for mxfp4, below); the bf16 folder is deleted, then llama-quantize
+     writes one GGUF per llama format (int4: Q4_0, or `--llama-int4 Q4_K_M`; fp8 and int8: Q8_0; mxfp4: MXFP4_MOE) with every tensor
      but the routed experts kept in bf16, as a Colibri folder keeps them (`--llama-dense quantized`:
      llama-quantize's own choice for them), and the bf16 GGUF is deleted. Before the bf16 folder is written for
      it, the folder and GGUF are predicted (long_context.py's folder_bytes, gguf_bytes): where both would not fit
@@ -19,30 +19,27 @@ time (the 64 GB disk holds about one bf16 model folder and its GGUF copy), files
 Files already there are reused (a folder with its config.json, a GGUF file: each written whole or not at all);
 without `--keep` a shape's files are deleted after its cases. Disk use is logged after every file.
 
-mxfp4 against MXFP4_MOE: llama.cpp's MXFP4 is the same format (OCP Microscaling: 32 e2m1 values and one e8m0
-exponent, 17 bytes a block, 4.25 bits a weight), each engine quantizing the same bf16 draws with its own rounding
-(Colibri: expert_codecs.py; llama-quantize: ggml's MXFP4 quantizer). llama-quantize's MXFP4_MOE ftype makes the
-expert stacks (3-D tensors) MXFP4 and every other quantizable tensor Q8_0; the `--tensor-type`,
-`--token-embedding-type` and `--output-tensor-type` options `--llama-dense bf16` passes (llama_cpp.DENSE_BF16) are
-applied before that choice (llama_tensor_get_type in src/llama-quant.cpp of llama-cpp-python 0.3.36's llama.cpp:
-an override is taken for any quantized default type, and MXFP4_MOE's is MXFP4), so they still keep attention, the
-token embedding and the output matrix in bf16, and only the experts are MXFP4, as in Colibri's mxfp4 folder. The
-router (ffn_gate_inp), norms, biases and attention sinks are never quantized (float32 as written). Checked with that
-tree's llama_model_quantize (a CPU libllama) on a tiny gpt-oss GGUF of this script: with the overrides, experts MXFP4
-and attention, embedding and output BF16; without them (`--llama-dense quantized`), those Q8_0.
+mxfp4 against MXFP4: llama.cpp's MXFP4 is the same format (OCP Microscaling: 32 e2m1 values and one e8m0
+exponent, 17 bytes a block, 4.25 bits a weight). With `--llama-dense bf16` (the default) the GGUF is written from
+Colibri's mxfp4 folder itself (`written_directly`: gguf_writer regroups the same codes and exponents into ggml's
+blocks, every other matrix bf16), so both engines compute the very same weights, and no bf16 folder, bf16 GGUF or
+llama-quantize run is needed: the disk holds the mxfp4 folder and its GGUF (about 2 x 0.45 GB a gpt-oss-20b layer,
+2 x 1.7 GB a gpt-oss-120b layer, plus 2 x 2.3 GB of embedding and lm_head). With `--llama-dense quantized`,
+llama-quantize's MXFP4_MOE of the bf16 GGUF: the expert stacks MXFP4 (ggml's own rounding of the bf16 draws) and
+every other quantizable tensor Q8_0. The router (ffn_gate_inp), norms, biases and attention sinks are float32 in
+every GGUF.
 
 gpt-oss (`gpt-oss-20b`, `gpt-oss-120b`): llama.cpp always computes YaRN with truncate on, and gguf_writer refuses
 the published truncate off, so the shape's model is long_context.py's `benchmark_config` (`needs_yarn_truncate`:
 truncate on; a few rotary frequencies move, not any cost) for every file of the shape: the bf16 folder, its GGUF
 and the quantized folders hold the same draws of one model (files named SHAPE-LAYERS-yarn-truncate-...; records
 carry `yarn_truncate`). Its experts (biases, clamped SwiGLU) offload as any others: in GPU slots, the misses copied
-or computed by the tiers' CPU worker with their biases. A decode-only run: `--gpu-fractions` with no value. Disk: each
-gpt-oss-20b layer is 1.65 GB of bf16 in the folder and again in the GGUF, the embedding and lm_head 2.3 GB in each,
-so the peak (bf16 folder + bf16 GGUF) is 50.8 GB at 14 layers, 57.4 GB at 16 and 83.7 GB at 24, past the disk; the
-mxfp4 folder and the MXFP4_MOE GGUF are 9.0 GB each at 14 layers. The roofline counts every layer's KV cache at
-the whole context (its sliding-window layers read at most 128 tokens: a little less than counted).
+or computed by the tiers' CPU worker with their biases. A decode-only run: `--gpu-fractions` with no value;
+`--no-bf16-offload` skips the bf16 folder altogether (each gpt-oss-20b layer is 1.65 GB of bf16, a gpt-oss-120b one
+6.4 GB). The roofline counts every layer's KV cache at the whole context (its sliding-window layers read at most 128
+tokens: a little less than counted).
 
-    python benchmarks/quantized.py --shapes gpt-oss-20b:14 --formats mxfp4 --batches 1 16 64 --gpu-fractions \
+    python benchmarks/quantized.py --shapes gpt-oss-20b:24 --formats mxfp4 --batches 1 16 64 --gpu-fractions \
         --no-bf16-offload --llama-bin /tmp/llama-build/bin --gguf-py <llama.cpp>/gguf-py \
         --out benchmarks/results/quantized_h200_gpt_oss.json
 
@@ -180,6 +177,13 @@ def llama_format(name: str, args) -> str:
     return LLAMA_MXFP4 if name == "mxfp4" else LLAMA_8BIT
 
 
+def written_directly(name: str, args) -> bool:
+    """Whether the GGUF of --formats `name` is written from Colibri's own folder of it (gguf_writer: mxfp4 experts
+    as GGML MXFP4, every other matrix bf16), not quantized from the bf16 GGUF: mxfp4 with --llama-dense bf16, the
+    same weights bit for bit."""
+    return name == "mxfp4" and args.llama_dense == "bf16"
+
+
 class ShapeFiles:
     """The paths of one shape's files under the folder root (SHAPE-LAYERS-..., with -yarn-truncate for a shape
     that `needs_yarn_truncate`: its model is not the published config's, so no file of the other is reused)."""
@@ -306,6 +310,17 @@ def write_bf16_gguf(args, files: ShapeFiles, shape: str, layers: int, prep: dict
     write_gguf(folder, files.bf16_gguf, args.gguf_py)
     prep["bf16_gguf_s"] = time.perf_counter() - begin
     log_disk(files.root, f"bf16 GGUF {nbytes(files.bf16_gguf) / 1e9:.1f} GB in {prep['bf16_gguf_s']:.0f} s")
+
+
+def write_direct_gguf(args, files: ShapeFiles, folder: Path, gguf: Path, prep: dict) -> None:
+    """The GGUF of Colibri's quantized `folder` (written_directly), its seconds in prep["direct_gguf_s"]."""
+    from gguf_writer import write_gguf
+
+    require_free(files.root, nbytes(folder) + 1e9, f"the GGUF of {folder.name}")
+    begin = time.perf_counter()
+    write_gguf(folder, gguf, args.gguf_py)
+    prep["direct_gguf_s"] = time.perf_counter() - begin
+    log_disk(files.root, f"{gguf.name} {nbytes(gguf) / 1e9:.1f} GB in {prep['direct_gguf_s']:.0f} s")
 
 
 def quantize_one(args, files: ShapeFiles, config, fmt: str) -> dict:
@@ -563,6 +578,10 @@ def format_cases(args, files: ShapeFiles, name: str, gguf, keyed: dict, shape: s
     log_disk(files.root, f"{path.name} {nbytes(path) / 1e9:.1f} GB")
     if error is not None:
         return [dict(keyed, expert_dtype=options["expert_dtype"], colibri_error=error)]
+    if written_directly(name, args) and isinstance(gguf, Path) and not gguf.is_file():
+        _, error = attempt(f"{name} GGUF", write_direct_gguf, args, files, path, gguf, keyed["preparation"])
+        gguf = gguf if error is None else f"the GGUF of the {name} folder: {error}"
+        keyed["llama_gguf_bytes"] = nbytes(gguf) if error is None else None
     records, error = attempt(f"{name} decode", decode_cases, args, path, gguf, keyed, bandwidth, deadline)
     records = records or [dict(keyed, bench="decode", expert_dtype=options["expert_dtype"], error=error)]
     if not args.gpu_fractions:
@@ -594,9 +613,10 @@ def run_shape(args, spec: str, common: dict, bandwidth: float, deadline: Deadlin
     base = dict(common, shape=shape, layers=layers, llama_dense=args.llama_dense, preparation=prep,
                 yarn_truncate=config.rope.truncate if config.rope.type == "yarn" else None)
     llama_formats = sorted({llama_format(name, args) for name in args.formats})
+    quantized_formats = sorted({llama_format(name, args) for name in args.formats if not written_directly(name, args)})
     log_disk(root, f"{shape} ({layers} layers)")
     llama_needs_bf16 = bool(args.llama_bin) and not files.bf16_gguf.is_file() and not all(
-        files.gguf(fmt).is_file() for fmt in llama_formats)
+        files.gguf(fmt).is_file() for fmt in quantized_formats)
     too_big = bf16_pair_refusal(files, config) if llama_needs_bf16 else None
     bf16_offload = args.bf16_offload and bool(args.gpu_fractions)
     if bf16_offload or (llama_needs_bf16 and too_big is None):
@@ -610,12 +630,14 @@ def run_shape(args, spec: str, common: dict, bandwidth: float, deadline: Deadlin
         write(args.out, records)
     bf16 = {r["batch"]: r.get("colibri_tok_s") for r in records if r.get("shape") == shape
             and r.get("expert_dtype") == "bfloat16" and r.get("gpu_fraction") == 0 and "batch" in r}
-    if too_big is not None:
-        ggufs = {fmt: f"not run: {too_big}" for fmt in llama_formats}
-    elif args.llama_bin:
-        ggufs = llama_ggufs(args, files, shape, layers, llama_formats, prep)
-    else:
+    if not args.llama_bin:
         ggufs = {fmt: f"not run: {args.llama_missing}" for fmt in llama_formats}
+    else:  # the formats written from Colibri's folders are written with them (format_cases)
+        ggufs = {fmt: files.gguf(fmt) for fmt in llama_formats}
+        if too_big is not None:
+            ggufs |= {fmt: f"not run: {too_big}" for fmt in quantized_formats}
+        else:
+            ggufs |= llama_ggufs(args, files, shape, layers, quantized_formats, prep)
     remove(files.bf16_folder, root)
     for name in args.formats:
         fmt = llama_format(name, args)
@@ -642,7 +664,8 @@ def prepare_shape(args, spec: str) -> None:
     root.mkdir(parents=True, exist_ok=True)
     files, config = ShapeFiles(root, shape, layers, args.llama_dense), benchmark_config(shape, layers)
     log_disk(root, f"{shape} ({layers} layers), preparing")
-    if args.gguf_py and not files.bf16_gguf.is_file():
+    from_bf16 = [name for name in args.formats if not written_directly(name, args)]
+    if args.gguf_py and from_bf16 and not files.bf16_gguf.is_file():
         too_big = bf16_pair_refusal(files, config)
         if too_big is None:
             attempt("bf16 GGUF", write_bf16_gguf, args, files, shape, layers, {})
@@ -651,8 +674,12 @@ def prepare_shape(args, spec: str) -> None:
     for name in args.formats:
         options = write_options(name, args)
         estimate = quantized_gguf_bytes(folder_bytes(config), config, llama_format(name, args), "bf16")
-        attempt(f"{name} folder", ensure_folder_if_free, files.folder(options), estimate, shape, layers, options)
+        _, error = attempt(f"{name} folder", ensure_folder_if_free, files.folder(options), estimate, shape, layers,
+                           options)
         log_disk(root, f"{name} folder")
+        gguf = files.gguf(llama_format(name, args))
+        if error is None and args.gguf_py and written_directly(name, args) and not gguf.is_file():
+            attempt(f"{name} GGUF", write_direct_gguf, args, files, files.folder(options), gguf, {})
 
 
 def ensure_folder_if_free(path: Path, estimate: float, shape: str, layers: int, options: dict) -> None:

@@ -254,23 +254,36 @@ def fake_llama_bin(folder: Path) -> Path:
 
 
 @needs_gguf_py
-def test_mxfp4_gguf_is_quantized_as_mxfp4_moe_with_the_bf16_overrides(quantized, tmp_path):
-    """With llama.cpp's tools (stand-ins) and gguf-py: the bf16 folder of the gpt-oss shape (YaRN truncate on) and
-    its GGUF are written, llama-quantize is asked for MXFP4_MOE with the overrides that keep every other tensor bf16,
-    the benches' failures are recorded, and every file is deleted at the end."""
+def test_mxfp4_gguf_is_written_from_the_mxfp4_folder(quantized, tmp_path):
+    """With llama.cpp's tools (stand-ins) and gguf-py: the gpt-oss shape's GGUF (YaRN truncate on) is written from
+    Colibri's mxfp4 folder, the same codes and exponents as GGML MXFP4: no bf16 folder, no bf16 GGUF, no
+    llama-quantize; the benches' failures are recorded, and every file is deleted at the end."""
     llama_bin = fake_llama_bin(tmp_path / "bin")
     records = run_gpt_oss(quantized, tmp_path, "--gpu-fractions", "--llama-bin", str(llama_bin), "--gguf-py",
                           GGUF_PY)
     assert [(r["bench"], r["batch"]) for r in records] == [("decode", 1), ("decode", 4)]
     prep = records[0]["preparation"]
-    assert prep["bf16_folder_s"] > 0 and prep["bf16_gguf_s"] > 0
-    command = prep["llama_quantize"]["MXFP4_MOE"]["command"]
-    assert " MXFP4_MOE " in command and "--tensor-type attn=bf16" in command
-    assert "--token-embedding-type bf16 --output-tensor-type bf16" in command
-    assert "tiny-gpt-oss-2-yarn-truncate-bf16.gguf" in command
+    assert prep["direct_gguf_s"] > 0 and "llama_quantize" not in prep
+    assert "bf16_folder_s" not in prep and "bf16_gguf_s" not in prep
     for r in records:
         assert r["llama_gguf"].endswith("tiny-gpt-oss-2-yarn-truncate-MXFP4_MOE-dense-bf16.gguf")
         assert r["llama_gguf_bytes"] > 0 and "llama-batched-bench failed" in r["llama_error"]
+    assert list((tmp_path / "files").iterdir()) == []
+
+
+@needs_gguf_py
+def test_mxfp4_with_quantized_dense_tensors_goes_through_llama_quantize(quantized, tmp_path):
+    """--llama-dense quantized: the bf16 folder and its GGUF, then llama-quantize's MXFP4_MOE without the overrides
+    that keep the other tensors bf16."""
+    llama_bin = fake_llama_bin(tmp_path / "bin")
+    records = run_gpt_oss(quantized, tmp_path, "--gpu-fractions", "--llama-bin", str(llama_bin), "--gguf-py",
+                          GGUF_PY, "--llama-dense", "quantized")
+    prep = records[0]["preparation"]
+    assert prep["bf16_folder_s"] > 0 and prep["bf16_gguf_s"] > 0 and "direct_gguf_s" not in prep
+    command = prep["llama_quantize"]["MXFP4_MOE"]["command"]
+    assert " MXFP4_MOE " in command and "--tensor-type" not in command
+    assert "tiny-gpt-oss-2-yarn-truncate-bf16.gguf" in command
+    assert all(r["llama_gguf"].endswith("-yarn-truncate-MXFP4_MOE.gguf") for r in records)
     assert list((tmp_path / "files").iterdir()) == []
 
 
@@ -281,7 +294,7 @@ def test_llama_files_are_not_made_where_the_bf16_pair_does_not_fit(quantized, tm
     monkeypatch.setattr(quantized, "folder_bytes", lambda config: 10**15)
     llama_bin = fake_llama_bin(tmp_path / "bin")
     records = run_gpt_oss(quantized, tmp_path, "--gpu-fractions", "--llama-bin", str(llama_bin), "--gguf-py",
-                          str(tmp_path / "gguf-py"))
+                          str(tmp_path / "gguf-py"), "--llama-dense", "quantized")
     assert [(r["bench"], r["batch"]) for r in records] == [("decode", 1), ("decode", 4)]
     for r in records:
         assert r["llama_error"].startswith("not run: the bf16 folder and GGUF need about 1000000.0 GB more")
