@@ -26,6 +26,9 @@ experts, sample ...) and the record adds `prefill_phase_seconds`: each phase's s
 that computed prompt tokens, beside their wall time (`prefill_step_seconds`); a diagnostic run, since the timer's
 events add a little to each step.
 
+`--expert-dtype mxfp4` stores the routed experts as mxfp4 (gpt-oss's format) in the folder, and the GGUF file
+holds the same codes as llama.cpp's MXFP4 (gguf_writer); the roofline counts the experts at their bytes.
+
 A shape whose published rope llama.cpp does not compute (gpt-oss: YaRN with truncate off, which
 `gguf_writer.write_gguf` refuses, since llama.cpp always rounds YaRN's correction range to whole dimensions) is
 written with truncate on (`needs_yarn_truncate`, `shape_folder`), and both engines run that model: it moves a few
@@ -101,13 +104,15 @@ def needs_yarn_truncate(shape: str) -> bool:
     return rope is not None and rope.type == "yarn" and not rope.truncate
 
 
-def benchmark_config(shape: str, layers: int, dense_layers: int | None = None):
+def benchmark_config(shape: str, layers: int, dense_layers: int | None = None, expert_dtype: str = "bfloat16"):
     """The ModelConfig of the model of a `--shapes` entry: the shape's with `layers` layers, YaRN's truncate on
-    where it `needs_yarn_truncate`, and with `dense_layers` given, that many leading dense layers (the rest MoE)
-    in place of the shape's own `first_dense_layers`."""
-    from colibri_stream.synthetic import shape_config
+    where it `needs_yarn_truncate`, with `dense_layers` given, that many leading dense layers (the rest MoE) in
+    place of the shape's own `first_dense_layers`, and its routed experts stored as `expert_dtype`."""
+    from colibri_stream.synthetic import shape_config, with_expert_format
 
     config = shape_config(shape, layers, yarn_truncate=True if needs_yarn_truncate(shape) else None)
+    if expert_dtype != "bfloat16":
+        config = with_expert_format(config, expert_dtype)
     if dense_layers is None:
         return config
     if not 0 <= dense_layers <= layers:
@@ -117,15 +122,17 @@ def benchmark_config(shape: str, layers: int, dense_layers: int | None = None):
     return dataclasses.replace(config, moe_layers=tuple(range(dense_layers, layers)))
 
 
-def folder_path(shape: str, layers: int, dense_layers: int | None, root: Path) -> Path:
+def folder_path(shape: str, layers: int, dense_layers: int | None, root: Path, expert_dtype: str = "bfloat16") -> Path:
     """Where the model folder of a `--shapes` entry is written: serving_gpu.model_folder's name
-    (SHAPE-LAYERS-layers), with -yarn-truncate for a shape that `needs_yarn_truncate` and -DENSE-dense for an entry
-    that names its dense layers."""
+    (SHAPE-LAYERS-layers), with -yarn-truncate for a shape that `needs_yarn_truncate`, -DENSE-dense for an entry
+    that names its dense layers and -EXPERT_DTYPE for experts other than bf16."""
     name = f"{shape}-{layers}-layers"
     if needs_yarn_truncate(shape):
         name += "-yarn-truncate"
     if dense_layers is not None:
         name += f"-{dense_layers}-dense"
+    if expert_dtype != "bfloat16":
+        name += f"-{expert_dtype}"
     return root / name
 
 
@@ -136,26 +143,27 @@ def folder_is_written(folder: Path) -> bool:
     return (folder / CONFIG_FILE).is_file() and (folder / "tokenizer.json").is_file()
 
 
-def shape_folder(shape: str, layers: int, root: Path, device: str,
-                 dense_layers: int | None = None) -> tuple[Path, str]:
+def shape_folder(shape: str, layers: int, root: Path, device: str, dense_layers: int | None = None,
+                 expert_dtype: str = "bfloat16") -> tuple[Path, str]:
     """(folder, description) of the model of a `--shapes` entry, written under `root` if absent (drawn on
-    `device`, with a word-level tokenizer): serving_gpu.model_folder's, but for a shape that `needs_yarn_truncate`
-    (whose folder has YaRN's truncate on) or an entry naming its `dense_layers`, a folder of its own
-    (`folder_path`, `benchmark_config`)."""
+    `device`, with a word-level tokenizer; experts stored as `expert_dtype`): serving_gpu.model_folder's, but for a
+    shape that `needs_yarn_truncate` (whose folder has YaRN's truncate on), an entry naming its `dense_layers` or
+    experts other than bf16, a folder of its own (`folder_path`, `benchmark_config`)."""
     from colibri_stream.synthetic import write_synthetic_folder
 
-    if not needs_yarn_truncate(shape) and dense_layers is None:
+    if not needs_yarn_truncate(shape) and dense_layers is None and expert_dtype == "bfloat16":
         return model_folder(shape, layers, root, device)
-    folder = folder_path(shape, layers, dense_layers, root)
+    folder = folder_path(shape, layers, dense_layers, root, expert_dtype)
     config = benchmark_config(shape, layers, dense_layers)
     split = f"{layers} layers" if dense_layers is None else layer_split(config)
     if not folder_is_written(folder):
         log(f"writing a random {shape} model of {split} to {folder}")
-        write_synthetic_folder(folder, config, device=device)
+        write_synthetic_folder(folder, config, device=device, expert_dtype=expert_dtype)
         word_tokenizer_files(folder, config.vocab_size)
         os.sync()  # the page cache's write-back must not run beside the timed runs
     yarn = " with YaRN's truncate on (as llama.cpp computes it)" if needs_yarn_truncate(shape) else ""
-    return folder, f"{shape} shape{yarn}, {split}, random bf16 weights, word-level tokenizer"
+    experts = "" if expert_dtype == "bfloat16" else f" ({expert_dtype} experts)"
+    return folder, f"{shape} shape{yarn}, {split}, random bf16 weights{experts}, word-level tokenizer"
 
 
 def layer_split(config) -> str:
@@ -217,10 +225,20 @@ def folder_bytes(config) -> int:
             + FILE_ALLOWANCE)
 
 
+def expert_matrix_bytes(config) -> int:
+    """Bytes of one routed expert's three matrices in its format (bf16; mxfp4: codes and exponent bytes), as the
+    folder's blocks (less alignment) and the GGUF file hold them."""
+    from colibri_stream.checkpoint import NUMPY_DTYPES
+    from colibri_stream.expert_codecs import expert_codec
+
+    tensors = expert_codec(config).expert_tensors(config.hidden_size, config.moe_intermediate_size)
+    return sum(int(np.prod(shape)) * NUMPY_DTYPES[dtype].itemsize for _, dtype, shape in tensors)
+
+
 def gguf_bytes(config) -> int:
-    """Bytes of the bf16 GGUF file `gguf_writer.write_gguf` writes of `config`: every dense matrix bf16, every vector
+    """Bytes of the GGUF file `gguf_writer.write_gguf` writes of `config`: every dense matrix bf16, every vector
     and the router float32 (a sigmoid router's correction bias too, zeros where the model has none), each MoE
-    layer's experts stacked (bf16 matrices, float32 biases where the model has them), and the placeholder
+    layer's experts stacked (bf16 or mxfp4 matrices, float32 biases where the model has them), and the placeholder
     vocabulary. A few tensors llama.cpp adds as zeros (gpt-oss's absent biases) are left out: kilobytes."""
     from colibri_stream.checkpoint import dense_tensor_specs
 
@@ -229,7 +247,7 @@ def gguf_bytes(config) -> int:
         float32 = len(shape) == 1 or name.endswith("router")
         total += int(np.prod(shape)) * (4 if float32 else WEIGHT_BYTES)
     h, i = config.hidden_size, config.moe_intermediate_size
-    expert = 3 * h * i * WEIGHT_BYTES + ((2 * i + h) * 4 if config.expert_bias else 0)
+    expert = expert_matrix_bytes(config) + ((2 * i + h) * 4 if config.expert_bias else 0)
     correction_bias = 0 if config.score_correction_bias or config.router_scoring != "sigmoid" else 4
     total += len(config.moe_layers) * config.num_experts * (expert + correction_bias)
     return total + config.vocab_size * GGUF_BYTES_PER_TOKEN + FILE_ALLOWANCE
@@ -273,12 +291,13 @@ class PlannedFile:
     present: bool
 
 
-def shape_files(spec: str, folder_root: Path, gguf_root: Path | None, with_gguf: bool) -> list[PlannedFile]:
+def shape_files(spec: str, folder_root: Path, gguf_root: Path | None, with_gguf: bool,
+                expert_dtype: str = "bfloat16") -> list[PlannedFile]:
     """The files of a `--shapes` entry: its model folder and, `with_gguf`, its GGUF file, each with its predicted
     bytes (`folder_bytes`, `gguf_bytes`)."""
     shape, layers, dense = parse_shape(spec)
-    config = benchmark_config(shape, layers, dense)
-    folder = folder_path(shape, layers, dense, folder_root)
+    config = benchmark_config(shape, layers, dense, expert_dtype)
+    folder = folder_path(shape, layers, dense, folder_root, expert_dtype)
     files = [PlannedFile("folder", spec, folder, folder_bytes(config), folder_is_written(folder))]
     if with_gguf:
         gguf = gguf_path(folder, gguf_root)
@@ -316,11 +335,11 @@ def room_refusal(files: list[PlannedFile]) -> str | None:
 
 
 def plan_files(shapes: list[str], folder_root: Path, gguf_root: Path | None, with_gguf: bool,
-               kept: bool) -> str | None:
+               kept: bool, expert_dtype: str = "bfloat16") -> str | None:
     """Print each shape's files, their bytes and where they go, and refuse (`room_refusal`'s line) when they would
     not fit: all shapes' files together when they are `kept`, else each shape's alone (its files are removed
     before the next shape's are written). None when everything fits."""
-    planned = [shape_files(spec, folder_root, gguf_root, with_gguf) for spec in shapes]
+    planned = [shape_files(spec, folder_root, gguf_root, with_gguf, expert_dtype) for spec in shapes]
     for files in planned:
         for f in files:
             state = "written already" if f.present else "to write"
@@ -331,7 +350,8 @@ def plan_files(shapes: list[str], folder_root: Path, gguf_root: Path | None, wit
     return next((refusal for refusal in map(room_refusal, planned) if refusal), None)
 
 
-def write_only(shapes: list[str], root: Path, gguf_py: str | None, gguf_root: Path | None = None) -> int:
+def write_only(shapes: list[str], root: Path, gguf_py: str | None, gguf_root: Path | None = None,
+               expert_dtype: str = "bfloat16") -> int:
     """--write-only: each shape's folder and, with `gguf_py`, its GGUF (under `gguf_root`, None: beside it), drawn
     on the GPU where CuPy finds one, else on the CPU; nothing is timed or removed."""
     from colibri_stream.backends.cupy_backend import cuda_available
@@ -339,7 +359,7 @@ def write_only(shapes: list[str], root: Path, gguf_py: str | None, gguf_root: Pa
     device = "cuda" if cuda_available() else "cpu"
     for spec in shapes:
         shape, layers, dense = parse_shape(spec)
-        folder, _ = shape_folder(shape, layers, root, device, dense)
+        folder, _ = shape_folder(shape, layers, root, device, dense, expert_dtype)
         if gguf_py:
             gguf_beside(folder, gguf_py, gguf_root)
     return 0
@@ -375,12 +395,12 @@ def decode_step_bytes(config, batch: int, distinct: float, context: int, kv_dtyp
     of each MoE layer, and `batch` sequences of `context` tokens of its latent cache (`colibri_kv_bytes_per_token`)."""
     from decode import step_bytes
 
+    expert = expert_matrix_bytes(config)
     if config.attention != "mla":
-        return step_bytes(config, batch, distinct, context, KV_BYTES[kv_dtype])
+        return step_bytes(config, batch, distinct, context, KV_BYTES[kv_dtype], expert)
     from colibri_stream.checkpoint import dense_tensor_specs
 
     dense = sum(int(np.prod(shape)) for name, shape in dense_tensor_specs(config).items() if name != "embed_tokens")
-    expert = 3 * config.hidden_size * config.moe_intermediate_size * WEIGHT_BYTES
     return (dense * WEIGHT_BYTES + len(config.moe_layers) * distinct * expert
             + batch * context * colibri_kv_bytes_per_token(config, kv_dtype))
 
@@ -572,6 +592,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-dtypes", nargs="+", default=["bf16", "fp8"], choices=sorted(KV_BYTES))
     parser.add_argument("--matmul-precisions", nargs="+", default=["medium"], choices=["high", "medium"])
     parser.add_argument("--decode-tokens", type=int, default=33, help="tokens per request, the first included")
+    parser.add_argument("--expert-dtype", default="bfloat16", choices=["bfloat16", "mxfp4"],
+                        help="the routed experts' format in the folder and the GGUF file (mxfp4: gpt-oss's, "
+                             "llama.cpp's MXFP4 of the same codes)")
     parser.add_argument("--batched-bench", help="llama-batched-bench binary (none: Colibri only)")
     parser.add_argument("--gguf-py", help="gguf-py folder of the llama.cpp source tree (writes the GGUF files)")
     parser.add_argument("--folder-root", default="/tmp/colibri-long-context")
@@ -589,12 +612,12 @@ def main(argv: list[str] | None = None) -> int:
     gguf_root = Path(args.gguf_root) if args.gguf_root else None
     with_gguf = bool(args.gguf_py) if args.write_only else bool(args.batched_bench)
     refusal = plan_files(args.shapes, Path(args.folder_root), gguf_root, with_gguf,
-                         kept=args.write_only or args.keep_models)
+                         kept=args.write_only or args.keep_models, expert_dtype=args.expert_dtype)
     if refusal:
         print(refusal, flush=True)
         return 2
     if args.write_only:
-        return write_only(args.shapes, Path(args.folder_root), args.gguf_py, gguf_root)
+        return write_only(args.shapes, Path(args.folder_root), args.gguf_py, gguf_root, args.expert_dtype)
     require_gpu()
     import cupy
 
@@ -606,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict] = []
     for spec in args.shapes:
         shape, layers, dense = parse_shape(spec)
-        folder, description = shape_folder(shape, layers, Path(args.folder_root), "cuda", dense)
+        folder, description = shape_folder(shape, layers, Path(args.folder_root), "cuda", dense, args.expert_dtype)
         from colibri_stream.checkpoint import ModelFolder
 
         config = ModelFolder(folder).config
@@ -626,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
                 distinct = expected_distinct_experts(config.num_experts, config.top_k, case["batch"])
                 step = decode_step_bytes(config, case["batch"], distinct, case["context"], kv_dtype)
                 records.append(dict(common, shape=shape, layers=layers, model_description=description, **files,
+                                    expert_dtype=config.expert_dtype,
                                     kv_dtype=kv_dtype, **kv_fields(config, kv_dtype),
                                     decode_tokens=args.decode_tokens,
                                     roofline_decode_tok_s=case["batch"] * bandwidth * 1e9 / step,

@@ -405,6 +405,32 @@ def test_long_context_predicts_the_bytes_it_writes(benchmark_modules, tmp_path):
     assert long_context.colibri_kv_bytes_per_token(mixtral, "bf16") == 2 * 2 * 8 * 128 * 2
 
 
+def test_long_context_mxfp4_experts(benchmark_modules, tmp_path):
+    """--expert-dtype mxfp4: a folder of its own name, with mxfp4 experts (as written), whose bytes folder_bytes
+    predicts; gpt-oss-20b's 24 layers are 13.8 GB in the GGUF (bf16: 41.4 GB), and the roofline counts an expert
+    at 17 bytes a 32 weights."""
+    long_context, _ = benchmark_modules
+    root = tmp_path / "models"
+    assert long_context.folder_path("gpt-oss-20b", 24, None, root, "mxfp4") == \
+        root / "gpt-oss-20b-24-layers-yarn-truncate-mxfp4"
+    small = dataclasses.replace(long_context.benchmark_config("gpt-oss-20b", 2), vocab_size=512, hidden_size=64,
+                                num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4, top_k=2,
+                                moe_intermediate_size=96)
+    folder = tmp_path / "tiny"
+    write_synthetic_folder(folder, small, device="cpu", expert_dtype="mxfp4")
+    synthetic_word_tokenizer(folder, small.vocab_size)
+    config = ModelFolder(folder).config
+    assert config.expert_dtype == "mxfp4"
+    written = long_context.file_bytes(folder)
+    assert written <= long_context.folder_bytes(config) <= written + long_context.FILE_ALLOWANCE + 24 * 512
+    big = long_context.benchmark_config("gpt-oss-20b", 24, expert_dtype="mxfp4")
+    assert big.expert_dtype == "mxfp4" and big.rope.truncate
+    assert long_context.gguf_bytes(big) == pytest.approx(13.8e9, rel=0.02)
+    assert long_context.gguf_bytes(long_context.benchmark_config("gpt-oss-20b", 24)) == pytest.approx(41.4e9, rel=0.02)
+    h, i = big.hidden_size, big.moe_intermediate_size
+    assert long_context.expert_matrix_bytes(big) == 3 * h * i * 17 // 32
+
+
 def synthetic_word_tokenizer(folder: Path, vocab_size: int) -> None:
     """The word-level tokenizer files long_context.py writes beside a synthetic folder."""
     with imported_benchmarks("serving_gpu") as (serving_gpu,):
