@@ -83,7 +83,7 @@ KERNEL_CODECS = [PlainCodec("float32"), PlainCodec("bfloat16"), Int8Codec(), Int
 
 
 @pytest.mark.skipif(numba is None, reason="numba is not installed (the `cpu` extra)")
-@pytest.mark.parametrize("tokens", [1, 3, 6])  # int4's one-token path; the decoded rows' 1- and 4-token dots
+@pytest.mark.parametrize("tokens", [1, 6, 9])  # straight from the codes (int4, mxfp4); the decoded rows' dots
 @pytest.mark.parametrize("codec", KERNEL_CODECS, ids=lambda c: c.describe())
 def test_the_kernels_add_biases_and_clamp_as_the_reference(codec, tokens, monkeypatch):
     """Each CPU kernel (plain and grouped) on a biased expert under gpt-oss's clamped SwiGLU and under silu gives

@@ -377,3 +377,39 @@ def test_export_options_of_another_format_are_refused(exports, tmp_path):
                            (dict(quantize="nf4"), "quantize 'nf4' is not supported")]:
         with pytest.raises(ColibriError, match=words):
             export_model(hf, tmp_path / "x", progress=False, **options)
+
+
+@pytest.mark.skipif(numba is None, reason="numba is not installed (the `cpu` extra)")
+@pytest.mark.parametrize("lookup", ["host", "bits"])
+def test_e2m1_codes_become_twice_their_values_in_vector_code(lookup):
+    """The CPU kernel's e2m1 decode of 16 codes at once: the host's byte table lookup (x86-64, arm64), and the
+    decode from the code's bits that other hosts take, both give twice the value of every code."""
+    from llvmlite import ir
+    from numba import njit, types
+    from numba.extending import intrinsic
+
+    from colibri_stream.experts import cpu_grouped
+
+    if lookup == "host" and cpu_grouped._TABLE_LOOKUP is None:
+        pytest.skip("this host has no byte table lookup: the bits case covers it")
+    name = cpu_grouped._TABLE_LOOKUP if lookup == "host" else None
+
+    @intrinsic
+    def doubled(typingctx, codes, out):
+        def codegen(context, builder, signature, args):
+            source = context.make_array(signature.args[0])(context, builder, args[0]).data
+            target = context.make_array(signature.args[1])(context, builder, args[1]).data
+            vector = builder.load(builder.bitcast(source, ir.VectorType(ir.IntType(8), 16).as_pointer()), align=1)
+            values = cpu_grouped._e2m1_doubled(builder, vector, name)
+            builder.store(values, builder.bitcast(target, values.type.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(codes, out), codegen
+
+    @njit
+    def decode(codes, out):
+        doubled(codes, out)
+
+    out = np.zeros(16, np.float32)
+    decode(np.arange(16, dtype=np.uint8), out)
+    np.testing.assert_array_equal(out, 2 * np.array(E2M1_VALUES, np.float32))

@@ -5,9 +5,10 @@ range of weight rows; for each row it decodes the row into a float32 buffer of o
 minus the group's zero point, low nibbles to the buffer's first half and high nibbles to its second; mxfp4 codes
 the same way, each nibble's e2m1 value from a table; fp8 bytes by shifting their bits into a float32's; times the
 scale of the group or tile, mxfp4's e8m0 exponent byte as its power of two), then multiplies it with the tokens,
-four at a time, laid out as the buffer is (`_paired`). One int4 token (decode) skips the buffer: each row's codes
-multiply the token as they are, per group, two rows a pass (`_int4_dots`; whole groups in vector code of our own,
-`_int4_pair_groups`). Each weight byte is read once per call, and no float32
+four at a time, laid out as the buffer is (`_paired`). One int4 or mxfp4 token (decode) skips the buffer: each
+row's codes multiply the token as they are (int4's codes, twice mxfp4's e2m1 values from the code's bits), per
+group, two rows a pass (`_code_dots`; whole groups in vector code of our own, `_int4_pair_groups` and
+`_mxfp4_pair_groups`). Each weight byte is read once per call, and no float32
 copy of the expert is made. Every matrix is passed as a 2D uint8 view of its bytes, [out, stored bytes per row], with
 its scales as [scale rows, scale columns] float32 (mxfp4: uint8 exponents) and zero points as [out, groups] uint8
 ([0, 0]: none). A weight (o, c) takes scale[o // rows_per_scale, c // cols_per_scale]: int4 1 x group width,
@@ -17,6 +18,7 @@ mxfp4 1 x 32, fp8 tiles 128 x 128, fp8 channels 1 x (any width; CHANNEL_COLUMNS)
 from __future__ import annotations
 
 import math
+import platform
 
 import numpy as np
 
@@ -27,11 +29,12 @@ from .jit import CHUNKS_PER_THREAD, FASTMATH, gated, jit, numba
 
 INT4, FP8_CODES, MXFP4 = 0, 1, 2  # `kind`: how a row's bytes hold its values
 CHANNEL_COLUMNS = 1 << 30  # cols_per_scale of a per-row scale: every column of a row shares it
-# Below this many tokens int4 rows multiply the tokens straight from their codes (a group's sum of codes times the
-# token, less the zero point times the token's group sum); from it on a decoded float32 row serves four tokens at a
-# time. An ad-hoc timing of CpuExpertExecutor.run on a Mixtral-shaped expert (two threads): 1 token 12 ms against
-# 20 ms decoded; 2 tokens 31 ms straight from the codes against 29-35 ms decoded, so only a single token takes it.
-DIRECT_INT4_TOKENS = 2
+# Below this many tokens int4 and mxfp4 rows multiply the tokens straight from their codes (a group's sum of code
+# values times the token, less int4's zero point times the token's group sum); from it on a decoded float32 row
+# serves four tokens at a time. Ad-hoc timings of CpuExpertExecutor.run on two threads, straight from the codes
+# against decoded (docs/CPU_EXPERTS.md): a Mixtral-shaped int4 expert 17.8 / 41.5 ms at 2 tokens, 58 / 127 at 8,
+# 152 / 154 at 16; a gpt-oss-shaped mxfp4 one 6.2 / 26 ms at 2 tokens, 25 / 22-33 at 8, 50 / 28-40 at 16.
+DIRECT_CODE_TOKENS = 8
 # Bytes of int4 codes one step of _int4_pair_groups' vector code takes (32 weights: two vectors of 16 float32 lanes,
 # one AVX-512 register each; two AVX2 registers or four NEON ones where the CPU has narrower vectors).
 VECTOR_BYTES = 16
@@ -136,85 +139,142 @@ if numba is not None:
         pointer = builder.select(has_zeros, row_start, builder.bitcast(symmetric, row_start.type))
         return pointer, builder.select(has_zeros, ir.Constant(groups.type, 1), ir.Constant(groups.type, 0))
 
-    @intrinsic
-    def _int4_pair_groups(typingctx, row_a, row_b, scales_a, scales_b, zeros_a, index_a, zeros_b, index_b,
-                          group_sums, x_even, x_odd, first_group, groups, group_bytes, x_byte, sums_group):
-        """For rows a and b (uint8 arrays of int4 codes, each byte an even column in its low nibble and the next
-        in its high one): the sum over groups g = first_group .. first_group + groups - 1 of scales[g] * (the sum
-        over the group's bytes j (row bytes g * group_bytes ..) of low(j) * x_even[j - x_byte] + high(j) *
-        x_odd[j - x_byte], less the zero point times group_sums[g - sums_group]). Zero points: row index_a of
-        zeros_a ([rows, groups] uint8; no rows: INT4_SYMMETRIC_ZERO). Written as vector code of VECTOR_BYTES bytes
-        a step so that each row's sum stays in one vector of float32 lanes across its groups (a group's sum is
-        scaled lane by lane, and the lanes are added once at the end), where LLVM's own vectorisation of the loop
-        adds the lanes at the end of every group. group_bytes: a multiple of VECTOR_BYTES. The arrays are
-        C-contiguous; rows, scales, sums and x one-dimensional; scales of any dtype are read as float32 (the
-        kernel is compiled for every format's scales, though only int4's reach this code)."""
-        vectors = (row_a, row_b, scales_a, scales_b, group_sums, x_even, x_odd)
-        expected = (types.uint8, types.uint8, None, None, types.float32, types.float32, types.float32)
-        if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == (d or a.dtype)
-                   for a, d in zip(vectors, expected)):
-            return None
-        if not all(isinstance(z, types.Array) and z.ndim == 2 and z.layout == "C" and z.dtype == types.uint8
-                   for z in (zeros_a, zeros_b)):
-            return None
-        signature = types.UniTuple(types.float32, 2)(
-            row_a, row_b, scales_a, scales_b, zeros_a, types.int64, zeros_b, types.int64, group_sums, x_even, x_odd,
-            types.int64, types.int64, types.int64, types.int64, types.int64)
+    # Twice each e2m1 code's value (codes 0 .. 15: sign, two exponent bits, one mantissa bit), as int8
+    _E2M1_DOUBLED = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
+    # The host's byte table lookup of 16 entries (a vector of 16 indices into a vector of 16 bytes) as an LLVM
+    # intrinsic, where it has one; LLVM's own IR has no shuffle by a variable index vector.
+    _TABLE_LOOKUP = {"x86_64": "llvm.x86.ssse3.pshuf.b.128", "AMD64": "llvm.x86.ssse3.pshuf.b.128",
+                     "aarch64": "llvm.aarch64.neon.tbl1.v16i8", "arm64": "llvm.aarch64.neon.tbl1.v16i8"}.get(
+        platform.machine())
 
-        def codegen(context, builder, sig, args):
-            i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
-            lanes = VECTOR_BYTES
-            byte_vector, float_vector = ir.VectorType(ir.IntType(8), lanes), ir.VectorType(f32, lanes)
+    def _e2m1_doubled(builder, codes, lookup: str | None = _TABLE_LOOKUP):
+        """A vector of 16 e2m1 codes (i8 lanes, 0 .. 15) as float32 lanes of twice their values, integers in
+        [-12, 12]: one table lookup of the bytes by the intrinsic `lookup` (the host's, _TABLE_LOOKUP), else from
+        the code's bits (m for exponent 0, else (2 + m) << (exponent - 1), negated where the sign bit is set)."""
+        byte_vector = codes.type
+        floats = ir.VectorType(ir.FloatType(), byte_vector.count)
+        if lookup is not None and byte_vector.count == 16:
+            table = ir.Constant(byte_vector, _E2M1_DOUBLED)
+            function = builder.module.declare_intrinsic(lookup, fnty=ir.FunctionType(byte_vector, [byte_vector] * 2))
+            return builder.sitofp(builder.call(function, [table, codes]), floats)
 
-            def data(k):
-                return context.make_array(sig.args[k])(context, builder, args[k]).data
+        def splat(value):
+            return ir.Constant(byte_vector, [value] * byte_vector.count)
 
-            code_a, code_b, scale_a, scale_b, sums, even, odd = (data(k) for k in (0, 1, 2, 3, 8, 9, 10))
-            first, count, step_bytes, x_first, sums_first = args[11:16]
-            zeros = ir.Constant(float_vector, [0.0] * lanes)
-            low_mask, four = ir.Constant(byte_vector, [15] * lanes), ir.Constant(byte_vector, [4] * lanes)
-            broadcast = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
-            totals = [cgutils.alloca_once_value(builder, zeros) for _ in range(2)]
-            steps = builder.udiv(step_bytes, ir.Constant(i64, lanes))
-            zero_points = [_zero_points(context, builder, sig.args[k], args[k], args[k + 1]) for k in (4, 6)]
+        exponent = builder.and_(builder.lshr(codes, splat(1)), splat(3))
+        mantissa = builder.and_(codes, splat(1))
+        normal = builder.shl(builder.or_(mantissa, splat(2)), builder.sub(exponent, splat(1)))
+        magnitude = builder.select(builder.icmp_unsigned("==", exponent, splat(0)), mantissa, normal)
+        negative = builder.icmp_unsigned("!=", builder.and_(codes, splat(8)), splat(0))
+        value = builder.select(negative, builder.sub(splat(0), magnitude), magnitude)
+        return builder.sitofp(value, floats)
 
-            def load(pointer, offset, vector_type, align):
-                return builder.load(builder.bitcast(builder.gep(pointer, [offset]), vector_type.as_pointer()),
-                                    align=align)
+    def _e8m0_half_scale(builder, byte):
+        """An e8m0 exponent byte E as the float32 2**(E - 128): the scale of doubled e2m1 values (subnormal below
+        E = 2)."""
+        i32 = ir.IntType(32)
+        word = builder.zext(byte, i32)
+        normal = builder.shl(builder.sub(word, ir.Constant(i32, 1)), ir.Constant(i32, 23))
+        subnormal = builder.lshr(ir.Constant(i32, 0x00400000), builder.sub(ir.Constant(i32, 1), word))
+        bits = builder.select(builder.icmp_unsigned(">=", word, ir.Constant(i32, 2)), normal, subnormal)
+        return builder.bitcast(bits, ir.FloatType())
 
-            with cgutils.for_range(builder, count) as group_loop:
-                group = builder.add(first, group_loop.index)
-                sums_v = [cgutils.alloca_once_value(builder, zeros) for _ in range(2)]
-                start = builder.mul(group, step_bytes)
-                with cgutils.for_range(builder, steps) as step_loop:
-                    byte = builder.add(start, builder.mul(step_loop.index, ir.Constant(i64, lanes)))
-                    x_at = builder.sub(byte, x_first)
-                    x_low, x_high = load(even, x_at, float_vector, 4), load(odd, x_at, float_vector, 4)
-                    for codes, total in zip((code_a, code_b), sums_v):
-                        packed = load(codes, byte, byte_vector, 1)
-                        low = builder.uitofp(builder.and_(packed, low_mask), float_vector)
-                        high = builder.uitofp(builder.lshr(packed, four), float_vector)
-                        value = builder.fadd(builder.load(total), builder.fmul(low, x_low, flags=_REASSOC),
-                                             flags=_REASSOC)
-                        value = builder.fadd(value, builder.fmul(high, x_high, flags=_REASSOC), flags=_REASSOC)
-                        builder.store(value, total)
-                # the zero point's share, z * the token's group sum, off lane 0 of the group's vector
-                group_sum = builder.load(builder.gep(sums, [builder.sub(group, sums_first)]))
-                for scales, scales_type, total, codes_sum, (zero_at, zero_step) in zip(
-                        (scale_a, scale_b), sig.args[2:4], totals, sums_v, zero_points):
-                    zero = builder.uitofp(builder.load(builder.gep(zero_at, [builder.mul(group, zero_step)])), f32)
-                    shift = builder.insert_element(zeros, builder.fmul(zero, group_sum), ir.Constant(i32, 0))
-                    scale = context.cast(builder, builder.load(builder.gep(scales, [group])), scales_type.dtype,
-                                         types.float32)
-                    scale = builder.shuffle_vector(builder.insert_element(zeros, scale, ir.Constant(i32, 0)), zeros,
-                                                   broadcast)
-                    scaled = builder.fmul(builder.fsub(builder.load(codes_sum), shift, flags=_REASSOC), scale,
-                                          flags=_REASSOC)
-                    builder.store(builder.fadd(builder.load(total), scaled, flags=_REASSOC), total)
-            results = [_vector_sum(builder, builder.load(total), lanes) for total in totals]
-            return context.make_tuple(builder, sig.return_type, results)
+    def _pair_groups(mxfp4: bool):
+        """The vector code of `_code_dots` for int4 codes, or for mxfp4's (`mxfp4`)."""
 
-        return signature, codegen
+        @intrinsic
+        def pair_groups(typingctx, row_a, row_b, scales_a, scales_b, zeros_a, index_a, zeros_b, index_b,
+                        group_sums, x_even, x_odd, first_group, groups, group_bytes, x_byte, sums_group):
+            """For rows a and b (uint8 arrays of 4-bit codes, each byte an even column in its low nibble and the
+            next in its high one): the sum over groups g = first_group .. first_group + groups - 1 of scale(g) * (the
+            sum over the group's bytes j (row bytes g * group_bytes ..) of value(low(j)) * x_even[j - x_byte] +
+            value(high(j)) * x_odd[j - x_byte], less the zero point times group_sums[g - sums_group]). int4: a code's
+            value is the code, zero points row index_a of zeros_a ([rows, groups] uint8; no rows:
+            INT4_SYMMETRIC_ZERO), scales of any dtype read as float32 (the kernel is compiled for every format's
+            scales, though only int4's reach this code); mxfp4: twice the code's e2m1 value, no zero point, and the
+            scale byte E as 2**(E - 128). Written as vector code of VECTOR_BYTES bytes a step so that each row's
+            sum stays in one vector of float32 lanes across its groups (a group's sum is scaled lane by lane, and
+            the lanes are added once at the end), where LLVM's own vectorisation of the loop adds the lanes at the
+            end of every group. group_bytes: a multiple of VECTOR_BYTES. The arrays are C-contiguous; rows, scales,
+            sums and x one-dimensional."""
+            vectors = (row_a, row_b, scales_a, scales_b, group_sums, x_even, x_odd)
+            expected = (types.uint8, types.uint8, None, None, types.float32, types.float32, types.float32)
+            if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == (d or a.dtype)
+                       for a, d in zip(vectors, expected)):
+                return None
+            if not all(isinstance(z, types.Array) and z.ndim == 2 and z.layout == "C" and z.dtype == types.uint8
+                       for z in (zeros_a, zeros_b)):
+                return None
+            signature = types.UniTuple(types.float32, 2)(
+                row_a, row_b, scales_a, scales_b, zeros_a, types.int64, zeros_b, types.int64, group_sums, x_even,
+                x_odd, types.int64, types.int64, types.int64, types.int64, types.int64)
+
+            def codegen(context, builder, sig, args):
+                i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+                lanes = VECTOR_BYTES
+                byte_vector, float_vector = ir.VectorType(ir.IntType(8), lanes), ir.VectorType(f32, lanes)
+
+                def data(k):
+                    return context.make_array(sig.args[k])(context, builder, args[k]).data
+
+                code_a, code_b, scale_a, scale_b, sums, even, odd = (data(k) for k in (0, 1, 2, 3, 8, 9, 10))
+                first, count, step_bytes, x_first, sums_first = args[11:16]
+                zeros = ir.Constant(float_vector, [0.0] * lanes)
+                low_mask, four = ir.Constant(byte_vector, [15] * lanes), ir.Constant(byte_vector, [4] * lanes)
+                broadcast = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
+                totals = [cgutils.alloca_once_value(builder, zeros) for _ in range(2)]
+                steps = builder.udiv(step_bytes, ir.Constant(i64, lanes))
+                zero_points = [_zero_points(context, builder, sig.args[k], args[k], args[k + 1]) for k in (4, 6)]
+
+                def load(pointer, offset, vector_type, align):
+                    return builder.load(builder.bitcast(builder.gep(pointer, [offset]), vector_type.as_pointer()),
+                                        align=align)
+
+                def values(nibbles):
+                    return _e2m1_doubled(builder, nibbles) if mxfp4 else builder.uitofp(nibbles, float_vector)
+
+                with cgutils.for_range(builder, count) as group_loop:
+                    group = builder.add(first, group_loop.index)
+                    sums_v = [cgutils.alloca_once_value(builder, zeros) for _ in range(2)]
+                    start = builder.mul(group, step_bytes)
+                    with cgutils.for_range(builder, steps) as step_loop:
+                        byte = builder.add(start, builder.mul(step_loop.index, ir.Constant(i64, lanes)))
+                        x_at = builder.sub(byte, x_first)
+                        x_low, x_high = load(even, x_at, float_vector, 4), load(odd, x_at, float_vector, 4)
+                        for codes, total in zip((code_a, code_b), sums_v):
+                            packed = load(codes, byte, byte_vector, 1)
+                            low = values(builder.and_(packed, low_mask))
+                            high = values(builder.lshr(packed, four))
+                            value = builder.fadd(builder.load(total), builder.fmul(low, x_low, flags=_REASSOC),
+                                                 flags=_REASSOC)
+                            value = builder.fadd(value, builder.fmul(high, x_high, flags=_REASSOC), flags=_REASSOC)
+                            builder.store(value, total)
+                    # int4: the zero point's share, z * the token's group sum, off lane 0 of the group's vector
+                    group_sum = builder.load(builder.gep(sums, [builder.sub(group, sums_first)]))
+                    for scales, scales_type, total, codes_sum, (zero_at, zero_step) in zip(
+                            (scale_a, scale_b), sig.args[2:4], totals, sums_v, zero_points):
+                        stored = builder.load(builder.gep(scales, [group]))
+                        if mxfp4:  # (a kernel of float32 scales compiles this branch too, but never runs it)
+                            exponent = context.cast(builder, stored, scales_type.dtype, types.uint8)
+                            scale, shifted = _e8m0_half_scale(builder, exponent), builder.load(codes_sum)
+                        else:
+                            zero = builder.uitofp(builder.load(builder.gep(zero_at, [builder.mul(group, zero_step)])),
+                                                  f32)
+                            shift = builder.insert_element(zeros, builder.fmul(zero, group_sum), ir.Constant(i32, 0))
+                            scale = context.cast(builder, stored, scales_type.dtype, types.float32)
+                            shifted = builder.fsub(builder.load(codes_sum), shift, flags=_REASSOC)
+                        scale = builder.shuffle_vector(builder.insert_element(zeros, scale, ir.Constant(i32, 0)),
+                                                       zeros, broadcast)
+                        scaled = builder.fmul(shifted, scale, flags=_REASSOC)
+                        builder.store(builder.fadd(builder.load(total), scaled, flags=_REASSOC), total)
+                results = [_vector_sum(builder, builder.load(total), lanes) for total in totals]
+                return context.make_tuple(builder, sig.return_type, results)
+
+            return signature, codegen
+
+        return pair_groups
+
+    _int4_pair_groups, _mxfp4_pair_groups = _pair_groups(False), _pair_groups(True)
 
 FP8_BIAS = np.float32(2.0**120)  # 2**(127 - 7): float32's exponent bias less e4m3's
 
@@ -340,12 +400,13 @@ def _group_sums(xs, c0, c1, cols_per_scale):
 
 
 @jit(inline="always", fastmath=FASTMATH)
-def _int4_dots(wa, sa, za, oa, wb, sb, zb, ob, c0, c1, cols_per_scale, xs, t, sums):
-    """Weight row oa of wa and row ob of wb (int4 codes over columns c0 .. c1 - 1, groups of cols_per_scale
-    columns in both) times the paired token xs[t], without decoding the rows: per group, scale * (sum of codes
-    times the token - zero point * the token's group sum, sums[t]). Both rows in one pass, so each element of the
-    token is loaded once for two rows. The groups that lie whole in the range take the vector code
-    (_int4_pair_groups) where their bytes are whole vector steps; the others, a scalar loop."""
+def _code_dots(kind, wa, sa, za, oa, wb, sb, zb, ob, c0, c1, cols_per_scale, xs, t, sums):
+    """Weight row oa of wa and row ob of wb (int4 or mxfp4 codes, `kind`, over columns c0 .. c1 - 1, groups of
+    cols_per_scale columns in both) times the paired token xs[t], without decoding the rows: per group, scale *
+    (sum of code values times the token - int4's zero point * the token's group sum, sums[t]). Both rows in one
+    pass, so each element of the token is loaded once for two rows. The groups that lie whole in the range take the
+    vector code (_int4_pair_groups, _mxfp4_pair_groups) where their bytes are whole vector steps; the others, a
+    scalar loop."""
     j0, j1 = c0 >> 1, (c1 + 1) >> 1
     nb, per_group = j1 - j0, cols_per_scale >> 1
     first = j0 // per_group
@@ -354,23 +415,35 @@ def _int4_dots(wa, sa, za, oa, wb, sb, zb, ob, c0, c1, cols_per_scale, xs, t, su
     row_a, row_b, x = wa[oa], wb[ob], xs[t]
     total_a, total_b = np.float32(0.0), np.float32(0.0)
     if vector:
-        total_a, total_b = _int4_pair_groups(row_a, row_b, sa[oa], sb[ob], za, oa, zb, ob, sums[t], x[:nb], x[nb:],
-                                             whole_first, whole_end - whole_first, per_group, j0, first)
+        if kind == MXFP4:
+            total_a, total_b = _mxfp4_pair_groups(row_a, row_b, sa[oa], sb[ob], za, oa, zb, ob, sums[t], x[:nb],
+                                                  x[nb:], whole_first, whole_end - whole_first, per_group, j0, first)
+        else:
+            total_a, total_b = _int4_pair_groups(row_a, row_b, sa[oa], sb[ob], za, oa, zb, ob, sums[t], x[:nb],
+                                                 x[nb:], whole_first, whole_end - whole_first, per_group, j0, first)
     for group in range(first, (j1 - 1) // per_group + 1):
         if vector and whole_first <= group < whole_end:  # in the totals already
             continue
-        symmetric = np.float32(INT4_SYMMETRIC_ZERO)
-        z_a = np.float32(za[oa, group]) if za.shape[0] else symmetric
-        z_b = np.float32(zb[ob, group]) if zb.shape[0] else symmetric
-        group_sum = sums[t, group - first]
         a, b = max(j0, group * per_group), min(j1, (group + 1) * per_group)
         values_a, values_b, low, high = row_a[a:b], row_b[a:b], x[a - j0:], x[nb + a - j0:]
         acc_a, acc_b = np.float32(0.0), np.float32(0.0)
+        if kind == MXFP4:
+            for j in range(np.uint64(0), np.uint64(b - a)):
+                byte_a, byte_b = values_a[j], values_b[j]
+                acc_a += E2M1[byte_a & 15] * low[j] + E2M1[byte_a >> 4] * high[j]
+                acc_b += E2M1[byte_b & 15] * low[j] + E2M1[byte_b >> 4] * high[j]
+            total_a += np.float32(math.ldexp(1.0, int(sa[oa, group]) - E8M0_BIAS)) * acc_a
+            total_b += np.float32(math.ldexp(1.0, int(sb[ob, group]) - E8M0_BIAS)) * acc_b
+            continue
         for j in range(np.uint64(0), np.uint64(b - a)):
             x_low, x_high = low[j], high[j]
             byte_a, byte_b = values_a[j], values_b[j]
             acc_a += _low_nibble(byte_a) * x_low + _high_nibble(byte_a) * x_high
             acc_b += _low_nibble(byte_b) * x_low + _high_nibble(byte_b) * x_high
+        symmetric = np.float32(INT4_SYMMETRIC_ZERO)
+        z_a = np.float32(za[oa, group]) if za.shape[0] else symmetric
+        z_b = np.float32(zb[ob, group]) if zb.shape[0] else symmetric
+        group_sum = sums[t, group - first]
         total_a += sa[oa, group] * (acc_a - z_a * group_sum)
         total_b += sb[ob, group] * (acc_b - z_b * group_sum)
     return total_a, total_b
@@ -387,9 +460,9 @@ def grouped_expert_kernel(kind, gate, gate_scale, gate_zero, gate_rows, gate_col
     hidden = y.shape[1]
     rows = last - first
     xs = _paired(kind, x, 0, width)  # [n, H], or int4's and mxfp4's [n, 2 ceil(H / 2)]
-    if kind == INT4 and n < DIRECT_INT4_TOKENS:  # decode-sized: rows times the tokens straight from their codes
-        _int4_few_tokens(gate, gate_scale, gate_zero, gate_cols, up, up_scale, up_zero, up_cols, down, down_scale,
-                         down_zero, down_cols, gate_bias, up_bias, activation, xs, width, first, last, h, y, threads)
+    if kind != FP8_CODES and n < DIRECT_CODE_TOKENS:  # decode-sized: rows times the tokens straight from the codes
+        _few_tokens(kind, gate, gate_scale, gate_zero, gate_cols, up, up_scale, up_zero, up_cols, down, down_scale,
+                    down_zero, down_cols, gate_bias, up_bias, activation, xs, width, first, last, h, y, threads)
         return
     chunks = max(1, min(rows, threads * CHUNKS_PER_THREAD))
     for chunk in numba.prange(chunks):
@@ -416,11 +489,11 @@ def grouped_expert_kernel(kind, gate, gate_scale, gate_zero, gate_rows, gate_col
 
 
 @jit(inline="always", fastmath=FASTMATH)
-def _int4_few_tokens(gate, gate_scale, gate_zero, gate_cols, up, up_scale, up_zero, up_cols, down, down_scale,
-                     down_zero, down_cols, gate_bias, up_bias, activation, xs, width, first, last, h, y, threads):
-    """grouped_expert_kernel for int4 experts and fewer than DIRECT_INT4_TOKENS paired tokens xs [n, 2 ceil(H /
-    2)] (H = width): each row times each token straight from its codes (_int4_dots), the row's bytes in L1 after
-    the first token."""
+def _few_tokens(kind, gate, gate_scale, gate_zero, gate_cols, up, up_scale, up_zero, up_cols, down, down_scale,
+                down_zero, down_cols, gate_bias, up_bias, activation, xs, width, first, last, h, y, threads):
+    """grouped_expert_kernel for int4 or mxfp4 experts (`kind`) and fewer than DIRECT_CODE_TOKENS paired tokens xs
+    [n, 2 ceil(H / 2)] (H = width): each row times each token straight from its codes (_code_dots), the row's
+    bytes in L1 after the first token."""
     n = xs.shape[0]
     hidden = y.shape[1]
     rows = last - first
@@ -431,17 +504,17 @@ def _int4_few_tokens(gate, gate_scale, gate_zero, gate_cols, up, up_scale, up_ze
         for o in range(first + chunk * rows // chunks, first + (chunk + 1) * rows // chunks):
             for t in range(n):
                 if up_cols == gate_cols:  # gate and up rows o in one pass over the token
-                    gv, uv = _int4_dots(gate, gate_scale, gate_zero, o, up, up_scale, up_zero, o, 0, width, gate_cols,
-                                        xs, t, gate_sums)
+                    gv, uv = _code_dots(kind, gate, gate_scale, gate_zero, o, up, up_scale, up_zero, o, 0, width,
+                                        gate_cols, xs, t, gate_sums)
                 else:
-                    gv = _int4_dots(gate, gate_scale, gate_zero, o, gate, gate_scale, gate_zero, o, 0, width,
+                    gv = _code_dots(kind, gate, gate_scale, gate_zero, o, gate, gate_scale, gate_zero, o, 0, width,
                                     gate_cols, xs, t, gate_sums)[0]
-                    uv = _int4_dots(up, up_scale, up_zero, o, up, up_scale, up_zero, o, 0, width, up_cols, xs, t,
-                                    up_sums)[0]
+                    uv = _code_dots(kind, up, up_scale, up_zero, o, up, up_scale, up_zero, o, 0, width, up_cols, xs,
+                                    t, up_sums)[0]
                 gb = gate_bias[o] if gate_bias.shape[0] else np.float32(0.0)
                 ub = up_bias[o] if up_bias.shape[0] else np.float32(0.0)
                 h[t, o - first] = gated(gv + gb, uv + ub, activation)
-    hs = _paired(INT4, h, first, last)  # [n, 2 ceil(...)]: the intermediate rows in int4's pairs
+    hs = _paired(kind, h, first, last)  # [n, 2 ceil(...)]: the intermediate rows in pairs of columns
     down_sums = _group_sums(hs, first, last, down_cols)
     pairs = (hidden + 1) // 2  # down rows two at a time (the last one with itself when hidden is odd)
     chunks = max(1, min(pairs, threads * CHUNKS_PER_THREAD))
@@ -450,5 +523,5 @@ def _int4_few_tokens(gate, gate_scale, gate_zero, gate_cols, up, up_scale, up_ze
             o = 2 * p
             o2 = min(o + 1, hidden - 1)
             for t in range(n):
-                y[t, o], y[t, o2] = _int4_dots(down, down_scale, down_zero, o, down, down_scale, down_zero, o2, first,
+                y[t, o], y[t, o2] = _code_dots(kind, down, down_scale, down_zero, o, down, down_scale, down_zero, o2, first,
                                                last, down_cols, hs, t, down_sums)
