@@ -18,7 +18,7 @@ from colibri_stream.backends.numpy_backend import NumpyBackend
 from colibri_stream.checkpoint import (NUMPY_DTYPES, ModelFolder, default_model_path, expert_block_layout, read_config,
                                        write_config)
 from colibri_stream.cli import main
-from colibri_stream.errors import CheckpointError, ColibriError, UnsupportedModelError
+from colibri_stream.errors import CheckpointError, ColibriError
 from colibri_stream.expert_codecs import (FP8_BLOCK, Fp8Codec, Int4Codec, Int8Codec, Mxfp4Codec, PlainCodec,
                                            codec_of, dequantize_expert)
 from colibri_stream.experts.cpu_executor import CpuExpertExecutor, numba, numpy_expert
