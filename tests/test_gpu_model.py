@@ -24,7 +24,6 @@ if not cupy.cuda.is_available():
     pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
 
 from colibri_stream.cuda_graph import DecodeGraph  # noqa: E402
-from colibri_stream.errors import UnsupportedModelError  # noqa: E402
 from colibri_stream.export import export_model  # noqa: E402
 from colibri_stream.llm import LLM  # noqa: E402
 from colibri_stream.loader import load_model  # noqa: E402
