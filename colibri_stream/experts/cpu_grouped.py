@@ -276,6 +276,48 @@ if numba is not None:
 
     _int4_pair_groups, _mxfp4_pair_groups = _pair_groups(False), _pair_groups(True)
 
+    @intrinsic
+    def _mxfp4_decode_blocks(typingctx, row, scales, first_block, blocks, low, high):
+        """mxfp4 blocks b = first_block .. first_block + blocks - 1 of a row (uint8 codes, 16 bytes a block, each
+        byte an even column in its low nibble and the next in its high one; scales: the row's e8m0 exponent bytes,
+        read as uint8 whatever their dtype, since a kernel compiled for other formats' scales compiles this call
+        too) as float32 values: the low nibbles of the block's bytes to low[16 (b - first_block) ..], the high ones
+        to high[...], in vector code (a table lookup of 16 codes at once, `_e2m1_doubled`). The arrays are
+        C-contiguous and one-dimensional."""
+        if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (row, scales, low, high)):
+            return None
+        if row.dtype != types.uint8 or low.dtype != types.float32 or high.dtype != types.float32:
+            return None
+        signature = types.void(row, scales, types.int64, types.int64, low, high)
+
+        def codegen(context, builder, sig, args):
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            byte_vector = ir.VectorType(ir.IntType(8), VECTOR_BYTES)
+            float_vector = ir.VectorType(ir.FloatType(), VECTOR_BYTES)
+            codes, exponents, low_out, high_out = (context.make_array(sig.args[k])(context, builder, args[k]).data
+                                                   for k in (0, 1, 4, 5))
+            first, count = args[2], args[3]
+            low_mask, four = ir.Constant(byte_vector, [15] * VECTOR_BYTES), ir.Constant(byte_vector, [4] * VECTOR_BYTES)
+            zeros = ir.Constant(float_vector, [0.0] * VECTOR_BYTES)
+            broadcast = ir.Constant(ir.VectorType(i32, VECTOR_BYTES), [0] * VECTOR_BYTES)
+            with cgutils.for_range(builder, count) as loop:
+                block = builder.add(first, loop.index)
+                at = builder.mul(block, ir.Constant(i64, VECTOR_BYTES))
+                out_at = builder.mul(loop.index, ir.Constant(i64, VECTOR_BYTES))
+                packed = builder.load(builder.bitcast(builder.gep(codes, [at]), byte_vector.as_pointer()), align=1)
+                exponent = context.cast(builder, builder.load(builder.gep(exponents, [block])), sig.args[1].dtype,
+                                        types.uint8)
+                scale = _e8m0_half_scale(builder, exponent)
+                scale = builder.shuffle_vector(builder.insert_element(zeros, scale, ir.Constant(i32, 0)), zeros,
+                                               broadcast)
+                for nibbles, out in ((builder.and_(packed, low_mask), low_out), (builder.lshr(packed, four), high_out)):
+                    values = builder.fmul(_e2m1_doubled(builder, nibbles), scale)
+                    builder.store(values, builder.bitcast(builder.gep(out, [out_at]), float_vector.as_pointer()),
+                                  align=4)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
 FP8_BIAS = np.float32(2.0**120)  # 2**(127 - 7): float32's exponent bias less e4m3's
 
 
@@ -291,7 +333,15 @@ def _decode_row(kind, w, scale, zero, rows_per_scale, cols_per_scale, o, c0, c1,
     if kind == MXFP4:
         j0, j1 = c0 >> 1, (c1 + 1) >> 1
         nb, per_block = j1 - j0, cols_per_scale >> 1
+        whole_first, whole_end = (j0 + per_block - 1) // per_block, j1 // per_block  # blocks inside j0 .. j1 - 1
+        vector = numba is not None and per_block == VECTOR_BYTES and whole_end > whole_first
+        if vector:
+            at = whole_first * per_block - j0
+            _mxfp4_decode_blocks(row, scale[scale_row], whole_first, whole_end - whole_first, buf[at:nb],
+                                 buf[nb + at:])
         for block in range(j0 // per_block, (j1 - 1) // per_block + 1):
+            if vector and whole_first <= block < whole_end:
+                continue
             a, b = max(j0, block * per_block), min(j1, (block + 1) * per_block)
             # 2**(byte - 127), exact in float32 (2**-127 a subnormal); the NaN byte never reaches a kernel
             s = np.float32(math.ldexp(1.0, int(scale[scale_row, block]) - E8M0_BIAS))
