@@ -29,12 +29,14 @@ from .jit import CHUNKS_PER_THREAD, FASTMATH, gated, jit, numba
 
 INT4, FP8_CODES, MXFP4 = 0, 1, 2  # `kind`: how a row's bytes hold its values
 CHANNEL_COLUMNS = 1 << 30  # cols_per_scale of a per-row scale: every column of a row shares it
-# Below this many tokens int4 and mxfp4 rows multiply the tokens straight from their codes (a group's sum of code
-# values times the token, less int4's zero point times the token's group sum); from it on a decoded float32 row
+# Below these many tokens int4 and mxfp4 rows multiply the tokens straight from their codes (a group's sum of code
+# values times the token, less int4's zero point times the token's group sum); from them on a decoded float32 row
 # serves four tokens at a time. Ad-hoc timings of CpuExpertExecutor.run on two threads, straight from the codes
 # against decoded (docs/CPU_EXPERTS.md): a Mixtral-shaped int4 expert 17.8 / 41.5 ms at 2 tokens, 58 / 127 at 8,
-# 152 / 154 at 16; a gpt-oss-shaped mxfp4 one 6.2 / 26 ms at 2 tokens, 25 / 22-33 at 8, 50 / 28-40 at 16.
-DIRECT_CODE_TOKENS = 8
+# 152 / 154 at 16; a gpt-oss-shaped mxfp4 one (its rows decoded in vector code too) 2.9 / 3.2-5.9 ms at 2 tokens,
+# 12.7-13.0 / 4.3-5.1 at 4.
+DIRECT_INT4_TOKENS = 8
+DIRECT_MXFP4_TOKENS = 3
 # Bytes of int4 codes one step of _int4_pair_groups' vector code takes (32 weights: two vectors of 16 float32 lanes,
 # one AVX-512 register each; two AVX2 registers or four NEON ones where the CPU has narrower vectors).
 VECTOR_BYTES = 16
@@ -510,7 +512,8 @@ def grouped_expert_kernel(kind, gate, gate_scale, gate_zero, gate_rows, gate_col
     hidden = y.shape[1]
     rows = last - first
     xs = _paired(kind, x, 0, width)  # [n, H], or int4's and mxfp4's [n, 2 ceil(H / 2)]
-    if kind != FP8_CODES and n < DIRECT_CODE_TOKENS:  # decode-sized: rows times the tokens straight from the codes
+    direct = DIRECT_INT4_TOKENS if kind == INT4 else DIRECT_MXFP4_TOKENS if kind == MXFP4 else 0
+    if n < direct:  # decode-sized: rows times the tokens straight from their codes
         _few_tokens(kind, gate, gate_scale, gate_zero, gate_cols, up, up_scale, up_zero, up_cols, down, down_scale,
                     down_zero, down_cols, gate_bias, up_bias, activation, xs, width, first, last, h, y, threads)
         return
@@ -541,7 +544,7 @@ def grouped_expert_kernel(kind, gate, gate_scale, gate_zero, gate_rows, gate_col
 @jit(inline="always", fastmath=FASTMATH)
 def _few_tokens(kind, gate, gate_scale, gate_zero, gate_cols, up, up_scale, up_zero, up_cols, down, down_scale,
                 down_zero, down_cols, gate_bias, up_bias, activation, xs, width, first, last, h, y, threads):
-    """grouped_expert_kernel for int4 or mxfp4 experts (`kind`) and fewer than DIRECT_CODE_TOKENS paired tokens xs
+    """grouped_expert_kernel for int4 or mxfp4 experts (`kind`) and fewer than DIRECT_*_TOKENS paired tokens xs
     [n, 2 ceil(H / 2)] (H = width): each row times each token straight from its codes (_code_dots), the row's
     bytes in L1 after the first token."""
     n = xs.shape[0]
