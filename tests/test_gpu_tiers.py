@@ -371,7 +371,9 @@ def test_gpt_oss_experts_in_gpu_slots_give_the_resident_tokens(quantize, cpu_exp
     """gpt-oss's biased clamped-SwiGLU experts in one GPU slot per layer: the slots' blocks hold the biases the MoE
     kernels add; misses copied ("off"), computed by the CPU thread's executor ("all") or by the CpuLayerWorker
     ("worker", its kernel taking experts of any size) with their biases and activation: the resident model's greedy
-    tokens, logits within 1e-5 of the largest. Nothing is cut (a part would need the down bias once)."""
+    tokens, logits within 1e-5 of the largest (mxfp4: 1e-4, the GPU kernel's activations in two int8 parts per
+    chunk against the CPU's float32, as tests/test_gpu_quant_experts.py allows). Nothing is cut (a part would need
+    the down bias once)."""
     from colibri_stream.export import export_model
 
     build_hf_model("gpt_oss", tmp_path / "hf", seed=5)
@@ -388,7 +390,7 @@ def test_gpt_oss_experts_in_gpu_slots_give_the_resident_tokens(quantize, cpu_exp
         store = tiered.store
     assert isinstance(store, GpuTieredStore) and not store._sliceable
     ids = prompt_ids()
-    assert relative_error(colibri_logits(tiered, ids), colibri_logits(resident, ids)) < 1e-5
+    assert relative_error(colibri_logits(tiered, ids), colibri_logits(resident, ids)) < (1e-4 if quantize else 1e-5)
     assert colibri_greedy(tiered, ids, NEW_TOKENS) == colibri_greedy(resident, ids, NEW_TOKENS)
     compute = store.stats().compute
     assert (compute.cpu_experts > 0) == (cpu_experts != "off") and compute.split_experts == 0
