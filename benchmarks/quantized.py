@@ -7,11 +7,12 @@ time (the 64 GB disk holds about one bf16 model folder and its GGUF copy), files
      offload at 0 % runs first, batch 1 and prefill (the reference of the quantized offload; `--no-bf16-offload`
      skips it, and it runs only where offload cases do);
   2. its bf16 GGUF (gguf_writer.write_gguf; not for mxfp4, below); the bf16 folder is deleted, then llama-quantize
-     writes one GGUF per llama format (int4: Q4_0, or `--llama-int4 Q4_K_M`; fp8 and int8: Q8_0; mxfp4: MXFP4_MOE) with every tensor
-     but the routed experts kept in bf16, as a Colibri folder keeps them (`--llama-dense quantized`:
-     llama-quantize's own choice for them), and the bf16 GGUF is deleted. Before the bf16 folder is written for
-     it, the folder and GGUF are predicted (long_context.py's folder_bytes, gguf_bytes): where both would not fit
-     the free space at once, no llama.cpp file is made (its records say why) and Colibri's cases run alone;
+     writes one GGUF per llama format (int4: Q4_0, or `--llama-int4 Q4_K_M`; fp8 and int8: Q8_0; mxfp4 with
+     `--llama-dense quantized`: MXFP4_MOE) with every tensor but the routed experts kept in bf16, as a Colibri
+     folder keeps them (`--llama-dense quantized`: llama-quantize's own choice for them), and the bf16 GGUF is
+     deleted. Before the bf16 folder is written for it, the folder and GGUF are predicted (long_context.py's
+     folder_bytes, gguf_bytes): where both would not fit the free space at once, no llama.cpp file is made (its
+     records say why) and Colibri's cases run alone;
   3. per format (`--formats`; int4: groups of `--group-size` input channels, symmetric unless `--zero-point`;
      fp8: a scale per 128x128 tile; mxfp4: e2m1 codes with an e8m0 exponent per 32 input channels), the Colibri
      folder of the same draws with quantized experts (write_synthetic_folder(expert_dtype=...)), then its cases

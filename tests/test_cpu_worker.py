@@ -1,8 +1,9 @@
 """The CPU expert worker (experts/cpu_worker.py): one compiled call per layer, handed over without the GIL.
 
 Its weighted sums match the NumPy reference for bf16, int8, float32, int4 and fp8 experts, whole and by row
-ranges, and for gpt-oss's experts (biases and the clamped SwiGLU) in bf16, int4 and mxfp4; it raises the flag word after writing the sum; it sleeps when idle and wakes for the next job; a failing job still
-ends (the flag is raised, `wait` raises).
+ranges, and for gpt-oss's experts (biases and the clamped SwiGLU) in bf16, int4 and mxfp4; it raises the flag word
+after writing the sum; it sleeps when idle and wakes for the next job; a failing job still ends (the flag is
+raised, `wait` raises).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from colibri_stream.experts import cpu_worker
 from colibri_stream.config import ClampedSwiglu
 from colibri_stream.expert_codecs import Fp8Codec, Int4Codec, Mxfp4Codec, PlainCodec, expert_bias_tensors
+from colibri_stream.experts import cpu_worker
 from colibri_stream.experts.cpu_executor import intermediate_rows, numpy_expert
 from colibri_stream.experts.jit import activation_of
 
@@ -56,7 +57,8 @@ def expert_blocks(dtype: str, rng: np.random.Generator) -> tuple[np.ndarray, lis
     return blocks, views
 
 
-def codec_blocks(codec, rng: np.random.Generator, biased: bool = False) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
+def codec_blocks(codec, rng: np.random.Generator,
+                 biased: bool = False) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
     """Blocks of random experts quantized by `codec`, its tensors 256-byte aligned as in experts.bin; `biased`:
     with float32 gate, up and down biases after them (gpt-oss's experts)."""
     layout = codec.expert_tensors(HIDDEN, INTER) + (expert_bias_tensors(HIDDEN, INTER) if biased else [])

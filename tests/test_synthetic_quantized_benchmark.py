@@ -5,8 +5,10 @@ end. With COLIBRI_LLAMA_BIN (a folder of llama-quantize, llama-batched-bench and
 benchmarks/build_llama_cpp.sh's targets serves) and COLIBRI_GGUF_PY (llama.cpp's gguf-py), llama.cpp runs too.
 
 mxfp4 on a tiny gpt-oss-like shape: its folders written with YaRN's truncate on (long_context.py's
-benchmark_config, as llama.cpp computes it), offload cases (and the bf16 offload) as any shape's, llama-quantize asked for MXFP4_MOE with the bf16 overrides (a stand-in llama-quantize that copies its input,
-when COLIBRI_GGUF_PY writes the bf16 GGUF), and decode-only runs (--gpu-fractions without values)."""
+benchmark_config, as llama.cpp computes it), offload cases (and the bf16 offload) as any shape's, its GGUF written
+from the mxfp4 folder (with COLIBRI_GGUF_PY; llama-quantize's MXFP4_MOE, a stand-in that copies its input, only with
+--llama-dense quantized), files prepared ahead (--prepare-only), and decode-only runs (--gpu-fractions without
+values)."""
 
 from __future__ import annotations
 

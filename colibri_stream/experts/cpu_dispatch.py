@@ -20,8 +20,8 @@ from ..checkpoint import ExpertFile
 from .block_sources import BlockSource
 from .cpu_executor import CpuExpertExecutor
 from .cpu_worker import CpuLayerWorker
-from .jit import activation_of
 from .handoff import HostFlag
+from .jit import activation_of
 from .pinned import pinned_empty
 from .step_plan import CpuJob, LayerPlan
 

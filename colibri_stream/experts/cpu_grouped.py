@@ -6,7 +6,7 @@ minus the group's zero point, low nibbles to the buffer's first half and high ni
 the same way, each nibble's e2m1 value from a table; fp8 bytes by shifting their bits into a float32's; times the
 scale of the group or tile, mxfp4's e8m0 exponent byte as its power of two), then multiplies it with the tokens,
 four at a time, laid out as the buffer is (`_paired`). One int4 or mxfp4 token (decode) skips the buffer: each
-row's codes multiply the token as they are (int4's codes, twice mxfp4's e2m1 values from the code's bits), per
+row's codes multiply the token as they are (int4's codes, twice mxfp4's e2m1 values by a table lookup), per
 group, two rows a pass (`_code_dots`; whole groups in vector code of our own, `_int4_pair_groups` and
 `_mxfp4_pair_groups`). Each weight byte is read once per call, and no float32
 copy of the expert is made. Every matrix is passed as a 2D uint8 view of its bytes, [out, stored bytes per row], with
@@ -31,10 +31,8 @@ INT4, FP8_CODES, MXFP4 = 0, 1, 2  # `kind`: how a row's bytes hold its values
 CHANNEL_COLUMNS = 1 << 30  # cols_per_scale of a per-row scale: every column of a row shares it
 # Below these many tokens int4 and mxfp4 rows multiply the tokens straight from their codes (a group's sum of code
 # values times the token, less int4's zero point times the token's group sum); from them on a decoded float32 row
-# serves four tokens at a time. Ad-hoc timings of CpuExpertExecutor.run on two threads, straight from the codes
-# against decoded (docs/CPU_EXPERTS.md): a Mixtral-shaped int4 expert 17.8 / 41.5 ms at 2 tokens, 58 / 127 at 8,
-# 152 / 154 at 16; a gpt-oss-shaped mxfp4 one (its rows decoded in vector code too) 2.9 / 3.2-5.9 ms at 2 tokens,
-# 12.7-13.0 / 4.3-5.1 at 4.
+# serves four tokens at a time. Where each path is the faster one, measured: docs/CPU_EXPERTS.md (mxfp4's rows are
+# decoded in vector code, so its decoded path wins sooner than int4's).
 DIRECT_INT4_TOKENS = 8
 DIRECT_MXFP4_TOKENS = 3
 # Bytes of int4 codes one step of _int4_pair_groups' vector code takes (32 weights: two vectors of 16 float32 lanes,
@@ -181,6 +179,12 @@ if numba is not None:
         bits = builder.select(builder.icmp_unsigned(">=", word, ir.Constant(i32, 2)), normal, subnormal)
         return builder.bitcast(bits, ir.FloatType())
 
+    def _splat(builder, value, vector_type):
+        """A scalar in every lane of a vector of `vector_type`."""
+        lanes = vector_type.count
+        first = builder.insert_element(ir.Constant(vector_type, [0.0] * lanes), value, ir.Constant(ir.IntType(32), 0))
+        return builder.shuffle_vector(first, first, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+
     def _pair_groups(mxfp4: bool):
         """The vector code of `_code_dots` for int4 codes, or for mxfp4's (`mxfp4`)."""
 
@@ -223,7 +227,6 @@ if numba is not None:
                 first, count, step_bytes, x_first, sums_first = args[11:16]
                 zeros = ir.Constant(float_vector, [0.0] * lanes)
                 low_mask, four = ir.Constant(byte_vector, [15] * lanes), ir.Constant(byte_vector, [4] * lanes)
-                broadcast = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
                 totals = [cgutils.alloca_once_value(builder, zeros) for _ in range(2)]
                 steps = builder.udiv(step_bytes, ir.Constant(i64, lanes))
                 zero_points = [_zero_points(context, builder, sig.args[k], args[k], args[k + 1]) for k in (4, 6)]
@@ -265,9 +268,7 @@ if numba is not None:
                             shift = builder.insert_element(zeros, builder.fmul(zero, group_sum), ir.Constant(i32, 0))
                             scale = context.cast(builder, stored, scales_type.dtype, types.float32)
                             shifted = builder.fsub(builder.load(codes_sum), shift, flags=_REASSOC)
-                        scale = builder.shuffle_vector(builder.insert_element(zeros, scale, ir.Constant(i32, 0)),
-                                                       zeros, broadcast)
-                        scaled = builder.fmul(shifted, scale, flags=_REASSOC)
+                        scaled = builder.fmul(shifted, _splat(builder, scale, float_vector), flags=_REASSOC)
                         builder.store(builder.fadd(builder.load(total), scaled, flags=_REASSOC), total)
                 results = [_vector_sum(builder, builder.load(total), lanes) for total in totals]
                 return context.make_tuple(builder, sig.return_type, results)
@@ -293,15 +294,13 @@ if numba is not None:
         signature = types.void(row, scales, types.int64, types.int64, low, high)
 
         def codegen(context, builder, sig, args):
-            i32, i64 = ir.IntType(32), ir.IntType(64)
+            i64 = ir.IntType(64)
             byte_vector = ir.VectorType(ir.IntType(8), VECTOR_BYTES)
             float_vector = ir.VectorType(ir.FloatType(), VECTOR_BYTES)
             codes, exponents, low_out, high_out = (context.make_array(sig.args[k])(context, builder, args[k]).data
                                                    for k in (0, 1, 4, 5))
             first, count = args[2], args[3]
             low_mask, four = ir.Constant(byte_vector, [15] * VECTOR_BYTES), ir.Constant(byte_vector, [4] * VECTOR_BYTES)
-            zeros = ir.Constant(float_vector, [0.0] * VECTOR_BYTES)
-            broadcast = ir.Constant(ir.VectorType(i32, VECTOR_BYTES), [0] * VECTOR_BYTES)
             with cgutils.for_range(builder, count) as loop:
                 block = builder.add(first, loop.index)
                 at = builder.mul(block, ir.Constant(i64, VECTOR_BYTES))
@@ -309,9 +308,7 @@ if numba is not None:
                 packed = builder.load(builder.bitcast(builder.gep(codes, [at]), byte_vector.as_pointer()), align=1)
                 exponent = context.cast(builder, builder.load(builder.gep(exponents, [block])), sig.args[1].dtype,
                                         types.uint8)
-                scale = _e8m0_half_scale(builder, exponent)
-                scale = builder.shuffle_vector(builder.insert_element(zeros, scale, ir.Constant(i32, 0)), zeros,
-                                               broadcast)
+                scale = _splat(builder, _e8m0_half_scale(builder, exponent), float_vector)
                 for nibbles, out in ((builder.and_(packed, low_mask), low_out), (builder.lshr(packed, four), high_out)):
                     values = builder.fmul(_e2m1_doubled(builder, nibbles), scale)
                     builder.store(values, builder.bitcast(builder.gep(out, [out_at]), float_vector.as_pointer()),
@@ -325,6 +322,13 @@ FP8_BIAS = np.float32(2.0**120)  # 2**(127 - 7): float32's exponent bias less e4
 
 # Inner loops run over np.uint64 indices: with a signed index numba checks for negative (wrap-around) indices,
 # which stops LLVM vectorising the loop (as in cpu_executor's kernel).
+@jit(inline="always")
+def _e8m0(byte):
+    """An mxfp4 exponent byte as its scale 2**(byte - 127), exact in float32 (2**-127 a subnormal); the NaN byte
+    never reaches a kernel."""
+    return np.float32(math.ldexp(1.0, int(byte) - E8M0_BIAS))
+
+
 @jit(inline="always", fastmath=FASTMATH)
 def _decode_row(kind, w, scale, zero, rows_per_scale, cols_per_scale, o, c0, c1, buf):
     """Weight row o over columns c0 .. c1 - 1 as float32 in buf, laid out as `_paired` lays out the tokens:
@@ -345,8 +349,7 @@ def _decode_row(kind, w, scale, zero, rows_per_scale, cols_per_scale, o, c0, c1,
             if vector and whole_first <= block < whole_end:
                 continue
             a, b = max(j0, block * per_block), min(j1, (block + 1) * per_block)
-            # 2**(byte - 127), exact in float32 (2**-127 a subnormal); the NaN byte never reaches a kernel
-            s = np.float32(math.ldexp(1.0, int(scale[scale_row, block]) - E8M0_BIAS))
+            s = _e8m0(scale[scale_row, block])
             values, low, high = row[a:b], buf[a - j0:], buf[nb + a - j0:]
             for j in range(np.uint64(0), np.uint64(b - a)):
                 byte = values[j]
@@ -484,8 +487,8 @@ def _code_dots(kind, wa, sa, za, oa, wb, sb, zb, ob, c0, c1, cols_per_scale, xs,
                 byte_a, byte_b = values_a[j], values_b[j]
                 acc_a += E2M1[byte_a & 15] * low[j] + E2M1[byte_a >> 4] * high[j]
                 acc_b += E2M1[byte_b & 15] * low[j] + E2M1[byte_b >> 4] * high[j]
-            total_a += np.float32(math.ldexp(1.0, int(sa[oa, group]) - E8M0_BIAS)) * acc_a
-            total_b += np.float32(math.ldexp(1.0, int(sb[ob, group]) - E8M0_BIAS)) * acc_b
+            total_a += _e8m0(sa[oa, group]) * acc_a
+            total_b += _e8m0(sb[ob, group]) * acc_b
             continue
         for j in range(np.uint64(0), np.uint64(b - a)):
             x_low, x_high = low[j], high[j]
@@ -576,5 +579,5 @@ def _few_tokens(kind, gate, gate_scale, gate_zero, gate_cols, up, up_scale, up_z
             o = 2 * p
             o2 = min(o + 1, hidden - 1)
             for t in range(n):
-                y[t, o], y[t, o2] = _code_dots(kind, down, down_scale, down_zero, o, down, down_scale, down_zero, o2, first,
-                                               last, down_cols, hs, t, down_sums)
+                y[t, o], y[t, o2] = _code_dots(kind, down, down_scale, down_zero, o, down, down_scale, down_zero, o2,
+                                               first, last, down_cols, hs, t, down_sums)

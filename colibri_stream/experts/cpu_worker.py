@@ -6,10 +6,11 @@ executor's kernel, every layer (benchmarks/offload_timeline.py times both). Here
 loop that holds no GIL: it spins on a doorbell word, reads the job from a table of
 int64 words (the addresses of the layer's tokens, routing, output and of each expert's pinned block, and the row
 range the CPU computes), runs the executor's kernel (cpu_executor.expert_kernel, or cpu_grouped's for the formats
-with group scales) for each expert over the tokens routed to it, with the experts' biases and gated activation
-where they have them (gpt-oss), adds the result times the routing weight into the output, then raises the CUDA stream's flag
-(handoff.HostFlag) and the done word, waking the thread that waits for it (a futex on Linux). After SPIN_SECONDS
-with no job it leaves the loop and sleeps on a threading.Event, so an idle server does not keep a core busy.
+with group scales) for each expert over the tokens routed to it, with the experts' biases and gated activation where
+they have them (gpt-oss), adds the result times the routing weight into the output, then raises the CUDA stream's
+flag (handoff.HostFlag) and the done word, waking the thread that waits for it (a futex on Linux). After
+SPIN_SECONDS with no job it leaves the loop and sleeps on a threading.Event, so an idle server does not keep a core
+busy.
 
 `CpuLayerWorker.serves(executor, tensors)` says whether a worker over that executor's kernel computes experts like
 `tensors` (else the caller runs the executor expert by expert). Blocks must be in host memory for the whole job:
@@ -335,9 +336,9 @@ class CpuLayerWorker:
 
     tensors: one expert's tensors as `ExpertFile.unpack` gives them from `block` (their offsets in a block and
     shapes are the same for every block; biases where the experts have them). threads: the kernel's threads.
-    activation: the experts' gated activation (jit.SILU, or jit.activation_of a clamped SwiGLU). `expert_bytes`: the weight bytes of one
-    expert. `wait` returns a job's seconds; counting them is the caller's. The thread stops with `close` or when
-    the worker is collected.
+    activation: the experts' gated activation (jit.SILU, or jit.activation_of a clamped SwiGLU). `expert_bytes`: the
+    weight bytes of one expert. `wait` returns a job's seconds; counting them is the caller's. The thread stops with
+    `close` or when the worker is collected.
     """
 
     def __init__(self, tensors: dict[str, np.ndarray], block: np.ndarray, threads: int, activation: tuple = SILU):
