@@ -685,8 +685,10 @@ def prepare_shape(args, spec: str) -> None:
 
 def ensure_folder_if_free(path: Path, estimate: float, shape: str, layers: int, options: dict) -> None:
     """ensure_shape_folder, refused (OSError) where `estimate` bytes and 2 GB to spare are not free."""
-    if not (path / "config.json").is_file():
-        require_free(path.parent, estimate + 2e9, f"{path.name}")
+    from colibri_stream.checkpoint import CONFIG_FILE
+
+    if not (path / CONFIG_FILE).is_file():
+        require_free(path.parent, estimate + 2e9, path.name)
     ensure_shape_folder(path, shape, layers, **options)
 
 
