@@ -1,8 +1,9 @@
-"""benchmarks/quantized.py's files and records on the CPU, on a tiny Mixtral-like shape: the bf16 folder, its GGUF
-and the quantized GGUFs (when llama.cpp's tools are given), the quantized Colibri folders, one record per case with
-the Colibri side failing as it does without a GPU (its error recorded, the run going on), every file deleted at the
-end. With COLIBRI_LLAMA_BIN (a folder of llama-quantize, llama-batched-bench and llama-bench, a CPU build of
-benchmarks/build_llama_cpp.sh's targets serves) and COLIBRI_GGUF_PY (llama.cpp's gguf-py), llama.cpp runs too.
+"""benchmarks/quantized.py's files (quantized_files.py) and records on the CPU, on a tiny Mixtral-like shape: the
+bf16 folder, its GGUF and the quantized GGUFs (when llama.cpp's tools are given), the quantized Colibri folders, one
+record per case with the Colibri side failing as it does without a GPU (its error recorded, the run going on), every
+file deleted at the end. With COLIBRI_LLAMA_BIN (a folder of llama-quantize, llama-batched-bench and llama-bench,
+a CPU build of benchmarks/build_llama_cpp.sh's targets serves) and COLIBRI_GGUF_PY (llama.cpp's gguf-py), llama.cpp
+runs too.
 
 mxfp4 on a tiny gpt-oss-like shape: its folders written with YaRN's truncate on (long_context.py's
 benchmark_config, as llama.cpp computes it), offload cases (and the bf16 offload) as any shape's, its GGUF written
@@ -59,6 +60,12 @@ def quantized(monkeypatch):
     monkeypatch.setattr(module, "check_gpu_runs", no_gpu)
     monkeypatch.setattr(pinned, "PinnedExperts", HostExperts)
     return module
+
+
+@pytest.fixture
+def quantized_files(quantized):
+    """benchmarks/quantized_files.py, which makes quantized.py's files (imported by it)."""
+    return sys.modules["quantized_files"]
 
 
 class HostExperts:
@@ -226,12 +233,12 @@ def test_mxfp4_of_a_gpt_oss_shape(quantized, tmp_path):
     assert not synthetic.shape_config("tiny-gpt-oss", 2).rope.truncate  # the published shape's, which it is not
 
 
-def test_the_bf16_folder_of_a_gpt_oss_shape_is_what_the_gguf_writer_writes(quantized, tmp_path):
+def test_the_bf16_folder_of_a_gpt_oss_shape_is_what_the_gguf_writer_writes(quantized_files, tmp_path):
     """The bf16 folder quantized.py writes of a gpt-oss shape is refused by nothing in gguf_writer (the published
     YaRN without truncate is); with COLIBRI_GGUF_PY its GGUF is written too."""
     import gguf_writer
 
-    folder = quantized.ensure_shape_folder(tmp_path / "bf16", "tiny-gpt-oss", 2)
+    folder = quantized_files.ensure_shape_folder(tmp_path / "bf16", "tiny-gpt-oss", 2)
     config = ModelFolder(folder).config
     arch = gguf_writer.ARCHITECTURES[config.architecture]
     assert config.rope.truncate and gguf_writer.unwritable(config, arch) == []
@@ -289,11 +296,12 @@ def test_mxfp4_with_quantized_dense_tensors_goes_through_llama_quantize(quantize
     assert list((tmp_path / "files").iterdir()) == []
 
 
-def test_llama_files_are_not_made_where_the_bf16_pair_does_not_fit(quantized, tmp_path, monkeypatch):
+def test_llama_files_are_not_made_where_the_bf16_pair_does_not_fit(quantized, quantized_files, tmp_path,
+                                                                   monkeypatch):
     """A bf16 folder and GGUF predicted past the free space: no bf16 folder is written and llama.cpp's records say
     why; Colibri's cases run."""
     (tmp_path / "gguf-py" / "gguf").mkdir(parents=True)
-    monkeypatch.setattr(quantized, "folder_bytes", lambda config: 10**15)
+    monkeypatch.setattr(quantized_files, "folder_bytes", lambda config: 10**15)
     llama_bin = fake_llama_bin(tmp_path / "bin")
     records = run_gpt_oss(quantized, tmp_path, "--gpu-fractions", "--llama-bin", str(llama_bin), "--gguf-py",
                           str(tmp_path / "gguf-py"), "--llama-dense", "quantized")
@@ -303,18 +311,20 @@ def test_llama_files_are_not_made_where_the_bf16_pair_does_not_fit(quantized, tm
     assert "bf16_folder_s" not in records[0]["preparation"]
 
 
-def test_disk_predictions_of_gpt_oss_20b(quantized, tmp_path, monkeypatch):
+def test_disk_predictions_of_gpt_oss_20b(quantized_files, tmp_path, monkeypatch):
     """gpt-oss-20b's bf16 folder and GGUF at once: 83.7 GB at 24 layers, past a 64 GB disk; 50.8 GB at 14 layers.
     Its MXFP4_MOE GGUF with bf16 dense tensors: about 13.8 GB at 24 layers."""
     usage = types.SimpleNamespace(free=60e9, used=0.0)
-    monkeypatch.setattr(quantized, "shutil", types.SimpleNamespace(disk_usage=lambda root: usage,
-                                                                   rmtree=shutil.rmtree))
-    config = quantized.benchmark_config("gpt-oss-20b", 24)
+    monkeypatch.setattr(quantized_files, "shutil", types.SimpleNamespace(disk_usage=lambda root: usage,
+                                                                         rmtree=shutil.rmtree))
+    config = quantized_files.benchmark_config("gpt-oss-20b", 24)
     assert config.rope.truncate
-    refusal = quantized.bf16_pair_refusal(quantized.ShapeFiles(tmp_path, "gpt-oss-20b", 24, "bf16"), config)
+    files = quantized_files.ShapeFiles(tmp_path, "gpt-oss-20b", 24, "bf16")
+    refusal = quantized_files.bf16_pair_refusal(files, config)
     assert refusal.startswith("the bf16 folder and GGUF need about 83.7 GB more at once, 60.0 GB free")
-    small = quantized.benchmark_config("gpt-oss-20b", 14)
-    assert quantized.bf16_pair_refusal(quantized.ShapeFiles(tmp_path, "gpt-oss-20b", 14, "bf16"), small) is None
-    bf16 = quantized.gguf_bytes(config)
-    assert quantized.quantized_gguf_bytes(bf16, config, "MXFP4_MOE", "bf16") == pytest.approx(13.8e9, rel=0.01)
-    assert quantized.LLAMA_BITS["MXFP4_MOE"] == 4.25
+    small = quantized_files.benchmark_config("gpt-oss-20b", 14)
+    files = quantized_files.ShapeFiles(tmp_path, "gpt-oss-20b", 14, "bf16")
+    assert quantized_files.bf16_pair_refusal(files, small) is None
+    bf16 = quantized_files.gguf_bytes(config)
+    assert quantized_files.quantized_gguf_bytes(bf16, config, "MXFP4_MOE", "bf16") == pytest.approx(13.8e9, rel=0.01)
+    assert quantized_files.LLAMA_BITS["MXFP4_MOE"] == 4.25
