@@ -62,7 +62,7 @@ class DecodeGraph:
         import cupy
         import cupyx
 
-        if not model.backend.captures(model.config):
+        if not model.backend.captures(model.config, kv_cache.dtype):
             raise ValueError(f"the {model.backend.name} backend does not capture CUDA graphs of this model")
         self.model, self.kv_cache = model, kv_cache
         self.batch_size, self.max_blocks = batch_size, max_blocks
@@ -221,8 +221,8 @@ class DecodeGraphs:
         self.feedback = cupy.zeros((self.sizes[-1],), np.int64)  # [max_batch_size] the last step's argmaxes
 
     @staticmethod
-    def usable(model: MoETransformer) -> bool:
-        return model.backend.captures(model.config) and model.store.capturable
+    def usable(model: MoETransformer, kv_cache: PagedKVCache) -> bool:
+        return model.backend.captures(model.config, kv_cache.dtype) and model.store.capturable
 
     def fits(self, batch: ForwardBatch) -> bool:
         return (batch.num_seqs <= self.sizes[-1] and batch.block_tables.shape[1] <= self.max_blocks

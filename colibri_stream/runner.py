@@ -76,7 +76,7 @@ class ModelRunner:
         if cuda_graphs and max_blocks_per_seq is not None and max_batch_size is not None:
             from .cuda_graph import DecodeGraphs
 
-            if DecodeGraphs.usable(model):
+            if DecodeGraphs.usable(model, kv_cache):
                 self.graphs = DecodeGraphs(model, kv_cache, max_blocks_per_seq, max_batch_size)
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:

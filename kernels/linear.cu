@@ -15,6 +15,15 @@
 //   from L2.
 //   For decode-sized T (the backend uses it up to SMALL_BATCH tokens, and for every T inside a CUDA graph).
 //
+// per_head_rows<W, TT>: each head through its own matrix (Multi-head Latent Attention's up-projections):
+//   out[t, h, o] = x[t, h, :] . w[h, o, :], accumulated in float32.
+//   x      float32, row (t, h) at x + t * x_token + h * x_head (In contiguous floats, 16-byte aligned)
+//   w      W [H, Out, In] contiguous, In a multiple of Vec<W>::N
+//   out    float32 [T, H, Out]
+//   block: LINEAR_WARPS * 32 threads, HEAD_TEAM lanes a row: LINEAR_WARPS * 32 / HEAD_TEAM rows of head
+//   blockIdx.y for a tile of TT tokens; grid: (ceil(T / TT) * ceil(Out / HEAD_ROWS), H), the token tile varying
+//   fastest. For decode-sized T (the backend takes it up to SMALL_BATCH tokens, and for every T inside a CUDA graph).
+//
 // to_storage<W>: y[i] = W(x[i]) (round to nearest even), x float32 [n], y W [n].
 //   grid.x: ceil(n / 256), block: 256.
 //
@@ -83,6 +92,43 @@ linear_rows(const float* __restrict__ x, int T, int In,
             for (int k = 0; k < LINEAR_WARPS; ++k) s += partial[k][r][j];
             out[static_cast<long long>(t0 + j) * Out + row] = s;
         }
+    }
+}
+
+constexpr int HEAD_TEAM = 16;  // lanes on one row of per_head_rows
+constexpr int HEAD_ROWS = LINEAR_WARPS * 32 / HEAD_TEAM;
+
+template <typename W, int TT>
+__global__ void __launch_bounds__(LINEAR_WARPS * 32)
+per_head_rows(const float* __restrict__ x, long long x_token, long long x_head, const W* __restrict__ w,
+              float* __restrict__ out, int T, int heads, int In, int Out) {
+    constexpr int V = Vec<W>::N;
+    const int tiles = (T + TT - 1) / TT;
+    const int tile = blockIdx.x % tiles, h = blockIdx.y;
+    const int row = (blockIdx.x / tiles) * HEAD_ROWS + threadIdx.x / HEAD_TEAM;
+    const int member = threadIdx.x % HEAD_TEAM;  // this lane's place on its row
+    const int t0 = tile * TT, n = min(TT, T - t0);
+    const W* w_row = w + (static_cast<long long>(h) * Out + min(row, Out - 1)) * In;
+    pdl_wait();
+    float acc[TT] = {};
+    for (int c = member * V; c < In; c += HEAD_TEAM * V) {
+        float wv[V];
+        Vec<W>::load(w_row + c, wv);
+#pragma unroll
+        for (int j = 0; j < TT; ++j) {
+            if (j < n) {
+                float xv[V];
+                load_floats<V>(x + (t0 + j) * x_token + h * x_head + c, xv);
+#pragma unroll
+                for (int v = 0; v < V; ++v) acc[j] = fmaf(wv[v], xv[v], acc[j]);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < TT; ++j) {
+#pragma unroll
+        for (int offset = HEAD_TEAM / 2; offset > 0; offset >>= 1) acc[j] += __shfl_xor_sync(FULL_MASK, acc[j], offset);
+        if (member == 0 && j < n && row < Out) out[(static_cast<long long>(t0 + j) * heads + h) * Out + row] = acc[j];
     }
 }
 

@@ -160,11 +160,15 @@ def translated(arch: str, **changes):
                                       "model.layers.0.mlp.e_score_correction_bias"}, "bfloat16", "bfloat16")
 
 
-def test_gpu_backend_runs_latent_attention_without_graphs():
-    """Latent attention takes cupy_latent.py's eager path: loaded, never captured in CUDA graphs."""
-    config = translated("deepseek_v3")
+def test_gpu_backend_captures_latent_attention_where_its_decode_kernel_takes_the_cache():
+    """Latent attention's decode steps are captured in CUDA graphs where latent_decode takes the cache: DeepSeek-V3's
+    widths (kv_lora_rank 512, rope 64) over a 16-bit or fp8 cache; other widths, or a float32 cache, run eagerly."""
+    config = translated("deepseek_v3", kv_lora_rank=512, qk_rope_head_dim=64)
     check_features(config, CupyBackend)
-    assert CupyBackend.attends_by_sequence(config) and not CupyBackend.attends_by_sequence(translated("glm4_moe"))
+    assert all(CupyBackend.captures(config, dtype) for dtype in ("bfloat16", "float16", "float8_e4m3"))
+    assert not CupyBackend.captures(config, "float32")
+    assert not CupyBackend.captures(translated("deepseek_v3", kv_lora_rank=256), "bfloat16")
+    assert CupyBackend.captures(translated("glm4_moe"), "float32")
     check_features(config, NumpyBackend)
 
 

@@ -72,4 +72,4 @@ def test_gpu_backend_takes_gpt_oss_in_every_expert_format(tmp_path):
     for quantized in (dict(expert_dtype="int8"), dict(expert_dtype="int4", expert_group_size=32),
                       dict(expert_dtype="fp8", expert_scales="block")):
         check_features(dataclasses.replace(config, **quantized), CupyBackend)
-    assert CupyBackend.captures(config)  # sinks in the attention kernels: decode steps captured in CUDA graphs
+    assert CupyBackend.captures(config, "bfloat16")  # sinks in the attention kernels: decode steps captured in CUDA graphs

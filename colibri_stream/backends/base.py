@@ -50,8 +50,9 @@ class Backend(ABC):
         return []
 
     @classmethod
-    def captures(cls, config: ModelConfig) -> bool:
-        """Whether decode steps of a model of `config` can be captured as CUDA graphs on this backend."""
+    def captures(cls, config: ModelConfig, kv_dtype: str) -> bool:
+        """Whether decode steps of a model of `config` over a KV cache of storage dtype `kv_dtype` can be captured
+        as CUDA graphs on this backend."""
         return cls.supports_graphs
 
     def max_tokens_in_stream_order(self, config: ModelConfig) -> int | None:
@@ -162,6 +163,14 @@ class Backend(ABC):
         R columns.
         """
         raise NotImplementedError(f"the {self.name} backend does not run Multi-head Latent Attention")
+
+    def latent_attention(self, query: Array, cache: Array, batch: ForwardBatch, device_batch: dict[str, Array],
+                         scale: float, kv_scale: float, rank: int) -> Array:
+        """Multi-head Latent Attention of query [T, Q, R + r] (latent_rope_write's) over the cache rows [R + r] as
+        keys and their first R values as values (read times kv_scale), scores scaled by `scale` -> [T, Q, R]:
+        `paged_attention` with the cache as keys and values, its latent part."""
+        return self.paged_attention(query, cache, cache, batch, device_batch, scale, None,
+                                    (kv_scale, kv_scale))[..., :rank]
 
     def per_head_linear(self, x: Array, weight: Array) -> Array:
         """x [T, H, In], weight [H, Out, In] -> [T, H, Out]: each head through its own matrix."""

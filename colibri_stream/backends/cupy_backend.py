@@ -41,7 +41,7 @@ from .cupy_flash_attention import (DECODE_THREADS, FLASH_FILE, FLASH_THREADS, Fl
                                    decode_shared_bytes, flash_attention_launch,
                                    takes_flash_attention, takes_flash_decode)
 from .cupy_expert_gemm import min_gemm_pairs
-from .cupy_latent import KvRows, latent_rope_write, per_head_linear
+from .cupy_latent import KvRows, latent_attention, latent_rope_write, per_head_linear, takes_latent_decode
 from .cupy_launch import (NULL, FAMILIES, ceil_div, check_row_width, launch, smallest_tile, storage_type,
                           to_device_storage)
 from .cupy_moe import DeviceExpertStore, routed_experts
@@ -119,15 +119,10 @@ class CupyBackend(Backend):
         return missing
 
     @classmethod
-    def attends_by_sequence(cls, config: ModelConfig) -> bool:
-        """Whether the model's attention takes cupy_latent.py's path of CuPy operations, one sequence at a time
-        (latent attention)."""
-        return config.attention == "mla"
-
-    @classmethod
-    def captures(cls, config: ModelConfig) -> bool:
-        """Not where attention goes a sequence at a time: that reads the batch on the host."""
-        return not cls.attends_by_sequence(config)
+    def captures(cls, config: ModelConfig, kv_dtype: str) -> bool:
+        """Latent attention's decode steps are captured where latent_decode takes the cache (cupy_latent.py);
+        every other model's always."""
+        return config.attention != "mla" or takes_latent_decode(config.kv_lora_rank, config.rotary_dim, kv_dtype)
 
     def __init__(self, matmul_precision: str = "high"):
         import cupy
@@ -147,7 +142,7 @@ class CupyBackend(Backend):
         # resets what it counted)
         self._route_counters = cupy.zeros(ROUTER_SPLIT_TOKENS, np.uint32)
         self._flash_tiles = FlashTileCache()
-        self._kv_rows = KvRows(cupy)  # cache rows widened for cupy_latent.py's path
+        self.kv_rows = KvRows(cupy)  # cache rows widened for the array operations' attention
         self._clock: CudaEventClock | None = None  # made on first use
 
     def max_tokens_in_stream_order(self, config: ModelConfig) -> int | None:
@@ -339,11 +334,14 @@ class CupyBackend(Backend):
     # ---- attention ----------------------------------------------------------------------------------------
     def latent_rope_write(self, q_latent, q_rope, latent, k_rope, cos, sin, positions, interleaved, cache,
                           slot_mapping, scale=1.0):
-        return latent_rope_write(self, q_latent, q_rope, latent, k_rope, cos, sin, positions, interleaved, cache,
+        return latent_rope_write(self.cp, q_latent, q_rope, latent, k_rope, cos, sin, positions, interleaved, cache,
                                  slot_mapping, scale)
 
+    def latent_attention(self, query, cache, batch: ForwardBatch, device_batch, scale, kv_scale, rank):
+        return latent_attention(self, query, cache, batch, device_batch, scale, kv_scale, rank)
+
     def per_head_linear(self, x, weight):
-        return per_head_linear(self.cp, self._kv_rows, x, weight)
+        return per_head_linear(self.cp, self.kv_rows, x, weight)
 
     def qk_norm_rope_write(self, q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, positions, key_cache,
                            value_cache, slot_mapping, kv_scales=(1.0, 1.0)):
@@ -385,9 +383,9 @@ class CupyBackend(Backend):
         Otherwise (short chunks, or head layouts or caches the other kernels do not take): paged_attention, a block
         per (token, query head). k_scale is folded into the score scale; the kernels multiply their outputs by
         v_scale."""
-        # cupy_latent.py's path (attends_by_sequence): latent attention's rows (one cache as keys and values)
-        if key_cache is value_cache or query.shape[2] > MAX_HEAD_DIM:
-            return paged_attention_rows(self.cp, self._kv_rows.widen, query, key_cache, value_cache, batch, scale,
+        # heads wider than the kernels take (sink logits' rows): array operations (cupy_latent.py's KvRows)
+        if query.shape[2] > MAX_HEAD_DIM:
+            return paged_attention_rows(self.cp, self.kv_rows.widen, query, key_cache, value_cache, batch, scale,
                                         sliding_window, kv_scales, sinks)
         query = self.cp.ascontiguousarray(query)
         sink_logits = self._sink_logits(sinks, query.shape[1])

@@ -1,10 +1,14 @@
-"""The CuPy backend's paths made of CuPy array operations, for what its kernels do not take: Multi-head Latent
-Attention (each head's up-projection, the rope parts and the cache rows [latent | rope key], attention over rows of
-kv_lora_rank + rope width) and attention with sink logits, both through sequence_attention.py.
+"""Multi-head Latent Attention on the GPU (DeepSeek-V3, Kimi K2), and the CuPy backend's attention from array
+operations for what its kernels do not take.
 
-These steps read the batch on the host, so a model that takes them runs every step eagerly, without CUDA graphs
-(`CupyBackend.captures`). Numerics as the NumPy backend's: float32 products of the weights and cache rows widened
-to float32 (`KvRows.widen`), rows rounded to the cache's dtype when written (`CupyBackend.from_float32`).
+Latent attention's decode steps run on kernels that read the batch on the device, so they are captured in CUDA
+graphs: each head's up-projection (linear.cu's per_head_rows, for decode-sized steps), the rope parts and the cache
+rows (latent_attention.cu's latent_rope_write), attention over the rows [latent | rope key] on tensor cores
+(latent_decode, its splits combined by attention.cu's paged_attention_merge). Prefill steps (several query tokens
+of a sequence) attend through sequence_attention.py's array operations, a sequence at a time, and large steps'
+up-projections are batched products of the widened weights; both read the batch on the host, outside graphs.
+`KvRows` widens cache rows of any storage dtype to float32 for those paths (and for sink logits' attention where
+a head is wider than the kernels take).
 """
 
 from __future__ import annotations
@@ -14,11 +18,39 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .rotary import rotate
+from ..batch import ForwardBatch
+from .cupy_launch import NULL, Array, ceil_div, launch, smallest_tile, storage_type
+from .sequence_attention import paged_attention_rows
+from .tuning import (LATENT_DECODE_BLOCKS_PER_SM, LATENT_DECODE_MAX_SPLITS, LATENT_DECODE_SHAPES,
+                     LATENT_DECODE_SPLIT_KEYS, MERGE_MAX_SPLITS, MERGE_THREADS, PER_HEAD_ROWS_MAX_TOKENS, TOKEN_TILES)
+
+LATENT_FILE = "latent_attention.cu"
+LATENT_DECODE_TYPES = ("bfloat16", "float16", "float8_e4m3")  # cache storage dtypes latent_decode takes
+LATENT_HEADS = 16  # = LATENT_HEADS in latent_attention.cu: query heads per block
+LATENT_THREADS = 128  # = LATENT_THREADS in latent_attention.cu
+LATENT_KEYS = 32  # = LATENT_KEYS in latent_attention.cu: keys per tile
+LATENT_STAGES = 2  # = LATENT_STAGES in latent_attention.cu
+FLASH_PAD = 8  # = FLASH_PAD in flash.cuh: elements of padding per shared row
+ROPE_HEADS = 8  # = ROPE_HEADS in latent_attention.cu: query heads per block of latent_rope_write
+HEAD_ROWS = 8  # = HEAD_ROWS in linear.cu: rows per block of per_head_rows
 
 # the storage dtype of a device array -> its name for CupyBackend.from_float32
 STORAGE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.uint16): "bfloat16", np.dtype(np.float16): "float16",
                  np.dtype(np.uint8): "float8_e4m3"}
+
+
+def takes_latent_decode(kv_lora_rank: int, rotary_dim: int, kv_dtype: str) -> bool:
+    """Whether latent_decode takes a decode step over a latent cache of these widths and storage dtype."""
+    return (kv_lora_rank, rotary_dim) in LATENT_DECODE_SHAPES and kv_dtype in LATENT_DECODE_TYPES
+
+
+def latent_shared_bytes(rank: int, rope: int, kv_itemsize: int) -> int:
+    """latent_decode's dynamic shared memory: tiles of LATENT_KEYS rows of rank + rope + FLASH_PAD 16-bit elements
+    (LATENT_STAGES of them; an fp8 cache: one, and LATENT_STAGES tiles of its bytes as copied)."""
+    tile = LATENT_KEYS * (rank + rope + FLASH_PAD) * 2
+    if kv_itemsize == 1:
+        return tile + LATENT_STAGES * LATENT_KEYS * (rank + rope)
+    return LATENT_STAGES * tile
 
 
 class KvRows:
@@ -46,24 +78,78 @@ class KvRows:
 
 
 def per_head_linear(cp: Any, rows: KvRows, x: Any, weight: Any) -> Any:
-    """x [T, H, In] float32, weight [H, Out, In] (a storage dtype) -> [T, H, Out]: each head through its own
-    matrix, one batched product."""
+    """x [T, H, In] float32 (rows of In contiguous floats), weight [H, Out, In] (a storage dtype) -> [T, H, Out]:
+    each head through its own matrix. Up to PER_HEAD_ROWS_MAX_TOKENS tokens, and inside a graph capture, one
+    launch of per_head_rows that reads x in place; otherwise one batched product of the widened weights."""
+    t, heads, n_in = x.shape
+    vector = 16 // np.dtype(weight.dtype).itemsize
+    token_stride, head_stride = (s // 4 for s in x.strides[:2])
+    in_place = (x.strides[2] == 4 and n_in % vector == 0 and x.data.ptr % 16 == 0 and token_stride % 4 == 0
+                and head_stride % 4 == 0)
+    capturing = cp.cuda.get_current_stream().is_capturing()
+    if in_place and (t <= PER_HEAD_ROWS_MAX_TOKENS or capturing):
+        n_out = weight.shape[1]
+        out = cp.empty((t, heads, n_out), np.float32)  # [T, H, Out]
+        tile = smallest_tile(t, TOKEN_TILES)
+        w = storage_type(weight)
+        launch("linear.cu", f"per_head_rows<{w}, {tile}>", (ceil_div(t, tile) * ceil_div(n_out, HEAD_ROWS), heads),
+               128, (x, np.int64(token_stride), np.int64(head_stride), weight, out, np.int32(t), np.int32(heads),
+                     np.int32(n_in), np.int32(n_out)), weight_type=w)
+        return out
     w = rows.widen(weight)  # [H, Out, In]
     return cp.ascontiguousarray(cp.matmul(x.transpose(1, 0, 2), w.transpose(0, 2, 1)).transpose(1, 0, 2))
 
 
-def latent_rope_write(backend: Any, q_latent: Any, q_rope: Any, latent: Any, k_rope: Any, cos: Any, sin: Any,
+def latent_rope_write(cp: Any, q_latent: Any, q_rope: Any, latent: Any, k_rope: Any, cos: Any, sin: Any,
                       positions: Any, interleaved: bool, cache: Any, slot_mapping: Any, scale: float = 1.0) -> Any:
-    """`Backend.latent_rope_write` on the device: q_rope and k_rope rotated, the rows [latent | rotated k_rope]
-    divided by `scale` and rounded into cache [num_blocks, block_size, 1, R + r] at slot_mapping (a negative slot
-    stores nothing), and the query [q_latent | rotated q_rope] [T, Q, R + r] returned."""
+    """`Backend.latent_rope_write` in one launch of latent_rope_write: q_rope and k_rope rotated, the rows [latent |
+    rotated k_rope] divided by `scale` and rounded into cache [num_blocks, block_size, 1, R + r] at slot_mapping (a
+    negative slot stores nothing), and the query [q_latent | rotated q_rope] [T, Q, R + r] returned."""
+    q_latent, q_rope, latent, k_rope = (cp.ascontiguousarray(a) for a in (q_latent, q_rope, latent, k_rope))
+    t, heads, rank = q_latent.shape
+    rope = q_rope.shape[2]
+    query = cp.empty((t, heads, rank + rope), np.float32)  # [T, Q, R + r]
+    kv_type = storage_type(cache)
+    launch(LATENT_FILE, f"latent_rope_write<{kv_type}>", (t, ceil_div(heads, ROPE_HEADS)), 256,
+           (q_latent, q_rope, latent, k_rope, cos, sin, positions, slot_mapping, query, cache, np.int32(heads),
+            np.int32(rank), np.int32(rope), np.int32(interleaved), np.float32(scale)), weight_type=kv_type)
+    return query
+
+
+def latent_attention(backend: Any, query: Array, cache: Array, batch: ForwardBatch, device_batch: dict[str, Array],
+                     scale: float, kv_scale: float, rank: int) -> Array:
+    """`Backend.latent_attention` on the GPU.  # query [T, Q, R + r] -> [T, Q, R]
+
+    A decode step (one query token per sequence, decided from shapes only: inside a graph capture `batch` holds
+    shapes) over a cache latent_decode takes: one launch split over the context as flash_decode's are (enough
+    blocks to fill the GPU at the tables' full width, each token using as many splits as its own context fills),
+    then paged_attention_merge. Otherwise sequence_attention.py's array operations (host reads, never captured)."""
     cp = backend.cp
-    q_rope = rotate(cp, q_rope, cos, sin, positions, interleaved)  # [T, Q, r]
-    k_rope = rotate(cp, k_rope[:, None, :], cos, sin, positions, interleaved)  # [T, 1, r]
-    rows = cp.concatenate([latent[:, None, :], k_rope], axis=-1)  # [T, 1, R + r]
-    stored = slot_mapping >= 0  # [T]
-    slots = slot_mapping[stored]  # [T']
-    values = rows[stored] if scale == 1.0 else rows[stored] / np.float32(scale)  # [T', 1, R + r]
-    flat = cache.reshape(-1, *cache.shape[2:])  # [num_blocks * block_size, 1, R + r]
-    flat[slots] = backend.from_float32(cp.ascontiguousarray(values), STORAGE_NAMES[np.dtype(cache.dtype)])
-    return cp.concatenate([q_latent, q_rope], axis=-1)  # [T, Q, R + r]
+    t, heads, width = query.shape
+    kv_dtype = STORAGE_NAMES[np.dtype(cache.dtype)]
+    if not (batch.num_seqs and t == batch.num_seqs and takes_latent_decode(rank, width - rank, kv_dtype)):
+        return paged_attention_rows(cp, backend.kv_rows.widen, query, cache, cache, batch, scale, None,
+                                    (kv_scale, kv_scale))[..., :rank]
+    query = cp.ascontiguousarray(query)
+    tables = device_batch["block_tables"]  # [B, max_blocks] int64
+    block_size = cache.shape[1]
+    head_tiles = ceil_div(heads, LATENT_HEADS)
+    capacity = tables.shape[1] * block_size  # the longest context the tables hold
+    splits = max(1, min(LATENT_DECODE_MAX_SPLITS, MERGE_MAX_SPLITS,
+                        LATENT_DECODE_BLOCKS_PER_SM * backend.multiprocessors // max(t * head_tiles, 1),
+                        ceil_div(capacity, LATENT_DECODE_SPLIT_KEYS)))
+    out = cp.empty((t, heads, rank), np.float32)  # [T, Q, R]
+    partial_acc = cp.empty((t, heads, splits, rank), np.float32) if splits > 1 else NULL  # [T, Q, S, R]
+    partial_ml = cp.empty((t, heads, splits, 2), np.float32) if splits > 1 else NULL  # [T, Q, S, (m, l)]
+    kv_type = storage_type(cache)
+    launch(LATENT_FILE, f"latent_decode<{kv_type}, {rank}, {width - rank}>", (t, head_tiles, splits),
+           LATENT_THREADS,
+           (query, cache, tables, device_batch["query_start"], device_batch["positions"], out, partial_acc,
+            partial_ml, np.int32(tables.shape[0]), np.int32(heads), np.int32(block_size), np.int32(tables.shape[1]),
+            np.float32(scale * kv_scale), np.float32(kv_scale), np.int32(LATENT_DECODE_SPLIT_KEYS)),
+           shared_mem=latent_shared_bytes(rank, width - rank, cache.itemsize), weight_type=kv_type)
+    if splits > 1:
+        launch("attention.cu", "paged_attention_merge", (t, heads), MERGE_THREADS,
+               (partial_acc, partial_ml, out, device_batch["positions"], np.int32(rank), np.int32(splits),
+                np.int32(0), np.int32(LATENT_DECODE_SPLIT_KEYS), NULL), weight_type=kv_type)
+    return out

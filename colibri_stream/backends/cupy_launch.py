@@ -15,7 +15,8 @@ import numpy as np
 from .cupy_flash_attention import FLASH_FILE, flash_instantiations
 from .kernels import get_kernel
 from .launch import launch_programmatic, programmatic_active
-from .tuning import (GQA_GROUPS, GQA_MAX_LANE_FLOATS, INT4_ROW_SHARING, LINEAR_MMA_TILES, MMA_TILES,
+from .tuning import (GQA_GROUPS, GQA_MAX_LANE_FLOATS, INT4_ROW_SHARING, LATENT_DECODE_SHAPES, LINEAR_MMA_TILES,
+                     MMA_TILES,
                      MOE_ROWS_PER_WARP, MOE_TILES, TOKEN_TILES)
 
 Array = Any  # a cupy.ndarray
@@ -34,7 +35,8 @@ CTYPES = {
 FAMILIES = {
     # w __nv_fp8_e4m3 (a KV cache filled from float32): to_storage only
     "linear.cu": lambda w: (f"to_storage<{w}>",) if w == "__nv_fp8_e4m3" else (
-        *(f"linear_rows<{w}, {tt}>" for tt in TOKEN_TILES), f"to_storage<{w}>", f"to_storage_split<{w}>"),
+        *(f"linear_rows<{w}, {tt}>" for tt in TOKEN_TILES), *(f"per_head_rows<{w}, {tt}>" for tt in TOKEN_TILES),
+        f"to_storage<{w}>", f"to_storage_split<{w}>"),
     "embedding.cu": lambda w: (f"embedding<{w}>",),
     "router.cu": lambda w: (f"route_topk<{w}>", *(f"route_split<{w}, {tt}>" for tt in TOKEN_TILES)),
     # w None: moe_align and moe_sum only
@@ -59,6 +61,9 @@ FAMILIES = {
                                  if g * d <= GQA_MAX_LANE_FLOATS), "paged_attention_merge"),
     "attention_prologue.cu": lambda w: (f"qk_norm_rope_write<{w}>",),
     FLASH_FILE: flash_instantiations,  # w: the KV cache's element type
+    # w: the KV cache's element type (latent_decode: the 16-bit and fp8 ones)
+    "latent_attention.cu": lambda w: (f"latent_rope_write<{w}>", *(
+        f"latent_decode<{w}, {rank}, {rope}>" for rank, rope in LATENT_DECODE_SHAPES if w != "float")),
 }
 
 
@@ -96,6 +101,9 @@ def launch(file: str, expression: str, grid: tuple[int, ...], block: int, args: 
     if 0 in grid:
         return
     family = FAMILIES[file](weight_type) if file in FAMILIES else ()
+    if "<" in expression and expression not in family:  # NVRTC would compile a module without it
+        raise ValueError(f"{expression} is not among the instantiations of {file} compiled for weight type "
+                         f"{weight_type!r}: {', '.join(family) or 'none'}")
     kernel = get_kernel(file, expression, family)
     if shared_mem > DEFAULT_SHARED_LIMIT:
         allow_shared_memory(kernel, shared_mem)

@@ -156,6 +156,9 @@ def quant_experts(experts: LayerExperts, x: Array, act: Array, y: Array, route_w
         down = (*QuantizedRows.of(act, down_layout.lane_bytes).args(), *down, device_pointer(experts.down_zero),
                 slot_stride(experts.down_zero))
         kernel = f"moe_down_int4<{down_layout.lane_bytes}, {n_tiles}{codes}>"
+        # down's own family: its lane bytes differ from gate and up's where their rows' groups differ in width
+        # (H = 96 in one group read 4 bytes a lane, I = 160 in groups of 128 read 16)
+        weight_type = "mxfp4" if codes else str(down_layout.lane_bytes)
     else:
         down = (act, *down)
         kernel = f"moe_down_fp8<{n_tiles}>"

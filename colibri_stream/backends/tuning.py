@@ -8,7 +8,10 @@ tolerances.
 
 # ---- dense projections (linear.cu, linear_mma.cu, cuBLAS) ------------------------------------------------------
 SMALL_BATCH = 4  # up to this many tokens (or in a graph capture off tensor cores), projections use linear_rows
-TOKEN_TILES = (1, 2, 4, 8)  # linear_rows instantiations: tokens per block
+TOKEN_TILES = (1, 2, 4, 8)  # linear_rows and per_head_rows instantiations: tokens per block
+# up to this many tokens (or in a graph capture), latent attention's per-head up-projections use per_head_rows (more
+# tokens: one batched product of the widened weights)
+PER_HEAD_ROWS_MAX_TOKENS = 64
 LINEAR_ROWS_PER_BLOCK = 2  # = LINEAR_ROWS in linear.cu
 DENSE_MMA_MIN_TOKENS = 4  # from this many tokens, captured bf16/fp16 projections run on linear_mma
 CAPTURED_CUBLAS_MIN_TOKENS = 8  # ... and from this many, those of CAPTURED_CUBLAS_MIN_ROWS rows or more (lm_head) on
@@ -62,6 +65,12 @@ FLASH_DECODE_MAX_SPLITS = 128
 FLASH_DECODE_BLOCKS_PER_SM = 4
 FLASH_DECODE_SPLIT_KEYS = 64
 FLASH_DECODE_STAGES = 2  # key and value tiles in flight per warp of flash_decode, plus the one in use: its ring slots
+# latent_decode (latent_attention.cu): splits as flash_decode's, with constants of its own (its blocks take 16 query
+# heads of a token, so a token of DeepSeek-V3's 128 heads is 8 blocks a split)
+LATENT_DECODE_SHAPES = ((512, 64),)  # its (kv_lora_rank, rope width) instantiations: DeepSeek-V3's and Kimi K2's
+LATENT_DECODE_MAX_SPLITS = 64
+LATENT_DECODE_BLOCKS_PER_SM = 2
+LATENT_DECODE_SPLIT_KEYS = 128
 MERGE_MAX_SPLITS = 1024  # = MERGE_MAX_SPLITS in attention.cu: the splits paged_attention_merge takes at most
 MERGE_THREADS = 256  # = MERGE_WARPS * 32 in attention.cu: threads of a paged_attention_merge block
 PROLOGUE_WARPS = 4  # warps per block of qk_norm_rope_write (attention_prologue.cu) without a full-width qk norm

@@ -226,9 +226,9 @@ class MoETransformer:
         query = b.latent_rope_write(b.per_head_linear(q[..., :nope], lat.k_up), q[..., nope:], latent,
                                     compressed[:, rank:], self.rope_cos, self.rope_sin, device_batch["positions"],
                                     cfg.rope_interleave, cache, device_batch["slot_mapping"], scale)  # [T, Q, R + r]
-        attended = b.paged_attention(query, cache, cache, batch, device_batch, self.attention_scale, None,
-                                     (scale, scale))  # [T, Q, R + r]
-        values = b.per_head_linear(attended[..., :rank], lat.v_up)  # [T, Q, Dv]
+        attended = b.latent_attention(query, cache, batch, device_batch, self.attention_scale, scale,
+                                      rank)  # [T, Q, R]
+        values = b.per_head_linear(attended, lat.v_up)  # [T, Q, Dv]
         return b.linear(values.reshape(t, heads * cfg.v_head_dim), layer.o_proj)
 
     def _mlp(self, index: int, layer: LayerWeights, x: Array) -> Array:

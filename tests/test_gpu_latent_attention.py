@@ -1,0 +1,164 @@
+"""Multi-head Latent Attention's kernels on the GPU (cupy_latent.py: linear.cu's per_head_rows, latent_attention.cu's
+latent_rope_write and latent_decode) against the NumPy backend, and a tiny DeepSeek-V3 model of DeepSeek-V3's
+latent widths (kv_lora_rank 512, rope 64) whose decode steps are captured in CUDA graphs (CUDA GPU).
+
+latent_decode multiplies on tensor cores with the query and the probabilities split into two 16-bit parts, as
+flash_decode does: within 1e-5 of the NumPy backend's float32 attention over the same stored rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed (GPU tests need cupy-cuda12x or cupy-cuda13x)")
+if not cupy.cuda.is_available():
+    pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
+
+from test_gpu_kernels import (GPU, KV_CTYPES, KV_DTYPES, KV_ROUNDING, REF, attention_case, check,  # noqa: E402
+                              kv_cache_pair, kv_to_float32, launched_kernels, poison, weight)
+from test_gpu_model import decode_batch  # noqa: E402
+from test_parity import colibri_greedy, colibri_logits, prompt_ids, relative_error  # noqa: E402
+from tiny_models import VOCAB_SIZE, build_hf_model  # noqa: E402
+
+from colibri_stream.backends import cupy_latent  # noqa: E402
+from colibri_stream.backends.tuning import PER_HEAD_ROWS_MAX_TOKENS, TOKEN_TILES  # noqa: E402
+from colibri_stream.cuda_graph import DecodeGraph  # noqa: E402
+from colibri_stream.export import export_model  # noqa: E402
+from colibri_stream.loader import load_model  # noqa: E402
+from colibri_stream.model.rope import cos_sin_table  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+RANK, ROPE = 512, 64  # DeepSeek-V3's kv_lora_rank and qk_rope_head_dim: latent_decode's instantiation
+LATENT_SCALES = {"float32": 1.0, "bfloat16": 1.0, "float16": 1.0, "float8_e4m3": 0.5}  # one scale: keys and values
+
+
+@pytest.mark.parametrize("kv_dtype", [d for d in KV_DTYPES if d != "float32"])
+@pytest.mark.parametrize("heads", [128, 20])  # DeepSeek-V3's, and a last block of 4 heads
+@pytest.mark.parametrize("splits", ["one", "many"])
+def test_latent_decode_matches_numpy(kv_dtype, heads, splits, monkeypatch):
+    """Decode tokens of contexts from 1 to 2000 keys over a latent cache of each 16-bit and fp8 dtype, in one split
+    per token or cut over many (then merged by paged_attention_merge)."""
+    if splits == "one":
+        monkeypatch.setattr(cupy_latent, "LATENT_DECODE_MAX_SPLITS", 1)
+    rng = np.random.default_rng(heads + len(kv_dtype))
+    seqs = [(p + 1, 1) for p in (0, 36, 143, 511, 1999)]
+    batch, (cache, gpu_cache), _, query, device_batch = attention_case(rng, seqs, 16, heads, 1, RANK + ROPE,
+                                                                       kv_dtype)
+    scale, kv_scale = 0.07, LATENT_SCALES[kv_dtype]
+    launched = launched_kernels(monkeypatch)
+    poison()
+    ours = GPU.latent_attention(cupy.asarray(query), gpu_cache, batch, device_batch, scale, kv_scale, RANK)
+    decode = f"latent_decode<{KV_CTYPES[kv_dtype]}, {RANK}, {ROPE}>"
+    assert launched == ([decode] if splits == "one" else [decode, "paged_attention_merge"]), launched
+    check(ours, REF.latent_attention(query, cache, batch, {}, scale, kv_scale, RANK))
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_latent_prefill_chunks_attend_by_sequence(kv_dtype, monkeypatch):
+    """Steps of several query tokens per sequence (and float32 caches) take the array operations' path: no kernel
+    of ours, the NumPy result."""
+    rng = np.random.default_rng(7)
+    seqs = [(1, 1), (37, 37), (100, 1), (64, 5)]
+    batch, (cache, gpu_cache), _, query, device_batch = attention_case(rng, seqs, 16, 8, 1, RANK + ROPE, kv_dtype)
+    launched = launched_kernels(monkeypatch)
+    ours = GPU.latent_attention(cupy.asarray(query), gpu_cache, batch, device_batch, 0.07, 1.0, RANK)
+    assert not [name for name in launched if name.startswith("latent_decode")], launched
+    check(ours, REF.latent_attention(query, cache, batch, {}, 0.07, 1.0, RANK))
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_latent_rope_write_matches_numpy(kv_dtype, interleaved, monkeypatch):
+    """The query [q_latent | rotated q_rope] and the cache rows [latent | rotated k_rope] / scale at their slots
+    (a negative slot writes nothing), over 11 heads (a last block of 3) and both rope pairings."""
+    rng = np.random.default_rng(len(kv_dtype) + interleaved)
+    t, heads, block_size, num_blocks = 6, 11, 4, 5
+    q_latent = rng.standard_normal((t, heads, RANK)).astype(np.float32)
+    q_rope = rng.standard_normal((t, heads, ROPE)).astype(np.float32)
+    latent = rng.standard_normal((t, RANK)).astype(np.float32)
+    k_rope = rng.standard_normal((t, ROPE)).astype(np.float32)
+    cos, sin = cos_sin_table(ROPE, 64, 10000.0)
+    positions = np.array([0, 5, 9, 17, 30, 63], np.int64)
+    slots = np.array([3, 7, -1, 12, 0, 19], np.int64)
+    scale = LATENT_SCALES[kv_dtype]
+    start = rng.standard_normal((num_blocks, block_size, 1, RANK + ROPE)).astype(np.float32)
+    cache, gpu_cache = kv_cache_pair(start, kv_dtype)
+    launched = launched_kernels(monkeypatch)
+    ours = GPU.latent_rope_write(*(cupy.asarray(a) for a in (q_latent, q_rope, latent, k_rope, cos, sin, positions)),
+                                 interleaved, gpu_cache, cupy.asarray(slots), scale)
+    assert launched == [f"latent_rope_write<{KV_CTYPES[kv_dtype]}>"], launched
+    reference = REF.latent_rope_write(q_latent, q_rope, latent, k_rope, cos, sin, positions, interleaved, cache,
+                                      slots, scale)
+    check(ours, reference, 1e-6)
+    stored, expected = kv_to_float32(gpu_cache), cache.astype(np.float32)
+    assert np.allclose(stored, expected, rtol=KV_ROUNDING[kv_dtype], atol=0), kv_dtype
+    assert np.array_equal(stored.reshape(-1, RANK + ROPE)[2], start.astype(cache.dtype).astype(np.float32)
+                          .reshape(-1, RANK + ROPE)[2])  # slot 2 was nobody's: untouched
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 33, PER_HEAD_ROWS_MAX_TOKENS, PER_HEAD_ROWS_MAX_TOKENS + 36])
+@pytest.mark.parametrize("strided", [False, True])
+def test_per_head_linear_matches_numpy(dtype, tokens, strided, monkeypatch):
+    """Each head through its own matrix: per_head_rows up to PER_HEAD_ROWS_MAX_TOKENS tokens, reading a strided
+    view (each head's first 128 of 192 values, as the query's part without rotary) in place; a batched product
+    above."""
+    rng = np.random.default_rng(tokens + len(dtype))
+    heads, n_in, n_out = 8, 128, 96
+    full = rng.standard_normal((tokens, heads, n_in + 64 * strided)).astype(np.float32)
+    x = full[..., :n_in]  # [T, H, In]
+    w = weight(rng, (heads, n_out, n_in), dtype)  # [H, Out, In]
+    launched = launched_kernels(monkeypatch)
+    poison()
+    gpu_x = cupy.asarray(full)[..., :n_in]
+    ours = GPU.per_head_linear(gpu_x, GPU.prepare_weight(w))
+    if tokens <= PER_HEAD_ROWS_MAX_TOKENS:
+        tile = next((tt for tt in TOKEN_TILES if tt >= tokens), TOKEN_TILES[-1])
+        assert launched == [f"per_head_rows<{KV_CTYPES[dtype]}, {tile}>"], launched
+    else:
+        assert not [name for name in launched if name.startswith("per_head_rows")], launched
+    check(ours, REF.per_head_linear(x, w.astype(np.float32)))
+
+
+@pytest.fixture(scope="module")
+def latent_model(tmp_path_factory):
+    """A tiny DeepSeek-V3 model of DeepSeek-V3's latent widths, exported in bf16."""
+    folder = tmp_path_factory.mktemp("latent")
+    build_hf_model("deepseek_v3", folder / "hf", kv_lora_rank=RANK, qk_rope_head_dim=ROPE, qk_nope_head_dim=32,
+                   v_head_dim=24)
+    export_model(folder / "hf", folder / "model", dtype="bf16", progress=False)
+    return folder / "model"
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_latent_model_matches_numpy(latent_model, kv_dtype):
+    """The whole model on both backends: logits within one cache rounding step, and the same greedy tokens with
+    a bf16 cache."""
+    cpu, gpu = load_model(latent_model, device="cpu"), load_model(latent_model, device="cuda")
+    ids = prompt_ids()
+    error = relative_error(colibri_logits(gpu, ids, kv_dtype), colibri_logits(cpu, ids, kv_dtype))
+    assert error < (2**-8 if kv_dtype == "bf16" else 2**-4), error
+    if kv_dtype == "bf16":
+        assert colibri_greedy(gpu, ids, kv_dtype) == colibri_greedy(cpu, ids, kv_dtype)
+
+
+@pytest.mark.parametrize("batch_size", [1, 5])
+def test_latent_decode_graph_matches_eager(latent_model, batch_size):
+    """Decode steps of latent attention captured in a CUDA graph give the eager step's tokens and logits."""
+    model = load_model(latent_model, device="cuda")
+    block_size, max_blocks = 8, 6
+    kv = model.allocate_kv_cache(batch_size * max_blocks, block_size, "bf16")
+    assert model.backend.captures(model.config, kv.dtype)
+    tables = np.random.default_rng(0).permutation(batch_size * max_blocks).reshape(batch_size, max_blocks)
+    graph = DecodeGraph(model, kv, batch_size, max_blocks)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(3, VOCAB_SIZE, batch_size)
+    starts = rng.integers(0, 10, batch_size)
+    for step in range(12):
+        batch = decode_batch(tokens, starts + step, tables[:, : 4 + step % 2], block_size)
+        eager = model.forward(batch, kv)  # [B, V]
+        ids = graph.greedy(batch)  # rewrites the same KV slots with the same values
+        assert np.array_equal(ids, eager.argmax(axis=1)), step
+        assert relative_error(cupy.asnumpy(graph.logits), eager) < 1e-4, step

@@ -1,0 +1,23 @@
+"""Which instantiations of a templated kernel file compile together (cupy_launch.FAMILIES), checked without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from colibri_stream.backends.cupy_launch import FAMILIES, launch
+
+
+def test_a_launch_outside_its_files_family_is_refused_before_compiling():
+    """A kernel expression missing from the family compiled for its weight type (int4's down product of 16-byte
+    lanes launched with gate and up's 4-byte family) is a clear error, not a missing symbol from the driver."""
+    assert "moe_down_int4<16, 1>" in FAMILIES["moe_int4.cu"]("16")
+    with pytest.raises(ValueError, match=r"moe_down_int4<16, 1> is not among the instantiations of moe_int4.cu "
+                                         r"compiled for weight type '4'"):
+        launch("moe_int4.cu", "moe_down_int4<16, 1>", (1,), 128, (), weight_type="4")
+
+
+@pytest.mark.parametrize("kv_type", ["__nv_bfloat16", "__half", "__nv_fp8_e4m3"])
+def test_latent_decode_compiles_with_its_cache_types(kv_type):
+    family = FAMILIES["latent_attention.cu"](kv_type)
+    assert f"latent_decode<{kv_type}, 512, 64>" in family and f"latent_rope_write<{kv_type}>" in family
+    assert FAMILIES["latent_attention.cu"]("float") == ("latent_rope_write<float>",)
