@@ -7,6 +7,7 @@
 #               project does not ship it). Its gguf-py/ is what benchmarks/gguf_writer.py writes GGUF files with.
 #   BUILD_DIR   where to build; prints the folder of the three binaries on its last line. Reuses a finished build.
 #   CUDA_ARCHS  default 90 (H100/H200); one architecture keeps the build to a few minutes on 16 cores.
+#   LLAMA_BUILD_JOBS (environment) the build's parallel jobs, default every core (fewer leave cores to what runs beside it)
 #
 # Flags: CUDA graphs and flash attention on (llama.cpp's defaults), CPU code for this machine (GGML_NATIVE: the
 # experts it computes on the CPU use the host's widest vector instructions). Where the CUDA toolkit has no cuBLAS
@@ -50,5 +51,5 @@ print(os.path.dirname(os.path.dirname(libs[0])) if libs else "")')
         configure "${extra[@]}" -DGGML_CUDA_NO_VMM=ON || { tail -30 "$build/configure.log" >&2; exit 1; }
     fi
 fi
-cmake --build "$build" --target llama-bench llama-batched-bench llama-quantize -j "$(nproc)" > "$build/build.log" 2>&1 || { tail -40 "$build/build.log" >&2; exit 1; }
+cmake --build "$build" --target llama-bench llama-batched-bench llama-quantize -j "${LLAMA_BUILD_JOBS:-$(nproc)}" > "$build/build.log" 2>&1 || { tail -40 "$build/build.log" >&2; exit 1; }
 echo "$build/bin"
