@@ -18,7 +18,7 @@ if not cupy.cuda.is_available():
 from test_gpu_kernels import (GPU, KV_CTYPES, KV_DTYPES, KV_ROUNDING, REF, attention_case, check,  # noqa: E402
                               kv_cache_pair, kv_to_float32, launched_kernels, poison, weight)
 from test_gpu_model import decode_batch  # noqa: E402
-from test_parity import colibri_greedy, colibri_logits, prompt_ids, relative_error  # noqa: E402
+from test_parity import NEW_TOKENS, colibri_greedy, colibri_logits, prompt_ids, relative_error  # noqa: E402
 from tiny_models import VOCAB_SIZE, build_hf_model  # noqa: E402
 
 from colibri_stream.backends import cupy_latent  # noqa: E402
@@ -26,6 +26,7 @@ from colibri_stream.backends.tuning import PER_HEAD_ROWS_MAX_TOKENS, TOKEN_TILES
 from colibri_stream.cuda_graph import DecodeGraph  # noqa: E402
 from colibri_stream.export import export_model  # noqa: E402
 from colibri_stream.loader import load_model  # noqa: E402
+from colibri_stream.config import RopeConfig  # noqa: E402
 from colibri_stream.model.rope import cos_sin_table  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -79,7 +80,7 @@ def test_latent_rope_write_matches_numpy(kv_dtype, interleaved, monkeypatch):
     q_rope = rng.standard_normal((t, heads, ROPE)).astype(np.float32)
     latent = rng.standard_normal((t, RANK)).astype(np.float32)
     k_rope = rng.standard_normal((t, ROPE)).astype(np.float32)
-    cos, sin = cos_sin_table(ROPE, 64, 10000.0)
+    cos, sin = cos_sin_table(RopeConfig(theta=1e4), ROPE, 64)
     positions = np.array([0, 5, 9, 17, 30, 63], np.int64)
     slots = np.array([3, 7, -1, 12, 0, 19], np.int64)
     scale = LATENT_SCALES[kv_dtype]
@@ -141,7 +142,7 @@ def test_latent_model_matches_numpy(latent_model, kv_dtype):
     error = relative_error(colibri_logits(gpu, ids, kv_dtype), colibri_logits(cpu, ids, kv_dtype))
     assert error < (2**-8 if kv_dtype == "bf16" else 2**-4), error
     if kv_dtype == "bf16":
-        assert colibri_greedy(gpu, ids, kv_dtype) == colibri_greedy(cpu, ids, kv_dtype)
+        assert colibri_greedy(gpu, ids, NEW_TOKENS, kv_dtype) == colibri_greedy(cpu, ids, NEW_TOKENS, kv_dtype)
 
 
 @pytest.mark.parametrize("batch_size", [1, 5])
@@ -161,4 +162,5 @@ def test_latent_decode_graph_matches_eager(latent_model, batch_size):
         eager = model.forward(batch, kv)  # [B, V]
         ids = graph.greedy(batch)  # rewrites the same KV slots with the same values
         assert np.array_equal(ids, eager.argmax(axis=1)), step
-        assert relative_error(cupy.asnumpy(graph.logits), eager) < 1e-4, step
+        # the eager step of 5 tokens projects through cuBLAS: keys a few ulps apart may round to neighbouring bf16
+        assert relative_error(cupy.asnumpy(graph.logits), eager) < 2**-8, step
