@@ -65,7 +65,7 @@ constexpr int ATTN_WARPS = 16;
 constexpr int ATTN_UNROLL = 8;
 constexpr int MERGE_MAX_SPLITS = 1024;  // splits a merge takes at most
 constexpr int MERGE_WARPS = 8;          // warps of a merge block, each summing every MERGE_WARPS-th split
-constexpr int MERGE_MAX_DIM = 512;      // head dims a merge takes at most: 16 per lane (latent_decode's 512)
+constexpr int MERGE_MAX_DIM = 512;      // head dims a merge takes at most: 16 per lane (latent_attention's 512)
 
 template <typename KV, int DPL>
 __global__ void __launch_bounds__(ATTN_WARPS * 32)

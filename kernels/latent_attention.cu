@@ -15,25 +15,28 @@
 //   `interleaved`, c and s at the token's position (model/rope.py's tables, backends/rotary.py's NumPy form).
 //   grid: (T, ceil(Q / ROPE_HEADS)), block: 256 threads; block (t, 0) also writes the cache row.
 //
-// latent_decode<KV, R, ROPE>: one query token per sequence (T == B, or tokens whose sequence query_start names)
-// over the latent cache on tensor cores, flash-decoding style (mma.sync.m16n8k16, float32 accumulation).
+// latent_attention<KV, R, ROPE, SPLIT>: every query token over its own causal range of the latent cache (decode
+// tokens and prefill chunks alike: token t of the sequence query_start names, at position p, reads keys 0 .. p) on
+// tensor cores, flash-decoding style (mma.sync.m16n8k16, float32 accumulation).
 //   q float32 [T, Q, R + ROPE] (latent_rope_write's query), cache KV [num_blocks, block_size, 1, R + ROPE]
 //   (__nv_bfloat16 or __half used as stored, exactly; __nv_fp8_e4m3 copied as bytes and widened to __half, exactly),
 //   block_tables int64 [B, max_blocks], query_start int64 [B + 1], positions int64 [T];
 //   out float32 [T, Q, R] (the attention output over the values, the latent part of the rows), or, where the
 //   token's S_t > 1 splits, the unnormalised partials partial_acc [T, Q, S, R] / partial_ml [T, Q, S, 2] (m in
 //   natural-log units) that attention.cu's paged_attention_merge combines (head_dim R, window 0). The splits are
-//   attention.cu's: split z of S_t = decode_splits(n, split_keys, S) takes keys [lo, hi) of the token's n.
+//   attention.cu's: split z of S_t = decode_splits(p + 1, split_keys, S) takes keys [lo, hi) of the token's p + 1.
 //   Scores are scaled by `scale` (k_scale folded in), outputs multiplied by v_scale.
 //   grid: (T, ceil(Q / LATENT_HEADS), S), block: LATENT_THREADS, dynamic shared memory latent_shared_bytes: the
 //   key tiles (LATENT_STAGES of them; fp8: one, and LATENT_STAGES tiles of raw bytes).
-// Block (t, y, z) takes query heads 16y .. 16y + 15 (one m-tile; heads past Q are zero queries, never written) over
-// its split's keys in tiles of LATENT_KEYS, each tile copied once with cp.async for the whole block while the one
-// before it is used. Warp w computes the scores' partial products over a quarter of the R + ROPE dimensions, the
-// warps add their partials in shared memory in one fixed order (so every warp holds the same scores), each runs the
-// same online softmax, and warp w accumulates the output dims [w R / 4, (w + 1) R / 4) from the tile's rows.
-// Numerics as flash_decode's: q and the probabilities split into two parts of the operand type (about 16
-// significant bits), within about 1e-5 of float32 attention.
+// Block (t, y, z) takes query heads 16y .. 16y + 15 of token t (one m-tile; heads past Q are zero queries, never
+// written) over its split's keys in tiles of LATENT_KEYS, each tile copied once with cp.async for the whole block
+// while the one before it is used. Warp w computes the scores' partial products over a quarter of the R + ROPE
+// dimensions, the warps add their partials in shared memory in one fixed order (so every warp holds the same
+// scores), each runs the same online softmax, and warp w accumulates the output dims [w R / 4, (w + 1) R / 4) from
+// the tile's rows.
+// Numerics: SPLIT (matmul precision high), as flash_decode's: q and the probabilities split into two parts of the
+// operand type (about 16 significant bits), within about 1e-5 of float32 attention; without SPLIT (medium) one part
+// each, as flash_attention's bf16 operands (about 1e-3).
 #include "flash.cuh"
 
 constexpr int ROPE_HEADS = 8;  // query heads per block of latent_rope_write
@@ -78,9 +81,9 @@ latent_rope_write(const float* __restrict__ q_latent, const float* __restrict__ 
     }
 }
 
-template <typename KV, int R, int ROPE>
+template <typename KV, int R, int ROPE, bool SPLIT>
 __global__ void __launch_bounds__(LATENT_THREADS, 2)
-latent_decode(const float* __restrict__ q, const KV* __restrict__ cache, const long long* __restrict__ block_tables,
+latent_attention(const float* __restrict__ q, const KV* __restrict__ cache, const long long* __restrict__ block_tables,
               const long long* __restrict__ query_start, const long long* __restrict__ positions,
               float* __restrict__ out, float* __restrict__ partial_acc, float* __restrict__ partial_ml, int num_seqs,
               int num_heads, int block_size, int max_blocks, float scale, float v_scale, int split_keys) {
@@ -119,7 +122,7 @@ latent_decode(const float* __restrict__ q, const KV* __restrict__ cache, const l
     // Rows r and r + 8 of the m-tile (heads head0 + r, head0 + r + 8; zero past Q), this warp's dims, as A fragments
     // of high and low parts.
     const int k_dim0 = warp * KSTEPS * 16;
-    unsigned qa[KSTEPS][4], ql[KSTEPS][4];
+    unsigned qa[KSTEPS][4], ql[SPLIT ? KSTEPS : 1][4];
     {
         const bool in_a = head0 + r < num_heads, in_b = head0 + r + 8 < num_heads;
         const long long head_row = static_cast<long long>(t) * num_heads;
@@ -133,10 +136,15 @@ latent_decode(const float* __restrict__ q, const KV* __restrict__ cache, const l
             const float2 a2 = in_a ? *reinterpret_cast<const float2*>(row_a + d + 8) : zero;
             const float2 b0 = in_b ? *reinterpret_cast<const float2*>(row_b + d) : zero;
             const float2 b2 = in_b ? *reinterpret_cast<const float2*>(row_b + d + 8) : zero;
-            split_pair_as<Op>(a0.x, a0.y, qa[k][0], ql[k][0]);
-            split_pair_as<Op>(b0.x, b0.y, qa[k][1], ql[k][1]);
-            split_pair_as<Op>(a2.x, a2.y, qa[k][2], ql[k][2]);
-            split_pair_as<Op>(b2.x, b2.y, qa[k][3], ql[k][3]);
+            unsigned lo[4];
+            split_pair_as<Op>(a0.x, a0.y, qa[k][0], lo[0]);
+            split_pair_as<Op>(b0.x, b0.y, qa[k][1], lo[1]);
+            split_pair_as<Op>(a2.x, a2.y, qa[k][2], lo[2]);
+            split_pair_as<Op>(b2.x, b2.y, qa[k][3], lo[3]);
+            if constexpr (SPLIT) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) ql[k][j] = lo[j];
+            }
         }
     }
 
@@ -196,7 +204,7 @@ latent_decode(const float* __restrict__ q, const KV* __restrict__ cache, const l
             for (int k = 0; k < KSTEPS; ++k) {
                 const unsigned b0 = shared_pair(&rows[at + k * 16]), b1 = shared_pair(&rows[at + k * 16 + 8]);
                 M::mma(s[n], qa[k][0], qa[k][1], qa[k][2], qa[k][3], b0, b1);
-                M::mma(s[n], ql[k][0], ql[k][1], ql[k][2], ql[k][3], b0, b1);
+                if constexpr (SPLIT) M::mma(s[n], ql[k][0], ql[k][1], ql[k][2], ql[k][3], b0, b1);
             }
         }
 #pragma unroll
@@ -229,7 +237,7 @@ latent_decode(const float* __restrict__ q, const KV* __restrict__ cache, const l
                 l[e / 2] += s[n][e];
             }
         }
-        // O += P V, k-step k over keys 16k .. 16k + 15 of the tile: p_hi v + p_lo v, this warp's dims.
+        // O += P V, k-step k over keys 16k .. 16k + 15 of the tile: p_hi v (+ p_lo v with SPLIT), this warp's dims.
 #pragma unroll
         for (int k = 0; k < LATENT_KEYS / 16; ++k) {
             unsigned ph[4], pl[4];
@@ -243,8 +251,10 @@ latent_decode(const float* __restrict__ q, const KV* __restrict__ cache, const l
                 load_matrices_transposed(&rows[value_at + k * 16 * STRIDE + n * 16], bv);
                 M::mma(o[2 * n], ph[0], ph[1], ph[2], ph[3], bv[0], bv[1]);
                 M::mma(o[2 * n + 1], ph[0], ph[1], ph[2], ph[3], bv[2], bv[3]);
-                M::mma(o[2 * n], pl[0], pl[1], pl[2], pl[3], bv[0], bv[1]);
-                M::mma(o[2 * n + 1], pl[0], pl[1], pl[2], pl[3], bv[2], bv[3]);
+                if constexpr (SPLIT) {
+                    M::mma(o[2 * n], pl[0], pl[1], pl[2], pl[3], bv[0], bv[1]);
+                    M::mma(o[2 * n + 1], pl[0], pl[1], pl[2], pl[3], bv[2], bv[3]);
+                }
             }
         }
     }

@@ -161,7 +161,7 @@ def translated(arch: str, **changes):
 
 
 def test_gpu_backend_captures_latent_attention_where_its_decode_kernel_takes_the_cache():
-    """Latent attention's decode steps are captured in CUDA graphs where latent_decode takes the cache: DeepSeek-V3's
+    """Latent attention's decode steps are captured in CUDA graphs where latent_attention takes the cache: DeepSeek-V3's
     widths (kv_lora_rank 512, rope 64) over a 16-bit or fp8 cache; other widths, or a float32 cache, run eagerly."""
     config = translated("deepseek_v3", kv_lora_rank=512, qk_rope_head_dim=64)
     check_features(config, CupyBackend)

@@ -41,7 +41,7 @@ from .cupy_flash_attention import (DECODE_THREADS, FLASH_FILE, FLASH_THREADS, Fl
                                    decode_shared_bytes, flash_attention_launch,
                                    takes_flash_attention, takes_flash_decode)
 from .cupy_expert_gemm import min_gemm_pairs
-from .cupy_latent import KvRows, latent_attention, latent_rope_write, per_head_linear, takes_latent_decode
+from .cupy_latent import KvRows, latent_attention, latent_rope_write, per_head_linear, takes_latent_kernel
 from .cupy_launch import (NULL, FAMILIES, ceil_div, check_row_width, launch, smallest_tile, storage_type,
                           to_device_storage)
 from .cupy_moe import DeviceExpertStore, routed_experts
@@ -101,8 +101,8 @@ class CupyBackend(Backend):
     @classmethod
     def missing_features(cls, config: ModelConfig) -> list[str]:
         """kernels/router.cu selects among at most ROUTER_MAX_EXPERTS experts (groups: ROUTER_MAX_GROUPS), the
-        attention prologue takes heads of at most MAX_HEAD_DIM dimensions (latent attention's rows and sink logits
-        take cupy_latent.py's path); the MoE kernels add experts' biases and apply the clamped SwiGLU in every
+        attention prologue takes heads of at most MAX_HEAD_DIM dimensions (latent attention has kernels of its own,
+        cupy_latent.py); the MoE kernels add experts' biases and apply the clamped SwiGLU in every
         expert format."""
         missing = [f"{config.router_scoring} routing"] if config.router_scoring not in ROUTER_SCORINGS else []
         missing += [name for name, used in (
@@ -120,9 +120,9 @@ class CupyBackend(Backend):
 
     @classmethod
     def captures(cls, config: ModelConfig, kv_dtype: str) -> bool:
-        """Latent attention's decode steps are captured where latent_decode takes the cache (cupy_latent.py);
+        """Latent attention's decode steps are captured where latent_attention takes the cache (cupy_latent.py);
         every other model's always."""
-        return config.attention != "mla" or takes_latent_decode(config.kv_lora_rank, config.rotary_dim, kv_dtype)
+        return config.attention != "mla" or takes_latent_kernel(config.kv_lora_rank, config.rotary_dim, kv_dtype)
 
     def __init__(self, matmul_precision: str = "high"):
         import cupy

@@ -1,14 +1,15 @@
 """Multi-head Latent Attention on the GPU (DeepSeek-V3, Kimi K2), and the CuPy backend's attention from array
 operations for what its kernels do not take.
 
-Latent attention's decode steps run on kernels that read the batch on the device, so they are captured in CUDA
-graphs: each head's up-projection (linear.cu's per_head_rows, for decode-sized steps), the rope parts and the cache
-rows (latent_attention.cu's latent_rope_write), attention over the rows [latent | rope key] on tensor cores
-(latent_decode, its splits combined by attention.cu's paged_attention_merge). Prefill steps (several query tokens
-of a sequence) attend through sequence_attention.py's array operations, a sequence at a time, and large steps'
-up-projections are batched products of the widened weights; both read the batch on the host, outside graphs.
-`KvRows` widens cache rows of any storage dtype to float32 for those paths (and for sink logits' attention where
-a head is wider than the kernels take).
+Latent attention runs on kernels that read the batch on the device, so its decode steps are captured in CUDA
+graphs: each head's up-projection (linear.cu's per_head_rows, for decode-sized steps; larger steps take one batched
+product of the widened weights), the rope parts and the cache rows (latent_attention.cu's latent_rope_write), and
+attention over the rows [latent | rope key] on tensor cores (latent_attention: every query token over its own
+causal range, decode tokens and prefill chunks alike; a decode token's context split over the GPU, the splits
+combined by attention.cu's paged_attention_merge). Latent widths and cache dtypes the kernel is not compiled for
+(`takes_latent_kernel`) attend through sequence_attention.py's array operations, a sequence at a time, reading the
+batch on the host (never captured); `KvRows` widens cache rows of any storage dtype to float32 for that path (and
+for sink logits' attention where a head is wider than the kernels take).
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import numpy as np
 from ..batch import ForwardBatch
 from .cupy_launch import NULL, Array, ceil_div, launch, smallest_tile, storage_type
 from .sequence_attention import paged_attention_rows
-from .tuning import (LATENT_DECODE_BLOCKS_PER_SM, LATENT_DECODE_MAX_SPLITS, LATENT_DECODE_SHAPES,
-                     LATENT_DECODE_SPLIT_KEYS, MERGE_MAX_SPLITS, MERGE_THREADS, PER_HEAD_ROWS_MAX_TOKENS, TOKEN_TILES)
+from .tuning import (LATENT_BLOCKS_PER_SM, LATENT_MAX_SPLITS, LATENT_KERNEL_SHAPES,
+                     LATENT_SPLIT_KEYS, MERGE_MAX_SPLITS, MERGE_THREADS, PER_HEAD_ROWS_MAX_TOKENS, TOKEN_TILES)
 
 LATENT_FILE = "latent_attention.cu"
-LATENT_DECODE_TYPES = ("bfloat16", "float16", "float8_e4m3")  # cache storage dtypes latent_decode takes
+LATENT_KERNEL_TYPES = ("bfloat16", "float16", "float8_e4m3")  # cache storage dtypes latent_attention takes
 LATENT_HEADS = 16  # = LATENT_HEADS in latent_attention.cu: query heads per block
 LATENT_THREADS = 128  # = LATENT_THREADS in latent_attention.cu
 LATENT_KEYS = 32  # = LATENT_KEYS in latent_attention.cu: keys per tile
@@ -39,13 +40,13 @@ STORAGE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.uint16): "bfloat16
                  np.dtype(np.uint8): "float8_e4m3"}
 
 
-def takes_latent_decode(kv_lora_rank: int, rotary_dim: int, kv_dtype: str) -> bool:
-    """Whether latent_decode takes a decode step over a latent cache of these widths and storage dtype."""
-    return (kv_lora_rank, rotary_dim) in LATENT_DECODE_SHAPES and kv_dtype in LATENT_DECODE_TYPES
+def takes_latent_kernel(kv_lora_rank: int, rotary_dim: int, kv_dtype: str) -> bool:
+    """Whether the latent_attention kernel takes a latent cache of these widths and storage dtype."""
+    return (kv_lora_rank, rotary_dim) in LATENT_KERNEL_SHAPES and kv_dtype in LATENT_KERNEL_TYPES
 
 
 def latent_shared_bytes(rank: int, rope: int, kv_itemsize: int) -> int:
-    """latent_decode's dynamic shared memory: tiles of LATENT_KEYS rows of rank + rope + FLASH_PAD 16-bit elements
+    """latent_attention's dynamic shared memory: tiles of LATENT_KEYS rows of rank + rope + FLASH_PAD 16-bit elements
     (LATENT_STAGES of them; an fp8 cache: one, and LATENT_STAGES tiles of its bytes as copied)."""
     tile = LATENT_KEYS * (rank + rope + FLASH_PAD) * 2
     if kv_itemsize == 1:
@@ -120,14 +121,15 @@ def latent_attention(backend: Any, query: Array, cache: Array, batch: ForwardBat
                      scale: float, kv_scale: float, rank: int) -> Array:
     """`Backend.latent_attention` on the GPU.  # query [T, Q, R + r] -> [T, Q, R]
 
-    A decode step (one query token per sequence, decided from shapes only: inside a graph capture `batch` holds
-    shapes) over a cache latent_decode takes: one launch split over the context as flash_decode's are (enough
-    blocks to fill the GPU at the tables' full width, each token using as many splits as its own context fills),
-    then paged_attention_merge. Otherwise sequence_attention.py's array operations (host reads, never captured)."""
+    Over a cache the latent_attention kernel takes: one launch (its q and probabilities in two bf16 parts at matmul
+    precision high, one at medium), split over the context as flash_decode's are, from shapes only (inside a graph
+    capture `batch` holds shapes): enough blocks to fill the GPU at the tables' full width, each token using as
+    many splits as its own context fills, then paged_attention_merge (a prefill step's many tokens fill the GPU
+    unsplit). Otherwise sequence_attention.py's array operations (host reads, never captured)."""
     cp = backend.cp
     t, heads, width = query.shape
     kv_dtype = STORAGE_NAMES[np.dtype(cache.dtype)]
-    if not (batch.num_seqs and t == batch.num_seqs and takes_latent_decode(rank, width - rank, kv_dtype)):
+    if not takes_latent_kernel(rank, width - rank, kv_dtype):
         return paged_attention_rows(cp, backend.kv_rows.widen, query, cache, cache, batch, scale, None,
                                     (kv_scale, kv_scale))[..., :rank]
     query = cp.ascontiguousarray(query)
@@ -135,21 +137,22 @@ def latent_attention(backend: Any, query: Array, cache: Array, batch: ForwardBat
     block_size = cache.shape[1]
     head_tiles = ceil_div(heads, LATENT_HEADS)
     capacity = tables.shape[1] * block_size  # the longest context the tables hold
-    splits = max(1, min(LATENT_DECODE_MAX_SPLITS, MERGE_MAX_SPLITS,
-                        LATENT_DECODE_BLOCKS_PER_SM * backend.multiprocessors // max(t * head_tiles, 1),
-                        ceil_div(capacity, LATENT_DECODE_SPLIT_KEYS)))
+    splits = max(1, min(LATENT_MAX_SPLITS, MERGE_MAX_SPLITS,
+                        LATENT_BLOCKS_PER_SM * backend.multiprocessors // max(t * head_tiles, 1),
+                        ceil_div(capacity, LATENT_SPLIT_KEYS)))
     out = cp.empty((t, heads, rank), np.float32)  # [T, Q, R]
     partial_acc = cp.empty((t, heads, splits, rank), np.float32) if splits > 1 else NULL  # [T, Q, S, R]
     partial_ml = cp.empty((t, heads, splits, 2), np.float32) if splits > 1 else NULL  # [T, Q, S, (m, l)]
     kv_type = storage_type(cache)
-    launch(LATENT_FILE, f"latent_decode<{kv_type}, {rank}, {width - rank}>", (t, head_tiles, splits),
+    split = "true" if backend.activation_parts == 2 else "false"
+    launch(LATENT_FILE, f"latent_attention<{kv_type}, {rank}, {width - rank}, {split}>", (t, head_tiles, splits),
            LATENT_THREADS,
            (query, cache, tables, device_batch["query_start"], device_batch["positions"], out, partial_acc,
             partial_ml, np.int32(tables.shape[0]), np.int32(heads), np.int32(block_size), np.int32(tables.shape[1]),
-            np.float32(scale * kv_scale), np.float32(kv_scale), np.int32(LATENT_DECODE_SPLIT_KEYS)),
+            np.float32(scale * kv_scale), np.float32(kv_scale), np.int32(LATENT_SPLIT_KEYS)),
            shared_mem=latent_shared_bytes(rank, width - rank, cache.itemsize), weight_type=kv_type)
     if splits > 1:
         launch("attention.cu", "paged_attention_merge", (t, heads), MERGE_THREADS,
                (partial_acc, partial_ml, out, device_batch["positions"], np.int32(rank), np.int32(splits),
-                np.int32(0), np.int32(LATENT_DECODE_SPLIT_KEYS), NULL), weight_type=kv_type)
+                np.int32(0), np.int32(LATENT_SPLIT_KEYS), NULL), weight_type=kv_type)
     return out

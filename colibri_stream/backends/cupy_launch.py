@@ -15,7 +15,7 @@ import numpy as np
 from .cupy_flash_attention import FLASH_FILE, flash_instantiations
 from .kernels import get_kernel
 from .launch import launch_programmatic, programmatic_active
-from .tuning import (GQA_GROUPS, GQA_MAX_LANE_FLOATS, INT4_ROW_SHARING, LATENT_DECODE_SHAPES, LINEAR_MMA_TILES,
+from .tuning import (GQA_GROUPS, GQA_MAX_LANE_FLOATS, INT4_ROW_SHARING, LATENT_KERNEL_SHAPES, LINEAR_MMA_TILES,
                      MMA_TILES,
                      MOE_ROWS_PER_WARP, MOE_TILES, TOKEN_TILES)
 
@@ -61,9 +61,10 @@ FAMILIES = {
                                  if g * d <= GQA_MAX_LANE_FLOATS), "paged_attention_merge"),
     "attention_prologue.cu": lambda w: (f"qk_norm_rope_write<{w}>",),
     FLASH_FILE: flash_instantiations,  # w: the KV cache's element type
-    # w: the KV cache's element type (latent_decode: the 16-bit and fp8 ones)
+    # w: the KV cache's element type (latent_attention: the 16-bit and fp8 ones)
     "latent_attention.cu": lambda w: (f"latent_rope_write<{w}>", *(
-        f"latent_decode<{w}, {rank}, {rope}>" for rank, rope in LATENT_DECODE_SHAPES if w != "float")),
+        f"latent_attention<{w}, {rank}, {rope}, {split}>" for rank, rope in LATENT_KERNEL_SHAPES
+        for split in ("true", "false") if w != "float")),
 }
 
 
