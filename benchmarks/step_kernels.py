@@ -24,14 +24,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--context", type=int, default=144)
+    parser.add_argument("--dense-layers", type=int, default=None,
+                        help="leading dense layers, the rest MoE, in place of the shape's own (long_context.py's "
+                             "SHAPE:LAYERS:DENSE)")
     args = parser.parse_args(argv)
     require_gpu()
     import cupy
 
     from colibri_stream.batch import ForwardBatch
     from colibri_stream.synthetic import synthetic_model
+    from long_context import benchmark_config
 
-    model = synthetic_model(args.shape, num_layers=args.layers, device="cuda")
+    model = synthetic_model(benchmark_config(args.shape, args.layers, args.dense_layers), device="cuda")
     block_size, b = 16, args.batch
     per_seq = -(-(args.context + 1) // block_size)
     kv = model.allocate_kv_cache(b * per_seq, block_size)
