@@ -39,7 +39,7 @@
 // each, as flash_attention's bf16 operands (about 1e-3).
 #include "flash.cuh"
 
-constexpr int ROPE_HEADS = 8;  // query heads per block of latent_rope_write
+constexpr int ROPE_HEADS = 2;  // query heads per block of latent_rope_write
 constexpr int LATENT_WARPS = 4;
 constexpr int LATENT_THREADS = LATENT_WARPS * 32;
 constexpr int LATENT_HEADS = 16;  // query heads per block: one m-tile

@@ -20,7 +20,7 @@
 //   x      float32, row (t, h) at x + t * x_token + h * x_head (In contiguous floats, 16-byte aligned)
 //   w      W [H, Out, In] contiguous, In a multiple of Vec<W>::N
 //   out    float32 [T, H, Out]
-//   block: LINEAR_WARPS * 32 threads, HEAD_TEAM lanes a row: LINEAR_WARPS * 32 / HEAD_TEAM rows of head
+//   block: LINEAR_WARPS * 32 threads, teams of HEAD_TEAM lanes on HEAD_TEAM_ROWS rows each: HEAD_ROWS rows of head
 //   blockIdx.y for a tile of TT tokens; grid: (ceil(T / TT) * ceil(Out / HEAD_ROWS), H), the token tile varying
 //   fastest. For decode-sized T (the backend takes it up to SMALL_BATCH tokens, and for every T inside a CUDA graph).
 //
@@ -95,8 +95,9 @@ linear_rows(const float* __restrict__ x, int T, int In,
     }
 }
 
-constexpr int HEAD_TEAM = 16;  // lanes on one row of per_head_rows
-constexpr int HEAD_ROWS = LINEAR_WARPS * 32 / HEAD_TEAM;
+constexpr int HEAD_TEAM = 16;      // lanes on one row of per_head_rows
+constexpr int HEAD_TEAM_ROWS = 4;  // rows a team of lanes takes, their loads in flight together
+constexpr int HEAD_ROWS = LINEAR_WARPS * 32 / HEAD_TEAM * HEAD_TEAM_ROWS;  // rows a block takes
 
 template <typename W, int TT>
 __global__ void __launch_bounds__(LINEAR_WARPS * 32)
@@ -105,30 +106,31 @@ per_head_rows(const float* __restrict__ x, long long x_token, long long x_head, 
     constexpr int V = Vec<W>::N;
     const int tiles = (T + TT - 1) / TT;
     const int tile = blockIdx.x % tiles, h = blockIdx.y;
-    const int row = (blockIdx.x / tiles) * HEAD_ROWS + threadIdx.x / HEAD_TEAM;
-    const int member = threadIdx.x % HEAD_TEAM;  // this lane's place on its row
+    const int row0 = (blockIdx.x / tiles) * HEAD_ROWS + threadIdx.x / HEAD_TEAM * HEAD_TEAM_ROWS;
+    const int member = threadIdx.x % HEAD_TEAM;  // this lane's place on its rows
     const int t0 = tile * TT, n = min(TT, T - t0);
-    const W* w_row = w + (static_cast<long long>(h) * Out + min(row, Out - 1)) * In;
+    const W* rows[HEAD_TEAM_ROWS];
+#pragma unroll
+    for (int r = 0; r < HEAD_TEAM_ROWS; ++r) {
+        rows[r] = w + (static_cast<long long>(h) * Out + min(row0 + r, Out - 1)) * In;
+    }
     pdl_wait();
-    float acc[TT] = {};
-    for (int c = member * V; c < In; c += HEAD_TEAM * V) {
-        float wv[V];
-        Vec<W>::load(w_row + c, wv);
+    const float* xs[TT];
+#pragma unroll
+    for (int j = 0; j < TT; ++j) xs[j] = x + (t0 + min(j, n - 1)) * x_token + h * x_head;
+    float acc[HEAD_TEAM_ROWS][TT] = {};
+    dot_tile<W, HEAD_TEAM_ROWS, TT>(rows, xs, n, In, member * V, HEAD_TEAM * V, acc);
+#pragma unroll
+    for (int r = 0; r < HEAD_TEAM_ROWS; ++r) {
 #pragma unroll
         for (int j = 0; j < TT; ++j) {
-            if (j < n) {
-                float xv[V];
-                load_floats<V>(x + (t0 + j) * x_token + h * x_head + c, xv);
+            float sum = acc[r][j];
 #pragma unroll
-                for (int v = 0; v < V; ++v) acc[j] = fmaf(wv[v], xv[v], acc[j]);
+            for (int offset = HEAD_TEAM / 2; offset > 0; offset >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, offset);
+            if (member == 0 && j < n && row0 + r < Out) {
+                out[(static_cast<long long>(t0 + j) * heads + h) * Out + row0 + r] = sum;
             }
         }
-    }
-#pragma unroll
-    for (int j = 0; j < TT; ++j) {
-#pragma unroll
-        for (int offset = HEAD_TEAM / 2; offset > 0; offset >>= 1) acc[j] += __shfl_xor_sync(FULL_MASK, acc[j], offset);
-        if (member == 0 && j < n && row < Out) out[(static_cast<long long>(t0 + j) * heads + h) * Out + row] = acc[j];
     }
 }
 

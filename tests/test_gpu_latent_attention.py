@@ -94,7 +94,7 @@ def test_latent_attention_over_a_float32_cache_goes_by_sequence(monkeypatch):
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_latent_rope_write_matches_numpy(kv_dtype, interleaved, monkeypatch):
     """The query [q_latent | rotated q_rope] and the cache rows [latent | rotated k_rope] / scale at their slots
-    (a negative slot writes nothing), over 11 heads (a last block of 3) and both rope pairings."""
+    (a negative slot writes nothing), over 11 heads (a last block of one) and both rope pairings."""
     rng = np.random.default_rng(len(kv_dtype) + interleaved)
     t, heads, block_size, num_blocks = 6, 11, 4, 5
     q_latent = rng.standard_normal((t, heads, RANK)).astype(np.float32)

@@ -32,8 +32,8 @@ LATENT_THREADS = 128  # = LATENT_THREADS in latent_attention.cu
 LATENT_KEYS = 32  # = LATENT_KEYS in latent_attention.cu: keys per tile
 LATENT_STAGES = 2  # = LATENT_STAGES in latent_attention.cu
 FLASH_PAD = 8  # = FLASH_PAD in flash.cuh: elements of padding per shared row
-ROPE_HEADS = 8  # = ROPE_HEADS in latent_attention.cu: query heads per block of latent_rope_write
-HEAD_ROWS = 8  # = HEAD_ROWS in linear.cu: rows per block of per_head_rows
+ROPE_HEADS = 2  # = ROPE_HEADS in latent_attention.cu: query heads per block of latent_rope_write
+HEAD_ROWS = 32  # = HEAD_ROWS in linear.cu: rows per block of per_head_rows
 
 # the storage dtype of a device array -> its name for CupyBackend.from_float32
 STORAGE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.uint16): "bfloat16", np.dtype(np.float16): "float16",

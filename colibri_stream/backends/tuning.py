@@ -70,7 +70,7 @@ FLASH_DECODE_STAGES = 2  # key and value tiles in flight per warp of flash_decod
 LATENT_KERNEL_SHAPES = ((512, 64),)  # its (kv_lora_rank, rope width) instantiations: DeepSeek-V3's and Kimi K2's
 LATENT_MAX_SPLITS = 64
 LATENT_BLOCKS_PER_SM = 2
-LATENT_SPLIT_KEYS = 128
+LATENT_SPLIT_KEYS = 256
 MERGE_MAX_SPLITS = 1024  # = MERGE_MAX_SPLITS in attention.cu: the splits paged_attention_merge takes at most
 MERGE_THREADS = 256  # = MERGE_WARPS * 32 in attention.cu: threads of a paged_attention_merge block
 PROLOGUE_WARPS = 4  # warps per block of qk_norm_rope_write (attention_prologue.cu) without a full-width qk norm
