@@ -101,7 +101,8 @@ class GgufArchitecture:
 
 # Our architectures llama.cpp has. Partial rotary (rotary_dim) is llama.cpp's rope_dimension_count; the NEOX rope
 # type of qwen3moe, glm4moe and minimax-m2 rotates pairs (i, i + R/2) of the first R dimensions, as Colibri does.
-# deepseek2 (DeepSeek-V2/V3, Kimi K2) rotates the last rotary_dim dimensions of each latent-attention head (NORM).
+# deepseek2 (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash) rotates the last rotary_dim dimensions of each latent-attention
+# head (NORM).
 # gpt-oss rotates whole heads (NEOX; its rope_dimension_count is the head width), routes by a softmax over the
 # top-k biased router logits (Colibri's softmax renormalised over the chosen k) and computes its experts'
 # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), with alpha 1.702 and limit 7.
@@ -115,6 +116,10 @@ ARCHITECTURES = {
     "deepseek_v3": GgufArchitecture("deepseek2", True, "sigmoid", ("none",), "ffn_norm", weights_norm_key=True,
                                     shared_expert=True, leading_dense_layers=True, nextn_layers=True,
                                     latent_attention=True, yarn=True),
+    # GLM-4.7-Flash: llama.cpp's converter writes it as deepseek2 too (its own tokenizer aside)
+    "glm4_moe_lite": GgufArchitecture("deepseek2", True, "sigmoid", ("none",), "ffn_norm", weights_norm_key=True,
+                                      shared_expert=True, leading_dense_layers=True, nextn_layers=True,
+                                      latent_attention=True, yarn=True),
     "gpt_oss": GgufArchitecture("gpt-oss", False, "softmax", ("none",), "post_attention_norm", qkv_bias=True,
                                 partial_rotary=False, yarn=True, sinks=True, swiglu_oai=(1.702, 7.0)),
 }

@@ -43,6 +43,7 @@ from gguf_writer import require_gguf_py, write_gguf
 
 from colibri_stream.batch import single_sequence_batch
 from colibri_stream.checkpoint import ExpertFile, ExpertFileWriter, write_config
+from colibri_stream.config import RopeConfig
 from colibri_stream.loader import load_model
 from colibri_stream.synthetic import SHAPES, shape_config, write_synthetic_folder
 
@@ -70,6 +71,13 @@ TINY = {
                                            shared_expert_intermediate_size=64, intermediate_size=192,
                                            moe_layers=(1, 2),
                                            softmax_scale=48**-0.5 * (0.1 * math.log(40.0) + 1.0) ** 2)),
+    # GLM-4.7-Flash: DeepSeek-V3's computation without a q LoRA or groups, plain rope (its published config's)
+    "glm4_moe_lite": ("deepseek-v3", 3, dict(_SMALL, architecture="glm4_moe_lite", num_kv_heads=4, head_dim=48,
+                                             rotary_dim=16, v_head_dim=32, q_lora_rank=0, kv_lora_rank=64,
+                                             num_experts=16, top_k=4, n_group=1, topk_group=1,
+                                             routed_scaling_factor=1.8, moe_intermediate_size=64,
+                                             shared_expert_intermediate_size=64, intermediate_size=192,
+                                             moe_layers=(1, 2), rope=RopeConfig(theta=1e6), softmax_scale=48**-0.5)),
     "gpt_oss": ("gpt-oss-20b", 4, dict(_SMALL, num_experts=16, top_k=4, moe_intermediate_size=64,
                                        sliding_windows=(8, None, 8, None),
                                        rope=dataclasses.replace(SHAPES["gpt-oss-20b"]["rope"], truncate=True))),

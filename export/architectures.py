@@ -1,10 +1,10 @@
 """The supported Hugging Face architectures: config.json translated to ModelConfig, and the tensor name maps.
 
 The translation follows the transformers 5 config classes (MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig,
-OlmoeConfig, Glm4MoeConfig, MiniMaxM2Config, DeepseekV3Config, GptOssConfig) and their modeling code: a key
-absent from config.json takes the class default, every option that changes the computation becomes a ModelConfig field or is refused with
-UnsupportedModelError, and training-only options (dropout, router jitter and auxiliary loss, initializer range,
-use_cache, ...) are ignored.
+OlmoeConfig, Glm4MoeConfig, Glm4MoeLiteConfig, MiniMaxM2Config, DeepseekV3Config, GptOssConfig) and their modeling
+code: a key absent from config.json takes the class default, every option that changes the computation becomes a
+ModelConfig field or is refused with UnsupportedModelError, and training-only options (dropout, router jitter and
+auxiliary loss, initializer range, use_cache, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ _CAUSAL_LM_CLASSES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "GptOssForCausalLM": "gpt_oss",
@@ -78,6 +79,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
         pad_token_id=None, rope_interleave=True, attention_bias=False, num_nextn_predict_layers=1,
     ),
+    "glm4_moe_lite": dict(
+        _COMMON_DEFAULTS, vocab_size=154880, hidden_size=2048, intermediate_size=10240, moe_intermediate_size=1536,
+        num_hidden_layers=47, num_attention_heads=20, num_key_value_heads=20, n_shared_experts=1,
+        n_routed_experts=64, routed_scaling_factor=1.8, kv_lora_rank=512, q_lora_rank=768, qk_rope_head_dim=64,
+        v_head_dim=256, qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=4, norm_topk_prob=True,
+        max_position_embeddings=202752, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+        rope_interleave=True, attention_bias=False, mlp_layer_types=None, num_nextn_predict_layers=0,
+    ),
     "minimax_m2": dict(
         _COMMON_DEFAULTS, vocab_size=200064, hidden_size=3072, intermediate_size=1536, num_hidden_layers=62,
         num_attention_heads=48, num_key_value_heads=8, head_dim=128, max_position_embeddings=196608,
@@ -112,11 +121,13 @@ _GLM_PARTIAL_ROTARY_FACTOR = 0.5
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok")
 _EXPERT_WIDTH_KEY = {"mixtral": "intermediate_size", "olmoe": "intermediate_size",
                      "qwen2_moe": "moe_intermediate_size", "qwen3_moe": "moe_intermediate_size",
-                     "glm4_moe": "moe_intermediate_size", "minimax_m2": "intermediate_size",
+                     "glm4_moe": "moe_intermediate_size", "glm4_moe_lite": "moe_intermediate_size",
+                     "minimax_m2": "intermediate_size",
                      "deepseek_v3": "moe_intermediate_size", "gpt_oss": "intermediate_size"}
 # The keys that may give the routed-expert count (transformers aliases them), the config class's own name first.
 _EXPERT_COUNT_KEYS = {"mixtral": ("num_local_experts", "num_experts"), "glm4_moe": ("n_routed_experts",
-                      "num_local_experts"), "minimax_m2": ("num_local_experts", "num_experts"),
+                      "num_local_experts"), "glm4_moe_lite": ("n_routed_experts", "num_local_experts"),
+                      "minimax_m2": ("num_local_experts", "num_experts"),
                       "deepseek_v3": ("n_routed_experts", "num_local_experts"), "gpt_oss": ("num_local_experts",)}
 _DEFAULT_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
 
@@ -262,9 +273,9 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
                       swiglu_alpha=_number(cfg["swiglu_alpha"], "swiglu_alpha"),
                       sliding_windows=_windows_of_layer_types(layer_types, num_layers, window,
                                                               "sliding_window is null"))
-    elif arch in ("glm4_moe", "minimax_m2", "deepseek_v3"):
+    elif arch in ("glm4_moe", "glm4_moe_lite", "minimax_m2", "deepseek_v3"):
         fields.update(_sigmoid_routed(arch, cfg, num_layers, tensor_names))
-        if arch == "deepseek_v3":
+        if arch in ("deepseek_v3", "glm4_moe_lite"):
             fields.update(_latent_attention(cfg, fields["rope"], _rope_parameters(raw)))
     else:
         fields.update(_qwen_mlp(cfg, num_layers))
@@ -327,8 +338,11 @@ def _sigmoid_routed(arch: str, cfg: dict[str, Any], num_layers: int,
         bias_names = ("mlp.e_score_correction_bias", "block_sparse_moe.e_score_correction_bias")
     else:
         width = _int(cfg["moe_intermediate_size"], "moe_intermediate_size")
-        dense_first = min(_int(cfg["first_k_dense_replace"], "first_k_dense_replace", minimum=0), num_layers)
-        moe_layers = tuple(range(dense_first, num_layers))
+        if arch == "glm4_moe_lite":
+            moe_layers = _glm_lite_moe_layers(cfg, num_layers)
+        else:
+            dense_first = min(_int(cfg["first_k_dense_replace"], "first_k_dense_replace", minimum=0), num_layers)
+            moe_layers = tuple(range(dense_first, num_layers))
         n_group = _int(cfg["n_group"], "n_group")
         topk_group = _int(cfg["topk_group"], "topk_group")
         if arch == "deepseek_v3":
@@ -337,7 +351,8 @@ def _sigmoid_routed(arch: str, cfg: dict[str, Any], num_layers: int,
             fields.update(qk_norm="per_head" if _bool(cfg["use_qk_norm"], "use_qk_norm") else "none",
                           qkv_bias=_bool(cfg["attention_bias"], "attention_bias"))
         fields.update(moe_intermediate_size=width, moe_layers=moe_layers,
-                      intermediate_size=_int(cfg["intermediate_size"], "intermediate_size") if dense_first else 0,
+                      intermediate_size=(_int(cfg["intermediate_size"], "intermediate_size")
+                                         if len(moe_layers) < num_layers else 0),
                       norm_topk_prob=_bool(cfg["norm_topk_prob"], "norm_topk_prob"),
                       n_group=n_group, topk_group=topk_group,
                       routed_scaling_factor=_number(cfg["routed_scaling_factor"], "routed_scaling_factor"),
@@ -348,6 +363,24 @@ def _sigmoid_routed(arch: str, cfg: dict[str, Any], num_layers: int,
     fields["score_correction_bias"] = bool(moe_layers) and any(
         f"model.layers.{moe_layers[0]}.{name}" in tensor_names for name in bias_names)
     return fields
+
+
+def _glm_lite_moe_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """GLM-4.7-Flash's MoE layers: those `mlp_layer_types` names "sparse" (the others "dense"); absent, every
+    layer but the first, as Glm4MoeLiteConfig fills it in. transformers reads no first_k_dense_replace for this
+    family, so one that names another split than the one computed is refused."""
+    kinds = cfg["mlp_layer_types"]
+    if kinds is None:
+        kinds = ["dense"] + ["sparse"] * (num_layers - 1)
+    if not isinstance(kinds, list) or len(kinds) != num_layers or any(k not in ("dense", "sparse") for k in kinds):
+        raise _invalid(f"mlp_layer_types must list \"dense\" or \"sparse\" for each of the {num_layers} layers, "
+                       f"got {kinds!r}")
+    moe_layers = tuple(layer for layer, kind in enumerate(kinds) if kind == "sparse")
+    first_dense = cfg.get("first_k_dense_replace")
+    if first_dense is not None and moe_layers != tuple(range(min(first_dense, num_layers), num_layers)):
+        raise _unsupported(f"first_k_dense_replace {first_dense!r} disagrees with mlp_layer_types {kinds} "
+                           "(transformers computes the layer types)")
+    return moe_layers
 
 
 def _refuse_other_values(cfg: dict[str, Any], computed: dict[str, Any], model: str) -> None:
@@ -381,10 +414,10 @@ def _latent_attention(cfg: dict[str, Any], rope: RopeConfig, rope_parameters: di
 
 
 def multi_token_prediction_layers(raw: dict[str, Any]) -> range:
-    """The layer indices after the decoder's that hold GLM-4.5's and DeepSeek-V3's multi-token-prediction modules
-    (not exported)."""
+    """The layer indices after the decoder's that hold GLM-4.5's, GLM-4.7-Flash's and DeepSeek-V3's
+    multi-token-prediction modules (not exported)."""
     arch = detect_architecture(raw)
-    if arch not in ("glm4_moe", "deepseek_v3"):
+    if arch not in ("glm4_moe", "glm4_moe_lite", "deepseek_v3"):
         return range(0)
     cfg = {**_DEFAULTS[arch], **raw}
     count = _int(cfg["num_nextn_predict_layers"], "num_nextn_predict_layers", minimum=0)

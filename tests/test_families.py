@@ -54,9 +54,11 @@ def test_cli_export_inspect_generate_match_transformers(arch, tmp_path):
     elif arch == "minimax_m2":
         assert "the first 12 of 24 dimensions of each head rotated" in shown.stdout
         assert "qk-norm full" in shown.stdout and "groups" not in shown.stdout
-    else:
+    else:  # deepseek_v3 (with a q LoRA) and glm4_moe_lite (without; its MoE layers named by mlp_layer_types)
         assert "Multi-head Latent Attention: 4 heads, query/key 12 + 8 rope dims, value 20" in shown.stdout
-        assert "q LoRA rank 24; cached per token: latent 16 + rope key 8" in shown.stdout
+        query = "q LoRA rank 24" if arch == "deepseek_v3" else "a full q projection"
+        assert f"{query}; cached per token: latent 16 + rope key 8" in shown.stdout
+        assert ("MoE: 1, 2" if arch == "deepseek_v3" else "MoE: 0, 2") in shown.stdout
         assert "interleaved pairs" in shown.stdout and "softmax scale 0.223607" in shown.stdout
         assert "RMSNorm eps 1e-06 (latents 1e-06)" in shown.stdout
 
@@ -158,6 +160,22 @@ def translated(arch: str, **changes):
     raw = dict(hf_config(arch).to_dict(), **changes)
     return translate_config(raw, {}, {"model.layers.1.mlp.gate.e_score_correction_bias",
                                       "model.layers.0.mlp.e_score_correction_bias"}, "bfloat16", "bfloat16")
+
+
+def test_glm4_moe_lite_takes_its_moe_layers_from_mlp_layer_types():
+    """GLM-4.7-Flash names each layer dense or sparse (transformers' default: the first dense); it reads no
+    first_k_dense_replace, so one that names another split is refused, and a malformed list is an invalid file."""
+    assert translated("glm4_moe_lite").moe_layers == (0, 2)
+    default = translated("glm4_moe_lite", mlp_layer_types=None)
+    assert default.moe_layers == (1, 2) and default.attention == "mla" and default.intermediate_size == 96
+    assert translated("glm4_moe_lite", mlp_layer_types=None, first_k_dense_replace=1).moe_layers == (1, 2)
+    with pytest.raises(UnsupportedModelError, match="first_k_dense_replace 2 disagrees with mlp_layer_types"):
+        translated("glm4_moe_lite", mlp_layer_types=None, first_k_dense_replace=2)
+    with pytest.raises(CheckpointError, match="mlp_layer_types must list"):
+        translated("glm4_moe_lite", mlp_layer_types=["dense", "moe", "sparse"])
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.5 is not an option of glm4_moe_lite"):
+        translated("glm4_moe_lite", rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                     "partial_rotary_factor": 0.5})
 
 
 def test_gpu_backend_captures_latent_attention_where_its_decode_kernel_takes_the_cache():

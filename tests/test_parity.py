@@ -145,6 +145,12 @@ VARIANTS = [
     ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                          "original_max_position_embeddings": 128, "mscale": 0.8,
                                          "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
+    ("glm4_moe_lite", {"q_lora_rank": 24, "mlp_layer_types": None}),  # q LoRA; transformers' default: dense first
+    ("glm4_moe_lite", {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 3, "n_shared_experts": 2,
+                       "rope_interleave": False, "mlp_layer_types": ["sparse"] * 3}),
+    ("glm4_moe_lite", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                           "original_max_position_embeddings": 128, "mscale": 1.0,
+                                           "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
     # Options every family reads: the norms' epsilon, tied embeddings, rope variants beside those above
     ("mixtral", {"rms_norm_eps": 1e-3}),
     ("mixtral", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0, "beta_fast": 16.0,

@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # softmax-routed, whole-head rotary
-SIGMOID_ROUTED = ("glm4_moe", "minimax_m2", "deepseek_v3")
+SIGMOID_ROUTED = ("glm4_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite")
 ALL_ARCHITECTURES = ARCHITECTURES + SIGMOID_ROUTED
 # what the GPU backend runs too (deepseek_v3's latent attention and gpt_oss's sinks and biased experts eagerly)
-GPU_ARCHITECTURES = ARCHITECTURES + ("glm4_moe", "minimax_m2", "deepseek_v3", "gpt_oss")
+GPU_ARCHITECTURES = ARCHITECTURES + ("glm4_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite", "gpt_oss")
 VOCAB_SIZE = 256
 
 
@@ -65,6 +65,14 @@ def hf_config(arch: str, **overrides):
                    q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=20,
                    rope_interleave=True, num_key_value_heads=4)
         cls = transformers.DeepseekV3Config
+    elif arch == "glm4_moe_lite":
+        # GLM-4.7-Flash: DeepSeek-V3's latent attention and routing, the MoE layers named one by one (a dense layer
+        # between two MoE ones), no q LoRA here (DeepSeek-V3's tiny model has one)
+        cfg = dict(common, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                   n_group=2, topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True, q_lora_rank=None,
+                   kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=20, rope_interleave=True,
+                   num_key_value_heads=4, mlp_layer_types=["sparse", "dense", "sparse"])
+        cls = transformers.Glm4MoeLiteConfig
     elif arch == "gpt_oss":
         # swiglu_limit below the spread of the experts' products, so both clamps act; a window shorter than the
         # prompt; YaRN as GptOssConfig sets it
