@@ -88,6 +88,7 @@ class GgufArchitecture:
     mlp_norm: str  # its name for the norm before the MLP
     qkv_bias: bool = False  # reads q, k and v biases
     weights_norm_key: bool = False  # reads expert_weights_norm (else it renormalises the top-k weights always)
+    weights_scale_key: bool = False  # reads expert_weights_scale and the gating function under softmax scores too
     shared_expert: bool = False  # reads an ungated shared expert (expert_shared_count routed widths)
     leading_dense_layers: bool = False  # reads dense MLPs in the first layers (leading_dense_block_count)
     nextn_layers: bool = False  # reads nextn_predict_layers (multi-token prediction layers: 0 written, none held)
@@ -116,6 +117,10 @@ ARCHITECTURES = {
     "deepseek_v3": GgufArchitecture("deepseek2", True, "sigmoid", ("none",), "ffn_norm", weights_norm_key=True,
                                     shared_expert=True, leading_dense_layers=True, nextn_layers=True,
                                     latent_attention=True, yarn=True),
+    # DeepSeek-V2 (-Lite): deepseek2 under softmax scores, its top-k weights scaled and not renormalised
+    "deepseek_v2": GgufArchitecture("deepseek2", True, "softmax", ("none",), "ffn_norm", weights_norm_key=True,
+                                    weights_scale_key=True, shared_expert=True, leading_dense_layers=True,
+                                    latent_attention=True, yarn=True),
     # GLM-4.7-Flash: llama.cpp's converter writes it as deepseek2 too (its own tokenizer aside)
     "glm4_moe_lite": GgufArchitecture("deepseek2", True, "sigmoid", ("none",), "ffn_norm", weights_norm_key=True,
                                       shared_expert=True, leading_dense_layers=True, nextn_layers=True,
@@ -139,8 +144,9 @@ def unwritable(config, arch: GgufArchitecture) -> list[str]:
             config.shared_expert_gate or shared % config.moe_intermediate_size != 0),
         "dense layers other than the leading ones": config.moe_layers != tuple(range(first_moe, config.num_layers)),
         "leading dense layers": first_moe > 0 and not arch.leading_dense_layers,
-        "a score correction bias or routed_scaling_factor": arch.scoring == "softmax" and (
-            config.score_correction_bias or config.routed_scaling_factor != 1.0),
+        "a score correction bias": arch.scoring == "softmax" and config.score_correction_bias,
+        "routed_scaling_factor": (arch.scoring == "softmax" and not arch.weights_scale_key
+                                  and config.routed_scaling_factor != 1.0),
         "unnormalised top-k weights": not config.norm_topk_prob and not arch.weights_norm_key,
         "partial rotary": not arch.partial_rotary and config.rotary_dim not in (None, config.head_dim),
         f"{config.attention} attention (llama.cpp's {arch.name} computes {'mla' if arch.latent_attention else 'gqa'})":
@@ -497,8 +503,9 @@ def _write_metadata(writer, config, arch: GgufArchitecture, name: str, gguf, mat
     if config.n_group > 1:
         writer.add_expert_group_count(config.n_group)
         writer.add_expert_group_used_count(config.topk_group)
-    if arch.scoring == "sigmoid":
-        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if arch.scoring == "sigmoid" or arch.weights_scale_key:
+        gating = gguf.ExpertGatingFuncType.SIGMOID if arch.scoring == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX
+        writer.add_expert_gating_func(gating)
         writer.add_expert_weights_scale(config.routed_scaling_factor)
     if arch.weights_norm_key:
         writer.add_expert_weights_norm(config.norm_topk_prob)

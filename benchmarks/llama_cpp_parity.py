@@ -71,6 +71,15 @@ TINY = {
                                            shared_expert_intermediate_size=64, intermediate_size=192,
                                            moe_layers=(1, 2),
                                            softmax_scale=48**-0.5 * (0.1 * math.log(40.0) + 1.0) ** 2)),
+    # DeepSeek-V2-Lite's options on DeepSeek-V3's widths: softmax routing, scaled, not renormalised, no q LoRA
+    "deepseek_v2": ("deepseek-v3", 3, dict(_SMALL, architecture="deepseek_v2", num_kv_heads=4, head_dim=48,
+                                           rotary_dim=16, v_head_dim=32, q_lora_rank=0, kv_lora_rank=64,
+                                           num_experts=16, top_k=4, n_group=1, topk_group=1, router_scoring="softmax",
+                                           score_correction_bias=False, norm_topk_prob=False,
+                                           routed_scaling_factor=1.5, moe_intermediate_size=64,
+                                           shared_expert_intermediate_size=128, intermediate_size=192,
+                                           moe_layers=(1, 2),
+                                           softmax_scale=48**-0.5 * (0.1 * math.log(40.0) + 1.0) ** 2)),
     # GLM-4.7-Flash: DeepSeek-V3's computation without a q LoRA or groups, plain rope (its published config's)
     "glm4_moe_lite": ("deepseek-v3", 3, dict(_SMALL, architecture="glm4_moe_lite", num_kv_heads=4, head_dim=48,
                                              rotary_dim=16, v_head_dim=32, q_lora_rank=0, kv_lora_rank=64,

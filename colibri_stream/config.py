@@ -16,8 +16,8 @@ from .errors import CheckpointError, ConfigError
 from .field_types import type_error
 
 FORMAT_VERSION = 1
-ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "glm4_moe_lite", "minimax_m2", "deepseek_v3",
-                 "gpt_oss")
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "glm4_moe_lite", "minimax_m2", "deepseek_v2",
+                 "deepseek_v3", "gpt_oss")
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")
 EXPERT_DTYPES = STORAGE_DTYPES + ("int8", "int4", "fp8", "mxfp4")  # expert_codecs.py: one codec each
 INT4_GROUP_SIZES = (32, 64, 128)  # int4: input channels per scale

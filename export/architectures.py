@@ -1,9 +1,10 @@
 """The supported Hugging Face architectures: config.json translated to ModelConfig, and the tensor name maps.
 
 The translation follows the transformers 5 config classes (MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig,
-OlmoeConfig, Glm4MoeConfig, Glm4MoeLiteConfig, MiniMaxM2Config, DeepseekV3Config, GptOssConfig) and their modeling
-code: a key absent from config.json takes the class default, every option that changes the computation becomes a
-ModelConfig field or is refused with UnsupportedModelError, and training-only options (dropout, router jitter and
+OlmoeConfig, Glm4MoeConfig, Glm4MoeLiteConfig, MiniMaxM2Config, DeepseekV2Config, DeepseekV3Config, GptOssConfig) and
+their modeling
+code: a key absent from config.json takes the class default, every option that changes the computation becomes
+a ModelConfig field or is refused with UnsupportedModelError, and training-only options (dropout, router jitter and
 auxiliary loss, initializer range, use_cache, ...) are ignored.
 """
 
@@ -24,6 +25,7 @@ _CAUSAL_LM_CLASSES = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "GptOssForCausalLM": "gpt_oss",
 }
@@ -70,6 +72,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         n_routed_experts=128, routed_scaling_factor=1.0, n_group=1, topk_group=1, first_k_dense_replace=1,
         norm_topk_prob=True, use_qk_norm=False, num_nextn_predict_layers=1, bos_token_id=None, eos_token_id=None,
         pad_token_id=None,
+    ),
+    "deepseek_v2": dict(
+        _COMMON_DEFAULTS, vocab_size=102400, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        bos_token_id=1, eos_token_id=2, pad_token_id=None, attention_bias=False, mlp_bias=False,
+        first_k_dense_replace=0, kv_lora_rank=512, q_lora_rank=1536, n_group=None, n_routed_experts=64,
+        n_shared_experts=2, qk_nope_head_dim=128, qk_rope_head_dim=64, routed_scaling_factor=1.0, topk_group=None,
+        topk_method="greedy", norm_topk_prob=False, v_head_dim=128, moe_intermediate_size=1407,
     ),
     "deepseek_v3": dict(
         _COMMON_DEFAULTS, vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -123,11 +133,13 @@ _EXPERT_WIDTH_KEY = {"mixtral": "intermediate_size", "olmoe": "intermediate_size
                      "qwen2_moe": "moe_intermediate_size", "qwen3_moe": "moe_intermediate_size",
                      "glm4_moe": "moe_intermediate_size", "glm4_moe_lite": "moe_intermediate_size",
                      "minimax_m2": "intermediate_size",
-                     "deepseek_v3": "moe_intermediate_size", "gpt_oss": "intermediate_size"}
+                     "deepseek_v2": "moe_intermediate_size", "deepseek_v3": "moe_intermediate_size",
+                     "gpt_oss": "intermediate_size"}
 # The keys that may give the routed-expert count (transformers aliases them), the config class's own name first.
 _EXPERT_COUNT_KEYS = {"mixtral": ("num_local_experts", "num_experts"), "glm4_moe": ("n_routed_experts",
                       "num_local_experts"), "glm4_moe_lite": ("n_routed_experts", "num_local_experts"),
                       "minimax_m2": ("num_local_experts", "num_experts"),
+                      "deepseek_v2": ("n_routed_experts", "num_local_experts"),
                       "deepseek_v3": ("n_routed_experts", "num_local_experts"), "gpt_oss": ("num_local_experts",)}
 _DEFAULT_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
 
@@ -273,6 +285,9 @@ def translate_config(raw: dict[str, Any], generation: dict[str, Any], tensor_nam
                       swiglu_alpha=_number(cfg["swiglu_alpha"], "swiglu_alpha"),
                       sliding_windows=_windows_of_layer_types(layer_types, num_layers, window,
                                                               "sliding_window is null"))
+    elif arch == "deepseek_v2":
+        fields.update(_deepseek_v2_routing(cfg, num_layers))
+        fields.update(_latent_attention(cfg, fields["rope"], _rope_parameters(raw), interleaved=True))
     elif arch in ("glm4_moe", "glm4_moe_lite", "minimax_m2", "deepseek_v3"):
         fields.update(_sigmoid_routed(arch, cfg, num_layers, tensor_names))
         if arch in ("deepseek_v3", "glm4_moe_lite"):
@@ -383,6 +398,24 @@ def _glm_lite_moe_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...
     return moe_layers
 
 
+def _deepseek_v2_routing(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """DeepSeek-V2 (and -Lite, Coder-V2): a softmax over the routed experts, the top_k best taken as they are (no
+    renormalisation: transformers reads no norm_topk_prob for this family) times routed_scaling_factor; n_shared_experts
+    ungated shared experts of the routed width; the first first_k_dense_replace layers dense. Its full model's
+    group_limited_greedy (groups ranked by their best score) is refused, as are the authors' keys that would
+    compute otherwise."""
+    _refuse_other_values(cfg, dict(topk_method="greedy", scoring_func="softmax", moe_layer_freq=1,
+                                   norm_topk_prob=False, mlp_bias=False), "transformers' DeepSeek-V2")
+    width = _int(cfg["moe_intermediate_size"], "moe_intermediate_size")
+    dense_first = min(_int(cfg["first_k_dense_replace"], "first_k_dense_replace", minimum=0), num_layers)
+    return dict(router_scoring="softmax", norm_topk_prob=False, moe_intermediate_size=width,
+                moe_layers=tuple(range(dense_first, num_layers)),
+                intermediate_size=_int(cfg["intermediate_size"], "intermediate_size") if dense_first else 0,
+                routed_scaling_factor=_number(cfg["routed_scaling_factor"], "routed_scaling_factor"),
+                shared_expert_intermediate_size=width * _int(cfg["n_shared_experts"], "n_shared_experts", minimum=0),
+                sliding_windows=(None,) * num_layers)
+
+
 def _refuse_other_values(cfg: dict[str, Any], computed: dict[str, Any], model: str) -> None:
     """UnsupportedModelError for the first key of `computed` that config.json sets to another value than the one
     `model` computes with (whatever the key says)."""
@@ -391,10 +424,13 @@ def _refuse_other_values(cfg: dict[str, Any], computed: dict[str, Any], model: s
             raise _unsupported(f"{key} {cfg[key]!r} is not supported ({model} computes {value!r})")
 
 
-def _latent_attention(cfg: dict[str, Any], rope: RopeConfig, rope_parameters: dict[str, Any]) -> dict[str, Any]:
-    """DeepSeek-V3's Multi-head Latent Attention: query and key heads of qk_nope_head_dim + qk_rope_head_dim (the
-    rope part last), the latent, and the softmax scale's mscale_all_dim correction (squared, as DeepSeek applies
-    it) under any rope type but the default, as transformers' yarn_apply_mscale applies it."""
+def _latent_attention(cfg: dict[str, Any], rope: RopeConfig, rope_parameters: dict[str, Any],
+                      interleaved: bool | None = None) -> dict[str, Any]:
+    """DeepSeek-V2/V3's Multi-head Latent Attention: query and key heads of qk_nope_head_dim + qk_rope_head_dim
+    (the rope part last), the latent, and the softmax scale's mscale_all_dim correction (squared, as DeepSeek
+    applies it) under any rope type but the default, as transformers' yarn_apply_mscale applies it. `interleaved`:
+    the rope pairing where the family fixes it (DeepSeek-V2 rotates adjacent pairs as complex numbers), else the
+    config's rope_interleave."""
     if _bool(cfg["attention_bias"], "attention_bias"):
         raise _unsupported("attention_bias is not supported with Multi-head Latent Attention")
     nope = _int(cfg["qk_nope_head_dim"], "qk_nope_head_dim")
@@ -409,7 +445,8 @@ def _latent_attention(cfg: dict[str, Any], rope: RopeConfig, rope_parameters: di
                 q_lora_rank=0 if q_rank is None else _int(q_rank, "q_lora_rank"),
                 kv_lora_rank=_int(cfg["kv_lora_rank"], "kv_lora_rank"),
                 v_head_dim=_int(cfg["v_head_dim"], "v_head_dim"),
-                rope_interleave=_bool(cfg["rope_interleave"], "rope_interleave"), softmax_scale=scale,
+                rope_interleave=(_bool(cfg["rope_interleave"], "rope_interleave") if interleaved is None
+                                 else interleaved), softmax_scale=scale,
                 latent_norm_eps=_LATENT_NORM_EPS)
 
 

@@ -162,6 +162,22 @@ def translated(arch: str, **changes):
                                       "model.layers.0.mlp.e_score_correction_bias"}, "bfloat16", "bfloat16")
 
 
+def test_deepseek_v2_routes_by_softmax_without_renormalising_and_refuses_what_transformers_would_not_compute():
+    """DeepSeek-V2 (-Lite): softmax scores, the top-k taken as they are, scaled; latent attention with its rope in
+    adjacent pairs. Its full model's group_limited_greedy routing (groups ranked by their best score) and the keys
+    transformers does not read for this family, set to what it would not compute, are refused in one line."""
+    config = translated("deepseek_v2")
+    assert (config.router_scoring, config.norm_topk_prob, config.routed_scaling_factor) == ("softmax", False, 1.5)
+    assert config.attention == "mla" and config.rope_interleave and config.moe_layers == (1, 2)
+    assert config.shared_expert_intermediate_size == 64 and not config.score_correction_bias
+    check_features(config, CupyBackend)
+    for change, refused in [(dict(topk_method="group_limited_greedy", n_group=2, topk_group=1), "topk_method"),
+                            (dict(norm_topk_prob=True), "norm_topk_prob"), (dict(mlp_bias=True), "mlp_bias"),
+                            (dict(scoring_func="sigmoid"), "scoring_func")]:
+        with pytest.raises(UnsupportedModelError, match=f"{refused} .* is not supported"):
+            translated("deepseek_v2", **change)
+
+
 def test_glm4_moe_lite_takes_its_moe_layers_from_mlp_layer_types():
     """GLM-4.7-Flash names each layer dense or sparse (transformers' default: the first dense); it reads no
     first_k_dense_replace, so one that names another split is refused, and a malformed list is an invalid file."""

@@ -145,6 +145,10 @@ VARIANTS = [
     ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                          "original_max_position_embeddings": 128, "mscale": 0.8,
                                          "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
+    ("deepseek_v2", {"q_lora_rank": 24, "first_k_dense_replace": 0, "num_experts_per_tok": 3}),
+    ("deepseek_v2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                         "original_max_position_embeddings": 128, "mscale": 0.707,
+                                         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}}),
     ("glm4_moe_lite", {"q_lora_rank": 24, "mlp_layer_types": None}),  # q LoRA; transformers' default: dense first
     ("glm4_moe_lite", {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 3, "n_shared_experts": 2,
                        "rope_interleave": False, "mlp_layer_types": ["sparse"] * 3}),

@@ -12,9 +12,10 @@ from pathlib import Path
 
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # softmax-routed, whole-head rotary
 SIGMOID_ROUTED = ("glm4_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite")
-ALL_ARCHITECTURES = ARCHITECTURES + SIGMOID_ROUTED
+LATENT_SOFTMAX_ROUTED = ("deepseek_v2",)  # latent attention, softmax routing without renormalisation
+ALL_ARCHITECTURES = ARCHITECTURES + SIGMOID_ROUTED + LATENT_SOFTMAX_ROUTED
 # what the GPU backend runs too (deepseek_v3's latent attention and gpt_oss's sinks and biased experts eagerly)
-GPU_ARCHITECTURES = ARCHITECTURES + ("glm4_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite", "gpt_oss")
+GPU_ARCHITECTURES = ARCHITECTURES + ("glm4_moe", "minimax_m2", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gpt_oss")
 VOCAB_SIZE = 256
 
 
@@ -65,6 +66,13 @@ def hf_config(arch: str, **overrides):
                    q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=20,
                    rope_interleave=True, num_key_value_heads=4)
         cls = transformers.DeepseekV3Config
+    elif arch == "deepseek_v2":
+        # DeepSeek-V2-Lite's options: no q LoRA, softmax routing without renormalisation, scaled, two shared experts,
+        # a dense first layer
+        cfg = dict(common, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2,
+                   first_k_dense_replace=1, routed_scaling_factor=1.5, q_lora_rank=None, kv_lora_rank=16,
+                   qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=20, num_key_value_heads=4)
+        cls = transformers.DeepseekV2Config
     elif arch == "glm4_moe_lite":
         # GLM-4.7-Flash: DeepSeek-V3's latent attention and routing, the MoE layers named one by one (a dense layer
         # between two MoE ones), no q LoRA here (DeepSeek-V3's tiny model has one)
