@@ -81,6 +81,18 @@ EXPECTED = {
                         router_scoring="sigmoid", score_correction_bias=True, n_group=2, topk_group=1,
                         routed_scaling_factor=2.5, attention="mla", rotary_dim=8, q_lora_rank=24, kv_lora_rank=16,
                         v_head_dim=20, rope_interleave=True, num_kv_heads=4, softmax_scale=20**-0.5),
+    "deepseek_v2": dict(head_dim=20, num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(1, 2),
+                        intermediate_size=96, norm_topk_prob=False, qk_norm="none", qkv_bias=False, o_bias=False,
+                        shared_expert_intermediate_size=64, shared_expert_gate=False, rope=RopeConfig(theta=1e4),
+                        router_scoring="softmax", score_correction_bias=False, n_group=1, topk_group=1,
+                        routed_scaling_factor=1.5, attention="mla", rotary_dim=8, q_lora_rank=0, kv_lora_rank=16,
+                        v_head_dim=20, rope_interleave=True, num_kv_heads=4, softmax_scale=20**-0.5),
+    "glm4_moe_lite": dict(head_dim=20, num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(0, 2),
+                          intermediate_size=96, norm_topk_prob=True, qk_norm="none", qkv_bias=False, o_bias=False,
+                          shared_expert_intermediate_size=32, shared_expert_gate=False, rope=RopeConfig(theta=1e4),
+                          router_scoring="sigmoid", score_correction_bias=True, n_group=2, topk_group=1,
+                          routed_scaling_factor=1.8, attention="mla", rotary_dim=8, q_lora_rank=0, kv_lora_rank=16,
+                          v_head_dim=20, rope_interleave=True, num_kv_heads=4, softmax_scale=20**-0.5),
 }
 STORAGE = {"fp32": np.float32, "bf16": ml_dtypes.bfloat16, "fp16": np.float16}
 
@@ -515,5 +527,6 @@ def test_cli_export_reports_broken_checkpoints_in_one_line(hf_copy, tmp_path):
     assert completed.returncode == 1 and "Traceback" not in completed.stderr
     assert completed.stderr == ("error: model_type 'deepseek_v32' needs the sparse attention indexer of "
                                 "DeepSeek-V3.2, which Colibri does not run; Colibri exports mixtral, qwen2_moe, "
-                                "qwen3_moe, olmoe, glm4_moe, minimax_m2, deepseek_v3, gpt_oss\n")
+                                "qwen3_moe, olmoe, glm4_moe, glm4_moe_lite, minimax_m2, deepseek_v2, deepseek_v3, "
+                                "gpt_oss\n")
     assert not (tmp_path / "out").exists()
