@@ -9,6 +9,8 @@ Pieces, each usable alone:
 - `Communicator`: the collectives the MoE block needs; `FakeGroup` runs N ranks on threads of one process over
   NumPy buffers (tests, and the reference an NCCL communicator must agree with).
 - `moe_all_to_all` and `moe_all_gather`: the MoE layer over a communicator with either collective.
+- `ExpertParallelRank`: one rank's routed experts for a whole model (`MoETransformer.expert_parallel`): every MoE
+  layer of the rank's forward step goes through `moe_all_to_all`, the rank's experts run by its backend.
 
 Exactness: the single-rank MoE layer (`NumpyBackend.routed_experts`) runs each expert once over every token that
 chose it, in token order, and adds the weighted outputs into a zeroed [T, H] in ascending expert order.
@@ -238,3 +240,31 @@ def moe_all_gather(comm: Communicator, x: np.ndarray, weights: np.ndarray, exper
         partial[mine.tokens[start:end]] += weighted[start:end]
     offsets = np.cumsum([0, *counts])
     return comm.reduce_scatter([partial[offsets[r]:offsets[r + 1]] for r in range(comm.size)])
+
+
+class ExpertParallelRank:
+    """One rank of an expert-parallel group running a whole model: the routed experts of every MoE layer sharded
+    by id over the group (`ShardMap`), this rank's tokens sent to the ranks holding their experts and the weighted
+    outputs summed back (`moe_all_to_all`). Everything else of the model (attention and its KV cache, dense
+    weights, routers, shared experts) is the rank's own: it runs its own sequences end to end. Every rank calls
+    each MoE layer in the same order, a rank without tokens this step too (with zero rows).
+
+    The experts a rank receives run through its backend's `routed_experts`, one expert at a time with weight 1
+    (exact: the weighting follows in `moe_all_to_all`), over the rank's store, which needs to hold only the rank's
+    shard. Host arrays: the NumPy backend (an NCCL communicator over device arrays is docs/MULTI_GPU.md's next
+    step)."""
+
+    def __init__(self, comm: Communicator, num_experts: int):
+        self.comm = comm
+        self.shard = ShardMap(num_experts, comm.size)
+
+    def routed_experts(self, backend: Any, x: np.ndarray, weights: np.ndarray, expert_ids: np.ndarray, layer: int,
+                       store: Any, activation: Any = None) -> np.ndarray:
+        """`Backend.routed_experts`' result for this rank's tokens x [T, H] (weights, expert_ids [T, k]) -> [T, H]."""
+        def run_expert(rows: np.ndarray, expert: int) -> np.ndarray:
+            n = rows.shape[0]
+            return backend.routed_experts(rows, np.ones((n, 1), np.float32), np.full((n, 1), expert, np.int64),
+                                          layer, store, activation)  # [n, H]
+
+        return moe_all_to_all(self.comm, np.asarray(x, np.float32), np.asarray(weights, np.float32),
+                              np.asarray(expert_ids), self.shard, run_expert)

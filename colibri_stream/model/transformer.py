@@ -15,6 +15,7 @@ import numpy as np
 from ..backends.base import Array, Backend
 from ..checkpoint import DenseFile
 from ..config import ModelConfig
+from ..experts.expert_parallel import ExpertParallelRank
 from ..experts.store import ExpertStore
 from ..timing import StepTimer
 from ..batch import ForwardBatch
@@ -133,6 +134,8 @@ class MoETransformer:
         self.rope_cos, self.rope_sin = backend.upload(cos), backend.upload(sin)  # [P, R/2] each (R rotated dims)
         self.attention_scale = config.softmax_scale or config.head_dim**-0.5
         self.swiglu = config.clamped_swiglu()  # the routed experts' activation when not silu(gate) * up
+        # one rank of an expert-parallel group (experts/expert_parallel.py), or None: every expert is this model's
+        self.expert_parallel: ExpertParallelRank | None = None
         self.timer = StepTimer(backend.clock())  # the engine's step timer; the forward's phases report to it
         self.store.timer = self.timer  # expert reads report to it too
 
@@ -242,7 +245,10 @@ class MoETransformer:
                                           cfg.routed_scaling_factor, layer.router_bias)  # [T, k] each
         with t.device_phase("experts"):
             self.store.begin_layer(index, x, expert_ids, weights)  # a tiered store loads, prefetches, places
-            out = b.routed_experts(x, weights, expert_ids, index, self.store, self.swiglu)  # [T, H]
+            if self.expert_parallel is None:
+                out = b.routed_experts(x, weights, expert_ids, index, self.store, self.swiglu)  # [T, H]
+            else:  # this rank's tokens to the ranks holding their experts, and back
+                out = self.expert_parallel.routed_experts(b, x, weights, expert_ids, index, self.store, self.swiglu)
             if layer.shared_expert is not None:
                 shared = self._gated_mlp(layer.shared_expert, x)  # [T, H]
                 if layer.shared_expert_gate is not None:
