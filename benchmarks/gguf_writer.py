@@ -154,6 +154,8 @@ def unwritable(config, arch: GgufArchitecture) -> list[str]:
         "a softmax scale other than head_dim^-0.5": config.attention == "gqa" and not math.isclose(
             config.softmax_scale or config.head_dim**-0.5, config.head_dim**-0.5, rel_tol=1e-6),
         "clip_qkv": config.clip_qkv is not None,
+        "groups of experts ranked by their best score (llama.cpp ranks them by their two best)":
+            config.n_group > 1 and config.group_ranking != "top2_sum",
         "an o bias, attention sinks or sliding windows": not arch.sinks and (
             config.o_bias or config.attention_sinks or any(w is not None for w in config.sliding_windows)),
         "interleaved or scaled rope": not arch.yarn and (config.rope_interleave or config.rope.type != "default"),

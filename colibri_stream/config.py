@@ -27,6 +27,9 @@ EXPERT_FORMAT_FIELDS = {"int4": ("expert_group_size", "expert_zero_point"), "fp8
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 QK_NORMS = ("none", "per_head", "full")
 ROUTER_SCORINGS = ("softmax", "sigmoid")
+# how a group of experts ranks for group-limited routing: the sum of its two best scores (DeepSeek-V3, GLM-4.5), or
+# its best score (DeepSeek-V2's group_limited_greedy)
+GROUP_RANKINGS = ("top2_sum", "max")
 ATTENTIONS = ("gqa", "mla")  # grouped-query attention | Multi-head Latent Attention (model/transformer.py)
 # Upper bounds of config.json's sizes, far above every published model's (Llama 4 Scout: 10 M positions; vocabularies
 # up to 262 144; hidden sizes up to 18 432; 384 experts): a value past them is a corrupt or hostile file, refused
@@ -105,8 +108,9 @@ class ModelConfig:
     router_scoring: str = "softmax"  # softmax over all experts | sigmoid of each expert's logit; then top-k
     score_correction_bias: bool = False  # a per-expert bias [E] added to the scores for choosing experts only
     router_bias: bool = False  # a per-expert bias [E] added to the router's logits (choice and weights alike)
-    n_group: int = 1  # experts in n_group equal groups; only the topk_group best groups (top-2 sum) are chosen from
+    n_group: int = 1  # experts in n_group equal groups; only the topk_group best groups are chosen from
     topk_group: int = 1
+    group_ranking: str = "top2_sum"  # a group's rank (GROUP_RANKINGS): its two best scores summed, or its best
     norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1
     routed_scaling_factor: float = 1.0  # the routed experts' weights times this (after renormalising)
     expert_bias: bool = False  # each routed expert adds gate_bias [I], up_bias [I], down_bias [H] (float32)
@@ -192,7 +196,9 @@ class ModelConfig:
             fail(f"router_scoring {self.router_scoring!r} is not one of {', '.join(ROUTER_SCORINGS)}")
         if self.n_group <= 0 or self.num_experts % self.n_group:
             fail(f"n_group ({self.n_group}) must be a positive divisor of num_experts ({self.num_experts})")
-        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+        if self.group_ranking not in GROUP_RANKINGS:
+            fail(f"group_ranking {self.group_ranking!r} is not one of {', '.join(GROUP_RANKINGS)}")
+        if self.n_group > 1 and self.group_ranking == "top2_sum" and self.num_experts // self.n_group < 2:
             fail(f"groups of experts are ranked by their two best scores: n_group {self.n_group} leaves fewer than "
                  "two experts a group")
         if not 0 < self.topk_group <= self.n_group:

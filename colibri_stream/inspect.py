@@ -87,6 +87,7 @@ def _routing(config: ModelConfig) -> str:
             + (" plus a correction bias (for the choice only)" if config.score_correction_bias else ""))
     if config.n_group > 1:
         text += f", from the best {config.topk_group} of {config.n_group} groups"
+        text += " (ranked by their best score)" if config.group_ranking == "max" else ""
     text += (f", intermediate {config.moe_intermediate_size}, "
              f"top-k weights {'renormalised' if config.norm_topk_prob else 'not renormalised'}")
     if config.routed_scaling_factor != 1.0:

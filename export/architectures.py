@@ -400,15 +400,23 @@ def _glm_lite_moe_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...
 
 def _deepseek_v2_routing(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """DeepSeek-V2 (and -Lite, Coder-V2): a softmax over the routed experts, the top_k best taken as they are (no
-    renormalisation: transformers reads no norm_topk_prob for this family) times routed_scaling_factor; n_shared_experts
-    ungated shared experts of the routed width; the first first_k_dense_replace layers dense. Its full model's
-    group_limited_greedy (groups ranked by their best score) is refused, as are the authors' keys that would
-    compute otherwise."""
-    _refuse_other_values(cfg, dict(topk_method="greedy", scoring_func="softmax", moe_layer_freq=1,
-                                   norm_topk_prob=False, mlp_bias=False), "transformers' DeepSeek-V2")
+    renormalisation: transformers reads no norm_topk_prob for this family) times routed_scaling_factor, with
+    topk_method group_limited_greedy only from the topk_group groups whose best score is highest; n_shared_experts
+    ungated shared experts of the routed width; the first first_k_dense_replace layers dense. The authors' keys
+    that would compute otherwise are refused."""
+    _refuse_other_values(cfg, dict(scoring_func="softmax", moe_layer_freq=1, norm_topk_prob=False, mlp_bias=False),
+                         "transformers' DeepSeek-V2")
+    method = cfg["topk_method"]
+    if method not in ("greedy", "group_limited_greedy"):
+        raise _unsupported(f"topk_method {method!r} is not supported (DeepSeek-V2 routes by greedy or "
+                           "group_limited_greedy)")
+    fields: dict[str, Any] = {}
+    if method == "group_limited_greedy":
+        fields.update(n_group=_int(cfg["n_group"], "n_group"), topk_group=_int(cfg["topk_group"], "topk_group"),
+                      group_ranking="max")
     width = _int(cfg["moe_intermediate_size"], "moe_intermediate_size")
     dense_first = min(_int(cfg["first_k_dense_replace"], "first_k_dense_replace", minimum=0), num_layers)
-    return dict(router_scoring="softmax", norm_topk_prob=False, moe_intermediate_size=width,
+    return dict(fields, router_scoring="softmax", norm_topk_prob=False, moe_intermediate_size=width,
                 moe_layers=tuple(range(dense_first, num_layers)),
                 intermediate_size=_int(cfg["intermediate_size"], "intermediate_size") if dense_first else 0,
                 routed_scaling_factor=_number(cfg["routed_scaling_factor"], "routed_scaling_factor"),

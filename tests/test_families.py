@@ -163,15 +163,21 @@ def translated(arch: str, **changes):
 
 
 def test_deepseek_v2_routes_by_softmax_without_renormalising_and_refuses_what_transformers_would_not_compute():
-    """DeepSeek-V2 (-Lite): softmax scores, the top-k taken as they are, scaled; latent attention with its rope in
-    adjacent pairs. Its full model's group_limited_greedy routing (groups ranked by their best score) and the keys
-    transformers does not read for this family, set to what it would not compute, are refused in one line."""
+    """DeepSeek-V2 (-Lite): softmax scores, the top-k taken as they are, scaled; the full model's
+    group_limited_greedy chooses from the groups whose best score is highest (run on the CPU; the GPU's router
+    ranks groups by their two best and refuses it in one line). Latent attention with its rope in adjacent pairs.
+    Keys transformers does not read for this family, set to what it would not compute, are refused."""
     config = translated("deepseek_v2")
     assert (config.router_scoring, config.norm_topk_prob, config.routed_scaling_factor) == ("softmax", False, 1.5)
     assert config.attention == "mla" and config.rope_interleave and config.moe_layers == (1, 2)
-    assert config.shared_expert_intermediate_size == 64 and not config.score_correction_bias
+    assert config.shared_expert_intermediate_size == 64 and not config.score_correction_bias and config.n_group == 1
     check_features(config, CupyBackend)
-    for change, refused in [(dict(topk_method="group_limited_greedy", n_group=2, topk_group=1), "topk_method"),
+    grouped = translated("deepseek_v2", topk_method="group_limited_greedy", n_group=4, topk_group=2)
+    assert (grouped.n_group, grouped.topk_group, grouped.group_ranking) == (4, 2, "max")
+    check_features(grouped, NumpyBackend)
+    with pytest.raises(UnsupportedModelError, match="groups of experts ranked by their best score"):
+        check_features(grouped, CupyBackend)
+    for change, refused in [(dict(topk_method="noaux_tc"), "topk_method"),
                             (dict(norm_topk_prob=True), "norm_topk_prob"), (dict(mlp_bias=True), "mlp_bias"),
                             (dict(scoring_func="sigmoid"), "scoring_func")]:
         with pytest.raises(UnsupportedModelError, match=f"{refused} .* is not supported"):

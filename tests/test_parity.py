@@ -146,6 +146,8 @@ VARIANTS = [
                                          "original_max_position_embeddings": 128, "mscale": 0.8,
                                          "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
     ("deepseek_v2", {"q_lora_rank": 24, "first_k_dense_replace": 0, "num_experts_per_tok": 3}),
+    ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+                     "num_experts_per_tok": 3}),  # groups of 2 ranked by their best score, 3 experts of 4 kept
     ("deepseek_v2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                                          "original_max_position_embeddings": 128, "mscale": 0.707,
                                          "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}}),

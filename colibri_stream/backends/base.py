@@ -192,13 +192,14 @@ class Backend(ABC):
     @abstractmethod
     def route(self, x: Array, router: Array, top_k: int, renormalize: bool, scoring: str = "softmax",
               correction_bias: Array | None = None, n_group: int = 1, topk_group: int = 1,
-              scaling: float = 1.0, router_bias: Array | None = None) -> tuple[Array, Array]:
+              scaling: float = 1.0, router_bias: Array | None = None,
+              group_ranking: str = "top2_sum") -> tuple[Array, Array]:
         """x [T, H], router [E, H] -> (weights [T, k] float32, expert ids [T, k] int64), in float32.
 
         Scores from the logits x @ router.T (+ router_bias [E] when given): a softmax over all E ("softmax") or each logit's sigmoid ("sigmoid").
         Experts are chosen by score plus correction_bias [E] (when given); with n_group > 1 only from each token's
         topk_group best groups of E / n_group consecutive experts, a group ranked by the sum of its two best
-        biased scores. The k chosen, largest first (ties to the lower id), are weighted by their unbiased scores,
+        biased scores (group_ranking "top2_sum") or its best one ("max"). The k chosen, largest first (ties to the lower id), are weighted by their unbiased scores,
         optionally renormalised to sum to 1, then times `scaling`.
         """
 

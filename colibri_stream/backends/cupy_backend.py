@@ -109,6 +109,8 @@ class CupyBackend(Backend):
             (f"more than {ROUTER_MAX_EXPERTS} routed experts", config.num_experts > ROUTER_MAX_EXPERTS),
             (f"group-limited routing over more than {ROUTER_MAX_GROUPS} groups (n_group)",
              config.n_group > ROUTER_MAX_GROUPS),
+            ("groups of experts ranked by their best score (DeepSeek-V2's group_limited_greedy; router.cu ranks "
+             "them by their two best)", config.n_group > 1 and config.group_ranking != "top2_sum"),
             (f"head_dim {config.head_dim} (the attention kernels take at most {MAX_HEAD_DIM})",
              config.head_dim > MAX_HEAD_DIM)) if used]
         # moe_int4.cu reads whole 32-column chunks of int4 and mxfp4, moe_fp8.cu 16 codes a lane
@@ -481,12 +483,14 @@ class CupyBackend(Backend):
 
     # ---- mixture of experts -------------------------------------------------------------------------------
     def route(self, x, router, top_k, renormalize, scoring="softmax", correction_bias=None, n_group=1,
-              topk_group=1, scaling=1.0, router_bias=None):
+              topk_group=1, scaling=1.0, router_bias=None, group_ranking="top2_sum"):
         """Up to ROUTER_SPLIT_TOKENS tokens: route_split, a block per (expert, token tile) and the selection in
         each tile's last block (a batch-1 step reads the router on many SMs instead of one); more tokens:
         route_topk, a block per token, each reading the whole router (mostly from L2). Either selects as
         router.cu's launch contract says (at most ROUTER_MAX_EXPERTS experts and ROUTER_MAX_GROUPS groups,
         `missing_features`)."""
+        if n_group > 1 and group_ranking != "top2_sum":
+            raise ValueError(f"router.cu ranks groups of experts by their two best scores, not by {group_ranking}")
         x = self.cp.ascontiguousarray(x)
         t, h = x.shape
         num_experts = router.shape[0]

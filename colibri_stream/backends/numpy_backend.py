@@ -51,12 +51,14 @@ def _for_cache(rows: np.ndarray, cache: np.ndarray, scale: float) -> np.ndarray:
     return rows
 
 
-def _best_groups_only(choice: np.ndarray, n_group: int, topk_group: int) -> np.ndarray:
+def _best_groups_only(choice: np.ndarray, n_group: int, topk_group: int, ranking: str) -> np.ndarray:
     """choice [T, E] with every expert outside each token's topk_group best groups set to -inf; a group of E /
-    n_group consecutive experts ranks by the sum of its two largest scores (ties towards the lower group)."""
+    n_group consecutive experts ranks by the sum of its two largest scores ("top2_sum") or its largest ("max"),
+    ties towards the lower group."""
     t, e = choice.shape
     grouped = choice.reshape(t, n_group, e // n_group)  # [T, G, E/G]
-    group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)  # [T, G]
+    best_two = 2 if ranking == "top2_sum" else 1
+    group_scores = np.sort(grouped, axis=-1)[..., -best_two:].sum(axis=-1)  # [T, G]
     best = np.argsort(-group_scores, axis=-1, kind="stable")[:, :topk_group]  # [T, g]
     kept = np.zeros((t, n_group), dtype=bool)  # [T, G]
     np.put_along_axis(kept, best, True, axis=-1)
@@ -184,7 +186,7 @@ class NumpyBackend(Backend):
 
     # ---- mixture of experts -------------------------------------------------------------------------------
     def route(self, x, router, top_k, renormalize, scoring="softmax", correction_bias=None, n_group=1,
-              topk_group=1, scaling=1.0, router_bias=None):
+              topk_group=1, scaling=1.0, router_bias=None, group_ranking="top2_sum"):
         logits = x @ router.T  # [T, E]
         if router_bias is not None:
             logits = logits + router_bias
@@ -196,7 +198,7 @@ class NumpyBackend(Backend):
             scores = self.sigmoid(logits)
         choice = scores if correction_bias is None else scores + correction_bias  # [T, E]
         if n_group > 1:
-            choice = _best_groups_only(choice, n_group, topk_group)
+            choice = _best_groups_only(choice, n_group, topk_group, group_ranking)
         # Largest first; a stable sort on the negated scores breaks ties towards the lower id, as top-k does.
         expert_ids = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]  # [T, k]
         weights = np.take_along_axis(scores, expert_ids, axis=-1)  # [T, k]: unbiased scores

@@ -242,7 +242,8 @@ class MoETransformer:
         with t.device_phase("routing"):
             weights, expert_ids = b.route(x, layer.router, cfg.top_k, cfg.norm_topk_prob, cfg.router_scoring,
                                           layer.score_correction_bias, cfg.n_group, cfg.topk_group,
-                                          cfg.routed_scaling_factor, layer.router_bias)  # [T, k] each
+                                          cfg.routed_scaling_factor, layer.router_bias,
+                                          cfg.group_ranking)  # [T, k] each
         with t.device_phase("experts"):
             self.store.begin_layer(index, x, expert_ids, weights)  # a tiered store loads, prefetches, places
             if self.expert_parallel is None:
