@@ -42,29 +42,38 @@ def routing(num_tokens: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray, np.
     return x, weights / weights.sum(axis=1, keepdims=True), ids
 
 
-def run_ranks(num_ranks: int, slices: list[slice], layer_fn, store: ExpertStore, x, weights, ids) -> np.ndarray:
-    """The MoE layer on `num_ranks` fake ranks, rank r holding tokens slices[r]; the outputs concatenated."""
-    group, shard = FakeGroup(num_ranks), ShardMap(EXPERTS, num_ranks)
-    outputs: list = [None] * num_ranks
+def on_ranks(num_ranks: int, rank_main, timeout: float = 60) -> list:
+    """rank_main(rank) on a thread per rank; their results by rank (the first error re-raised here)."""
+    results: list = [None] * num_ranks
     errors: list = []
 
-    def rank_main(rank: int) -> None:
-        backend = NumpyBackend(CpuExpertExecutor(1))  # one per rank, as each rank has its own
+    def run(rank: int) -> None:
         try:
-            part = slices[rank]
-            outputs[rank] = layer_fn(group.communicator(rank), x[part], weights[part], ids[part], shard,
-                                     lambda rows, e: backend.experts.run(rows, store.expert(0, e)))
+            results[rank] = rank_main(rank)
         except BaseException as error:  # noqa: BLE001 - re-raised on the test's thread
             errors.append(error)
 
-    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(num_ranks)]
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(num_ranks)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(60)
+        thread.join(timeout)
     if errors:
         raise errors[0]
-    return np.concatenate(outputs)
+    return results
+
+
+def run_ranks(num_ranks: int, slices: list[slice], layer_fn, store: ExpertStore, x, weights, ids) -> np.ndarray:
+    """The MoE layer on `num_ranks` fake ranks, rank r holding tokens slices[r]; the outputs concatenated."""
+    group, shard = FakeGroup(num_ranks), ShardMap(EXPERTS, num_ranks)
+
+    def rank_main(rank: int) -> np.ndarray:
+        backend = NumpyBackend(CpuExpertExecutor(1))  # one per rank, as each rank has its own
+        part = slices[rank]
+        return layer_fn(group.communicator(rank), x[part], weights[part], ids[part], shard,
+                        lambda rows, e: backend.experts.run(rows, store.expert(0, e)))
+
+    return np.concatenate(on_ranks(num_ranks, rank_main))
 
 
 def test_the_shard_map_is_contiguous_and_balanced():

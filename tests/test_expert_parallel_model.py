@@ -4,8 +4,6 @@ tokens equal one rank running every sequence (the NumPy backend)."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
@@ -13,6 +11,7 @@ from colibri_stream.batch import ForwardBatch, flat_batch
 from colibri_stream.experts.expert_parallel import ExpertParallelRank, FakeGroup
 from colibri_stream.export import export_model
 from colibri_stream.loader import load_model
+from test_expert_parallel import on_ranks
 from tiny_models import VOCAB_SIZE, build_hf_model
 
 BLOCK_SIZE, BLOCKS_PER_SEQ, DECODE_STEPS = 4, 8, 4
@@ -65,23 +64,13 @@ def test_sharded_experts_give_one_ranks_tokens_and_logits(model_folder, ranks, s
     reference_tokens, reference_logits = greedy_run(load_model(model_folder), PROMPTS)
     group = FakeGroup(ranks)
     bounds = np.cumsum([0, *split])
-    results: list = [None] * ranks
-    errors: list = []
 
-    def rank_main(rank: int) -> None:
-        try:
-            model = load_model(model_folder)
-            model.expert_parallel = ExpertParallelRank(group.communicator(rank), model.config.num_experts)
-            results[rank] = greedy_run(model, PROMPTS[bounds[rank]:bounds[rank + 1]])
-        except BaseException as error:  # noqa: BLE001 - re-raised on the test's thread
-            errors.append(error)
+    def rank_main(rank: int):
+        model = load_model(model_folder)
+        model.expert_parallel = ExpertParallelRank(group.communicator(rank), model.config.num_experts)
+        return greedy_run(model, PROMPTS[bounds[rank]:bounds[rank + 1]])
 
-    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(ranks)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
-    assert not errors, errors
+    results = on_ranks(ranks, rank_main, timeout=300)
     assert [t for tokens, _ in results for t in tokens] == reference_tokens
     for step, reference in enumerate(reference_logits):
         ours = np.concatenate([logits[step] for _, logits in results])  # [B, V], ranks in order
