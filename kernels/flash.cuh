@@ -65,6 +65,31 @@ __device__ __forceinline__ void online_softmax_step(float (&m)[2], float (&l)[2]
     }
 }
 
+// The tile's scores s (log2 units) of a warp's rows r (s[n][0], s[n][1]) and r + 8 (s[n][2], s[n][3]) turned into
+// their probabilities exp2(s - reference) in place, each added to the lane's row sum l.
+template <int NT>
+__device__ __forceinline__ void exponentiate(float (&s)[NT][4], const float (&reference)[2], float (&l)[2]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[n][e] = exp2f(s[n][e] - reference[e / 2]);
+            l[e / 2] += s[n][e];
+        }
+    }
+}
+
+// P's A fragment for the k-step over the tile's keys 16k .. 16k + 15: the C fragments of score n-tiles 2k and
+// 2k + 1 as they stand (rows r, r + 8; keys 2c.., 2c + 8..), in high and low parts of T.
+template <typename T, int NT>
+__device__ __forceinline__ void probability_fragment(const float (&s)[NT][4], int k, unsigned (&ph)[4],
+                                                     unsigned (&pl)[4]) {
+    split_pair_as<T>(s[2 * k][0], s[2 * k][1], ph[0], pl[0]);
+    split_pair_as<T>(s[2 * k][2], s[2 * k][3], ph[1], pl[1]);
+    split_pair_as<T>(s[2 * k + 1][0], s[2 * k + 1][1], ph[2], pl[2]);
+    split_pair_as<T>(s[2 * k + 1][2], s[2 * k + 1][3], ph[3], pl[3]);
+}
+
 // The mma operand type of a decode cache's elements: themselves for the 16-bit types, __half for fp8 e4m3.
 template <typename KV> struct DecodeOperand { using type = KV; };
 template <> struct DecodeOperand<__nv_fp8_e4m3> { using type = __half; };

@@ -281,24 +281,14 @@ flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, c
         }
         float reference[2];
         online_softmax_step(m, l, o, tile_max, reference);
-#pragma unroll
-        for (int n = 0; n < NTILES; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[n][e] = exp2f(s[n][e] - reference[e / 2]);
-                l[e / 2] += s[n][e];
-            }
-        }
+        exponentiate(s, reference, l);
 
         // O += P V, k-step k over keys 16k .. 16k + 15 of the tile: p_hi v_hi, + p_lo v_hi with SPLIT,
         // + p_hi v_lo with SPLIT_KV.
 #pragma unroll
         for (int k = 0; k < KEYS / 16; ++k) {
             unsigned ph[4], pl[4];
-            split_pair(s[2 * k][0], s[2 * k][1], ph[0], pl[0]);
-            split_pair(s[2 * k][2], s[2 * k][3], ph[1], pl[1]);
-            split_pair(s[2 * k + 1][0], s[2 * k + 1][1], ph[2], pl[2]);
-            split_pair(s[2 * k + 1][2], s[2 * k + 1][3], ph[3], pl[3]);
+            probability_fragment<__nv_bfloat16>(s, k, ph, pl);
 #pragma unroll
             for (int n = 0; n < DTILES / 2; ++n) {  // dims 16n .. 16n + 15: output n-tiles 2n, 2n + 1
                 unsigned b[4];
@@ -521,20 +511,10 @@ flash_decode(const float* __restrict__ q, const KV* __restrict__ key_cache, cons
         }
         float reference[2];
         online_softmax_step(m, l, o, tile_max, reference);
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[n][e] = exp2f(s[n][e] - reference[e / 2]);
-                l[e / 2] += s[n][e];
-            }
-        }
+        exponentiate(s, reference, l);
         // O += P V over the tile's 16 keys: p_hi v + p_lo v.
         unsigned ph[4], pl[4];
-        split_pair_as<Op>(s[0][0], s[0][1], ph[0], pl[0]);
-        split_pair_as<Op>(s[0][2], s[0][3], ph[1], pl[1]);
-        split_pair_as<Op>(s[1][0], s[1][1], ph[2], pl[2]);
-        split_pair_as<Op>(s[1][2], s[1][3], ph[3], pl[3]);
+        probability_fragment<Op>(s, 0, ph, pl);
 #pragma unroll
         for (int n = 0; n < DTILES / 2; ++n) {  // dims 16n .. 16n + 15: output n-tiles 2n, 2n + 1
             unsigned bv[4];

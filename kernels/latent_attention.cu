@@ -229,22 +229,12 @@ latent_attention(const float* __restrict__ q, const KV* __restrict__ cache, cons
         }
         float reference[2];
         online_softmax_step(m, l, o, tile_max, reference);
-#pragma unroll
-        for (int n = 0; n < NTILES; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[n][e] = exp2f(s[n][e] - reference[e / 2]);
-                l[e / 2] += s[n][e];
-            }
-        }
+        exponentiate(s, reference, l);
         // O += P V, k-step k over keys 16k .. 16k + 15 of the tile: p_hi v (+ p_lo v with SPLIT), this warp's dims.
 #pragma unroll
         for (int k = 0; k < LATENT_KEYS / 16; ++k) {
             unsigned ph[4], pl[4];
-            split_pair_as<Op>(s[2 * k][0], s[2 * k][1], ph[0], pl[0]);
-            split_pair_as<Op>(s[2 * k][2], s[2 * k][3], ph[1], pl[1]);
-            split_pair_as<Op>(s[2 * k + 1][0], s[2 * k + 1][1], ph[2], pl[2]);
-            split_pair_as<Op>(s[2 * k + 1][2], s[2 * k + 1][3], ph[3], pl[3]);
+            probability_fragment<Op>(s, k, ph, pl);
 #pragma unroll
             for (int n = 0; n < DTILES / 2; ++n) {  // dims 16n .. 16n + 15 of the warp's: n-tiles 2n, 2n + 1
                 unsigned bv[4];
