@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from colibri_stream.backends import cupy_latent
 from colibri_stream.backends.cupy_launch import FAMILIES, launch
+from colibri_stream.backends.kernels import kernel_dir
 
 
 def test_a_launch_outside_its_files_family_is_refused_before_compiling():
@@ -22,3 +26,19 @@ def test_latent_attention_compiles_with_its_cache_types(kv_type):
     assert {f"latent_attention<{kv_type}, 512, 64, true>", f"latent_attention<{kv_type}, 512, 64, false>",
             f"latent_rope_write<{kv_type}>"} <= set(family)
     assert FAMILIES["latent_attention.cu"]("float") == ("latent_rope_write<float>",)
+
+
+def kernel_constants(name: str) -> dict[str, int]:
+    """The `constexpr int NAME = value;` lines of kernels/<name> whose value is a literal."""
+    text = (kernel_dir() / name).read_text()
+    return {key: int(value) for key, value in re.findall(r"constexpr int (\w+) = (\d+);", text)}
+
+
+def test_the_latent_launches_mirror_their_kernels_constants():
+    """cupy_latent.py's launch shapes and shared-memory sizes follow the constants of the kernels they launch."""
+    latent, linear, flash = (kernel_constants(name) for name in ("latent_attention.cu", "linear.cu", "flash.cuh"))
+    assert (cupy_latent.LATENT_HEADS, cupy_latent.LATENT_KEYS, cupy_latent.LATENT_STAGES, cupy_latent.ROPE_HEADS) == (
+        latent["LATENT_HEADS"], latent["LATENT_KEYS"], latent["LATENT_STAGES"], latent["ROPE_HEADS"])
+    assert cupy_latent.LATENT_THREADS == 32 * latent["LATENT_WARPS"]
+    assert cupy_latent.HEAD_ROWS == linear["LINEAR_WARPS"] * 32 // linear["HEAD_TEAM"] * linear["HEAD_TEAM_ROWS"]
+    assert cupy_latent.FLASH_PAD == flash["FLASH_PAD"]

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 FLASH_FILE = "flash_attention.cu"
 FLASH_ROWS = 64  # FLASH_ROWS in flash_attention.cu: query rows per block
 FLASH_THREADS = 128  # FLASH_THREADS in flash_attention.cu
-FLASH_PAD = 8  # FLASH_PAD in flash_attention.cu: elements of padding per shared row
+FLASH_PAD = 8  # = FLASH_PAD in flash.cuh: elements of padding per shared row
 FLASH_STAGES = 2  # FLASH_STAGES in flash_attention.cu: ring slots of a bf16 cache's key and value tiles
 FLASH_HEAD_DIMS = (64, 96, 128)  # flash_attention instantiations: head dims
 FLASH_KV_TYPES = ("float", "__nv_bfloat16", "__half")  # ... and KV cache element types

@@ -20,10 +20,11 @@ import ml_dtypes
 import numpy as np
 
 from ..batch import ForwardBatch
+from .cupy_flash_attention import FLASH_PAD
 from .cupy_launch import NULL, Array, ceil_div, launch, smallest_tile, storage_type
 from .sequence_attention import paged_attention_rows
-from .tuning import (LATENT_BLOCKS_PER_SM, LATENT_MAX_SPLITS, LATENT_KERNEL_SHAPES,
-                     LATENT_SPLIT_KEYS, MERGE_MAX_SPLITS, MERGE_THREADS, PER_HEAD_ROWS_MAX_TOKENS, TOKEN_TILES)
+from .tuning import (LATENT_BLOCKS_PER_SM, LATENT_KERNEL_SHAPES, LATENT_MAX_SPLITS, LATENT_SPLIT_KEYS,
+                     MERGE_MAX_SPLITS, MERGE_THREADS, PER_HEAD_ROWS_MAX_TOKENS, TOKEN_TILES)
 
 LATENT_FILE = "latent_attention.cu"
 LATENT_KERNEL_TYPES = ("bfloat16", "float16", "float8_e4m3")  # cache storage dtypes latent_attention takes
@@ -31,7 +32,6 @@ LATENT_HEADS = 16  # = LATENT_HEADS in latent_attention.cu: query heads per bloc
 LATENT_THREADS = 128  # = LATENT_THREADS in latent_attention.cu
 LATENT_KEYS = 32  # = LATENT_KEYS in latent_attention.cu: keys per tile
 LATENT_STAGES = 2  # = LATENT_STAGES in latent_attention.cu
-FLASH_PAD = 8  # = FLASH_PAD in flash.cuh: elements of padding per shared row
 ROPE_HEADS = 2  # = ROPE_HEADS in latent_attention.cu: query heads per block of latent_rope_write
 HEAD_ROWS = 32  # = HEAD_ROWS in linear.cu: rows per block of per_head_rows
 
