@@ -53,7 +53,8 @@ def on_ranks(num_ranks: int, rank_main, timeout: float = 60) -> list:
         except BaseException as error:  # noqa: BLE001 - re-raised on the test's thread
             errors.append(error)
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(num_ranks)]
+    # daemons: ranks left waiting in a collective by a failed one do not keep the test process alive
+    threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(num_ranks)]
     for thread in threads:
         thread.start()
     for thread in threads:
