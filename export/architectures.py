@@ -1,11 +1,10 @@
 """The supported Hugging Face architectures: config.json translated to ModelConfig, and the tensor name maps.
 
 The translation follows the transformers 5 config classes (MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig,
-OlmoeConfig, Glm4MoeConfig, Glm4MoeLiteConfig, MiniMaxM2Config, DeepseekV2Config, DeepseekV3Config, GptOssConfig) and
-their modeling
-code: a key absent from config.json takes the class default, every option that changes the computation becomes
-a ModelConfig field or is refused with UnsupportedModelError, and training-only options (dropout, router jitter and
-auxiliary loss, initializer range, use_cache, ...) are ignored.
+OlmoeConfig, Glm4MoeConfig, Glm4MoeLiteConfig, MiniMaxM2Config, DeepseekV2Config, DeepseekV3Config, GptOssConfig)
+and their modeling code: a key absent from config.json takes the class default, every option that changes the
+computation becomes a ModelConfig field or is refused with UnsupportedModelError, and training-only options
+(dropout, router jitter and auxiliary loss, initializer range, use_cache, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -352,12 +351,8 @@ def _sigmoid_routed(arch: str, cfg: dict[str, Any], num_layers: int,
                       moe_layers=moe_layers, norm_topk_prob=True, qk_norm="full")
         bias_names = ("mlp.e_score_correction_bias", "block_sparse_moe.e_score_correction_bias")
     else:
-        width = _int(cfg["moe_intermediate_size"], "moe_intermediate_size")
-        if arch == "glm4_moe_lite":
-            moe_layers = _glm_lite_moe_layers(cfg, num_layers)
-        else:
-            dense_first = min(_int(cfg["first_k_dense_replace"], "first_k_dense_replace", minimum=0), num_layers)
-            moe_layers = tuple(range(dense_first, num_layers))
+        moe_layers = (_glm_lite_moe_layers(cfg, num_layers) if arch == "glm4_moe_lite"
+                      else _leading_dense(cfg, num_layers))
         n_group = _int(cfg["n_group"], "n_group")
         topk_group = _int(cfg["topk_group"], "topk_group")
         if arch == "deepseek_v3":
@@ -365,19 +360,31 @@ def _sigmoid_routed(arch: str, cfg: dict[str, Any], num_layers: int,
         if arch == "glm4_moe":
             fields.update(qk_norm="per_head" if _bool(cfg["use_qk_norm"], "use_qk_norm") else "none",
                           qkv_bias=_bool(cfg["attention_bias"], "attention_bias"))
-        fields.update(moe_intermediate_size=width, moe_layers=moe_layers,
-                      intermediate_size=(_int(cfg["intermediate_size"], "intermediate_size")
-                                         if len(moe_layers) < num_layers else 0),
+        fields.update(_moe_widths(cfg, moe_layers, num_layers),
                       norm_topk_prob=_bool(cfg["norm_topk_prob"], "norm_topk_prob"),
                       n_group=n_group, topk_group=topk_group,
-                      routed_scaling_factor=_number(cfg["routed_scaling_factor"], "routed_scaling_factor"),
-                      shared_expert_intermediate_size=width * _int(cfg["n_shared_experts"], "n_shared_experts",
-                                                                   minimum=0))
+                      routed_scaling_factor=_number(cfg["routed_scaling_factor"], "routed_scaling_factor"))
         bias_names = ("mlp.gate.e_score_correction_bias",)
     # transformers starts the bias at zero and loads it where the checkpoint has one: absent, it chooses by score
     fields["score_correction_bias"] = bool(moe_layers) and any(
         f"model.layers.{moe_layers[0]}.{name}" in tensor_names for name in bias_names)
     return fields
+
+
+def _leading_dense(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The MoE layers of a family whose first first_k_dense_replace layers are dense (GLM-4.5, DeepSeek-V2/V3)."""
+    dense_first = min(_int(cfg["first_k_dense_replace"], "first_k_dense_replace", minimum=0), num_layers)
+    return tuple(range(dense_first, num_layers))
+
+
+def _moe_widths(cfg: dict[str, Any], moe_layers: tuple[int, ...], num_layers: int) -> dict[str, Any]:
+    """The MoE layers and the widths of GLM's and DeepSeek's MLPs: routed experts of moe_intermediate_size, an
+    ungated shared expert of n_shared_experts routed widths, dense layers (where some are) of intermediate_size."""
+    width = _int(cfg["moe_intermediate_size"], "moe_intermediate_size")
+    return dict(moe_layers=moe_layers, moe_intermediate_size=width,
+                intermediate_size=(_int(cfg["intermediate_size"], "intermediate_size")
+                                   if len(moe_layers) < num_layers else 0),
+                shared_expert_intermediate_size=width * _int(cfg["n_shared_experts"], "n_shared_experts", minimum=0))
 
 
 def _glm_lite_moe_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
@@ -414,13 +421,9 @@ def _deepseek_v2_routing(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]
     if method == "group_limited_greedy":
         fields.update(n_group=_int(cfg["n_group"], "n_group"), topk_group=_int(cfg["topk_group"], "topk_group"),
                       group_ranking="max")
-    width = _int(cfg["moe_intermediate_size"], "moe_intermediate_size")
-    dense_first = min(_int(cfg["first_k_dense_replace"], "first_k_dense_replace", minimum=0), num_layers)
-    return dict(fields, router_scoring="softmax", norm_topk_prob=False, moe_intermediate_size=width,
-                moe_layers=tuple(range(dense_first, num_layers)),
-                intermediate_size=_int(cfg["intermediate_size"], "intermediate_size") if dense_first else 0,
+    return dict(fields, **_moe_widths(cfg, _leading_dense(cfg, num_layers), num_layers), router_scoring="softmax",
+                norm_topk_prob=False,
                 routed_scaling_factor=_number(cfg["routed_scaling_factor"], "routed_scaling_factor"),
-                shared_expert_intermediate_size=width * _int(cfg["n_shared_experts"], "n_shared_experts", minimum=0),
                 sliding_windows=(None,) * num_layers)
 
 

@@ -419,7 +419,7 @@ class CupyBackend(Backend):
         enough_tokens = t >= GQA_MIN_TOKENS or capacity > GQA_ONE_TOKEN_MAX_KEYS
         window = np.int32(sliding_window or 0)
         if takes_flash_decode(query, key_cache, value_cache, tables, FLASH_DECODE_MIN_KEYS):
-            split = self._decode_splits(query, num_kv_heads, capacity, FLASH_DECODE_MAX_SPLITS,
+            split = self.decode_splits(query, num_kv_heads, capacity, FLASH_DECODE_MAX_SPLITS,
                                         FLASH_DECODE_BLOCKS_PER_SM, FLASH_DECODE_SPLIT_KEYS)
             launch(FLASH_FILE, decode_expression(kv_type, head_dim), (t, num_kv_heads, split.splits),
                    DECODE_THREADS,
@@ -428,18 +428,18 @@ class CupyBackend(Backend):
                     np.int32(block_size), np.int32(tables.shape[1]), np.float32(scale * kv_scales[0]), window,
                     np.float32(kv_scales[1]), sink_logits, np.int32(split.split_keys)),
                    shared_mem=decode_shared_bytes(head_dim), weight_type=kv_type)
-            self._merge_splits(split, out, device_batch, window, kv_type, sink_logits)
+            self.merge_splits(split, out, device_batch, window, kv_type, sink_logits)
             return out
         if (t == tables.shape[0] and enough_tokens and num_heads % num_kv_heads == 0 and padded is not None
                 and padded * per_lane <= GQA_MAX_LANE_FLOATS and head_dim % vector == 0
                 and key_cache.data.ptr % load_bytes == 0 and value_cache.data.ptr % load_bytes == 0):
-            split = self._decode_splits(query, num_kv_heads, capacity, GQA_MAX_SPLITS, GQA_BLOCKS_PER_SM,
+            split = self.decode_splits(query, num_kv_heads, capacity, GQA_MAX_SPLITS, GQA_BLOCKS_PER_SM,
                                         GQA_SPLIT_KEYS)
             launch("attention.cu", f"paged_attention_gqa<{kv_type}, {per_lane}, {padded}>",
                    (t, num_kv_heads, split.splits), 32 * GQA_WARPS,
                    (*common, split.acc, split.ml, *sizes, sink_logits, np.int32(split.split_keys)),
                    shared_mem=GQA_WARPS * padded * head_dim * 4, weight_type=kv_type)
-            self._merge_splits(split, out, device_batch, window, kv_type, sink_logits)
+            self.merge_splits(split, out, device_batch, window, kv_type, sink_logits)
             return out
         launch("attention.cu", f"paged_attention<{kv_type}, {per_lane}>", (t, num_heads), 32 * ATTENTION_WARPS,
                (*common, *sizes, sink_logits), shared_mem=ATTENTION_WARPS * head_dim * 4, weight_type=kv_type)
@@ -456,23 +456,25 @@ class CupyBackend(Backend):
                              f"{list(sinks.shape)}")
         return sinks
 
-    def _decode_splits(self, query, num_kv_heads: int, capacity: int, max_splits: int, blocks_per_sm: int,
-                       split_keys: int) -> DecodeSplits:
-        """The splits of a decode launch (paged_attention_gqa, flash_decode) from shapes only: enough blocks per
-        (token, KV head) to make about blocks_per_sm a multiprocessor, at most max_splits (and the merge's
-        MERGE_MAX_SPLITS), at most one per
-        split_keys keys of the tables' full width; each token uses as many as its own context fills."""
+    def decode_splits(self, query, num_kv_heads: int, capacity: int, max_splits: int, blocks_per_sm: int,
+                      split_keys: int, value_dim: int | None = None) -> DecodeSplits:
+        """The splits of a decode launch (paged_attention_gqa, flash_decode, cupy_latent.py's latent_attention)
+        from shapes only: enough blocks per (token, KV head) to make about blocks_per_sm a multiprocessor, at most
+        max_splits (and the merge's MERGE_MAX_SPLITS), at most one per split_keys keys of the tables' full width;
+        each token uses as many as its own context fills. The partials hold value_dim values a head (default: the
+        query's head_dim)."""
         t, num_heads, head_dim = query.shape
+        value_dim = value_dim or head_dim
         splits = max(1, min(max_splits, MERGE_MAX_SPLITS,
                             blocks_per_sm * self.multiprocessors // max(t * num_kv_heads, 1),
                             ceil_div(capacity, split_keys)))
         if splits == 1:
             return DecodeSplits(1, split_keys, NULL, NULL)
         return DecodeSplits(splits, split_keys,
-                            self.cp.empty((t, num_heads, splits, head_dim), np.float32),  # [T, Q, S, D]
+                            self.cp.empty((t, num_heads, splits, value_dim), np.float32),  # [T, Q, S, D]
                             self.cp.empty((t, num_heads, splits, 2), np.float32))  # [T, Q, S, (m, l)]
 
-    def _merge_splits(self, split: DecodeSplits, out, device_batch, window, kv_type: str, sink_logits) -> None:
+    def merge_splits(self, split: DecodeSplits, out, device_batch, window, kv_type: str, sink_logits) -> None:
         """paged_attention_merge over a split decode launch's partials (nothing for one split)."""
         if split.splits == 1:
             return

@@ -24,7 +24,7 @@ from .cupy_flash_attention import FLASH_PAD
 from .cupy_launch import NULL, Array, ceil_div, launch, smallest_tile, storage_type
 from .sequence_attention import paged_attention_rows
 from .tuning import (LATENT_BLOCKS_PER_SM, LATENT_KERNEL_SHAPES, LATENT_MAX_SPLITS, LATENT_SPLIT_KEYS,
-                     MERGE_MAX_SPLITS, MERGE_THREADS, PER_HEAD_ROWS_MAX_TOKENS, TOKEN_TILES)
+                     PER_HEAD_ROWS_MAX_TOKENS, TOKEN_TILES)
 
 LATENT_FILE = "latent_attention.cu"
 LATENT_KERNEL_TYPES = ("bfloat16", "float16", "float8_e4m3")  # cache storage dtypes latent_attention takes
@@ -135,24 +135,17 @@ def latent_attention(backend: Any, query: Array, cache: Array, batch: ForwardBat
     query = cp.ascontiguousarray(query)
     tables = device_batch["block_tables"]  # [B, max_blocks] int64
     block_size = cache.shape[1]
-    head_tiles = ceil_div(heads, LATENT_HEADS)
-    capacity = tables.shape[1] * block_size  # the longest context the tables hold
-    splits = max(1, min(LATENT_MAX_SPLITS, MERGE_MAX_SPLITS,
-                        LATENT_BLOCKS_PER_SM * backend.multiprocessors // max(t * head_tiles, 1),
-                        ceil_div(capacity, LATENT_SPLIT_KEYS)))
+    head_tiles = ceil_div(heads, LATENT_HEADS)  # a token's blocks a split, as flash_decode's KV heads
+    split = backend.decode_splits(query, head_tiles, tables.shape[1] * block_size, LATENT_MAX_SPLITS,
+                                  LATENT_BLOCKS_PER_SM, LATENT_SPLIT_KEYS, rank)
     out = cp.empty((t, heads, rank), np.float32)  # [T, Q, R]
-    partial_acc = cp.empty((t, heads, splits, rank), np.float32) if splits > 1 else NULL  # [T, Q, S, R]
-    partial_ml = cp.empty((t, heads, splits, 2), np.float32) if splits > 1 else NULL  # [T, Q, S, (m, l)]
     kv_type = storage_type(cache)
-    split = "true" if backend.activation_parts == 2 else "false"
-    launch(LATENT_FILE, f"latent_attention<{kv_type}, {rank}, {width - rank}, {split}>", (t, head_tiles, splits),
-           LATENT_THREADS,
-           (query, cache, tables, device_batch["query_start"], device_batch["positions"], out, partial_acc,
-            partial_ml, np.int32(tables.shape[0]), np.int32(heads), np.int32(block_size), np.int32(tables.shape[1]),
-            np.float32(scale * kv_scale), np.float32(kv_scale), np.int32(LATENT_SPLIT_KEYS)),
+    two_parts = "true" if backend.activation_parts == 2 else "false"
+    launch(LATENT_FILE, f"latent_attention<{kv_type}, {rank}, {width - rank}, {two_parts}>",
+           (t, head_tiles, split.splits), LATENT_THREADS,
+           (query, cache, tables, device_batch["query_start"], device_batch["positions"], out, split.acc, split.ml,
+            np.int32(tables.shape[0]), np.int32(heads), np.int32(block_size), np.int32(tables.shape[1]),
+            np.float32(scale * kv_scale), np.float32(kv_scale), np.int32(split.split_keys)),
            shared_mem=latent_shared_bytes(rank, width - rank, cache.itemsize), weight_type=kv_type)
-    if splits > 1:
-        launch("attention.cu", "paged_attention_merge", (t, heads), MERGE_THREADS,
-               (partial_acc, partial_ml, out, device_batch["positions"], np.int32(rank), np.int32(splits),
-                np.int32(0), np.int32(LATENT_SPLIT_KEYS), NULL), weight_type=kv_type)
+    backend.merge_splits(split, out, device_batch, np.int32(0), kv_type, NULL)
     return out

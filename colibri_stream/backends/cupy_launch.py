@@ -16,8 +16,7 @@ from .cupy_flash_attention import FLASH_FILE, flash_instantiations
 from .kernels import get_kernel
 from .launch import launch_programmatic, programmatic_active
 from .tuning import (GQA_GROUPS, GQA_MAX_LANE_FLOATS, INT4_ROW_SHARING, LATENT_KERNEL_SHAPES, LINEAR_MMA_TILES,
-                     MMA_TILES,
-                     MOE_ROWS_PER_WARP, MOE_TILES, TOKEN_TILES)
+                     MMA_TILES, MOE_ROWS_PER_WARP, MOE_TILES, TOKEN_TILES)
 
 Array = Any  # a cupy.ndarray
 NULL = np.uint64(0)  # a null pointer kernel argument

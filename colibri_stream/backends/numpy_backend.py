@@ -57,8 +57,8 @@ def _best_groups_only(choice: np.ndarray, n_group: int, topk_group: int, ranking
     ties towards the lower group."""
     t, e = choice.shape
     grouped = choice.reshape(t, n_group, e // n_group)  # [T, G, E/G]
-    best_two = 2 if ranking == "top2_sum" else 1
-    group_scores = np.sort(grouped, axis=-1)[..., -best_two:].sum(axis=-1)  # [T, G]
+    counted = 2 if ranking == "top2_sum" else 1  # a group's best scores that rank it
+    group_scores = np.sort(grouped, axis=-1)[..., -counted:].sum(axis=-1)  # [T, G]
     best = np.argsort(-group_scores, axis=-1, kind="stable")[:, :topk_group]  # [T, g]
     kept = np.zeros((t, n_group), dtype=bool)  # [T, G]
     np.put_along_axis(kept, best, True, axis=-1)
