@@ -29,11 +29,11 @@ from ..config import ModelConfig
 from ..config import FP8_SCALES, INT4_GROUP_SIZES
 from ..errors import CheckpointError, ColibriError, UnsupportedModelError
 from ..expert_codecs import EXPERT_BIASES, ExpertCodec, expert_codec
-from .architectures import (IGNORED_SUFFIXES, hf_dense_candidates, hf_expert_names, multi_token_prediction_layers,
-                            translate_config)
+from .architectures import multi_token_prediction_layers, translate_config
 from .hf_checkpoint import SOURCE_DTYPES, HFCheckpoint
 from .quantized_source import QuantizedSource
 from .quantized_sources import quantized_source
+from .tensor_names import IGNORED_SUFFIXES, hf_dense_candidates, hf_expert_names
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 QUANTIZE = ("int8", "int4", "fp8", "mxfp4")  # --quantize: the routed experts' codec (expert_codecs.py)
