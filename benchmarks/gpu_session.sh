@@ -7,7 +7,9 @@
 # (STAGES="" only installs: what a command that runs a script of its own needs first).
 # Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first. Each stage has its own time
 # limit so the next one runs even if one fails. OFFLOAD_ARGS / TIMELINE_ARGS / DECODE_ARGS / ENGINE_ARGS / CPU_ARGS / DENSE_ARGS
-# / QUANT_ARGS pass options to the benchmarks; the kernels stage profiles one step per kernel with Nsight Compute (KERNEL_CASES: SHAPE:BATCH:CONTEXT[:DENSE] entries).
+# / QUANT_ARGS pass options to the benchmarks; the kernels stage profiles one step per kernel with Nsight Compute
+# (KERNEL_CASES: SHAPE:BATCH:CONTEXT[:DENSE[:PREFILL]] entries; PREFILL: new tokens per sequence, a prefill chunk
+# instead of a decode step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/colibri-gpu}
@@ -74,13 +76,14 @@ for stage in $STAGES; do
       bench "${DENSE_TIMEOUT:-240}" dense.log 50 benchmarks/dense_projection.py --out "$OUT/dense_projection_h200.json" \
         ${DENSE_ARGS:-} ;;
     kernels)
-      echo "== one decode step per kernel (Nsight Compute)"
+      echo "== one decode (or prefill) step per kernel (Nsight Compute)"
       for case in ${KERNEL_CASES:-qwen3-30b-a3b:1:144 mixtral-8x7b:1:144}; do
-        IFS=: read -r shape batch context dense <<< "$case"  # dense: leading dense layers (optional)
-        name="${shape}_b${batch}_c${context}${dense:+_d$dense}"
+        IFS=: read -r shape batch context dense prefill <<< "$case"  # dense: leading dense layers (optional)
+        name="${shape}_b${batch}_c${context}${dense:+_d$dense}${prefill:+_p$prefill}"
         timeout "${KERNEL_TIMEOUT:-120}" ncu --profile-from-start off --clock-control none --csv \
           --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size \
           python3 benchmarks/step_kernels.py --shape "$shape" --batch "$batch" --layers 2 --context "$context" ${dense:+--dense-layers "$dense"} \
+            ${prefill:+--prefill "$prefill"} \
           > "$OUT/ncu_$name.csv" 2> "$OUT/ncu_$name.err"
         echo "-- $shape, batch $batch, context $context"
         python3 benchmarks/step_kernels_table.py "$OUT/ncu_$name.csv" | tee "$OUT/kernels_$name.md" | tail -16

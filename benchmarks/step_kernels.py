@@ -1,4 +1,5 @@
-"""One eager decode step of a synthetic shape inside a CUDA profiler range, for Nsight Compute's per-kernel view.
+"""One eager decode (or prefill) step of a synthetic shape inside a CUDA profiler range, for Nsight Compute's
+per-kernel view.
 
     ncu --profile-from-start off --clock-control none --csv \\
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size \\
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dense-layers", type=int, default=None,
                         help="leading dense layers, the rest MoE, in place of the shape's own (long_context.py's "
                              "SHAPE:LAYERS:DENSE)")
+    parser.add_argument("--prefill", type=int, default=1,
+                        help="new tokens per sequence in the step (1: a decode step)")
+    parser.add_argument("--matmul-precision", default="medium", choices=("high", "medium"),
+                        help="the backend's matmul precision (EngineConfig's default: medium)")
     args = parser.parse_args(argv)
     require_gpu()
     import cupy
@@ -35,18 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     from colibri_stream.synthetic import synthetic_model
     from long_context import benchmark_config
 
-    model = synthetic_model(benchmark_config(args.shape, args.layers, args.dense_layers), device="cuda")
-    block_size, b = 16, args.batch
-    per_seq = -(-(args.context + 1) // block_size)
+    model = synthetic_model(benchmark_config(args.shape, args.layers, args.dense_layers), device="cuda",
+                            matmul_precision=args.matmul_precision)
+    block_size, b, n = 16, args.batch, args.prefill
+    per_seq = -(-(args.context + n) // block_size)
     kv = model.allocate_kv_cache(b * per_seq, block_size)
     tables = np.arange(b * per_seq).reshape(b, per_seq)
-    positions = np.full(b, args.context, np.int64)
-    rows = np.arange(b)
+    positions = (args.context + np.tile(np.arange(n), b)).astype(np.int64)  # [B * N]
+    rows = np.repeat(np.arange(b), n)  # [B * N]: each token's sequence
+    ends = np.full(b, args.context + n, np.int64)
     batch = ForwardBatch(
-        token_ids=np.arange(b, dtype=np.int64) + 7, positions=positions, query_start=np.arange(b + 1, dtype=np.int64),
-        context_lens=positions + 1, block_tables=tables,
+        token_ids=np.arange(b * n, dtype=np.int64) % 1000 + 7, positions=positions,
+        query_start=np.arange(b + 1, dtype=np.int64) * n, context_lens=ends, block_tables=tables,
         slot_mapping=tables[rows, positions // block_size] * block_size + positions % block_size,
-        logits_indices=np.arange(b, dtype=np.int64))
+        logits_indices=np.arange(1, b + 1, dtype=np.int64) * n - 1)
     model.forward(batch, kv)  # compiles every kernel
     cupy.cuda.Device().synchronize()
     cupy.cuda.profiler.start()
