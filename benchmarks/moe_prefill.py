@@ -1,16 +1,18 @@
-"""Routed experts of a prefill chunk: per-expert cuBLAS GEMMs (cupy_expert_gemm.py) against moe_mma.cu.
+"""Routed experts of a prefill chunk: moe_mma.cu, the grouped GEMM (moe_gemm.cu) and per-expert cuBLAS GEMMs
+(cupy_expert_gemm.py), side by side.
 
-    python benchmarks/moe_prefill.py --out moe_prefill.json
+    python benchmarks/moe_prefill.py --out moe_prefill.json [--matmul-precision medium]
 
 One MoE layer of random bf16 experts of the published shapes (Mixtral-8x7B: 8 experts, top 2, H 4096, I 14336;
-Qwen3-30B-A3B: 128, top 8, 2048, 768), steps of T tokens routed uniformly at random (top-k distinct experts per
-token), each step through `routed_experts` on both paths: EXPERT_GEMM_MIN_WORK set to 1 (every step on the
-GEMMs) or out of reach (every step on moe_mma.cu). The figure is the median wall time of a step (the GEMM path
-synchronises once to read the group sizes, so the wall time is what a prefill step pays), as TFLOP/s of the
-useful work (2 * 3 * H * I per pair; the activations' two halves double what the tensor cores do). Ceiling: one
-cuBLAS GEMM of the same shape as all of a step's gate and up products together (P rows, one expert's [2I, H]
-matrix, both halves), timed in the same run, as TFLOP/s of useful work. The two paths' outputs are compared
-(relative error). The crossover, as pairs per expert times H times I, is what EXPERT_GEMM_MIN_WORK should be.
+Qwen3-30B-A3B: 128, top 8, 2048, 768; GLM-4.5-Air: 128, top 8, 4096, 1408; DeepSeek-V3: 256, top 8, 7168, 2048),
+steps of T tokens routed uniformly at random (top-k distinct experts per token), each step through
+`routed_experts` on each path, the dispatch thresholds (EXPERT_GEMM_MIN_WORK, GROUPED_GEMM_MIN_PAIRS) set so that
+every step takes it. The figure is the median wall time of a step (the cuBLAS path synchronises once to read the
+group sizes, so the wall time is what a prefill step pays), as TFLOP/s of the useful work (2 * 3 * H * I per pair;
+at matmul precision high the activations' two parts double what the tensor cores do). Ceiling: one cuBLAS GEMM of
+the same shape as all of a step's gate and up products together (P rows, one expert's [2I, H] matrix, every part),
+timed in the same run, as TFLOP/s of useful work. Each path's output is compared with moe_mma.cu's (relative
+error). The crossovers are what GROUPED_GEMM_MIN_PAIRS and EXPERT_GEMM_MIN_WORK should be.
 """
 
 from __future__ import annotations
@@ -26,7 +28,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conditions import constants_set, machine, require_gpu  # noqa: E402
 
-SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336), "qwen3-30b-a3b": (128, 8, 2048, 768)}  # (E, k, H, I)
+SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336), "qwen3-30b-a3b": (128, 8, 2048, 768),
+          "glm-4.5-air": (128, 8, 4096, 1408), "deepseek-v3": (256, 8, 7168, 2048)}  # (E, k, H, I)
+# the dispatch thresholds that send every step down each path
+PATHS = {"moe_mma": dict(EXPERT_GEMM_MIN_WORK=1 << 62, GROUPED_GEMM_MIN_PAIRS=1 << 30),
+         "moe_gemm": dict(EXPERT_GEMM_MIN_WORK=1 << 62, GROUPED_GEMM_MIN_PAIRS=1),
+         "expert_gemms": dict(EXPERT_GEMM_MIN_WORK=1, GROUPED_GEMM_MIN_PAIRS=1)}
 TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
 TIME_BUDGET_S = 0.3  # repetitions of a case until about this much time (at least two after a warm-up)
 MAX_REPEATS = 20
@@ -53,7 +60,7 @@ def random_bf16(cp, shape: tuple[int, ...], std: float, seed: int):
 
 
 def run_shape(cp, backend, name: str, tokens_list: list[int]) -> list[dict]:
-    from colibri_stream.backends import cupy_expert_gemm
+    from colibri_stream.backends import cupy_expert_gemm, cupy_moe_gemm
     from colibri_stream.backends.cublas_gemm import activation_parts, weight_product
     from colibri_stream.backends.cupy_moe import DeviceExpertStore
     from colibri_stream.experts.device import LayerExperts
@@ -72,35 +79,37 @@ def run_shape(cp, backend, name: str, tokens_list: list[int]) -> list[dict]:
         pairs = tokens * top_k
         useful = 2.0 * 3 * h * i * pairs
         outputs, seconds = {}, {}
-        for path, threshold in (("moe_mma", 1 << 62), ("expert_gemms", 1)):
-            with constants_set([cupy_expert_gemm], EXPERT_GEMM_MIN_WORK=threshold):
+        for path, thresholds in PATHS.items():
+            with constants_set([cupy_expert_gemm, cupy_moe_gemm], **thresholds):
                 seconds[path] = median_seconds(cp, lambda: backend.routed_experts(x, weights, ids, 0, store))
                 outputs[path] = backend.routed_experts(x, weights, ids, 0, store)
-        error = float(cp.linalg.norm(outputs["expert_gemms"] - outputs["moe_mma"]) / cp.linalg.norm(outputs["moe_mma"]))
-        halves = activation_parts(x[cp.arange(pairs) // top_k], w13, 2)  # [2P, H]
+        parts = backend.activation_parts
+        halves = activation_parts(x[cp.arange(pairs) // top_k], w13, parts)  # [N * P, H]
         out = cp.empty((pairs, 2 * i), np.float32)  # [P, 2I]
 
         def one_gemm():
-            for half in (0, 1):
+            for part in range(parts):
                 weight_product(out.data.ptr, 2 * i, w13.data.ptr, h, w13.dtype, 2 * i, h,
-                               halves.data.ptr + half * pairs * h * 2, h, pairs, accumulate=half == 1)
+                               halves.data.ptr + part * pairs * h * 2, h, pairs, accumulate=part > 0)
 
         ceiling_s = median_seconds(cp, one_gemm) * 1.5  # gate and up (2/3 of the work) on one matrix
-        del halves, out
+        halves = out = None  # freed before the next case
         record = {"shape": name, "experts": num_experts, "top_k": top_k, "hidden": h, "intermediate": i,
-                  "tokens": tokens, "pairs_per_expert": pairs / num_experts,
-                  "moe_mma_ms": seconds["moe_mma"] * 1e3, "expert_gemms_ms": seconds["expert_gemms"] * 1e3,
-                  "moe_mma_tflops": useful / seconds["moe_mma"] / 1e12,
-                  "expert_gemms_tflops": useful / seconds["expert_gemms"] / 1e12,
-                  "ceiling_tflops": useful / ceiling_s / 1e12,
-                  "speedup": seconds["moe_mma"] / seconds["expert_gemms"],
-                  "relative_error": error}
-        print(f"{name:14s} T={tokens:5d} pairs/expert={pairs / num_experts:7.1f}"
-              f"  moe_mma {record['moe_mma_tflops']:6.1f}"
-              f"  gemms {record['expert_gemms_tflops']:6.1f}  ceiling {record['ceiling_tflops']:6.1f} TFLOP/s"
-              f"  x{record['speedup']:.2f}  err {error:.1e}", flush=True)
+                  "tokens": tokens, "pairs_per_expert": pairs / num_experts, "activation_parts": parts,
+                  "ceiling_tflops": useful / ceiling_s / 1e12}
+        reference = outputs["moe_mma"]
+        for path in PATHS:
+            record[f"{path}_ms"] = seconds[path] * 1e3
+            record[f"{path}_tflops"] = useful / seconds[path] / 1e12
+            error = cp.linalg.norm(outputs[path] - reference) / cp.linalg.norm(reference)
+            record[f"{path}_relative_error"] = float(error)
+        print(f"{name:14s} T={tokens:5d} pairs/expert={pairs / num_experts:7.1f}  "
+              + "  ".join(f"{path} {record[f'{path}_tflops']:6.1f}" for path in PATHS)
+              + f"  ceiling {record['ceiling_tflops']:6.1f} TFLOP/s  err "
+              + "/".join(f"{record[f'{path}_relative_error']:.1e}" for path in PATHS if path != "moe_mma"),
+              flush=True)
         records.append(record)
-    del store, w13, w2
+    store = w13 = w2 = None  # freed before the pool is emptied
     cp.get_default_memory_pool().free_all_blocks()
     return records
 
@@ -110,14 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="JSON file for the records")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--matmul-precision", default="high", choices=("high", "medium"),
+                        help="the backend's: two parts of the activations (high) or one (medium)")
     args = parser.parse_args(argv)
     require_gpu()
     import cupy
 
     from colibri_stream.backends.cupy_backend import CupyBackend
 
-    backend = CupyBackend()
-    conditions = {**machine(), "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()}
+    backend = CupyBackend(args.matmul_precision)
+    conditions = {**machine(), "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                  "matmul_precision": args.matmul_precision}
     records = [record for shape in args.shapes for record in run_shape(cupy, backend, shape, args.tokens)]
     Path(args.out).write_text(json.dumps({"machine": conditions, "records": records}, indent=1))
     print(f"wrote {args.out}")

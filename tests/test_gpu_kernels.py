@@ -21,7 +21,7 @@ if not cupy.cuda.is_available():
     pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
 
 from colibri_stream.backends import (cublas_gemm, cupy_backend, cupy_expert_gemm, cupy_flash_attention,  # noqa: E402
-                                     cupy_latent, cupy_moe, cupy_quant_moe)
+                                     cupy_latent, cupy_moe, cupy_moe_gemm, cupy_quant_moe)
 from colibri_stream.backends.cupy_backend import CupyBackend  # noqa: E402
 from colibri_stream.backends.cupy_launch import launch, smallest_tile, storage_type, to_device_storage  # noqa: E402
 from colibri_stream.backends.cupy_moe import DeviceExpertStore, activation_args, on_tensor_cores  # noqa: E402
@@ -31,6 +31,7 @@ from colibri_stream.backends.tuning import (  # noqa: E402
     CAPTURED_CUBLAS_MIN_TOKENS,
     DENSE_MMA_MIN_TOKENS,
     EXPERT_GEMM_MIN_WORK,
+    GROUPED_GEMM_MIN_PAIRS,
     LINEAR_MMA_ROWS,
     LINEAR_MMA_TILES,
     MMA_DOWN_ROWS,
@@ -747,7 +748,7 @@ def launched_kernels(monkeypatch) -> list[str]:
         names.append(expression)
         return launch(file, expression, *args, **kwargs)
 
-    for module in (cupy_backend, cupy_latent, cupy_moe, cupy_quant_moe, cublas_gemm):
+    for module in (cupy_backend, cupy_latent, cupy_moe, cupy_moe_gemm, cupy_quant_moe, cublas_gemm):
         monkeypatch.setattr(module, "launch", record)
     return names
 
@@ -777,12 +778,12 @@ def biased(store: DictExpertStore, rng, hidden: int, inter: int) -> DictExpertSt
 @pytest.mark.parametrize("swiglu", [None, SWIGLU], ids=["silu", "clamped"])
 @pytest.mark.parametrize("dtype,tokens,path", [
     ("float32", 1, "moe_down<"), ("bfloat16", 2, "moe_down<"), ("int8", 5, "moe_down<"),
-    ("bfloat16", 64, "moe_down_mma<"), ("float16", 512, "expert_gemms"),
+    ("bfloat16", 64, "moe_down_mma<"), ("bfloat16", 256, "moe_gemm_down<"), ("float16", 512, "expert_gemms"),
     ("int4", 1, "moe_down_int4<"), ("int4", 33, "moe_down_int4<"), ("fp8", 8, "moe_down_fp8<")])
 def test_biased_experts_and_the_clamped_swiglu_in_every_moe_kernel(dtype, tokens, path, swiglu, monkeypatch):
     """gpt-oss's experts (biases, the clamped SwiGLU) on each MoE path against the NumPy reference: moe.cu,
-    moe_mma.cu, the per-expert GEMMs, moe_int4.cu and moe_fp8.cu (their down product split over column spans,
-    whose first alone adds the bias)."""
+    moe_mma.cu, the grouped GEMM, the per-expert GEMMs, moe_int4.cu and moe_fp8.cu (their down product split over
+    column spans, whose first alone adds the bias)."""
     experts, top_k, hidden, inter = 8, 2, 256, 128
     rng = np.random.default_rng(tokens * 7 + len(dtype))
     if dtype in ("int4", "fp8"):
@@ -923,7 +924,7 @@ def slotted_experts(rng, num_experts: int, hidden: int, inter: int, dtype: str):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("path", ["cuda_cores", "tensor_cores", "expert_gemms"])
+@pytest.mark.parametrize("path", ["cuda_cores", "tensor_cores", "grouped_gemm", "expert_gemms"])
 @pytest.mark.parametrize("hidden,inter", [(256, 192), (136, 200)])  # up's rows right after gate's, or 256-aligned
 def test_routed_experts_in_slot_arena(dtype, path, hidden, inter, monkeypatch):
     rng = np.random.default_rng(11)
@@ -936,12 +937,15 @@ def test_routed_experts_in_slot_arena(dtype, path, hidden, inter, monkeypatch):
         monkeypatch.setattr(cupy_moe, "MMA_MIN_TOKENS", 1 << 30)
     if path == "expert_gemms":
         monkeypatch.setattr(cupy_expert_gemm, "EXPERT_GEMM_MIN_WORK", 1)
+    if path == "grouped_gemm":
+        monkeypatch.setattr(cupy_moe_gemm, "GROUPED_GEMM_MIN_PAIRS", 1)
     launched = launched_kernels(monkeypatch)
     poison()
     ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5,
                               SlotPasses(passes, num_experts))
     assert any("_mma<" in name for name in launched) == (path == "tensor_cores")
-    assert any(name.startswith("moe_down") for name in launched) == (path != "expert_gemms")
+    assert any(name.startswith("moe_gemm_down<") for name in launched) == (path == "grouped_gemm")
+    assert any(name.startswith(("moe_down", "moe_gemm_down")) for name in launched) == (path != "expert_gemms")
     # experts in no slot add nothing: the reference sees their route weights as zero
     store = DictExpertStore({(5, e): t for e, t in enumerate(tensors)})
     reference = REF.routed_experts(x, np.where(computed[ids], weights, 0).astype(np.float32), ids, 5, store)
@@ -993,10 +997,55 @@ def test_prefill_sized_groups_run_as_expert_gemms(dtype, tokens, experts, top_k,
     check(ours, REF.routed_experts(x, weights, ids, 5, store), MMA_TOLERANCE)
     launched.clear()
     monkeypatch.setattr(cupy_expert_gemm, "EXPERT_GEMM_MIN_WORK", 1 << 62)  # the same step on moe_mma.cu
+    monkeypatch.setattr(cupy_moe_gemm, "GROUPED_GEMM_MIN_PAIRS", 1 << 30)
     mma = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5,
                              experts_on_device(experts, hidden, inter, dtype)[1])
     assert any(name.startswith("moe_down_mma<") for name in launched)
     check(ours, cupy.asnumpy(mma), MMA_TOLERANCE)
+
+
+def test_grouped_gemm_dispatch_rule():
+    """The grouped GEMM once a step's groups average GROUPED_GEMM_MIN_PAIRS pairs: a DeepSeek-V3-shaped layer
+    (256 experts, top 8) at a 2048-token chunk, not at 512 tokens; bf16 / fp16 experts without scales only."""
+    def experts(e, dtype=np.uint16, scales=False):
+        gate = cupy.lib.stride_tricks.as_strided(cupy.zeros((1, 1, 1), dtype), (e, 2048, 7168), (0, 0, 0))
+        scale = cupy.zeros((e, 2048), np.float32) if scales else None
+        return LayerExperts(gate, gate, gate, scale, scale, None)
+
+    assert GROUPED_GEMM_MIN_PAIRS == 32
+    assert cupy_moe_gemm.takes_grouped_gemm(experts(256), 2048 * 8, 256)
+    assert not cupy_moe_gemm.takes_grouped_gemm(experts(256), 512 * 8, 256)
+    assert cupy_moe_gemm.takes_grouped_gemm(experts(256, np.float16), 2048 * 8, 256)
+    assert not cupy_moe_gemm.takes_grouped_gemm(experts(256, np.float32), 2048 * 8, 256)
+    assert not cupy_moe_gemm.takes_grouped_gemm(experts(256, np.int8, scales=True), 2048 * 8, 256)
+    assert not cupy_moe_gemm.takes_grouped_gemm(experts(2048), 2048 * 64, 2048)  # past moe_gemm_tiles' scan
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("precision", ["high", "medium"])
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [
+    (512, 8, 2, 128, 256),  # whole tiles: 128 pairs per expert
+    (300, 16, 4, 136, 200),  # partial tiles in every dimension, a partial last chunk of columns
+    (200, 64, 8, 256, 128),  # groups of about 25 pairs (the rule lowered): one partial tile each
+    (1024, 32, 8, 1024, 512),  # 256 pairs per expert, several tiles a group
+])
+def test_grouped_gemm_matches_numpy(dtype, precision, tokens, experts, top_k, hidden, inter, monkeypatch):
+    """moe_gemm.cu against the NumPy reference, every step's experts in the two grouped launches: at matmul
+    precision high (two parts of the activations) within the tensor-core tolerance, at medium (one part) within
+    bf16's rounding of the activations, and the two not the same numbers."""
+    monkeypatch.setattr(cupy_moe_gemm, "GROUPED_GEMM_MIN_PAIRS", 1)
+    store, device_store = experts_on_device(experts, hidden, inter, dtype)
+    x, weights, ids = random_routing(np.random.default_rng(tokens + hidden), tokens, experts, top_k, hidden)
+    backend = GPU if precision == "high" else CupyBackend("medium")
+    launched = launched_kernels(monkeypatch)
+    poison()
+    ours = backend.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
+    w, parts = storage_type(device_store.layers[5].gate), 2 if precision == "high" else 1
+    assert f"moe_gemm_gate_up<{w}, {parts}>" in launched and f"moe_gemm_down<{w}, {parts}>" in launched, launched
+    reference = REF.routed_experts(x, weights, ids, 5, store)
+    check(ours, reference, MMA_TOLERANCE if precision == "high" else 1e-2)
+    if precision == "medium":  # the activations were rounded
+        assert np.linalg.norm(cupy.asnumpy(ours) - reference) > MMA_TOLERANCE / 10 * np.linalg.norm(reference)
 
 
 def expert_mlp(x: np.ndarray, tensors: dict[str, np.ndarray]) -> np.ndarray:

@@ -45,6 +45,9 @@ FAMILIES = {
                                   for nt in MMA_TILES) if w in ("__nv_bfloat16", "__half") else (),
     # w: the bytes of codes a lane reads per chunk of int4, B (16, 8 or 4; cupy_quant_moe.py), or "mxfp4" (groups
     # of 32: B = 4, the Mxfp4Codes policy)
+    # w None: moe_gemm_tiles only; np: the activations' parts (matmul precision medium, high)
+    "moe_gemm.cu": lambda w: tuple(f"{k}<{w}, {np}>" for k in ("moe_gemm_gate_up", "moe_gemm_down")
+                                   for np in (1, 2)) if w in ("__nv_bfloat16", "__half") else (),
     "moe_int4.cu": lambda w: (*(f"moe_gate_up_int4<4, {nt}, {kw}, Mxfp4Codes>" for nt in MMA_TILES
                                 for kw in (1, INT4_ROW_SHARING)),
                               *(f"moe_down_int4<4, {nt}, Mxfp4Codes>" for nt in MMA_TILES)) if w == "mxfp4" else (

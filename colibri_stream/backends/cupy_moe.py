@@ -1,10 +1,11 @@
 """Routed experts on the GPU: the MoE kernels over a store's device experts, and the store of resident experts.
 
 `routed_experts` sorts a step's (token, expert) pairs into groups per expert on the device (moe_align), launches
-moe_gate_up and moe_down (or their tensor-core forms, moe_mma.cu; or, for prefill-sized groups, cuBLAS GEMMs per
-expert, cupy_expert_gemm.py; int4 and fp8 experts on moe_int4.cu and moe_fp8.cu, cupy_quant_moe.py) once per
-pass the store yields (experts/device.py), and sums each token's experts (moe_sum). `DeviceExpertStore` holds every
-expert resident, stacked per MoE layer: one pass, no host work, so a decode step can be captured in a CUDA graph.
+moe_gate_up and moe_down (or their tensor-core forms, moe_mma.cu; or, for prefill-sized groups, a grouped GEMM,
+cupy_moe_gemm.py, or cuBLAS GEMMs per expert, cupy_expert_gemm.py; int4 and fp8 experts on moe_int4.cu and
+moe_fp8.cu, cupy_quant_moe.py) once per pass the store yields (experts/device.py), and sums each token's experts
+(moe_sum). `DeviceExpertStore` holds every expert resident, stacked per MoE layer: one pass, no host work, so a
+decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from ..expert_codecs import MATRICES
 from ..experts.device import DeviceExperts, LayerExperts
 from ..experts.store import ExpertStore
 from .cupy_expert_gemm import GroupedTokens, expert_gemms, takes_expert_gemms
+from .cublas_gemm import activation_parts
 from .cupy_launch import Array, ceil_div, check_row_width, launch, smallest_tile, storage_type, to_device_storage
+from .cupy_moe_gemm import grouped_gemm, takes_grouped_gemm
 from .cupy_quant_moe import is_block_scaled, quant_experts
 from .tuning import (MMA_DOWN_ROWS, MMA_GATE_UP_ROWS, MMA_MIN_TOKENS, MMA_THREADS, MMA_TILES, MOE_DOWN_ROW_BYTES,
                      MOE_ROWS_PER_WARP, MOE_TILES, MOE_UP_ROW_BYTES, MOE_WARPS)
@@ -78,7 +81,7 @@ def routed_experts(backend, x: Array, weights: Array, expert_ids: Array, layer: 
     groups = min(num_experts, pairs)
     tile = smallest_tile(t, MOE_TILES)  # a group holds at most T pairs
     routing = (group_expert, group_start, sorted_pairs, num_groups)
-    act = y = grouped = None
+    act = y = grouped = x_parts = None
     activation = activation_args(swiglu)
     quantized_x = {}  # int4's cut of x (cupy_quant_moe.QuantizedRows by chunk width), made once for every launch
     for experts in device.passes(layer):
@@ -97,6 +100,13 @@ def routed_experts(backend, x: Array, weights: Array, expert_ids: Array, layer: 
             if y is None:
                 y = (cp.empty if device.resident else cp.zeros)((pairs, h), np.float32)  # [P, H]
             expert_gemms(grouped, experts, route_weights, y, device.resident, backend.silu_mul, swiglu)
+            continue
+        if takes_grouped_gemm(experts, pairs, num_experts):
+            if x_parts is None:  # [N * T, H]: the tokens in the backend's activation parts, for every launch
+                x_parts = activation_parts(x, experts.gate, backend.activation_parts)
+            if y is None:
+                y = (cp.empty if device.resident else cp.zeros)((pairs, h), np.float32)  # [P, H]
+            grouped_gemm(experts, x_parts, routing, route_weights, y, t, top_k, activation, backend.activation_parts)
             continue
         i = experts.gate.shape[1]  # a cut expert's GPU part (experts/cut_layout.py) has fewer rows than the others
         if act is None or act.shape[1] != i:

@@ -45,6 +45,14 @@ INT4_SHARED_ROWS_BELOW_BLOCKS_PER_SM = 2
 # GEMM costs a fixed host call, so many small experts (Qwen3-MoE's 128) stay on moe_mma.cu, few large ones
 # (Mixtral's 8) take the GEMMs from a few dozen pairs each (benchmarks/moe_prefill.py measures the crossover).
 EXPERT_GEMM_MIN_WORK = 1 << 31
+# Steps below that work whose experts' groups average GROUPED_GEMM_MIN_PAIRS pairs or more run as one grouped GEMM per
+# matrix (moe_gemm.cu: tiles of GEMM_PAIRS pairs, each weight read once per tile), the others on moe_mma.cu.
+GROUPED_GEMM_MIN_PAIRS = 32
+GEMM_PAIRS = 64  # = GEMM_PAIRS in moe_gemm.cu: pairs per block
+GEMM_ROWS = 128  # = GEMM_ROWS in moe_gemm.cu: down rows per block
+GEMM_FEATURES = 64  # gate (and up) rows per block of moe_gemm_gate_up: GEMM_ROWS / 2
+GEMM_THREADS = 128  # = GEMM_THREADS in moe_gemm.cu
+GEMM_MAX_GROUPS = 1024  # = GEMM_MAX_GROUPS in moe_gemm.cu: experts of a layer moe_gemm_tiles scans at most
 
 # ---- attention (attention.cu, attention_prologue.cu) -----------------------------------------------------------
 ATTENTION_WARPS = 16  # = ATTN_WARPS in attention.cu
