@@ -198,7 +198,21 @@ for stage in $STAGES; do
       done
       echo "exit codes:$codes" ;;
     offload)
+      # OFFLOAD_ARGS: offload.py's options. DeepSeek-V3, 1 dense + 2 MoE layers (51 GB a copy: the folder on the disk,
+      # its GGUF in /dev/shm), against llama.cpp's llama-bench at 0 % and 50 % of the routed experts on the GPU (one
+      # MoE layer's experts on the CPU: --n-cpu-moe 2, with Colibri's layers layout the same split):
+      #   OFFLOAD_TIMEOUT=900 OFFLOAD_ARGS="--shape deepseek-v3 --layers 3 --dense-layers 1
+      #     --folder /tmp/colibri-deepseek-v3-3-1 --gguf /dev/shm/colibri-deepseek-v3-3-1.gguf --fractions 0 0.5
+      #     --batches 1 --sources l2 --modes colibri ondemand --slot-layout layers spread --accelerate-fractions
+      #     --llama-bench $LLAMA_BUILD/bin/llama-bench --gguf-py $LLAMA_SRC/gguf-py" STAGES=offload \
+      #     benchmarks/gpu_session.sh
+      # (the same with --write-only added writes the two files and stops: a first call, then this one times them)
       echo "== offload benchmark"
+      if [ -n "$llama_builder" ]; then  # the files are written while llama.cpp builds, then timed after it
+        timeout "${OFFLOAD_TIMEOUT:-540}" python3 benchmarks/offload.py --write-only ${OFFLOAD_ARGS:-} 2>&1 | tail -4
+        wait $llama_builder || tail -20 "$OUT/llama_build.log"
+        llama_builder=""
+      fi
       bench "${OFFLOAD_TIMEOUT:-540}" offload.log 60 benchmarks/offload.py --out "$OUT/offload_h200.json" ${OFFLOAD_ARGS:-} ;;
   esac
 done

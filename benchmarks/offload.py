@@ -2,10 +2,12 @@
 experts.bin (L3), experts computed on the CPU; next to the bounds of the bandwidths measured in the same run and
 to transformers + accelerate offloading at the same GPU budget.
 
-Model: a Mixtral-8x7B-shaped native model folder with random bf16 weights (`--layers`, default 8: 22.5 GB of
-experts), written once by `write_synthetic_folder`. For each GPU expert budget (`--fractions` of all experts,
-as whole slots per layer; 1.0 is the resident model), slot layout (`--slot-layout`: the same slots in every layer,
-whole layers, or both, each budget run once per distinct layout) and source:
+Model: a native model folder of random bf16 weights of a published shape (`--shape`, default Mixtral-8x7B;
+`--layers`, default 8: 22.5 GB of experts; `--dense-layers N`: N leading dense layers, the rest MoE, in place of
+the shape's own split), long_context.py's `benchmark_config`, written once to `--folder` (quantized_files.py's
+`ensure_shape_folder`; a folder there of another model is refused). For each GPU expert budget (`--fractions` of
+all experts, as whole slots per layer; 1.0 is the resident model), slot layout (`--slot-layout`: the same slots
+in every layer, whole layers, or both, each budget run once per distinct layout) and source:
   l2  every expert in pinned host memory (PinnedExperts)
   l3  no host tier: experts.bin read for every GPU miss, page cache dropped before every timed step (cold)
 modes (each a fresh store over the same pinned L2):
@@ -17,8 +19,30 @@ Decode at `--batches` (greedy, after WARMUP steps, `--steps` timed steps, host s
 phases recorded by the model's StepTimer: phase_ms_per_step), prefill of one `--prefill`-token prompt.
 
 llama.cpp (`--llama-bench`, a binary of benchmarks/build_llama_cpp.sh): llama-bench on the same weights as GGUF
-(benchmarks/gguf_writer.py writes it next to the folder) with the routed experts of the layers not on the GPU on the
-CPU (`--n-cpu-moe`), batch-1 decode and prefill, after Colibri's runs; without it, the earlier figures below.
+(benchmarks/gguf_writer.py writes it to `--gguf`, default next to the folder) with the routed experts of the layers
+not on the GPU on the CPU (`--n-cpu-moe`), batch-1 decode and prefill, after Colibri's runs, with the pinned
+experts given back first; without it, Mixtral's earlier figures below (no other model has any). llama.cpp moves
+routed experts a layer at a time: `--n-cpu-moe N` sends the ffn_*_exps tensors of blocks 0..N-1 to the CPU, dense
+blocks counted (`llama_cpu_moe`), and a layer's experts are one tensor per matrix (`-ot` cannot split them either),
+so it runs only at the budgets whose host share is a whole number of MoE layers (the others' records say so); the
+`layers` slot layout gives Colibri the same split (the last MoE layers on the GPU, the first on the host).
+
+DeepSeek-V3 (llama.cpp's deepseek2: latent attention, its cache of one 576-value row a layer, the shared expert and
+the dense first layers on the GPU in both engines): 50 % of the experts as whole layers needs two MoE layers, so
+1 dense + 2 MoE (51 GB a copy, 45 GB of it experts). The folder goes on the disk and the GGUF file on /dev/shm
+(host RAM) where the disk cannot hold both; both files' bytes are predicted and the run is refused in one line
+where they would not fit (long_context.py's `room_refusal`), and the pinning where the host's available memory
+(the GGUF in /dev/shm taken) cannot hold the experts. The resident model is measured before the experts are
+pinned (experts.bin still in the page cache), and the pinned experts are given back before llama.cpp runs
+(host RAM then holds the GGUF, which llama.cpp maps):
+
+    python benchmarks/offload.py --shape deepseek-v3 --layers 3 --dense-layers 1 \
+        --folder /tmp/colibri-deepseek-v3-3-1 --gguf /dev/shm/colibri-deepseek-v3-3-1.gguf --fractions 0 0.5 \
+        --batches 1 --sources l2 --modes colibri ondemand --slot-layout layers spread \
+        --accelerate-fractions --llama-bench <build>/bin/llama-bench --gguf-py <llama.cpp>/gguf-py
+
+`--write-only` writes the folder and, with `--gguf-py`, the GGUF file, and stops (no GPU needed: drawn on the GPU
+where CuPy finds one), for a later run on the same machine to time.
 
 Bounds: per step, the GPU misses the run measured (bytes) cannot arrive faster than the pinned copy bandwidth
 (PCIe bound) or, when the CPU computes some, than the copy and the CPU expert read together (hybrid bound: their
@@ -47,6 +71,8 @@ from pathlib import Path
 import numpy as np
 from conditions import require_gpu
 from decode import log, machine, random_kv_cache
+from long_context import PlannedFile, benchmark_config, folder_bytes, gguf_bytes, model_fields, room_refusal
+from quantized_files import ensure_shape_folder
 
 from colibri_stream.config import GPU_SLOT_LAYOUTS
 from colibri_stream.experts.placement import MIN_CUT_GAIN
@@ -56,10 +82,13 @@ from colibri_stream.experts.tiers import kvikio_available
 BLOCK_SIZE = 16
 PROMPT = 32  # cached tokens per sequence before the timed decode steps
 WARMUP = 2
-# llama.cpp on the H200 machine and this shape, measured before this script could run it (8 layers, bf16, 16 threads,
-# -ngl 99): batch-1 decode with every routed expert on the CPU (--n-cpu-moe 8) and with half the layers' experts
-# there (--n-cpu-moe 4); prompt processing. --llama-bench replaces them with figures of the same run.
-LLAMA_CPP = {0.0: {"decode_tok_s": 15.6, "prefill_tok_s": 148.0}, 0.5: {"decode_tok_s": 31.1, "prefill_tok_s": 317.0}}
+# llama.cpp on the H200 machine and Mixtral-8x7B's shape, measured before this script could run it (8 layers, bf16,
+# 16 threads, -ngl 99): batch-1 decode with every routed expert on the CPU (--n-cpu-moe 8) and with half the layers'
+# experts there (--n-cpu-moe 4); prompt processing. By (shape, layers), then GPU expert fraction; --llama-bench
+# replaces them with figures of the same run.
+LLAMA_CPP = {("mixtral-8x7b", 8): {0.0: {"decode_tok_s": 15.6, "prefill_tok_s": 148.0},
+                                   0.5: {"decode_tok_s": 31.1, "prefill_tok_s": 317.0}}}
+PIN_MARGIN = 4 << 30  # host memory left beside the pinned experts (this process, CUDA's own, the page cache's use)
 MODES = {  # name: (prefetch, cpu_experts)
     "colibri": (False, "auto"),  # the defaults: misses placed by the cost model, no prefetch
     "ondemand": (False, "off"),  # every miss loaded to the GPU when needed: the pure PCIe strategy
@@ -149,10 +178,21 @@ def make_model(folder, slots: int | list[int] | None, host, mode: str, threads: 
 
 
 def release(model) -> None:
+    """Drop `model` and give the GPU memory it held back (where the caller holds no other reference to it)."""
+    del model
+    free_device_memory()
+
+
+def free_device_memory() -> None:
+    """Give CuPy's cached GPU blocks and unused pinned host blocks back, a model's reference cycles collected first:
+    for the next model, llama.cpp, or the accelerate baseline's process."""
+    import gc
+
     import cupy as cp
 
-    del model
+    gc.collect()
     cp.get_default_memory_pool().free_all_blocks()
+    cp.get_default_pinned_memory_pool().free_all_blocks()
 
 
 def decode(model, batch: int, steps: int, cold: Path | None = None) -> dict:
@@ -243,80 +283,169 @@ def accelerate_baseline(args, fraction: float) -> dict:
         return json.loads(Path(out.name).read_text())
 
 
-def llama_cpp_baseline(args, records: list[dict]) -> None:
-    """llama.cpp on this machine and these weights (benchmarks/llama_cpp.py): for each GPU budget that is a whole
-    number of layers, llama-bench with the routed experts of the other layers on the CPU (--n-cpu-moe), batch-1
-    decode and prefill, written into the batch-1 and prefill records of that budget."""
+def llama_cpu_moe(config, fraction: float) -> int | None:
+    """llama.cpp's --n-cpu-moe that leaves `fraction` of `config`'s routed experts on the GPU, None where none does.
+    --n-cpu-moe N sends the ffn_*_exps tensors of blocks 0..N-1 to the CPU, dense blocks counted, and a layer's
+    experts are one tensor per matrix: the host holds the first MoE layers' experts (as the "layers" slot layout
+    leaves them to it), N is the block after the last of them, and a host share that is not a whole number of MoE
+    layers has no N."""
+    host_layers = len(config.moe_layers) * (1 - fraction)
+    if abs(host_layers - round(host_layers)) > 1e-9:
+        return None
+    count = round(host_layers)
+    return config.moe_layers[count - 1] + 1 if count else 0
+
+
+def llama_cpp_figures(args, config, fraction: float) -> dict:
+    """llama-bench's batch-1 decode and prefill with `fraction` of the routed experts on the GPU (`llama_cpu_moe`;
+    host_moe_layers: the MoE layers whose experts it keeps on the CPU), or why there are none (skipped, error)."""
     from llama_cpp import llama_bench
 
+    n_cpu_moe = llama_cpu_moe(config, fraction)
+    if n_cpu_moe is None:
+        return {"skipped": f"{fraction:.0%} of the experts on the GPU is not a whole number of the "
+                           f"{len(config.moe_layers)} MoE layers, and llama.cpp places a layer's experts whole"}
+    try:
+        result = llama_bench(args.llama_bench, args.gguf, n_cpu_moe, args.llama_threads, depth=PROMPT,
+                             prompt_tokens=args.prefill)
+    except Exception as error:  # reported; the other budgets still run
+        result = {"error": repr(error)}
+    return dict(result, host_moe_layers=[layer for layer in config.moe_layers if layer < n_cpu_moe])
+
+
+def llama_cpp_baseline(args, config, records: list[dict]) -> None:
+    """llama.cpp on this machine and these weights (benchmarks/llama_cpp.py) at each GPU budget
+    (`llama_cpp_figures`), written into the batch-1 and prefill records of that budget."""
     for fraction in args.fractions:
-        cpu_layers = args.layers * (1 - fraction)
-        if not float(cpu_layers).is_integer():
-            continue
-        try:
-            result = llama_bench(args.llama_bench, args.gguf, round(cpu_layers), args.llama_threads,
-                                 depth=PROMPT, prompt_tokens=args.prefill)
-        except Exception as error:  # reported; the other budgets still run
-            result = {"error": repr(error)}
-        log(f"llama.cpp at {fraction:.0%}: decode {result.get('decode_tok_s')} prefill {result.get('prefill_tok_s')}")
+        result = llama_cpp_figures(args, config, fraction)
+        log(f"llama.cpp at {fraction:.0%}: decode {result.get('decode_tok_s')} prefill {result.get('prefill_tok_s')}"
+            + (f" ({result['skipped']})" if "skipped" in result else ""))
         for record in records:
             if (record["gpu_expert_fraction"] == fraction and record["source"] == "l2"
                     and record["batch"] in (1, "prefill")):
+                record["llama_cpp"] = result
+                if "skipped" in result:
+                    continue
                 earlier = record.get("llama_cpp_tok_s")
                 if earlier is not None:
                     record["llama_cpp_earlier_tok_s"] = earlier
                 which = "prefill_tok_s" if record["batch"] == "prefill" else "decode_tok_s"
                 record["llama_cpp_tok_s"] = result.get(which)
                 record["llama_cpp_measured"] = True
-                record["llama_cpp"] = result
         write(args.out, records)
 
 
-def ensure_folder(path: str | Path, shape: str, layers: int, **options) -> Path:
-    """`path`, where the random `shape` model (`layers` layers; `options`: write_synthetic_folder's expert format)
-    is written first unless a whole folder is there (its config.json, written last)."""
+def shape_spec(args) -> str:
+    """The model of the command line as long_context.py's --shapes entry: SHAPE:LAYERS or SHAPE:LAYERS:DENSE."""
+    return f"{args.shape}:{args.layers}" + ("" if args.dense_layers is None else f":{args.dense_layers}")
+
+
+def model_files(args, config) -> list[PlannedFile]:
+    """The files of this run: the model folder and, where the run needs it (`--llama-bench`, or `--write-only`
+    with `--gguf-py`), the GGUF file, each with its predicted bytes (long_context.py's folder_bytes, gguf_bytes)."""
     from colibri_stream.checkpoint import CONFIG_FILE
-    from colibri_stream.synthetic import write_synthetic_folder
 
-    path = Path(path)
-    if not (path / CONFIG_FILE).is_file():
-        log(f"writing a random {shape} model with {layers} layers to {path}" + (f" {options}" if options else ""))
-        begin = time.perf_counter()
-        write_synthetic_folder(path, shape, num_layers=layers, **options)
-        written = time.perf_counter()
-        os.sync()  # the kernel's write-back of tens of GB must not run beside the timed steps
-        log(f"written in {written - begin:.0f} s, on the drive {time.perf_counter() - written:.0f} s later")
-    return path
+    folder, gguf = Path(args.folder), Path(args.gguf)
+    files = [PlannedFile("folder", shape_spec(args), folder, folder_bytes(config), (folder / CONFIG_FILE).is_file())]
+    if args.llama_bench or (args.write_only and args.gguf_py):
+        files.append(PlannedFile("GGUF", shape_spec(args), gguf, gguf_bytes(config), gguf.is_file()))
+    return files
 
 
-def open_folder(path: str | Path, shape: str, layers: int, **options):
-    """(ModelFolder, PinnedExperts holding all its experts) of the random `shape` model at `path`, written there
-    first (`ensure_folder`) if it is not there yet."""
-    from colibri_stream.checkpoint import ModelFolder
+def write_files(args, config) -> None:
+    """This run's files (`model_files`) written where absent: the folder, then the GGUF from it. Refused in one
+    line (SystemExit) where they would not fit (long_context.py's `room_refusal`), or where the folder at --folder
+    holds another model than `config`."""
+    from colibri_stream.checkpoint import read_config
+
+    files = model_files(args, config)
+    for f in files:
+        log(f"{f.what}: {f.path}, {f.bytes / 1e9:.1f} GB" + (" (written already)" if f.present else ", to write"))
+    refusal = room_refusal(files)
+    if refusal:
+        sys.exit(refusal)
+    folder = ensure_shape_folder(args.folder, args.shape, args.layers, args.dense_layers)
+    if read_config(folder) != config:
+        sys.exit(f"{folder} holds another model than {shape_spec(args)}: another --folder, or remove it")
+    gguf = next((f.path for f in files if f.what == "GGUF" and not f.present), None)
+    if gguf is not None:
+        from gguf_writer import write_gguf
+
+        log(f"writing {gguf} for llama.cpp")
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        write_gguf(folder, gguf, args.gguf_py)
+
+
+def pin_experts(folder):
+    """PinnedExperts holding every expert of `folder` (ModelFolder); MemoryError where the host's available memory
+    (a GGUF file in /dev/shm takes some) less PIN_MARGIN cannot hold them."""
     from colibri_stream.experts.pinned import PinnedExperts
     from colibri_stream.experts.tiers import BlockReader
+    from colibri_stream.memory import host_memory
 
-    folder = ModelFolder(ensure_folder(path, shape, layers, **options))
+    need = len(folder.config.moe_layers) * folder.config.num_experts * folder.experts.block_size
+    available = host_memory().free
+    if need + PIN_MARGIN > available:
+        raise MemoryError(f"pinning {need / 1e9:.1f} GB of experts needs {PIN_MARGIN / 1e9:.0f} GB beside them; the "
+                          f"host has {available / 1e9:.1f} GB available")
     reader = BlockReader(folder.experts, use_kvikio=kvikio_available())
     try:
-        return folder, PinnedExperts(folder.experts, reader)
+        return PinnedExperts(folder.experts, reader)
     finally:
         reader.close()  # it only fills the pinned blocks; an open file would keep a deleted folder's disk space
 
 
-def run(args) -> list[dict]:
+def open_folder(path: str | Path, shape: str, layers: int, dense_layers: int | None = None, **options):
+    """(ModelFolder, PinnedExperts holding all its experts) of the random `shape` model at `path` (`layers` layers,
+    `dense_layers` of them leading dense ones where given), written there first (quantized_files.py's
+    `ensure_shape_folder`, with write_synthetic_folder's expert format `options`) if it is not there yet."""
+    from colibri_stream.checkpoint import ModelFolder
+
+    folder = ModelFolder(ensure_shape_folder(path, shape, layers, dense_layers, **options))
+    return folder, pin_experts(folder)
+
+
+def resident_figures(args, folder) -> dict:
+    """The resident model's (every expert on the GPU) decode at each of `--batches` and its prefill, by batch
+    ("prefill"): the bounds' step times. Its model is gone when this returns."""
+    model = make_model(folder, None, None, "colibri")
+    figures = {batch: decode(model, batch, args.steps) for batch in args.batches}
+    figures["prefill"] = prefill(model, args.prefill)
+    return figures
+
+
+def timed_case(args, folder, counts: list[int], host, mode: str, batch, cold: Path | None) -> dict:
+    """One case on a model of its own (`make_model`: `counts` GPU slots per layer fed from `host`): decode of
+    `batch` sequences, or the prefill (batch "prefill"); a failure is the case's error. The model is closed (its
+    store's threads joined) and gone when this returns."""
+    model = make_model(folder, counts, host, mode, args.cpu_threads)
+    try:
+        steps = args.steps if cold is None else args.cold_steps
+        return prefill(model, args.prefill, cold) if batch == "prefill" else decode(model, batch, steps, cold)
+    except Exception as error:  # a failed configuration is reported, the others still run
+        log(f"{mode} {counts} b{batch}: {error!r}")
+        return {"error": repr(error)}
+    finally:
+        try:
+            model.close()
+        except Exception as error:  # a failed step's CPU work can fail again here; the case has its error
+            log(f"closing the {mode} store: {error!r}")
+
+
+def run(args, config) -> list[dict]:
+    from colibri_stream.checkpoint import ModelFolder
     from colibri_stream.experts.cpu_executor import CpuExpertExecutor, threads_beside_gpu
 
-    folder, pinned = open_folder(args.folder, args.shape, args.layers)
-    config = folder.config
-    if args.llama_bench and not Path(args.gguf).is_file():
-        from gguf_writer import write_gguf
-
-        log(f"writing {args.gguf} for llama.cpp")
-        write_gguf(args.folder, args.gguf, args.gguf_py)
+    folder = ModelFolder(args.folder)
+    resident = resident_figures(args, folder)  # first: experts.bin is still in the page cache, pinning evicts it
+    free_device_memory()
+    log("resident: " + ", ".join(f"b{k} {v['tok_s']:.1f} tok/s" for k, v in resident.items()))
+    pinned = pin_experts(folder)
     bw = measure(folder, pinned, args.cpu_threads)
+    gguf = Path(args.gguf) if args.llama_bench else None
     common = dict(machine(), commit=os.environ.get("COLIBRI_COMMIT", "unknown"), command=" ".join(sys.argv),
                   bench="offload", mode="hybrid", shape=args.shape, layers=args.layers,
+                  **model_fields(shape_spec(args), config, Path(args.folder), gguf),
                   cpu_threads=CpuExpertExecutor(args.cpu_threads or threads_beside_gpu()).num_threads,
                   bound_cpu_threads=CpuExpertExecutor(args.cpu_threads).num_threads,
                   expert_bytes=folder.experts.block_size, pcie_gbps_measured=bw.pcie_gbps,
@@ -326,14 +455,8 @@ def run(args) -> list[dict]:
                   prompt_cached_tokens=PROMPT, decode_steps=args.steps, routing="random router (close to uniform)",
                   eviction="lfu", kvikio=kvikio_available(),
                   min_cut_gain=MIN_CUT_GAIN)
+    earlier_llama_cpp = LLAMA_CPP.get((args.shape, args.layers), {}) if args.dense_layers is None else {}
     records = []
-    resident: dict = {}
-    model = make_model(folder, None, None, "colibri")
-    for batch in args.batches:
-        resident[batch] = decode(model, batch, args.steps)
-    resident["prefill"] = prefill(model, args.prefill)
-    release(model)
-    log("resident: " + ", ".join(f"b{k} {v['tok_s']:.1f} tok/s" for k, v in resident.items()))
     plan = [(source, fraction) for source in args.sources
             for fraction in (args.fractions if source == "l2" else args.cold_fractions)]
     for source, fraction in plan:
@@ -360,15 +483,8 @@ def run(args) -> list[dict]:
                     if slots >= config.num_experts:
                         result = resident[batch]
                     else:
-                        model = make_model(folder, counts, host, mode, args.cpu_threads)
-                        try:
-                            steps = args.steps if source == "l2" else args.cold_steps
-                            result = (prefill(model, args.prefill, cold) if batch == "prefill"
-                                      else decode(model, batch, steps, cold))
-                        except Exception as error:  # a failed configuration is reported, the others still run
-                            result = {"error": repr(error)}
-                            log(f"{fraction} {source} b{batch} {mode}: {error!r}")
-                        release(model)
+                        result = timed_case(args, folder, counts, host, mode, batch, cold)
+                        free_device_memory()  # no case's model sits beside the next one's on the GPU
                     record[f"{mode}_tok_s"] = result.get("tok_s")
                     record[f"{mode}_figures"] = result
                 figures = record["colibri_figures"]
@@ -388,20 +504,18 @@ def run(args) -> list[dict]:
                 else:
                     record["bound_tok_s"] = resident[batch]["tok_s"]
                 record["colibri_vs_bound"] = (record["colibri_tok_s"] or 0) / record["bound_tok_s"]
-                reference = LLAMA_CPP.get(fraction)
+                reference = earlier_llama_cpp.get(fraction)
                 if reference and source == "l2" and batch in (1, "prefill"):
                     record["llama_cpp_tok_s"] = reference["prefill_tok_s" if batch == "prefill" else "decode_tok_s"]
                     record["llama_cpp_measured"] = False
                 records.append(record)
                 log(summary(record))
                 write(args.out, records)
-    if args.llama_bench:
-        llama_cpp_baseline(args, records)
     host = pinned = None
-    import cupy
-
-    cupy.get_default_pinned_memory_pool().free_all_blocks()  # the baseline's process needs the host memory
-    for fraction in args.accelerate_fractions:  # last: the slowest runs, and they need the memory back
+    free_device_memory()  # llama.cpp needs the GPU, the GGUF it maps and the baseline's process the host memory
+    if args.llama_bench:
+        llama_cpp_baseline(args, config, records)
+    for fraction in args.accelerate_fractions:  # last: the slowest runs
         baseline = accelerate_baseline(args, fraction)
         for record in records:
             if record["batch"] == 1 and record["gpu_expert_fraction"] == fraction:
@@ -449,10 +563,27 @@ def write(out: str, records: list[dict]) -> None:
     Path(out).write_text(json.dumps(records, indent=1) + "\n")
 
 
+def model_config(parser, args):
+    """The ModelConfig of the command line (long_context.py's `benchmark_config`); parser.error's one line where
+    there is none, it has no MoE layer, or accelerate's baseline is asked for a split it cannot build."""
+    try:
+        config = benchmark_config(args.shape, args.layers, args.dense_layers)
+    except ValueError as error:
+        parser.error(str(error))
+    if not config.moe_layers:
+        parser.error(f"{shape_spec(args)} has no MoE layer: --dense-layers sets the leading dense layers")
+    if args.dense_layers is not None and args.accelerate_fractions:
+        parser.error("offload_accelerate.py builds the shape's own split, not that of --dense-layers: give "
+                     "--accelerate-fractions no value")
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="mixtral-8x7b")
+    parser.add_argument("--shape", default="mixtral-8x7b", help="a colibri_stream.synthetic.SHAPES name")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dense-layers", type=int,
+                        help="leading dense layers, the rest MoE (default: the shape's own; DeepSeek-V3's 3)")
     parser.add_argument("--folder", default="/tmp/colibri-offload-model")
     parser.add_argument("--fractions", nargs="+", type=float, default=[0.0, 0.25, 0.5, 1.0])
     parser.add_argument("--sources", nargs="+", default=["l2", "l3"], choices=["l2", "l3"])
@@ -475,17 +606,27 @@ def main(argv: list[str] | None = None) -> int:
                              "measurement: every core)")
     parser.add_argument("--llama-bench", help="llama-bench binary (benchmarks/build_llama_cpp.sh): llama.cpp on the "
                         "same weights and machine as the baseline of batch 1 and prefill, instead of earlier figures")
-    parser.add_argument("--gguf", help="the model as GGUF for llama.cpp (default: the folder's path + .gguf); "
-                        "written from the folder if missing, with --gguf-py")
+    parser.add_argument("--gguf", help="the model as GGUF for llama.cpp (default: the folder's path + .gguf; e.g. "
+                        "/dev/shm/NAME.gguf where the disk cannot hold both); written from the folder if missing, "
+                        "with --gguf-py")
     parser.add_argument("--gguf-py", help="gguf-py folder of the llama.cpp source tree")
     parser.add_argument("--llama-threads", type=int, default=16, help="llama.cpp's CPU threads")
+    parser.add_argument("--write-only", action="store_true", help="write the folder and, with --gguf-py, the GGUF "
+                        "file, and stop: a later run on this machine times them (no GPU needed)")
     parser.add_argument("--out", default="benchmarks/results/offload_h200.json")
     args = parser.parse_args(argv)
-    require_gpu()
+    config = model_config(parser, args)
+    if not all(0 <= fraction <= 1 for fraction in args.fractions + args.cold_fractions):
+        parser.error("GPU expert fractions are between 0 and 1")
+    if not args.write_only:
+        require_gpu()
     args.gguf = args.gguf or str(args.folder).rstrip("/") + ".gguf"
     if args.llama_bench and not Path(args.gguf).is_file() and not args.gguf_py:
         parser.error(f"--llama-bench needs {args.gguf}, or --gguf-py to write it")
-    records = run(args)
+    write_files(args, config)
+    if args.write_only:
+        return 0
+    records = run(args, config)
     print(table(records))
     return 0
 

@@ -117,21 +117,23 @@ class ShapeFiles:
         return self.root / f"{self.stem}-{tag}"
 
 
-def ensure_shape_folder(path: Path, shape: str, layers: int, **options) -> Path:
+def ensure_shape_folder(path: Path, shape: str, layers: int, dense_layers: int | None = None, **options) -> Path:
     """`path`, where the benchmark's random model of `shape` with `layers` layers is written first (experts in the
     format of `options`: write_synthetic_folder's) unless a whole folder is there (its config.json, written last).
     The model is long_context.py's `benchmark_config`: the shape's, with YaRN's truncate on where the shape
     `needs_yarn_truncate` (gpt-oss), so the bf16 folder, its GGUF and every quantized folder hold the same draws of
-    one model that llama.cpp computes too."""
+    one model that llama.cpp computes too; with `dense_layers`, that many leading dense layers, the rest MoE."""
     from colibri_stream.checkpoint import CONFIG_FILE
     from colibri_stream.synthetic import write_synthetic_folder
 
     path = Path(path)
     if not (path / CONFIG_FILE).is_file():
         yarn = ", YaRN's truncate on" if needs_yarn_truncate(shape) else ""
-        log(f"writing a random {shape} model with {layers} layers{yarn} to {path}" + (f" {options}" if options else ""))
+        split = "" if dense_layers is None else f" ({dense_layers} dense)"
+        log(f"writing a random {shape} model with {layers} layers{split}{yarn} to {path}"
+            + (f" {options}" if options else ""))
         begin = time.perf_counter()
-        write_synthetic_folder(path, benchmark_config(shape, layers), **options)
+        write_synthetic_folder(path, benchmark_config(shape, layers, dense_layers), **options)
         written = time.perf_counter()
         os.sync()  # the kernel's write-back of tens of GB must not run beside the timed steps
         log(f"written in {written - begin:.0f} s, on the drive {time.perf_counter() - written:.0f} s later")
