@@ -15,7 +15,7 @@
 //   `interleaved`, c and s at the token's position (model/rope.py's tables, backends/rotary.py's NumPy form).
 //   grid: (T, ceil(Q / ROPE_HEADS)), block: 256 threads; block (t, 0) also writes the cache row.
 //
-// latent_attention<KV, R, ROPE, SPLIT>: every query token over its own causal range of the latent cache (decode
+// latent_attention<KV, R, ROPE, SPLIT, MT>: every query token over its own causal range of the latent cache (decode
 // tokens and prefill chunks alike: token t of the sequence query_start names, at position p, reads keys 0 .. p) on
 // tensor cores, flash-decoding style (mma.sync.m16n8k16, float32 accumulation).
 //   q float32 [T, Q, R + ROPE] (latent_rope_write's query), cache KV [num_blocks, block_size, 1, R + ROPE]
@@ -26,14 +26,16 @@
 //   natural-log units) that attention.cu's paged_attention_merge combines (head_dim R, window 0). The splits are
 //   attention.cu's: split z of S_t = decode_splits(p + 1, split_keys, S) takes keys [lo, hi) of the token's p + 1.
 //   Scores are scaled by `scale` (k_scale folded in), outputs multiplied by v_scale.
-//   grid: (T, ceil(Q / LATENT_HEADS), S), block: LATENT_THREADS, dynamic shared memory latent_shared_bytes: the
-//   key tiles (LATENT_STAGES of them; fp8: one, and LATENT_STAGES tiles of raw bytes).
-// Block (t, y, z) takes query heads 16y .. 16y + 15 of token t (one m-tile; heads past Q are zero queries, never
-// written) over its split's keys in tiles of LATENT_KEYS, each tile copied once with cp.async for the whole block
-// while the one before it is used. Warp w computes the scores' partial products over a quarter of the R + ROPE
-// dimensions, the warps add their partials in shared memory in one fixed order (so every warp holds the same
-// scores), each runs the same online softmax, and warp w accumulates the output dims [w R / 4, (w + 1) R / 4) from
-// the tile's rows.
+//   grid: (T, ceil(Q / (MT * LATENT_HEADS)), S), block: MT * LATENT_THREADS, dynamic shared memory
+//   latent_shared_bytes: the key tiles (LATENT_STAGES of them; fp8: one, and LATENT_STAGES tiles of raw bytes).
+// Block (t, y, z) takes query heads 16 MT y .. 16 MT (y + 1) - 1 of token t (MT m-tiles of 16; heads past Q are
+// zero queries, never written) over its split's keys in tiles of LATENT_KEYS, each tile copied once with cp.async
+// for the whole block while the one before it is used: MT = 2 reads each tile once for 32 heads, what a prefill
+// chunk's many blocks per token want; MT = 1 leaves more blocks to split a decode token's context over. Each m-tile
+// has LATENT_WARPS warps: warp w of one computes the scores' partial products over a quarter of the R + ROPE
+// dimensions, the m-tile's warps add their partials in shared memory in one fixed order (so each of them holds
+// the same scores), each runs the same online softmax, and warp w accumulates the output dims
+// [w R / 4, (w + 1) R / 4) from the tile's rows.
 // Numerics: SPLIT (matmul precision high), as flash_decode's: q and the probabilities split into two parts of the
 // operand type (about 16 significant bits), within about 1e-5 of float32 attention; without SPLIT (medium) one part
 // each, as flash_attention's bf16 operands (about 1e-3).
@@ -81,8 +83,8 @@ latent_rope_write(const float* __restrict__ q_latent, const float* __restrict__ 
     }
 }
 
-template <typename KV, int R, int ROPE, bool SPLIT>
-__global__ void __launch_bounds__(LATENT_THREADS, 2)
+template <typename KV, int R, int ROPE, bool SPLIT, int MT>
+__global__ void __launch_bounds__(LATENT_THREADS * MT, MT == 1 ? 2 : 1)
 latent_attention(const float* __restrict__ q, const KV* __restrict__ cache, const long long* __restrict__ block_tables,
               const long long* __restrict__ query_start, const long long* __restrict__ positions,
               float* __restrict__ out, float* __restrict__ partial_acc, float* __restrict__ partial_ml, int num_seqs,
@@ -97,11 +99,10 @@ latent_attention(const float* __restrict__ q, const KV* __restrict__ cache, cons
     constexpr bool WIDEN = sizeof(KV) == 1;            // fp8: copied as bytes, widened before use
     constexpr int ELEMENTS = 16 / sizeof(KV);          // cache elements per 16-byte copy
     constexpr int ROW_COPIES = DK / ELEMENTS;          // 16-byte copies per cached row
-    constexpr int COPIES = LATENT_KEYS * ROW_COPIES / LATENT_THREADS;  // ... per thread per tile
+    constexpr int THREADS = LATENT_THREADS * MT;       // MT groups of LATENT_WARPS warps, an m-tile each
+    constexpr int TILE_COPIES = LATENT_KEYS * ROW_COPIES;  // 16-byte copies of a tile
     constexpr int RAW_TILE = LATENT_KEYS * DK;         // bytes of an fp8 tile as copied
     static_assert(DK % (16 * LATENT_WARPS) == 0 && R % (16 * LATENT_WARPS) == 0, "warps take whole k-steps");
-    static_assert(LATENT_KEYS * ROW_COPIES % LATENT_THREADS == 0 && RAW_TILE % (16 * LATENT_THREADS) == 0,
-                  "a tile's copies (and an fp8 tile's widening) spread evenly over the threads");
     using Op = typename DecodeOperand<KV>::type;
     using M = Mma<Op>;
     // [WIDEN ? 1 : LATENT_STAGES][TILE] tiles (the bits of Op elements), then with WIDEN [LATENT_STAGES][RAW_TILE]
@@ -109,11 +110,12 @@ latent_attention(const float* __restrict__ q, const KV* __restrict__ cache, cons
     extern __shared__ __align__(16) unsigned char latent_shared[];
     __nv_bfloat16* const tiles_s = reinterpret_cast<__nv_bfloat16*>(latent_shared);
     unsigned char* const raw_s = latent_shared + (WIDEN ? 1 : LATENT_STAGES) * TILE * 2;
-    __shared__ float partial_s[LATENT_WARPS][NTILES][4][32];  // each warp's partial scores, by fragment position
+    __shared__ float partial_s[LATENT_WARPS * MT][NTILES][4][32];  // each warp's partial scores, by fragment position
     pdl_wait();
 
-    const int t = blockIdx.x, head0 = blockIdx.y * LATENT_HEADS, split = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, c = lane % 4;
+    const int group = warp / LATENT_WARPS, quarter = warp % LATENT_WARPS;  // this warp's m-tile, its share of it
+    const int t = blockIdx.x, head0 = (blockIdx.y * MT + group) * LATENT_HEADS, split = blockIdx.z;
     const DecodeSplit range = decode_split(static_cast<int>(positions[t]), 0, split_keys, split, gridDim.z);
     if (split >= range.splits) return;  // the token's splits are fewer than the launch's: this block is idle
     const int lo = range.lo, hi = range.hi;  // this split's keys [lo, hi)
@@ -121,7 +123,7 @@ latent_attention(const float* __restrict__ q, const KV* __restrict__ cache, cons
 
     // Rows r and r + 8 of the m-tile (heads head0 + r, head0 + r + 8; zero past Q), this warp's dims, as A fragments
     // of high and low parts.
-    const int k_dim0 = warp * KSTEPS * 16;
+    const int k_dim0 = quarter * KSTEPS * 16;
     unsigned qa[KSTEPS][4], ql[SPLIT ? KSTEPS : 1][4];
     {
         const bool in_a = head0 + r < num_heads, in_b = head0 + r + 8 < num_heads;
@@ -156,8 +158,8 @@ latent_attention(const float* __restrict__ q, const KV* __restrict__ cache, cons
             unsigned char* const slot = WIDEN ? raw_s + tile % LATENT_STAGES * RAW_TILE
                                               : latent_shared + tile % LATENT_STAGES * TILE * 2;
 #pragma unroll 3
-            for (int u = 0; u < COPIES; ++u) {
-                const int i = threadIdx.x + u * LATENT_THREADS, row = i / ROW_COPIES, d = (i % ROW_COPIES) * ELEMENTS;
+            for (int i = threadIdx.x; i < TILE_COPIES; i += THREADS) {
+                const int row = i / ROW_COPIES, d = (i % ROW_COPIES) * ELEMENTS;
                 const int j = lo + LATENT_KEYS * tile + row;
                 const bool in = j < hi;
                 const int key = in ? j : lo;  // a valid address; nothing is read where !in
@@ -174,16 +176,15 @@ latent_attention(const float* __restrict__ q, const KV* __restrict__ cache, cons
     float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};  // rows r, r + 8: running max (log2 units), lane sum
     float o[DTILES][4] = {};
     const int matrix = lane / 8;  // the 8 x 8 matrix whose row this lane addresses in ldmatrix
-    const int value_at = ((matrix & 1) * 8 + lane % 8) * STRIDE + (matrix >> 1) * 8 + warp * WARP_DIMS;
+    const int value_at = ((matrix & 1) * 8 + lane % 8) * STRIDE + (matrix >> 1) * 8 + quarter * WARP_DIMS;
     for (int i = 0; i < tiles; ++i) {
         copy_wait<0>();   // this thread's copies of tile i have landed
         __syncthreads();  // ... every thread's; and every warp is done with tile i - 1
         const __nv_bfloat16* rows = tiles_s + (WIDEN ? 0 : i % LATENT_STAGES * TILE);
         if constexpr (WIDEN) {
             const unsigned char* raw = raw_s + i % LATENT_STAGES * RAW_TILE;
-#pragma unroll
-            for (int u = 0; u < RAW_TILE / 16 / LATENT_THREADS; ++u) {
-                const int chunk = threadIdx.x + u * LATENT_THREADS, row = chunk / (DK / 16), d = chunk % (DK / 16) * 16;
+            for (int chunk = threadIdx.x; chunk < RAW_TILE / 16; chunk += THREADS) {
+                const int row = chunk / (DK / 16), d = chunk % (DK / 16) * 16;
                 uint4 halves[2];
                 fp8x16_to_half(*reinterpret_cast<const uint4*>(raw + 16 * chunk), halves);
                 uint4* target = reinterpret_cast<uint4*>(tiles_s + row * STRIDE + d);
@@ -222,7 +223,7 @@ latent_attention(const float* __restrict__ q, const KV* __restrict__ cache, cons
             for (int e = 0; e < 4; ++e) {
                 float score = 0.f;
 #pragma unroll
-                for (int w = 0; w < LATENT_WARPS; ++w) score += partial_s[w][n][e][lane];
+                for (int w = 0; w < LATENT_WARPS; ++w) score += partial_s[group * LATENT_WARPS + w][n][e][lane];
                 s[n][e] = key0 + n * 8 + 2 * c + (e & 1) < hi ? score * scale_log2 : neg_inf();
                 tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
             }
@@ -256,7 +257,7 @@ latent_attention(const float* __restrict__ q, const KV* __restrict__ cache, cons
         const int head = head0 + r + 8 * h;
         if (head >= num_heads) continue;
         const long long row = static_cast<long long>(t) * num_heads + head;  // [T, Q]
-        const int d0 = warp * WARP_DIMS + 2 * c;
+        const int d0 = quarter * WARP_DIMS + 2 * c;
         if (range.splits == 1) {  // the split holds key `pos`: row_sum >= 1
             const float factor = v_scale / row_sum[h];
 #pragma unroll
@@ -271,7 +272,7 @@ latent_attention(const float* __restrict__ q, const KV* __restrict__ cache, cons
                 *reinterpret_cast<float2*>(partial_acc + part * R + d0 + n * 8) =
                     make_float2(o[n][2 * h] * v_scale, o[n][2 * h + 1] * v_scale);
             }
-            if (warp == 0 && c == 0) {
+            if (quarter == 0 && c == 0) {
                 partial_ml[2 * part] = m[h] == neg_inf() ? m[h] : m[h] * 0.6931471805599453f;  // log2 -> natural
                 partial_ml[2 * part + 1] = row_sum[h];
             }

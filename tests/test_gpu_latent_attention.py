@@ -55,16 +55,20 @@ def test_latent_decode_matches_numpy(kv_dtype, heads, splits, monkeypatch):
     launched = launched_kernels(monkeypatch)
     poison()
     ours = GPU.latent_attention(cupy.asarray(query), gpu_cache, batch, device_batch, scale, kv_scale, RANK)
-    kernel = f"latent_attention<{KV_CTYPES[kv_dtype]}, {RANK}, {ROPE}, true>"
+    kernel = f"latent_attention<{KV_CTYPES[kv_dtype]}, {RANK}, {ROPE}, true, 1>"
     assert launched == ([kernel] if splits == "one" else [kernel, "paged_attention_merge"]), launched
     check(ours, REF.latent_attention(query, cache, batch, {}, scale, kv_scale, RANK))
 
 
 @pytest.mark.parametrize("kv_dtype", [d for d in KV_DTYPES if d != "float32"])
 @pytest.mark.parametrize("precision", ["high", "medium"])
-def test_latent_prefill_chunks_take_the_kernel(kv_dtype, precision, monkeypatch):
+@pytest.mark.parametrize("m_tiles", [1, 2])
+def test_latent_prefill_chunks_take_the_kernel(kv_dtype, precision, m_tiles, monkeypatch):
     """Steps of several query tokens per sequence (prefill chunks beside decode tokens): each token over its own
-    causal range in the same kernel; at matmul precision medium q and the probabilities in one bf16 part each."""
+    causal range in the same kernel; at matmul precision medium q and the probabilities in one bf16 part each. Two
+    m-tiles a block where the tokens fill the GPU (here: the rule lowered), its 24 heads and 8 past them."""
+    if m_tiles == 2:
+        monkeypatch.setattr(cupy_latent, "LATENT_BLOCKS_PER_SM", 0)
     rng = np.random.default_rng(len(kv_dtype))
     seqs = [(1, 1), (37, 37), (100, 1), (64, 5), (300, 45)]
     batch, (cache, gpu_cache), _, query, device_batch = attention_case(rng, seqs, 16, 24, 1, RANK + ROPE, kv_dtype)
@@ -73,7 +77,7 @@ def test_latent_prefill_chunks_take_the_kernel(kv_dtype, precision, monkeypatch)
     poison()
     ours = backend.latent_attention(cupy.asarray(query), gpu_cache, batch, device_batch, 0.07, 1.0, RANK)
     split = "true" if precision == "high" else "false"
-    assert launched == [f"latent_attention<{KV_CTYPES[kv_dtype]}, {RANK}, {ROPE}, {split}>"], launched
+    assert launched == [f"latent_attention<{KV_CTYPES[kv_dtype]}, {RANK}, {ROPE}, {split}, {m_tiles}>"], launched
     check(ours, REF.latent_attention(query, cache, batch, {}, 0.07, 1.0, RANK),
           1e-5 if precision == "high" else MEDIUM_TOLERANCE)
 

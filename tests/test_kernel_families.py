@@ -23,8 +23,8 @@ def test_a_launch_outside_its_files_family_is_refused_before_compiling():
 @pytest.mark.parametrize("kv_type", ["__nv_bfloat16", "__half", "__nv_fp8_e4m3"])
 def test_latent_attention_compiles_with_its_cache_types(kv_type):
     family = FAMILIES["latent_attention.cu"](kv_type)
-    assert {f"latent_attention<{kv_type}, 512, 64, true>", f"latent_attention<{kv_type}, 512, 64, false>",
-            f"latent_rope_write<{kv_type}>"} <= set(family)
+    assert {f"latent_attention<{kv_type}, 512, 64, {split}, {m_tiles}>" for split in ("true", "false")
+            for m_tiles in (1, 2)} | {f"latent_rope_write<{kv_type}>"} <= set(family)
     assert FAMILIES["latent_attention.cu"]("float") == ("latent_rope_write<float>",)
 
 

@@ -23,8 +23,8 @@ from ..batch import ForwardBatch
 from .cupy_flash_attention import FLASH_PAD
 from .cupy_launch import NULL, Array, ceil_div, launch, smallest_tile, storage_type
 from .sequence_attention import paged_attention_rows
-from .tuning import (LATENT_BLOCKS_PER_SM, LATENT_KERNEL_SHAPES, LATENT_MAX_SPLITS, LATENT_SPLIT_KEYS,
-                     PER_HEAD_ROWS_MAX_TOKENS, TOKEN_TILES)
+from .tuning import (LATENT_BLOCKS_PER_SM, LATENT_HEAD_TILES, LATENT_KERNEL_SHAPES, LATENT_MAX_SPLITS,
+                     LATENT_SPLIT_KEYS, PER_HEAD_ROWS_MAX_TOKENS, TOKEN_TILES)
 
 LATENT_FILE = "latent_attention.cu"
 LATENT_KERNEL_TYPES = ("bfloat16", "float16", "float8_e4m3")  # cache storage dtypes latent_attention takes
@@ -125,7 +125,8 @@ def latent_attention(backend: Any, query: Array, cache: Array, batch: ForwardBat
     precision high, one at medium), split over the context as flash_decode's are, from shapes only (inside a graph
     capture `batch` holds shapes): enough blocks to fill the GPU at the tables' full width, each token using as
     many splits as its own context fills, then paged_attention_merge (a prefill step's many tokens fill the GPU
-    unsplit). Otherwise sequence_attention.py's array operations (host reads, never captured)."""
+    unsplit, its blocks taking two m-tiles of heads each). Otherwise sequence_attention.py's array operations (host
+    reads, never captured)."""
     cp = backend.cp
     t, heads, width = query.shape
     kv_dtype = STORAGE_NAMES[np.dtype(cache.dtype)]
@@ -138,11 +139,14 @@ def latent_attention(backend: Any, query: Array, cache: Array, batch: ForwardBat
     head_tiles = ceil_div(heads, LATENT_HEADS)  # a token's blocks a split, as flash_decode's KV heads
     split = backend.decode_splits(query, head_tiles, tables.shape[1] * block_size, LATENT_MAX_SPLITS,
                                   LATENT_BLOCKS_PER_SM, LATENT_SPLIT_KEYS, rank)
+    # m-tiles a block: the widest where the tokens alone fill the GPU (then unsplit), else one
+    filled = t * head_tiles >= LATENT_BLOCKS_PER_SM * backend.multiprocessors
+    m_tiles = LATENT_HEAD_TILES[-1] if filled else LATENT_HEAD_TILES[0]
     out = cp.empty((t, heads, rank), np.float32)  # [T, Q, R]
     kv_type = storage_type(cache)
     two_parts = "true" if backend.activation_parts == 2 else "false"
-    launch(LATENT_FILE, f"latent_attention<{kv_type}, {rank}, {width - rank}, {two_parts}>",
-           (t, head_tiles, split.splits), LATENT_THREADS,
+    launch(LATENT_FILE, f"latent_attention<{kv_type}, {rank}, {width - rank}, {two_parts}, {m_tiles}>",
+           (t, ceil_div(heads, m_tiles * LATENT_HEADS), split.splits), m_tiles * LATENT_THREADS,
            (query, cache, tables, device_batch["query_start"], device_batch["positions"], out, split.acc, split.ml,
             np.int32(tables.shape[0]), np.int32(heads), np.int32(block_size), np.int32(tables.shape[1]),
             np.float32(scale * kv_scale), np.float32(kv_scale), np.int32(split.split_keys)),

@@ -15,8 +15,8 @@ import numpy as np
 from .cupy_flash_attention import FLASH_FILE, flash_instantiations
 from .kernels import get_kernel
 from .launch import launch_programmatic, programmatic_active
-from .tuning import (GQA_GROUPS, GQA_MAX_LANE_FLOATS, INT4_ROW_SHARING, LATENT_KERNEL_SHAPES, LINEAR_MMA_TILES,
-                     MMA_TILES, MOE_ROWS_PER_WARP, MOE_TILES, TOKEN_TILES)
+from .tuning import (GQA_GROUPS, GQA_MAX_LANE_FLOATS, INT4_ROW_SHARING, LATENT_HEAD_TILES, LATENT_KERNEL_SHAPES,
+                     LINEAR_MMA_TILES, MMA_TILES, MOE_ROWS_PER_WARP, MOE_TILES, TOKEN_TILES)
 
 Array = Any  # a cupy.ndarray
 NULL = np.uint64(0)  # a null pointer kernel argument
@@ -65,8 +65,8 @@ FAMILIES = {
     FLASH_FILE: flash_instantiations,  # w: the KV cache's element type
     # w: the KV cache's element type (latent_attention: the 16-bit and fp8 ones)
     "latent_attention.cu": lambda w: (f"latent_rope_write<{w}>", *(
-        f"latent_attention<{w}, {rank}, {rope}, {split}>" for rank, rope in LATENT_KERNEL_SHAPES
-        for split in ("true", "false") if w != "float")),
+        f"latent_attention<{w}, {rank}, {rope}, {split}, {mt}>" for rank, rope in LATENT_KERNEL_SHAPES
+        for split in ("true", "false") for mt in LATENT_HEAD_TILES if w != "float")),
 }
 
 

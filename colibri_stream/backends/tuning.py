@@ -79,6 +79,10 @@ LATENT_KERNEL_SHAPES = ((512, 64),)  # its (kv_lora_rank, rope width) instantiat
 LATENT_MAX_SPLITS = 64
 LATENT_BLOCKS_PER_SM = 2
 LATENT_SPLIT_KEYS = 256
+# its instantiations by m-tiles of 16 query heads a block: a launch whose tokens alone fill the GPU
+# (LATENT_BLOCKS_PER_SM blocks a multiprocessor of one m-tile each, unsplit: prefill chunks) takes the widest, whose
+# blocks read each key tile once for more heads; decode launches take one m-tile, more blocks to split a context over
+LATENT_HEAD_TILES = (1, 2)
 MERGE_MAX_SPLITS = 1024  # = MERGE_MAX_SPLITS in attention.cu: the splits paged_attention_merge takes at most
 MERGE_THREADS = 256  # = MERGE_WARPS * 32 in attention.cu: threads of a paged_attention_merge block
 PROLOGUE_WARPS = 4  # warps per block of qk_norm_rope_write (attention_prologue.cu) without a full-width qk norm
