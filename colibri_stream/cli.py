@@ -88,6 +88,9 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "ahead (for debugging and comparisons)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
                    help="recompute every prompt instead of reusing the KV blocks of a prefix computed before")
+    p.add_argument("--no-sliding-window-pool", dest="sliding_window_pool", action="store_false", default=None,
+                   help="keep the whole context in sliding-window layers too, instead of only their window in a pool "
+                        "of their own (for comparisons)")
     _add_budget_arguments(p)
     p.add_argument("--eviction-policy", choices=("lru", "lfu", "pinned"), default=None,
                    help="who leaves a full expert tier: lfu (decayed frequency; default), lru, pinned (the most "
@@ -141,7 +144,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     """The engine keyword arguments that were given on the command line."""
     names = ("device", "verify", "cuda_graphs", "async_scheduling", "max_seq_len", "max_batch_size",
              "max_num_batched_tokens", "block_size", "kv_cache_memory", "num_kv_blocks", "enable_prefix_caching",
-             "kv_cache_dtype", "gpu_memory_utilization", "matmul_precision",
+             "sliding_window_pool", "kv_cache_dtype", "gpu_memory_utilization", "matmul_precision",
              "max_queue", "gpu_memory_limit", "l2_cache_size", "eviction_policy", "prefetch", "prefetch_lookahead",
              "usage_file", "routing_trace", "cpu_experts", "gpu_slot_layout", "cpu_threads")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
@@ -174,7 +177,7 @@ def _run_plan(args: argparse.Namespace) -> None:
     from .checkpoint import default_model_path, read_config
     from .config import CacheConfig
     from .memory import host_memory
-    from .model.paged_kv import kv_bytes_per_token, resolve_kv_dtype
+    from .model.paged_kv import resolve_kv_dtype
     from .plan import H200_MEMORY, Bandwidths, kv_report, plan_for_folder
 
     folder = args.model or default_model_path()
@@ -187,8 +190,7 @@ def _run_plan(args: argparse.Namespace) -> None:
     config = read_config(folder)
     cache = CacheConfig(kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization)
     dtype = resolve_kv_dtype(cache.kv_cache_dtype, config)
-    print(kv_report(config, plan, cache, dtype, kv_bytes_per_token(config, dtype), host_memory(),
-                    args.gpu_total_memory or H200_MEMORY))
+    print(kv_report(config, plan, cache, dtype, host_memory(), args.gpu_total_memory or H200_MEMORY))
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

@@ -352,14 +352,18 @@ class CacheConfig:
     enable_prefix_caching: bool = True  # reuse the KV of full blocks whose tokens (and all before) match
     kv_cache_dtype: str = "auto"  # auto | bf16 | fp16 | fp8 | fp32 (model/paged_kv.py)
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may hold, KV cache included
+    # sliding-window layers keep only each sequence's last window, in a pool of their own (kv_cache.py); False: the
+    # whole context, as the other layers
+    sliding_window_pool: bool = True
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
         for name in ("num_kv_blocks", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ConfigError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "sliding_window_pool"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ConfigError("give num_kv_blocks or kv_cache_memory, not both")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -2,10 +2,11 @@
 
 A decode step is one token per sequence, so for a batch size B every array shape is fixed except the block-table
 width, which is padded to `max_blocks`. The step's inputs (token ids, feed rows, positions, KV slots, context
-lengths, block tables) live in pinned host buffers and one device buffer at fixed addresses: a step writes a host
-buffer, copies it up in one transfer, replays the graph (the whole forward plus the greedy argmax) and copies back
-only what the caller asks for (the sampler: argmaxes and candidates, cupy_sampling.py). Everything data-dependent
-(routing, sequence lengths) is read on the device.
+lengths, block tables; with a pool for the sliding-window layers their slots and tables too) live in pinned host
+buffers and one device buffer at fixed addresses: a step writes a host buffer, copies it up in one transfer,
+replays the graph (the whole forward plus the greedy argmax) and copies back only what the caller asks for (the
+sampler: argmaxes and candidates, cupy_sampling.py). Everything data-dependent (routing, sequence lengths) is read
+on the device.
 
 Scheduling one step ahead: every graph writes its tokens (argmaxes, or draws over the whole vocabulary for rows
 given a temperature and a uniform) into a `feedback` buffer on the device, and a step's input token can be named by
@@ -30,7 +31,7 @@ from .model.transformer import MoETransformer
 logger = logging.getLogger(__name__)
 _BATCH_INPUTS = ("token_ids", "positions", "slot_mapping", "context_lens")  # [B] each, from the ForwardBatch
 # [B] 8-byte slots each: feed rows (int64), temperatures (float32 in the first half), uniforms (uint64, u * 2**53)
-_INPUTS = (*_BATCH_INPUTS, "feed_rows", "temperature", "draws")
+_STEP_INPUTS = ("feed_rows", "temperature", "draws")
 
 
 class PendingIds:
@@ -69,23 +70,25 @@ class DecodeGraph:
         self.feedback = cupy.zeros((batch_size,), np.int64) if feedback is None else feedback  # [F >= B] argmaxes
         if self.feedback.shape[0] < batch_size:
             raise ValueError(f"a feedback buffer of {self.feedback.shape[0]} ids is too short for {batch_size} rows")
-        size = len(_INPUTS) * batch_size + batch_size * max_blocks
+        sliding = bool(kv_cache.sliding_layers)
+        self._batch_inputs = (*_BATCH_INPUTS, "sliding_slot_mapping") if sliding else _BATCH_INPUTS  # [B] each
+        self._tables = ("block_tables", "sliding_block_tables") if sliding else ("block_tables",)  # [B, max_blocks]
+        inputs = (*self._batch_inputs, *_STEP_INPUTS)
+        start = len(inputs) * batch_size
+        size = start + len(self._tables) * batch_size * max_blocks
         self._host = cupyx.empty_pinned((2, size), np.int64)  # [2, size] the step's inputs, packed; used in turn
         self._host_ids = cupyx.empty_pinned((2, batch_size), np.int64)  # [2, B] ids copied back, used in turn
         self._turn = 0
         self._device = cupy.zeros((size,), np.int64)  # [size] the inputs on the device, at fixed addresses
         self._host_views: list[dict[str, np.ndarray]] = [{}, {}]  # per host buffer: arrays by field name
         self.inputs: dict[str, object] = {}  # device arrays by ForwardBatch field name (and feed_rows)
-        start = len(_INPUTS) * batch_size
-        for turn, views in enumerate(self._host_views):
-            for n, name in enumerate(_INPUTS):
-                views[name] = self._host[turn, n * batch_size:(n + 1) * batch_size]  # [B]
-            views["block_tables"] = self._host[turn, start:].reshape(batch_size, max_blocks)  # [B, max_blocks]
+        for buffer, views in (*zip(self._host, self._host_views), (self._device, self.inputs)):
+            for n, name in enumerate(inputs):
+                views[name] = buffer[n * batch_size:(n + 1) * batch_size]  # [B]
+            for n, name in enumerate(self._tables):
+                at = start + n * batch_size * max_blocks
+                views[name] = buffer[at:at + batch_size * max_blocks].reshape(batch_size, max_blocks)
             _typed(views, batch_size)
-        for n, name in enumerate(_INPUTS):
-            self.inputs[name] = self._device[n * batch_size:(n + 1) * batch_size]  # [B]
-        self.inputs["block_tables"] = self._device[start:].reshape(batch_size, max_blocks)  # [B, max_blocks]
-        _typed(self.inputs, batch_size)
         self._rows = cupy.arange(batch_size, dtype=np.int32)  # [B] the logits rows the draws read
         self.inputs["query_start"] = cupy.arange(batch_size + 1, dtype=np.int64)  # [B+1]
         self.inputs["logits_indices"] = cupy.arange(batch_size, dtype=np.int64)  # [B]
@@ -93,12 +96,15 @@ class DecodeGraph:
             token_ids=np.zeros(batch_size, np.int64), positions=np.zeros(batch_size, np.int64),
             query_start=np.arange(batch_size + 1, dtype=np.int64), context_lens=np.ones(batch_size, np.int64),
             block_tables=np.zeros((batch_size, max_blocks), np.int64), slot_mapping=np.zeros(batch_size, np.int64),
-            logits_indices=np.arange(batch_size, dtype=np.int64))
+            logits_indices=np.arange(batch_size, dtype=np.int64),
+            sliding_block_tables=np.zeros((batch_size, max_blocks), np.int64) if sliding else None,
+            sliding_slot_mapping=np.zeros(batch_size, np.int64) if sliding else None)
         self.stream = cupy.cuda.Stream(non_blocking=True) if stream is None else stream
         self._pool = cupy.cuda.MemoryPool()
         self._host[:] = 0
         self._host_views[0]["feed_rows"][:] = -1  # the warm-up step's tokens are its own
-        self._host_views[0]["slot_mapping"][:] = -1  # and it writes nothing into the KV cache
+        for name in ("slot_mapping", "sliding_slot_mapping") if sliding else ("slot_mapping",):
+            self._host_views[0][name][:] = -1  # and it writes nothing into the KV cache
         with self.stream:
             self._device.set(self._host[0], stream=self.stream)
             self._step(warm_up=True)  # compiles every kernel outside the capture; leaves `feedback` alone
@@ -151,7 +157,7 @@ class DecodeGraph:
         if batch.num_tokens != b or batch.num_seqs != b:
             raise ValueError(f"this graph runs {b} sequences of one token each, got {batch.num_seqs} sequences "
                              f"and {batch.num_tokens} tokens")
-        width = batch.block_tables.shape[1]
+        width = batch.block_tables.shape[1]  # the sliding tables' too
         if width > self.max_blocks:
             raise ValueError(f"block tables of {width} blocks exceed the graph's {self.max_blocks}")
         if int(batch.positions.max()) >= self.model.max_positions:
@@ -163,11 +169,11 @@ class DecodeGraph:
         views["feed_rows"][:] = -1 if feed_rows is None else feed_rows
         views["temperature"][:] = 0.0 if temperature is None else temperature
         views["draws"][:] = 0 if draws is None else draws
-        for name in _BATCH_INPUTS:
+        for name in self._batch_inputs:
             views[name][:] = getattr(batch, name)
-        tables = views["block_tables"]
-        tables[:, :width] = batch.block_tables
-        tables[:, width:] = 0
+        for name in self._tables:
+            views[name][:, :width] = getattr(batch, name)
+            views[name][:, width:] = 0
         self._device.set(self._host[turn], stream=self.stream)
         self.graph.launch(stream=self.stream)
 
@@ -319,9 +325,15 @@ def _padded(batch: ForwardBatch, size: int) -> ForwardBatch:
     def extend(values: np.ndarray, fill: int) -> np.ndarray:
         return np.concatenate([values, np.full(pad, fill, values.dtype)])
 
-    tables = np.zeros((size, batch.block_tables.shape[1]), np.int64)  # [size, width]
-    tables[: batch.num_seqs] = batch.block_tables
+    def tables(values: np.ndarray) -> np.ndarray:
+        padded = np.zeros((size, values.shape[1]), np.int64)  # [size, width]
+        padded[: batch.num_seqs] = values
+        return padded
+
+    sliding = batch.sliding_block_tables is not None
     return ForwardBatch(token_ids=extend(batch.token_ids, 0), positions=extend(batch.positions, 0),
                         query_start=np.arange(size + 1, dtype=np.int64), context_lens=extend(batch.context_lens, 1),
-                        block_tables=tables, slot_mapping=extend(batch.slot_mapping, -1),
-                        logits_indices=np.arange(size, dtype=np.int64))
+                        block_tables=tables(batch.block_tables), slot_mapping=extend(batch.slot_mapping, -1),
+                        logits_indices=np.arange(size, dtype=np.int64),
+                        sliding_block_tables=tables(batch.sliding_block_tables) if sliding else None,
+                        sliding_slot_mapping=extend(batch.sliding_slot_mapping, -1) if sliding else None)

@@ -17,11 +17,12 @@ from .checkpoint import default_model_path
 from .config import EngineConfig, ModelConfig
 from .errors import EngineStepError, RequestsFailedError
 from .experts.stats import ExpertStats
-from .kv_budget import KVCacheSize, activation_reserve, default_budget, size_kv_cache
+from .kv_budget import (KVCacheSize, SlidingPool, activation_reserve, default_budget, size_kv_cache,
+                        sliding_pool_blocks)
 from .kv_cache import KVCacheManager
 from .loader import load_model
 from .model import MoETransformer
-from .model.paged_kv import kv_bytes_per_token, resolve_kv_dtype
+from .model.paged_kv import PagedKVCache, SlidingLayers, kv_bytes_per_token, resolve_kv_dtype
 from .request import Logprob, Request, RequestOutput, RequestStatus, SamplingParams
 from .request_checks import RequestChecks
 from .runner import LaunchedStep, ModelRunner, RunnerOutput
@@ -61,18 +62,45 @@ class _Sequence:
     last_token_time: float | None = None  # time.monotonic()
 
 
-def _size_kv_cache(model: MoETransformer, config: EngineConfig) -> KVCacheSize:
-    """The KV cache's blocks and the engine's max_seq_len (kv_budget.py), from the memory left after loading; a
-    lowered max_seq_len is logged as a warning."""
-    dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, model.config)
+def _sliding_layers(model: MoETransformer, config: EngineConfig) -> SlidingLayers | None:
+    """The layers whose KV is bounded by their window in a pool of their own (none when turned off)."""
+    if not config.cache.sliding_window_pool:
+        return None
+    return SlidingLayers.of(model.config, config.scheduler.max_seq_len or model.config.max_position_embeddings)
+
+
+def _size_kv_cache(model: MoETransformer, config: EngineConfig, sliding: SlidingLayers | None) -> KVCacheSize:
+    """The KV cache's blocks (and the sliding-window layers' pool's) and the engine's max_seq_len (kv_budget.py),
+    from the memory left after loading; a lowered max_seq_len is logged as a warning."""
+    cfg, cache, scheduler = model.config, config.cache, config.scheduler
+    dtype = resolve_kv_dtype(cache.kv_cache_dtype, cfg)
     memory = model.backend.memory_info()
-    budget = default_budget(memory, config.cache.gpu_memory_utilization,
-                            activation_reserve(model.config, config.scheduler.max_num_batched_tokens))
-    size = size_kv_cache(config.cache, kv_bytes_per_token(model.config, dtype), model.config.max_position_embeddings,
-                         config.scheduler.max_seq_len, config.scheduler.max_batch_size, budget)
+    budget = default_budget(memory, cache.gpu_memory_utilization,
+                            activation_reserve(cfg, scheduler.max_num_batched_tokens))
+    num_sliding = 0 if sliding is None else len(sliding.layers)
+    pool = None if sliding is None else SlidingPool(
+        sliding_pool_blocks(sliding.window, cache.block_size, scheduler.max_batch_size,
+                            scheduler.max_num_batched_tokens, cache.enable_prefix_caching),
+        kv_bytes_per_token(cfg, dtype, num_sliding))
+    size = size_kv_cache(cache, kv_bytes_per_token(cfg, dtype, cfg.num_layers - num_sliding),
+                         cfg.max_position_embeddings, scheduler.max_seq_len, scheduler.max_batch_size, budget, pool)
     if size.warning():
         logger.warning("%s", size.warning())
     return size
+
+
+def _log_kv_cache(size: KVCacheSize, kv_cache: PagedKVCache, config: ModelConfig,
+                  sliding: SlidingLayers | None) -> None:
+    """The start-up lines of the KV cache: its blocks, and the sliding-window layers' pool where there is one."""
+    num_sliding = 0 if sliding is None else len(sliding.layers)
+    full = size.capacity_tokens * kv_bytes_per_token(config, kv_cache.dtype, config.num_layers - num_sliding)
+    logger.info("KV cache: %d tokens (%d blocks of %d) in %s, %.2f GiB; max_seq_len %d", size.capacity_tokens,
+                size.num_blocks, size.block_size, kv_cache.dtype, full / 2**30, size.max_seq_len)
+    if sliding is not None:
+        tokens = (size.num_sliding_blocks + 1) * size.block_size
+        logger.info("KV cache of the %d sliding-window layers (window %d): %d blocks of their own, %.2f GiB",
+                    num_sliding, sliding.window, size.num_sliding_blocks,
+                    tokens * kv_bytes_per_token(config, kv_cache.dtype, num_sliding) / 2**30)
 
 
 class EngineCore:
@@ -88,16 +116,17 @@ class EngineCore:
         self.config = config
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
-        self.kv_size = _size_kv_cache(model, config)
+        sliding = _sliding_layers(model, config)
+        self.kv_size = _size_kv_cache(model, config, sliding)
         self.max_seq_len = self.kv_size.max_seq_len
         num_blocks, block_size = self.kv_size.num_blocks, self.kv_size.block_size
-        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        num_sliding_blocks = self.kv_size.num_sliding_blocks
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
+                                 None if sliding is None else sliding.window, num_sliding_blocks)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_seq_len=self.max_seq_len), self.kv)
-        kv_cache = model.allocate_kv_cache(num_blocks, block_size, config.cache.kv_cache_dtype)
-        logger.info("KV cache: %d tokens (%d blocks of %d) in %s, %.2f GiB; max_seq_len %d",
-                    self.kv_size.capacity_tokens, num_blocks, block_size, kv_cache.dtype,
-                    self.kv_size.capacity_tokens * kv_bytes_per_token(model.config, kv_cache.dtype) / 2**30,
-                    self.max_seq_len)
+        kv_cache = model.allocate_kv_cache(num_blocks, block_size, config.cache.kv_cache_dtype, sliding,
+                                           num_sliding_blocks)
+        _log_kv_cache(self.kv_size, kv_cache, model.config, sliding)
         self.runner = ModelRunner(model, kv_cache, -(-self.max_seq_len // block_size),
                                   config.scheduler.max_batch_size, cuda_graphs=config.cuda_graphs)
         self.timer: StepTimer = model.timer  # phases of every step; `timer.add_sink` turns it on

@@ -12,6 +12,10 @@ hands it in. The rules (docs/KV_CACHE.md):
 - An explicit max_seq_len that one sequence's blocks cannot hold is a ConfigError naming the flags. Without one,
   max_seq_len is the model's max_position_embeddings, lowered (with a warning) to what the cache holds when it
   does not fit, as vLLM and llama.cpp start.
+- Sliding-window layers with a pool of their own (`SlidingPool`): that pool holds what max_batch_size sequences'
+  windows and a step's tokens need (`sliding_pool_blocks`) and is taken off the budget first; the blocks above are
+  the other layers', `bytes_per_token` theirs alone. Where every layer has a window, those blocks cost nothing
+  (tables and prefix-cache keys only): max_batch_size sequences of max_seq_len.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class KVCacheSize:
     max_seq_len: int  # the longest prompt + completion the engine accepts
     budget_bytes: int | None  # the memory the blocks were cut from (None: num_kv_blocks was given)
     lowered_from: int | None = None  # the model's max_seq_len, when max_seq_len had to be lowered below it
+    num_sliding_blocks: int = 0  # blocks of the sliding-window layers' pool (0: none)
 
     @property
     def capacity_tokens(self) -> int:
@@ -48,6 +53,29 @@ class KVCacheSize:
         return (f"the KV cache holds {self.capacity_tokens} tokens, fewer than one sequence of the model's "
                 f"{self.lowered_from} positions: max_seq_len lowered to {self.max_seq_len}; to change it, set "
                 f"{SIZE_FLAGS}")
+
+
+@dataclass(frozen=True)
+class SlidingPool:
+    """The sliding-window layers' pool as sizing sees it."""
+
+    num_blocks: int  # sliding_pool_blocks
+    bytes_per_token: int  # keys and values of one token over the sliding-window layers
+
+    def bytes(self, block_size: int) -> int:
+        """The pool's memory, its placeholder block included."""
+        return (self.num_blocks + 1) * block_size * self.bytes_per_token
+
+
+def sliding_pool_blocks(window: int, block_size: int, max_batch_size: int, max_num_batched_tokens: int,
+                        prefix_caching: bool) -> int:
+    """Blocks of the sliding-window layers' pool: what max_batch_size sequences hold at most in a step of
+    max_num_batched_tokens tokens (each the blocks of its last window - 1 tokens and two more, where those start
+    mid-block and where its step's tokens start; the step's tokens theirs), and with prefix caching as many
+    windows again, those of the cached prefixes a full batch leaves (a prefix serves only with its last window)."""
+    window_blocks = -(-(window - 1) // block_size)
+    running = max_batch_size * (window_blocks + 2) + -(-max_num_batched_tokens // block_size)
+    return running + (max_batch_size * (window_blocks + 1) if prefix_caching else 0)
 
 
 def activation_reserve(config: ModelConfig, max_num_batched_tokens: int) -> int:
@@ -70,35 +98,44 @@ def default_budget(memory: MemoryInfo, gpu_memory_utilization: float, reserve: i
 
 
 def size_kv_cache(cache: CacheConfig, bytes_per_token: int, model_max_len: int, max_seq_len: int | None,
-                  max_batch_size: int, default_budget_bytes: int) -> KVCacheSize:
+                  max_batch_size: int, default_budget_bytes: int, sliding: SlidingPool | None = None) -> KVCacheSize:
     """Blocks to allocate and the engine's max_seq_len (rules in the module docstring).
 
-    `bytes_per_token`: keys and values of one token over all layers; `max_seq_len`: the one asked for (None: the
-    model's `model_max_len`); `default_budget_bytes`: `default_budget` of the measured memory."""
+    `bytes_per_token`: keys and values of one token over the layers without a pool of their own (all but
+    `sliding`'s); `max_seq_len`: the one asked for (None: the model's `model_max_len`); `default_budget_bytes`:
+    `default_budget` of the measured memory."""
     if max_seq_len is not None and max_seq_len > model_max_len:
         raise ConfigError(f"max_seq_len {max_seq_len} exceeds the model's {model_max_len} positions")
     block_size = cache.block_size
     wanted = max_seq_len or model_max_len
     per_seq = -(-wanted // block_size)
     bytes_per_block = bytes_per_token * block_size
-    budget: int | None
+    reserved = 0 if sliding is None else sliding.bytes(block_size)
+    num_sliding_blocks = 0 if sliding is None else sliding.num_blocks
+    budget: int | None = None
+    if cache.num_kv_blocks is None:
+        budget = default_budget_bytes if cache.kv_cache_memory is None else cache.kv_cache_memory
+        if budget < reserved:
+            raise ConfigError(f"no memory is left for the sliding-window layers' KV blocks ({reserved} bytes; "
+                              f"{budget} bytes for the cache): set {SIZE_FLAGS}")
     if cache.num_kv_blocks is not None:
-        num_blocks, budget = cache.num_kv_blocks, None
+        num_blocks = cache.num_kv_blocks
+    elif bytes_per_block == 0:  # every layer has a window: these blocks are tables and prefix-cache keys only
+        num_blocks = max_batch_size * per_seq
     elif cache.kv_cache_memory is not None:
-        budget = cache.kv_cache_memory
-        num_blocks = budget // bytes_per_block
+        num_blocks = (budget - reserved) // bytes_per_block
     else:
-        budget = default_budget_bytes
-        num_blocks = min(budget // bytes_per_block, max_batch_size * per_seq)
+        num_blocks = min((budget - reserved) // bytes_per_block, max_batch_size * per_seq)
     if num_blocks < 1:
         raise ConfigError(f"no memory is left for one KV-cache block ({bytes_per_block} bytes; "
                           f"{budget or 0} bytes for the cache): set {SIZE_FLAGS}")
     if num_blocks >= per_seq:
-        return KVCacheSize(num_blocks, block_size, wanted, budget)
+        return KVCacheSize(num_blocks, block_size, wanted, budget, num_sliding_blocks=num_sliding_blocks)
     capacity = num_blocks * block_size
     if max_seq_len is not None:
         raise ConfigError(f"the KV cache ({num_blocks} blocks of {block_size} tokens, {capacity} tokens) cannot "
                           f"hold one sequence of max_seq_len {max_seq_len}: lower --max-seq-len to {capacity} or "
                           f"less, or give the cache more memory (--kv-cache-memory, --num-kv-blocks, "
                           f"--gpu-memory-utilization, --kv-cache-dtype)")
-    return KVCacheSize(num_blocks, block_size, capacity, budget, lowered_from=model_max_len)
+    return KVCacheSize(num_blocks, block_size, capacity, budget, lowered_from=model_max_len,
+                       num_sliding_blocks=num_sliding_blocks)

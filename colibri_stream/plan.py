@@ -18,8 +18,10 @@ from .checkpoint import expert_block_layout, read_config
 from .config import CacheConfig, ModelConfig, SchedulerConfig
 from .errors import ConfigError
 from .inspect import _size as format_size
-from .kv_budget import HOST_KV_SHARE, SIZE_FLAGS, activation_reserve, default_budget
+from .kv_budget import HOST_KV_SHARE, SIZE_FLAGS, SlidingPool, activation_reserve, default_budget, sliding_pool_blocks
 from .memory import MemoryInfo
+from .model.paged_kv import SlidingLayers, kv_bytes_per_token
+from .sliding_blocks import sliding_blocks_per_seq
 
 
 @dataclass(frozen=True)
@@ -179,18 +181,33 @@ class PlacementPlan:
 H200_MEMORY = 139 << 30  # bytes of GPU memory `colibri plan` assumes without --gpu-total-memory (the H200 machine)
 
 
-def kv_report(config: ModelConfig, plan: PlacementPlan, cache: CacheConfig, dtype: str, per_token: int,
-              host: MemoryInfo, gpu_total: int = H200_MEMORY,
-              max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens) -> str:
+def kv_report(config: ModelConfig, plan: PlacementPlan, cache: CacheConfig, dtype: str, host: MemoryInfo,
+              gpu_total: int = H200_MEMORY, scheduler: SchedulerConfig = SchedulerConfig()) -> str:
     """KV bytes per token and the tokens the default cache size holds (kv_budget.py's rules) for a cache of storage
-    `dtype` taking `per_token` bytes a token (model/paged_kv.py): on the GPU, `gpu_total` under
-    gpu_memory_utilization less the plan's weights and expert slots and the activation reserve; on the CPU, a share
-    of the host's available memory `host`."""
+    `dtype` (model/paged_kv.py): on the GPU, `gpu_total` under gpu_memory_utilization less the plan's weights and
+    expert slots and the activation reserve; on the CPU, a share of the host's available memory `host`. Layers
+    with a window shorter than the model's context count apart: a fixed share per sequence, taken off first."""
+    context = config.max_position_embeddings
+    sliding = SlidingLayers.of(config, context) if cache.sliding_window_pool else None
+    num_sliding = 0 if sliding is None else len(sliding.layers)
+    per_token = kv_bytes_per_token(config, dtype, config.num_layers - num_sliding)
     entry = (f"one row of latent {config.kv_lora_rank} + rope key {config.rotary_dim}" if config.attention == "mla"
              else f"keys and values x {config.num_kv_heads} KV heads x {config.head_dim} dims")
-    lines = [f"KV cache in {dtype}: {format_size(per_token)} per token ({config.num_layers} layers x {entry})"]
+    lines = [f"KV cache in {dtype}: {format_size(per_token)} per token ({config.num_layers - num_sliding} layers x "
+             f"{entry})"]
+    reserved = 0
+    if sliding is not None:
+        block = cache.block_size * kv_bytes_per_token(config, dtype, num_sliding)
+        pool = SlidingPool(sliding_pool_blocks(sliding.window, cache.block_size, scheduler.max_batch_size,
+                                               scheduler.max_num_batched_tokens, cache.enable_prefix_caching),
+                           kv_bytes_per_token(config, dtype, num_sliding))
+        reserved = pool.bytes(cache.block_size)
+        per_seq = sliding_blocks_per_seq(sliding.window, cache.block_size, 1) * block  # a decoding sequence's
+        lines.append(f"  and {format_size(per_seq)} per sequence, whatever its length, in {num_sliding} sliding-window "
+                     f"layers (window {sliding.window}): a pool of {format_size(reserved)} for "
+                     f"{scheduler.max_batch_size} sequences")
     if plan.device == "cuda":
-        reserve = activation_reserve(config, max_num_batched_tokens)
+        reserve = activation_reserve(config, scheduler.max_num_batched_tokens)
         memory = MemoryInfo(max(0, gpu_total - plan.gpu_weight_bytes), gpu_total, host=False)
         budget = default_budget(memory, cache.gpu_memory_utilization, reserve)
         lines.append(f"  {format_size(budget)} for it: {cache.gpu_memory_utilization:g} of {format_size(gpu_total)} "
@@ -200,8 +217,10 @@ def kv_report(config: ModelConfig, plan: PlacementPlan, cache: CacheConfig, dtyp
         budget = default_budget(host, cache.gpu_memory_utilization, 0)
         lines.append(f"  {format_size(budget)} for it: {HOST_KV_SHARE:g} of the {format_size(host.free)} of host "
                      f"memory available now")
-    tokens = budget // (per_token * cache.block_size) * cache.block_size
-    context = config.max_position_embeddings
+    if per_token == 0:
+        lines.append(f"  every layer has a window: any context of the model's {context:,} positions")
+        return "\n".join(lines)
+    tokens = max(0, budget - reserved) // (per_token * cache.block_size) * cache.block_size
     if tokens >= context:
         lines.append(f"  holds {tokens:,} tokens: {tokens // context:,} sequences of the model's {context:,} positions")
     else:

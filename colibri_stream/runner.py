@@ -53,8 +53,9 @@ class LaunchedStep:
 
 def build_batch(seqs: list[ScheduledSeq], block_size: int) -> ForwardBatch:
     """The flat varlen batch of a step: every sequence's chunk end to end, logits for the sampling ones."""
+    sliding = None if seqs[0].sliding_block_ids is None else [s.sliding_block_ids for s in seqs]
     return flat_batch([s.token_ids for s in seqs], [s.start_position for s in seqs], [s.block_ids for s in seqs],
-                      [s.sample for s in seqs], block_size)
+                      [s.sample for s in seqs], block_size, sliding)
 
 
 class ModelRunner:

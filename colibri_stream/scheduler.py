@@ -15,7 +15,8 @@ in chunks, a block to free by preemption) waits for a step scheduled with every 
 
 When a sequence needs a KV block and none is free, the most recently admitted running sequence is preempted: its
 blocks are freed and it goes back to the front of the waiting queue, keeping the tokens it generated, which are
-recomputed when it is resumed (recompute, no swapping).
+recomputed when it is resumed (recompute, no swapping). A model's sliding-window layers keep a second table per
+sequence (kv_cache.py); allocating a step lets go of its blocks before the window the step reads.
 
 This module is the only place where a request's status, tokens and `num_computed_tokens` change.
 """
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from .config import SchedulerConfig
 from .errors import ConfigError
 from .kv_cache import CachedPrefix, KVCacheManager
+from .sliding_blocks import sliding_blocks_per_seq
 from .request import Request, RequestStatus, SeqId, check_length
 
 
@@ -42,6 +44,8 @@ class ScheduledSeq:
     block_ids: list[int]  # the sequence's whole block table once this step's tokens are written
     sample: bool  # the chunk reaches the sequence's last token, so the step samples its next token
     feed_row: int = -1  # >= 0: token_ids is [FED_TOKEN], the token the step before samples in this row of its ids
+    # the sliding-window layers' table, as long as block_ids (released blocks: the placeholder); None without them
+    sliding_block_ids: list[int] | None = None
 
 
 FED_TOKEN = -1  # the token of a ScheduledSeq with a feed_row: not known on the host when the step is launched
@@ -77,6 +81,14 @@ class Scheduler:
             raise ConfigError(f"the KV cache ({kv.num_blocks} blocks of {kv.block_size} tokens) cannot hold one "
                               f"sequence of max_seq_len {config.max_seq_len}: give it more memory or lower "
                               f"max_seq_len")
+        sliding = kv.sliding
+        if sliding is not None:
+            step = min(config.max_seq_len, config.max_num_batched_tokens)
+            need = min(kv.blocks_for(config.max_seq_len), sliding_blocks_per_seq(sliding.window, kv.block_size, step))
+            if need > sliding.pool.num_blocks:
+                raise ConfigError(f"the sliding-window layers' KV pool ({sliding.pool.num_blocks} blocks of "
+                                  f"{kv.block_size} tokens) cannot hold one sequence's window and step ({need} "
+                                  f"blocks)")
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
@@ -152,7 +164,7 @@ class Scheduler:
                       else self.kv.find_cached_prefix(request.token_ids))
             num_cached = prefix.num_tokens(self.kv.block_size)
             num_new = min(request.num_tokens - num_cached, budget)
-            if self.kv.allocate_slots(request.seq_id, num_cached + num_new, prefix) is None:
+            if self.kv.allocate_slots(request.seq_id, num_cached + num_new, prefix, num_cached) is None:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
@@ -187,10 +199,12 @@ class Scheduler:
             if request.num_output_tokens + 1 >= request.max_tokens:
                 continue  # the running step's token is its last
             position = request.num_computed_tokens + computing[request.seq_id]  # the running step computes those
-            if self.kv.allocate_slots(request.seq_id, position + 1) is None:
+            # only the sliding blocks before the running step's window go: it reads the others, and those it
+            # completes are registered in the prefix cache once its tokens are known
+            if self.kv.allocate_slots(request.seq_id, position + 1, num_computed=request.num_computed_tokens) is None:
                 return None
             seqs.append(ScheduledSeq(request, [FED_TOKEN], position, list(self.kv.block_ids(request.seq_id)), True,
-                                     decoding[request.seq_id]))
+                                     decoding[request.seq_id], self._sliding_block_ids(request)))
         if admitting and seqs:  # a step launched ahead samples a token the next one feeds on
             room = budget if max_tokens is None else min(budget, max_tokens)
             if room <= len(seqs) < budget:
@@ -240,12 +254,17 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         return ScheduledSeq(request, request.token_ids[start:start + num_new], start,
-                            list(self.kv.block_ids(request.seq_id)), start + num_new == request.num_tokens)
+                            list(self.kv.block_ids(request.seq_id)), start + num_new == request.num_tokens,
+                            sliding_block_ids=self._sliding_block_ids(request))
+
+    def _sliding_block_ids(self, request: Request) -> list[int] | None:
+        table = self.kv.sliding_block_ids(request.seq_id)
+        return None if table is None else list(table)
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, preempted: list[Request]) -> bool:
         """Give `request` slots for `num_tokens` tokens, preempting the latest admitted running sequences until
         they fit; False when that meant preempting `request` itself."""
-        while self.kv.allocate_slots(request.seq_id, num_tokens) is None:
+        while self.kv.allocate_slots(request.seq_id, num_tokens, num_computed=request.num_computed_tokens) is None:
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim)

@@ -47,7 +47,7 @@ def shipped():
 
 @pytest.fixture(scope="module")
 def text_ids() -> np.ndarray:
-    text = (Path(__file__).resolve().parents[1] / "colibri_stream" / "kv_cache.py").read_text()
+    text = (Path(__file__).resolve().parents[1] / "colibri_stream" / "block_pool.py").read_text()
     return np.array(Tokenizer.from_folder(default_model_path()).encode(text)[:1000])  # [S]
 
 

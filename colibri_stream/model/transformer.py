@@ -2,8 +2,9 @@
 
 Architectures differ only through ModelConfig fields (grouped-query or latent attention, qk-norm kind, biases,
 clipping, attention sinks, shared experts, sliding windows, dense layers, partial rotary; the router's scoring,
-logit bias, correction bias, groups, renormalisation and scaling), never through branches on the architecture name. Every array operation goes through the backend, so the
-same code runs on NumPy and CuPy.
+logit bias, correction bias, groups, renormalisation and scaling), never through branches on the architecture
+name. Every array operation goes through the backend, so the same code runs on NumPy and CuPy. A layer reads the
+KV cache's pool that holds it: the sliding-window layers' own (with their tables) where the cache has one.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from ..experts.expert_parallel import ExpertParallelRank
 from ..experts.store import ExpertStore
 from ..timing import StepTimer
 from ..batch import ForwardBatch
-from .paged_kv import PagedKVCache, resolve_kv_dtype
+from .paged_kv import PagedKVCache, SlidingLayers, resolve_kv_dtype
 from .rope import cos_sin_table
 
 BATCH_FIELDS = ("token_ids", "positions", "query_start", "context_lens", "block_tables", "slot_mapping",
                 "logits_indices")
+SLIDING_FIELDS = ("sliding_block_tables", "sliding_slot_mapping")  # a batch's, where the cache has a sliding pool
 
 
 @dataclass
@@ -123,7 +125,8 @@ class MoETransformer:
                 router_bias=load(p + "router_bias") if moe and config.router_bias else None,
                 score_correction_bias=load(p + "score_correction_bias") if moe and config.score_correction_bias
                 else None,
-                shared_expert=load_mlp(p + "shared_expert.") if moe and config.shared_expert_intermediate_size else None,
+                shared_expert=(load_mlp(p + "shared_expert.") if moe and config.shared_expert_intermediate_size
+                               else None),
                 shared_expert_gate=load_optional(p + "shared_expert_gate"),
                 dense_mlp=None if moe else load_mlp(p + "mlp."),
             ))
@@ -150,10 +153,13 @@ class MoETransformer:
                                       k_up=prepare(kv_b[:, :nope].transpose(0, 2, 1)),
                                       v_up=prepare(kv_b[:, nope:]), **optional)
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto") -> PagedKVCache:
-        """A KV cache for this model; `kv_cache_dtype` is an option of `resolve_kv_dtype` (auto, bf16, fp16, fp32)."""
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto",
+                          sliding: SlidingLayers | None = None, num_sliding_blocks: int = 0) -> PagedKVCache:
+        """A KV cache for this model; `kv_cache_dtype` is an option of `resolve_kv_dtype` (auto, bf16, fp16, fp32).
+        With `sliding`, its layers' blocks are a pool of `num_sliding_blocks` of their own (batches then carry
+        their tables); without, every layer keeps a sequence's whole context."""
         return PagedKVCache.allocate(self.config, num_blocks, block_size, self.backend,
-                                     resolve_kv_dtype(kv_cache_dtype, self.config))
+                                     resolve_kv_dtype(kv_cache_dtype, self.config), sliding, num_sliding_blocks)
 
     # ---- forward ------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -168,8 +174,10 @@ class MoETransformer:
         return self.backend.to_host(self.forward_device(batch, self.upload_batch(batch), kv_cache))
 
     def upload_batch(self, batch: ForwardBatch) -> dict[str, Array]:
-        """The batch's index arrays on the backend's device, by ForwardBatch field name."""
-        return {name: self.backend.upload(getattr(batch, name)) for name in BATCH_FIELDS}
+        """The batch's index arrays on the backend's device, by ForwardBatch field name (the sliding-window layers'
+        where it has them)."""
+        return {name: self.backend.upload(getattr(batch, name)) for name in (*BATCH_FIELDS, *SLIDING_FIELDS)
+                if getattr(batch, name) is not None}
 
     def forward_device(self, batch: ForwardBatch, device_batch: dict[str, Array], kv_cache: PagedKVCache) -> Array:
         """One step -> logits [N, V] float32 left on the backend's device.
@@ -180,13 +188,16 @@ class MoETransformer:
         b, cfg, t = self.backend, self.config, self.timer
         hidden = b.embedding(self.embed_tokens, device_batch["token_ids"])  # [T, H]
         residual = None
+        full = (batch, device_batch)
+        sliding = _sliding_inputs(batch, device_batch) if kv_cache.sliding_layers else full
         for index, layer in enumerate(self.layers):
             if residual is None:
                 residual, x = hidden, b.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             else:
                 x, residual = b.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
+            layer_batch, layer_device_batch = sliding if index in kv_cache.sliding_layers else full
             with t.device_phase("attention"):
-                hidden = self._attention(index, layer, x, batch, device_batch, kv_cache)  # [T, H]
+                hidden = self._attention(index, layer, x, layer_batch, layer_device_batch, kv_cache)  # [T, H]
             x, residual = b.add_rms_norm(hidden, residual, layer.post_attention_norm, cfg.rms_norm_eps)
             hidden = self._mlp(index, layer, x)  # [T, H]
         x, _ = b.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
@@ -261,3 +272,9 @@ class MoETransformer:
         b = self.backend
         return b.linear(b.silu_mul(b.linear(x, mlp.gate_proj), b.linear(x, mlp.up_proj)), mlp.down_proj)
 
+
+def _sliding_inputs(batch: ForwardBatch, device_batch: dict[str, Array]) -> tuple[ForwardBatch, dict[str, Array]]:
+    """The step's inputs as a sliding-window layer of a cache with a pool for them reads them: their block tables
+    and slots in place of the full layers'."""
+    return batch.for_sliding_layers(), {**device_batch, "block_tables": device_batch["sliding_block_tables"],
+                                        "slot_mapping": device_batch["sliding_slot_mapping"]}
