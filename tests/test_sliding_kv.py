@@ -170,3 +170,23 @@ def test_plan_counts_the_sliding_layers_per_sequence(folders, capsys):
     assert "KV cache in bfloat16: 128 B per token (1 layers x keys and values x 2 KV heads x 16 dims)" in out
     # blocks of 16: a decoding sequence holds two, 32 tokens of 128 B
     assert "and 4.0 KiB per sequence, whatever its length, in 1 sliding-window layers (window 8)" in out
+
+
+@pytest.mark.gpu
+def test_the_sliding_pool_on_the_gpu(folders):
+    """The workload on the GPU (kernels reading the second tables, decode steps captured in graphs with them):
+    with the pool the tokens of the engine without it, the cut-back hit's included."""
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed (GPU tests need cupy-cuda12x or cupy-cuda13x)")
+    if not cupy.cuda.is_available():
+        pytest.skip("CuPy finds no CUDA GPU")
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    gpu = dict(TIGHT, device="cuda")
+    pooled, whole = (EngineCore.from_pretrained(str(folders["gpt-oss"]), **gpu, sliding_window_pool=on)
+                     for on in (True, False))
+    assert pooled.kv.sliding is not None and pooled.runner.graphs is not None
+    tokens = [[{request: got[0] for request, got in result.items()} for result in workload(core, params)]
+              for core in (pooled, whole)]
+    assert tokens[0] == tokens[1]
+    assert pooled.stats().num_preemptions > 0
+    for core in (pooled, whole):
+        core.close()
