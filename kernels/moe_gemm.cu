@@ -84,6 +84,21 @@ __device__ __forceinline__ bool gemm_tile(const int* __restrict__ tile_start, co
     return tile.slot >= 0;
 }
 
+// f(n, c, s) for each of this thread's accumulator columns (n-tile n, column 2q + c of the warp's pairs) whose
+// sorted position s is in the tile's group.
+template <typename F>
+__device__ __forceinline__ void for_each_tile_pair(const GemmTile& tile, F f) {
+    const int warp = threadIdx.x / 32, q = threadIdx.x % 4;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int s = tile.first + (warp / 2) * 32 + 8 * n + 2 * q + c;
+            if (s < tile.end) f(n, c, s);
+        }
+    }
+}
+
 // The block's product over K columns: acc[m][n] (this warp's 4 m-tiles of 16 rows x 4 n-tiles of 8 pairs) =
 // A rows . B rows^T summed over the NP parts of B. a_rows[i]: the global row of shared row thread / 4 + 32 i (null:
 // a row past the matrix, zeros); b_rows[p][i]: part p's row of shared pair row thread / 4 + 32 i (null: past the
@@ -218,29 +233,22 @@ moe_gemm_gate_up(const W* __restrict__ x_parts, const W* __restrict__ gate, cons
     float acc[4][4][4] = {};
     gemm_block<W, NP>(a_rows, b_rows, H, gate, shared, acc);
     const GatedActivation activation{gate_bias, up_bias, b_stride, limit, alpha, up_shift};
-    const int warp = thread / 32, lane = thread % 32, quad = lane / 4, q = lane % 4;
+    const int warp = thread / 32, quad = thread % 32 / 4;
+    for_each_tile_pair(tile, [&](int n, int c, int s) {
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
+        for (int m = 0; m < 2; ++m) {  // gate m-tile 2m, up m-tile 2m + 1
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const int s = tile.first + (warp / 2) * 32 + 8 * n + 2 * q + c;
-            if (s >= tile.end) continue;
-#pragma unroll
-            for (int m = 0; m < 2; ++m) {  // gate m-tile 2m, up m-tile 2m + 1
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int feature = features + (warp % 2) * 32 + 16 * m + quad + 8 * h;
-                    if (feature >= I) continue;
-                    const float v = activation(tile.slot, feature, acc[2 * m][n][2 * h + c],
-                                               acc[2 * m + 1][n][2 * h + c]);
-                    W* out = act_parts + static_cast<long long>(s) * I + feature;
-                    const W rounded = from_float<W>(v);
-                    out[0] = rounded;
-                    if constexpr (NP == 2) out[static_cast<long long>(P) * I] = from_float<W>(v - to_float(rounded));
-                }
+            for (int h = 0; h < 2; ++h) {
+                const int feature = features + (warp % 2) * 32 + 16 * m + quad + 8 * h;
+                if (feature >= I) continue;
+                const float v = activation(tile.slot, feature, acc[2 * m][n][2 * h + c], acc[2 * m + 1][n][2 * h + c]);
+                W* out = act_parts + static_cast<long long>(s) * I + feature;
+                const W rounded = from_float<W>(v);
+                out[0] = rounded;
+                if constexpr (NP == 2) out[static_cast<long long>(P) * I] = from_float<W>(v - to_float(rounded));
             }
         }
-    }
+    });
 }
 
 template <typename W, int NP>
@@ -275,24 +283,18 @@ moe_gemm_down(const W* __restrict__ act_parts, const W* __restrict__ down, long 
     float acc[4][4][4] = {};
     gemm_block<W, NP>(a_rows, b_rows, I, down, shared, acc);
     const float* bias = down_bias != nullptr ? down_bias + tile.slot * b_stride : nullptr;
-    const int warp = thread / 32, lane = thread % 32, quad = lane / 4, q = lane % 4;
+    const int warp = thread / 32, quad = thread % 32 / 4;
+    for_each_tile_pair(tile, [&](int n, int c, int s) {
+        const int pair = sorted_pairs[s];
+        const float weight = route_weights[pair];
+        float* out = y + static_cast<long long>(pair) * H;
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
+        for (int m = 0; m < 4; ++m) {
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const int s = tile.first + (warp / 2) * 32 + 8 * n + 2 * q + c;
-            if (s >= tile.end) continue;
-            const int pair = sorted_pairs[s];
-            const float weight = route_weights[pair];
-            float* out = y + static_cast<long long>(pair) * H;
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int r = rows + (warp % 2) * 64 + 16 * m + quad + 8 * h;
-                    if (r < H) out[r] = (acc[m][n][2 * h + c] + (bias != nullptr ? bias[r] : 0.f)) * weight;
-                }
+            for (int h = 0; h < 2; ++h) {
+                const int r = rows + (warp % 2) * 64 + 16 * m + quad + 8 * h;
+                if (r < H) out[r] = (acc[m][n][2 * h + c] + (bias != nullptr ? bias[r] : 0.f)) * weight;
             }
         }
-    }
+    });
 }
