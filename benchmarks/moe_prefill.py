@@ -53,10 +53,14 @@ def median_seconds(cp, step) -> float:
 
 
 def random_bf16(cp, shape: tuple[int, ...], std: float, seed: int):
-    """Normal values of `std` rounded to bf16 (uint16 bits, as the backend holds them)."""
-    values = cp.random.RandomState(seed).standard_normal(shape, dtype=np.float32) * np.float32(std)
-    bits = values.view(np.uint32)
-    return ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    """Normal values of `std` rounded to bf16 (uint16 bits, as the backend holds them), drawn a matrix at a time
+    (DeepSeek-V3's experts in float32 would not fit beside them)."""
+    out = cp.empty(shape, np.uint16)
+    generator = cp.random.RandomState(seed)
+    for e in range(shape[0]):
+        bits = (generator.standard_normal(shape[1:], dtype=np.float32) * np.float32(std)).view(np.uint32)
+        out[e] = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    return out
 
 
 def run_shape(cp, backend, name: str, tokens_list: list[int]) -> list[dict]:

@@ -954,7 +954,7 @@ def test_routed_experts_in_slot_arena(dtype, path, hidden, inter, monkeypatch):
 
 def test_expert_gemm_dispatch_rule():
     """Per-expert GEMMs once one expert's gate product at the average group size is EXPERT_GEMM_MIN_WORK: a
-    Mixtral-shaped layer from a few dozen pairs per expert, a Qwen3-MoE-shaped one (128 small experts) not at
+    Mixtral-shaped layer from about 70 pairs per expert, a Qwen3-MoE-shaped one (128 small experts) not at
     2048-token chunks; never for int8 or float32 experts, nor inside a capture."""
     def experts(e, i, h, dtype=np.uint16, scales=False):
         gate = cupy.zeros((e, 1, 1), dtype)  # only the dtype is read; the shape is set below
@@ -963,12 +963,12 @@ def test_expert_gemm_dispatch_rule():
         return LayerExperts(gate, gate, gate, scale, scale, None)
 
     mixtral, qwen3 = experts(8, 14336, 4096), experts(128, 768, 2048)
-    assert EXPERT_GEMM_MIN_WORK == 1 << 31
+    assert EXPERT_GEMM_MIN_WORK == 1 << 32
     assert cupy_expert_gemm.takes_expert_gemms(mixtral, 2048 * 2, 8)
-    assert cupy_expert_gemm.takes_expert_gemms(mixtral, 40 * 8, 8)
-    assert not cupy_expert_gemm.takes_expert_gemms(mixtral, 32 * 8, 8)
+    assert cupy_expert_gemm.takes_expert_gemms(mixtral, 80 * 8, 8)
+    assert not cupy_expert_gemm.takes_expert_gemms(mixtral, 64 * 8, 8)
     assert not cupy_expert_gemm.takes_expert_gemms(qwen3, 2048 * 8, 128)
-    assert cupy_expert_gemm.takes_expert_gemms(qwen3, 1400 * 128, 128)
+    assert cupy_expert_gemm.takes_expert_gemms(qwen3, 2800 * 128, 128)
     assert not cupy_expert_gemm.takes_expert_gemms(experts(8, 14336, 4096, np.float32), 4096, 8)
     assert not cupy_expert_gemm.takes_expert_gemms(experts(8, 14336, 4096, np.int8, scales=True), 4096, 8)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -984,7 +984,7 @@ def test_expert_gemm_dispatch_rule():
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,threshold", [
     (512, 8, 2, 128, 256, 1),  # the rule lowered: small shapes, 128 pairs per expert
     (700, 4, 2, 136, 200, 1),  # partial tiles in every dimension
-    (2048, 8, 2, 4096, 1792, EXPERT_GEMM_MIN_WORK),  # Mixtral's hidden size, an eighth of its intermediate size
+    (4096, 8, 2, 4096, 1792, EXPERT_GEMM_MIN_WORK),  # Mixtral's hidden size, an eighth of its intermediate size
 ])
 def test_prefill_sized_groups_run_as_expert_gemms(dtype, tokens, experts, top_k, hidden, inter, threshold,
                                                   monkeypatch):

@@ -129,8 +129,8 @@ def test_latent_rope_write_matches_numpy(kv_dtype, interleaved, monkeypatch):
 @pytest.mark.parametrize("strided", [False, True])
 def test_per_head_linear_matches_numpy(dtype, tokens, strided, monkeypatch):
     """Each head through its own matrix: per_head_rows up to PER_HEAD_ROWS_MAX_TOKENS tokens, reading a strided
-    view (each head's first 128 of 192 values, as the query's part without rotary) in place; a batched product
-    above."""
+    view (each head's first 128 of 192 values, as the query's part without rotary) in place; above, cuBLAS's
+    batched GEMM over the activations' two parts (16-bit weights) or a float32 batched product."""
     rng = np.random.default_rng(tokens + len(dtype))
     heads, n_in, n_out = 8, 128, 96
     full = rng.standard_normal((tokens, heads, n_in + 64 * strided)).astype(np.float32)
@@ -145,7 +145,22 @@ def test_per_head_linear_matches_numpy(dtype, tokens, strided, monkeypatch):
         assert launched == [f"per_head_rows<{KV_CTYPES[dtype]}, {tile}>"], launched
     else:
         assert not [name for name in launched if name.startswith("per_head_rows")], launched
-    check(ours, REF.per_head_linear(x, w.astype(np.float32)))
+    batched_gemm = tokens > PER_HEAD_ROWS_MAX_TOKENS and dtype != "float32"
+    check(ours, REF.per_head_linear(x, w.astype(np.float32)), 1e-4 if batched_gemm else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_per_head_linear_at_medium_precision_takes_one_part(dtype):
+    """Above PER_HEAD_ROWS_MAX_TOKENS at matmul precision medium: x rounded to the weights' type once, within that
+    rounding of the float32 product and not equal to high's."""
+    rng = np.random.default_rng(len(dtype))
+    x = rng.standard_normal((PER_HEAD_ROWS_MAX_TOKENS + 100, 16, 128)).astype(np.float32)  # [T, H, In]
+    w = weight(rng, (16, 512, 128), dtype)  # [H, Out, In]
+    reference = REF.per_head_linear(x, w.astype(np.float32))
+    medium = CupyBackend("medium")
+    ours = cupy.asnumpy(medium.per_head_linear(cupy.asarray(x), medium.prepare_weight(w)))
+    check(ours, reference, MEDIUM_TOLERANCE)
+    assert np.linalg.norm(ours - reference) > 1e-4 * np.linalg.norm(reference)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ into the same output, each after the first adding to it (routed experts per expe
 
 `weight_product` is that GEMM on raw pointers, so a caller can multiply a slice of rows by one expert's matrix in
 place. Inside a CUDA-graph capture it calls cuBLAS through ctypes (captured_cublas.py), since CuPy's wrappers
-refuse to run there.
+refuse to run there. `per_head_products` multiplies each head of the activations by its own matrix (latent
+attention's up-projections) as one strided batched GEMM per part, outside captures.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def activation_parts(x: Array, like: Array, parts: int) -> Array:
     return out
 
 
+def _cuda_type(weight_dtype) -> int:
+    """cuBLAS's data type of a weight dtype: uint16 (bf16 bits) or float16."""
+    from cupy.cuda import runtime
+
+    return runtime.CUDA_R_16BF if np.dtype(weight_dtype) == np.uint16 else runtime.CUDA_R_16F
+
+
 def weight_product(out: int, out_stride: int, weight: int, weight_stride: int, weight_dtype, n_out: int, n_in: int,
                    inputs: int, input_stride: int, rows: int, accumulate: bool) -> None:
     """out[r, :n_out] (+)= inputs[r, :n_in] . weight[:n_out, :n_in]^T for r < rows, in float32 on the current
@@ -49,7 +57,7 @@ def weight_product(out: int, out_stride: int, weight: int, weight_stride: int, w
 
     if rows == 0 or n_out == 0:
         return
-    code = runtime.CUDA_R_16BF if np.dtype(weight_dtype) == np.uint16 else runtime.CUDA_R_16F
+    code = _cuda_type(weight_dtype)
     handle = cupy.cuda.device.get_cublas_handle()
     # Column-major view: out^T [n_out, rows] = weight [n_out, n_in] (row-major, so transposed) times inputs^T.
     shape = (cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, rows, n_in)
@@ -66,3 +74,34 @@ def weight_product(out: int, out_stride: int, weight: int, weight_stride: int, w
     a, a_type, lda, b, b_type, ldb = operands
     cublas.gemmEx(handle, *shape, one.ctypes.data, a, a_type, lda, b, b_type, ldb, beta.ctypes.data, out,
                   runtime.CUDA_R_32F, out_stride, cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+
+
+def per_head_products(x_parts: Array, weight: Array, num_parts: int) -> Array:
+    """out[t, h] = x[t, h] . weight[h]^T with x given as `num_parts` parts (`activation_parts` of its [T, H * In]
+    rows), float32 accumulation: one strided batched GEMM per part over the heads, each after the first adding to
+    the output.  # x_parts [N * T, H * In], weight [H, Out, In] (bf16 bits or fp16) -> [T, H, Out] float32"""
+    import cupy
+    from cupy.cuda import runtime
+    from cupy_backends.cuda.libs import cublas
+
+    heads, n_out, n_in = weight.shape
+    t = x_parts.shape[0] // num_parts
+    weight = cupy.ascontiguousarray(weight)
+    out = cupy.empty((t, heads, n_out), np.float32)  # [T, H, Out]
+    if t == 0:
+        return out
+    code = _cuda_type(weight.dtype)
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    one = np.ones(1, np.float32)
+    for part in range(num_parts):
+        beta = np.full(1, 1.0 if part else 0.0, np.float32)
+        inputs = x_parts.data.ptr + part * t * heads * n_in * x_parts.itemsize
+        # Column-major per head h: out_h^T [Out, T] (rows of H * Out) = weight_h^T of its row-major [Out, In], times
+        # x_h^T [In, T] (rows of H * In, head h from column h * In)
+        cublas.gemmStridedBatchedEx(
+            handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, t, n_in, one.ctypes.data,
+            weight.data.ptr, code, n_in, n_out * n_in, inputs, code, heads * n_in, n_in, beta.ctypes.data,
+            out.data.ptr, runtime.CUDA_R_32F, heads * n_out, n_out, heads, cublas.CUBLAS_COMPUTE_32F,
+            cublas.CUBLAS_GEMM_DEFAULT)
+    return out

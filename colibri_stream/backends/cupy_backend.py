@@ -150,7 +150,8 @@ class CupyBackend(Backend):
     def max_tokens_in_stream_order(self, config: ModelConfig) -> int | None:
         """Below the steps whose routed experts go to per-expert GEMMs (cupy_expert_gemm.py), which copy each
         layer's group sizes to the host."""
-        return (min_gemm_pairs(config.moe_intermediate_size, config.hidden_size, config.num_experts) - 1) // config.top_k
+        pairs = min_gemm_pairs(config.moe_intermediate_size, config.hidden_size, config.num_experts)
+        return (pairs - 1) // config.top_k
 
     def logit_source(self, logits: Array) -> LogitSource:
         from .cupy_sampling import DeviceLogits
@@ -343,7 +344,7 @@ class CupyBackend(Backend):
         return latent_attention(self, query, cache, batch, device_batch, scale, kv_scale, rank)
 
     def per_head_linear(self, x, weight):
-        return per_head_linear(self.cp, self.kv_rows, x, weight)
+        return per_head_linear(self.cp, self.kv_rows, x, weight, self.activation_parts)
 
     def qk_norm_rope_write(self, q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, positions, key_cache,
                            value_cache, slot_mapping, kv_scales=(1.0, 1.0)):

@@ -2,8 +2,8 @@
 operations for what its kernels do not take.
 
 Latent attention runs on kernels that read the batch on the device, so its decode steps are captured in CUDA
-graphs: each head's up-projection (linear.cu's per_head_rows, for decode-sized steps; larger steps take one batched
-product of the widened weights), the rope parts and the cache rows (latent_attention.cu's latent_rope_write), and
+graphs: each head's up-projection (linear.cu's per_head_rows, for decode-sized steps; larger steps take cuBLAS's
+batched GEMM, cublas_gemm.py), the rope parts and the cache rows (latent_attention.cu's latent_rope_write), and
 attention over the rows [latent | rope key] on tensor cores (latent_attention: every query token over its own
 causal range, decode tokens and prefill chunks alike; a decode token's context split over the GPU, the splits
 combined by attention.cu's paged_attention_merge). Latent widths and cache dtypes the kernel is not compiled for
@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from ..batch import ForwardBatch
+from .cublas_gemm import activation_parts, per_head_products
 from .cupy_flash_attention import FLASH_PAD
 from .cupy_launch import NULL, Array, ceil_div, launch, smallest_tile, storage_type
 from .sequence_attention import paged_attention_rows
@@ -78,10 +79,12 @@ class KvRows:
         return out if scale == 1.0 else out * np.float32(scale)
 
 
-def per_head_linear(cp: Any, rows: KvRows, x: Any, weight: Any) -> Any:
+def per_head_linear(cp: Any, rows: KvRows, x: Any, weight: Any, num_parts: int) -> Any:
     """x [T, H, In] float32 (rows of In contiguous floats), weight [H, Out, In] (a storage dtype) -> [T, H, Out]:
     each head through its own matrix. Up to PER_HEAD_ROWS_MAX_TOKENS tokens, and inside a graph capture, one
-    launch of per_head_rows that reads x in place; otherwise one batched product of the widened weights."""
+    launch of per_head_rows that reads x in place; otherwise, for bf16 / fp16 weights, cuBLAS's batched GEMM on
+    tensor cores over x's `num_parts` parts (the backend's matmul precision), for others one batched product of
+    the widened weights."""
     t, heads, n_in = x.shape
     vector = 16 // np.dtype(weight.dtype).itemsize
     token_stride, head_stride = (s // 4 for s in x.strides[:2])
@@ -97,6 +100,9 @@ def per_head_linear(cp: Any, rows: KvRows, x: Any, weight: Any) -> Any:
                128, (x, np.int64(token_stride), np.int64(head_stride), weight, out, np.int32(t), np.int32(heads),
                      np.int32(n_in), np.int32(n_out)), weight_type=w)
         return out
+    if np.dtype(weight.dtype) in (np.dtype(np.uint16), np.dtype(np.float16)):
+        parts = activation_parts(cp.ascontiguousarray(x).reshape(t, heads * n_in), weight, num_parts)  # [N*T, H*In]
+        return per_head_products(parts, weight, num_parts)
     w = rows.widen(weight)  # [H, Out, In]
     return cp.ascontiguousarray(cp.matmul(x.transpose(1, 0, 2), w.transpose(0, 2, 1)).transpose(1, 0, 2))
 

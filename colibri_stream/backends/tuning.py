@@ -42,11 +42,11 @@ INT4_ROW_SHARING = 4
 INT4_SHARED_ROWS_BELOW_BLOCKS_PER_SM = 2
 # An eager step's bf16/fp16 routed experts run as cuBLAS GEMMs per expert (cupy_expert_gemm.py) when one expert's
 # gate product at the step's average group size (pairs / E * H * I multiply-adds) is at least this much work: each
-# GEMM costs a fixed host call, so many small experts (Qwen3-MoE's 128) stay on moe_mma.cu, few large ones
-# (Mixtral's 8) take the GEMMs from a few dozen pairs each (benchmarks/moe_prefill.py measures the crossover).
-EXPERT_GEMM_MIN_WORK = 1 << 31
-# Steps below that work whose experts' groups average GROUPED_GEMM_MIN_PAIRS pairs or more run as one grouped GEMM per
-# matrix (moe_gemm.cu: tiles of GEMM_PAIRS pairs, each weight read once per tile), the others on moe_mma.cu.
+# GEMM costs a fixed host call and a host read of the group sizes, so only few, large experts (Mixtral's 8, from
+# about 70 pairs each) take them; below, from GROUPED_GEMM_MIN_PAIRS pairs per expert on average, one grouped GEMM
+# per matrix (moe_gemm.cu: tiles of GEMM_PAIRS pairs, each weight read once per tile), below that moe_mma.cu
+# (benchmarks/moe_prefill.py measures the crossovers).
+EXPERT_GEMM_MIN_WORK = 1 << 32
 GROUPED_GEMM_MIN_PAIRS = 32
 GEMM_PAIRS = 64  # = GEMM_PAIRS in moe_gemm.cu: pairs per block
 GEMM_ROWS = 128  # = GEMM_ROWS in moe_gemm.cu: down rows per block
