@@ -103,6 +103,7 @@ latent_attention(const float* __restrict__ q, const KV* __restrict__ cache, cons
     constexpr int TILE_COPIES = LATENT_KEYS * ROW_COPIES;  // 16-byte copies of a tile
     constexpr int RAW_TILE = LATENT_KEYS * DK;         // bytes of an fp8 tile as copied
     static_assert(DK % (16 * LATENT_WARPS) == 0 && R % (16 * LATENT_WARPS) == 0, "warps take whole k-steps");
+    static_assert(NTILES % 2 == 0, "the keys' fragments come two n-tiles at a time");
     using Op = typename DecodeOperand<KV>::type;
     using M = Mma<Op>;
     // [WIDEN ? 1 : LATENT_STAGES][TILE] tiles (the bits of Op elements), then with WIDEN [LATENT_STAGES][RAW_TILE]
@@ -177,6 +178,7 @@ latent_attention(const float* __restrict__ q, const KV* __restrict__ cache, cons
     float o[DTILES][4] = {};
     const int matrix = lane / 8;  // the 8 x 8 matrix whose row this lane addresses in ldmatrix
     const int value_at = ((matrix & 1) * 8 + lane % 8) * STRIDE + (matrix >> 1) * 8 + quarter * WARP_DIMS;
+    const int key_at = ((matrix >> 1) * 8 + lane % 8) * STRIDE + (matrix & 1) * 8 + k_dim0;
     for (int i = 0; i < tiles; ++i) {
         copy_wait<0>();   // this thread's copies of tile i have landed
         __syncthreads();  // ... every thread's; and every warp is done with tile i - 1
@@ -196,16 +198,23 @@ latent_attention(const float* __restrict__ q, const KV* __restrict__ cache, cons
         if constexpr (WIDEN) __syncthreads();  // the widened rows are visible to the block
 
         // This warp's partial scores of rows r (0, 1) and r + 8 (2, 3), keys 8n + 2c (+1) of the tile: the high
-        // parts' products, then the low parts', in one accumulator per n-tile (NTILES independent mma chains).
+        // parts' products, then the low parts', in one accumulator per n-tile (NTILES independent mma chains). The
+        // keys' B fragments of n-tiles 2j and 2j + 1 come in one ldmatrix: keys lane % 8 (+ 8 from lane 16 on), dims
+        // + 8 for lanes 8-15 and 24-31.
         float s[NTILES][4] = {};
 #pragma unroll
-        for (int n = 0; n < NTILES; ++n) {
-            const int at = (n * 8 + r) * STRIDE + k_dim0 + 2 * c;
+        for (int j = 0; j < NTILES / 2; ++j) {
 #pragma unroll
             for (int k = 0; k < KSTEPS; ++k) {
-                const unsigned b0 = shared_pair(&rows[at + k * 16]), b1 = shared_pair(&rows[at + k * 16 + 8]);
-                M::mma(s[n], qa[k][0], qa[k][1], qa[k][2], qa[k][3], b0, b1);
-                if constexpr (SPLIT) M::mma(s[n], ql[k][0], ql[k][1], ql[k][2], ql[k][3], b0, b1);
+                unsigned b[4];
+                load_matrices(&rows[key_at + j * 16 * STRIDE + k * 16], b);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    M::mma(s[2 * j + h], qa[k][0], qa[k][1], qa[k][2], qa[k][3], b[2 * h], b[2 * h + 1]);
+                    if constexpr (SPLIT) {
+                        M::mma(s[2 * j + h], ql[k][0], ql[k][1], ql[k][2], ql[k][3], b[2 * h], b[2 * h + 1]);
+                    }
+                }
             }
         }
 #pragma unroll

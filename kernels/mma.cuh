@@ -59,6 +59,15 @@ template <> struct Mma<__half> {
     }
 };
 
+// The four 8 x 8 16-bit matrices whose rows (in shared memory) start at the addresses lanes 0-7, 8-15, 16-23 and
+// 24-31 give: lane l gets row l / 4, elements 2 (l % 4) and 2 (l % 4) + 1 of each, an mma A or B fragment's layout.
+__device__ __forceinline__ void load_matrices(const void* row, unsigned (&r)[4]) {
+    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
 // An output element: written, or added to with atomicAdd when several column spans (`split`) add into it.
 __device__ __forceinline__ void store_partial(float* target, float value, bool split) {
     if (split) {

@@ -45,14 +45,6 @@ template <int NP> constexpr int GEMM_STAGES = NP == 1 ? 4 : 3;
 // so the 8 rows an ldmatrix phase reads (8 consecutive rows, one chunk) fall in 8 different bank groups.
 __device__ __forceinline__ int swizzled(int r, int c) { return r * GEMM_K + ((c ^ ((r >> 1) & 3)) << 3); }
 
-// The four 8 x 8 16-bit matrices whose rows start at the addresses lanes 0-7, 8-15, 16-23 and 24-31 give.
-__device__ __forceinline__ void load_matrices(const void* row, unsigned (&r)[4]) {
-    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(address));
-}
-
 template <typename W, int NP>
 struct GemmShared {
     W a[GEMM_STAGES<NP>][GEMM_ROWS * GEMM_K];
