@@ -51,6 +51,8 @@ class EngineStats:
     num_aborted: int  # sequences finished by an abort (the client left or cancelled, or shutdown)
     last_step_time: float  # seconds the last step took
     last_step_tokens: int  # tokens the last step computed (prefill chunks and decodes)
+    sliding_blocks_total: int = 0  # the sliding-window layers' pool (sliding_blocks.py); 0 without one
+    sliding_blocks_used: int = 0  # of them, held by sequences
 
 
 @dataclass
@@ -302,6 +304,9 @@ class EngineCore:
             num_aborted=self._num_aborted,
             last_step_time=self._last_step_time,
             last_step_tokens=self._last_step_tokens,
+            sliding_blocks_total=0 if self.kv.sliding is None else self.kv.sliding.pool.num_blocks,
+            sliding_blocks_used=0 if self.kv.sliding is None else (self.kv.sliding.pool.num_blocks
+                                                                  - self.kv.sliding.pool.num_free),
         )
 
     def store_stats(self) -> ExpertStats | None:

@@ -80,6 +80,10 @@ class EngineCollector(Collector):
             "colibri_kv_blocks_free": ("KV cache blocks free (cached blocks no sequence holds included)",
                                        stats.kv_blocks_total - stats.kv_blocks_used),
             "colibri_kv_blocks_cached": ("KV cache blocks holding a prefix-cache entry", stats.kv_blocks_cached),
+            "colibri_kv_sliding_blocks_total": ("KV cache blocks in the sliding-window layers' pool (0: none)",
+                                                stats.sliding_blocks_total),
+            "colibri_kv_sliding_blocks_used": ("Sliding-window layers' KV blocks held by sequences",
+                                               stats.sliding_blocks_used),
             "colibri_last_step_seconds": ("Duration of the engine's last step", stats.last_step_time),
             "colibri_last_step_tokens": ("Tokens the engine's last step computed", stats.last_step_tokens),
         }

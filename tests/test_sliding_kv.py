@@ -119,9 +119,12 @@ def run(core: EngineCore, prompts: dict[str, list[int]], params: SamplingParams)
             tokens += out.token_ids
             logprobs += out.logprobs or []
         sliding = core.kv.sliding
+        held_in_all = 0
         for request in core.scheduler.running if sliding is not None else ():
             held = [b for b in sliding.block_ids(request.seq_id) if b != sliding.placeholder]
             assert len(held) <= sliding_blocks_per_seq(WINDOW, BLOCK, TIGHT["max_num_batched_tokens"] + 1)
+            held_in_all += len(held)
+        assert core.stats().sliding_blocks_used == held_in_all  # what /metrics reports
     return got
 
 
@@ -156,6 +159,8 @@ def test_engines_with_the_sliding_pool_compute_what_engines_without_it_compute(f
         assert ours[1] == pytest.approx(theirs[1], abs=1e-5)
     stats = pooled.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+    assert stats.sliding_blocks_total == pooled.kv.sliding.pool.num_blocks and stats.sliding_blocks_used == 0
+    assert whole.stats().sliding_blocks_total == 0
     assert stats.num_steps_launched_ahead > 0 if ahead else stats.num_steps_launched_ahead == 0
     assert stats.prefix_cache_hit_tokens < whole.stats().prefix_cache_hit_tokens  # the cut-back hit
     for core in (pooled, whole):
