@@ -55,6 +55,10 @@ from colibri_stream.synthetic import SHAPES, shape_config, write_synthetic_folde
 # with a window of 8 (shorter than the prompt), and YaRN (factor 32 over 4096 positions) with truncate on: llama.cpp
 # always rounds YaRN's correction range, which the published configs' truncate false does not (unwritable).
 _SMALL = dict(vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32)
+_DEEPSEEK_V3 = dict(_SMALL, num_kv_heads=4, head_dim=48, rotary_dim=16, v_head_dim=32, q_lora_rank=96,
+                    kv_lora_rank=64, num_experts=16, top_k=4, n_group=4, topk_group=2, moe_intermediate_size=64,
+                    shared_expert_intermediate_size=64, intermediate_size=192, moe_layers=(1, 2),
+                    softmax_scale=48**-0.5 * (0.1 * math.log(40.0) + 1.0) ** 2)
 TINY = {
     "mixtral": ("mixtral-8x7b", 2, dict(_SMALL, num_experts=8, top_k=2, moe_intermediate_size=96)),
     "qwen3_moe": ("qwen3-30b-a3b", 2, dict(_SMALL, num_experts=16, top_k=4, moe_intermediate_size=64)),
@@ -65,28 +69,16 @@ TINY = {
                                                  rotary_dim=16, qk_norm="per_head", n_group=4, topk_group=2,
                                                  routed_scaling_factor=2.5)),
     "minimax_m2": ("minimax-m2", 3, dict(_SMALL, num_experts=16, top_k=4, moe_intermediate_size=64, rotary_dim=16)),
-    "deepseek_v3": ("deepseek-v3", 3, dict(_SMALL, num_kv_heads=4, head_dim=48, rotary_dim=16, v_head_dim=32,
-                                           q_lora_rank=96, kv_lora_rank=64, num_experts=16, top_k=4, n_group=4,
-                                           topk_group=2, moe_intermediate_size=64,
-                                           shared_expert_intermediate_size=64, intermediate_size=192,
-                                           moe_layers=(1, 2),
-                                           softmax_scale=48**-0.5 * (0.1 * math.log(40.0) + 1.0) ** 2)),
+    "deepseek_v3": ("deepseek-v3", 3, _DEEPSEEK_V3),
     # DeepSeek-V2-Lite's options on DeepSeek-V3's widths: softmax routing, scaled, not renormalised, no q LoRA
-    "deepseek_v2": ("deepseek-v3", 3, dict(_SMALL, architecture="deepseek_v2", num_kv_heads=4, head_dim=48,
-                                           rotary_dim=16, v_head_dim=32, q_lora_rank=0, kv_lora_rank=64,
-                                           num_experts=16, top_k=4, n_group=1, topk_group=1, router_scoring="softmax",
-                                           score_correction_bias=False, norm_topk_prob=False,
-                                           routed_scaling_factor=1.5, moe_intermediate_size=64,
-                                           shared_expert_intermediate_size=128, intermediate_size=192,
-                                           moe_layers=(1, 2),
-                                           softmax_scale=48**-0.5 * (0.1 * math.log(40.0) + 1.0) ** 2)),
+    "deepseek_v2": ("deepseek-v3", 3, dict(_DEEPSEEK_V3, architecture="deepseek_v2", q_lora_rank=0, n_group=1,
+                                           topk_group=1, router_scoring="softmax", score_correction_bias=False,
+                                           norm_topk_prob=False, routed_scaling_factor=1.5,
+                                           shared_expert_intermediate_size=128)),
     # GLM-4.7-Flash: DeepSeek-V3's computation without a q LoRA or groups, plain rope (its published config's)
-    "glm4_moe_lite": ("deepseek-v3", 3, dict(_SMALL, architecture="glm4_moe_lite", num_kv_heads=4, head_dim=48,
-                                             rotary_dim=16, v_head_dim=32, q_lora_rank=0, kv_lora_rank=64,
-                                             num_experts=16, top_k=4, n_group=1, topk_group=1,
-                                             routed_scaling_factor=1.8, moe_intermediate_size=64,
-                                             shared_expert_intermediate_size=64, intermediate_size=192,
-                                             moe_layers=(1, 2), rope=RopeConfig(theta=1e6), softmax_scale=48**-0.5)),
+    "glm4_moe_lite": ("deepseek-v3", 3, dict(_DEEPSEEK_V3, architecture="glm4_moe_lite", q_lora_rank=0, n_group=1,
+                                             topk_group=1, routed_scaling_factor=1.8, rope=RopeConfig(theta=1e6),
+                                             softmax_scale=48**-0.5)),
     "gpt_oss": ("gpt-oss-20b", 4, dict(_SMALL, num_experts=16, top_k=4, moe_intermediate_size=64,
                                        sliding_windows=(8, None, 8, None),
                                        rope=dataclasses.replace(SHAPES["gpt-oss-20b"]["rope"], truncate=True))),

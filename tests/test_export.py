@@ -53,6 +53,12 @@ HF_GLOBAL_NAMES = {"embed_tokens": "model.embed_tokens.weight", "norm": "model.n
 COMMON = dict(vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, rms_norm_eps=1e-6,
               bos_token_id=1, eos_token_ids=(2,), pad_token_id=0, max_position_embeddings=512,
               sliding_windows=(None, None, None), tie_word_embeddings=False)
+_DEEPSEEK_V3 = dict(head_dim=20, num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(1, 2),
+                    intermediate_size=96, norm_topk_prob=True, qk_norm="none", qkv_bias=False, o_bias=False,
+                    shared_expert_intermediate_size=32, shared_expert_gate=False, rope=RopeConfig(theta=1e4),
+                    router_scoring="sigmoid", score_correction_bias=True, n_group=2, topk_group=1,
+                    routed_scaling_factor=2.5, attention="mla", rotary_dim=8, q_lora_rank=24, kv_lora_rank=16,
+                    v_head_dim=20, rope_interleave=True, num_kv_heads=4, softmax_scale=20**-0.5)
 EXPECTED = {
     "mixtral": dict(head_dim=16, num_experts=8, top_k=2, moe_intermediate_size=48, moe_layers=(0, 1, 2),
                     intermediate_size=0, norm_topk_prob=True, qk_norm="none", qkv_bias=False, o_bias=False,
@@ -75,24 +81,13 @@ EXPECTED = {
                        intermediate_size=0, norm_topk_prob=True, qk_norm="full", qkv_bias=False, o_bias=False,
                        shared_expert_intermediate_size=0, rope=RopeConfig(theta=5e6), router_scoring="sigmoid",
                        score_correction_bias=True, n_group=1, routed_scaling_factor=1.0, rotary_dim=12),
-    "deepseek_v3": dict(head_dim=20, num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(1, 2),
-                        intermediate_size=96, norm_topk_prob=True, qk_norm="none", qkv_bias=False, o_bias=False,
-                        shared_expert_intermediate_size=32, shared_expert_gate=False, rope=RopeConfig(theta=1e4),
-                        router_scoring="sigmoid", score_correction_bias=True, n_group=2, topk_group=1,
-                        routed_scaling_factor=2.5, attention="mla", rotary_dim=8, q_lora_rank=24, kv_lora_rank=16,
-                        v_head_dim=20, rope_interleave=True, num_kv_heads=4, softmax_scale=20**-0.5),
-    "deepseek_v2": dict(head_dim=20, num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(1, 2),
-                        intermediate_size=96, norm_topk_prob=False, qk_norm="none", qkv_bias=False, o_bias=False,
-                        shared_expert_intermediate_size=64, shared_expert_gate=False, rope=RopeConfig(theta=1e4),
-                        router_scoring="softmax", score_correction_bias=False, n_group=1, topk_group=1,
-                        routed_scaling_factor=1.5, attention="mla", rotary_dim=8, q_lora_rank=0, kv_lora_rank=16,
-                        v_head_dim=20, rope_interleave=True, num_kv_heads=4, softmax_scale=20**-0.5),
-    "glm4_moe_lite": dict(head_dim=20, num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(0, 2),
-                          intermediate_size=96, norm_topk_prob=True, qk_norm="none", qkv_bias=False, o_bias=False,
-                          shared_expert_intermediate_size=32, shared_expert_gate=False, rope=RopeConfig(theta=1e4),
-                          router_scoring="sigmoid", score_correction_bias=True, n_group=2, topk_group=1,
-                          routed_scaling_factor=1.8, attention="mla", rotary_dim=8, q_lora_rank=0, kv_lora_rank=16,
-                          v_head_dim=20, rope_interleave=True, num_kv_heads=4, softmax_scale=20**-0.5),
+    "deepseek_v3": _DEEPSEEK_V3,
+    # DeepSeek-V2-Lite's options: softmax routing, scaled, not renormalised, no q LoRA, a wider shared expert
+    "deepseek_v2": dict(_DEEPSEEK_V3, norm_topk_prob=False, shared_expert_intermediate_size=64,
+                        router_scoring="softmax", score_correction_bias=False, n_group=1, routed_scaling_factor=1.5,
+                        q_lora_rank=0),
+    # GLM-4.7-Flash: DeepSeek-V3's computation without a q LoRA, MoE layers named by mlp_layer_types
+    "glm4_moe_lite": dict(_DEEPSEEK_V3, moe_layers=(0, 2), routed_scaling_factor=1.8, q_lora_rank=0),
 }
 STORAGE = {"fp32": np.float32, "bf16": ml_dtypes.bfloat16, "fp16": np.float16}
 
