@@ -20,9 +20,8 @@ from ..expert_codecs import MATRICES
 from ..experts.device import DeviceExperts, LayerExperts
 from ..experts.store import ExpertStore
 from .cupy_expert_gemm import GroupedTokens, expert_gemms, takes_expert_gemms
-from .cublas_gemm import activation_parts
 from .cupy_launch import Array, ceil_div, check_row_width, launch, smallest_tile, storage_type, to_device_storage
-from .cupy_moe_gemm import grouped_gemm, takes_grouped_gemm
+from .cupy_moe_gemm import GemmTokens, grouped_gemm, takes_grouped_gemm
 from .cupy_quant_moe import is_block_scaled, quant_experts
 from .tuning import (MMA_DOWN_ROWS, MMA_GATE_UP_ROWS, MMA_MIN_TOKENS, MMA_THREADS, MMA_TILES, MOE_DOWN_ROW_BYTES,
                      MOE_ROWS_PER_WARP, MOE_TILES, MOE_UP_ROW_BYTES, MOE_WARPS)
@@ -81,7 +80,7 @@ def routed_experts(backend, x: Array, weights: Array, expert_ids: Array, layer: 
     groups = min(num_experts, pairs)
     tile = smallest_tile(t, MOE_TILES)  # a group holds at most T pairs
     routing = (group_expert, group_start, sorted_pairs, num_groups)
-    act = y = grouped = x_parts = None
+    act = y = grouped = gemm_tokens = None
     activation = activation_args(swiglu)
     quantized_x = {}  # int4's cut of x (cupy_quant_moe.QuantizedRows by chunk width), made once for every launch
     for experts in device.passes(layer):
@@ -102,11 +101,11 @@ def routed_experts(backend, x: Array, weights: Array, expert_ids: Array, layer: 
             expert_gemms(grouped, experts, route_weights, y, device.resident, backend.silu_mul, swiglu)
             continue
         if takes_grouped_gemm(experts, pairs, num_experts):
-            if x_parts is None:  # [N * T, H]: the tokens in the backend's activation parts, for every launch
-                x_parts = activation_parts(x, experts.gate, backend.activation_parts)
+            if gemm_tokens is None:  # the tokens' parts and the groups' tiles, for every launch of the layer
+                gemm_tokens = GemmTokens.prepare(x, routing, experts.gate, backend.activation_parts)
             if y is None:
                 y = (cp.empty if device.resident else cp.zeros)((pairs, h), np.float32)  # [P, H]
-            grouped_gemm(experts, x_parts, routing, route_weights, y, t, top_k, activation, backend.activation_parts)
+            grouped_gemm(experts, gemm_tokens, routing, route_weights, y, top_k, activation)
             continue
         i = experts.gate.shape[1]  # a cut expert's GPU part (experts/cut_layout.py) has fewer rows than the others
         if act is None or act.shape[1] != i:

@@ -103,7 +103,8 @@ class NumpyBackend(Backend):
         """Experts of a resident model small enough for FLOAT32_EXPERTS_BYTES are kept widened to float32 (a small
         model's experts would otherwise be converted again at every step); larger ones stay in their storage dtype
         for the executor's kernel, which reads them at memory bandwidth."""
-        widened = 4 * 3 * config.hidden_size * config.moe_intermediate_size * config.num_experts * len(config.moe_layers)
+        widened = (4 * 3 * config.hidden_size * config.moe_intermediate_size * config.num_experts
+                   * len(config.moe_layers))
         if type(store) is MappedExpertStore and widened <= FLOAT32_EXPERTS_BYTES:
             return Float32ExpertStore(store)
         return store
