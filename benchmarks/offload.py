@@ -18,14 +18,13 @@ modes (each a fresh store over the same pinned L2):
 Decode at `--batches` (greedy, after WARMUP steps, `--steps` timed steps, host synchronised every step, the step's
 phases recorded by the model's StepTimer: phase_ms_per_step), prefill of one `--prefill`-token prompt.
 
-llama.cpp (`--llama-bench`, a binary of benchmarks/build_llama_cpp.sh): llama-bench on the same weights as GGUF
-(benchmarks/gguf_writer.py writes it to `--gguf`, default next to the folder) with the routed experts of the layers
-not on the GPU on the CPU (`--n-cpu-moe`), batch-1 decode and prefill, after Colibri's runs, with the pinned
-experts given back first; without it, Mixtral's earlier figures below (no other model has any). llama.cpp moves
-routed experts a layer at a time: `--n-cpu-moe N` sends the ffn_*_exps tensors of blocks 0..N-1 to the CPU, dense
-blocks counted (`llama_cpu_moe`), and a layer's experts are one tensor per matrix (`-ot` cannot split them either),
-so it runs only at the budgets whose host share is a whole number of MoE layers (the others' records say so); the
-`layers` slot layout gives Colibri the same split (the last MoE layers on the GPU, the first on the host).
+llama.cpp (`--llama-bench`, a binary of benchmarks/build_llama_cpp.sh; benchmarks/offload_llama.py): llama-bench
+on the same weights as GGUF (benchmarks/gguf_writer.py writes it to `--gguf`, default next to the folder) with the
+routed experts of the layers not on the GPU on the CPU (`--n-cpu-moe`), batch-1 decode and prefill, after
+Colibri's runs, with the pinned experts given back first; without it, Mixtral's earlier figures (no other model
+has any). llama.cpp places a layer's experts whole, so it runs only at the budgets whose host share is a whole
+number of MoE layers (the others' records say so); the `layers` slot layout gives Colibri the same split (the last
+MoE layers on the GPU, the first on the host).
 
 DeepSeek-V3 (llama.cpp's deepseek2: latent attention, its cache of one 576-value row a layer, the shared expert and
 the dense first layers on the GPU in both engines): 50 % of the experts as whole layers needs two MoE layers, so
@@ -71,6 +70,7 @@ from pathlib import Path
 import numpy as np
 from conditions import require_gpu
 from decode import log, machine, random_kv_cache
+from offload_llama import EARLIER_LLAMA_CPP, llama_cpp_baseline
 from long_context import PlannedFile, benchmark_config, folder_bytes, gguf_bytes, model_fields, room_refusal
 from quantized_files import ensure_shape_folder
 
@@ -82,12 +82,6 @@ from colibri_stream.experts.tiers import kvikio_available
 BLOCK_SIZE = 16
 PROMPT = 32  # cached tokens per sequence before the timed decode steps
 WARMUP = 2
-# llama.cpp on the H200 machine and Mixtral-8x7B's shape, measured before this script could run it (8 layers, bf16,
-# 16 threads, -ngl 99): batch-1 decode with every routed expert on the CPU (--n-cpu-moe 8) and with half the layers'
-# experts there (--n-cpu-moe 4); prompt processing. By (shape, layers), then GPU expert fraction; --llama-bench
-# replaces them with figures of the same run.
-LLAMA_CPP = {("mixtral-8x7b", 8): {0.0: {"decode_tok_s": 15.6, "prefill_tok_s": 148.0},
-                                   0.5: {"decode_tok_s": 31.1, "prefill_tok_s": 317.0}}}
 PIN_MARGIN = 4 << 30  # host memory left beside the pinned experts (this process, CUDA's own, the page cache's use)
 MODES = {  # name: (prefetch, cpu_experts)
     "colibri": (False, "auto"),  # the defaults: misses placed by the cost model, no prefetch
@@ -283,58 +277,6 @@ def accelerate_baseline(args, fraction: float) -> dict:
         return json.loads(Path(out.name).read_text())
 
 
-def llama_cpu_moe(config, fraction: float) -> int | None:
-    """llama.cpp's --n-cpu-moe that leaves `fraction` of `config`'s routed experts on the GPU, None where none does.
-    --n-cpu-moe N sends the ffn_*_exps tensors of blocks 0..N-1 to the CPU, dense blocks counted, and a layer's
-    experts are one tensor per matrix: the host holds the first MoE layers' experts (as the "layers" slot layout
-    leaves them to it), N is the block after the last of them, and a host share that is not a whole number of MoE
-    layers has no N."""
-    host_layers = len(config.moe_layers) * (1 - fraction)
-    if abs(host_layers - round(host_layers)) > 1e-9:
-        return None
-    count = round(host_layers)
-    return config.moe_layers[count - 1] + 1 if count else 0
-
-
-def llama_cpp_figures(args, config, fraction: float) -> dict:
-    """llama-bench's batch-1 decode and prefill with `fraction` of the routed experts on the GPU (`llama_cpu_moe`;
-    host_moe_layers: the MoE layers whose experts it keeps on the CPU), or why there are none (skipped, error)."""
-    from llama_cpp import llama_bench
-
-    n_cpu_moe = llama_cpu_moe(config, fraction)
-    if n_cpu_moe is None:
-        return {"skipped": f"{fraction:.0%} of the experts on the GPU is not a whole number of the "
-                           f"{len(config.moe_layers)} MoE layers, and llama.cpp places a layer's experts whole"}
-    try:
-        result = llama_bench(args.llama_bench, args.gguf, n_cpu_moe, args.llama_threads, depth=PROMPT,
-                             prompt_tokens=args.prefill)
-    except Exception as error:  # reported; the other budgets still run
-        result = {"error": repr(error)}
-    return dict(result, host_moe_layers=[layer for layer in config.moe_layers if layer < n_cpu_moe])
-
-
-def llama_cpp_baseline(args, config, records: list[dict]) -> None:
-    """llama.cpp on this machine and these weights (benchmarks/llama_cpp.py) at each GPU budget
-    (`llama_cpp_figures`), written into the batch-1 and prefill records of that budget."""
-    for fraction in args.fractions:
-        result = llama_cpp_figures(args, config, fraction)
-        log(f"llama.cpp at {fraction:.0%}: decode {result.get('decode_tok_s')} prefill {result.get('prefill_tok_s')}"
-            + (f" ({result['skipped']})" if "skipped" in result else ""))
-        for record in records:
-            if (record["gpu_expert_fraction"] == fraction and record["source"] == "l2"
-                    and record["batch"] in (1, "prefill")):
-                record["llama_cpp"] = result
-                if "skipped" in result:
-                    continue
-                earlier = record.get("llama_cpp_tok_s")
-                if earlier is not None:
-                    record["llama_cpp_earlier_tok_s"] = earlier
-                which = "prefill_tok_s" if record["batch"] == "prefill" else "decode_tok_s"
-                record["llama_cpp_tok_s"] = result.get(which)
-                record["llama_cpp_measured"] = True
-        write(args.out, records)
-
-
 def shape_spec(args) -> str:
     """The model of the command line as long_context.py's --shapes entry: SHAPE:LAYERS or SHAPE:LAYERS:DENSE."""
     return f"{args.shape}:{args.layers}" + ("" if args.dense_layers is None else f":{args.dense_layers}")
@@ -455,7 +397,7 @@ def run(args, config) -> list[dict]:
                   prompt_cached_tokens=PROMPT, decode_steps=args.steps, routing="random router (close to uniform)",
                   eviction="lfu", kvikio=kvikio_available(),
                   min_cut_gain=MIN_CUT_GAIN)
-    earlier_llama_cpp = LLAMA_CPP.get((args.shape, args.layers), {}) if args.dense_layers is None else {}
+    earlier_llama_cpp = EARLIER_LLAMA_CPP.get((args.shape, args.layers), {}) if args.dense_layers is None else {}
     records = []
     plan = [(source, fraction) for source in args.sources
             for fraction in (args.fractions if source == "l2" else args.cold_fractions)]
@@ -514,7 +456,7 @@ def run(args, config) -> list[dict]:
     host = pinned = None
     free_device_memory()  # llama.cpp needs the GPU, the GGUF it maps and the baseline's process the host memory
     if args.llama_bench:
-        llama_cpp_baseline(args, config, records)
+        llama_cpp_baseline(args, config, records, PROMPT, lambda: write(args.out, records))
     for fraction in args.accelerate_fractions:  # last: the slowest runs
         baseline = accelerate_baseline(args, fraction)
         for record in records:

@@ -23,6 +23,12 @@ def offload():
         yield module
 
 
+@pytest.fixture(scope="module")
+def offload_llama():
+    with imported_benchmarks("offload_llama") as (module,):
+        yield module
+
+
 @pytest.fixture
 def tiny_deepseek(monkeypatch):
     """A "tiny-deepseek-v3" shape: DeepSeek-V3's options (3 leading dense layers, shared expert, latent attention)
@@ -33,20 +39,20 @@ def tiny_deepseek(monkeypatch):
     return "tiny-deepseek-v3"
 
 
-def test_n_cpu_moe_counts_the_dense_blocks_and_whole_layers(offload):
+def test_n_cpu_moe_counts_the_dense_blocks_and_whole_layers(offload, offload_llama):
     """--n-cpu-moe N moves blocks 0..N-1's experts: behind a dense first block 50 % of two MoE layers is N = 2 (the
     first MoE layer, as Colibri's layers layout leaves it to the host), 0 % N = 3; half of one MoE layer, or a
     quarter of two, is no N."""
     deepseek = offload.benchmark_config("deepseek-v3", 3, 1)
-    assert [offload.llama_cpu_moe(deepseek, f) for f in (0.0, 0.25, 0.5, 1.0)] == [3, None, 2, 0]
+    assert [offload_llama.llama_cpu_moe(deepseek, f) for f in (0.0, 0.25, 0.5, 1.0)] == [3, None, 2, 0]
     assert layer_slot_counts(round(0.5 * 256), 2, 256, "layers") == [0, 256]  # layer 1 on the host, 2 on the GPU
     one_moe = offload.benchmark_config("deepseek-v3", 2, 1)
-    assert [offload.llama_cpu_moe(one_moe, f) for f in (0.0, 0.5, 1.0)] == [2, None, 0]
+    assert [offload_llama.llama_cpu_moe(one_moe, f) for f in (0.0, 0.5, 1.0)] == [2, None, 0]
     mixtral = offload.benchmark_config("mixtral-8x7b", 8)
-    assert [offload.llama_cpu_moe(mixtral, f) for f in (0.0, 0.25, 0.5, 0.3)] == [8, 6, 4, None]
+    assert [offload_llama.llama_cpu_moe(mixtral, f) for f in (0.0, 0.25, 0.5, 0.3)] == [8, 6, 4, None]
 
 
-def test_llama_cpp_runs_at_whole_layer_budgets_only(offload, monkeypatch, tmp_path):
+def test_llama_cpp_runs_at_whole_layer_budgets_only(offload, offload_llama, monkeypatch, tmp_path):
     """llama-bench runs at the budgets it can place (the --n-cpu-moe of llama_cpu_moe) and fills those records;
     the others' records say why it did not run."""
     import llama_cpp
@@ -62,7 +68,9 @@ def test_llama_cpp_runs_at_whole_layer_budgets_only(offload, monkeypatch, tmp_pa
     args = types.SimpleNamespace(fractions=[0.0, 0.25, 0.5], llama_bench="llama-bench", gguf="m.gguf",
                                  llama_threads=16, prefill=512, out=str(tmp_path / "offload.json"))
     records = [dict(gpu_expert_fraction=f, source="l2", batch=b) for f in args.fractions for b in (1, "prefill")]
-    offload.llama_cpp_baseline(args, config, records)
+    saved = []
+    offload_llama.llama_cpp_baseline(args, config, records, 32, lambda: saved.append(len(records)))
+    assert saved == [len(records)] * 3  # after each budget
     assert calls == [3, 2]
     by_case = {(r["gpu_expert_fraction"], r["batch"]): r for r in records}
     assert by_case[0.5, 1]["llama_cpp_tok_s"] == 12.0 and by_case[0.5, "prefill"]["llama_cpp_tok_s"] == 102.0
