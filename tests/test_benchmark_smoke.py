@@ -17,7 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
-LIBRARIES = {"conditions.py", "gguf_writer.py", "offload_llama.py", "quantized_files.py"}  # imported by the scripts, not run
+# imported by the scripts, not run
+LIBRARIES = {"conditions.py", "gguf_writer.py", "offload_llama.py", "quantized_files.py"}
 
 # Scripts that time the GPU, with the options of a run: each must stop at the GPU check, before writing anything.
 GPU_SCRIPTS = {
