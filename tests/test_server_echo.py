@@ -45,6 +45,15 @@ def test_echo_of_a_token_prompt_is_its_text(client, core):
     reply = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True)
     assert reply.choices[0].text == core.tokenizer.decode(ids, skip_special_tokens=False)
     assert reply.usage.completion_tokens == 0 and reply.choices[0].finish_reason == "length"
+    # greedily, the one token the engine generates (and the reply drops) is eos, which stops it: still max_tokens
+    # 0's "length", no stop_reason
+    core.add_request("next", ids, SamplingParams(max_tokens=1, temperature=0))
+    finished = [out for _ in range(8) if core.has_unfinished() for out in core.step() if out.finished]
+    assert finished[0].finish_reason == "stop"
+    reply = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, temperature=0)
+    assert reply.choices[0].text == core.tokenizer.decode(ids, skip_special_tokens=False)
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 0
+    assert getattr(reply.choices[0], "stop_reason", None) is None
 
 
 def test_echoed_logprobs_score_the_prompt_as_generation_scored_the_same_tokens(client, core):

@@ -72,8 +72,9 @@ class Responder:
         echo = request.echo and not choice.echoed
         text, entries = ("", None) if request.echo_only else (output.text, output.logprobs)
         choice.completion_tokens = 0 if request.echo_only else output.completion_tokens
-        choice.finish_reason = output.finish_reason
-        choice.stop_reason = output.stop_reason
+        choice.finish_reason, choice.stop_reason = output.finish_reason, output.stop_reason
+        if request.echo_only and output.finish_reason == "stop":  # the token that stopped is dropped: max_tokens 0
+            choice.finish_reason, choice.stop_reason = "length", None
         if echo:  # the prompt first: its text, its tokens' logprobs (the first token's null)
             choice.echoed = True
             prompt = request.prompts[prompt_index]
@@ -97,7 +98,7 @@ class Responder:
         entry["logprobs"] = logprobs
         entry["finish_reason"] = choice.finish_reason
         if output.finished:
-            entry["stop_reason"] = output.stop_reason
+            entry["stop_reason"] = choice.stop_reason
         return entry
 
     def _delta(self, piece: ReplyPiece, finished: bool) -> dict:
