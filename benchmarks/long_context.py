@@ -3,8 +3,8 @@
 For each shape (`--shapes SHAPE:LAYERS`, random bf16 weights of the published dimensions, written once under
 `--folder-root` with a word-level tokenizer, and as GGUF beside it for llama.cpp), each KV cache dtype
 (`--kv-dtypes`), each of Colibri's matmul precisions (`--matmul-precisions`: medium, the engine's default, bf16
-activations into tensor-core products as llama.cpp computes them, and high, two bf16 parts; llama.cpp runs once), each context C
-(`--contexts`) and batch B (`--batches`):
+activations into tensor-core products as llama.cpp computes them, and high, two bf16 parts; llama.cpp runs once),
+each step token budget (`--max-num-batched-tokens`), each context C (`--contexts`) and batch B (`--batches`):
 
   colibri_prefill_tok_s  B requests of C random prompt tokens each added to `EngineCore` at once (chunked prefill
                          with the engine's default token budget, as `colibri serve` runs it): B * C over the wall
@@ -461,9 +461,11 @@ def run_requests(core, prompts: list[list[int]], decode_tokens: int, room: int, 
 
 
 def colibri_cases(folder: Path, config, kv_dtype: str, precision: str, contexts: list[int], batches: list[int],
-                  decode_tokens: int, max_case_seconds: float, phases: bool = False) -> list[dict]:
+                  decode_tokens: int, max_case_seconds: float, phases: bool = False,
+                  step_tokens: int | None = None) -> list[dict]:
     """Colibri's records of one shape, KV dtype and matmul precision: one engine sized for the largest case, every
-    case on it (with `phases`, each case's prefill phases too)."""
+    case on it (with `phases`, each case's prefill phases too). `step_tokens`: the engine's token budget of one
+    step (max_num_batched_tokens; None: the engine's default)."""
     import cupy
 
     from colibri_stream.engine import EngineCore
@@ -475,6 +477,8 @@ def colibri_cases(folder: Path, config, kv_dtype: str, precision: str, contexts:
                    kv_cache_dtype=kv_dtype)
     if precision != "high":  # the default, which revisions without the option compute
         options["matmul_precision"] = precision
+    if step_tokens is not None:
+        options["max_num_batched_tokens"] = step_tokens
     try:
         core = EngineCore.from_pretrained(str(folder), **options)
     except Exception as error:  # an option this revision lacks, or a cache that does not fit
@@ -571,8 +575,10 @@ def table(records: list[dict]) -> str:
     lines = ["| shape | kv | precision | context | batch | prefill tok/s Colibri / llama.cpp | x | decode tok/s "
              "Colibri / llama.cpp | x | decode / roofline | TTFT s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
+        budget = (r.get("colibri_options") or {}).get("max_num_batched_tokens")
+        precision = r["matmul_precision"] + (f", {budget} tokens a step" if budget else "")
         lines.append(
-            f"| {r['shape']} ({shape_layers(r)}) | {r['kv_dtype']} | {r['matmul_precision']} | {r['context']} | "
+            f"| {r['shape']} ({shape_layers(r)}) | {r['kv_dtype']} | {precision} | {r['context']} | "
             f"{r['batch']} | "
             f"{cell(r.get('colibri_prefill_tok_s'))} / {cell(r.get('llama_prefill_tok_s'))} | "
             f"{cell(ratio(r.get('colibri_prefill_tok_s'), r.get('llama_prefill_tok_s')), 2)} | "
@@ -605,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="write each shape's folder and GGUF (with --gguf-py) and stop: a later run times them "
                              "(no GPU needed)")
     parser.add_argument("--max-case-seconds", type=float, default=60.0)
+    parser.add_argument("--max-num-batched-tokens", nargs="+", type=int, default=[None],
+                        help="Colibri's token budgets of one step to run in turn (default: the engine's)")
     parser.add_argument("--phases", action="store_true", help="record each case's prefill phases (step timer on)")
     parser.add_argument("--llama-timeout", type=float, default=300.0)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "long_context.json"))
@@ -640,9 +648,10 @@ def main(argv: list[str] | None = None) -> int:
         gguf = gguf_beside(folder, args.gguf_py, gguf_root) if args.batched_bench else None
         files = model_fields(spec, config, folder, gguf)
         for kv_dtype in args.kv_dtypes:
-            cases = [case for precision in args.matmul_precisions
+            cases = [case for precision in args.matmul_precisions for step_tokens in args.max_num_batched_tokens
                      for case in colibri_cases(folder, config, kv_dtype, precision, contexts, args.batches,
-                                               args.decode_tokens, args.max_case_seconds, args.phases)]
+                                               args.decode_tokens, args.max_case_seconds, args.phases,
+                                               step_tokens)]
             llama = (llama_cases(args.batched_bench, gguf, kv_dtype, contexts, args.batches,
                                  args.decode_tokens, args.llama_timeout) if args.batched_bench else {})
             for case in cases:
