@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .backends.tuning import LATENT_PREFILL_MAX_BYTES
 from .config import CacheConfig, ModelConfig
 from .memory import MemoryInfo
 from .errors import ConfigError
@@ -81,12 +82,19 @@ def sliding_pool_blocks(window: int, block_size: int, max_batch_size: int, max_n
 def activation_reserve(config: ModelConfig, max_num_batched_tokens: int) -> int:
     """Bytes a step's float32 activations may need at most, kept out of a GPU's KV budget: per token of the step,
     the hidden state and its norms and residuals (12 H), q, k, v and attention output (4 (Q + 2K) D), the routed or
-    dense MLP's gate, up and product (3 max(k I, I_dense)), and a row of logits (V)."""
+    dense MLP's gate, up and product (3 max(k I, I_dense)), and a row of logits (V); for latent attention, the
+    prefill's decompressed contexts too (bf16 keys' no-rope parts and values of every head and the latent rows, at
+    most LATENT_PREFILL_MAX_BYTES)."""
     mlp = max(config.top_k * config.moe_intermediate_size, config.intermediate_size,
               config.shared_expert_intermediate_size)
     per_token = (12 * config.hidden_size + 4 * (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
                  + 3 * mlp + config.vocab_size)
-    return max(MIN_ACTIVATION_RESERVE, 4 * per_token * max_num_batched_tokens)
+    decompressed = 0
+    if config.attention == "mla":
+        nope = config.head_dim - config.rotary_dim
+        row = 2 * (config.num_heads * (nope + config.v_head_dim) + config.kv_lora_rank + config.rotary_dim)
+        decompressed = min(LATENT_PREFILL_MAX_BYTES, row * config.max_position_embeddings)
+    return max(MIN_ACTIVATION_RESERVE, 4 * per_token * max_num_batched_tokens + decompressed)
 
 
 def default_budget(memory: MemoryInfo, gpu_memory_utilization: float, reserve: int) -> int:

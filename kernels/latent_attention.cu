@@ -3,13 +3,14 @@
 // Multi-head Latent Attention (DeepSeek-V3, Kimi K2) with the up-projections absorbed: each head's query is taken
 // onto the latent (linear.cu's per_head_rows) and attends, with its rotated rope part, over cached rows
 // [latent (R) | rotated rope key (ROPE)] that serve as keys and, their first R values, as values; one cache array
-// [num_blocks, block_size, 1, R + ROPE] per layer.
+// [num_blocks, block_size, 1, R + ROPE] per layer. Prefill chunks of DeepSeek-V3's widths at matmul precision
+// medium take the decompressed form instead (latent_prefill.cu).
 //
 // latent_rope_write<KV>: the step from the projections to attention.
-//   q_latent float32 [T, Q, R] contiguous; q_rope float32 [T, Q, ROPE] contiguous; latent float32 [T, R]
-//   (normalised); k_rope float32 [T, ROPE]; cos, sin float32 [P, ROPE / 2]; positions, slot_mapping int64 [T];
-//   query float32 [T, Q, R + ROPE] (out); cache KV [num_blocks * block_size, R + ROPE].
-//   query[t, h] = [q_latent[t, h] | rotate(q_rope[t, h])]; cache row slot_mapping[t] (negative: none) =
+//   q float32 [T, Q, N + ROPE] contiguous (each head's query: N values without rotary, then its rope part); latent
+//   float32 [T, R] (normalised); k_rope float32 [T, ROPE]; cos, sin float32 [P, ROPE / 2]; positions, slot_mapping
+//   int64 [T]; query float32 [T, Q, N + ROPE] (out); cache KV [num_blocks * block_size, R + ROPE].
+//   query[t, h] = [q[t, h, :N] | rotate(q[t, h, N:])]; cache row slot_mapping[t] (negative: none) =
 //   [latent[t] | rotate(k_rope[t])] / scale, rounded to KV. rotate: the rotate-half form out[i] = x1 c - x2 s,
 //   out[i + ROPE / 2] = x2 c + x1 s with (x1, x2) = (x[i], x[i + ROPE / 2]), or (x[2i], x[2i + 1]) when
 //   `interleaved`, c and s at the token's position (model/rope.py's tables, backends/rotary.py's NumPy form).
@@ -18,7 +19,9 @@
 // latent_attention<KV, R, ROPE, SPLIT, MT>: every query token over its own causal range of the latent cache (decode
 // tokens and prefill chunks alike: token t of the sequence query_start names, at position p, reads keys 0 .. p) on
 // tensor cores, flash-decoding style (mma.sync.m16n8k16, float32 accumulation).
-//   q float32 [T, Q, R + ROPE] (latent_rope_write's query), cache KV [num_blocks, block_size, 1, R + ROPE]
+//   q_latent float32 [T, Q, R] contiguous (each head's query taken onto the latent); q_rope float32: the rotated rope
+//   part of head h of token t at q_rope + (t Q + h) rope_stride (latent_rope_write's query, past its N no-rope
+//   values); cache KV [num_blocks, block_size, 1, R + ROPE]
 //   (__nv_bfloat16 or __half used as stored, exactly; __nv_fp8_e4m3 copied as bytes and widened to __half, exactly),
 //   block_tables int64 [B, max_blocks], query_start int64 [B + 1], positions int64 [T];
 //   out float32 [T, Q, R] (the attention output over the values, the latent part of the rows), or, where the
@@ -58,22 +61,21 @@ __device__ __forceinline__ float rotated(const float* x, const float* c, const f
 
 template <typename KV>
 __global__ void __launch_bounds__(256)
-latent_rope_write(const float* __restrict__ q_latent, const float* __restrict__ q_rope,
-                  const float* __restrict__ latent, const float* __restrict__ k_rope, const float* __restrict__ cos,
-                  const float* __restrict__ sin, const long long* __restrict__ positions,
+latent_rope_write(const float* __restrict__ q, const float* __restrict__ latent, const float* __restrict__ k_rope,
+                  const float* __restrict__ cos, const float* __restrict__ sin, const long long* __restrict__ positions,
                   const long long* __restrict__ slot_mapping, float* __restrict__ query, KV* __restrict__ cache,
-                  int num_heads, int R, int rope, int interleaved, float scale) {
+                  int num_heads, int N, int R, int rope, int interleaved, float scale) {
     pdl_wait();
     const long long t = blockIdx.x;
-    const int half = rope / 2, width = R + rope;
+    const int half = rope / 2, query_width = N + rope, width = R + rope;
     const float* c = cos + positions[t] * half;
     const float* s = sin + positions[t] * half;
     const int head0 = blockIdx.y * ROPE_HEADS, heads = min(ROPE_HEADS, num_heads - head0);
-    for (int e = threadIdx.x; e < heads * width; e += blockDim.x) {
-        const int h = head0 + e / width, d = e % width;
+    for (int e = threadIdx.x; e < heads * query_width; e += blockDim.x) {
+        const int h = head0 + e / query_width, d = e % query_width;
         const long long row = t * num_heads + h;
-        query[row * width + d] = d < R ? q_latent[row * R + d]
-                                       : rotated(q_rope + row * rope, c, s, d - R, rope, interleaved != 0);
+        const float* q_row = q + row * query_width;
+        query[row * query_width + d] = d < N ? q_row[d] : rotated(q_row + N, c, s, d - N, rope, interleaved != 0);
     }
     const long long slot = slot_mapping[t];
     if (blockIdx.y != 0 || slot < 0) return;
@@ -85,10 +87,12 @@ latent_rope_write(const float* __restrict__ q_latent, const float* __restrict__ 
 
 template <typename KV, int R, int ROPE, bool SPLIT, int MT>
 __global__ void __launch_bounds__(LATENT_THREADS * MT, MT == 1 ? 2 : 1)
-latent_attention(const float* __restrict__ q, const KV* __restrict__ cache, const long long* __restrict__ block_tables,
-              const long long* __restrict__ query_start, const long long* __restrict__ positions,
-              float* __restrict__ out, float* __restrict__ partial_acc, float* __restrict__ partial_ml, int num_seqs,
-              int num_heads, int block_size, int max_blocks, float scale, float v_scale, int split_keys) {
+latent_attention(const float* __restrict__ q_latent, const float* __restrict__ q_rope, int rope_stride,
+                 const KV* __restrict__ cache, const long long* __restrict__ block_tables,
+                 const long long* __restrict__ query_start, const long long* __restrict__ positions,
+                 float* __restrict__ out, float* __restrict__ partial_acc, float* __restrict__ partial_ml,
+                 int num_seqs, int num_heads, int block_size, int max_blocks, float scale, float v_scale,
+                 int split_keys) {
     constexpr int DK = R + ROPE;                       // elements of a cached row
     constexpr int STRIDE = DK + FLASH_PAD;             // elements per shared row
     constexpr int KSTEPS = DK / 16 / LATENT_WARPS;     // k-steps of a warp's partial scores
@@ -129,12 +133,15 @@ latent_attention(const float* __restrict__ q, const KV* __restrict__ cache, cons
     {
         const bool in_a = head0 + r < num_heads, in_b = head0 + r + 8 < num_heads;
         const long long head_row = static_cast<long long>(t) * num_heads;
-        const float* row_a = q + (head_row + min(head0 + r, num_heads - 1)) * DK + k_dim0;
-        const float* row_b = q + (head_row + min(head0 + r + 8, num_heads - 1)) * DK + k_dim0;
+        const long long head_a = head_row + min(head0 + r, num_heads - 1);
+        const long long head_b = head_row + min(head0 + r + 8, num_heads - 1);
         const float2 zero = make_float2(0.f, 0.f);
 #pragma unroll
         for (int k = 0; k < KSTEPS; ++k) {
-            const int d = k * 16 + 2 * c;
+            // a k-step lies wholly in the latent part or the rope part (R is a multiple of 16)
+            const int dim = k_dim0 + k * 16, d = (dim < R ? dim : dim - R) + 2 * c;
+            const float* row_a = dim < R ? q_latent + head_a * R : q_rope + head_a * rope_stride;
+            const float* row_b = dim < R ? q_latent + head_b * R : q_rope + head_b * rope_stride;
             const float2 a0 = in_a ? *reinterpret_cast<const float2*>(row_a + d) : zero;
             const float2 a2 = in_a ? *reinterpret_cast<const float2*>(row_a + d + 8) : zero;
             const float2 b0 = in_b ? *reinterpret_cast<const float2*>(row_b + d) : zero;

@@ -1,6 +1,7 @@
 """Multi-head Latent Attention's kernels on the GPU (cupy_latent.py: linear.cu's per_head_rows, latent_attention.cu's
-latent_rope_write and latent_attention) against the NumPy backend, and a tiny DeepSeek-V3 model of DeepSeek-V3's
-latent widths (kv_lora_rank 512, rope 64) whose decode steps are captured in CUDA graphs (CUDA GPU).
+latent_rope_write and latent_attention; cupy_latent_prefill.py's decompressed prefill) against the NumPy backend,
+and tiny DeepSeek-V3 models of DeepSeek-V3's latent widths (kv_lora_rank 512, rope 64) whose decode steps are
+captured in CUDA graphs and whose prompts prefill in the decompressed form (CUDA GPU).
 
 latent_attention multiplies on tensor cores with the query and the probabilities split into two 16-bit parts, as
 flash_decode does: within 1e-5 of the NumPy backend's float32 attention over the same stored rows (at matmul
@@ -22,7 +23,7 @@ from test_gpu_model import decode_batch  # noqa: E402
 from test_parity import NEW_TOKENS, colibri_greedy, colibri_logits, prompt_ids, relative_error  # noqa: E402
 from tiny_models import VOCAB_SIZE, build_hf_model  # noqa: E402
 
-from colibri_stream.backends import cupy_latent  # noqa: E402
+from colibri_stream.backends import cupy_latent, tuning  # noqa: E402
 from colibri_stream.backends.cupy_backend import CupyBackend  # noqa: E402
 from colibri_stream.backends.tuning import PER_HEAD_ROWS_MAX_TOKENS, TOKEN_TILES  # noqa: E402
 from colibri_stream.cuda_graph import DecodeGraph  # noqa: E402
@@ -37,6 +38,12 @@ RANK, ROPE = 512, 64  # DeepSeek-V3's kv_lora_rank and qk_rope_head_dim: latent_
 # medium: q and the probabilities rounded to bf16 (about 8 significant bits each), as flash_attention's bf16 operands
 MEDIUM_TOLERANCE = 1e-2
 LATENT_SCALES = {"float32": 1.0, "bfloat16": 1.0, "float16": 1.0, "float8_e4m3": 0.5}  # one scale: keys and values
+NOPE, VALUE = 128, 128  # DeepSeek-V3's qk_nope_head_dim and v_head_dim: latent_prefill_attention's instantiation
+
+
+def parts(query):
+    """A query [T, Q, R + r] as absorbed_latent_attention's two parts (views)."""
+    return query[..., :RANK], query[..., RANK:]
 
 
 @pytest.mark.parametrize("kv_dtype", [d for d in KV_DTYPES if d != "float32"])
@@ -54,10 +61,10 @@ def test_latent_decode_matches_numpy(kv_dtype, heads, splits, monkeypatch):
     scale, kv_scale = 0.07, LATENT_SCALES[kv_dtype]
     launched = launched_kernels(monkeypatch)
     poison()
-    ours = GPU.latent_attention(cupy.asarray(query), gpu_cache, batch, device_batch, scale, kv_scale, RANK)
+    ours = GPU.absorbed_latent_attention(*parts(cupy.asarray(query)), gpu_cache, batch, device_batch, scale, kv_scale)
     kernel = f"latent_attention<{KV_CTYPES[kv_dtype]}, {RANK}, {ROPE}, true, 1>"
     assert launched == ([kernel] if splits == "one" else [kernel, "paged_attention_merge"]), launched
-    check(ours, REF.latent_attention(query, cache, batch, {}, scale, kv_scale, RANK))
+    check(ours, REF.absorbed_latent_attention(*parts(query), cache, batch, {}, scale, kv_scale))
 
 
 @pytest.mark.parametrize("kv_dtype", [d for d in KV_DTYPES if d != "float32"])
@@ -75,10 +82,10 @@ def test_latent_prefill_chunks_take_the_kernel(kv_dtype, precision, m_tiles, mon
     backend = GPU if precision == "high" else CupyBackend("medium")
     launched = launched_kernels(monkeypatch)
     poison()
-    ours = backend.latent_attention(cupy.asarray(query), gpu_cache, batch, device_batch, 0.07, 1.0, RANK)
+    ours = backend.absorbed_latent_attention(*parts(cupy.asarray(query)), gpu_cache, batch, device_batch, 0.07, 1.0)
     split = "true" if precision == "high" else "false"
     assert launched == [f"latent_attention<{KV_CTYPES[kv_dtype]}, {RANK}, {ROPE}, {split}, {m_tiles}>"], launched
-    check(ours, REF.latent_attention(query, cache, batch, {}, 0.07, 1.0, RANK),
+    check(ours, REF.absorbed_latent_attention(*parts(query), cache, batch, {}, 0.07, 1.0),
           1e-5 if precision == "high" else MEDIUM_TOLERANCE)
 
 
@@ -89,20 +96,21 @@ def test_latent_attention_over_a_float32_cache_goes_by_sequence(monkeypatch):
     seqs = [(1, 1), (37, 37), (100, 1), (64, 5)]
     batch, (cache, gpu_cache), _, query, device_batch = attention_case(rng, seqs, 16, 8, 1, RANK + ROPE, "float32")
     launched = launched_kernels(monkeypatch)
-    ours = GPU.latent_attention(cupy.asarray(query), gpu_cache, batch, device_batch, 0.07, 1.0, RANK)
+    ours = GPU.absorbed_latent_attention(*parts(cupy.asarray(query)), gpu_cache, batch, device_batch, 0.07, 1.0)
     assert launched == [], launched
-    check(ours, REF.latent_attention(query, cache, batch, {}, 0.07, 1.0, RANK))
+    check(ours, REF.absorbed_latent_attention(*parts(query), cache, batch, {}, 0.07, 1.0))
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_latent_rope_write_matches_numpy(kv_dtype, interleaved, monkeypatch):
-    """The query [q_latent | rotated q_rope] and the cache rows [latent | rotated k_rope] / scale at their slots
-    (a negative slot writes nothing), over 11 heads (a last block of one) and both rope pairings."""
+@pytest.mark.parametrize("nope", [NOPE, 48])
+def test_latent_rope_write_matches_numpy(kv_dtype, interleaved, nope, monkeypatch):
+    """The query [q_nope | rotated q_rope] and the cache rows [latent | rotated k_rope] / scale at their slots
+    (a negative slot writes nothing), over 11 heads (a last block of one), both rope pairings, and query widths
+    apart from the latent's."""
     rng = np.random.default_rng(len(kv_dtype) + interleaved)
     t, heads, block_size, num_blocks = 6, 11, 4, 5
-    q_latent = rng.standard_normal((t, heads, RANK)).astype(np.float32)
-    q_rope = rng.standard_normal((t, heads, ROPE)).astype(np.float32)
+    q = rng.standard_normal((t, heads, nope + ROPE)).astype(np.float32)
     latent = rng.standard_normal((t, RANK)).astype(np.float32)
     k_rope = rng.standard_normal((t, ROPE)).astype(np.float32)
     cos, sin = cos_sin_table(RopeConfig(theta=1e4), ROPE, 64)
@@ -112,16 +120,69 @@ def test_latent_rope_write_matches_numpy(kv_dtype, interleaved, monkeypatch):
     start = rng.standard_normal((num_blocks, block_size, 1, RANK + ROPE)).astype(np.float32)
     cache, gpu_cache = kv_cache_pair(start, kv_dtype)
     launched = launched_kernels(monkeypatch)
-    ours = GPU.latent_rope_write(*(cupy.asarray(a) for a in (q_latent, q_rope, latent, k_rope, cos, sin, positions)),
-                                 interleaved, gpu_cache, cupy.asarray(slots), scale)
+    ours = GPU.latent_rope_write(*(cupy.asarray(a) for a in (q, latent, k_rope, cos, sin, positions)), interleaved,
+                                 gpu_cache, cupy.asarray(slots), scale)
     assert launched == [f"latent_rope_write<{KV_CTYPES[kv_dtype]}>"], launched
-    reference = REF.latent_rope_write(q_latent, q_rope, latent, k_rope, cos, sin, positions, interleaved, cache,
-                                      slots, scale)
+    reference = REF.latent_rope_write(q, latent, k_rope, cos, sin, positions, interleaved, cache, slots, scale)
     check(ours, reference, 1e-6)
+    assert np.array_equal(cupy.asnumpy(ours)[..., :nope], q[..., :nope])
     stored, expected = kv_to_float32(gpu_cache), cache.astype(np.float32)
     assert np.allclose(stored, expected, rtol=KV_ROUNDING[kv_dtype], atol=0), kv_dtype
     assert np.array_equal(stored.reshape(-1, RANK + ROPE)[2], start.astype(cache.dtype).astype(np.float32)
                           .reshape(-1, RANK + ROPE)[2])  # slot 2 was nobody's: untouched
+
+
+def up_projections(rng, heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random bf16 k_up [Q, R, N] and v_up [Q, Dv, R] of DeepSeek-V3's widths."""
+    return weight(rng, (heads, RANK, NOPE), "bfloat16"), weight(rng, (heads, VALUE, RANK), "bfloat16")
+
+
+@pytest.mark.parametrize("kv_dtype", [d for d in KV_DTYPES if d != "float32"] + ["float32"])
+@pytest.mark.parametrize("budget", ["all", "first"])
+def test_decompressed_prefill_matches_numpy(kv_dtype, budget, monkeypatch):
+    """A prefill step at matmul precision medium: the sequences computing LATENT_PREFILL_MIN_TOKENS tokens or more
+    (a whole prompt, chunks after a cached prefix, one past a block boundary of 64 query rows) take the decompressed
+    form, the others (decode tokens, a short chunk) the absorbed one in a launch of their own; with the byte budget
+    lowered to the first long sequence's context, the later long ones keep the absorbed form too. Every token's
+    values within bf16 operands' tolerance of the NumPy backend's absorbed form over the same stored rows."""
+    rng = np.random.default_rng(len(kv_dtype) + len(budget))
+    heads = 12
+    seqs = [(1, 1), (150, 150), (100, 1), (364, 70), (64, 5), (900, 131)]
+    batch, (cache, gpu_cache), _, query, device_batch = attention_case(rng, seqs, 16, heads, 1, RANK + ROPE,
+                                                                       kv_dtype)
+    query = query[..., :NOPE + ROPE].copy()  # [T, Q, N + r]
+    k_up, v_up = up_projections(rng, heads)
+    if budget == "first":
+        row_bytes = 2 * (heads * (NOPE + VALUE) + RANK + ROPE)
+        monkeypatch.setattr(tuning, "LATENT_PREFILL_MAX_BYTES", 150 * row_bytes)
+    backend = CupyBackend("medium")
+    scale, kv_scale = 0.07, LATENT_SCALES[kv_dtype]
+    launched = launched_kernels(monkeypatch)
+    poison()
+    ours = backend.latent_attention(cupy.asarray(query), backend.prepare_weight(k_up), backend.prepare_weight(v_up),
+                                    gpu_cache, batch, device_batch, scale, kv_scale)
+    kv_type = KV_CTYPES[kv_dtype]
+    assert launched[:2] == [f"latent_gather<{kv_type}, __nv_bfloat16>",
+                            f"latent_prefill_attention<{NOPE}, {ROPE}, {VALUE}>"], launched
+    assert (f"latent_attention<{kv_type}, {RANK}, {ROPE}, false, 1>" in launched) == (kv_dtype != "float32"), launched
+    reference = REF.latent_attention(query, k_up.astype(np.float32), v_up.astype(np.float32), cache, batch, {},
+                                     scale, kv_scale)
+    check(ours, reference, MEDIUM_TOLERANCE)
+
+
+def test_decompressed_prefill_keeps_precision_high(monkeypatch):
+    """At matmul precision high a prefill step keeps the absorbed form (split products, float32-close)."""
+    rng = np.random.default_rng(3)
+    batch, (cache, gpu_cache), _, query, device_batch = attention_case(rng, [(200, 200)], 16, 4, 1, RANK + ROPE,
+                                                                       "bfloat16")
+    query = query[..., :NOPE + ROPE].copy()
+    k_up, v_up = up_projections(rng, 4)
+    launched = launched_kernels(monkeypatch)
+    ours = GPU.latent_attention(cupy.asarray(query), GPU.prepare_weight(k_up), GPU.prepare_weight(v_up), gpu_cache,
+                                batch, device_batch, 0.07, 1.0)
+    assert not any(name.startswith("latent_prefill") for name in launched), launched
+    check(ours, REF.latent_attention(query, k_up.astype(np.float32), v_up.astype(np.float32), cache, batch, {}, 0.07,
+                                     1.0), 1e-4)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -183,6 +244,21 @@ def test_latent_model_matches_numpy(latent_model, kv_dtype):
     assert error < (2**-8 if kv_dtype == "bf16" else 2**-4), error
     if kv_dtype == "bf16":
         assert colibri_greedy(gpu, ids, NEW_TOKENS, kv_dtype) == colibri_greedy(cpu, ids, NEW_TOKENS, kv_dtype)
+
+
+def test_decompressed_prefill_model_matches_numpy(tmp_path):
+    """A tiny model of DeepSeek-V3's head widths at matmul precision medium: its prompt (past
+    LATENT_PREFILL_MIN_TOKENS) prefills in the decompressed form; logits within bf16 operands' tolerance of the NumPy
+    backend's, the same greedy tokens."""
+    build_hf_model("deepseek_v3", tmp_path / "hf", kv_lora_rank=RANK, qk_rope_head_dim=ROPE, qk_nope_head_dim=NOPE,
+                   v_head_dim=VALUE)
+    export_model(tmp_path / "hf", tmp_path / "model", dtype="bf16", progress=False)
+    cpu = load_model(tmp_path / "model", device="cpu")
+    gpu = load_model(tmp_path / "model", device="cuda", matmul_precision="medium")
+    ids = np.random.default_rng(5).integers(3, VOCAB_SIZE, 3 * tuning.LATENT_PREFILL_MIN_TOKENS)
+    error = relative_error(colibri_logits(gpu, ids, "bf16"), colibri_logits(cpu, ids, "bf16"))
+    assert error < 2**-6, error
+    assert colibri_greedy(gpu, ids, NEW_TOKENS, "bf16") == colibri_greedy(cpu, ids, NEW_TOKENS, "bf16")
 
 
 @pytest.mark.parametrize("batch_size", [1, 5])

@@ -26,7 +26,8 @@ from colibri_stream.backends.kernels import COMPILE_OPTIONS, kernel_dir, kernel_
 
 WEIGHT_TYPES = ("float", "__nv_bfloat16", "__half", "signed char", "__nv_fp8_e4m3")
 # templated on the KV cache's element type (linear.cu: its to_storage fills a cache from float32)
-KV_FILES = ("attention.cu", "attention_prologue.cu", "flash_attention.cu", "latent_attention.cu", "linear.cu")
+KV_FILES = ("attention.cu", "attention_prologue.cu", "flash_attention.cu", "latent_attention.cu", "latent_prefill.cu",
+            "linear.cu")
 ARCH = "compute_90"  # the H200
 
 

@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from colibri_stream.backends import cupy_latent
+from colibri_stream.backends import cupy_latent, cupy_latent_prefill
+from colibri_stream.backends.cupy_flash_attention import FLASH_ROWS
 from colibri_stream.backends.cupy_launch import FAMILIES, launch
 from colibri_stream.backends.kernels import kernel_dir
 
@@ -42,3 +43,14 @@ def test_the_latent_launches_mirror_their_kernels_constants():
     assert cupy_latent.LATENT_THREADS == 32 * latent["LATENT_WARPS"]
     assert cupy_latent.HEAD_ROWS == linear["LINEAR_WARPS"] * 32 // linear["HEAD_TEAM"] * linear["HEAD_TEAM_ROWS"]
     assert cupy_latent.FLASH_PAD == flash["FLASH_PAD"]
+
+
+def test_the_decompressed_prefill_mirrors_its_kernels_constants():
+    """cupy_latent_prefill.py's launch shape and shared-memory size follow latent_prefill.cu's constants."""
+    prefill = kernel_constants("latent_prefill.cu")
+    assert (cupy_latent_prefill.PREFILL_KEYS, cupy_latent_prefill.PREFILL_STAGES) == (
+        prefill["PREFILL_KEYS"], prefill["PREFILL_STAGES"])
+    assert cupy_latent_prefill.PREFILL_THREADS == 32 * prefill["PREFILL_ROWS"] // 16
+    assert prefill["PREFILL_ROWS"] == FLASH_ROWS  # the tiles are row_tiles' blocks
+    assert FAMILIES["latent_prefill.cu"]("__nv_fp8_e4m3") == (
+        "latent_gather<__nv_fp8_e4m3, __nv_bfloat16>", "latent_prefill_attention<128, 64, 128>")

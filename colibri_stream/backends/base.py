@@ -150,27 +150,37 @@ class Backend(ABC):
         kv_scales. K and D are read from the caches' shape [num_blocks, block_size, K, D].
         """
 
-    def latent_rope_write(self, q_latent: Array, q_rope: Array, latent: Array, k_rope: Array, cos: Array,
-                          sin: Array, positions: Array, interleaved: bool, cache: Array, slot_mapping: Array,
-                          scale: float = 1.0) -> Array:
-        """Multi-head Latent Attention's step from its projections to attention -> the query [T, Q, R + r].
+    def latent_rope_write(self, q: Array, latent: Array, k_rope: Array, cos: Array, sin: Array, positions: Array,
+                          interleaved: bool, cache: Array, slot_mapping: Array, scale: float = 1.0) -> Array:
+        """Multi-head Latent Attention's step from its projections to attention -> the query [T, Q, N + r].
 
-        q_latent [T, Q, R] (each head's query without rotary, through its key up-projection), q_rope [T, Q, r],
-        latent [T, R] (normalised), k_rope [T, r]: q_rope and k_rope rotated (cos, sin [P, r/2]; `interleaved`
-        as `rotary`'s), each token's latent and rotated k_rope stored as one row [R + r] of cache [num_blocks,
-        block_size, 1, R + r] at slot_mapping [T] (divided by `scale`), and q_latent then the rotated q_rope
-        returned. Attention over that cache as both keys and values gives each head's latent output in its first
-        R columns.
+        q [T, Q, N + r] (each head's query: N values without rotary, then its rope part), latent [T, R]
+        (normalised), k_rope [T, r]: the rope parts of q and k_rope rotated (cos, sin [P, r/2]; `interleaved` as
+        `rotary`'s), each token's latent and rotated k_rope stored as one row [R + r] of cache [num_blocks,
+        block_size, 1, R + r] at slot_mapping [T] (divided by `scale`), and q with its rope parts rotated returned.
         """
         raise NotImplementedError(f"the {self.name} backend does not run Multi-head Latent Attention")
 
-    def latent_attention(self, query: Array, cache: Array, batch: ForwardBatch, device_batch: dict[str, Array],
-                         scale: float, kv_scale: float, rank: int) -> Array:
-        """Multi-head Latent Attention of query [T, Q, R + r] (latent_rope_write's) over the cache rows [R + r] as
-        keys and their first R values as values (read times kv_scale), scores scaled by `scale` -> [T, Q, R]:
-        `paged_attention` with the cache as keys and values, its latent part."""
-        return self.paged_attention(query, cache, cache, batch, device_batch, scale, None,
-                                    (kv_scale, kv_scale))[..., :rank]
+    def latent_attention(self, query: Array, k_up: Array, v_up: Array, cache: Array, batch: ForwardBatch,
+                         device_batch: dict[str, Array], scale: float, kv_scale: float) -> Array:
+        """Multi-head Latent Attention of query [T, Q, N + r] (latent_rope_write's) over the cached rows [R + r]
+        (read times kv_scale), scores scaled by `scale` -> each head's value [T, Q, Dv]. A head's key is
+        [latent . k_up[h] | rope key] and its value latent . v_up[h]^T (k_up [Q, R, N], v_up [Q, Dv, R]).
+
+        Here in the absorbed form, which never forms the keys and values: each head's query without rotary taken
+        onto the latent (through k_up), attention over the rows themselves (`absorbed_latent_attention`), and the
+        latent output through v_up."""
+        nope = k_up.shape[2]
+        q_latent = self.per_head_linear(query[..., :nope], k_up)  # [T, Q, R]
+        attended = self.absorbed_latent_attention(q_latent, query[..., nope:], cache, batch, device_batch, scale,
+                                                  kv_scale)  # [T, Q, R]
+        return self.per_head_linear(attended, v_up)
+
+    def absorbed_latent_attention(self, q_latent: Array, q_rope: Array, cache: Array, batch: ForwardBatch,
+                                  device_batch: dict[str, Array], scale: float, kv_scale: float) -> Array:
+        """Attention of the queries [q_latent [T, Q, R] | q_rope [T, Q, r]] over the cache rows [R + r] as keys and
+        their first R values as values (read times kv_scale), scores scaled by `scale` -> [T, Q, R]."""
+        raise NotImplementedError(f"the {self.name} backend does not run Multi-head Latent Attention")
 
     def per_head_linear(self, x: Array, weight: Array) -> Array:
         """x [T, H, In], weight [H, Out, In] -> [T, H, Out]: each head through its own matrix."""

@@ -10,7 +10,8 @@ into the same output, each after the first adding to it (routed experts per expe
 `weight_product` is that GEMM on raw pointers, so a caller can multiply a slice of rows by one expert's matrix in
 place. Inside a CUDA-graph capture it calls cuBLAS through ctypes (captured_cublas.py), since CuPy's wrappers
 refuse to run there. `per_head_products` multiplies each head of the activations by its own matrix (latent
-attention's up-projections) as one strided batched GEMM per part, outside captures.
+attention's up-projections) as one strided batched GEMM per part, outside captures; `per_head_expansion` takes bf16
+rows that every head shares through each head's matrix into bf16 (latent attention's decompressed prefill).
 """
 
 from __future__ import annotations
@@ -105,3 +106,30 @@ def per_head_products(x_parts: Array, weight: Array, num_parts: int) -> Array:
             out.data.ptr, runtime.CUDA_R_32F, heads * n_out, n_out, heads, cublas.CUBLAS_COMPUTE_32F,
             cublas.CUBLAS_GEMM_DEFAULT)
     return out
+
+
+def per_head_expansion(x: Array, weight: Array, out: Array, column: int, inputs_first: bool) -> None:
+    """out[c, h, column : column + Out] = x[c] . W_h for every head h, float32 accumulation rounded to out's bf16,
+    as one strided batched GEMM whose heads share x: W_h = weight[h]^T of weight [H, Out, In], or with
+    `inputs_first` W_h = weight[h] of weight [H, In, Out].  # x [C, In], weight (bf16 bits) -> out [C, H, W] bf16"""
+    import cupy
+    from cupy.cuda import runtime
+    from cupy_backends.cuda.libs import cublas
+
+    heads = weight.shape[0]
+    n_in, n_out = (weight.shape[1], weight.shape[2]) if inputs_first else (weight.shape[2], weight.shape[1])
+    rows, width = x.shape[0], out.shape[2]
+    if rows == 0:
+        return
+    code = _cuda_type(weight.dtype)
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    # Column-major per head h: out_h^T [Out, C] (rows of H * W, head h from column h * W + column) = W_h^T [Out, In]
+    # (weight[h] row-major [Out, In] read transposed, or [In, Out] read as it is) times x^T [In, C] (shared: stride 0)
+    op, lda = (cublas.CUBLAS_OP_N, n_out) if inputs_first else (cublas.CUBLAS_OP_T, n_in)
+    cublas.gemmStridedBatchedEx(
+        handle, op, cublas.CUBLAS_OP_N, n_out, rows, n_in, one.ctypes.data,
+        weight.data.ptr, code, lda, n_out * n_in, x.data.ptr, code, n_in, 0, zero.ctypes.data,
+        out.data.ptr + column * out.itemsize, runtime.CUDA_R_16BF, heads * width, width, heads,
+        cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)

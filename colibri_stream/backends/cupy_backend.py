@@ -41,7 +41,9 @@ from .cupy_flash_attention import (DECODE_THREADS, FLASH_FILE, FLASH_THREADS, Fl
                                    decode_shared_bytes, flash_attention_launch,
                                    takes_flash_attention, takes_flash_decode)
 from .cupy_expert_gemm import min_gemm_pairs
-from .cupy_latent import KvRows, latent_attention, latent_rope_write, per_head_linear, takes_latent_kernel
+from .cupy_latent import (KvRows, absorbed_latent_attention, latent_rope_write, per_head_linear,
+                          takes_latent_kernel)
+from .cupy_latent_prefill import LatentPrefill, decompressed_attention
 from .cupy_launch import (NULL, FAMILIES, ceil_div, check_row_width, launch, smallest_tile, storage_type,
                           to_device_storage)
 from .cupy_moe import DeviceExpertStore, routed_experts
@@ -144,6 +146,7 @@ class CupyBackend(Backend):
         # resets what it counted)
         self._route_counters = cupy.zeros(ROUTER_SPLIT_TOKENS, np.uint32)
         self._flash_tiles = FlashTileCache()
+        self._latent_prefill = LatentPrefill(cupy)
         self.kv_rows = KvRows(cupy)  # cache rows widened for the array operations' attention
         self._clock: CudaEventClock | None = None  # made on first use
 
@@ -335,13 +338,26 @@ class CupyBackend(Backend):
         return self._sigmoid(x)
 
     # ---- attention ----------------------------------------------------------------------------------------
-    def latent_rope_write(self, q_latent, q_rope, latent, k_rope, cos, sin, positions, interleaved, cache,
-                          slot_mapping, scale=1.0):
-        return latent_rope_write(self.cp, q_latent, q_rope, latent, k_rope, cos, sin, positions, interleaved, cache,
-                                 slot_mapping, scale)
+    def latent_rope_write(self, q, latent, k_rope, cos, sin, positions, interleaved, cache, slot_mapping, scale=1.0):
+        return latent_rope_write(self.cp, q, latent, k_rope, cos, sin, positions, interleaved, cache, slot_mapping,
+                                 scale)
 
-    def latent_attention(self, query, cache, batch: ForwardBatch, device_batch, scale, kv_scale, rank):
-        return latent_attention(self, query, cache, batch, device_batch, scale, kv_scale, rank)
+    def latent_attention(self, query, k_up, v_up, cache, batch: ForwardBatch | None, device_batch, scale, kv_scale):
+        """Prefill chunks in the decompressed form where cupy_latent_prefill.py takes the step (the step's other
+        sequences as a batch of their own in the absorbed form), every other step in the absorbed form."""
+        plan = self._latent_prefill.plan(query, k_up, v_up, cache, batch, self.activation_parts)
+        if plan is None:
+            return super().latent_attention(query, k_up, v_up, cache, batch, device_batch, scale, kv_scale)
+        out = self.cp.empty((query.shape[0], query.shape[1], v_up.shape[1]), np.float32)  # [T, Q, Dv]
+        decompressed_attention(self.cp, plan, query, k_up, v_up, cache, device_batch, scale, kv_scale, out)
+        if plan.absorbed is not None:
+            part = plan.absorbed
+            out[part.rows] = super().latent_attention(query[part.rows], k_up, v_up, cache, part.batch,
+                                                      part.device_batch, scale, kv_scale)
+        return out
+
+    def absorbed_latent_attention(self, q_latent, q_rope, cache, batch, device_batch, scale, kv_scale):
+        return absorbed_latent_attention(self, q_latent, q_rope, cache, batch, device_batch, scale, kv_scale)
 
     def per_head_linear(self, x, weight):
         return per_head_linear(self.cp, self.kv_rows, x, weight, self.activation_parts)

@@ -104,13 +104,20 @@ def flash_tiles(query_start: np.ndarray, positions: np.ndarray, group: int) -> n
     """int32 [N, 2]: (sequence, first row) of each block of FLASH_ROWS query rows, sequence b holding
     (query_start[b + 1] - query_start[b]) * group rows; the blocks whose last token sits furthest into its context
     (the most keys to read) come first."""
-    rows = np.diff(query_start) * group  # [B]
+    return row_tiles(query_start[:-1], np.diff(query_start), positions, group)
+
+
+def row_tiles(starts: np.ndarray, tokens: np.ndarray, positions: np.ndarray, group: int) -> np.ndarray:
+    """int32 [N, 2]: (index into starts, first row) of each block of FLASH_ROWS query rows over sequences whose
+    tokens are positions[starts[i] : starts[i] + tokens[i]], tokens[i] * group rows each; the blocks whose last token
+    sits furthest into its context come first."""
+    rows = tokens * group  # [B]
     counts = -(-rows // FLASH_ROWS)  # [B] blocks per sequence
     seqs = np.repeat(np.arange(len(rows)), counts)  # [N]
     first_block = np.concatenate([[0], np.cumsum(counts)[:-1]])  # [B]
     row0 = (np.arange(len(seqs)) - first_block[seqs]) * FLASH_ROWS  # [N]
     last_row = np.minimum(row0 + FLASH_ROWS, rows[seqs]) - 1  # [N]
-    last_pos = positions[query_start[seqs] + last_row // group]  # [N]
+    last_pos = positions[starts[seqs] + last_row // group]  # [N]
     order = np.argsort(-last_pos, kind="stable")
     return np.stack([seqs[order], row0[order]], axis=1).astype(np.int32)
 

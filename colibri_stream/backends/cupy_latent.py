@@ -1,12 +1,13 @@
-"""Multi-head Latent Attention on the GPU (DeepSeek-V3, Kimi K2), and the CuPy backend's attention from array
-operations for what its kernels do not take.
+"""Multi-head Latent Attention on the GPU (DeepSeek-V3, Kimi K2) in the absorbed form, and the CuPy backend's
+attention from array operations for what its kernels do not take.
 
 Latent attention runs on kernels that read the batch on the device, so its decode steps are captured in CUDA
-graphs: each head's up-projection (linear.cu's per_head_rows, for decode-sized steps; larger steps take cuBLAS's
-batched GEMM, cublas_gemm.py), the rope parts and the cache rows (latent_attention.cu's latent_rope_write), and
+graphs: the rope parts and the cache rows (latent_attention.cu's latent_rope_write), each head's up-projection
+(linear.cu's per_head_rows, for decode-sized steps; larger steps take cuBLAS's batched GEMM, cublas_gemm.py), and
 attention over the rows [latent | rope key] on tensor cores (latent_attention: every query token over its own
 causal range, decode tokens and prefill chunks alike; a decode token's context split over the GPU, the splits
-combined by attention.cu's paged_attention_merge). Latent widths and cache dtypes the kernel is not compiled for
+combined by attention.cu's paged_attention_merge). Prefill chunks at matmul precision medium take the
+decompressed form where they can (cupy_latent_prefill.py). Latent widths and cache dtypes the kernel is not compiled for
 (`takes_latent_kernel`) attend through sequence_attention.py's array operations, a sequence at a time, reading the
 batch on the host (never captured); `KvRows` widens cache rows of any storage dtype to float32 for that path (and
 for sink logits' attention where a head is wider than the kernels take).
@@ -107,43 +108,49 @@ def per_head_linear(cp: Any, rows: KvRows, x: Any, weight: Any, num_parts: int) 
     return cp.ascontiguousarray(cp.matmul(x.transpose(1, 0, 2), w.transpose(0, 2, 1)).transpose(1, 0, 2))
 
 
-def latent_rope_write(cp: Any, q_latent: Any, q_rope: Any, latent: Any, k_rope: Any, cos: Any, sin: Any,
-                      positions: Any, interleaved: bool, cache: Any, slot_mapping: Any, scale: float = 1.0) -> Any:
-    """`Backend.latent_rope_write` in one launch of latent_rope_write: q_rope and k_rope rotated, the rows [latent |
-    rotated k_rope] divided by `scale` and rounded into cache [num_blocks, block_size, 1, R + r] at slot_mapping (a
-    negative slot stores nothing), and the query [q_latent | rotated q_rope] [T, Q, R + r] returned."""
-    q_latent, q_rope, latent, k_rope = (cp.ascontiguousarray(a) for a in (q_latent, q_rope, latent, k_rope))
-    t, heads, rank = q_latent.shape
-    rope = q_rope.shape[2]
-    query = cp.empty((t, heads, rank + rope), np.float32)  # [T, Q, R + r]
+def latent_rope_write(cp: Any, q: Any, latent: Any, k_rope: Any, cos: Any, sin: Any, positions: Any,
+                      interleaved: bool, cache: Any, slot_mapping: Any, scale: float = 1.0) -> Any:
+    """`Backend.latent_rope_write` in one launch of latent_rope_write: q's rope parts and k_rope rotated, the rows
+    [latent | rotated k_rope] divided by `scale` and rounded into cache [num_blocks, block_size, 1, R + r] at
+    slot_mapping (a negative slot stores nothing), and the query [q_nope | rotated q_rope] [T, Q, N + r] returned."""
+    q, latent, k_rope = (cp.ascontiguousarray(a) for a in (q, latent, k_rope))
+    t, heads, width = q.shape
+    rank, rope = latent.shape[1], k_rope.shape[1]
+    query = cp.empty((t, heads, width), np.float32)  # [T, Q, N + r]
     kv_type = storage_type(cache)
     launch(LATENT_FILE, f"latent_rope_write<{kv_type}>", (t, ceil_div(heads, ROPE_HEADS)), 256,
-           (q_latent, q_rope, latent, k_rope, cos, sin, positions, slot_mapping, query, cache, np.int32(heads),
-            np.int32(rank), np.int32(rope), np.int32(interleaved), np.float32(scale)), weight_type=kv_type)
+           (q, latent, k_rope, cos, sin, positions, slot_mapping, query, cache, np.int32(heads),
+            np.int32(width - rope), np.int32(rank), np.int32(rope), np.int32(interleaved), np.float32(scale)),
+           weight_type=kv_type)
     return query
 
 
-def latent_attention(backend: Any, query: Array, cache: Array, batch: ForwardBatch, device_batch: dict[str, Array],
-                     scale: float, kv_scale: float, rank: int) -> Array:
-    """`Backend.latent_attention` on the GPU.  # query [T, Q, R + r] -> [T, Q, R]
+def absorbed_latent_attention(backend: Any, q_latent: Array, q_rope: Array, cache: Array, batch: ForwardBatch,
+                              device_batch: dict[str, Array], scale: float, kv_scale: float) -> Array:
+    """`Backend.absorbed_latent_attention` on the GPU.  # q_latent [T, Q, R], q_rope [T, Q, r] -> [T, Q, R]
 
     Over a cache the latent_attention kernel takes: one launch (its q and probabilities in two bf16 parts at matmul
     precision high, one at medium), split over the context as flash_decode's are, from shapes only (inside a graph
     capture `batch` holds shapes): enough blocks to fill the GPU at the tables' full width, each token using as
     many splits as its own context fills, then paged_attention_merge (a prefill step's many tokens fill the GPU
-    unsplit, its blocks taking two m-tiles of heads each). Otherwise sequence_attention.py's array operations (host
-    reads, never captured)."""
+    unsplit, its blocks taking two m-tiles of heads each). q_rope is read in place where its heads' rows are evenly
+    strided (a view of latent_rope_write's query). Otherwise sequence_attention.py's array operations (host reads,
+    never captured)."""
     cp = backend.cp
-    t, heads, width = query.shape
+    t, heads, rank = q_latent.shape
+    rope = q_rope.shape[2]
     kv_dtype = STORAGE_NAMES[np.dtype(cache.dtype)]
-    if not takes_latent_kernel(rank, width - rank, kv_dtype):
+    if not takes_latent_kernel(rank, rope, kv_dtype):
+        query = cp.concatenate([q_latent, q_rope], axis=2)  # [T, Q, R + r]
         return paged_attention_rows(cp, backend.kv_rows.widen, query, cache, cache, batch, scale, None,
                                     (kv_scale, kv_scale))[..., :rank]
-    query = cp.ascontiguousarray(query)
+    q_latent = cp.ascontiguousarray(q_latent)
+    if q_rope.strides[2] != 4 or q_rope.strides[0] != heads * q_rope.strides[1] or q_rope.data.ptr % 8:
+        q_rope = cp.ascontiguousarray(q_rope)
     tables = device_batch["block_tables"]  # [B, max_blocks] int64
     block_size = cache.shape[1]
     head_tiles = ceil_div(heads, LATENT_HEADS)  # a token's blocks a split, as flash_decode's KV heads
-    split = backend.decode_splits(query, head_tiles, tables.shape[1] * block_size, LATENT_MAX_SPLITS,
+    split = backend.decode_splits(q_latent, head_tiles, tables.shape[1] * block_size, LATENT_MAX_SPLITS,
                                   LATENT_BLOCKS_PER_SM, LATENT_SPLIT_KEYS, rank)
     # m-tiles a block: the widest where the tokens alone fill the GPU (then unsplit), else one
     filled = t * head_tiles >= LATENT_BLOCKS_PER_SM * backend.multiprocessors
@@ -151,11 +158,12 @@ def latent_attention(backend: Any, query: Array, cache: Array, batch: ForwardBat
     out = cp.empty((t, heads, rank), np.float32)  # [T, Q, R]
     kv_type = storage_type(cache)
     two_parts = "true" if backend.activation_parts == 2 else "false"
-    launch(LATENT_FILE, f"latent_attention<{kv_type}, {rank}, {width - rank}, {two_parts}, {m_tiles}>",
+    launch(LATENT_FILE, f"latent_attention<{kv_type}, {rank}, {rope}, {two_parts}, {m_tiles}>",
            (t, ceil_div(heads, m_tiles * LATENT_HEADS), split.splits), m_tiles * LATENT_THREADS,
-           (query, cache, tables, device_batch["query_start"], device_batch["positions"], out, split.acc, split.ml,
-            np.int32(tables.shape[0]), np.int32(heads), np.int32(block_size), np.int32(tables.shape[1]),
-            np.float32(scale * kv_scale), np.float32(kv_scale), np.int32(split.split_keys)),
-           shared_mem=latent_shared_bytes(rank, width - rank, cache.itemsize), weight_type=kv_type)
+           (q_latent, q_rope, np.int32(q_rope.strides[1] // 4), cache, tables, device_batch["query_start"],
+            device_batch["positions"], out, split.acc, split.ml, np.int32(tables.shape[0]), np.int32(heads),
+            np.int32(block_size), np.int32(tables.shape[1]), np.float32(scale * kv_scale), np.float32(kv_scale),
+            np.int32(split.split_keys)),
+           shared_mem=latent_shared_bytes(rank, rope, cache.itemsize), weight_type=kv_type)
     backend.merge_splits(split, out, device_batch, np.int32(0), kv_type, NULL)
     return out

@@ -16,7 +16,7 @@ from .cupy_flash_attention import FLASH_FILE, flash_instantiations
 from .kernels import get_kernel
 from .launch import launch_programmatic, programmatic_active
 from .tuning import (GQA_GROUPS, GQA_MAX_LANE_FLOATS, INT4_ROW_SHARING, LATENT_HEAD_TILES, LATENT_KERNEL_SHAPES,
-                     LINEAR_MMA_TILES, MMA_TILES, MOE_ROWS_PER_WARP, MOE_TILES, TOKEN_TILES)
+                     LATENT_PREFILL_SHAPES, LINEAR_MMA_TILES, MMA_TILES, MOE_ROWS_PER_WARP, MOE_TILES, TOKEN_TILES)
 
 Array = Any  # a cupy.ndarray
 NULL = np.uint64(0)  # a null pointer kernel argument
@@ -67,6 +67,9 @@ FAMILIES = {
     "latent_attention.cu": lambda w: (f"latent_rope_write<{w}>", *(
         f"latent_attention<{w}, {rank}, {rope}, {split}, {mt}>" for rank, rope in LATENT_KERNEL_SHAPES
         for split in ("true", "false") for mt in LATENT_HEAD_TILES if w != "float")),
+    # w: the KV cache's element type (its rows gathered into bf16)
+    "latent_prefill.cu": lambda w: (f"latent_gather<{w}, __nv_bfloat16>", *(
+        f"latent_prefill_attention<{nope}, {rope}, {value}>" for nope, rope, value in LATENT_PREFILL_SHAPES)),
 }
 
 

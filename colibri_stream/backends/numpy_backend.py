@@ -149,12 +149,17 @@ class NumpyBackend(Backend):
         _write_rows(key_cache, key, slot_mapping, kv_scales[0])
         _write_rows(value_cache, value, slot_mapping, kv_scales[1])
 
-    def latent_rope_write(self, q_latent, q_rope, latent, k_rope, cos, sin, positions, interleaved, cache,
-                          slot_mapping, scale=1.0):
-        q_rope = self.rotary(q_rope, cos, sin, positions, interleaved)  # [T, Q, r]
+    def latent_rope_write(self, q, latent, k_rope, cos, sin, positions, interleaved, cache, slot_mapping, scale=1.0):
+        nope = q.shape[2] - k_rope.shape[1]
+        q_rope = self.rotary(q[..., nope:], cos, sin, positions, interleaved)  # [T, Q, r]
         k_rope = self.rotary(k_rope[:, None, :], cos, sin, positions, interleaved)  # [T, 1, r]
         _write_rows(cache, np.concatenate([latent[:, None, :], k_rope], axis=-1), slot_mapping, scale)
-        return np.concatenate([q_latent, q_rope], axis=-1)  # [T, Q, R + r]
+        return np.concatenate([q[..., :nope], q_rope], axis=-1)  # [T, Q, N + r]
+
+    def absorbed_latent_attention(self, q_latent, q_rope, cache, batch, device_batch, scale, kv_scale):
+        query = np.concatenate([q_latent, q_rope], axis=-1)  # [T, Q, R + r]
+        return self.paged_attention(query, cache, cache, batch, device_batch, scale, None,
+                                    (kv_scale, kv_scale))[..., :q_latent.shape[2]]
 
     def per_head_linear(self, x, weight):
         # [H, T, In] @ [H, In, Out]: one BLAS product per head

@@ -83,6 +83,15 @@ LATENT_SPLIT_KEYS = 256
 # (LATENT_BLOCKS_PER_SM blocks a multiprocessor of one m-tile each, unsplit: prefill chunks) takes the widest, whose
 # blocks read each key tile once for more heads; decode launches take one m-tile, more blocks to split a context over
 LATENT_HEAD_TILES = (1, 2)
+# latent_prefill.cu: prefill chunks in the decompressed form (cupy_latent_prefill.py). Its (no-rope, rope, value)
+# head widths: DeepSeek-V3's, Kimi K2's and DeepSeek-V2's
+LATENT_PREFILL_SHAPES = ((128, 64, 128),)
+# a sequence's chunk of this many tokens or more takes it: decompressing the context costs about as much as the
+# absorbed form's extra products over it for some 40 query tokens
+LATENT_PREFILL_MIN_TOKENS = 64
+# bytes a step's decompressed contexts may take at most (keys' no-rope parts and values of every head, bf16); the
+# sequences past it keep the absorbed form
+LATENT_PREFILL_MAX_BYTES = 2 << 30
 MERGE_MAX_SPLITS = 1024  # = MERGE_MAX_SPLITS in attention.cu: the splits paged_attention_merge takes at most
 MERGE_THREADS = 256  # = MERGE_WARPS * 32 in attention.cu: threads of a paged_attention_merge block
 PROLOGUE_WARPS = 4  # warps per block of qk_norm_rope_write (attention_prologue.cu) without a full-width qk norm

@@ -223,26 +223,23 @@ class MoETransformer:
 
     def _latent_attention(self, index: int, layer: LayerWeights, x: Array, batch: ForwardBatch,
                           device_batch: dict[str, Array], kv_cache: PagedKVCache) -> Array:
-        """Multi-head Latent Attention with the up-projections absorbed: each head's query is taken onto the latent
-        (k_up) and attends, with its rotated rope part, over the cached rows [latent | rope key] as keys and values
-        alike (one KV head); the latent part of its output goes through v_up to the head's value."""
+        """Multi-head Latent Attention: each head's query [no-rope | rotated rope part] over the cached rows
+        [latent | rotated rope key] through the key and value up-projections (k_up, v_up), in whichever form the
+        backend computes (Backend.latent_attention)."""
         b, cfg, lat = self.backend, self.config, layer.latent
         t, heads, rank = batch.num_tokens, cfg.num_heads, cfg.kv_lora_rank
-        nope = cfg.head_dim - cfg.rotary_dim
         if lat.q_a_proj is None:
             q = b.linear(x, layer.q_proj)  # [T, Q*D]
         else:
             q = b.linear(b.rms_norm(b.linear(x, lat.q_a_proj), lat.q_a_norm, cfg.latent_norm_eps), lat.q_b_proj)
-        q = q.reshape(t, heads, cfg.head_dim)  # [T, Q, D]
         compressed = b.linear(x, lat.kv_a_proj)  # [T, R + r]
         latent = b.rms_norm(compressed[:, :rank], lat.kv_a_norm, cfg.latent_norm_eps)  # [T, R]
         cache, scale = kv_cache.keys[index], kv_cache.k_scales[index]
-        query = b.latent_rope_write(b.per_head_linear(q[..., :nope], lat.k_up), q[..., nope:], latent,
-                                    compressed[:, rank:], self.rope_cos, self.rope_sin, device_batch["positions"],
-                                    cfg.rope_interleave, cache, device_batch["slot_mapping"], scale)  # [T, Q, R + r]
-        attended = b.latent_attention(query, cache, batch, device_batch, self.attention_scale, scale,
-                                      rank)  # [T, Q, R]
-        values = b.per_head_linear(attended, lat.v_up)  # [T, Q, Dv]
+        query = b.latent_rope_write(q.reshape(t, heads, cfg.head_dim), latent, compressed[:, rank:], self.rope_cos,
+                                    self.rope_sin, device_batch["positions"], cfg.rope_interleave, cache,
+                                    device_batch["slot_mapping"], scale)  # [T, Q, D]
+        values = b.latent_attention(query, lat.k_up, lat.v_up, cache, batch, device_batch, self.attention_scale,
+                                    scale)  # [T, Q, Dv]
         return b.linear(values.reshape(t, heads * cfg.v_head_dim), layer.o_proj)
 
     def _mlp(self, index: int, layer: LayerWeights, x: Array) -> Array:
