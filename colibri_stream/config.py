@@ -316,25 +316,43 @@ class ModelConfig:
 
 
 
+# The token budget of one step where none is given, by device: on a GPU a prefill chunk of 8192 tokens reads each
+# MoE layer's expert weights once for four times the tokens of 2048 (vLLM's and SGLang's default chunk on large
+# GPUs is 8192 too); on the CPU a step's latency grows with its tokens, and its products gain little past 2048.
+DEFAULT_STEP_TOKENS = {"cuda": 8192, "cpu": 2048}
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How much work one engine step may take on, and how long sequences may grow."""
 
     max_batch_size: int = 32  # sequences scheduled in one step
-    max_num_batched_tokens: int = 2048  # token budget of one step, shared by decodes and prefill chunks
+    # token budget of one step, shared by decodes and prefill chunks; None: DEFAULT_STEP_TOKENS of the engine's
+    # device (`on_device`)
+    max_num_batched_tokens: int | None = None
     max_seq_len: int | None = None  # prompt + output tokens of one sequence; None: the model's maximum
     max_queue: int = 0  # waiting requests before new ones are refused; 0: unbounded
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_num_batched_tokens"):
-            _check_positive_int(name, getattr(self, name))
+        _check_positive_int("max_batch_size", self.max_batch_size)
+        if self.max_num_batched_tokens is not None:
+            _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+            if self.max_num_batched_tokens < self.max_batch_size:
+                raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                                  f"max_batch_size ({self.max_batch_size}) so that every running sequence can "
+                                  "decode")
         if self.max_seq_len is not None:
             _check_positive_int("max_seq_len", self.max_seq_len)
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ConfigError(f"max_queue must be a non-negative integer, got {self.max_queue!r}")
-        if self.max_num_batched_tokens < self.max_batch_size:
-            raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                              f"max_batch_size ({self.max_batch_size}) so that every running sequence can decode")
+
+    def on_device(self, device: str) -> SchedulerConfig:
+        """This config with a step's token budget: the one given, else DEFAULT_STEP_TOKENS of `device` ("cpu" or
+        "cuda"; at least max_batch_size)."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        return dataclasses.replace(self, max_num_batched_tokens=max(DEFAULT_STEP_TOKENS[device],
+                                                                    self.max_batch_size))
 
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp32")  # --kv-cache-dtype; auto: fp16 for fp16 models, else bf16

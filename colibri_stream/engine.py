@@ -115,6 +115,7 @@ class EngineCore:
     """
 
     def __init__(self, model: MoETransformer, tokenizer: Tokenizer, config: EngineConfig):
+        config = dataclasses.replace(config, scheduler=config.scheduler.on_device(model.backend.device))
         self.config = config
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer

@@ -187,6 +187,7 @@ def kv_report(config: ModelConfig, plan: PlacementPlan, cache: CacheConfig, dtyp
     `dtype` (model/paged_kv.py): on the GPU, `gpu_total` under gpu_memory_utilization less the plan's weights and
     expert slots and the activation reserve; on the CPU, a share of the host's available memory `host`. Layers
     with a window shorter than the model's context count apart: a fixed share per sequence, taken off first."""
+    scheduler = scheduler.on_device(plan.device)
     context = config.max_position_embeddings
     sliding = SlidingLayers.of(config, context) if cache.sliding_window_pool else None
     num_sliding = 0 if sliding is None else len(sliding.layers)
