@@ -23,7 +23,9 @@ from .config import EngineConfig, ModelConfig
 from .engine import EngineCore, EngineStats
 from .engine_loop import AbortRequest, AddRequest, Command, LoopEnded, StepReport, StopLoop, run_step_loop
 from .engine_process import EngineProcess
-from .errors import EngineStepError, EngineStoppedError, InvalidParameterError, QueueFullError, describe
+from .errors import (ConfigError, EngineStepError, EngineStoppedError, InvalidParameterError, QueueFullError,
+                     describe)
+from .expert_group import ExpertParallelProcess
 from .experts.stats import ExpertStats
 from .request import RequestOutput, SamplingParams
 from .request_checks import RequestChecks
@@ -124,20 +126,28 @@ class AsyncEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | None = None, engine_process: bool = False,
-                        process_env: dict[str, str] | None = None, **config: Any) -> AsyncEngine:
+                        process_env: dict[str, str] | None = None, expert_parallel: int = 1,
+                        **config: Any) -> AsyncEngine:
         """Load a model folder (None: the model shipped with Colibri). engine_process: run the steps in a child
         process (spawned; this process never touches the device), else on a thread of this one. Options:
         max_batch_size, max_num_batched_tokens, max_seq_len, kv_cache_memory (bytes) or num_kv_blocks (default:
         sized from free memory, docs/KV_CACHE.md), gpu_memory_utilization (default 0.9), kv_cache_dtype (auto |
         bf16 | fp16 | fp8 | fp32), block_size, enable_prefix_caching (default True), max_queue (0: unbounded),
         device ("cpu" | "auto"), verify, cuda_graphs (default True: decode steps replayed as CUDA graphs on the
-        GPU). process_env: environment variables of the engine process (with engine_process only)."""
+        GPU). process_env: environment variables of the engine process (with engine_process only).
+        expert_parallel: ranks the routed experts are sharded over, each in a process of its own
+        (expert_group.py; with engine_process only)."""
         if process_env and not engine_process:
             raise ValueError("process_env needs engine_process=True")
+        if expert_parallel != 1 and not engine_process:
+            raise ConfigError("expert-parallel ranks run in engine processes of their own; drop --no-engine-process "
+                              "or use --expert-parallel 1")
         if not engine_process:
             return cls(EngineCore.from_pretrained(path, **config))
         engine_config = EngineConfig.from_options(str(default_model_path()) if path is None else str(path), **config)
-        process = EngineProcess(path, config, process_env)  # raises what loading the model raised
+        # each raises what loading the model raised
+        process = (EngineProcess(path, config, process_env) if expert_parallel == 1
+                   else ExpertParallelProcess(path, config, expert_parallel, process_env))
         try:
             ready = process.ready
             tokenizer = Tokenizer.from_folder(engine_config.model)

@@ -63,7 +63,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action="store_true", help="check every checksum before loading")
     p.add_argument("--max-seq-len", type=int, default=None, help="longest prompt + completion (default: the model's)")
     p.add_argument("--max-batch-size", type=int, default=None, help="sequences per step (default 32)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 2048)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: 8192 on a GPU, 2048 on the CPU)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default 16)")
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--kv-cache-memory", type=_size, default=None, metavar="SIZE",
@@ -219,6 +220,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-parallel", type=int, default=1, metavar="N",
                    help="N engine replicas behind this server, each in its own process: on cuda one GPU each, on "
                         "the CPU a share of the cores each (default 1; docs/MULTI_GPU.md)")
+    p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                   help="shard the routed experts over N ranks, each a process of its own: on cuda one GPU each, on "
+                        "the CPU a share of the cores each (default 1; not with --data-parallel; docs/MULTI_GPU.md)")
     _add_trace_argument(p)
     p.set_defaults(run=_run_serve)
 
@@ -236,7 +240,7 @@ def _run_serve(args: argparse.Namespace) -> None:
     if given.get("send_timeout", 1) <= 0:
         given["send_timeout"] = None
     engine = dict(path=args.model, engine_process=args.engine_process, data_parallel=args.data_parallel,
-                  **_engine_options(args))
+                  expert_parallel=args.expert_parallel, **_engine_options(args))
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key, cors_origins=tuple(args.cors_origin),
                served_model_name=args.served_model_name, **given)
 

@@ -86,19 +86,23 @@ class EngineProcess:
     runs the loop and a reader thread that hands each message to `deliver` (after passing its step records to
     the sinks); `send` queues a command; `close` ends the child and joins it. path and options: those of
     `EngineCore.from_pretrained`; env: environment variables set in the child before it loads anything (a data-parallel
-    replica's CUDA_VISIBLE_DEVICES).
+    replica's CUDA_VISIBLE_DEVICES). load: what the child calls with (path, **options) to build its engine, in
+    place of `EngineCore.from_pretrained` (picklable: an expert-parallel group's rank 0, `expert_group.py`);
+    handed: pipe ends that `load` took to the child, closed here once it started.
     """
 
-    def __init__(self, path: str | None, options: dict[str, Any], env: dict[str, str] | None = None):
+    def __init__(self, path: str | None, options: dict[str, Any], env: dict[str, str] | None = None,
+                 load: Callable[..., EngineCore] | None = None, handed: tuple[Connection, ...] = ()):
         context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         commands_in, self._commands = context.Pipe(duplex=False)
         self._events, events_out = context.Pipe(duplex=False)
         self._process = context.Process(target=_child_main, args=(path, options, env or {}, commands_in, events_out,
-                                                                   logging.getLogger().getEffectiveLevel()),
+                                                                   logging.getLogger().getEffectiveLevel(), load),
                                         name="colibri-engine", daemon=True)
         self._process.start()
-        commands_in.close()  # the child's ends: the parent keeps its own, so EOF means the other side is gone
-        events_out.close()
+        # the child's ends (with those `load` took to it): the parent keeps its own, so EOF means the other side is gone
+        for end in (commands_in, events_out, *handed):
+            end.close()
         self._reader: threading.Thread | None = None
         self._sinks: list[StepSink] = []
         self._send_lock = threading.Lock()  # commands come from the event loop and from close()
@@ -205,7 +209,7 @@ def _exit_status(code: int | None) -> str:
 # ---- the child ---------------------------------------------------------------------------------------------------
 
 def _child_main(path: str | None, options: dict[str, Any], env: dict[str, str], commands: Connection,
-                events: Connection, log_level: int) -> None:
+                events: Connection, log_level: int, load: Callable[..., EngineCore] | None) -> None:
     os.environ.update(env)  # before the engine's imports, which read CUDA_VISIBLE_DEVICES and the thread counts
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -213,7 +217,7 @@ def _child_main(path: str | None, options: dict[str, Any], env: dict[str, str], 
     from .engine import EngineCore
 
     try:
-        core = EngineCore.from_pretrained(path, **options)
+        core = (load or EngineCore.from_pretrained)(path, **options)
     except BaseException as error:  # noqa: BLE001 - the parent raises it, as loading in-process would
         with contextlib.suppress(_ParentGone):
             _send(events, LoadFailed(error))

@@ -61,6 +61,11 @@ class EngineStoppedError(ColibriError):
     """The engine is not running (not started, stopping, or stopped after a failure)."""
 
 
+class ExpertParallelError(ColibriError):
+    """A rank of an expert-parallel group died, failed a step or went silent past the collectives' timeout: the
+    group cannot step again, and its requests fail with this."""
+
+
 class EngineStepError(ColibriError):
     """A model step failed while computing this request; the engine aborted the step's requests and goes on."""
 

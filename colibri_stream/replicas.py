@@ -17,19 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
 from typing import Any
 
 from .async_engine import AsyncEngine
 from .checkpoint import default_model_path
 from .config import EngineConfig
 from .engine import EngineStats
+from .engine_router import ReplicaRouter, replica_environments, summed_stats, visible_gpus
 from .errors import ConfigError, InvalidParameterError
 from .experts.stats import ExpertStats
 from .request import RequestOutput, SamplingParams
@@ -37,91 +35,16 @@ from .timing import StepRecord, StepSink
 
 logger = logging.getLogger(__name__)
 
-PROMPT_TOKENS_PER_SEQUENCE = 512  # outstanding prompt tokens that weigh as much load as one running sequence
-PREFIX_AFFINITY_SLACK = 4.0  # a prompt goes back to the replica holding its prefix unless that replica's load
-#                              exceeds the least loaded one's by more than this (in sequences)
-PREFIX_MEMORY = 65536  # prefix keys remembered (least recently sent forgotten first)
-
 
 def load_engine(data_parallel: int = 1, **options: Any) -> AsyncEngine | ReplicaSet:
     """The server's engine: one AsyncEngine (data_parallel=1), else a ReplicaSet of that many. options: those of
-    `AsyncEngine.from_pretrained`."""
+    `AsyncEngine.from_pretrained` (expert_parallel among them: one engine over a group of that many ranks, which
+    does not compose with replicas yet)."""
     if data_parallel == 1:
         return AsyncEngine.from_pretrained(**options)
+    if options.get("expert_parallel", 1) != 1:
+        raise ConfigError("--expert-parallel with --data-parallel is not supported yet: use one of them")
     return ReplicaSet.from_pretrained(data_parallel=data_parallel, **options)
-
-
-def visible_gpus() -> list[str]:
-    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (indices or UUIDs), found without
-    initializing CUDA: the variable when set, else the host's /dev/nvidiaN devices."""
-    given = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if given is not None:
-        return [name.strip() for name in given.split(",") if name.strip() and name.strip() != "-1"]
-    return sorted((name[len("nvidia"):] for name in os.listdir("/dev") if name[len("nvidia"):].isdigit()
-                   and name.startswith("nvidia")), key=int) if os.path.isdir("/dev") else []
-
-
-def replica_environments(data_parallel: int, device: str, cpu_threads: int | None,
-                         gpus: list[str]) -> tuple[list[dict[str, str]], int | None]:
-    """Each replica's process environment and the cpu_threads each runs with. device: the engine option ("auto"
-    uses the GPUs when there are any). Raises ConfigError for N < 1 and for more replicas than GPUs."""
-    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
-        raise ConfigError(f"data_parallel must be a whole number of at least 1, got {data_parallel!r}")
-    on_gpu = device == "cuda" or (device == "auto" and gpus)
-    if on_gpu:
-        if data_parallel > len(gpus):
-            raise ConfigError(f"--data-parallel {data_parallel} needs {data_parallel} GPUs, one per replica; "
-                             f"{len(gpus)} {'is' if len(gpus) == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES)")
-        return [{"CUDA_VISIBLE_DEVICES": gpus[i]} for i in range(data_parallel)], cpu_threads
-    threads = cpu_threads or max(1, (os.cpu_count() or 1) // data_parallel)
-    blas = {name: str(threads) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
-    return [dict(blas, CUDA_VISIBLE_DEVICES="") for _ in range(data_parallel)], threads
-
-
-@dataclass
-class ReplicaLoad:
-    """Work sent to one replica and not done: its requests' sequences until they finish, their prompt tokens
-    until the first output (the prefill is then done)."""
-
-    sequences: int = 0
-    prompt_tokens: int = 0
-
-    @property
-    def value(self) -> float:
-        """The load in sequences: running sequences plus prompt tokens at PROMPT_TOKENS_PER_SEQUENCE."""
-        return self.sequences + self.prompt_tokens / PROMPT_TOKENS_PER_SEQUENCE
-
-
-class ReplicaRouter:
-    """Picks the replica for each request: least loaded, or the one its prefix was last sent to while that one's
-    load is within PREFIX_AFFINITY_SLACK of the least. block_size: tokens per KV block (the prefix key is the
-    prompt's first whole block; a shorter prompt caches nothing and goes by load alone)."""
-
-    def __init__(self, num_replicas: int, block_size: int):
-        self.loads = [ReplicaLoad() for _ in range(num_replicas)]
-        self._block_size = block_size
-        self._last_replica: OrderedDict[tuple[int, ...], int] = OrderedDict()  # prefix key -> replica
-
-    def prefix_key(self, prompt_token_ids: list[int]) -> tuple[int, ...] | None:
-        if len(prompt_token_ids) < self._block_size:
-            return None
-        return tuple(prompt_token_ids[:self._block_size])
-
-    def choose(self, prompt_token_ids: list[int], candidates: list[int]) -> int:
-        """The replica (one of `candidates`, not empty) for a prompt; remembers it for the prompt's prefix."""
-        least = min(candidates, key=lambda i: (self.loads[i].value, i))
-        key = self.prefix_key(prompt_token_ids)
-        chosen = least
-        if key is not None:
-            cached = self._last_replica.get(key)
-            if (cached in candidates
-                    and self.loads[cached].value <= self.loads[least].value + PREFIX_AFFINITY_SLACK):
-                chosen = cached
-            self._last_replica[key] = chosen
-            self._last_replica.move_to_end(key)
-            if len(self._last_replica) > PREFIX_MEMORY:
-                self._last_replica.popitem(last=False)
-        return chosen
 
 
 class ReplicaSet:
@@ -259,10 +182,7 @@ class ReplicaSet:
 
     def stats(self) -> EngineStats:
         """The replicas' snapshots summed (the last step's time: the longest)."""
-        snapshots = self.replica_stats()
-        summed = {f.name: sum(getattr(s, f.name) for s in snapshots) for f in fields(EngineStats)}
-        summed["last_step_time"] = max(s.last_step_time for s in snapshots)
-        return EngineStats(**summed)
+        return summed_stats(self.replica_stats())
 
     def replica_stats(self) -> list[EngineStats]:
         return [replica.stats() for replica in self.replicas]

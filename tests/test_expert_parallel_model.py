@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri_stream.batch import ForwardBatch, flat_batch
+from colibri_stream.batch import flat_batch
 from colibri_stream.experts.expert_parallel import ExpertParallelRank, FakeGroup
 from colibri_stream.export import export_model
+from colibri_stream.group_core import empty_batch
 from colibri_stream.loader import load_model
 from test_expert_parallel import on_ranks
 from tiny_models import VOCAB_SIZE, build_hf_model
@@ -28,13 +29,6 @@ def model_folder(request, tmp_path_factory):
     return folder / "model"
 
 
-def empty_batch() -> ForwardBatch:
-    """A step of no sequences: a rank without tokens still runs every layer's collectives."""
-    none = np.zeros(0, np.int64)
-    return ForwardBatch(token_ids=none, positions=none, query_start=np.zeros(1, np.int64), context_lens=none,
-                        block_tables=np.zeros((0, BLOCKS_PER_SEQ), np.int64), slot_mapping=none, logits_indices=none)
-
-
 def greedy_run(model, prompts: list[list[int]]) -> tuple[list[list[int]], list[np.ndarray]]:
     """Prefill `prompts` in one step, then DECODE_STEPS greedy steps of all of them: (each sequence's new tokens,
     each step's logits [B, V])."""
@@ -44,7 +38,7 @@ def greedy_run(model, prompts: list[list[int]]) -> tuple[list[list[int]], list[n
     logits_per_step = []
     for step in range(DECODE_STEPS + 1):
         if not prompts:
-            batch = empty_batch()
+            batch = empty_batch(sliding=False)  # a rank without tokens still runs every collective
         elif step == 0:
             batch = flat_batch(prompts, [0] * len(prompts), tables, [True] * len(prompts), BLOCK_SIZE)
         else:

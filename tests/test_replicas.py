@@ -17,8 +17,9 @@ from test_server import LiveServer, request
 
 from colibri_stream.async_engine import AsyncEngine
 from colibri_stream.errors import ConfigError
-from colibri_stream.replicas import (PREFIX_AFFINITY_SLACK, PROMPT_TOKENS_PER_SEQUENCE, ReplicaRouter, ReplicaSet,
-                                     load_engine, replica_environments)
+from colibri_stream.replicas import ReplicaSet, load_engine
+from colibri_stream.engine_router import (PREFIX_AFFINITY_SLACK, PROMPT_TOKENS_PER_SEQUENCE, ReplicaRouter,
+                                    replica_environments)
 from colibri_stream.request import SamplingParams
 from colibri_stream.server.app import create_app
 from colibri_stream.server.serving import serve

@@ -143,6 +143,11 @@ class Communicator(ABC):
     def broadcast(self, obj: Any, root: int = 0) -> Any:
         """`obj` of rank `root` (the step plan from the scheduler's rank), on every rank."""
 
+    @abstractmethod
+    def abort(self, reason: str) -> None:
+        """Fail the group from this rank (it left a step midway): every later collective here raises, and the
+        peers' collectives with this rank fail instead of waiting for it."""
+
 
 class FakeGroup:
     """N ranks in one process: `communicator(rank)` gives rank's Communicator, to be used on a thread of its own.
@@ -166,6 +171,10 @@ class FakeGroup:
         self._barrier.wait()  # nobody posts the next collective's value before all have read this one's
         return posts
 
+    def abort(self) -> None:
+        """Break the barrier: every rank waiting in a collective, or entering one, raises BrokenBarrierError."""
+        self._barrier.abort()
+
 
 class _FakeCommunicator(Communicator):
     def __init__(self, group: FakeGroup, rank: int):
@@ -186,6 +195,9 @@ class _FakeCommunicator(Communicator):
 
     def broadcast(self, obj: Any, root: int = 0) -> Any:
         return self._group.exchange(self.rank, obj if self.rank == root else None)[root]
+
+    def abort(self, reason: str) -> None:
+        self._group.abort()
 
 
 def _run_local_experts(rows: np.ndarray, local_experts: np.ndarray, weights: np.ndarray, first_expert: int,
@@ -251,8 +263,9 @@ class ExpertParallelRank:
 
     The experts a rank receives run through its backend's `routed_experts`, one expert at a time with weight 1
     (exact: the weighting follows in `moe_all_to_all`), over the rank's store, which needs to hold only the rank's
-    shard. Host arrays: the NumPy backend (an NCCL communicator over device arrays is docs/MULTI_GPU.md's next
-    step)."""
+    shard. The dispatch and combine run on host arrays: a device backend's rows are copied to the host and back
+    (`Backend.to_host`, `upload`) around the collectives and around each expert (docs/MULTI_GPU.md: the dispatch
+    on device arrays is the next step)."""
 
     def __init__(self, comm: Communicator, num_experts: int):
         self.comm = comm
@@ -261,10 +274,16 @@ class ExpertParallelRank:
     def routed_experts(self, backend: Any, x: np.ndarray, weights: np.ndarray, expert_ids: np.ndarray, layer: int,
                        store: Any, activation: Any = None) -> np.ndarray:
         """`Backend.routed_experts`' result for this rank's tokens x [T, H] (weights, expert_ids [T, k]) -> [T, H]."""
+        id_dtype = expert_ids.dtype  # the backend's routing ids (int64 on the host, int32 on the GPU)
+
         def run_expert(rows: np.ndarray, expert: int) -> np.ndarray:
             n = rows.shape[0]
-            return backend.routed_experts(rows, np.ones((n, 1), np.float32), np.full((n, 1), expert, np.int64),
-                                          layer, store, activation)  # [n, H]
+            out = backend.routed_experts(backend.upload(rows), backend.upload(np.ones((n, 1), np.float32)),
+                                         backend.upload(np.full((n, 1), expert, id_dtype)), layer, store,
+                                         activation)  # [n, H]
+            return backend.to_host(out)
 
-        return moe_all_to_all(self.comm, np.asarray(x, np.float32), np.asarray(weights, np.float32),
-                              np.asarray(expert_ids), self.shard, run_expert)
+        out = moe_all_to_all(self.comm, np.asarray(backend.to_host(x), np.float32),
+                             np.asarray(backend.to_host(weights), np.float32), backend.to_host(expert_ids),
+                             self.shard, run_expert)  # [T, H]
+        return backend.upload(out)

@@ -134,7 +134,8 @@ def run_server(engine_config: dict[str, Any], host: str = "127.0.0.1", port: int
     """Load the engine and serve until SIGTERM or SIGINT (blocking; on uvloop when it is installed).
 
     engine_config: the keyword arguments of AsyncEngine.from_pretrained, the model folder as "path", and
-    data_parallel (replicas.load_engine: that many engine replicas behind this server, default 1). The first
+    data_parallel (replicas.load_engine: that many engine replicas behind this server, default 1) and
+    expert_parallel (the routed experts sharded over that many rank processes, expert_group.py). The first
     signal drains (running requests finish, new ones get 503, up to drain_timeout seconds, then the rest are
     aborted); a second one stops at once. Raises RequestsAbortedError (`colibri serve` exits non-zero) when it
     stopped with requests still running.
