@@ -90,6 +90,32 @@ __device__ __forceinline__ void probability_fragment(const float (&s)[NT][4], in
     split_pair_as<T>(s[2 * k + 1][2], s[2 * k + 1][3], ph[3], pl[3]);
 }
 
+// O += P V over a tile of KEYS keys: P the tile's probabilities as C fragments s (rows r, r + 8 of the warp's 16)
+// packed to T (with SPLIT their low parts too, the products summed), V's rows [KEYS][...] of T in shared memory at
+// `values` with `stride` elements a row, read transposed by ldmatrix from this lane's `value_at` (its row of the 8 x 8
+// matrix lane / 8: keys + 8 for bit 0, dims + 8 for bit 1); DTILES n-tiles of 8 output dims.
+template <typename T, bool SPLIT, int NT, int DTILES>
+__device__ __forceinline__ void add_values(const float (&s)[NT][4], const __nv_bfloat16* values, int value_at,
+                                           int stride, float (&o)[DTILES][4]) {
+    using M = Mma<T>;
+#pragma unroll
+    for (int k = 0; k < NT / 2; ++k) {  // k-step over keys 16k .. 16k + 15
+        unsigned ph[4], pl[4];
+        probability_fragment<T>(s, k, ph, pl);
+#pragma unroll
+        for (int n = 0; n < DTILES / 2; ++n) {  // dims 16n .. 16n + 15: output n-tiles 2n, 2n + 1
+            unsigned b[4];
+            load_matrices_transposed(&values[value_at + k * 16 * stride + n * 16], b);
+            M::mma(o[2 * n], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
+            M::mma(o[2 * n + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
+            if constexpr (SPLIT) {
+                M::mma(o[2 * n], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
+                M::mma(o[2 * n + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
+            }
+        }
+    }
+}
+
 // The mma operand type of a decode cache's elements: themselves for the 16-bit types, __half for fp8 e4m3.
 template <typename KV> struct DecodeOperand { using type = KV; };
 template <> struct DecodeOperand<__nv_fp8_e4m3> { using type = __half; };

@@ -283,29 +283,9 @@ flash_attention(const float* __restrict__ q, const KV* __restrict__ key_cache, c
         online_softmax_step(m, l, o, tile_max, reference);
         exponentiate(s, reference, l);
 
-        // O += P V, k-step k over keys 16k .. 16k + 15 of the tile: p_hi v_hi, + p_lo v_hi with SPLIT,
-        // + p_hi v_lo with SPLIT_KV.
-#pragma unroll
-        for (int k = 0; k < KEYS / 16; ++k) {
-            unsigned ph[4], pl[4];
-            probability_fragment<__nv_bfloat16>(s, k, ph, pl);
-#pragma unroll
-            for (int n = 0; n < DTILES / 2; ++n) {  // dims 16n .. 16n + 15: output n-tiles 2n, 2n + 1
-                unsigned b[4];
-                load_matrices_transposed(&v_hi[value_at + k * 16 * STRIDE + n * 16], b);
-                M::mma(o[2 * n], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
-                M::mma(o[2 * n + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
-                if constexpr (SPLIT) {
-                    M::mma(o[2 * n], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
-                    M::mma(o[2 * n + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
-                }
-                if constexpr (SPLIT_KV) {
-                    load_matrices_transposed(&v_lo[value_at + k * 16 * STRIDE + n * 16], b);
-                    M::mma(o[2 * n], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
-                    M::mma(o[2 * n + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
-                }
-            }
-        }
+        // O += P V: p_hi v_hi, + p_lo v_hi with SPLIT, then + p_hi v_lo with SPLIT_KV.
+        add_values<__nv_bfloat16, SPLIT>(s, v_hi, value_at, STRIDE, o);
+        if constexpr (SPLIT_KV) add_values<__nv_bfloat16, false>(s, v_lo, value_at, STRIDE, o);
         __syncthreads();  // every warp is done with this tile before the next one is staged
     }
     copy_wait<0>();

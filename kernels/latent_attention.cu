@@ -247,23 +247,7 @@ latent_attention(const float* __restrict__ q_latent, const float* __restrict__ q
         float reference[2];
         online_softmax_step(m, l, o, tile_max, reference);
         exponentiate(s, reference, l);
-        // O += P V, k-step k over keys 16k .. 16k + 15 of the tile: p_hi v (+ p_lo v with SPLIT), this warp's dims.
-#pragma unroll
-        for (int k = 0; k < LATENT_KEYS / 16; ++k) {
-            unsigned ph[4], pl[4];
-            probability_fragment<Op>(s, k, ph, pl);
-#pragma unroll
-            for (int n = 0; n < DTILES / 2; ++n) {  // dims 16n .. 16n + 15 of the warp's: n-tiles 2n, 2n + 1
-                unsigned bv[4];
-                load_matrices_transposed(&rows[value_at + k * 16 * STRIDE + n * 16], bv);
-                M::mma(o[2 * n], ph[0], ph[1], ph[2], ph[3], bv[0], bv[1]);
-                M::mma(o[2 * n + 1], ph[0], ph[1], ph[2], ph[3], bv[2], bv[3]);
-                if constexpr (SPLIT) {
-                    M::mma(o[2 * n], pl[0], pl[1], pl[2], pl[3], bv[0], bv[1]);
-                    M::mma(o[2 * n + 1], pl[0], pl[1], pl[2], pl[3], bv[2], bv[3]);
-                }
-            }
-        }
+        add_values<Op, SPLIT>(s, rows, value_at, STRIDE, o);  // O += P V over this warp's dims
     }
     copy_wait<0>();
 

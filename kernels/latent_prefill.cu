@@ -192,19 +192,7 @@ latent_prefill_attention(const float* __restrict__ q, const __nv_bfloat16* __res
         online_softmax_step(m, l, o, tile_max, reference);
         exponentiate(sc, reference, l);
 
-        // O += P V, k-step k over keys 16k .. 16k + 15 of the tile.
-#pragma unroll
-        for (int k = 0; k < PREFILL_KEYS / 16; ++k) {
-            unsigned ph[4], pl[4];
-            probability_fragment<__nv_bfloat16>(sc, k, ph, pl);
-#pragma unroll
-            for (int n = 0; n < DTILES / 2; ++n) {  // dims 16n .. 16n + 15: output n-tiles 2n, 2n + 1
-                unsigned b[4];
-                load_matrices_transposed(&values_s[value_at + k * 16 * V_STRIDE + n * 16], b);
-                M::mma(o[2 * n], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
-                M::mma(o[2 * n + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
-            }
-        }
+        add_values<__nv_bfloat16, false>(sc, values_s, value_at, V_STRIDE, o);  // O += P V
         __syncthreads();  // every warp is done with this slot before a later fetch refills it
     }
     copy_wait<0>();
