@@ -102,7 +102,7 @@ class LatentPrefill:
 
     def __init__(self, cp: Any):
         self.cp = cp
-        self._batch: ForwardBatch | None = None  # the step the plan was made for
+        self._key: tuple[bytes, ...] | None = None  # the batch arrays the plan was made from
         self._plan: DevicePlan | None = None
 
     def plan(self, query: Array, k_up: Array, v_up: Array, cache: Array, batch: ForwardBatch | None,
@@ -119,11 +119,13 @@ class LatentPrefill:
             return None
         if cp.cuda.get_current_stream().is_capturing() or not query.flags.c_contiguous:
             return None
-        if batch is not self._batch:
-            row_bytes = 2 * (heads * (widths[0] + widths[2]) + cache.shape[-1])
-            host = plan_latent_prefill(batch, tuning.LATENT_PREFILL_MIN_TOKENS,
-                                       tuning.LATENT_PREFILL_MAX_BYTES // row_bytes)
-            self._batch, self._plan = batch, None if host is None else self._upload(batch, host)
+        row_bytes = 2 * (heads * (widths[0] + widths[2]) + cache.shape[-1])
+        max_rows = tuning.LATENT_PREFILL_MAX_BYTES // row_bytes
+        key = (np.int64(max_rows).tobytes(), *(np.ascontiguousarray(a).tobytes() for a in (
+            batch.query_start, batch.context_lens, batch.positions, batch.block_tables)))
+        if key != self._key:
+            host = plan_latent_prefill(batch, tuning.LATENT_PREFILL_MIN_TOKENS, max_rows)
+            self._key, self._plan = key, None if host is None else self._upload(batch, host)
         return self._plan
 
     def _upload(self, batch: ForwardBatch, host: LatentPrefillPlan) -> DevicePlan:
