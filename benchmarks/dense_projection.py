@@ -2,8 +2,9 @@
 (linear_mma, split over the columns) at each token count, inside CUDA graphs as a decode step runs them, with
 cuBLAS (eager, not capturable) as a reference. It decides DENSE_MMA_MIN_TOKENS (cupy_backend.py).
 
-Shapes: q/k/v (one launch), o and lm_head of Mixtral-8x7B and Qwen3-30B-A3B, random bf16 weights. Each call reads
-the next of LAYERS copies of the weights, so they come from HBM, not L2. GB/s is weight bytes over time.
+Shapes: q/k/v (one launch), o and lm_head of Mixtral-8x7B and Qwen3-30B-A3B, DeepSeek-V3's latent attention
+projections and lm_head, random bf16 weights. Each call reads the next of LAYERS copies of the weights, so they
+come from HBM, not L2. GB/s is weight bytes over time.
 
     python benchmarks/dense_projection.py --out benchmarks/results/dense_projection_h200.json
 """
@@ -22,16 +23,21 @@ from conditions import constants_set, require_gpu
 from decode import log, machine, measure_bandwidth, time_in_graph
 
 LAYERS = 8  # copies of each weight the calls cycle through
-SHAPES = {  # name: (hidden, q rows, k/v rows, vocabulary)
-    "mixtral-8x7b": (4096, 4096, 1024, 32000),
-    "qwen3-30b-a3b": (2048, 4096, 512, 151936),
-}
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def projections(hidden: int, q: int, kv: int, vocab: int) -> dict[str, tuple[int, list[int]]]:
-    """Each projection as (In, [Out_m] of the matrices of one launch)."""
+    """A grouped-query layer's projections, each as (In, [Out_m] of the matrices of one launch)."""
     return {"q,k,v": (hidden, [q, kv, kv]), "o": (q, [hidden]), "lm_head": (hidden, [vocab])}
+
+
+SHAPES = {  # name: its projections (hidden, q rows, k/v rows, vocabulary for grouped-query attention)
+    "mixtral-8x7b": projections(4096, 4096, 1024, 32000),
+    "qwen3-30b-a3b": projections(2048, 4096, 512, 151936),
+    # latent attention's projections, each its own launch: the query's low-rank pair, the latent's, the output
+    "deepseek-v3": {"q_a": (7168, [1536]), "q_b": (1536, [128 * 192]), "kv_a": (7168, [576]), "o": (128 * 128, [7168]),
+                    "lm_head": (7168, [129280])},
+}
 
 
 def eager_seconds(cp, fn, calls: int = 32) -> float:
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep = [(b, s) for b in args.blocks_per_sm for s in args.min_spans]
     records = []
     for shape in args.shapes:
-        for name, (n_in, n_outs) in projections(*SHAPES[shape]).items():
+        for name, (n_in, n_outs) in SHAPES[shape].items():
             records += [{**common, **record}
                         for record in measure(backend, shape, name, n_in, n_outs, sweep, args.tokens)]
             backend.cp.get_default_memory_pool().free_all_blocks()
