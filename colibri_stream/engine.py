@@ -16,6 +16,7 @@ from typing import Any
 from .checkpoint import default_model_path
 from .config import EngineConfig, ModelConfig
 from .errors import EngineStepError, RequestsFailedError
+from .experts.expert_parallel import Communicator
 from .experts.stats import ExpertStats
 from .kv_budget import (KVCacheSize, SlidingPool, activation_reserve, default_budget, size_kv_cache,
                         sliding_pool_blocks)
@@ -149,12 +150,15 @@ class EngineCore:
         self._closed = False
 
     @classmethod
-    def from_pretrained(cls, path: str | None = None, **options: Any) -> EngineCore:
+    def from_pretrained(cls, path: str | None = None, *, expert_group: Communicator | None = None,
+                        **options: Any) -> EngineCore:
         """Load the model folder at `path` (None: the model shipped with Colibri); `options` are
-        EngineConfig.from_options' flat keys."""
+        EngineConfig.from_options' flat keys; `expert_group`: the communicator of the expert-parallel group this
+        engine is a rank of (`load_model`), or None."""
         config = EngineConfig.from_options(str(default_model_path()) if path is None else str(path), **options)
         model = load_model(config.model, device=config.device, verify=config.verify, experts=config.experts,
-                           max_positions=config.scheduler.max_seq_len, matmul_precision=config.matmul_precision)
+                           max_positions=config.scheduler.max_seq_len, matmul_precision=config.matmul_precision,
+                           expert_group=expert_group)
         return cls(model, Tokenizer.from_folder(config.model), config)
 
     def encode_prompt(self, prompt: str | list[int] | list[dict], add_special_tokens: bool = True,

@@ -31,7 +31,7 @@ from .engine import EngineCore
 from .engine_process import CLOSE_TIMEOUT_SECONDS, EngineProcess, LoadFailed
 from .engine_router import on_gpus, replica_environments, visible_gpus
 from .errors import ConfigError, ExpertParallelError
-from .experts.expert_parallel import Communicator, ExpertParallelRank
+from .experts.expert_parallel import Communicator
 from .experts.pipe_group import COLLECTIVE_TIMEOUT_SECONDS, PipeCommunicator, pipe_mesh
 from .group_core import GroupCore, RankReady, answer_plan, rank_options
 
@@ -50,7 +50,8 @@ def check_expert_parallel(ranks: int, config: ModelConfig, options: dict[str, An
     offload = [name for name in EXPERT_OFFLOAD_OPTIONS if options.get(name) is not None]
     if offload:
         flags = " and ".join("--" + name.replace("_", "-") for name in offload)
-        raise ConfigError(f"--expert-parallel with {flags} is not supported: each rank keeps its experts resident")
+        raise ConfigError(f"--expert-parallel with {flags} is not supported: each rank keeps its shard of the "
+                          f"experts resident")
 
 
 @dataclass
@@ -141,10 +142,9 @@ def _communicator(links: _Links) -> Communicator:
 
 
 def _load_rank(path: str | None, options: dict[str, Any], comm: Communicator) -> EngineCore:
-    """A rank's engine: the model loaded (eager steps) with its routed experts sharded over the group."""
-    core = EngineCore.from_pretrained(path, **rank_options(options))
-    core.runner.model.expert_parallel = ExpertParallelRank(comm, core.model_config.num_experts)
-    return core
+    """A rank's engine: the model loaded (eager steps) with its routed experts sharded over the group, its store
+    holding the rank's shard only."""
+    return EngineCore.from_pretrained(path, expert_group=comm, **rank_options(options))
 
 
 def _load_rank_zero(path: str | None, *, links: _Links, **options: Any) -> GroupCore:

@@ -11,6 +11,7 @@ from .checkpoint import ModelFolder
 from .config import ExpertStoreConfig, ModelConfig
 from .errors import ColibriError, UnsupportedModelError
 from .experts.build import open_expert_store
+from .experts.expert_parallel import Communicator, ExpertParallelRank
 from .model.transformer import MoETransformer
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -53,14 +54,17 @@ def check_features(config: ModelConfig, backend: Backend | type[Backend]) -> Non
 
 def load_model(path: str, device: str = "cpu", verify: bool = False,
                experts: ExpertStoreConfig | None = None, max_positions: int | None = None,
-               matmul_precision: str = "high") -> MoETransformer:
+               matmul_precision: str = "high", expert_group: Communicator | None = None) -> MoETransformer:
     """Open a native model folder and load it on `device`; `verify` checks every checksum first; `experts` sets
     the expert tiers (default: every expert resident); `max_positions`: the longest sequence it will run (default:
-    the model's max_position_embeddings); `matmul_precision`: EngineConfig's (the GPU's tensor-core products)."""
+    the model's max_position_embeddings); `matmul_precision`: EngineConfig's (the GPU's tensor-core products);
+    `expert_group`: the communicator of an expert-parallel group this model is a rank of (its store then holds the
+    rank's shard of the routed experts only), or None."""
     folder = ModelFolder(path, verify=verify)
     experts = experts or ExpertStoreConfig()
     backend = select_backend(device, experts.cpu_threads, matmul_precision)
     check_expert_format(folder.config, backend)
     check_features(folder.config, backend)
-    store = open_expert_store(folder, experts, backend.device)
-    return MoETransformer(folder.config, folder.dense, store, backend, max_positions)
+    rank = None if expert_group is None else ExpertParallelRank(expert_group, folder.config.num_experts)
+    store = open_expert_store(folder, experts, backend.device, None if rank is None else rank.experts)
+    return MoETransformer(folder.config, folder.dense, store, backend, max_positions, rank)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from colibri_stream.batch import flat_batch
-from colibri_stream.experts.expert_parallel import ExpertParallelRank, FakeGroup
+from colibri_stream.experts.expert_parallel import FakeGroup
 from colibri_stream.export import export_model
 from colibri_stream.group_core import empty_batch
 from colibri_stream.loader import load_model
@@ -60,8 +60,7 @@ def test_sharded_experts_give_one_ranks_tokens_and_logits(model_folder, ranks, s
     bounds = np.cumsum([0, *split])
 
     def rank_main(rank: int):
-        model = load_model(model_folder)
-        model.expert_parallel = ExpertParallelRank(group.communicator(rank), model.config.num_experts)
+        model = load_model(model_folder, expert_group=group.communicator(rank))
         return greedy_run(model, PROMPTS[bounds[rank]:bounds[rank + 1]])
 
     results = on_ranks(ranks, rank_main, timeout=300)
@@ -71,3 +70,35 @@ def test_sharded_experts_give_one_ranks_tokens_and_logits(model_folder, ranks, s
         assert ours.shape == reference.shape == (len(PROMPTS), VOCAB_SIZE)
         error = np.abs(ours - reference).max() / np.abs(reference).max()
         assert error < 1e-5, (step, error)
+
+
+def test_a_ranks_store_holds_its_shard_only(model_folder):
+    """Two ranks of 8 experts: each store holds its 4 experts of every MoE layer, numbered 0-3, refuses any other
+    number, and after the group's steps holds the widened experts its tokens' routing used there: together the
+    single engine's, each rank at most half of every expert's bytes."""
+    reference = load_model(model_folder)
+    greedy_run(reference, PROMPTS)
+    group = FakeGroup(2)
+
+    def rank_main(rank: int):
+        model = load_model(model_folder, expert_group=group.communicator(rank))
+        greedy_run(model, PROMPTS[2 * rank:2 * rank + 2])
+        return model
+
+    ranks = on_ranks(2, rank_main, timeout=300)
+    layer, layers = reference.config.moe_layers[0], len(reference.config.moe_layers)
+    one_expert = sum(a.nbytes for a in reference.store.expert(layer, 0).values())  # widened to float32
+    held = set()  # (layer, the model's expert id) held by some rank
+    for rank, model in enumerate(ranks):
+        shard = model.expert_parallel.experts
+        assert shard == range(4 * rank, 4 * rank + 4)
+        cached = model.store._cache  # (layer, number in the shard) -> widened tensors, filled on first use
+        assert all(0 <= number < 4 for _, number in cached)
+        assert sum(a.nbytes for tensors in cached.values() for a in tensors.values()) <= 4 * layers * one_expert
+        held |= {(moe_layer, shard[number]) for moe_layer, number in cached}
+        assert np.array_equal(model.store.expert(layer, 1)["down"], reference.store.expert(layer, shard[1])["down"])
+    assert held == set(reference.store._cache)  # the same routing: the same experts used, each on its rank
+    assert len(held) > 4 * layers  # more than one shard's: no rank could hold them all
+    with pytest.raises(ValueError, match="expert 4 of layer .* outside this store's shard: it holds the model's "
+                                         "experts 4-7, numbered 0-3"):
+        ranks[1].store.expert(layer, 4)

@@ -1,7 +1,8 @@
 """`NcclCommunicator` (experts/nccl_group.py) on CUDA GPUs: a one-rank group on one GPU returns what it was given;
 two ranks on two GPUs give FakeGroup's collectives (all-to-all bit for bit, reduce-scatter to rounding), with
-NumPy and CuPy arrays alike; the MoE layer through two NCCL ranks gives the fake group's output; and a group of
-two expert-parallel rank processes gives one engine's greedy tokens."""
+NumPy and CuPy arrays alike; the MoE layer through two NCCL ranks gives the fake group's output; a rank's device
+store holds its shard of the experts only; and a group of two expert-parallel rank processes gives one engine's
+greedy tokens."""
 
 from __future__ import annotations
 
@@ -67,6 +68,22 @@ def test_two_ranks_give_the_fake_groups_collectives():
         assert all(np.array_equal(a, got[r][1]) for r, a in enumerate(gathered))
         assert np.allclose(scattered, got[0][2][rank] + got[1][2][rank], atol=1e-6)
         assert plan == {"plan": 0}
+
+
+def test_a_ranks_device_store_holds_its_shard_only(tiny_model_dir):
+    """Rank 1 of two (loading runs no collective, so one GPU does): its device store stacks experts 4-7 of the 8,
+    numbered 0-3."""
+    from colibri_stream.experts.expert_parallel import FakeGroup
+    from colibri_stream.loader import load_model
+
+    whole = load_model(str(tiny_model_dir), device="cuda").store.device_experts()
+    shard = load_model(str(tiny_model_dir), device="cuda",
+                       expert_group=FakeGroup(2).communicator(1)).store.device_experts()
+    assert (whole.num_experts, shard.num_experts) == (8, 4)
+    for layer, experts in shard.layers.items():
+        everyone = whole.layers[layer].named()
+        for name, array in experts.named().items():
+            assert array.shape[0] == 4 and cupy.array_equal(array, everyone[name][4:]), (layer, name)
 
 
 @needs_two_gpus

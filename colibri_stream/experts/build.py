@@ -14,6 +14,7 @@ from ..checkpoint import ModelFolder
 from ..config import ExpertStoreConfig
 from ..errors import ConfigError
 from ..plan import make_plan
+from .expert_parallel import shard_config
 from .policies import make_policy
 from .prefetcher import Prefetcher
 from .store import ExpertStore, MappedExpertStore
@@ -23,21 +24,31 @@ from .trace import USAGE_FILE, RoutingRecorder, read_usage
 logger = logging.getLogger(__name__)
 
 
-def open_expert_store(folder: ModelFolder, options: ExpertStoreConfig, device: str) -> ExpertStore:
+def open_expert_store(folder: ModelFolder, options: ExpertStoreConfig, device: str,
+                      shard: range | None = None) -> ExpertStore:
     """The store for `folder` on `device` ("cpu" or "cuda"): memory-mapped when every expert fits its tier,
-    otherwise tiered; wrapped in a RoutingRecorder when a trace or usage file is asked for."""
+    otherwise tiered; wrapped in a RoutingRecorder when a trace or usage file is asked for. With a `shard` (the
+    expert ids of a rank of an expert-parallel group) the store holds those experts only, numbered from 0 in every
+    MoE layer, and must be resident (the budgets of a tiered store are refused)."""
     config = folder.config
     if options.gpu_memory_limit is not None and device != "cuda":
         logger.warning("--gpu-memory-limit is ignored: experts run on the CPU, there is no GPU tier")
-    plan = make_plan(config, (folder.path / config.dense_file).stat().st_size, device, options.gpu_memory_limit,
+    plan = make_plan(config if shard is None else shard_config(config, shard),
+                     (folder.path / config.dense_file).stat().st_size, device, options.gpu_memory_limit,
                      options.l2_cache_size, folder.path.resolve().name)
+    if shard is not None and not plan.fully_resident:
+        raise ConfigError("an expert-parallel rank keeps its shard's experts resident: drop --gpu-memory-limit and "
+                          "--l2-cache-size")
     usage = None
     if options.eviction_policy == "pinned" and not plan.fully_resident:
         usage, _ = read_usage(options.usage_file or folder.path / USAGE_FILE, config)
     for line in plan.report().splitlines():
         logger.info(line)
+    if shard is not None:
+        logger.info("  this expert-parallel rank's shard: the model's experts %d-%d of %d, numbered 0-%d",
+                    shard.start, shard.stop - 1, config.num_experts, len(shard) - 1)
     if plan.fully_resident:
-        store: ExpertStore = MappedExpertStore(folder.experts)
+        store: ExpertStore = MappedExpertStore(folder.experts, shard)
     elif device == "cuda":
         store = _gpu_store(folder, options, plan.gpu_slots, plan.host_slots, usage)
     else:

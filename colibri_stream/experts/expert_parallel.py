@@ -10,7 +10,8 @@ Pieces, each usable alone:
   NumPy buffers (tests, and the reference an NCCL communicator must agree with).
 - `moe_all_to_all` and `moe_all_gather`: the MoE layer over a communicator with either collective.
 - `ExpertParallelRank`: one rank's routed experts for a whole model (`MoETransformer.expert_parallel`): every MoE
-  layer of the rank's forward step goes through `moe_all_to_all`, the rank's experts run by its backend.
+  layer of the rank's forward step goes through `moe_all_to_all`, the rank's experts run by its backend over a
+  store holding the rank's shard only (`shard_config`: the config that store is built for).
 
 Exactness: the single-rank MoE layer (`NumpyBackend.routed_experts`) runs each expert once over every token that
 chose it, in token order, and adds the weighted outputs into a zeroed [T, H] in ascending expert order.
@@ -23,13 +24,17 @@ regroups the additions: equal to rounding, not bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
 
 RunExpert = Callable[[np.ndarray, int], np.ndarray]  # (rows [n, H] float32, global expert id) -> [n, H] float32
 
@@ -262,28 +267,43 @@ class ExpertParallelRank:
     each MoE layer in the same order, a rank without tokens this step too (with zero rows).
 
     The experts a rank receives run through its backend's `routed_experts`, one expert at a time with weight 1
-    (exact: the weighting follows in `moe_all_to_all`), over the rank's store, which needs to hold only the rank's
-    shard. The dispatch and combine run on host arrays: a device backend's rows are copied to the host and back
-    (`Backend.to_host`, `upload`) around the collectives and around each expert (docs/MULTI_GPU.md: the dispatch
-    on device arrays is the next step)."""
+    (exact: the weighting follows in `moe_all_to_all`), over the rank's store, which holds the rank's shard only
+    (`experts`), numbered 0 .. len(experts) - 1 (the dispatch plan's local ids). The dispatch and combine run on host
+    arrays: a device backend's rows are copied to the host and back (`Backend.to_host`, `upload`) around the
+    collectives and around each expert (docs/MULTI_GPU.md: the dispatch on device arrays is the next step)."""
 
     def __init__(self, comm: Communicator, num_experts: int):
         self.comm = comm
         self.shard = ShardMap(num_experts, comm.size)
 
+    @property
+    def experts(self) -> range:
+        """The model's expert ids this rank holds, in every MoE layer."""
+        return self.shard.experts_of(self.comm.rank)
+
     def routed_experts(self, backend: Any, x: np.ndarray, weights: np.ndarray, expert_ids: np.ndarray, layer: int,
                        store: Any, activation: Any = None) -> np.ndarray:
         """`Backend.routed_experts`' result for this rank's tokens x [T, H] (weights, expert_ids [T, k]) -> [T, H]."""
         id_dtype = expert_ids.dtype  # the backend's routing ids (int64 on the host, int32 on the GPU)
+        first = self.experts.start
 
         def run_expert(rows: np.ndarray, expert: int) -> np.ndarray:
             n = rows.shape[0]
             out = backend.routed_experts(backend.upload(rows), backend.upload(np.ones((n, 1), np.float32)),
-                                         backend.upload(np.full((n, 1), expert, id_dtype)), layer, store,
-                                         activation)  # [n, H]
+                                         backend.upload(np.full((n, 1), expert - first, id_dtype)), layer, store,
+                                         activation)  # [n, H]; the store numbers the shard's experts from 0
             return backend.to_host(out)
 
         out = moe_all_to_all(self.comm, np.asarray(backend.to_host(x), np.float32),
                              np.asarray(backend.to_host(weights), np.float32), backend.to_host(expert_ids),
                              self.shard, run_expert)  # [T, H]
         return backend.upload(out)
+
+
+def shard_config(config: ModelConfig, experts: range) -> ModelConfig:
+    """The model's config as the expert store of a rank holding `experts` sees it: that many routed experts per MoE
+    layer, numbered 0 .. len(experts) - 1 (the store's plan, its bytes and its device arrays are sized by it). The
+    routing fields, which a store never reads (the rank routes with the model's config), are cut to what that many
+    experts allow."""
+    count = len(experts)
+    return dataclasses.replace(config, num_experts=count, top_k=min(config.top_k, count), n_group=1, topk_group=1)

@@ -72,13 +72,23 @@ class ExpertStore(ABC):
 class MappedExpertStore(ExpertStore):
     """Every expert read from the memory-mapped experts.bin; the OS page cache does the caching. A block's CRC32
     is checked the first time it is read (`ExpertFile.tensors`), so a corrupt one is a CheckpointError naming
-    its layer and expert, never weights."""
+    its layer and expert, never weights.
 
-    def __init__(self, expert_file: ExpertFile):
+    With a `shard` (a rank of an expert-parallel group, experts/expert_parallel.py) the store holds those of the
+    model's expert ids only, numbered 0 .. len(shard) - 1 in every MoE layer; asking it for any other number is a
+    ValueError. Without, it holds every expert, numbered by its id."""
+
+    def __init__(self, expert_file: ExpertFile, shard: range | None = None):
         self.file = expert_file
+        self.shard = shard
 
     def expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
-        return self.file.tensors(layer, expert)
+        if self.shard is None:
+            return self.file.tensors(layer, expert)
+        if not 0 <= expert < len(self.shard):
+            raise ValueError(f"expert {expert} of layer {layer} is outside this store's shard: it holds the model's "
+                             f"experts {self.shard.start}-{self.shard.stop - 1}, numbered 0-{len(self.shard) - 1}")
+        return self.file.tensors(layer, self.shard[expert])
 
 
 class Float32ExpertStore(ExpertStore):

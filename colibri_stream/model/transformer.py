@@ -16,7 +16,7 @@ import numpy as np
 from ..backends.base import Array, Backend
 from ..checkpoint import DenseFile
 from ..config import ModelConfig
-from ..experts.expert_parallel import ExpertParallelRank
+from ..experts.expert_parallel import ExpertParallelRank, shard_config
 from ..experts.store import ExpertStore
 from ..timing import StepTimer
 from ..batch import ForwardBatch
@@ -84,13 +84,16 @@ class MoETransformer:
     `forward(batch, kv_cache)` computes one step of a flat batch and returns the float32 logits of the rows in
     `batch.logits_indices` as a host array [N, V]. Positions go up to `max_positions` (the model's
     max_position_embeddings, or fewer where the engine's sequences are shorter: the rotary tables hold that many).
+    With `expert_parallel` the model is one rank of an expert-parallel group and `store` holds the rank's shard of
+    the routed experts only (numbered from 0: `ExpertParallelRank`).
     """
 
     def __init__(self, config: ModelConfig, dense: DenseFile, store: ExpertStore, backend: Backend,
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, expert_parallel: ExpertParallelRank | None = None):
         self.config = config
         self.backend = backend
-        self.store = backend.prepare_experts(store, config)
+        self.store = backend.prepare_experts(
+            store, config if expert_parallel is None else shard_config(config, expert_parallel.experts))
 
         def load(name: str) -> Array:
             return backend.prepare_weight(dense.get(name))
@@ -138,7 +141,7 @@ class MoETransformer:
         self.attention_scale = config.softmax_scale or config.head_dim**-0.5
         self.swiglu = config.clamped_swiglu()  # the routed experts' activation when not silu(gate) * up
         # one rank of an expert-parallel group (experts/expert_parallel.py), or None: every expert is this model's
-        self.expert_parallel: ExpertParallelRank | None = None
+        self.expert_parallel = expert_parallel
         self.timer = StepTimer(backend.clock())  # the engine's step timer; the forward's phases report to it
         self.store.timer = self.timer  # expert reads report to it too
 
