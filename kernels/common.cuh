@@ -93,16 +93,21 @@ template <typename W> struct Vec;
 
 template <> struct Vec<float> {
     static constexpr int N = 4;
-    __device__ __forceinline__ static void load(const float* p, float* out) {
-        const float4 v = __ldg(reinterpret_cast<const float4*>(p));
+    using Raw = float4;
+    __device__ __forceinline__ static Raw fetch(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+    __device__ __forceinline__ static void widen(const Raw& v, float* out) {
         out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
     }
+    __device__ __forceinline__ static void load(const float* p, float* out) { widen(fetch(p), out); }
 };
 
 template <> struct Vec<__nv_bfloat16> {
     static constexpr int N = 8;
-    __device__ __forceinline__ static void load(const __nv_bfloat16* p, float* out) {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+    using Raw = uint4;
+    __device__ __forceinline__ static Raw fetch(const __nv_bfloat16* p) {
+        return __ldg(reinterpret_cast<const uint4*>(p));
+    }
+    __device__ __forceinline__ static void widen(const Raw& raw, float* out) {
         const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -110,12 +115,14 @@ template <> struct Vec<__nv_bfloat16> {
             out[2 * i] = f.x; out[2 * i + 1] = f.y;
         }
     }
+    __device__ __forceinline__ static void load(const __nv_bfloat16* p, float* out) { widen(fetch(p), out); }
 };
 
 template <> struct Vec<__half> {
     static constexpr int N = 8;
-    __device__ __forceinline__ static void load(const __half* p, float* out) {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+    using Raw = uint4;
+    __device__ __forceinline__ static Raw fetch(const __half* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+    __device__ __forceinline__ static void widen(const Raw& raw, float* out) {
         const __half2* pairs = reinterpret_cast<const __half2*>(&raw);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -123,16 +130,21 @@ template <> struct Vec<__half> {
             out[2 * i] = f.x; out[2 * i + 1] = f.y;
         }
     }
+    __device__ __forceinline__ static void load(const __half* p, float* out) { widen(fetch(p), out); }
 };
 
 template <> struct Vec<signed char> {
     static constexpr int N = 16;
-    __device__ __forceinline__ static void load(const signed char* p, float* out) {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+    using Raw = uint4;
+    __device__ __forceinline__ static Raw fetch(const signed char* p) {
+        return __ldg(reinterpret_cast<const uint4*>(p));
+    }
+    __device__ __forceinline__ static void widen(const Raw& raw, float* out) {
         const signed char* bytes = reinterpret_cast<const signed char*>(&raw);
 #pragma unroll
         for (int i = 0; i < 16; ++i) out[i] = static_cast<float>(bytes[i]);
     }
+    __device__ __forceinline__ static void load(const signed char* p, float* out) { widen(fetch(p), out); }
 };
 
 // N consecutive float32 activations (16-byte aligned, N a multiple of 4).
@@ -224,16 +236,16 @@ __device__ __forceinline__ float block_max(float v) { return block_reduce(v, neg
 // columns start, start + step, ... (start and step multiples of Vec<W>::N), so the threads sharing a row read it
 // once, coalesced; each weight chunk is loaded once per call and each activation chunk once per R rows. The caller
 // reduces acc over the threads. Activation rows j >= n are skipped (their acc is left unchanged).
-template <typename W, int R, int TT>
+// AHEAD > 1: the weight chunks of AHEAD steps are loaded (R * AHEAD loads in flight) before any is multiplied, for
+// kernels whose few rows a thread would otherwise leave too few loads in flight to cover the memory's latency; the
+// products are added in the same order either way.
+template <typename W, int R, int TT, int AHEAD = 1>
 __device__ __forceinline__ void dot_tile(const W* const* w, const float* const* x, int n, int cols, int start,
                                          int step, float (&acc)[R][TT]) {
     constexpr int V = Vec<W>::N;
     constexpr int UNROLL = TT <= 2 ? 4 : 2;  // more loads in flight when few activation rows share a load
-#pragma unroll UNROLL
-    for (int c = start; c < cols; c += step) {
-        float wv[R][V];
-#pragma unroll
-        for (int r = 0; r < R; ++r) Vec<W>::load(w[r] + c, wv[r]);
+    // one step's products: the weight chunks wv[R][V] at column c times each activation row's chunk
+    auto multiply = [&](const float (&wv)[R][V], int c) {
 #pragma unroll
         for (int j = 0; j < TT; ++j) {
             if (j < n) {
@@ -246,5 +258,30 @@ __device__ __forceinline__ void dot_tile(const W* const* w, const float* const* 
                 }
             }
         }
+    };
+    int c = start;
+    if constexpr (AHEAD > 1) {
+        for (; c + (AHEAD - 1) * step < cols; c += AHEAD * step) {
+            typename Vec<W>::Raw raw[AHEAD][R];
+#pragma unroll
+            for (int a = 0; a < AHEAD; ++a) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) raw[a][r] = Vec<W>::fetch(w[r] + c + a * step);
+            }
+#pragma unroll
+            for (int a = 0; a < AHEAD; ++a) {
+                float wv[R][V];
+#pragma unroll
+                for (int r = 0; r < R; ++r) Vec<W>::widen(raw[a][r], wv[r]);
+                multiply(wv, c + a * step);
+            }
+        }
+    }
+#pragma unroll UNROLL
+    for (; c < cols; c += step) {
+        float wv[R][V];
+#pragma unroll
+        for (int r = 0; r < R; ++r) Vec<W>::load(w[r] + c, wv[r]);
+        multiply(wv, c);
     }
 }

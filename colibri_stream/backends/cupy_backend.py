@@ -51,13 +51,14 @@ from .cupy_quant_moe import FP8_LANE_COLS
 from .kernels import get_kernel
 from .sequence_attention import paged_attention_rows
 from .tuning import (ATTENTION_WARPS, CAPTURED_CUBLAS_ALL_MIN_TOKENS, CAPTURED_CUBLAS_MIN_ROWS,
-                     CAPTURED_CUBLAS_MIN_TOKENS, DENSE_MMA_MIN_TOKENS, FLASH_DECODE_BLOCKS_PER_SM,
+                     CAPTURED_CUBLAS_MIN_TOKENS, DENSE_MMA_MIN_TOKENS, EMBEDDING_THREADS, FLASH_DECODE_BLOCKS_PER_SM,
                      FLASH_DECODE_MAX_SPLITS, FLASH_DECODE_MIN_KEYS, FLASH_DECODE_SPLIT_KEYS, GQA_BLOCKS_PER_SM,
                      GQA_GROUPS,
                      GQA_MAX_LANE_FLOATS, GQA_MAX_SPLITS, GQA_SPLIT_KEYS, GQA_MIN_TOKENS,
                      GQA_ONE_TOKEN_MAX_KEYS, GQA_WARPS,
                      LINEAR_MMA_BLOCKS_PER_SM, MERGE_MAX_SPLITS, MERGE_THREADS,
-                     LINEAR_MMA_MIN_SPAN, LINEAR_MMA_ROWS, LINEAR_MMA_TILES, LINEAR_ROWS_PER_BLOCK, MMA_THREADS,
+                     LINEAR_MMA_MIN_SPAN, LINEAR_MMA_ROWS, LINEAR_MMA_TILES, LINEAR_ROWS_PER_TEAM,
+                     LINEAR_WARP_TEAMS_MIN_ROWS, LINEAR_WARPS, MMA_THREADS,
                      PROLOGUE_WARPS, ROUTER_MAX_EXPERTS, ROUTER_MAX_GROUPS, ROUTER_SPLIT_TOKENS, ROUTER_TILE,
                      ROUTER_WARPS, SMALL_BATCH, TOKEN_TILES)
 
@@ -79,6 +80,12 @@ class DecodeSplits:
 MAX_HEAD_DIM = 256  # paged_attention's widest head: 32 lanes of 8 elements
 DEVICE_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16,
                  "float8_e4m3": np.uint8}  # storage dtypes on the device
+
+
+def linear_team_warps(rows: int) -> int:
+    """Warps of a linear_rows team for a launch of `rows` output rows in all: one (each warp its own rows) from
+    LINEAR_WARP_TEAMS_MIN_ROWS, the whole block below."""
+    return 1 if rows >= LINEAR_WARP_TEAMS_MIN_ROWS else LINEAR_WARPS
 
 
 def cuda_available() -> bool:
@@ -213,7 +220,9 @@ class CupyBackend(Backend):
         t, h = token_ids.shape[0], table.shape[1]
         out = self.cp.empty((t, h), np.float32)  # [T, H]
         w = storage_type(table)
-        launch("embedding.cu", f"embedding<{w}>", (t,), 256, (table, token_ids, out, np.int32(h)), weight_type=w)
+        chunks = ceil_div(h, EMBEDDING_THREADS * (16 // table.dtype.itemsize))  # blocks a row: a 16-byte chunk a thread
+        launch("embedding.cu", f"embedding<{w}>", (t, chunks), EMBEDDING_THREADS, (table, token_ids, out, np.int32(h)),
+               weight_type=w)
         return out
 
     def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
@@ -301,9 +310,12 @@ class CupyBackend(Backend):
                 (x, np.int32(t), np.int32(n_in), np.int32(span), *matrices), weight_type=w)
         return outs
 
-    def _linear_rows(self, x: Array, weights, biases) -> list[Array]:
-        """x [T, In] times one to three weights [Out_m, In] of one dtype (+ biases) in one launch.  # [T, Out_m] each"""
+    def _linear_rows(self, x: Array, weights, biases, team_warps: int | None = None) -> list[Array]:
+        """x [T, In] times one to three weights [Out_m, In] of one dtype (+ biases) in one launch, in teams of
+        `team_warps` warps (default: linear_team_warps).  # [T, Out_m] each"""
         t, n_in = x.shape
+        team_warps = team_warps or linear_team_warps(sum(weight.shape[0] for weight in weights))
+        block_rows = LINEAR_ROWS_PER_TEAM * LINEAR_WARPS // team_warps
         outs, matrices, blocks = [], [], 0
         tile = smallest_tile(t, TOKEN_TILES)
         for weight, bias in zip(weights, biases):
@@ -311,11 +323,11 @@ class CupyBackend(Backend):
             n_out = weight.shape[0]
             outs.append(self.cp.empty((t, n_out), np.float32))  # [T, Out_m]
             matrices += [weight, NULL if bias is None else bias, outs[-1], np.int32(n_out)]
-            blocks += ceil_div(t, tile) * ceil_div(n_out, LINEAR_ROWS_PER_BLOCK)
+            blocks += ceil_div(t, tile) * ceil_div(n_out, block_rows)
         matrices += [NULL, NULL, NULL, np.int32(0)] * (3 - len(weights))
         w = storage_type(weights[0])
-        launch("linear.cu", f"linear_rows<{w}, {tile}>", (blocks,), 128, (x, np.int32(t), np.int32(n_in), *matrices),
-                weight_type=w)
+        launch("linear.cu", f"linear_rows<{w}, {tile}, {team_warps}>", (blocks,), 32 * LINEAR_WARPS,
+               (x, np.int32(t), np.int32(n_in), *matrices), weight_type=w)
         return outs
 
     def _gemm(self, x: Array, weight: Array) -> Array:
