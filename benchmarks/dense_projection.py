@@ -1,7 +1,6 @@
-"""Dense projections of a decode step on one GPU: our GEMV (linear_rows, with the team size its rule picks and
-with each of LINEAR_TEAM_WARPS) against our tensor-core kernel (linear_mma, split over the columns) at each token
-count, inside CUDA graphs as a decode step runs them, with cuBLAS (eager, not capturable) as a reference. It decides
-DENSE_MMA_MIN_TOKENS and LINEAR_WARP_TEAMS_MIN_ROWS (tuning.py).
+"""Dense projections of a decode step on one GPU: our GEMV (linear_rows) against our tensor-core kernel
+(linear_mma, split over the columns) at each token count, inside CUDA graphs as a decode step runs them, with
+cuBLAS (eager, not capturable) as a reference. It decides DENSE_MMA_MIN_TOKENS (tuning.py).
 
 Shapes: q/k/v (one launch), o and lm_head of Mixtral-8x7B, Qwen3-30B-A3B and GLM-4.5-Air, DeepSeek-V3's latent
 attention projections, dense MLP and lm_head, random bf16 weights. Each call reads the next of LAYERS copies of
@@ -21,7 +20,6 @@ from pathlib import Path
 import numpy as np
 
 from conditions import constants_set, require_gpu
-from colibri_stream.backends.tuning import LINEAR_TEAM_WARPS
 from decode import log, machine, measure_bandwidth, time_in_graph
 
 LAYERS = 8  # copies of each weight the calls cycle through
@@ -36,8 +34,9 @@ def projections(hidden: int, q: int, kv: int, vocab: int) -> dict[str, tuple[int
 SHAPES = {  # name: its projections (hidden, q rows, k/v rows, vocabulary for grouped-query attention)
     "mixtral-8x7b": projections(4096, 4096, 1024, 32000),
     "qwen3-30b-a3b": projections(2048, 4096, 512, 151936),
-    # latent attention's projections, each its own launch: the query's low-rank pair, the latent's, the output
     "glm-4.5-air": projections(4096, 96 * 128, 8 * 128, 151552),
+    # latent attention's projections, each its own launch: the query's low-rank pair, the latent's, the output; the
+    # dense layers' MLP (gate and up in one launch)
     "deepseek-v3": {"q_a": (7168, [1536]), "q_b": (1536, [128 * 192]), "kv_a": (7168, [576]), "o": (128 * 128, [7168]),
                     "mlp gate,up": (7168, [18432, 18432]), "mlp down": (18432, [7168]), "lm_head": (7168, [129280])},
 }
@@ -72,9 +71,6 @@ def measure(backend, shape: str, name: str, n_in: int, n_outs: list[int],
     for tokens in token_counts:
         x = cp.random.standard_normal((tokens, n_in), dtype=np.float32)  # [T, In]
         gemv = time_in_graph(cp, lambda i, x=x: backend._linear_rows(x, weights[i % copies], biases))
-        teams = {warps: 1e6 * time_in_graph(  # linear_rows' microseconds with teams of this many warps
-            cp, lambda i, x=x, warps=warps: backend._linear_rows(x, weights[i % copies], biases, warps))
-            for warps in LINEAR_TEAM_WARPS}
         mma = time_in_graph(cp, lambda i, x=x: backend._linear_mma(x, weights[i % copies], biases))
         cublas = eager_seconds(cp, lambda i, x=x: [backend._gemm(x, w) for w in weights[i % copies]])
         variants = {}  # "blocks per SM x least span": mma microseconds with those split constants
@@ -86,13 +82,11 @@ def measure(backend, shape: str, name: str, n_in: int, n_outs: list[int],
                     "us": seconds * 1e6, "splits": backend.column_splits(n_in, sum(-(-n // 128) for n in n_outs))}
         records.append({"bench": "dense_projection", "shape": shape, "projection": name, "in": n_in,
                         "outs": n_outs, "tokens": tokens, "weight_bytes": nbytes, "column_splits": splits,
-                        "gemv_us": gemv * 1e6, "gemv_team_warps_us": teams, "mma_us": mma * 1e6,
-                        "cublas_eager_us": cublas * 1e6,
+                        "gemv_us": gemv * 1e6, "mma_us": mma * 1e6, "cublas_eager_us": cublas * 1e6,
                         "gemv_gbps": nbytes / gemv / 1e9, "mma_gbps": nbytes / mma / 1e9,
                         "cublas_eager_gbps": nbytes / cublas / 1e9, "mma_split_variants": variants})
         best = min(variants.items(), key=lambda item: item[1]["us"]) if variants else None
-        log(f"{shape} {name:8s} T={tokens:3d}: gemv {gemv * 1e6:7.1f} us ({nbytes / gemv / 1e9:5.0f} GB/s; teams of "
-            + ", ".join(f"{warps}: {us:.1f}" for warps, us in teams.items()) + "), "
+        log(f"{shape} {name:8s} T={tokens:3d}: gemv {gemv * 1e6:7.1f} us ({nbytes / gemv / 1e9:5.0f} GB/s), "
             f"mma {mma * 1e6:7.1f} us ({nbytes / mma / 1e9:5.0f} GB/s), cuBLAS eager {cublas * 1e6:7.1f} us, "
             f"splits {splits}" + (f"; best split constants {best[0]}: {best[1]['us']:.1f} us "
                                   f"({best[1]['splits']} splits)" if best else ""))

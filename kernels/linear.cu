@@ -1,20 +1,18 @@
 // Launch contract
 //
-// linear_rows<W, TT, CW>: up to three projections of the same x in one launch (q, k and v of a layer):
+// linear_rows<W, TT>: up to three projections of the same x in one launch (q, k and v of a layer):
 //   out_m[T, Out_m] = x[T, In] @ w_m[Out_m, In]^T (+ bias_m[Out_m]) for m = 0, 1, 2, accumulated in float32.
 //   x      float32 [T, In] contiguous, 16-byte aligned
 //   w_m    W [Out_m, In] contiguous (W: float, __nv_bfloat16, __half), In a multiple of Vec<W>::N
 //   bias_m float32 [Out_m] or null
 //   out_m  float32 [T, Out_m]
 //   Out_m = 0: no matrix m (its pointers are not read); matrix 0 is always given.
-//   block: LINEAR_WARPS * 32 threads on one tile of TT tokens, in teams of CW warps (CW divides LINEAR_WARPS), each
-//   team on its own LINEAR_ROWS output rows: a team's warps split those rows' columns and add their partial sums in
-//   shared memory. CW = LINEAR_WARPS (the whole block on LINEAR_ROWS rows) spreads even a matrix of few rows over
-//   the whole GPU; CW = 1 (each warp its own rows, LINEAR_WARPS * LINEAR_ROWS rows a block) makes tall matrices
-//   fewer, longer blocks.
-//   grid.x: the sum over the matrices of ceil(T / TT) * ceil(Out_m / (LINEAR_ROWS * LINEAR_WARPS / CW)), matrix 0's
-//   blocks first, the token tile varying fastest so the blocks that read the same weight rows run together and
-//   re-reads of a row come from L2.
+//   block: LINEAR_WARPS * 32 threads, all on the same LINEAR_ROWS output rows and tile of TT tokens: the warps
+//   split each row's columns (so even a matrix of few rows spreads over the whole GPU) and add their partial sums
+//   in shared memory.
+//   grid.x: the sum over the matrices of ceil(T / TT) * ceil(Out_m / LINEAR_ROWS), matrix 0's blocks first, the
+//   token tile varying fastest so the blocks that read the same weight rows run together and re-reads of a row come
+//   from L2.
 //   For decode-sized T (the backend uses it up to SMALL_BATCH tokens, and for every T inside a CUDA graph).
 //
 // per_head_rows<W, TT>: each head through its own matrix (Multi-head Latent Attention's up-projections):
@@ -46,19 +44,17 @@ __device__ constexpr int ahead_steps(int rows, int tt) {
     return loads / rows > 1 ? loads / rows : 1;
 }
 
-template <typename W, int TT, int CW>
+template <typename W, int TT>
 __global__ void __launch_bounds__(LINEAR_WARPS * 32)
 linear_rows(const float* __restrict__ x, int T, int In,
             const W* __restrict__ w0, const float* __restrict__ bias0, float* __restrict__ out0, int Out0,
             const W* __restrict__ w1, const float* __restrict__ bias1, float* __restrict__ out1, int Out1,
             const W* __restrict__ w2, const float* __restrict__ bias2, float* __restrict__ out2, int Out2) {
-    static_assert(LINEAR_WARPS % CW == 0, "teams of CW warps fill the block");
-    constexpr int BLOCK_ROWS = LINEAR_ROWS * (LINEAR_WARPS / CW);
-    __shared__ float partial[LINEAR_WARPS][LINEAR_ROWS][TT];  // [warp][its team's row][token]
+    __shared__ float partial[LINEAR_WARPS][LINEAR_ROWS][TT];
     constexpr int V = Vec<W>::N;
     const int tiles = (T + TT - 1) / TT;
-    const int blocks0 = tiles * ((Out0 + BLOCK_ROWS - 1) / BLOCK_ROWS);
-    const int blocks01 = blocks0 + tiles * ((Out1 + BLOCK_ROWS - 1) / BLOCK_ROWS);
+    const int blocks0 = tiles * ((Out0 + LINEAR_ROWS - 1) / LINEAR_ROWS);
+    const int blocks01 = blocks0 + tiles * ((Out1 + LINEAR_ROWS - 1) / LINEAR_ROWS);
     int block = blockIdx.x;  // this block's index among its matrix's blocks
     const W* w = w0;
     const float* bias = bias0;
@@ -71,24 +67,23 @@ linear_rows(const float* __restrict__ x, int T, int In,
         block -= blocks0;
         w = w1, bias = bias1, out = out1, Out = Out1;
     }
-    const int tile = block % tiles, block_row0 = (block / tiles) * BLOCK_ROWS;
+    const int tile = block % tiles, row0 = (block / tiles) * LINEAR_ROWS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int member = warp % CW, row0 = block_row0 + warp / CW * LINEAR_ROWS;  // this warp's place in its team
     const int t0 = tile * TT, n = min(TT, T - t0);
     const W* rows[LINEAR_ROWS];
 #pragma unroll
     for (int r = 0; r < LINEAR_ROWS; ++r) rows[r] = w + static_cast<long long>(min(row0 + r, Out - 1)) * In;
-    if (tile == 0 && threadIdx.x < BLOCK_ROWS && block_row0 + threadIdx.x < Out) {
+    if (tile == 0 && threadIdx.x < LINEAR_ROWS && row0 + threadIdx.x < Out) {
         // the weights only: the kernel before may still run
-        prefetch_l2(w + static_cast<long long>(block_row0 + threadIdx.x) * In, In * sizeof(W));
+        prefetch_l2(w + static_cast<long long>(row0 + threadIdx.x) * In, In * sizeof(W));
     }
     pdl_wait();
     const float* xs[TT];
 #pragma unroll
     for (int j = 0; j < TT; ++j) xs[j] = x + static_cast<long long>(t0 + min(j, n - 1)) * In;
     float acc[LINEAR_ROWS][TT] = {};
-    dot_tile<W, LINEAR_ROWS, TT, ahead_steps(LINEAR_ROWS, TT)>(rows, xs, n, In, (member * 32 + lane) * V, CW * 32 * V,
-                                                             acc);
+    dot_tile<W, LINEAR_ROWS, TT, ahead_steps(LINEAR_ROWS, TT)>(rows, xs, n, In, (warp * 32 + lane) * V,
+                                                             LINEAR_WARPS * 32 * V, acc);
 #pragma unroll
     for (int r = 0; r < LINEAR_ROWS; ++r) {
 #pragma unroll
@@ -98,13 +93,12 @@ linear_rows(const float* __restrict__ x, int T, int In,
         }
     }
     __syncthreads();
-    if (threadIdx.x < BLOCK_ROWS * TT) {
-        const int r = threadIdx.x / TT % LINEAR_ROWS, team = threadIdx.x / TT / LINEAR_ROWS, j = threadIdx.x % TT;
-        const int row = block_row0 + team * LINEAR_ROWS + r;
+    if (threadIdx.x < LINEAR_ROWS * TT) {
+        const int r = threadIdx.x / TT, j = threadIdx.x % TT, row = row0 + r;
         if (j < n && row < Out) {
             float s = bias != nullptr ? bias[row] : 0.f;
 #pragma unroll
-            for (int k = 0; k < CW; ++k) s += partial[team * CW + k][r][j];
+            for (int k = 0; k < LINEAR_WARPS; ++k) s += partial[k][r][j];
             out[static_cast<long long>(t0 + j) * Out + row] = s;
         }
     }

@@ -22,7 +22,7 @@ if not cupy.cuda.is_available():
 
 from colibri_stream.backends import (cublas_gemm, cupy_backend, cupy_expert_gemm, cupy_flash_attention,  # noqa: E402
                                      cupy_latent, cupy_latent_prefill, cupy_moe, cupy_moe_gemm, cupy_quant_moe)
-from colibri_stream.backends.cupy_backend import CupyBackend, linear_team_warps  # noqa: E402
+from colibri_stream.backends.cupy_backend import CupyBackend  # noqa: E402
 from colibri_stream.backends.cupy_launch import launch, smallest_tile, storage_type, to_device_storage  # noqa: E402
 from colibri_stream.backends.cupy_moe import DeviceExpertStore, activation_args, on_tensor_cores  # noqa: E402
 from colibri_stream.backends.tuning import (  # noqa: E402
@@ -34,9 +34,6 @@ from colibri_stream.backends.tuning import (  # noqa: E402
     GROUPED_GEMM_MIN_PAIRS,
     LINEAR_MMA_ROWS,
     LINEAR_MMA_TILES,
-    LINEAR_TEAM_WARPS,
-    LINEAR_WARP_TEAMS_MIN_ROWS,
-    LINEAR_WARPS,
     MMA_DOWN_ROWS,
     MMA_GATE_UP_ROWS,
     MMA_MIN_TOKENS,
@@ -175,24 +172,6 @@ def test_linears(dtype, tokens, outs, monkeypatch):
         check(out, ref, 1e-5 if tokens <= SMALL_BATCH or dtype == "float32" else 1e-4)
 
 
-@pytest.mark.parametrize("team_warps", LINEAR_TEAM_WARPS)
-@pytest.mark.parametrize("tokens", [1, 3, 8])
-@pytest.mark.parametrize("outs", [(97, 40, 3), (LINEAR_WARP_TEAMS_MIN_ROWS + 5,)])
-def test_linear_rows_in_teams_of_any_size(team_warps, tokens, outs):
-    """linear_rows with teams of each size (a team's warps split its rows' columns), rows not a multiple of a
-    block's, matches NumPy; the rule gives a launch of LINEAR_WARP_TEAMS_MIN_ROWS rows or more a warp a team."""
-    rng = np.random.default_rng(tokens * 13 + team_warps)
-    x = rng.standard_normal((tokens, 264)).astype(np.float32)
-    weights = [weight(rng, (n, 264), "bfloat16") for n in outs]
-    biases = [(0.1 * rng.standard_normal(n)).astype(np.float32) if m != 1 else None for m, n in enumerate(outs)]
-    poison()
-    ours = GPU._linear_rows(cupy.asarray(x), [GPU.prepare_weight(w) for w in weights],
-                            [None if b is None else GPU.prepare_weight(b) for b in biases], team_warps)
-    for out, ref in zip(ours, REF.linears(x, [REF.prepare_weight(w) for w in weights], biases)):
-        check(out, ref, 1e-5)
-    assert linear_team_warps(sum(outs)) == (1 if sum(outs) >= LINEAR_WARP_TEAMS_MIN_ROWS else LINEAR_WARPS)
-
-
 def captured(stream: cupy.cuda.Stream, fn):
     """fn() run once eagerly (it compiles what the capture uses), then captured on `stream` as a CUDA graph with
     its own memory pool: (graph, what the captured call returned)."""
@@ -244,7 +223,7 @@ def test_linear_captured_in_a_cuda_graph(dtype, tokens, dims, monkeypatch):
     elif tensor_cores:
         assert launched == [f"linear_mma<{w_type}, {smallest_tile(-(-tokens // 8), LINEAR_MMA_TILES)}>"]
     else:
-        assert launched == [f"linear_rows<{w_type}, {smallest_tile(tokens, TOKEN_TILES)}, {linear_team_warps(n_out)}>"]
+        assert launched == [f"linear_rows<{w_type}, {smallest_tile(tokens, TOKEN_TILES)}>"]
     check_replays(graph, stream, x, out, rng, lambda host: REF.linear(host, REF.prepare_weight(w), bias),
                   1e-4 if tensor_cores else 1e-5)
 

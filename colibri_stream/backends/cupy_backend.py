@@ -57,8 +57,7 @@ from .tuning import (ATTENTION_WARPS, CAPTURED_CUBLAS_ALL_MIN_TOKENS, CAPTURED_C
                      GQA_MAX_LANE_FLOATS, GQA_MAX_SPLITS, GQA_SPLIT_KEYS, GQA_MIN_TOKENS,
                      GQA_ONE_TOKEN_MAX_KEYS, GQA_WARPS,
                      LINEAR_MMA_BLOCKS_PER_SM, MERGE_MAX_SPLITS, MERGE_THREADS,
-                     LINEAR_MMA_MIN_SPAN, LINEAR_MMA_ROWS, LINEAR_MMA_TILES, LINEAR_ROWS_PER_TEAM,
-                     LINEAR_WARP_TEAMS_MIN_ROWS, LINEAR_WARPS, MMA_THREADS,
+                     LINEAR_MMA_MIN_SPAN, LINEAR_MMA_ROWS, LINEAR_MMA_TILES, LINEAR_ROWS_PER_BLOCK, MMA_THREADS,
                      PROLOGUE_WARPS, ROUTER_MAX_EXPERTS, ROUTER_MAX_GROUPS, ROUTER_SPLIT_TOKENS, ROUTER_TILE,
                      ROUTER_WARPS, SMALL_BATCH, TOKEN_TILES)
 
@@ -80,12 +79,6 @@ class DecodeSplits:
 MAX_HEAD_DIM = 256  # paged_attention's widest head: 32 lanes of 8 elements
 DEVICE_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16,
                  "float8_e4m3": np.uint8}  # storage dtypes on the device
-
-
-def linear_team_warps(rows: int) -> int:
-    """Warps of a linear_rows team for a launch of `rows` output rows in all: one (each warp its own rows) from
-    LINEAR_WARP_TEAMS_MIN_ROWS, the whole block below."""
-    return 1 if rows >= LINEAR_WARP_TEAMS_MIN_ROWS else LINEAR_WARPS
 
 
 def cuda_available() -> bool:
@@ -310,12 +303,9 @@ class CupyBackend(Backend):
                 (x, np.int32(t), np.int32(n_in), np.int32(span), *matrices), weight_type=w)
         return outs
 
-    def _linear_rows(self, x: Array, weights, biases, team_warps: int | None = None) -> list[Array]:
-        """x [T, In] times one to three weights [Out_m, In] of one dtype (+ biases) in one launch, in teams of
-        `team_warps` warps (default: linear_team_warps).  # [T, Out_m] each"""
+    def _linear_rows(self, x: Array, weights, biases) -> list[Array]:
+        """x [T, In] times one to three weights [Out_m, In] of one dtype (+ biases) in one launch.  # [T, Out_m] each"""
         t, n_in = x.shape
-        team_warps = team_warps or linear_team_warps(sum(weight.shape[0] for weight in weights))
-        block_rows = LINEAR_ROWS_PER_TEAM * LINEAR_WARPS // team_warps
         outs, matrices, blocks = [], [], 0
         tile = smallest_tile(t, TOKEN_TILES)
         for weight, bias in zip(weights, biases):
@@ -323,11 +313,11 @@ class CupyBackend(Backend):
             n_out = weight.shape[0]
             outs.append(self.cp.empty((t, n_out), np.float32))  # [T, Out_m]
             matrices += [weight, NULL if bias is None else bias, outs[-1], np.int32(n_out)]
-            blocks += ceil_div(t, tile) * ceil_div(n_out, block_rows)
+            blocks += ceil_div(t, tile) * ceil_div(n_out, LINEAR_ROWS_PER_BLOCK)
         matrices += [NULL, NULL, NULL, np.int32(0)] * (3 - len(weights))
         w = storage_type(weights[0])
-        launch("linear.cu", f"linear_rows<{w}, {tile}, {team_warps}>", (blocks,), 32 * LINEAR_WARPS,
-               (x, np.int32(t), np.int32(n_in), *matrices), weight_type=w)
+        launch("linear.cu", f"linear_rows<{w}, {tile}>", (blocks,), 128, (x, np.int32(t), np.int32(n_in), *matrices),
+               weight_type=w)
         return outs
 
     def _gemm(self, x: Array, weight: Array) -> Array:

@@ -16,8 +16,7 @@ from .cupy_flash_attention import FLASH_FILE, flash_instantiations
 from .kernels import get_kernel
 from .launch import launch_programmatic, programmatic_active
 from .tuning import (GQA_GROUPS, GQA_MAX_LANE_FLOATS, INT4_ROW_SHARING, LATENT_HEAD_TILES, LATENT_KERNEL_SHAPES,
-                     LATENT_PREFILL_SHAPES, LINEAR_MMA_TILES, LINEAR_TEAM_WARPS, MMA_TILES, MOE_ROWS_PER_WARP,
-                     MOE_TILES, TOKEN_TILES)
+                     LATENT_PREFILL_SHAPES, LINEAR_MMA_TILES, MMA_TILES, MOE_ROWS_PER_WARP, MOE_TILES, TOKEN_TILES)
 
 Array = Any  # a cupy.ndarray
 NULL = np.uint64(0)  # a null pointer kernel argument
@@ -35,8 +34,7 @@ CTYPES = {
 FAMILIES = {
     # w __nv_fp8_e4m3 (a KV cache filled from float32): to_storage only
     "linear.cu": lambda w: (f"to_storage<{w}>",) if w == "__nv_fp8_e4m3" else (
-        *(f"linear_rows<{w}, {tt}, {cw}>" for tt in TOKEN_TILES for cw in LINEAR_TEAM_WARPS),
-        *(f"per_head_rows<{w}, {tt}>" for tt in TOKEN_TILES),
+        *(f"linear_rows<{w}, {tt}>" for tt in TOKEN_TILES), *(f"per_head_rows<{w}, {tt}>" for tt in TOKEN_TILES),
         f"to_storage<{w}>", f"to_storage_split<{w}>"),
     "embedding.cu": lambda w: (f"embedding<{w}>",),
     "router.cu": lambda w: (f"route_topk<{w}>", *(f"route_split<{w}, {tt}>" for tt in TOKEN_TILES)),

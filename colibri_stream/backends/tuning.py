@@ -12,12 +12,7 @@ TOKEN_TILES = (1, 2, 4, 8)  # linear_rows and per_head_rows instantiations: toke
 # up to this many tokens (or in a graph capture), latent attention's per-head up-projections use per_head_rows (more
 # tokens: one batched product of the widened weights)
 PER_HEAD_ROWS_MAX_TOKENS = 64
-LINEAR_ROWS_PER_TEAM = 2  # = LINEAR_ROWS in linear.cu: output rows of one team of warps
-LINEAR_WARPS = 4  # = LINEAR_WARPS in linear.cu
-LINEAR_TEAM_WARPS = (4, 2, 1)  # linear_rows instantiations: warps of a team, splitting its rows' columns
-# linear_rows' teams for a launch whose matrices hold this many rows in all or more (lm_head, a wide MLP): a warp
-# each (fewer, longer blocks); the whole block below it, so that few rows still spread over every multiprocessor
-LINEAR_WARP_TEAMS_MIN_ROWS = 16384
+LINEAR_ROWS_PER_BLOCK = 2  # = LINEAR_ROWS in linear.cu
 DENSE_MMA_MIN_TOKENS = 4  # from this many tokens, captured bf16/fp16 projections run on linear_mma
 CAPTURED_CUBLAS_MIN_TOKENS = 8  # ... and from this many, those of CAPTURED_CUBLAS_MIN_ROWS rows or more (lm_head) on
 CAPTURED_CUBLAS_MIN_ROWS = 16384  # cuBLAS, called inside the capture through captured_cublas.py
