@@ -177,8 +177,9 @@ for stage in $STAGES; do
     compare)
       # BASELINE_TREE: an older revision's tree (git archive REV colibri_stream kernels benchmarks | tar -x -C DIR)
       echo "== this tree against $BASELINE_TREE"
+      eval "compare_args=(${COMPARE_ARGS:-})"  # quoted options stay whole: --decode-args "--shapes ... --batches 1"
       bench "${COMPARE_TIMEOUT:-580}" compare.log 30 benchmarks/compare_revisions.py --baseline-tree "$BASELINE_TREE" \
-        --baseline-label "${BASELINE_LABEL:-baseline}" --out "$OUT/compare_revisions_h200.json" ${COMPARE_ARGS:-} ;;
+        --baseline-label "${BASELINE_LABEL:-baseline}" --out "$OUT/compare_revisions_h200.json" "${compare_args[@]}" ;;
     serving)
       echo "== serving against the engine offline"
       bench "${SERVING_TIMEOUT:-400}" serving.log 30 benchmarks/serving_gpu.py --out "$OUT/serving_gpu_h200.json" \
