@@ -80,6 +80,12 @@ class ExpertCodec(ABC):
     cpu_kernel: str | None = "plain"
     sliceable = True  # an expert's intermediate rows are views of its tensors (cpu_executor.intermediate_rows)
 
+    def row_group(self, inter: int) -> int:
+        """Intermediate rows that share a scale (or a byte of codes) along down's input axis or gate's and up's
+        output axis, in an expert of `inter` intermediate rows: an expert cut in two by its rows (cut_layout.py)
+        is cut at a multiple of it, so each part holds whole groups of its codes and scales."""
+        return 1
+
     def params(self) -> dict:
         """The format's parameters as experts.bin's header records them (nothing for unparameterized formats)."""
         return {}
@@ -190,6 +196,9 @@ class Int4Codec(ExpertCodec):
     def describe(self):
         return f"int4, groups of {self.group_size}, {'asymmetric (zero points)' if self.zero_point else 'symmetric'}"
 
+    def row_group(self, inter):
+        return self.group_width(inter)  # down's groups run along the intermediate rows
+
     def group_width(self, inp: int) -> int:
         """Input channels per group of a matrix with `inp` columns: the group size, or the whole row (rounded up to
         even) when it is shorter. Each matrix's packed shape [out, groups, width / 2] records it."""
@@ -256,6 +265,9 @@ class Fp8Codec(ExpertCodec):
     def params(self):
         return {"scales": "block", "block": [FP8_BLOCK, FP8_BLOCK]} if self.scales == "block" else {"scales": "channel"}
 
+    def row_group(self, inter):
+        return FP8_BLOCK if self.scales == "block" else 1
+
     def describe(self):
         return "fp8 e4m3, " + ("a scale per 128x128 tile" if self.scales == "block" else "a scale per output channel")
 
@@ -306,6 +318,9 @@ class Mxfp4Codec(ExpertCodec):
 
     def describe(self):
         return f"mxfp4 (e2m1, an e8m0 scale per {MXFP4_BLOCK} input channels)"
+
+    def row_group(self, inter):
+        return MXFP4_BLOCK
 
     def matrix_tensors(self, out, inp):
         if inp % MXFP4_BLOCK:

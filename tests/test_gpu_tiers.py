@@ -225,6 +225,29 @@ def test_experts_cut_between_cpu_and_gpu_match_within_float32_rounding(moe16_dir
     assert (compute.split_experts > 0) == (host != "none")
 
 
+@pytest.mark.parametrize("export", [dict(quantize="int4"), dict(quantize="int4", group_size=32, zero_point=True),
+                                    dict(quantize="fp8"), dict(quantize="fp8", fp8_scales="channel")])
+def test_quantized_experts_cut_between_cpu_and_gpu_give_the_resident_tokens(export, tmp_path):
+    """int4 and fp8 experts of 256 intermediate rows cut at whole groups (int4's, fp8's tiles): the GPU part's
+    kernels read the packed first groups and down's whole scales, the CPU's kernel the rest; the resident model's
+    greedy tokens, logits within 1e-4 of the largest (the GPU kernels' activations in 16-bit or int8 parts against
+    the CPU's float32, as tests/test_gpu_quant_experts.py allows)."""
+    from colibri_stream.export import export_model
+
+    build_hf_model("qwen3_moe", tmp_path / "hf", moe_intermediate_size=256)
+    export_model(tmp_path / "hf", tmp_path / "model", dtype="fp32", progress=False, **export)
+    model_dir = tmp_path / "model"
+    resident = load_model(str(model_dir), device="cuda")
+    tiered = load_model(str(model_dir), device="cuda",
+                        experts=ExpertStoreConfig(gpu_memory_limit=gpu_budget(model_dir, 1),
+                                                  l2_cache_size=budget(model_dir, 8), cpu_experts="auto"))
+    tiered.store.bandwidths, tiered.store.adapt_rates = EVEN, False
+    ids = prompt_ids()
+    assert relative_error(colibri_logits(tiered, ids), colibri_logits(resident, ids)) < 1e-4
+    assert colibri_greedy(tiered, ids, NEW_TOKENS) == colibri_greedy(resident, ids, NEW_TOKENS)
+    assert tiered.store.stats().compute.split_experts > 0
+
+
 @pytest.mark.parametrize("cpu_experts", ["all", "auto"])
 def test_the_cpu_worker_gives_the_resident_tokens(moe16_dir, resident_gpu_logits, cpu_experts):  # noqa: F811
     """The int8 experts of the tiny model go through the CpuLayerWorker (one compiled call per layer, the flag
@@ -310,7 +333,8 @@ def test_server_on_gpu_slots_answers_like_the_resident_gpu_server(tiny_model_dir
     tiered = {"gpu_memory_limit": gpu_budget(tiny_model_dir, 1), "cpu_experts": "off"}
     results = {}
     for name, options in {"resident": {"cuda_graphs": False}, "tiered": tiered}.items():
-        live = LiveServer(tiny_model_dir, {"max_batch_size": 4, "device": "cuda", "matmul_precision": "high", **options})
+        live = LiveServer(tiny_model_dir,
+                          {"max_batch_size": 4, "device": "cuda", "matmul_precision": "high", **options})
         try:
             results[name] = answers(live, prompts)
             _, _, metrics = request(live, "GET", "/metrics", key=None)
@@ -388,7 +412,7 @@ def test_gpt_oss_experts_in_gpu_slots_give_the_resident_tokens(quantize, cpu_exp
                             experts=ExpertStoreConfig(gpu_memory_limit=gpu_budget(model_dir, 1),
                                                       l2_cache_size=budget(model_dir, 8), cpu_experts=cpu_experts))
         store = tiered.store
-    assert isinstance(store, GpuTieredStore) and not store._sliceable
+    assert isinstance(store, GpuTieredStore) and not store._cuttable
     ids = prompt_ids()
     assert relative_error(colibri_logits(tiered, ids), colibri_logits(resident, ids)) < (1e-4 if quantize else 1e-5)
     assert colibri_greedy(tiered, ids, NEW_TOKENS) == colibri_greedy(resident, ids, NEW_TOKENS)

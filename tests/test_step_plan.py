@@ -21,6 +21,14 @@ def test_one_miss_is_cut_in_whole_row_multiples():
     assert place_misses([7], [need()], BW, 96, every_miss=False) == ([], Cut(7, 64))
 
 
+def test_a_cut_keeps_whole_groups_of_the_formats_rows():
+    # A third on the CPU again: 2/3 of 384 rows is 256, two of int4's (or fp8's) groups of 128 rows, and 2/3 of
+    # 288 rows three groups of 64; 2/3 of 192 rows is 128, not a multiple of 96: the nearest one, 96.
+    assert place_misses([7], [need()], BW, 384, every_miss=False, row_group=128) == ([], Cut(7, 256))
+    assert place_misses([7], [need()], BW, 288, every_miss=False, row_group=64) == ([], Cut(7, 192))
+    assert place_misses([7], [need()], BW, 192, every_miss=False, row_group=96) == ([], Cut(7, 96))
+
+
 def test_every_miss_whole_on_the_cpu_when_asked():
     assert place_misses([3, 5], [need(), need()], BW, 96, every_miss=True) == ([3, 5], None)
 

@@ -59,7 +59,8 @@ class QuantMatrix:
                 raise ValueError(f"{what}: {four_bit} rows of {cols} columns in groups of {width} are not whole "
                                  "32-column chunks (the GPU kernels read 8 codes a lane at a time); run this model "
                                  "with --device cpu")
-            return cls(four_bit, lane_bytes, 8 * lane_bytes, groups * width // 2, 1, width, groups)
+            # the scales' own width: a cut expert's part (experts/cut_layout.py) keeps down's scales whole
+            return cls(four_bit, lane_bytes, 8 * lane_bytes, groups * width // 2, 1, width, scale.shape[2])
         if cols % FP8_LANE_COLS:
             raise ValueError(f"{what}: fp8 rows of {cols} columns are not a multiple of {FP8_LANE_COLS} (the GPU "
                              "kernels read 16 codes at a time); run this model with --device cpu")

@@ -2,11 +2,15 @@
 
 When the placement cuts a missed expert in two (placement.place_step), the GPU computes its first `rows`
 intermediate rows and the CPU the rest (CpuExpertExecutor.run with rows=); the two partial outputs add up to the
-expert's. The GPU part is copied from the expert's pinned block (experts.bin's layout: gate [I, H], up [I, H],
-down [H, I], then the int8 scales) into a device block packed as an expert of intermediate size `rows`: gate and up
-rows 0 .. rows - 1 (contiguous), down's first `rows` columns (one 2D copy: H rows of `rows` elements with a source
-pitch of I), their scales, and down's per-row scales whole. The MoE kernels then compute it like any expert in a
-slot, with I = rows.
+expert's. The GPU part is copied from the expert's pinned block (experts.bin's layout: the weights gate [I, H],
+up [I, H], down [H, I], then their scales and zero points, expert_codecs.py) into a device block packed as an
+expert of intermediate size `rows`, one copy a tensor. Gate's and up's tensors run over the intermediate rows
+along their first axis (their first entries, contiguous), down's weights along their second (one 2D copy: the
+first entries of each of its H rows). An axis shorter than I holds a group of `row_group` rows an entry (int4's
+groups of down's columns, fp8's tiles of gate's and up's rows), so `rows` is a multiple of it and the part holds
+whole groups. Down's scales and zero points are copied whole: they are small, a 2D copy of their short rows
+would be slow, and the kernels read a row of them at the whole tensor's pitch (their last axis), so the part's
+first columns find their own. The MoE kernels then compute the part like any expert in a slot, with I = rows.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ DEVICE_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.flo
                  "uint8": np.uint8, "float8_e4m3fn": np.uint8}
 
 
+WHOLE = ("down_scale", "down_zero")  # copied whole (the module docstring)
+
+
 def _align(offset: int) -> int:
     return -(-offset // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
 
@@ -28,24 +35,29 @@ def _align(offset: int) -> int:
 class CutLayout:
     """Where each tensor of an expert's first `rows` intermediate rows lies in a packed block, and how to copy it.
 
-    tensors: the expert block's TensorSlots (checkpoint.expert_block_layout). `pieces` lists per tensor (name, source
-    offset, packed offset, packed shape, bytes per copied row, source pitch, copied rows): one 2D copy each.
+    tensors: the expert block's TensorSlots (checkpoint.expert_block_layout); row_group: the format's
+    ExpertCodec.row_group, which divides `rows`. `pieces` lists per tensor (name, dtype, source offset, packed
+    offset, packed shape, bytes per copied row, source pitch, copied rows): one 2D copy each.
     """
 
-    def __init__(self, tensors: list[TensorSlot], rows: int):
+    def __init__(self, tensors: list[TensorSlot], rows: int, row_group: int = 1):
+        if rows % row_group:
+            raise ValueError(f"a cut expert's GPU part of {rows} rows splits its groups of {row_group} rows")
+        inter = next(t.shape[0] for t in tensors if t.name == "gate")
         self.rows = rows
         self.pieces = []
         offset = 0
         for t in tensors:
             itemsize = NUMPY_DTYPES[t.dtype].itemsize
-            if t.name == "down":  # [H, I] -> [H, rows]: `rows` elements of each of the H rows
-                shape, width, pitch, height = (t.shape[0], rows), rows * itemsize, t.shape[1] * itemsize, t.shape[0]
-            elif t.name == "down_scale":  # [H], whole
+            axis = 1 if t.name.startswith("down") else 0  # the axis over the intermediate rows
+            if t.name in WHOLE:
                 shape, width, pitch, height = t.shape, t.nbytes, t.nbytes, 1
-            else:  # gate, up [I, H] and their scales [I]: the first `rows` rows, contiguous
-                shape = (rows, *t.shape[1:])
-                width = int(np.prod(shape)) * itemsize
-                pitch, height = width, 1
+            else:
+                entries = rows if t.shape[axis] == inter else rows // row_group
+                shape = (*t.shape[:axis], entries, *t.shape[axis + 1:])
+                inner = int(np.prod(t.shape[axis + 1:], dtype=np.int64)) * itemsize  # bytes of one entry
+                width = entries * inner
+                height, pitch = (t.shape[0], t.shape[axis] * inner) if axis else (1, width)
             self.pieces.append((t.name, t.dtype, t.offset, offset, shape, width, pitch, height))
             offset = _align(offset + width * height)
         self.nbytes = offset

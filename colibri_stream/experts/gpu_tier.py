@@ -96,7 +96,8 @@ class GpuTieredStore(DeviceExperts):
         self.block_size = expert_file.block_size
         self._params = 3 * config.hidden_size * config.moe_intermediate_size
         # whether a miss may be cut by rows (_place_misses): not where each part would need the down bias once
-        self._sliceable = expert_codec(config).sliceable and config.plain_experts()
+        self._cuttable = config.plain_experts()
+        self._row_group = expert_codec(config).row_group(config.moe_intermediate_size)  # a cut keeps whole groups
         self._layer_ids = list(config.moe_layers)
         self._rank = {layer: rank for rank, layer in enumerate(self._layer_ids)}
         counts = [slots] * len(self._layer_ids) if isinstance(slots, int) else list(slots)
@@ -297,14 +298,14 @@ class GpuTieredStore(DeviceExperts):
     def _place_misses(self, layer: int, ids: np.ndarray, misses: list[int]) -> tuple[list[int], Cut | None]:
         """(the misses the CPU computes whole this step, the one cut by its intermediate rows or None), from the
         planner: all whole ("all"), or the cost model's choice ("auto"). Only an expert in host memory is cut (the
-        CPU and the copy read the same pinned block), and only in a format whose intermediate rows are slices of its
-        tensors (ExpertCodec.sliceable: not int4, fp8 or mxfp4, whose scales group rows and columns)."""
+        CPU and the copy read the same pinned block), never a biased one, and at whole groups of its format's rows
+        (ExpertCodec.row_group: int4's groups, fp8's tiles)."""
         counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)
-        splittable = self.source.has_host_blocks and self._sliceable
+        splittable = self.source.has_host_blocks and self._cuttable
         needs = [ExpertNeed(self.block_size, self._params, int(counts[e]), on_disk=not self.source.in_memory(layer, e),
                             splittable=splittable) for e in misses]
         return place_misses(misses, needs, self.bandwidths, self.file.config.moe_intermediate_size,
-                            every_miss=self.cpu_experts == "all")
+                            every_miss=self.cpu_experts == "all", row_group=self._row_group)
 
     def _queue_pass(self, plan: LayerPlan, first: bool) -> GpuPass:
         """Place the step's next group of experts in the layer's slots and queue the copies of those not there
@@ -378,7 +379,7 @@ class GpuTieredStore(DeviceExperts):
         """Queue the copy of a cut expert's GPU rows, packed, into the staging block once no earlier pass reads
         that block: (its layout, the copy's event)."""
         cp = self.cp
-        layout = CutLayout(self.device.tensors, cut.gpu_rows)
+        layout = CutLayout(self.device.tensors, cut.gpu_rows, self._row_group)
         source, release = self.source.block(self._layer_ids[rank], cut.expert)
         if self._staging_free is not None:
             self._copy_stream.wait_event(self._staging_free)

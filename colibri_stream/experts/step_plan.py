@@ -9,6 +9,7 @@ it never looks inside a block, so a new expert format changes nothing here.
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from .placement import Bandwidths, ExpertNeed, gpu_rows, place_step
 
-CUT_ROW_MULTIPLE = 16  # a cut expert's GPU rows: whole 16-byte vectors of every expert dtype
+CUT_ROW_MULTIPLE = 16  # a cut expert's GPU rows: whole 16-byte vectors of every expert dtype (and whole groups)
 
 
 @dataclass
@@ -77,14 +78,15 @@ class LayerPlan:
 
 
 def place_misses(misses: list[int], needs: list[ExpertNeed], bandwidths: Bandwidths, intermediate: int,
-                 every_miss: bool) -> tuple[list[int], Cut | None]:
+                 every_miss: bool, row_group: int = 1) -> tuple[list[int], Cut | None]:
     """(the misses the CPU computes whole, the one cut by its intermediate rows or None): every miss whole on the
-    CPU (`every_miss`), or the cost model's choice (placement.place_step) over `needs` (one per miss)."""
+    CPU (`every_miss`), or the cost model's choice (placement.place_step) over `needs` (one per miss). A cut's GPU
+    rows are a multiple of CUT_ROW_MULTIPLE and of the format's `row_group` (ExpertCodec.row_group)."""
     if every_miss:
         return list(misses), None
     on_cpu, cut = [], None
     for expert, share in zip(misses, place_step(needs, bandwidths)):
-        rows = gpu_rows(share, intermediate, CUT_ROW_MULTIPLE)
+        rows = gpu_rows(share, intermediate, math.lcm(CUT_ROW_MULTIPLE, row_group))
         if rows == 0:
             on_cpu.append(expert)
         elif rows < intermediate:
