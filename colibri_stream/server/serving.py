@@ -28,7 +28,8 @@ class _RequestHandler(web.RequestHandler):
     """aiohttp's connection protocol, answering what its HTTP parser refuses before any route runs (a header line
     over 8190 bytes, more than 128 headers, an unknown method, Content-Length with chunked, TLS on this port) in
     OpenAI's error shape rather than text/plain, and logging it on one debug line rather than as an error with a
-    traceback: any client can send those, so they must not fill the log."""
+    traceback: any client can send those, so they must not fill the log (nor can a body whose coding does not
+    decode)."""
 
     __slots__ = ()
 
@@ -49,6 +50,14 @@ class _RequestHandler(web.RequestHandler):
         response = error_response(error)
         response.force_close()  # as aiohttp: the connection's state is unknown
         return response
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        # A body that did not decode (read_body answered it with a 400) raises again when aiohttp reads the rest of
+        # it after the answer: one debug line, not a traceback per request that any client could send.
+        if isinstance(kw.get("exc_info"), web.RequestPayloadError):
+            self.logger.debug("dropped the rest of a body that could not be read: %s", kw["exc_info"])
+            return
+        super().log_exception(*args, **kw)
 
 
 class _Server(web.Server):
