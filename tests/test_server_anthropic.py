@@ -417,6 +417,7 @@ def test_the_key_works_as_x_api_key_and_as_bearer(server):
     ({"thinking": {"type": "adaptive"}, "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "any"}}, "thinking"),
     ({"output_config": {"effort": "high"}}, "effort"),
     ({"output_config": {"format": {"type": "xml"}}}, "output_config.format"),
+    ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema"),
 ])
 def test_a_bad_field_is_a_400_in_anthropics_shape_naming_it(server, fields, named):
     body = {k: v for k, v in {**BODY, **fields}.items() if v is not None}

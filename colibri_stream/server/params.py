@@ -3,6 +3,7 @@ chat template's variables."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..errors import InvalidParameterError
@@ -45,10 +46,17 @@ def sampling_params(fields: Fields, max_tokens: int | None, max_tokens_name: str
         raise bad_request(str(e), param=e.param) from None
 
 
-def response_grammar(value: Any, param: str) -> str | None:
+# Where each API puts a json_schema format's fields: "chat" (chat and completions: {"type": "json_schema",
+# "json_schema": {"name", "schema", "strict", "description"}}, the schema optional), "responses" (text.format:
+# {"type": "json_schema", "name", "schema", ...}, both required), "anthropic" (output_config.format: {"type":
+# "json_schema", "schema"}, no name).
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a response format's name
+
+
+def response_grammar(value: Any, param: str, layout: str = "chat") -> str | None:
     """The grammar a response format asks for: None for text, else JSON (`json_object`: any object;
-    `json_schema`: documents valid under its schema, given in `value["json_schema"]["schema"]` as chat and
-    completions put it, or in `value["schema"]` as the Responses API does)."""
+    `json_schema`: documents valid under its schema, its fields where `layout` ("chat", "responses" or
+    "anthropic", as the comment above says) puts them, checked as OpenAI and Anthropic check them)."""
     if value is None:
         return None
     kind = value.get("type") if isinstance(value, dict) else None
@@ -57,10 +65,7 @@ def response_grammar(value: Any, param: str) -> str | None:
     if kind == "json_object":
         schema: Any = {"type": "object"}
     elif kind == "json_schema":
-        spec = value.get("json_schema", value)
-        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
-        if not isinstance(schema, (dict, bool)):
-            raise bad_request(f"{param}: the json_schema's schema must be a JSON schema object", param=param)
+        schema = _json_schema_format(value, param, layout)
     else:
         raise bad_request(f'{param} must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": '
                           f'"json_schema", ...}}, got {value!r:.80}', param=param)
@@ -70,10 +75,41 @@ def response_grammar(value: Any, param: str) -> str | None:
         raise bad_request(f"{param}: {error}", param=param) from None
 
 
-def output_grammar(body: dict, response_format: Any, param: str = "response_format") -> tuple[str, str] | None:
+def _json_schema_format(value: dict, param: str, layout: str) -> Any:
+    """The schema of a json_schema format, its other fields checked (a 400 naming the field that is wrong)."""
+    if layout == "chat":
+        spec, where = value.get("json_schema"), f"{param}.json_schema"
+        if not isinstance(spec, dict):
+            raise bad_request(f'{where} must be an object with the schema\'s "name" and its "schema", got '
+                              f"{json_type(spec)}", param=where)
+    else:
+        spec, where = value, param
+    if layout != "anthropic":
+        name = spec.get("name")
+        if not isinstance(name, str) or not SCHEMA_NAME.fullmatch(name):
+            raise bad_request(f"{where}.name must be a string of 1 to 64 letters, digits, underscores or dashes, "
+                              f"got {name!r:.80}", param=f"{where}.name")
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise bad_request(f"{where}.strict must be a boolean, got {json_type(spec['strict'])}",
+                              param=f"{where}.strict")
+        if spec.get("description") is not None and not isinstance(spec["description"], str):
+            raise bad_request(f"{where}.description must be a string, got {json_type(spec['description'])}",
+                              param=f"{where}.description")
+    if "schema" not in spec and layout != "chat":
+        raise bad_request(f"{where}.schema is required: the JSON schema of the output", param=f"{where}.schema")
+    schema = spec.get("schema", {})  # chat's schema is optional: any JSON document
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request(f"{where}.schema must be a JSON schema object, got {json_type(schema)}",
+                          param=f"{where}.schema")
+    return schema
+
+
+def output_grammar(body: dict, response_format: Any, param: str = "response_format",
+                   layout: str = "chat") -> tuple[str, str] | None:
     """(the field that asked, the grammar) the output must follow: the `response_format` value (in the field
-    `param`), or vLLM's structured-output fields (structured_outputs.py); asking for both is a 400."""
-    from_format = response_grammar(response_format, param)
+    `param`, laid out as `layout` says: response_grammar), or vLLM's structured-output fields
+    (structured_outputs.py); asking for both is a 400."""
+    from_format = response_grammar(response_format, param, layout)
     try:
         from_vllm = structured_outputs_grammar(body)
     except InvalidParameterError as e:

@@ -64,7 +64,7 @@ def parse_messages(body: Any, tool_syntax: ToolSyntax | None = None, split_reaso
     config = fields.get("output_config", (dict,), "an object", {})
     if config.get("effort") is not None:
         raise unsupported("output_config.effort is not supported by this server", "output_config.effort")
-    asked = output_grammar(body, config.get("format"), "output_config.format")
+    asked = output_grammar(body, config.get("format"), "output_config.format", "anthropic")
     grammar, grammar_param = generation_grammar(call, asked)
     return GenerateRequest(
         chat=True, model=fields.string("model"), prompts=(messages,), stream=fields.boolean("stream"),

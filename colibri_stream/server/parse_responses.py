@@ -53,7 +53,7 @@ def parse_response(body: Any, tool_syntax: ToolSyntax | None = None, split_reaso
         messages.insert(0, {"role": "system", "content": instructions})
     stream = fields.boolean("stream")
     text = fields.get("text", (dict,), "an object", {})
-    asked = output_grammar(body, text.get("format"), "text.format")
+    asked = output_grammar(body, text.get("format"), "text.format", "responses")
     given_tools = fields.get("tools", (list,), "an array")
     tools = _chat_tools(given_tools)
     parallel = fields.boolean("parallel_tool_calls", True)
