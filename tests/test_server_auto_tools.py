@@ -143,6 +143,18 @@ NOT_CALLS = [
 CALL_ARGUMENTS = '{"city": "Paris", "days": 3}'  # CALL's, as the model writes them
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call(client):
+    """As vLLM: with parallel_tool_calls false, of the calls the model writes under "auto" only the first is kept,
+    streamed or not."""
+    text = CALL + "\n" + SECOND
+    answer = ask(client, text, parallel_tool_calls=False)
+    assert [c.function.name for c in answer.choices[0].message.tool_calls] == ["weather"]
+    assert answer.choices[0].finish_reason == "tool_calls"
+    content, calls, reason = streamed(ask(client, text, stream=True, parallel_tool_calls=False))
+    assert reason == "tool_calls" and list(calls) == [0] and calls[0]["name"] == "weather"
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "days": 3}
+
+
 @pytest.mark.parametrize("text", NOT_CALLS + [
     '<tool_call>\n{"name": "weather", "arguments": {"city": "Pa',  # cut short
     CALL + "\nand some words after it",

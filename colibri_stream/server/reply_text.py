@@ -77,6 +77,8 @@ class ReplyText:
             if finished:
                 rest, more_calls = self._reader.finish()
                 content, calls = content + rest, calls + more_calls
+            if not self._auto.parallel:  # parallel_tool_calls false: the first call's deltas alone
+                calls = [delta for delta in calls if delta.get("index", 0) == 0]
         return ReplyPiece(reasoning, content, calls)
 
     def _forced_piece(self, reasoning: str, finished: bool) -> ReplyPiece:
@@ -99,6 +101,8 @@ class ReplyText:
             elif self._auto is not None:
                 split = self._auto.syntax.split(content, self._auto.schemas)
                 content, calls = split if split is not None else (content, None)
+                if calls and not self._auto.parallel:  # parallel_tool_calls false: the first call alone
+                    calls = calls[:1]
             thought = self._thinking is not None and self._thinking.thought
             self._whole = Reply(self.reasoning if thought else None, content, calls or None)
         return self._whole

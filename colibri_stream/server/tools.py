@@ -5,7 +5,8 @@ The call is written under a grammar (../structured.py): for a named function, JS
 `parameters` schema; for "required", a JSON array of one or more {"name", "parameters"} objects, each valid under
 its tool's schema (as vLLM forces calls). The tools also go to the chat template, so the model sees them the way its
 template shows tools. The text becomes the message's `tool_calls` (finish_reason "tool_calls"); a call cut by
-max_tokens stays text (finish_reason "length"); with parallel_tool_calls false "required" makes one call.
+max_tokens stays text (finish_reason "length"); with parallel_tool_calls false "required" makes one call, and of
+the calls "auto" reads only the first is kept.
 With tool_choice "auto" the model writes freely, shown the tools by its template, and the calls
 it writes in the syntax its template teaches become tool_calls; a model whose template teaches none this server
 reads is shown the tools all the same and answers in text, as OpenAI answers "auto" (forcing a call still works).
@@ -46,11 +47,12 @@ class ForcedCall:
 class AutoCalls:
     """tool_choice "auto": the model may call any of the functions of `schemas` (name -> parameters schema), in
     `syntax` (NO_TOOL_SYNTAX where its template teaches none: then it answers in text); `tools` as the chat
-    template takes them."""
+    template takes them. Not `parallel` (parallel_tool_calls false): only its first call is kept, as vLLM does."""
 
     schemas: dict[str, Any]
     tools: tuple[dict, ...]
     syntax: ToolSyntax
+    parallel: bool = True
 
 
 def with_call_tokens(use: ForcedCall | AutoCalls | None, params: SamplingParams,
@@ -100,7 +102,7 @@ def tool_use(tools: Any, tool_choice: Any, error, parallel: bool = True,
         raise error(f"tool_choice {tool_choice!r} needs a non-empty tools array", "tools")
     schemas, listed = function_tools(tools, error)
     if tool_choice in (None, "auto"):
-        return AutoCalls(schemas, tuple(listed), syntax or NO_TOOL_SYNTAX)
+        return AutoCalls(schemas, tuple(listed), syntax or NO_TOOL_SYNTAX, parallel)
     if tool_choice == "required":
         named, schema = None, {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
