@@ -255,7 +255,8 @@ class Sampler:
 
 
 NON_FINITE_LOGITS = "the model's logits are not finite (NaN or infinity) for this sequence"
-NO_TOKEN_ALLOWED = "no token is allowed next: the grammar allows none that min_tokens does not ban"
+# the request's own constraints leave no token: its grammar (if any), its stop tokens and min_tokens' ban on them
+NO_TOKEN_ALLOWED = "no token is allowed next: the output format and min_tokens' ban on stop tokens leave none"
 
 
 def _sample_selected(out: SamplerOutput, source: LogitSource, states: list[SamplingState], params: _RowParams,

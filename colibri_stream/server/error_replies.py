@@ -44,7 +44,7 @@ def engine_error(error: BaseException, req: GenerateRequest) -> APIError:
         return APIError(429, f"the server is busy: {error}", type="rate_limit_error", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(error, EngineStepError) and str(error) == NO_TOKEN_ALLOWED:  # the request's own constraints
-        return bad_request(f"{prompt}{error} (min_tokens asks for more tokens than the output format or "
+        return bad_request(f"{prompt}{error} (min_tokens asks for more tokens than the output format, if any, and "
                            f"stop_token_ids let the model write)", param="min_tokens")
     if isinstance(error, EngineStoppedError):
         return APIError(503, f"the engine is not accepting requests: {error}", type="server_error",
