@@ -129,6 +129,12 @@ def metric(server: LiveServer, name: str) -> float:
     return float(match.group(1))
 
 
+def requests_counted(server: LiveServer, route: str, status: int) -> float:
+    """colibri_requests_total of one route and status (0 before the first)."""
+    name = f'colibri_requests_total{{route="{route}",status="{status}"}}'
+    return metric(server, name) if name.encode() in request(server, "GET", "/metrics", key=None)[2] else 0.0
+
+
 def chat(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
@@ -510,10 +516,14 @@ def test_body_over_the_limit_is_413(server):
 
 
 def test_unknown_route_and_wrong_method(server):
+    """... counted by /metrics: a 405 under the route it was sent to, a 404 as unmatched."""
+    before = requests_counted(server, COMPLETIONS, 405), requests_counted(server, "unmatched", 404)
     status, _, raw = request(server, "GET", "/v1/nothing")
     assert status == 404 and _error(orjson.loads(raw))
     status, headers, raw = request(server, "GET", COMPLETIONS)
     assert status == 405 and headers["Allow"] == "POST" and _error(orjson.loads(raw))
+    after = requests_counted(server, COMPLETIONS, 405), requests_counted(server, "unmatched", 404)
+    assert after == (before[0] + 1, before[1] + 1)
     status, _, raw = request(server, "DELETE", "/health", key=None)
     assert status == 405 and _error(orjson.loads(raw))
 

@@ -17,7 +17,8 @@ import openai
 import orjson
 import pytest
 from conftest import MAX_POSITIONS
-from test_server import API_KEY, CHAT, COMPLETIONS, LiveServer, _error, metric, request, sse_events
+from test_server import (API_KEY, CHAT, COMPLETIONS, LiveServer, _error, metric, request, requests_counted,
+                         sse_events)
 
 from colibri_stream.errors import InvalidParameterError
 from colibri_stream.request import SamplingParams
@@ -139,10 +140,16 @@ def test_body_that_does_not_decode_is_400(server, encoding, caplog):
 
 @pytest.mark.parametrize("encoding", ["br", "zstd", "x-unknown", "gzip, deflate"])
 def test_a_content_encoding_the_server_cannot_read_is_415(server, encoding):
+    """... and counted once by /metrics (aiohttp's parser refuses br and zstd before any route: as unmatched)."""
+    def counted() -> float:
+        return requests_counted(server, "unmatched", 415) + requests_counted(server, COMPLETIONS, 415)
+
+    before = counted()
     data = orjson.dumps(body_for(COMPLETIONS, False))
     error = assert_refused(server, COMPLETIONS, None, 415, data=data,
                            headers={"Content-Type": "application/json", "Content-Encoding": encoding})
     assert error["code"] == "unsupported_content_encoding" and "send the body as identity" in error["message"]
+    assert counted() == before + 1
     status, _, reply = send(server, COMPLETIONS, data=data,
                             headers={"Content-Type": "application/json", "Content-Encoding": "Identity"})
     assert status == 200, reply

@@ -17,7 +17,8 @@ from ..errors import APIError, RequestsAbortedError
 from .app import create_app
 from .error_replies import error_response
 from .read_body import unreadable_encoding
-from .state import (DEFAULT_KEEPALIVE_SECONDS, DEFAULT_MAX_BODY_BYTES, DEFAULT_SEND_TIMEOUT_SECONDS, STATE)
+from .state import (DEFAULT_KEEPALIVE_SECONDS, DEFAULT_MAX_BODY_BYTES, DEFAULT_SEND_TIMEOUT_SECONDS, STATE,
+                    count_status)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,9 @@ class _RequestHandler(web.RequestHandler):
             self.logger.debug("refused a malformed HTTP request from %s: %s", request.remote, exc)
             reason = getattr(exc, "message", None) or message or "malformed HTTP request"
             error = APIError(status, f"malformed HTTP request: {str(reason)[:300]}", code="bad_http_request")
+        app = getattr(self._manager, "app", None)  # (the _Server's: see _AppRunner)
+        if app is not None:  # refused before any route: counted as a request no route took
+            count_status(app, "unmatched", error.status)
         response = error_response(error)
         response.force_close()  # as aiohttp: the connection's state is unknown
         return response
@@ -69,6 +73,7 @@ class _Server(web.Server):
     runs, so one that waits is closed between one and two timeouts after its wait began."""
 
     request_head_timeout: float | None = None  # set by _AppRunner; None: wait for ever
+    app: web.Application | None = None  # the app its requests go to (its request counter), set by _AppRunner
 
     def __call__(self) -> web.RequestHandler:
         handler = super().__call__()
@@ -110,6 +115,7 @@ class _AppRunner(web.AppRunner):
         with contextlib.suppress(TypeError):  # an aiohttp whose Server has a layout of its own: its text errors
             server.__class__ = _Server
             server.request_head_timeout = self._request_head_timeout
+            server.app = self.app
         return server
 
 

@@ -100,9 +100,19 @@ STATE = web.AppKey("state", ServerState)
 
 
 def count_request(request: web.Request, status: int) -> None:
+    """Count an answered request by route and status: its route's path, that of the route a method it does not
+    take was sent to (a 405), else "unmatched"."""
     resource = request.match_info.route.resource
-    route = resource.canonical if resource is not None else "unmatched"
-    request.app[STATE].metrics.requests.labels(route, str(status)).inc()
+    if resource is not None:
+        route = resource.canonical
+    else:  # no route took it: a path no route has, or a method the path's routes do not take
+        known = {r.canonical for r in request.app.router.resources()}
+        route = request.path if request.path in known else "unmatched"
+    count_status(request.app, route, status)
+
+
+def count_status(app: web.Application, route: str, status: int) -> None:
+    app[STATE].metrics.requests.labels(route, str(status)).inc()
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
