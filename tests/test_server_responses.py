@@ -21,6 +21,29 @@ def client(tiny_server) -> openai.OpenAI:
     return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
+def test_a_stream_that_fails_after_its_200_ends_in_openais_error_events(tiny_server, client):
+    """Raw SSE: every event named by its type, an `error` event then `response.failed` (its error's code and
+    message) once the request's own constraints leave no token (a choice of one word, min_tokens past it), and
+    no `[DONE]`; the SDK reads the two as typed events."""
+    body = {"model": MODEL, "input": "Answer:", "max_output_tokens": 12, "stream": True,
+            "structured_outputs": {"choice": ["yes"]}, "min_tokens": 6}
+    status, _, raw = request(tiny_server, "POST", "/v1/responses", body)
+    blocks = [block for block in raw.decode().split("\n\n") if block.strip()]
+    assert status == 200 and blocks and all(block.startswith("event: ") for block in blocks)
+    events = [json.loads(block.split("\ndata: ", 1)[1]) for block in blocks]
+    assert [b.split("\n", 1)[0][len("event: "):] for b in blocks] == [e["type"] for e in events]
+    error, failed = events[-2:]
+    assert error["type"] == "error" and "no token is allowed next" in error["message"]
+    assert error["code"] == "invalid_request_error" and error["param"] == "min_tokens"
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"] == {"code": error["code"], "message": error["message"]}
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    typed = list(client.responses.create(stream=True, extra_body={"structured_outputs": {"choice": ["yes"]},
+                                                                  "min_tokens": 6},
+                                         **{k: body[k] for k in ("model", "input", "max_output_tokens")}))
+    assert [event.type for event in typed[-2:]] == ["error", "response.failed"]
+
+
 def test_a_response_says_what_chat_says_for_the_same_messages(client):
     chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
                                           extra_body={"ignore_eos": True})

@@ -12,18 +12,17 @@ from typing import Any
 from aiohttp import web
 
 from ..errors import APIError, ColibriError
-from .error_replies import api_error_body, engine_error
 from .admission import admit
+from .error_replies import engine_error
 from .generate_request import GenerateRequest
 from .generations import Generations
 from .parse_anthropic import parse_messages, switches_thinking
 from .parse_openai import parse_chat, parse_completion
 from .parse_responses import parse_response
 from .read_body import LARGE_BODY_BYTES, json_body, read_body
-from .render_anthropic import MessagesEventStream, MessagesResponder, is_messages_path
+from .render_anthropic import MessagesResponder
 from .render_openai import Responder
 from .render_responses import ResponsesResponder
-from .sse import EventStream
 from .state import STATE, ServerState, check_model, json_response, on_worker
 
 log = logging.getLogger(__name__)
@@ -115,8 +114,7 @@ async def _stream(request: web.Request, state: ServerState,
                   generations: Generations) -> web.StreamResponse:
     """Send the request's outputs as SSE events (the responder's opening ones, one or none per output, its
     closing ones); keep-alive comments fill silences (a long prefill)."""
-    framing = MessagesEventStream if is_messages_path(request.path) else EventStream
-    stream = framing(request, state.keepalive_interval, state.send_timeout)
+    stream = responder.framing(request, state.keepalive_interval, state.send_timeout)
     try:
         await stream.open()
         for event in responder.opening():
@@ -127,13 +125,14 @@ async def _stream(request: web.Request, state: ServerState,
                 for event in responder.events(out, index):
                     await stream.send(event)
         except ColibriError as e:  # after the 200, an error travels in the stream
-            await stream.send(api_error_body(engine_error(e, responder.request), request.path))
+            for event in responder.stream_error(engine_error(e, responder.request)):
+                await stream.send(event)
         except ConnectionResetError:
             raise
         except Exception:  # a fault of the server's own (rendering): in the stream too, not as a second response
             log.exception("error while streaming %s", responder.id)
-            await stream.send(api_error_body(APIError(500, "internal server error", type="server_error"),
-                                             request.path))
+            for event in responder.stream_error(APIError(500, "internal server error", type="server_error")):
+                await stream.send(event)
         else:
             for event in responder.closing():
                 await stream.send(event)

@@ -3,13 +3,14 @@ named SSE events.
 
 The reply is a message whose content blocks are, in order: thinking (the reply's <think> text, where it has any),
 text (unless the reply is only tool calls), tool_use per call; its stop_reason is tool_use, max_tokens,
-stop_sequence (naming the stop_sequence) or end_turn. A stream sends Anthropic's named events: message_start, ping, then per block
-content_block_start, content_block_delta (thinking_delta, text_delta, input_json_delta) and content_block_stop,
-then message_delta (stop_reason, usage) and message_stop. A block opens with its first text; an "auto" call's
-tool_use block opens as the model writes the call, its input following in input_json_delta pieces (as
-tool_syntax's stream reader lets them out: Hermes, Qwen3-Coder and Mistral calls piece by piece, the other
-syntaxes' whole once the text is), and what went out as a call stays one, as chat streams it; a forced call's block comes at the end, once its
-text is whole. An error after the stream has opened goes out as an `error` event.
+stop_sequence (naming the stop_sequence) or end_turn. A stream sends Anthropic's named events: message_start,
+ping, then per block content_block_start, content_block_delta (thinking_delta, text_delta, input_json_delta) and
+content_block_stop, then message_delta (stop_reason, usage) and message_stop. A block opens with its first text;
+an "auto" call's tool_use block opens as the model writes the call, its input following in input_json_delta
+pieces (as tool_syntax's stream reader lets them out: Hermes, Qwen3-Coder and Mistral calls piece by piece, the
+other syntaxes' whole once the text is), and what went out as a call stays one, as chat streams it; a forced
+call's block comes at the end, once its text is whole. An error after the stream has opened goes out as an
+`error` event.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..errors import APIError
 from .admission import Admission
 from .generate_request import GenerateRequest
 from .reply_text import ReplyPiece, ReplyText
-from .sse import EventStream, encode_event
+from .sse import NamedEventStream
 
 MESSAGES_PATH = "/v1/messages"
 # Anthropic's error type for an HTTP status; other 4xx are invalid_request_error, other 5xx api_error
@@ -51,23 +52,14 @@ def error_body(error: APIError) -> dict:
     return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
-class MessagesEventStream(EventStream):
-    """Anthropic's SSE framing: each event named by its type (`event: message_start` ...), and no `[DONE]`."""
-
-    async def send(self, payload: dict) -> None:
-        await self._write(b"event: " + payload["type"].encode() + b"\n" + encode_event(payload))
-
-    async def close(self) -> None:
-        self.stop_keepalive()
-        await self._timed(self.response.write_eof())
-
-
 class MessagesResponder:
     """Turns one /v1/messages request's RequestOutputs into Anthropic's message or its stream events.
 
     The reply's text goes through reply_text.py's stage: the reasoning split runs as the reply comes, and so does
     the reading of "auto" calls when streaming; otherwise the calls are read once the reply is whole.
     """
+
+    framing = NamedEventStream  # its stream's SSE framing
 
     def __init__(self, request: GenerateRequest, model: str):
         self.request = request
@@ -143,6 +135,11 @@ class MessagesResponder:
         return events + self._stop_block() + [{"type": "message_delta", "usage": self._usage(),
                                                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}},
                                               {"type": "message_stop"}]
+
+    @staticmethod
+    def stream_error(error: APIError) -> list[dict]:
+        """The events that end a stream on an error once its 200 has gone out: Anthropic's error event."""
+        return [error_body(error)]
 
     def _call_events(self, calls: list[dict]) -> list[dict]:
         """The events of chat's tool_calls entries or of their stream pieces (tool_syntax's): an entry with an id

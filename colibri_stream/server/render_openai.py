@@ -9,9 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import APIError
 from .admission import Admission
 from .generate_request import GenerateRequest
 from .reply_text import ReplyPiece, ReplyText
+from .sse import EventStream
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
@@ -41,6 +43,8 @@ class _Choice:
 
 class Responder:
     """Turns one request's RequestOutputs into OpenAI response bodies: stream chunks or the whole completion."""
+
+    framing = EventStream  # its stream's SSE framing
 
     def __init__(self, request: GenerateRequest, model: str, token_piece: TokenPiece,
                  decode: Callable[[list[int]], str]):
@@ -195,6 +199,11 @@ class Responder:
         text = any(choice["delta"].values()) if self.request.chat else choice.get("text")
         shown = text or output.finished or (self.request.logprobs and output.logprobs)
         return [self.chunk(choice)] if shown else []
+
+    @staticmethod
+    def stream_error(error: APIError) -> list[dict]:
+        """The events that end a stream on an error once its 200 has gone out: the error's body, as vLLM sends it."""
+        return [error.body()]
 
     def closing(self) -> list[dict]:
         """A stream's last chunks: the usage, when stream_options asked for it."""

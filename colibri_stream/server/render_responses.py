@@ -20,9 +20,11 @@ import time
 import uuid
 from typing import Any
 
+from ..errors import APIError
 from .admission import Admission
 from .generate_request import GenerateRequest
 from .reply_text import ReplyText
+from .sse import NamedEventStream
 
 
 class ResponsesResponder:
@@ -33,6 +35,8 @@ class ResponsesResponder:
     text and closes before the message opens; the message opens with its first text (at once where nothing may
     hold it back); calls go out at the end, once the text is whole.
     """
+
+    framing = NamedEventStream  # its stream's SSE framing
 
     def __init__(self, request: GenerateRequest, model: str):
         self.request = request
@@ -157,6 +161,14 @@ class ResponsesResponder:
                            self._event("response.output_item.done", output_index=index, item=item)]
         end = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return events + [self._event(end, response=response)]
+
+    def stream_error(self, error: APIError) -> list[dict]:
+        """The events that end a stream on an error once its 200 has gone out, as OpenAI sends them: an `error`
+        event, then `response.failed` with the response's error."""
+        code = error.code or error.type
+        failed = dict(self._response("failed", []), error={"code": code, "message": error.message})
+        return [self._event("error", code=code, message=error.message, param=error.param),
+                self._event("response.failed", response=failed)]
 
     def response(self) -> dict:
         """The response object, once generation has ended: the reasoning item (where the reply thought), the

@@ -1,4 +1,6 @@
-"""Server-sent events framing for OpenAI streams: `data: <json>\\n\\n` events, comment keep-alives, `data: [DONE]`."""
+"""Server-sent events framing: OpenAI's chat and completions streams (`data: <json>\\n\\n` events, `data: [DONE]` at
+the end), and the streams whose events are named by their type, without `[DONE]` (OpenAI's Responses, Anthropic's
+Messages: `NamedEventStream`); comment keep-alives in both."""
 
 from __future__ import annotations
 
@@ -114,3 +116,15 @@ class EventStream:
                     await asyncio.sleep(delay)
                 else:
                     await self._write(KEEPALIVE)
+
+
+class NamedEventStream(EventStream):
+    """The framing of OpenAI's Responses and Anthropic's Messages streams: each event named by its type
+    (`event: response.created` ...), and no `[DONE]`."""
+
+    async def send(self, payload: dict) -> None:
+        await self._write(b"event: " + payload["type"].encode() + b"\n" + encode_event(payload))
+
+    async def close(self) -> None:
+        self.stop_keepalive()
+        await self._timed(self.response.write_eof())
