@@ -109,15 +109,22 @@ def post(server: LiveServer, path: str, body: Any, **kwargs: Any) -> tuple[int, 
 
 
 def sse_events(raw: bytes) -> list[Any]:
-    """Parse an SSE body strictly: every event is `data: ...` followed by a blank line; comments are skipped."""
+    """Parse an SSE body strictly: every event is `data: ...` followed by a blank line, or, where the stream names
+    its events (Responses, Messages), `event: <its type>` then `data: ...`; comments are skipped."""
     assert raw.endswith(b"\n\n")
     events = []
     for block in raw[:-2].split(b"\n\n"):
         if block.startswith(b":"):
             continue
+        name = None
+        if block.startswith(b"event: "):
+            head, block = block.split(b"\n", 1)
+            name = head[len(b"event: "):].decode()
         assert block.startswith(b"data: ") and b"\n" not in block, block
         data = block[len(b"data: "):]
-        events.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
+        event = "[DONE]" if data == b"[DONE]" else orjson.loads(data)
+        assert name is None or (event != "[DONE]" and event["type"] == name), (name, event)
+        events.append(event)
     return events
 
 

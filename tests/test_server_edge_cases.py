@@ -17,12 +17,12 @@ import openai
 import orjson
 import pytest
 from conftest import MAX_POSITIONS
-from test_server import (API_KEY, CHAT, COMPLETIONS, LiveServer, _error, metric, request, requests_counted,
-                         sse_events)
+from test_server import API_KEY, CHAT, COMPLETIONS, LiveServer, _error, metric, request, requests_counted, sse_events
 
-from colibri_stream.errors import InvalidParameterError
+from colibri_stream.errors import APIError, InvalidParameterError
 from colibri_stream.request import SamplingParams
 from colibri_stream.sampling import SamplingState
+from colibri_stream.server.parse_openai import parse_chat
 from colibri_stream.server.state import STATE
 
 MODEL = "colibri/tiny-mixtral"  # a served name with a slash, as Hugging Face names have
@@ -461,13 +461,47 @@ def test_chat_messages_accepted(server):
         [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}, *user("hi")],
         [*user("hi"), {"role": "assistant", "content": None}, *user("again")],
         [*user("hi"), {"role": "assistant", "content": "hello", "tool_calls": []}, *user("again")],
-        user([]),
         user(""),
         user([{"type": "text", "text": "a"}, {"type": "text", "text": "b", "cache_control": {}}]),
+        [*user("hi"), {"role": "assistant", "content": [], "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "42"}],
     ]
     for messages in cases:
         status, _, reply = send(server, CHAT, body_for(CHAT, False, messages=messages))
         assert status == 200, (messages, reply)
+
+
+def test_chat_messages_openai_refuses_are_400_naming_the_field():
+    """An empty array of parts, a tool message that answers no earlier call, a history call that is not
+    {"id": str, "type": "function", "function": {"name": non-empty, ...}}, a tool's name with a control character,
+    a description or strict of the wrong type: each a 400 naming the field, as OpenAI answers them."""
+    called = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    cases = [
+        (dict(messages=user([])), "messages[0].content"),
+        (dict(messages=[{"role": "tool", "tool_call_id": "call_1", "content": "42"}]), "messages[0].role"),
+        (dict(messages=[*user("hi"), called, {"role": "tool", "tool_call_id": "call_2", "content": "42"}]),
+         "messages[2].tool_call_id"),
+        (dict(messages=[*user("hi"), dict(called, tool_calls=[dict(called["tool_calls"][0], type="x")])]),
+         "messages[1].tool_calls[0]"),
+        (dict(messages=[*user("hi"), dict(called, tool_calls=[dict(called["tool_calls"][0], id={})])]),
+         "messages[1].tool_calls[0]"),
+        (dict(messages=[*user("hi"), dict(called, tool_calls=[{"id": "c", "type": "function",
+                                                               "function": {"name": "", "arguments": "{}"}}])]),
+         "messages[1].tool_calls[0]"),
+        (dict(tools=[{"type": "function", "function": {"name": "f\u0000"}}]), "tools[0].function.name"),
+        (dict(tools=[{"type": "function", "function": {"name": "f" * 65}}]), "tools[0].function.name"),
+        (dict(tools=[dict(tool, function=dict(tool["function"], strict="yes"))]), "tools[0].function.strict"),
+        (dict(tools=[dict(tool, function=dict(tool["function"], description=5))]),
+         "tools[0].function.description"),
+    ]
+    for fields, param in cases:
+        messages = fields.pop("messages", user("hi"))
+        with pytest.raises(APIError) as refused:
+            parse_chat(dict(model=MODEL, messages=messages, **fields))
+        assert refused.value.status == 400 and refused.value.param == param, (fields, refused.value.message)
 
 
 def test_no_op_values_of_unsupported_features_are_accepted(server):

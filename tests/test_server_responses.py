@@ -107,6 +107,12 @@ def test_a_streamed_response_sends_openais_event_sequence(client):
     ({"text": {"format": {"type": "xml"}}}, "text.format"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"metadata": {"k": 5}}, "metadata"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"input": [{"role": "user", "content": "a", "id": 5}]}, "input[0].id"),
+    ({"input": [{"role": "user", "content": "a", "status": "done"}]}, "input[0].status"),
+    ({"stream_options": "x"}, "stream_options"),
+    ({"stream_options": {}}, "stream_options"),  # without stream
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "strict": 5}}}, "text.format.strict"),
     ({"top_logprobs": 2}, "top_logprobs"),

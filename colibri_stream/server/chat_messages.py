@@ -38,6 +38,7 @@ def chat_messages(messages: Any, name: str = "messages") -> list[dict]:
         if role == "tool":
             if not isinstance(message.get("tool_call_id"), str):
                 raise bad_request(f"{param}.tool_call_id must be a string", param=f"{param}.tool_call_id")
+            _check_answers_a_call(out, message["tool_call_id"], param)
             entry["tool_call_id"] = message["tool_call_id"]
         if message.get("tool_calls") is not None:
             if role != "assistant":
@@ -52,6 +53,19 @@ def chat_messages(messages: Any, name: str = "messages") -> list[dict]:
     return out
 
 
+def _check_answers_a_call(earlier: list[dict], call_id: str, param: str) -> None:
+    """A tool message answers a tool call of an earlier assistant message: OpenAI refuses one that answers none
+    (a call without an id can be answered by any)."""
+    calls = [call for message in earlier for call in message.get("tool_calls") or ()]
+    if not calls:
+        raise bad_request(f"{param}: a tool message must answer a tool call of an earlier assistant message, and "
+                          "none has tool_calls", param=f"{param}.role")
+    ids = [call["id"] for call in calls if isinstance(call.get("id"), str)]
+    if len(ids) == len(calls) and call_id not in ids:
+        raise bad_request(f"{param}.tool_call_id {call_id!r:.80} answers none of the earlier tool calls "
+                          f"({', '.join(map(repr, ids))[:200]})", param=f"{param}.tool_call_id")
+
+
 def _history_calls(calls: Any, param: str) -> list[dict]:
     """An assistant message's earlier tool_calls as chat templates take them: the arguments as an object."""
     if not isinstance(calls, list):
@@ -61,9 +75,10 @@ def _history_calls(calls: Any, param: str) -> list[dict]:
         function = call.get("function") if isinstance(call, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
         arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
-        if not isinstance(name, str) or not isinstance(arguments, str):
-            raise bad_request(f'{param}[{j}] must be {{"id": ..., "type": "function", "function": {{"name": ..., '
-                              f'"arguments": "<JSON>"}}}}', param=f"{param}[{j}]")
+        if not isinstance(name, str) or not name or not isinstance(arguments, str) \
+                or not isinstance(call.get("id", ""), str) or call.get("type", "function") != "function":
+            raise bad_request(f'{param}[{j}] must be {{"id": "<string>", "type": "function", "function": {{"name": '
+                              f'"<name>", "arguments": "<JSON>"}}}}', param=f"{param}[{j}]")
         try:
             parsed = json_text(arguments)
         except ValueError as e:  # not JSON, nested too deep, or a number past Python's 4300 digits
@@ -78,8 +93,8 @@ def _content(content: Any, role: str, param: str) -> str:
         return ""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise bad_request(f"{param} must be a string or an array of text parts", param=param)
+    if not isinstance(content, list) or (not content and role != "assistant"):
+        raise bad_request(f"{param} must be a string or a non-empty array of text parts", param=param)
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None

@@ -34,6 +34,8 @@ from .tool_syntax import ToolSyntax
 from .tools import AutoCalls, ForcedCall, tool_use, with_call_tokens
 
 INPUT_TEXT_PARTS = ("input_text", "output_text", "text")  # text content parts of an input message
+ITEM_STATUSES = ("in_progress", "completed", "incomplete")  # an input item's status, as a response wrote it
+MAX_METADATA_PAIRS = 16
 # include values already met: reasoning items carry their text in the clear (there is nothing encrypted), which
 # the client sends back as it would the encrypted content (the Agents SDK asks for it when nothing is stored)
 INCLUDED_ANYWAY = ("reasoning.encrypted_content",)
@@ -46,7 +48,10 @@ def parse_response(body: Any, tool_syntax: ToolSyntax | None = None, split_reaso
     _reject_unsupported(fields)
     fields.string("user")  # accepted for compatibility; only the types are checked
     fields.boolean("store", True)
-    metadata = fields.get("metadata", (dict,), "an object", {})
+    metadata = _metadata(fields.get("metadata", (dict,), "an object", {}))
+    options = fields.get("stream_options", (dict,), "an object")
+    if options is not None and not body.get("stream"):
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
     messages = chat_messages(_input_messages(body.get("input")), "input")
     instructions = fields.string("instructions")
     if instructions:
@@ -75,6 +80,19 @@ def parse_response(body: Any, tool_syntax: ToolSyntax | None = None, split_reaso
                            split_reasoning=split_reasoning and call is None, grammar_param=grammar_param,
                            harmony=isinstance(tool_syntax, HarmonyToolSyntax),
                            template_kwargs=with_reasoning_effort(None, effort), settings=settings)
+
+
+def _metadata(metadata: dict) -> dict:
+    """The request's metadata as OpenAI bounds it: at most 16 pairs of string keys (up to 64 characters) and string
+    values (up to 512)."""
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise bad_request(f"metadata holds {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed",
+                          param="metadata")
+    for key, value in metadata.items():
+        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+            raise bad_request(f"metadata[{key[:64]!r}]: keys are strings of up to 64 characters and values strings "
+                              f"of up to 512, got {json_type(value)}", param="metadata")
+    return metadata
 
 
 def _chat_tools(tools: list | None) -> list | None:
@@ -142,6 +160,11 @@ def _input_messages(value: Any) -> list[dict]:
         param = f"input[{i}]"
         if not isinstance(item, dict):
             raise bad_request(f"{param} must be an object, got {json_type(item)}", param=param)
+        if item.get("id") is not None and not isinstance(item["id"], str):
+            raise bad_request(f"{param}.id must be a string, got {json_type(item['id'])}", param=f"{param}.id")
+        if item.get("status") is not None and item["status"] not in ITEM_STATUSES:
+            raise bad_request(f"{param}.status must be one of {', '.join(ITEM_STATUSES)}, got {item['status']!r:.80}",
+                              param=f"{param}.status")
         kind = item.get("type", "message")
         if kind == "reasoning":
             reasoning = _reasoning_text(item, param)

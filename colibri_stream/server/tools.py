@@ -30,6 +30,7 @@ from .json_depth import json_text
 from .tool_syntax import NO_TOOL_SYNTAX, ToolSyntax
 
 ANY_OBJECT = {"type": "object"}  # the parameters of a function that declares none
+MAX_NAME_CHARS = 64  # a function name's length, as OpenAI bounds it
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,12 @@ def function_tools(tools: list, error) -> tuple[dict[str, Any], list[dict]]:
         if not isinstance(name, str) or not name:
             raise error(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}',
                         f"tools[{i}]")
+        if len(name) > MAX_NAME_CHARS or any(c.isspace() or not c.isprintable() for c in name):
+            raise error(f"tools[{i}].function.name must be 1 to {MAX_NAME_CHARS} characters without spaces or "
+                        f"control characters, got {name!r:.80}", f"tools[{i}].function.name")
+        for key, kind, words in (("description", str, "a string"), ("strict", bool, "a boolean")):
+            if function.get(key) is not None and not isinstance(function[key], kind):
+                raise error(f"tools[{i}].function.{key} must be {words}", f"tools[{i}].function.{key}")
         if name in schemas:
             raise error(f"tools[{i}]: the function name {name!r} is used twice", f"tools[{i}]")
         parameters = function.get("parameters", ANY_OBJECT)
