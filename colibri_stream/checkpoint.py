@@ -374,7 +374,8 @@ class ExpertFile:
         if num_entries != len(config.moe_layers) * config.num_experts:
             raise CheckpointError(f"{name} has {num_entries} experts, config.json implies "
                                   f"{len(config.moe_layers) * config.num_experts}")
-        end = int((self.index["offset"] + self.index["size"]).max()) if num_entries else data_offset
+        # in Python's integers: a uint64 sum would wrap for an offset near 2**64
+        end = max((int(o) + int(n) for o, n in zip(self.index["offset"], self.index["size"])), default=data_offset)
         if end > size:
             raise CheckpointError(f"{name} is truncated: {size} bytes, its index needs {end}")
         if np.any(self.index["offset"] % BLOCK_ALIGNMENT) or np.any(self.index["size"] != self.block_size):
@@ -526,8 +527,11 @@ class DenseFile:
         metadata = self._file.metadata() or {}
         try:
             self._crc = json.loads(metadata[DENSE_CRC_KEY])
-        except (KeyError, ValueError):
+        except (KeyError, ValueError, RecursionError):
             raise CheckpointError(f"{name} has no Colibri checksums; re-export the model") from None
+        if not isinstance(self._crc, dict):
+            raise CheckpointError(f"{name}: its Colibri checksums are not an object of tensor names; re-export the "
+                                  "model")
         specs = dense_tensor_specs(config)
         present = set(self._file.keys())
         missing = [n for n in specs if n not in present]
@@ -588,10 +592,15 @@ def read_config(folder: str | os.PathLike) -> ModelConfig:
     if not path.is_file():
         raise CheckpointError(f"{CONFIG_FILE} is missing from {folder}")
     try:
-        data = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
+        data = json.loads(path.read_text(), parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{CONFIG_FILE} is not valid JSON ({exc})") from None
     return ModelConfig.from_dict(data)
+
+
+def _no_constant(name: str):
+    """JSON has no NaN or Infinity (Python's reader takes them): a config value that is one is refused."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def write_config(folder: str | os.PathLike, config: ModelConfig) -> None:

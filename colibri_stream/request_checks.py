@@ -7,12 +7,16 @@ to the same code in-process.
 
 from __future__ import annotations
 
+import logging
+
 from .config import ModelConfig
 from .errors import InvalidParameterError, PromptTooLongError
 from .request import SamplingParams, check_length
 from .structured import Constraints
 from .tokenizer import Tokenizer
 from .tokenizer.prompt_bound import CharLimit, max_chars_per_token
+
+log = logging.getLogger(__name__)
 
 
 class RequestChecks:
@@ -27,6 +31,9 @@ class RequestChecks:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_seq_len = max_seq_len
+        if tokenizer.vocab_size > model_config.vocab_size:  # a prompt holding such a token is refused (validate)
+            log.warning("the tokenizer has token ids up to %d, past config.json's vocab_size %d: the tokenizer does "
+                        "not match the model", tokenizer.vocab_size - 1, model_config.vocab_size)
         self.constraints = Constraints(tokenizer.to_json(), model_config.vocab_size, tuple(sorted(eos_token_ids)))
         per_token = max_chars_per_token(tokenizer.to_json())
         # the most characters a prompt can have and fit max_seq_len (None: this tokenizer bounds no token's span)
@@ -68,6 +75,10 @@ class RequestChecks:
         if not prompt_token_ids:
             raise InvalidParameterError("prompt must not be empty", param="prompt")
         vocab = self.model_config.vocab_size
+        if self.tokenizer.vocab_size > vocab and max(prompt_token_ids) >= vocab:  # (ids given as such are checked)
+            raise InvalidParameterError(f"the prompt encodes to token id {max(prompt_token_ids)}, past the model's "
+                                        f"vocabulary of {vocab}: the model folder's tokenizer does not match its "
+                                        "config.json", param="prompt")
         if any(token_id >= vocab for token_id, _ in params.logit_bias):
             raise InvalidParameterError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         if params.grammar is not None:

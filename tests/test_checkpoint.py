@@ -163,6 +163,45 @@ def test_invalid_json(model):
     assert "config.json is not valid JSON" in error(model, verify=False)
 
 
+@pytest.mark.parametrize("text", ['{"hidden_size": NaN}', '{"rms_norm_eps": Infinity}', "[" * 100000 + "]" * 100000])
+def test_json_that_python_reads_but_json_does_not_allow(model, text):
+    """NaN and Infinity (Python's reader takes them, then a size check lets them through) and nesting too deep for
+    the reader are refused in one line."""
+    config = json.loads((model / "config.json").read_text())
+    if text.startswith("{"):
+        key, value = text[1:-1].split(": ")
+        raw = json.dumps({**config, json.loads(key): 1.5}).replace("1.5", value)
+    else:
+        raw = text
+    (model / "config.json").write_text(raw)
+    assert "config.json is not valid JSON" in error(model, verify=False)
+
+
+def test_an_index_offset_near_2_64_is_refused_as_past_the_end(model):
+    """The index's offsets are added in Python's integers: a uint64 sum would wrap and pass the size check."""
+    from colibri_stream.checkpoint import _FIXED_HEADER, INDEX_DTYPE, crc32
+
+    path = model / "experts.bin"
+    raw = bytearray(path.read_bytes())
+    magic, version, json_len, entries, _, data_offset = _FIXED_HEADER.unpack_from(raw)
+    start = -(-(_FIXED_HEADER.size + json_len) // 8) * 8
+    index = np.frombuffer(raw, INDEX_DTYPE, entries, start).copy()
+    index["offset"][0] = 2**64 - 4096
+    raw[start: start + index.nbytes] = index.tobytes()
+    header_crc = crc32(bytes(raw[_FIXED_HEADER.size: _FIXED_HEADER.size + json_len]) + index.tobytes())
+    raw[: _FIXED_HEADER.size] = _FIXED_HEADER.pack(magic, version, json_len, entries, header_crc, data_offset)
+    path.write_bytes(bytes(raw))
+    assert "experts.bin is truncated" in error(model, verify=False)
+
+
+def test_dense_checksums_that_are_not_an_object(model):
+    path = model / "dense.safetensors"
+    with safe_open(str(path), framework="numpy") as f:
+        metadata = f.metadata()
+    save_file(load_file(str(path)), str(path), metadata=dict(metadata, **{"colibri.crc32": "[1, 2]"}))
+    assert "checksums are not an object" in error(model, verify=False)
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "colibri_stream.cli", *args], capture_output=True, text=True,
                           cwd=REPO, timeout=120)

@@ -209,6 +209,18 @@ def test_budget_and_usage_problems_fail_at_start(moe16_dir, tmp_path):
     with pytest.raises(ConfigError, match="does not describe this model"):
         load_model(str(moe16_dir), experts=ExpertStoreConfig(l2_cache_size=budget(moe16_dir, 2),
                                                              eviction_policy="pinned", usage_file=str(wrong)))
+    layers = {str(layer): [1] * config.num_experts for layer in config.moe_layers}
+    first = str(config.moe_layers[0])
+    for damaged in ([], {"format": "colibri-expert-usage", "num_experts": 16, "layers": []},
+                    {"format": "colibri-expert-usage", "num_experts": 16, "layers": {**layers, first: ["a"] * 16}},
+                    {"format": "colibri-expert-usage", "num_experts": 16, "layers": {**layers, "x": [1] * 16}},
+                    {"format": "colibri-expert-usage", "num_experts": 16, "layers": {**layers, first: [-1] * 16}}):
+        wrong.write_text(json.dumps(damaged))
+        with pytest.raises(ConfigError, match="does not describe this model"):
+            read_usage(wrong, config)
+    wrong.write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(ConfigError, match="not readable JSON"):
+        read_usage(wrong, config)
     with pytest.raises(ConfigError, match="eviction_policy"):
         ExpertStoreConfig(eviction_policy="fifo")
     folder = ModelFolder(moe16_dir)

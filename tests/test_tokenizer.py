@@ -303,6 +303,40 @@ def test_strftime_now_and_generation_tag(tmp_path):
     assert got[:4].isdigit() and got.endswith("hi")
 
 
+def test_unreadable_template_and_config_files_are_named(tmp_path):
+    """A chat template that is not UTF-8, and a tokenizer_config.json nested too deep for the JSON reader: a
+    CheckpointError naming the file, not a traceback."""
+    folder = build_byte_level(tmp_path, {"eos_token": "</s>"})
+    (folder / "chat_template.jinja").write_bytes(b"{{ \xff }}")
+    with pytest.raises(CheckpointError, match="chat_template.jinja is not a readable UTF-8 chat template"):
+        Tokenizer.from_folder(folder)
+    (folder / "chat_template.jinja").unlink()
+    (folder / "tokenizer_config.json").write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(CheckpointError, match="tokenizer_config.json is not readable JSON"):
+        Tokenizer.from_folder(folder)
+
+
+def test_a_prompt_with_a_token_past_the_models_vocabulary_is_refused(tmp_path):
+    """A tokenizer.json whose ids run past config.json's vocab_size (a folder whose files do not match): a prompt
+    that encodes to such an id is an InvalidParameterError naming the mismatch (it indexed past the embedding)."""
+    import shutil
+
+    from colibri_stream.checkpoint import default_model_path, read_config
+    from colibri_stream.errors import InvalidParameterError
+    from colibri_stream.request import SamplingParams
+    from colibri_stream.request_checks import RequestChecks
+
+    folder = Path(shutil.copytree(default_model_path(), tmp_path / "model"))
+    config = read_config(folder)
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["model"]["vocab"]["hi"] = config.vocab_size + 808
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    checks = RequestChecks(Tokenizer.from_folder(folder), config, 64, frozenset())
+    checks.validate(checks.encode_prompt("hello"), SamplingParams(max_tokens=4))  # ids within the vocabulary
+    with pytest.raises(InvalidParameterError, match="past the model's vocabulary .* does not match its config.json"):
+        checks.validate(checks.encode_prompt("hi"), SamplingParams(max_tokens=4))
+
+
 def test_missing_or_broken_tokenizer_json(tmp_path):
     with pytest.raises(CheckpointError, match="no tokenizer.json"):
         Tokenizer.from_folder(tmp_path)

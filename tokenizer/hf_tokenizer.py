@@ -41,8 +41,8 @@ def _read_json(path: Path) -> dict:
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not readable JSON: {e}") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # (nested too deep)
+        raise CheckpointError(f"{path} is not readable JSON: {e}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} must hold a JSON object")
     return data
@@ -70,7 +70,10 @@ def _chat_templates(folder: Path, config: dict) -> dict[str, str]:
     if any(path.is_file() for path in files.values()):
         for name, path in files.items():
             if path.is_file():
-                templates[name] = path.read_text(encoding="utf-8")
+                try:
+                    templates[name] = path.read_text(encoding="utf-8")
+                except (OSError, UnicodeDecodeError) as e:
+                    raise CheckpointError(f"{path} is not a readable UTF-8 chat template: {e}") from None
         return templates
     entry = config.get("chat_template")
     if isinstance(entry, str):

@@ -39,14 +39,19 @@ def read_usage(path: str | os.PathLike, config: ModelConfig) -> tuple[np.ndarray
     except FileNotFoundError:
         raise ConfigError(f"usage file {path} does not exist: record one with --usage-file on an earlier run, "
                           f"or with benchmarks/policy_eval.py --write-usage") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise ConfigError(f"usage file {path} is not readable JSON ({exc})") from None
-    layers = data.get("layers", {}) if isinstance(data, dict) else {}
-    if data.get("format") != USAGE_FORMAT or data.get("num_experts") != config.num_experts or sorted(
-            map(int, layers)) != sorted(config.moe_layers) or any(
-            len(v) != config.num_experts for v in layers.values()):
+    layers = data.get("layers") if isinstance(data, dict) else None
+    wanted = {str(layer) for layer in config.moe_layers}
+    if not isinstance(layers, dict) or data.get("format") != USAGE_FORMAT \
+            or data.get("num_experts") != config.num_experts or set(layers) != wanted \
+            or not isinstance(data.get("steps", 0), int) or not all(
+                isinstance(v, list) and len(v) == config.num_experts
+                and all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**63 for c in v)
+                for v in layers.values()):
         raise ConfigError(f"usage file {path} does not describe this model's MoE layers "
-                          f"({len(config.moe_layers)} layers of {config.num_experts} experts)")
+                          f"({len(config.moe_layers)} layers of {config.num_experts} experts, counts that are "
+                          "integers from 0)")
     counts = np.array([layers[str(layer)] for layer in config.moe_layers], np.int64)  # [layers, E]
     return counts, int(data.get("steps", 0))
 
