@@ -23,8 +23,6 @@ TENSOR_ALIGNMENT = 256  # bytes; each packed tensor starts on this boundary (the
 # block tensor dtype -> the dtype of its device view (the kernels read bf16 as uint16 bits and fp8 e4m3 as bytes)
 DEVICE_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "int8": np.int8,
                  "uint8": np.uint8, "float8_e4m3fn": np.uint8}
-
-
 WHOLE = ("down_scale", "down_zero")  # copied whole (the module docstring)
 
 
@@ -50,7 +48,7 @@ class CutLayout:
         for t in tensors:
             itemsize = NUMPY_DTYPES[t.dtype].itemsize
             axis = 1 if t.name.startswith("down") else 0  # the axis over the intermediate rows
-            if t.name in WHOLE:
+            if t.name in WHOLE or len(t.shape) <= axis:  # (a tensor without that axis: down's bias [H])
                 shape, width, pitch, height = t.shape, t.nbytes, t.nbytes, 1
             else:
                 entries = rows if t.shape[axis] == inter else rows // row_group
