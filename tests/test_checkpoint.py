@@ -207,6 +207,16 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           cwd=REPO, timeout=120)
 
 
+def test_cli_output_to_a_reader_that_stops_reading(model):
+    """`colibri inspect DIR | head -1` where head has gone before the output is written (its end of the pipe is
+    closed before the command starts): no traceback."""
+    child = subprocess.Popen([sys.executable, "-m", "colibri_stream.cli", "inspect", str(model)], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()
+    stderr = child.stderr.read().decode()
+    assert child.wait(timeout=120) == 1 and stderr == "", stderr
+
+
 @pytest.mark.skipif(not (REPO / "colibri_stream" / "cli.py").is_file(), reason="no CLI")
 def test_cli_inspect(model):
     ok = run_cli("inspect", str(model), "--verify")
