@@ -17,7 +17,7 @@ import numpy as np
 
 from .placement import Bandwidths, ExpertNeed, gpu_rows, place_step
 
-CUT_ROW_MULTIPLE = 16  # a cut expert's GPU rows: whole 16-byte vectors of every expert dtype (and whole groups)
+CUT_ROW_MULTIPLE = 16  # a cut expert's GPU rows: whole 16-byte vectors of every expert dtype
 
 
 @dataclass

@@ -41,19 +41,31 @@ def read_usage(path: str | os.PathLike, config: ModelConfig) -> tuple[np.ndarray
                           f"or with benchmarks/policy_eval.py --write-usage") from None
     except (OSError, ValueError, RecursionError) as exc:
         raise ConfigError(f"usage file {path} is not readable JSON ({exc})") from None
-    layers = data.get("layers") if isinstance(data, dict) else None
-    wanted = {str(layer) for layer in config.moe_layers}
-    if not isinstance(layers, dict) or data.get("format") != USAGE_FORMAT \
-            or data.get("num_experts") != config.num_experts or set(layers) != wanted \
-            or not isinstance(data.get("steps", 0), int) or not all(
-                isinstance(v, list) and len(v) == config.num_experts
-                and all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**63 for c in v)
-                for v in layers.values()):
+    if not _describes(data, config):
         raise ConfigError(f"usage file {path} does not describe this model's MoE layers "
                           f"({len(config.moe_layers)} layers of {config.num_experts} experts, counts that are "
                           "integers from 0)")
-    counts = np.array([layers[str(layer)] for layer in config.moe_layers], np.int64)  # [layers, E]
+    counts = np.array([data["layers"][str(layer)] for layer in config.moe_layers], np.int64)  # [layers, E]
     return counts, int(data.get("steps", 0))
+
+
+def _describes(data: object, config: ModelConfig) -> bool:
+    """Whether a usage file's JSON is one of this model: its format and expert count, a list of counts (int64
+    integers from 0) per expert of every MoE layer and of no other, and an integer step count."""
+    if not isinstance(data, dict) or data.get("format") != USAGE_FORMAT:
+        return False
+    layers = data.get("layers")
+    if data.get("num_experts") != config.num_experts or not isinstance(layers, dict) \
+            or set(layers) != {str(layer) for layer in config.moe_layers}:
+        return False
+    return _is_count(data.get("steps", 0)) and all(
+        isinstance(row, list) and len(row) == config.num_experts and all(map(_is_count, row))
+        for row in layers.values())
+
+
+def _is_count(value: object) -> bool:
+    """A JSON integer from 0 that fits an int64 (not a boolean)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
 
 def write_usage(path: str | os.PathLike, config: ModelConfig, counts: np.ndarray, steps: int) -> None:
