@@ -259,9 +259,11 @@ class Colibri:
         del self.kv, self.graph, self.graph_without_pdl
         self.cp.get_default_memory_pool().free_all_blocks()
 
-    def profile(self, batch: int, context: int, variants: list[tuple[str, int]]) -> list[dict]:
+    def profile(self, batch: int, context: int, variants: list[tuple[str, int]],
+                expert_bytes: int | None = None) -> list[dict]:
         """Time of each operation of a decode step at `batch` tokens, cycling through the layers; then again with each
-        (constant of backends/tuning.py, value) of `variants` set."""
+        (constant of backends/tuning.py, value) of `variants` set. `expert_bytes`: what one routed expert reads
+        (default: bf16 gate, up and down)."""
         cp, b, cfg, layers = self.cp, self.backend, self.config, self.model.layers
         h = cfg.hidden_size
         x = cp.random.standard_normal((batch, h), dtype=np.float32)  # [B, H]
@@ -273,7 +275,7 @@ class Colibri:
         device_batch = {"block_tables": cp.asarray(self.tables), "query_start": cp.arange(batch + 1),
                         "positions": cp.full(batch, context - 1, dtype=np.int64)}
         attn_bytes = (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * h * WEIGHT_BYTES
-        expert_bytes = 3 * h * cfg.moe_intermediate_size * WEIGHT_BYTES
+        expert_bytes = expert_bytes or 3 * h * cfg.moe_intermediate_size * WEIGHT_BYTES
         kv_bytes = 2 * batch * context * cfg.num_kv_heads * cfg.head_dim * self.kv.keys[0].itemsize
         ops = [
             ("q,k,v,o projections", attn_bytes, lambda i: [b.linear(x if w.shape[1] == h else q.reshape(batch, -1), w)

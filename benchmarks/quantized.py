@@ -225,6 +225,11 @@ def decode_cases(args, folder_path: Path, gguf, base: dict, bandwidth: float, de
             for b, r in records.items()))
     for batch, record in records.items():
         finish_decode(record, config, batch, bandwidth, llama_error)
+    if 1 in colibris and not deadline.passed():  # where batch 1's step goes, operation by operation
+        records[1]["op_profile"], records[1]["op_profile_error"] = attempt(
+            "profile at batch 1", colibris[1].profile, 1, PROMPT + DECODE // 2, [], records[1]["expert_bytes"])
+        log("batch 1, us a layer: " + ", ".join(f"{op['op']} {op['us_per_layer']:.1f}"
+                                              for op in records[1]["op_profile"] or []))
     for colibri in colibris.values():
         colibri.release()
     if model is not None:
