@@ -52,9 +52,9 @@ def log(message: str) -> None:
 
 def tuning_set(name: str, value: int):
     """A constant of backends/tuning.py set to `value` meanwhile, in every GPU backend module that uses it."""
-    from colibri_stream.backends import cupy_backend, cupy_launch, cupy_moe, tuning
+    from colibri_stream.backends import cupy_backend, cupy_launch, cupy_moe, cupy_quant_moe, tuning
 
-    return constants_set((tuning, cupy_backend, cupy_moe, cupy_launch), **{name: value})
+    return constants_set((tuning, cupy_backend, cupy_moe, cupy_quant_moe, cupy_launch), **{name: value})
 
 
 def random_kv_cache(model, num_blocks: int, block_size: int, seed: int):

@@ -66,8 +66,13 @@ def expert_bytes(store) -> int:
     return sum(array[0].nbytes for array in store.layers[0].named().values())
 
 
-def run_shape(cp, backend, name: str, formats: list[str], tokens_list: list[int], bandwidth: float) -> list[dict]:
-    from decode import time_in_graph
+def run_shape(cp, backend, name: str, formats: list[str], tokens_list: list[int], bandwidth: float,
+              variants: list[tuple[str, int]]) -> list[dict]:
+    """Records of one shape: each format at each token count, timed as the tree stands, then again with each
+    (constant of backends/tuning.py, value) of `variants` set."""
+    import contextlib
+
+    from decode import time_in_graph, tuning_set
 
     num_experts, top_k, h, i = SHAPES[name]
     records = []
@@ -84,16 +89,20 @@ def run_shape(cp, backend, name: str, formats: list[str], tokens_list: list[int]
             def step(s, x=x, weights=weights, ids=ids, store=store):
                 return backend.routed_experts(x[s], weights[s], ids[s], 0, store)
 
-            seconds = time_in_graph(cp, step, calls=STEPS, replays=5)
-            ceiling_s = distinct * per_expert / (bandwidth * 1e9)
-            record = {"shape": name, "format": fmt, "tokens": tokens, "experts": num_experts, "top_k": top_k,
-                      "hidden": h, "intermediate": i, "bytes_per_expert": per_expert,
-                      "distinct_experts": distinct, "step_us": seconds * 1e6, "ceiling_us": ceiling_s * 1e6,
-                      "ceiling_fraction": ceiling_s / seconds,
-                      "effective_gbps": distinct * per_expert / seconds / 1e9}
-            print(f"{name:14s} {fmt:5s} T={tokens:4d}  {seconds * 1e6:8.1f} us  ceiling {ceiling_s * 1e6:8.1f} us"
-                  f"  ({record['ceiling_fraction']:.0%}, {record['effective_gbps']:.0f} GB/s)", flush=True)
-            records.append(record)
+            for variant in [None, *variants]:
+                with contextlib.nullcontext() if variant is None else tuning_set(*variant):
+                    seconds = time_in_graph(cp, step, calls=STEPS, replays=5)
+                ceiling_s = distinct * per_expert / (bandwidth * 1e9)
+                record = {"shape": name, "format": fmt, "tokens": tokens, "experts": num_experts, "top_k": top_k,
+                          "hidden": h, "intermediate": i, "bytes_per_expert": per_expert,
+                          "variant": None if variant is None else f"{variant[0]}={variant[1]}",
+                          "distinct_experts": distinct, "step_us": seconds * 1e6, "ceiling_us": ceiling_s * 1e6,
+                          "ceiling_fraction": ceiling_s / seconds,
+                          "effective_gbps": distinct * per_expert / seconds / 1e9}
+                print(f"{name:14s} {fmt:5s} T={tokens:4d} {record['variant'] or '':26s} {seconds * 1e6:8.1f} us  "
+                      f"ceiling {ceiling_s * 1e6:8.1f} us  ({record['ceiling_fraction']:.0%}, "
+                      f"{record['effective_gbps']:.0f} GB/s)", flush=True)
+                records.append(record)
         del store
         cp.get_default_memory_pool().free_all_blocks()
     return records
@@ -104,8 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE",
+                        help="time each case again with this integer constant of backends/tuning.py set "
+                             "(INT4_GEMV_MAX_TOKENS=0: int4 on tensor cores at every batch); repeatable")
     parser.add_argument("--out", help="JSON records")
     args = parser.parse_args(argv)
+    variants = [(name, int(value)) for name, value in (v.split("=", 1) for v in args.variant)]
     require_gpu()
     import cupy as cp
     from decode import measure_bandwidth
@@ -117,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device copy bandwidth {bandwidth:.0f} GB/s", flush=True)
     records = []
     for name in args.shapes:
-        records += run_shape(cp, backend, name, args.formats, args.tokens, bandwidth)
+        records += run_shape(cp, backend, name, args.formats, args.tokens, bandwidth, variants)
     if args.out:
         Path(args.out).write_text(json.dumps({"bench": "moe_formats", **machine(), "hbm_gbps_measured": bandwidth,
                                               "records": records}, indent=1) + "\n")

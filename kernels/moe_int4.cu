@@ -24,7 +24,7 @@
 // stores each 8 columns of hi and lo in the order 0, 2, 4, 6, 1, 3, 5, 7, so the B registers of word w are the
 // lane's words 2w and 2w + 1 of them, loaded as they lie.
 //
-// quantize_activations<B>: x float32 [rows, W] -> hi, lo int8 [rows, W] (each 8 columns permuted as above), scale
+// quantize_activations<B> (int4_codes.cuh, compiled with this file): x float32 [rows, W] -> hi, lo int8 [rows, W] (each 8 columns permuted as above), scale
 //   float32 [rows, chunks] (a / 254), corr int32 [rows, chunks] (C above), chunks = ceil(W / CHUNK), CHUNK = 8 * B;
 //   columns past W count as zeros. W a multiple of 8. grid: (ceil(W / 1024), rows), block: 128 threads of 8
 //   columns each.
@@ -48,60 +48,12 @@
 // As in moe_mma.cu: G = min(E, P); blocks with g >= num_groups[0] exit; a group whose slot is negative is skipped.
 // Rows start row_bytes (= groups * width / 2, a multiple of B) apart; H and I multiples of 32; the group width a
 // multiple of CHUNK (B = 16, 8 or 4: CHUNK 128, 64 or 32, the largest that divides it).
+#include "int4_codes.cuh"
 #include "quant.cuh"
 
 // Blocks a multiprocessor holds at once: as many as the weight rings' shared memory allows (4 x 48 KiB), so the
 // registers of a thread are held to 128.
 constexpr int INT4_BLOCKS_PER_SM = 4;
-constexpr int QUANT_LO = 254;  // lo's unit: 1 / 254 of hi's (the residual of rounding, in [-1/2, 1/2], in int8)
-
-// x [rows, W] float32 to int8 high and low parts per chunk of 8 * B columns, with their scale and C.
-template <int B>
-__global__ void __launch_bounds__(128)
-quantize_activations(const float* __restrict__ x, int W, signed char* __restrict__ hi, signed char* __restrict__ lo,
-                     float* __restrict__ scale, int* __restrict__ corr) {
-    pdl_wait();
-    constexpr int LANES = B;  // threads of 8 columns per chunk (CHUNK = 8 * B)
-    const long long row = blockIdx.y;
-    const int col = (blockIdx.x * 128 + threadIdx.x) * 8;
-    const bool in = col < W;
-    float v[8];
-    if (in) {
-        load_floats<8>(x + row * W + col, v);
-    } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = 0.f;
-    }
-    float top = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) top = fmaxf(top, fabsf(v[j]));
-#pragma unroll
-    for (int offset = LANES / 2; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(FULL_MASK, top, offset));
-    const float inverse = top > 0.f ? 127.f / top : 0.f;
-    unsigned hi_words[2] = {0u, 0u}, lo_words[2] = {0u, 0u};  // columns 0, 2, 4, 6 then 1, 3, 5, 7
-    int sum = 0;  // 254 * sum hi + sum lo over this thread's columns
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const float u = v[j] * inverse;  // in [-127, 127]
-        const float h = rintf(u);
-        const int l = __float2int_rn((u - h) * QUANT_LO);  // in [-127, 127]
-        const int hv = static_cast<int>(h);
-        sum += QUANT_LO * hv + l;
-        hi_words[j % 2] |= (static_cast<unsigned>(hv) & 0xffu) << (8 * (j / 2));
-        lo_words[j % 2] |= (static_cast<unsigned>(l) & 0xffu) << (8 * (j / 2));
-    }
-#pragma unroll
-    for (int offset = LANES / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_MASK, sum, offset);
-    if (!in) return;
-    *reinterpret_cast<uint2*>(hi + row * W + col) = make_uint2(hi_words[0], hi_words[1]);
-    *reinterpret_cast<uint2*>(lo + row * W + col) = make_uint2(lo_words[0], lo_words[1]);
-    if (threadIdx.x % LANES == 0) {
-        const int chunks = (W + 8 * B - 1) / (8 * B);
-        const int chunk = col / (8 * B);
-        scale[row * chunks + chunk] = top * (1.f / (127.f * QUANT_LO));  // lo's unit
-        corr[row * chunks + chunk] = sum;
-    }
-}
 
 // D (s32) += A (16 x 32: u8, or s8 where SIGNED) . B (s8, 32 x 8).
 #define MMA_M16N8K32(A_TYPE)                                                                                   \
@@ -119,78 +71,6 @@ __device__ __forceinline__ void mma_8bit(int (&d)[4], unsigned a0, unsigned a1, 
     }
 }
 #undef MMA_M16N8K32
-
-// prmt.b32 in its default mode: byte n of the result is byte (c >> 4n) & 7 of {b, a}, or, where bit 3 of that
-// selector is set, that byte's sign bit copied over all 8 bits.
-__device__ __forceinline__ unsigned permute_bytes(unsigned a, unsigned b, unsigned c) {
-    unsigned d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
-// How a format's 4-bit codes enter the tensor cores. `operands` turns a lane's word of codes of row quad (w0) and
-// row quad + 8 (w1) (8 columns each, the even column in the low nibble) into the A registers of k 4q .. (columns
-// 0, 2, 4, 6 of the word) and k 16 + 4q .. (columns 1, 3, 5, 7), and `mma` multiplies them with the activations'
-// int8 parts; `scale` is a group's scale in float32, SYMMETRIC_ZERO the zero point of codes without zero points.
-//
-// int4: unsigned codes q, taken as they are (a mask of the word), u8 x s8 products; float32 scales.
-struct Int4Codes {
-    using Scale = float;
-    static constexpr int SYMMETRIC_ZERO = 8;
-    __device__ __forceinline__ static float scale(Scale s) { return s; }
-    __device__ __forceinline__ static void operands(unsigned w0, unsigned w1, unsigned (&a)[4]) {
-        a[0] = w0 & 0x0F0F0F0Fu;
-        a[1] = w1 & 0x0F0F0F0Fu;
-        a[2] = (w0 >> 4) & 0x0F0F0F0Fu;
-        a[3] = (w1 >> 4) & 0x0F0F0F0Fu;
-    }
-    __device__ __forceinline__ static void mma(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-        mma_8bit<false>(d, a[0], a[1], a[2], a[3], b0, b1);
-    }
-};
-
-// mxfp4 (OCP microscaling, gpt-oss's experts): e2m1 codes (sign, two exponent bits, one mantissa bit) as twice
-// their value, integers in [-12, 12], looked up by byte permutes; s8 x s8 products; an e8m0 exponent byte E per 32
-// columns, whose scale 2^(E - 127) is halved for the doubled values.
-struct Mxfp4Codes {
-    using Scale = unsigned char;
-    static constexpr int SYMMETRIC_ZERO = 0;
-    __device__ __forceinline__ static float scale(Scale e) {  // 2^(e - 128), subnormal below e = 2
-        return __uint_as_float(e >= 2 ? static_cast<unsigned>(e - 1) << 23 : 0x00400000u >> (1 - e));
-    }
-    // The doubled values of the 4 codes in the low 16 bits of `codes` (nibble n: column n), byte n each.
-    __device__ __forceinline__ static unsigned values4(unsigned codes) {
-        constexpr unsigned POSITIVE_LOW = 0x03020100u, POSITIVE_HIGH = 0x0C080604u;  // 0, 1, 2, 3 | 4, 6, 8, 12
-        constexpr unsigned NEGATIVE_LOW = 0xFDFEFF00u, NEGATIVE_HIGH = 0xF4F8FAFCu;  // their negatives
-        const unsigned index = codes & 0x7777u;
-        const unsigned positive = permute_bytes(POSITIVE_LOW, POSITIVE_HIGH, index);
-        const unsigned negative = permute_bytes(NEGATIVE_LOW, NEGATIVE_HIGH, index);
-        const unsigned sign = permute_bytes(0x80808080u, 0x80808080u, codes) & 0x7F7F7F7Fu;  // 0x7F where negative
-        const unsigned negated = sign | (sign << 1);  // 0xFF where negative
-        return (positive & ~negated) | (negative & negated);
-    }
-    __device__ __forceinline__ static void operands(unsigned w0, unsigned w1, unsigned (&a)[4]) {
-        const unsigned low0 = values4(w0), high0 = values4(w0 >> 16);  // columns 0-3, 4-7 of row quad
-        const unsigned low1 = values4(w1), high1 = values4(w1 >> 16);
-        a[0] = permute_bytes(low0, high0, 0x6420u);  // columns 0, 2, 4, 6
-        a[1] = permute_bytes(low1, high1, 0x6420u);
-        a[2] = permute_bytes(low0, high0, 0x7531u);  // columns 1, 3, 5, 7
-        a[3] = permute_bytes(low1, high1, 0x7531u);
-    }
-    __device__ __forceinline__ static void mma(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-        mma_8bit<true>(d, a[0], a[1], a[2], a[3], b0, b1);
-    }
-};
-
-// A launch's activation rows as quantize_activations left them: hi, lo [rows, W], scale, corr [rows, chunks].
-struct QuantActs {
-    const signed char* hi;
-    const signed char* lo;
-    const float* scale;
-    const int* corr;
-    int W;
-    int chunks;
-};
 
 // The activation rows of a pass's n-tiles for this lane: b_row[t] the B operand's (pair quad of tile t), c_row[t][c]
 // its accumulator column 2q + c's (whose chunk scales and C it applies).
@@ -323,11 +203,11 @@ __device__ __forceinline__ void int4_rows(const unsigned char* const (&a)[M][2],
 #pragma unroll
                 for (int k = 0; k < WORDS; ++k) {
                     // A registers of word k: columns 0, 2, 4, 6 (k 4q ..) and 1, 3, 5, 7 (k 16 + 4q ..) of both rows
-                    unsigned operands[4];
-                    Codes::operands(reinterpret_cast<const unsigned*>(&w[m][0])[k],
-                                    reinterpret_cast<const unsigned*>(&w[m][1])[k], operands);
-                    Codes::mma(ih, operands, xh[2 * k], xh[2 * k + 1]);
-                    Codes::mma(il, operands, xl[2 * k], xl[2 * k + 1]);
+                    unsigned a0, a1, a2, a3;
+                    Codes::columns(reinterpret_cast<const unsigned*>(&w[m][0])[k], a0, a2);
+                    Codes::columns(reinterpret_cast<const unsigned*>(&w[m][1])[k], a1, a3);
+                    mma_8bit<Codes::SIGNED>(ih, a0, a1, a2, a3, xh[2 * k], xh[2 * k + 1]);
+                    mma_8bit<Codes::SIGNED>(il, a0, a1, a2, a3, xl[2 * k], xl[2 * k + 1]);
                 }
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {  // row quad + 8 * (j / 2), accumulator column 2q + j % 2

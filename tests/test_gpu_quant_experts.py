@@ -4,10 +4,11 @@ Both backends compute from the same stored codes and scales: NumPy dequantizes t
 the reference) and multiplies in float32. The int4 kernels multiply the codes with the activations' two int8 parts
 per chunk of columns (16 bits of each chunk's largest value) in integers, the fp8 kernels convert codes to bf16
 exactly and multiply the activations' bf16 high and low parts; either way the results agree within the
-tensor-core tolerance of moe_mma.cu. Covered: int4 groups of 32, 64 and 128, symmetric and with zero points, the
-warps of a block on rows of their own and sharing rows (small grids), fp8 with tile and channel scales; 1 to 64
-tokens (one to four n-tiles, one to many pairs per expert); rows that are not whole tiles, groups and scale tiles
-cut by the matrix edge, the down product split over column spans; resident stacks and GPU slots of exported tiny
+tensor-core tolerance of moe_mma.cu. A step of a few tokens takes int4 and mxfp4 on CUDA cores instead
+(moe_int4_gemv.cu: the same integer sums by dp4a). Covered: int4 groups of 32, 64 and 128, symmetric and with zero
+points, the warps of a block on rows of their own and sharing rows (small grids), fp8 with tile and channel scales;
+1 to 64 tokens (one to four n-tiles, one to many pairs per expert); rows that are not whole tiles, groups and scale
+tiles cut by the matrix edge, the down product split over column spans; resident stacks and GPU slots of exported tiny
 models, whose greedy tokens follow the NumPy backend's.
 """
 
@@ -30,6 +31,7 @@ from tiny_models import build_hf_model  # noqa: E402
 
 from colibri_stream.backends.cupy_moe import DeviceExpertStore  # noqa: E402
 from colibri_stream.backends.cupy_quant_moe import QuantMatrix  # noqa: E402
+from colibri_stream.backends.tuning import INT4_GEMV_MAX_TOKENS  # noqa: E402
 from colibri_stream.config import ExpertStoreConfig  # noqa: E402
 from colibri_stream.expert_codecs import MATRICES, Fp8Codec, Int4Codec, Mxfp4Codec  # noqa: E402
 from colibri_stream.experts.gpu_tier import GpuTieredStore  # noqa: E402
@@ -67,7 +69,7 @@ def quantized_experts(codec_name: str, num_experts: int, hidden: int, inter: int
 
 
 @pytest.mark.parametrize("codec_name", list(CODECS))
-@pytest.mark.parametrize("tokens", [1, 5, 8, 33, 64])
+@pytest.mark.parametrize("tokens", [1, 3, 5, 8, 33, 64])
 @pytest.mark.parametrize("experts,top_k,hidden,inter", SHAPES)
 def test_quantized_experts_match_numpy(codec_name, tokens, experts, top_k, hidden, inter, monkeypatch):
     store, device_store = quantized_experts(codec_name, experts, hidden, inter)
@@ -76,7 +78,11 @@ def test_quantized_experts_match_numpy(codec_name, tokens, experts, top_k, hidde
     poison()
     ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
     layout = QuantMatrix.of(device_store.layers[5].gate, device_store.layers[5].gate_scale, hidden, "gate")
-    if layout.format in ("int4", "mxfp4"):
+    if layout.format in ("int4", "mxfp4") and tokens <= INT4_GEMV_MAX_TOKENS:  # moe_int4_gemv.cu
+        codes = "Mxfp4Codes" if layout.format == "mxfp4" else "Int4Codes"
+        assert any(name.startswith(f"moe_gate_up_int4_gemv<{codes}, ") for name in launched), launched
+        assert any(name.startswith(f"moe_down_int4_gemv<{codes}, ") for name in launched), launched
+    elif layout.format in ("int4", "mxfp4"):
         policy = ", Mxfp4Codes>" if layout.format == "mxfp4" else ">"
         assert layout.format == codec_name[:len(layout.format)]
         assert any(name.startswith(f"moe_gate_up_int4<{layout.lane_bytes}, ") and name.endswith(policy)
@@ -102,6 +108,24 @@ def test_int4_gate_up_rows_owned_or_shared_by_warps(codec_name, sharing, monkeyp
     poison()
     ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
     assert any(name.startswith("moe_gate_up_int4<") and name.endswith(f", {sharing}>") for name in launched), launched
+    check(ours, REF.routed_experts(x, weights, ids, 5, store), MMA_TOLERANCE)
+
+
+@pytest.mark.parametrize("codec_name", ["int4-g128", "int4-g32-zero", "mxfp4"])
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+@pytest.mark.parametrize("gemv", [True, False])
+def test_int4_few_tokens_on_cuda_cores_or_tensor_cores(codec_name, tokens, gemv, monkeypatch):
+    """A step of a few tokens gives the same products from moe_int4_gemv.cu (lanes along each row, dp4a) as from
+    moe_int4.cu's tensor cores: the threshold is moved so that each takes the step."""
+    import colibri_stream.backends.cupy_quant_moe as quant_moe
+
+    monkeypatch.setattr(quant_moe, "INT4_GEMV_MAX_TOKENS", 4 if gemv else 0)
+    store, device_store = quantized_experts(codec_name, 32, 2048, 768)
+    x, weights, ids = random_routing(np.random.default_rng(tokens), tokens, 32, 8, 2048)
+    launched = launched_kernels(monkeypatch)
+    poison()
+    ours = GPU.routed_experts(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids), 5, device_store)
+    assert any(("_gemv<" in name) == gemv for name in launched if name.startswith("moe_down_int4")), launched
     check(ours, REF.routed_experts(x, weights, ids, 5, store), MMA_TOLERANCE)
 
 

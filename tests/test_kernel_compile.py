@@ -82,6 +82,10 @@ def test_kernel_file_compiles(name):
         for lane_bytes in INT4_LANE_BYTES:
             _compile(name, FAMILIES[name](str(lane_bytes)))
         return
+    if name == "moe_int4_gemv.cu":  # templated on the codes policy
+        for codes in ("int4", "mxfp4"):
+            _compile(name, FAMILIES[name](codes))
+        return
     if name == "moe_fp8.cu":
         _compile(name, FAMILIES[name](None))
         return

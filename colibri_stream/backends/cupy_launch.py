@@ -15,8 +15,9 @@ import numpy as np
 from .cupy_flash_attention import FLASH_FILE, flash_instantiations
 from .kernels import get_kernel
 from .launch import launch_programmatic, programmatic_active
-from .tuning import (GQA_GROUPS, GQA_MAX_LANE_FLOATS, INT4_ROW_SHARING, LATENT_HEAD_TILES, LATENT_KERNEL_SHAPES,
-                     LATENT_PREFILL_SHAPES, LINEAR_MMA_TILES, MMA_TILES, MOE_ROWS_PER_WARP, MOE_TILES, TOKEN_TILES)
+from .tuning import (GQA_GROUPS, GQA_MAX_LANE_FLOATS, INT4_GEMV_ROWS, INT4_GEMV_TILES, INT4_ROW_SHARING,
+                     LATENT_HEAD_TILES, LATENT_KERNEL_SHAPES, LATENT_PREFILL_SHAPES, LINEAR_MMA_TILES, MMA_TILES,
+                     MOE_ROWS_PER_WARP, MOE_TILES, TOKEN_TILES)
 
 Array = Any  # a cupy.ndarray
 NULL = np.uint64(0)  # a null pointer kernel argument
@@ -54,6 +55,10 @@ FAMILIES = {
         f"quantize_activations<{w}>", *(f"moe_gate_up_int4<{w}, {nt}, {kw}>" for nt in MMA_TILES
                                         for kw in (1, INT4_ROW_SHARING)),
         *(f"moe_down_int4<{w}, {nt}>" for nt in MMA_TILES)),
+    # w: "int4" or "mxfp4", the codes policy
+    "moe_int4_gemv.cu": lambda w: ("quantize_activations<4>", *(
+        f"{k}<{'Mxfp4Codes' if w == 'mxfp4' else 'Int4Codes'}, {tt}, {INT4_GEMV_ROWS}>"
+        for k in ("moe_gate_up_int4_gemv", "moe_down_int4_gemv") for tt in INT4_GEMV_TILES)),
     "moe_fp8.cu": lambda w: tuple(f"{k}<{nt}>" for k in ("moe_gate_up_fp8", "moe_down_fp8") for nt in MMA_TILES),
     "linear_mma.cu": lambda w: tuple(f"linear_mma<{w}, {nt}>" for nt in LINEAR_MMA_TILES)
     if w in ("__nv_bfloat16", "__half") else (),

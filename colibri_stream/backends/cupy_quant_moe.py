@@ -18,14 +18,17 @@ import numpy as np
 
 from ..experts.device import LayerExperts, device_pointer, slot_stride
 from .cupy_launch import Array, ceil_div, launch, smallest_tile
-from .tuning import (INT4_SHARED_ROWS_BELOW_BLOCKS_PER_SM, INT4_ROW_SHARING, MMA_DOWN_ROWS, MMA_GATE_UP_ROWS,
-                     MMA_THREADS, MMA_TILES)
+from .tuning import (INT4_GEMV_MAX_TOKENS, INT4_GEMV_ROWS, INT4_GEMV_TILES, INT4_SHARED_ROWS_BELOW_BLOCKS_PER_SM,
+                     INT4_ROW_SHARING, MMA_DOWN_ROWS, MMA_GATE_UP_ROWS, MMA_THREADS, MMA_TILES)
 
 FP8_TILE = 128  # rows and columns of an fp8 scale tile (expert_codecs.FP8_BLOCK)
 INT4_LANE_BYTES = (16, 8, 4)  # moe_int4.cu's B: codes a lane reads per chunk of 8 * B columns
 FP8_CHUNK = 64  # = FP8_CHUNK in moe_fp8.cu
 FP8_LANE_COLS = 16  # = FP8_LANE_COLS in moe_fp8.cu
 QUANTIZE_COLUMNS = 1024  # columns per block of quantize_activations (128 threads of 8)
+GEMV_FILE = "moe_int4_gemv.cu"
+GEMV_LANE_BYTES = 4  # moe_int4_gemv.cu's activations: chunks of 32 columns, a lane's 16 bytes of codes
+GEMV_WARPS = 4  # = GEMV_WARPS in moe_int4_gemv.cu
 
 
 @dataclass(frozen=True)
@@ -85,17 +88,19 @@ class QuantizedRows:
     corr: Array  # [rows, chunks] int32: 254 * sum hi + sum lo
 
     @classmethod
-    def of(cls, x: Array, lane_bytes: int) -> QuantizedRows:
-        """x [rows, W] float32 cut in chunks of 8 * lane_bytes columns."""
+    def of(cls, x: Array, lane_bytes: int, file: str = "moe_int4.cu", weight_type: str | None = None
+           ) -> QuantizedRows:
+        """x [rows, W] float32 cut in chunks of 8 * lane_bytes columns, by the quantize_activations compiled with
+        `file`'s family for `weight_type` (default: the lane bytes, moe_int4.cu's)."""
         import cupy
 
         rows, width = x.shape
         chunks = ceil_div(width, 8 * lane_bytes)
         quantized = cls(cupy.empty((rows, width), np.int8), cupy.empty((rows, width), np.int8),
                         cupy.empty((rows, chunks), np.float32), cupy.empty((rows, chunks), np.int32))
-        launch("moe_int4.cu", f"quantize_activations<{lane_bytes}>", (ceil_div(width, QUANTIZE_COLUMNS), rows), 128,
+        launch(file, f"quantize_activations<{lane_bytes}>", (ceil_div(width, QUANTIZE_COLUMNS), rows), 128,
                (x, np.int32(width), quantized.hi, quantized.lo, quantized.scale, quantized.corr),
-               weight_type=str(lane_bytes))
+               weight_type=weight_type or str(lane_bytes))
         return quantized
 
     def args(self) -> tuple:
@@ -124,6 +129,10 @@ def quant_experts(experts: LayerExperts, x: Array, act: Array, y: Array, route_w
     if experts.gate.strides != experts.up.strides or experts.gate_scale.strides != experts.up_scale.strides:
         raise ValueError("gate and up of a layer's experts must share their strides")
     int4 = up_layout.format in ("int4", "mxfp4")  # moe_int4.cu, its codes policy per format
+    if int4 and tokens <= INT4_GEMV_MAX_TOKENS:
+        int4_gemv(experts, up_layout, down_layout, x, act, y, route_weights, routing, tokens, top_k, groups,
+                  quantized_x, activation)
+        return
     codes = ", Mxfp4Codes" if up_layout.format == "mxfp4" else ""
     weight_type = ("mxfp4" if codes else str(up_layout.lane_bytes)) if int4 else None
     slot_of = device_pointer(experts.slot_of)
@@ -167,3 +176,33 @@ def quant_experts(experts: LayerExperts, x: Array, act: Array, y: Array, route_w
             np.int32(h), np.int32(i), np.int32(span))
     launch(file, kernel, (ceil_div(h, MMA_DOWN_ROWS), groups, ceil_div(i, span)), MMA_THREADS, down,
            weight_type=weight_type)
+
+
+def int4_gemv(experts: LayerExperts, layout: QuantMatrix, down_layout: QuantMatrix, x: Array, act: Array, y: Array,
+              route_weights: Array, routing: tuple, tokens: int, top_k: int, groups: int,
+              quantized_x: dict[int, QuantizedRows], activation: tuple) -> None:
+    """quant_experts for a few tokens: moe_int4_gemv.cu's gate/up then down launches (CUDA cores, a warp's lanes
+    along each row), the down product stored into y whole. `layout`, `down_layout`: gate and up's and down's; the
+    format (int4 or mxfp4) picks the codes policy."""
+    h, i = x.shape[1], experts.gate.shape[1]
+    codes = "Mxfp4Codes" if layout.format == "mxfp4" else "Int4Codes"
+    tile = smallest_tile(tokens, INT4_GEMV_TILES)  # a group holds at most T pairs
+    if GEMV_LANE_BYTES not in quantized_x:
+        quantized_x[GEMV_LANE_BYTES] = QuantizedRows.of(x, GEMV_LANE_BYTES, GEMV_FILE, layout.format)
+    slot_of = device_pointer(experts.slot_of)
+    rows = GEMV_WARPS * INT4_GEMV_ROWS  # a block's
+    gate_up = (*quantized_x[GEMV_LANE_BYTES].args(), device_pointer(experts.gate), device_pointer(experts.up),
+               slot_stride(experts.gate), np.int64(layout.row_bytes), device_pointer(experts.gate_scale),
+               device_pointer(experts.up_scale), slot_stride(experts.gate_scale), device_pointer(experts.gate_zero),
+               device_pointer(experts.up_zero), slot_stride(experts.gate_zero), *layout.scale_args(),
+               *experts.gate_up_bias_args(), *activation, slot_of, *routing, act, np.int32(h), np.int32(i),
+               np.int32(top_k))
+    launch(GEMV_FILE, f"moe_gate_up_int4_gemv<{codes}, {tile}, {INT4_GEMV_ROWS}>",
+           (ceil_div(i, rows), groups), 32 * GEMV_WARPS, gate_up, weight_type=layout.format)
+    down = (*QuantizedRows.of(act, GEMV_LANE_BYTES, GEMV_FILE, layout.format).args(), device_pointer(experts.down),
+            slot_stride(experts.down), np.int64(down_layout.row_bytes), device_pointer(experts.down_scale),
+            slot_stride(experts.down_scale), device_pointer(experts.down_zero), slot_stride(experts.down_zero),
+            *down_layout.scale_args(), *experts.down_bias_args(), slot_of, route_weights, *routing, y, np.int32(h),
+            np.int32(i))
+    launch(GEMV_FILE, f"moe_down_int4_gemv<{codes}, {tile}, {INT4_GEMV_ROWS}>",
+           (ceil_div(h, rows), groups), 32 * GEMV_WARPS, down, weight_type=layout.format)

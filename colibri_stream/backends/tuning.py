@@ -42,6 +42,11 @@ MMA_DOWN_ROWS = 128  # down rows per block of moe_down_mma: 4 warps x 32
 # 768-row experts at batch 1: 96 blocks on 132 multiprocessors)
 INT4_ROW_SHARING = 4
 INT4_SHARED_ROWS_BELOW_BLOCKS_PER_SM = 2
+# int4 and mxfp4 routed experts run on moe_int4_gemv.cu (CUDA cores, a warp's lanes along each row) up to this many
+# tokens a step, on moe_int4.cu's tensor cores from one more
+INT4_GEMV_MAX_TOKENS = 4
+INT4_GEMV_TILES = (1, 2, 4)  # moe_int4_gemv.cu's TT instantiations: pairs of one expert per pass
+INT4_GEMV_ROWS = 2  # moe_int4_gemv.cu's R: rows per warp (of gate and of up each, or of down)
 # An eager step's bf16/fp16 routed experts run as cuBLAS GEMMs per expert (cupy_expert_gemm.py) when one expert's
 # gate product at the step's average group size (pairs / E * H * I multiply-adds) is at least this much work: each
 # GEMM costs a fixed host call and a host read of the group sizes, so only few, large experts (Mixtral's 8, from
