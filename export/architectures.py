@@ -110,9 +110,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         pad_token_id=None, rope_theta=150000.0,
     ),
 }
-# gpt-oss's rope when config.json gives none (GptOssConfig's default)
+# gpt-oss's rope when config.json gives none (GptOssConfig's default). Its base is config.json's rope_theta (or
+# the class default), as transformers fills it in: this dict names none.
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+                 "original_max_position_embeddings": 4096}
 # DeepSeek-V3's config.json names its routing, which DeepseekV3Config does not read: transformers always routes
 # by noaux_tc over sigmoid scores with a MoE block in every layer from first_k_dense_replace on, so another value
 # (which the authors' own modeling code would follow) is refused.

@@ -8,6 +8,7 @@ than transformers' default so logits are far from ties and greedy decoding is a 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # softmax-routed, whole-head rotary
@@ -17,6 +18,7 @@ ALL_ARCHITECTURES = ARCHITECTURES + SIGMOID_ROUTED + LATENT_SOFTMAX_ROUTED
 # what the GPU backend runs too (deepseek_v3's latent attention and gpt_oss's sinks and biased experts eagerly)
 GPU_ARCHITECTURES = ARCHITECTURES + ("glm4_moe", "minimax_m2", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gpt_oss")
 VOCAB_SIZE = 256
+DROP = "<drop>"  # edit_config_json: leave the key out of config.json
 
 
 def hf_config(arch: str, **overrides):
@@ -122,3 +124,21 @@ def save_random_model(config, folder: str | Path, seed: int = 0, max_shard_size:
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     return model
+
+
+def edit_config_json(folder: str | Path, **changes) -> None:
+    """Rewrites a saved model's config.json with `changes` (DROP leaves a key out): the keys a published config.json
+    has as the Hub serves it (legacy rope_theta and rope_scaling, keys its config class does not read), which
+    save_pretrained would have rewritten."""
+    path = Path(folder) / "config.json"
+    raw = {**json.loads(path.read_text()), **changes}
+    path.write_text(json.dumps({key: value for key, value in raw.items() if value != DROP}, indent=2))
+
+
+def load_hf_model(folder: str | Path):
+    """The float32 transformers model saved in `folder`, its config.json read as from_pretrained reads it (eval
+    mode): the reference for a config.json that edit_config_json changed."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
