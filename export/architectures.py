@@ -546,6 +546,9 @@ def _rope(raw: dict[str, Any], cfg: dict[str, Any]) -> RopeConfig:
     def optional(key: str) -> float | None:
         return None if params.get(key) is None else _number(params[key], key)
 
+    def mscale(key: str) -> float | None:  # transformers takes 0 as absent
+        return None if params.get(key) == 0 else optional(key)
+
     if rope_type == "linear":
         return RopeConfig(type="linear", theta=theta, factor=_number(required("factor"), "factor"))
     # transformers prefers a top-level original_max_position_embeddings, then the rope one, then the model's maximum
@@ -560,8 +563,7 @@ def _rope(raw: dict[str, Any], cfg: dict[str, Any]) -> RopeConfig:
     factor = cfg["max_position_embeddings"] / original if factor is None else _number(factor, "factor")
     return RopeConfig(type="yarn", theta=theta, factor=factor, original_max_position_embeddings=original,
                       attention_factor=optional("attention_factor"), beta_fast=optional("beta_fast"),
-                      beta_slow=optional("beta_slow"), mscale=optional("mscale"),
-                      mscale_all_dim=optional("mscale_all_dim"),
+                      beta_slow=optional("beta_slow"), mscale=mscale("mscale"), mscale_all_dim=mscale("mscale_all_dim"),
                       truncate=_bool(params.get("truncate", True), "truncate"))
 
 

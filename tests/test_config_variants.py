@@ -45,6 +45,10 @@ VARIANTS = [
                                                   routed_scaling_factor=2.446),
      dict(rope_parameters=DROP, rope_scaling=None, rope_theta=5e4, topk_method="noaux_tc", scoring_func="sigmoid",
           moe_layer_freq=1, ep_size=1, seq_aux=True, aux_loss_alpha=0.001)),
+    # YaRN whose mscale and mscale_all_dim are 0: transformers takes them as absent
+    ("deepseek_v3-yarn-mscale-zero", "deepseek_v3", {},
+     dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "mscale": 0, "mscale_all_dim": 0,
+                           "original_max_position_embeddings": 64})),
     ("deepseek_v2-tied-embeddings", "deepseek_v2", dict(tie_word_embeddings=True), {}),
     ("glm4_moe_lite-tied-embeddings", "glm4_moe_lite", dict(tie_word_embeddings=True), {}),
     # MiniMax-M2's legacy rotary_dim beside a legacy rope_scaling that names no partial_rotary_factor
