@@ -101,7 +101,7 @@ def test_a_call_cut_by_max_tokens_comes_back_as_text(client):
     ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "tools[2]", None),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 5}}], "tool_choice": "required"},
      "tools[0].function.parameters", None),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", None),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "xml"}}, "response_format", None),
     ({"messages": MESSAGES + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
                                                                      "function": {"name": "weather",
                                                                                   "arguments": "{oops"}}]}]},

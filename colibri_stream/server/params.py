@@ -119,15 +119,16 @@ def output_grammar(body: dict, response_format: Any, param: str = "response_form
     return (param, from_format) if from_format is not None else from_vllm
 
 
-
 def generation_grammar(call: ForcedCall | None, asked: tuple[str, str] | None) -> tuple[str | None, str | None]:
     """(the grammar the reply is written under, the field that asked for it): a forced tool call's (its tools'
-    schemas), else what `asked` (output_grammar's) holds; asking for both is a 400."""
-    if call is not None and asked is not None:
-        raise bad_request(f"a forced tool call and {asked[0]} cannot be asked together", param=asked[0])
+    schemas), else what `asked` (output_grammar's, checked all the same) holds. A forced call's reply is the call
+    alone, with no text for an output format to shape, so where both are asked the call's grammar is the one: OpenAI
+    answers such a request with the call, vLLM writes it under the tool's schema, and agent frameworks send both (an
+    agent with an output type whose tool_choice is "required")."""
     if call is not None:
         return call.grammar, "tools"
     return (asked[1], asked[0]) if asked is not None else (None, None)
+
 
 def _logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
     """logit_bias as (token id, bias) pairs: keys are token ids written as decimal strings ("50256"), no sign, no

@@ -16,7 +16,9 @@ extensions chat reads (`structured_outputs`, `seed`, `min_p`, ...) are read here
 it: a temperature outside [0, 1], a message with empty content (but a final assistant one), an empty text block, a
 tool_result whose tool_use_id names no tool_use of the assistant turn before it. What this server does not do is a
 400 rather than something silently dropped: images and documents, server tools, a last assistant message
-(prefill), thinking with a forced tool call (as Anthropic), `display: "omitted"`, `output_config.effort`.
+(prefill), thinking with a forced tool call (as Anthropic), `display: "omitted"`, `output_config.effort`, a
+`thread` (a conversation the server would hold: refused with details.error_code "thread_unsupported_request", on
+which the SDK's message threads and tool runner send the whole conversation instead).
 Errors on these routes are Anthropic's {"type": "error", "error": {"type", "message"}} (render_anthropic.py); the
 key may come as `x-api-key` (app.py). The replies and their stream are render_anthropic.py's.
 """
@@ -33,6 +35,7 @@ from .fields import Fields, bad_request, body_object, json_type, unsupported
 from .generate_request import GenerateRequest
 from .harmony import HarmonyToolSyntax
 from .params import generation_grammar, output_grammar, sampling_params
+from .render_anthropic import THREAD_UNSUPPORTED
 from .tokenize import TokenizeRequest
 from .tool_syntax import ToolSyntax
 from .tools import AutoCalls, ForcedCall, tool_use, with_call_tokens
@@ -57,6 +60,9 @@ def parse_messages(body: Any, tool_syntax: ToolSyntax | None = None, split_reaso
     max_tokens = fields.integer("max_tokens")
     if max_tokens is None or max_tokens < 1:
         raise bad_request("max_tokens is required: a positive integer", param="max_tokens")
+    if fields.body.get("thread") is not None:  # a conversation held by the server: the SDK resends it whole after this
+        raise bad_request("thread is not supported: this server holds no conversation between requests; send the "
+                          "whole conversation in messages", param="thread", code=THREAD_UNSUPPORTED)
     messages, use, thinking, kwargs = _conversation(fields, tool_syntax, thinking_switch, max_tokens)
     call = use if isinstance(use, ForcedCall) else None
     if call is not None and thinking:

@@ -9,7 +9,8 @@ text as chat's response_format does; function tools with tool_choice "required" 
 as chat does (server/tools.py), answered as function_call items; with tool_choice "auto" (the default with tools)
 the calls the model writes in its chat template's syntax (tool_syntax.py) become function_call items after the
 message of the text before them (a model whose template teaches no syntax answers with the message alone).
-function_call / function_call_output items in `input` carry earlier calls and their results back.
+function_call / function_call_output items in `input` carry earlier calls and their results back (an output
+as a string or text parts).
 A thinking model's <think> text is a reasoning item before the message (its reasoning_text streamed with
 response.reasoning_text.delta events), and reasoning items in `input` go back to the template as the next
 assistant turn's reasoning.
@@ -179,20 +180,25 @@ def _input_messages(value: Any) -> list[dict]:
         if kind != "message":
             raise unsupported(f"{param}: items of type {kind!r} are not supported by this server (messages, "
                               f"function calls and their outputs are)", param)
-        content = item.get("content")
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                part_kind = part.get("type") if isinstance(part, dict) else None
-                if part_kind not in INPUT_TEXT_PARTS or not isinstance(part.get("text"), str):
-                    raise unsupported(f"{param}.content[{j}]: only text parts are supported by this server, got "
-                                      f"{part_kind!r}", f"{param}.content")
-                parts.append({"type": "text", "text": part["text"]})
-            content = parts
-        messages.append({"role": item.get("role"), "content": content})
+        messages.append({"role": item.get("role"), "content": _text_parts(item.get("content"), f"{param}.content")})
         if reasoning is not None and item.get("role") == "assistant":
             messages[-1]["reasoning_content"], reasoning = reasoning, None
     return messages
+
+
+def _text_parts(content: Any, param: str) -> Any:
+    """A message's content or a function call's output (`param`: its field) as chat content: a list of text parts
+    (input_text, output_text) as chat's text parts; anything else as it is, for chat_messages to check."""
+    if not isinstance(content, list):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        part_kind = part.get("type") if isinstance(part, dict) else None
+        if part_kind not in INPUT_TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise unsupported(f"{param}[{j}]: only text parts are supported by this server, got {part_kind!r}",
+                              param)
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
 
 
 def _reasoning_text(item: dict, param: str) -> str:
@@ -214,7 +220,8 @@ def _call_message(item: dict, kind: str, param: str, messages: list) -> dict | N
     if not isinstance(item.get("call_id"), str):
         raise bad_request(f"{param}.call_id must be a string", param=f"{param}.call_id")
     if kind == "function_call_output":
-        return {"role": "tool", "tool_call_id": item["call_id"], "content": item.get("output")}
+        output = _text_parts(item.get("output"), f"{param}.output")
+        return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
     call = {"id": item["call_id"], "type": "function",
             "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
     previous = messages[-1] if messages else None

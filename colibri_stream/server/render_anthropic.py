@@ -31,6 +31,10 @@ MESSAGES_PATH = "/v1/messages"
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 
+# The server's error codes that Anthropic's API names too: sent as the error's details.error_code, on which its
+# clients branch (the SDK's message threads go on without a thread after thread_unsupported_request).
+THREAD_UNSUPPORTED = "thread_unsupported_request"
+DETAILED_CODES = (THREAD_UNSUPPORTED,)
 
 VERSION_HEADER = "anthropic-version"  # sent by Anthropic's clients with every request
 
@@ -47,9 +51,13 @@ def is_messages_path(path: str) -> bool:
 
 
 def error_body(error: APIError) -> dict:
-    """An error as Anthropic answers it: {"type": "error", "error": {"type", "message"}}."""
+    """An error as Anthropic answers it: {"type": "error", "error": {"type", "message"}}, with "details":
+    {"error_code"} where the error's code is one of Anthropic's (DETAILED_CODES)."""
     kind = ERROR_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
+    body = {"type": kind, "message": error.message}
+    if error.code in DETAILED_CODES:
+        body["details"] = {"error_code": error.code}
+    return {"type": "error", "error": body}
 
 
 class MessagesResponder:
