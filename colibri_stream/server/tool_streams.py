@@ -421,8 +421,9 @@ def _json_string(literal: str) -> str | None:
 
 class HeldCalls:
     """One streamed choice's text in a syntax read only once whole (harmony's; any syntax where the calls go out
-    whole, as the Responses API sends them): `feed` and `finish` return (content to send now, tool_calls deltas). The text from the syntax's opening tag on is held (`HeldText`); at the end it goes out as
-    calls where it reads as calls, else as content."""
+    whole, as the Responses API sends them): `feed` and `finish` return (content to send now, tool_calls deltas).
+    The text from the syntax's opening tag on is held (`HeldText`); at the end it goes out as calls where it reads as
+    calls, else as content."""
 
     def __init__(self, syntax: WholeSyntax, tools: Mapping[str, Any]):
         self._syntax = syntax
