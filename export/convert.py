@@ -184,7 +184,7 @@ def plan_export(checkpoint: HFCheckpoint, config: ModelConfig, quantization: Qua
     tolerated = {"lm_head.weight"} if config.tie_word_embeddings else set()
     # Tensors of no element hold nothing (transformers builds Qwen2-MoE's shared expert even at width 0); with no
     # shared expert its gate scales a zero output
-    tolerated |= {n for n, t in checkpoint.tensors.items() if t.nbytes == 0}
+    tolerated |= {n for n, t in checkpoint.tensors.items() if 0 in t.shape}
     if not config.shared_expert_intermediate_size:
         tolerated |= {n for n in checkpoint.tensors if ".mlp.shared_expert_gate." in n}
     skipped = {n for n in checkpoint.tensors if n.startswith(tuple(f"model.layers.{i}." for i in skipped_layers))}

@@ -21,9 +21,12 @@ from .quantized_source import QuantizedSource, expect_tensor
 
 SCALE_SUFFIX = "_scale_inv"
 # What the reader honours, per key of quantization_config: the values each key may take (absent keys take
-# transformers' defaults, the first); MiniMax-M2 names the format float8_e4m3fn
+# transformers' defaults, the first). MiniMax-M2 names the format float8_e4m3fn. DeepSeek-V3.1 declares scale_fmt
+# ue8m0: its weight_scale_inv are float32 powers of two (the scales its activations are rounded to), and a weight is
+# still value * scale_inv; ue8m0 scales stored as bytes are refused by their dtype
 SUPPORTED = {"fmt": ("e4m3", "float8_e4m3fn"), "activation_scheme": ("dynamic",),
-             "weight_block_size": ([FP8_BLOCK, FP8_BLOCK],), "scale_fmt": ("float",), "expert_dtype": ("fp8",)}
+             "weight_block_size": ([FP8_BLOCK, FP8_BLOCK],), "scale_fmt": ("float", "ue8m0"),
+             "expert_dtype": ("fp8",)}
 # Keys that do not change the stored weights: the skip lists (the tensors' dtypes say which are quantized) and
 # transformers' load-time option to dequantize
 IGNORED_KEYS = ("quant_method", "modules_to_not_convert", "ignored_layers", "modules_to_convert", "dequantize")

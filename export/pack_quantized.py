@@ -68,8 +68,10 @@ def _weight_scheme(quantization: dict) -> tuple[int, bool]:
         for key, value in wanted.items():
             if weights.get(key) != value:
                 raise _refused(f"{name} weights {key} {weights.get(key)!r}")
-        if weights.get("dynamic", False) or weights.get("actorder") not in STORED_IN_ORDER:
-            raise _refused(f"{name} weights dynamic {weights.get('dynamic')!r} actorder {weights.get('actorder')!r}")
+        if weights.get("dynamic", False):
+            raise _refused(f"{name} weights dynamic {weights['dynamic']!r}")
+        if weights.get("actorder") not in STORED_IN_ORDER:
+            raise _refused(f"{name} weights actorder {weights['actorder']!r}")
         if weights.get("group_size") not in INT4_GROUP_SIZES:
             raise _refused(f"{name} weights group_size {weights.get('group_size')!r}")
         schemes.add((weights["group_size"], bool(weights.get("symmetric", True))))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from tiny_models import build_hf_model
 
@@ -27,6 +27,9 @@ QUANTIZED = (".self_attn.q_proj.weight", ".self_attn.k_proj.weight", ".self_attn
              ".self_attn.o_proj.weight", ".self_attn.q_a_proj.weight", ".self_attn.q_b_proj.weight",
              ".self_attn.kv_a_proj_with_mqa.weight", ".self_attn.kv_b_proj.weight", ".gate_proj.weight",
              ".up_proj.weight", ".down_proj.weight")
+# The routers and Qwen2-MoE's shared expert gate: Linear modules too, which the formats' skip lists usually leave
+# unquantized (the builders' defaults do)
+ROUTERS = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")
 
 
 def per_expert(state: dict[str, torch.Tensor], inter: int) -> dict[str, torch.Tensor]:
@@ -67,13 +70,16 @@ def _write(folder: Path, tensors: dict[str, torch.Tensor], quantization: dict) -
     (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def fp8_tiles(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_tiles(weight: torch.Tensor, scale_fmt: str = "float") -> tuple[torch.Tensor, torch.Tensor]:
     """[out, in] float32 -> (float8_e4m3fn [out, in], scale_inv float32 [ceil(out/128), ceil(in/128)]): DeepSeek-V3's
-    block quantization, amax / 448 per tile, the last tiles partial."""
+    block quantization, amax / 448 per tile, the last tiles partial; scale_fmt "ue8m0" (DeepSeek-V3.1) rounds each
+    scale up to a power of two, as transformers quantizes for it."""
     out, inp = weight.shape
     rows, cols = -(-out // FP8_TILE), -(-inp // FP8_TILE)
     padded = torch.nn.functional.pad(weight.abs(), (0, cols * FP8_TILE - inp, 0, rows * FP8_TILE - out))
     scale = padded.reshape(rows, FP8_TILE, cols, FP8_TILE).amax(dim=(1, 3)) / 448.0  # [rows, cols]
+    if scale_fmt == "ue8m0":
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     spread = scale.repeat_interleave(FP8_TILE, 0).repeat_interleave(FP8_TILE, 1)[:out, :inp]
     return (weight / spread).to(torch.float8_e4m3fn), scale
 
@@ -83,21 +89,27 @@ def fp8_dequantized(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return values.float() * spread
 
 
-def build_fp8_checkpoint(folder: Path, arch: str = "qwen3_moe", **overrides) -> dict[str, torch.Tensor]:
-    """A checkpoint of `arch` as the `-FP8` releases (and DeepSeek-V3) ship it; returns the dequantized float32
-    state dict."""
+def build_fp8_checkpoint(folder: Path, arch: str = "qwen3_moe", modules_to_not_convert=("lm_head", "mlp.gate"),
+                         scale_fmt: str = "float", **overrides) -> dict[str, torch.Tensor]:
+    """A checkpoint of `arch` as the `-FP8` releases (and DeepSeek-V3; DeepSeek-V3.1 with `scale_fmt` "ue8m0") ship
+    it: its Linear weights fp8 but those `modules_to_not_convert` names (matched as transformers matches them);
+    returns the dequantized float32 state dict."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
     model = build_hf_model(arch, folder, **overrides)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     stored, dequantized = {}, {}
     for name, weight in per_expert(state, model.config.moe_intermediate_size).items():
-        if name.endswith(QUANTIZED):
-            stored[name], stored[name + "_scale_inv"] = fp8_tiles(weight)
+        module = name[: -len(".weight")]
+        if name.endswith(QUANTIZED + ROUTERS) and should_convert_module(module, list(modules_to_not_convert)):
+            stored[name], stored[name + "_scale_inv"] = fp8_tiles(weight, scale_fmt)
             dequantized[name] = fp8_dequantized(stored[name], stored[name + "_scale_inv"])
         else:
             stored[name] = weight.to(torch.bfloat16)
             dequantized[name] = stored[name].float()
-    _write(folder, stored, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                            "weight_block_size": [FP8_TILE, FP8_TILE], "modules_to_not_convert": ["lm_head"]})
+    quantization = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [FP8_TILE, FP8_TILE], "modules_to_not_convert": list(modules_to_not_convert)}
+    _write(folder, stored, dict(quantization, scale_fmt=scale_fmt) if scale_fmt != "float" else quantization)
     return fused(dequantized, state)
 
 
@@ -109,20 +121,25 @@ def compressed_tensors_scheme(group_size: int, symmetric: bool):
 
 
 def build_pack_quantized_checkpoint(folder: Path, group_size: int = 32, symmetric: bool = True, seed: int = 0,
+                                    arch: str = "qwen3_moe", ignore=("lm_head", "re:.*mlp.gate$"),
                                     **overrides) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A Qwen3-MoE checkpoint compressed by compressed-tensors' own pack-quantized compressor (min-max scales
-    from its calculate_qparams, bfloat16 as llm-compressor stores them). Returns the float32 state dict the
-    library decompresses to (with the scales widened to float32) and the stored tensors."""
+    """A checkpoint of `arch` (Qwen3-MoE by default) compressed by compressed-tensors' own pack-quantized compressor
+    (min-max scales from its calculate_qparams, bfloat16 as llm-compressor stores them): its Linear weights but
+    the modules `ignore` names (config.json's ignore list: names and `re:` patterns, matched by the library's
+    match_name). Returns the float32 state dict the library decompresses to (with the scales widened to float32)
+    and the stored tensors."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationConfig
     from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.utils.match import match_name
 
-    model = build_hf_model("qwen3_moe", folder, seed, **overrides)
+    model = build_hf_model(arch, folder, seed, **overrides)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     scheme = compressed_tensors_scheme(group_size, symmetric)
     stored, dequantized = {}, {}
     for name, weight in per_expert(state, model.config.moe_intermediate_size).items():
-        if not name.endswith(QUANTIZED):
+        module = name[: -len(".weight")]
+        if not name.endswith(QUANTIZED + ROUTERS) or any(match_name(module, target) for target in ignore):
             stored[name] = weight.to(torch.bfloat16)
             dequantized[name] = stored[name].float()
             continue
@@ -135,7 +152,7 @@ def build_pack_quantized_checkpoint(folder: Path, group_size: int = 32, symmetri
         wide = dict(module, weight_scale=module["weight_scale"].float())
         dequantized[name] = PackedQuantizationCompressor.decompress(wide, scheme)["weight"].float()
     config = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
-                                quantization_status="compressed", ignore=["lm_head", "re:.*mlp.gate$"])
+                                quantization_status="compressed", ignore=list(ignore))
     _write(folder, stored, config.model_dump(mode="json"))
     return fused(dequantized, state), stored
 
@@ -176,11 +193,30 @@ def write_dequantized_mxfp4(stored: dict[str, torch.Tensor], like: Path, folder:
             state[base] = convert_moe_packed_tensors(tensor, stored[base + "_scales"], dtype=torch.float32)
         elif not name.endswith("_scales"):
             state[name] = tensor.float()
+    write_unquantized(state, like, folder, torch.bfloat16)
+    return state
+
+
+def write_unquantized(state: dict[str, torch.Tensor], like: Path, folder: Path, dtype=torch.float32) -> None:
+    """`state` saved in `dtype` to `folder` as an unquantized checkpoint of the quantized one in `like` (its
+    config.json without quantization_config)."""
     folder.mkdir(parents=True)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
     config = json.loads((like / "config.json").read_text())
     del config["quantization_config"]
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     if (like / "generation_config.json").is_file():
         shutil.copyfile(like / "generation_config.json", folder / "generation_config.json")
-    return state
+
+
+def shard(folder: Path, shards: int) -> dict[str, str]:
+    """The checkpoint in `folder` split into `shards` files, tensors dealt in turn by sorted name (so a quantized
+    weight and its scales land in different shards), with model.safetensors.index.json; returns its weight map."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    weight_map = {name: files[i % shards] for i, name in enumerate(sorted(tensors))}
+    for file in files:
+        save_file({k: v for k, v in tensors.items() if weight_map[k] == file}, str(folder / file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return weight_map

@@ -357,7 +357,6 @@ REFUSED = [
     (dict(FP8, weight_block_size=[64, 64]), "weight_block_size [64, 64]"),
     (dict(FP8, activation_scheme="static"), "activation_scheme 'static'"),
     (dict(FP8, fmt="e5m2"), "fmt 'e5m2'"),
-    (dict(FP8, scale_fmt="ue8m0"), "scale_fmt 'ue8m0'"),
     (dict(PACKED, format="float-quantized"), "format 'float-quantized'"),
     (dict(PACKED, format="naive-quantized"), "format 'naive-quantized'"),
     (dict(PACKED, quantization_status="frozen"), "quantization_status 'frozen'"),
