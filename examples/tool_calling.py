@@ -2,7 +2,8 @@
 (tool_choice "auto"), the loop runs it and sends the result back until the model answers in text.
 
 "auto" needs a model whose chat template teaches a tool-call syntax the server reads (Qwen3-MoE's `<tool_call>`
-blocks, Mistral's `[TOOL_CALLS]`); the shipped default model has none, so export one first:
+blocks, Mistral's `[TOOL_CALLS]`); the shipped default model's template teaches `<tool_call>` blocks, but the model
+is too small to use them (and to fit --max-tokens 2048), so export one first:
 
     colibri export ./Qwen3-30B-A3B ./qwen3-30b-a3b     # a downloaded Hugging Face checkpoint folder
     colibri serve --model ./qwen3-30b-a3b --port 8000

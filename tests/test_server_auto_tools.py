@@ -201,6 +201,17 @@ def test_streamed_arguments_arrive_in_pieces_after_the_name(client):
     assert json.loads(whole[0].function.arguments) == json.loads(CALL_ARGUMENTS)
 
 
+def test_no_chunk_holds_two_entries_of_one_call(client):
+    """A call's name and the first piece of its arguments go out in chunks of their own, as OpenAI streams a call:
+    stream helpers of the openai SDK before 3.14 keep one entry per call and chunk."""
+    chunks = list(ask(client, "Let me look.\n" + CALL + "\n" + SECOND, stream=True))
+    for chunk in chunks:
+        for choice in chunk.choices:
+            indexes = [call.index for call in choice.delta.tool_calls or []]
+            assert len(indexes) == len(set(indexes)), chunk
+    assert sum(1 for c in chunks for choice in c.choices if choice.delta.tool_calls) > 3
+
+
 def test_tool_choice_none_leaves_the_text_alone_and_hides_the_tools(client):
     answer = ask(client, CALL, tool_choice="none")
     assert answer.choices[0].message.content == CALL and answer.choices[0].finish_reason == "stop"

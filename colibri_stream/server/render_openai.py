@@ -193,12 +193,12 @@ class Responder:
             end = {"index": choice["index"], "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"],
                    "stop_reason": choice.get("stop_reason")}
             calls = {key: value for key, value in choice.items() if key != "stop_reason"}
-            return [self.chunk(dict(calls, finish_reason=None)), self.chunk(end)]
+            return [*map(self.chunk, _one_entry_per_call(dict(calls, finish_reason=None))), self.chunk(end)]
         if self.request.forced_call is not None:  # the calls go out whole, at the end
             return [self.chunk(choice)] if output.finished else []
         text = any(choice["delta"].values()) if self.request.chat else choice.get("text")
         shown = text or output.finished or (self.request.logprobs and output.logprobs)
-        return [self.chunk(choice)] if shown else []
+        return list(map(self.chunk, _one_entry_per_call(choice))) if shown else []
 
     @staticmethod
     def stream_error(error: APIError) -> list[dict]:
@@ -252,3 +252,28 @@ class Responder:
         if self.request.prompt_logprobs and self.request.chat:  # vLLM's chat answer holds them once, at the top
             body["prompt_logprobs"] = self._choices[0].prompt_logprobs
         return body
+
+
+def _one_entry_per_call(choice: dict) -> list[dict]:
+    """A streamed chat choice as chunks' choices in which no call's index repeats: where its delta holds several
+    entries of one call (a call's name, then a first piece of its arguments), each later entry starts a choice of
+    its own, as OpenAI streams a call (older SDKs' stream helpers keep one entry per call and chunk). The first
+    holds the content, reasoning and logprobs; the last the finish reason."""
+    calls = choice["delta"].get("tool_calls") or []
+    runs: list[list[dict]] = [[]]
+    for call in calls:
+        if any(other["index"] == call["index"] for other in runs[-1]):
+            runs.append([])
+        runs[-1].append(call)
+    if len(runs) == 1:
+        return [choice]
+    parts = []
+    for i, run in enumerate(runs):
+        part = dict(choice, delta=dict(choice["delta"], tool_calls=run) if i == 0 else {"tool_calls": run})
+        if i > 0:
+            part["logprobs"] = None
+        if i < len(runs) - 1:
+            part["finish_reason"] = None
+            part.pop("stop_reason", None)
+        parts.append(part)
+    return parts
