@@ -18,7 +18,8 @@ from .checkpoint import expert_block_layout, read_config
 from .config import CacheConfig, ModelConfig, SchedulerConfig
 from .errors import ConfigError
 from .inspect import _size as format_size
-from .kv_budget import HOST_KV_SHARE, SIZE_FLAGS, SlidingPool, activation_reserve, default_budget, sliding_pool_blocks
+from .kv_budget import (HOST_KV_SHARE, SIZE_FLAGS, SlidingPool, activation_reserve, default_budget, size_kv_cache,
+                        sliding_pool_blocks)
 from .memory import MemoryInfo
 from .model.paged_kv import SlidingLayers, kv_bytes_per_token
 from .sliding_blocks import sliding_blocks_per_seq
@@ -196,37 +197,43 @@ def kv_report(config: ModelConfig, plan: PlacementPlan, cache: CacheConfig, dtyp
              else f"keys and values x {config.num_kv_heads} KV heads x {config.head_dim} dims")
     lines = [f"KV cache in {dtype}: {format_size(per_token)} per token ({config.num_layers - num_sliding} layers x "
              f"{entry})"]
-    reserved = 0
+    pool = None
     if sliding is not None:
         block = cache.block_size * kv_bytes_per_token(config, dtype, num_sliding)
         pool = SlidingPool(sliding_pool_blocks(sliding.window, cache.block_size, scheduler.max_batch_size,
                                                scheduler.max_num_batched_tokens, cache.enable_prefix_caching),
                            kv_bytes_per_token(config, dtype, num_sliding))
-        reserved = pool.bytes(cache.block_size)
         per_seq = sliding_blocks_per_seq(sliding.window, cache.block_size, 1) * block  # a decoding sequence's
         lines.append(f"  and {format_size(per_seq)} per sequence, whatever its length, in {num_sliding} sliding-window "
-                     f"layers (window {sliding.window}): a pool of {format_size(reserved)} for "
+                     f"layers (window {sliding.window}): a pool of {format_size(pool.bytes(cache.block_size))} for "
                      f"{scheduler.max_batch_size} sequences")
     if plan.device == "cuda":
         reserve = activation_reserve(config, scheduler.max_num_batched_tokens)
         memory = MemoryInfo(max(0, gpu_total - plan.gpu_weight_bytes), gpu_total, host=False)
         budget = default_budget(memory, cache.gpu_memory_utilization, reserve)
-        lines.append(f"  {format_size(budget)} for it: {cache.gpu_memory_utilization:g} of {format_size(gpu_total)} "
-                     f"GPU memory (--gpu-total-memory), less {format_size(plan.gpu_weight_bytes)} of weights and "
-                     f"expert slots and a {format_size(reserve)} activation reserve")
+        lines.append(f"  at most {format_size(budget)} for it: {cache.gpu_memory_utilization:g} of "
+                     f"{format_size(gpu_total)} GPU memory (--gpu-total-memory), less "
+                     f"{format_size(plan.gpu_weight_bytes)} of weights and expert slots and a {format_size(reserve)} "
+                     f"activation reserve")
     else:
         budget = default_budget(host, cache.gpu_memory_utilization, 0)
-        lines.append(f"  {format_size(budget)} for it: {HOST_KV_SHARE:g} of the {format_size(host.free)} of host "
-                     f"memory available now")
+        lines.append(f"  at most {format_size(budget)} for it: {HOST_KV_SHARE:g} of the {format_size(host.free)} of "
+                     f"host memory available now")
     if per_token == 0:
         lines.append(f"  every layer has a window: any context of the model's {context:,} positions")
         return "\n".join(lines)
-    tokens = max(0, budget - reserved) // (per_token * cache.block_size) * cache.block_size
-    if tokens >= context:
-        lines.append(f"  holds {tokens:,} tokens: {tokens // context:,} sequences of the model's {context:,} positions")
+    try:  # the engine's own sizing: at most max_batch_size sequences of the model's context
+        size = size_kv_cache(cache, per_token, context, None, scheduler.max_batch_size, budget, pool)
+    except ConfigError as error:
+        lines.append(f"  {error}")
+        return "\n".join(lines)
+    tokens = size.capacity_tokens
+    if size.lowered_from is None:
+        lines.append(f"  holds {tokens:,} tokens: {tokens // context:,} sequences of the model's {context:,} positions "
+                     f"(at most --max-batch-size {scheduler.max_batch_size} of them)")
     else:
         lines.append(f"  holds {tokens:,} tokens, less than one sequence of the model's {context:,} positions: "
-                     f"max_seq_len would be lowered to {tokens:,} ({SIZE_FLAGS} change it)")
+                     f"max_seq_len would be lowered to {size.max_seq_len:,} ({SIZE_FLAGS} change it)")
     return "\n".join(lines)
 
 

@@ -162,3 +162,15 @@ def test_plan_shows_kv_bytes_per_token_and_the_tokens_that_fit(tiny_model_dir, c
     assert "of 80.0 GiB GPU memory" in out and "holds " in out and " tokens: " in out
     assert main(["plan", "--model", str(tiny_model_dir), "--kv-cache-dtype", "fp32"]) == 0
     assert "KV cache in float32:" in capsys.readouterr().out
+
+
+def test_plan_counts_the_tokens_the_engine_allocates(tiny_model_dir, capsys):
+    """On the CPU the default cache holds at most max_batch_size sequences of the model's context, however much
+    host memory is free: `colibri plan` counts what the engine allocates."""
+    assert main(["plan", "--model", str(tiny_model_dir), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    core = EngineCore.from_pretrained(str(tiny_model_dir), device="cpu")
+    try:
+        assert f"holds {core.kv.num_blocks * 16:,} tokens" in out, out
+    finally:
+        core.close()
