@@ -29,6 +29,8 @@
 constexpr int GEMV_WARPS = 4;
 constexpr int GEMV_COLS = 32;  // columns a lane takes per step: 16 bytes of codes, one chunk of the activations
 constexpr int GEMV_AHEAD = 2;  // steps whose codes a lane loads before multiplying any
+// Blocks a multiprocessor holds at least: registers held to 128 a thread, where every instantiation fits unspilled
+constexpr int GEMV_BLOCKS_PER_SM = 4;
 
 // The slot holding expert e: slot_of[e] with a slot table (negative: not in a slot for this pass), else e.
 __device__ __forceinline__ long long gemv_expert_slot(const int* slot_of, int e) {
@@ -116,7 +118,7 @@ __device__ __forceinline__ void int4_gemv_rows(const unsigned char* const (&w)[M
 }
 
 template <typename Codes, int TT, int R>
-__global__ void __launch_bounds__(GEMV_WARPS * 32, 8)
+__global__ void __launch_bounds__(GEMV_WARPS * 32, 5)
 moe_gate_up_int4_gemv(const signed char* __restrict__ x_hi, const signed char* __restrict__ x_lo,
                       const float* __restrict__ x_scale, const int* __restrict__ x_corr,
                       const unsigned char* __restrict__ gate, const unsigned char* __restrict__ up, long long w_stride,
@@ -174,7 +176,7 @@ moe_gate_up_int4_gemv(const signed char* __restrict__ x_hi, const signed char* _
 }
 
 template <typename Codes, int TT, int R>
-__global__ void __launch_bounds__(GEMV_WARPS * 32, 8)
+__global__ void __launch_bounds__(GEMV_WARPS * 32, 5)
 moe_down_int4_gemv(const signed char* __restrict__ a_hi, const signed char* __restrict__ a_lo,
                    const float* __restrict__ a_scale, const int* __restrict__ a_corr,
                    const unsigned char* __restrict__ down, long long w_stride, long long row_bytes,
