@@ -118,7 +118,7 @@ __device__ __forceinline__ void int4_gemv_rows(const unsigned char* const (&w)[M
 }
 
 template <typename Codes, int TT, int R>
-__global__ void __launch_bounds__(GEMV_WARPS * 32, 5)
+__global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_PER_SM)
 moe_gate_up_int4_gemv(const signed char* __restrict__ x_hi, const signed char* __restrict__ x_lo,
                       const float* __restrict__ x_scale, const int* __restrict__ x_corr,
                       const unsigned char* __restrict__ gate, const unsigned char* __restrict__ up, long long w_stride,
@@ -176,7 +176,7 @@ moe_gate_up_int4_gemv(const signed char* __restrict__ x_hi, const signed char* _
 }
 
 template <typename Codes, int TT, int R>
-__global__ void __launch_bounds__(GEMV_WARPS * 32, 5)
+__global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_PER_SM)
 moe_down_int4_gemv(const signed char* __restrict__ a_hi, const signed char* __restrict__ a_lo,
                    const float* __restrict__ a_scale, const int* __restrict__ a_corr,
                    const unsigned char* __restrict__ down, long long w_stride, long long row_bytes,
