@@ -45,6 +45,26 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// The slot holding expert e: slot_of[e] with a slot table (negative: not in a slot for this pass), else e.
+__device__ __forceinline__ long long expert_slot(const int* slot_of, int e) {
+    return slot_of != nullptr ? slot_of[e] : e;
+}
+
+// Group g of a routed-expert launch (moe.cu's moe_align): its pairs sorted_pairs[begin .. end) and its expert's
+// slot; slot < 0 where the block has nothing to do (g past the step's groups, or the expert not in a slot for
+// this pass). The four indices are loaded together, so their latencies overlap (g < E: in bounds even past the
+// last group).
+struct ExpertGroup {
+    long long slot;
+    int begin, end;
+};
+__device__ __forceinline__ ExpertGroup expert_group(int g, const int* num_groups, const int* group_expert,
+                                                    const int* group_start, const int* slot_of) {
+    const int groups = num_groups[0], expert = group_expert[g], begin = group_start[g], end = group_start[g + 1];
+    if (g >= groups) return {-1, 0, 0};
+    return {expert_slot(slot_of, expert), begin, end};
+}
+
 // Ask the L2 to fetch `bytes` (a multiple of 16) of global memory from p (16-byte aligned), without waiting: what a
 // kernel does with its weights before pdl_wait(), so they stream in while the kernel before it ends.
 __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {

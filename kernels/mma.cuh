@@ -77,11 +77,6 @@ __device__ __forceinline__ void store_partial(float* target, float value, bool s
     }
 }
 
-// The slot holding expert e: slot_of[e] with a slot table (negative: not in a slot for this pass), else e.
-__device__ __forceinline__ long long mma_expert_slot(const int* slot_of, int e) {
-    return slot_of != nullptr ? slot_of[e] : e;
-}
-
 // The pairs this lane feeds to a pass of NT n-tiles from sorted position `base` (n pairs): pair quad of each tile,
 // the last pair repeated past n.
 template <int NT>

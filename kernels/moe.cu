@@ -43,11 +43,6 @@
 
 constexpr int MOE_WARPS = 4;
 
-// The slot holding expert e: slot_of[e] with a slot table (negative: not in a slot for this pass), else e.
-__device__ __forceinline__ long long expert_slot(const int* slot_of, int e) {
-    return slot_of != nullptr ? slot_of[e] : e;
-}
-
 extern "C" __global__ void moe_align(const int* __restrict__ ids, int num_pairs, int num_experts,
                                      int* __restrict__ group_expert, int* __restrict__ group_start,
                                      int* __restrict__ sorted_pairs, int* __restrict__ num_groups) {
@@ -104,12 +99,10 @@ moe_gate_up(const float* __restrict__ x, const W* __restrict__ gate, const W* __
             const int* __restrict__ num_groups, float* __restrict__ act, int H, int I, int top_k) {
     pdl_wait();
     const GatedActivation activation{gate_bias, up_bias, b_stride, limit, alpha, up_shift};
-    const int g = blockIdx.y;
-    // Loaded together, so their latencies overlap (g < E: in bounds even past the last group).
-    const int groups = num_groups[0], expert = group_expert[g], begin = group_start[g], end = group_start[g + 1];
-    if (g >= groups) return;
-    const long long slot = expert_slot(slot_of, expert);
-    if (slot < 0) return;
+    const ExpertGroup group = expert_group(blockIdx.y, num_groups, group_expert, group_start, slot_of);
+    if (group.slot < 0) return;
+    const long long slot = group.slot;
+    const int begin = group.begin, end = group.end;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row0 = (blockIdx.x * MOE_WARPS + warp) * R;
     if (row0 >= I) return;  // whole warps leave together
@@ -160,12 +153,10 @@ moe_down(const float* __restrict__ act, const W* __restrict__ down, long long w_
          const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
          const int* __restrict__ num_groups, float* __restrict__ y, int H, int I) {
     pdl_wait();
-    const int g = blockIdx.y;
-    // Loaded together, so their latencies overlap (g < E: in bounds even past the last group).
-    const int groups = num_groups[0], expert = group_expert[g], begin = group_start[g], end = group_start[g + 1];
-    if (g >= groups) return;
-    const long long slot = expert_slot(slot_of, expert);
-    if (slot < 0) return;
+    const ExpertGroup group = expert_group(blockIdx.y, num_groups, group_expert, group_start, slot_of);
+    if (group.slot < 0) return;
+    const long long slot = group.slot;
+    const int begin = group.begin, end = group.end;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row0 = (blockIdx.x * MOE_WARPS + warp) * R;
     if (row0 >= H) return;

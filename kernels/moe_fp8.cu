@@ -163,7 +163,7 @@ moe_gate_up_fp8(const float* __restrict__ x, const unsigned char* __restrict__ g
     const GatedActivation activation{gate_bias, up_bias, b_stride, limit, alpha, up_shift};
     const int g = blockIdx.y;
     if (g >= num_groups[0]) return;
-    const long long slot = mma_expert_slot(slot_of, group_expert[g]);
+    const long long slot = expert_slot(slot_of, group_expert[g]);
     if (slot < 0) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4;
     const int row0 = (blockIdx.x * MMA_WARPS + warp) * 16;
@@ -208,7 +208,7 @@ moe_down_fp8(const float* __restrict__ act, const unsigned char* __restrict__ do
     constexpr int M = 2;  // two 16-row m-tiles: 32 down rows per warp
     const int g = blockIdx.y;
     if (g >= num_groups[0]) return;
-    const long long slot = mma_expert_slot(slot_of, group_expert[g]);
+    const long long slot = expert_slot(slot_of, group_expert[g]);
     if (slot < 0) return;
     // the down bias, added by the first column split alone (the others add their partial products)
     const float* bias = down_bias != nullptr && blockIdx.z == 0 ? down_bias + slot * b_stride : nullptr;

@@ -70,7 +70,7 @@ __device__ __forceinline__ bool gemm_tile(const int* __restrict__ tile_start, co
         if (tile_start[mid] <= t) lo = mid; else hi = mid - 1;
     }
     tile.group = lo;
-    tile.slot = mma_expert_slot(slot_of, group_expert[lo]);
+    tile.slot = expert_slot(slot_of, group_expert[lo]);
     tile.first = group_start[lo] + (t - tile_start[lo]) * GEMM_PAIRS;
     tile.end = group_start[lo + 1];
     return tile.slot >= 0;

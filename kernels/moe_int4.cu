@@ -247,7 +247,7 @@ moe_gate_up_int4(const signed char* __restrict__ x_hi, const signed char* __rest
     const GatedActivation activation{gate_bias, up_bias, b_stride, limit, alpha, up_shift};
     const int g = blockIdx.y;
     if (g >= num_groups[0]) return;
-    const long long slot = mma_expert_slot(slot_of, group_expert[g]);
+    const long long slot = expert_slot(slot_of, group_expert[g]);
     if (slot < 0) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4;
     const int row0 = (blockIdx.x * ROW_WARPS + warp % ROW_WARPS) * 16;
@@ -324,7 +324,7 @@ moe_down_int4(const signed char* __restrict__ a_hi, const signed char* __restric
     pdl_wait();
     const int g = blockIdx.y;
     if (g >= num_groups[0]) return;
-    const long long slot = mma_expert_slot(slot_of, group_expert[g]);
+    const long long slot = expert_slot(slot_of, group_expert[g]);
     if (slot < 0) return;
     // the down bias, added by the first column split alone (the others add their partial products)
     const float* bias = down_bias != nullptr && blockIdx.z == 0 ? down_bias + slot * b_stride : nullptr;

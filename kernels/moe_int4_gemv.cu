@@ -32,11 +32,6 @@ constexpr int GEMV_AHEAD = 2;  // steps whose codes a lane loads before multiply
 // Blocks a multiprocessor holds at least: registers held to 128 a thread, where every instantiation fits unspilled
 constexpr int GEMV_BLOCKS_PER_SM = 4;
 
-// The slot holding expert e: slot_of[e] with a slot table (negative: not in a slot for this pass), else e.
-__device__ __forceinline__ long long gemv_expert_slot(const int* slot_of, int e) {
-    return slot_of != nullptr ? slot_of[e] : e;
-}
-
 // acc[m][r][j] += this lane's share of w_m[r] . x_j over the columns lane * 32, lane * 32 + 1024, ... below
 // `cols`: w[m] the codes of matrix m's first row at column 0 (its rows row_bytes apart), scales[m] and zeros[m]
 // (null: the format's symmetric zero) its groups' (row r's group of column c at entry r * scale_cols + c /
@@ -132,12 +127,10 @@ moe_gate_up_int4_gemv(const signed char* __restrict__ x_hi, const signed char* _
                       const int* __restrict__ num_groups, float* __restrict__ act, int H, int I, int top_k) {
     pdl_wait();
     const GatedActivation activation{gate_bias, up_bias, b_stride, limit, alpha, up_shift};
-    const int g = blockIdx.y;
-    // Loaded together, so their latencies overlap (g < E: in bounds even past the last group).
-    const int groups = num_groups[0], expert = group_expert[g], begin = group_start[g], end = group_start[g + 1];
-    if (g >= groups) return;
-    const long long slot = gemv_expert_slot(slot_of, expert);
-    if (slot < 0) return;
+    const ExpertGroup group = expert_group(blockIdx.y, num_groups, group_expert, group_start, slot_of);
+    if (group.slot < 0) return;
+    const long long slot = group.slot;
+    const int begin = group.begin, end = group.end;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row0 = (blockIdx.x * GEMV_WARPS + warp) * R;
     if (row0 >= I) return;  // whole warps leave together
@@ -187,11 +180,10 @@ moe_down_int4_gemv(const signed char* __restrict__ a_hi, const signed char* __re
                    const int* __restrict__ group_start, const int* __restrict__ sorted_pairs,
                    const int* __restrict__ num_groups, float* __restrict__ y, int H, int I) {
     pdl_wait();
-    const int g = blockIdx.y;
-    const int groups = num_groups[0], expert = group_expert[g], begin = group_start[g], end = group_start[g + 1];
-    if (g >= groups) return;
-    const long long slot = gemv_expert_slot(slot_of, expert);
-    if (slot < 0) return;
+    const ExpertGroup group = expert_group(blockIdx.y, num_groups, group_expert, group_start, slot_of);
+    if (group.slot < 0) return;
+    const long long slot = group.slot;
+    const int begin = group.begin, end = group.end;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row0 = (blockIdx.x * GEMV_WARPS + warp) * R;
     if (row0 >= H) return;

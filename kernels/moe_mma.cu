@@ -52,7 +52,7 @@ moe_gate_up_mma(const float* __restrict__ x, const W* __restrict__ gate, const W
     const GatedActivation activation{gate_bias, up_bias, b_stride, limit, alpha, up_shift};
     const int g = blockIdx.y;
     if (g >= num_groups[0]) return;
-    const long long slot = mma_expert_slot(slot_of, group_expert[g]);
+    const long long slot = expert_slot(slot_of, group_expert[g]);
     if (slot < 0) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4;
     const int row0 = (blockIdx.x * MMA_WARPS + warp) * MMA_ROWS_UP;
@@ -96,7 +96,7 @@ moe_down_mma(const float* __restrict__ act, const W* __restrict__ down, long lon
     static_assert(MMA_ROWS_DOWN == 16 * M, "a warp's down rows are its m-tiles");
     const int g = blockIdx.y;
     if (g >= num_groups[0]) return;
-    const long long slot = mma_expert_slot(slot_of, group_expert[g]);
+    const long long slot = expert_slot(slot_of, group_expert[g]);
     if (slot < 0) return;
     // the down bias, added by the first column split alone (the others add their partial products)
     const float* bias = down_bias != nullptr && blockIdx.z == 0 ? down_bias + slot * b_stride : nullptr;
