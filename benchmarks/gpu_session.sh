@@ -5,7 +5,10 @@
 # (llama_build before other stages: llama.cpp builds in the background while they run, and stage llama waits for it;
 #  llama_pack after them brings the build back for LLAMA_PREBUILT in a later call)
 # (STAGES="" only installs: what a command that runs a script of its own needs first).
-# Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first. Each stage has its own time
+# Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first; GPU tests that start a server
+# (tests/test_gpu_tiers.py, test_gpu_quant_experts.py) import the openai client, which the image lacks too: add it with
+# its dependencies (`pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl
+# openai`, about 6 MB). COLIBRI_COMMIT: pass the hash itself (`git rev-parse --short HEAD` run here, not there). Each stage has its own time
 # limit so the next one runs even if one fails. OFFLOAD_ARGS / TIMELINE_ARGS / DECODE_ARGS / ENGINE_ARGS / CPU_ARGS / DENSE_ARGS
 # / QUANT_ARGS pass options to the benchmarks; the kernels stage profiles one step per kernel with Nsight Compute
 # (KERNEL_CASES: SHAPE:BATCH:CONTEXT[:DENSE[:PREFILL]] entries; PREFILL: new tokens per sequence, a prefill chunk
