@@ -8,8 +8,8 @@
 # Carried wheels in .whl/ (kvikio, orjson: the image lacks them) are installed first; GPU tests that start a server
 # (tests/test_gpu_tiers.py, test_gpu_quant_experts.py) import the openai client, which the image lacks too: add it with
 # its dependencies (`pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl
-# openai`, about 6 MB). COLIBRI_COMMIT: pass the hash itself (`git rev-parse --short HEAD` run here, not there). Each stage has its own time
-# limit so the next one runs even if one fails. OFFLOAD_ARGS / TIMELINE_ARGS / DECODE_ARGS / ENGINE_ARGS / CPU_ARGS / DENSE_ARGS
+# openai`, about 6 MB). COLIBRI_COMMIT: pass the hash itself (`git rev-parse --short HEAD` run here, not there).
+# Each stage has its own time limit so the next one runs even if one fails. OFFLOAD_ARGS / TIMELINE_ARGS / DECODE_ARGS / ENGINE_ARGS / CPU_ARGS / DENSE_ARGS
 # / QUANT_ARGS pass options to the benchmarks; the kernels stage profiles one step per kernel with Nsight Compute
 # (KERNEL_CASES: SHAPE:BATCH:CONTEXT[:DENSE[:PREFILL]] entries; PREFILL: new tokens per sequence, a prefill chunk
 # instead of a decode step).
