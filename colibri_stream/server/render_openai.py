@@ -255,11 +255,11 @@ class Responder:
 
 
 def _one_entry_per_call(choice: dict) -> list[dict]:
-    """A streamed chat choice as chunks' choices in which no call's index repeats: where its delta holds several
+    """A streamed choice as chunks' choices in which no call's index repeats: where its delta holds several
     entries of one call (a call's name, then a first piece of its arguments), each later entry starts a choice of
     its own, as OpenAI streams a call (older SDKs' stream helpers keep one entry per call and chunk). The first
     holds the content, reasoning and logprobs; the last the finish reason."""
-    calls = choice["delta"].get("tool_calls") or []
+    calls = choice.get("delta", {}).get("tool_calls") or []  # completions' choices have text, no delta
     runs: list[list[dict]] = [[]]
     for call in calls:
         if any(other["index"] == call["index"] for other in runs[-1]):
