@@ -508,8 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/decode_h200.json")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE",
                         help="capture and replay the decode graph, and profile the operations again, with this "
-                             "integer constant of backends/tuning.py set (MOE_DOWN_ROW_BYTES=8192, GQA_BLOCKS_PER_SM=4, ...); "
-                             "repeatable")
+                             "integer constant of backends/tuning.py set (MOE_DOWN_ROW_BYTES=8192, "
+                             "GQA_BLOCKS_PER_SM=4, ...); repeatable")
     args = parser.parse_args(argv)
     require_gpu()
     variants = []
