@@ -129,80 +129,63 @@ def quant_experts(experts: LayerExperts, x: Array, act: Array, y: Array, route_w
     if experts.gate.strides != experts.up.strides or experts.gate_scale.strides != experts.up_scale.strides:
         raise ValueError("gate and up of a layer's experts must share their strides")
     int4 = up_layout.format in ("int4", "mxfp4")  # moe_int4.cu, its codes policy per format
+    slot_of = device_pointer(experts.slot_of)
+    # the launches' arguments, in the kernels' order: the weights' codes and scales, (int4: their zero points,) the
+    # rest; the activations' parts go first
+    gate_up_codes = (device_pointer(experts.gate), device_pointer(experts.up), slot_stride(experts.gate),
+                     np.int64(up_layout.row_bytes), device_pointer(experts.gate_scale),
+                     device_pointer(experts.up_scale), slot_stride(experts.gate_scale))
+    gate_up_zeros = (device_pointer(experts.gate_zero), device_pointer(experts.up_zero), slot_stride(experts.gate_zero))
+    gate_up_rest = (*up_layout.scale_args(), *experts.gate_up_bias_args(), *activation, slot_of, *routing, act,
+                    np.int32(h), np.int32(i), np.int32(top_k))
+    down_codes = (device_pointer(experts.down), slot_stride(experts.down), np.int64(down_layout.row_bytes),
+                  device_pointer(experts.down_scale), slot_stride(experts.down_scale))
+    down_zeros = (device_pointer(experts.down_zero), slot_stride(experts.down_zero))
+    down_rest = (*down_layout.scale_args(), *experts.down_bias_args(), slot_of, route_weights, *routing, y,
+                 np.int32(h), np.int32(i))
     if int4 and tokens <= INT4_GEMV_MAX_TOKENS:
-        int4_gemv(experts, up_layout, down_layout, x, act, y, route_weights, routing, tokens, top_k, groups,
-                  quantized_x, activation)
+        # moe_int4_gemv.cu: CUDA cores, a warp's lanes along each row, activations in chunks of 32 columns; the
+        # down product stored into y whole
+        policy = f"{'Mxfp4Codes' if up_layout.format == 'mxfp4' else 'Int4Codes'}, "
+        policy += f"{smallest_tile(tokens, INT4_GEMV_TILES)}, {INT4_GEMV_ROWS}"  # a group holds at most T pairs
+        rows = GEMV_WARPS * INT4_GEMV_ROWS  # a block's
+        if GEMV_LANE_BYTES not in quantized_x:
+            quantized_x[GEMV_LANE_BYTES] = QuantizedRows.of(x, GEMV_LANE_BYTES, GEMV_FILE, up_layout.format)
+        launch(GEMV_FILE, f"moe_gate_up_int4_gemv<{policy}>", (ceil_div(i, rows), groups), 32 * GEMV_WARPS,
+               (*quantized_x[GEMV_LANE_BYTES].args(), *gate_up_codes, *gate_up_zeros, *gate_up_rest),
+               weight_type=up_layout.format)
+        act_parts = QuantizedRows.of(act, GEMV_LANE_BYTES, GEMV_FILE, up_layout.format)
+        launch(GEMV_FILE, f"moe_down_int4_gemv<{policy}>", (ceil_div(h, rows), groups), 32 * GEMV_WARPS,
+               (*act_parts.args(), *down_codes, *down_zeros, *down_rest), weight_type=up_layout.format)
         return
     codes = ", Mxfp4Codes" if up_layout.format == "mxfp4" else ""
     weight_type = ("mxfp4" if codes else str(up_layout.lane_bytes)) if int4 else None
-    slot_of = device_pointer(experts.slot_of)
     n_tiles = smallest_tile(ceil_div(tokens, 8), MMA_TILES)  # a group holds at most T pairs
-    gate_up = (device_pointer(experts.gate), device_pointer(experts.up), slot_stride(experts.gate),
-               np.int64(up_layout.row_bytes), device_pointer(experts.gate_scale), device_pointer(experts.up_scale),
-               slot_stride(experts.gate_scale))
     if int4:
         # Too few blocks of 64 rows to keep every multiprocessor reading: each block's warps share 16 rows
         row_blocks = ceil_div(i, MMA_GATE_UP_ROWS) * groups
         sharing = INT4_ROW_SHARING if row_blocks < INT4_SHARED_ROWS_BELOW_BLOCKS_PER_SM * multiprocessors else 1
         if up_layout.lane_bytes not in quantized_x:
             quantized_x[up_layout.lane_bytes] = QuantizedRows.of(x, up_layout.lane_bytes)
-        gate_up = (*quantized_x[up_layout.lane_bytes].args(), *gate_up, device_pointer(experts.gate_zero),
-                   device_pointer(experts.up_zero), slot_stride(experts.gate_zero))
+        gate_up = (*quantized_x[up_layout.lane_bytes].args(), *gate_up_codes, *gate_up_zeros)
         kernel = f"moe_gate_up_int4<{up_layout.lane_bytes}, {n_tiles}, {sharing}{codes}>"
         grid = (ceil_div(i, MMA_GATE_UP_ROWS // sharing), groups)
     else:
-        gate_up = (x, *gate_up)
+        gate_up = (x, *gate_up_codes)
         kernel = f"moe_gate_up_fp8<{n_tiles}>"
         grid = (ceil_div(i, MMA_GATE_UP_ROWS), groups)
-    gate_up = (*gate_up, *up_layout.scale_args(), *experts.gate_up_bias_args(), *activation, slot_of, *routing, act,
-               np.int32(h), np.int32(i), np.int32(top_k))
     file = "moe_int4.cu" if int4 else "moe_fp8.cu"
-    launch(file, kernel, grid, MMA_THREADS, gate_up, weight_type=weight_type)
+    launch(file, kernel, grid, MMA_THREADS, (*gate_up, *gate_up_rest), weight_type=weight_type)
     splits = column_splits(i, ceil_div(h, MMA_DOWN_ROWS) * groups)
     span = down_layout.chunk * ceil_div(i, down_layout.chunk * splits)
-    down = (device_pointer(experts.down), slot_stride(experts.down), np.int64(down_layout.row_bytes),
-            device_pointer(experts.down_scale), slot_stride(experts.down_scale))
     if int4:
-        down = (*QuantizedRows.of(act, down_layout.lane_bytes).args(), *down, device_pointer(experts.down_zero),
-                slot_stride(experts.down_zero))
+        down = (*QuantizedRows.of(act, down_layout.lane_bytes).args(), *down_codes, *down_zeros)
         kernel = f"moe_down_int4<{down_layout.lane_bytes}, {n_tiles}{codes}>"
         # down's own family: its lane bytes differ from gate and up's where their rows' groups differ in width
         # (H = 96 in one group read 4 bytes a lane, I = 160 in groups of 128 read 16)
         weight_type = "mxfp4" if codes else str(down_layout.lane_bytes)
     else:
-        down = (act, *down)
+        down = (act, *down_codes)
         kernel = f"moe_down_fp8<{n_tiles}>"
-    down = (*down, *down_layout.scale_args(), *experts.down_bias_args(), slot_of, route_weights, *routing, y,
-            np.int32(h), np.int32(i), np.int32(span))
-    launch(file, kernel, (ceil_div(h, MMA_DOWN_ROWS), groups, ceil_div(i, span)), MMA_THREADS, down,
-           weight_type=weight_type)
-
-
-def int4_gemv(experts: LayerExperts, layout: QuantMatrix, down_layout: QuantMatrix, x: Array, act: Array, y: Array,
-              route_weights: Array, routing: tuple, tokens: int, top_k: int, groups: int,
-              quantized_x: dict[int, QuantizedRows], activation: tuple) -> None:
-    """quant_experts for a few tokens: moe_int4_gemv.cu's gate/up then down launches (CUDA cores, a warp's lanes
-    along each row), the down product stored into y whole. `layout`, `down_layout`: gate and up's and down's; the
-    format (int4 or mxfp4) picks the codes policy."""
-    h, i = x.shape[1], experts.gate.shape[1]
-    codes = "Mxfp4Codes" if layout.format == "mxfp4" else "Int4Codes"
-    tile = smallest_tile(tokens, INT4_GEMV_TILES)  # a group holds at most T pairs
-    if GEMV_LANE_BYTES not in quantized_x:
-        quantized_x[GEMV_LANE_BYTES] = QuantizedRows.of(x, GEMV_LANE_BYTES, GEMV_FILE, layout.format)
-    slot_of = device_pointer(experts.slot_of)
-    rows = GEMV_WARPS * INT4_GEMV_ROWS  # a block's
-    gate_up = (*quantized_x[GEMV_LANE_BYTES].args(), device_pointer(experts.gate), device_pointer(experts.up),
-               slot_stride(experts.gate), np.int64(layout.row_bytes), device_pointer(experts.gate_scale),
-               device_pointer(experts.up_scale), slot_stride(experts.gate_scale), device_pointer(experts.gate_zero),
-               device_pointer(experts.up_zero), slot_stride(experts.gate_zero), *layout.scale_args(),
-               *experts.gate_up_bias_args(), *activation, slot_of, *routing, act, np.int32(h), np.int32(i),
-               np.int32(top_k))
-    launch(GEMV_FILE, f"moe_gate_up_int4_gemv<{codes}, {tile}, {INT4_GEMV_ROWS}>",
-           (ceil_div(i, rows), groups), 32 * GEMV_WARPS, gate_up, weight_type=layout.format)
-    down = (*QuantizedRows.of(act, GEMV_LANE_BYTES, GEMV_FILE, layout.format).args(), device_pointer(experts.down),
-            slot_stride(experts.down), np.int64(down_layout.row_bytes), device_pointer(experts.down_scale),
-            slot_stride(experts.down_scale), device_pointer(experts.down_zero), slot_stride(experts.down_zero),
-            *down_layout.scale_args(), *experts.down_bias_args(), slot_of, route_weights, *routing, y, np.int32(h),
-            np.int32(i))
-    launch(GEMV_FILE, f"moe_down_int4_gemv<{codes}, {tile}, {INT4_GEMV_ROWS}>",
-           (ceil_div(h, rows), groups), 32 * GEMV_WARPS, down, weight_type=layout.format)
+    launch(file, kernel, (ceil_div(h, MMA_DOWN_ROWS), groups, ceil_div(i, span)), MMA_THREADS,
+           (*down, *down_rest, np.int32(span)), weight_type=weight_type)

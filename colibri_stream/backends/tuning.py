@@ -43,8 +43,8 @@ MMA_DOWN_ROWS = 128  # down rows per block of moe_down_mma: 4 warps x 32
 INT4_ROW_SHARING = 4
 INT4_SHARED_ROWS_BELOW_BLOCKS_PER_SM = 2
 # int4 and mxfp4 routed experts run on moe_int4_gemv.cu (CUDA cores, a warp's lanes along each row) up to this many
-# tokens a step, on moe_int4.cu's tensor cores from one more (one layer, H100: 1.21x at 1 token and 1.13x at 2 on
-# Mixtral's experts, even on Qwen3-30B-A3B's, 0.95x and 0.82x at 4)
+# tokens a step, on moe_int4.cu's tensor cores from one more (the faster of the two up to 2 tokens, the slower at 4:
+# benchmarks/moe_formats.py --variant INT4_GEMV_MAX_TOKENS=0, BENCHMARKS.md)
 INT4_GEMV_MAX_TOKENS = 2
 INT4_GEMV_TILES = (1, 2, 4)  # moe_int4_gemv.cu's TT instantiations: pairs of one expert per pass
 INT4_GEMV_ROWS = 2  # moe_int4_gemv.cu's R: rows per warp (of gate and of up each, or of down)
